@@ -1,0 +1,23 @@
+"""ntk_core: empirical Neural Tangent Kernels and NNGP kernels of any JAX function.
+
+Framework-agnostic: takes any pure ``apply_fn(params, x)`` over pytrees. Imports only
+jax and numpy (never flax or haiku).
+"""
+
+from ntk_core._api import empirical_nngp as empirical_nngp
+from ntk_core._api import empirical_ntk as empirical_ntk
+from ntk_core._api import nngp_fn as nngp_fn
+from ntk_core._api import ntk_fn as ntk_fn
+from ntk_core._options import IMPLEMENTATIONS as IMPLEMENTATIONS
+from ntk_core._options import PRECISIONS as PRECISIONS
+from ntk_core._version import __version__ as __version__
+
+__all__ = (
+    "IMPLEMENTATIONS",
+    "PRECISIONS",
+    "__version__",
+    "empirical_nngp",
+    "empirical_ntk",
+    "nngp_fn",
+    "ntk_fn",
+)

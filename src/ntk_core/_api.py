@@ -1,0 +1,250 @@
+"""Public entry points: ``empirical_ntk``, ``empirical_nngp``, ``ntk_fn``, ``nngp_fn``.
+
+The options (``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
+``precision``) are described once in :mod:`ntk_core._options`; every docstring here
+points there.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from ._engine import KernelFunction
+from ._model import from_apply_fn
+from ._options import make_options
+
+_LAYOUT_DOC = """
+    Returns (for each output leaf of shape ``(N, O_1, ..., O_k)``; a pytree of kernels
+    with the output's structure when the output is a pytree) an array of the output's
+    dtype whose axes follow the output axes in order: a traced axis is absent, a
+    diagonal axis appears once, any other axis twice (x1's then x2's). For outputs
+    ``(N, O)``: ``trace_axes=(-1,)`` gives ``(N1, N2)``; ``trace_axes=()`` gives
+    ``(N1, N2, O, O)``; ``trace_axes=(), diagonal_axes=(-1,)`` gives ``(N1, N2, O)``;
+    ``diagonal_axes=(0,)`` gives ``(N,)``. Traced axes are averaged (divided by their
+    size), exactly as neural-tangents 0.6 does.
+"""
+
+
+def _with_layout(fn):
+    if fn.__doc__:  # None under python -OO
+        fn.__doc__ = fn.__doc__.replace("{layout}", _LAYOUT_DOC.strip("\n"))
+    return fn
+
+
+def _check_callable(fn_name: str, apply_fn) -> None:
+    if not callable(apply_fn):
+        raise TypeError(
+            f"{fn_name}: apply_fn must be a callable apply_fn(params, x), got "
+            f"{type(apply_fn).__name__}. Fix: pass e.g. model.apply or a function of "
+            f"(params, x)."
+        )
+
+
+@_with_layout
+def ntk_fn(
+    apply_fn: Callable,
+    *,
+    trace_axes=(-1,),
+    diagonal_axes=(),
+    vmap_axes=0,
+    implementation="auto",
+    precision="highest",
+) -> Callable:
+    """Returns a jitted empirical NTK function ``kernel(params, x1, x2=None)``.
+
+    Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p, with
+    f = ``apply_fn(params, ·)``, reduced over ``trace_axes`` and ``diagonal_axes``.
+
+    The returned callable validates its inputs once per distinct signature (pytree
+    structures, shapes, dtypes) and compiles once: calling it again with new ``params``
+    or inputs of the same shapes (a training loop) does not recompile.
+
+    Args:
+      apply_fn: ``apply_fn(params, x) -> outputs``; ``x`` is a pytree of arrays with
+        batch axis 0 of size N, outputs a pytree of floating arrays ``(N, O...)``.
+      trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
+        :mod:`ntk_core._options` (defaults ``(-1,)``, ``()``, ``0``, ``"auto"``,
+        ``"highest"``).
+
+    Returns:
+      ``kernel(params, x1, x2=None)``; ``x2=None`` means x2 is x1 (the Jacobians are
+      computed once and the result is exactly symmetric).
+{layout}
+    Raises:
+      TypeError: ``apply_fn`` not callable, option of the wrong type, integer params or
+        outputs.
+      ValueError: invalid option values (the message lists the valid ones), axes out of
+        range, duplicated or both traced and diagonal; inputs with no samples, with
+        inconsistent batch sizes or per-sample shapes; the model failing on x1.
+
+    Cost: ``"jacobian"``: (N1 + N2)·O reverse passes, memory (N1 + N2)·O·P, and
+    N1·N2·O'·P multiply-adds; ``"ntvp"``: N1·N2·O forward-mode passes, memory O·P
+    (see :mod:`ntk_core._cost`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import ntk_core
+      >>> apply_fn = lambda w, x: jnp.tanh(x @ w)
+      >>> kernel = ntk_core.ntk_fn(apply_fn, trace_axes=())
+      >>> kernel(jnp.ones((3, 2)), jnp.ones((4, 3))).shape
+      (4, 4, 2, 2)
+
+    References:
+      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
+      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
+    """
+    return _make("ntk", "ntk_fn", apply_fn, locals())
+
+
+def _make(kind: str, fn_name: str, apply_fn, options: dict) -> Callable:
+    _check_callable(fn_name, apply_fn)
+    opts = make_options(fn_name, **{k: v for k, v in options.items() if k != "apply_fn"})
+    kernel_function = KernelFunction(fn_name, kind, from_apply_fn(apply_fn), opts)
+
+    def kernel(params, x1, x2=None):
+        return kernel_function(params, x1, x2)
+
+    kernel.kernel_function = kernel_function
+    return kernel
+
+
+@_with_layout
+def nngp_fn(
+    apply_fn: Callable,
+    *,
+    trace_axes=(-1,),
+    diagonal_axes=(),
+    vmap_axes=0,
+    precision="highest",
+) -> Callable:
+    """Returns a jitted empirical NNGP function ``kernel(params, x1, x2=None)``.
+
+    K(x1, x2)[i, j, a, b] = f_a(x1_i) · f_b(x2_j), reduced over ``trace_axes`` and
+    ``diagonal_axes`` exactly as the NTK (same layout, same normalisation).
+
+    Args:
+      apply_fn: ``apply_fn(params, x) -> outputs`` as in :func:`ntk_fn`.
+      trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._options`.
+        One forward pass on each batch is enough whatever ``vmap_axes`` says.
+
+    Returns:
+      ``kernel(params, x1, x2=None)``.
+{layout}
+    Raises:
+      TypeError, ValueError: as :func:`ntk_fn`.
+
+    Cost: one forward pass on x1 and on x2, and N1·N2·O' multiply-adds.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import ntk_core
+      >>> kernel = ntk_core.nngp_fn(lambda w, x: x @ w)
+      >>> kernel(jnp.ones((3, 2)), jnp.ones((4, 3)))[0, 0]
+      Array(9., dtype=float32)
+
+    References:
+      Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
+    """
+    return _make("nngp", "nngp_fn", apply_fn, locals())
+
+
+@functools.lru_cache(maxsize=64)
+def _cached(kind, fn_name, apply_fn, items: tuple) -> Callable:
+    return _make(kind, fn_name, apply_fn, dict(items))
+
+
+def _get(kind, fn_name, apply_fn, options: dict) -> Callable:
+    """``_make`` with an LRU cache keyed by ``(apply_fn, options)`` when hashable."""
+    items = tuple(sorted(options.items()))
+    try:
+        hash((apply_fn, items))
+    except TypeError:
+        return _make(kind, fn_name, apply_fn, options)
+    return _cached(kind, fn_name, apply_fn, items)
+
+
+def _freeze(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+@_with_layout
+def empirical_ntk(
+    apply_fn: Callable,
+    params,
+    x1,
+    x2=None,
+    *,
+    trace_axes=(-1,),
+    diagonal_axes=(),
+    vmap_axes=0,
+    implementation="auto",
+    precision="highest",
+):
+    """Empirical NTK of ``apply_fn`` at ``params`` between x1 and x2 (x1 if None).
+
+    The one-call form of :func:`ntk_fn`: the compiled function is cached per
+    ``(apply_fn, options)``, so repeated calls with the same ``apply_fn`` object and
+    shapes do not recompile.
+
+    Args:
+      apply_fn: ``apply_fn(params, x)``.
+      params: pytree of floating arrays (total size P).
+      x1: pytree of arrays with batch axis 0 of size N1.
+      x2: ``None`` (x2 is x1) or a pytree like x1 with N2 samples.
+      trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
+        :mod:`ntk_core._options`.
+{layout}
+    Raises:
+      TypeError, ValueError: as :func:`ntk_fn`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import ntk_core
+      >>> k = ntk_core.empirical_ntk(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3))
+      >>> k.shape
+      (3, 3)
+    """
+    options = dict(
+        trace_axes=_freeze(trace_axes),
+        diagonal_axes=_freeze(diagonal_axes),
+        vmap_axes=vmap_axes,
+        implementation=implementation,
+        precision=precision,
+    )
+    return _get("ntk", "empirical_ntk", apply_fn, options)(params, x1, x2)
+
+
+@_with_layout
+def empirical_nngp(
+    apply_fn: Callable,
+    params,
+    x1,
+    x2=None,
+    *,
+    trace_axes=(-1,),
+    diagonal_axes=(),
+    vmap_axes=0,
+    precision="highest",
+):
+    """Empirical NNGP kernel f(x1)·f(x2) of ``apply_fn`` at ``params``.
+
+    The one-call form of :func:`nngp_fn` (compiled function cached per
+    ``(apply_fn, options)``). Arguments as :func:`empirical_ntk`.
+{layout}
+    Raises:
+      TypeError, ValueError: as :func:`nngp_fn`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import ntk_core
+      >>> ntk_core.empirical_nngp(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3)).shape
+      (3, 3)
+    """
+    options = dict(
+        trace_axes=_freeze(trace_axes),
+        diagonal_axes=_freeze(diagonal_axes),
+        vmap_axes=vmap_axes,
+        precision=precision,
+    )
+    return _get("nngp", "empirical_nngp", apply_fn, options)(params, x1, x2)

@@ -1,0 +1,281 @@
+"""Validated, jitted kernel functions shared by the core API and the adapters.
+
+A :class:`KernelFunction` validates its inputs in Python (before any tracing), resolves
+the output layout and the implementation once per distinct input signature (tree
+structures, shapes and dtypes), and then calls one ``jax.jit``-compiled function, so a
+second call with the same shapes neither re-validates the model nor recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _cost, _jacobian, _ntvp
+from ._layout import LeafLayout, resolve_layout
+from ._model import per_sample
+from ._options import KernelOptions
+
+_PRECISION = {
+    "highest": lax.Precision.HIGHEST,
+    "high": lax.Precision.HIGH,
+    "default": lax.Precision.DEFAULT,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static configuration of one compiled call."""
+
+    kind: str  # "ntk" or "nngp"
+    implementation: str  # "jacobian", "ntvp" or "nngp"
+    vmap_axes: int | None
+    precision: str
+    out_tree: Any
+    layouts: tuple[LeafLayout, ...]
+    shapes1: tuple[jax.ShapeDtypeStruct, ...]
+    symmetric: bool
+
+
+def _signature(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    sig = []
+    for leaf in leaves:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            sig.append((tuple(leaf.shape), str(leaf.dtype)))
+        else:
+            sig.append((type(leaf).__name__, repr(leaf)))
+    return treedef, tuple(sig)
+
+
+def _as_arrays(tree):
+    return jax.tree.map(lambda v: v if hasattr(v, "shape") else np.asarray(v), tree)
+
+
+def _describe(tree) -> str:
+    shapes = jax.tree.map(lambda v: tuple(np.shape(v)), tree)
+    return repr(shapes)
+
+
+def _batch_size(fn_name: str, name: str, x) -> int:
+    leaves = jax.tree.leaves(x)
+    if not leaves:
+        raise ValueError(
+            f"{fn_name}: {name} has no arrays (got {x!r}). Fix: pass an array, or a pytree "
+            f"of arrays, whose axis 0 indexes samples."
+        )
+    sizes = set()
+    for leaf in leaves:
+        if np.ndim(leaf) == 0:
+            raise ValueError(
+                f"{fn_name}: {name} contains a scalar (shapes {_describe(x)}); every input "
+                f"array needs a batch axis 0. Fix: add one, e.g. x[None] for a single sample."
+            )
+        sizes.add(np.shape(leaf)[0])
+    if len(sizes) != 1:
+        raise ValueError(
+            f"{fn_name}: the arrays of {name} disagree on the batch size (axis 0): shapes "
+            f"{_describe(x)}. Fix: give every input array the same number of samples."
+        )
+    (n,) = sizes
+    if n == 0:
+        raise ValueError(
+            f"{fn_name}: {name} is empty (0 samples, shapes {_describe(x)}). Fix: pass at "
+            f"least one sample."
+        )
+    return n
+
+
+class KernelFunction:
+    """A jitted empirical kernel ``(params, x1, x2=None, aux=None) -> kernel``.
+
+    Args:
+      fn_name: public name used in error messages.
+      kind: ``"ntk"`` or ``"nngp"``.
+      apply3: ``apply3(params, x, aux)``, pure.
+      options: validated :class:`KernelOptions`.
+      check: optional ``check(params, x1, x2, aux)`` run once per new input signature
+        (before compiling), for adapter-specific validation.
+    """
+
+    def __init__(
+        self,
+        fn_name: str,
+        kind: str,
+        apply3: Callable,
+        options: KernelOptions,
+        check: Callable | None = None,
+    ):
+        self._fn_name = fn_name
+        self._kind = kind
+        self._apply3 = apply3
+        self._options = options
+        self._check = check
+        self._configs: dict = {}
+        self._jitted = jax.jit(self._compute, static_argnames=("config",))
+
+    # -- validation --------------------------------------------------------------------
+    def _prepare(self, params, x1, x2, aux) -> _Config:
+        fn = self._fn_name
+        opts = self._options
+        if not jax.tree.leaves(params):
+            raise ValueError(
+                f"{fn}: params has no arrays (got {type(params).__name__}). Fix: pass the "
+                f"model's parameters, e.g. the pytree returned by its init function."
+            )
+        for leaf in jax.tree.leaves(params):
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+                raise TypeError(
+                    f"{fn}: params contains an array of dtype {jnp.result_type(leaf)}; the NTK "
+                    f"differentiates every parameter, so all must be floating point. Fix: "
+                    f"cast them, or close over integer constants in apply_fn instead."
+                )
+        n1 = _batch_size(fn, "x1", x1)
+        n2 = n1
+        if x2 is not None:
+            n2 = _batch_size(fn, "x2", x2)
+            s1, s2 = jax.tree.structure(x1), jax.tree.structure(x2)
+            if s1 != s2:
+                raise ValueError(
+                    f"{fn}: x1 and x2 have different pytree structures ({s1} vs {s2}). "
+                    f"Fix: pass inputs of the same structure."
+                )
+            for a, b in zip(jax.tree.leaves(x1), jax.tree.leaves(x2), strict=True):
+                if np.shape(a)[1:] != np.shape(b)[1:]:
+                    raise ValueError(
+                        f"{fn}: x1 and x2 differ in their non-batch shapes: x1 {_describe(x1)} "
+                        f"vs x2 {_describe(x2)}. Fix: give both the per-sample shape the model "
+                        f"expects."
+                    )
+        if self._check is not None:
+            self._check(params, x1, x2, aux)
+        try:
+            out = jax.eval_shape(lambda p, x, a: self._apply3(p, x, a), params, x1, aux)
+        except Exception as e:  # the model's own error, with context
+            raise ValueError(
+                f"{fn}: calling the model on x1 (shapes {_describe(x1)}) failed with "
+                f"{type(e).__name__}: {e}. Fix: check that params belong to this model and "
+                f"that x1 has the per-sample shape and dtype it expects."
+            ) from e
+        out_leaves, out_tree = jax.tree.flatten(out)
+        if not out_leaves:
+            raise ValueError(f"{fn}: the model returned no arrays ({out!r}).")
+        layouts = []
+        for i, leaf in enumerate(out_leaves):
+            where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
+            if not leaf.shape or leaf.shape[0] != n1:
+                raise ValueError(
+                    f"{fn}: {where} has shape {leaf.shape} but x1 has {n1} samples; outputs "
+                    f"must keep the batch axis 0. Fix: make apply_fn return one row per sample."
+                )
+            if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+                raise TypeError(
+                    f"{fn}: {where} has dtype {leaf.dtype}; kernels need floating-point "
+                    f"outputs. Fix: return the model's float logits, not integer labels."
+                )
+            layout = resolve_layout(fn, opts.trace_axes, opts.diagonal_axes, leaf.shape, where)
+            if layout.batch_diagonal and x2 is not None and n2 != n1:
+                raise ValueError(
+                    f"{fn}: diagonal_axes={opts.diagonal_axes!r} asks for the per-sample "
+                    f"diagonal K(x1_i, x2_i), which needs x1 and x2 of the same size, got "
+                    f"N1={n1} and N2={n2}. Fix: pass x2 with N1 samples, or x2=None."
+                )
+            layouts.append(layout)
+        shapes1 = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
+        implementation = "nngp" if self._kind == "nngp" else opts.implementation
+        if implementation == "auto":
+            implementation = self._auto(params, x1, aux, n1, n2, x2 is None, shapes1, layouts)
+        return _Config(
+            self._kind,
+            implementation,
+            opts.vmap_axes,
+            opts.precision,
+            out_tree,
+            tuple(layouts),
+            shapes1,
+            x2 is None,
+        )
+
+    def _auto(self, params, x1, aux, n1, n2, symmetric, shapes1, layouts) -> str:
+        x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
+        out_sizes = [math.prod(s.shape[1:]) for s in shapes1]
+        pair_sizes = []
+        for s, layout in zip(shapes1, layouts, strict=True):
+            size = 1
+            for a in range(1, layout.ndim):
+                if a not in layout.trace and a not in layout.diag:
+                    size *= s.shape[a]
+                size *= s.shape[a]
+            pair_sizes.append(size)
+        batch_diag = any(layout.batch_diagonal for layout in layouts)
+        jac, ntvp = _cost.estimate(
+            per_sample(self._apply3),
+            params,
+            x_one,
+            aux,
+            n1=n1,
+            n2=n2,
+            pairs=n1 if batch_diag else n1 * n2,
+            out_sizes=out_sizes,
+            pair_sizes=pair_sizes,
+            symmetric=symmetric,
+        )
+        return _cost.choose(jac, ntvp)
+
+    # -- computation -------------------------------------------------------------------
+    def _compute(self, params, x1, x2, aux, *, config: _Config):
+        with jax.default_matmul_precision(config.precision):
+            kernels = self._kernels(params, x1, x2, aux, config)
+        return jax.tree.unflatten(config.out_tree, kernels)
+
+    def _kernels(self, params, x1, x2, aux, config: _Config):
+        precision = _PRECISION[config.precision]
+        apply3 = self._apply3
+        if config.implementation == "nngp":
+            out1 = config.out_tree.flatten_up_to(apply3(params, x1, aux))
+            out2 = out1 if x2 is None else config.out_tree.flatten_up_to(apply3(params, x2, aux))
+            result = []
+            for layout, a, b in zip(config.layouts, out1, out2, strict=True):
+                lhs, rhs, out = layout.specs()
+                k = jnp.einsum(f"{lhs},{rhs}->{out}", a, b, precision=precision)
+                result.append(k / layout.trace_size(a.shape))
+            return result
+        if config.implementation == "jacobian":
+            j1 = _jacobian.jacobians(apply3, params, x1, aux, config.vmap_axes, config.out_tree)
+            j2 = j1
+            if x2 is not None:
+                j2 = _jacobian.jacobians(apply3, params, x2, aux, config.vmap_axes, config.out_tree)
+            return _jacobian.contract(config.layouts, j1, j2, precision)
+        return _ntvp.kernels(
+            apply3,
+            params,
+            x1,
+            x1 if x2 is None else x2,
+            aux,
+            config.vmap_axes,
+            config.out_tree,
+            config.layouts,
+            config.shapes1,
+        )
+
+    # -- calling -----------------------------------------------------------------------
+    def config_for(self, params, x1, x2=None, aux=None) -> _Config:
+        """The validated configuration for these inputs (cached per signature)."""
+        key = (_signature(params), _signature(x1), _signature(x2), _signature(aux))
+        config = self._configs.get(key)
+        if config is None:
+            config = self._prepare(params, x1, x2, aux)
+            self._configs[key] = config
+        return config
+
+    def __call__(self, params, x1, x2=None, aux=None):
+        params, x1, x2 = _as_arrays(params), _as_arrays(x1), _as_arrays(x2)
+        config = self.config_for(params, x1, x2, aux)
+        return self._jitted(params, x1, x2, aux, config=config)
