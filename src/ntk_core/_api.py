@@ -53,46 +53,46 @@ def ntk_fn(
 ) -> Callable:
     """Returns a jitted empirical NTK function ``kernel(params, x1, x2=None)``.
 
-    Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p, with
-    f = ``apply_fn(params, ·)``, reduced over ``trace_axes`` and ``diagonal_axes``.
+        Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p, with
+        f = ``apply_fn(params, ·)``, reduced over ``trace_axes`` and ``diagonal_axes``.
 
-    The returned callable validates its inputs once per distinct signature (pytree
-    structures, shapes, dtypes) and compiles once: calling it again with new ``params``
-    or inputs of the same shapes (a training loop) does not recompile.
+        The returned callable validates its inputs once per distinct signature (pytree
+        structures, shapes, dtypes) and compiles once: calling it again with new ``params``
+        or inputs of the same shapes (a training loop) does not recompile.
 
-    Args:
-      apply_fn: ``apply_fn(params, x) -> outputs``; ``x`` is a pytree of arrays with
-        batch axis 0 of size N, outputs a pytree of floating arrays ``(N, O...)``.
-      trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
-        :mod:`ntk_core._options` (defaults ``(-1,)``, ``()``, ``0``, ``"auto"``,
-        ``"highest"``).
+        Args:
+          apply_fn: ``apply_fn(params, x) -> outputs``; ``x`` is a pytree of arrays with
+            batch axis 0 of size N, outputs a pytree of floating arrays ``(N, O...)``.
+          trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
+            :mod:`ntk_core._options` (defaults ``(-1,)``, ``()``, ``0``, ``"auto"``,
+            ``"highest"``).
 
-    Returns:
-      ``kernel(params, x1, x2=None)``; ``x2=None`` means x2 is x1 (the Jacobians are
-      computed once and the result is exactly symmetric).
-{layout}
-    Raises:
-      TypeError: ``apply_fn`` not callable, option of the wrong type, integer params or
-        outputs.
-      ValueError: invalid option values (the message lists the valid ones), axes out of
-        range, duplicated or both traced and diagonal; inputs with no samples, with
-        inconsistent batch sizes or per-sample shapes; the model failing on x1.
+        Returns:
+          ``kernel(params, x1, x2=None)``; ``x2=None`` means x2 is x1 (the Jacobians are
+          computed once and the result is exactly symmetric).
+    {layout}
+        Raises:
+          TypeError: ``apply_fn`` not callable, option of the wrong type, integer params or
+            outputs.
+          ValueError: invalid option values (the message lists the valid ones), axes out of
+            range, duplicated or both traced and diagonal; inputs with no samples, with
+            inconsistent batch sizes or per-sample shapes; the model failing on x1.
 
-    Cost: ``"jacobian"``: (N1 + N2)·O reverse passes, memory (N1 + N2)·O·P, and
-    N1·N2·O'·P multiply-adds; ``"ntvp"``: N1·N2·O forward-mode passes, memory O·P
-    (see :mod:`ntk_core._cost`).
+        Cost: ``"jacobian"``: (N1 + N2)·O reverse passes, memory (N1 + N2)·O·P, and
+        N1·N2·O'·P multiply-adds; ``"ntvp"``: N1·N2·O forward-mode passes, memory O·P
+        (see :mod:`ntk_core._cost`).
 
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import ntk_core
-      >>> apply_fn = lambda w, x: jnp.tanh(x @ w)
-      >>> kernel = ntk_core.ntk_fn(apply_fn, trace_axes=())
-      >>> kernel(jnp.ones((3, 2)), jnp.ones((4, 3))).shape
-      (4, 4, 2, 2)
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import ntk_core
+          >>> apply_fn = lambda w, x: jnp.tanh(x @ w)
+          >>> kernel = ntk_core.ntk_fn(apply_fn, trace_axes=())
+          >>> kernel(jnp.ones((3, 2)), jnp.ones((4, 3))).shape
+          (4, 4, 2, 2)
 
-    References:
-      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
-      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
+        References:
+          Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
+          Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     return _make("ntk", "ntk_fn", apply_fn, locals())
 
@@ -120,31 +120,31 @@ def nngp_fn(
 ) -> Callable:
     """Returns a jitted empirical NNGP function ``kernel(params, x1, x2=None)``.
 
-    K(x1, x2)[i, j, a, b] = f_a(x1_i) · f_b(x2_j), reduced over ``trace_axes`` and
-    ``diagonal_axes`` exactly as the NTK (same layout, same normalisation).
+        K(x1, x2)[i, j, a, b] = f_a(x1_i) · f_b(x2_j), reduced over ``trace_axes`` and
+        ``diagonal_axes`` exactly as the NTK (same layout, same normalisation).
 
-    Args:
-      apply_fn: ``apply_fn(params, x) -> outputs`` as in :func:`ntk_fn`.
-      trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._options`.
-        One forward pass on each batch is enough whatever ``vmap_axes`` says.
+        Args:
+          apply_fn: ``apply_fn(params, x) -> outputs`` as in :func:`ntk_fn`.
+          trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._options`.
+            One forward pass on each batch is enough whatever ``vmap_axes`` says.
 
-    Returns:
-      ``kernel(params, x1, x2=None)``.
-{layout}
-    Raises:
-      TypeError, ValueError: as :func:`ntk_fn`.
+        Returns:
+          ``kernel(params, x1, x2=None)``.
+    {layout}
+        Raises:
+          TypeError, ValueError: as :func:`ntk_fn`.
 
-    Cost: one forward pass on x1 and on x2, and N1·N2·O' multiply-adds.
+        Cost: one forward pass on x1 and on x2, and N1·N2·O' multiply-adds.
 
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import ntk_core
-      >>> kernel = ntk_core.nngp_fn(lambda w, x: x @ w)
-      >>> kernel(jnp.ones((3, 2)), jnp.ones((4, 3)))[0, 0]
-      Array(9., dtype=float32)
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import ntk_core
+          >>> kernel = ntk_core.nngp_fn(lambda w, x: x @ w)
+          >>> kernel(jnp.ones((3, 2)), jnp.ones((4, 3)))[0, 0]
+          Array(9., dtype=float32)
 
-    References:
-      Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
+        References:
+          Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
     return _make("nngp", "nngp_fn", apply_fn, locals())
 
@@ -183,27 +183,27 @@ def empirical_ntk(
 ):
     """Empirical NTK of ``apply_fn`` at ``params`` between x1 and x2 (x1 if None).
 
-    The one-call form of :func:`ntk_fn`: the compiled function is cached per
-    ``(apply_fn, options)``, so repeated calls with the same ``apply_fn`` object and
-    shapes do not recompile.
+        The one-call form of :func:`ntk_fn`: the compiled function is cached per
+        ``(apply_fn, options)``, so repeated calls with the same ``apply_fn`` object and
+        shapes do not recompile.
 
-    Args:
-      apply_fn: ``apply_fn(params, x)``.
-      params: pytree of floating arrays (total size P).
-      x1: pytree of arrays with batch axis 0 of size N1.
-      x2: ``None`` (x2 is x1) or a pytree like x1 with N2 samples.
-      trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
-        :mod:`ntk_core._options`.
-{layout}
-    Raises:
-      TypeError, ValueError: as :func:`ntk_fn`.
+        Args:
+          apply_fn: ``apply_fn(params, x)``.
+          params: pytree of floating arrays (total size P).
+          x1: pytree of arrays with batch axis 0 of size N1.
+          x2: ``None`` (x2 is x1) or a pytree like x1 with N2 samples.
+          trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
+            :mod:`ntk_core._options`.
+    {layout}
+        Raises:
+          TypeError, ValueError: as :func:`ntk_fn`.
 
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import ntk_core
-      >>> k = ntk_core.empirical_ntk(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3))
-      >>> k.shape
-      (3, 3)
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import ntk_core
+          >>> k = ntk_core.empirical_ntk(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3))
+          >>> k.shape
+          (3, 3)
     """
     options = dict(
         trace_axes=_freeze(trace_axes),
@@ -229,17 +229,17 @@ def empirical_nngp(
 ):
     """Empirical NNGP kernel f(x1)·f(x2) of ``apply_fn`` at ``params``.
 
-    The one-call form of :func:`nngp_fn` (compiled function cached per
-    ``(apply_fn, options)``). Arguments as :func:`empirical_ntk`.
-{layout}
-    Raises:
-      TypeError, ValueError: as :func:`nngp_fn`.
+        The one-call form of :func:`nngp_fn` (compiled function cached per
+        ``(apply_fn, options)``). Arguments as :func:`empirical_ntk`.
+    {layout}
+        Raises:
+          TypeError, ValueError: as :func:`nngp_fn`.
 
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import ntk_core
-      >>> ntk_core.empirical_nngp(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3)).shape
-      (3, 3)
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import ntk_core
+          >>> ntk_core.empirical_nngp(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3)).shape
+          (3, 3)
     """
     options = dict(
         trace_axes=_freeze(trace_axes),

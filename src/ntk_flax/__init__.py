@@ -1,0 +1,13 @@
+"""ntk_flax: empirical NTK and NNGP kernels of ``flax.linen`` models via ``ntk_core``."""
+
+from ntk_flax._kernel import kernel as kernel
+from ntk_flax._kernel import kernel_fn as kernel_fn
+from ntk_flax._kernel import nngp as nngp
+from ntk_flax._kernel import nngp_fn as nngp_fn
+
+__all__ = (
+    "kernel",
+    "kernel_fn",
+    "nngp",
+    "nngp_fn",
+)

@@ -1,0 +1,235 @@
+"""Empirical NTK / NNGP of ``flax.linen`` models.
+
+The adapter turns ``(model, variables)`` into a pure ``apply3(params, x, aux)`` where
+``params = variables["params"]`` is differentiated and every other collection
+(``batch_stats``, ...) travels in ``aux``, held fixed; then it hands it to ``ntk_core``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import flax.core
+import flax.errors
+import flax.linen as nn
+import jax
+
+from ntk_core._adapter import BuildCache, freeze, kernel_function, samples_interact
+
+_MUTABLE = flax.core.DenyList(["params"])
+
+
+def _split(fn_name: str, variables):
+    if not isinstance(variables, Mapping):
+        raise TypeError(
+            f"{fn_name}: variables must be the dict returned by model.init(...), got "
+            f"{type(variables).__name__}. Fix: pass model.init(key, x), or "
+            f"{{'params': state.params}} for a train state."
+        )
+    if "params" not in variables:
+        raise ValueError(
+            f"{fn_name}: variables has no 'params' collection (its keys: "
+            f"{sorted(variables)}). Fix: pass the whole dict returned by model.init(...), or "
+            f"wrap a bare parameter dict as {{'params': params}}."
+        )
+    rest = {k: v for k, v in variables.items() if k != "params"}
+    return variables["params"], rest
+
+
+def _model_apply(model, method, apply_kwargs):
+    def apply3(params, x, aux):
+        rest, rngs = aux
+        out, _ = model.apply(
+            {"params": params, **rest},
+            x,
+            method=method,
+            rngs=rngs,
+            mutable=_MUTABLE,
+            **apply_kwargs,
+        )
+        return out
+
+    return apply3
+
+
+def _make(fn_name, kind, model, method, apply_kwargs, options):
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{fn_name}: model must be a flax.linen.Module, got {type(model).__name__}. Fix: "
+            f"pass the module instance (e.g. MyModel()); for a plain function use "
+            f"ntk_core.empirical_ntk."
+        )
+    apply_kwargs = dict(apply_kwargs or {})
+    apply3 = _model_apply(model, method, apply_kwargs)
+    vmap_axes = options.get("vmap_axes", 0)
+
+    def check(params, x1, x2, aux):
+        rest, rngs = aux
+        variables = {"params": params, **rest}
+        try:
+            jax.eval_shape(
+                lambda v, x: model.apply(v, x, method=method, rngs=rngs, **apply_kwargs),
+                variables,
+                x1,
+            )
+        except flax.errors.InvalidRngError as e:
+            raise ValueError(
+                f"{fn_name}: the model needs a random key ({e}). Fix: run it "
+                f"deterministically (e.g. apply_kwargs={{'train': False}} or "
+                f"deterministic=True), or pass rngs={{'dropout': key}}; with rngs every "
+                f"sample sees the same key."
+            ) from None
+        except flax.errors.ModifyScopeVariableError as e:
+            if vmap_axes is not None:
+                raise ValueError(
+                    f"{fn_name}: the model updates its variables when applied ({e}), e.g. "
+                    f"BatchNorm in training mode, whose samples interact; per-sample "
+                    f"independence (vmap_axes=0) would be wrong. Fix: apply it in evaluation "
+                    f"mode (e.g. apply_kwargs={{'train': False}} or "
+                    f"use_running_average=True), or pass vmap_axes=None to differentiate "
+                    f"the whole batch (updated statistics are discarded)."
+                ) from None
+        except Exception as e:
+            raise ValueError(
+                f"{fn_name}: applying the model to x1 failed with {type(e).__name__}: {e}. "
+                f"Fix: check that variables come from this model's init and that x1 has "
+                f"the shape it expects."
+            ) from e
+        if vmap_axes is not None and rngs is None and samples_interact(apply3, params, x1, x2, aux):
+            raise ValueError(
+                f"{fn_name}: the model's output for one sample depends on the other samples "
+                f"of the batch, so per-sample independence (vmap_axes=0) would be wrong. "
+                f"Fix: pass vmap_axes=None."
+            )
+
+    kernel = kernel_function(fn_name, kind, apply3, options, check)
+
+    def call(variables, x1, x2=None, *, rngs=None):
+        params, rest = _split(fn_name, variables)
+        return kernel(params, x1, x2, (rest, rngs))
+
+    return call
+
+
+def kernel_fn(
+    model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
+) -> Callable:
+    """Jitted empirical NTK of a ``flax.linen`` model, reusable across training steps.
+
+    Returns ``kernel(variables, x1, x2=None, *, rngs=None)``. ``variables`` is the dict
+    returned by ``model.init`` (or ``{"params": state.params, **other_collections}``):
+    only the ``params`` collection is differentiated, the others (``batch_stats``, ...)
+    are held fixed and never mutated. New variables of the same shapes (each training
+    step) do not recompile.
+
+    Args:
+      model: a ``flax.linen.Module``.
+      method: passed to ``model.apply`` (a method name or function); default
+        ``__call__``.
+      apply_kwargs: extra keyword arguments of the model, e.g. ``{"train": False}``.
+      **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
+        ``precision`` as in :func:`ntk_core.ntk_fn`.
+
+    Returns:
+      ``kernel(variables, x1, x2=None, *, rngs=None)`` giving the kernel in the layout of
+      :func:`ntk_core.empirical_ntk`: ``(N1, N2)`` for ``(N, O)`` outputs by default.
+
+    Raises:
+      TypeError: ``model`` not a linen Module; an unknown option; ``variables`` not a dict.
+      ValueError: ``variables`` without ``params``; a model needing an rng (dropout)
+        without ``rngs``; a model whose samples interact (BatchNorm in training mode)
+        with ``vmap_axes=0``; the model failing on x1; and every error of
+        :func:`ntk_core.ntk_fn`.
+
+    Cost: as :func:`ntk_core.ntk_fn`, plus, once per input shape, two small forward
+    passes that check per-sample independence.
+    """
+    return _make("ntk_flax.kernel_fn", "ntk", model, method, apply_kwargs, options)
+
+
+def nngp_fn(
+    model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
+) -> Callable:
+    """Jitted empirical NNGP of a ``flax.linen`` model; see :func:`kernel_fn`.
+
+    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``.
+    """
+    return _make("ntk_flax.nngp_fn", "nngp", model, method, apply_kwargs, options)
+
+
+def kernel(
+    model: nn.Module,
+    variables,
+    x1,
+    x2=None,
+    *,
+    method: str | Callable | None = None,
+    apply_kwargs=None,
+    rngs=None,
+    **options,
+):
+    """Empirical NTK of a ``flax.linen`` model between x1 and x2 (x1 if None).
+
+    Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p over the ``params``
+    collection, in the layout of :func:`ntk_core.empirical_ntk` (``(N1, N2)`` for
+    ``(N, O)`` outputs with the default ``trace_axes=(-1,)``, traced axes averaged).
+
+    Args:
+      model: a ``flax.linen.Module``.
+      variables: the dict returned by ``model.init`` (``params`` plus any other
+        collections, held fixed).
+      x1: array or pytree of arrays, batch axis 0 of size N1.
+      x2: ``None`` (x2 is x1) or like x1 with N2 samples.
+      method, apply_kwargs, **options: see :func:`kernel_fn`.
+      rngs: random keys for ``model.apply`` (e.g. ``{"dropout": key}``), the same for
+        every sample.
+
+    Returns:
+      The kernel, float32 by default: ``(N1, N2)``, ``(N1, N2, O, O)`` with
+      ``trace_axes=()``, ``(N,)`` with ``diagonal_axes=(0,)``.
+
+    Raises:
+      See :func:`kernel_fn`.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> import ntk_flax
+      >>> model = nn.Dense(3)
+      >>> x = jnp.ones((4, 2))
+      >>> ntk_flax.kernel(model, model.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4)
+
+    References:
+      Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel",
+      ICML 2022.
+    """
+    fn = _cached("ntk_flax.kernel", "ntk", model, method, apply_kwargs, options)
+    return fn(variables, x1, x2, rngs=rngs)
+
+
+def nngp(
+    model: nn.Module,
+    variables,
+    x1,
+    x2=None,
+    *,
+    method: str | Callable | None = None,
+    apply_kwargs=None,
+    rngs=None,
+    **options,
+):
+    """Empirical NNGP kernel f(x1)·f(x2) of a ``flax.linen`` model; see :func:`kernel`.
+
+    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``.
+    """
+    fn = _cached("ntk_flax.nngp", "nngp", model, method, apply_kwargs, options)
+    return fn(variables, x1, x2, rngs=rngs)
+
+
+_CACHE = BuildCache()
+
+
+def _cached(fn_name, kind, model, method, apply_kwargs, options):
+    """Reuses the compiled kernel function of an equal earlier call."""
+    key = (fn_name, model, method, freeze(apply_kwargs or {}), freeze(options))
+    return _CACHE.get(key, lambda: _make(fn_name, kind, model, method, apply_kwargs, options))
