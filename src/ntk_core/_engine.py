@@ -9,6 +9,7 @@ second call with the same shapes neither re-validates the model nor recompiles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,34 @@ class _Config:
     layouts: tuple[LeafLayout, ...]
     shapes1: tuple[jax.ShapeDtypeStruct, ...]
     symmetric: bool
+
+
+@functools.lru_cache(maxsize=64)
+def _jacobian_features(apply3, vmap_axes, precision):
+    """The jitted first phase of ``"jacobian"``: per-sample Jacobians of one batch.
+
+    Shared by every kernel function of the same ``apply3`` whatever its axes, so
+    changing ``trace_axes`` or ``diagonal_axes`` recompiles only the contraction.
+    """
+
+    def features(params, x, aux, *, out_tree):
+        with jax.default_matmul_precision(precision):
+            return _jacobian.jacobians(apply3, params, x, aux, vmap_axes, out_tree)
+
+    return jax.jit(features, static_argnames=("out_tree",))
+
+
+@functools.lru_cache(maxsize=64)
+def _ntvp_features(apply3, vmap_axes, precision):
+    """The jitted full-kernel phase of ``"ntvp"`` (reductions are compiled apart)."""
+
+    def features(params, x1, x2, aux, *, out_tree, batch_diagonal):
+        with jax.default_matmul_precision(precision):
+            return _ntvp.full_kernels(
+                apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal
+            )
+
+    return jax.jit(features, static_argnames=("out_tree", "batch_diagonal"))
 
 
 def _signature(tree) -> tuple:
@@ -119,7 +148,9 @@ class KernelFunction:
         self._options = options
         self._check = check
         self._configs: dict = {}
-        self._jitted = jax.jit(self._compute, static_argnames=("config",))
+        self._nngp_jit = jax.jit(self._nngp, static_argnames=("config",))
+        self._contract = jax.jit(self._contract_jacobians, static_argnames=("config",))
+        self._reduce = jax.jit(self._reduce_ntvp, static_argnames=("config",))
 
     # -- validation --------------------------------------------------------------------
     def _prepare(self, params, x1, x2, aux) -> _Config:
@@ -230,40 +261,35 @@ class KernelFunction:
         return _cost.choose(jac, ntvp)
 
     # -- computation -------------------------------------------------------------------
-    def _compute(self, params, x1, x2, aux, *, config: _Config):
-        with jax.default_matmul_precision(config.precision):
-            kernels = self._kernels(params, x1, x2, aux, config)
-        return jax.tree.unflatten(config.out_tree, kernels)
-
-    def _kernels(self, params, x1, x2, aux, config: _Config):
+    def _nngp(self, params, x1, x2, aux, *, config: _Config):
         precision = _PRECISION[config.precision]
-        apply3 = self._apply3
-        if config.implementation == "nngp":
-            out1 = config.out_tree.flatten_up_to(apply3(params, x1, aux))
-            out2 = out1 if x2 is None else config.out_tree.flatten_up_to(apply3(params, x2, aux))
-            result = []
+        with jax.default_matmul_precision(config.precision):
+            out1 = config.out_tree.flatten_up_to(self._apply3(params, x1, aux))
+            out2 = out1
+            if x2 is not None:
+                out2 = config.out_tree.flatten_up_to(self._apply3(params, x2, aux))
+            kernels = []
             for layout, a, b in zip(config.layouts, out1, out2, strict=True):
                 lhs, rhs, out = layout.specs()
                 k = jnp.einsum(f"{lhs},{rhs}->{out}", a, b, precision=precision)
-                result.append(k / layout.trace_size(a.shape))
-            return result
-        if config.implementation == "jacobian":
-            j1 = _jacobian.jacobians(apply3, params, x1, aux, config.vmap_axes, config.out_tree)
-            j2 = j1
-            if x2 is not None:
-                j2 = _jacobian.jacobians(apply3, params, x2, aux, config.vmap_axes, config.out_tree)
-            return _jacobian.contract(config.layouts, j1, j2, precision)
-        return _ntvp.kernels(
-            apply3,
-            params,
-            x1,
-            x1 if x2 is None else x2,
-            aux,
-            config.vmap_axes,
-            config.out_tree,
-            config.layouts,
-            config.shapes1,
-        )
+                kernels.append(k / layout.trace_size(a.shape))
+        return jax.tree.unflatten(config.out_tree, kernels)
+
+    def _contract_jacobians(self, j1, j2, *, config: _Config):
+        with jax.default_matmul_precision(config.precision):
+            kernels = _jacobian.contract(
+                config.layouts, j1, j1 if j2 is None else j2, _PRECISION[config.precision]
+            )
+        return jax.tree.unflatten(config.out_tree, kernels)
+
+    def _reduce_ntvp(self, fulls, *, config: _Config):
+        kernels = _ntvp.reduce(config.layouts, fulls, self._pairwise(config))
+        return jax.tree.unflatten(config.out_tree, kernels)
+
+    @staticmethod
+    def _pairwise(config: _Config) -> bool:
+        """NTK-vector products on pairs (x1_i, x2_i) only: the O(N) batch diagonal."""
+        return config.vmap_axes is not None and config.layouts[0].batch_diagonal
 
     # -- calling -----------------------------------------------------------------------
     def config_for(self, params, x1, x2=None, aux=None) -> _Config:
@@ -278,4 +304,20 @@ class KernelFunction:
     def __call__(self, params, x1, x2=None, aux=None):
         params, x1, x2 = _as_arrays(params), _as_arrays(x1), _as_arrays(x2)
         config = self.config_for(params, x1, x2, aux)
-        return self._jitted(params, x1, x2, aux, config=config)
+        if config.implementation == "jacobian":
+            features = _jacobian_features(self._apply3, config.vmap_axes, config.precision)
+            j1 = features(params, x1, aux, out_tree=config.out_tree)
+            j2 = None if x2 is None else features(params, x2, aux, out_tree=config.out_tree)
+            return self._contract(j1, j2, config=config)
+        if config.implementation == "ntvp":
+            features = _ntvp_features(self._apply3, config.vmap_axes, config.precision)
+            fulls = features(
+                params,
+                x1,
+                x1 if x2 is None else x2,
+                aux,
+                out_tree=config.out_tree,
+                batch_diagonal=self._pairwise(config),
+            )
+            return self._reduce(fulls, config=config)
+        return self._nngp_jit(params, x1, x2, aux, config=config)

@@ -6,6 +6,8 @@ carry Flax's non-``params`` collections and Haiku's state and rng in it).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -21,8 +23,12 @@ def per_sample(apply3):
     return single
 
 
+@functools.lru_cache(maxsize=64)
 def from_apply_fn(apply_fn):
-    """Wraps a public ``apply_fn(params, x)`` as ``apply3(params, x, aux)``."""
+    """Wraps a public ``apply_fn(params, x)`` as ``apply3(params, x, aux)``.
+
+    Cached, so kernel functions of the same ``apply_fn`` share compiled Jacobians.
+    """
 
     def apply3(params, x, aux):
         del aux

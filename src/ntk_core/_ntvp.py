@@ -32,19 +32,29 @@ def _leaf_basis(out_shapes, k):
     return basis
 
 
-def _reduce(layout, full, shape, batch_shared):
-    """Applies the layout to a full kernel laid out ``(N1, *O, N2, *O)``.
+def reduce(layouts, fulls, batch_diagonal):
+    """Applies each leaf's layout to its full kernel from :func:`full_kernels`."""
+    result = []
+    for layout, full in zip(layouts, fulls, strict=True):
+        lhs, rhs, out = layout.specs()
+        operand = lhs + (rhs[1:] if batch_diagonal else rhs)
+        shape = full.shape[: len(lhs)]
+        result.append(jnp.einsum(f"{operand}->{out}", full) / layout.trace_size(shape))
+    return result
 
-    With ``batch_shared`` the operand is ``(N, *O, *O)`` (pairs x1_i, x2_i only).
+
+def full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal):
+    """Full NTK per output leaf (list) by NTK-vector products.
+
+    Each is laid out ``(N1, *O, N2, *O)``, or ``(N, *O, *O)`` (pairs x1_i, x2_i only)
+    when ``batch_diagonal`` (only with ``vmap_axes=0``; otherwise the batch diagonal is
+    taken from the full form by :func:`reduce`).
     """
-    lhs, rhs, out = layout.specs()
-    operand = lhs + (rhs[1:] if batch_shared else rhs)
-    return jnp.einsum(f"{operand}->{out}", full) / layout.trace_size(shape)
-
-
-def kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, layouts, shapes1):
-    """NTK per output leaf (list) by NTK-vector products."""
     n_out = out_tree.num_leaves
+    shapes1 = [
+        jax.ShapeDtypeStruct(o.shape, o.dtype)
+        for o in out_tree.flatten_up_to(jax.eval_shape(apply3, params, x1, aux))
+    ]
 
     if vmap_axes is None:
 
@@ -66,8 +76,7 @@ def kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, layouts, shapes1):
             cols = jax.lax.map(column, _leaf_basis(shapes2, k))
             full = cols.reshape(shapes2[k].shape + shapes1[k].shape)
             n2_ndim = len(shapes2[k].shape)
-            full = jnp.moveaxis(full, tuple(range(n2_ndim)), tuple(range(-n2_ndim, 0)))
-            results.append(_reduce(layouts[k], full, shapes1[k].shape, False))
+            results.append(jnp.moveaxis(full, tuple(range(n2_ndim)), tuple(range(-n2_ndim, 0))))
         return results
 
     single = per_sample(apply3)
@@ -80,8 +89,7 @@ def kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, layouts, shapes1):
 
     results = []
     for k in range(n_out):
-        layout = layouts[k]
-        if layout.batch_diagonal:
+        if batch_diagonal:
 
             def pair(x1_i, x2_i, k=k):
                 out2, vjp_fn = jax.vjp(lambda p: f_one(p, x2_i), params)
@@ -95,8 +103,7 @@ def kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, layouts, shapes1):
                 cols = cols.reshape(o + o)
                 return jnp.moveaxis(cols, tuple(range(len(o))), tuple(range(-len(o), 0)))
 
-            full = jax.vmap(pair)(x1, x2)
-            results.append(_reduce(layout, full, shapes1[k].shape, True))
+            results.append(jax.vmap(pair)(x1, x2))
         else:
 
             def column(x2_j, k=k):
@@ -111,6 +118,5 @@ def kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, layouts, shapes1):
 
             full = jax.lax.map(column, x2)  # (N2, O2..., N1, O1...)
             n2_ndim = len(shapes1[k].shape)
-            full = jnp.moveaxis(full, tuple(range(n2_ndim)), tuple(range(-n2_ndim, 0)))
-            results.append(_reduce(layout, full, shapes1[k].shape, False))
+            results.append(jnp.moveaxis(full, tuple(range(n2_ndim)), tuple(range(-n2_ndim, 0))))
     return results

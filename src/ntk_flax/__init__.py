@@ -4,8 +4,10 @@ from ntk_flax._kernel import kernel as kernel
 from ntk_flax._kernel import kernel_fn as kernel_fn
 from ntk_flax._kernel import nngp as nngp
 from ntk_flax._kernel import nngp_fn as nngp_fn
+from ntk_flax._models import LeNet as LeNet
 
 __all__ = (
+    "LeNet",
     "kernel",
     "kernel_fn",
     "nngp",

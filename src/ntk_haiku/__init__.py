@@ -4,10 +4,14 @@ from ntk_haiku._kernel import kernel as kernel
 from ntk_haiku._kernel import kernel_fn as kernel_fn
 from ntk_haiku._kernel import nngp as nngp
 from ntk_haiku._kernel import nngp_fn as nngp_fn
+from ntk_haiku._models import lenet as lenet
+from ntk_haiku._models import params_from_flax as params_from_flax
 
 __all__ = (
     "kernel",
     "kernel_fn",
+    "lenet",
     "nngp",
     "nngp_fn",
+    "params_from_flax",
 )
