@@ -47,8 +47,9 @@ def samples_interact(apply3, params, x1, x2, aux, rtol: float = 1e-4) -> bool:
     else:
         return False
     pair = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, second)
-    together = jax.tree.leaves(apply3(params, pair, aux))
-    alone = jax.tree.leaves(apply3(params, first, aux))
+    apply_jit = jax.jit(apply3)
+    together = jax.tree.leaves(apply_jit(params, pair, aux))
+    alone = jax.tree.leaves(apply_jit(params, first, aux))
     for t, a in zip(together, alone, strict=True):
         t0, a0 = np.asarray(t[:1], np.float64), np.asarray(a, np.float64)
         scale = max(np.abs(a0).max(initial=0.0), 1e-30)

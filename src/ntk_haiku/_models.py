@@ -16,7 +16,7 @@ def lenet(x, out_features: int = 1):
     """
     for i, features in enumerate((6, 16)):
         x = hk.Conv2D(features, 5, padding="SAME", name=f"Conv_{i}")(x)
-        x = hk.avg_pool(jax.nn.relu(x), window_shape=2, strides=2, padding="VALID")
+        x = hk.avg_pool(jax.nn.relu(x), (1, 2, 2, 1), (1, 2, 2, 1), padding="VALID")
     x = x.reshape((x.shape[0], -1))
     for i, features in enumerate((120, 84)):
         x = jax.nn.relu(hk.Linear(features, name=f"Dense_{i}")(x))

@@ -1,0 +1,205 @@
+"""Each documented error of the core API, matched on its message."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ntk_core
+
+W = jnp.ones((3, 2))
+X = jnp.ones((4, 3))
+
+
+def f(w, x):
+    return jnp.tanh(x @ w)
+
+
+CASES = [
+    # (id, call, exception type, message pattern)
+    (
+        "apply_fn not callable",
+        lambda: ntk_core.ntk_fn("f"),
+        TypeError,
+        r"ntk_fn: apply_fn must be a callable",
+    ),
+    (
+        "trace_axes str",
+        lambda: ntk_core.empirical_ntk(f, W, X, trace_axes="-1"),
+        TypeError,
+        r"empirical_ntk: trace_axes must be an int or a sequence",
+    ),
+    (
+        "trace_axes bool",
+        lambda: ntk_core.empirical_ntk(f, W, X, trace_axes=True),
+        TypeError,
+        r"trace_axes must be an int .* got the bool",
+    ),
+    (
+        "trace_axes float",
+        lambda: ntk_core.empirical_ntk(f, W, X, trace_axes=(1.0,)),
+        TypeError,
+        r"trace_axes must contain only ints",
+    ),
+    (
+        "trace_axes duplicated",
+        lambda: ntk_core.empirical_ntk(f, W, X, trace_axes=(-1, -1)),
+        ValueError,
+        r"names the same axis twice",
+    ),
+    (
+        "trace_axes duplicated after normalising",
+        lambda: ntk_core.empirical_ntk(f, W, X, trace_axes=(1, -1)),
+        ValueError,
+        r"names the same axis twice for the output of shape \(4, 2\)",
+    ),
+    (
+        "trace_axes out of range",
+        lambda: ntk_core.empirical_ntk(f, W, X, trace_axes=(2,)),
+        ValueError,
+        r"trace_axes contains 2, out of range for the output of shape \(4, 2\) .* expected axes in \[-2, 1\]",
+    ),
+    (
+        "diagonal_axes out of range",
+        lambda: ntk_core.empirical_ntk(f, W, X, diagonal_axes=(-3,)),
+        ValueError,
+        r"diagonal_axes contains -3, out of range",
+    ),
+    (
+        "overlapping axes",
+        lambda: ntk_core.empirical_ntk(f, W, X, trace_axes=(1,), diagonal_axes=(-1,)),
+        ValueError,
+        r"axis 1 of the output .* is in both trace_axes=\(1,\) and diagonal_axes=\(-1,\)",
+    ),
+    (
+        "trace batch axis",
+        lambda: ntk_core.empirical_ntk(f, W, X, trace_axes=(0, 1)),
+        ValueError,
+        r"traces the batch axis 0 .* Fix: use diagonal_axes=\(0,\)",
+    ),
+    (
+        "vmap_axes 1",
+        lambda: ntk_core.empirical_ntk(f, W, X, vmap_axes=1),
+        ValueError,
+        r"vmap_axes must be 0 .* or None .* got 1",
+    ),
+    (
+        "vmap_axes True",
+        lambda: ntk_core.empirical_ntk(f, W, X, vmap_axes=True),
+        ValueError,
+        r"vmap_axes must be 0",
+    ),
+    (
+        "unknown implementation",
+        lambda: ntk_core.empirical_ntk(f, W, X, implementation="structured"),
+        ValueError,
+        r"implementation must be one of 'auto', 'jacobian', 'ntvp', got 'structured'",
+    ),
+    (
+        "implementation int",
+        lambda: ntk_core.empirical_ntk(f, W, X, implementation=1),
+        ValueError,
+        r"implementation must be one of .* got 1",
+    ),
+    (
+        "unknown precision",
+        lambda: ntk_core.empirical_ntk(f, W, X, precision="tf32"),
+        ValueError,
+        r"precision must be one of 'highest', 'high', 'default', got 'tf32'",
+    ),
+    (
+        "empty params",
+        lambda: ntk_core.empirical_ntk(f, {}, X),
+        ValueError,
+        r"empirical_ntk: params has no arrays",
+    ),
+    (
+        "integer params",
+        lambda: ntk_core.empirical_ntk(f, jnp.ones((3, 2), jnp.int32), X),
+        TypeError,
+        r"params contains an array of dtype int32",
+    ),
+    (
+        "empty x1",
+        lambda: ntk_core.empirical_ntk(f, W, jnp.ones((0, 3))),
+        ValueError,
+        r"x1 is empty \(0 samples",
+    ),
+    (
+        "empty x2",
+        lambda: ntk_core.empirical_ntk(f, W, X, jnp.ones((0, 3))),
+        ValueError,
+        r"x2 is empty \(0 samples",
+    ),
+    ("scalar x1", lambda: ntk_core.empirical_ntk(f, W, 1.0), ValueError, r"x1 contains a scalar"),
+    ("x1 no arrays", lambda: ntk_core.empirical_ntk(f, W, {}), ValueError, r"x1 has no arrays"),
+    (
+        "ragged batch",
+        lambda: ntk_core.empirical_ntk(lambda w, x: x["a"] @ w, W, {"a": X, "b": jnp.ones((3, 1))}),
+        ValueError,
+        r"the arrays of x1 disagree on the batch size",
+    ),
+    (
+        "x1 x2 shapes differ",
+        lambda: ntk_core.empirical_ntk(f, W, X, jnp.ones((2, 5))),
+        ValueError,
+        r"x1 and x2 differ in their non-batch shapes",
+    ),
+    (
+        "x1 x2 structures differ",
+        lambda: ntk_core.empirical_ntk(lambda w, x: x["a"] @ w, W, {"a": X}, {"b": X}),
+        ValueError,
+        r"x1 and x2 have different pytree structures",
+    ),
+    (
+        "params do not fit the model",
+        lambda: ntk_core.empirical_ntk(f, jnp.ones((5, 2)), X),
+        ValueError,
+        r"calling the model on x1 \(shapes \(4, 3\)\) failed with TypeError.*Fix: check that params belong to this model",
+    ),
+    (
+        "output without batch axis",
+        lambda: ntk_core.empirical_ntk(lambda w, x: jnp.sum(x @ w), W, X),
+        ValueError,
+        r"the output has shape \(\) but x1 has 4 samples",
+    ),
+    (
+        "integer output",
+        lambda: ntk_core.empirical_ntk(lambda w, x: jnp.argmax(x @ w, -1), W, X),
+        TypeError,
+        r"the output has dtype int32; kernels need floating-point outputs",
+    ),
+    (
+        "batch diagonal with different N",
+        lambda: ntk_core.empirical_ntk(f, W, X, jnp.ones((2, 3)), diagonal_axes=(0,)),
+        ValueError,
+        r"needs x1 and x2 of the same size, got N1=4 and N2=2",
+    ),
+    (
+        "nngp with implementation",
+        lambda: ntk_core.empirical_nngp(f, W, X, implementation="jacobian"),
+        TypeError,
+        r"implementation",
+    ),
+    (
+        "nngp axes out of range",
+        lambda: ntk_core.empirical_nngp(f, W, X, trace_axes=(5,)),
+        ValueError,
+        r"empirical_nngp: trace_axes contains 5",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, exc, pattern", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_error(call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+def test_errors_leave_no_partial_state():
+    """A failed call does not poison the cache: a correct call afterwards works."""
+    kernel = ntk_core.ntk_fn(f)
+    with pytest.raises(ValueError):
+        kernel(W, jnp.ones((0, 3)))
+    np.testing.assert_allclose(kernel(W, X).shape, (4, 4))

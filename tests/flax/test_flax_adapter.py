@@ -1,0 +1,203 @@
+"""ntk_flax against the float64 reference, and its documented errors."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference
+import zoo
+
+import ntk_flax
+
+
+def _ref(entry, x1, x2, kind="ntk", **axes):
+    fn = reference.ntk if kind == "ntk" else reference.nngp
+    return fn(zoo.apply_fn(entry), entry.variables["params"], x1, x2, **axes)
+
+
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_kernel_and_nngp_match_reference(name):
+    entry = zoo.ZOO[name]
+    x1, _ = zoo.inputs(entry)  # x2 given is covered by tests/core for every model
+    kw = dict(apply_kwargs=entry.apply_kwargs)
+    k = ntk_flax.kernel(entry.model, entry.variables, x1, **kw, trace_axes=())
+    for a, e in zip(jax.tree.leaves(k), _ref(entry, x1, None, trace_axes=()), strict=True):
+        reference.assert_close(a, e)
+    g = ntk_flax.nngp(entry.model, entry.variables, x1, **kw)
+    for a, e in zip(jax.tree.leaves(g), _ref(entry, x1, None, "nngp"), strict=True):
+        reference.assert_close(a, e)
+
+
+CALLS = []
+
+
+class Counting(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        CALLS.append(1)  # runs only while JAX traces
+        return nn.Dense(2)(jnp.tanh(nn.Dense(4)(x)))
+
+    def features(self, x):
+        return jnp.tanh(self(x))
+
+
+def test_kernel_fn_reused_across_training_steps_without_recompiling():
+    model = Counting()
+    x = jax.random.normal(jax.random.PRNGKey(0), (5, 3))
+    variables = model.init(jax.random.PRNGKey(1), x)
+    kernel = ntk_flax.kernel_fn(model, trace_axes=())
+    first = kernel(variables, x)
+    n = len(CALLS)
+    for step in range(3):  # new parameters each "training step"
+        variables = jax.tree.map(lambda p: p * 0.9 + 0.01 * step, variables)
+        later = kernel(variables, x)
+    assert len(CALLS) == n
+    assert not np.allclose(first, later)
+
+
+def test_method_and_only_params_differentiated():
+    model = Counting()
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 3))
+    variables = model.init(jax.random.PRNGKey(1), x)
+
+    def f(p, x):
+        return model.apply({"params": p}, x, method=Counting.features)
+
+    expected = reference.ntk(f, variables["params"], x, None, trace_axes=())[0]
+    k = ntk_flax.kernel(model, variables, x, method="features", trace_axes=())
+    reference.assert_close(k, expected)
+
+
+def test_batchnorm_eval_holds_batch_stats_fixed():
+    entry = zoo.ZOO["batchnorm_eval"]
+    x1, x2 = zoo.inputs(entry)
+    k = ntk_flax.kernel(entry.model, entry.variables, x1, x2, apply_kwargs={"train": False})
+    reference.assert_close(k, _ref(entry, x1, x2)[0])
+
+
+def test_batchnorm_training_refused_with_vmap_axes_0_and_exact_with_none():
+    entry = zoo.ZOO["batchnorm_eval"]
+    x = entry.make_x(jax.random.PRNGKey(3), 4)
+    with pytest.raises(
+        ValueError, match=r"ntk_flax.kernel: the model updates its variables .* pass vmap_axes=None"
+    ):
+        ntk_flax.kernel(entry.model, entry.variables, x, apply_kwargs={"train": True})
+    rest = {"batch_stats": entry.variables["batch_stats"]}
+
+    def batch_fn(p, x):
+        out, _ = entry.model.apply({"params": p, **rest}, x, train=True, mutable=["batch_stats"])
+        return out
+
+    expected = reference.ntk(batch_fn, entry.variables["params"], x, None, trace_axes=())[0]
+    k = ntk_flax.kernel(
+        entry.model, entry.variables, x, apply_kwargs={"train": True}, vmap_axes=None, trace_axes=()
+    )
+    reference.assert_close(k, expected)
+
+
+class Dropout(nn.Module):
+    @nn.compact
+    def __call__(self, x, deterministic: bool = False):
+        return nn.Dense(2)(nn.Dropout(0.5, deterministic=deterministic)(nn.Dense(8)(x)))
+
+
+def test_dropout_needs_rng_or_deterministic():
+    model = Dropout()
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 4))
+    variables = model.init(jax.random.PRNGKey(1), x, deterministic=True)
+    with pytest.raises(
+        ValueError,
+        match=r"ntk_flax.kernel: the model needs a random key .* rngs=\{'dropout': key\}",
+    ):
+        ntk_flax.kernel(model, variables, x)
+    k = ntk_flax.kernel(model, variables, x, rngs={"dropout": jax.random.PRNGKey(2)})
+    assert k.shape == (3, 3) and np.isfinite(np.asarray(k)).all()
+
+    def f(p, x):
+        return model.apply({"params": p}, x, deterministic=True)
+
+    k = ntk_flax.kernel(model, variables, x, apply_kwargs={"deterministic": True})
+    reference.assert_close(k, reference.ntk(f, variables["params"], x, None)[0])
+
+
+class BatchCentred(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(3)(x)
+        return h - h.mean(axis=0, keepdims=True)
+
+
+def test_interacting_samples_refused_with_vmap_axes_0():
+    model = BatchCentred()
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 2))
+    variables = model.init(jax.random.PRNGKey(1), x)
+    with pytest.raises(
+        ValueError, match=r"depends on the other samples .* Fix: pass vmap_axes=None"
+    ):
+        ntk_flax.kernel(model, variables, x)
+    assert ntk_flax.kernel(model, variables, x, vmap_axes=None).shape == (4, 4)
+
+
+MODEL = nn.Dense(2)
+X = jnp.ones((3, 4))
+VARIABLES = MODEL.init(jax.random.PRNGKey(0), X)
+
+ERRORS = [
+    (
+        "no params collection",
+        lambda: ntk_flax.kernel(MODEL, VARIABLES["params"], X),
+        ValueError,
+        r"ntk_flax.kernel: variables has no 'params' collection .* \{'params': params\}",
+    ),
+    (
+        "variables not a dict",
+        lambda: ntk_flax.kernel(MODEL, [1, 2], X),
+        TypeError,
+        r"variables must be the dict returned by model.init",
+    ),
+    (
+        "not a linen module",
+        lambda: ntk_flax.kernel(lambda x: x, VARIABLES, X),
+        TypeError,
+        r"model must be a flax.linen.Module",
+    ),
+    (
+        "unknown option",
+        lambda: ntk_flax.kernel(MODEL, VARIABLES, X, train=False),
+        TypeError,
+        r"unknown option\(s\) 'train'.* apply_kwargs=",
+    ),
+    (
+        "nngp implementation",
+        lambda: ntk_flax.nngp(MODEL, VARIABLES, X, implementation="ntvp"),
+        TypeError,
+        r"ntk_flax.nngp: unknown option\(s\) 'implementation'",
+    ),
+    (
+        "bad implementation",
+        lambda: ntk_flax.kernel(MODEL, VARIABLES, X, implementation="fast"),
+        ValueError,
+        r"implementation must be one of",
+    ),
+    (
+        "wrong input shape",
+        lambda: ntk_flax.kernel(MODEL, VARIABLES, jnp.ones((3, 5))),
+        ValueError,
+        r"ntk_flax.kernel: applying the model to x1 failed",
+    ),
+    (
+        "empty input",
+        lambda: ntk_flax.kernel(MODEL, VARIABLES, jnp.ones((0, 4))),
+        ValueError,
+        r"ntk_flax.kernel: x1 is empty",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, exc, pattern", [c[1:] for c in ERRORS], ids=[c[0] for c in ERRORS])
+def test_error(call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()

@@ -1,0 +1,175 @@
+"""ntk_haiku against the float64 reference, and its documented errors."""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference
+
+import ntk_haiku
+
+X = jax.random.normal(jax.random.PRNGKey(0), (4, 3))
+
+
+def mlp(x):
+    return hk.Linear(2)(jnp.tanh(hk.Linear(5)(x)))
+
+
+def bn_net(x, is_training):
+    h = hk.Linear(4)(x)
+    h = hk.BatchNorm(create_scale=True, create_offset=True, decay_rate=0.5)(h, is_training)
+    return hk.Linear(2)(jax.nn.relu(h))
+
+
+def dropout_net(x):
+    return hk.Linear(2)(hk.dropout(hk.next_rng_key(), 0.5, hk.Linear(6)(x)))
+
+
+@pytest.mark.parametrize("without_rng", [False, True], ids=["transform", "without_apply_rng"])
+def test_transformed_matches_reference(without_rng):
+    net = hk.transform(mlp)
+    params = net.init(jax.random.PRNGKey(1), X)
+    if without_rng:
+        net = hk.without_apply_rng(net)
+        f = net.apply
+    else:
+        f = lambda p, x: net.apply(p, None, x)  # noqa: E731
+    x2 = X[:2] * 2.0
+    k = ntk_haiku.kernel(net, params, X, x2, trace_axes=())
+    reference.assert_close(k, reference.ntk(f, params, X, x2, trace_axes=())[0])
+    g = ntk_haiku.nngp(net, params, X, x2)
+    reference.assert_close(g, reference.nngp(f, params, X, x2)[0])
+
+
+def _bn():
+    net = hk.transform_with_state(bn_net)
+    params, state = net.init(jax.random.PRNGKey(1), X, True)
+    _, state = net.apply(params, state, None, 2.0 * X + 1.0, True)  # non-trivial statistics
+    return net, params, state
+
+
+def test_with_state_eval_mode_matches_reference():
+    net, params, state = _bn()
+
+    def f(p, x):
+        return net.apply(p, state, None, x, False)[0]
+
+    k = ntk_haiku.kernel(net, params, X, state=state, apply_kwargs={"is_training": False})
+    reference.assert_close(k, reference.ntk(f, params, X, None)[0])
+
+
+def test_batchnorm_training_refused_with_vmap_axes_0_and_exact_with_none():
+    net, params, state = _bn()
+    with pytest.raises(
+        ValueError,
+        match=r"ntk_haiku.kernel: the model's output for one sample depends on the other samples",
+    ):
+        ntk_haiku.kernel(net, params, X, state=state, apply_kwargs={"is_training": True})
+
+    def f(p, x):
+        return net.apply(p, state, None, x, True)[0]
+
+    k = ntk_haiku.kernel(
+        net,
+        params,
+        X,
+        state=state,
+        apply_kwargs={"is_training": True},
+        vmap_axes=None,
+        trace_axes=(),
+    )
+    reference.assert_close(k, reference.ntk(f, params, X, None, trace_axes=())[0])
+
+
+def test_rng_for_dropout():
+    net = hk.transform(dropout_net)
+    params = net.init(jax.random.PRNGKey(1), X)
+    with pytest.raises(
+        ValueError, match=r"ntk_haiku.kernel: the model needs a random key .* pass rng="
+    ):
+        ntk_haiku.kernel(net, params, X)
+    k = ntk_haiku.kernel(net, params, X, rng=jax.random.PRNGKey(3))
+    assert k.shape == (4, 4) and np.isfinite(np.asarray(k)).all()
+
+
+def test_kernel_fn_reused_without_recompiling():
+    calls = []
+
+    def counted(x):
+        calls.append(1)
+        return mlp(x)
+
+    net = hk.without_apply_rng(hk.transform(counted))
+    params = net.init(jax.random.PRNGKey(1), X)
+    kernel = ntk_haiku.kernel_fn(net)
+    first = kernel(params, X)
+    n = len(calls)
+    params2 = jax.tree.map(lambda p: p * 1.5, params)
+    second = kernel(params2, X)
+    assert len(calls) == n
+    assert not np.allclose(first, second)
+
+
+NET = hk.transform(mlp)
+PARAMS = NET.init(jax.random.PRNGKey(0), X)
+BN_NET, BN_PARAMS, BN_STATE = _bn()
+
+ERRORS = [
+    (
+        "state missing",
+        lambda: ntk_haiku.kernel(BN_NET, BN_PARAMS, X, apply_kwargs={"is_training": False}),
+        ValueError,
+        r"ntk_haiku.kernel: this hk.TransformedWithState needs its state",
+    ),
+    (
+        "state given to plain transform",
+        lambda: ntk_haiku.kernel(NET, PARAMS, X, state={}),
+        ValueError,
+        r"state was given but the model is a plain hk.Transformed",
+    ),
+    (
+        "rng given to without_apply_rng",
+        lambda: ntk_haiku.kernel(hk.without_apply_rng(NET), PARAMS, X, rng=jax.random.PRNGKey(0)),
+        ValueError,
+        r"built with hk.without_apply_rng and takes none",
+    ),
+    (
+        "not transformed",
+        lambda: ntk_haiku.kernel(mlp, PARAMS, X),
+        TypeError,
+        r"expected an hk.Transformed or hk.TransformedWithState",
+    ),
+    (
+        "params not a dict",
+        lambda: ntk_haiku.kernel(NET, [1.0], X),
+        TypeError,
+        r"params must be the dict returned by transformed.init",
+    ),
+    (
+        "unknown option",
+        lambda: ntk_haiku.kernel(NET, PARAMS, X, is_training=False),
+        TypeError,
+        r"unknown option\(s\) 'is_training'",
+    ),
+    (
+        "wrong input shape",
+        lambda: ntk_haiku.kernel(NET, PARAMS, jnp.ones((4, 7))),
+        ValueError,
+        r"ntk_haiku.kernel: applying the model to x1 failed",
+    ),
+    (
+        "bad trace axes",
+        lambda: ntk_haiku.kernel(NET, PARAMS, X, trace_axes=(3,)),
+        ValueError,
+        r"ntk_haiku.kernel: trace_axes contains 3, out of range",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, exc, pattern", [c[1:] for c in ERRORS], ids=[c[0] for c in ERRORS])
+def test_error(call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
