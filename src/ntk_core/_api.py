@@ -105,7 +105,7 @@ def _make(kind: str, fn_name: str, apply_fn, options: dict) -> Callable:
     def kernel(params, x1, x2=None):
         return kernel_function(params, x1, x2)
 
-    kernel.kernel_function = kernel_function
+    kernel.implementation_for = kernel_function.implementation_for
     return kernel
 
 

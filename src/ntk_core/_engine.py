@@ -301,6 +301,11 @@ class KernelFunction:
             self._configs[key] = config
         return config
 
+    def implementation_for(self, params, x1, x2=None, aux=None) -> str:
+        """The implementation a call with these inputs uses (what ``"auto"`` chose)."""
+        params, x1, x2 = _as_arrays(params), _as_arrays(x1), _as_arrays(x2)
+        return self.config_for(params, x1, x2, aux).implementation
+
     def __call__(self, params, x1, x2=None, aux=None):
         params, x1, x2 = _as_arrays(params), _as_arrays(x1), _as_arrays(x2)
         config = self.config_for(params, x1, x2, aux)

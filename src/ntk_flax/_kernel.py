@@ -108,6 +108,11 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
         params, rest = _split(fn_name, variables)
         return kernel(params, x1, x2, (rest, rngs))
 
+    def implementation_for(variables, x1, x2=None, *, rngs=None) -> str:
+        params, rest = _split(fn_name, variables)
+        return kernel.implementation_for(params, x1, x2, (rest, rngs))
+
+    call.implementation_for = implementation_for
     return call
 
 
@@ -133,6 +138,8 @@ def kernel_fn(
     Returns:
       ``kernel(variables, x1, x2=None, *, rngs=None)`` giving the kernel in the layout of
       :func:`ntk_core.empirical_ntk`: ``(N1, N2)`` for ``(N, O)`` outputs by default.
+      ``kernel.implementation_for(variables, x1, x2=None)`` tells which implementation
+      such a call uses (what ``"auto"`` chose).
 
     Raises:
       TypeError: ``model`` not a linen Module; an unknown option; ``variables`` not a dict.

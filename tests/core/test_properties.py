@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference
-import zoo
 
 import ntk_core
+import reference
+import zoo
 
 IMPLEMENTATIONS = ["jacobian", "ntvp"]
 

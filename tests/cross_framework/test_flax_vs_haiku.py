@@ -10,10 +10,10 @@ import haiku as hk
 import jax
 import numpy as np
 import pytest
-import reference
 
 import ntk_flax
 import ntk_haiku
+import reference
 
 
 class FlaxMLP(nn.Module):

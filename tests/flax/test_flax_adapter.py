@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference
-import zoo
 
 import ntk_flax
+import reference
+import zoo
 
 
 def _ref(entry, x1, x2, kind="ntk", **axes):
@@ -52,7 +52,7 @@ def test_kernel_fn_reused_across_training_steps_without_recompiling():
     first = kernel(variables, x)
     n = len(CALLS)
     for step in range(3):  # new parameters each "training step"
-        variables = jax.tree.map(lambda p: p * 0.9 + 0.01 * step, variables)
+        variables = jax.tree.map(lambda p, s=step: p * 0.9 + 0.01 * s, variables)
         later = kernel(variables, x)
     assert len(CALLS) == n
     assert not np.allclose(first, later)

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference
 
 import ntk_haiku
+import reference
 
 X = jax.random.normal(jax.random.PRNGKey(0), (4, 3))
 

@@ -1,0 +1,40 @@
+"""``ntk demo`` end to end on a smaller split (the full run is in the README)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from ntk_core._cli import main
+
+
+def test_demo_small_split(tmp_path, capsys):
+    status = main(["demo", "--n-train", "300", "--out", str(tmp_path), "--no-progress"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["flax_vs_haiku_max_relative_difference"] <= 1e-4
+    assert summary["test_accuracy"] > 0.85, summary
+    assert f"test accuracy {summary['test_accuracy']:.4f}" in out
+    assert "implementation: 'auto' -> jacobian" in out
+    k = np.load(tmp_path / "ntk_train_train.npy")
+    assert k.shape == (300, 300)
+    np.testing.assert_array_equal(k, k.T)
+    assert np.load(tmp_path / "ntk_test_train.npy").shape == (1497, 300)
+    assert (tmp_path / "ntk_demo.png").stat().st_size > 10_000
+
+
+def test_demo_rejects_bad_split(tmp_path, capsys):
+    assert main(["demo", "--n-train", "0", "--out", str(tmp_path)]) == 2
+    assert "--n-train must be in [1, 1796], got 0" in capsys.readouterr().err
+
+
+def test_console_script_help():
+    result = subprocess.run(
+        [sys.executable, "-m", "ntk_core._cli", "demo", "--help"], capture_output=True, text=True
+    )
+    assert result.returncode == 0
+    assert "--n-train" in result.stdout
