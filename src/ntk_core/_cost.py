@@ -10,9 +10,12 @@ parameter count:
 * ``"jacobian"``: (N1 + N2)·O·3F for the Jacobians, plus 2·N1·N2·O'·P for the
   contraction; memory (N1 + N2)·O·P values.
 * ``"ntvp"``: N2·O·3F for the VJPs plus N1·N2·O·3F for the JVPs; memory O·P + N1·O·O.
+* ``"structured"``: (N1 + N2)·O·3F for the cotangents and fallback Jacobians, plus
+  per pair 2·O'·P_fallback and, for each pair of uses (u, v) of a structured leaf,
+  2·min(A_u·A_v·(C + O'·K), O'·C·K); memory (N1 + N2)·(O·P_fallback + Σ_u A_u·(C + O·K)).
 
-``"auto"`` takes the cheaper in FLOPs unless the Jacobians exceed
-:data:`JACOBIAN_MEMORY_BUDGET` bytes, in which case it takes ``"ntvp"``.
+``"auto"`` takes the cheapest in FLOPs among those whose features fit in
+:data:`JACOBIAN_MEMORY_BUDGET` bytes (``"ntvp"`` if none does).
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ class CostEstimate:
     memory_bytes: float
 
 
-def estimate(single_fn, params, x_one, aux, *, n1, n2, pairs, out_sizes, pair_sizes, symmetric):
+def estimate(
+    single_fn, params, x_one, aux, *, n1, n2, pairs, out_sizes, pair_sizes, symmetric, analysis
+):
     """Cost estimates of ``"jacobian"`` and ``"ntvp"`` for one call.
 
     Args:
@@ -85,6 +90,10 @@ def estimate(single_fn, params, x_one, aux, *, n1, n2, pairs, out_sizes, pair_si
       pair_sizes: kernel entries per pair of samples (or per sample on the batch
         diagonal), per output leaf.
       symmetric: x2 is x1 (Jacobians computed once).
+      analysis: the structured analysis of ``single_fn`` (``_structured.Analysis``).
+
+    Returns:
+      Estimates for ``"jacobian"``, ``"ntvp"`` and ``"structured"``.
     """
     closed = jax.make_jaxpr(single_fn)(params, x_one, aux)
     forward = max(jaxpr_flops(closed.jaxpr), 1.0)
@@ -102,10 +111,32 @@ def estimate(single_fn, params, x_one, aux, *, n1, n2, pairs, out_sizes, pair_si
         n2 * out_total * 3 * forward + pairs * out_total * 3 * forward,
         float(out_total * n_params * itemsize + n1 * out_total * max(out_sizes) * itemsize),
     )
-    return jac, ntvp
+    leaf_sizes = [math.prod(p.shape) for p in jax.tree.leaves(params)]
+    p_fallback = sum(leaf_sizes[i] for i in analysis.fallback)
+    o_pair = sum(pair_sizes)
+    per_pair = 2.0 * o_pair * p_fallback
+    per_sample = out_total * p_fallback
+    for group in analysis.groups:
+        for u in group:
+            use_u = analysis.uses[u]
+            a_u = math.prod(use_u.y_shape) // use_u.w_free_size
+            c, k = use_u.x_contract_size, use_u.w_free_size
+            per_sample += a_u * (c + out_total * k)
+            for v in group:
+                use_v = analysis.uses[v]
+                a_v = math.prod(use_v.y_shape) // use_v.w_free_size
+                per_pair += 2.0 * min(a_u * a_v * (c + o_pair * k), o_pair * c * k)
+    structured = CostEstimate(
+        "structured",
+        n_jac * out_total * 3 * forward + pairs * per_pair,
+        float(n_jac * per_sample * itemsize),
+    )
+    return jac, ntvp, structured
 
 
-def choose(jac: CostEstimate, ntvp: CostEstimate) -> str:
-    if jac.memory_bytes > JACOBIAN_MEMORY_BUDGET:
+def choose(estimates) -> str:
+    """The cheapest estimate in FLOPs whose memory fits the budget (else ``"ntvp"``)."""
+    fitting = [e for e in estimates if e.memory_bytes <= JACOBIAN_MEMORY_BUDGET]
+    if not fitting:
         return "ntvp"
-    return "jacobian" if jac.flops <= ntvp.flops else "ntvp"
+    return min(fitting, key=lambda e: e.flops).implementation

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _cost, _jacobian, _ntvp
+from . import _cost, _jacobian, _ntvp, _structured
 from ._layout import LeafLayout, resolve_layout
 from ._model import per_sample
 from ._options import KernelOptions
@@ -43,6 +43,7 @@ class _Config:
     layouts: tuple[LeafLayout, ...]
     shapes1: tuple[jax.ShapeDtypeStruct, ...]
     symmetric: bool
+    groups: tuple[tuple[int, ...], ...] = ()  # "structured": use indices per leaf
 
 
 @functools.lru_cache(maxsize=64)
@@ -71,6 +72,17 @@ def _ntvp_features(apply3, vmap_axes, precision):
             )
 
     return jax.jit(features, static_argnames=("out_tree", "batch_diagonal"))
+
+
+@functools.lru_cache(maxsize=64)
+def _structured_features(apply3, precision):
+    """The jitted first phase of ``"structured"``: layer inputs, cotangents, fallbacks."""
+
+    def features(params, x, aux, *, out_tree):
+        with jax.default_matmul_precision(precision):
+            return _structured.features(apply3, params, x, aux, out_tree)
+
+    return jax.jit(features, static_argnames=("out_tree",))
 
 
 def _signature(tree) -> tuple:
@@ -151,6 +163,7 @@ class KernelFunction:
         self._nngp_jit = jax.jit(self._nngp, static_argnames=("config",))
         self._contract = jax.jit(self._contract_jacobians, static_argnames=("config",))
         self._reduce = jax.jit(self._reduce_ntvp, static_argnames=("config",))
+        self._contract_s = jax.jit(self._contract_structured, static_argnames=("config",))
 
     # -- validation --------------------------------------------------------------------
     def _prepare(self, params, x1, x2, aux) -> _Config:
@@ -223,6 +236,12 @@ class KernelFunction:
         implementation = "nngp" if self._kind == "nngp" else opts.implementation
         if implementation == "auto":
             implementation = self._auto(params, x1, aux, n1, n2, x2 is None, shapes1, layouts)
+        groups = ()
+        if implementation == "structured":
+            if opts.vmap_axes is None:
+                implementation = "jacobian"  # no per-sample structure to exploit
+            else:
+                groups = self._analysis(params, x1, aux).groups
         return _Config(
             self._kind,
             implementation,
@@ -232,7 +251,12 @@ class KernelFunction:
             tuple(layouts),
             shapes1,
             x2 is None,
+            groups,
         )
+
+    def _analysis(self, params, x1, aux):
+        x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
+        return _structured.analysis_for(self._apply3, params, x_one, aux)[0]
 
     def _auto(self, params, x1, aux, n1, n2, symmetric, shapes1, layouts) -> str:
         x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
@@ -246,7 +270,7 @@ class KernelFunction:
                 size *= s.shape[a]
             pair_sizes.append(size)
         batch_diag = any(layout.batch_diagonal for layout in layouts)
-        jac, ntvp = _cost.estimate(
+        estimates = _cost.estimate(
             per_sample(self._apply3),
             params,
             x_one,
@@ -257,8 +281,9 @@ class KernelFunction:
             out_sizes=out_sizes,
             pair_sizes=pair_sizes,
             symmetric=symmetric,
+            analysis=self._analysis(params, x1, aux),
         )
-        return _cost.choose(jac, ntvp)
+        return _cost.choose(estimates)
 
     # -- computation -------------------------------------------------------------------
     def _nngp(self, params, x1, x2, aux, *, config: _Config):
@@ -279,6 +304,17 @@ class KernelFunction:
         with jax.default_matmul_precision(config.precision):
             kernels = _jacobian.contract(
                 config.layouts, j1, j1 if j2 is None else j2, _PRECISION[config.precision]
+            )
+        return jax.tree.unflatten(config.out_tree, kernels)
+
+    def _contract_structured(self, f1, f2, *, config: _Config):
+        with jax.default_matmul_precision(config.precision):
+            kernels = _structured.contract(
+                config.layouts,
+                config.groups,
+                f1,
+                f1 if f2 is None else f2,
+                _PRECISION[config.precision],
             )
         return jax.tree.unflatten(config.out_tree, kernels)
 
@@ -314,6 +350,11 @@ class KernelFunction:
             j1 = features(params, x1, aux, out_tree=config.out_tree)
             j2 = None if x2 is None else features(params, x2, aux, out_tree=config.out_tree)
             return self._contract(j1, j2, config=config)
+        if config.implementation == "structured":
+            features = _structured_features(self._apply3, config.precision)
+            f1 = features(params, x1, aux, out_tree=config.out_tree)
+            f2 = None if x2 is None else features(params, x2, aux, out_tree=config.out_tree)
+            return self._contract_s(f1, f2, config=config)
         if config.implementation == "ntvp":
             features = _ntvp_features(self._apply3, config.vmap_axes, config.precision)
             fulls = features(

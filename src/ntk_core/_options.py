@@ -20,8 +20,11 @@ vmap_axes:
     whole batch; required for models whose samples interact (BatchNorm in
     training mode).
 implementation:
-    ``"auto"`` (default), ``"jacobian"`` (Jacobian contraction) or ``"ntvp"``
-    (NTK-vector products). See :data:`IMPLEMENTATIONS`.
+    ``"auto"`` (default), ``"jacobian"`` (Jacobian contraction), ``"ntvp"``
+    (NTK-vector products) or ``"structured"`` (structured derivatives: Gram identities
+    for weights used in matrix products, explicit Jacobians for the other leaves; with
+    ``vmap_axes=None`` it computes the Jacobian contraction). See
+    :data:`IMPLEMENTATIONS`.
 precision:
     ``"highest"`` (default), ``"high"`` or ``"default"``: the matmul precision used
     for every matmul of the kernel computation, the model's own included.
@@ -35,7 +38,7 @@ import numbers
 from collections.abc import Sequence
 
 #: Valid values of ``implementation``.
-IMPLEMENTATIONS = ("auto", "jacobian", "ntvp")
+IMPLEMENTATIONS = ("auto", "jacobian", "ntvp", "structured")
 #: Valid values of ``precision``.
 PRECISIONS = ("highest", "high", "default")
 

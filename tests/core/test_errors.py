@@ -92,9 +92,9 @@ CASES = [
     ),
     (
         "unknown implementation",
-        lambda: ntk_core.empirical_ntk(f, W, X, implementation="structured"),
+        lambda: ntk_core.empirical_ntk(f, W, X, implementation="fast"),
         ValueError,
-        r"implementation must be one of 'auto', 'jacobian', 'ntvp', got 'structured'",
+        r"implementation must be one of 'auto', 'jacobian', 'ntvp', 'structured', got 'fast'",
     ),
     (
         "implementation int",

@@ -11,7 +11,7 @@ import ntk_core
 import reference
 import zoo
 
-IMPLEMENTATIONS = ["jacobian", "ntvp"]
+IMPLEMENTATIONS = ["jacobian", "ntvp", "structured"]
 
 
 def _square(k, n):
@@ -35,7 +35,7 @@ def test_symmetric_and_psd(implementation, trace_axes):
         implementation=implementation,
     )
     m = _square(np.asarray(k, np.float64), 6)
-    if implementation == "jacobian":
+    if implementation != "ntvp":
         # x2=None: J J^T is symmetric by construction (one operand).
         np.testing.assert_array_equal(m, m.T)
     else:
@@ -70,7 +70,7 @@ def test_traced_kernel_is_mean_of_full_kernel_diagonal():
     reference.assert_close(batch_diag, np.einsum("iiaa->i", full) / full.shape[-1])
 
 
-@pytest.mark.parametrize("implementation", ["jacobian", "ntvp", "auto"])
+@pytest.mark.parametrize("implementation", ["jacobian", "ntvp", "structured", "auto"])
 def test_no_recompilation_with_same_shapes(implementation):
     traces = []
 
@@ -117,7 +117,7 @@ def test_linear_model_closed_form():
     x2 = jax.random.normal(jax.random.PRNGKey(2), (2, 4))
     f = lambda w, x: x @ w  # noqa: E731
     gram = np.asarray(x1, np.float64) @ np.asarray(x2, np.float64).T
-    for impl in ["jacobian", "ntvp"]:
+    for impl in ["jacobian", "ntvp", "structured"]:
         full = ntk_core.empirical_ntk(f, w, x1, x2, trace_axes=(), implementation=impl)
         reference.assert_close(full, np.einsum("ij,ab->ijab", gram, np.eye(3)))
         reference.assert_close(ntk_core.empirical_ntk(f, w, x1, x2, implementation=impl), gram)

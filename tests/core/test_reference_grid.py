@@ -56,7 +56,7 @@ def _check(result, expected):
 
 @pytest.mark.parametrize("with_x2", [False, True], ids=["x2_none", "x2_given"])
 @pytest.mark.parametrize("axes", list(AXES))
-@pytest.mark.parametrize("implementation", ["jacobian", "ntvp", "auto"])
+@pytest.mark.parametrize("implementation", ["jacobian", "ntvp", "structured", "auto"])
 @pytest.mark.parametrize("name", list(zoo.ZOO))
 def test_ntk_matches_reference(name, implementation, axes, with_x2):
     entry = zoo.ZOO[name]
