@@ -98,7 +98,7 @@ def main():
         params = init(jax.random.PRNGKey(0))
         x = jax.random.normal(jax.random.PRNGKey(1), (n, *shape))
         row = {"case": name, "N": n}
-        for impl in ["jacobian", "ntvp"]:
+        for impl in ["structured", "jacobian", "ntvp"]:
             kf = ntk_core.ntk_fn(apply, trace_axes=(), implementation=impl)
             kernel = jax.jit(lambda p, a, b, kf=kf: kf(p, a, b))
             row[impl] = _time(kernel, params, x, x)
@@ -119,7 +119,7 @@ def main():
     print("| case | N | implementation | trace+lower s | compile s | warm run s |")
     print("| --- | --- | --- | --- | --- | --- |")
     for row in results:
-        for impl in ["jacobian", "ntvp", "naive vmap(jacrev)"]:
+        for impl in ["structured", "jacobian", "ntvp", "naive vmap(jacrev)"]:
             t = row[impl]
             print(
                 f"| {row['case']} | {row['N']} | {impl} | {t['trace_lower_s']:.2f} | "

@@ -8,6 +8,7 @@ from ntk_core._api import empirical_nngp as empirical_nngp
 from ntk_core._api import empirical_ntk as empirical_ntk
 from ntk_core._api import nngp_fn as nngp_fn
 from ntk_core._api import ntk_fn as ntk_fn
+from ntk_core._api import plan as plan
 from ntk_core._options import IMPLEMENTATIONS as IMPLEMENTATIONS
 from ntk_core._options import PRECISIONS as PRECISIONS
 from ntk_core._version import __version__ as __version__
@@ -20,4 +21,5 @@ __all__ = (
     "empirical_ntk",
     "nngp_fn",
     "ntk_fn",
+    "plan",
 )

@@ -106,6 +106,7 @@ def _make(kind: str, fn_name: str, apply_fn, options: dict) -> Callable:
         return kernel_function(params, x1, x2)
 
     kernel.implementation_for = kernel_function.implementation_for
+    kernel.plan = kernel_function.plan
     return kernel
 
 
@@ -248,3 +249,44 @@ def empirical_nngp(
         precision=precision,
     )
     return _get("nngp", "empirical_nngp", apply_fn, options)(params, x1, x2)
+
+
+def plan(
+    apply_fn: Callable,
+    params,
+    x1,
+    x2=None,
+    *,
+    trace_axes=(-1,),
+    diagonal_axes=(),
+    vmap_axes=0,
+    implementation="auto",
+    precision="highest",
+):
+    """What :func:`empirical_ntk` with these arguments would do, without computing it.
+
+    Returns a ``Plan`` with ``implementation`` (what ``"auto"`` chose, or the one asked
+    for), ``estimates`` (analytic FLOPs and feature memory in bytes of each
+    implementation considered, from the shapes; see :mod:`ntk_core._cost`) and
+    ``leaves``: for each parameter leaf its path, size P_l and method (``"structured
+    (k matrix products)"``, ``"jacobian (fallback)"``, ``"jacobian"`` or ``"ntvp"``).
+    ``print(plan)`` shows a table. Arguments and errors as :func:`empirical_ntk`.
+
+    Cost: one abstract trace of the model (no kernel is computed).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import ntk_core
+      >>> p = ntk_core.plan(lambda w, x: x @ w["w"] + w["b"],
+      ...                   {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}, jnp.ones((4, 3)))
+      >>> p.implementation, [leaf.method for leaf in p.leaves]
+      ('structured', ['jacobian (fallback)', 'structured (1 matrix product)'])
+    """
+    options = dict(
+        trace_axes=_freeze(trace_axes),
+        diagonal_axes=_freeze(diagonal_axes),
+        vmap_axes=vmap_axes,
+        implementation=implementation,
+        precision=precision,
+    )
+    return _get("ntk", "plan", apply_fn, options).plan(params, x1, x2)

@@ -30,6 +30,33 @@ from jax.extend import core as jex_core
 JACOBIAN_MEMORY_BUDGET = 4 * 2**30
 
 
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """How one parameter leaf enters the kernel."""
+
+    path: str  # e.g. "['Dense_0']['kernel']"
+    size: int
+    method: str  # "structured (1 matrix product)", "jacobian (fallback)", "ntvp", ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What an NTK call does: the implementation used, every estimate, each leaf."""
+
+    implementation: str
+    estimates: tuple  # CostEstimate for each implementation considered
+    leaves: tuple[LeafPlan, ...]
+
+    def __str__(self) -> str:
+        lines = [f"implementation: {self.implementation}"]
+        for e in self.estimates:
+            mib = e.memory_bytes / 2**20
+            lines.append(f"  {e.implementation:<10} {e.flops:12.3e} FLOPs  {mib:10.1f} MiB")
+        for leaf in self.leaves:
+            lines.append(f"  {leaf.path:<40} {leaf.size:>10}  {leaf.method}")
+        return "\n".join(lines)
+
+
 def _sub_jaxprs(params):
     for value in params.values():
         items = value if isinstance(value, (tuple, list)) else (value,)

@@ -259,6 +259,10 @@ class KernelFunction:
         return _structured.analysis_for(self._apply3, params, x_one, aux)[0]
 
     def _auto(self, params, x1, aux, n1, n2, symmetric, shapes1, layouts) -> str:
+        estimates = self._estimates(params, x1, aux, n1, n2, symmetric, shapes1, layouts)
+        return _cost.choose(estimates)
+
+    def _estimates(self, params, x1, aux, n1, n2, symmetric, shapes1, layouts):
         x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
         out_sizes = [math.prod(s.shape[1:]) for s in shapes1]
         pair_sizes = []
@@ -283,7 +287,9 @@ class KernelFunction:
             symmetric=symmetric,
             analysis=self._analysis(params, x1, aux),
         )
-        return _cost.choose(estimates)
+        if self._options.vmap_axes is None:  # "structured" needs per-sample independence
+            estimates = tuple(e for e in estimates if e.implementation != "structured")
+        return estimates
 
     # -- computation -------------------------------------------------------------------
     def _nngp(self, params, x1, x2, aux, *, config: _Config):
@@ -336,6 +342,35 @@ class KernelFunction:
             config = self._prepare(params, x1, x2, aux)
             self._configs[key] = config
         return config
+
+    def plan(self, params, x1, x2=None, aux=None) -> _cost.Plan:
+        """What a call with these inputs does: implementation, cost estimates, per leaf."""
+        params, x1, x2 = _as_arrays(params), _as_arrays(x1), _as_arrays(x2)
+        config = self.config_for(params, x1, x2, aux)
+        if config.kind == "nngp":
+            raise ValueError(f"{self._fn_name}: plan() describes NTK computations only.")
+        n1 = _batch_size(self._fn_name, "x1", x1)
+        n2 = n1 if x2 is None else _batch_size(self._fn_name, "x2", x2)
+        estimates = self._estimates(
+            params, x1, aux, n1, n2, x2 is None, config.shapes1, config.layouts
+        )
+        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+        sizes = [math.prod(np.shape(v)) for v in jax.tree.leaves(params)]
+        uses = {}
+        if config.implementation == "structured":
+            analysis = self._analysis(params, x1, aux)
+            for use in analysis.uses:
+                uses[use.leaf] = uses.get(use.leaf, 0) + 1
+        leaves = []
+        for i, (path, size) in enumerate(zip(paths, sizes, strict=True)):
+            if config.implementation != "structured":
+                method = config.implementation
+            elif i in uses:
+                method = f"structured ({uses[i]} matrix product{'s' if uses[i] > 1 else ''})"
+            else:
+                method = "jacobian (fallback)"
+            leaves.append(_cost.LeafPlan(path, size, method))
+        return _cost.Plan(config.implementation, tuple(estimates), tuple(leaves))
 
     def implementation_for(self, params, x1, x2=None, aux=None) -> str:
         """The implementation a call with these inputs uses (what ``"auto"`` chose)."""
