@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _cost, _jacobian, _ntvp, _structured
+from . import _cost, _jacobian, _ntvp, _probe, _structured
 from ._layout import LeafLayout, resolve_layout
 from ._model import per_sample
 from ._options import KernelOptions
@@ -117,13 +117,15 @@ def _batch_size(fn_name: str, name: str, x) -> int:
         if np.ndim(leaf) == 0:
             raise ValueError(
                 f"{fn_name}: {name} contains a scalar (shapes {_describe(x)}); every input "
-                f"array needs a batch axis 0. Fix: add one, e.g. x[None] for a single sample."
+                f"array needs a batch axis 0. Fix: pass an array (np.asarray(x) for a nested "
+                f"Python list), or add a batch axis, e.g. x[None] for a single sample."
             )
         sizes.add(np.shape(leaf)[0])
     if len(sizes) != 1:
         raise ValueError(
             f"{fn_name}: the arrays of {name} disagree on the batch size (axis 0): shapes "
-            f"{_describe(x)}. Fix: give every input array the same number of samples."
+            f"{_describe(x)}. Fix: give every input array the same number of samples; "
+            f"the argument order is (params, x1, x2), params first."
         )
     (n,) = sizes
     if n == 0:
@@ -144,6 +146,8 @@ class KernelFunction:
       options: validated :class:`KernelOptions`.
       check: optional ``check(params, x1, x2, aux)`` run once per new input signature
         (before compiling), for adapter-specific validation.
+      hint: how to put the model in evaluation mode, added to the error raised when
+        samples interact under ``vmap_axes=0``.
     """
 
     def __init__(
@@ -153,12 +157,14 @@ class KernelFunction:
         apply3: Callable,
         options: KernelOptions,
         check: Callable | None = None,
+        hint: str = "",
     ):
         self._fn_name = fn_name
         self._kind = kind
         self._apply3 = apply3
         self._options = options
         self._check = check
+        self._hint = hint
         self._configs: dict = {}
         self._nngp_jit = jax.jit(self._nngp, static_argnames=("config",))
         self._contract = jax.jit(self._contract_jacobians, static_argnames=("config",))
@@ -192,6 +198,13 @@ class KernelFunction:
                     f"Fix: pass inputs of the same structure."
                 )
             for a, b in zip(jax.tree.leaves(x1), jax.tree.leaves(x2), strict=True):
+                kind_a = jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+                if kind_a != jnp.issubdtype(jnp.result_type(b), jnp.inexact):
+                    raise TypeError(
+                        f"{fn}: x1 has dtype {jnp.result_type(a)} where x2 has "
+                        f"{jnp.result_type(b)}; one is integer and the other floating point. "
+                        f"Fix: give x2 the dtype of x1 (e.g. integer tokens for both)."
+                    )
                 if np.shape(a)[1:] != np.shape(b)[1:]:
                     raise ValueError(
                         f"{fn}: x1 and x2 differ in their non-batch shapes: x1 {_describe(x1)} "
@@ -216,8 +229,10 @@ class KernelFunction:
             where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
             if not leaf.shape or leaf.shape[0] != n1:
                 raise ValueError(
-                    f"{fn}: {where} has shape {leaf.shape} but x1 has {n1} samples; outputs "
-                    f"must keep the batch axis 0. Fix: make apply_fn return one row per sample."
+                    f"{fn}: {where} has shape {leaf.shape} but x1 has {n1} samples (x1 shapes "
+                    f"{_describe(x1)}); outputs must keep the batch axis 0. Fix: if x1 is a "
+                    f"single sample, add a batch axis (x1[None]); otherwise make apply_fn "
+                    f"return one row per sample."
                 )
             if not jnp.issubdtype(leaf.dtype, jnp.inexact):
                 raise TypeError(
@@ -232,6 +247,17 @@ class KernelFunction:
                     f"N1={n1} and N2={n2}. Fix: pass x2 with N1 samples, or x2=None."
                 )
             layouts.append(layout)
+        if opts.vmap_axes is not None and _probe.samples_interact(
+            self._apply3, params, x1, x2, aux
+        ):
+            how = f" (e.g. {self._hint})" if self._hint else ""
+            raise ValueError(
+                f"{fn}: the model's output for one sample depends on the other samples of "
+                f"its batch (batch statistics such as BatchNorm in training mode, a mean or "
+                f"softmax over the batch), so per-sample independence (vmap_axes=0) would "
+                f"give a wrong kernel. Fix: run the model in evaluation mode{how}, or pass "
+                f"vmap_axes=None to differentiate the whole batch."
+            )
         shapes1 = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
         implementation = "nngp" if self._kind == "nngp" else opts.implementation
         if implementation == "auto":

@@ -89,8 +89,9 @@ def run(out: str, n_train: int, seed: int, implementation: str, progress: bool |
     x_train, y_train = images[:n_train], labels[:n_train]
     x_test, y_test = images[n_train:], labels[n_train:]
 
+    os.makedirs(out, exist_ok=True)  # fail before computing, not after
     model = ntk_flax.LeNet(out_features=1)
-    variables = model.init(jax.random.PRNGKey(seed), x_train[:1])
+    variables = jax.jit(model.init)(jax.random.PRNGKey(seed), x_train[:1])
     twin = hk.without_apply_rng(hk.transform(ntk_haiku.lenet))
     twin_params = ntk_haiku.params_from_flax(variables["params"])
     kernel = ntk_flax.kernel_fn(model, implementation=implementation)
@@ -134,7 +135,6 @@ def run(out: str, n_train: int, seed: int, implementation: str, progress: bool |
     done(steps[3])
     bar.close()
 
-    os.makedirs(out, exist_ok=True)
     np.save(os.path.join(out, "ntk_train_train.npy"), k_train)
     np.save(os.path.join(out, "ntk_test_train.npy"), k_test_train)
     picture = os.path.join(out, "ntk_demo.png")

@@ -14,7 +14,7 @@ import flax.errors
 import flax.linen as nn
 import jax
 
-from ntk_core._adapter import BuildCache, freeze, kernel_function, samples_interact
+from ntk_core._adapter import BuildCache, freeze, kernel_function
 
 _MUTABLE = flax.core.DenyList(["params"])
 
@@ -95,14 +95,15 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
                 f"Fix: check that variables come from this model's init and that x1 has "
                 f"the shape it expects."
             ) from e
-        if vmap_axes is not None and rngs is None and samples_interact(apply3, params, x1, x2, aux):
-            raise ValueError(
-                f"{fn_name}: the model's output for one sample depends on the other samples "
-                f"of the batch, so per-sample independence (vmap_axes=0) would be wrong. "
-                f"Fix: pass vmap_axes=None."
-            )
 
-    kernel = kernel_function(fn_name, kind, apply3, options, check)
+    kernel = kernel_function(
+        fn_name,
+        kind,
+        apply3,
+        options,
+        check,
+        hint="use_running_average=True / apply_kwargs={'train': False}",
+    )
 
     def call(variables, x1, x2=None, *, rngs=None):
         params, rest = _split(fn_name, variables)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import haiku as hk
 import jax
 
-from ntk_core._adapter import BuildCache, freeze, kernel_function, samples_interact
+from ntk_core._adapter import BuildCache, freeze, kernel_function
 
 
 def _model_apply(transformed, apply_kwargs):
@@ -42,10 +42,8 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
         )
     apply_kwargs = dict(apply_kwargs or {})
     apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs)
-    vmap_axes = options.get("vmap_axes", 0)
 
     def check(params, x1, x2, aux):
-        state, rng = aux
         try:
             jax.eval_shape(lambda p, x, a: apply3(p, x, a), params, x1, aux)
         except ValueError as e:
@@ -65,15 +63,10 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
                 f"Fix: check that params come from this model's init and that x1 has the "
                 f"shape it expects."
             ) from e
-        if vmap_axes is not None and rng is None and samples_interact(apply3, params, x1, x2, aux):
-            raise ValueError(
-                f"{fn_name}: the model's output for one sample depends on the other samples "
-                f"of the batch (e.g. hk.BatchNorm with is_training=True), so per-sample "
-                f"independence (vmap_axes=0) would be wrong. Fix: apply it in evaluation mode "
-                f"(apply_kwargs={{'is_training': False}}), or pass vmap_axes=None."
-            )
 
-    kernel = kernel_function(fn_name, kind, apply3, options, check)
+    kernel = kernel_function(
+        fn_name, kind, apply3, options, check, hint="apply_kwargs={'is_training': False}"
+    )
 
     def call(params, x1, x2=None, *, state=None, rng=None):
         if with_state and state is None:
@@ -94,7 +87,8 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
         if not isinstance(params, Mapping):
             raise TypeError(
                 f"{fn_name}: params must be the dict returned by transformed.init, got "
-                f"{type(params).__name__}."
+                f"{type(params).__name__}. Fix: pass params = transformed.init(key, x); the "
+                f"argument order is (transformed, params, x1, x2)."
             )
         return kernel(params, x1, x2, (state, rng))
 

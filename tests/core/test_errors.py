@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -187,6 +188,53 @@ CASES = [
         lambda: ntk_core.empirical_nngp(f, W, X, trace_axes=(5,)),
         ValueError,
         r"empirical_nngp: trace_axes contains 5",
+    ),
+]
+
+
+def batch_centred(w, x):
+    h = x @ w
+    return h - h.mean(axis=0, keepdims=True)
+
+
+CASES += [
+    (
+        "samples interact under vmap_axes=0",
+        lambda: ntk_core.empirical_ntk(batch_centred, W, X + jnp.arange(4.0)[:, None]),
+        ValueError,
+        r"empirical_ntk: the model's output for one sample depends on the other samples of its batch .* or pass vmap_axes=None",
+    ),
+    (
+        "softmax over the batch",
+        lambda: ntk_core.empirical_ntk(
+            lambda w, x: jax.nn.softmax(x @ w, axis=0), W, X * jnp.arange(1.0, 5.0)[:, None]
+        ),
+        ValueError,
+        r"depends on the other samples",
+    ),
+    (
+        "x2 integer where x1 float",
+        lambda: ntk_core.empirical_ntk(f, W, X, jnp.ones((2, 3), jnp.int32)),
+        TypeError,
+        r"x1 has dtype float32 where x2 has int32; one is integer and the other floating point",
+    ),
+    (
+        "nested list input",
+        lambda: ntk_core.empirical_ntk(f, W, [[1.0, 2.0, 3.0]]),
+        ValueError,
+        r"x1 contains a scalar .*np.asarray\(x\) for a nested Python list",
+    ),
+    (
+        "params and x swapped",
+        lambda: ntk_core.empirical_ntk(f, X, {"w": W, "b": jnp.ones(2)}),
+        ValueError,
+        r"disagree on the batch size .* the argument order is \(params, x1, x2\)",
+    ),
+    (
+        "single sample without batch axis",
+        lambda: ntk_core.empirical_ntk(f, W, jnp.ones(3)),
+        ValueError,
+        r"the output has shape \(2,\) but x1 has 3 samples .* add a batch axis \(x1\[None\]\)",
     ),
 ]
 

@@ -135,10 +135,27 @@ def test_interacting_samples_refused_with_vmap_axes_0():
     x = jax.random.normal(jax.random.PRNGKey(0), (4, 2))
     variables = model.init(jax.random.PRNGKey(1), x)
     with pytest.raises(
-        ValueError, match=r"depends on the other samples .* Fix: pass vmap_axes=None"
+        ValueError,
+        match=r"ntk_flax.kernel: the model.s output for one sample depends on the other samples .* or pass vmap_axes=None",
     ):
         ntk_flax.kernel(model, variables, x)
     assert ntk_flax.kernel(model, variables, x, vmap_axes=None).shape == (4, 4)
+
+
+class CentredDropout(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dropout(0.5, deterministic=False)(nn.Dense(6)(x))
+        return h - h.mean(axis=0, keepdims=True)
+
+
+def test_interacting_samples_refused_even_with_dropout_rng():
+    """Same-shape probes: the dropout mask is the same in both, so only coupling shows."""
+    model = CentredDropout()
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 2))
+    variables = model.init(jax.random.PRNGKey(1), x)
+    with pytest.raises(ValueError, match=r"depends on the other samples"):
+        ntk_flax.kernel(model, variables, x, rngs={"dropout": jax.random.PRNGKey(2)})
 
 
 MODEL = nn.Dense(2)
