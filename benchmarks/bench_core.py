@@ -74,7 +74,7 @@ def _time(fn, *args):
     t2 = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     runs = []
-    for _ in range(2):
+    for _ in range(1):
         t = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         runs.append(time.perf_counter() - t)

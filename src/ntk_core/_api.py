@@ -270,9 +270,15 @@ def plan(
     implementation considered, from the shapes; see :mod:`ntk_core._cost`) and
     ``leaves``: for each parameter leaf its path, size P_l and method (``"structured
     (k matrix products)"``, ``"jacobian (fallback)"``, ``"jacobian"`` or ``"ntvp"``).
-    ``print(plan)`` shows a table. Arguments and errors as :func:`empirical_ntk`.
+    ``print(plan)`` shows a table. Arguments as :func:`empirical_ntk` (x1 with N1
+    samples, x2 with N2 or ``None``); the estimates count N1·N2 pairs (N1 on the batch
+    diagonal).
 
-    Cost: one abstract trace of the model (no kernel is computed).
+    Raises:
+      TypeError, ValueError: as :func:`ntk_fn`.
+
+    Cost: one abstract trace of the model and the independence probe (two small forward
+    passes); no kernel is computed.
 
     Example:
       >>> import jax.numpy as jnp
