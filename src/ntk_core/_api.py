@@ -14,8 +14,7 @@ from ._engine import KernelFunction
 from ._model import from_apply_fn
 from ._options import make_options
 
-_LAYOUT_DOC = """
-    Returns (for each output leaf of shape ``(N, O_1, ..., O_k)``; a pytree of kernels
+_LAYOUT_DOC = """Returns (for each output leaf of shape ``(N, O_1, ..., O_k)``; a pytree of kernels
     with the output's structure when the output is a pytree) an array of the output's
     dtype whose axes follow the output axes in order: a traced axis is absent, a
     diagonal axis appears once, any other axis twice (x1's then x2's). For outputs
@@ -28,7 +27,7 @@ _LAYOUT_DOC = """
 
 def _with_layout(fn):
     if fn.__doc__:  # None under python -OO
-        fn.__doc__ = fn.__doc__.replace("{layout}", _LAYOUT_DOC.strip("\n"))
+        fn.__doc__ = fn.__doc__.replace("{layout}", _LAYOUT_DOC.strip())
     return fn
 
 
@@ -70,7 +69,9 @@ def ntk_fn(
         Returns:
           ``kernel(params, x1, x2=None)``; ``x2=None`` means x2 is x1 (the Jacobians are
           computed once and the result is exactly symmetric).
+
     {layout}
+
         Raises:
           TypeError: ``apply_fn`` not callable, option of the wrong type, integer params or
             outputs.
@@ -131,7 +132,9 @@ def nngp_fn(
 
         Returns:
           ``kernel(params, x1, x2=None)``.
+
     {layout}
+
         Raises:
           TypeError, ValueError: as :func:`ntk_fn`.
 
@@ -165,8 +168,16 @@ def _get(kind, fn_name, apply_fn, options: dict) -> Callable:
     return _cached(kind, fn_name, apply_fn, items)
 
 
-def _freeze(value):
-    return tuple(value) if isinstance(value, list) else value
+_OPTION_NAMES = ("trace_axes", "diagonal_axes", "vmap_axes", "implementation", "precision")
+
+
+def _options(arguments: dict) -> dict:
+    """The kernel options among a function's arguments, lists frozen to tuples."""
+    return {
+        k: tuple(v) if isinstance(v, list) else v
+        for k, v in arguments.items()
+        if k in _OPTION_NAMES
+    }
 
 
 @_with_layout
@@ -184,36 +195,31 @@ def empirical_ntk(
 ):
     """Empirical NTK of ``apply_fn`` at ``params`` between x1 and x2 (x1 if None).
 
-        The one-call form of :func:`ntk_fn`: the compiled function is cached per
-        ``(apply_fn, options)``, so repeated calls with the same ``apply_fn`` object and
-        shapes do not recompile.
+    The one-call form of :func:`ntk_fn`: the compiled function is cached per
+    ``(apply_fn, options)``, so repeated calls with the same ``apply_fn`` object and
+    shapes do not recompile.
 
-        Args:
-          apply_fn: ``apply_fn(params, x)``.
-          params: pytree of floating arrays (total size P).
-          x1: pytree of arrays with batch axis 0 of size N1.
-          x2: ``None`` (x2 is x1) or a pytree like x1 with N2 samples.
-          trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
-            :mod:`ntk_core._options`.
+    Args:
+      apply_fn: ``apply_fn(params, x)``.
+      params: pytree of floating arrays (total size P).
+      x1: pytree of arrays with batch axis 0 of size N1.
+      x2: ``None`` (x2 is x1) or a pytree like x1 with N2 samples.
+      trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
+        :mod:`ntk_core._options`.
+
     {layout}
-        Raises:
-          TypeError, ValueError: as :func:`ntk_fn`.
 
-        Example:
-          >>> import jax.numpy as jnp
-          >>> import ntk_core
-          >>> k = ntk_core.empirical_ntk(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3))
-          >>> k.shape
-          (3, 3)
+    Raises:
+      TypeError, ValueError: as :func:`ntk_fn`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import ntk_core
+      >>> k = ntk_core.empirical_ntk(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3))
+      >>> k.shape
+      (3, 3)
     """
-    options = dict(
-        trace_axes=_freeze(trace_axes),
-        diagonal_axes=_freeze(diagonal_axes),
-        vmap_axes=vmap_axes,
-        implementation=implementation,
-        precision=precision,
-    )
-    return _get("ntk", "empirical_ntk", apply_fn, options)(params, x1, x2)
+    return _get("ntk", "empirical_ntk", apply_fn, _options(locals()))(params, x1, x2)
 
 
 @_with_layout
@@ -230,25 +236,21 @@ def empirical_nngp(
 ):
     """Empirical NNGP kernel f(x1)·f(x2) of ``apply_fn`` at ``params``.
 
-        The one-call form of :func:`nngp_fn` (compiled function cached per
-        ``(apply_fn, options)``). Arguments as :func:`empirical_ntk`.
-    {layout}
-        Raises:
-          TypeError, ValueError: as :func:`nngp_fn`.
+    The one-call form of :func:`nngp_fn` (compiled function cached per
+    ``(apply_fn, options)``). Arguments as :func:`empirical_ntk`.
 
-        Example:
-          >>> import jax.numpy as jnp
-          >>> import ntk_core
-          >>> ntk_core.empirical_nngp(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3)).shape
-          (3, 3)
+    {layout}
+
+    Raises:
+      TypeError, ValueError: as :func:`nngp_fn`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import ntk_core
+      >>> ntk_core.empirical_nngp(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3)).shape
+      (3, 3)
     """
-    options = dict(
-        trace_axes=_freeze(trace_axes),
-        diagonal_axes=_freeze(diagonal_axes),
-        vmap_axes=vmap_axes,
-        precision=precision,
-    )
-    return _get("nngp", "empirical_nngp", apply_fn, options)(params, x1, x2)
+    return _get("nngp", "empirical_nngp", apply_fn, _options(locals()))(params, x1, x2)
 
 
 def plan(
@@ -288,11 +290,4 @@ def plan(
       >>> p.implementation, [leaf.method for leaf in p.leaves]
       ('structured', ['jacobian (fallback)', 'structured (1 matrix product)'])
     """
-    options = dict(
-        trace_axes=_freeze(trace_axes),
-        diagonal_axes=_freeze(diagonal_axes),
-        vmap_axes=vmap_axes,
-        implementation=implementation,
-        precision=precision,
-    )
-    return _get("ntk", "plan", apply_fn, options).plan(params, x1, x2)
+    return _get("ntk", "plan", apply_fn, _options(locals())).plan(params, x1, x2)

@@ -204,8 +204,7 @@ def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
                 records[here] = invals[x_side]
                 outs = [outs[0] + delta]
         for v, val in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(v, jex.DropVar):
-                env[v] = val
+            env[v] = val  # a dropped output (DropVar) is never read
     return [read(v) for v in jaxpr.outvars]
 
 
