@@ -6,8 +6,10 @@ jax and numpy (never flax or haiku).
 
 from ntk_core._api import empirical_nngp as empirical_nngp
 from ntk_core._api import empirical_ntk as empirical_ntk
+from ntk_core._api import empirical_ntk_per_leaf as empirical_ntk_per_leaf
 from ntk_core._api import nngp_fn as nngp_fn
 from ntk_core._api import ntk_fn as ntk_fn
+from ntk_core._api import ntk_per_leaf_fn as ntk_per_leaf_fn
 from ntk_core._api import plan as plan
 from ntk_core._options import IMPLEMENTATIONS as IMPLEMENTATIONS
 from ntk_core._options import PRECISIONS as PRECISIONS
@@ -19,7 +21,9 @@ __all__ = (
     "__version__",
     "empirical_nngp",
     "empirical_ntk",
+    "empirical_ntk_per_leaf",
     "nngp_fn",
     "ntk_fn",
+    "ntk_per_leaf_fn",
     "plan",
 )

@@ -35,7 +35,7 @@ _PRECISION = {
 class _Config:
     """Static configuration of one compiled call."""
 
-    kind: str  # "ntk" or "nngp"
+    kind: str  # "ntk", "ntk_per_leaf" or "nngp"
     implementation: str  # "jacobian", "ntvp" or "nngp"
     vmap_axes: int | None
     precision: str
@@ -43,7 +43,8 @@ class _Config:
     layouts: tuple[LeafLayout, ...]
     shapes1: tuple[jax.ShapeDtypeStruct, ...]
     symmetric: bool
-    groups: tuple[tuple[int, ...], ...] = ()  # "structured": use indices per leaf
+    params_tree: Any = None
+    structure: tuple = ()  # "structured": Analysis.leaves(...)
 
 
 @functools.lru_cache(maxsize=64)
@@ -260,14 +261,26 @@ class KernelFunction:
             )
         shapes1 = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
         implementation = "nngp" if self._kind == "nngp" else opts.implementation
-        if implementation == "auto":
-            implementation = self._auto(params, x1, aux, n1, n2, x2 is None, shapes1, layouts)
-        groups = ()
+        if self._kind == "ntk_per_leaf" and implementation == "auto":
+            implementation = "auto_per_leaf"
+        if implementation in ("auto", "auto_per_leaf"):
+            estimates = self._estimates(params, x1, aux, n1, n2, x2 is None, shapes1, layouts)
+            if implementation == "auto_per_leaf":
+                estimates = tuple(e for e in estimates if e.implementation != "ntvp")
+            implementation = _cost.choose(estimates)
+        if self._kind == "ntk_per_leaf" and implementation == "ntvp":
+            raise ValueError(
+                f"{fn}: per-leaf kernels need implementation 'jacobian', 'structured' or "
+                f"'auto', got 'ntvp' (NTK-vector products do not separate the leaves). Fix: "
+                f"pass implementation='auto'."
+            )
+        structure = ()
         if implementation == "structured":
             if opts.vmap_axes is None:
                 implementation = "jacobian"  # no per-sample structure to exploit
             else:
-                groups = self._analysis(params, x1, aux).groups
+                n_leaves = len(jax.tree.leaves(params))
+                structure = self._analysis(params, x1, aux).leaves(n_leaves)
         return _Config(
             self._kind,
             implementation,
@@ -277,16 +290,13 @@ class KernelFunction:
             tuple(layouts),
             shapes1,
             x2 is None,
-            groups,
+            jax.tree.structure(params),
+            structure,
         )
 
     def _analysis(self, params, x1, aux):
         x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
         return _structured.analysis_for(self._apply3, params, x_one, aux)[0]
-
-    def _auto(self, params, x1, aux, n1, n2, symmetric, shapes1, layouts) -> str:
-        estimates = self._estimates(params, x1, aux, n1, n2, symmetric, shapes1, layouts)
-        return _cost.choose(estimates)
 
     def _estimates(self, params, x1, aux, n1, n2, symmetric, shapes1, layouts):
         x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
@@ -332,23 +342,34 @@ class KernelFunction:
                 kernels.append(k / layout.trace_size(a.shape))
         return jax.tree.unflatten(config.out_tree, kernels)
 
+    @staticmethod
+    def _finish(per_leaf, config: _Config):
+        """Per output leaf lists of per-parameter-leaf kernels -> the result pytree."""
+        if config.kind == "ntk_per_leaf":
+            by_leaf = [
+                jax.tree.unflatten(config.out_tree, [terms[i] for terms in per_leaf])
+                for i in range(config.params_tree.num_leaves)
+            ]
+            return jax.tree.unflatten(config.params_tree, by_leaf)
+        return jax.tree.unflatten(config.out_tree, [functools.reduce(jnp.add, t) for t in per_leaf])
+
     def _contract_jacobians(self, j1, j2, *, config: _Config):
         with jax.default_matmul_precision(config.precision):
-            kernels = _jacobian.contract(
+            per_leaf = _jacobian.contract(
                 config.layouts, j1, j1 if j2 is None else j2, _PRECISION[config.precision]
             )
-        return jax.tree.unflatten(config.out_tree, kernels)
+        return self._finish(per_leaf, config)
 
     def _contract_structured(self, f1, f2, *, config: _Config):
         with jax.default_matmul_precision(config.precision):
-            kernels = _structured.contract(
+            per_leaf = _structured.contract(
                 config.layouts,
-                config.groups,
+                config.structure,
                 f1,
                 f1 if f2 is None else f2,
                 _PRECISION[config.precision],
             )
-        return jax.tree.unflatten(config.out_tree, kernels)
+        return self._finish(per_leaf, config)
 
     def _reduce_ntvp(self, fulls, *, config: _Config):
         kernels = _ntvp.reduce(config.layouts, fulls, self._pairwise(config))
@@ -373,7 +394,7 @@ class KernelFunction:
         """What a call with these inputs does: implementation, cost estimates, per leaf."""
         params, x1, x2 = _as_arrays(params), _as_arrays(x1), _as_arrays(x2)
         config = self.config_for(params, x1, x2, aux)
-        if config.kind == "nngp":
+        if config.kind != "ntk":
             raise ValueError(f"{self._fn_name}: plan() describes NTK computations only.")
         n1 = _batch_size(self._fn_name, "x1", x1)
         n2 = n1 if x2 is None else _batch_size(self._fn_name, "x2", x2)
@@ -384,7 +405,7 @@ class KernelFunction:
         sizes = [math.prod(np.shape(v)) for v in jax.tree.leaves(params)]
         uses = {}
         if config.implementation == "structured":
-            analysis = self._analysis(params, x1, aux)
+            analysis = self._analysis(params, x1, aux)  # uses per leaf, for the report
             for use in analysis.uses:
                 uses[use.leaf] = uses.get(use.leaf, 0) + 1
         leaves = []

@@ -36,14 +36,15 @@ def jacobians(apply3, params, x, aux, vmap_axes, out_tree):
 
 
 def contract(layouts, jac1, jac2, precision):
-    """Kernels per output leaf from two lists of flattened Jacobians."""
+    """Per output leaf, the list of each parameter leaf's kernel (they sum to the NTK)."""
     kernels = []
     for layout, m1, m2 in zip(layouts, jac1, jac2, strict=True):
         lhs, rhs, out = layout.specs(n_contracted=1)
-        spec = f"{lhs},{rhs}->{out}"
-        total = None
-        for a, b in zip(m1, m2, strict=True):
-            term = jnp.einsum(spec, a, b, precision=precision)
-            total = term if total is None else total + term
-        kernels.append(total / layout.trace_size(m1[0].shape))
+        size = layout.trace_size(m1[0].shape)
+        kernels.append(
+            [
+                jnp.einsum(f"{lhs},{rhs}->{out}", a, b, precision=precision) / size
+                for a, b in zip(m1, m2, strict=True)
+            ]
+        )
     return kernels

@@ -72,6 +72,11 @@ class Analysis:
     fallback: tuple[int, ...]  # parameter leaves differentiated explicitly
     groups: tuple[tuple[int, ...], ...]  # use indices of each structured leaf
 
+    def leaves(self, n_leaves: int) -> tuple:
+        """``(n_leaves, fallback, groups, leaf of each group)`` for :func:`contract`."""
+        group_leaves = tuple(self.uses[g[0]].leaf for g in self.groups)
+        return (n_leaves, self.fallback, self.groups, group_leaves)
+
 
 def _sub_jaxpr(eqn):
     for name in ("jaxpr", "call_jaxpr"):
@@ -285,22 +290,26 @@ def _fresh_letters(used: str, n: int) -> list[str]:
     return free[:n]
 
 
-def contract(layouts, groups, f1, f2, precision):
-    """Kernels per output leaf from two feature dicts of :func:`features`."""
+def contract(layouts, analysis_leaves, f1, f2, precision):
+    """Per output leaf, the list of each parameter leaf's kernel (they sum to the NTK).
+
+    ``analysis_leaves`` is ``(n_leaves, fallback leaf ids, groups of use indices, group
+    leaf ids)``.
+    """
+    n_leaves, fallback, groups, group_leaves = analysis_leaves
     kernels = []
     for k, layout in enumerate(layouts):
         lhs, rhs, out = layout.specs(n_contracted=1)
-        total = None
-
-        def add(term, total):
-            return term if total is None else total + term
-
-        for a, b in zip(f1["fallback"][k], f2["fallback"][k], strict=True):
-            total = add(jnp.einsum(f"{lhs},{rhs}->{out}", a, b, precision=precision), total)
+        n1_shape = (f1["g"][k][0] if f1["g"][k] else f1["fallback"][k][0]).shape
+        size = layout.trace_size(n1_shape)
+        per_leaf = [None] * n_leaves
+        for leaf, a, b in zip(fallback, f1["fallback"][k], f2["fallback"][k], strict=True):
+            per_leaf[leaf] = jnp.einsum(f"{lhs},{rhs}->{out}", a, b, precision=precision) / size
         lo, ro, _ = layout.specs()
         ia, ib, c, kk = _fresh_letters(lo + ro + out, 4)
         spec = f"{lo[0]}{ia}{c},{ro[0]}{ib}{c},{lo}{ia}{kk},{ro}{ib}{kk}->{out}"
-        for group in groups:
+        for leaf, group in zip(group_leaves, groups, strict=True):
+            total = None
             for u in group:
                 for v in group:
                     term = jnp.einsum(
@@ -312,7 +321,7 @@ def contract(layouts, groups, f1, f2, precision):
                         precision=precision,
                         optimize="optimal",
                     )
-                    total = add(term, total)
-        n1_shape = (f1["g"][k][0] if f1["g"][k] else f1["fallback"][k][0]).shape
-        kernels.append(total / layout.trace_size(n1_shape))
+                    total = term if total is None else total + term
+            per_leaf[leaf] = total / size
+        kernels.append(per_leaf)
     return kernels

@@ -128,3 +128,50 @@ def test_structured_picked_for_wide_mlp():
     flops = {e.implementation: e.flops for e in plan.estimates}
     assert plan.implementation == "structured"
     assert flops["structured"] * 100 < flops["jacobian"]
+
+
+@pytest.mark.parametrize("implementation", ["jacobian", "structured", "auto"])
+@pytest.mark.parametrize("name", ["tied", "tokens", "dict_input"])
+def test_per_leaf_kernels_sum_to_total_and_match_reference(name, implementation):
+    import numpy as np
+
+    import zoo
+
+    entry = zoo.ZOO[name]
+    f, p = zoo.apply_fn(entry), entry.variables["params"]
+    x1, x2 = zoo.inputs(entry)
+    per_leaf = ntk_core.empirical_ntk_per_leaf(
+        f, p, x1, x2, trace_axes=(), implementation=implementation
+    )
+    assert jax.tree.structure(
+        per_leaf, is_leaf=lambda v: isinstance(v, tuple)
+    ) == jax.tree.structure(p)
+    total = ntk_core.empirical_ntk(f, p, x1, x2, trace_axes=(), implementation=implementation)
+    leaves = jax.tree.leaves(p)
+    n_out = len(jax.tree.leaves(total))
+    kernels = jax.tree.leaves(per_leaf)
+    assert len(kernels) == len(leaves) * n_out
+    for k in range(n_out):
+        summed = sum(np.asarray(kernels[j * n_out + k], np.float64) for j in range(len(leaves)))
+        reference.assert_close(summed, np.asarray(jax.tree.leaves(total)[k], np.float64))
+    # Each leaf's kernel against the reference restricted to that leaf.
+    for i in (0, len(leaves) - 1):
+
+        def f_leaf(leaf, x, i=i):
+            new = list(leaves)
+            new[i] = leaf
+            return f(jax.tree.unflatten(jax.tree.structure(p), new), x)
+
+        expected = reference.ntk(f_leaf, leaves[i], x1, x2, trace_axes=())
+        for k in range(n_out):
+            reference.assert_close(kernels[i * n_out + k], expected[k])
+
+
+def test_per_leaf_refuses_ntvp():
+    with pytest.raises(
+        ValueError,
+        match=r"empirical_ntk_per_leaf: per-leaf kernels need implementation 'jacobian', 'structured' or 'auto', got 'ntvp'",
+    ):
+        ntk_core.empirical_ntk_per_leaf(
+            mlp, _params((4, 4), (4,), (4, 3)), jnp.ones((3, 4)), implementation="ntvp"
+        )
