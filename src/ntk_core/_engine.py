@@ -2,8 +2,10 @@
 
 A :class:`KernelFunction` validates its inputs in Python (before any tracing), resolves
 the output layout and the implementation once per distinct input signature (tree
-structures, shapes and dtypes), and then calls one ``jax.jit``-compiled function, so a
-second call with the same shapes neither re-validates the model nor recompiles.
+structures, shapes and dtypes), and then calls ``jax.jit``-compiled phases (DESIGN.md):
+per-sample features of each batch, compiled per ``(apply3, vmap_axes, precision)`` and
+shared across axes settings, then the pairwise contraction. A second call with the
+same shapes neither re-validates the model nor recompiles.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class _Config:
     """Static configuration of one compiled call."""
 
     kind: str  # "ntk", "ntk_per_leaf" or "nngp"
-    implementation: str  # "jacobian", "ntvp" or "nngp"
+    implementation: str  # "jacobian", "ntvp", "structured" or "nngp"
     vmap_axes: int | None
     precision: str
     out_tree: Any
