@@ -78,12 +78,12 @@ def _ntvp_features(apply3, vmap_axes, precision):
 
 
 @functools.lru_cache(maxsize=64)
-def _structured_features(apply3, precision):
+def _structured_features(apply3, precision, fuse_bias):
     """The jitted first phase of ``"structured"``: layer inputs, cotangents, fallbacks."""
 
     def features(params, x, aux, *, out_tree):
         with jax.default_matmul_precision(precision):
-            return _structured.features(apply3, params, x, aux, out_tree)
+            return _structured.features(apply3, params, x, aux, out_tree, fuse_bias)
 
     return jax.jit(features, static_argnames=("out_tree",))
 
@@ -296,9 +296,14 @@ class KernelFunction:
             structure,
         )
 
+    @property
+    def _fuse_bias(self) -> bool:
+        """Biases join their product's Gram identity, except when split per leaf."""
+        return self._kind != "ntk_per_leaf"
+
     def _analysis(self, params, x1, aux):
         x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
-        return _structured.analysis_for(self._apply3, params, x_one, aux)[0]
+        return _structured.analysis_for(self._apply3, params, x_one, aux, self._fuse_bias)[0]
 
     def _estimates(self, params, x1, aux, n1, n2, symmetric, shapes1, layouts):
         x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
@@ -416,8 +421,10 @@ class KernelFunction:
                 method = config.implementation
             elif i in uses:
                 method = f"structured ({uses[i]} matrix product{'s' if uses[i] > 1 else ''})"
-            else:
+            elif i in analysis.fallback:
                 method = "jacobian (fallback)"
+            else:
+                method = "structured (bias fused with its matrix product)"
             leaves.append(_cost.LeafPlan(path, size, method))
         return _cost.Plan(config.implementation, tuple(estimates), tuple(leaves))
 
@@ -435,7 +442,7 @@ class KernelFunction:
             j2 = None if x2 is None else features(params, x2, aux, out_tree=config.out_tree)
             return self._contract(j1, j2, config=config)
         if config.implementation == "structured":
-            features = _structured_features(self._apply3, config.precision)
+            features = _structured_features(self._apply3, config.precision, self._fuse_bias)
             f1 = features(params, x1, aux, out_tree=config.out_tree)
             f2 = None if x2 is None else features(params, x2, aux, out_tree=config.out_tree)
             return self._contract_s(f1, f2, config=config)

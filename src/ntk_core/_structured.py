@@ -71,6 +71,7 @@ class Analysis:
     uses: tuple[Use, ...]
     fallback: tuple[int, ...]  # parameter leaves differentiated explicitly
     groups: tuple[tuple[int, ...], ...]  # use indices of each structured leaf
+    biased: tuple[bool, ...] = ()  # per use: a bias added to its output is fused in
 
     def leaves(self, n_leaves: int) -> tuple:
         """``(n_leaves, fallback, groups, leaf of each group)`` for :func:`contract`."""
@@ -96,15 +97,47 @@ def _literal(v) -> bool:
     return isinstance(v, jex.Literal)
 
 
-def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int) -> Analysis:
-    """Finds the structured uses of the first ``n_param_leaves`` inputs of ``closed``."""
+def _order_preserving(chain, shape) -> bool:
+    """A chain of reshapes / broadcasts that keeps the leaf's elements in order."""
+    for name, params in chain:
+        if name == "broadcast_in_dim":
+            dims = dict(params).get("broadcast_dimensions", "")
+            try:
+                dims = tuple(int(d) for d in dims.strip("()").split(",") if d.strip())
+            except ValueError:
+                return False
+            if list(dims) != sorted(dims):
+                return False
+        elif name != "reshape":
+            return False
+    return True
+
+
+def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True) -> Analysis:
+    """Finds the structured uses of the first ``n_param_leaves`` inputs of ``closed``.
+
+    With ``fuse_bias``, a bias added to the output of a Dense-like product on one
+    position (A = 1) joins that product's Gram identity as a constant input column:
+    K_W + K_b = (x1·x2 + 1)(g1·g2).
+    """
     uses: list[Use] = []
     bad: set[int] = set()
+    use_of_output: dict = {}  # output var of a use -> use index
+    bias_candidates: list[tuple[int, int, tuple, tuple]] = []  # (use, leaf, chain, shape)
 
     def walk(jaxpr, origins: dict, path: tuple):
         # origins: var -> (leaf, view chain) for parameter views
         def origin(v):
             return None if _literal(v) else origins.get(v)
+
+        readers: dict = {}  # var -> how many equations (or the outputs) read it
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if not _literal(v):
+                    readers[v] = readers.get(v, 0) + 1
+        for v in jaxpr.outvars:
+            if not _literal(v):
+                readers[v] = readers.get(v, 0) + 1
 
         for i, eqn in enumerate(jaxpr.eqns):
             here = path + (i,)
@@ -117,16 +150,32 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int) -> Analysis:
                 sub_origins = {v: o for v, o in zip(sub.invars, ins, strict=True) if o is not None}
                 walk(sub, sub_origins, here)  # views it returns are marked there
                 continue
-            if name in _VIEW_PRIMITIVES and len(eqn.invars) == 1:
+            if name in _VIEW_PRIMITIVES or name == "broadcast_in_dim":
+                if len(eqn.invars) != 1:
+                    for o in ins:
+                        if o is not None:
+                            bad.add(o[0])
+                    continue
                 leaf, chain = ins[0]
                 step = (name, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
                 origins[eqn.outvars[0]] = (leaf, chain + (step,))
                 continue
+            if name == "add" and len(ins) == 2 and sum(o is not None for o in ins) == 1:
+                b_side = 0 if ins[0] is not None else 1
+                y = eqn.invars[1 - b_side]
+                # Fusable only when the product's output feeds this add alone, so the
+                # cotangent at the product equals the one at the bias.
+                if not _literal(y) and y in use_of_output and readers.get(y) == 1:
+                    leaf, chain = ins[b_side]
+                    shape = tuple(eqn.invars[b_side].aval.shape)
+                    bias_candidates.append((use_of_output[y], leaf, chain, shape))
+                    continue
             if name == "dot_general" and sum(o is not None for o in ins) == 1:
                 (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
                 w_side = 0 if ins[0] is not None else 1
                 leaf, chain = ins[w_side]
-                if not lb and not rb:
+                through_broadcast = any(step[0] == "broadcast_in_dim" for step in chain)
+                if not lb and not rb and not through_broadcast:
                     x_side = 1 - w_side
                     x_var, w_var = eqn.invars[x_side], eqn.invars[w_side]
                     x_contract = tuple(lc if x_side == 0 else rc)
@@ -148,6 +197,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int) -> Analysis:
                             math.prod(x_var.aval.shape[a] for a in x_contract),
                         )
                     )
+                    use_of_output[eqn.outvars[0]] = len(uses) - 1
                     continue
             for o in ins:  # any other use of a parameter view
                 if o is not None:
@@ -165,13 +215,39 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int) -> Analysis:
     for leaf, members in by_leaf.items():
         if len({uses[u].key for u in members}) > 1:
             bad.add(leaf)  # the same leaf seen through different views: no pairing
-    kept = [u for u in uses if u.leaf not in bad]
+    uses_per_leaf = {leaf: len(m) for leaf, m in by_leaf.items()}
+    bias_count: dict[int, int] = {}
+    for _, leaf, _, _ in bias_candidates:
+        bias_count[leaf] = bias_count.get(leaf, 0) + 1
+    fused: dict[int, int] = {}  # use index (in ``uses``) -> bias leaf
+    for u, leaf, chain, shape in bias_candidates:
+        use = uses[u]
+        ok = (
+            fuse_bias
+            and leaf not in bad
+            and leaf not in by_leaf
+            and bias_count[leaf] == 1
+            and use.leaf not in bad
+            and uses_per_leaf[use.leaf] == 1
+            and use.x_side == 0
+            and math.prod(use.y_shape) == use.w_free_size  # one position: A = 1
+            and shape == use.y_shape
+            and _order_preserving(chain, shape)
+        )
+        if ok:
+            fused[u] = leaf
+        else:
+            bad.add(leaf)
+    kept_index = [u for u, use in enumerate(uses) if use.leaf not in bad]
+    kept = [uses[u] for u in kept_index]
+    biased = tuple(u in fused for u in kept_index)
     groups: dict[int, list[int]] = {}
     for u, use in enumerate(kept):
         groups.setdefault(use.leaf, []).append(u)
-    structured = set(groups)
+    absorbed = set(fused.values())
+    structured = set(groups) | absorbed
     fallback = tuple(i for i in range(n_param_leaves) if i not in structured)
-    return Analysis(tuple(kept), fallback, tuple(tuple(g) for g in groups.values()))
+    return Analysis(tuple(kept), fallback, tuple(tuple(g) for g in groups.values()), biased)
 
 
 def _bind(eqn, invals):
@@ -213,13 +289,15 @@ def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
     return [read(v) for v in jaxpr.outvars]
 
 
-def analysis_for(apply3, params, x_one, aux) -> tuple[Analysis, jex.ClosedJaxpr]:
+def analysis_for(
+    apply3, params, x_one, aux, fuse_bias: bool = True
+) -> tuple[Analysis, jex.ClosedJaxpr]:
     """The structured analysis of ``apply3`` on one sample (shapes suffice)."""
     closed = jax.make_jaxpr(per_sample(apply3))(params, x_one, aux)
-    return analyse(closed, len(jax.tree.leaves(params))), closed
+    return analyse(closed, len(jax.tree.leaves(params)), fuse_bias), closed
 
 
-def features(apply3, params, x, aux, out_tree):
+def features(apply3, params, x, aux, out_tree, fuse_bias: bool = True):
     """Per-sample structured features of a batch.
 
     Returns a dict with ``"fallback"``: per output leaf, a list of explicit Jacobians
@@ -227,7 +305,7 @@ def features(apply3, params, x, aux, out_tree):
     leaf, per use, cotangents ``(N, *O, A, K)``.
     """
     x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), x)
-    analysis, closed = analysis_for(apply3, params, x_one, aux)
+    analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias)
     param_leaves = jax.tree.leaves(params)
 
     def one(x_i):
@@ -275,13 +353,17 @@ def features(apply3, params, x, aux, out_tree):
             per_use.append(gu)
         g.append(per_use)
     x_mats = []
-    for use, xu in zip(analysis.uses, xs, strict=True):
+    biased_uses = analysis.biased or (False,) * len(analysis.uses)
+    for use, xu, biased in zip(analysis.uses, xs, biased_uses, strict=True):
         # xu: (N, *x_shape) -> (N, A, C): free axes first, then contracting in order.
         perm = (0,) + tuple(1 + a for a in use.x_free) + tuple(1 + a for a in use.x_contract)
         xu = jnp.transpose(xu, perm)
         n_free = 1 + len(use.x_free)
         a = math.prod(xu.shape[1:n_free])
-        x_mats.append(xu.reshape((xu.shape[0], a, -1)))
+        xu = xu.reshape((xu.shape[0], a, -1))
+        if biased:  # the fused bias: a constant input column
+            xu = jnp.concatenate([xu, jnp.ones(xu.shape[:2] + (1,), xu.dtype)], axis=-1)
+        x_mats.append(xu)
     return {"fallback": fallback, "x": x_mats, "g": g}
 
 
@@ -323,5 +405,5 @@ def contract(layouts, analysis_leaves, f1, f2, precision):
                     )
                     total = term if total is None else total + term
             per_leaf[leaf] = total / size
-        kernels.append(per_leaf)
+        kernels.append([term for term in per_leaf if term is not None])  # fused biases
     return kernels

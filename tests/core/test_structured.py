@@ -32,6 +32,12 @@ def mlp(p, x):
     return jax.nn.softplus(x @ p[0] + p[1]) @ p[2]
 
 
+def product_read_twice(p, x):
+    """x W feeds the bias add and the output: the bias must not be fused."""
+    y = x @ p[0]
+    return jnp.tanh(y + p[1]) @ p[2] + y[:, :3]
+
+
 def gelu_checkpointed(p, x):
     layer = jax.checkpoint(lambda w, h: jax.nn.gelu(h @ w))
     return layer(p[0], x + p[1]) @ p[2]
@@ -64,7 +70,8 @@ def sequence_einsum(p, x):
 
 
 MODELS = {
-    "mlp_softplus": (mlp, ["structured", "jacobian (fallback)", "structured"]),
+    "mlp_softplus": (mlp, ["structured", "structured", "structured"]),  # bias fused
+    "product_read_twice": (product_read_twice, ["structured", "jacobian (fallback)", "structured"]),
     "checkpoint_gelu": (gelu_checkpointed, ["structured", "jacobian (fallback)", "structured"]),
     "scan": (scan_layers, ["jacobian (fallback)", "jacobian (fallback)", "structured"]),
     "param_in_nonlinearity": (
@@ -165,6 +172,22 @@ def test_per_leaf_kernels_sum_to_total_and_match_reference(name, implementation)
         expected = reference.ntk(f_leaf, leaves[i], x1, x2, trace_axes=())
         for k in range(n_out):
             reference.assert_close(kernels[i * n_out + k], expected[k])
+
+
+def test_bias_fusion_reported_and_exact():
+    p = _params((4, 4), (4,), (4, 3))
+    x = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    plan = ntk_core.plan(mlp, p, x, implementation="structured")
+    assert [leaf.method for leaf in plan.leaves] == [
+        "structured (1 matrix product)",
+        "structured (bias fused with its matrix product)",
+        "structured (1 matrix product)",
+    ]
+    # Split per leaf, the bias keeps its own kernel (no fusion) and the sum is unchanged.
+    per_leaf = ntk_core.empirical_ntk_per_leaf(mlp, p, x, implementation="structured")
+    total = ntk_core.empirical_ntk(mlp, p, x, implementation="structured")
+    reference.assert_close(sum(jax.tree.leaves(per_leaf)), reference.ntk(mlp, p, x, None)[0])
+    reference.assert_close(total, reference.ntk(mlp, p, x, None)[0])
 
 
 def test_per_leaf_refuses_ntvp():
