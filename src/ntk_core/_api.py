@@ -363,7 +363,11 @@ def plan(
       >>> import ntk_core
       >>> p = ntk_core.plan(lambda w, x: x @ w["w"] + w["b"],
       ...                   {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}, jnp.ones((4, 3)))
-      >>> p.implementation, [leaf.method for leaf in p.leaves]
-      ('structured', ['jacobian (fallback)', 'structured (1 matrix product)'])
+      >>> p.implementation
+      'structured'
+      >>> for leaf in p.leaves:
+      ...     print(leaf.path, leaf.size, leaf.method)
+      ['b'] 2 structured (bias fused with its matrix product)
+      ['w'] 6 structured (1 matrix product)
     """
     return _get("ntk", "plan", apply_fn, _options(locals())).plan(params, x1, x2)
