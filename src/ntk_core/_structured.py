@@ -220,6 +220,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     for _, leaf, _, _ in bias_candidates:
         bias_count[leaf] = bias_count.get(leaf, 0) + 1
     fused: dict[int, int] = {}  # use index (in ``uses``) -> bias leaf
+    leaf_sizes = [math.prod(v.aval.shape) for v in closed.jaxpr.invars[:n_param_leaves]]
     for u, leaf, chain, shape in bias_candidates:
         use = uses[u]
         ok = (
@@ -231,6 +232,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
             and uses_per_leaf[use.leaf] == 1
             and use.x_side == 0
             and math.prod(use.y_shape) == use.w_free_size  # one position: A = 1
+            and leaf_sizes[leaf] == use.w_free_size  # one bias entry per output unit
             and shape == use.y_shape
             and _order_preserving(chain, shape)
         )

@@ -38,6 +38,16 @@ def product_read_twice(p, x):
     return jnp.tanh(y + p[1]) @ p[2] + y[:, :3]
 
 
+def scalar_bias(p, x):
+    """A one-entry bias broadcast over every unit: not one entry per unit, not fused."""
+    return jnp.tanh(x @ p[0] + p[1][:1]) @ p[2]
+
+
+def left_weight(p, x):
+    """The weight as the left operand: (W^T x^T)^T."""
+    return jnp.tanh((p[0].T @ x.T).T + p[1]) @ p[2]
+
+
 def gelu_checkpointed(p, x):
     layer = jax.checkpoint(lambda w, h: jax.nn.gelu(h @ w))
     return layer(p[0], x + p[1]) @ p[2]
@@ -72,6 +82,8 @@ def sequence_einsum(p, x):
 MODELS = {
     "mlp_softplus": (mlp, ["structured", "structured", "structured"]),  # bias fused
     "product_read_twice": (product_read_twice, ["structured", "jacobian (fallback)", "structured"]),
+    "scalar_bias": (scalar_bias, ["structured", "jacobian (fallback)", "structured"]),
+    "left_weight": (left_weight, ["structured", "jacobian (fallback)", "structured"]),
     "checkpoint_gelu": (gelu_checkpointed, ["structured", "jacobian (fallback)", "structured"]),
     "scan": (scan_layers, ["jacobian (fallback)", "jacobian (fallback)", "structured"]),
     "param_in_nonlinearity": (
