@@ -6,15 +6,12 @@ Used by ``ntk_flax`` and ``ntk_haiku``; not part of the public API.
 from __future__ import annotations
 
 from ._engine import KernelFunction
-from ._options import make_options
-
-NTK_OPTIONS = ("trace_axes", "diagonal_axes", "vmap_axes", "implementation", "precision")
-NNGP_OPTIONS = ("trace_axes", "diagonal_axes", "vmap_axes", "precision")
+from ._options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
 
 
 def kernel_function(fn_name: str, kind: str, apply3, options: dict, check=None, hint: str = ""):
     """Validates ``options`` (names and values) and builds a :class:`KernelFunction`."""
-    valid = NTK_OPTIONS if kind == "ntk" else NNGP_OPTIONS
+    valid = NTK_OPTION_NAMES if kind == "ntk" else NNGP_OPTION_NAMES
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise TypeError(

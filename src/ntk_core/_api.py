@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from ._engine import KernelFunction
 from ._model import from_apply_fn
-from ._options import make_options
+from ._options import NTK_OPTION_NAMES, make_options
 
 _LAYOUT_DOC = """Returns (for each output leaf of shape ``(N, O_1, ..., O_k)``; a pytree of kernels
     with the output's structure when the output is a pytree) an array of the output's
@@ -168,15 +168,12 @@ def _get(kind, fn_name, apply_fn, options: dict) -> Callable:
     return _cached(kind, fn_name, apply_fn, items)
 
 
-_OPTION_NAMES = ("trace_axes", "diagonal_axes", "vmap_axes", "implementation", "precision")
-
-
 def _options(arguments: dict) -> dict:
     """The kernel options among a function's arguments, lists frozen to tuples."""
     return {
         k: tuple(v) if isinstance(v, list) else v
         for k, v in arguments.items()
-        if k in _OPTION_NAMES
+        if k in NTK_OPTION_NAMES
     }
 
 

@@ -169,6 +169,7 @@ class KernelFunction:
         self._check = check
         self._hint = hint
         self._configs: dict = {}
+        self._analyses: dict = {}
         self._nngp_jit = jax.jit(self._nngp, static_argnames=("config",))
         self._contract = jax.jit(self._contract_jacobians, static_argnames=("config",))
         self._reduce = jax.jit(self._reduce_ntvp, static_argnames=("config",))
@@ -302,8 +303,16 @@ class KernelFunction:
         return self._kind != "ntk_per_leaf"
 
     def _analysis(self, params, x1, aux):
-        x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
-        return _structured.analysis_for(self._apply3, params, x_one, aux, self._fuse_bias)[0]
+        """The structured analysis (one abstract trace), cached per input signature."""
+        key = (_signature(params), _signature(x1), _signature(aux))
+        analysis = self._analyses.get(key)
+        if analysis is None:
+            x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
+            analysis = _structured.analysis_for(self._apply3, params, x_one, aux, self._fuse_bias)[
+                0
+            ]
+            self._analyses[key] = analysis
+        return analysis
 
     def _estimates(self, params, x1, aux, n1, n2, symmetric, shapes1, layouts):
         x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)

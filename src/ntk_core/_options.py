@@ -41,6 +41,9 @@ from collections.abc import Sequence
 IMPLEMENTATIONS = ("auto", "jacobian", "ntvp", "structured")
 #: Valid values of ``precision``.
 PRECISIONS = ("highest", "high", "default")
+#: Keyword options of the NTK entry points, and of the NNGP ones.
+NTK_OPTION_NAMES = ("trace_axes", "diagonal_axes", "vmap_axes", "implementation", "precision")
+NNGP_OPTION_NAMES = ("trace_axes", "diagonal_axes", "vmap_axes", "precision")
 
 Axes = tuple[int, ...]
 
