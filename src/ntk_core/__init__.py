@@ -4,6 +4,7 @@ Framework-agnostic: takes any pure ``apply_fn(params, x)`` over pytrees. Imports
 jax and numpy (never flax or haiku).
 """
 
+from ntk_core import predict as predict
 from ntk_core._api import empirical_nngp as empirical_nngp
 from ntk_core._api import empirical_ntk as empirical_ntk
 from ntk_core._api import empirical_ntk_per_leaf as empirical_ntk_per_leaf
@@ -11,6 +12,7 @@ from ntk_core._api import nngp_fn as nngp_fn
 from ntk_core._api import ntk_fn as ntk_fn
 from ntk_core._api import ntk_per_leaf_fn as ntk_per_leaf_fn
 from ntk_core._api import plan as plan
+from ntk_core._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 from ntk_core._options import IMPLEMENTATIONS as IMPLEMENTATIONS
 from ntk_core._options import PRECISIONS as PRECISIONS
 from ntk_core._version import __version__ as __version__
@@ -22,8 +24,10 @@ __all__ = (
     "empirical_nngp",
     "empirical_ntk",
     "empirical_ntk_per_leaf",
+    "monte_carlo_kernels",
     "nngp_fn",
     "ntk_fn",
     "ntk_per_leaf_fn",
     "plan",
+    "predict",
 )

@@ -5,11 +5,13 @@ from ntk_flax._kernel import kernel_fn as kernel_fn
 from ntk_flax._kernel import nngp as nngp
 from ntk_flax._kernel import nngp_fn as nngp_fn
 from ntk_flax._models import LeNet as LeNet
+from ntk_flax._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 
 __all__ = (
     "LeNet",
     "kernel",
     "kernel_fn",
+    "monte_carlo_kernels",
     "nngp",
     "nngp_fn",
 )

@@ -6,11 +6,13 @@ from ntk_haiku._kernel import nngp as nngp
 from ntk_haiku._kernel import nngp_fn as nngp_fn
 from ntk_haiku._models import lenet as lenet
 from ntk_haiku._models import params_from_flax as params_from_flax
+from ntk_haiku._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 
 __all__ = (
     "kernel",
     "kernel_fn",
     "lenet",
+    "monte_carlo_kernels",
     "nngp",
     "nngp_fn",
     "params_from_flax",

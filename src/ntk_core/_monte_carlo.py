@@ -1,0 +1,159 @@
+"""Monte Carlo NNGP and NTK: averages of empirical kernels over random initialisations."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ._api import nngp_fn, ntk_fn
+from ._predict import Kernels
+
+
+def progress_bar(fn_name: str, progress, total: int, desc: str):
+    """A tqdm bar over ``range(total)``, or a plain range.
+
+    ``progress=None`` shows the bar only when stderr is a terminal (and tqdm is
+    installed); ``True`` requires tqdm; ``False`` never shows it.
+    """
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(
+            f"{fn_name}: progress must be None (a bar in a terminal only), True or False, "
+            f"got {progress!r}."
+        )
+    show = progress if progress is not None else sys.stderr.isatty()
+    if not show:
+        return range(total)
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        if progress:
+            raise ImportError(
+                f"{fn_name}: progress=True needs tqdm. Fix: pip install tqdm, or pass "
+                f"progress=False."
+            ) from None
+        return range(total)
+    return tqdm(range(total), desc=desc, total=total)
+
+
+def check_samples(fn_name: str, key, n_samples) -> None:
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+        raise ValueError(
+            f"{fn_name}: n_samples must be a positive int, got {n_samples!r}. Fix: pass "
+            f"e.g. n_samples=16."
+        )
+    if not isinstance(key, jax.Array) or not (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,)
+    ):
+        raise TypeError(
+            f"{fn_name}: key must be one PRNG key (jax.random.PRNGKey(0) or "
+            f"jax.random.key(0)), got {type(key).__name__} "
+            f"{getattr(key, 'shape', '')}. Fix: pass key=jax.random.PRNGKey(seed)."
+        )
+
+
+def average(
+    fn_name: str,
+    sample: Callable,
+    key,
+    n_samples: int,
+    progress,
+) -> Kernels:
+    """Mean over ``keys = jax.random.split(key, n_samples)`` of ``sample(keys[i])``,
+    which returns ``(nngp, ntk)`` pytrees; sums in the kernels' dtype, then divides."""
+    check_samples(fn_name, key, n_samples)
+    keys = jax.random.split(key, n_samples)
+    total = None
+    for i in progress_bar(fn_name, progress, n_samples, fn_name):
+        k = sample(keys[i])
+        total = k if total is None else jax.tree.map(jnp.add, total, k)
+    nngp, ntk = jax.tree.map(lambda s: s / n_samples, total)
+    return Kernels(nngp=nngp, ntk=ntk)
+
+
+def monte_carlo_kernels(
+    init_fn: Callable,
+    apply_fn: Callable,
+    x1,
+    x2=None,
+    *,
+    key,
+    n_samples: int,
+    progress: bool | None = None,
+    trace_axes=(-1,),
+    diagonal_axes=(),
+    vmap_axes=0,
+    implementation="auto",
+    precision="highest",
+) -> Kernels:
+    """Monte Carlo NNGP and NTK: empirical kernels averaged over random initialisations.
+
+        K_MC(x1, x2) = (1/S) Σ_s f_s(x1) f_s(x2)ᵀ,   Θ_MC(x1, x2) = (1/S) Σ_s J_s(x1) J_s(x2)ᵀ,
+
+    with f_s = ``apply_fn(init_fn(k_s), ·)`` and k_s = ``jax.random.split(key, S)[s]``,
+    S = ``n_samples``. As the width grows they approach the infinite-width NNGP and NTK;
+    with S samples the Monte Carlo error shrinks as 1/√S. Each average equals the mean
+    of S separate :func:`empirical_nngp` / :func:`empirical_ntk` calls with the same
+    keys and options. Samples run one after another with one compiled kernel function
+    (no recompilation); memory is that of one sample's kernels plus the running sum.
+
+    Args:
+      init_fn: ``init_fn(key) -> params``, e.g. ``lambda k: model.init(k, x)["params"]``.
+      apply_fn: ``apply_fn(params, x) -> outputs``, as in :func:`ntk_fn`.
+      x1: pytree of arrays with batch axis 0 of size N1.
+      x2: ``None`` (x2 is x1: exactly symmetric kernels) or like x1 with N2 samples.
+      key: one PRNG key; sample s uses ``jax.random.split(key, n_samples)[s]``.
+      n_samples: S >= 1.
+      progress: tqdm progress bar over the samples: ``None`` (default) shows it only
+        when stderr is a terminal, ``True`` always (needs tqdm), ``False`` never.
+      trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
+        :mod:`ntk_core._options` (the NNGP ignores ``implementation``).
+
+    Returns:
+      ``Kernels(nngp, ntk)``, each in the layout of :func:`empirical_ntk` (``(N1, N2)``
+      for ``(N, O)`` outputs by default; ``(N1, N2, O, O)`` with ``trace_axes=()``),
+      dtype of the outputs. Feed it to :func:`ntk_core.predict.gp_inference`.
+
+    Raises:
+      TypeError: ``init_fn`` or ``apply_fn`` not callable, ``key`` not one PRNG key,
+        ``progress`` not a bool or None; and the errors of :func:`ntk_fn`.
+      ValueError: ``n_samples`` not a positive int; and the errors of :func:`ntk_fn`.
+      ImportError: ``progress=True`` without tqdm.
+
+    Cost: S initialisations, and S times the cost of :func:`ntk_fn` plus one forward
+    pass on x1 and x2 (see :mod:`ntk_core._cost`); memory of two kernels of each kind.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import ntk_core
+      >>> init_fn = lambda k: jax.random.normal(k, (3, 2))
+      >>> apply_fn = lambda w, x: jnp.tanh(x @ w)
+      >>> x1 = jnp.ones((4, 3))                                   # (N1, 3)
+      >>> k = ntk_core.monte_carlo_kernels(init_fn, apply_fn, x1,
+      ...                                  key=jax.random.PRNGKey(0), n_samples=8)
+      >>> k.nngp.shape, k.ntk.shape
+      ((4, 4), (4, 4))
+
+    References:
+      Novak et al., "Bayesian Deep Convolutional Networks with Many Channels are
+      Gaussian Processes", ICLR 2019 (Monte Carlo kernels); Lee et al., "Wide Neural
+      Networks of Any Depth Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
+    """
+    fn = "monte_carlo_kernels"
+    for name, f in (("init_fn", init_fn), ("apply_fn", apply_fn)):
+        if not callable(f):
+            raise TypeError(
+                f"{fn}: {name} must be callable, got {type(f).__name__}. Fix: pass "
+                f"init_fn(key) -> params and apply_fn(params, x) -> outputs."
+            )
+    axes = dict(trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes)
+    ntk = ntk_fn(apply_fn, implementation=implementation, precision=precision, **axes)
+    nngp = nngp_fn(apply_fn, precision=precision, **axes)
+
+    def sample(k):
+        params = init_fn(k)
+        return nngp(params, x1, x2), ntk(params, x1, x2)
+
+    return average(fn, sample, key, n_samples, progress)

@@ -1,0 +1,426 @@
+"""Host linear algebra of :mod:`ntk_core.predict`: kernel layouts, checks and the solver.
+
+Everything here runs on the host in numpy / scipy (LAPACK). Kernels arrive as numpy
+arrays, read-only memory-mapped ``.npy`` files or jax arrays (copied to the host once);
+the only ``M x M`` buffer this module allocates (M = N·O_kept, the flattened train size)
+is the one the factorisation overwrites, plus bounded row chunks.
+
+Solver: ``A = K + λ I`` is factored by Cholesky in the compute dtype; if Cholesky fails,
+by a symmetric eigendecomposition whose eigenvalues are floored at ``u·λ_max``. Every
+solve is then refined with residuals ``b - A x`` computed in float64 from the kernel's
+own entries (mixed-precision iterative refinement), and accepted only when the last
+correction is at most :data:`ACCEPT` of the solution in the max norm, column by column.
+This is an a-posteriori certificate: an accepted float32 solve agrees with a float64
+solve of the same kernel to about 1e-6, and a kernel too ill-conditioned for the
+compute dtype raises :class:`ValueError` naming its condition number and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import scipy.linalg
+
+#: A solve is accepted when max|last correction| <= ACCEPT * max|x| per right-hand side.
+ACCEPT = 1e-6
+#: Most refinement steps per solve.
+MAX_REFINE = 20
+#: Entries per float64 row chunk when streaming a kernel (64 MiB).
+_CHUNK_ENTRIES = 1 << 23
+
+
+def unit_roundoff(dtype) -> float:
+    """u = eps / 2 of a floating dtype (float32: 5.96e-8, float64: 1.11e-16)."""
+    return float(np.finfo(dtype).eps) / 2
+
+
+def row_chunks(n_rows: int, n_cols: int, rows: int | None = None):
+    """Slices of at most ``rows`` rows (default: about 64 MiB of float64)."""
+    if rows is None:
+        rows = max(1, _CHUNK_ENTRIES // max(n_cols, 1))
+    for start in range(0, n_rows, rows):
+        yield slice(start, min(n_rows, start + rows))
+
+
+def compute_dtype(fn_name: str, dtype, kernel_dtype) -> np.dtype:
+    """The dtype of the factorisation: ``dtype`` if given, else the kernel's."""
+    if dtype is None:
+        return np.dtype(np.float64 if np.dtype(kernel_dtype) == np.float64 else np.float32)
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        d = None
+    if d not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise ValueError(
+            f"{fn_name}: dtype must be None (the kernel's dtype), 'float32' or 'float64', "
+            f"got {dtype!r}. Fix: pass dtype='float64' for a float64 solve on the host "
+            f"(works whether or not jax_enable_x64 is on)."
+        )
+    return d
+
+
+def check_diag_reg(fn_name: str, diag_reg) -> float:
+    if isinstance(diag_reg, bool) or not isinstance(diag_reg, numbers.Real):
+        raise TypeError(
+            f"{fn_name}: diag_reg must be a real number >= 0, got {type(diag_reg).__name__} "
+            f"{diag_reg!r}. Fix: pass e.g. diag_reg=1e-4."
+        )
+    if not math.isfinite(diag_reg) or diag_reg < 0:
+        raise ValueError(
+            f"{fn_name}: diag_reg must be finite and >= 0, got {diag_reg!r}. Fix: pass "
+            f"diag_reg=0.0 or a small positive value such as 1e-4."
+        )
+    return float(diag_reg)
+
+
+def as_host_array(fn_name: str, name: str, x) -> np.ndarray:
+    """A floating numpy view of ``x`` (no copy for numpy arrays and memmaps)."""
+    if isinstance(x, np.ndarray):
+        arr = x
+    else:
+        try:
+            arr = np.asarray(x)
+        except Exception as e:  # noqa: BLE001 - any conversion failure is reported
+            raise TypeError(
+                f"{fn_name}: {name} must be an array, got {type(x).__name__}. Fix: pass a "
+                f"numpy array, a jax array or np.load(path, mmap_mode='r')."
+            ) from e
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise TypeError(
+            f"{fn_name}: {name} must be a floating array, got dtype {arr.dtype}. Fix: "
+            f"convert it, e.g. {name}.astype(np.float32)."
+        )
+    return arr
+
+
+def check_finite(fn_name: str, name: str, arr: np.ndarray) -> None:
+    flat = arr.reshape(arr.shape[0], -1) if arr.ndim > 1 else arr.reshape(-1, 1)
+    for rows in row_chunks(flat.shape[0], flat.shape[1]):
+        if not np.isfinite(flat[rows]).all():
+            raise ValueError(
+                f"{fn_name}: {name} contains NaN or inf (first in rows "
+                f"{rows.start}..{rows.stop - 1}). Fix: recompute it; a NaN kernel usually "
+                f"comes from NaN parameters or inputs, or from float32 overflow."
+            )
+
+
+class Layout:
+    """Maps the neural-tangents kernel layout to flat matrices and back.
+
+    ``y_train`` has shape ``(N, *O)``; ``trace_axes`` name axes of ``y_train`` that the
+    kernels lack (traced: the kernel applies to each of their entries, Θ ⊗ I). The other
+    output axes ("kept", sizes k_1..k_m, product K_o) appear twice, zipped, in every
+    kernel: train-train ``(N, N, k_1, k_1, ...)``, test-train ``(T, N, k_1, k_1, ...)``,
+    test-test ``(T, T, k_1, k_1, ...)`` or its per-sample diagonal ``(T, k_1, k_1, ...)``.
+    Flat forms: kernels ``(T·K_o, N·K_o)``, targets ``(N·K_o, R)`` with R the product of
+    the traced sizes.
+    """
+
+    def __init__(self, fn_name: str, y_shape: tuple[int, ...], trace_axes):
+        if len(y_shape) < 2:
+            raise ValueError(
+                f"{fn_name}: y_train must have shape (N, O...) with at least one output "
+                f"axis, got shape {y_shape}. Fix: pass y_train[:, None] for one output."
+            )
+        if isinstance(trace_axes, numbers.Integral) and not isinstance(trace_axes, bool):
+            trace_axes = (trace_axes,)
+        try:
+            axes = tuple(int(a) for a in trace_axes)
+        except TypeError:
+            raise TypeError(
+                f"{fn_name}: trace_axes must be an int or a sequence of ints, got "
+                f"{trace_axes!r}. Fix: pass the trace_axes the kernels were computed with, "
+                f"e.g. (-1,) or ()."
+            ) from None
+        nd = len(y_shape)
+        canon = []
+        for a in axes:
+            if not -nd <= a < nd or a % nd == 0:
+                raise ValueError(
+                    f"{fn_name}: trace_axes={tuple(axes)} must name output axes 1..{nd - 1} of "
+                    f"y_train (shape {y_shape}), not the batch axis 0. Fix: pass the "
+                    f"trace_axes the kernels were computed with."
+                )
+            canon.append(a % nd)
+        if len(set(canon)) != len(canon):
+            raise ValueError(f"{fn_name}: trace_axes={tuple(axes)} names an axis twice.")
+        self.fn_name = fn_name
+        self.n = y_shape[0]
+        self.traced = tuple(sorted(canon))
+        self.kept = tuple(a for a in range(1, nd) if a not in self.traced)
+        self.kept_shape = tuple(y_shape[a] for a in self.kept)
+        self.traced_shape = tuple(y_shape[a] for a in self.traced)
+        self.ko = math.prod(self.kept_shape)
+        self.r = math.prod(self.traced_shape)
+        self.y_shape = y_shape
+
+    # -- kernels ---------------------------------------------------------------------
+    def pair_shape(self, n1: int, n2: int) -> tuple[int, ...]:
+        return (n1, n2) + tuple(s for k in self.kept_shape for s in (k, k))
+
+    def diag_shape(self, n1: int) -> tuple[int, ...]:
+        return (n1,) + tuple(s for k in self.kept_shape for s in (k, k))
+
+    def check_pair(self, name, k, n1, n2, fn_name=None) -> int:
+        """Checks a kernel of shape pair_shape(n1, n2) (n1 None: any); returns n1."""
+        n1 = k.shape[0] if (n1 is None and k.ndim) else n1
+        expected = self.pair_shape(n1, n2)
+        if k.shape != expected:
+            raise ValueError(
+                f"{fn_name or self.fn_name}: {name} has shape {k.shape}, expected {expected} for "
+                f"y_train of shape {self.y_shape} with traced axes {self.traced} (the layout "
+                f"of ntk_core kernels computed with the same trace_axes). Fix: compute "
+                f"{name} with the trace_axes passed here, on the same training inputs."
+            )
+        return n1
+
+    def flat(self, k: np.ndarray) -> np.ndarray:
+        """``(n1, n2, k1, k1, ...)`` → ``(n1·K_o, n2·K_o)`` (a view when K_o = 1)."""
+        if not self.kept:
+            return k
+        m = len(self.kept)
+        order = [0] + [2 + 2 * i for i in range(m)] + [1] + [3 + 2 * i for i in range(m)]
+        return np.transpose(k, order).reshape(k.shape[0] * self.ko, k.shape[1] * self.ko)
+
+    def flat_diag(self, k: np.ndarray) -> np.ndarray:
+        """``(t, k1, k1, ...)`` → ``(t, K_o, K_o)``."""
+        m = len(self.kept)
+        order = [0] + [1 + 2 * i for i in range(m)] + [2 + 2 * i for i in range(m)]
+        return np.transpose(k, order).reshape(k.shape[0], self.ko, self.ko)
+
+    def unflat_cov(self, c: np.ndarray, t: int) -> np.ndarray:
+        """``(t·K_o, t·K_o)`` → ``(t, t, k1, k1, ...)`` (zipped)."""
+        if not self.kept:
+            return c
+        m = len(self.kept)
+        c = c.reshape((t,) + self.kept_shape + (t,) + self.kept_shape)
+        order = [0, m + 1] + [i for j in range(m) for i in (1 + j, m + 2 + j)]
+        return np.transpose(c, order)
+
+    def unflat_diag(self, v: np.ndarray) -> np.ndarray:
+        """``(t, K_o, K_o)`` → ``(t, k1, k1, ...)`` (zipped)."""
+        t = v.shape[0]
+        if not self.kept:
+            return v.reshape(t)
+        m = len(self.kept)
+        v = v.reshape((t,) + self.kept_shape + self.kept_shape)
+        order = [0] + [i for j in range(m) for i in (1 + j, 1 + m + j)]
+        return np.transpose(v, order)
+
+    # -- targets ---------------------------------------------------------------------
+    def flat_y(self, y: np.ndarray) -> np.ndarray:
+        """``(n, *O)`` → ``(n·K_o, R)``."""
+        y = np.moveaxis(y, self.kept + self.traced, range(1, len(self.y_shape)))
+        return y.reshape(y.shape[0] * self.ko, self.r)
+
+    def unflat_y(self, f: np.ndarray, n: int) -> np.ndarray:
+        """``(n·K_o, R)`` → ``(n, *O)`` (with the test n)."""
+        f = f.reshape((n,) + self.kept_shape + self.traced_shape)
+        return np.moveaxis(f, range(1, len(self.y_shape)), self.kept + self.traced)
+
+
+def scan_train_kernel(fn_name: str, name: str, k2: np.ndarray, dtype) -> tuple[float, float]:
+    """Checks a flat train-train kernel (finite, symmetric); returns (mean diag, max |K|).
+
+    Symmetric means max |K - Kᵀ| <= 100·u·max |K| (u of the kernel's dtype); read in row
+    chunks, so a memory-mapped kernel is never loaded whole.
+    """
+    m = k2.shape[0]
+    diag_sum, kmax, asym = 0.0, 0.0, 0.0
+    for rows in row_chunks(m, m):
+        block = np.asarray(k2[rows], np.float64)
+        if not np.isfinite(block).all():
+            raise ValueError(
+                f"{fn_name}: {name} contains NaN or inf (first in rows "
+                f"{rows.start}..{rows.stop - 1}). Fix: recompute it; a NaN kernel usually "
+                f"comes from NaN parameters or inputs, or from float32 overflow."
+            )
+        diag_sum += float(np.trace(block[:, rows]))
+        kmax = max(kmax, float(np.abs(block).max()))
+        asym = max(asym, float(np.abs(block - np.asarray(k2[:, rows], np.float64).T).max()))
+    if asym > 100 * unit_roundoff(dtype) * kmax:
+        raise ValueError(
+            f"{fn_name}: {name} is not symmetric: max |K - K^T| = {asym:.3e} for max |K| = "
+            f"{kmax:.3e}. Fix: pass the train-train kernel K(x_train, x_train) (x2=None), or "
+            f"symmetrise it with (K + K.T) / 2 (for (N, N, O, O) kernels transpose axes "
+            f"(1, 0, 3, 2))."
+        )
+    return diag_sum / m, kmax
+
+
+def matmul64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` in float64, ``a`` (any dtype, maybe a memmap) streamed in row chunks."""
+    out = np.empty((a.shape[0],) + b.shape[1:], np.float64)
+    b64 = np.asarray(b, np.float64)
+    for rows in row_chunks(a.shape[0], a.shape[1]):
+        out[rows] = np.asarray(a[rows], np.float64) @ b64
+    return out
+
+
+class Solver:
+    """Solves ``(K + λ I) x = b`` for a flat symmetric ``K`` (``(M, M)``), refined in float64.
+
+    Args:
+      fn_name: public name for messages.
+      k2: the flat train-train kernel (numpy, maybe a read-only memmap); kept, not copied.
+      lam: the absolute regulariser λ.
+      dtype: compute dtype of the factorisation.
+      reg_scale: converts an absolute λ into the caller's ``diag_reg`` units (the mean
+        of K's diagonal for a relative ``diag_reg``, else 1), for the suggested fix.
+      method: ``"cholesky"`` (with the eigendecomposition fallback) or ``"eigh"``.
+    """
+
+    def __init__(self, fn_name, k2, lam, dtype, *, reg_scale=1.0, method="cholesky"):
+        self.fn_name, self.k2, self.lam, self.dtype = fn_name, k2, lam, np.dtype(dtype)
+        self.m = k2.shape[0]
+        self.reg_scale = reg_scale
+        self.u = unit_roundoff(self.dtype)
+        # the kernel's entries carry the round-off of their own dtype (a float32 kernel
+        # solved in float64 is PSD only up to float32 round-off)
+        self.u_in = max(self.u, unit_roundoff(k2.dtype))
+        self.method = None
+        self._eigs: tuple[np.ndarray, np.ndarray] | None = None
+        if method == "cholesky":
+            a = self._regularised_copy()
+            try:
+                # a is C-ordered and symmetric: a.T is the same matrix in Fortran order, so
+                # LAPACK factors it in place (upper of a.T = lower of a), no second copy.
+                self._chol = scipy.linalg.cho_factor(
+                    a.T, lower=False, overwrite_a=True, check_finite=False
+                )
+                if not np.isfinite(np.diagonal(self._chol[0])).all():
+                    raise np.linalg.LinAlgError("non-finite Cholesky factor")
+                self.method = "cholesky"
+            except np.linalg.LinAlgError:
+                del a
+                self._chol = None
+        if self.method is None:
+            self._eigh()
+
+    def _regularised_copy(self) -> np.ndarray:
+        a = np.empty((self.m, self.m), self.dtype)
+        for rows in row_chunks(self.m, self.m):
+            a[rows] = self.k2[rows]
+        a[np.diag_indices(self.m)] += self.dtype.type(self.lam)
+        return a
+
+    def _eigh(self) -> None:
+        a = self._regularised_copy()
+        w, v = scipy.linalg.eigh(a, overwrite_a=True, check_finite=False)
+        del a
+        w = w.astype(np.float64)
+        wmax = max(float(np.abs(w).max()), np.finfo(np.float64).tiny)
+        if w.min() < -self.m * self.u_in * wmax:
+            raise ValueError(
+                f"{self.fn_name}: the regularised train-train kernel K + λI (λ = "
+                f"{self.lam:.3e}) is not positive semi-definite: smallest eigenvalue "
+                f"{w.min():.3e}, largest {w.max():.3e}, beyond the kernel's round-off "
+                f"({self.m}·u·λ_max = {self.m * self.u_in * wmax:.3e}). Fix: pass a kernel "
+                f"(NTK or NNGP of one network, or an average of them) rather than a "
+                f"difference of kernels, or raise diag_reg above "
+                f"{-w.min() / self.reg_scale:.1e}."
+            )
+        self.method = "eigh"
+        self._eigs = (w, v)
+        self._w_floored = np.maximum(w, self.u * wmax)
+
+    def _apply_inverse(self, b: np.ndarray) -> np.ndarray:
+        """The factorisation's approximate ``A⁻¹ b`` (compute dtype in, float64 out)."""
+        b = np.asarray(b, self.dtype)
+        if self.method == "cholesky":
+            x = scipy.linalg.cho_solve(self._chol, b, check_finite=False)
+        else:
+            w, v = self._eigs
+            x = v @ ((v.T @ b) / self._w_floored.astype(self.dtype)[:, None])
+        return np.asarray(x, np.float64)
+
+    def matvec(self, x: np.ndarray) -> np.ndarray:
+        """``(K + λ I) x`` in float64 from the kernel's entries."""
+        return matmul64(self.k2, x) + self.lam * x
+
+    def solve(self, b: np.ndarray) -> np.ndarray:
+        """``(K + λ I)⁻¹ b`` for ``b`` of shape ``(M, R)``, float64, refined and checked."""
+        b = np.asarray(b, np.float64)
+        x = self._apply_inverse(b)
+        active = np.ones(b.shape[1], bool)
+        prev = None
+        rel = np.zeros(b.shape[1])
+        for _ in range(MAX_REFINE):
+            if not active.any():
+                break
+            xa = x[:, active]
+            r = b[:, active] - self.matvec(xa)
+            d = self._apply_inverse(r)
+            xa = xa + d
+            x[:, active] = xa
+            scale = np.maximum(np.abs(xa).max(axis=0), np.finfo(np.float64).tiny)
+            rel_a = np.abs(d).max(axis=0) / scale
+            rel[active] = rel_a
+            done = rel_a <= self.u
+            if prev is not None:  # stagnating or diverging columns stop too
+                done |= rel_a > 0.5 * prev
+            prev = rel_a[~done]
+            idx = np.flatnonzero(active)
+            active[idx[done]] = False
+        if not np.isfinite(x).all() or rel.max() > ACCEPT:
+            self._raise_ill_conditioned(float(rel.max()))
+        return x
+
+    def condition_number(self) -> float:
+        """2-norm condition number of ``K + λI``: exact from an eigendecomposition, else
+        estimated by 30 steps of power and inverse iteration."""
+        if self._eigs is not None:
+            w = self._eigs[0]
+            return float(w.max() / w.min()) if w.min() > 0 else math.inf
+        rng = np.random.default_rng(0)
+        v = rng.standard_normal((self.m, 1))
+        hi = lo = 1.0
+        for _ in range(30):
+            v /= np.linalg.norm(v)
+            w = self.matvec(v)
+            hi = float(np.linalg.norm(w))
+            v = w
+        v = rng.standard_normal((self.m, 1))
+        for _ in range(30):
+            v /= np.linalg.norm(v)
+            w = self._apply_inverse(v)
+            lo = 1.0 / max(float(np.linalg.norm(w)), np.finfo(np.float64).tiny)
+            v = w
+        return hi / lo
+
+    def largest_eigenvalue(self) -> float:
+        if self._eigs is not None:
+            return float(self._eigs[0].max())
+        v = np.random.default_rng(1).standard_normal((self.m, 1))
+        hi = 1.0
+        for _ in range(30):
+            v /= np.linalg.norm(v)
+            v = self.matvec(v)
+            hi = float(np.linalg.norm(v))
+        return hi
+
+    def _raise_ill_conditioned(self, rel: float) -> None:
+        kappa = self.condition_number()
+        lam_max = self.largest_eigenvalue()
+        # raise λ until κ·u <= 0.01: λ >= 100·u·λ_max, plus twice any negative eigenvalue
+        # (round-off of the kernel's own entries); in the caller's units
+        w_min = float(self._eigs[0].min()) if self._eigs is not None else 0.0
+        need = 100 * self.u * lam_max + 2 * max(-w_min, 0.0)
+        suggest = 10 ** math.ceil(math.log10(max(need / self.reg_scale, 1e-300)))
+        if math.isfinite(kappa):
+            cond = f"condition number ≈ {kappa:.2e}"
+        else:
+            cond = (
+                f"condition number ≈ inf (smallest eigenvalue {self._eigs[0].min():.2e} <= 0 "
+                f"next to the largest {lam_max:.2e}: singular at {self.dtype.name} precision)"
+            )
+        raise ValueError(
+            f"{self.fn_name}: the regularised train-train kernel K + λI (λ = {self.lam:.3e}, "
+            f"{self.m} x {self.m}) is too ill-conditioned to solve in {self.dtype.name}: "
+            f"{cond}, u = {self.u:.1e}; iterative refinement left a relative correction of "
+            f"{rel:.1e} > {ACCEPT:.0e}. Fix: raise diag_reg (about {suggest:.0e} or more in "
+            f"the units used here), or solve in float64 (dtype='float64', which works "
+            f"without jax_enable_x64)."
+        )

@@ -1,0 +1,93 @@
+"""Monte Carlo NNGP and NTK of Haiku models (initialised with ``transformed.init``)."""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+
+from ntk_core._monte_carlo import average
+from ntk_core._predict import Kernels
+
+from ._kernel import kernel_fn, nngp_fn
+
+
+def monte_carlo_kernels(
+    transformed,
+    x1,
+    x2=None,
+    *,
+    key,
+    n_samples: int,
+    rng=None,
+    apply_kwargs=None,
+    progress: bool | None = None,
+    **options,
+) -> Kernels:
+    """Monte Carlo NNGP and NTK of a Haiku model over random initialisations.
+
+    The average over S = ``n_samples`` initialisations ``transformed.init(k_s, x1[:1])``,
+    k_s = ``jax.random.split(key, S)[s]``, of the empirical NNGP and NTK of
+    :func:`ntk_haiku.nngp` and :func:`ntk_haiku.kernel` (for ``hk.TransformedWithState``
+    each initialisation's state is held fixed). See
+    :func:`ntk_core.monte_carlo_kernels` for the maths.
+
+    Args:
+      transformed: ``hk.Transformed`` or ``hk.TransformedWithState``.
+      x1: array or pytree of arrays, batch axis 0 of size N1.
+      x2: ``None`` (x2 is x1) or like x1 with N2 samples.
+      key: one PRNG key.
+      n_samples: S >= 1.
+      rng: a PRNG key for models that need one at apply time (the same for every
+        sample), as in :func:`ntk_haiku.kernel`.
+      apply_kwargs: keyword arguments of the forward function (also given to ``init``).
+      progress: tqdm bar over the samples (``None``: in a terminal only).
+      **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
+        ``precision`` as in :func:`ntk_core.ntk_fn`.
+
+    Returns:
+      ``ntk_core.predict.Kernels(nngp, ntk)``, each ``(N1, N2)`` for ``(N, O)`` outputs
+      by default.
+
+    Raises:
+      TypeError, ValueError: as :func:`ntk_haiku.kernel_fn` and
+        :func:`ntk_core.monte_carlo_kernels`.
+
+    Cost: S calls of ``transformed.init``, :func:`ntk_haiku.kernel` and
+    :func:`ntk_haiku.nngp` (one compilation each).
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp
+      >>> import ntk_haiku
+      >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
+      >>> x = jnp.ones((4, 2))                                            # (N1, 2)
+      >>> k = ntk_haiku.monte_carlo_kernels(net, x, key=jax.random.PRNGKey(0), n_samples=4)
+      >>> k.ntk.shape
+      (4, 4)
+
+    References:
+      Novak et al., "Bayesian Deep Convolutional Networks with Many Channels are
+      Gaussian Processes", ICLR 2019.
+    """
+    fn = "ntk_haiku.monte_carlo_kernels"
+    if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
+        raise TypeError(
+            f"{fn}: expected an hk.Transformed or hk.TransformedWithState, got "
+            f"{type(transformed).__name__}. Fix: wrap your forward function with "
+            f"hk.transform(f)."
+        )
+    with_state = isinstance(transformed, hk.TransformedWithState)
+    nngp_options = {k: v for k, v in options.items() if k != "implementation"}
+    ntk = kernel_fn(transformed, apply_kwargs=apply_kwargs, **options)
+    nngp = nngp_fn(transformed, apply_kwargs=apply_kwargs, **nngp_options)
+    x_init = jax.tree.map(lambda a: a[:1], x1)
+    init_kwargs = dict(apply_kwargs or {})
+
+    def sample(k):
+        out = transformed.init(k, x_init, **init_kwargs)
+        params, state = out if with_state else (out, None)
+        return (
+            nngp(params, x1, x2, state=state, rng=rng),
+            ntk(params, x1, x2, state=state, rng=rng),
+        )
+
+    return average(fn, sample, key, n_samples, progress)

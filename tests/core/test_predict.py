@@ -1,0 +1,432 @@
+"""ntk_core.predict against explicit float64 numpy formulas (np.linalg.solve, scipy expm),
+written here independently of the library's flattening, solver and refinement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.linalg
+
+from ntk_core import predict
+from ntk_core._predict_linalg import Solver
+
+N, T, OUT = 12, 5, 3
+
+
+def _features(seed, n, p=8):
+    """Joint train+test features (n + T, OUT, p): kernels from them are jointly PSD, rank p·OUT."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n + T, OUT, p))
+
+
+def _full(phi_a, phi_b):
+    """(Na, Nb, OUT, OUT) kernel Σ_p φ_a[i, o, p] φ_b[j, o', p]."""
+    return np.einsum("iap,jbp->ijab", phi_a, phi_b)
+
+
+def _traced(phi_a, phi_b):
+    """(Na, Nb): the full kernel averaged over its output pair (trace_axes=(-1,))."""
+    return np.einsum("iap,jap->ij", phi_a, phi_b) / phi_a.shape[1]
+
+
+def _problem(layout, seed=0, n=N):
+    phi = _features(seed, n)
+    tr, te = phi[:n], phi[n:]
+    make = _traced if layout == "traced" else _full
+    y = np.random.default_rng(seed + 100).standard_normal((n, OUT))
+    return make(tr, tr), make(te, tr), make(te, te), y
+
+
+def _flat(k):
+    """(A, B, OUT, OUT) → (A·OUT, B·OUT) by explicit loops (no shared code with the library)."""
+    if k.ndim == 2:
+        return k
+    a, b = k.shape[:2]
+    out = np.zeros((a * OUT, b * OUT))
+    for i in range(a):
+        for j in range(b):
+            out[i * OUT : (i + 1) * OUT, j * OUT : (j + 1) * OUT] = k[i, j]
+    return out
+
+
+def _reference(k_xx, k_tx, k_tt, y, diag_reg, absolute):
+    """float64: mean = K_tx (K_xx + λI)⁻¹ y, cov = K_tt − K_tx (K_xx + λI)⁻¹ K_xt."""
+    kxx, ktx, ktt = _flat(k_xx), _flat(k_tx), _flat(k_tt)
+    lam = diag_reg if absolute else diag_reg * np.mean(np.diag(kxx))
+    a = kxx + lam * np.eye(len(kxx))
+    yy = y.reshape(-1, 1) if k_xx.ndim == 4 else y
+    mean = ktx @ np.linalg.solve(a, yy)
+    cov = ktt - ktx @ np.linalg.solve(a, ktx.T)
+    return mean.reshape(-1, OUT), cov, lam
+
+
+def _unflat_cov(cov, t):
+    out = np.zeros((t, t, OUT, OUT))
+    for i in range(t):
+        for j in range(t):
+            out[i, j] = cov[i * OUT : (i + 1) * OUT, j * OUT : (j + 1) * OUT]
+    return out
+
+
+@pytest.mark.parametrize("absolute", [False, True], ids=["relative", "absolute"])
+@pytest.mark.parametrize("layout", ["traced", "full"])
+@pytest.mark.parametrize("diag_reg", [1e-3, 1e-1])
+def test_gp_inference_matches_explicit_formula(layout, diag_reg, absolute):
+    k_xx, k_tx, k_tt, y = _problem(layout)
+    mean_ref, cov_ref, lam = _reference(k_xx, k_tx, k_tt, y, diag_reg, absolute)
+    trace_axes = (-1,) if layout == "traced" else ()
+    post = predict.gp_inference(
+        k_xx,
+        y,
+        diag_reg=diag_reg,
+        diag_reg_absolute_scale=absolute,
+        trace_axes=trace_axes,
+        dtype="float64",
+    )
+    np.testing.assert_allclose(post.regularizer, lam, rtol=1e-14)
+    mean, cov = post.nngp(k_tx, k_tt)
+    assert mean.shape == (T, OUT) and mean.dtype == np.float64
+    np.testing.assert_allclose(mean, mean_ref, rtol=1e-9, atol=1e-9 * np.abs(mean_ref).max())
+    expected_cov = cov_ref if layout == "traced" else _unflat_cov(cov_ref, T)
+    assert cov.shape == expected_cov.shape
+    np.testing.assert_allclose(cov, expected_cov, atol=1e-9 * np.abs(k_tt).max())
+    # per-sample diagonal test-test kernel → the variances (diagonal blocks)
+    diag = np.diagonal(k_tt) if layout == "traced" else np.stack([k_tt[i, i] for i in range(T)])
+    _, var = post.nngp(k_tx, diag)
+    exp_var = (
+        np.diag(cov_ref) if layout == "traced" else np.stack([expected_cov[i, i] for i in range(T)])
+    )
+    np.testing.assert_allclose(var, exp_var, atol=1e-9 * np.abs(k_tt).max())
+
+
+def test_float32_kernel_solves_agree_with_float64_reference():
+    k_xx, k_tx, k_tt, y = _problem("traced", seed=1)
+    mean_ref, cov_ref, _ = _reference(k_xx, k_tx, k_tt, y, 1e-4, False)
+    post = predict.gp_inference(k_xx.astype(np.float32), y.astype(np.float32), diag_reg=1e-4)
+    mean, var = post.nngp(k_tx.astype(np.float32), np.diagonal(k_tt).astype(np.float32))
+    assert mean.dtype == np.float32
+    # the float32 kernel itself differs from the float64 one by round-off: compare with
+    # the float64 solve of the float32 kernel's values
+    mean32_ref, cov32_ref, _ = _reference(
+        k_xx.astype(np.float32).astype(np.float64),
+        k_tx.astype(np.float32).astype(np.float64),
+        k_tt.astype(np.float32).astype(np.float64),
+        y.astype(np.float32).astype(np.float64),
+        1e-4,
+        False,
+    )
+    np.testing.assert_allclose(mean, mean32_ref, rtol=2e-6, atol=2e-6 * np.abs(mean32_ref).max())
+    assert np.all(var >= 0)
+    np.testing.assert_allclose(
+        var, np.maximum(np.diag(cov32_ref), 0), atol=1e-5 * np.abs(k_tt).max()
+    )
+
+
+def test_float64_requested_without_x64_is_float64():
+    import jax
+
+    assert not jax.config.jax_enable_x64
+    k_xx, k_tx, _, y = _problem("traced", seed=2)
+    k32 = jax.numpy.asarray(k_xx, jax.numpy.float32)  # a jax array, x64 off
+    post = predict.gp_inference(k32, y, diag_reg=1e-6, dtype="float64")
+    mean, _ = post.nngp(np.asarray(k_tx, np.float32))
+    assert mean.dtype == np.float64
+    ref, _, _ = _reference(
+        np.asarray(k32, np.float64),
+        k_tx.astype(np.float32).astype(np.float64),
+        np.eye(T),
+        y,
+        1e-6,
+        False,
+    )
+    np.testing.assert_allclose(mean, ref, rtol=1e-10, atol=1e-10 * np.abs(ref).max())
+
+
+def test_ntk_ensemble_matches_explicit_formula():
+    phi = _features(3, N)
+    psi = np.random.default_rng(4).standard_normal((N + T, OUT, 6))
+    nngp = _traced(phi, phi)
+    ntk = _traced(phi, phi) + _traced(psi, psi)
+    y = np.random.default_rng(5).standard_normal((N, OUT))
+    x, t = slice(0, N), slice(N, N + T)
+    lam = 1e-2 * np.mean(np.diag(ntk[x, x]))
+    a = ntk[x, x] + lam * np.eye(N)
+    m = ntk[t, x] @ np.linalg.solve(a, np.eye(N))
+    mean_ref = m @ y
+    cov_ref = nngp[t, t] + m @ nngp[x, x] @ m.T - m @ nngp[x, t] - nngp[t, x] @ m.T
+    post = predict.gp_inference(
+        predict.Kernels(nngp=nngp[x, x], ntk=ntk[x, x]), y, diag_reg=1e-2, dtype="float64"
+    )
+    test = predict.Kernels(nngp=nngp[t, x], ntk=ntk[t, x])
+    mean, cov = post.ntk(test, nngp[t, t])
+    np.testing.assert_allclose(mean, mean_ref, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(cov, cov_ref, atol=1e-9 * np.abs(cov_ref).max())
+    _, var = post.ntk(test, np.diagonal(nngp[t, t]))
+    np.testing.assert_allclose(var, np.diag(cov_ref), atol=1e-9 * np.abs(cov_ref).max())
+    # the GP posterior of the same object uses the NNGP
+    mean_gp, _ = post.nngp(test)
+    lam_k = 1e-2 * np.mean(np.diag(nngp[x, x]))
+    ref_gp = nngp[t, x] @ np.linalg.solve(nngp[x, x] + lam_k * np.eye(N), y)
+    np.testing.assert_allclose(mean_gp, ref_gp, rtol=1e-9, atol=1e-12)
+
+
+def test_fit_amplitude_scales_covariance_by_ml_sigma2():
+    k_xx, k_tx, k_tt, y = _problem("traced", seed=6)
+    y = 300.0 * y
+    post = predict.gp_inference(k_xx, y, diag_reg=1e-2, fit_amplitude=True, dtype="float64")
+    lam = 1e-2 * np.mean(np.diag(k_xx))
+    sigma2 = np.sum(y * np.linalg.solve(k_xx + lam * np.eye(N), y)) / y.size
+    np.testing.assert_allclose(post.amplitude, sigma2, rtol=1e-10)
+    _, cov_ref, _ = _reference(k_xx, k_tx, k_tt, y, 1e-2, False)
+    _, cov = post.nngp(k_tx, k_tt)
+    np.testing.assert_allclose(cov, sigma2 * cov_ref, atol=1e-9 * sigma2 * np.abs(k_tt).max())
+
+
+@pytest.mark.parametrize("layout", ["traced", "full"])
+def test_test_batches_equal_one_batch(layout):
+    k_xx, k_tx, k_tt, y = _problem(layout, seed=7)
+    axes = (-1,) if layout == "traced" else ()
+    diag = np.diagonal(k_tt) if layout == "traced" else np.stack([k_tt[i, i] for i in range(T)])
+    whole = predict.gp_inference(k_xx, y, diag_reg=1e-3, trace_axes=axes)
+    for batch in (1, 2, 4):
+        chunked = predict.gp_inference(
+            k_xx, y, diag_reg=1e-3, trace_axes=axes, test_batch_size=batch
+        )
+        for k_test_test in (k_tt, diag):
+            a, b = whole.nngp(k_tx, k_test_test), chunked.nngp(k_tx, k_test_test)
+            np.testing.assert_allclose(a.mean, b.mean, rtol=1e-6, atol=1e-6 * np.abs(a.mean).max())
+            np.testing.assert_allclose(a.covariance, b.covariance, atol=1e-6 * np.abs(k_tt).max())
+
+
+def test_memory_mapped_read_only_kernels(tmp_path):
+    k_xx, k_tx, k_tt, y = _problem("traced", seed=8)
+    np.save(tmp_path / "kxx.npy", k_xx.astype(np.float32))
+    np.save(tmp_path / "ktx.npy", k_tx.astype(np.float32))
+    kxx_map = np.load(tmp_path / "kxx.npy", mmap_mode="r")
+    ktx_map = np.load(tmp_path / "ktx.npy", mmap_mode="r")
+    assert not kxx_map.flags.writeable
+    a = predict.gp_inference(kxx_map, y, diag_reg=1e-3).nngp(ktx_map, np.diagonal(k_tt))
+    b = predict.gp_inference(np.array(kxx_map), y, diag_reg=1e-3).nngp(
+        np.array(ktx_map), np.diagonal(k_tt)
+    )
+    np.testing.assert_array_equal(a.mean, b.mean)
+    np.testing.assert_array_equal(a.covariance, b.covariance)
+    np.testing.assert_array_equal(np.load(tmp_path / "kxx.npy"), k_xx.astype(np.float32))
+
+
+def test_variances_at_training_points_clip_round_off_to_zero():
+    """Test points = training points, tiny λ: exact posterior variance ≈ 0, computed as
+    a difference of nearly equal numbers; never negative, never above the prior."""
+    phi = np.random.default_rng(9).standard_normal((N, 1, 40))
+    k = _traced(phi, phi).astype(np.float32)
+    y = np.random.default_rng(10).standard_normal((N, 1)).astype(np.float32)
+    post = predict.gp_inference(k, y, diag_reg=1e-7)
+    mean, var = post.nngp(k, np.diagonal(k))
+    assert np.all(var >= 0) and np.all(var <= np.diagonal(k))
+    assert var.max() <= 1e-4 * np.diagonal(k).max()
+    np.testing.assert_allclose(mean, y, atol=1e-3)
+
+
+def test_eigh_path_agrees_with_cholesky():
+    k_xx, _, _, y = _problem("traced", seed=11)
+    lam = 1e-3 * np.mean(np.diag(k_xx))
+    xc = Solver("t", k_xx, lam, np.float32).solve(y)
+    xe = Solver("t", k_xx, lam, np.float32, method="eigh").solve(y)
+    ref = np.linalg.solve(k_xx + lam * np.eye(N), y)
+    for x in (xc, xe):
+        np.testing.assert_allclose(x, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+def test_singular_float32_kernel_raises_with_condition_number_and_fix():
+    phi = np.random.default_rng(12).standard_normal((40, 1, 5))  # rank 5 < N = 40
+    k = _traced(phi, phi).astype(np.float32)
+    y = np.ones((40, 1), np.float32)
+    with pytest.raises(
+        ValueError,
+        match=r"^gp_inference: .*ill-conditioned.*condition number ≈ .*Fix: raise diag_reg.*float64",
+    ):
+        predict.gp_inference(k, y, diag_reg=0.0)
+    # the fix works: float64 with a small regulariser, or a larger regulariser in float32
+    predict.gp_inference(k, y, diag_reg=1e-5, dtype="float64")
+    predict.gp_inference(k, y, diag_reg=1e-2)
+
+
+def test_not_psd_kernel_raises():
+    k = -np.eye(6) - 0.1
+    with pytest.raises(ValueError, match=r"^gp_inference: .*not positive semi-definite.*Fix"):
+        predict.gp_inference(k, np.ones((6, 1)), diag_reg=1e-3, diag_reg_absolute_scale=True)
+
+
+def test_negative_variance_beyond_round_off_raises():
+    k_xx, k_tx, _, y = _problem("traced", seed=13)
+    post = predict.gp_inference(k_xx, y, diag_reg=1e-3)
+    with pytest.raises(
+        ValueError,
+        match=r"^gp_inference\(\.\.\.\)\.nngp: a posterior variance .* not jointly positive semi-definite",
+    ):
+        post.nngp(k_tx, np.full(T, -1.0))
+
+
+M = np.eye(4)
+Y = np.ones((4, 2))
+ERRORS = [
+    (
+        lambda: predict.gp_inference(np.ones((4, 3)), Y),
+        r"^gp_inference: k_train_train has shape \(4, 3\), expected \(4, 4\).*Fix",
+    ),
+    (
+        lambda: predict.gp_inference(M, np.ones((5, 2))),
+        r"^gp_inference: k_train_train has shape \(4, 4\), expected \(5, 5\).*Fix",
+    ),
+    (
+        lambda: predict.gp_inference(M, Y, trace_axes=()),
+        r"^gp_inference: k_train_train has shape \(4, 4\), expected \(4, 4, 2, 2\).*Fix",
+    ),
+    (
+        lambda: predict.gp_inference(M + np.triu(np.ones((4, 4)), 1), Y),
+        r"^gp_inference: k_train_train is not symmetric.*Fix",
+    ),
+    (
+        lambda: predict.gp_inference(M, Y, diag_reg=-1e-3),
+        r"^gp_inference: diag_reg must be finite and >= 0, got -0.001.*Fix",
+    ),
+    (
+        lambda: predict.gp_inference(M, Y, diag_reg="1e-3"),
+        r"^gp_inference: diag_reg must be a real number",
+    ),
+    (
+        lambda: predict.gp_inference(np.where(M > 0, np.nan, M), Y),
+        r"^gp_inference: k_train_train contains NaN or inf.*Fix",
+    ),
+    (
+        lambda: predict.gp_inference(M, np.full((4, 2), np.inf)),
+        r"^gp_inference: y_train contains NaN or inf",
+    ),
+    (
+        lambda: predict.gp_inference(M, np.ones(4)),
+        r"^gp_inference: y_train must have shape \(N, O...\).*Fix: pass y_train\[:, None\]",
+    ),
+    (
+        lambda: predict.gp_inference(M.astype(int), Y),
+        r"^gp_inference: k_train_train must be a floating array",
+    ),
+    (lambda: predict.gp_inference(M, Y, dtype="float16"), r"^gp_inference: dtype must be None"),
+    (
+        lambda: predict.gp_inference(M, Y, test_batch_size=0),
+        r"^gp_inference: test_batch_size must be None or a positive int",
+    ),
+    (
+        lambda: predict.gp_inference(M, Y, trace_axes=(0,)),
+        r"^gp_inference: trace_axes=\(0,\) must name output axes",
+    ),
+    (
+        lambda: predict.gp_inference(M, Y).nngp(np.ones((2, 3))),
+        r"^gp_inference\(\.\.\.\)\.nngp: k_test_train has shape \(2, 3\), expected \(2, 4\)",
+    ),
+    (
+        lambda: predict.gp_inference(M, Y).nngp(np.ones((2, 4)), np.ones((3, 3))),
+        r"^gp_inference\(\.\.\.\)\.nngp: k_test_test has shape \(3, 3\), expected the full",
+    ),
+    (
+        lambda: predict.gp_inference(M, Y).ntk(np.ones((2, 4)), np.ones((2, 2))),
+        r"^gp_inference\(\.\.\.\)\.ntk: the NTK ensemble covariance needs both",
+    ),
+    (
+        lambda: predict.gp_inference(predict.Kernels(ntk=M), Y).nngp(
+            predict.Kernels(ntk=np.ones((2, 4)))
+        ),
+        r"^gp_inference\(\.\.\.\)\.nngp: k_test_train.nngp is None",
+    ),
+    (
+        lambda: predict.gradient_descent_mse(M, Y, learning_rate=0.0),
+        r"^gradient_descent_mse: learning_rate must be > 0",
+    ),
+    (
+        lambda: predict.gradient_descent_mse(M, Y)(-1.0),
+        r"^gradient_descent_mse\(\.\.\.\): t must be >= 0",
+    ),
+    (
+        lambda: predict.gradient_descent_mse(M, Y)(1.0, fx_train_0=np.ones((3, 2))),
+        r"^gradient_descent_mse\(\.\.\.\): fx_train_0 of shape \(3, 2\) does not broadcast",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, pattern", ERRORS)
+def test_errors(call, pattern):
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        call()
+
+
+# -- gradient_descent_mse --------------------------------------------------------------
+
+
+def _gd_reference(k_xx, k_tx, y, f0, ft0, t, lr, lam):
+    """float64 closed form with scipy's matrix exponential (no eigendecomposition):
+    f_train(t) = y + expm(−A τ/n)(f0 − y), f_test(t) = ft0 + K_tx A⁻¹ (I − expm(−A τ/n))(y − f0)."""
+    kxx, ktx = _flat(k_xx), _flat(k_tx)
+    a = kxx + lam * np.eye(len(kxx))
+    yy, ff = (y.reshape(-1, 1), f0.reshape(-1, 1)) if k_xx.ndim == 4 else (y, f0)
+    e = scipy.linalg.expm(-a * lr * t / y.size)
+    train = yy + e @ (ff - yy)
+    test = ft0.reshape(ktx.shape[0], -1) + ktx @ np.linalg.solve(
+        a, (np.eye(len(a)) - e) @ (yy - ff)
+    )
+    return train.reshape(y.shape), test.reshape(-1, OUT)
+
+
+@pytest.mark.parametrize("layout", ["traced", "full"])
+def test_gradient_descent_mse_matches_matrix_exponential(layout):
+    k_xx, k_tx, _, y = _problem(layout, seed=14)
+    rng = np.random.default_rng(15)
+    f0, ft0 = rng.standard_normal(y.shape), rng.standard_normal((T, OUT))
+    axes = (-1,) if layout == "traced" else ()
+    lam = 1e-3 * np.mean(np.diag(_flat(k_xx)))
+    mse = predict.gradient_descent_mse(
+        k_xx, y, learning_rate=0.5, diag_reg=1e-3, trace_axes=axes, dtype="float64"
+    )
+    times = np.array([[0.0, 3.0], [50.0, 2000.0]])
+    out = mse(times, fx_train_0=f0, fx_test_0=ft0, k_test_train=k_tx)
+    assert out.train.shape == (2, 2, N, OUT) and out.test.shape == (2, 2, T, OUT)
+    for idx in np.ndindex(times.shape):
+        train_ref, test_ref = _gd_reference(k_xx, k_tx, y, f0, ft0, times[idx], 0.5, lam)
+        np.testing.assert_allclose(out.train[idx], train_ref, atol=1e-9 * np.abs(train_ref).max())
+        np.testing.assert_allclose(out.test[idx], test_ref, atol=1e-8 * np.abs(test_ref).max())
+    # t = None (convergence) equals the regularised kernel regression from f0
+    inf = mse(None, fx_train_0=f0, fx_test_0=ft0, k_test_train=k_tx)
+    kxx, ktx = _flat(k_xx), _flat(k_tx)
+    yy, ff = (y.reshape(-1, 1), f0.reshape(-1, 1)) if layout == "full" else (y, f0)
+    ref = ft0 + (ktx @ np.linalg.solve(kxx + lam * np.eye(len(kxx)), yy - ff)).reshape(T, OUT)
+    np.testing.assert_allclose(inf.test, ref, atol=1e-9 * np.abs(ref).max())
+    np.testing.assert_allclose(inf.train, y)
+    # a scalar time gives no time axis; test batches give the same numbers
+    one = mse(3.0, fx_train_0=f0, fx_test_0=ft0, k_test_train=k_tx)
+    assert one.test.shape == (T, OUT)
+    chunked = predict.gradient_descent_mse(
+        k_xx,
+        y,
+        learning_rate=0.5,
+        diag_reg=1e-3,
+        trace_axes=axes,
+        dtype="float64",
+        test_batch_size=2,
+    )(3.0, fx_train_0=f0, fx_test_0=ft0, k_test_train=k_tx)
+    np.testing.assert_allclose(chunked.test, one.test, rtol=1e-12, atol=1e-12)
+
+
+def test_gradient_descent_mse_singular_kernel_finite_times_and_inf_error():
+    """Rank-deficient NTK with no regulariser: finite times are well defined (no
+    inversion: (1 − e^{−wτ})/w → τ at w = 0); t = ∞ refuses with the fix."""
+    phi = np.random.default_rng(16).standard_normal((20, 1, 4))
+    k = _traced(phi, phi).astype(np.float32)
+    y = np.random.default_rng(17).standard_normal((20, 1)).astype(np.float32)
+    mse = predict.gradient_descent_mse(k, y)
+    out = mse(np.array([1.0, 100.0]), fx_train_0=0.0, fx_test_0=0.0, k_test_train=k[:3])
+    assert np.isfinite(out.train).all() and np.isfinite(out.test).all()
+    e = scipy.linalg.expm(-k.astype(np.float64) * 100.0 / y.size)
+    np.testing.assert_allclose(out.train[1], y + e @ (0 - y), atol=1e-4)
+    with pytest.raises(
+        ValueError,
+        match=r"^gradient_descent_mse: .*ill-conditioned.*condition number.*Fix: raise diag_reg",
+    ):
+        mse(None, fx_train_0=0.0, k_test_train=k[:3])
