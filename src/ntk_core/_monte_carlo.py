@@ -151,9 +151,10 @@ def monte_carlo_kernels(
     axes = dict(trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes)
     ntk = ntk_fn(apply_fn, implementation=implementation, precision=precision, **axes)
     nngp = nngp_fn(apply_fn, precision=precision, **axes)
+    init = jax.jit(init_fn)
 
     def sample(k):
-        params = init_fn(k)
+        params = init(k)
         return nngp(params, x1, x2), ntk(params, x1, x2)
 
     return average(fn, sample, key, n_samples, progress)

@@ -86,8 +86,10 @@ def monte_carlo_kernels(
     x_init = jax.tree.map(lambda a: a[:1], x1)
     init_kwargs = dict(apply_kwargs or {})
 
+    init = jax.jit(lambda k: model.init(k, x_init, method=method, **init_kwargs))
+
     def sample(k):
-        variables = model.init(k, x_init, method=method, **init_kwargs)
+        variables = init(k)
         return nngp(variables, x1, x2), ntk(variables, x1, x2)
 
     return average(fn, sample, key, n_samples, progress)

@@ -82,8 +82,10 @@ def monte_carlo_kernels(
     x_init = jax.tree.map(lambda a: a[:1], x1)
     init_kwargs = dict(apply_kwargs or {})
 
+    init = jax.jit(lambda k: transformed.init(k, x_init, **init_kwargs))
+
     def sample(k):
-        out = transformed.init(k, x_init, **init_kwargs)
+        out = init(k)
         params, state = out if with_state else (out, None)
         return (
             nngp(params, x1, x2, state=state, rng=rng),

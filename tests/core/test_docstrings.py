@@ -10,7 +10,15 @@ import pytest
 
 import ntk_core
 
-MODULES = ["ntk_core._api", "ntk_flax._kernel", "ntk_haiku._kernel"]
+MODULES = [
+    "ntk_core._api",
+    "ntk_core._monte_carlo",
+    "ntk_core._predict",
+    "ntk_flax._kernel",
+    "ntk_flax._monte_carlo",
+    "ntk_haiku._kernel",
+    "ntk_haiku._monte_carlo",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -28,3 +36,11 @@ def test_public_functions_document_shapes_errors_and_cost(name):
         return
     doc = obj.__doc__
     assert "N1" in doc and "Raises:" in doc and "Example" in doc
+
+
+@pytest.mark.parametrize("name", ["gp_inference", "gradient_descent_mse"])
+def test_predict_functions_document_formula_shapes_errors_cost_and_references(name):
+    doc = getattr(ntk_core.predict, name).__doc__
+    for part in ("(N, N)", "(T, O...)", "Raises:", "Cost:", "Example:", "References:"):
+        assert part in doc, part
+    assert "λ = ``diag_reg`` · mean(diag K)" in doc and "λ = ``diag_reg`` when" in doc

@@ -1,0 +1,22 @@
+"""ntk_haiku.monte_carlo_kernels equals the mean of separate ntk_haiku kernels."""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ntk_haiku
+
+
+def test_haiku_average_equals_separate_kernels():
+    net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([8, 2], activation=jnp.tanh)(x)))
+    x = jax.random.normal(jax.random.PRNGKey(1), (5, 3))
+    key, n = jax.random.PRNGKey(2), 3
+    k = ntk_haiku.monte_carlo_kernels(net, x, key=key, n_samples=n, progress=False)
+    params = [net.init(kk, x[:1]) for kk in jax.random.split(key, n)]
+    ntk = np.mean([np.asarray(ntk_haiku.kernel(net, p, x), np.float64) for p in params], axis=0)
+    nngp = np.mean([np.asarray(ntk_haiku.nngp(net, p, x), np.float64) for p in params], axis=0)
+    np.testing.assert_allclose(np.asarray(k.ntk), ntk, atol=1e-6 * np.abs(ntk).max())
+    np.testing.assert_allclose(np.asarray(k.nngp), nngp, atol=1e-6 * np.abs(nngp).max())
