@@ -212,6 +212,11 @@ class GPInference:
         return next(iter(self._train.values())).dtype
 
     @property
+    def method(self) -> str:
+        """``"cholesky"``, or ``"eigh"`` where Cholesky failed and the fallback ran."""
+        return next(iter(self._train.values())).solver.method
+
+    @property
     def regularizer(self) -> float:
         """λ added to the diagonal of the (GP, else NTK) train-train kernel."""
         return next(iter(self._train.values())).lam
