@@ -149,7 +149,57 @@ def _clip_variances(fn_name, var, s, m, u):
     return np.maximum(var, 0.0)
 
 
-class GPInference:
+class _TestSide:
+    """Test-kernel parsing, chunking and output shaping shared by the predictors
+    (needs ``_layout``, ``_opts``, ``dtype`` and ``amplitude``)."""
+
+    # -- test inputs -----------------------------------------------------------------
+    def _test_kernels(self, fn, k_test_train, k_test_test, fields):
+        lay = self._layout
+        out, t = {}, None
+        for f in fields:
+            k = as_host_array(fn, "k_test_train", _pick(fn, "k_test_train", k_test_train, f))
+            t = lay.check_pair("k_test_train", k, t, lay.n, fn)
+            check_finite(fn, "k_test_train", k)
+            out[f] = lay.flat(k)
+        kind, ktt = None, None
+        if k_test_test is not None:
+            k = as_host_array(fn, "k_test_test", _pick(fn, "k_test_test", k_test_test, "nngp"))
+            if k.shape == lay.pair_shape(t, t):
+                kind, ktt = "full", lay.flat(k)
+            elif k.shape == lay.diag_shape(t):
+                kind, ktt = "diag", lay.flat_diag(k)
+            else:
+                raise ValueError(
+                    f"{fn}: k_test_test has shape {k.shape}, expected the full test-test "
+                    f"kernel {lay.pair_shape(t, t)} (gives the covariance) or its per-sample "
+                    f"diagonal {lay.diag_shape(t)} (diagonal_axes=(0,); gives the "
+                    f"variances). Fix: compute it on the same test inputs with the same "
+                    f"trace_axes."
+                )
+            check_finite(fn, "k_test_test", k)
+        u = max(unit_roundoff(a.dtype) for a in [*out.values()] + ([ktt] if kind else []))
+        return t, out, kind, ktt, u
+
+    def _chunks(self, t):
+        b = self._opts["test_batch_size"] or t
+        ko = self._layout.ko
+        for start in range(0, t, b):
+            stop = min(t, start + b)
+            yield slice(start, stop), slice(start * ko, stop * ko)
+
+    def _finish(self, t, mean, kind, cov):
+        lay, dt = self._layout, self.dtype
+        mean = lay.unflat_y(mean, t).astype(dt)
+        if kind is None:
+            return Gaussian(mean, None)
+        cov = cov * self.amplitude
+        if kind == "full":
+            return Gaussian(mean, lay.unflat_cov(cov, t).astype(dt))
+        return Gaussian(mean, lay.unflat_diag(cov).astype(dt))
+
+
+class GPInference(_TestSide):
     """Predictor returned by :func:`gp_inference`; see there."""
 
     def __init__(self, fn_name, k_train_train, y_train, opts):
@@ -220,51 +270,6 @@ class GPInference:
     def regularizer(self) -> float:
         """λ added to the diagonal of the (GP, else NTK) train-train kernel."""
         return next(iter(self._train.values())).lam
-
-    # -- test inputs -----------------------------------------------------------------
-    def _test_kernels(self, fn, k_test_train, k_test_test, fields):
-        lay = self._layout
-        out, t = {}, None
-        for f in fields:
-            k = as_host_array(fn, "k_test_train", _pick(fn, "k_test_train", k_test_train, f))
-            t = lay.check_pair("k_test_train", k, t, lay.n, fn)
-            check_finite(fn, "k_test_train", k)
-            out[f] = lay.flat(k)
-        kind, ktt = None, None
-        if k_test_test is not None:
-            k = as_host_array(fn, "k_test_test", _pick(fn, "k_test_test", k_test_test, "nngp"))
-            if k.shape == lay.pair_shape(t, t):
-                kind, ktt = "full", lay.flat(k)
-            elif k.shape == lay.diag_shape(t):
-                kind, ktt = "diag", lay.flat_diag(k)
-            else:
-                raise ValueError(
-                    f"{fn}: k_test_test has shape {k.shape}, expected the full test-test "
-                    f"kernel {lay.pair_shape(t, t)} (gives the covariance) or its per-sample "
-                    f"diagonal {lay.diag_shape(t)} (diagonal_axes=(0,); gives the "
-                    f"variances). Fix: compute it on the same test inputs with the same "
-                    f"trace_axes."
-                )
-            check_finite(fn, "k_test_test", k)
-        u = max(unit_roundoff(a.dtype) for a in [*out.values()] + ([ktt] if kind else []))
-        return t, out, kind, ktt, u
-
-    def _chunks(self, t):
-        b = self._opts["test_batch_size"] or t
-        ko = self._layout.ko
-        for start in range(0, t, b):
-            stop = min(t, start + b)
-            yield slice(start, stop), slice(start * ko, stop * ko)
-
-    def _finish(self, t, mean, kind, cov):
-        lay, dt = self._layout, self.dtype
-        mean = lay.unflat_y(mean, t).astype(dt)
-        if kind is None:
-            return Gaussian(mean, None)
-        cov = cov * self.amplitude
-        if kind == "full":
-            return Gaussian(mean, lay.unflat_cov(cov, t).astype(dt))
-        return Gaussian(mean, lay.unflat_diag(cov).astype(dt))
 
     @_doc
     def nngp(self, k_test_train, k_test_test=None) -> Gaussian:
@@ -378,54 +383,74 @@ class GPInference:
         fields = ["ntk", "nngp"] if needs_cov else ["ntk"]
         t, kts, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, fields)
         tr = self._get_train("ntk")
-        alpha = self._alpha_of("ntk")
-        ko, m = self._layout.ko, tr.k2.shape[0]
-        th = kts["ntk"]
-        mean = np.empty((t * ko, alpha.shape[1]))
-        w1s, w2s, cov = [], [], None
-        if kind == "diag":
-            cov = np.empty((t, ko, ko))
         k_xx = self._get_train("nngp").k2 if needs_cov else None
-        for ts, rs in self._chunks(t):
-            tb = np.asarray(th[rs], np.float64)
-            mean[rs] = tb @ alpha
-            if kind is None:
-                continue
-            kb = np.asarray(kts["nngp"][rs], np.float64)
-            w1 = tr.solver.solve(tb.T)  # A⁻¹ Θ_xt
-            w2 = tr.solver.solve(kb.T)  # A⁻¹ K_xt
-            if kind == "full":
-                w1s.append(w1)
-                w2s.append(w2)
-                continue
-            c = ts.stop - ts.start
-            kw1 = matmul64(k_xx, w1)
-            quad = np.einsum("mia,mib->iab", w1.reshape(m, c, ko), kw1.reshape(m, c, ko))
-            cross = np.einsum("iam,mib->iab", tb.reshape(c, ko, m), w2.reshape(m, c, ko))
-            prior = np.asarray(ktt[ts], np.float64)
-            v = prior + quad - cross - np.swapaxes(cross, 1, 2)
-            idx = np.arange(ko)
-            abs_cross = np.einsum(
-                "iam,mia->ia", np.abs(tb.reshape(c, ko, m)), np.abs(w2.reshape(m, c, ko))
-            )
-            s = np.abs(prior[:, idx, idx]) + np.abs(quad[:, idx, idx]) + 2 * abs_cross
-            v[:, idx, idx] = _clip_variances(fn, v[:, idx, idx], s, m, u)
-            cov[ts] = v
-        if kind == "full":
-            w1, w2 = np.concatenate(w1s, 1), np.concatenate(w2s, 1)
-            th64 = np.asarray(th, np.float64)
-            quad = w1.T @ matmul64(k_xx, w1)
-            cross = th64 @ w2
-            ktt64 = np.asarray(ktt, np.float64)
-            cov = ktt64 + quad - cross - cross.T
-            cov = (cov + cov.T) / 2
-            s = (
-                np.abs(np.diagonal(ktt64))
-                + np.abs(np.diagonal(quad))
-                + 2 * np.einsum("jm,mj->j", np.abs(th64), np.abs(w2))
-            )
-            cov[np.diag_indices_from(cov)] = _clip_variances(fn, np.diagonal(cov).copy(), s, m, u)
+        mean, cov = _ntk_ensemble(
+            fn,
+            list(self._chunks(t)),
+            self._layout.ko,
+            kts,
+            kind,
+            ktt,
+            k_xx,
+            self._alpha_of("ntk"),
+            tr.solver.solve,
+            u,
+        )
         return self._finish(t, mean, kind, cov)
+
+
+def _ntk_ensemble(fn, chunks, ko, kts, kind, ktt, k_xx, alpha, apply_h, u):
+    """Mean and covariance of the NTK ensemble with the train operator H (A⁻¹ at t = ∞):
+    mean = Θ_tx H y (``alpha`` = H y), cov = K_tt + Θ_tx H K_xx H Θ_xt − Θ_tx H K_xt − K_tx H Θ_xt.
+    Returns the flat mean ``(T·Ko, R)`` and the covariance (None, ``(T, Ko, Ko)`` or flat
+    ``(T·Ko, T·Ko)``); variances clipped by :func:`_clip_variances`."""
+    th = kts["ntk"]
+    m = alpha.shape[0]
+    t = chunks[-1][0].stop if chunks else 0
+    mean = np.empty((t * ko, alpha.shape[1]))
+    w1s, w2s, cov = [], [], None
+    if kind == "diag":
+        cov = np.empty((t, ko, ko))
+    for ts, rs in chunks:
+        tb = np.asarray(th[rs], np.float64)
+        mean[rs] = tb @ alpha
+        if kind is None:
+            continue
+        kb = np.asarray(kts["nngp"][rs], np.float64)
+        w1 = apply_h(tb.T)  # H Θ_xt
+        w2 = apply_h(kb.T)  # H K_xt
+        if kind == "full":
+            w1s.append(w1)
+            w2s.append(w2)
+            continue
+        c = ts.stop - ts.start
+        kw1 = matmul64(k_xx, w1)
+        quad = np.einsum("mia,mib->iab", w1.reshape(m, c, ko), kw1.reshape(m, c, ko))
+        cross = np.einsum("iam,mib->iab", tb.reshape(c, ko, m), w2.reshape(m, c, ko))
+        prior = np.asarray(ktt[ts], np.float64)
+        v = prior + quad - cross - np.swapaxes(cross, 1, 2)
+        idx = np.arange(ko)
+        abs_cross = np.einsum(
+            "iam,mia->ia", np.abs(tb.reshape(c, ko, m)), np.abs(w2.reshape(m, c, ko))
+        )
+        s = np.abs(prior[:, idx, idx]) + np.abs(quad[:, idx, idx]) + 2 * abs_cross
+        v[:, idx, idx] = _clip_variances(fn, v[:, idx, idx], s, m, u)
+        cov[ts] = v
+    if kind == "full":
+        w1, w2 = np.concatenate(w1s, 1), np.concatenate(w2s, 1)
+        th64 = np.asarray(th, np.float64)
+        quad = w1.T @ matmul64(k_xx, w1)
+        cross = th64 @ w2
+        ktt64 = np.asarray(ktt, np.float64)
+        cov = ktt64 + quad - cross - cross.T
+        cov = (cov + cov.T) / 2
+        s = (
+            np.abs(np.diagonal(ktt64))
+            + np.abs(np.diagonal(quad))
+            + 2 * np.einsum("jm,mj->j", np.abs(th64), np.abs(w2))
+        )
+        cov[np.diag_indices_from(cov)] = _clip_variances(fn, np.diagonal(cov).copy(), s, m, u)
+    return mean, cov
 
 
 def _options(fn_name, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size):
@@ -527,7 +552,7 @@ def gp_inference(
     return GPInference(fn, k_train_train, y_train, opts)
 
 
-class GradientDescentMSE:
+class GradientDescentMSE(_TestSide):
     """Predictor returned by :func:`gradient_descent_mse`; see there."""
 
     def __init__(self, fn_name, k_train_train, y_train, learning_rate, opts):
@@ -565,6 +590,19 @@ class GradientDescentMSE:
         self._w = np.maximum(w, 0.0)
         self._v = np.asarray(v, np.float64)
         self._opts = opts
+        self._k = k_train_train
+        self._nngp2 = None
+        if isinstance(k_train_train, Kernels) and k_train_train.nngp is not None:
+            k = as_host_array(fn_name, "k_train_train.nngp", k_train_train.nngp)
+            lay.check_pair("k_train_train.nngp", k, lay.n, lay.n)
+            self._nngp2 = lay.flat(k)
+            scan_train_kernel(fn_name, "k_train_train.nngp", self._nngp2, k.dtype)
+        self.amplitude = 1.0
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The compute dtype (that of the results)."""
+        return self._train.dtype
 
     @property
     def eigenvalues(self) -> np.ndarray:
@@ -672,6 +710,88 @@ class GradientDescentMSE:
             test = test.astype(dt)
         return Outputs(train, test)
 
+    def _weights(self, tau):
+        """h = (1 − exp(−w τ)) / w per eigenvalue (τ/n scaled time), limit τ at w = 0."""
+        x = self._w * tau
+        with np.errstate(invalid="ignore", over="ignore"):
+            phi = np.where(x > 1e-12, -np.expm1(-x) / np.where(x > 0, x, 1.0), 1.0 - x / 2)
+        return tau * phi
+
+    @_doc
+    def ntk_ensemble(self, t=None, k_test_train=None, k_test_test=None) -> Gaussian:
+        """Mean and covariance over an infinite ensemble of wide networks (initialised from
+        the prior, mean 0) after training time(s) ``t`` (``None``/``inf``: convergence).
+
+        With Θ the NTK, K the NNGP, A = Θ_xx + λI and H(t) = A⁻¹ (I − exp(−A τ / n)),
+        τ = ``learning_rate``·t (Lee et al. 2019; neural-tangents'
+        ``gradient_descent_mse_ensemble(..., get="ntk")``):
+        mean = Θ_tx H y;  covariance = K_tt + Θ_tx H K_xx H Θ_xt − Θ_tx H K_xt − K_tx H Θ_xt.
+        At t = ∞, H = A⁻¹ and the result is :meth:`GPInference.ntk`.
+
+        Args:
+          t: ``None``/``inf`` or a float or array of times (steps), any shape.
+          k_test_train: :class:`Kernels` with ``ntk`` (and ``nngp`` for the covariance),
+            each ``(T, N)`` / ``(T, N, O, O)``; an array is taken as the NTK (mean only).
+          k_test_test: ``None`` (mean only) or the NNGP test-test kernel, full ``(T, T)``
+            / ``(T, T, O, O)`` or per-sample diagonal ``(T,)`` / ``(T, O, O)``. Needs
+            ``Kernels(nngp=..., ntk=...)`` given to :func:`gradient_descent_mse`.
+
+        Returns:
+          ``Gaussian(mean, covariance)``: mean ``t.shape + (T, O...)``, covariance
+          ``t.shape +`` the layout of ``k_test_test`` (``None`` without it).
+
+        Raises:
+          ValueError, TypeError: as :meth:`GPInference.ntk`; negative times; at t = ∞ a
+            kernel too ill-conditioned to solve.
+        """
+        fn = f"{self._fn}(...).ntk_ensemble"
+        if k_test_train is None:
+            raise ValueError(f"{fn}: k_test_train is required. Fix: pass the test-train kernels.")
+        needs_cov = k_test_test is not None
+        if needs_cov and not (self._nngp2 is not None and isinstance(k_test_train, Kernels)):
+            raise ValueError(
+                f"{fn}: the ensemble covariance needs both the NTK and the NNGP of the "
+                f"train-train and test-train pairs. Fix: pass Kernels(nngp=..., ntk=...) to "
+                f"gradient_descent_mse and as k_test_train, or drop k_test_test."
+            )
+        times = np.asarray(np.inf if t is None else t, np.float64)
+        if np.isnan(times).any() or (times < 0).any():
+            raise ValueError(
+                f"{fn}: t must be >= 0 (or None / inf for convergence), got {t!r}. Fix: "
+                f"pass training times in steps."
+            )
+        fields = ["ntk", "nngp"] if needs_cov else ["ntk"]
+        n_test, kts, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, fields)
+        chunks = list(self._chunks(n_test))
+        means, covs = [], []
+        for tk in times.reshape(-1):
+            if np.isinf(tk):
+                apply_h = self._train.solver.solve
+            else:
+                h = self._weights(tk * self._lr / self._y_size)
+
+                def apply_h(b, h=h):
+                    return self._v @ (h[:, None] * (self._v.T @ b))
+
+            mean, cov = _ntk_ensemble(
+                fn,
+                chunks,
+                self._layout.ko,
+                kts,
+                kind,
+                ktt,
+                self._nngp2,
+                apply_h(self._y),
+                apply_h,
+                u,
+            )
+            g = self._finish(n_test, mean, kind, cov)
+            means.append(g.mean)
+            covs.append(g.covariance)
+        mean = np.stack(means).reshape(times.shape + means[0].shape)
+        cov = None if kind is None else np.stack(covs).reshape(times.shape + covs[0].shape)
+        return Gaussian(mean, cov)
+
     def _matmul_chunked(self, kt, b, t):
         out = np.empty((kt.shape[0], b.shape[1]))
         bs = self._opts["test_batch_size"] or t
@@ -718,8 +838,10 @@ def gradient_descent_mse(
     Returns:
       A :class:`GradientDescentMSE`: ``predictor(t=None, fx_train_0=0.0, fx_test_0=0.0,
       k_test_train=None) -> Outputs(train, test)``, train ``t.shape + (N, O...)``, test
-      ``t.shape + (T, O...)``. ``Outputs`` unpacks like neural-tangents' ``(fx_train_t,
-      fx_test_t)``.
+      ``t.shape + (T, O...)`` (``Outputs`` unpacks like neural-tangents' ``(fx_train_t,
+      fx_test_t)``); and ``predictor.ntk_ensemble(t, k_test_train, k_test_test=None) ->
+      Gaussian``, the mean and covariance over an infinite ensemble at time t (needs
+      ``Kernels(nngp=..., ntk=...)`` for the covariance).
 
     Raises:
       ValueError, TypeError: as :func:`gp_inference`, and a non-positive

@@ -430,3 +430,34 @@ def test_gradient_descent_mse_singular_kernel_finite_times_and_inf_error():
         match=r"^gradient_descent_mse: .*ill-conditioned.*condition number.*Fix: raise diag_reg",
     ):
         mse(None, fx_train_0=0.0, k_test_train=k[:3])
+
+
+def test_ntk_ensemble_at_time_t_matches_matrix_exponential_and_converges_to_gp_inference():
+    phi = _features(18, N)
+    psi = np.random.default_rng(19).standard_normal((N + T, OUT, 6))
+    nngp = _traced(phi, phi)
+    ntk = nngp + _traced(psi, psi)
+    y = np.random.default_rng(20).standard_normal((N, OUT))
+    x, t = slice(0, N), slice(N, N + T)
+    train = predict.Kernels(nngp=nngp[x, x], ntk=ntk[x, x])
+    test = predict.Kernels(nngp=nngp[t, x], ntk=ntk[t, x])
+    lam = 1e-3 * np.mean(np.diag(ntk[x, x]))
+    a = ntk[x, x] + lam * np.eye(N)
+    mse = predict.gradient_descent_mse(train, y, learning_rate=2.0, diag_reg=1e-3, dtype="float64")
+    times = np.array([0.0, 5.0, 500.0])
+    g = mse.ntk_ensemble(times, test, nngp[t, t])
+    assert g.mean.shape == (3, T, OUT) and g.covariance.shape == (3, T, T)
+    for i, tk in enumerate(times):
+        h = np.linalg.solve(a, np.eye(N) - scipy.linalg.expm(-a * 2.0 * tk / y.size))
+        m = ntk[t, x] @ h
+        cov = nngp[t, t] + m @ nngp[x, x] @ m.T - m @ nngp[x, t] - nngp[t, x] @ m.T
+        np.testing.assert_allclose(g.mean[i], m @ y, atol=1e-9 * max(np.abs(m @ y).max(), 1))
+        np.testing.assert_allclose(g.covariance[i], cov, atol=1e-9 * np.abs(cov).max())
+    # t = 0: the prior; t = ∞: the converged posterior of gp_inference
+    np.testing.assert_allclose(g.covariance[0], nngp[t, t], atol=1e-12 * np.abs(nngp).max())
+    inf = mse.ntk_ensemble(None, test, np.diagonal(nngp[t, t]))
+    ref = predict.gp_inference(train, y, diag_reg=1e-3, dtype="float64").ntk(
+        test, np.diagonal(nngp[t, t])
+    )
+    np.testing.assert_allclose(inf.mean, ref.mean, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(inf.covariance, ref.covariance, rtol=1e-9, atol=1e-12)
