@@ -223,8 +223,8 @@ class GPInference(_TestSide):
                 f"{fn_name}: k_train_train is Kernels(nngp=None, ntk=None). Fix: pass an "
                 f"array or Kernels with at least one kernel."
             )
-        for tr in self._train.values():  # solve for y now: an unsolvable kernel fails here
-            self._alpha_of("nngp" if tr is self._train.get("nngp") else "ntk")
+        for field in list(self._train):  # solve for y now: an unsolvable kernel fails here
+            self._alpha_of(field)
         self.amplitude = self._amplitude() if opts["fit_amplitude"] else 1.0
 
     def _get_train(self, field) -> _Train:
@@ -683,10 +683,8 @@ class GradientDescentMSE(_TestSide):
             return Outputs(train, test)
         shape = ts.shape
         tv = ts.reshape(-1) * self._lr / self._y_size  # (K,)
-        x = self._w[None, :] * tv[:, None]  # (K, M)
-        with np.errstate(invalid="ignore", over="ignore"):
-            g = np.expm1(-x)
-            phi = np.where(x > 1e-12, -g / np.where(x > 0, x, 1.0), 1.0 - x / 2)
+        with np.errstate(invalid="ignore"):  # inf · 0 in rows replaced below
+            g = np.expm1(-self._w[None, :] * tv[:, None])  # expm1(−w τ), (K, M)
         g = np.where(np.isinf(tv)[:, None], -1.0, g)
         c = self._v.T @ rhs  # (M, R) in the eigenbasis
         train = test = None
@@ -700,7 +698,7 @@ class GradientDescentMSE(_TestSide):
                     f"{fn}: an infinite time inside an array of times is not supported for "
                     f"test predictions. Fix: call once with t=None for convergence."
                 )
-            h = -tv[:, None] * phi  # expm1(−w t)/w
+            h = -np.stack([self._weights(tk) for tk in tv])  # expm1(−w τ) / w
             b = np.einsum("mi,ki,ir->mkr", self._v, h, c).reshape(self._v.shape[0], -1)
             d = self._matmul_chunked(kt, b, t_test)  # (T·Ko, K·R)
             d = d.reshape(d.shape[0], len(tv), -1)

@@ -145,7 +145,10 @@ class Layout:
                 )
             canon.append(a % nd)
         if len(set(canon)) != len(canon):
-            raise ValueError(f"{fn_name}: trace_axes={tuple(axes)} names an axis twice.")
+            raise ValueError(
+                f"{fn_name}: trace_axes={tuple(axes)} names an axis twice. Fix: list each "
+                f"traced axis once, as when computing the kernels."
+            )
         self.fn_name = fn_name
         self.n = y_shape[0]
         self.traced = tuple(sorted(canon))
