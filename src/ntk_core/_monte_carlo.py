@@ -13,7 +13,7 @@ from ._predict import Kernels
 
 
 def progress_bar(fn_name: str, progress, total: int, desc: str):
-    """A tqdm bar over ``range(total)``, or a plain range.
+    """A tqdm bar of ``total`` steps (advance with ``.update(k)``), or None.
 
     ``progress=None`` shows the bar only when stderr is a terminal (and tqdm is
     installed); ``True`` requires tqdm; ``False`` never shows it.
@@ -25,7 +25,7 @@ def progress_bar(fn_name: str, progress, total: int, desc: str):
         )
     show = progress if progress is not None else sys.stderr.isatty()
     if not show:
-        return range(total)
+        return None
     try:
         from tqdm.auto import tqdm
     except ImportError:
@@ -34,16 +34,17 @@ def progress_bar(fn_name: str, progress, total: int, desc: str):
                 f"{fn_name}: progress=True needs tqdm. Fix: pip install tqdm, or pass "
                 f"progress=False."
             ) from None
-        return range(total)
-    return tqdm(range(total), desc=desc, total=total)
+        return None
+    return tqdm(total=total, desc=desc)
 
 
-def check_samples(fn_name: str, key, n_samples) -> None:
-    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
-        raise ValueError(
-            f"{fn_name}: n_samples must be a positive int, got {n_samples!r}. Fix: pass "
-            f"e.g. n_samples=16."
-        )
+def check_samples(fn_name: str, key, n_samples, batch_size_samples) -> None:
+    for name, v in (("n_samples", n_samples), ("batch_size_samples", batch_size_samples)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(
+                f"{fn_name}: {name} must be a positive int, got {v!r}. Fix: pass e.g. "
+                f"{name}={16 if name == 'n_samples' else 4}."
+            )
     if not isinstance(key, jax.Array) or not (
         jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,)
     ):
@@ -59,16 +60,28 @@ def average(
     sample: Callable,
     key,
     n_samples: int,
+    batch_size_samples: int,
     progress,
 ) -> Kernels:
     """Mean over ``keys = jax.random.split(key, n_samples)`` of ``sample(keys[i])``,
-    which returns ``(nngp, ntk)`` pytrees; sums in the kernels' dtype, then divides."""
-    check_samples(fn_name, key, n_samples)
+    which returns ``(nngp, ntk)`` pytrees; sums in the kernels' dtype, then divides.
+    With ``batch_size_samples`` b > 1, ``sample`` is vmapped over b keys at a time."""
+    check_samples(fn_name, key, n_samples, batch_size_samples)
     keys = jax.random.split(key, n_samples)
+    batched = jax.jit(jax.vmap(sample))  # one compilation per batch size
+    bar = progress_bar(fn_name, progress, n_samples, fn_name)
     total = None
-    for i in progress_bar(fn_name, progress, n_samples, fn_name):
-        k = sample(keys[i])
+    for start in range(0, n_samples, batch_size_samples):
+        stop = min(n_samples, start + batch_size_samples)
+        if batch_size_samples == 1:
+            k = sample(keys[start])
+        else:
+            k = jax.tree.map(lambda a: a.sum(0), batched(keys[start:stop]))
         total = k if total is None else jax.tree.map(jnp.add, total, k)
+        if bar is not None:
+            bar.update(stop - start)
+    if bar is not None:
+        bar.close()
     nngp, ntk = jax.tree.map(lambda s: s / n_samples, total)
     return Kernels(nngp=nngp, ntk=ntk)
 
@@ -81,6 +94,7 @@ def monte_carlo_kernels(
     *,
     key,
     n_samples: int,
+    batch_size_samples: int = 1,
     progress: bool | None = None,
     trace_axes=(-1,),
     diagonal_axes=(),
@@ -96,8 +110,9 @@ def monte_carlo_kernels(
     S = ``n_samples``. As the width grows they approach the infinite-width NNGP and NTK;
     with S samples the Monte Carlo error shrinks as 1/√S. Each average equals the mean
     of S separate :func:`empirical_nngp` / :func:`empirical_ntk` calls with the same
-    keys and options. Samples run one after another with one compiled kernel function
-    (no recompilation); memory is that of one sample's kernels plus the running sum.
+    keys and options. Samples run ``batch_size_samples`` at a time (vmapped), one
+    compiled kernel function for all batches of that size (a ragged last batch compiles
+    once more); memory is that of one batch's kernels and features plus the running sum.
 
     Args:
       init_fn: ``init_fn(key) -> params``, e.g. ``lambda k: model.init(k, x)["params"]``.
@@ -106,6 +121,8 @@ def monte_carlo_kernels(
       x2: ``None`` (x2 is x1: exactly symmetric kernels) or like x1 with N2 samples.
       key: one PRNG key; sample s uses ``jax.random.split(key, n_samples)[s]``.
       n_samples: S >= 1.
+      batch_size_samples: samples computed together (``jax.vmap`` over their keys),
+        default 1 (one after another, least memory).
       progress: tqdm progress bar over the samples: ``None`` (default) shows it only
         when stderr is a terminal, ``True`` always (needs tqdm), ``False`` never.
       trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
@@ -119,7 +136,8 @@ def monte_carlo_kernels(
     Raises:
       TypeError: ``init_fn`` or ``apply_fn`` not callable, ``key`` not one PRNG key,
         ``progress`` not a bool or None; and the errors of :func:`ntk_fn`.
-      ValueError: ``n_samples`` not a positive int; and the errors of :func:`ntk_fn`.
+      ValueError: ``n_samples`` or ``batch_size_samples`` not a positive int; and the
+        errors of :func:`ntk_fn`.
       ImportError: ``progress=True`` without tqdm.
 
     Cost: S initialisations, and S times the cost of :func:`ntk_fn` plus one forward
@@ -157,4 +175,4 @@ def monte_carlo_kernels(
         params = init(k)
         return nngp(params, x1, x2), ntk(params, x1, x2)
 
-    return average(fn, sample, key, n_samples, progress)
+    return average(fn, sample, key, n_samples, batch_size_samples, progress)

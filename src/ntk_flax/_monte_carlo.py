@@ -20,6 +20,7 @@ def monte_carlo_kernels(
     *,
     key,
     n_samples: int,
+    batch_size_samples: int = 1,
     method: str | Callable | None = None,
     apply_kwargs=None,
     progress: bool | None = None,
@@ -42,6 +43,7 @@ def monte_carlo_kernels(
       x2: ``None`` (x2 is x1) or like x1 with N2 samples.
       key: one PRNG key.
       n_samples: S >= 1.
+      batch_size_samples: samples computed together (vmapped over their keys), default 1.
       method, apply_kwargs: as :func:`ntk_flax.kernel_fn` (``apply_kwargs`` is also
         passed to ``model.init``).
       progress: tqdm bar over the samples (``None``: in a terminal only).
@@ -92,4 +94,4 @@ def monte_carlo_kernels(
         variables = init(k)
         return nngp(variables, x1, x2), ntk(variables, x1, x2)
 
-    return average(fn, sample, key, n_samples, progress)
+    return average(fn, sample, key, n_samples, batch_size_samples, progress)

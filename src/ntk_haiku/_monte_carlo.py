@@ -18,6 +18,7 @@ def monte_carlo_kernels(
     *,
     key,
     n_samples: int,
+    batch_size_samples: int = 1,
     rng=None,
     apply_kwargs=None,
     progress: bool | None = None,
@@ -37,6 +38,7 @@ def monte_carlo_kernels(
       x2: ``None`` (x2 is x1) or like x1 with N2 samples.
       key: one PRNG key.
       n_samples: S >= 1.
+      batch_size_samples: samples computed together (vmapped over their keys), default 1.
       rng: a PRNG key for models that need one at apply time (the same for every
         sample), as in :func:`ntk_haiku.kernel`.
       apply_kwargs: keyword arguments of the forward function (also given to ``init``).
@@ -92,4 +94,4 @@ def monte_carlo_kernels(
             ntk(params, x1, x2, state=state, rng=rng),
         )
 
-    return average(fn, sample, key, n_samples, progress)
+    return average(fn, sample, key, n_samples, batch_size_samples, progress)

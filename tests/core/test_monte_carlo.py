@@ -24,12 +24,22 @@ X2 = jax.random.normal(jax.random.PRNGKey(2), (4, 3))
 
 
 @pytest.mark.parametrize(
-    "x2, axes", [(None, dict()), (X2, dict(trace_axes=()))], ids=["x2_none_traced", "x2_full"]
+    "x2, axes, batch",
+    [(None, dict(), 1), (X2, dict(trace_axes=()), 2)],
+    ids=["x2_none_traced_sequential", "x2_full_batches_of_2_ragged"],
 )
-def test_average_equals_mean_of_separate_empirical_kernels(x2, axes):
+def test_average_equals_mean_of_separate_empirical_kernels(x2, axes, batch):
     key, n = jax.random.PRNGKey(3), 3
     k = ntk_core.monte_carlo_kernels(
-        init_fn, apply_fn, X1, x2, key=key, n_samples=n, progress=False, **axes
+        init_fn,
+        apply_fn,
+        X1,
+        x2,
+        key=key,
+        n_samples=n,
+        batch_size_samples=batch,
+        progress=False,
+        **axes,
     )
     keys = jax.random.split(key, n)
     ntks = [

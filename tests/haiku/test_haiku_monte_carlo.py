@@ -14,7 +14,9 @@ def test_haiku_average_equals_separate_kernels():
     net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([8, 2], activation=jnp.tanh)(x)))
     x = jax.random.normal(jax.random.PRNGKey(1), (5, 3))
     key, n = jax.random.PRNGKey(2), 3
-    k = ntk_haiku.monte_carlo_kernels(net, x, key=key, n_samples=n, progress=False)
+    k = ntk_haiku.monte_carlo_kernels(
+        net, x, key=key, n_samples=n, batch_size_samples=2, progress=False
+    )
     params = [net.init(kk, x[:1]) for kk in jax.random.split(key, n)]
     ntk = np.mean([np.asarray(ntk_haiku.kernel(net, p, x), np.float64) for p in params], axis=0)
     nngp = np.mean([np.asarray(ntk_haiku.nngp(net, p, x), np.float64) for p in params], axis=0)
