@@ -25,6 +25,9 @@ import scipy.linalg
 
 #: A solve is accepted when max|last correction| <= ACCEPT * max|x| per right-hand side.
 ACCEPT = 1e-6
+#: Refinement stops once max|correction| <= TARGET * max|x| (below float32 output rounding
+#: matters no more), or when corrections stop shrinking by half.
+TARGET = 1e-7
 #: Most refinement steps per solve.
 MAX_REFINE = 20
 #: Entries per float64 row chunk when streaming a kernel (64 MiB).
@@ -361,7 +364,7 @@ class Solver:
             scale = np.maximum(np.abs(xa).max(axis=0), np.finfo(np.float64).tiny)
             rel_a = np.abs(d).max(axis=0) / scale
             rel[active] = rel_a
-            done = rel_a <= self.u
+            done = rel_a <= TARGET
             if prev is not None:  # stagnating or diverging columns stop too
                 done |= rel_a > 0.5 * prev
             prev = rel_a[~done]
