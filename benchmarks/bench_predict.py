@@ -7,10 +7,11 @@ points drawn N(0, I_d), d = 8, float32) as ``.npy`` files, then, for each comput
 runs in a fresh subprocess: ``gp_inference`` on the read-only memory-mapped train-train
 kernel (checks, factorisation, refined solve for y), the posterior mean at T test
 points, and the variances at the first T_var = 500 of them (a per-sample test-test
-diagonal). Reports wall time per phase, the subprocess's peak RSS (file-backed pages of
-the memory map included), the kernel's and the factor's sizes, and ``os.getloadavg()``
-before and after (the machine is shared). Results: ``results_predict.json`` and a
-markdown table on stdout. No jax array is created: the solve is numpy/LAPACK on the host.
+diagonal). Reports wall time per phase, the refinement steps of the solves, the
+subprocess's peak RSS (file-backed pages of the memory map included), the kernel's and
+the factor's sizes, and ``os.getloadavg()`` before and after (the machine is shared).
+Results: ``results_predict.json`` and a markdown table on stdout. No jax array is
+created: the solve is numpy/LAPACK on the host.
 """
 
 from __future__ import annotations
@@ -67,12 +68,15 @@ def run_one(directory: pathlib.Path, n: int, t: int, dtype: str) -> dict:
     t0 = time.perf_counter()
     post = predict.gp_inference(kxx, y, diag_reg=1e-3, dtype=None if dtype == "auto" else dtype)
     fit_s = time.perf_counter() - t0
+    solver = post._train["nngp"].solver  # private: a diagnostic only
+    steps_y = solver.steps
     t0 = time.perf_counter()
     mean, _ = post.nngp(ktx)
     mean_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     _, var = post.nngp(ktx[:T_VAR], ktt[:T_VAR])
     var_s = time.perf_counter() - t0
+    steps_var = solver.steps
     assert np.isfinite(mean).all() and np.all(var >= 0) and np.all(var <= 1)
     import jax
 
@@ -86,6 +90,8 @@ def run_one(directory: pathlib.Path, n: int, t: int, dtype: str) -> dict:
         fit_s=round(fit_s, 2),
         mean_s=round(mean_s, 2),
         var_s=round(var_s, 2),
+        refinement_steps_y=steps_y,
+        refinement_steps_var=steps_var,
         peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         kernel_gb=round(kxx.nbytes / 2**30, 2),
         factor_gb=round(n * n * post.dtype.itemsize / 2**30, 2),
@@ -130,14 +136,15 @@ def main():
     path.write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     print(f"jax {meta['jax']}, numpy {meta['numpy']}, {meta['cpus']} cpus, {meta['date']}\n")
     print(
-        "| N | T (mean) | T (var) | dtype | solver | fit s | mean s | variances s | peak RSS GB "
-        "| kernel GB | factor GB | load avg before → after |"
+        "| N | T (mean) | T (var) | dtype | solver | fit s | mean s | variances s | refinement "
+        "steps (y, var) | peak RSS GB | kernel GB | factor GB | load avg before → after |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(
             f"| {r['n']} | {r['t']} | {r['t_var']} | {r['dtype']} | {r['method']} | "
-            f"{r['fit_s']} | {r['mean_s']} | {r['var_s']} | {r['peak_rss_gb']} | "
+            f"{r['fit_s']} | {r['mean_s']} | {r['var_s']} | {r['refinement_steps_y']}, "
+            f"{r['refinement_steps_var']} | {r['peak_rss_gb']} | "
             f"{r['kernel_gb']} | {r['factor_gb']} | {r['load_before']} → {r['load_after']} |"
         )
 

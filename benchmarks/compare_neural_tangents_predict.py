@@ -12,10 +12,19 @@ Kernels are built from random features, so they are jointly PSD: traced ``(N, N)
 (``trace_axes=(-1,)``) and full ``(N, N, O, O)`` (``trace_axes=()``) layouts, relative
 and absolute ``diag_reg``; GP (``get="nngp"``) and NTK-ensemble (``get="ntk"``)
 posteriors with covariance; ``gradient_descent_mse`` at finite times and t = None.
+
+Case C3 in neural-tangents (float32, its Cholesky, its subtraction for the variance):
+
+    python examples/c3_gp_erf.py --save-kernels c3.npz
+    /path/to/nt-venv/bin/python benchmarks/compare_neural_tangents_predict.py c3 c3.npz
+
+prints, for each kernel and diag_reg, how many of neural-tangents' posterior standard
+deviations are NaN and how many means are NaN.
 """
 
 from __future__ import annotations
 
+import pathlib
 import sys
 
 import numpy as np
@@ -119,6 +128,25 @@ def check(path):
     return worst
 
 
+def c3(path):
+    import neural_tangents as nt
+
+    d = np.load(path)
+    y = np.load(pathlib.Path(__file__).parents[1] / "tests" / "data" / "gp_erf_1d.npz")["y_train"]
+    n = int(d["n_train"])
+    for name in ("nngp", "ntk"):
+        k = d[name].astype(np.float32)
+        for reg in (1e-2, 1e-3, 1e-4):
+            fn = nt.predict.gp_inference(k[:n, :n], y, diag_reg=reg)
+            mean, cov = fn(get="nngp", k_test_train=k[n:, :n], k_test_test=k[n:, n:])
+            std = np.sqrt(np.diagonal(np.asarray(cov)))
+            print(
+                f"neural-tangents {nt.__version__}, float32, {name} kernel, diag_reg={reg:.0e}: "
+                f"{int(np.isnan(std).sum())}/{std.size} std NaN, "
+                f"{int(np.isnan(np.asarray(mean)).sum())}/{np.size(mean)} means NaN"
+            )
+
+
 if __name__ == "__main__":
     mode, path = sys.argv[1], sys.argv[2]
-    {"dump": dump, "check": check}[mode](path)
+    {"dump": dump, "check": check, "c3": c3}[mode](path)

@@ -55,6 +55,7 @@ def main():
     parser.add_argument("--depth", type=int, default=13)
     parser.add_argument("--width", type=int, default=511)
     parser.add_argument("--plot", default=None, help="write a figure (needs matplotlib)")
+    parser.add_argument("--save-kernels", default=None, help="write the kernels to this .npz")
     args = parser.parse_args()
     d = np.load(DATA)
     x_train, y_train, x_test = d["x_train"], d["y_train"], d["x_test"]
@@ -70,6 +71,8 @@ def main():
         f"Monte Carlo kernels: {args.depth} x {args.width} Erf network, {args.samples} samples, "
         f"{len(x_train) + len(x_test)} inputs, {time.perf_counter() - t0:.1f} s"
     )
+    if args.save_kernels:
+        np.savez(args.save_kernels, nngp=np.asarray(k.nngp), ntk=np.asarray(k.ntk), n_train=n)
     results = {}
     for name in ("nngp", "ntk"):
         kern = np.asarray(getattr(k, name))

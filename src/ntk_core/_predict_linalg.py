@@ -287,6 +287,7 @@ class Solver:
         # solved in float64 is PSD only up to float32 round-off)
         self.u_in = max(self.u, unit_roundoff(k2.dtype))
         self.method = None
+        self.steps = 0  # refinement steps of the last solve (a diagnostic)
         self._eigs: tuple[np.ndarray, np.ndarray] | None = None
         if method == "cholesky":
             a = self._regularised_copy()
@@ -353,9 +354,11 @@ class Solver:
         active = np.ones(b.shape[1], bool)
         prev = None
         rel = np.zeros(b.shape[1])
+        self.steps = 0
         for _ in range(MAX_REFINE):
             if not active.any():
                 break
+            self.steps += 1
             xa = x[:, active]
             r = b[:, active] - self.matvec(xa)
             d = self._apply_inverse(r)
