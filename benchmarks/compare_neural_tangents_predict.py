@@ -13,13 +13,16 @@ Kernels are built from random features, so they are jointly PSD: traced ``(N, N)
 and absolute ``diag_reg``; GP (``get="nngp"``) and NTK-ensemble (``get="ntk"``)
 posteriors with covariance; ``gradient_descent_mse`` at finite times and t = None.
 
-Case C3 in neural-tangents (float32, its Cholesky, its subtraction for the variance):
+Case C3 (float32 GP inference with a deep Erf network's kernels), both libraries on the
+same kernels: neural-tangents' infinite-width ones (``c3-analytic``) or this project's
+Monte Carlo ones (``python examples/c3_gp_erf.py --save-kernels c3.npz``):
 
-    python examples/c3_gp_erf.py --save-kernels c3.npz
+    /path/to/nt-venv/bin/python benchmarks/compare_neural_tangents_predict.py c3-analytic c3.npz
     /path/to/nt-venv/bin/python benchmarks/compare_neural_tangents_predict.py c3 c3.npz
+    python benchmarks/compare_neural_tangents_predict.py c3-ours c3.npz
 
-prints, for each kernel and diag_reg, how many of neural-tangents' posterior standard
-deviations are NaN and how many means are NaN.
+print per kernel and diag_reg: NaN standard deviations, NaN means, and the mean's max
+difference from a float64 numpy solve of the same float32 kernel (relative to max |mean|).
 """
 
 from __future__ import annotations
@@ -128,25 +131,76 @@ def check(path):
     return worst
 
 
-def c3(path):
-    import neural_tangents as nt
+C3_DATA = pathlib.Path(__file__).parents[1] / "tests" / "data" / "gp_erf_1d.npz"
 
+
+def c3_analytic(path):
+    """(neural-tangents env) The case's infinite-width NNGP and NTK from nt.stax, float32:
+    13 x (Dense(511, W_std=1.5, b_std=0.05), Erf), Dense(1, W_std=1.5, b_std=0.05)."""
+    import neural_tangents as nt
+    from neural_tangents import stax
+
+    d = np.load(C3_DATA)
+    layers = []
+    for _ in range(13):
+        layers += [stax.Dense(511, W_std=1.5, b_std=0.05), stax.Erf()]
+    _, _, kernel_fn = stax.serial(*layers, stax.Dense(1, W_std=1.5, b_std=0.05))
+    k = kernel_fn(np.concatenate([d["x_train"], d["x_test"]]), None, ("nngp", "ntk"))
+    np.savez(path, nngp=np.asarray(k.nngp), ntk=np.asarray(k.ntk), n_train=len(d["x_train"]))
+    print(f"neural-tangents {nt.__version__}: wrote {path}")
+
+
+def _c3_cases(path):
     d = np.load(path)
-    y = np.load(pathlib.Path(__file__).parents[1] / "tests" / "data" / "gp_erf_1d.npz")["y_train"]
+    y = np.load(C3_DATA)["y_train"]
     n = int(d["n_train"])
     for name in ("nngp", "ntk"):
         k = d[name].astype(np.float32)
         for reg in (1e-2, 1e-3, 1e-4):
-            fn = nt.predict.gp_inference(k[:n, :n], y, diag_reg=reg)
-            mean, cov = fn(get="nngp", k_test_train=k[n:, :n], k_test_test=k[n:, n:])
+            kxx, ktx = k[:n, :n], k[n:, :n]
+            lam = reg * np.mean(np.diag(kxx).astype(np.float64))
+            a = kxx.astype(np.float64) + lam * np.eye(n)
+            ref = ktx.astype(np.float64) @ np.linalg.solve(a, y.astype(np.float64))
+            yield name, reg, k, n, y, ref
+
+
+def c3(path):
+    """(neural-tangents env) nt.predict.gp_inference in float32 on the kernels in path."""
+    import neural_tangents as nt
+
+    for name, reg, k, n, y, ref in _c3_cases(path):
+        fn = nt.predict.gp_inference(k[:n, :n], y, diag_reg=reg)
+        mean, cov = fn(get="nngp", k_test_train=k[n:, :n], k_test_test=k[n:, n:])
+        mean = np.asarray(mean)
+        with np.errstate(invalid="ignore"):
             std = np.sqrt(np.diagonal(np.asarray(cov)))
-            print(
-                f"neural-tangents {nt.__version__}, float32, {name} kernel, diag_reg={reg:.0e}: "
-                f"{int(np.isnan(std).sum())}/{std.size} std NaN, "
-                f"{int(np.isnan(np.asarray(mean)).sum())}/{np.size(mean)} means NaN"
-            )
+        err = np.abs(mean - ref).max() / np.abs(ref).max()
+        print(
+            f"| neural-tangents {nt.__version__} | {name} | {reg:.0e} | "
+            f"{int(np.isnan(std).sum())}/{std.size} | {int(np.isnan(mean).sum())}/{mean.size} | "
+            f"{err:.1e} |"
+        )
+
+
+def c3_ours(path):
+    """(this project's env) ntk_core.predict.gp_inference in float32 on the same kernels."""
+    from ntk_core import predict
+
+    for name, reg, k, n, y, ref in _c3_cases(path):
+        try:
+            post = predict.gp_inference(k[:n, :n], y, diag_reg=reg)
+        except ValueError as e:
+            print(f"| ntk_core | {name} | {reg:.0e} | ValueError: {str(e)[:80]}... | | |")
+            continue
+        mean, var = post.nngp(k[n:, :n], np.diagonal(k)[n:])
+        err = np.abs(mean - ref).max() / np.abs(ref).max()
+        print(
+            f"| ntk_core | {name} | {reg:.0e} | {int(np.isnan(var).sum())}/{var.size} "
+            f"(min var {var.min():.1e}) | {int(np.isnan(mean).sum())}/{mean.size} | {err:.1e} |"
+        )
 
 
 if __name__ == "__main__":
     mode, path = sys.argv[1], sys.argv[2]
-    {"dump": dump, "check": check, "c3": c3}[mode](path)
+    modes = {"dump": dump, "check": check, "c3-analytic": c3_analytic, "c3": c3, "c3-ours": c3_ours}
+    modes[mode](path)
