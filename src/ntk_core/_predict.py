@@ -520,8 +520,9 @@ def gp_inference(
         positive semi-definite.
       TypeError: non-floating arrays, ``diag_reg`` not a number.
 
-    Cost: one factorisation of the ``M x M`` matrix, M = N·O_kept: M³/3 flops
-    (Cholesky) or about 9·M³ (eigendecomposition fallback), M² memory of ``dtype``;
+    Cost: one factorisation per train-train kernel given (two for ``Kernels`` with both)
+    of the ``M x M`` matrix, M = N·O_kept: M³/3 flops (Cholesky) or about 9·M³
+    (eigendecomposition fallback), M² memory of ``dtype`` each;
     then each refinement step (typically 2-3) costs 2·M²·R flops for R right-hand
     sides; a mean over T test points costs 2·T·M·R, variances 2·T·M² (one solve per
     test row), a full covariance also T² memory.
