@@ -294,7 +294,7 @@ def main(argv=None):
     )
     parser.add_argument("--max-est-gib", type=float, default=6.0, help="skip above this memory")
     parser.add_argument("--kill-gib", type=float, default=12.0, help="kill a worker above this RSS")
-    parser.add_argument("--timeout-s", type=float, default=240.0, help="kill a worker after this")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="kill a worker after this")
     parser.add_argument(
         "--dry-run", action="store_true", help="write the data, print estimates and skips only"
     )

@@ -65,7 +65,7 @@ def main(argv=None):
     parser.add_argument("--max-est-s", type=float, default=15.0)
     parser.add_argument("--max-est-gib", type=float, default=6.0)
     parser.add_argument("--kill-gib", type=float, default=12.0)
-    parser.add_argument("--timeout-s", type=float, default=240.0)
+    parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument(
         "--skip-rate-gflops",
         type=float,
