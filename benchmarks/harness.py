@@ -192,7 +192,8 @@ def skip_reason(estimate: dict | None, rate: float, max_est_s: float, max_est_by
         return None
     seconds = estimate["flops"] / rate
     if seconds > max_est_s:
-        return f"estimate {estimate['flops']:.2e} FLOP = {seconds:.0f} s at the matmul rate"
+        flops = estimate["flops"]
+        return f"estimate {flops:.2e} FLOP = {seconds:.0f} s at {rate / 1e9:.0f} GFLOP/s"
     if estimate["memory_bytes"] > max_est_bytes:
         return f"estimate {estimate['memory_bytes'] / GIB:.1f} GiB"
     return None

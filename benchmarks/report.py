@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 GB = 1e9
 OURS = ("structured", "jacobian", "ntvp", "auto", "naive")
 NAMES = {"naive": "naive vmap(jacrev)+einsum"}
@@ -53,14 +55,13 @@ def _machine(label, meta):
 
 
 def ours_table(core):
-    rate = core["meta"]["matmul_flops_per_s"]
     lines = [
         "| case | N | implementation | trace+lower s | compile s | warm run s | x floor | "
         "peak RSS GB (added) | load 1 min |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in core["results"]:
-        floor = _floor(row, rate)
+        floor = _floor(row)
         for impl in OURS:
             m = row.get(impl)
             if m is None:
@@ -81,13 +82,12 @@ def ours_table(core):
     return "\n".join(lines)
 
 
-def _floor(row, rate):
+def _floor(row):
     est = row["estimates"].get("ours", {}).get("structured")
-    return est["flops"] / rate if est else None
+    return est["flops"] / row["rate"] if est else None
 
 
 def floor_table(core):
-    rate = core["meta"]["matmul_flops_per_s"]
     lines = [
         "| case | N | structured FLOPs (plan) | FLOP floor s | auto chose | P |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -98,7 +98,7 @@ def floor_table(core):
             continue
         flops = est["ours"]["structured"]["flops"]
         lines.append(
-            f"| {row['title']} | {row['N']} | {flops:.3e} | {flops / rate:.4f} | "
+            f"| {row['title']} | {row['N']} | {flops:.3e} | {flops / row['rate']:.4f} | "
             f"{est['auto_chose']} | {est['n_params']} |"
         )
     return "\n".join(lines)
@@ -133,10 +133,15 @@ def nt_table(core, nt):
     return "\n".join(lines)
 
 
+def cases_n(key):
+    import cases
+
+    return cases.CASES[key].n
+
+
 def targets(core, nt):
     """The issue's targets, each met / not met / not measured, with the figures."""
-    rate = core["meta"]["matmul_flops_per_s"]
-    rows = {r["case"]: r for r in core["results"]}
+    rows = {r["case"]: r for r in core["results"] if r["N"] == cases_n(r["case"])}
     theirs = {r["case"]: r for r in nt["results"]} if nt else {}
     out = []
 
@@ -156,24 +161,25 @@ def targets(core, nt):
             out.append(f"- structured ≤ 0.5 x neural-tangents structured, {key}: not measured")
     r = rows.get("mlp1")
     if r and _ok(r.get("structured")):
-        ratio = r["structured"]["run_s"] / _floor(r, rate)
+        ratio = r["structured"]["run_s"] / _floor(r)
         out.append(
             f"- structured within 2 x of the FLOP floor, {r['title']}: {ratio:.2f} x: "
             f"{verdict(ratio <= 2)}"
         )
     for r in core["results"]:
         s, j = r.get("structured"), r.get("jacobian")
+        title = f"{r['title']}, N={r['N']}"
         if _ok(s) and _ok(j):
             t_ratio = s["run_s"] / j["run_s"]
             m_ok = s["peak_rss_bytes"] <= j["peak_rss_bytes"]
             out.append(
-                f"- structured ≤ 1.2 x jacobian and peak memory no higher, {r['title']}: "
+                f"- structured ≤ 1.2 x jacobian and peak memory no higher, {title}: "
                 f"{t_ratio:.2f} x, {s['peak_rss_bytes'] / GB:.2f} vs "
                 f"{j['peak_rss_bytes'] / GB:.2f} GB: {verdict(t_ratio <= 1.2 and m_ok)}"
             )
         elif _ok(s):
             out.append(
-                f"- structured ≤ 1.2 x jacobian, {r['title']}: jacobian not measured "
+                f"- structured ≤ 1.2 x jacobian, {title}: jacobian not measured "
                 f"({j.get('skipped') or j.get('error') if j else 'not run'})"
             )
         timed = {i: r[i]["run_s"] for i in ("structured", "jacobian", "ntvp") if _ok(r.get(i))}
@@ -181,24 +187,38 @@ def targets(core, nt):
         if _ok(a) and timed:
             best = min(timed, key=timed.get)
             ratio = a["run_s"] / timed[best]
+            chose = a.get("auto_chose")
+            note = ""
+            if chose == best and ratio > 1.2:
+                note = f" (the same computation as {best}: the difference is load noise)"
             out.append(
-                f"- auto within 1.2 x of the fastest, {r['title']}: auto ({a.get('auto_chose')}) "
+                f"- auto within 1.2 x of the fastest, {r['title']}, N={r['N']}: auto → {chose} "
                 f"{a['run_s']:.3f} s, fastest measured {best} {timed[best]:.3f} s = {ratio:.2f} x: "
-                f"{verdict(ratio <= 1.2)}"
+                f"{verdict(ratio <= 1.2)}; auto chose the fastest measured: "
+                f"{'yes' if chose == best else 'no'}{note}"
             )
     return "\n".join(out)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--core", default=os.path.join(HERE, "results_core.json"))
+    parser.add_argument(
+        "--core",
+        nargs="+",
+        default=[os.path.join(HERE, "results_core.json")],
+        help="results of bench_core.py (several runs, e.g. a full one and one at smaller N)",
+    )
     parser.add_argument("--nt", default=os.path.join(HERE, "results_neural_tangents.json"))
     args = parser.parse_args(argv)
-    core, nt = _load(args.core), _load(args.nt)
-    print(_machine("ntk_core", core["meta"]))
+    runs, nt = [_load(p) for p in args.core], _load(args.nt)
+    for run in runs:
+        print(_machine("ntk_core", run["meta"]))
+        for row in run["results"]:
+            row["rate"] = run["meta"]["matmul_flops_per_s"]
     if nt:
         print()
         print(_machine(f"neural-tangents {nt['meta']['neural_tangents']}", nt["meta"]))
+    core = {"results": [row for run in runs for row in run["results"]]}
     print("\n" + ours_table(core))
     print('\nFLOP floor (plan\'s FLOPs of "structured" / the matmul rate):\n')
     print(floor_table(core))
