@@ -200,14 +200,18 @@ def estimates(case, variables, x):
     """
     params, _ = cases.split_variables(variables)
     apply = apply_fn(case, variables)
-    info = {}
     try:
-        plan = ntk_core.plan(apply, params, x, None, trace_axes=case.trace_axes)
-        sized = ntk_core.plan(
-            apply, params, x, None, trace_axes=case.trace_axes, implementation="structured"
-        )
-    except Exception as e:  # an ntk_core without plan(): measure everything
+        return _estimates(case, apply, params, x)
+    except Exception as e:  # an ntk_core whose plan() differs: measure, without skips
         return {"plan_error": f"{type(e).__name__}: {e}"}
+
+
+def _estimates(case, apply, params, x):
+    info = {}
+    plan = ntk_core.plan(apply, params, x, None, trace_axes=case.trace_axes)
+    sized = ntk_core.plan(
+        apply, params, x, None, trace_axes=case.trace_axes, implementation="structured"
+    )
     out = jax.eval_shape(apply, params, x[:1])
     out_size = math.prod(out.shape[1:])
     o_pair = out_size**2 // math.prod(out.shape[a] for a in case.trace_axes)
@@ -251,7 +255,7 @@ def measure(spec):
         kf = ntk_core.ntk_fn(apply, trace_axes=case.trace_axes, implementation=impl)
         fn = jax.jit(lambda p, a: kf(p, a))
     result = harness.time_jitted(fn, (params, x))
-    if impl == "auto":
+    if impl == "auto" and hasattr(kf, "implementation_for"):
         result["auto_chose"] = kf.implementation_for(params, x)
     return result
 

@@ -160,7 +160,7 @@ def targets(core, nt):
         else:
             out.append(f"- structured ≤ 0.5 x neural-tangents structured, {key}: not measured")
     r = rows.get("mlp1")
-    if r and _ok(r.get("structured")):
+    if r and _ok(r.get("structured")) and _floor(r):
         ratio = r["structured"]["run_s"] / _floor(r)
         out.append(
             f"- structured within 2 x of the FLOP floor, {r['title']}: {ratio:.2f} x: "
