@@ -219,6 +219,10 @@ def main(argv=None):
         print()
         print(_machine(f"neural-tangents {nt['meta']['neural_tangents']}", nt["meta"]))
     core = {"results": [row for run in runs for row in run["results"]]}
+    for row in core["results"]:
+        if "plan_error" in row["estimates"]:
+            why = row["estimates"]["plan_error"]
+            print(f"\n{row['title']}: no estimates, nothing skipped ({why})")
     print("\n" + ours_table(core))
     print('\nFLOP floor (plan\'s FLOPs of "structured" / the matmul rate):\n')
     print(floor_table(core))
