@@ -1,0 +1,239 @@
+"""The benchmark cases, in plain JAX (``jax.numpy`` and ``jax.lax`` only).
+
+Imported by both sides of the comparison: ``bench_core.py`` (this project, current JAX,
+Flax models) and ``bench_neural_tangents.py`` (neural-tangents 0.6.5 in its own
+environment: jax 0.4.23, no Flax). So this module imports neither Flax nor ``ntk_core``
+and uses only APIs that exist in both JAX versions.
+
+Each model is written as a plain ``apply(variables, x)`` over Flax's parameter layout
+(``{"params": {"Conv_0": {"kernel", "bias"}, ...}, "batch_stats": ...}``), the twin of
+the Flax module ``bench_core.py`` times; ``bench_core.py`` checks that both give the
+same outputs before it measures anything. Parameters and inputs travel between the
+two environments in one ``.npz`` file per case (:func:`save_case`, :func:`load_case`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One benchmark case: a model, its inputs and the kernel's axes."""
+
+    key: str
+    title: str
+    model: str  # "mlp", "lenet", "resnet" or "tokens"
+    n: int  # default number of samples N (the Gram matrix is N x N)
+    trace_axes: tuple
+    widths: tuple = ()  # MLP layer widths, input first
+
+
+CASES = {
+    c.key: c
+    for c in [
+        Case("mlp1", "MLP 784-1000-1, trace_axes=()", "mlp", 1000, (), (784, 1000, 1)),
+        Case("lenet", "LeNet (C1), trace_axes=()", "lenet", 500, ()),
+        Case("mlp10", "MLP 784-512-512-10", "mlp", 1000, (-1,), (784, 512, 512, 10)),
+        Case(
+            "mlp10-full", "MLP 784-512-512-10, trace_axes=()", "mlp", 1000, (), (784, 512, 512, 10)
+        ),
+        Case("resnet", "ResNet-style CNN, BatchNorm (eval), 10 logits", "resnet", 256, (-1,)),
+        Case("tokens", "token transformer (test zoo)", "tokens", 256, (-1,)),
+    ]
+}
+
+# -- the models --------------------------------------------------------------------------
+
+
+def _dense(p, x):
+    return jnp.dot(x, p["kernel"], precision=HIGHEST) + p["bias"]
+
+
+def _conv(p, x, strides=(1, 1)):
+    y = jax.lax.conv_general_dilated(
+        x,
+        p["kernel"],
+        strides,
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        precision=HIGHEST,
+    )
+    return y + p["bias"] if "bias" in p else y
+
+
+def mlp(variables, x):
+    """Dense → ReLU → ... → Dense (layers ``Dense_0``, ``Dense_1``, ...)."""
+    p = variables["params"]
+    n_layers = len(p)
+    for i in range(n_layers):
+        x = _dense(p[f"Dense_{i}"], x)
+        if i < n_layers - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+def _avg_pool(x):
+    return jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4
+
+
+def lenet(variables, x):
+    """Twin of ``ntk_flax.LeNet`` (case C1)."""
+    p = variables["params"]
+    for name in ("Conv_0", "Conv_1"):
+        x = _avg_pool(jax.nn.relu(_conv(p[name], x)))
+    x = x.reshape((x.shape[0], -1))
+    for name in ("Dense_0", "Dense_1"):
+        x = jax.nn.relu(_dense(p[name], x))
+    return _dense(p["Dense_2"], x)
+
+
+#: ResNet-style CNN: (features, stride) of each residual block after a 16-channel stem.
+RESNET_BLOCKS = ((16, 1), (32, 2), (64, 2))
+BN_EPS = 1e-5
+
+
+def _batch_norm(p, stats, x):
+    """BatchNorm in eval mode, computed as Flax does: (x - mean)·rsqrt(var + eps)·scale + bias."""
+    mul = jax.lax.rsqrt(stats["var"] + BN_EPS) * p["scale"]
+    return (x - stats["mean"]) * mul + p["bias"]
+
+
+def resnet(variables, x):
+    """Twin of ``bench_core.ResNet``: stem Conv-BN-ReLU, residual blocks
+    (Conv3x3-BN-ReLU-Conv3x3-BN, plus the input, through a 1x1 Conv-BN projection when
+    the shape changes, then ReLU), global average pool, Dense 10."""
+    p, s = variables["params"], variables["batch_stats"]
+    x = jax.nn.relu(_batch_norm(p["BatchNorm_0"], s["BatchNorm_0"], _conv(p["Conv_0"], x)))
+    channels = 16
+    for i, (features, stride) in enumerate(RESNET_BLOCKS):
+        name = f"ResBlock_{i}"
+        bp, bs = p[name], s[name]
+        y = _conv(bp["Conv_0"], x, (stride, stride))
+        y = jax.nn.relu(_batch_norm(bp["BatchNorm_0"], bs["BatchNorm_0"], y))
+        y = _batch_norm(bp["BatchNorm_1"], bs["BatchNorm_1"], _conv(bp["Conv_1"], y))
+        if stride != 1 or features != channels:
+            x = _conv(bp["Conv_2"], x, (stride, stride))
+            x = _batch_norm(bp["BatchNorm_2"], bs["BatchNorm_2"], x)
+        x = jax.nn.relu(x + y)
+        channels = features
+    x = jnp.mean(x, axis=(1, 2))
+    return _dense(p["Dense_0"], x)
+
+
+TOKEN_VOCAB, TOKEN_LENGTH = 11, 5
+
+
+def tokens(variables, t):
+    """Twin of the test zoo's ``TokenModel``: Embed(11, 8) → one 2-head self-attention
+    block with a residual connection → LayerNorm → GELU (tanh form) → Dense 3 per
+    token; integer tokens ``(N, 5)`` → logits ``(N, 5, 3)``."""
+    p = variables["params"]
+    h = jnp.take(p["Embed_0"]["embedding"], t, axis=0)
+    att = p["MultiHeadDotProductAttention_0"]
+
+    def proj(name):
+        return (
+            jnp.einsum("...d,dhk->...hk", h, att[name]["kernel"], precision=HIGHEST)
+            + att[name]["bias"]
+        )
+
+    q, k, v = proj("query"), proj("key"), proj("value")
+    q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    weights = jax.nn.softmax(jnp.einsum("...qhd,...khd->...hqk", q, k, precision=HIGHEST))
+    o = jnp.einsum("...hqk,...khd->...qhd", weights, v, precision=HIGHEST)
+    out = att["out"]
+    h = h + jnp.einsum("...hd,hdo->...o", o, out["kernel"], precision=HIGHEST) + out["bias"]
+    ln = p["LayerNorm_0"]
+    mean = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+    h = (h - mean) * jax.lax.rsqrt(var + 1e-6) * ln["scale"] + ln["bias"]
+    return _dense(p["Dense_0"], jax.nn.gelu(h, approximate=True))
+
+
+MODELS = {"mlp": mlp, "lenet": lenet, "resnet": resnet, "tokens": tokens}
+
+
+def plain_apply(case: Case):
+    """``apply(params, x)`` of the plain-JAX twin, other collections closed over later."""
+    return MODELS[case.model]
+
+
+# -- inputs and parameters through .npz ----------------------------------------------------
+
+
+def make_inputs(case: Case, n: int, seed: int = 1) -> np.ndarray:
+    """Inputs of the case: N(0, 1) images/vectors, or uniform integer tokens."""
+    rng = np.random.default_rng(seed)
+    if case.model == "mlp":
+        return rng.standard_normal((n, case.widths[0]), dtype=np.float32)
+    if case.model in ("lenet", "resnet"):
+        return rng.standard_normal((n, 32, 32, 3), dtype=np.float32)
+    return rng.integers(0, TOKEN_VOCAB, (n, TOKEN_LENGTH)).astype(np.int32)
+
+
+def _flatten(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = np.asarray(v)
+    return out
+
+
+def _unflatten(flat):
+    tree = {}
+    for path, v in flat.items():
+        node = tree
+        *parents, leaf = path.split("/")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = jnp.asarray(v)
+    return tree
+
+
+def case_paths(data_dir: str, key: str, n: int):
+    stem = os.path.join(data_dir, f"{key}-N{n}")
+    return stem + ".npz", stem + ".json"
+
+
+def save_case(data_dir: str, case: Case, n: int, variables, x, meta: dict) -> None:
+    """Writes the case's variables and inputs (``.npz``) and its metadata (``.json``:
+    cost estimates used to skip measurements, twin check)."""
+    os.makedirs(data_dir, exist_ok=True)
+    npz, meta_path = case_paths(data_dir, case.key, n)
+    flat = {f"var/{k}": v for k, v in _flatten(variables).items()}
+    np.savez(npz, x=np.asarray(x), **flat)
+    with open(meta_path, "w") as fh:
+        json.dump(meta, fh, indent=1)
+
+
+def load_case(data_dir: str, case: Case, n: int):
+    """(variables, x, meta) written by :func:`save_case`."""
+    npz, meta_path = case_paths(data_dir, case.key, n)
+    data = np.load(npz)
+    variables = _unflatten({k[4:]: data[k] for k in data.files if k.startswith("var/")})
+    with open(meta_path) as fh:
+        meta = json.load(fh)
+    return variables, jnp.asarray(data["x"]), meta
+
+
+def split_variables(variables):
+    """(params, apply_with_rest): the ``params`` collection is differentiated, the
+    others (BatchNorm running statistics) are closed over."""
+    rest = {k: v for k, v in variables.items() if k != "params"}
+    return variables["params"], rest
+
+
+def n_params(params) -> int:
+    return sum(math.prod(np.shape(v)) for v in jax.tree_util.tree_leaves(params))
