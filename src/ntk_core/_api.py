@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from ._checks import check_apply_fn, params_check
 from ._engine import KernelFunction
 from ._model import from_apply_fn
 from ._options import NTK_OPTION_NAMES, make_options
@@ -99,11 +100,21 @@ def ntk_fn(
 
 
 def _make(kind: str, fn_name: str, apply_fn, options: dict) -> Callable:
+    check_apply_fn(fn_name, apply_fn)
     _check_callable(fn_name, apply_fn)
     opts = make_options(fn_name, **{k: v for k, v in options.items() if k != "apply_fn"})
-    kernel_function = KernelFunction(fn_name, kind, from_apply_fn(apply_fn), opts)
+    check = params_check(fn_name, apply_fn)
+    kernel_function = KernelFunction(fn_name, kind, from_apply_fn(apply_fn), opts, check)
 
-    def kernel(params, x1, x2=None):
+    def kernel(params, x1, x2=None, **unexpected):
+        if unexpected:
+            raise TypeError(
+                f"{fn_name}(...)(params, x1, x2): got the keyword argument(s) "
+                f"{', '.join(map(repr, sorted(unexpected)))}; the returned kernel function "
+                f"takes only (params, x1, x2). Fix: give kernel options to {fn_name}(apply_fn, "
+                f"...) when building it, and model arguments through apply_fn, e.g. "
+                f"functools.partial(model.apply, train=False)."
+            )
         return kernel_function(params, x1, x2)
 
     kernel.implementation_for = kernel_function.implementation_for

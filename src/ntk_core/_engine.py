@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _cost, _jacobian, _ntvp, _probe, _structured
+from . import _checks, _cost, _jacobian, _ntvp, _probe, _structured
 from ._layout import LeafLayout, resolve_layout
 from ._model import per_sample
 from ._options import KernelOptions
@@ -179,6 +179,7 @@ class KernelFunction:
     def _prepare(self, params, x1, x2, aux) -> _Config:
         fn = self._fn_name
         opts = self._options
+        _checks.before_trace(fn, params, x1, x2, opts)  # backend, dtypes, precision
         if not jax.tree.leaves(params):
             raise ValueError(
                 f"{fn}: params has no arrays (got {type(params).__name__}). Fix: pass the "
@@ -227,7 +228,10 @@ class KernelFunction:
             ) from e
         out_leaves, out_tree = jax.tree.flatten(out)
         if not out_leaves:
-            raise ValueError(f"{fn}: the model returned no arrays ({out!r}).")
+            raise ValueError(
+                f"{fn}: the model returned no arrays ({out!r}); expected its outputs, e.g. "
+                f"logits (N, O). Fix: make apply_fn return the network's output."
+            )
         layouts = []
         for i, leaf in enumerate(out_leaves):
             where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
@@ -251,6 +255,7 @@ class KernelFunction:
                     f"N1={n1} and N2={n2}. Fix: pass x2 with N1 samples, or x2=None."
                 )
             layouts.append(layout)
+        _checks.after_trace(fn, self._apply3, params, x1, x2, aux, out_leaves, opts)
         if opts.vmap_axes is not None and _probe.samples_interact(
             self._apply3, params, x1, x2, aux
         ):

@@ -40,6 +40,12 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
             f"hk.transform / hk.transform_with_state), got {type(transformed).__name__}. "
             f"Fix: wrap your forward function with hk.transform(f)."
         )
+    if apply_kwargs is not None and not isinstance(apply_kwargs, Mapping):
+        raise TypeError(
+            f"{fn_name}: apply_kwargs must be a dict of the model's keyword arguments, got "
+            f"{type(apply_kwargs).__name__} {apply_kwargs!r}. Fix: pass e.g. "
+            f"apply_kwargs={{'is_training': False}}."
+        )
     apply_kwargs = dict(apply_kwargs or {})
     apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs)
 
