@@ -262,48 +262,84 @@ def _compare(pairs: dict, dtype: str) -> CheckResult:
     )
 
 
-def _plain_lenet(x, out_features):
-    """A LeNet-style CNN in plain JAX, used when Flax is not installed."""
+#: Self-test architectures: ``"lenet"`` (case C1, used by ``ntk doctor``) and
+#: ``"small"`` (one convolution and one dense layer, for fast tests of the checks).
+MODELS = ("lenet", "small")
+
+
+def _plain_cnn(x, out_features, model):
+    """The self-test CNN in plain JAX (used when Flax is not installed, and for "small")."""
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 10))
+    convs, denses = ((6, 16), (120, 84)) if model == "lenet" else ((2,), ())
     params = {}
     c_in = x.shape[-1]
-    for i, c in enumerate((6, 16)):
-        fan_in = 25 * c_in
-        params[f"conv{i}"] = jax.random.normal(next(keys), (5, 5, c_in, c)) / np.sqrt(fan_in)
+    for i, c in enumerate(convs):
+        params[f"conv{i}"] = jax.random.normal(next(keys), (5, 5, c_in, c)) / np.sqrt(25 * c_in)
         c_in = c
-    flat = (x.shape[1] // 4) * (x.shape[2] // 4) * 16
-    for i, (a, b) in enumerate(((flat, 120), (120, 84), (84, out_features))):
+    pool = 2 ** len(convs) if model == "lenet" else 1
+    sizes = ((x.shape[1] // pool) * (x.shape[2] // pool) * c_in, *denses, out_features)
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         params[f"dense{i}"] = {
             "w": jax.random.normal(next(keys), (a, b)) / np.sqrt(a),
             "b": 0.1 * jax.random.normal(next(keys), (b,)),
         }
 
     def apply(p, x):
-        for i in range(2):
+        for i in range(len(convs)):
             x = jax.lax.conv_general_dilated(
                 x, p[f"conv{i}"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
             )
-            x = jax.lax.reduce_window(jax.nn.relu(x), 0.0, jax.lax.add, (1, 2, 2, 1),
-                                      (1, 2, 2, 1), "VALID") / 4.0  # fmt: skip
+            x = jax.nn.relu(x)
+            if model == "lenet":
+                window = (1, 2, 2, 1)
+                x = jax.lax.reduce_window(x, 0.0, jax.lax.add, window, window, "VALID") / 4.0
         x = x.reshape((x.shape[0], -1))
-        for i in range(3):
+        for i in range(len(sizes) - 1):
             x = x @ p[f"dense{i}"]["w"] + p[f"dense{i}"]["b"]
-            x = jax.nn.relu(x) if i < 2 else x
+            x = jax.nn.relu(x) if i < len(sizes) - 2 else x
         return x
 
-    return apply, params
+    what = "plain-JAX LeNet (flax not installed)" if model == "lenet" else "small plain-JAX CNN"
+    return apply, params, what
 
 
-def _lenet(x, out_features):
-    """``(apply_fn, params, description)`` of the self-test LeNet."""
-    if importlib.util.find_spec("flax") is not None:
+def _network(x, out_features, model):
+    """``(apply_fn, params, description)`` of the self-test network."""
+    if model == "lenet" and importlib.util.find_spec("flax") is not None:
         import ntk_flax
 
-        model = ntk_flax.LeNet(out_features=out_features)
-        params = model.init(jax.random.PRNGKey(0), x)["params"]
-        return (lambda p, x: model.apply({"params": p}, x)), params, "ntk_flax.LeNet"
-    apply, params = _plain_lenet(x, out_features)
-    return apply, params, "plain-JAX LeNet (flax not installed)"
+        net = ntk_flax.LeNet(out_features=out_features)
+        params = net.init(jax.random.PRNGKey(0), x)["params"]
+        return (lambda p, x: net.apply({"params": p}, x)), params, "ntk_flax.LeNet"
+    return _plain_cnn(x, out_features, model)
+
+
+def _twins(out_features, model):
+    """A Flax module and the Haiku forward function of the same network."""
+    import functools
+
+    import flax.linen as nn
+    import haiku as hk
+
+    import ntk_flax
+    import ntk_haiku
+
+    if model == "lenet":
+        return ntk_flax.LeNet(out_features), functools.partial(
+            ntk_haiku.lenet, out_features=out_features
+        )
+
+    class Small(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Conv(2, (5, 5), padding="SAME", name="Conv_0")(x))
+            return nn.Dense(out_features, name="Dense_0")(x.reshape((x.shape[0], -1)))
+
+    def small(x):
+        x = jax.nn.relu(hk.Conv2D(2, 5, padding="SAME", name="Conv_0")(x))
+        return hk.Linear(out_features, name="Dense_0")(x.reshape((x.shape[0], -1)))
+
+    return Small(), small
 
 
 def _inputs(samples, image_size):
@@ -312,14 +348,14 @@ def _inputs(samples, image_size):
     return jax.random.normal(k1, (samples, *shape)), jax.random.normal(k2, (samples - 1, *shape))
 
 
-def implementations_check(samples: int = 4, image_size: int = 16) -> Check:
+def implementations_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
     """Jacobian contraction, NTK-vector products and structured derivatives agree."""
 
     def run() -> CheckResult:
         import ntk_core
 
         x1, x2 = _inputs(samples, image_size)
-        apply, params, what = _lenet(x1, 2)
+        apply, params, what = _network(x1, 2, model)
         kernels = {
             impl: ntk_core.empirical_ntk(apply, params, x1, x2, trace_axes=(), implementation=impl)
             for impl in ("jacobian", "ntvp", "structured")
@@ -338,31 +374,29 @@ def implementations_check(samples: int = 4, image_size: int = 16) -> Check:
     return Check("implementations agree (jacobian, ntvp, structured)", run)
 
 
-def frameworks_check(samples: int = 4, image_size: int = 16) -> Check:
-    """The Flax LeNet and its Haiku twin with transplanted weights give the same NTK."""
+def frameworks_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
+    """The Flax network and its Haiku twin with transplanted weights give the same NTK."""
 
     def run() -> CheckResult:
         missing = [m for m in ("flax", "haiku") if importlib.util.find_spec(m) is None]
         if missing:
             return CheckResult("", "skip", f"{' and '.join(missing)} not installed")
-        import functools
-
         import haiku as hk
 
         import ntk_flax
         import ntk_haiku
 
         x1, x2 = _inputs(samples, image_size)
-        model = ntk_flax.LeNet(out_features=2)
-        variables = model.init(jax.random.PRNGKey(0), x1)
-        net = hk.without_apply_rng(hk.transform(functools.partial(ntk_haiku.lenet, out_features=2)))
+        flax_model, haiku_fn = _twins(2, model)
+        variables = flax_model.init(jax.random.PRNGKey(0), x1)
+        net = hk.without_apply_rng(hk.transform(haiku_fn))
         params = ntk_haiku.params_from_flax(variables["params"])
-        k_flax = ntk_flax.kernel(model, variables, x1, x2, trace_axes=())
+        k_flax = ntk_flax.kernel(flax_model, variables, x1, x2, trace_axes=())
         k_haiku = ntk_haiku.kernel(net, params, x1, x2, trace_axes=())
         result = _compare({"haiku vs flax": (k_haiku, k_flax)}, str(k_flax.dtype))
-        return dataclasses.replace(result, detail="LeNet, full kernel; " + result.detail)
+        return dataclasses.replace(result, detail=f"{model}, full kernel; " + result.detail)
 
-    return Check("Flax equals Haiku (LeNet, same weights)", run)
+    return Check("Flax equals Haiku (same weights)", run)
 
 
 def backend_check() -> Check:
@@ -380,17 +414,20 @@ def backend_check() -> Check:
     return Check("backend supported", run)
 
 
-def default_checks(samples: int = 4, image_size: int = 16) -> list[Check]:
+def default_checks(samples: int = 4, image_size: int = 16, model: str = "lenet") -> list[Check]:
     """The self-test of ``ntk doctor``, in order; sizes kept small (seconds on a CPU).
 
     Args:
       samples: N1 of the test inputs (N2 = samples - 1), at least 2.
-      image_size: height and width of the LeNet's RGB inputs, a multiple of 4.
+      image_size: height and width of the RGB inputs, a multiple of 4.
+      model: one of :data:`MODELS`.
     """
+    if model not in MODELS:
+        raise ValueError(f"default_checks: model must be one of {MODELS}, got {model!r}.")
     return [
         backend_check(),
-        implementations_check(samples, image_size),
-        frameworks_check(samples, image_size),
+        implementations_check(samples, image_size, model),
+        frameworks_check(samples, image_size, model),
         # Batched equals unbatched (case C1) belongs here once the kernel entry points
         # take batch_size= (issue 4): Check("batched equals unbatched", ...) comparing
         # the blocked Gram with the one-block Gram through _compare.
@@ -430,8 +467,9 @@ def doctor(checks: Sequence[Check] | None = None, *, self_test: bool = True) -> 
     Raises:
       Nothing for a broken environment: failures are reported in ``report.checks``.
 
-    Cost: N1 = 4, N2 = 3 LeNet kernels on 16x16x3 inputs, three implementations (and
-    Flax and Haiku): a few compilations, seconds on a CPU.
+    Cost: the full NTK (N1 = 4, N2 = 3, O = 2) of a LeNet on 16x16x3 inputs with three
+    implementations, and with Flax and Haiku: about a dozen small compilations, which
+    dominate (seconds on an idle CPU); the kernels themselves take milliseconds.
 
     Example:
       >>> import ntk_core

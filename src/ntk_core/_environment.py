@@ -92,6 +92,15 @@ def parse_platform_version(raw: str, platform: str | None = None) -> BackendVers
 
     Returns:
       A :class:`BackendVersion`; ``version`` is ``None`` when no number could be read.
+
+    Example:
+      >>> from ntk_core._environment import parse_platform_version, refusal
+      >>> parse_platform_version("PJRT C API\\ncuda 12030").text
+      'CUDA 12.3'
+      >>> parse_platform_version("rocm 60200").version
+      (6, 2, 0)
+      >>> print(refusal(parse_platform_version("cuda 10020"))[:44])
+      ntk_core: the GPU backend runs CUDA 10.2 (pl
     """
     text = str(raw)
     m = _CUDA.search(text)

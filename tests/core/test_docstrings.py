@@ -4,13 +4,20 @@ its shapes, errors and cost."""
 from __future__ import annotations
 
 import doctest
+import inspect
 import importlib
 
 import pytest
 
 import ntk_core
 
-MODULES = ["ntk_core._api", "ntk_flax._kernel", "ntk_haiku._kernel"]
+MODULES = [
+    "ntk_core._api",
+    "ntk_core._doctor",
+    "ntk_core._environment",
+    "ntk_flax._kernel",
+    "ntk_haiku._kernel",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -24,7 +31,7 @@ def test_docstring_examples_run(name):
 @pytest.mark.parametrize("name", ntk_core.__all__)
 def test_public_functions_document_shapes_errors_and_cost(name):
     obj = getattr(ntk_core, name)
-    if not callable(obj):
+    if not inspect.isfunction(obj):  # constants, and classes (warnings, errors, reports)
         return
     doc = obj.__doc__
     assert "N1" in doc and "Raises:" in doc and "Example" in doc
