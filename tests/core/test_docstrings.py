@@ -4,8 +4,8 @@ its shapes, errors and cost."""
 from __future__ import annotations
 
 import doctest
-import inspect
 import importlib
+import inspect
 
 import pytest
 
