@@ -14,6 +14,7 @@ import functools
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _environment
@@ -95,7 +96,22 @@ def params_check(fn_name: str, apply_fn):
 
 
 def _numeric(dtype) -> bool:
-    return np.dtype(dtype).kind in "biufc"
+    """Numbers and booleans, bfloat16 and the other ml_dtypes included."""
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
+    except TypeError:
+        return False
+
+
+def failure_hint(params) -> str:
+    """A hint appended to "calling the model failed" for a likely mix-up of params."""
+    if isinstance(params, Mapping) and "params" in params:
+        return (
+            "; params has a top-level 'params' key: if it is a Flax variables dict, pass "
+            "variables['params'] to an apply_fn that adds {'params': ...} itself, or use "
+            "ntk_flax.kernel(model, variables, x)"
+        )
+    return ""
 
 
 def before_trace(fn_name: str, params, x1, x2, options) -> None:
@@ -110,7 +126,14 @@ def before_trace(fn_name: str, params, x1, x2, options) -> None:
                     f"expected numbers (floating point, or integer tokens). Fix: encode the "
                     f"inputs as numbers, e.g. token ids or features, before the call."
                 )
-    for leaf in jax.tree.leaves(params):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if not _numeric(leaf.dtype):
+            raise TypeError(
+                f"{fn_name}: params contains the non-numeric leaf "
+                f"{jax.tree_util.keystr(path)} = {leaf!r} (dtype {leaf.dtype}); every leaf of "
+                f"params is differentiated, so all must be floating-point arrays. Fix: keep "
+                f"only the weights in params and close over other values in apply_fn."
+            )
         if np.dtype(leaf.dtype).kind == "c":
             raise TypeError(
                 f"{fn_name}: params contains an array of dtype {np.dtype(leaf.dtype)}; "

@@ -113,7 +113,8 @@ def _batch_size(fn_name: str, name: str, x) -> int:
     if not leaves:
         raise ValueError(
             f"{fn_name}: {name} has no arrays (got {x!r}). Fix: pass an array, or a pytree "
-            f"of arrays, whose axis 0 indexes samples."
+            f"of arrays, whose axis 0 indexes samples; the argument order is (params, x1, "
+            f"x2), not neural-tangents' (x1, x2, params)."
         )
     sizes = set()
     for leaf in leaves:
@@ -224,7 +225,8 @@ class KernelFunction:
             raise ValueError(
                 f"{fn}: calling the model on x1 (shapes {_describe(x1)}) failed with "
                 f"{type(e).__name__}: {e}. Fix: check that params belong to this model and "
-                f"that x1 has the per-sample shape and dtype it expects."
+                f"that x1 has the per-sample shape and dtype it expects (argument order: "
+                f"params, x1, x2){_checks.failure_hint(params)}."
             ) from e
         out_leaves, out_tree = jax.tree.flatten(out)
         if not out_leaves:

@@ -105,8 +105,8 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
         except Exception as e:
             raise ValueError(
                 f"{fn_name}: applying the model to x1 failed with {type(e).__name__}: {e}. "
-                f"Fix: check that variables come from this model's init and that x1 has "
-                f"the shape it expects."
+                f"Fix: check that variables come from this model's init and that x1 has the "
+                f"shape it expects, batch axis first (x1[None] for a single sample)."
             ) from e
 
     kernel = kernel_function(

@@ -56,7 +56,8 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
             if "PRNGKey" not in str(e):
                 raise ValueError(
                     f"{fn_name}: applying the model to x1 failed: {e}. Fix: check that params "
-                    f"come from this model's init and that x1 has the shape it expects."
+                    f"come from this model's init and that x1 has the shape it expects, batch "
+                    f"axis first (x1[None] for a single sample)."
                 ) from e
             raise ValueError(
                 f"{fn_name}: the model needs a random key (e.g. dropout) but rng=None. Fix: "
@@ -67,7 +68,7 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
             raise ValueError(
                 f"{fn_name}: applying the model to x1 failed with {type(e).__name__}: {e}. "
                 f"Fix: check that params come from this model's init and that x1 has the "
-                f"shape it expects."
+                f"shape it expects, batch axis first (x1[None] for a single sample)."
             ) from e
 
     kernel = kernel_function(

@@ -121,6 +121,12 @@ def _rows():
         Row("swapped-params-x", "params and x swapped (argument order)",
             'ntk_core.empirical_ntk(mlp, X, P)',
             ValueError, r"^empirical_ntk: the arrays of x1 disagree on the batch size" + fix + r".*argument order is \(params, x1, x2\)"),
+        Row("nt-kernel-order", "the built kernel called in neural-tangents' order (x1, x2, params)",
+            "ntk_core.ntk_fn(mlp)(X, None, P)",
+            ValueError, r"^ntk_fn: x1 has no arrays \(got None\)" + fix + r".*argument order is \(params, x1, x2\), not neural-tangents' \(x1, x2, params\)"),
+        Row("swapped-arrays", "params and x swapped, both plain arrays",
+            "ntk_core.empirical_ntk(f, X, W)",
+            ValueError, r"^empirical_ntk: calling the model on x1 \(shapes \(3, 2\)\) failed with TypeError" + fix + r".*\(argument order: params, x1, x2\)"),
         Row("output-no-batch", "a model that sums over the batch",
             "ntk_core.empirical_ntk(lambda w, x: jnp.sum(x @ w), W, X)",
             ValueError, r"^empirical_ntk: the output has shape \(\) but x1 has 4 samples" + fix),
@@ -137,6 +143,9 @@ def _rows():
         Row("params-empty", "params with no arrays",
             "ntk_core.empirical_ntk(f, {}, X)",
             ValueError, r"^empirical_ntk: params has no arrays \(got dict\)" + fix),
+        Row("params-string", "a non-array leaf (a name) inside params",
+            'ntk_core.empirical_ntk(lambda p, x: x @ p["w"], {"w": W, "name": "layer"}, X)',
+            TypeError, r"^empirical_ntk: params contains the non-numeric leaf \['name'\] = .* \(dtype <U5\)" + fix),
         Row("params-int", "integer params",
             "ntk_core.empirical_ntk(f, jnp.ones((3, 2), jnp.int32), X)",
             TypeError, r"^empirical_ntk: params contains an array of dtype int32" + fix),
@@ -211,12 +220,24 @@ def _rows():
         Row("per-leaf-ntvp", "the per-leaf NTK with NTK-vector products",
             'ntk_core.empirical_ntk_per_leaf(f, W, X, implementation="ntvp")',
             ValueError, r"^empirical_ntk_per_leaf: per-leaf kernels need implementation 'jacobian', 'structured' or 'auto', got 'ntvp'" + fix),
-        Row("unknown-option", "an unknown option name (Python's own error)",
+        Row("unknown-option", "an unknown option name",
             "ntk_core.empirical_ntk(f, W, X, batchsize=2)",
-            TypeError, r"empirical_ntk\(\) got an unexpected keyword argument 'batchsize'"),
-        Row("nngp-implementation", "implementation= given to the NNGP (Python's own error)",
+            TypeError, r"^empirical_ntk: unknown keyword argument\(s\) 'batchsize'; valid options are trace_axes, diagonal_axes" + fix),
+        Row("option-typo", "a misspelt option name",
+            "ntk_core.empirical_ntk(f, W, X, diag_axes=(0,))",
+            TypeError, r"^empirical_ntk: unknown keyword argument\(s\) 'diag_axes'.* Did you mean 'diagonal_axes' for 'diag_axes'\?" + fix),
+        Row("model-kwarg-to-ntk-fn", "a model keyword argument given to ntk_fn",
+            "ntk_core.ntk_fn(f, train=False)",
+            TypeError, r"^ntk_fn: unknown keyword argument\(s\) 'train'" + fix + r".*keyword arguments of the model go into apply_fn, e.g. functools.partial"),
+        Row("positional-options", "options passed positionally (neural-tangents' order)",
+            "ntk_core.empirical_ntk(f, W, X, None, (-1,))",
+            TypeError, r"^empirical_ntk: too many positional arguments \(expected positional arguments apply_fn, params, x1, x2\)" + fix + r".*options are keyword-only"),
+        Row("missing-x1", "no inputs",
+            "ntk_core.empirical_ntk(f, W)",
+            TypeError, r"^empirical_ntk: missing a required argument: 'x1'" + fix),
+        Row("nngp-implementation", "implementation= given to the NNGP",
             'ntk_core.empirical_nngp(f, W, X, implementation="jacobian")',
-            TypeError, r"empirical_nngp\(\) got an unexpected keyword argument 'implementation'"),
+            TypeError, r"^empirical_nngp: unknown keyword argument\(s\) 'implementation'; valid options are trace_axes, diagonal_axes, vmap_axes, precision" + fix),
         Row("kernel-fn-options", "options or model arguments given to the built kernel function",
             "ntk_core.ntk_fn(f)(W, X, trace_axes=())",
             TypeError, r"^ntk_fn\(...\)\(params, x1, x2\): got the keyword argument\(s\) 'trace_axes'" + fix),
@@ -242,6 +263,9 @@ def _rows():
         Row("core-variables-batch-stats", "model.apply with variables holding batch_stats (would be differentiated)",
             "ntk_core.empirical_ntk(functools.partial(BN().apply, train=False), V_BN, X)",
             ValueError, r"^empirical_ntk: params holds the Flax collections \['batch_stats', 'params'\]" + fix + r"use ntk_flax.kernel", ("flax",)),
+        Row("core-variables-custom-apply", "variables instead of variables['params'] to an apply_fn that wraps them",
+            'ntk_core.empirical_ntk(lambda p, x: dense.apply({"params": p}, x), V, X)',
+            ValueError, r"^empirical_ntk: calling the model on x1 .* failed with .*Fix: .* params has a top-level 'params' key: if it is a Flax variables dict, pass variables\['params'\]", ("flax",)),
         Row("core-haiku-transformed", "an hk.Transformed passed to the core",
             "ntk_core.empirical_ntk(net, HP, X)",
             TypeError, r"^empirical_ntk: apply_fn is the Haiku Transformed itself" + fix + r"use ntk_haiku.kernel", ("haiku",)),
@@ -276,6 +300,9 @@ def _rows():
         Row("flax-input-shape", "inputs of the wrong per-sample shape",
             "ntk_flax.kernel(dense, V, jnp.ones((4, 5)))",
             ValueError, r"^ntk_flax.kernel: applying the model to x1 failed with" + fix, ("flax",)),
+        Row("flax-single-sample", "one sample without its batch axis (Flax)",
+            "ntk_flax.kernel(dense, V, X[0])",
+            ValueError, r"^ntk_flax.kernel: the output has shape \(2,\) but x1 has 3 samples" + fix + r"if x1 is a single sample, add a batch axis", ("flax",)),
         Row("flax-nngp-implementation", "implementation= given to the Flax NNGP",
             'ntk_flax.nngp(dense, V, X, implementation="ntvp")',
             TypeError, r"^ntk_flax.nngp: unknown option\(s\) 'implementation'" + fix, ("flax",)),
@@ -307,6 +334,9 @@ def _rows():
         Row("haiku-apply-kwargs-type", "apply_kwargs that is not a dict",
             'ntk_haiku.kernel(bn_net, BP, X, state=BS, apply_kwargs=[("is_training", False)])',
             TypeError, r"^ntk_haiku.kernel: apply_kwargs must be a dict of the model's keyword arguments, got list" + fix, ("haiku",)),
+        Row("haiku-flax-variables", "Flax variables given to a Haiku model",
+            "ntk_haiku.kernel(net, V, X)",
+            ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed: Unable to retrieve parameter" + fix, ("flax", "haiku")),
         Row("haiku-input-shape", "inputs of the wrong per-sample shape",
             "ntk_haiku.kernel(net, HP, jnp.ones((4, 7)))",
             ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed" + fix, ("haiku",)),
@@ -361,7 +391,21 @@ def test_bad_input(row):
     with pytest.raises(row.raises, match=row.match) as info:
         eval(row.call, namespace)
     assert type(info.value) in (TypeError, ValueError)  # exactly, no subclass surprises
-    assert "Fix:" in str(info.value) or "got an unexpected keyword" in str(info.value)
+    assert "Fix:" in str(info.value)
+
+
+def test_bfloat16_and_bool_inputs_are_numbers():
+    """Not bad input: bfloat16 (an ml_dtypes type) and bool arrays are accepted."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import ntk_core
+
+    w, x = jnp.ones((3, 2)), jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    f = lambda w, x: jnp.tanh(x.astype(jnp.float32) @ w)  # noqa: E731
+    expected = ntk_core.empirical_ntk(f, w, x.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_allclose(ntk_core.empirical_ntk(f, w, x.astype(jnp.bfloat16)), expected)
+    assert ntk_core.empirical_ntk(f, w, x > 0).shape == (4, 4)
 
 
 # -- the documentation table ------------------------------------------------------------
