@@ -11,6 +11,7 @@ recognised by their class names and modules, without importing either library.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 
 import jax
@@ -93,6 +94,21 @@ def params_check(fn_name: str, apply_fn):
             )
 
     return check
+
+
+def missing_model_argument(error: Exception) -> str:
+    """For an adapter's "applying the model failed": the fix when the model's own call
+    lacks an argument (``train``, ``is_training``), else ``""``."""
+    m = re.search(
+        r"missing \d+ required (?:positional |keyword-only )?arguments?: (.+)$", str(error)
+    )
+    if not isinstance(error, TypeError) or m is None:
+        return ""
+    first = m.group(1).split(",")[0].split(" and ")[0].strip()
+    return (
+        f" The model's own argument(s) {m.group(1)} are missing: pass them with "
+        f"apply_kwargs={{{first}: False}} (for example)."
+    )
 
 
 def _numeric(dtype) -> bool:

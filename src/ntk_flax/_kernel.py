@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 
 from ntk_core._adapter import BuildCache, freeze, kernel_function
-from ntk_core._checks import NNX_RECIPE
+from ntk_core._checks import NNX_RECIPE, missing_model_argument
 
 _MUTABLE = flax.core.DenyList(["params"])
 
@@ -107,6 +107,7 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
                 f"{fn_name}: applying the model to x1 failed with {type(e).__name__}: {e}. "
                 f"Fix: check that variables come from this model's init and that x1 has the "
                 f"shape it expects, batch axis first (x1[None] for a single sample)."
+                f"{missing_model_argument(e)}"
             ) from e
 
     kernel = kernel_function(

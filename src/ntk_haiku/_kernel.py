@@ -14,6 +14,7 @@ import haiku as hk
 import jax
 
 from ntk_core._adapter import BuildCache, freeze, kernel_function
+from ntk_core._checks import missing_model_argument
 
 
 def _model_apply(transformed, apply_kwargs):
@@ -69,6 +70,7 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
                 f"{fn_name}: applying the model to x1 failed with {type(e).__name__}: {e}. "
                 f"Fix: check that params come from this model's init and that x1 has the "
                 f"shape it expects, batch axis first (x1[None] for a single sample)."
+                f"{missing_model_argument(e)}"
             ) from e
 
     kernel = kernel_function(

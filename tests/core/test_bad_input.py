@@ -53,6 +53,11 @@ class BN(nn.Module):
     def __call__(self, x, train=True):
         return nn.Dense(2)(nn.BatchNorm(use_running_average=not train)(x))
 
+class Drop2(nn.Module):  # train has no default
+    @nn.compact
+    def __call__(self, x, train):
+        return nn.Dropout(0.5, deterministic=not train)(nn.Dense(2)(x))
+
 dense = nn.Dense(2)
 V = dense.init(jax.random.PRNGKey(0), X)                     # {"params": ...}
 V_DROP = Drop().init(jax.random.PRNGKey(0), X, train=False)
@@ -303,6 +308,9 @@ def _rows():
         Row("flax-single-sample", "one sample without its batch axis (Flax)",
             "ntk_flax.kernel(dense, V, X[0])",
             ValueError, r"^ntk_flax.kernel: the output has shape \(2,\) but x1 has 3 samples" + fix + r"if x1 is a single sample, add a batch axis", ("flax",)),
+        Row("flax-missing-model-argument", "a model argument (train) neither defaulted nor given",
+            "ntk_flax.kernel(Drop2(), V_DROP, X)",
+            ValueError, r"^ntk_flax.kernel: applying the model to x1 failed with TypeError: .*missing 1 required positional argument: 'train'" + fix + r".*apply_kwargs=\{'train': False\}", ("flax",)),
         Row("flax-nngp-implementation", "implementation= given to the Flax NNGP",
             'ntk_flax.nngp(dense, V, X, implementation="ntvp")',
             TypeError, r"^ntk_flax.nngp: unknown option\(s\) 'implementation'" + fix, ("flax",)),
@@ -337,6 +345,9 @@ def _rows():
         Row("haiku-flax-variables", "Flax variables given to a Haiku model",
             "ntk_haiku.kernel(net, V, X)",
             ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed: Unable to retrieve parameter" + fix, ("flax", "haiku")),
+        Row("haiku-missing-model-argument", "a model argument (is_training) not given",
+            "ntk_haiku.kernel(bn_net, BP, X, state=BS)",
+            ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed with TypeError: .*missing 1 required positional argument: 'is_training'" + fix + r".*apply_kwargs=\{'is_training': False\}", ("haiku",)),
         Row("haiku-input-shape", "inputs of the wrong per-sample shape",
             "ntk_haiku.kernel(net, HP, jnp.ones((4, 7)))",
             ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed" + fix, ("haiku",)),
