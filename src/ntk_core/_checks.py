@@ -29,7 +29,7 @@ def _is_linen_module(obj) -> bool:
     return any(m.startswith("flax.linen") and n == "Module" for m, n in _classes(obj))
 
 
-def _is_nnx_module(obj) -> bool:
+def is_nnx_module(obj) -> bool:
     return any(m.startswith("flax.nnx") and n == "Module" for m, n in _classes(obj))
 
 
@@ -51,7 +51,7 @@ def check_apply_fn(fn_name: str, apply_fn) -> None:
             f"expected a function apply_fn(params, x). Fix: use ntk_flax.kernel(model, "
             f"variables, x), or pass model.apply with params=variables."
         )
-    if _is_nnx_module(apply_fn):
+    if is_nnx_module(apply_fn):
         raise TypeError(
             f"{fn_name}: apply_fn is the flax.nnx module {type(apply_fn).__name__}; "
             f"expected a function apply_fn(params, x) of explicit params. Fix: "

@@ -269,12 +269,15 @@ MODELS = ("lenet", "small")
 
 def _plain_cnn(x, out_features, model):
     """The self-test CNN in plain JAX (used when Flax is not installed, and for "small")."""
-    keys = iter(jax.random.split(jax.random.PRNGKey(0), 10))
+    keys = iter(jax.random.split(jax.random.PRNGKey(0), 12))
     convs, denses = ((6, 16), (120, 84)) if model == "lenet" else ((2,), ())
     params = {}
     c_in = x.shape[-1]
     for i, c in enumerate(convs):
-        params[f"conv{i}"] = jax.random.normal(next(keys), (5, 5, c_in, c)) / np.sqrt(25 * c_in)
+        params[f"conv{i}"] = {
+            "w": jax.random.normal(next(keys), (5, 5, c_in, c)) / np.sqrt(25 * c_in),
+            "b": 0.1 * jax.random.normal(next(keys), (c,)),
+        }
         c_in = c
     pool = 2 ** len(convs) if model == "lenet" else 1
     sizes = ((x.shape[1] // pool) * (x.shape[2] // pool) * c_in, *denses, out_features)
@@ -287,9 +290,9 @@ def _plain_cnn(x, out_features, model):
     def apply(p, x):
         for i in range(len(convs)):
             x = jax.lax.conv_general_dilated(
-                x, p[f"conv{i}"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+                x, p[f"conv{i}"]["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
             )
-            x = jax.nn.relu(x)
+            x = jax.nn.relu(x + p[f"conv{i}"]["b"])
             if model == "lenet":
                 window = (1, 2, 2, 1)
                 x = jax.lax.reduce_window(x, 0.0, jax.lax.add, window, window, "VALID") / 4.0

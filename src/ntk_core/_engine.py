@@ -180,7 +180,7 @@ class KernelFunction:
     def _prepare(self, params, x1, x2, aux) -> _Config:
         fn = self._fn_name
         opts = self._options
-        _checks.before_trace(fn, params, x1, x2, opts)  # backend, dtypes, precision
+        _checks.before_trace(fn, params, x1, x2, opts)  # backend guard, dtypes
         if not jax.tree.leaves(params):
             raise ValueError(
                 f"{fn}: params has no arrays (got {type(params).__name__}). Fix: pass the "
@@ -257,7 +257,7 @@ class KernelFunction:
                     f"N1={n1} and N2={n2}. Fix: pass x2 with N1 samples, or x2=None."
                 )
             layouts.append(layout)
-        _checks.after_trace(fn, self._apply3, params, x1, x2, aux, out_leaves, opts)
+        _checks.after_trace(fn, self._apply3, params, x1, x2, aux, out_leaves, opts)  # warnings
         if opts.vmap_axes is not None and _probe.samples_interact(
             self._apply3, params, x1, x2, aux
         ):

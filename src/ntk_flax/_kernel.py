@@ -13,10 +13,9 @@ import flax.core
 import flax.errors
 import flax.linen as nn
 import jax
-from flax import nnx
 
 from ntk_core._adapter import BuildCache, freeze, kernel_function
-from ntk_core._checks import NNX_RECIPE, missing_model_argument
+from ntk_core._checks import NNX_RECIPE, is_nnx_module, missing_model_argument
 
 _MUTABLE = flax.core.DenyList(["params"])
 
@@ -55,7 +54,7 @@ def _model_apply(model, method, apply_kwargs):
 
 
 def _make(fn_name, kind, model, method, apply_kwargs, options):
-    if isinstance(model, nnx.Module):
+    if is_nnx_module(model):  # recognised without importing flax.nnx
         raise TypeError(
             f"{fn_name}: model is the flax.nnx module {type(model).__name__}; this adapter "
             f"takes flax.linen modules. Fix: {NNX_RECIPE}."

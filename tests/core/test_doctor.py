@@ -113,3 +113,17 @@ def test_console_entry():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout)["packages"]["jax"] == jax.__version__
+
+
+def test_plain_jax_lenet_matches_the_flax_lenet_shapes():
+    """Without Flax the self-test uses a plain-JAX LeNet of the same architecture."""
+    x = jax.numpy.ones((2, 16, 16, 3))
+    apply, params, _ = _doctor._plain_cnn(x, 2, "lenet")
+    assert jax.eval_shape(apply, params, x).shape == (2, 2)
+    sizes = sorted(np.size(p) for p in jax.tree.leaves(params))
+    nn = pytest.importorskip("flax.linen")
+    del nn
+    import ntk_flax
+
+    variables = jax.eval_shape(ntk_flax.LeNet(2).init, jax.random.PRNGKey(0), x)
+    assert sorted(np.prod(p.shape) for p in jax.tree.leaves(variables)) == sizes
