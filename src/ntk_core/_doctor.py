@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _environment
@@ -269,23 +270,29 @@ MODELS = ("lenet", "small")
 
 def _plain_cnn(x, out_features, model):
     """The self-test CNN in plain JAX (used when Flax is not installed, and for "small")."""
-    keys = iter(jax.random.split(jax.random.PRNGKey(0), 12))
+    rng = np.random.default_rng(0)  # NumPy: no compilation per parameter shape
+
+    def normal(shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
     convs, denses = ((6, 16), (120, 84)) if model == "lenet" else ((2,), ())
     params = {}
     c_in = x.shape[-1]
     for i, c in enumerate(convs):
         params[f"conv{i}"] = {
-            "w": jax.random.normal(next(keys), (5, 5, c_in, c)) / np.sqrt(25 * c_in),
-            "b": 0.1 * jax.random.normal(next(keys), (c,)),
+            "w": normal((5, 5, c_in, c)) / np.sqrt(25 * c_in),
+            "b": 0.1 * normal((c,)),
         }
         c_in = c
     pool = 2 ** len(convs) if model == "lenet" else 1
     sizes = ((x.shape[1] // pool) * (x.shape[2] // pool) * c_in, *denses, out_features)
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         params[f"dense{i}"] = {
-            "w": jax.random.normal(next(keys), (a, b)) / np.sqrt(a),
-            "b": 0.1 * jax.random.normal(next(keys), (b,)),
+            "w": normal((a, b)) / np.sqrt(a),
+            "b": 0.1 * normal((b,)),
         }
+
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
 
     def apply(p, x):
         for i in range(len(convs)):
@@ -312,7 +319,7 @@ def _network(x, out_features, model):
         import ntk_flax
 
         net = ntk_flax.LeNet(out_features=out_features)
-        params = net.init(jax.random.PRNGKey(0), x)["params"]
+        params = jax.jit(net.init)(jax.random.PRNGKey(0), x)["params"]  # one compilation
         return (lambda p, x: net.apply({"params": p}, x)), params, "ntk_flax.LeNet"
     return _plain_cnn(x, out_features, model)
 
@@ -346,9 +353,10 @@ def _twins(out_features, model):
 
 
 def _inputs(samples, image_size):
-    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
+    rng = np.random.default_rng(1)
     shape = (image_size, image_size, 3)
-    return jax.random.normal(k1, (samples, *shape)), jax.random.normal(k2, (samples - 1, *shape))
+    x1 = rng.standard_normal((samples, *shape)).astype(np.float32)
+    return jnp.asarray(x1), jnp.asarray(rng.standard_normal((samples - 1, *shape)), jnp.float32)
 
 
 def implementations_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
@@ -391,7 +399,7 @@ def frameworks_check(samples: int = 4, image_size: int = 16, model: str = "lenet
 
         x1, x2 = _inputs(samples, image_size)
         flax_model, haiku_fn = _twins(2, model)
-        variables = flax_model.init(jax.random.PRNGKey(0), x1)
+        variables = jax.jit(flax_model.init)(jax.random.PRNGKey(0), x1)
         net = hk.without_apply_rng(hk.transform(haiku_fn))
         params = ntk_haiku.params_from_flax(variables["params"])
         k_flax = ntk_flax.kernel(flax_model, variables, x1, x2, trace_axes=())
