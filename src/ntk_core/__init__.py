@@ -12,6 +12,11 @@ from ntk_core._api import nngp_fn as nngp_fn
 from ntk_core._api import ntk_fn as ntk_fn
 from ntk_core._api import ntk_per_leaf_fn as ntk_per_leaf_fn
 from ntk_core._api import plan as plan
+from ntk_core._doctor import DoctorReport as DoctorReport
+from ntk_core._doctor import doctor as doctor
+from ntk_core._environment import BackendWarning as BackendWarning
+from ntk_core._environment import PrecisionWarning as PrecisionWarning
+from ntk_core._environment import UnsupportedBackendError as UnsupportedBackendError
 from ntk_core._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 from ntk_core._options import IMPLEMENTATIONS as IMPLEMENTATIONS
 from ntk_core._options import PRECISIONS as PRECISIONS
@@ -20,7 +25,12 @@ from ntk_core._version import __version__ as __version__
 __all__ = (
     "IMPLEMENTATIONS",
     "PRECISIONS",
+    "BackendWarning",
+    "DoctorReport",
+    "PrecisionWarning",
+    "UnsupportedBackendError",
     "__version__",
+    "doctor",
     "empirical_nngp",
     "empirical_ntk",
     "empirical_ntk_per_leaf",

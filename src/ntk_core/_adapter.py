@@ -24,9 +24,9 @@ def kernel_function(fn_name: str, kind: str, apply3, options: dict, check=None, 
 def freeze(value):
     """A hashable stand-in for nested dicts and lists (for cache keys)."""
     if isinstance(value, dict):
-        return tuple(sorted((k, freeze(v)) for k, v in value.items()))
+        return (dict, tuple(sorted((k, freeze(v)) for k, v in value.items())))
     if isinstance(value, (list, tuple)):
-        return tuple(freeze(v) for v in value)
+        return (type(value), tuple(freeze(v) for v in value))
     return value
 
 

@@ -7,9 +7,12 @@ points there.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 from collections.abc import Callable
 
+from ._checks import check_apply_fn, params_check
 from ._engine import KernelFunction
 from ._model import from_apply_fn
 from ._options import NTK_OPTION_NAMES, make_options
@@ -99,11 +102,21 @@ def ntk_fn(
 
 
 def _make(kind: str, fn_name: str, apply_fn, options: dict) -> Callable:
+    check_apply_fn(fn_name, apply_fn)
     _check_callable(fn_name, apply_fn)
     opts = make_options(fn_name, **{k: v for k, v in options.items() if k != "apply_fn"})
-    kernel_function = KernelFunction(fn_name, kind, from_apply_fn(apply_fn), opts)
+    check = params_check(fn_name, apply_fn)
+    kernel_function = KernelFunction(fn_name, kind, from_apply_fn(apply_fn), opts, check)
 
-    def kernel(params, x1, x2=None):
+    def kernel(params, x1, x2=None, **unexpected):
+        if unexpected:
+            raise TypeError(
+                f"{fn_name}(...)(params, x1, x2): got the keyword argument(s) "
+                f"{', '.join(map(repr, sorted(unexpected)))}; the returned kernel function "
+                f"takes only (params, x1, x2). Fix: give kernel options to {fn_name}(apply_fn, "
+                f"...) when building it, and model arguments through apply_fn, e.g. "
+                f"functools.partial(model.apply, train=False)."
+            )
         return kernel_function(params, x1, x2)
 
     kernel.implementation_for = kernel_function.implementation_for
@@ -368,3 +381,55 @@ def plan(
       ['w'] 6 structured (1 matrix product)
     """
     return _get("ntk", "plan", apply_fn, _options(locals())).plan(params, x1, x2)
+
+
+def _checked_arguments(fn):
+    """Turns Python's binding errors (an unknown or misspelt option, too many positional
+    arguments, a missing one) into a TypeError naming the valid options and the fix.
+
+    Costs nothing on a correct call: the signature is consulted only after a TypeError.
+    """
+    signature = inspect.signature(fn)
+    name = fn.__name__
+    options = [n for n, p in signature.parameters.items() if p.kind is p.KEYWORD_ONLY]
+    positional = [n for n, p in signature.parameters.items() if p.kind is not p.KEYWORD_ONLY]
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TypeError:
+            try:
+                signature.bind(*args, **kwargs)
+            except TypeError as e:
+                unknown = sorted(set(kwargs) - set(signature.parameters))
+                if unknown:
+                    close = {u: difflib.get_close_matches(u, options, 1) for u in unknown}
+                    guess = "".join(
+                        f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c
+                    )
+                    reason = (
+                        f"unknown keyword argument(s) {', '.join(map(repr, unknown))}; valid "
+                        f"options are {', '.join(options)}.{guess}"
+                    )
+                    fix = (
+                        "use those option names; keyword arguments of the model go into "
+                        "apply_fn, e.g. functools.partial(model.apply, train=False)."
+                    )
+                else:
+                    reason = f"{e} (expected positional arguments {', '.join(positional)})."
+                    fix = f"call {name}({', '.join(positional)}, *, option=...); options are "
+                    fix += "keyword-only."
+                raise TypeError(f"{name}: {reason} Fix: {fix}") from None
+            raise
+
+    return checked
+
+
+empirical_ntk = _checked_arguments(empirical_ntk)
+empirical_nngp = _checked_arguments(empirical_nngp)
+empirical_ntk_per_leaf = _checked_arguments(empirical_ntk_per_leaf)
+ntk_fn = _checked_arguments(ntk_fn)
+nngp_fn = _checked_arguments(nngp_fn)
+ntk_per_leaf_fn = _checked_arguments(ntk_per_leaf_fn)
+plan = _checked_arguments(plan)

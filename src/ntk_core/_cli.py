@@ -1,4 +1,4 @@
-"""The ``ntk`` command line: ``ntk demo`` (more subcommands to come)."""
+"""The ``ntk`` command line: ``ntk demo`` and ``ntk doctor``."""
 
 from __future__ import annotations
 
@@ -23,7 +23,16 @@ def _demo(args) -> int:
         return 2
 
 
-def main(argv=None) -> int:
+def _doctor(args, checks=None) -> int:
+    from ._doctor import doctor
+
+    report = doctor(checks, self_test=not args.no_self_test)
+    print(report.to_json() if args.json else report)
+    return 0 if report.ok else 1
+
+
+def main(argv=None, *, checks=None) -> int:
+    """Runs ``ntk``; ``checks`` replaces the self-test of ``ntk doctor`` (for tests)."""
     parser = argparse.ArgumentParser(
         prog="ntk", description="Empirical NTK and NNGP kernels for JAX, Flax and Haiku."
     )
@@ -39,6 +48,14 @@ def main(argv=None) -> int:
     else:
         add_arguments(demo)
     demo.set_defaults(run=_demo)
+    doctor = sub.add_parser(
+        "doctor",
+        help="versions, devices, precision settings, and a self-test of kernel exactness; "
+        "exit status 1 when a check fails",
+    )
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--no-self-test", action="store_true", help="report the environment only")
+    doctor.set_defaults(run=lambda a: _doctor(a, checks))
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _cost, _jacobian, _ntvp, _probe, _structured
+from . import _checks, _cost, _jacobian, _ntvp, _probe, _structured
 from ._layout import LeafLayout, resolve_layout
 from ._model import per_sample
 from ._options import KernelOptions
@@ -113,7 +113,8 @@ def _batch_size(fn_name: str, name: str, x) -> int:
     if not leaves:
         raise ValueError(
             f"{fn_name}: {name} has no arrays (got {x!r}). Fix: pass an array, or a pytree "
-            f"of arrays, whose axis 0 indexes samples."
+            f"of arrays, whose axis 0 indexes samples; the argument order is (params, x1, "
+            f"x2), not neural-tangents' (x1, x2, params)."
         )
     sizes = set()
     for leaf in leaves:
@@ -179,6 +180,7 @@ class KernelFunction:
     def _prepare(self, params, x1, x2, aux) -> _Config:
         fn = self._fn_name
         opts = self._options
+        _checks.before_trace(fn, params, x1, x2, opts)  # backend guard, dtypes
         if not jax.tree.leaves(params):
             raise ValueError(
                 f"{fn}: params has no arrays (got {type(params).__name__}). Fix: pass the "
@@ -223,11 +225,15 @@ class KernelFunction:
             raise ValueError(
                 f"{fn}: calling the model on x1 (shapes {_describe(x1)}) failed with "
                 f"{type(e).__name__}: {e}. Fix: check that params belong to this model and "
-                f"that x1 has the per-sample shape and dtype it expects."
+                f"that x1 has the per-sample shape and dtype it expects (argument order: "
+                f"params, x1, x2){_checks.failure_hint(params)}."
             ) from e
         out_leaves, out_tree = jax.tree.flatten(out)
         if not out_leaves:
-            raise ValueError(f"{fn}: the model returned no arrays ({out!r}).")
+            raise ValueError(
+                f"{fn}: the model returned no arrays ({out!r}); expected its outputs, e.g. "
+                f"logits (N, O). Fix: make apply_fn return the network's output."
+            )
         layouts = []
         for i, leaf in enumerate(out_leaves):
             where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
@@ -251,6 +257,7 @@ class KernelFunction:
                     f"N1={n1} and N2={n2}. Fix: pass x2 with N1 samples, or x2=None."
                 )
             layouts.append(layout)
+        _checks.after_trace(fn, self._apply3, params, x1, x2, aux, out_leaves, opts)  # warnings
         if opts.vmap_axes is not None and _probe.samples_interact(
             self._apply3, params, x1, x2, aux
         ):

@@ -110,11 +110,12 @@ def make_options(
     if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"{fn_name}: implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
-            f"got {implementation!r}."
+            f"got {implementation!r}. Fix: pass implementation='auto' (chooses per call), or "
+            f"one of the names above."
         )
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(
             f"{fn_name}: precision must be one of {', '.join(map(repr, PRECISIONS))}, "
-            f"got {precision!r}."
+            f"got {precision!r}. Fix: keep the default precision='highest' for exact kernels."
         )
     return KernelOptions(trace, diag, vmap_axes, implementation, precision)

@@ -2,8 +2,8 @@
 
 ``vmap_axes=0`` differentiates the model one sample at a time; that is the Jacobian of
 the batched model only if each sample's output ignores the other samples. The probe
-runs the model on two batches of two samples that share the first sample and differ
-in the second (same shapes, so random keys give the same masks), and compares the
+runs the model on two batches of three samples that share the first sample and differ
+in the others (same shapes, so random keys give the same masks), and compares the
 first sample's outputs. It catches BatchNorm in training mode, batch means or softmax
 over the batch, at the cost of two small forward passes once per input signature.
 """
@@ -19,36 +19,60 @@ def _sample(x, i):
     return jax.tree.map(lambda leaf: jnp.asarray(leaf)[i : i + 1], x)
 
 
-def _candidates(x1, x2):
-    """Up to three distinct samples: from x1, then x2, then a transformed copy."""
-    samples = [_sample(x1, i) for i in range(min(3, jax.tree.leaves(x1)[0].shape[0]))]
-    if x2 is not None and len(samples) < 3:
-        samples.append(_sample(x2, 0))
-    if len(samples) == 2 and all(
-        jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in jax.tree.leaves(samples[1])
-    ):
-        samples.append(jax.tree.map(lambda v: -1.5 * v + 0.5, samples[1]))
-    return samples
+def _floating(sample) -> bool:
+    return all(jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in jax.tree.leaves(sample))
+
+
+def _batches(x1, x2):
+    """Two batches that share their first sample and differ in the others, or None.
+
+    Three samples per batch: with two, a standardisation over the batch (BatchNorm in
+    training mode) gives the first sample ±1 whatever the other is, and goes unseen.
+    Floating inputs: ``(s0, s1, s2)`` against ``(s0, t(s1), t(s2))`` with an affine
+    ``t`` (transformed copies of s0 stand in for missing samples); other inputs
+    (integer tokens) need three or, better, four samples.
+    """
+    n1 = jax.tree.leaves(x1)[0].shape[0]
+    samples = [_sample(x1, i) for i in range(min(4, n1))]
+    if x2 is not None:
+        n2 = jax.tree.leaves(x2)[0].shape[0]
+        samples += [_sample(x2, i) for i in range(min(4 - len(samples), n2))]
+
+    def affine(v, a, b):
+        return jax.tree.map(lambda leaf: a * leaf + b, v)
+
+    if _floating(samples[0]):
+        s0 = samples[0]
+        others = samples[1:3]  # padded with transformed copies of s0 when N < 3
+        others += [affine(s0, a, b) for a, b in ((0.7, -0.3), (1.3, 0.2))[len(others) :]]
+        s1, s2 = others
+        return (s0, s1, s2), (s0, affine(s1, -1.5, 0.5), affine(s2, -1.5, 0.5))
+    if len(samples) >= 4:
+        s0, s1, s2, s3 = samples[:4]
+        return (s0, s1, s2), (s0, s3, s2)
+    if len(samples) == 3:  # integer inputs, three samples: two-sample batches
+        s0, s1, s2 = samples
+        return (s0, s1), (s0, s2)
+    return None
 
 
 def samples_interact(apply3, params, x1, x2, aux, rtol: float = 1e-4) -> bool:
-    """True when sample 0's output changes with the other sample of its batch.
+    """True when sample 0's output changes with the other samples of its batch.
 
-    Returns False when the inputs are abstract (under an outer ``jax.jit``) or fewer
-    than three distinct samples can be formed.
+    Returns False when the inputs are abstract (under an outer ``jax.jit``) or too few
+    samples are given to form two batches (see :func:`_batches`).
     """
     try:
-        samples = _candidates(x1, x2)
-        if len(samples) < 3:
+        batches = _batches(x1, x2)
+        if batches is None:
             return False
-        first, second, third = samples
 
-        def pair(a, b):
-            return jax.tree.map(lambda u, v: jnp.concatenate([u, v]), a, b)
+        def stack(samples):
+            return jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *samples)
 
         run = jax.jit(apply3)
-        out_b = jax.tree.leaves(run(params, pair(first, second), aux))
-        out_c = jax.tree.leaves(run(params, pair(first, third), aux))
+        out_b = jax.tree.leaves(run(params, stack(batches[0]), aux))
+        out_c = jax.tree.leaves(run(params, stack(batches[1]), aux))
         for b, c in zip(out_b, out_c, strict=True):
             b0, c0 = np.asarray(b[:1], np.float64), np.asarray(c[:1], np.float64)
             scale = max(np.abs(b0).max(initial=0.0), np.abs(c0).max(initial=0.0), 1e-30)

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 
 from ntk_core._adapter import BuildCache, freeze, kernel_function
+from ntk_core._checks import NNX_RECIPE, is_nnx_module, missing_model_argument
 
 _MUTABLE = flax.core.DenyList(["params"])
 
@@ -53,11 +54,22 @@ def _model_apply(model, method, apply_kwargs):
 
 
 def _make(fn_name, kind, model, method, apply_kwargs, options):
+    if is_nnx_module(model):  # recognised without importing flax.nnx
+        raise TypeError(
+            f"{fn_name}: model is the flax.nnx module {type(model).__name__}; this adapter "
+            f"takes flax.linen modules. Fix: {NNX_RECIPE}."
+        )
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"{fn_name}: model must be a flax.linen.Module, got {type(model).__name__}. Fix: "
-            f"pass the module instance (e.g. MyModel()); for a plain function use "
-            f"ntk_core.empirical_ntk."
+            f"pass the module instance (e.g. MyModel()); the argument order is (model, "
+            f"variables, x1, x2); for a plain function use ntk_core.empirical_ntk."
+        )
+    if apply_kwargs is not None and not isinstance(apply_kwargs, Mapping):
+        raise TypeError(
+            f"{fn_name}: apply_kwargs must be a dict of the model's keyword arguments, got "
+            f"{type(apply_kwargs).__name__} {apply_kwargs!r}. Fix: pass e.g. "
+            f"apply_kwargs={{'train': False}}."
         )
     apply_kwargs = dict(apply_kwargs or {})
     apply3 = _model_apply(model, method, apply_kwargs)
@@ -92,8 +104,9 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
         except Exception as e:
             raise ValueError(
                 f"{fn_name}: applying the model to x1 failed with {type(e).__name__}: {e}. "
-                f"Fix: check that variables come from this model's init and that x1 has "
-                f"the shape it expects."
+                f"Fix: check that variables come from this model's init and that x1 has the "
+                f"shape it expects, batch axis first (x1[None] for a single sample)."
+                f"{missing_model_argument(e)}"
             ) from e
 
     kernel = kernel_function(

@@ -14,6 +14,7 @@ import haiku as hk
 import jax
 
 from ntk_core._adapter import BuildCache, freeze, kernel_function
+from ntk_core._checks import missing_model_argument
 
 
 def _model_apply(transformed, apply_kwargs):
@@ -40,6 +41,12 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
             f"hk.transform / hk.transform_with_state), got {type(transformed).__name__}. "
             f"Fix: wrap your forward function with hk.transform(f)."
         )
+    if apply_kwargs is not None and not isinstance(apply_kwargs, Mapping):
+        raise TypeError(
+            f"{fn_name}: apply_kwargs must be a dict of the model's keyword arguments, got "
+            f"{type(apply_kwargs).__name__} {apply_kwargs!r}. Fix: pass e.g. "
+            f"apply_kwargs={{'is_training': False}}."
+        )
     apply_kwargs = dict(apply_kwargs or {})
     apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs)
 
@@ -50,7 +57,8 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
             if "PRNGKey" not in str(e):
                 raise ValueError(
                     f"{fn_name}: applying the model to x1 failed: {e}. Fix: check that params "
-                    f"come from this model's init and that x1 has the shape it expects."
+                    f"come from this model's init and that x1 has the shape it expects, batch "
+                    f"axis first (x1[None] for a single sample)."
                 ) from e
             raise ValueError(
                 f"{fn_name}: the model needs a random key (e.g. dropout) but rng=None. Fix: "
@@ -61,7 +69,8 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
             raise ValueError(
                 f"{fn_name}: applying the model to x1 failed with {type(e).__name__}: {e}. "
                 f"Fix: check that params come from this model's init and that x1 has the "
-                f"shape it expects."
+                f"shape it expects, batch axis first (x1[None] for a single sample)."
+                f"{missing_model_argument(e)}"
             ) from e
 
     kernel = kernel_function(

@@ -1,0 +1,174 @@
+"""Checks of a kernel call beyond shapes: environment, dtypes and common mistakes.
+
+The engine calls :func:`before_trace` at the top of its validation and
+:func:`after_trace` once the model's outputs are known (both once per input signature);
+the core API calls :func:`check_apply_fn` and :func:`params_check`. Each mistake found
+raises a ``TypeError``/``ValueError`` naming the public function, what it received,
+what it expected and the fix (see ``docs/errors.md``). Flax and Haiku objects are
+recognised by their class names and modules, without importing either library.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _environment
+
+
+def _classes(obj) -> list[tuple[str, str]]:
+    return [(c.__module__, c.__name__) for c in type(obj).__mro__]
+
+
+def _is_linen_module(obj) -> bool:
+    return any(m.startswith("flax.linen") and n == "Module" for m, n in _classes(obj))
+
+
+def is_nnx_module(obj) -> bool:
+    return any(m.startswith("flax.nnx") and n == "Module" for m, n in _classes(obj))
+
+
+def _is_haiku_transformed(obj) -> bool:
+    return any(m.startswith("haiku") and n.startswith("Transformed") for m, n in _classes(obj))
+
+
+NNX_RECIPE = (
+    "graphdef, params, rest = nnx.split(model, nnx.Param, ...); k = ntk_core.empirical_ntk("
+    "lambda p, x: nnx.merge(graphdef, p, rest)(x), params, x)"
+)
+
+
+def check_apply_fn(fn_name: str, apply_fn) -> None:
+    """Refuses a Flax or Haiku model object passed where ``apply_fn(params, x)`` goes."""
+    if _is_linen_module(apply_fn):
+        raise TypeError(
+            f"{fn_name}: apply_fn is the flax.linen module {type(apply_fn).__name__} itself; "
+            f"expected a function apply_fn(params, x). Fix: use ntk_flax.kernel(model, "
+            f"variables, x), or pass model.apply with params=variables."
+        )
+    if is_nnx_module(apply_fn):
+        raise TypeError(
+            f"{fn_name}: apply_fn is the flax.nnx module {type(apply_fn).__name__}; "
+            f"expected a function apply_fn(params, x) of explicit params. Fix: "
+            f"{NNX_RECIPE}."
+        )
+    if _is_haiku_transformed(apply_fn):
+        raise TypeError(
+            f"{fn_name}: apply_fn is the Haiku {type(apply_fn).__name__} itself; expected a "
+            f"function apply_fn(params, x). Fix: use ntk_haiku.kernel(transformed, params, "
+            f"x), or pass hk.without_apply_rng(transformed).apply."
+        )
+
+
+def params_check(fn_name: str, apply_fn):
+    """A per-signature ``check`` catching Flax variables misused with ``model.apply``."""
+    inner = apply_fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    module = getattr(inner, "__self__", None)
+    if module is None or not _is_linen_module(module) or inner.__name__ != "apply":
+        return None
+    name = type(module).__name__
+
+    def check(params, x1, x2, aux):
+        if not isinstance(params, Mapping) or "params" not in params:
+            keys = sorted(params) if isinstance(params, Mapping) else type(params).__name__
+            raise ValueError(
+                f"{fn_name}: apply_fn is {name}.apply, which takes the variables dict "
+                f"{{'params': ...}}, but params is {keys!r}. Fix: pass the whole dict "
+                f"returned by model.init (variables, not variables['params']), or use "
+                f"ntk_flax.kernel(model, variables, x)."
+            )
+        others = sorted(k for k in params if k != "params")
+        if others:
+            raise ValueError(
+                f"{fn_name}: params holds the Flax collections {sorted(params)}; the NTK "
+                f"would differentiate {others} too, as if they were parameters. Fix: use "
+                f"ntk_flax.kernel(model, variables, x), which differentiates only 'params' "
+                f"and holds the other collections fixed."
+            )
+
+    return check
+
+
+def missing_model_argument(error: Exception) -> str:
+    """For an adapter's "applying the model failed": the fix when the model's own call
+    lacks an argument (``train``, ``is_training``), else ``""``."""
+    m = re.search(
+        r"missing \d+ required (?:positional |keyword-only )?arguments?: (.+)$", str(error)
+    )
+    if not isinstance(error, TypeError) or m is None:
+        return ""
+    first = m.group(1).split(",")[0].split(" and ")[0].strip()
+    return (
+        f" The model's own argument(s) {m.group(1)} are missing: pass them with "
+        f"apply_kwargs={{{first}: False}} (for example)."
+    )
+
+
+def _numeric(dtype) -> bool:
+    """Numbers and booleans, bfloat16 and the other ml_dtypes included."""
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
+    except TypeError:
+        return False
+
+
+def failure_hint(params) -> str:
+    """A hint appended to "calling the model failed" for a likely mix-up of params."""
+    if isinstance(params, Mapping) and "params" in params:
+        return (
+            "; params has a top-level 'params' key: if it is a Flax variables dict, pass "
+            "variables['params'] to an apply_fn that adds {'params': ...} itself, or use "
+            "ntk_flax.kernel(model, variables, x)"
+        )
+    return ""
+
+
+def before_trace(fn_name: str, params, x1, x2, options) -> None:
+    """Environment and dtype checks that need no trace of the model."""
+    _environment.check_backend(fn_name)
+    for name, tree in (("x1", x1), ("x2", x2)):
+        for leaf in jax.tree.leaves(tree):
+            dtype = getattr(leaf, "dtype", None)
+            if dtype is not None and not _numeric(dtype):
+                raise TypeError(
+                    f"{fn_name}: {name} contains an array of dtype {np.dtype(dtype)}; "
+                    f"expected numbers (floating point, or integer tokens). Fix: encode the "
+                    f"inputs as numbers, e.g. token ids or features, before the call."
+                )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if not _numeric(leaf.dtype):
+            raise TypeError(
+                f"{fn_name}: params contains the non-numeric leaf "
+                f"{jax.tree_util.keystr(path)} = {leaf!r} (dtype {leaf.dtype}); every leaf of "
+                f"params is differentiated, so all must be floating-point arrays. Fix: keep "
+                f"only the weights in params and close over other values in apply_fn."
+            )
+        if np.dtype(leaf.dtype).kind == "c":
+            raise TypeError(
+                f"{fn_name}: params contains an array of dtype {np.dtype(leaf.dtype)}; "
+                f"the empirical NTK here is defined for real "
+                f"parameters. Fix: split complex weights into real and imaginary parts "
+                f"(two real leaves) inside apply_fn."
+            )
+
+
+def after_trace(fn_name: str, apply3, params, x1, x2, aux, out_leaves, options) -> None:
+    """Checks that need the model's outputs (already validated), and precision warnings."""
+    for i, leaf in enumerate(out_leaves):
+        if np.dtype(leaf.dtype).kind == "c":
+            where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
+            raise TypeError(
+                f"{fn_name}: {where} has dtype {leaf.dtype}; kernels need real "
+                f"floating-point outputs. Fix: return the real and imaginary parts as "
+                f"separate outputs (e.g. jnp.stack([z.real, z.imag], -1))."
+            )
+    _environment.check_float64(fn_name, params=params, x1=x1, x2=x2)
+    _environment.check_precision_option(fn_name, options.precision)
+    _environment.check_model_precision(fn_name, apply3, params, x1, aux, options.precision)

@@ -1,0 +1,309 @@
+"""Environment guard: refuse backends that cannot give exact kernels, warn about precision.
+
+Three things can make an empirical kernel silently inexact without any error from JAX:
+
+* an old CUDA toolchain (CUDA 10 gave blocked and one-block Gram matrices that differed
+  by 1e-1 per entry, case C1): refused with :class:`UnsupportedBackendError`;
+* a float64 request while ``jax_enable_x64`` is off (JAX silently computes in
+  float32): :class:`PrecisionWarning`;
+* matmul precision below ``"highest"`` (TF32 passes on NVIDIA Ampere and newer, bf16
+  passes on TPUs): :class:`PrecisionWarning`.
+
+The backend's version string (``device.client.platform_version``) is written by XLA as
+``"cuda <CUDART_VERSION>"`` (CUDA runtime version as 1000 * major + 10 * minor, e.g.
+``"cuda 12030"`` for 12.3), ``"rocm <TF_ROCM_VERSION>"`` (10000 * major + 100 * minor +
+patch) or ``"<unknown>"``; clients loaded as PJRT plugins (the ``jax[cuda12]`` and TPU
+wheels) prefix ``"PJRT C API\\n"``, and TPU strings read like ``"PJRT C API\\nTFRT TPU
+v5 lite\\nBuilt on ..."``. :func:`parse_platform_version` and :func:`refusal` are pure, so
+every branch is tested on a CPU with injected strings; :func:`check_backend` applies them
+to the running backend once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import threading
+import warnings
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+#: The oldest CUDA runtime the library accepts.
+MIN_CUDA = (11, 0)
+
+#: The fix printed with every CUDA refusal.
+CUDA_FIX = (
+    'python -m pip install -U "jax[cuda12]" (CUDA 12 wheels bundle their own CUDA '
+    "runtime and cuDNN; an NVIDIA driver >= 525 is needed), or run on the CPU with "
+    "JAX_PLATFORMS=cpu"
+)
+
+
+class PrecisionWarning(UserWarning):
+    """The kernel is computed at a lower precision than the call asked for or implies."""
+
+
+class BackendWarning(UserWarning):
+    """The accelerator backend's version could not be determined, so it was not checked."""
+
+
+class UnsupportedBackendError(RuntimeError):
+    """The accelerator backend (e.g. CUDA older than 11) cannot give exact kernels."""
+
+
+class BackendVersion(NamedTuple):
+    """A parsed ``platform_version`` string.
+
+    Attributes:
+      kind: ``"cuda"``, ``"rocm"``, ``"tpu"``, ``"cpu"`` or ``"unknown"``.
+      version: ``(major, minor)`` for CUDA, ``(major, minor, patch)`` for ROCm, else
+        ``None`` (also when the number could not be read).
+      raw: the string as the backend reported it.
+    """
+
+    kind: str
+    version: tuple[int, ...] | None
+    raw: str
+
+    @property
+    def text(self) -> str:
+        """E.g. ``"CUDA 12.3"``, ``"ROCm 6.2.0"``, ``"TPU"`` or the raw string."""
+        if self.version is None:
+            return {"tpu": "TPU", "cpu": "CPU"}.get(self.kind, repr(self.raw))
+        name = {"cuda": "CUDA", "rocm": "ROCm"}[self.kind]
+        return f"{name} {'.'.join(map(str, self.version))}"
+
+
+_CUDA = re.compile(r"\bcuda\s+(\d+)\b", re.IGNORECASE)
+_ROCM = re.compile(r"\brocm\s+(\d+)\b", re.IGNORECASE)
+
+
+def parse_platform_version(raw: str, platform: str | None = None) -> BackendVersion:
+    """Reads the backend kind and version from a ``platform_version`` string.
+
+    Args:
+      raw: e.g. ``"cuda 12030"``, ``"PJRT C API\\ncuda 12030"``, ``"rocm 60200"``,
+        ``"PJRT C API\\nTFRT TPU v4\\nBuilt on ..."``, ``"cpu"``.
+      platform: the device's platform name (``"gpu"``, ``"tpu"``, ``"cpu"``) when known;
+        used only when the string itself names no kind.
+
+    Returns:
+      A :class:`BackendVersion`; ``version`` is ``None`` when no number could be read.
+
+    Example:
+      >>> from ntk_core._environment import parse_platform_version, refusal
+      >>> parse_platform_version("PJRT C API\\ncuda 12030").text
+      'CUDA 12.3'
+      >>> parse_platform_version("rocm 60200").version
+      (6, 2, 0)
+      >>> print(refusal(parse_platform_version("cuda 10020"))[:44])
+      ntk_core: the GPU backend runs CUDA 10.2 (pl
+    """
+    text = str(raw)
+    m = _CUDA.search(text)
+    if m:
+        n = int(m.group(1))
+        return BackendVersion("cuda", (n // 1000, (n % 1000) // 10), text)
+    if re.search(r"\bcuda\b", text, re.IGNORECASE):
+        return BackendVersion("cuda", None, text)
+    m = _ROCM.search(text)
+    if m:
+        n = int(m.group(1))
+        return BackendVersion("rocm", (n // 10000, (n % 10000) // 100, n % 100), text)
+    if re.search(r"\brocm\b", text, re.IGNORECASE):
+        return BackendVersion("rocm", None, text)
+    if re.search(r"\btpu\b", text, re.IGNORECASE):
+        return BackendVersion("tpu", None, text)
+    if text.strip().lower() in ("cpu", "host"):
+        return BackendVersion("cpu", None, text)
+    kind = platform if platform in ("cpu", "tpu") else "unknown"
+    return BackendVersion(kind, None, text)
+
+
+def refusal(info: BackendVersion, fn_name: str = "ntk_core") -> str | None:
+    """The error message refusing this backend, or ``None`` when it is accepted.
+
+    CUDA older than :data:`MIN_CUDA` is refused; everything else (newer CUDA, ROCm, TPU,
+    CPU, unreadable strings) is accepted here (see :func:`unverified`).
+    """
+    if info.kind == "cuda" and info.version is not None and info.version < MIN_CUDA:
+        return (
+            f"{fn_name}: the GPU backend runs CUDA {info.version[0]}.{info.version[1]} "
+            f"(platform_version {info.raw!r}); CUDA {MIN_CUDA[0]} or newer is required "
+            f"because older toolchains gave batched and one-block kernels that differ far "
+            f"beyond float32 round-off. Fix: {CUDA_FIX}."
+        )
+    return None
+
+
+def unverified(info: BackendVersion, platform: str) -> str | None:
+    """The warning for a GPU whose CUDA/ROCm version could not be read, else ``None``."""
+    if platform == "gpu" and info.version is None:
+        return (
+            f"the GPU backend reported platform_version {info.raw!r}, from which no CUDA "
+            f"or ROCm version could be read, so CUDA >= {MIN_CUDA[0]} was not verified. "
+            f"Run `ntk doctor` to check that kernels are exact on this device."
+        )
+    return None
+
+
+@functools.cache
+def _backend_info() -> tuple[BackendVersion, str]:
+    device = jax.devices()[0]
+    return parse_platform_version(device.client.platform_version, device.platform), (
+        device.platform
+    )
+
+
+def check_backend(fn_name: str) -> BackendVersion:
+    """Refuses the default backend when it is unsupported (read once per process).
+
+    Raises:
+      UnsupportedBackendError: a GPU backend with CUDA older than 11.
+    """
+    info, platform = _backend_info()
+    message = refusal(info, fn_name)
+    if message is not None:
+        raise UnsupportedBackendError(message)
+    note = unverified(info, platform)
+    if note is not None:
+        warn_once("backend version", f"{fn_name}: {note}", BackendWarning)
+    return info
+
+
+# -- warnings, once per process per cause ---------------------------------------------
+
+_WARNED: set[str] = set()
+_LOCK = threading.Lock()
+_OWN = ("ntk_core", "ntk_flax", "ntk_haiku")
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points at the first frame outside this library."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.split(".")[0] not in _OWN:
+            return level
+        frame = frame.f_back
+        level += 1
+    return 2
+
+
+def warn_once(cause: str, message: str, category=PrecisionWarning) -> None:
+    """Warns about ``cause`` the first time only (per process), at the user's call."""
+    with _LOCK:
+        if cause in _WARNED:
+            return
+        _WARNED.add(cause)
+    warnings.warn(message, category, stacklevel=_user_stacklevel())
+
+
+def _float64_leaves(tree) -> list[str]:
+    found = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = getattr(leaf, "dtype", None)
+        if np.ndim(leaf) == 0:
+            continue  # Python scalars become float64 NumPy scalars here; not a request
+        if dtype is not None and np.dtype(dtype) in (np.float64, np.complex128):
+            found.append(f"{jax.tree_util.keystr(path) or '(root)'} {np.dtype(dtype)}")
+    return found
+
+
+def check_float64(fn_name: str, **trees) -> None:
+    """Warns (once per process) when float64 arrays arrive while x64 is off.
+
+    With ``jax_enable_x64`` off, JAX silently turns float64 NumPy arrays into float32,
+    so a kernel the caller meant to compute in float64 comes out in float32.
+    """
+    if jax.config.jax_enable_x64:
+        return
+    for name, tree in trees.items():
+        found = _float64_leaves(tree)
+        if found:
+            warn_once(
+                "float64 without x64",
+                f"{fn_name}: {name} holds float64 arrays ({', '.join(found[:3])}) but "
+                f"jax_enable_x64 is off, so JAX computes this kernel in float32. Fix: "
+                f'jax.config.update("jax_enable_x64", True) (or JAX_ENABLE_X64=1) at '
+                f"start-up for a float64 kernel, or cast the inputs and params to float32 "
+                f"to silence this warning.",
+            )
+            return
+
+
+def check_precision_option(fn_name: str, precision: str) -> None:
+    """Warns (once per process) when the ``precision=`` option is below ``"highest"``."""
+    if precision != "highest":
+        warn_once(
+            f"precision option {precision}",
+            f"{fn_name}: precision={precision!r} lets GPUs and TPUs run the kernel's "
+            f"matmuls with TF32 or bf16 passes, whose kernels differ from the exact ones "
+            f"by about 1e-3 relative. Fix: keep the default precision='highest' for exact "
+            f"kernels.",
+        )
+
+
+_LOW_ALGORITHMS = ("TF32", "BF16", "F16", "F8")
+
+
+def _low_precision(value) -> bool:
+    """True for a ``precision`` parameter of a dot or conv that is below HIGHEST."""
+    if value is None:
+        return False
+    values = value if isinstance(value, tuple) else (value,)
+    for v in values:
+        if v is None:
+            continue
+        if isinstance(v, jax.lax.Precision):
+            if v != jax.lax.Precision.HIGHEST:
+                return True
+        elif any(tag in getattr(v, "name", str(v)).upper() for tag in _LOW_ALGORITHMS):
+            if not any(x in getattr(v, "name", str(v)).upper() for x in ("_X6", "_X9")):
+                return True
+    return False
+
+
+def _low_precision_ops(jaxpr) -> list[str]:
+    found = []
+    for eqn in jaxpr.eqns:
+        if "precision" in eqn.params and _low_precision(eqn.params["precision"]):
+            found.append(f"{eqn.primitive.name}(precision={eqn.params['precision']})")
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                if hasattr(inner, "eqns"):
+                    found += _low_precision_ops(inner)
+    return found
+
+
+def check_model_precision(fn_name: str, apply3, params, x1, aux, precision: str) -> None:
+    """Warns (once per process) when the model's own matmuls ask for lower precision.
+
+    The kernel computation runs under ``jax.default_matmul_precision(precision)``, which
+    overrides a lower global ``jax_default_matmul_precision``, but not a precision the
+    model passes explicitly (``nn.Dense(precision=...)``, ``jnp.dot(...,
+    precision="default")``). One abstract trace of the model finds those.
+    """
+    if precision != "highest":
+        return  # already warned about the option itself
+    x_abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x1)
+    try:
+        with jax.default_matmul_precision(precision):
+            closed = jax.make_jaxpr(apply3)(params, x_abstract, aux)
+    except Exception:  # the engine reports model failures with context
+        return
+    found = _low_precision_ops(closed.jaxpr)
+    if found:
+        warn_once(
+            "model precision",
+            f"{fn_name}: the model itself asks for matmul precision below 'highest' "
+            f"({', '.join(sorted(set(found))[:3])}), which precision='highest' cannot "
+            f"override; on GPUs and TPUs its kernel differs from the exact one by about "
+            f"1e-3 relative. Fix: drop the precision argument of those layers or pass "
+            f'precision="highest" to them.',
+        )

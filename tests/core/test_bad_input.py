@@ -1,0 +1,468 @@
+"""The bad-input table: every malformed call of the public API and its exact error.
+
+``ROWS`` is the table; ``docs/errors.md`` shows it (generated from ``ROWS``, checked
+by ``test_docs_table_is_current``). Adding a malformed call is one ``Row`` here, then
+``python tests/core/test_bad_input.py`` to rewrite the docs table. Each call is a
+source string evaluated after ``SETUP`` (and ``FLAX_SETUP`` / ``HAIKU_SETUP`` for rows
+that need those libraries), so the documentation shows exactly what is tested.
+
+Every error must be a ``TypeError`` or ``ValueError`` whose message starts with the
+public function's name, says what was received and what was expected, and gives the
+fix (``Fix:``); warnings are ``ntk_core.PrecisionWarning``. Never an AssertionError, a
+JAX internal traceback, a hang or a silent wrong answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import pathlib
+import sys
+from typing import NamedTuple
+
+import pytest
+
+SETUP = """\
+import functools
+import jax, jax.numpy as jnp, numpy as np
+import ntk_core
+
+W = jnp.ones((3, 2))                         # params of f
+X = jnp.ones((4, 3))                         # 4 samples of 3 features
+f = lambda w, x: jnp.tanh(x @ w)             # (N, 3) -> (N, 2)
+mlp = lambda p, x: jnp.tanh(x @ p["w"]) @ p["v"]
+P = {"w": jnp.ones((3, 5)), "v": jnp.ones((5, 2))}
+embed = lambda p, tokens: p["e"][tokens].sum(1)   # integer tokens (N, T) -> (N, 2)
+E = {"e": jnp.ones((10, 2))}
+centred = lambda w, x: (x @ w) - (x @ w).mean(0)  # samples interact (batch mean)
+XS = X + jnp.arange(4.0)[:, None]            # distinct samples
+"""
+
+FLAX_SETUP = """\
+import flax.linen as nn
+from flax import nnx
+import ntk_flax
+
+class Drop(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        return nn.Dropout(0.5, deterministic=not train)(nn.Dense(2)(x))
+
+class BN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        return nn.Dense(2)(nn.BatchNorm(use_running_average=not train)(x))
+
+class Drop2(nn.Module):  # train has no default
+    @nn.compact
+    def __call__(self, x, train):
+        return nn.Dropout(0.5, deterministic=not train)(nn.Dense(2)(x))
+
+dense = nn.Dense(2)
+V = dense.init(jax.random.PRNGKey(0), X)                     # {"params": ...}
+V_DROP = Drop().init(jax.random.PRNGKey(0), X, train=False)
+V_BN = BN().init(jax.random.PRNGKey(0), X)                   # params + batch_stats
+"""
+
+HAIKU_SETUP = """\
+import haiku as hk
+import ntk_haiku
+
+net = hk.transform(lambda x: hk.Linear(2)(x))
+HP = net.init(jax.random.PRNGKey(0), X)
+drop_net = hk.transform(lambda x: hk.dropout(hk.next_rng_key(), 0.5, hk.Linear(2)(x)))
+
+def bn_forward(x, is_training):
+    return hk.Linear(2)(hk.BatchNorm(True, True, 0.9)(x, is_training))
+
+bn_net = hk.transform_with_state(bn_forward)
+BP, BS = bn_net.init(jax.random.PRNGKey(0), X, is_training=True)
+"""
+
+
+class Row(NamedTuple):
+    """One malformed call: ``call`` is evaluated; ``raises`` with a message matching
+    ``match`` (``re.search``) is expected. ``needs``: extra setups ("flax", "haiku")."""
+
+    id: str
+    mistake: str
+    call: str
+    raises: type
+    match: str
+    needs: tuple = ()
+
+
+def _rows():
+    import ntk_core
+
+    PW = ntk_core.PrecisionWarning
+    fix = r".*Fix: "
+    return [
+        # -- shapes and sizes ---------------------------------------------------------
+        Row("x2-shape", "x1 and x2 whose per-sample shapes differ",
+            "ntk_core.empirical_ntk(f, W, X, jnp.ones((2, 5)))",
+            ValueError, r"^empirical_ntk: x1 and x2 differ in their non-batch shapes: x1 \(4, 3\) vs x2 \(2, 5\)" + fix),
+        Row("empty-x1", "x1 with no samples (N=0)",
+            "ntk_core.empirical_ntk(f, W, jnp.ones((0, 3)))",
+            ValueError, r"^empirical_ntk: x1 is empty \(0 samples, shapes \(0, 3\)\)" + fix),
+        Row("empty-x2", "x2 with no samples (N=0)",
+            "ntk_core.empirical_ntk(f, W, X, jnp.ones((0, 3)))",
+            ValueError, r"^empirical_ntk: x2 is empty" + fix),
+        Row("ragged-batch", "a pytree input whose leaves have different N",
+            'ntk_core.empirical_ntk(lambda w, x: x["a"] @ w, W, {"a": X, "b": jnp.ones((3, 1))})',
+            ValueError, r"^empirical_ntk: the arrays of x1 disagree on the batch size" + fix),
+        Row("x-structures", "x1 and x2 of different pytree structures",
+            'ntk_core.empirical_ntk(lambda w, x: x["a"] @ w, W, {"a": X}, {"b": X})',
+            ValueError, r"^empirical_ntk: x1 and x2 have different pytree structures" + fix),
+        Row("batch-diagonal-N", "diagonal_axes=(0,) (per-sample diagonal) with x2 of another N",
+            "ntk_core.empirical_ntk(f, W, X, jnp.ones((2, 3)), diagonal_axes=(0,))",
+            ValueError, r"^empirical_ntk: diagonal_axes=\(0,\) asks for the per-sample diagonal .* got N1=4 and N2=2" + fix),
+        Row("single-sample", "one sample without its batch axis",
+            "ntk_core.empirical_ntk(f, W, jnp.ones(3))",
+            ValueError, r"^empirical_ntk: the output has shape \(2,\) but x1 has 3 samples" + fix + r"if x1 is a single sample, add a batch axis \(x1\[None\]\)"),
+        Row("python-list", "x as a nested Python list",
+            "ntk_core.empirical_ntk(f, W, [[1.0, 2.0, 3.0]])",
+            ValueError, r"^empirical_ntk: x1 contains a scalar" + fix + r"pass an array \(np.asarray\(x\)"),
+        Row("swapped-params-x", "params and x swapped (argument order)",
+            'ntk_core.empirical_ntk(mlp, X, P)',
+            ValueError, r"^empirical_ntk: the arrays of x1 disagree on the batch size" + fix + r".*argument order is \(params, x1, x2\)"),
+        Row("nt-kernel-order", "the built kernel called in neural-tangents' order (x1, x2, params)",
+            "ntk_core.ntk_fn(mlp)(X, None, P)",
+            ValueError, r"^ntk_fn: x1 has no arrays \(got None\)" + fix + r".*argument order is \(params, x1, x2\), not neural-tangents' \(x1, x2, params\)"),
+        Row("swapped-arrays", "params and x swapped, both plain arrays",
+            "ntk_core.empirical_ntk(f, X, W)",
+            ValueError, r"^empirical_ntk: calling the model on x1 \(shapes \(3, 2\)\) failed with TypeError" + fix + r".*\(argument order: params, x1, x2\)"),
+        Row("output-no-batch", "a model that sums over the batch",
+            "ntk_core.empirical_ntk(lambda w, x: jnp.sum(x @ w), W, X)",
+            ValueError, r"^empirical_ntk: the output has shape \(\) but x1 has 4 samples" + fix),
+        Row("no-output", "a model that returns None",
+            "ntk_core.empirical_ntk(lambda w, x: None, W, X)",
+            ValueError, r"^empirical_ntk: the model returned no arrays \(None\); expected" + fix),
+        # -- params -------------------------------------------------------------------
+        Row("params-tree", "params whose tree does not match the model (missing leaf)",
+            'ntk_core.empirical_ntk(mlp, {"w": P["w"]}, X)',
+            ValueError, r"^empirical_ntk: calling the model on x1 \(shapes \(4, 3\)\) failed with KeyError: 'v'" + fix + r"check that params belong to this model"),
+        Row("params-shape", "params of the wrong shape",
+            "ntk_core.empirical_ntk(f, jnp.ones((5, 2)), X)",
+            ValueError, r"^empirical_ntk: calling the model on x1 .* failed with TypeError: dot_general" + fix),
+        Row("params-empty", "params with no arrays",
+            "ntk_core.empirical_ntk(f, {}, X)",
+            ValueError, r"^empirical_ntk: params has no arrays \(got dict\)" + fix),
+        Row("params-string", "a non-array leaf (a name) inside params",
+            'ntk_core.empirical_ntk(lambda p, x: x @ p["w"], {"w": W, "name": "layer"}, X)',
+            TypeError, r"^empirical_ntk: params contains the non-numeric leaf \['name'\] = .* \(dtype <U5\)" + fix),
+        Row("params-int", "integer params",
+            "ntk_core.empirical_ntk(f, jnp.ones((3, 2), jnp.int32), X)",
+            TypeError, r"^empirical_ntk: params contains an array of dtype int32" + fix),
+        Row("params-complex", "complex params",
+            "ntk_core.empirical_ntk(f, W.astype(jnp.complex64), X)",
+            TypeError, r"^empirical_ntk: params contains an array of dtype complex64; .*real" + fix),
+        # -- dtypes -------------------------------------------------------------------
+        Row("float-tokens", "float inputs to a model that indexes with integer tokens",
+            "ntk_core.empirical_ntk(embed, E, jnp.ones((4, 3)))",
+            ValueError, r"^empirical_ntk: calling the model on x1 .* failed with TypeError: Indexer must have integer" + fix + r".*dtype it expects"),
+        Row("x2-int", "integer x2 where x1 is floating point",
+            "ntk_core.empirical_ntk(f, W, X, jnp.ones((2, 3), jnp.int32))",
+            TypeError, r"^empirical_ntk: x1 has dtype float32 where x2 has int32" + fix),
+        Row("x-strings", "string inputs",
+            'ntk_core.empirical_ntk(f, W, np.array([["a", "b", "c"]]))',
+            TypeError, r"^empirical_ntk: x1 contains an array of dtype <U1; expected numbers" + fix),
+        Row("output-int", "a model returning integer labels",
+            "ntk_core.empirical_ntk(lambda w, x: jnp.argmax(x @ w, -1), W, X)",
+            TypeError, r"^empirical_ntk: the output has dtype int32; kernels need floating-point outputs" + fix),
+        Row("output-complex", "a model returning complex outputs",
+            "ntk_core.empirical_ntk(lambda w, x: (x @ w) * (1 + 1j), W, X)",
+            TypeError, r"^empirical_ntk: the output has dtype complex64; kernels need real" + fix),
+        Row("float64-x64-off", "float64 inputs while jax_enable_x64 is off (JAX would silently use float32)",
+            "ntk_core.empirical_ntk(f, W, np.ones((4, 3)))",
+            PW, r"^empirical_ntk: x1 holds float64 arrays .* jax_enable_x64 is off, so JAX computes this kernel in float32" + fix),
+        Row("precision-option", "precision below 'highest' (TF32/bf16 passes on GPUs/TPUs)",
+            'ntk_core.ntk_fn(f, precision="high")(W, X)',
+            PW, r"^ntk_fn: precision='high' lets GPUs and TPUs run the kernel's matmuls with TF32" + fix),
+        Row("precision-model", "a model whose own matmuls ask for precision below 'highest'",
+            'ntk_core.empirical_ntk(lambda w, x: jnp.dot(x, w, precision="default"), W, X)',
+            PW, r"^empirical_ntk: the model itself asks for matmul precision below 'highest' \(dot_general" + fix),
+        # -- options ------------------------------------------------------------------
+        Row("implementation-int", "a non-string implementation (neural-tangents' ints)",
+            "ntk_core.empirical_ntk(f, W, X, implementation=1)",
+            ValueError, r"^empirical_ntk: implementation must be one of 'auto', 'jacobian', 'ntvp', 'structured', got 1" + fix),
+        Row("implementation-unknown", "an unknown implementation",
+            'ntk_core.empirical_ntk(f, W, X, implementation="Jacobian")',
+            ValueError, r"^empirical_ntk: implementation must be one of .* got 'Jacobian'" + fix),
+        Row("trace-range", "trace_axes out of range",
+            "ntk_core.empirical_ntk(f, W, X, trace_axes=(2,))",
+            ValueError, r"^empirical_ntk: trace_axes contains 2, out of range for the output of shape \(4, 2\) .* expected axes in \[-2, 1\]" + fix),
+        Row("diagonal-range", "diagonal_axes out of range",
+            "ntk_core.empirical_ntk(f, W, X, diagonal_axes=(-3,))",
+            ValueError, r"^empirical_ntk: diagonal_axes contains -3, out of range" + fix),
+        Row("trace-duplicated", "trace_axes naming an axis twice",
+            "ntk_core.empirical_ntk(f, W, X, trace_axes=(-1, -1))",
+            ValueError, r"^empirical_ntk: trace_axes=\(-1, -1\) names the same axis twice" + fix),
+        Row("trace-duplicated-normalised", "trace_axes naming an axis twice (1 and -1)",
+            "ntk_core.empirical_ntk(f, W, X, trace_axes=(1, -1))",
+            ValueError, r"^empirical_ntk: trace_axes=\(1, -1\) names the same axis twice for the output of shape \(4, 2\)" + fix),
+        Row("diagonal-duplicated", "diagonal_axes naming an axis twice",
+            "ntk_core.empirical_ntk(f, W, X, trace_axes=(), diagonal_axes=(1, 1))",
+            ValueError, r"^empirical_ntk: diagonal_axes=\(1, 1\) names the same axis twice" + fix),
+        Row("axes-overlap", "an axis both traced and diagonal",
+            "ntk_core.empirical_ntk(f, W, X, trace_axes=(1,), diagonal_axes=(-1,))",
+            ValueError, r"^empirical_ntk: axis 1 of the output .* is in both trace_axes=\(1,\) and diagonal_axes=\(-1,\)" + fix),
+        Row("trace-batch", "tracing the batch axis 0",
+            "ntk_core.empirical_ntk(f, W, X, trace_axes=(0, 1))",
+            ValueError, r"^empirical_ntk: trace_axes=\(0, 1\) traces the batch axis 0" + fix),
+        Row("trace-str", "trace_axes as a string",
+            'ntk_core.empirical_ntk(f, W, X, trace_axes="-1")',
+            TypeError, r"^empirical_ntk: trace_axes must be an int or a sequence of ints, got str '-1'" + fix),
+        Row("trace-none", "trace_axes=None (meaning 'no axes')",
+            "ntk_core.empirical_ntk(f, W, X, trace_axes=None)",
+            TypeError, r"^empirical_ntk: trace_axes must be an int or a sequence of ints, got NoneType None" + fix + r"pass e.g. trace_axes=\(-1,\) or trace_axes=\(\)"),
+        Row("vmap-axes", "vmap_axes other than 0 or None",
+            "ntk_core.empirical_ntk(f, W, X, vmap_axes=1)",
+            ValueError, r"^empirical_ntk: vmap_axes must be 0 .* or None .* got 1" + fix),
+        Row("precision-unknown", "an unknown precision",
+            'ntk_core.empirical_ntk(f, W, X, precision="tf32")',
+            ValueError, r"^empirical_ntk: precision must be one of 'highest', 'high', 'default', got 'tf32'" + fix),
+        Row("per-leaf-ntvp", "the per-leaf NTK with NTK-vector products",
+            'ntk_core.empirical_ntk_per_leaf(f, W, X, implementation="ntvp")',
+            ValueError, r"^empirical_ntk_per_leaf: per-leaf kernels need implementation 'jacobian', 'structured' or 'auto', got 'ntvp'" + fix),
+        Row("unknown-option", "an unknown option name",
+            "ntk_core.empirical_ntk(f, W, X, batchsize=2)",
+            TypeError, r"^empirical_ntk: unknown keyword argument\(s\) 'batchsize'; valid options are trace_axes, diagonal_axes" + fix),
+        Row("option-typo", "a misspelt option name",
+            "ntk_core.empirical_ntk(f, W, X, diag_axes=(0,))",
+            TypeError, r"^empirical_ntk: unknown keyword argument\(s\) 'diag_axes'.* Did you mean 'diagonal_axes' for 'diag_axes'\?" + fix),
+        Row("model-kwarg-to-ntk-fn", "a model keyword argument given to ntk_fn",
+            "ntk_core.ntk_fn(f, train=False)",
+            TypeError, r"^ntk_fn: unknown keyword argument\(s\) 'train'" + fix + r".*keyword arguments of the model go into apply_fn, e.g. functools.partial"),
+        Row("positional-options", "options passed positionally (neural-tangents' order)",
+            "ntk_core.empirical_ntk(f, W, X, None, (-1,))",
+            TypeError, r"^empirical_ntk: too many positional arguments \(expected positional arguments apply_fn, params, x1, x2\)" + fix + r".*options are keyword-only"),
+        Row("missing-x1", "no inputs",
+            "ntk_core.empirical_ntk(f, W)",
+            TypeError, r"^empirical_ntk: missing a required argument: 'x1'" + fix),
+        Row("nngp-implementation", "implementation= given to the NNGP",
+            'ntk_core.empirical_nngp(f, W, X, implementation="jacobian")',
+            TypeError, r"^empirical_nngp: unknown keyword argument\(s\) 'implementation'; valid options are trace_axes, diagonal_axes, vmap_axes, precision" + fix),
+        Row("kernel-fn-options", "options or model arguments given to the built kernel function",
+            "ntk_core.ntk_fn(f)(W, X, trace_axes=())",
+            TypeError, r"^ntk_fn\(...\)\(params, x1, x2\): got the keyword argument\(s\) 'trace_axes'" + fix),
+        # -- apply_fn -----------------------------------------------------------------
+        Row("apply-fn-str", "apply_fn that is not callable",
+            'ntk_core.ntk_fn("f")',
+            TypeError, r"^ntk_fn: apply_fn must be a callable apply_fn\(params, x\), got str" + fix),
+        Row("apply-fn-swapped", "params passed where apply_fn goes",
+            "ntk_core.empirical_ntk(W, f, X)",
+            TypeError, r"^empirical_ntk: apply_fn must be a callable apply_fn\(params, x\), got ArrayImpl" + fix),
+        Row("samples-interact", "a model whose samples interact (batch mean) with vmap_axes=0",
+            "ntk_core.empirical_ntk(centred, W, XS)",
+            ValueError, r"^empirical_ntk: the model's output for one sample depends on the other samples of its batch" + fix + r".*vmap_axes=None"),
+        Row("core-linen-module", "a flax.linen module passed to the core",
+            "ntk_core.empirical_ntk(dense, V, X)",
+            TypeError, r"^empirical_ntk: apply_fn is the flax.linen module Dense itself" + fix + r"use ntk_flax.kernel", ("flax",)),
+        Row("core-nnx-module", "a flax.nnx module passed to the core",
+            "ntk_core.empirical_ntk(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), W, X)",
+            TypeError, r"^empirical_ntk: apply_fn is the flax.nnx module Linear" + fix + r"graphdef, params, rest = nnx.split", ("flax",)),
+        Row("core-variables-params", "model.apply with variables['params'] instead of variables",
+            'ntk_core.empirical_ntk(dense.apply, V["params"], X)',
+            ValueError, r"^empirical_ntk: apply_fn is Dense.apply, which takes the variables dict" + fix, ("flax",)),
+        Row("core-variables-batch-stats", "model.apply with variables holding batch_stats (would be differentiated)",
+            "ntk_core.empirical_ntk(functools.partial(BN().apply, train=False), V_BN, X)",
+            ValueError, r"^empirical_ntk: params holds the Flax collections \['batch_stats', 'params'\]" + fix + r"use ntk_flax.kernel", ("flax",)),
+        Row("core-variables-custom-apply", "variables instead of variables['params'] to an apply_fn that wraps them",
+            'ntk_core.empirical_ntk(lambda p, x: dense.apply({"params": p}, x), V, X)',
+            ValueError, r"^empirical_ntk: calling the model on x1 .* failed with .*Fix: .* params has a top-level 'params' key: if it is a Flax variables dict, pass variables\['params'\]", ("flax",)),
+        Row("core-haiku-transformed", "an hk.Transformed passed to the core",
+            "ntk_core.empirical_ntk(net, HP, X)",
+            TypeError, r"^empirical_ntk: apply_fn is the Haiku Transformed itself" + fix + r"use ntk_haiku.kernel", ("haiku",)),
+        # -- ntk_flax -----------------------------------------------------------------
+        Row("flax-dropout-rng", "a Flax model needing a dropout rng, without one",
+            "ntk_flax.kernel(Drop(), V_DROP, X)",
+            ValueError, r"^ntk_flax.kernel: the model needs a random key" + fix + r".*rngs=\{'dropout': key\}", ("flax",)),
+        Row("flax-batchnorm-train", "BatchNorm in training mode with vmap_axes=0",
+            "ntk_flax.kernel(BN(), V_BN, X)",
+            ValueError, r"^ntk_flax.kernel: the model updates its variables when applied .* BatchNorm in training mode" + fix + r".*vmap_axes=None", ("flax",)),
+        Row("flax-no-params", "a variables dict without a 'params' collection",
+            'ntk_flax.kernel(dense, V["params"], X)',
+            ValueError, r"^ntk_flax.kernel: variables has no 'params' collection \(its keys: \['bias', 'kernel'\]\)" + fix, ("flax",)),
+        Row("flax-variables-type", "variables that are not a dict (x passed instead)",
+            "ntk_flax.kernel(dense, X, V)",
+            TypeError, r"^ntk_flax.kernel: variables must be the dict returned by model.init\(...\), got ArrayImpl" + fix, ("flax",)),
+        Row("flax-nnx", "an nnx module passed to ntk_flax.kernel",
+            "ntk_flax.kernel(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), V, X)",
+            TypeError, r"^ntk_flax.kernel: model is the flax.nnx module Linear; this adapter takes flax.linen modules" + fix, ("flax",)),
+        Row("flax-apply-fn", "model.apply passed instead of the module",
+            "ntk_flax.kernel(dense.apply, V, X)",
+            TypeError, r"^ntk_flax.kernel: model must be a flax.linen.Module, got method" + fix, ("flax",)),
+        Row("flax-argument-order", "neural-tangents' argument order (variables first)",
+            "ntk_flax.kernel(V, dense, X)",
+            TypeError, r"^ntk_flax.kernel: model must be a flax.linen.Module, got dict" + fix + r".*argument order is \(model, variables, x1, x2\)", ("flax",)),
+        Row("flax-model-kwarg-as-option", "a model keyword argument passed as an option",
+            "ntk_flax.kernel(Drop(), V_DROP, X, train=False)",
+            TypeError, r"^ntk_flax.kernel: unknown option\(s\) 'train'" + fix + r"pass model keyword arguments through apply_kwargs", ("flax",)),
+        Row("flax-apply-kwargs-type", "apply_kwargs that is not a dict",
+            'ntk_flax.kernel(Drop(), V_DROP, X, apply_kwargs=["train", False])',
+            TypeError, r"^ntk_flax.kernel: apply_kwargs must be a dict of the model's keyword arguments, got list" + fix, ("flax",)),
+        Row("flax-input-shape", "inputs of the wrong per-sample shape",
+            "ntk_flax.kernel(dense, V, jnp.ones((4, 5)))",
+            ValueError, r"^ntk_flax.kernel: applying the model to x1 failed with" + fix, ("flax",)),
+        Row("flax-single-sample", "one sample without its batch axis (Flax)",
+            "ntk_flax.kernel(dense, V, X[0])",
+            ValueError, r"^ntk_flax.kernel: the output has shape \(2,\) but x1 has 3 samples" + fix + r"if x1 is a single sample, add a batch axis", ("flax",)),
+        Row("flax-missing-model-argument", "a model argument (train) neither defaulted nor given",
+            "ntk_flax.kernel(Drop2(), V_DROP, X)",
+            ValueError, r"^ntk_flax.kernel: applying the model to x1 failed with TypeError: .*missing 1 required positional argument: 'train'" + fix + r".*apply_kwargs=\{'train': False\}", ("flax",)),
+        Row("flax-nngp-implementation", "implementation= given to the Flax NNGP",
+            'ntk_flax.nngp(dense, V, X, implementation="ntvp")',
+            TypeError, r"^ntk_flax.nngp: unknown option\(s\) 'implementation'" + fix, ("flax",)),
+        # -- ntk_haiku ----------------------------------------------------------------
+        Row("haiku-no-state", "an hk.transform_with_state model without its state",
+            'ntk_haiku.kernel(bn_net, BP, X, apply_kwargs={"is_training": False})',
+            ValueError, r"^ntk_haiku.kernel: this hk.TransformedWithState needs its state" + fix, ("haiku",)),
+        Row("haiku-batchnorm-train", "Haiku BatchNorm in training mode with vmap_axes=0",
+            'ntk_haiku.kernel(bn_net, BP, XS, state=BS, apply_kwargs={"is_training": True})',
+            ValueError, r"^ntk_haiku.kernel: the model's output for one sample depends on the other samples" + fix + r".*is_training", ("haiku",)),
+        Row("haiku-state-plain", "state given to a plain hk.transform model",
+            "ntk_haiku.kernel(net, HP, X, state={})",
+            ValueError, r"^ntk_haiku.kernel: state was given but the model is a plain hk.Transformed" + fix, ("haiku",)),
+        Row("haiku-dropout-rng", "a Haiku model needing an rng, without one",
+            "ntk_haiku.kernel(drop_net, HP, X)",
+            ValueError, r"^ntk_haiku.kernel: the model needs a random key .* but rng=None" + fix, ("haiku",)),
+        Row("haiku-rng-unused", "rng given to an hk.without_apply_rng model",
+            "ntk_haiku.kernel(hk.without_apply_rng(net), HP, X, rng=jax.random.PRNGKey(0))",
+            ValueError, r"^ntk_haiku.kernel: rng was given but the model was built with hk.without_apply_rng" + fix, ("haiku",)),
+        Row("haiku-not-transformed", "the forward function itself instead of hk.transform(f)",
+            "ntk_haiku.kernel(lambda x: x, HP, X)",
+            TypeError, r"^ntk_haiku.kernel: expected an hk.Transformed or hk.TransformedWithState .* got function" + fix, ("haiku",)),
+        Row("haiku-params-type", "params that are not a dict (x passed instead)",
+            "ntk_haiku.kernel(net, X, X)",
+            TypeError, r"^ntk_haiku.kernel: params must be the dict returned by transformed.init, got ArrayImpl" + fix + r".*argument order", ("haiku",)),
+        Row("haiku-model-kwarg-as-option", "a model keyword argument passed as an option",
+            "ntk_haiku.kernel(bn_net, BP, X, state=BS, is_training=False)",
+            TypeError, r"^ntk_haiku.kernel: unknown option\(s\) 'is_training'" + fix, ("haiku",)),
+        Row("haiku-apply-kwargs-type", "apply_kwargs that is not a dict",
+            'ntk_haiku.kernel(bn_net, BP, X, state=BS, apply_kwargs=[("is_training", False)])',
+            TypeError, r"^ntk_haiku.kernel: apply_kwargs must be a dict of the model's keyword arguments, got list" + fix, ("haiku",)),
+        Row("haiku-flax-variables", "Flax variables given to a Haiku model",
+            "ntk_haiku.kernel(net, V, X)",
+            ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed: Unable to retrieve parameter" + fix, ("flax", "haiku")),
+        Row("haiku-missing-model-argument", "a model argument (is_training) not given",
+            "ntk_haiku.kernel(bn_net, BP, X, state=BS)",
+            ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed with TypeError: .*missing 1 required positional argument: 'is_training'" + fix + r".*apply_kwargs=\{'is_training': False\}", ("haiku",)),
+        Row("haiku-input-shape", "inputs of the wrong per-sample shape",
+            "ntk_haiku.kernel(net, HP, jnp.ones((4, 7)))",
+            ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed" + fix, ("haiku",)),
+    ]  # fmt: skip
+
+
+#: Rows the lead adds once the features they test are merged (issues 4 and 5).
+PENDING = (
+    "batch_size 0, negative or non-integer (issue 4)",
+    "NaN or Inf in inputs (issue 4)",
+    "a kernel that comes out non-finite (issue 4)",
+    "GP inference with mismatched kernel and target shapes (issue 5)",
+    "a non-square or non-symmetric train-train kernel (issue 5)",
+    "a negative diag_reg (issue 5)",
+)
+
+
+@functools.cache
+def _namespace(needs: tuple) -> dict:
+    namespace: dict = {}
+    exec(SETUP, namespace)
+    for name in needs:
+        exec({"flax": FLAX_SETUP, "haiku": HAIKU_SETUP}[name], namespace)
+    return namespace
+
+
+def _missing(needs) -> list[str]:
+    return [m for m in needs if importlib.util.find_spec(m) is None]
+
+
+ROWS = _rows()
+
+
+def test_table_has_at_least_25_rows_with_unique_ids():
+    assert len(ROWS) >= 25
+    assert len({r.id for r in ROWS}) == len(ROWS)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_bad_input(row):
+    missing = _missing(row.needs)
+    if missing:
+        pytest.skip(f"needs {missing}")
+    namespace = _namespace(tuple(row.needs))
+    if issubclass(row.raises, Warning):
+        from ntk_core import _environment
+
+        _environment._WARNED.clear()  # warnings fire once per process per cause
+        with pytest.warns(row.raises, match=row.match):
+            eval(row.call, namespace)
+        return
+    with pytest.raises(row.raises, match=row.match) as info:
+        eval(row.call, namespace)
+    assert type(info.value) in (TypeError, ValueError)  # exactly, no subclass surprises
+    assert "Fix:" in str(info.value)
+
+
+def test_bfloat16_and_bool_inputs_are_numbers():
+    """Not bad input: bfloat16 (an ml_dtypes type) and bool arrays are accepted."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import ntk_core
+
+    w, x = jnp.ones((3, 2)), jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    f = lambda w, x: jnp.tanh(x.astype(jnp.float32) @ w)  # noqa: E731
+    expected = ntk_core.empirical_ntk(f, w, x.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_allclose(ntk_core.empirical_ntk(f, w, x.astype(jnp.bfloat16)), expected)
+    assert ntk_core.empirical_ntk(f, w, x > 0).shape == (4, 4)
+
+
+# -- the documentation table ------------------------------------------------------------
+
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "errors.md"
+START, END = "<!-- table:start -->", "<!-- table:end -->"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def markdown_table() -> str:
+    lines = [
+        "| # | id | mistake | call | raises | message (regex) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for i, r in enumerate(ROWS, 1):
+        lines.append(
+            f"| {i} | `{r.id}` | {_cell(r.mistake)} | `{_cell(r.call)}` | "
+            f"`{r.raises.__name__}` | `{_cell(r.match)}` |"
+        )
+    lines += ["", "Pending (added with the features they test):", ""]
+    lines += [f"- {p}" for p in PENDING]
+    return "\n".join(lines)
+
+
+def _render(text: str) -> str:
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{markdown_table()}\n{END}{tail}"
+
+
+def test_docs_table_is_current():
+    text = DOCS.read_text()
+    assert _render(text) == text, (
+        "docs/errors.md is out of date: run python tests/core/test_bad_input.py"
+    )
+
+
+def test_docs_setup_is_current():
+    text = DOCS.read_text()
+    for block in (SETUP, FLAX_SETUP, HAIKU_SETUP):
+        assert block in text
+
+
+if __name__ == "__main__":  # rewrite the docs table from ROWS
+    DOCS.write_text(_render(DOCS.read_text()))
+    print(f"wrote {DOCS} ({len(ROWS)} rows)", file=sys.stderr)

@@ -1,0 +1,204 @@
+"""The environment guard: CUDA version parsing and refusal, precision warnings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ntk_core
+from ntk_core import _environment
+from ntk_core._environment import parse_platform_version, refusal, unverified
+
+TPU = "PJRT C API\nTFRT TPU v5 lite\nBuilt on Jan 22 2025 12:00:00 (1737547200) cl/718000000"
+
+# (platform_version, device platform, kind, version, refused)
+VERSIONS = [
+    ("cuda 10020", "gpu", "cuda", (10, 2), True),
+    ("cuda 9020", "gpu", "cuda", (9, 2), True),
+    ("cuda 11000", "gpu", "cuda", (11, 0), False),
+    ("cuda 11040", "gpu", "cuda", (11, 4), False),
+    ("cuda 12030", "gpu", "cuda", (12, 3), False),
+    ("PJRT C API\ncuda 12080", "gpu", "cuda", (12, 8), False),
+    ("PJRT C API\ncuda 10010", "gpu", "cuda", (10, 1), True),
+    ("rocm 60200", "gpu", "rocm", (6, 2, 0), False),
+    ("rocm 50700", "gpu", "rocm", (5, 7, 0), False),
+    (TPU, "tpu", "tpu", None, False),
+    ("cpu", "cpu", "cpu", None, False),
+    ("<unknown>", "gpu", "unknown", None, False),
+    ("cuda (version not reported)", "gpu", "cuda", None, False),
+]
+
+
+@pytest.mark.parametrize("raw, platform, kind, version, refused", VERSIONS)
+def test_parse_and_decide(raw, platform, kind, version, refused):
+    info = parse_platform_version(raw, platform)
+    assert (info.kind, info.version, info.raw) == (kind, version, raw)
+    message = refusal(info, "empirical_ntk")
+    assert (message is not None) == refused
+    if refused:
+        found = f"CUDA {version[0]}.{version[1]}"
+        assert message.startswith(f"empirical_ntk: the GPU backend runs {found} ")
+        assert repr(raw) in message and "CUDA 11 or newer is required" in message
+        assert 'Fix: python -m pip install -U "jax[cuda12]"' in message
+    # A GPU whose version cannot be read is not refused, but said to be unverified.
+    assert (unverified(info, platform) is not None) == (platform == "gpu" and version is None)
+
+
+def test_tpu_and_rocm_texts():
+    assert parse_platform_version(TPU).text == "TPU"
+    assert parse_platform_version("rocm 60200").text == "ROCm 6.2.0"
+    assert parse_platform_version("cuda 11040").text == "CUDA 11.4"
+
+
+def test_the_running_cpu_backend_is_accepted():
+    assert _environment.check_backend("empirical_ntk").kind == "cpu"
+
+
+@pytest.fixture
+def fresh_warnings():
+    """Warnings fire once per process per cause: forget earlier ones for this test."""
+    _environment._WARNED.clear()
+    yield
+    _environment._WARNED.clear()
+
+
+def test_engine_refuses_cuda_10_before_computing(monkeypatch, fresh_warnings):
+    """The engine asks the guard first; a CUDA 10 backend (injected) is refused."""
+    monkeypatch.setattr(
+        _environment, "_backend_info", lambda: (parse_platform_version("cuda 10020"), "gpu")
+    )
+    with pytest.raises(
+        ntk_core.UnsupportedBackendError,
+        match=r"^empirical_ntk: the GPU backend runs CUDA 10.2 .* Fix: python -m pip",
+    ):
+        ntk_core.empirical_ntk(lambda w, x: jnp.sin(x @ w), jnp.ones((3, 2)), jnp.ones((4, 3)))
+    monkeypatch.setattr(
+        _environment, "_backend_info", lambda: (parse_platform_version("<unknown>"), "gpu")
+    )
+    with pytest.warns(ntk_core.BackendWarning, match=r"^empirical_ntk: the GPU backend .*"):
+        ntk_core.empirical_ntk(lambda w, x: jnp.cos(x @ w), jnp.ones((3, 2)), jnp.ones((4, 3)))
+
+
+def _precision_warnings(record):
+    return [w for w in record if issubclass(w.category, ntk_core.PrecisionWarning)]
+
+
+def test_float64_without_x64_warns_once_at_the_users_line(fresh_warnings):
+    def f(w, x):
+        return jnp.tanh(x @ w)
+
+    w = jnp.ones((3, 2))
+    with pytest.warns(ntk_core.PrecisionWarning, match=r"x1 holds float64 arrays") as record:
+        k = ntk_core.empirical_ntk(f, w, np.ones((4, 3)))
+    assert record[0].filename == __file__  # stacklevel points at this call
+    assert k.dtype == jnp.float32  # what JAX really computed
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        ntk_core.empirical_ntk(f, np.ones((3, 2)), np.ones((5, 3)))  # new signature
+    assert not _precision_warnings(again)
+
+
+def test_precision_option_warns_once_per_value(fresh_warnings):
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    with pytest.warns(ntk_core.PrecisionWarning, match=r"^ntk_fn: precision='high'") as rec:
+        ntk_core.ntk_fn(lambda w, x: x @ w, precision="high")(w, x)
+    assert rec[0].filename == __file__
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        ntk_core.ntk_fn(lambda w, x: 2 * x @ w, precision="high")(w, x)
+        ntk_core.ntk_fn(lambda w, x: 3 * x @ w)(w, x)  # the default, "highest"
+    assert not _precision_warnings(again)
+    with pytest.warns(ntk_core.PrecisionWarning, match=r"precision='default'"):
+        ntk_core.ntk_fn(lambda w, x: 4 * x @ w, precision="default")(w, x)
+
+
+def _inner_jit(w, x):
+    return jax.jit(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.DEFAULT))(x, w)
+
+
+def _conv(w, x):
+    return jax.lax.conv_general_dilated(
+        x[:, None, :, None], w[None, None], (1, 1), "SAME", precision="bfloat16"
+    ).reshape((x.shape[0], -1))
+
+
+@pytest.mark.parametrize(
+    "model, warns",
+    [
+        (lambda w, x: jnp.dot(x, w, precision="default"), True),
+        (lambda w, x: jnp.dot(x, w, precision=jax.lax.Precision.HIGH), True),
+        (_inner_jit, True),  # found inside a nested jaxpr
+        (_conv, True),
+        (lambda w, x: jnp.dot(x, w, precision="highest"), False),
+        (lambda w, x: x @ w, False),
+    ],
+    ids=["dot-default", "dot-high", "nested-jit", "conv-bf16", "dot-highest", "no-precision"],
+)
+def test_model_precision_below_highest_warns(model, warns, fresh_warnings):
+    w, x = jnp.ones((3, 2)), jnp.arange(12.0).reshape(4, 3)
+    if warns:
+        with pytest.warns(ntk_core.PrecisionWarning, match=r"the model itself asks") as rec:
+            ntk_core.empirical_ntk(model, w, x, trace_axes=())
+        assert rec[0].filename == __file__
+    else:
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            ntk_core.empirical_ntk(model, w, x, trace_axes=())
+        assert not _precision_warnings(rec)
+
+
+def test_lower_global_matmul_precision_is_overridden_so_no_warning(fresh_warnings):
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        with jax.default_matmul_precision("bfloat16"):
+            ntk_core.empirical_ntk(lambda w, x: jnp.sinh(x @ w), w, x)
+    assert not _precision_warnings(rec)
+
+
+def test_warning_through_the_flax_adapter_points_at_the_user(fresh_warnings):
+    nn = pytest.importorskip("flax.linen")
+    import ntk_flax
+
+    model = nn.Dense(2)
+    x = np.ones((3, 4))  # float64
+    variables = model.init(jax.random.PRNGKey(0), jnp.ones((3, 4)))
+    with pytest.warns(ntk_core.PrecisionWarning, match=r"^ntk_flax.kernel: x1 holds float64") as r:
+        ntk_flax.kernel(model, variables, x)
+    assert r[0].filename == __file__
+
+
+def test_categories():
+    assert issubclass(ntk_core.PrecisionWarning, UserWarning)
+    assert issubclass(ntk_core.BackendWarning, UserWarning)
+    assert issubclass(ntk_core.UnsupportedBackendError, RuntimeError)
+
+
+def test_float64_with_x64_on_gives_float64_kernel_without_warning():
+    """Own process: x64 is a start-up setting."""
+    code = textwrap.dedent(
+        """
+        import warnings
+        warnings.simplefilter("error")
+        import numpy as np, jax.numpy as jnp, ntk_core
+        k = ntk_core.empirical_ntk(lambda w, x: jnp.tanh(x @ w), np.ones((3, 2)), np.ones((4, 3)))
+        print(k.dtype)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_ENABLE_X64": "1"},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "float64"
