@@ -520,42 +520,32 @@ class KernelFunction:
 
     def __call__(self, params, x1, x2=None, aux=None):
         params, x1, x2 = _as_arrays(params), _as_arrays(x1), _as_arrays(x2)
-        config = self.config_for(params, x1, x2, aux)
-        _check_finite_inputs(self._fn_name, "x1", x1)
+        _check_finite_inputs(self._fn_name, "x1", x1)  # before any tracing
         if x2 is not None:
             _check_finite_inputs(self._fn_name, "x2", x2)
+        config = self.config_for(params, x1, x2, aux)
         if self._options.batch_size is not None:
             return _blocked.compute(self, config, params, x1, x2, aux)
-        result = self._one_call(config, params, x1, x2, aux)
+        result, finite = self._one_call(config, params, x1, x2, aux)
         if x2 is None:  # a separate call: the kernel must be materialised first
             result = _blocked.symmetrize_jit(result, config=config)
-        _check_finite_result(self._fn_name, result, config)
+        _check_finite_result(self._fn_name, result, config, finite)
         return result
 
     def _one_call(self, config, params, x1, x2, aux):
-        """The whole kernel in one call (``batch_size=None``), on the device."""
-        if config.implementation == "jacobian":
-            features = _jacobian_features(self._apply3, config.vmap_axes, config.precision)
-            j1 = features(params, x1, aux, out_tree=config.out_tree)
-            j2 = None if x2 is None else features(params, x2, aux, out_tree=config.out_tree)
-            return self._contract(j1, j2, config=config)
-        if config.implementation == "structured":
-            features = _structured_features(self._apply3, config.precision, self._fuse_bias)
-            f1 = features(params, x1, aux, out_tree=config.out_tree)
-            f2 = None if x2 is None else features(params, x2, aux, out_tree=config.out_tree)
-            return self._contract_s(f1, f2, config=config)
-        if config.implementation == "ntvp":
-            features = _ntvp_features(self._apply3, config.vmap_axes, config.precision)
-            fulls = features(
-                params,
-                x1,
-                x1 if x2 is None else x2,
-                aux,
-                out_tree=config.out_tree,
-                batch_diagonal=self._pairwise(config),
-            )
-            return self._reduce(fulls, config=config)
-        return self._nngp_jit(params, x1, x2, aux, config=config)
+        """The whole kernel in one call (``batch_size=None``), on the device.
+
+        The same compiled phases as one tile of the blocked engine (so a batch size of
+        at least N reuses this call's compilations): features of x1 and x2, then the
+        contraction and its all-finite flag; returns ``(kernel, flag)``.
+        """
+        same = x2 is None
+        features = self.block_features(config)
+        if features is None:  # "ntvp": pairwise, from the inputs
+            return self.tile(params, None, None, aux, x1, x2, config=config, same=same)
+        f1 = features(params, x1, aux)
+        f2 = None if same else features(params, x2, aux)
+        return self.tile(params, f1, f2, aux, None, None, config=config, same=same)
 
 
 _JITS = {
@@ -568,7 +558,6 @@ _JITS = {
 }
 
 _leaf_all_finite = jax.jit(lambda v: jnp.all(jnp.isfinite(v)))
-_tree_all_finite = jax.jit(lambda t: _blocked._all_finite(jax.tree.leaves(t)))
 
 
 def _concrete_bool(value) -> bool | None:
@@ -585,8 +574,8 @@ def _check_finite_inputs(fn_name: str, name: str, x) -> None:
     One reduction per floating input leaf (on the host for numpy arrays).
     """
     for path, leaf in jax.tree_util.tree_leaves_with_path(x):
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-            continue
+        if np.ndim(leaf) == 0 or not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            continue  # scalars are refused by the validation that follows
         if isinstance(leaf, np.ndarray):
             ok = bool(np.isfinite(leaf).all())
         else:
@@ -606,9 +595,9 @@ def _check_finite_inputs(fn_name: str, name: str, x) -> None:
         )
 
 
-def _check_finite_result(fn_name: str, result, config) -> None:
+def _check_finite_result(fn_name: str, result, config, finite) -> None:
     """Raises ValueError when a one-call kernel (finite inputs) has NaN or Inf."""
-    ok = _concrete_bool(_tree_all_finite(result))
+    ok = _concrete_bool(finite)
     if ok is None or ok:
         return
     leaf = jax.tree.leaves(result)[0]
