@@ -44,10 +44,11 @@ inputs, which are sliced block by block).
 
 ``batch_size="auto"`` (:func:`auto_batch_size`) takes the largest B with
 ``2·F·B + W·B² ≤ memory_budget`` (``2·F·B + W·B`` on the batch diagonal; minus S with
-``store_on_device=True``), at least 1 and at most ``max(N1, N2)``; with ``x2=None`` at
-most ``max(512, ceil(N / 8))`` as well (at least 8 blocks, so that skipping the tiles
-below the diagonal saves most of the half it can); then evened out over the blocks it
-gives (so that the last block is not mostly padding).
+``store_on_device=True``, but never less than a quarter of the budget), at least 1 and
+at most ``max(N1, N2)``; with ``x2=None`` at most ``max(512, ceil(N / 8))`` as well (at
+least 8 blocks, so that skipping the tiles below the diagonal saves most of the half it
+can); then evened out over the blocks it gives (so that the last block is not mostly
+padding).
 """
 
 from __future__ import annotations
@@ -351,7 +352,9 @@ def compute(kf, config, params, x1, x2, aux):
     out_sizes = [math.prod(s.shape[1:]) for s in config.shapes1]
     pair_bytes = _pair_bytes(config, kernel_bytes, out_sizes, itemsize)
     out_bytes = kernel_bytes * (n1 if batch_diagonal else n1 * n2)
-    available = budget - (out_bytes if opts.store_on_device else 0)
+    # The result on the device comes out of the budget, but at least a quarter of it is
+    # left for features and tiles (a result larger than the budget is the caller's call).
+    available = max(budget - (out_bytes if opts.store_on_device else 0), budget // 4)
 
     b = opts.batch_size
     if b == "auto":
