@@ -1,8 +1,9 @@
 """Public entry points: ``empirical_ntk``, ``empirical_nngp``, ``ntk_fn``, ``nngp_fn``.
 
 The options (``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
-``precision``) are described once in :mod:`ntk_core._options`; every docstring here
-points there.
+``precision``, and the blocked engine's ``batch_size``, ``store_on_device``,
+``progress``, ``memory_budget``) are described once in :mod:`ntk_core._options`; every
+docstring here points there.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def ntk_fn(
     vmap_axes=0,
     implementation="auto",
     precision="highest",
+    batch_size=None,
+    store_on_device=False,
+    progress=None,
+    memory_budget=None,
 ) -> Callable:
     """Returns a jitted empirical NTK function ``kernel(params, x1, x2=None)``.
 
@@ -68,10 +73,18 @@ def ntk_fn(
           trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
             :mod:`ntk_core._options` (defaults ``(-1,)``, ``()``, ``0``, ``"auto"``,
             ``"highest"``).
+          batch_size, store_on_device, progress, memory_budget: the blocked engine, see
+            :mod:`ntk_core._options` (defaults ``None``: one call, ``False``, ``None``,
+            ``None``). ``batch_size=B`` computes the Gram matrix in tiles of B x B samples
+            with features computed once per block (:mod:`ntk_core._blocked`);
+            ``batch_size="auto"`` sizes B from ``memory_budget`` bytes.
 
         Returns:
           ``kernel(params, x1, x2=None)``; ``x2=None`` means x2 is x1 (the Jacobians are
-          computed once and the result is exactly symmetric).
+          computed once, only tiles on and above the diagonal when batched, and the
+          result is exactly symmetric). A ``jax.Array`` with ``batch_size=None``; with a
+          batch size, a ``numpy.ndarray`` on the host (a ``jax.Array`` with
+          ``store_on_device=True``), of the same shape and dtype.
 
     {layout}
 
@@ -80,11 +93,18 @@ def ntk_fn(
             outputs.
           ValueError: invalid option values (the message lists the valid ones), axes out of
             range, duplicated or both traced and diagonal; inputs with no samples, with
-            inconsistent batch sizes or per-sample shapes; the model failing on x1.
+            inconsistent batch sizes or per-sample shapes; the model failing on x1; NaN
+            or Inf in x1 or x2 (the message names the first such sample); a kernel that
+            comes out non-finite from finite inputs (the message names the tile and the
+            first entry, and the likely causes).
 
         Cost: ``"jacobian"``: (N1 + N2)·O reverse passes, memory (N1 + N2)·O·P, and
         N1·N2·O'·P multiply-adds; ``"ntvp"``: N1·N2·O forward-mode passes, memory O·P
-        (see :mod:`ntk_core._cost`).
+        (see :mod:`ntk_core._cost`). Batched: the same work (about half the pairs when
+        x2 is None), device memory F·(B1 + B2) + F·B2·c + 2·W·B1·B2 for features of
+        the blocks in use and kept, and one tile (:mod:`ntk_core._blocked`), and the
+        N1·N2·O'-entry result on the host. Checks: one reduction per input leaf and per
+        result tile for NaN/Inf.
 
         Example:
           >>> import jax.numpy as jnp
@@ -93,6 +113,10 @@ def ntk_fn(
           >>> kernel = ntk_core.ntk_fn(apply_fn, trace_axes=())
           >>> kernel(jnp.ones((3, 2)), jnp.ones((4, 3))).shape
           (4, 4, 2, 2)
+          >>> tiled = ntk_core.ntk_fn(apply_fn, batch_size=2)  # 2 x 2 tiles, any N
+          >>> k = tiled(jnp.ones((3, 2)), jnp.ones((5, 3)))
+          >>> type(k).__name__, k.shape
+          ('ndarray', (5, 5))
 
         References:
           Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
@@ -132,6 +156,10 @@ def nngp_fn(
     diagonal_axes=(),
     vmap_axes=0,
     precision="highest",
+    batch_size=None,
+    store_on_device=False,
+    progress=None,
+    memory_budget=None,
 ) -> Callable:
     """Returns a jitted empirical NNGP function ``kernel(params, x1, x2=None)``.
 
@@ -142,6 +170,8 @@ def nngp_fn(
           apply_fn: ``apply_fn(params, x) -> outputs`` as in :func:`ntk_fn`.
           trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._options`.
             One forward pass on each batch is enough whatever ``vmap_axes`` says.
+          batch_size, store_on_device, progress, memory_budget: the blocked engine, as
+            in :func:`ntk_fn` (the features of a block are its outputs).
 
         Returns:
           ``kernel(params, x1, x2=None)``.
@@ -151,7 +181,8 @@ def nngp_fn(
         Raises:
           TypeError, ValueError: as :func:`ntk_fn`.
 
-        Cost: one forward pass on x1 and on x2, and N1·N2·O' multiply-adds.
+        Cost: one forward pass on x1 and on x2, and N1·N2·O' multiply-adds; batched,
+        memory as :func:`ntk_fn` with F = O output values per sample.
 
         Example:
           >>> import jax.numpy as jnp
@@ -202,6 +233,10 @@ def empirical_ntk(
     vmap_axes=0,
     implementation="auto",
     precision="highest",
+    batch_size=None,
+    store_on_device=False,
+    progress=None,
+    memory_budget=None,
 ):
     """Empirical NTK of ``apply_fn`` at ``params`` between x1 and x2 (x1 if None).
 
@@ -216,6 +251,8 @@ def empirical_ntk(
       x2: ``None`` (x2 is x1) or a pytree like x1 with N2 samples.
       trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
         :mod:`ntk_core._options`.
+      batch_size, store_on_device, progress, memory_budget: the blocked engine, as in
+        :func:`ntk_fn`.
 
     {layout}
 
@@ -228,6 +265,10 @@ def empirical_ntk(
       >>> k = ntk_core.empirical_ntk(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3))
       >>> k.shape
       (3, 3)
+      >>> k8 = ntk_core.empirical_ntk(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.ones((37, 3)),
+      ...                             batch_size=8)  # tiles of 8 x 8, the last ragged
+      >>> k8.shape, float(k8[36, 0])
+      ((37, 37), 3.0)
     """
     return _get("ntk", "empirical_ntk", apply_fn, _options(locals()))(params, x1, x2)
 
@@ -243,11 +284,16 @@ def empirical_nngp(
     diagonal_axes=(),
     vmap_axes=0,
     precision="highest",
+    batch_size=None,
+    store_on_device=False,
+    progress=None,
+    memory_budget=None,
 ):
     """Empirical NNGP kernel f(x1)·f(x2) of ``apply_fn`` at ``params``.
 
     The one-call form of :func:`nngp_fn` (compiled function cached per
-    ``(apply_fn, options)``). Arguments as :func:`empirical_ntk`.
+    ``(apply_fn, options)``). Arguments (x1 with N1 samples, x2 with N2 or ``None``,
+    ``batch_size`` and the other options) as :func:`empirical_ntk`.
 
     {layout}
 
@@ -271,6 +317,10 @@ def ntk_per_leaf_fn(
     vmap_axes=0,
     implementation="auto",
     precision="highest",
+    batch_size=None,
+    store_on_device=False,
+    progress=None,
+    memory_budget=None,
 ) -> Callable:
     """Returns a jitted function ``kernel(params, x1, x2=None)`` of the NTK split by leaf.
 
@@ -282,6 +332,8 @@ def ntk_per_leaf_fn(
       trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._options`.
       implementation: ``"auto"``, ``"jacobian"`` or ``"structured"`` (NTK-vector
         products do not separate the leaves).
+      batch_size, store_on_device, progress, memory_budget: the blocked engine, as in
+        :func:`ntk_fn` (every leaf's kernel is assembled tile by tile).
 
     Returns:
       ``kernel(params, x1, x2=None)`` returning a pytree shaped like ``params`` whose
@@ -317,13 +369,17 @@ def empirical_ntk_per_leaf(
     vmap_axes=0,
     implementation="auto",
     precision="highest",
+    batch_size=None,
+    store_on_device=False,
+    progress=None,
+    memory_budget=None,
 ):
     """The NTK split by parameter leaf: a pytree shaped like ``params`` of kernels.
 
     The one-call form of :func:`ntk_per_leaf_fn` (compiled function cached per
     ``(apply_fn, options)``); its leaves sum to :func:`empirical_ntk`. Arguments
-    (params of total size P, x1 with N1 samples, x2 with N2 or ``None``) as
-    :func:`empirical_ntk`.
+    (params of total size P, x1 with N1 samples, x2 with N2 or ``None``, ``batch_size``
+    and the other options) as :func:`empirical_ntk`.
 
     Raises:
       TypeError, ValueError: as :func:`ntk_per_leaf_fn`.

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _checks, _cost, _jacobian, _ntvp, _probe, _structured
+from . import _blocked, _checks, _cost, _jacobian, _ntvp, _probe, _structured
 from ._layout import LeafLayout, resolve_layout
 from ._model import per_sample
 from ._options import KernelOptions
@@ -171,10 +171,21 @@ class KernelFunction:
         self._hint = hint
         self._configs: dict = {}
         self._analyses: dict = {}
-        self._nngp_jit = jax.jit(self._nngp, static_argnames=("config",))
-        self._contract = jax.jit(self._contract_jacobians, static_argnames=("config",))
-        self._reduce = jax.jit(self._reduce_ntvp, static_argnames=("config",))
-        self._contract_s = jax.jit(self._contract_structured, static_argnames=("config",))
+        # The jitted phases are functions of their static arguments alone (no self), so
+        # kernel functions of the same model and configuration (e.g. with and without
+        # batch_size, or "auto" and what it chose) share their compilations.
+        self._nngp_jit = functools.partial(_JITS["nngp"], apply3=apply3)
+        self._contract = _JITS["contract"]
+        self._reduce = _JITS["reduce"]
+        self._contract_s = _JITS["contract_s"]
+        self._outputs = functools.partial(_JITS["outputs"], apply3=apply3)
+        self._tile_jit = _JITS["tile"]
+
+    def tile(self, params, fa, fb, aux, xa, xb, *, config: _Config, same: bool):
+        """One tile of the blocked engine and its all-finite flag (jitted)."""
+        return self._tile_jit(
+            params, fa, fb, aux, xa, xb, apply3=self._apply3, config=config, same=same
+        )
 
     # -- validation --------------------------------------------------------------------
     def _prepare(self, params, x1, x2, aux) -> _Config:
@@ -351,13 +362,14 @@ class KernelFunction:
         return estimates
 
     # -- computation -------------------------------------------------------------------
-    def _nngp(self, params, x1, x2, aux, *, config: _Config):
+    @staticmethod
+    def _nngp(params, x1, x2, aux, *, apply3, config: _Config):
         precision = _PRECISION[config.precision]
         with jax.default_matmul_precision(config.precision):
-            out1 = config.out_tree.flatten_up_to(self._apply3(params, x1, aux))
+            out1 = config.out_tree.flatten_up_to(apply3(params, x1, aux))
             out2 = out1
             if x2 is not None:
-                out2 = config.out_tree.flatten_up_to(self._apply3(params, x2, aux))
+                out2 = config.out_tree.flatten_up_to(apply3(params, x2, aux))
             kernels = []
             for layout, a, b in zip(config.layouts, out1, out2, strict=True):
                 lhs, rhs, out = layout.specs()
@@ -376,14 +388,16 @@ class KernelFunction:
             return jax.tree.unflatten(config.params_tree, by_leaf)
         return jax.tree.unflatten(config.out_tree, [functools.reduce(jnp.add, t) for t in per_leaf])
 
-    def _contract_jacobians(self, j1, j2, *, config: _Config):
+    @staticmethod
+    def _contract_jacobians(j1, j2, *, config: _Config):
         with jax.default_matmul_precision(config.precision):
             per_leaf = _jacobian.contract(
                 config.layouts, j1, j1 if j2 is None else j2, _PRECISION[config.precision]
             )
-        return self._finish(per_leaf, config)
+        return KernelFunction._finish(per_leaf, config)
 
-    def _contract_structured(self, f1, f2, *, config: _Config):
+    @staticmethod
+    def _contract_structured(f1, f2, *, config: _Config):
         with jax.default_matmul_precision(config.precision):
             per_leaf = _structured.contract(
                 config.layouts,
@@ -392,11 +406,73 @@ class KernelFunction:
                 f1 if f2 is None else f2,
                 _PRECISION[config.precision],
             )
-        return self._finish(per_leaf, config)
+        return KernelFunction._finish(per_leaf, config)
 
-    def _reduce_ntvp(self, fulls, *, config: _Config):
-        kernels = _ntvp.reduce(config.layouts, fulls, self._pairwise(config))
+    @staticmethod
+    def _reduce_ntvp(fulls, *, config: _Config):
+        kernels = _ntvp.reduce(config.layouts, fulls, KernelFunction._pairwise(config))
         return jax.tree.unflatten(config.out_tree, kernels)
+
+    # -- blocked engine (ntk_core._blocked) ----------------------------------------------
+    @staticmethod
+    def _nngp_outputs(params, x, aux, *, apply3, config: _Config):
+        """The first phase of the NNGP: the model's outputs on one block."""
+        with jax.default_matmul_precision(config.precision):
+            return config.out_tree.flatten_up_to(apply3(params, x, aux))
+
+    @staticmethod
+    def _contract_nngp(out1, out2, *, config: _Config):
+        out2 = out1 if out2 is None else out2
+        kernels = []
+        for layout, a, b in zip(config.layouts, out1, out2, strict=True):
+            lhs, rhs, out = layout.specs()
+            k = jnp.einsum(f"{lhs},{rhs}->{out}", a, b, precision=_PRECISION[config.precision])
+            kernels.append(k / layout.trace_size(a.shape))
+        return jax.tree.unflatten(config.out_tree, kernels)
+
+    def block_features(self, config: _Config):
+        """``features(params, x_block, aux)``, jitted, or None for ``"ntvp"``."""
+        impl = config.implementation
+        if impl == "jacobian":
+            jac = _jacobian_features(self._apply3, config.vmap_axes, config.precision)
+            return functools.partial(jac, out_tree=config.out_tree)
+        if impl == "structured":
+            feat = _structured_features(self._apply3, config.precision, self._fuse_bias)
+            return functools.partial(feat, out_tree=config.out_tree)
+        if impl == "nngp":
+            return functools.partial(self._outputs, config=config)
+        return None
+
+    @staticmethod
+    def _tile(params, fa, fb, aux, xa, xb, *, apply3, config: _Config, same: bool):
+        """One tile of the blocked engine and its all-finite flag.
+
+        ``fa``/``fb``: features of a row and a column block (``xa``/``xb``, their
+        inputs, for ``"ntvp"``); ``same``: a diagonal tile of x2=None (``fb``/``xb``
+        unused; the caller makes the tile exactly symmetric).
+        """
+        impl = config.implementation
+        if impl == "ntvp":
+            with jax.default_matmul_precision(config.precision):
+                fulls = _ntvp.full_kernels(
+                    apply3,
+                    params,
+                    xa,
+                    xa if same else xb,
+                    aux,
+                    config.vmap_axes,
+                    config.out_tree,
+                    KernelFunction._pairwise(config),
+                )
+            kernel = KernelFunction._reduce_ntvp(fulls, config=config)
+        else:
+            contract = {
+                "jacobian": KernelFunction._contract_jacobians,
+                "structured": KernelFunction._contract_structured,
+                "nngp": KernelFunction._contract_nngp,
+            }[impl]
+            kernel = contract(fa, None if same else fb, config=config)
+        return _blocked.finish_tile(kernel)
 
     @staticmethod
     def _pairwise(config: _Config) -> bool:
@@ -451,26 +527,89 @@ class KernelFunction:
 
     def __call__(self, params, x1, x2=None, aux=None):
         params, x1, x2 = _as_arrays(params), _as_arrays(x1), _as_arrays(x2)
+        _check_finite_inputs(self._fn_name, "x1", x1)  # before any tracing
+        if x2 is not None:
+            _check_finite_inputs(self._fn_name, "x2", x2)
         config = self.config_for(params, x1, x2, aux)
-        if config.implementation == "jacobian":
-            features = _jacobian_features(self._apply3, config.vmap_axes, config.precision)
-            j1 = features(params, x1, aux, out_tree=config.out_tree)
-            j2 = None if x2 is None else features(params, x2, aux, out_tree=config.out_tree)
-            return self._contract(j1, j2, config=config)
-        if config.implementation == "structured":
-            features = _structured_features(self._apply3, config.precision, self._fuse_bias)
-            f1 = features(params, x1, aux, out_tree=config.out_tree)
-            f2 = None if x2 is None else features(params, x2, aux, out_tree=config.out_tree)
-            return self._contract_s(f1, f2, config=config)
-        if config.implementation == "ntvp":
-            features = _ntvp_features(self._apply3, config.vmap_axes, config.precision)
-            fulls = features(
-                params,
-                x1,
-                x1 if x2 is None else x2,
-                aux,
-                out_tree=config.out_tree,
-                batch_diagonal=self._pairwise(config),
-            )
-            return self._reduce(fulls, config=config)
-        return self._nngp_jit(params, x1, x2, aux, config=config)
+        if self._options.batch_size is not None:
+            return _blocked.compute(self, config, params, x1, x2, aux)
+        result, finite = self._one_call(config, params, x1, x2, aux)
+        if x2 is None:  # a separate call: the kernel must be materialised first
+            result = _blocked.symmetrize_jit(result, config=config)
+        _check_finite_result(self._fn_name, result, config, finite)
+        return result
+
+    def _one_call(self, config, params, x1, x2, aux):
+        """The whole kernel in one call (``batch_size=None``), on the device.
+
+        The same compiled phases as one tile of the blocked engine (so a batch size of
+        at least N reuses this call's compilations): features of x1 and x2, then the
+        contraction and its all-finite flag; returns ``(kernel, flag)``.
+        """
+        same = x2 is None
+        features = self.block_features(config)
+        if features is None:  # "ntvp": pairwise, from the inputs
+            return self.tile(params, None, None, aux, x1, x2, config=config, same=same)
+        f1 = features(params, x1, aux)
+        f2 = None if same else features(params, x2, aux)
+        return self.tile(params, f1, f2, aux, None, None, config=config, same=same)
+
+
+_JITS = {
+    "nngp": jax.jit(KernelFunction._nngp, static_argnames=("apply3", "config")),
+    "contract": jax.jit(KernelFunction._contract_jacobians, static_argnames=("config",)),
+    "reduce": jax.jit(KernelFunction._reduce_ntvp, static_argnames=("config",)),
+    "contract_s": jax.jit(KernelFunction._contract_structured, static_argnames=("config",)),
+    "outputs": jax.jit(KernelFunction._nngp_outputs, static_argnames=("apply3", "config")),
+    "tile": jax.jit(KernelFunction._tile, static_argnames=("apply3", "config", "same")),
+}
+
+_leaf_all_finite = jax.jit(lambda v: jnp.all(jnp.isfinite(v)))
+
+
+def _concrete_bool(value) -> bool | None:
+    """``bool(value)``, or None for an abstract value (under an outer ``jax.jit``)."""
+    try:
+        return bool(value)
+    except (jax.errors.TracerBoolConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_finite_inputs(fn_name: str, name: str, x) -> None:
+    """Raises ValueError naming the first sample of ``x`` with a NaN or Inf.
+
+    One reduction per floating input leaf (on the host for numpy arrays).
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(x):
+        if np.ndim(leaf) == 0 or not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            continue  # scalars are refused by the validation that follows
+        if isinstance(leaf, np.ndarray):
+            ok = bool(np.isfinite(leaf).all())
+        else:
+            ok = _concrete_bool(_leaf_all_finite(leaf))
+        if ok is None or ok:
+            continue
+        values = np.asarray(leaf)
+        bad = ~np.isfinite(values).reshape(values.shape[0], -1).all(axis=1)
+        i = int(np.argmax(bad))
+        kind = "NaN" if np.isnan(values[i]).any() else "Inf"
+        where = f"{name}{jax.tree_util.keystr(path)}"
+        raise ValueError(
+            f"{fn_name}: {where} contains {kind} values, first in sample {i} (axis 0; "
+            f"{int(bad.sum())} of {values.shape[0]} samples are affected); a kernel of "
+            f"non-finite inputs is meaningless. Fix: clean or drop those samples first, e.g. "
+            f"keep = np.isfinite(x).reshape(len(x), -1).all(axis=1); x = x[keep]."
+        )
+
+
+def _check_finite_result(fn_name: str, result, config, finite) -> None:
+    """Raises ValueError when a one-call kernel (finite inputs) has NaN or Inf."""
+    ok = _concrete_bool(finite)
+    if ok is None or ok:
+        return
+    leaf = jax.tree.leaves(result)[0]
+    n1 = leaf.shape[0]
+    n2 = n1 if config.layouts[0].batch_diagonal else leaf.shape[1]
+    raise _blocked._nonfinite_tile_error(
+        fn_name, result, 0, n1, 0, n2, config.layouts[0].batch_diagonal
+    )

@@ -29,6 +29,33 @@ precision:
     ``"highest"`` (default), ``"high"`` or ``"default"``: the matmul precision used
     for every matmul of the kernel computation, the model's own included.
     Anything below ``"highest"`` lets GPUs and TPUs use TF32 or bf16 passes.
+batch_size:
+    ``None`` (default): the kernel is computed in one call and returned on the device
+    (a ``jax.Array``). A positive int B: the Gram matrix is computed in tiles of B x B
+    samples (B samples on the batch diagonal) by the blocked engine
+    (:mod:`ntk_core._blocked`): any N1, N2 and B work (the last tile is ragged),
+    per-sample features are computed once per block of B samples and reused for every
+    tile, and with ``x2=None`` only tiles on and above the diagonal are computed and
+    mirrored, so the result is exactly symmetric. ``"auto"``: B is the largest size
+    whose working memory fits ``memory_budget``, capped at ``max(N1, N2)`` (see
+    :func:`ntk_core._blocked.auto_batch_size` for the rule). Batched results equal the
+    unbatched ones to float round-off (1e-5 · max|K| in float32). With
+    ``vmap_axes=None`` each block is differentiated as its own batch.
+store_on_device:
+    Only when batched. ``False`` (default): the result is assembled in host memory, a
+    ``numpy.ndarray`` (the device holds only the blocks in use). ``True``: it is
+    assembled on the device, a ``jax.Array``.
+progress:
+    Only when batched. ``None`` (default): a tqdm progress bar over tiles (tiles done,
+    rate, time left) on stderr when stderr is a terminal, none otherwise. ``True`` /
+    ``False``: always / never.
+memory_budget:
+    Only when batched. Bytes of device memory the blocked engine may use for features,
+    tiles and, with ``store_on_device=True``, the output: it sizes ``batch_size="auto"``
+    and decides how many blocks of features are kept for reuse. ``None`` (default):
+    half of the device allocator's limit where JAX reports one
+    (``device.memory_stats()["bytes_limit"]``, GPUs), else
+    :data:`DEFAULT_MEMORY_BUDGET` (1 GiB).
 """
 
 from __future__ import annotations
@@ -42,8 +69,18 @@ IMPLEMENTATIONS = ("auto", "jacobian", "ntvp", "structured")
 #: Valid values of ``precision``.
 PRECISIONS = ("highest", "high", "default")
 #: Keyword options of the NTK entry points, and of the NNGP ones.
-NTK_OPTION_NAMES = ("trace_axes", "diagonal_axes", "vmap_axes", "implementation", "precision")
-NNGP_OPTION_NAMES = ("trace_axes", "diagonal_axes", "vmap_axes", "precision")
+#: Options of the blocked engine, shared by every entry point.
+BLOCK_OPTION_NAMES = ("batch_size", "store_on_device", "progress", "memory_budget")
+NTK_OPTION_NAMES = (
+    "trace_axes",
+    "diagonal_axes",
+    "vmap_axes",
+    "implementation",
+    "precision",
+) + BLOCK_OPTION_NAMES
+NNGP_OPTION_NAMES = ("trace_axes", "diagonal_axes", "vmap_axes", "precision") + BLOCK_OPTION_NAMES
+#: Bytes the blocked engine may use when the device reports no memory limit (CPU).
+DEFAULT_MEMORY_BUDGET = 2**30
 
 Axes = tuple[int, ...]
 
@@ -57,6 +94,10 @@ class KernelOptions:
     vmap_axes: int | None
     implementation: str
     precision: str
+    batch_size: int | str | None = None
+    store_on_device: bool = False
+    progress: bool | None = None
+    memory_budget: int | None = None
 
 
 def _axes(fn_name: str, name: str, value) -> Axes:
@@ -96,6 +137,10 @@ def make_options(
     vmap_axes=0,
     implementation="auto",
     precision="highest",
+    batch_size=None,
+    store_on_device=False,
+    progress=None,
+    memory_budget=None,
 ) -> KernelOptions:
     """Validates the shared options; raises TypeError/ValueError naming ``fn_name``."""
     trace = _axes(fn_name, "trace_axes", trace_axes)
@@ -118,4 +163,66 @@ def make_options(
             f"{fn_name}: precision must be one of {', '.join(map(repr, PRECISIONS))}, "
             f"got {precision!r}. Fix: keep the default precision='highest' for exact kernels."
         )
-    return KernelOptions(trace, diag, vmap_axes, implementation, precision)
+    _block_options(fn_name, batch_size, store_on_device, progress, memory_budget)
+    if isinstance(batch_size, numbers.Integral):
+        batch_size = int(batch_size)
+    if memory_budget is not None:
+        memory_budget = int(memory_budget)
+    return KernelOptions(
+        trace,
+        diag,
+        vmap_axes,
+        implementation,
+        precision,
+        batch_size,
+        store_on_device,
+        progress,
+        memory_budget,
+    )
+
+
+def _block_options(fn_name, batch_size, store_on_device, progress, memory_budget) -> None:
+    """Validates the options of the blocked engine (see the module docstring)."""
+    if isinstance(batch_size, str):
+        if batch_size != "auto":
+            raise ValueError(
+                f"{fn_name}: batch_size must be None, a positive int or 'auto', got the "
+                f"string {batch_size!r}. Fix: pass e.g. batch_size=256, or "
+                f"batch_size='auto' to size the tiles from memory_budget."
+            )
+    elif batch_size is not None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
+            raise TypeError(
+                f"{fn_name}: batch_size must be None, a positive int or 'auto', got "
+                f"{type(batch_size).__name__} {batch_size!r}. Fix: pass an int number of "
+                f"samples per tile, e.g. batch_size=256."
+            )
+        if batch_size <= 0:
+            raise ValueError(
+                f"{fn_name}: batch_size must be a positive number of samples per tile, got "
+                f"{batch_size!r}. Fix: pass e.g. batch_size=256, or batch_size=None for "
+                f"one call."
+            )
+    for name, value, allowed in (
+        ("store_on_device", store_on_device, "True or False"),
+        ("progress", progress, "None, True or False"),
+    ):
+        if not isinstance(value, bool) and not (name == "progress" and value is None):
+            raise TypeError(
+                f"{fn_name}: {name} must be {allowed}, got {type(value).__name__} "
+                f"{value!r}. Fix: pass {name}=True or {name}=False."
+            )
+    if memory_budget is None:
+        return
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral):
+        raise TypeError(
+            f"{fn_name}: memory_budget must be None or a positive int number of bytes, got "
+            f"{type(memory_budget).__name__} {memory_budget!r}. Fix: pass e.g. "
+            f"memory_budget=2 * 2**30 for 2 GiB."
+        )
+    if memory_budget <= 0:
+        raise ValueError(
+            f"{fn_name}: memory_budget must be a positive int number of bytes, got "
+            f"{memory_budget!r}. Fix: pass e.g. memory_budget=2 * 2**30 for 2 GiB, or None "
+            f"for the default."
+        )

@@ -147,7 +147,9 @@ def kernel_fn(
         ``__call__``.
       apply_kwargs: extra keyword arguments of the model, e.g. ``{"train": False}``.
       **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
-        ``precision`` as in :func:`ntk_core.ntk_fn`.
+        ``precision`` as in :func:`ntk_core.ntk_fn`, and the blocked engine's
+        ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget`` (a Gram
+        matrix of any size in tiles; a host ``numpy.ndarray`` by default when batched).
 
     Returns:
       ``kernel(variables, x1, x2=None, *, rngs=None)`` giving the kernel in the layout of
@@ -173,7 +175,8 @@ def nngp_fn(
 ) -> Callable:
     """Jitted empirical NNGP of a ``flax.linen`` model; see :func:`kernel_fn`.
 
-    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``.
+    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
+    ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
     """
     return _make("ntk_flax.nngp_fn", "nngp", model, method, apply_kwargs, options)
 
@@ -241,7 +244,8 @@ def nngp(
 ):
     """Empirical NNGP kernel f(x1)·f(x2) of a ``flax.linen`` model; see :func:`kernel`.
 
-    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``.
+    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
+    ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
     """
     fn = _cached("ntk_flax.nngp", "nngp", model, method, apply_kwargs, options)
     return fn(variables, x1, x2, rngs=rngs)

@@ -117,7 +117,9 @@ def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
       apply_kwargs: extra keyword arguments of the forward function, e.g.
         ``{"is_training": False}``.
       **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
-        ``precision`` as in :func:`ntk_core.ntk_fn`.
+        ``precision`` as in :func:`ntk_core.ntk_fn`, and the blocked engine's
+        ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget`` (a Gram
+        matrix of any size in tiles; a host ``numpy.ndarray`` by default when batched).
 
     Returns:
       ``kernel(params, x1, x2=None, *, state=None, rng=None)`` in the layout of
@@ -139,7 +141,8 @@ def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
 def nngp_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
     """Jitted empirical NNGP of a Haiku model; see :func:`kernel_fn`.
 
-    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``.
+    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
+    ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
     """
     return _make("ntk_haiku.nngp_fn", "nngp", transformed, apply_kwargs, options)
 
@@ -185,7 +188,8 @@ def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwar
 def nngp(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
     """Empirical NNGP kernel f(x1)·f(x2) of a Haiku model; see :func:`kernel`.
 
-    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``.
+    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
+    ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
     """
     fn = _cached("ntk_haiku.nngp", "nngp", transformed, apply_kwargs, options)
     return fn(params, x1, x2, state=state, rng=rng)

@@ -218,3 +218,17 @@ ERRORS = [
 def test_error(call, exc, pattern):
     with pytest.raises(exc, match=pattern):
         call()
+
+
+def test_batch_size_gives_the_one_call_kernel():
+    entry = zoo.ZOO["cnn10"]
+    x1, x2 = zoo.inputs(entry, 13, 6)
+    for kind, fn in (("ntk", ntk_flax.kernel), ("nngp", ntk_flax.nngp)):
+        for x in (x2, None):
+            one_call = np.asarray(fn(entry.model, entry.variables, x1, x, trace_axes=()))
+            batched = fn(entry.model, entry.variables, x1, x, trace_axes=(), batch_size=4)
+            assert isinstance(batched, np.ndarray) and batched.shape == one_call.shape
+            assert np.abs(batched - one_call).max() <= 1e-5 * np.abs(one_call).max(), kind
+            reference.assert_close(batched, _ref(entry, x1, x, kind, trace_axes=())[0])
+    on_device = ntk_flax.kernel_fn(entry.model, batch_size=4, store_on_device=True)
+    assert isinstance(on_device(entry.variables, x1), jax.Array)

@@ -173,3 +173,25 @@ ERRORS = [
 def test_error(call, exc, pattern):
     with pytest.raises(exc, match=pattern):
         call()
+
+
+def test_batch_size_gives_the_one_call_kernel():
+    net = hk.without_apply_rng(hk.transform(mlp))
+    x1 = jax.random.normal(jax.random.PRNGKey(3), (11, 3))
+    x2 = jax.random.normal(jax.random.PRNGKey(4), (7, 3))
+    params = net.init(jax.random.PRNGKey(1), x1)
+    for fn, ref in ((ntk_haiku.kernel, reference.ntk), (ntk_haiku.nngp, reference.nngp)):
+        for x in (x2, None):
+            batched = fn(net, params, x1, x, trace_axes=(), batch_size=4)
+            one_call = np.asarray(fn(net, params, x1, x, trace_axes=()))
+            assert isinstance(batched, np.ndarray) and batched.shape == one_call.shape
+            assert np.abs(batched - one_call).max() <= 1e-5 * np.abs(one_call).max()
+            reference.assert_close(batched, ref(net.apply, params, x1, x, trace_axes=())[0])
+    bn = hk.transform_with_state(bn_net)
+    params, state = bn.init(jax.random.PRNGKey(1), x1, True)
+    kernel = ntk_haiku.kernel_fn(bn, apply_kwargs={"is_training": False}, batch_size=4)
+    expected = ntk_haiku.kernel(
+        bn, params, x1, x2, state=state, apply_kwargs={"is_training": False}
+    )
+    batched = kernel(params, x1, x2, state=state)
+    assert np.abs(batched - expected).max() <= 1e-5 * np.abs(expected).max()

@@ -1,0 +1,387 @@
+"""The blocked Gram engine (``batch_size=``) against the one-call kernel and the float64
+reference: every implementation x axes setting x (x2 given or None) with sizes that do
+not divide the batch size, exact symmetry, feature reuse, bounded features, output
+types, progress, non-finite inputs and kernels, and the option errors."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ntk_core
+import ntk_flax
+import reference
+import zoo
+from ntk_core import _blocked
+
+AXES = {
+    "trace": dict(trace_axes=(-1,)),
+    "full": dict(trace_axes=()),
+    "diag_out": dict(trace_axes=(), diagonal_axes=(-1,)),
+    "diag_batch": dict(trace_axes=(), diagonal_axes=(0,)),
+}
+N1, N2, B = 37, 23, 8
+ENTRY = zoo.ZOO["mlp"]  # Dense 5 -> 8 -> relu -> 3, biases
+F = zoo.apply_fn(ENTRY)
+PARAMS = ENTRY.variables["params"]
+X1 = ENTRY.make_x(jax.random.PRNGKey(11), N1)
+X2 = ENTRY.make_x(jax.random.PRNGKey(12), N2)
+X2_DIAG = ENTRY.make_x(jax.random.PRNGKey(13), N1)  # the batch diagonal needs N2 = N1
+
+
+def _swap(k, axes):
+    """Θ(x2, x1) from Θ(x1, x2): the x1 and x2 axis of each pair swapped."""
+    perm = {"trace": (1, 0), "full": (1, 0, 3, 2), "diag_out": (1, 0, 2)}[axes]
+    return np.transpose(k, perm)
+
+
+@functools.cache
+def _kernel(kind, implementation, axes, batch_size, **options):
+    """One jitted kernel function per setting, reused by every test that needs it."""
+    if kind == "nngp":
+        return ntk_core.nngp_fn(F, batch_size=batch_size, progress=False, **AXES[axes], **options)
+    make = ntk_core.ntk_fn if kind == "ntk" else ntk_core.ntk_per_leaf_fn
+    return make(
+        F,
+        implementation=implementation,
+        batch_size=batch_size,
+        progress=False,
+        **AXES[axes],
+        **options,
+    )
+
+
+def _x2(axes, with_x2):
+    if not with_x2:
+        return None
+    return X2_DIAG if axes == "diag_batch" else X2
+
+
+def _assert_blocked_equals_one_call(blocked, one_call):
+    leaves_b, leaves_o = jax.tree.leaves(blocked), jax.tree.leaves(one_call)
+    assert len(leaves_b) == len(leaves_o)
+    for b, o in zip(leaves_b, leaves_o, strict=True):
+        assert isinstance(b, np.ndarray)  # host output by default
+        o = np.asarray(o)
+        assert b.shape == o.shape and b.dtype == o.dtype
+        scale = np.abs(o).max()
+        assert scale > 0
+        assert np.abs(b - o).max() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("with_x2", [False, True], ids=["x2_none", "x2_given"])
+@pytest.mark.parametrize("axes", list(AXES))
+@pytest.mark.parametrize("implementation", ["jacobian", "ntvp", "structured", "auto"])
+def test_ntk_blocked_equals_one_call(implementation, axes, with_x2):
+    x2 = _x2(axes, with_x2)
+    blocked = _kernel("ntk", implementation, axes, B)(PARAMS, X1, x2)
+    one_call = _kernel("ntk", implementation, axes, None)(PARAMS, X1, x2)
+    _assert_blocked_equals_one_call(blocked, one_call)
+    if not with_x2 and axes != "diag_batch":
+        assert np.array_equal(blocked, _swap(blocked, axes))  # exactly symmetric
+
+
+@pytest.mark.parametrize("with_x2", [False, True], ids=["x2_none", "x2_given"])
+@pytest.mark.parametrize("axes", list(AXES))
+def test_nngp_blocked_equals_one_call(axes, with_x2):
+    x2 = _x2(axes, with_x2)
+    blocked = _kernel("nngp", None, axes, B)(PARAMS, X1, x2)
+    _assert_blocked_equals_one_call(blocked, _kernel("nngp", None, axes, None)(PARAMS, X1, x2))
+    if not with_x2 and axes != "diag_batch":
+        assert np.array_equal(blocked, _swap(blocked, axes))
+
+
+@pytest.mark.parametrize("axes", ["trace", "diag_batch"])
+@pytest.mark.parametrize("implementation", ["jacobian", "structured"])
+def test_per_leaf_blocked_equals_one_call(implementation, axes):
+    for x2 in (None, _x2(axes, True)):
+        blocked = _kernel("per_leaf", implementation, axes, B)(PARAMS, X1, x2)
+        one_call = _kernel("per_leaf", implementation, axes, None)(PARAMS, X1, x2)
+        assert jax.tree.structure(blocked) == jax.tree.structure(one_call)
+        _assert_blocked_equals_one_call(blocked, one_call)
+
+
+def test_blocked_matches_float64_reference():
+    k = _kernel("ntk", "structured", "full", B)(PARAMS, X1, X2)
+    reference.assert_close(k, reference.ntk(F, PARAMS, X1, X2, trace_axes=())[0])
+
+
+def test_pytree_inputs_and_outputs():
+    entry = zoo.ZOO["dict_input"]
+    f, params = zoo.apply_fn(entry), entry.variables["params"]
+    x1, _ = zoo.inputs(entry, 19, 2)
+    blocked = ntk_core.empirical_ntk(f, params, x1, trace_axes=(), batch_size=4)
+    expected = reference.ntk(f, params, x1, None, trace_axes=())
+    assert isinstance(blocked, tuple) and len(blocked) == 2  # the output's structure
+    for a, e in zip(blocked, expected, strict=True):
+        reference.assert_close(a, e)
+
+
+def test_params_by_keyword_and_apply_arguments_closed_over():
+    entry = zoo.ZOO["batchnorm_eval"]  # apply_kwargs {"train": False}, batch_stats fixed
+    x1, x2 = zoo.inputs(entry, 11, 6)
+    kernel = ntk_core.ntk_fn(zoo.apply_fn(entry), batch_size=4, progress=False)
+    k = kernel(params=entry.variables["params"], x1=x1, x2=x2)
+    reference.assert_close(
+        k, reference.ntk(zoo.apply_fn(entry), entry.variables["params"], x1, x2)[0]
+    )
+    k_flax = ntk_flax.kernel(
+        entry.model, entry.variables, x1, x2, apply_kwargs={"train": False}, batch_size=4
+    )
+    np.testing.assert_array_equal(k_flax, k)
+
+
+def test_vmap_axes_none_blocks_are_batches():
+    kernel = _kernel("ntk", "jacobian", "trace", B, vmap_axes=None)
+    one_call = _kernel("ntk", "jacobian", "trace", None, vmap_axes=None)
+    _assert_blocked_equals_one_call(kernel(PARAMS, X1, X2), one_call(PARAMS, X1, X2))
+
+
+def test_vmap_axes_none_refused_when_samples_interact():
+    def f(w, x):  # a batch mean: sample outputs depend on the whole batch
+        h = x @ w
+        return h - h.mean(axis=0)
+
+    w, x = jnp.ones((5, 2)), X1
+    assert ntk_core.empirical_ntk(f, w, x, vmap_axes=None, batch_size=N1).shape == (N1, N1)
+    with pytest.raises(ValueError, match=r"empirical_ntk: batch_size=8 with vmap_axes=None"):
+        ntk_core.empirical_ntk(f, w, x, vmap_axes=None, batch_size=8)
+
+
+def test_lenet_c1_same_gram_for_every_batch_size():
+    model = ntk_flax.LeNet()
+    x = jax.random.normal(jax.random.PRNGKey(0), (120, 32, 32, 3))
+    variables = model.init(jax.random.PRNGKey(1), x[:1])
+    one_call = np.asarray(ntk_flax.kernel(model, variables, x, trace_axes=()))
+    assert one_call.shape == (120, 120, 1, 1)
+    for batch_size in (500, 100, 10):  # 500 >= N: one tile
+        k = ntk_flax.kernel(model, variables, x, trace_axes=(), batch_size=batch_size)
+        _assert_blocked_equals_one_call(k, one_call)
+        assert np.array_equal(k, _swap(k, "full"))
+
+
+def _counted(kernel):
+    """Counts the feature computations of a kernel function of ``ntk_fn``."""
+    kf = kernel.implementation_for.__self__
+    calls = []
+    original = kf.block_features
+
+    def block_features(config):
+        features = original(config)
+
+        def counted(params, x, aux):
+            if not isinstance(jax.tree.leaves(x)[0], jax.core.Tracer):  # not eval_shape
+                calls.append(jax.tree.leaves(x)[0].shape[0])
+            return features(params, x, aux)
+
+        return counted
+
+    kf.block_features = block_features
+    return calls
+
+
+def test_features_computed_once_per_block():
+    kernel = ntk_core.ntk_fn(F, implementation="structured", batch_size=B, progress=False)
+    calls = _counted(kernel)
+    expected = kernel(PARAMS, X1, X2)
+    assert len(calls) == 5 + 3  # ceil(37 / 8) row blocks, ceil(23 / 8) column blocks
+    calls.clear()
+    symmetric = kernel(PARAMS, X1)
+    assert len(calls) == 5
+    reference.assert_close(symmetric, reference.ntk(F, PARAMS, X1, None)[0])
+    reference.assert_close(expected, reference.ntk(F, PARAMS, X1, X2)[0])
+
+
+def test_features_bounded_by_memory_budget():
+    # Room for the tile and two blocks of features: bands of one column block, the
+    # row features recomputed once per band (3 bands).
+    loose = ntk_core.ntk_fn(F, implementation="jacobian", batch_size=B, progress=False)
+    kf = loose.implementation_for.__self__
+    config = kf.config_for(PARAMS, X1, X2)
+    block = jax.eval_shape(kf.block_features(config), PARAMS, X1[:B], None)
+    block_bytes = sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(block))
+    tight = ntk_core.ntk_fn(
+        F,
+        implementation="jacobian",
+        batch_size=B,
+        progress=False,
+        memory_budget=int(2.5 * block_bytes) + 2 * 8 * B * B * 4,
+    )
+    calls = _counted(tight)
+    k = tight(PARAMS, X1, X2)
+    assert len(calls) == 3 + 3 * 5
+    np.testing.assert_array_equal(k, loose(PARAMS, X1, X2))
+    calls.clear()
+    np.testing.assert_array_equal(tight(PARAMS, X1), loose(PARAMS, X1))
+
+
+def test_auto_batch_size_rule_and_result():
+    f_bytes, w_bytes, budget = 1000, 24, 10**6
+    n = 10**5
+    b = _blocked.auto_batch_size(n, n, f_bytes, w_bytes, budget, False)
+    assert 2 * f_bytes * b + w_bytes * b * b <= budget
+    largest = b
+    while 2 * f_bytes * (largest + 1) + w_bytes * (largest + 1) ** 2 <= budget:
+        largest += 1
+    assert -(-n // b) == -(-n // largest)  # as few blocks as the largest fitting size
+    assert _blocked.auto_batch_size(100, 100, 0, 1, 60**2, False) == 50  # 2 even blocks
+    assert _blocked.auto_batch_size(50, 40, f_bytes, w_bytes, 10**12, False) == 50
+    assert _blocked.auto_batch_size(10**5, 10**5, 0, 10, 1000, True) == 100
+    assert _blocked.auto_batch_size(10**5, 10**5, 10**9, 10, 1000, False) == 1
+    small = ntk_core.ntk_fn(F, batch_size="auto", memory_budget=20_000, progress=False)
+    _assert_blocked_equals_one_call(
+        small(PARAMS, X1, X2), _kernel("ntk", "auto", "trace", None)(PARAMS, X1, X2)
+    )
+
+
+def test_output_types():
+    one_call = _kernel("ntk", "structured", "trace", None)(PARAMS, X1)
+    assert isinstance(one_call, jax.Array)  # batch_size=None: today's behaviour
+    host = _kernel("ntk", "structured", "trace", B)(PARAMS, X1)
+    assert isinstance(host, np.ndarray)
+    device = ntk_core.empirical_ntk(F, PARAMS, X1, batch_size=B, store_on_device=True)
+    assert isinstance(device, jax.Array)
+    np.testing.assert_array_equal(np.asarray(device), host)
+
+
+def test_progress_bar_on_and_off(capsys):
+    ntk_core.empirical_ntk(F, PARAMS, X1, X2, batch_size=B, progress=True)
+    err = capsys.readouterr().err
+    assert "15/15" in err and "tile" in err  # 5 x 3 tiles
+    ntk_core.empirical_ntk(F, PARAMS, X1, X2, batch_size=B, progress=False)
+    ntk_core.empirical_ntk(F, PARAMS, X1, X2, batch_size=B)  # None: stderr is no terminal
+    assert capsys.readouterr().err == ""
+
+
+def _with(x, i, value):
+    x = np.array(x)
+    x[i, 1] = value
+    return x
+
+
+@pytest.mark.parametrize("batch_size", [None, B])
+def test_nonfinite_inputs_name_argument_and_sample(batch_size):
+    with pytest.raises(
+        ValueError, match=r"empirical_ntk: x1 contains NaN values, first in sample 5"
+    ):
+        ntk_core.empirical_ntk(F, PARAMS, _with(X1, 5, np.nan), batch_size=batch_size)
+    with pytest.raises(
+        ValueError, match=r"empirical_nngp: x2 contains Inf values, first in sample 3"
+    ):
+        ntk_core.empirical_nngp(
+            F, PARAMS, X1, jnp.asarray(_with(X2, 3, np.inf)), batch_size=batch_size
+        )
+
+
+def test_nonfinite_input_leaf_of_a_pytree_is_named():
+    entry = zoo.ZOO["dict_input"]
+    x1, _ = zoo.inputs(entry, 6, 2)
+    x1 = {**x1, "mask": _with(x1["mask"], 4, np.nan)}
+    with pytest.raises(ValueError, match=r"x1\['mask'\] contains NaN values, first in sample 4"):
+        ntk_core.empirical_ntk(zoo.apply_fn(entry), entry.variables["params"], x1)
+
+
+@pytest.mark.parametrize("batch_size", [None, B])
+def test_nonfinite_kernel_from_finite_inputs(batch_size):
+    def f(w, x):  # NaN where x @ w < 0
+        return jnp.sqrt(x @ w)
+
+    w = jnp.ones((5, 2))
+    x = np.abs(np.asarray(X1))
+    x[17] *= -1.0
+    pattern = (
+        r"empirical_ntk: the kernel came out non-finite .* first at x1 sample 0 and x2 sample 17"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        ntk_core.empirical_ntk(f, w, x, x, batch_size=batch_size)
+    with pytest.raises(ValueError, match=r"float32 overflow.*Fix:"):
+        ntk_core.empirical_ntk(lambda w, x: 1e30 * (x @ w), w, X1, batch_size=batch_size)
+
+
+ERRORS = [
+    (
+        dict(batch_size=0),
+        ValueError,
+        r"batch_size must be a positive number of samples per tile, got 0",
+    ),
+    (dict(batch_size=-3), ValueError, r"got -3\. Fix: pass e\.g\. batch_size=256"),
+    (
+        dict(batch_size=True),
+        TypeError,
+        r"batch_size must be None, a positive int or 'auto', got bool True",
+    ),
+    (dict(batch_size=2.5), TypeError, r"got float 2\.5\. Fix:"),
+    (dict(batch_size="big"), ValueError, r"got the string 'big'\. Fix:"),
+    (
+        dict(store_on_device="yes"),
+        TypeError,
+        r"store_on_device must be True or False, got str 'yes'",
+    ),
+    (dict(progress=1), TypeError, r"progress must be None, True or False, got int 1"),
+    (
+        dict(memory_budget=0),
+        ValueError,
+        r"memory_budget must be a positive int number of bytes, got 0",
+    ),
+    (
+        dict(memory_budget=1.5e9),
+        TypeError,
+        r"memory_budget must be None or a positive int .* got float",
+    ),
+    (dict(memory_budget=True), TypeError, r"got bool True"),
+]
+
+
+@pytest.mark.parametrize(("options", "exc", "pattern"), ERRORS, ids=[repr(e[0]) for e in ERRORS])
+def test_option_errors(options, exc, pattern):
+    with pytest.raises(exc, match=r"^empirical_ntk: .*" + pattern):
+        ntk_core.empirical_ntk(F, PARAMS, X1, **options)
+    with pytest.raises(exc, match=r"^nngp_fn: .*" + pattern):
+        ntk_core.nngp_fn(F, **options)
+    with pytest.raises(exc, match=r"^ntk_flax.kernel_fn: .*" + pattern):
+        ntk_flax.kernel_fn(ENTRY.model, **options)
+
+
+def test_float64_blocked_equals_one_call_to_1e12():
+    code = """
+    import jax, numpy as np
+    import jax.numpy as jnp
+    import ntk_core, reference
+    assert jax.config.jax_enable_x64
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {"w": jax.random.normal(k1, (5, 8), jnp.float64),
+              "v": jax.random.normal(k2, (8, 3), jnp.float64)}
+    f = lambda p, x: jnp.tanh(x @ p["w"]) @ p["v"]
+    x1 = jax.random.normal(k3, (37, 5), jnp.float64)
+    x2 = jax.random.normal(k4, (23, 5), jnp.float64)
+    settings = [("jacobian", dict(trace_axes=())), ("structured", dict(trace_axes=(-1,))),
+                ("ntvp", dict(trace_axes=(), diagonal_axes=(-1,)))]
+    for impl, axes in settings:
+        for x in (x2, None):
+            one = np.asarray(ntk_core.empirical_ntk(f, params, x1, x, implementation=impl, **axes))
+            k = ntk_core.empirical_ntk(f, params, x1, x, implementation=impl, batch_size=8, **axes)
+            assert k.dtype == np.float64 and k.shape == one.shape
+            assert np.abs(k - one).max() <= 1e-12 * np.abs(one).max(), (impl, axes)
+        reference.assert_close(k, reference.ntk(f, params, x1, None, **axes)[0], dtype="float64")
+    print("ok")
+    """
+    tests = os.path.dirname(os.path.dirname(__file__))
+    env = {**os.environ, "JAX_ENABLE_X64": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ok" in result.stdout
