@@ -581,7 +581,11 @@ def _check_finite_inputs(fn_name: str, name: str, x) -> None:
     One reduction per floating input leaf (on the host for numpy arrays).
     """
     for path, leaf in jax.tree_util.tree_leaves_with_path(x):
-        if np.ndim(leaf) == 0 or not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+        try:
+            floating = jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+        except (TypeError, ValueError):  # strings, objects: refused by the validation
+            continue
+        if np.ndim(leaf) == 0 or not floating:
             continue  # scalars are refused by the validation that follows
         if isinstance(leaf, np.ndarray):
             ok = bool(np.isfinite(leaf).all())

@@ -351,18 +351,67 @@ def _rows():
         Row("haiku-input-shape", "inputs of the wrong per-sample shape",
             "ntk_haiku.kernel(net, HP, jnp.ones((4, 7)))",
             ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed" + fix, ("haiku",)),
+        # -- batching (issue 4) -------------------------------------------------------
+        Row("batch-size-zero", "batch_size=0",
+            "ntk_core.empirical_ntk(f, W, X, batch_size=0)",
+            ValueError, r"^empirical_ntk: batch_size must be a positive number of samples per tile, got 0" + fix),
+        Row("batch-size-negative", "a negative batch_size",
+            "ntk_core.empirical_ntk(f, W, X, batch_size=-3)",
+            ValueError, r"^empirical_ntk: batch_size must be a positive number of samples per tile, got -3" + fix),
+        Row("batch-size-float", "a non-integer batch_size",
+            "ntk_core.empirical_ntk(f, W, X, batch_size=2.5)",
+            TypeError, r"^empirical_ntk: batch_size must be None, a positive int or 'auto', got float 2.5" + fix),
+        Row("batch-size-bool", "batch_size=True",
+            "ntk_core.ntk_fn(f, batch_size=True)",
+            TypeError, r"^ntk_fn: batch_size must be None, a positive int or 'auto', got bool True" + fix),
+        Row("batch-size-string", "an unknown batch_size string",
+            'ntk_core.ntk_fn(f, batch_size="big")',
+            ValueError, r"^ntk_fn: batch_size must be None, a positive int or 'auto', got the string 'big'" + fix),
+        Row("store-on-device-type", "store_on_device that is not a bool",
+            'ntk_core.ntk_fn(f, batch_size=2, store_on_device="yes")',
+            TypeError, r"^ntk_fn: store_on_device must be True or False, got str 'yes'" + fix),
+        Row("memory-budget-negative", "a negative memory_budget",
+            'ntk_core.ntk_fn(f, batch_size="auto", memory_budget=-1)',
+            ValueError, r"^ntk_fn: memory_budget must be a positive int number of bytes, got -1" + fix),
+        # -- non-finite values (issue 4) ----------------------------------------------
+        Row("nan-x1", "NaN in x1",
+            "ntk_core.empirical_ntk(f, W, X.at[2, 1].set(jnp.nan))",
+            ValueError, r"^empirical_ntk: x1 contains NaN values, first in sample 2" + fix),
+        Row("inf-x2", "Inf in x2",
+            "ntk_core.empirical_ntk(f, W, X, X.at[0, 0].set(jnp.inf))",
+            ValueError, r"^empirical_ntk: x2 contains Inf values, first in sample 0" + fix),
+        Row("nan-batched", "NaN in x1 of a batched call",
+            "ntk_core.empirical_ntk(f, W, X.at[3, 0].set(jnp.nan), batch_size=2)",
+            ValueError, r"^empirical_ntk: x1 contains NaN values, first in sample 3" + fix),
+        Row("kernel-non-finite", "a kernel that overflows float32 from finite inputs",
+            "ntk_core.empirical_ntk(lambda w, x: jnp.exp(50.0 * (x @ w)), W, X)",
+            ValueError, r"^empirical_ntk: the kernel came out non-finite \(NaN or Inf\) in the tile of x1 samples 0..3 and x2 samples 0..3" + fix),
+        Row("kernel-non-finite-batched", "a batched kernel that comes out non-finite",
+            "ntk_core.empirical_ntk(lambda w, x: jnp.exp(50.0 * (x @ w)), W, X, batch_size=2)",
+            ValueError, r"^empirical_ntk: the kernel came out non-finite \(NaN or Inf\) in the tile of x1 samples 0..1" + fix),
+        # -- predictions (issue 5) ----------------------------------------------------
+        Row("gp-target-shape", "GP inference with kernel and targets of different N",
+            "ntk_core.predict.gp_inference(np.eye(4), np.ones((3, 1)))",
+            ValueError, r"^gp_inference: k_train_train has shape \(4, 4\), expected \(3, 3\) for y_train of shape \(3, 1\)" + fix),
+        Row("gp-non-square", "a non-square train-train kernel",
+            "ntk_core.predict.gp_inference(np.ones((4, 3)), np.ones((4, 1)))",
+            ValueError, r"^gp_inference: k_train_train has shape \(4, 3\), expected \(4, 4\)" + fix),
+        Row("gp-non-symmetric", "a non-symmetric train-train kernel",
+            "ntk_core.predict.gp_inference(np.eye(4) + np.triu(np.ones((4, 4)), 1), np.ones((4, 1)))",
+            ValueError, r"^gp_inference: k_train_train is not symmetric: max \|K - K\^T\| = 1.000e\+00" + fix),
+        Row("gp-negative-diag-reg", "a negative diag_reg",
+            "ntk_core.predict.gp_inference(np.eye(4), np.ones((4, 1)), diag_reg=-1e-3)",
+            ValueError, r"^gp_inference: diag_reg must be finite and >= 0, got -0.001" + fix),
+        Row("gd-negative-diag-reg", "a negative diag_reg in gradient-descent dynamics",
+            "ntk_core.predict.gradient_descent_mse(np.eye(4), np.ones((4, 1)), diag_reg=-1.0)",
+            ValueError, r"^gradient_descent_mse: diag_reg must be finite and >= 0, got -1.0" + fix),
+        Row("gp-nan-kernel", "a train-train kernel with NaN",
+            "ntk_core.predict.gp_inference(np.full((4, 4), np.nan), np.ones((4, 1)))",
+            ValueError, r"^gp_inference: k_train_train contains NaN or inf" + fix),
+        Row("gp-test-shape", "a test-train kernel whose N_train differs",
+            "ntk_core.predict.gp_inference(np.eye(4), np.ones((4, 1))).nngp(np.ones((2, 3)))",
+            ValueError, r"^gp_inference\(...\).nngp: k_test_train has shape \(2, 3\), expected \(2, 4\)" + fix),
     ]  # fmt: skip
-
-
-#: Rows the lead adds once the features they test are merged (issues 4 and 5).
-PENDING = (
-    "batch_size 0, negative or non-integer (issue 4)",
-    "NaN or Inf in inputs (issue 4)",
-    "a kernel that comes out non-finite (issue 4)",
-    "GP inference with mismatched kernel and target shapes (issue 5)",
-    "a non-square or non-symmetric train-train kernel (issue 5)",
-    "a negative diag_reg (issue 5)",
-)
 
 
 @functools.cache
@@ -439,8 +488,6 @@ def markdown_table() -> str:
             f"| {i} | `{r.id}` | {_cell(r.mistake)} | `{_cell(r.call)}` | "
             f"`{r.raises.__name__}` | `{_cell(r.match)}` |"
         )
-    lines += ["", "Pending (added with the features they test):", ""]
-    lines += [f"- {p}" for p in PENDING]
     return "\n".join(lines)
 
 
