@@ -410,6 +410,29 @@ def frameworks_check(samples: int = 4, image_size: int = 16, model: str = "lenet
     return Check("Flax equals Haiku (same weights)", run)
 
 
+def batched_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
+    """The Gram matrix computed in ragged tiles equals the one-call Gram (case C1)."""
+
+    def run() -> CheckResult:
+        import ntk_core
+
+        x1, x2 = _inputs(samples, image_size)
+        apply, params, what = _network(x1, 2, model)
+        tile = max(1, samples - 1)  # a ragged last tile in both directions
+        pairs = {}
+        for label, second in (("x2 given", x2), ("x2=None", None)):
+            one = ntk_core.empirical_ntk(apply, params, x1, second, trace_axes=())
+            tiled = ntk_core.empirical_ntk(
+                apply, params, x1, second, trace_axes=(), batch_size=tile, progress=False
+            )
+            pairs[f"batch_size={tile} vs one call, {label}"] = (tiled, one)
+        result = _compare(pairs, str(one.dtype))
+        detail = f"{what}, x {tuple(x1.shape)} vs {tuple(x2.shape)}, full kernel; "
+        return dataclasses.replace(result, detail=detail + result.detail)
+
+    return Check("batched equals unbatched", run)
+
+
 def backend_check() -> Check:
     """The backend is supported (CUDA >= 11 on NVIDIA GPUs)."""
 
@@ -439,9 +462,7 @@ def default_checks(samples: int = 4, image_size: int = 16, model: str = "lenet")
         backend_check(),
         implementations_check(samples, image_size, model),
         frameworks_check(samples, image_size, model),
-        # Batched equals unbatched (case C1) belongs here once the kernel entry points
-        # take batch_size= (issue 4): Check("batched equals unbatched", ...) comparing
-        # the blocked Gram with the one-block Gram through _compare.
+        batched_check(samples, image_size, model),
     ]
 
 

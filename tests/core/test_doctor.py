@@ -102,6 +102,8 @@ def test_default_self_test_passes_on_this_device(capsys):
     assert "ntvp vs jacobian" in out["checks"][1]["detail"]
     both = all(importlib.util.find_spec(m) for m in ("flax", "haiku"))
     assert statuses["Flax equals Haiku (same weights)"] == ("pass" if both else "skip")
+    assert statuses["batched equals unbatched"] == "pass"
+    assert "batch_size=2 vs one call, x2=None" in out["checks"][3]["detail"]
 
 
 def test_console_entry():
