@@ -21,7 +21,7 @@ def progress_bar(fn_name: str, progress, total: int, desc: str):
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(
             f"{fn_name}: progress must be None (a bar in a terminal only), True or False, "
-            f"got {progress!r}."
+            f"got {progress!r}. Fix: pass progress=True, progress=False or leave it None."
         )
     show = progress if progress is not None else sys.stderr.isatty()
     if not show:
