@@ -575,6 +575,31 @@ def _explicit_jacobian(use: Use, xm, g):
     return jnp.moveaxis(j, 1, 2).reshape(lead + (j.shape[1], j.shape[3]))
 
 
+#: Values of convolution patches formed at once when building per-sample Jacobians:
+#: a few MiB, so that they stay in cache instead of crossing main memory.
+_PATCH_CHUNK_VALUES = 2**19
+
+
+def _conv_jacobian(use: Use, xu, g, biased: bool):
+    """Per-sample kernel Jacobian of a convolution, ``(N, *O, C, K)``, from its recorded
+    inputs ``(N, *lhs)`` and cotangents ``(N, *O, A, K)``: patches times cotangents,
+    a few samples at a time (``lax.map``) so that the patches, C/K times larger than
+    the Jacobian, never exist for the whole batch at once."""
+    lead = g.shape[:-2]
+    g3 = g.reshape((g.shape[0], -1) + g.shape[-2:])  # (N, O, A, K)
+
+    def one(args):
+        x_i, g_i = args
+        pm = patches(x_i, use.x_info)  # (C, A)
+        if biased:
+            pm = jnp.concatenate([pm, jnp.ones((1, pm.shape[1]), pm.dtype)], axis=0)
+        return jnp.moveaxis(jnp.einsum("ca,oak->cok", pm, g_i), 0, 1)  # dot's own order
+
+    rows = max(1, _PATCH_CHUNK_VALUES // max(1, use.a_size * use.x_contract_size))
+    j = lax.map(one, (xu, g3), batch_size=min(rows, xu.shape[0]))
+    return j.reshape(lead + j.shape[-2:])
+
+
 def _one_hot_jacobian(use: Use, tokens, g):
     """Explicit per-sample Jacobian of a lookup: ``J[v, d] = Σ_a [t_a = v] g[a, d]``."""
     (mode,) = use.x_info
@@ -629,7 +654,8 @@ def features(apply3, params, x, aux, out_tree, fuse_bias: bool = True, modes=Non
     out_shapes = out_tree.flatten_up_to(jax.eval_shape(apply3, params, x, aux))
     biased = analysis.biased or (False,) * len(analysis.uses)
     x_mats = [
-        _input_matrix(use, xu, b) for use, xu, b in zip(analysis.uses, xs, biased, strict=True)
+        None if use.kind == "conv" and not _gram(analysis, modes, u) else _input_matrix(use, xu, b)
+        for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True))
     ]
     fallback, explicit, g = [], [], []
     for k, o in enumerate(out_shapes):
@@ -653,6 +679,8 @@ def features(apply3, params, x, aux, out_tree, fuse_bias: bool = True, modes=Non
                 use = analysis.uses[u]
                 if use.kind == "gather":
                     j = _one_hot_jacobian(use, x_mats[u], per_use[u])
+                elif use.kind == "conv":
+                    j = _conv_jacobian(use, xs[u], per_use[u], biased[u])
                 else:
                     j = _explicit_jacobian(use, x_mats[u], per_use[u])
                 total = j if total is None else total + j

@@ -267,7 +267,12 @@ def conv_kernel_elsewhere(p, x):
 def conv_grouped(p, x):
     """A grouped convolution (feature_group_count=3): fallback."""
     y = jax.lax.conv_general_dilated(
-        x, p[0][:, :, :1, :], (1, 1), "SAME", ("NHWC", "HWIO", "NHWC"), feature_group_count=3
+        x,
+        p[0],
+        (1, 1),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=3,
     )
     return jnp.tanh(y + p[1]).reshape(x.shape[0], -1) @ p[2]
 
@@ -316,7 +321,7 @@ CONV_MODELS = {
     "grouped": (
         conv_grouped,
         (4, 4, 3),
-        ((2, 2, 3, 3), (3,), (48, 2)),
+        ((2, 2, 1, 3), (3,), (48, 2)),
         ["jacobian (fallback)", "jacobian (fallback)", "structured"],
     ),
     "one_position": (
