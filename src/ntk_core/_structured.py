@@ -55,10 +55,15 @@ products of two parameters, or anything inside scan / cond / while / custom_vjp.
 Sub-jaxprs of ``jit``, ``closed_call`` and ``checkpoint`` are inlined; ``custom_jvp``
 functions (``jax.nn.relu``, ``gelu``) are evaluated with their own rules.
 
-Elementwise scales need no rule: their per-sample Jacobian Σ_a x[a, k] g_o[a, k] is what
-the joint reverse pass already computes (one multiply-add per element of the scaled
-tensor and output entry, the same as recording x and g and reducing them), and its Gram
-form A_u·A_v·O'·K per pair is never cheaper than the explicit O'·K.
+Elementwise scales (``x * s``, LayerNorm / BatchNorm scale) have no rule yet. Their Gram
+form A_u·A_v·O'·K per pair is never cheaper than the explicit O'·K, so a rule would
+form the same per-sample Jacobian Σ_a x[a, k] g_o[a, k] from a recorded x and g. The
+joint reverse pass computes that Jacobian too, with the same operation count, but in
+a measured case it is slower: per-sample features of ``mean_L(tanh(norm(x) * s) @ W)``
+with x of shape (256, 32, 128) and 4 outputs take 0.040 s for the scale through the
+reverse pass against 0.016 s for recording x and g and reducing them (one XLA CPU
+thread, process time, machine load 9), so a ``mul`` rule (explicit mode only) is worth
+adding.
 
 Reference: Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent
 Kernel", ICML 2022, section 3.3.
