@@ -12,7 +12,8 @@ parameter count:
 * ``"ntvp"``: N2·O·3F for the VJPs plus N1·N2·O·3F for the JVPs; memory O·P + N1·O·O.
 * ``"structured"``: (N1 + N2)·O·3F for the cotangents and fallback Jacobians, plus
   per pair 2·O'·P_fallback and, per structured leaf, the cheaper of its Gram form
-  Σ_{u,v} 2·A_u·A_v·(C + O'·K) (a gather's token match counts C = 1) and its explicit
+  Σ_{u,v} 2·A_u·A_v·(C + O'·K) (or 2·(A_u·A_v·(C + O·K) + O'·A·K) when that order is
+  cheaper; a gather's token match counts C = 1) and its explicit
   form 2·O'·C·K (``_structured.choose_modes``, the choice the computation makes), the
   explicit form adding 2·O·A·C·K per sample and use to build the Jacobian (and A·C to
   slice a convolution's patches); memory (N1 + N2)·(O·P_fallback + per structured leaf
@@ -150,8 +151,8 @@ def estimate(
     per_pair = 2.0 * o_pair * p_fallback
     per_sample = out_total * p_fallback  # values stored per sample
     per_sample_flops = 0.0  # beyond the reverse pass
-    for group, mode in zip(analysis.groups, choose_modes(analysis, o_pair), strict=True):
-        gram, explicit = pair_costs(analysis, group, o_pair)
+    for group, mode in zip(analysis.groups, choose_modes(analysis, o_pair, out_total), strict=True):
+        gram, explicit = pair_costs(analysis, group, o_pair, out_total)
         for u in group:
             use = analysis.uses[u]
             a, c, k = use.a_size, analysis.input_size(u), use.w_free_size

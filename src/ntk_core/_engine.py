@@ -319,7 +319,8 @@ class KernelFunction:
                 n_leaves = len(jax.tree.leaves(params))
                 analysis = self._analysis(params, x1, aux)
                 o_pair = sum(_pair_sizes(shapes1, layouts))
-                modes = _structured.choose_modes(analysis, o_pair)
+                o_out = sum(math.prod(s.shape[1:]) for s in shapes1)
+                modes = _structured.choose_modes(analysis, o_pair, o_out)
                 structure = analysis.leaves(n_leaves, modes)
         return _Config(
             self._kind,

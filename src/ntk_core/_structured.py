@@ -32,8 +32,9 @@ either in this Gram form (``"gram"`` mode: features ``x`` and ``g``, the four-op
 contraction done pairwise by ``jnp.einsum(optimize="optimal")``) or from the per-sample
 Jacobian ``J = Σ_a x[a, :]ᵀ g_o[a, :]`` formed once per sample (``"explicit"`` mode:
 features ``J``, then a Jacobian contraction). :func:`choose_modes` picks per leaf from
-the shapes: the Gram form costs A_u·A_v·(C + O'·K) per pair of samples, the explicit
-one O'·C·K (O' kernel entries per pair). A Dense layer on vectors (A = 1) takes the Gram
+the shapes: the Gram form costs about A_u·A_v·(C + O'·K) per pair of samples (less
+when the einsum contracts one side's cotangents first), the explicit one O'·C·K (O'
+kernel entries per pair). A Dense layer on vectors (A = 1) takes the Gram
 form, (x1·x2)(g1·g2); a convolution over many positions the explicit one, which is
 still much cheaper than differentiating the kernel through the convolution under
 ``vmap`` (a grouped convolution, slow on CPU).
@@ -143,27 +144,34 @@ class Analysis:
         return use.x_contract_size + int(bool(self.biased) and self.biased[u])
 
 
-def pair_costs(analysis: Analysis, group, o_pair: int) -> tuple[float, float]:
+def pair_costs(analysis: Analysis, group, o_pair: int, o_out: int) -> tuple[float, float]:
     """FLOPs per pair of samples of one leaf: (Gram form, explicit Jacobian form).
 
-    Gram: Σ_{u,v} 2·A_u·A_v·(C + O'·K) (the token match of a gather costs A_u·A_v);
-    explicit: 2·O'·C·K.
+    Gram, per pair of uses (u, v): 2·A_u·A_v·C for the input Gram matrix (C = 1 for a
+    gather's token match), then the cheaper of 2·A_u·A_v·O'·K (the cotangent Gram
+    matrix) and 2·(A_u·A_v·O·K + O'·min(A_u, A_v)·K) (input Gram times one side's
+    cotangents first), the orders ``jnp.einsum(optimize="optimal")`` chooses between;
+    explicit: 2·O'·C·K. O' is the kernel entries per pair, O the output entries per
+    sample.
     """
     gram = 0.0
     for u, v in itertools.product(group, group):
         use_u, use_v = analysis.uses[u], analysis.uses[v]
         c = 1 if use_u.kind == "gather" else analysis.input_size(u)
-        gram += 2.0 * use_u.a_size * use_v.a_size * (c + o_pair * use_u.w_free_size)
+        a_u, a_v, k = use_u.a_size, use_v.a_size, use_u.w_free_size
+        cotangents = min(a_u * a_v * o_pair * k, a_u * a_v * o_out * k + o_pair * min(a_u, a_v) * k)
+        gram += 2.0 * (a_u * a_v * c + cotangents)
     use = analysis.uses[group[0]]
     explicit = 2.0 * o_pair * analysis.input_size(group[0]) * use.w_free_size
     return gram, explicit
 
 
-def choose_modes(analysis: Analysis, o_pair: int) -> tuple[str, ...]:
-    """Per group (structured leaf): ``"gram"`` or ``"explicit"``, the cheaper per pair."""
+def choose_modes(analysis: Analysis, o_pair: int, o_out: int) -> tuple[str, ...]:
+    """Per group (structured leaf): ``"gram"`` or ``"explicit"``, the cheaper per pair
+    (see :func:`pair_costs`)."""
     modes = []
     for group in analysis.groups:
-        gram, explicit = pair_costs(analysis, group, o_pair)
+        gram, explicit = pair_costs(analysis, group, o_pair, o_out)
         modes.append("explicit" if explicit < gram else "gram")
     return tuple(modes)
 
