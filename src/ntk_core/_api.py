@@ -412,8 +412,14 @@ def plan(
     Returns a ``Plan`` with ``implementation`` (what ``"auto"`` chose, or the one asked
     for), ``estimates`` (analytic FLOPs and feature memory in bytes of each
     implementation considered, from the shapes; see :mod:`ntk_core._cost`) and
-    ``leaves``: for each parameter leaf its path, size P_l and method (``"structured
-    (k matrix products)"``, ``"jacobian (fallback)"``, ``"jacobian"`` or ``"ntvp"``).
+    ``leaves``: for each parameter leaf its path, size P_l and method: ``"structured
+    (k matrix products)"``, ``"structured (k convolutions)"``, ``"structured (embedding
+    gather)"``, ``"structured (bias fused with its matrix product)"`` (or ``... its
+    convolution``), with ``", per-sample Jacobian"`` when the leaf's Jacobian is formed
+    from its recorded inputs and cotangents because that is cheaper than the Gram form
+    for these shapes; ``"jacobian (fallback)"`` for a leaf no rule covers (elementwise
+    scales, grouped convolutions, tied input/output embeddings, ...); ``"jacobian"`` or
+    ``"ntvp"`` when another implementation runs.
     ``print(plan)`` shows a table. Arguments as :func:`empirical_ntk` (x1 with N1
     samples, x2 with N2 or ``None``); the estimates count N1·N2 pairs (N1 on the batch
     diagonal).

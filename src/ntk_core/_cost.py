@@ -11,8 +11,13 @@ parameter count:
   contraction; memory (N1 + N2)·O·P values.
 * ``"ntvp"``: N2·O·3F for the VJPs plus N1·N2·O·3F for the JVPs; memory O·P + N1·O·O.
 * ``"structured"``: (N1 + N2)·O·3F for the cotangents and fallback Jacobians, plus
-  per pair 2·O'·P_fallback and, for each pair of uses (u, v) of a structured leaf,
-  2·min(A_u·A_v·(C + O'·K), O'·C·K); memory (N1 + N2)·(O·P_fallback + Σ_u A_u·(C + O·K)).
+  per pair 2·O'·P_fallback and, per structured leaf, the cheaper of its Gram form
+  Σ_{u,v} 2·A_u·A_v·(C + O'·K) (or 2·(A_u·A_v·(C + O·K) + O'·A·K) when that order is
+  cheaper; a gather's token match counts C = 1) and its explicit
+  form 2·O'·C·K (``_structured.choose_modes``, the choice the computation makes), the
+  explicit form adding 2·O·A·C·K per sample and use to build the Jacobian (and A·C to
+  slice a convolution's patches); memory (N1 + N2)·(O·P_fallback + per structured leaf
+  Σ_u A_u·(C + O·K) in the Gram form, O·C·K in the explicit one).
 
 ``"auto"`` takes the cheapest in FLOPs among those whose features fit in
 :data:`JACOBIAN_MEMORY_BUDGET` bytes (``"ntvp"`` if none does).
@@ -25,6 +30,8 @@ import math
 
 import jax
 from jax.extend import core as jex_core
+
+from ._structured import choose_modes, pair_costs
 
 #: Bytes of per-sample Jacobians above which ``"auto"`` avoids ``"jacobian"``.
 JACOBIAN_MEMORY_BUDGET = 4 * 2**30
@@ -142,20 +149,30 @@ def estimate(
     p_fallback = sum(leaf_sizes[i] for i in analysis.fallback)
     o_pair = sum(pair_sizes)
     per_pair = 2.0 * o_pair * p_fallback
-    per_sample = out_total * p_fallback
-    for group in analysis.groups:
+    per_sample = out_total * p_fallback  # values stored per sample
+    per_sample_flops = 0.0  # beyond the reverse pass
+    for group, mode in zip(analysis.groups, choose_modes(analysis, o_pair, out_total), strict=True):
+        gram, explicit = pair_costs(analysis, group, o_pair, out_total)
         for u in group:
-            use_u = analysis.uses[u]
-            a_u = math.prod(use_u.y_shape) // use_u.w_free_size
-            c, k = use_u.x_contract_size, use_u.w_free_size
-            per_sample += a_u * (c + out_total * k)
-            for v in group:
-                use_v = analysis.uses[v]
-                a_v = math.prod(use_v.y_shape) // use_v.w_free_size
-                per_pair += 2.0 * min(a_u * a_v * (c + o_pair * k), o_pair * c * k)
+            use = analysis.uses[u]
+            a, c, k = use.a_size, analysis.input_size(u), use.w_free_size
+            if use.kind == "conv":  # patches
+                per_sample_flops += a * c
+            if mode == "explicit":
+                per_sample_flops += 2.0 * out_total * a * c * k
+        if mode == "explicit":
+            use = analysis.uses[group[0]]
+            per_sample += out_total * analysis.input_size(group[0]) * use.w_free_size
+            per_pair += explicit
+        else:
+            for u in group:
+                use = analysis.uses[u]
+                c = 1 if use.kind == "gather" else analysis.input_size(u)
+                per_sample += use.a_size * (c + out_total * use.w_free_size)
+            per_pair += gram
     structured = CostEstimate(
         "structured",
-        n_jac * out_total * 3 * forward + pairs * per_pair,
+        n_jac * (out_total * 3 * forward + per_sample_flops) + pairs * per_pair,
         float(n_jac * per_sample * itemsize),
     )
     return jac, ntvp, structured

@@ -47,6 +47,7 @@ class _Config:
     symmetric: bool
     params_tree: Any = None
     structure: tuple = ()  # "structured": Analysis.leaves(...)
+    analysis: Any = None  # "structured": the _structured.Analysis
 
 
 @functools.lru_cache(maxsize=64)
@@ -81,11 +82,24 @@ def _ntvp_features(apply3, vmap_axes, precision):
 def _structured_features(apply3, precision, fuse_bias):
     """The jitted first phase of ``"structured"``: layer inputs, cotangents, fallbacks."""
 
-    def features(params, x, aux, *, out_tree):
+    def features(params, x, aux, *, out_tree, modes):
         with jax.default_matmul_precision(precision):
-            return _structured.features(apply3, params, x, aux, out_tree, fuse_bias)
+            return _structured.features(apply3, params, x, aux, out_tree, fuse_bias, modes)
 
-    return jax.jit(features, static_argnames=("out_tree",))
+    return jax.jit(features, static_argnames=("out_tree", "modes"))
+
+
+def _pair_sizes(shapes1, layouts) -> list[int]:
+    """Kernel entries per pair of samples (O'), per output leaf."""
+    sizes = []
+    for s, layout in zip(shapes1, layouts, strict=True):
+        size = 1
+        for a in range(1, layout.ndim):
+            if a not in layout.trace and a not in layout.diag:
+                size *= s.shape[a]
+            size *= s.shape[a]
+        sizes.append(size)
+    return sizes
 
 
 def _signature(tree) -> tuple:
@@ -138,6 +152,26 @@ def _batch_size(fn_name: str, name: str, x) -> int:
             f"least one sample."
         )
     return n
+
+
+def _structured_methods(analysis, modes) -> dict[int, str]:
+    """``plan()`` labels of the structured leaves, e.g. "structured (1 convolution)"."""
+    methods = {}
+    for group, mode in zip(analysis.groups, modes, strict=True):
+        use = analysis.uses[group[0]]
+        name = _structured.KIND_NAMES[use.kind]
+        if use.kind == "gather":
+            label = name if len(group) == 1 else f"{len(group)} {name}s"
+        else:
+            label = f"{len(group)} {name}{'s' if len(group) > 1 else ''}"
+        if mode == "explicit":
+            label += ", per-sample Jacobian"
+        methods[use.leaf] = f"structured ({label})"
+    for u, leaf in enumerate(analysis.bias_leaves):
+        if leaf >= 0:
+            kind = _structured.KIND_NAMES[analysis.uses[u].kind]
+            methods[leaf] = f"structured (bias fused with its {kind})"
+    return methods
 
 
 class KernelFunction:
@@ -295,13 +329,17 @@ class KernelFunction:
                 f"'auto', got 'ntvp' (NTK-vector products do not separate the leaves). Fix: "
                 f"pass implementation='auto'."
             )
-        structure = ()
+        structure, analysis = (), None
         if implementation == "structured":
             if opts.vmap_axes is None:
                 implementation = "jacobian"  # no per-sample structure to exploit
             else:
                 n_leaves = len(jax.tree.leaves(params))
-                structure = self._analysis(params, x1, aux).leaves(n_leaves)
+                analysis = self._analysis(params, x1, aux)
+                o_pair = sum(_pair_sizes(shapes1, layouts))
+                o_out = sum(math.prod(s.shape[1:]) for s in shapes1)
+                modes = _structured.choose_modes(analysis, o_pair, o_out)
+                structure = analysis.leaves(n_leaves, modes)
         return _Config(
             self._kind,
             implementation,
@@ -313,6 +351,7 @@ class KernelFunction:
             x2 is None,
             jax.tree.structure(params),
             structure,
+            analysis,
         )
 
     @property
@@ -335,14 +374,7 @@ class KernelFunction:
     def _estimates(self, params, x1, aux, n1, n2, symmetric, shapes1, layouts):
         x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
         out_sizes = [math.prod(s.shape[1:]) for s in shapes1]
-        pair_sizes = []
-        for s, layout in zip(shapes1, layouts, strict=True):
-            size = 1
-            for a in range(1, layout.ndim):
-                if a not in layout.trace and a not in layout.diag:
-                    size *= s.shape[a]
-                size *= s.shape[a]
-            pair_sizes.append(size)
+        pair_sizes = _pair_sizes(shapes1, layouts)
         batch_diag = any(layout.batch_diagonal for layout in layouts)
         estimates = _cost.estimate(
             per_sample(self._apply3),
@@ -402,6 +434,7 @@ class KernelFunction:
             per_leaf = _structured.contract(
                 config.layouts,
                 config.structure,
+                config.analysis,
                 f1,
                 f1 if f2 is None else f2,
                 _PRECISION[config.precision],
@@ -438,7 +471,7 @@ class KernelFunction:
             return functools.partial(jac, out_tree=config.out_tree)
         if impl == "structured":
             feat = _structured_features(self._apply3, config.precision, self._fuse_bias)
-            return functools.partial(feat, out_tree=config.out_tree)
+            return functools.partial(feat, out_tree=config.out_tree, modes=config.structure[4])
         if impl == "nngp":
             return functools.partial(self._outputs, config=config)
         return None
@@ -502,21 +535,15 @@ class KernelFunction:
         )
         paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
         sizes = [math.prod(np.shape(v)) for v in jax.tree.leaves(params)]
-        uses = {}
+        methods = {}
         if config.implementation == "structured":
-            analysis = self._analysis(params, x1, aux)  # uses per leaf, for the report
-            for use in analysis.uses:
-                uses[use.leaf] = uses.get(use.leaf, 0) + 1
+            methods = _structured_methods(config.analysis, config.structure[4])
         leaves = []
         for i, (path, size) in enumerate(zip(paths, sizes, strict=True)):
             if config.implementation != "structured":
                 method = config.implementation
-            elif i in uses:
-                method = f"structured ({uses[i]} matrix product{'s' if uses[i] > 1 else ''})"
-            elif i in analysis.fallback:
-                method = "jacobian (fallback)"
             else:
-                method = "structured (bias fused with its matrix product)"
+                method = methods.get(i, "jacobian (fallback)")
             leaves.append(_cost.LeafPlan(path, size, method))
         return _cost.Plan(config.implementation, tuple(estimates), tuple(leaves))
 

@@ -22,7 +22,8 @@ vmap_axes:
 implementation:
     ``"auto"`` (default), ``"jacobian"`` (Jacobian contraction), ``"ntvp"``
     (NTK-vector products) or ``"structured"`` (structured derivatives: Gram identities
-    for weights used in matrix products, explicit Jacobians for the other leaves; with
+    for weights used in matrix products, convolutions and embedding lookups and their
+    biases, explicit Jacobians for the other leaves; with
     ``vmap_axes=None`` it computes the Jacobian contraction). See
     :data:`IMPLEMENTATIONS`.
 precision:

@@ -1,30 +1,70 @@
-"""Structured derivatives: the NTK of weights used in matrix products, without their
-Jacobians.
+"""Structured derivatives: the NTK of weights used in matrix products, convolutions and
+embedding lookups, without their Jacobians (or with Jacobians formed cheaply).
 
-For a weight W used in ``y = dot_general(x, W)`` the per-sample Jacobian of output
-``o`` is ``∂f_o/∂W[c, k] = Σ_a x[a, c] g_o[a, k]`` with ``g = ∂f/∂y`` (the cotangent at
-the product's output, for every output entry) and ``a`` the free axes of ``x`` (the
-sample's batch axis of size 1, a sequence axis, ...). Its NTK contribution is
+Every rule writes the per-sample Jacobian of a weight use as a product of two
+recorded quantities: the use's input ``x[a, c]`` and the cotangent ``g_o[a, k] =
+∂f_o/∂y[a, k]`` at the use's output ``y``, for every output entry ``o``, where ``a``
+runs over the output positions of the use (the sample's batch axis of size 1, a
+sequence axis, the spatial positions of a convolution), ``c`` over the weight's input
+coordinates and ``k`` over its output units:
+
+    ∂f_o/∂W[c, k] = Σ_a x[a, c] g_o[a, k]
+
+* ``dot_general`` (Dense, einsum projections): ``x`` is the layer input, free axes first.
+* ``conv_general_dilated`` on its kernel operand (any strides, padding, lhs/rhs
+  dilation and dimension numbers, ``feature_group_count = batch_group_count = 1``):
+  ``x`` are the input patches, ``c = (input channel, window offset)`` in the kernel's
+  ``rhs_spec`` order, extracted by padding and strided slicing (no convolution).
+* ``gather`` of rows of a ``(V, D)`` table (``nn.Embed``, ``hk.Embed``, ``table[tokens]``,
+  ``jnp.take``): ``x[a, c] = [token_a = c]`` (one-hot), so the Gram factor below is the
+  token match ``[t1_a = t2_b]`` and is computed from the tokens without the one-hot;
+  out-of-range tokens follow the lookup's mode (``clip`` clamps; ``fill`` and
+  promise-in-bounds drop them, as the lookup's transpose does).
+* A bias added right after a product or convolution, with one entry per output unit
+  ``k`` broadcast over the positions ``a`` in any order, joins the use as a constant
+  input column: Σ_ab (x1a·x2b + 1)(g1a·g2b) = K_W + (Σ_a g1a)·(Σ_b g2b).
+
+A use's NTK contribution is, per pair of uses (u, v) of one leaf,
 
     Σ_{a,b} (Σ_c x1[a, c] x2[b, c]) (Σ_k g1_o[a, k] g2_o'[b, k]),
 
-a four-operand contraction whose cheapest order (the Gram form above, or forming the
-explicit Jacobian first) ``jnp.einsum`` picks from the shapes. For a Dense layer on
-vectors this is (x1·x2)(g1·g2): O(C + O²K) per pair instead of O(O²·C·K).
+either in this Gram form (``"gram"`` mode: features ``x`` and ``g``, the four-operand
+contraction done pairwise by ``jnp.einsum(optimize="optimal")``) or from the per-sample
+Jacobian ``J = Σ_a x[a, :]ᵀ g_o[a, :]`` formed once per sample (``"explicit"`` mode:
+features ``J``, then a Jacobian contraction). :func:`choose_modes` picks per leaf from
+the shapes: the Gram form costs about A_u·A_v·(C + O'·K) per pair of samples (less
+when the einsum contracts one side's cotangents first), the explicit one O'·C·K (O'
+kernel entries per pair). A Dense layer on vectors (A = 1) takes the Gram
+form, (x1·x2)(g1·g2); a convolution over many positions the explicit one, which is
+still much cheaper than differentiating the kernel through the convolution under
+``vmap`` (a grouped convolution, slow on CPU).
 
 Phase one (features, per sample, O(N)): the model's jaxpr (``jax.make_jaxpr``) is
 evaluated by a small interpreter over public ``jax.extend.core`` objects that adds a
-zero probe δ_u to the output of every structured product u and records its input x_u;
-one reverse pass per output entry gives ∂f/∂δ_u = g_u and, jointly, the explicit
-Jacobians of the *fallback* leaves. Phase two (contract, O(N1·N2)): the contraction
-above per pair of uses of the same leaf (weight tying sums its per-use Jacobians, so
-cross terms between uses count), plus the Jacobian contraction of the fallback leaves.
+zero probe δ_u to the output of every structured use u and records its input; one
+reverse pass per output entry gives ∂f/∂δ_u = g_u and, jointly, the explicit Jacobians
+of the *fallback* leaves. Phase two (contract, O(N1·N2)): the contraction above per
+pair of uses of the same leaf (weight tying sums its per-use Jacobians, so cross terms
+between uses count), plus the Jacobian contraction of the fallback and explicit leaves.
 
-Fallback (explicit per-leaf Jacobian, the ``"jacobian"`` method) for every leaf that is
-used in any other way: bias adds, scales, convolutions, gathers (embedding tables),
-products of two parameters, or inside scan / cond / while / custom_vjp. Sub-jaxprs of
-``jit``, ``closed_call`` and ``checkpoint`` are inlined; ``custom_jvp`` functions
-(``jax.nn.relu``, ``gelu``) are evaluated with their own rules.
+Fallback (explicit per-leaf Jacobian from the joint reverse pass, the ``"jacobian"``
+method) for every leaf used in any other way: elementwise scales (LayerNorm /
+BatchNorm scale, ``x * s``), a bias that is not one entry per output unit or not added
+right after its product, grouped convolutions, a table used both in a lookup and a
+product (tied input/output embeddings), the same leaf seen through different views,
+products of two parameters, or anything inside scan / cond / while / custom_vjp.
+Sub-jaxprs of ``jit``, ``closed_call`` and ``checkpoint`` are inlined; ``custom_jvp``
+functions (``jax.nn.relu``, ``gelu``) are evaluated with their own rules.
+
+Elementwise scales (``x * s``, LayerNorm / BatchNorm scale) have no rule yet. Their Gram
+form A_u·A_v·O'·K per pair is never cheaper than the explicit O'·K, so a rule would
+form the same per-sample Jacobian Σ_a x[a, k] g_o[a, k] from a recorded x and g. The
+joint reverse pass computes that Jacobian too, with the same operation count, but in
+a measured case it is slower: per-sample features of ``mean_L(tanh(norm(x) * s) @ W)``
+with x of shape (256, 32, 128) and 4 outputs take 0.040 s for the scale through the
+reverse pass against 0.016 s for recording x and g and reducing them (one XLA CPU
+thread, process time, machine load 9), so a ``mul`` rule (explicit mode only) is worth
+adding.
 
 Reference: Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent
 Kernel", ICML 2022, section 3.3.
@@ -33,11 +73,14 @@ Kernel", ICML 2022, section 3.3.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import string
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.extend import core as jex
 
 from ._model import per_sample
@@ -48,22 +91,35 @@ _VIEW_PRIMITIVES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", 
 _INLINE_PRIMITIVES = frozenset(
     {"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint"}
 )
+#: Lookup modes of ``gather`` handled by the embedding rule.
+_GATHER_MODES = frozenset({"CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"})
+
+#: What each kind of use is called in ``plan()`` labels.
+KIND_NAMES = {"dot": "matrix product", "conv": "convolution", "gather": "embedding gather"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Use:
-    """One structured use of a parameter leaf: ``y = dot_general(x, view(W))``."""
+    """One structured use of a parameter leaf.
+
+    ``kind`` is ``"dot"`` (``y = dot_general(x, view(W))``), ``"conv"`` (``y =
+    conv_general_dilated(x, view(W))``) or ``"gather"`` (``y = view(W)[tokens]``).
+    ``y_perm`` orders the axes of ``y`` as (position axes..., unit axes...), so that
+    ``y.transpose(y_perm).reshape(A, K)`` is the use's output matrix.
+    """
 
     path: tuple[int, ...]  # indices of the equation through inlined sub-jaxprs
     leaf: int
-    x_side: int  # 0: x is the lhs operand, 1: the rhs
-    x_contract: tuple[int, ...]
-    x_free: tuple[int, ...]
+    kind: str
+    x_side: int  # operand index of the recorded input (tokens for a gather)
     key: tuple  # uses of one leaf with equal keys pair up coordinate by coordinate
     y_shape: tuple[int, ...]
     y_dtype: str
-    w_free_size: int  # K
-    x_contract_size: int  # C
+    y_perm: tuple[int, ...]
+    a_size: int  # A: output positions
+    w_free_size: int  # K: output units
+    x_contract_size: int  # C: input coordinates (V for a gather)
+    x_info: tuple = ()  # dot: (x_free, x_contract); conv: geometry; gather: (mode,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +128,52 @@ class Analysis:
     fallback: tuple[int, ...]  # parameter leaves differentiated explicitly
     groups: tuple[tuple[int, ...], ...]  # use indices of each structured leaf
     biased: tuple[bool, ...] = ()  # per use: a bias added to its output is fused in
+    bias_leaves: tuple[int, ...] = ()  # per use: the fused bias leaf, or -1
 
-    def leaves(self, n_leaves: int) -> tuple:
-        """``(n_leaves, fallback, groups, leaf of each group)`` for :func:`contract`."""
+    def leaves(self, n_leaves: int, modes: tuple[str, ...] | None = None) -> tuple:
+        """``(n_leaves, fallback, groups, leaf of each group, mode of each group)`` for
+        :func:`contract` (all modes ``"gram"`` unless given)."""
         group_leaves = tuple(self.uses[g[0]].leaf for g in self.groups)
-        return (n_leaves, self.fallback, self.groups, group_leaves)
+        if modes is None:
+            modes = ("gram",) * len(self.groups)
+        return (n_leaves, self.fallback, self.groups, group_leaves, tuple(modes))
+
+    def input_size(self, u: int) -> int:
+        """C of use ``u`` with its fused bias column."""
+        use = self.uses[u]
+        return use.x_contract_size + int(bool(self.biased) and self.biased[u])
+
+
+def pair_costs(analysis: Analysis, group, o_pair: int, o_out: int) -> tuple[float, float]:
+    """FLOPs per pair of samples of one leaf: (Gram form, explicit Jacobian form).
+
+    Gram, per pair of uses (u, v): 2·A_u·A_v·C for the input Gram matrix (C = 1 for a
+    gather's token match), then the cheaper of 2·A_u·A_v·O'·K (the cotangent Gram
+    matrix) and 2·(A_u·A_v·O·K + O'·min(A_u, A_v)·K) (input Gram times one side's
+    cotangents first), the orders ``jnp.einsum(optimize="optimal")`` chooses between;
+    explicit: 2·O'·C·K. O' is the kernel entries per pair, O the output entries per
+    sample.
+    """
+    gram = 0.0
+    for u, v in itertools.product(group, group):
+        use_u, use_v = analysis.uses[u], analysis.uses[v]
+        c = 1 if use_u.kind == "gather" else analysis.input_size(u)
+        a_u, a_v, k = use_u.a_size, use_v.a_size, use_u.w_free_size
+        cotangents = min(a_u * a_v * o_pair * k, a_u * a_v * o_out * k + o_pair * min(a_u, a_v) * k)
+        gram += 2.0 * (a_u * a_v * c + cotangents)
+    use = analysis.uses[group[0]]
+    explicit = 2.0 * o_pair * analysis.input_size(group[0]) * use.w_free_size
+    return gram, explicit
+
+
+def choose_modes(analysis: Analysis, o_pair: int, o_out: int) -> tuple[str, ...]:
+    """Per group (structured leaf): ``"gram"`` or ``"explicit"``, the cheaper per pair
+    (see :func:`pair_costs`)."""
+    modes = []
+    for group in analysis.groups:
+        gram, explicit = pair_costs(analysis, group, o_pair, o_out)
+        modes.append("explicit" if explicit < gram else "gram")
+    return tuple(modes)
 
 
 def _sub_jaxpr(eqn):
@@ -97,36 +194,172 @@ def _literal(v) -> bool:
     return isinstance(v, jex.Literal)
 
 
-def _order_preserving(chain, shape) -> bool:
-    """A chain of reshapes / broadcasts that keeps the leaf's elements in order."""
-    for name, params in chain:
-        if name == "broadcast_in_dim":
-            dims = dict(params).get("broadcast_dimensions", "")
-            try:
-                dims = tuple(int(d) for d in dims.strip("()").split(",") if d.strip())
-            except ValueError:
-                return False
-            if list(dims) != sorted(dims):
-                return False
-        elif name != "reshape":
-            return False
-    return True
+def _bind(eqn, invals):
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    # Older JAX returns (sub-functions, params), newer JAX the params alone.
+    if isinstance(bound, tuple) and len(bound) == 2 and isinstance(bound[1], dict):
+        subfuns, params = bound
+    else:
+        subfuns, params = (), bound
+    return eqn.primitive.bind(*subfuns, *invals, **params)
+
+
+def _bias_fusable(eqns, leaf_shape, use: Use) -> bool:
+    """Whether the bias view (the leaf through ``eqns``, then broadcast to ``y``) puts,
+    at every output position, entry ``σ(k)`` of the leaf on unit ``k`` for one
+    bijection σ: then its Jacobian is Σ_a g[a, k] up to a permutation of the entries.
+
+    Decided exactly by replaying the view on the entry indices.
+    """
+    size = math.prod(leaf_shape)
+    if size != use.w_free_size:
+        return False
+    try:
+        idx = np.arange(size, dtype=np.int32).reshape(leaf_shape)
+        with jax.ensure_compile_time_eval():  # concrete even inside a jit trace
+            for eqn in eqns:
+                idx = np.asarray(_bind(eqn, [idx]))
+        idx = np.broadcast_to(idx, use.y_shape)
+    except Exception:  # an unexpected view: do not fuse
+        return False
+    mat = np.transpose(idx, use.y_perm).reshape(use.a_size, use.w_free_size)
+    return bool((mat == mat[:1]).all() and np.array_equal(np.sort(mat[0]), np.arange(size)))
+
+
+def _dot_use(eqn, ins, here):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    w_side = 0 if ins[0] is not None else 1
+    leaf, chain, _ = ins[w_side]
+    if lb or rb or any(step[0] == "broadcast_in_dim" for step in chain):
+        return None
+    x_side = 1 - w_side
+    x_var, w_var = eqn.invars[x_side], eqn.invars[w_side]
+    x_contract = tuple(lc if x_side == 0 else rc)
+    w_contract = tuple(rc if x_side == 0 else lc)
+    x_free = tuple(a for a in range(len(x_var.aval.shape)) if a not in x_contract)
+    w_free = tuple(a for a in range(len(w_var.aval.shape)) if a not in w_contract)
+    y_ndim = len(eqn.outvars[0].aval.shape)
+    # y = (x_free..., w_free...) for x on the left, (w_free..., x_free...) otherwise.
+    if x_side == 0:
+        y_perm = tuple(range(y_ndim))
+    else:
+        y_perm = tuple(range(len(w_free), y_ndim)) + tuple(range(len(w_free)))
+    k = math.prod(w_var.aval.shape[a] for a in w_free)
+    return Use(
+        here,
+        leaf,
+        "dot",
+        x_side,
+        ("dot", chain, w_contract, w_free, x_side),
+        tuple(eqn.outvars[0].aval.shape),
+        str(eqn.outvars[0].aval.dtype),
+        y_perm,
+        math.prod(x_var.aval.shape[a] for a in x_free),
+        k,
+        math.prod(x_var.aval.shape[a] for a in x_contract),
+        (x_free, x_contract),
+    )
+
+
+def _conv_use(eqn, ins, here):
+    if ins[0] is not None or ins[1] is None:
+        return None  # only the kernel operand is a parameter
+    p = eqn.params
+    if p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
+        return None
+    leaf, chain, _ = ins[1]
+    if any(step[0] == "broadcast_in_dim" for step in chain):
+        return None
+    dn = p["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = (tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec))
+    w_shape = tuple(eqn.invars[1].aval.shape)
+    window = tuple(w_shape[d] for d in rhs_spec[2:])
+    c_in = w_shape[rhs_spec[1]]
+    y_shape = tuple(eqn.outvars[0].aval.shape)
+    out_spatial = tuple(y_shape[d] for d in out_spec[2:])
+    padding = tuple(tuple(int(v) for v in pad) for pad in p["padding"])
+    geometry = (
+        lhs_spec,
+        window,
+        tuple(p["window_strides"]),
+        padding,
+        tuple(p["lhs_dilation"] or (1,) * len(window)),
+        tuple(p["rhs_dilation"] or (1,) * len(window)),
+        out_spatial,
+    )
+    return Use(
+        here,
+        leaf,
+        "conv",
+        0,
+        ("conv", chain, rhs_spec, w_shape),
+        y_shape,
+        str(eqn.outvars[0].aval.dtype),
+        (out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],),
+        y_shape[out_spec[0]] * math.prod(out_spatial),
+        w_shape[rhs_spec[0]],
+        c_in * math.prod(window),
+        geometry,
+    )
+
+
+def _gather_use(eqn, ins, here):
+    if ins[0] is None or ins[1] is not None:
+        return None  # a parameter table looked up with non-parameter indices
+    leaf, chain, _ = ins[0]
+    if any(step[0] == "broadcast_in_dim" for step in chain):
+        return None
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    table = tuple(eqn.invars[0].aval.shape)
+    idx_shape = tuple(eqn.invars[1].aval.shape)
+    y_shape = tuple(eqn.outvars[0].aval.shape)
+    mode = getattr(p["mode"], "name", str(p["mode"]).rsplit(".", 1)[-1])
+    ok = (
+        len(table) == 2
+        and tuple(dn.collapsed_slice_dims) == (0,)
+        and tuple(dn.start_index_map) == (0,)
+        and tuple(getattr(dn, "operand_batching_dims", ())) == ()
+        and tuple(dn.offset_dims) == (len(y_shape) - 1,)
+        and tuple(p["slice_sizes"]) == (1, table[1])
+        and idx_shape[-1:] == (1,)
+        and y_shape == idx_shape[:-1] + (table[1],)
+        and mode in _GATHER_MODES
+    )
+    if not ok:
+        return None
+    return Use(
+        here,
+        leaf,
+        "gather",
+        1,
+        ("gather", chain, table),
+        y_shape,
+        str(eqn.outvars[0].aval.dtype),
+        tuple(range(len(y_shape))),
+        math.prod(idx_shape[:-1]),
+        table[1],
+        table[0],
+        (mode,),
+    )
+
+
+_RULES = {"dot_general": _dot_use, "conv_general_dilated": _conv_use, "gather": _gather_use}
 
 
 def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True) -> Analysis:
     """Finds the structured uses of the first ``n_param_leaves`` inputs of ``closed``.
 
-    With ``fuse_bias``, a bias added to the output of a Dense-like product on one
-    position (A = 1) joins that product's Gram identity as a constant input column:
-    K_W + K_b = (x1·x2 + 1)(g1·g2).
+    With ``fuse_bias``, a bias added to the output of a product or convolution, one
+    entry per output unit, joins that use as a constant input column.
     """
     uses: list[Use] = []
     bad: set[int] = set()
     use_of_output: dict = {}  # output var of a use -> use index
-    bias_candidates: list[tuple[int, int, tuple, tuple]] = []  # (use, leaf, chain, shape)
+    bias_candidates: list[tuple[int, int, tuple, tuple]] = []  # (use, leaf, eqns, shape)
 
     def walk(jaxpr, origins: dict, path: tuple):
-        # origins: var -> (leaf, view chain) for parameter views
+        # origins: var -> (leaf, view chain as hashable steps, view equations)
         def origin(v):
             return None if _literal(v) else origins.get(v)
 
@@ -156,47 +389,30 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                         if o is not None:
                             bad.add(o[0])
                     continue
-                leaf, chain = ins[0]
+                leaf, chain, eqns = ins[0]
                 step = (name, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
-                origins[eqn.outvars[0]] = (leaf, chain + (step,))
+                origins[eqn.outvars[0]] = (leaf, chain + (step,), eqns + (eqn,))
                 continue
             if name == "add" and len(ins) == 2 and sum(o is not None for o in ins) == 1:
                 b_side = 0 if ins[0] is not None else 1
                 y = eqn.invars[1 - b_side]
-                # Fusable only when the product's output feeds this add alone, so the
-                # cotangent at the product equals the one at the bias.
-                if not _literal(y) and y in use_of_output and readers.get(y) == 1:
-                    leaf, chain = ins[b_side]
-                    shape = tuple(eqn.invars[b_side].aval.shape)
-                    bias_candidates.append((use_of_output[y], leaf, chain, shape))
+                # Fusable only when the product's output feeds this add alone (so the
+                # cotangent at the product equals the one at the bias) and the sum has
+                # the product's shape.
+                if (
+                    not _literal(y)
+                    and y in use_of_output
+                    and readers.get(y) == 1
+                    and tuple(eqn.outvars[0].aval.shape) == tuple(y.aval.shape)
+                ):
+                    leaf, _, eqns = ins[b_side]
+                    bias_candidates.append((use_of_output[y], leaf, eqns))
                     continue
-            if name == "dot_general" and sum(o is not None for o in ins) == 1:
-                (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-                w_side = 0 if ins[0] is not None else 1
-                leaf, chain = ins[w_side]
-                through_broadcast = any(step[0] == "broadcast_in_dim" for step in chain)
-                if not lb and not rb and not through_broadcast:
-                    x_side = 1 - w_side
-                    x_var, w_var = eqn.invars[x_side], eqn.invars[w_side]
-                    x_contract = tuple(lc if x_side == 0 else rc)
-                    w_contract = tuple(rc if x_side == 0 else lc)
-                    x_free = tuple(a for a in range(len(x_var.aval.shape)) if a not in x_contract)
-                    w_free = tuple(a for a in range(len(w_var.aval.shape)) if a not in w_contract)
-                    key = (chain, w_contract, w_free, x_side)
-                    uses.append(
-                        Use(
-                            here,
-                            leaf,
-                            x_side,
-                            x_contract,
-                            x_free,
-                            key,
-                            tuple(eqn.outvars[0].aval.shape),
-                            str(eqn.outvars[0].aval.dtype),
-                            math.prod(w_var.aval.shape[a] for a in w_free),
-                            math.prod(x_var.aval.shape[a] for a in x_contract),
-                        )
-                    )
+            rule = _RULES.get(name)
+            if rule is not None and sum(o is not None for o in ins) == 1:
+                use = rule(eqn, ins, here)
+                if use is not None:
+                    uses.append(use)
                     use_of_output[eqn.outvars[0]] = len(uses) - 1
                     continue
             for o in ins:  # any other use of a parameter view
@@ -208,7 +424,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 bad.add(o[0])
 
     invars = closed.jaxpr.invars[:n_param_leaves]
-    walk(closed.jaxpr, {v: (i, ()) for i, v in enumerate(invars)}, ())
+    walk(closed.jaxpr, {v: (i, (), ()) for i, v in enumerate(invars)}, ())
     by_leaf: dict[int, list[int]] = {}
     for u, use in enumerate(uses):
         by_leaf.setdefault(use.leaf, []).append(u)
@@ -217,11 +433,11 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
             bad.add(leaf)  # the same leaf seen through different views: no pairing
     uses_per_leaf = {leaf: len(m) for leaf, m in by_leaf.items()}
     bias_count: dict[int, int] = {}
-    for _, leaf, _, _ in bias_candidates:
+    for _, leaf, _ in bias_candidates:
         bias_count[leaf] = bias_count.get(leaf, 0) + 1
     fused: dict[int, int] = {}  # use index (in ``uses``) -> bias leaf
-    leaf_sizes = [math.prod(v.aval.shape) for v in closed.jaxpr.invars[:n_param_leaves]]
-    for u, leaf, chain, shape in bias_candidates:
+    leaf_shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars[:n_param_leaves]]
+    for u, leaf, eqns in bias_candidates:
         use = uses[u]
         ok = (
             fuse_bias
@@ -230,11 +446,8 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
             and bias_count[leaf] == 1
             and use.leaf not in bad
             and uses_per_leaf[use.leaf] == 1
-            and use.x_side == 0
-            and math.prod(use.y_shape) == use.w_free_size  # one position: A = 1
-            and leaf_sizes[leaf] == use.w_free_size  # one bias entry per output unit
-            and shape == use.y_shape
-            and _order_preserving(chain, shape)
+            and use.kind in ("dot", "conv")
+            and _bias_fusable(eqns, leaf_shapes[leaf], use)
         )
         if ok:
             fused[u] = leaf
@@ -243,23 +456,16 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     kept_index = [u for u, use in enumerate(uses) if use.leaf not in bad]
     kept = [uses[u] for u in kept_index]
     biased = tuple(u in fused for u in kept_index)
+    bias_leaves = tuple(fused.get(u, -1) for u in kept_index)
     groups: dict[int, list[int]] = {}
     for u, use in enumerate(kept):
         groups.setdefault(use.leaf, []).append(u)
     absorbed = set(fused.values())
     structured = set(groups) | absorbed
     fallback = tuple(i for i in range(n_param_leaves) if i not in structured)
-    return Analysis(tuple(kept), fallback, tuple(tuple(g) for g in groups.values()), biased)
-
-
-def _bind(eqn, invals):
-    bound = eqn.primitive.get_bind_params(eqn.params)
-    # Older JAX returns (sub-functions, params), newer JAX the params alone.
-    if isinstance(bound, tuple) and len(bound) == 2 and isinstance(bound[1], dict):
-        subfuns, params = bound
-    else:
-        subfuns, params = (), bound
-    return eqn.primitive.bind(*subfuns, *invals, **params)
+    return Analysis(
+        tuple(kept), fallback, tuple(tuple(g) for g in groups.values()), biased, bias_leaves
+    )
 
 
 def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
@@ -299,15 +505,137 @@ def analysis_for(
     return analyse(closed, len(jax.tree.leaves(params)), fuse_bias), closed
 
 
-def features(apply3, params, x, aux, out_tree, fuse_bias: bool = True):
+def patches(x, geometry):
+    """Input patches of a convolution: ``(C_in·W, A)`` for one sample's input ``x``.
+
+    Rows follow the input channel, then the window offsets in the kernel's spatial
+    order; columns the output positions (batch, then the spatial axes in the
+    convolution's order), so that ``y[a, k] = Σ_c patches[c, a] · W'[c, k]`` with ``W'``
+    the kernel transposed to ``(C_in, *window, K)``. Built from padding and strided
+    slices only (exact, no convolution), in the layout that needs no transpose.
+    """
+    lhs_spec, window, strides, padding, lhs_dil, rhs_dil, out_spatial = geometry
+    x = jnp.transpose(x, (lhs_spec[1], lhs_spec[0]) + tuple(lhs_spec[2:]))  # (C_in, B, *sp)
+    zero = jnp.zeros((), x.dtype)
+    config = [(0, 0, 0), (0, 0, 0)] + [
+        (lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dil, strict=True)
+    ]
+    x = lax.pad(x, zero, config)
+    slices = []
+    for offset in itertools.product(*(range(w) for w in window)):
+        start = [0, 0] + [o * d for o, d in zip(offset, rhs_dil, strict=True)]
+        limit = list(x.shape[:2]) + [
+            s + (n - 1) * st + 1 for s, n, st in zip(start[2:], out_spatial, strides, strict=True)
+        ]
+        slices.append(lax.slice(x, start, limit, (1, 1) + tuple(strides)))
+    p = jnp.stack(slices, axis=1)  # (C_in, W, B, *out_spatial)
+    return p.reshape((p.shape[0] * p.shape[1], -1))
+
+
+def _input_matrix(use: Use, xu, biased: bool):
+    """The recorded input of one use, batched: ``(N, A, C)``; ``(N, C, A)`` for a
+    convolution (its patches' natural layout); tokens ``(N, A)`` for a gather."""
+    if use.kind == "gather":
+        return xu.reshape((xu.shape[0], use.a_size))
+    if use.kind == "conv":
+        xu = jax.vmap(lambda v: patches(v, use.x_info))(xu)
+        if biased:  # the fused bias: a constant input row
+            xu = jnp.concatenate([xu, jnp.ones((xu.shape[0], 1, xu.shape[2]), xu.dtype)], axis=1)
+        return xu
+    x_free, x_contract = use.x_info
+    perm = (0,) + tuple(1 + a for a in x_free) + tuple(1 + a for a in x_contract)
+    xu = jnp.transpose(xu, perm).reshape((xu.shape[0], use.a_size, -1))
+    if biased:  # the fused bias: a constant input column
+        xu = jnp.concatenate([xu, jnp.ones(xu.shape[:2] + (1,), xu.dtype)], axis=-1)
+    return xu
+
+
+def _x_spec(use: Use, n: str, a: str, c: str) -> str:
+    """Einsum subscripts of a use's input matrix (see :func:`_input_matrix`)."""
+    return f"{n}{c}{a}" if use.kind == "conv" else f"{n}{a}{c}"
+
+
+def _token_match(use: Use, t1, t2, mask_spec_batch_diagonal: bool):
+    """``[t1_a = t2_b]`` for valid tokens, float: ``(N1, A, N2, B)``, or ``(N, A, B)`` on
+    the batch diagonal. Out-of-range tokens are clamped (``clip``) or match nothing."""
+    vocab = use.x_contract_size
+    (mode,) = use.x_info
+
+    def norm(t):
+        if mode == "CLIP":
+            return jnp.clip(t, 0, vocab - 1)
+        return jnp.where((t >= 0) & (t < vocab), t, -1)
+
+    t1, t2 = norm(t1), norm(t2)
+    if mask_spec_batch_diagonal:
+        eq = t1[:, :, None] == t2[:, None, :]
+        valid = (t1 >= 0)[:, :, None]
+    else:
+        eq = t1[:, :, None, None] == t2[None, None, :, :]
+        valid = (t1 >= 0)[:, :, None, None]
+    return (eq & valid).astype(use.y_dtype)
+
+
+def _explicit_jacobian(use: Use, xm, g):
+    """``J[c, k] = Σ_a x[a, c] g[a, k]`` per sample and output entry: ``(N, *O, C, K)``.
+
+    Written as the batched matrix product whose natural output is ``(N, C, O, K)``
+    (other output orders make XLA on CPU copy the large input operand first).
+    """
+    lead = g.shape[:-2]
+    g3 = g.reshape((g.shape[0], -1) + g.shape[-2:])  # (N, O, A, K)
+    j = jnp.einsum(f"{_x_spec(use, 'n', 'a', 'c')},noak->ncok", xm, g3)
+    return jnp.moveaxis(j, 1, 2).reshape(lead + (j.shape[1], j.shape[3]))
+
+
+#: Values of convolution patches formed at once when building per-sample Jacobians:
+#: a few MiB, so that they stay in cache instead of crossing main memory.
+_PATCH_CHUNK_VALUES = 2**19
+
+
+def _conv_jacobian(use: Use, xu, g, biased: bool):
+    """Per-sample kernel Jacobian of a convolution, ``(N, *O, C, K)``, from its recorded
+    inputs ``(N, *lhs)`` and cotangents ``(N, *O, A, K)``: patches times cotangents,
+    a few samples at a time (``lax.map``) so that the patches, C/K times larger than
+    the Jacobian, never exist for the whole batch at once."""
+    lead = g.shape[:-2]
+    g3 = g.reshape((g.shape[0], -1) + g.shape[-2:])  # (N, O, A, K)
+
+    def one(args):
+        x_i, g_i = args
+        pm = patches(x_i, use.x_info)  # (C, A)
+        if biased:
+            pm = jnp.concatenate([pm, jnp.ones((1, pm.shape[1]), pm.dtype)], axis=0)
+        return jnp.moveaxis(jnp.einsum("ca,oak->cok", pm, g_i), 0, 1)  # dot's own order
+
+    rows = max(1, _PATCH_CHUNK_VALUES // max(1, use.a_size * use.x_contract_size))
+    j = lax.map(one, (xu, g3), batch_size=min(rows, xu.shape[0]))
+    return j.reshape(lead + j.shape[-2:])
+
+
+def _one_hot_jacobian(use: Use, tokens, g):
+    """Explicit per-sample Jacobian of a lookup: ``J[v, d] = Σ_a [t_a = v] g[a, d]``."""
+    (mode,) = use.x_info
+    vocab = use.x_contract_size
+    if mode == "CLIP":
+        tokens = jnp.clip(tokens, 0, vocab - 1)
+    hot = jax.nn.one_hot(tokens, vocab, dtype=g.dtype)  # out of range: all zero
+    return jnp.einsum("nav,n...ad->n...vd", hot, g)
+
+
+def features(apply3, params, x, aux, out_tree, fuse_bias: bool = True, modes=None):
     """Per-sample structured features of a batch.
 
     Returns a dict with ``"fallback"``: per output leaf, a list of explicit Jacobians
-    ``(N, *O, P_l)``; ``"x"``: per use, layer inputs ``(N, A, C)``; ``"g"``: per output
-    leaf, per use, cotangents ``(N, *O, A, K)``.
+    ``(N, *O, P_l)``; ``"explicit"``: per output leaf, per ``"explicit"`` group, the
+    Jacobian ``(N, *O, C·K)`` from the recorded inputs and cotangents; ``"x"``: per use,
+    layer inputs ``(N, A, C)`` (tokens ``(N, A)``; empty for explicit groups); ``"g"``:
+    per output leaf, per use, cotangents ``(N, *O, A, K)`` (empty for explicit groups).
     """
     x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), x)
     analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias)
+    if modes is None:
+        modes = ("gram",) * len(analysis.groups)
     param_leaves = jax.tree.leaves(params)
 
     def one(x_i):
@@ -337,7 +665,12 @@ def features(apply3, params, x, aux, out_tree, fuse_bias: bool = True):
     j_fb = [pair[0] for pair in jac]
     j_d = [pair[1] for pair in jac]
     out_shapes = out_tree.flatten_up_to(jax.eval_shape(apply3, params, x, aux))
-    fallback, g = [], []
+    biased = analysis.biased or (False,) * len(analysis.uses)
+    x_mats = [
+        None if use.kind == "conv" and not _gram(analysis, modes, u) else _input_matrix(use, xu, b)
+        for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True))
+    ]
+    fallback, explicit, g = [], [], []
     for k, o in enumerate(out_shapes):
         o_ndim = len(o.shape)  # (N, *O)
         fallback.append(
@@ -345,28 +678,37 @@ def features(apply3, params, x, aux, out_tree, fuse_bias: bool = True):
         )
         per_use = []
         for use, gu in zip(analysis.uses, j_d[k], strict=True):
-            # gu: (N, *O, *y); y = (x_free..., w_free...) or (w_free..., x_free...)
-            a = math.prod(use.y_shape) // use.w_free_size
+            # gu: (N, *O, *y) -> (N, *O, A, K)
             lead = gu.shape[:o_ndim]
-            if use.x_side == 0:
-                gu = gu.reshape(lead + (a, use.w_free_size))
-            else:
-                gu = jnp.swapaxes(gu.reshape(lead + (use.w_free_size, a)), -1, -2)
+            perm = tuple(range(o_ndim)) + tuple(o_ndim + a for a in use.y_perm)
+            gu = jnp.transpose(gu, perm).reshape(lead + (use.a_size, use.w_free_size))
             per_use.append(gu)
-        g.append(per_use)
-    x_mats = []
-    biased_uses = analysis.biased or (False,) * len(analysis.uses)
-    for use, xu, biased in zip(analysis.uses, xs, biased_uses, strict=True):
-        # xu: (N, *x_shape) -> (N, A, C): free axes first, then contracting in order.
-        perm = (0,) + tuple(1 + a for a in use.x_free) + tuple(1 + a for a in use.x_contract)
-        xu = jnp.transpose(xu, perm)
-        n_free = 1 + len(use.x_free)
-        a = math.prod(xu.shape[1:n_free])
-        xu = xu.reshape((xu.shape[0], a, -1))
-        if biased:  # the fused bias: a constant input column
-            xu = jnp.concatenate([xu, jnp.ones(xu.shape[:2] + (1,), xu.dtype)], axis=-1)
-        x_mats.append(xu)
-    return {"fallback": fallback, "x": x_mats, "g": g}
+        per_group = []
+        for group, mode in zip(analysis.groups, modes, strict=True):
+            if mode != "explicit":
+                continue
+            total = None
+            for u in group:
+                use = analysis.uses[u]
+                if use.kind == "gather":
+                    j = _one_hot_jacobian(use, x_mats[u], per_use[u])
+                elif use.kind == "conv":
+                    j = _conv_jacobian(use, xs[u], per_use[u], biased[u])
+                else:
+                    j = _explicit_jacobian(use, x_mats[u], per_use[u])
+                total = j if total is None else total + j
+            per_group.append(total.reshape(total.shape[:o_ndim] + (-1,)))
+        explicit.append(per_group)
+        g.append([gu if _gram(analysis, modes, u) else None for u, gu in enumerate(per_use)])
+    x_out = [xm if _gram(analysis, modes, u) else None for u, xm in enumerate(x_mats)]
+    return {"fallback": fallback, "explicit": explicit, "x": x_out, "g": g}
+
+
+def _gram(analysis: Analysis, modes, u: int) -> bool:
+    for group, mode in zip(analysis.groups, modes, strict=True):
+        if u in group:
+            return mode == "gram"
+    return True
 
 
 def _fresh_letters(used: str, n: int) -> list[str]:
@@ -374,38 +716,71 @@ def _fresh_letters(used: str, n: int) -> list[str]:
     return free[:n]
 
 
-def contract(layouts, analysis_leaves, f1, f2, precision):
+def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
     """Per output leaf, the list of each parameter leaf's kernel (they sum to the NTK).
 
     ``analysis_leaves`` is ``(n_leaves, fallback leaf ids, groups of use indices, group
-    leaf ids)``.
+    leaf ids, group modes)`` and ``analysis`` the :class:`Analysis` they come from.
     """
-    n_leaves, fallback, groups, group_leaves = analysis_leaves
+    n_leaves, fallback, groups, group_leaves, modes = analysis_leaves
     kernels = []
     for k, layout in enumerate(layouts):
         lhs, rhs, out = layout.specs(n_contracted=1)
-        n1_shape = (f1["g"][k][0] if f1["g"][k] else f1["fallback"][k][0]).shape
+        n1_shape = next(
+            a.shape[: layout.ndim]
+            for a in (
+                list(f1["fallback"][k])
+                + list(f1["explicit"][k])
+                + [gu for gu in f1["g"][k] if gu is not None]
+            )
+        )
         size = layout.trace_size(n1_shape)
         per_leaf = [None] * n_leaves
+
+        def jacobian_term(a, b, spec=f"{lhs},{rhs}->{out}", size=size):
+            return jnp.einsum(spec, a, b, precision=precision) / size
+
         for leaf, a, b in zip(fallback, f1["fallback"][k], f2["fallback"][k], strict=True):
-            per_leaf[leaf] = jnp.einsum(f"{lhs},{rhs}->{out}", a, b, precision=precision) / size
+            per_leaf[leaf] = jacobian_term(a, b)
         lo, ro, _ = layout.specs()
         ia, ib, c, kk = _fresh_letters(lo + ro + out, 4)
-        spec = f"{lo[0]}{ia}{c},{ro[0]}{ib}{c},{lo}{ia}{kk},{ro}{ib}{kk}->{out}"
-        for leaf, group in zip(group_leaves, groups, strict=True):
+        explicit_index = 0
+        for leaf, group, mode in zip(group_leaves, groups, modes, strict=True):
+            if mode == "explicit":
+                a = f1["explicit"][k][explicit_index]
+                b = f2["explicit"][k][explicit_index]
+                explicit_index += 1
+                per_leaf[leaf] = jacobian_term(a, b)
+                continue
             total = None
-            for u in group:
-                for v in group:
+            for u, v in itertools.product(group, group):
+                use = analysis.uses[u]
+                g1, g2 = f1["g"][k][u], f2["g"][k][v]
+                if use.kind == "gather":
+                    diagonal = lo[0] == ro[0]
+                    match = _token_match(use, f1["x"][u], f2["x"][v], diagonal)
+                    m_spec = f"{lo[0]}{ia}{ib}" if diagonal else f"{lo[0]}{ia}{ro[0]}{ib}"
                     term = jnp.einsum(
-                        spec,
-                        f1["x"][u],
-                        f2["x"][v],
-                        f1["g"][k][u],
-                        f2["g"][k][v],
+                        f"{m_spec},{lo}{ia}{kk},{ro}{ib}{kk}->{out}",
+                        match,
+                        g1,
+                        g2,
                         precision=precision,
                         optimize="optimal",
                     )
-                    total = term if total is None else total + term
+                else:
+                    x1_spec = _x_spec(use, lo[0], ia, c)
+                    x2_spec = _x_spec(analysis.uses[v], ro[0], ib, c)
+                    term = jnp.einsum(
+                        f"{x1_spec},{x2_spec},{lo}{ia}{kk},{ro}{ib}{kk}->{out}",
+                        f1["x"][u],
+                        f2["x"][v],
+                        g1,
+                        g2,
+                        precision=precision,
+                        optimize="optimal",
+                    )
+                total = term if total is None else total + term
             per_leaf[leaf] = total / size
         kernels.append([term for term in per_leaf if term is not None])  # fused biases
     return kernels

@@ -4,8 +4,11 @@ weights seen through different views, sequence axes), each against the reference
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import ntk_core
@@ -209,4 +212,329 @@ def test_per_leaf_refuses_ntvp():
     ):
         ntk_core.empirical_ntk_per_leaf(
             mlp, _params((4, 4), (4,), (4, 3)), jnp.ones((3, 4)), implementation="ntvp"
+        )
+
+
+# -- convolutions, biases over positions, embedding lookups -------------------------------
+
+
+def _conv(x, w, strides=(1, 1), padding="SAME", lhs_dil=None, rhs_dil=None, dn=None):
+    return jax.lax.conv_general_dilated(
+        x,
+        w,
+        strides,
+        padding,
+        lhs_dilation=lhs_dil,
+        rhs_dilation=rhs_dil,
+        dimension_numbers=dn or ("NHWC", "HWIO", "NHWC"),
+    )
+
+
+def conv_nhwc_strided(p, x):
+    """NHWC / HWIO, stride 2, explicit padding, kernel dilation 2, bias (K,) broadcast."""
+    h = jnp.tanh(_conv(x, p[0], (2, 2), ((1, 1), (0, 1)), rhs_dil=(2, 1)) + p[1])
+    return h.reshape(h.shape[0], -1) @ p[2]
+
+
+def conv_nchw_dilated(p, x):
+    """NCHW / OIHW (Haiku's NCHW layout), input dilation, asymmetric explicit padding,
+    bias (K, 1, 1) broadcast over the spatial positions."""
+    y = _conv(
+        jnp.transpose(x, (0, 3, 1, 2)),
+        jnp.transpose(p[0], (3, 2, 0, 1)),
+        (1, 2),
+        ((1, 0), (2, 1)),
+        lhs_dil=(2, 1),
+        dn=("NCHW", "OIHW", "NCHW"),
+    )
+    h = jax.nn.relu(y + p[1][:, None, None])
+    return h.reshape(h.shape[0], -1) @ p[2]
+
+
+def conv_twice(p, x):
+    """One kernel applied twice (weight tying through a convolution, two strides)."""
+    h = jnp.tanh(_conv(x, p[0], (1, 1), "SAME"))
+    h = jnp.tanh(_conv(h, p[0], (2, 2), "VALID") + p[1])
+    return h.reshape(h.shape[0], -1) @ p[2]
+
+
+def conv_kernel_elsewhere(p, x):
+    """The kernel also enters a sum of squares: its Jacobian comes from the fallback."""
+    h = jnp.tanh(_conv(x, p[0]) + p[1])
+    return h.reshape(h.shape[0], -1) @ p[2] + jnp.sum(p[0] ** 2)
+
+
+def conv_grouped(p, x):
+    """A grouped convolution (feature_group_count=3): fallback."""
+    y = jax.lax.conv_general_dilated(
+        x,
+        p[0],
+        (1, 1),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=3,
+    )
+    return jnp.tanh(y + p[1]).reshape(x.shape[0], -1) @ p[2]
+
+
+def conv_one_position(p, x):
+    """A 'VALID' convolution covering the whole image (one output position): the Gram
+    form; then a 1x1 convolution (A = 1)."""
+    h = jnp.tanh(_conv(x, p[0], padding="VALID") + p[1])  # (N, 1, 1, 3)
+    return h.reshape(h.shape[0], -1) @ p[2]
+
+
+def conv_1d(p, x):
+    """A 1-D convolution (NWC / WIO) over a length-6 signal."""
+    y = jax.lax.conv_general_dilated(
+        x.reshape(x.shape[0], 6, 2), p[0], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+    )
+    return jnp.tanh(y + p[1]).reshape(x.shape[0], -1) @ p[2]
+
+
+CONV_MODELS = {
+    # name: (model, x shape, (kernel, bias, readout) shapes, expected methods)
+    "nhwc_strided": (
+        conv_nhwc_strided,
+        (5, 4, 3),
+        ((3, 2, 3, 3), (3,), (12, 2)),
+        ["structured (1 convolution", "structured (bias", "structured"],
+    ),
+    "nchw_dilated": (
+        conv_nchw_dilated,
+        (3, 4, 2),
+        ((2, 3, 2, 3), (3,), (45, 2)),
+        ["structured (1 convolution", "structured (bias", "structured"],
+    ),
+    "twice": (
+        conv_twice,
+        (4, 4, 3),
+        ((2, 2, 3, 3), (3,), (12, 2)),
+        ["structured (2 convolutions", "jacobian (fallback)", "structured"],
+    ),
+    "kernel_elsewhere": (
+        conv_kernel_elsewhere,
+        (4, 4, 3),
+        ((2, 2, 3, 3), (3,), (48, 2)),
+        ["jacobian (fallback)", "jacobian (fallback)", "structured"],
+    ),
+    "grouped": (
+        conv_grouped,
+        (4, 4, 3),
+        ((2, 2, 1, 3), (3,), (48, 2)),
+        ["jacobian (fallback)", "jacobian (fallback)", "structured"],
+    ),
+    "one_position": (
+        conv_one_position,
+        (3, 3, 2),
+        ((3, 3, 2, 3), (3,), (3, 2)),
+        ["structured (1 convolution)", "structured (bias", "structured"],
+    ),
+    "conv_1d": (
+        conv_1d,
+        (12,),
+        ((3, 2, 3), (3,), (18, 2)),
+        ["structured (1 convolution", "structured (bias", "structured"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONV_MODELS))
+def test_convolution_rule_matches_reference_and_plan(name):
+    f, x_shape, shapes, methods = CONV_MODELS[name]
+    p = _params(*shapes, seed=3)
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (3, *x_shape))
+    x2 = jax.random.normal(jax.random.PRNGKey(2), (2, *x_shape))
+    k = ntk_core.empirical_ntk(f, p, x1, x2, trace_axes=(), implementation="structured")
+    reference.assert_close(k, reference.ntk(f, p, x1, x2, trace_axes=())[0])
+    plan = ntk_core.plan(f, p, x1, x2, trace_axes=(), implementation="structured")
+    for leaf, expected in zip(plan.leaves, methods, strict=True):
+        assert leaf.method.startswith(expected), (leaf.method, expected)
+
+
+def test_patches_follow_the_kernel_layout():
+    """conv(x, W) equals the patches times the kernel in (C_in, window) order, for
+    NHWC and NCHW layouts, strides, padding and both dilations."""
+    from ntk_core import _structured
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 7, 6, 3))
+    w = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 3, 4))  # HWIO
+    for dn, xt, wt in [
+        (("NHWC", "HWIO", "NHWC"), x, w),
+        (("NCHW", "OIHW", "NCHW"), jnp.transpose(x, (0, 3, 1, 2)), jnp.transpose(w, (3, 2, 0, 1))),
+    ]:
+        for strides, padding, lhs_dil, rhs_dil in [
+            ((1, 1), ((1, 1), (1, 1)), (1, 1), (1, 1)),
+            ((2, 3), ((2, 0), (1, 2)), (2, 1), (1, 2)),
+            ((1, 2), ((0, -1), (0, 0)), (1, 1), (2, 1)),
+        ]:
+            y = jax.lax.conv_general_dilated(
+                xt, wt, strides, padding, lhs_dil, rhs_dil, dn, precision="highest"
+            )
+            conv = functools.partial(
+                jax.lax.conv_general_dilated,
+                window_strides=strides,
+                padding=padding,
+                lhs_dilation=lhs_dil,
+                rhs_dilation=rhs_dil,
+                dimension_numbers=dn,
+            )
+            closed = jax.make_jaxpr(conv)(xt, wt)
+            eqn = closed.jaxpr.eqns[0]
+            use = _structured._conv_use(eqn, [None, (0, (), ())], (0,))
+            pm = _structured.patches(xt, use.x_info)  # (C_in * window, A)
+            spec = eqn.params["dimension_numbers"]
+            w_ckw = jnp.transpose(
+                wt, (spec.rhs_spec[1],) + tuple(spec.rhs_spec[2:]) + (spec.rhs_spec[0],)
+            )
+            y_ak = jnp.transpose(y, use.y_perm).reshape(use.a_size, use.w_free_size)
+            expected = jnp.einsum(
+                "ca,ck->ak", pm, w_ckw.reshape(-1, w_ckw.shape[-1]), precision="highest"
+            )
+            reference.assert_close(y_ak, np.asarray(expected, np.float64))
+
+
+def seq_dense_bias(p, x):
+    """A Dense layer over a sequence axis with its bias (A = 2 positions per sample)."""
+    h = jnp.tanh(x.reshape(x.shape[0], 2, 2) @ p[0] + p[1])
+    return jnp.einsum("nlk,ko->no", h, p[2])
+
+
+def unit_major_bias(p, x):
+    """The weight as the left operand of dot_general: units before the positions,
+    y[k, n, l]; the bias broadcast over the trailing axes (b[:, None, None])."""
+    xs = x.reshape(x.shape[0], 2, 2)
+    y = jax.lax.dot_general(p[0], xs, (((0,), (2,)), ((), ()))) + p[1][:, None, None]
+    return jnp.einsum("knl,ko->no", jnp.tanh(y), p[2])
+
+
+def permuted_bias(p, x):
+    """Units (2, 2) from a (D, 2, 2) weight; the bias (4,) enters transposed, a
+    permutation of the units: still one entry per unit."""
+    xs = x.reshape(x.shape[0], 2, 2)
+    y = jnp.einsum("nld,dhe->nlhe", xs, p[0])
+    y = y + p[1].reshape(2, 2).T
+    return jnp.einsum("nlhe,heo->no", jnp.tanh(y), p[2])
+
+
+def position_bias(p, x):
+    """A bias that varies over positions (one entry per (position, unit)): fallback."""
+    y = x.reshape(x.shape[0], 2, 2) @ p[0] + p[1].reshape(2, 2)
+    return jnp.einsum("nlk,ko->no", jnp.tanh(y), p[2])
+
+
+BIAS_MODELS = {
+    # name: (model, parameter shapes, the bias's method)
+    "seq_dense_bias": (seq_dense_bias, ((2, 4), (4,), (4, 3)), "structured (bias"),
+    "unit_major_bias": (unit_major_bias, ((2, 4), (4,), (4, 3)), "structured (bias"),
+    "permuted_bias": (permuted_bias, ((2, 2, 2), (4,), (2, 2, 3)), "structured (bias"),
+    "position_bias": (position_bias, ((2, 2), (4,), (2, 3)), "jacobian (fallback)"),
+}
+
+
+@pytest.mark.parametrize("name", list(BIAS_MODELS))
+def test_bias_over_positions(name):
+    f, shapes, bias_method = BIAS_MODELS[name]
+    p = _params(*shapes, seed=5)
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (3, 4))
+    x2 = jax.random.normal(jax.random.PRNGKey(2), (2, 4))
+    k = ntk_core.empirical_ntk(f, p, x1, x2, trace_axes=(), implementation="structured")
+    reference.assert_close(k, reference.ntk(f, p, x1, x2, trace_axes=())[0])
+    plan = ntk_core.plan(f, p, x1, x2, trace_axes=(), implementation="structured")
+    assert plan.leaves[1].method.startswith(bias_method), plan.leaves[1].method
+
+
+def _lookup_model(lookup, tied=False):
+    def f(p, tokens):
+        h = jnp.tanh(lookup(p[0], tokens))  # (N, L, D)
+        if tied:  # the table again as the output projection (tied embeddings)
+            return jnp.einsum("nld,vd->nv", h, p[0])
+        return jnp.einsum("nld,do->no", h, p[1])
+
+    return f
+
+
+LOOKUPS = {
+    # name: (lookup, tokens in range, vocabulary)
+    "index": (lambda t, i: t[i], True),
+    "take_clip": (lambda t, i: jnp.take(t, i, axis=0, mode="clip"), False),
+    "take_fill": (lambda t, i: jnp.take(t, i, axis=0, mode="fill", fill_value=0.0), False),
+    "index_out_of_range": (lambda t, i: t[i], False),
+}
+
+
+@pytest.mark.parametrize("vocab", [5, 40], ids=["explicit", "gram"])
+@pytest.mark.parametrize("name", list(LOOKUPS))
+def test_embedding_gather_rule(name, vocab):
+    """Repeated tokens, out-of-range tokens (clamped, dropped or filled as the lookup
+    does), both the explicit and the token-match (Gram) form."""
+    lookup, in_range = LOOKUPS[name]
+    f = _lookup_model(lookup)
+    p = _params((vocab, 3), (3, 2), seed=7)
+    low, high = (0, vocab) if in_range else (-vocab - 3, vocab + 3)
+    t1 = jax.random.randint(jax.random.PRNGKey(1), (4, 3), low, high)
+    t1 = t1.at[0].set(t1[0, 0])  # a sample repeating one token
+    t2 = jax.random.randint(jax.random.PRNGKey(2), (3, 3), low, high).at[1].set(t1[0])
+    for axes in [dict(trace_axes=()), dict(trace_axes=(-1,), diagonal_axes=(0,))]:
+        x2 = t1[:4] if "diagonal_axes" in axes else t2
+        k = ntk_core.empirical_ntk(f, p, t1, x2, implementation="structured", **axes)
+        reference.assert_close(k, reference.ntk(f, p, t1, x2, **axes)[0])
+    plan = ntk_core.plan(f, p, t1, t2, trace_axes=(), implementation="structured")
+    method = plan.leaves[0].method
+    assert method.startswith("structured (embedding gather"), method
+    assert ("per-sample Jacobian" in method) == (vocab == 5), method
+
+
+def test_tied_embedding_falls_back_and_matches():
+    f = _lookup_model(lambda t, i: t[i], tied=True)
+    p = _params((6, 3), (3, 2), seed=8)
+    t1 = jax.random.randint(jax.random.PRNGKey(1), (3, 4), 0, 6)
+    t2 = jax.random.randint(jax.random.PRNGKey(2), (2, 4), 0, 6)
+    k = ntk_core.empirical_ntk(f, p, t1, t2, trace_axes=(), implementation="structured")
+    reference.assert_close(k, reference.ntk(f, p, t1, t2, trace_axes=())[0])
+    plan = ntk_core.plan(f, p, t1, t2, trace_axes=(), implementation="structured")
+    assert plan.leaves[0].method == "jacobian (fallback)"
+
+
+def test_embedding_used_twice_sums_its_uses():
+    """The same table looked up with two token streams (one shifted): cross terms."""
+
+    def f(p, tokens):
+        h = jnp.tanh(p[0][tokens] + p[0][(tokens + 1) % 7])
+        return jnp.einsum("nld,do->no", h, p[1])
+
+    p = _params((7, 3), (3, 2), seed=9)
+    t1 = jax.random.randint(jax.random.PRNGKey(1), (3, 4), 0, 7)
+    t2 = jax.random.randint(jax.random.PRNGKey(2), (2, 4), 0, 7)
+    k = ntk_core.empirical_ntk(f, p, t1, t2, trace_axes=(), implementation="structured")
+    reference.assert_close(k, reference.ntk(f, p, t1, t2, trace_axes=())[0])
+    plan = ntk_core.plan(f, p, t1, t2, trace_axes=(), implementation="structured")
+    assert plan.leaves[0].method.startswith("structured (2 embedding gathers"), plan.leaves[0]
+
+
+def test_haiku_conv_nchw_and_embed_are_structured():
+    """Haiku's NCHW Conv2D (bias (K, 1, 1)) and Embed, against the reference."""
+    hk = pytest.importorskip("haiku")
+
+    def image_net(x):
+        h = jax.nn.relu(hk.Conv2D(3, 2, stride=2, data_format="NCHW")(x))
+        return hk.Linear(2)(h.reshape(h.shape[0], -1))
+
+    def token_net(t):
+        return hk.Linear(2)(jnp.tanh(hk.Embed(9, 4)(t)).reshape(t.shape[0], -1))
+
+    cases = [
+        (image_net, jax.random.normal(jax.random.PRNGKey(1), (3, 2, 5, 4))),
+        (token_net, jax.random.randint(jax.random.PRNGKey(1), (3, 3), 0, 9)),
+    ]
+    for net, x in cases:
+        model = hk.without_apply_rng(hk.transform(net))
+        p = model.init(jax.random.PRNGKey(0), x)
+        k = ntk_core.empirical_ntk(model.apply, p, x, trace_axes=(), implementation="structured")
+        reference.assert_close(k, reference.ntk(model.apply, p, x, None, trace_axes=())[0])
+        plan = ntk_core.plan(model.apply, p, x, trace_axes=(), implementation="structured")
+        assert all(leaf.method.startswith("structured") for leaf in plan.leaves), str(plan)
+        assert any(
+            "convolution" in leaf.method or "embedding gather" in leaf.method
+            for leaf in plan.leaves
         )
