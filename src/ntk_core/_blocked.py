@@ -313,7 +313,7 @@ def _pair_bytes(config, kernel_bytes: float, out_sizes, itemsize) -> float:
     if config.implementation == "ntvp":
         return kernel_bytes + itemsize * sum(o * o for o in out_sizes)
     if config.implementation == "structured":
-        _, fallback, groups, _ = config.structure
+        fallback, groups = config.structure[1], config.structure[2]
         terms = len(fallback) + 2 * sum(len(g) ** 2 for g in groups)
     elif config.implementation == "jacobian":
         terms = config.params_tree.num_leaves
