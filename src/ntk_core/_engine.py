@@ -559,6 +559,14 @@ class KernelFunction:
             _check_finite_inputs(self._fn_name, "x2", x2)
         config = self.config_for(params, x1, x2, aux)
         if self._options.batch_size is not None:
+            if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, x1, x2))):
+                raise ValueError(
+                    f"{self._fn_name}: batch_size={self._options.batch_size!r} was used inside "
+                    f"jax.jit (or another transformation), but the blocked engine writes its "
+                    f"tiles to a host array and cannot run on traced values. Fix: call the "
+                    f"kernel function outside jax.jit (it is jitted internally), or pass "
+                    f"batch_size=None to compute the whole kernel in one traced call."
+                )
             return _blocked.compute(self, config, params, x1, x2, aux)
         result, finite = self._one_call(config, params, x1, x2, aux)
         if x2 is None:  # a separate call: the kernel must be materialised first

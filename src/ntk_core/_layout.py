@@ -99,6 +99,13 @@ def resolve_layout(fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, w
             f"an axis is either traced or diagonal. Fix: remove it from one of them."
         )
     if 0 in trace:
+        if ndim == 1:  # an output (N,) with no output axis: default trace_axes=(-1,) hits 0
+            raise ValueError(
+                f"{fn_name}: {where} has shape {tuple(shape)} (one value per sample, no "
+                f"output axis), so trace_axes={tuple(trace_axes)!r} would trace the batch "
+                f"axis 0. Fix: pass trace_axes=() for the (N1, N2) Gram matrix of a scalar "
+                f"output (or return shape (N, 1) from the model)."
+            )
         raise ValueError(
             f"{fn_name}: trace_axes={tuple(trace_axes)!r} traces the batch axis 0 of {where} "
             f"(shape {tuple(shape)}), which is not supported. Fix: use diagonal_axes=(0,) "

@@ -590,6 +590,10 @@ class GradientDescentMSE(_TestSide):
         w, v = self._train.solver._eigs
         self._w = np.maximum(w, 0.0)
         self._v = np.asarray(v, np.float64)
+        # Directions the kernel does not move (an empirical NTK has rank <= P): eigenvalues
+        # at round-off level, w <= M·u·w_max, keep their t = 0 value even at t = inf.
+        eps = np.finfo(self._train.dtype).eps
+        self._null = self._w <= self._w.size * eps * max(float(self._w.max(initial=0.0)), 0.0)
         self._opts = opts
         self._k = k_train_train
         self._nngp2 = None
@@ -675,8 +679,10 @@ class GradientDescentMSE(_TestSide):
         dt = self._train.dtype
         if inf:
             train = test = None
-            if fx_train_0 is not None:
-                train = lay.unflat_y(self._y, lay.n).astype(dt)
+            if fx_train_0 is not None:  # y, plus f0 − y in the kernel's null space
+                vn = self._v[:, self._null]
+                kept = vn @ (vn.T @ rhs) if vn.shape[1] else 0.0
+                train = lay.unflat_y(self._y + kept, lay.n).astype(dt)
             if kt is not None:
                 coef = self._train.solver.solve(-rhs)  # A⁻¹ (y − f0)
                 test = ft0 + self._matmul_chunked(kt, coef, t_test)
@@ -686,7 +692,7 @@ class GradientDescentMSE(_TestSide):
         tv = ts.reshape(-1) * self._lr / self._y_size  # (K,)
         with np.errstate(invalid="ignore"):  # inf · 0 in rows replaced below
             g = np.expm1(-self._w[None, :] * tv[:, None])  # expm1(−w τ), (K, M)
-        g = np.where(np.isinf(tv)[:, None], -1.0, g)
+        g = np.where(np.isinf(tv)[:, None], np.where(self._null, 0.0, -1.0)[None, :], g)
         c = self._v.T @ rhs  # (M, R) in the eigenbasis
         train = test = None
         if fx_train_0 is not None:

@@ -102,10 +102,14 @@ def check_finite(fn_name: str, name: str, arr: np.ndarray) -> None:
     flat = arr.reshape(arr.shape[0], -1) if arr.ndim > 1 else arr.reshape(-1, 1)
     for rows in row_chunks(flat.shape[0], flat.shape[1]):
         if not np.isfinite(flat[rows]).all():
+            what = (
+                "a NaN kernel usually comes from NaN parameters or inputs, or from float32 overflow"
+                if name.startswith("k")
+                else "drop or impute the samples with missing targets"
+            )
             raise ValueError(
                 f"{fn_name}: {name} contains NaN or inf (first in rows "
-                f"{rows.start}..{rows.stop - 1}). Fix: recompute it; a NaN kernel usually "
-                f"comes from NaN parameters or inputs, or from float32 overflow."
+                f"{rows.start}..{rows.stop - 1}). Fix: recompute it; {what}."
             )
 
 
@@ -430,6 +434,10 @@ class Solver:
             f"{self.m} x {self.m}) is too ill-conditioned to solve in {self.dtype.name}: "
             f"{cond}, u = {self.u:.1e}; iterative refinement left a relative correction of "
             f"{rel:.1e} > {ACCEPT:.0e}. Fix: raise diag_reg (about {suggest:.0e} or more in "
-            f"the units used here), or solve in float64 (dtype='float64', which works "
-            f"without jax_enable_x64)."
+            f"the units used here)"
+            + (
+                "."
+                if self.dtype == np.float64
+                else ", or solve in float64 (dtype='float64', which works without jax_enable_x64)."
+            )
         )

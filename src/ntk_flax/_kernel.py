@@ -85,11 +85,15 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
                 x1,
             )
         except flax.errors.InvalidRngError as e:
+            rngs = (
+                ""  # Monte Carlo kernels take no rngs
+                if fn_name.endswith("monte_carlo_kernels")
+                else ", or pass rngs={'dropout': key}; with rngs every sample sees the same key"
+            )
             raise ValueError(
                 f"{fn_name}: the model needs a random key ({e}). Fix: run it "
                 f"deterministically (e.g. apply_kwargs={{'train': False}} or "
-                f"deterministic=True), or pass rngs={{'dropout': key}}; with rngs every "
-                f"sample sees the same key."
+                f"deterministic=True){rngs}."
             ) from None
         except flax.errors.ModifyScopeVariableError as e:
             if vmap_axes is not None:

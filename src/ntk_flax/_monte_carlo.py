@@ -10,7 +10,7 @@ import jax
 from ntk_core._monte_carlo import average
 from ntk_core._predict import Kernels
 
-from ._kernel import kernel_fn, nngp_fn
+from ._kernel import _make
 
 
 def monte_carlo_kernels(
@@ -83,8 +83,8 @@ def monte_carlo_kernels(
             f"ntk_core.monte_carlo_kernels."
         )
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
-    ntk = kernel_fn(model, method=method, apply_kwargs=apply_kwargs, **options)
-    nngp = nngp_fn(model, method=method, apply_kwargs=apply_kwargs, **nngp_options)
+    ntk = _make(fn, "ntk", model, method, apply_kwargs, options)  # errors name fn
+    nngp = _make(fn, "nngp", model, method, apply_kwargs, nngp_options)
     x_init = jax.tree.map(lambda a: a[:1], x1)
     init_kwargs = dict(apply_kwargs or {})
 

@@ -8,7 +8,7 @@ import jax
 from ntk_core._monte_carlo import average
 from ntk_core._predict import Kernels
 
-from ._kernel import kernel_fn, nngp_fn
+from ._kernel import _make
 
 
 def monte_carlo_kernels(
@@ -79,8 +79,8 @@ def monte_carlo_kernels(
         )
     with_state = isinstance(transformed, hk.TransformedWithState)
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
-    ntk = kernel_fn(transformed, apply_kwargs=apply_kwargs, **options)
-    nngp = nngp_fn(transformed, apply_kwargs=apply_kwargs, **nngp_options)
+    ntk = _make(fn, "ntk", transformed, apply_kwargs, options)  # errors name fn
+    nngp = _make(fn, "nngp", transformed, apply_kwargs, nngp_options)
     x_init = jax.tree.map(lambda a: a[:1], x1)
     init_kwargs = dict(apply_kwargs or {})
 

@@ -411,6 +411,15 @@ def _rows():
         Row("gp-test-shape", "a test-train kernel whose N_train differs",
             "ntk_core.predict.gp_inference(np.eye(4), np.ones((4, 1))).nngp(np.ones((2, 3)))",
             ValueError, r"^gp_inference\(...\).nngp: k_test_train has shape \(2, 3\), expected \(2, 4\)" + fix),
+        Row("batch-size-under-jit", "a batched kernel function called inside jax.jit",
+            "jax.jit(ntk_core.ntk_fn(f, batch_size=2))(W, X)",
+            ValueError, r"^ntk_fn: batch_size=2 was used inside jax.jit" + fix),
+        Row("scalar-output-default-trace", "a model returning one value per sample (N,) with the default trace_axes",
+            "ntk_core.empirical_ntk(lambda w, x: jnp.tanh(x @ w).sum(-1), W, X)",
+            ValueError, r"^empirical_ntk: the output has shape \(4,\) \(one value per sample, no output axis\)" + fix + r"pass trace_axes=\(\)"),
+        Row("gp-nan-targets", "targets with NaN (missing labels)",
+            "ntk_core.predict.gp_inference(np.eye(4), np.array([[1.0], [np.nan], [0.0], [2.0]]))",
+            ValueError, r"^gp_inference: y_train contains NaN or inf" + fix + r".*drop or impute"),
     ]  # fmt: skip
 
 

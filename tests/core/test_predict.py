@@ -493,3 +493,24 @@ def test_c3_with_neural_tangents_infinite_width_kernels(name, diag_reg):
     assert np.isfinite(mean).all() and np.isfinite(var).all()
     assert np.all(var >= 0) and np.all(var <= prior)
     np.testing.assert_allclose(mean, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gradient_descent_mse_singular_kernel_train_outputs_at_convergence(dtype):
+    """Rank-deficient NTK (rank 4 < N = 20), diag_reg = 0: at t = ∞ gradient flow only
+    fits the projection of y onto range(K); the rest of f0 − y stays. Reference: the
+    orthogonal projector of the features (independent of the eigendecomposition)."""
+    rng = np.random.default_rng(18)
+    phi = rng.standard_normal((20, 1, 4))
+    k = _traced(phi, phi).astype(dtype)
+    y = rng.standard_normal((20, 1)).astype(dtype)
+    f0 = rng.standard_normal((20, 1)).astype(dtype)
+    a = phi[:, 0, :]
+    proj = a @ np.linalg.solve(a.T @ a, a.T)  # onto range(K)
+    expected = proj @ y + (np.eye(20) - proj) @ f0
+    mse = predict.gradient_descent_mse(k, y)
+    tol = 1e-4 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(mse(None, fx_train_0=f0).train, expected, atol=tol)
+    np.testing.assert_allclose(mse(np.array([np.inf]), fx_train_0=f0).train[0], expected, atol=tol)
+    # the loss at convergence is that of the projection, not 0
+    assert ((mse(None, fx_train_0=0.0).train - y) ** 2).mean() > 0.1
