@@ -208,10 +208,6 @@ class KernelFunction:
         # The jitted phases are functions of their static arguments alone (no self), so
         # kernel functions of the same model and configuration (e.g. with and without
         # batch_size, or "auto" and what it chose) share their compilations.
-        self._nngp_jit = functools.partial(_JITS["nngp"], apply3=apply3)
-        self._contract = _JITS["contract"]
-        self._reduce = _JITS["reduce"]
-        self._contract_s = _JITS["contract_s"]
         self._outputs = functools.partial(_JITS["outputs"], apply3=apply3)
         self._tile_jit = _JITS["tile"]
 
@@ -395,21 +391,6 @@ class KernelFunction:
 
     # -- computation -------------------------------------------------------------------
     @staticmethod
-    def _nngp(params, x1, x2, aux, *, apply3, config: _Config):
-        precision = _PRECISION[config.precision]
-        with jax.default_matmul_precision(config.precision):
-            out1 = config.out_tree.flatten_up_to(apply3(params, x1, aux))
-            out2 = out1
-            if x2 is not None:
-                out2 = config.out_tree.flatten_up_to(apply3(params, x2, aux))
-            kernels = []
-            for layout, a, b in zip(config.layouts, out1, out2, strict=True):
-                lhs, rhs, out = layout.specs()
-                k = jnp.einsum(f"{lhs},{rhs}->{out}", a, b, precision=precision)
-                kernels.append(k / layout.trace_size(a.shape))
-        return jax.tree.unflatten(config.out_tree, kernels)
-
-    @staticmethod
     def _finish(per_leaf, config: _Config):
         """Per output leaf lists of per-parameter-leaf kernels -> the result pytree."""
         if config.kind == "ntk_per_leaf":
@@ -591,10 +572,6 @@ class KernelFunction:
 
 
 _JITS = {
-    "nngp": jax.jit(KernelFunction._nngp, static_argnames=("apply3", "config")),
-    "contract": jax.jit(KernelFunction._contract_jacobians, static_argnames=("config",)),
-    "reduce": jax.jit(KernelFunction._reduce_ntvp, static_argnames=("config",)),
-    "contract_s": jax.jit(KernelFunction._contract_structured, static_argnames=("config",)),
     "outputs": jax.jit(KernelFunction._nngp_outputs, static_argnames=("apply3", "config")),
     "tile": jax.jit(KernelFunction._tile, static_argnames=("apply3", "config", "same")),
 }
