@@ -133,7 +133,7 @@ def _blocks(n: int, b: int) -> list[tuple[int, int]]:
     return [(s, min(s + b, n)) for s in range(0, n, b)]
 
 
-def _swap_perm(layout) -> tuple[int, ...]:
+def swap_perm(layout) -> tuple[int, ...]:
     """Axis permutation of a kernel leaf that swaps the x1 and x2 axis of each pair."""
     perm: list[int] = []
     pos = 0
@@ -174,7 +174,7 @@ def _symmetric_leaf(k, layout):
     index mask would be exact too, but XLA constant-folds such masks very slowly.)
     """
     k = lax.optimization_barrier(k)
-    total = lax.optimization_barrier(k + jnp.transpose(k, _swap_perm(layout)))
+    total = lax.optimization_barrier(k + jnp.transpose(k, swap_perm(layout)))
     return total * jnp.asarray(0.5, k.dtype)
 
 
@@ -393,7 +393,7 @@ def compute(kf, config, params, x1, x2, aux):
         n2,
         batch_diagonal,
         opts.store_on_device,
-        [_swap_perm(layout) for layout in leaf_layouts(config)],
+        [swap_perm(layout) for layout in leaf_layouts(config)],
     )
 
     def tasks():

@@ -3,23 +3,21 @@
 FLOPs are counted from the shapes in the jaxpr of one single-sample forward pass
 (``dot_general`` and ``conv_general_dilated`` exactly, every other primitive as one
 operation per output element), never from XLA's cost analysis, which reports wrong or
--1 FLOPs on CPU and GPU. Estimates, with F the forward FLOPs of one sample, O the
-output entries per sample, O' the kernel entries per pair of samples and P the
-parameter count:
+-1 FLOPs on CPU and GPU. The reverse pass is split by what it differentiates
+(:class:`PassCost`): activation gradients, per-sample weight gradients of matrix
+products and of convolutions, elementwise work. ``"structured"`` needs the cotangents
+at each use (activation gradients) but not the weight gradients of its structured
+leaves, which is where it saves; per leaf it takes the cheaper of its Gram form
+Σ_{u,v} 2·A_u·A_v·(C + O'·K) (or 2·(A_u·A_v·(C + O·K) + O'·A·K) when that order is
+cheaper; a gather's token match counts C = 1) and its explicit form 2·O'·C·K
+(``_structured.choose_modes``, the choice the computation makes). The formulas are in
+:func:`estimate`.
 
-* ``"jacobian"``: (N1 + N2)·O·3F for the Jacobians, plus 2·N1·N2·O'·P for the
-  contraction; memory (N1 + N2)·O·P values.
-* ``"ntvp"``: N2·O·3F for the VJPs plus N1·N2·O·3F for the JVPs; memory O·P + N1·O·O.
-* ``"structured"``: (N1 + N2)·O·3F for the cotangents and fallback Jacobians, plus
-  per pair 2·O'·P_fallback and, per structured leaf, the cheaper of its Gram form
-  Σ_{u,v} 2·A_u·A_v·(C + O'·K) (or 2·(A_u·A_v·(C + O·K) + O'·A·K) when that order is
-  cheaper; a gather's token match counts C = 1) and its explicit
-  form 2·O'·C·K (``_structured.choose_modes``, the choice the computation makes), the
-  explicit form adding 2·O·A·C·K per sample and use to build the Jacobian (and A·C to
-  slice a convolution's patches); memory (N1 + N2)·(O·P_fallback + per structured leaf
-  Σ_u A_u·(C + O·K) in the Gram form, O·C·K in the explicit one).
-
-``"auto"`` takes the cheapest in FLOPs among those whose features fit in
+Each estimate also has a time in seconds (:func:`estimate`): FLOPs at the backend's
+matrix-product rate, per-sample convolution kernel gradients (which XLA runs as grouped
+convolutions, far below that rate on CPU) slowed by a measured factor, plus the bytes
+of features and kernel terms written at its memory bandwidth (:data:`RATES`).
+``"auto"`` takes the fastest estimate among those whose features fit in
 :data:`JACOBIAN_MEMORY_BUDGET` bytes (``"ntvp"`` if none does).
 """
 
@@ -58,7 +56,10 @@ class Plan:
         lines = [f"implementation: {self.implementation}"]
         for e in self.estimates:
             mib = e.memory_bytes / 2**20
-            lines.append(f"  {e.implementation:<10} {e.flops:12.3e} FLOPs  {mib:10.1f} MiB")
+            lines.append(
+                f"  {e.implementation:<10} {e.flops:12.3e} FLOPs  {mib:10.1f} MiB"
+                f"  ~{e.seconds:.3g} s"
+            )
         for leaf in self.leaves:
             lines.append(f"  {leaf.path:<40} {leaf.size:>10}  {leaf.method}")
         return "\n".join(lines)
@@ -79,42 +80,175 @@ def _shape_size(var) -> int:
     return math.prod(shape) if shape is not None else 0
 
 
+def _eqn_flops(eqn) -> float:
+    """FLOPs of one matrix product or convolution (0 for anything else)."""
+    name = eqn.primitive.name
+    out_size = sum(_shape_size(v) for v in eqn.outvars)
+    if name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs_shape = eqn.invars[0].aval.shape
+        return 2.0 * out_size * math.prod(lhs_shape[d] for d in lhs_contract)
+    if name == "conv_general_dilated":
+        rhs_shape = eqn.invars[1].aval.shape
+        rhs_spec = eqn.params["dimension_numbers"].rhs_spec
+        return 2.0 * out_size * math.prod(rhs_shape[d] for d in rhs_spec[1:])
+    return 0.0
+
+
 def jaxpr_flops(jaxpr) -> float:
     """FLOPs of a jaxpr counted from its shapes (sub-jaxprs included; scans times length)."""
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        out_size = sum(_shape_size(v) for v in eqn.outvars)
-        if name == "dot_general":
-            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-            lhs_shape = eqn.invars[0].aval.shape
-            total += 2.0 * out_size * math.prod(lhs_shape[d] for d in lhs_contract)
-        elif name == "conv_general_dilated":
-            rhs_shape = eqn.invars[1].aval.shape
-            rhs_spec = eqn.params["dimension_numbers"].rhs_spec
-            per_output = math.prod(rhs_shape[d] for d in rhs_spec[1:])
-            total += 2.0 * out_size * per_output
-        else:
-            total += out_size
+        product = _eqn_flops(eqn)
+        total += product if product else sum(_shape_size(v) for v in eqn.outvars)
         repeat = eqn.params.get("length", 1) if name == "scan" else 1
         for sub in _sub_jaxprs(eqn.params):
             total += repeat * jaxpr_flops(sub)
     return total
 
 
+@dataclasses.dataclass
+class PassCost:
+    """FLOPs of one single-sample forward pass and of one reverse pass (one output
+    cotangent) split by what the reverse pass differentiates.
+
+    A matrix product or convolution operand that depends on the parameters gets a
+    gradient: an *activation* gradient when it depends on the input too, a per-sample
+    *weight* gradient when it depends on the parameters alone (the reverse-pass FLOPs of
+    each equal the forward FLOPs of the product). Every other operation counts one FLOP
+    per output value forward and two in the reverse pass when it depends on the
+    parameters.
+    """
+
+    forward: float = 0.0
+    grad_activations: float = 0.0
+    grad_weights_dot: float = 0.0
+    grad_weights_conv: float = 0.0
+    grad_elementwise: float = 0.0
+
+    def add(self, other: PassCost, times: float = 1.0) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + times * getattr(other, f.name))
+
+
+def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
+    """:class:`PassCost` of ``jaxpr`` whose inputs depend on (parameters, input) as
+    ``depends`` says (sub-jaxprs followed; a sub-jaxpr whose inputs do not map one to
+    one onto its equation's gets every input marked as depending on both)."""
+    cost = PassCost()
+    flags: dict = dict(zip(jaxpr.invars, depends, strict=True))
+
+    def get(v):
+        return (
+            flags.get(v, (False, False))
+            if not isinstance(v, jex_core.Literal)
+            else (
+                False,
+                False,
+            )
+        )
+
+    for eqn in jaxpr.eqns:
+        ins = [get(v) for v in eqn.invars]
+        on_p = any(f[0] for f in ins)
+        on_x = any(f[1] for f in ins)
+        name = eqn.primitive.name
+        product = _eqn_flops(eqn)
+        subs = list(_sub_jaxprs(eqn.params))
+        if product:
+            cost.forward += product
+            for dep_p, dep_x in ins[:2]:
+                if dep_p and dep_x:
+                    cost.grad_activations += product
+                elif dep_p and name == "conv_general_dilated":
+                    cost.grad_weights_conv += product
+                elif dep_p:
+                    cost.grad_weights_dot += product
+        elif subs:
+            repeat = eqn.params.get("length", 1) if name == "scan" else 1
+            worst = None
+            for sub in subs:
+                if len(sub.invars) == len(ins):
+                    inner = pass_cost(sub, ins)
+                elif len(sub.invars) == len(ins) - 1:  # cond: the index comes first
+                    inner = pass_cost(sub, ins[1:])
+                else:
+                    inner = pass_cost(sub, [(on_p, on_x)] * len(sub.invars))
+                if worst is None or inner.forward > worst.forward:
+                    worst = inner
+            cost.add(worst, repeat)
+        else:
+            size = sum(_shape_size(v) for v in eqn.outvars)
+            cost.forward += size
+            if on_p:
+                cost.grad_elementwise += 2.0 * size
+        for v in eqn.outvars:
+            flags[v] = (on_p, on_x)
+    return cost
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What the time estimates assume of a backend.
+
+    ``flops_per_s``: dense matrix-product rate; ``bytes_per_s``: memory bandwidth;
+    ``conv_weight_grad_slowdown``: how much slower than ``flops_per_s`` per-sample
+    gradients of convolution kernels run under ``vmap`` (XLA lowers them to grouped
+    convolutions).
+    """
+
+    flops_per_s: float
+    bytes_per_s: float
+    conv_weight_grad_slowdown: float
+
+
+#: Measured on the 2-core CI CPU (jax 0.10.2): float32 matrix products at 115-125
+#: GFLOP/s, copies at ~10 GB/s, and per-sample convolution kernel gradients 30-150x
+#: slower per FLOP than matrix products (ResNet-style CNN and LeNet, ``vmap(jacrev)``);
+#: 20 is the conservative end. GPU: nominal figures of a data-centre GPU (not measured
+#: by this project; only their ratios matter to the choice).
+RATES = {
+    "cpu": Rates(flops_per_s=1.2e11, bytes_per_s=1.0e10, conv_weight_grad_slowdown=20.0),
+    "gpu": Rates(flops_per_s=5.0e13, bytes_per_s=3.0e12, conv_weight_grad_slowdown=2.0),
+}
+
+
+def rates_for(backend: str | None = None) -> Rates:
+    """The :data:`RATES` of ``backend`` (default: JAX's default backend)."""
+    backend = backend or jax.default_backend()
+    return RATES["cpu"] if backend == "cpu" else RATES["gpu"]
+
+
 @dataclasses.dataclass(frozen=True)
 class CostEstimate:
-    """Estimated FLOPs and memory (bytes) of one implementation for one call."""
+    """Estimated FLOPs, feature memory (bytes) and time (seconds) of one implementation
+    for one call; ``seconds`` is what ``"auto"`` minimises (see :func:`estimate`)."""
 
     implementation: str
     flops: float
     memory_bytes: float
+    seconds: float = 0.0
 
 
 def estimate(
     single_fn, params, x_one, aux, *, n1, n2, pairs, out_sizes, pair_sizes, symmetric, analysis
 ):
-    """Cost estimates of ``"jacobian"`` and ``"ntvp"`` for one call.
+    """Cost estimates of ``"jacobian"``, ``"ntvp"`` and ``"structured"`` for one call.
+
+    With the single-sample costs of :class:`PassCost` (F forward; per output cotangent
+    G_a activation gradients, G_w = G_wd + G_wc weight gradients of matrix products and
+    convolutions, G_e elementwise), O outputs per sample, O' kernel entries per pair, P
+    parameters (P_fb of them in fallback leaves) and n = N1 (+ N2 unless symmetric):
+
+    * ``"jacobian"``: n·(F + O·(G_a + G_w + G_e)) + 2·pairs·O'·P FLOPs;
+    * ``"ntvp"``: N2·(F + O·(G_a + G_w + G_e)) + pairs·O·3F;
+    * ``"structured"``: n·(F + O·(G_a + G_e + G_w·P_fb/P)) + the per-sample work of each
+      leaf's form + pairs·(2·O'·P_fb + Σ leaf pair costs).
+
+    Seconds: FLOPs / ``flops_per_s``, with per-sample convolution kernel gradients
+    ``conv_weight_grad_slowdown`` times slower, plus the bytes of features written and
+    of the kernel written once per contraction term, / ``bytes_per_s`` (:func:`rates_for`).
 
     Args:
       single_fn: ``f(params, x_i, aux)`` on one sample.
@@ -123,34 +257,63 @@ def estimate(
       out_sizes: output entries per sample, per output leaf.
       pair_sizes: kernel entries per pair of samples (or per sample on the batch
         diagonal), per output leaf.
-      symmetric: x2 is x1 (Jacobians computed once).
+      symmetric: x2 is x1 (features computed once).
       analysis: the structured analysis of ``single_fn`` (``_structured.Analysis``).
 
     Returns:
       Estimates for ``"jacobian"``, ``"ntvp"`` and ``"structured"``.
     """
     closed = jax.make_jaxpr(single_fn)(params, x_one, aux)
-    forward = max(jaxpr_flops(closed.jaxpr), 1.0)
-    n_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
-    itemsize = max((jax.numpy.dtype(p.dtype).itemsize for p in jax.tree.leaves(params)), default=4)
+    param_leaves = jax.tree.leaves(params)
+    n_p, n_x = len(param_leaves), len(jax.tree.leaves(x_one))
+    depends = [(True, False)] * n_p + [(False, True)] * n_x
+    depends += [(False, False)] * (len(closed.jaxpr.invars) - len(depends))
+    pc = pass_cost(closed.jaxpr, depends)
+    forward = max(pc.forward, 1.0)
+    rates = rates_for()
+    slow = rates.conv_weight_grad_slowdown - 1.0
+    leaf_sizes = [math.prod(p.shape) for p in param_leaves]
+    n_params = sum(leaf_sizes)
+    itemsize = max((jax.numpy.dtype(p.dtype).itemsize for p in param_leaves), default=4)
     out_total = sum(out_sizes)
+    o_pair = sum(pair_sizes)
     n_jac = n1 if symmetric else n1 + n2
+    grad_w = pc.grad_weights_dot + pc.grad_weights_conv
+    reverse = pc.grad_activations + grad_w + pc.grad_elementwise
+
+    def seconds(flops, slow_flops, nbytes):
+        return (flops + slow * slow_flops) / rates.flops_per_s + nbytes / rates.bytes_per_s
+
+    kernel_bytes = pairs * o_pair * itemsize
+    jac_flops = n_jac * (forward + out_total * reverse) + 2.0 * pairs * o_pair * n_params
+    jac_bytes = n_jac * out_total * n_params * itemsize
     jac = CostEstimate(
         "jacobian",
-        n_jac * out_total * 3 * forward + 2.0 * pairs * sum(pair_sizes) * n_params,
-        float(n_jac * out_total * n_params * itemsize),
+        jac_flops,
+        float(jac_bytes),
+        seconds(
+            jac_flops,
+            n_jac * out_total * pc.grad_weights_conv,
+            2 * jac_bytes + kernel_bytes * len(leaf_sizes),
+        ),
     )
+    ntvp_flops = n2 * (forward + out_total * reverse) + pairs * out_total * 3 * forward
     ntvp = CostEstimate(
         "ntvp",
-        n2 * out_total * 3 * forward + pairs * out_total * 3 * forward,
+        ntvp_flops,
         float(out_total * n_params * itemsize + n1 * out_total * max(out_sizes) * itemsize),
+        seconds(
+            ntvp_flops,
+            (n2 + pairs) * out_total * pc.grad_weights_conv,
+            kernel_bytes * out_total,
+        ),
     )
-    leaf_sizes = [math.prod(p.shape) for p in jax.tree.leaves(params)]
     p_fallback = sum(leaf_sizes[i] for i in analysis.fallback)
-    o_pair = sum(pair_sizes)
+    share = p_fallback / max(n_params, 1)
     per_pair = 2.0 * o_pair * p_fallback
     per_sample = out_total * p_fallback  # values stored per sample
     per_sample_flops = 0.0  # beyond the reverse pass
+    terms = len(analysis.fallback)
     for group, mode in zip(analysis.groups, choose_modes(analysis, o_pair, out_total), strict=True):
         gram, explicit = pair_costs(analysis, group, o_pair, out_total)
         for u in group:
@@ -164,23 +327,35 @@ def estimate(
             use = analysis.uses[group[0]]
             per_sample += out_total * analysis.input_size(group[0]) * use.w_free_size
             per_pair += explicit
+            terms += 1
         else:
             for u in group:
                 use = analysis.uses[u]
                 c = 1 if use.kind == "gather" else analysis.input_size(u)
                 per_sample += use.a_size * (c + out_total * use.w_free_size)
             per_pair += gram
+            terms += len(group) ** 2
+    reverse_structured = pc.grad_activations + pc.grad_elementwise + share * grad_w
+    structured_flops = (
+        n_jac * (forward + out_total * reverse_structured + per_sample_flops) + pairs * per_pair
+    )
+    structured_bytes = n_jac * per_sample * itemsize
     structured = CostEstimate(
         "structured",
-        n_jac * (out_total * 3 * forward + per_sample_flops) + pairs * per_pair,
-        float(n_jac * per_sample * itemsize),
+        structured_flops,
+        float(structured_bytes),
+        seconds(
+            structured_flops,
+            n_jac * out_total * share * pc.grad_weights_conv,
+            2 * structured_bytes + kernel_bytes * terms,
+        ),
     )
     return jac, ntvp, structured
 
 
 def choose(estimates) -> str:
-    """The cheapest estimate in FLOPs whose memory fits the budget (else ``"ntvp"``)."""
+    """The fastest estimate in seconds whose memory fits the budget (else ``"ntvp"``)."""
     fitting = [e for e in estimates if e.memory_bytes <= JACOBIAN_MEMORY_BUDGET]
     if not fitting:
         return "ntvp"
-    return min(fitting, key=lambda e: e.flops).implementation
+    return min(fitting, key=lambda e: e.seconds).implementation

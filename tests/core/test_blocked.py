@@ -109,6 +109,40 @@ def test_per_leaf_blocked_equals_one_call(implementation, axes):
         _assert_blocked_equals_one_call(blocked, one_call)
 
 
+@pytest.mark.parametrize("axes", ["full", "diag_out"])
+def test_symmetric_gram_in_triangular_blocks(monkeypatch, axes):
+    """x2=None contracts only the sample blocks on and above the diagonal (k = 4 here,
+    blocks of 9, 9, 9 and 10 samples) and mirrors the rest: equal to the float64
+    reference, and exactly symmetric, one call and blocked (one diagonal tile)."""
+    from ntk_core import _engine
+
+    monkeypatch.setattr(_engine, "TRIANGLE_MIN_BLOCK", 9)
+    ref = reference.ntk(F, PARAMS, X1, None, **AXES[axes])[0]
+    for implementation, batch_size in [
+        ("jacobian", None),
+        ("structured", None),
+        ("structured", N1),
+    ]:
+        fn = ntk_core.ntk_fn(
+            F,
+            implementation=implementation,
+            batch_size=batch_size,
+            progress=False,
+            **AXES[axes],
+        )
+        assert fn.plan(PARAMS, X1).implementation == implementation
+        k = fn(PARAMS, X1)
+        reference.assert_close(k, ref)
+        assert np.array_equal(k, _swap(k, axes))
+    nngp = ntk_core.nngp_fn(F, **AXES[axes])(PARAMS, X1)
+    reference.assert_close(nngp, reference.nngp(F, PARAMS, X1, None, **AXES[axes])[0])
+    counted = []
+    real = _engine._triangular
+    monkeypatch.setattr(_engine, "_triangular", lambda *a: counted.append(a[2]) or real(*a))
+    ntk_core.ntk_fn(F, implementation="structured", **AXES[axes])(PARAMS, X1[:36])
+    assert counted == [4]  # the path above really was the triangular one
+
+
 def test_blocked_matches_float64_reference():
     k = _kernel("ntk", "structured", "full", B)(PARAMS, X1, X2)
     reference.assert_close(k, reference.ntk(F, PARAMS, X1, X2, trace_axes=())[0])
