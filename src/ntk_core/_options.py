@@ -67,6 +67,14 @@ from collections.abc import Sequence
 
 #: Valid values of ``implementation``.
 IMPLEMENTATIONS = ("auto", "jacobian", "ntvp", "structured")
+#: neural-tangents' ``NtkImplementation`` values and their names here (refused with the
+#: name to use, so that ported code says what it computes).
+NT_IMPLEMENTATIONS = {
+    0: ("AUTO", "auto"),
+    1: ("JACOBIAN_CONTRACTION", "jacobian"),
+    2: ("NTK_VECTOR_PRODUCTS", "ntvp"),
+    3: ("STRUCTURED_DERIVATIVES", "structured"),
+}
 #: Valid values of ``precision``.
 PRECISIONS = ("highest", "high", "default")
 #: Keyword options of the NTK entry points, and of the NNGP ones.
@@ -152,6 +160,13 @@ def make_options(
             f"None (samples interact, e.g. BatchNorm in training mode), got {vmap_axes!r}. "
             f"Fix: move the batch axis of your inputs to 0 and use vmap_axes=0, or pass "
             f"vmap_axes=None."
+        )
+    if not isinstance(implementation, (str, bool)) and implementation in NT_IMPLEMENTATIONS:
+        name = NT_IMPLEMENTATIONS[implementation]
+        raise ValueError(
+            f"{fn_name}: implementation={implementation!r} is neural-tangents' "
+            f"NtkImplementation.{name[0]}; this library names its implementations. Fix: "
+            f"pass implementation={name[1]!r}."
         )
     if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
         raise ValueError(

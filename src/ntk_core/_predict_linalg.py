@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 
+import jax
 import numpy as np
 import scipy.linalg
 
@@ -65,6 +66,13 @@ def compute_dtype(fn_name: str, dtype, kernel_dtype) -> np.dtype:
 
 
 def check_diag_reg(fn_name: str, diag_reg) -> float:
+    if (
+        not isinstance(diag_reg, (bool, numbers.Real))
+        and getattr(diag_reg, "shape", None) == ()
+        and np.issubdtype(getattr(diag_reg, "dtype", np.dtype(object)), np.number)
+        and not isinstance(diag_reg, jax.core.Tracer)
+    ):
+        diag_reg = np.asarray(diag_reg).item()  # a 0-d numpy or JAX array
     if isinstance(diag_reg, bool) or not isinstance(diag_reg, numbers.Real):
         raise TypeError(
             f"{fn_name}: diag_reg must be a real number >= 0, got {type(diag_reg).__name__} "

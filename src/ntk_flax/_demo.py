@@ -180,7 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--implementation",
         default="auto",
-        choices=["auto", "jacobian", "ntvp"],
+        choices=["auto", "structured", "jacobian", "ntvp"],
         help="NTK implementation (auto)",
     )
     group = parser.add_mutually_exclusive_group()

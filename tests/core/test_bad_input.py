@@ -185,7 +185,7 @@ def _rows():
         # -- options ------------------------------------------------------------------
         Row("implementation-int", "a non-string implementation (neural-tangents' ints)",
             "ntk_core.empirical_ntk(f, W, X, implementation=1)",
-            ValueError, r"^empirical_ntk: implementation must be one of 'auto', 'jacobian', 'ntvp', 'structured', got 1" + fix),
+            ValueError, r"^empirical_ntk: implementation=1 is neural-tangents' NtkImplementation.JACOBIAN_CONTRACTION; .*Fix: pass implementation='jacobian'"),
         Row("implementation-unknown", "an unknown implementation",
             'ntk_core.empirical_ntk(f, W, X, implementation="Jacobian")',
             ValueError, r"^empirical_ntk: implementation must be one of .* got 'Jacobian'" + fix),
