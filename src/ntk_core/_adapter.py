@@ -9,14 +9,27 @@ from ._engine import KernelFunction
 from ._options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
 
 
+#: Options of the other framework's spelling, per adapter: the fix to give instead.
+_RENAMED = {
+    "ntk_haiku": {
+        "rngs": "pass rng=key (Haiku takes one PRNG key, not rngs=)",
+        "mutable": "pass state= for an hk.TransformedWithState (Haiku has no mutable=)",
+    },
+    "ntk_flax": {"rng": "pass rngs={'dropout': key} (Flax takes a dict of PRNG keys, not rng=)"},
+}
+
+
 def kernel_function(fn_name: str, kind: str, apply3, options: dict, check=None, hint: str = ""):
     """Validates ``options`` (names and values) and builds a :class:`KernelFunction`."""
     valid = NTK_OPTION_NAMES if kind == "ntk" else NNGP_OPTION_NAMES
     unknown = sorted(set(options) - set(valid))
     if unknown:
+        renamed = _RENAMED.get(fn_name.split(".")[0], {})
+        fix = "; ".join(renamed[u] for u in unknown if u in renamed)
         raise TypeError(
             f"{fn_name}: unknown option(s) {', '.join(map(repr, unknown))}; valid options are "
-            f"{', '.join(valid)}. Fix: pass model keyword arguments through apply_kwargs={{...}}."
+            f"{', '.join(valid)}. Fix: "
+            + (fix + "." if fix else "pass model keyword arguments through apply_kwargs={...}.")
         )
     return KernelFunction(fn_name, kind, apply3, make_options(fn_name, **options), check, hint)
 

@@ -119,8 +119,15 @@ def _numeric(dtype) -> bool:
         return False
 
 
-def failure_hint(params) -> str:
-    """A hint appended to "calling the model failed" for a likely mix-up of params."""
+def failure_hint(params, error: Exception | None = None) -> str:
+    """A hint appended to "calling the model failed" for a likely mix-up of params or
+    of a framework's apply signature."""
+    if error is not None and "must be called with an RNG" in str(error):
+        return (
+            "; this is a Haiku apply that expects an rng argument: pass "
+            "hk.without_apply_rng(transformed).apply, or use ntk_haiku.kernel(transformed, "
+            "params, x), which handles rng and state"
+        )
     if isinstance(params, Mapping) and "params" in params:
         return (
             "; params has a top-level 'params' key: if it is a Flax variables dict, pass "

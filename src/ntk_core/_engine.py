@@ -267,7 +267,7 @@ class KernelFunction:
                 f"{fn}: calling the model on x1 (shapes {_describe(x1)}) failed with "
                 f"{type(e).__name__}: {e}. Fix: check that params belong to this model and "
                 f"that x1 has the per-sample shape and dtype it expects (argument order: "
-                f"params, x1, x2){_checks.failure_hint(params)}."
+                f"params, x1, x2){_checks.failure_hint(params, e)}."
             ) from e
         out_leaves, out_tree = jax.tree.flatten(out)
         if not out_leaves:

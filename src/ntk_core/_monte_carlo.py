@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from ._api import nngp_fn, ntk_fn
+from ._api import _checked_arguments, nngp_fn, ntk_fn
 from ._predict import Kernels
 
 
@@ -176,3 +177,30 @@ def monte_carlo_kernels(
         return nngp(params, x1, x2), ntk(params, x1, x2)
 
     return average(fn, sample, key, n_samples, batch_size_samples, progress)
+
+
+def _nt_style_hint(fn):
+    """A neural-tangents-style call ``(init_fn, apply_fn, key, n_samples)`` is refused
+    with the equivalent call here (checked only after a TypeError)."""
+    checked = _checked_arguments(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return checked(*args, **kwargs)
+        except TypeError as e:
+            if len(args) >= 4 and isinstance(args[3], int) and not isinstance(args[3], bool):
+                raise TypeError(
+                    f"monte_carlo_kernels: got (init_fn, apply_fn, {type(args[2]).__name__}, "
+                    f"{args[3]!r}), which looks like neural-tangents' "
+                    f"monte_carlo_kernel_fn(init_fn, apply_fn, key, n_samples); here the "
+                    f"inputs come third and key and n_samples are keywords, and init_fn takes "
+                    f"only a key. Fix: monte_carlo_kernels(lambda k: init_fn(k, x.shape)[1], "
+                    f"apply_fn, x1, x2, key=key, n_samples={args[3]!r})."
+                ) from e
+            raise
+
+    return call
+
+
+monte_carlo_kernels = _nt_style_hint(monte_carlo_kernels)

@@ -215,9 +215,7 @@ def test_memory_mapped_read_only_kernels(tmp_path):
     np.testing.assert_array_equal(a.covariance, b.covariance)
     np.testing.assert_array_equal(np.load(tmp_path / "kxx.npy"), k_xx.astype(np.float32))
     # diag_reg as a 0-d array (e.g. a value read back with np.load or from a jnp sweep)
-    c = predict.gp_inference(kxx_map, y, diag_reg=np.asarray(1e-3)).nngp(
-        ktx_map, np.diagonal(k_tt)
-    )
+    c = predict.gp_inference(kxx_map, y, diag_reg=np.asarray(1e-3)).nngp(ktx_map, np.diagonal(k_tt))
     np.testing.assert_array_equal(a.mean, c.mean)
 
 
