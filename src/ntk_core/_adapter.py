@@ -8,7 +8,6 @@ from __future__ import annotations
 from ._engine import KernelFunction
 from ._options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
 
-
 #: Options of the other framework's spelling, per adapter: the fix to give instead.
 _RENAMED = {
     "ntk_haiku": {
