@@ -14,7 +14,8 @@ parameter count:
   per pair 2·O'·P_fallback and, per structured leaf, the cheaper of its Gram form
   Σ_{u,v} 2·A_u·A_v·(C + O'·K) (or 2·(A_u·A_v·(C + O·K) + O'·A·K) when that order is
   cheaper; a gather's token match counts C = 1) and its explicit
-  form 2·O'·C·K (``_structured.choose_modes``, the choice the computation makes), the
+  form 2·O'·C·K (``_structured.choose_modes``, the choice the computation makes;
+  elementwise scales and shifts, C = 1, always take the explicit form), the
   explicit form adding 2·O·A·C·K per sample and use to build the Jacobian (and A·C to
   slice a convolution's patches); memory (N1 + N2)·(O·P_fallback + per structured leaf
   Σ_u A_u·(C + O·K) in the Gram form, O·C·K in the explicit one).
