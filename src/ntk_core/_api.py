@@ -415,11 +415,14 @@ def plan(
     ``leaves``: for each parameter leaf its path, size P_l and method: ``"structured
     (k matrix products)"``, ``"structured (k convolutions)"``, ``"structured (embedding
     gather)"``, ``"structured (bias fused with its matrix product)"`` (or ``... its
-    convolution``), with ``", per-sample Jacobian"`` when the leaf's Jacobian is formed
-    from its recorded inputs and cotangents because that is cheaper than the Gram form
-    for these shapes; ``"jacobian (fallback)"`` for a leaf no rule covers (elementwise
-    scales, grouped convolutions, tied input/output embeddings, ...); ``"jacobian"`` or
-    ``"ntvp"`` when another implementation runs.
+    convolution``), ``"structured (elementwise scale, per-sample Jacobian)"`` (``x *
+    s``: LayerNorm / BatchNorm scales), ``"structured (elementwise shift, per-sample
+    Jacobian)"`` (``x + b`` not fused with a product: LayerNorm / BatchNorm biases), with
+    ``", per-sample Jacobian"`` when the leaf's Jacobian is formed from its recorded
+    inputs and cotangents because that is cheaper than the Gram form for these shapes;
+    ``"jacobian (fallback)"`` for a leaf no rule covers (a parameter inside a
+    nonlinearity, grouped convolutions, tied input/output embeddings, ...); ``"jacobian"``
+    or ``"ntvp"`` when another implementation runs.
     ``print(plan)`` shows a table. Arguments as :func:`empirical_ntk` (x1 with N1
     samples, x2 with N2 or ``None``); the estimates count N1·N2 pairs (N1 on the batch
     diagonal).

@@ -10,7 +10,8 @@ at each use (activation gradients) but not the weight gradients of its structure
 leaves, which is where it saves; per leaf it takes the cheaper of its Gram form
 Σ_{u,v} 2·A_u·A_v·(C + O'·K) (or 2·(A_u·A_v·(C + O·K) + O'·A·K) when that order is
 cheaper; a gather's token match counts C = 1) and its explicit form 2·O'·C·K
-(``_structured.choose_modes``, the choice the computation makes). The formulas are in
+(``_structured.choose_modes``, the choice the computation makes; elementwise scales
+and shifts, C = 1, always take the explicit form). The formulas are in
 :func:`estimate`.
 
 Each estimate also has a time in seconds (:func:`estimate`): FLOPs at the backend's

@@ -160,7 +160,13 @@ def _structured_methods(analysis, modes) -> dict[int, str]:
     for group, mode in zip(analysis.groups, modes, strict=True):
         use = analysis.uses[group[0]]
         name = _structured.KIND_NAMES[use.kind]
-        if use.kind == "gather":
+        if use.kind in _structured.ELEMENTWISE_KINDS:  # e.g. "elementwise scale"
+            counts: dict[str, int] = {}
+            for u in group:
+                kind_name = _structured.KIND_NAMES[analysis.uses[u].kind]
+                counts[kind_name] = counts.get(kind_name, 0) + 1
+            label = " and ".join(n if c == 1 else f"{c} {n}s" for n, c in counts.items())
+        elif use.kind == "gather":
             label = name if len(group) == 1 else f"{len(group)} {name}s"
         else:
             label = f"{len(group)} {name}{'s' if len(group) > 1 else ''}"

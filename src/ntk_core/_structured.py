@@ -1,5 +1,6 @@
-"""Structured derivatives: the NTK of weights used in matrix products, convolutions and
-embedding lookups, without their Jacobians (or with Jacobians formed cheaply).
+"""Structured derivatives: the NTK of weights used in matrix products, convolutions,
+embedding lookups and elementwise scales and shifts, without their Jacobians (or with
+Jacobians formed cheaply).
 
 Every rule writes the per-sample Jacobian of a weight use as a product of two
 recorded quantities: the use's input ``x[a, c]`` and the cotangent ``g_o[a, k] =
@@ -23,6 +24,15 @@ coordinates and ``k`` over its output units:
 * A bias added right after a product or convolution, with one entry per output unit
   ``k`` broadcast over the positions ``a`` in any order, joins the use as a constant
   input column: Σ_ab (x1a·x2b + 1)(g1a·g2b) = K_W + (Σ_a g1a)·(Σ_b g2b).
+* Elementwise scales ``y = x * view(s)`` (LayerNorm / BatchNorm scale, in either
+  operand order) and shifts ``y = x ± view(b)`` (LayerNorm / BatchNorm bias, any bias
+  not fused with a product), where ``view`` reshapes, transposes and broadcasts the
+  leaf so that each row of ``y`` seen as (positions a, units k) holds every leaf entry
+  once: ∂f_o/∂s[σ(k)] = Σ_a x[a, k] g_o[a, k], ∂f_o/∂b[σ(k)] = ±Σ_a g_o[a, k] (C = 1,
+  ``x`` broadcast to ``y``). The scale's ``x`` is whatever it is multiplied by first:
+  Flax and Haiku compute ``(x - mean) * (rsqrt(var + eps) * s)``, so the use is the
+  product ``rsqrt(var + eps) * s`` (input-dependent in LayerNorm, running statistics
+  in eval-mode BatchNorm), and its cotangent carries ``x - mean``; exact either way.
 
 A use's NTK contribution is, per pair of uses (u, v) of one leaf,
 
@@ -48,23 +58,23 @@ pair of uses of the same leaf (weight tying sums its per-use Jacobians, so cross
 between uses count), plus the Jacobian contraction of the fallback and explicit leaves.
 
 Fallback (explicit per-leaf Jacobian from the joint reverse pass, the ``"jacobian"``
-method) for every leaf used in any other way: elementwise scales (LayerNorm /
-BatchNorm scale, ``x * s``), a bias that is not one entry per output unit or not added
-right after its product, grouped convolutions, a table used both in a lookup and a
-product (tied input/output embeddings), the same leaf seen through different views,
-products of two parameters, or anything inside scan / cond / while / custom_vjp.
-Sub-jaxprs of ``jit``, ``closed_call`` and ``checkpoint`` are inlined; ``custom_jvp``
-functions (``jax.nn.relu``, ``gelu``) are evaluated with their own rules.
+method) for every leaf used in any other way: a parameter inside a nonlinearity or
+sliced (``b[:1]``), a view that repeats a leaf entry within a row of units, grouped
+convolutions, a table used both in a lookup and a product (tied input/output
+embeddings), the same leaf seen through different views by products, a leaf used both
+elementwise and by a product, products of two parameters, or anything inside scan /
+cond / while / custom_vjp. Sub-jaxprs of ``jit``, ``closed_call`` and ``checkpoint``
+are inlined; ``custom_jvp`` functions (``jax.nn.relu``, ``gelu``) are evaluated with
+their own rules.
 
-Elementwise scales (``x * s``, LayerNorm / BatchNorm scale) have no rule yet. Their Gram
-form A_u·A_v·O'·K per pair is never cheaper than the explicit O'·K, so a rule would
-form the same per-sample Jacobian Σ_a x[a, k] g_o[a, k] from a recorded x and g. The
-joint reverse pass computes that Jacobian too, with the same operation count, but in
-a measured case it is slower: per-sample features of ``mean_L(tanh(norm(x) * s) @ W)``
-with x of shape (256, 32, 128) and 4 outputs take 0.040 s for the scale through the
-reverse pass against 0.016 s for recording x and g and reducing them (one XLA CPU
-thread, process time, machine load 9), so a ``mul`` rule (explicit mode only) is worth
-adding.
+Elementwise scales and shifts are always in the explicit mode: their Gram form
+A_u·A_v·O'·K per pair is never cheaper than the explicit O'·K. The joint reverse pass
+of the fallback computes the same Jacobian with the same operation count, but was
+measured slower: per-sample features of ``mean_L(tanh(norm(x) * s) @ W)`` with x of
+shape (256, 32, 128) and 4 outputs take 0.040 s for the scale through the reverse pass
+against 0.016 s for recording x and g and reducing them (one XLA CPU thread, process
+time, machine load 9). All uses of one leaf form their Jacobians in the leaf's own
+order, so scales and shifts of one leaf (through any views) sum exactly.
 
 Reference: Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent
 Kernel", ICML 2022, section 3.3.
@@ -94,8 +104,16 @@ _INLINE_PRIMITIVES = frozenset(
 #: Lookup modes of ``gather`` handled by the embedding rule.
 _GATHER_MODES = frozenset({"CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"})
 
+#: Elementwise products and sums with a parameter view: always the explicit form.
+ELEMENTWISE_KINDS = frozenset({"scale", "shift"})
 #: What each kind of use is called in ``plan()`` labels.
-KIND_NAMES = {"dot": "matrix product", "conv": "convolution", "gather": "embedding gather"}
+KIND_NAMES = {
+    "dot": "matrix product",
+    "conv": "convolution",
+    "gather": "embedding gather",
+    "scale": "elementwise scale",
+    "shift": "elementwise shift",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +121,11 @@ class Use:
     """One structured use of a parameter leaf.
 
     ``kind`` is ``"dot"`` (``y = dot_general(x, view(W))``), ``"conv"`` (``y =
-    conv_general_dilated(x, view(W))``) or ``"gather"`` (``y = view(W)[tokens]``).
-    ``y_perm`` orders the axes of ``y`` as (position axes..., unit axes...), so that
-    ``y.transpose(y_perm).reshape(A, K)`` is the use's output matrix.
+    conv_general_dilated(x, view(W))``), ``"gather"`` (``y = view(W)[tokens]``),
+    ``"scale"`` (``y = x * view(s)``) or ``"shift"`` (``y = x ± view(b)``), the last two
+    with ``view`` broadcasting the leaf over the positions. ``y_perm`` orders the axes of
+    ``y`` as (position axes..., unit axes...), so that ``y.transpose(y_perm).reshape(A,
+    K)`` is the use's output matrix.
     """
 
     path: tuple[int, ...]  # indices of the equation through inlined sub-jaxprs
@@ -119,7 +139,9 @@ class Use:
     a_size: int  # A: output positions
     w_free_size: int  # K: output units
     x_contract_size: int  # C: input coordinates (V for a gather)
-    x_info: tuple = ()  # dot: (x_free, x_contract); conv: geometry; gather: (mode,)
+    # dot: (x_free, x_contract); conv: geometry; gather: (mode,); scale / shift: (sign,
+    # x shape, leaf order: the unit holding each leaf entry, or () when unit k is entry k)
+    x_info: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +174,13 @@ def pair_costs(analysis: Analysis, group, o_pair: int, o_out: int) -> tuple[floa
     matrix) and 2·(A_u·A_v·O·K + O'·min(A_u, A_v)·K) (input Gram times one side's
     cotangents first), the orders ``jnp.einsum(optimize="optimal")`` chooses between;
     explicit: 2·O'·C·K. O' is the kernel entries per pair, O the output entries per
-    sample.
+    sample. Elementwise scales and shifts (C = 1) have no Gram form (infinite cost):
+    their Gram form would cost 2·A_u·A_v·O'·K, never less than the explicit 2·O'·K.
     """
+    use = analysis.uses[group[0]]
+    explicit = 2.0 * o_pair * analysis.input_size(group[0]) * use.w_free_size
+    if use.kind in ELEMENTWISE_KINDS:
+        return math.inf, explicit
     gram = 0.0
     for u, v in itertools.product(group, group):
         use_u, use_v = analysis.uses[u], analysis.uses[v]
@@ -161,14 +188,12 @@ def pair_costs(analysis: Analysis, group, o_pair: int, o_out: int) -> tuple[floa
         a_u, a_v, k = use_u.a_size, use_v.a_size, use_u.w_free_size
         cotangents = min(a_u * a_v * o_pair * k, a_u * a_v * o_out * k + o_pair * min(a_u, a_v) * k)
         gram += 2.0 * (a_u * a_v * c + cotangents)
-    use = analysis.uses[group[0]]
-    explicit = 2.0 * o_pair * analysis.input_size(group[0]) * use.w_free_size
     return gram, explicit
 
 
 def choose_modes(analysis: Analysis, o_pair: int, o_out: int) -> tuple[str, ...]:
     """Per group (structured leaf): ``"gram"`` or ``"explicit"``, the cheaper per pair
-    (see :func:`pair_costs`)."""
+    (see :func:`pair_costs`); always ``"explicit"`` for elementwise scales and shifts."""
     modes = []
     for group in analysis.groups:
         gram, explicit = pair_costs(analysis, group, o_pair, o_out)
@@ -215,11 +240,7 @@ def _bias_fusable(eqns, leaf_shape, use: Use) -> bool:
     if size != use.w_free_size:
         return False
     try:
-        idx = np.arange(size, dtype=np.int32).reshape(leaf_shape)
-        with jax.ensure_compile_time_eval():  # concrete even inside a jit trace
-            for eqn in eqns:
-                idx = np.asarray(_bind(eqn, [idx]))
-        idx = np.broadcast_to(idx, use.y_shape)
+        idx = np.broadcast_to(_view_index(eqns, leaf_shape), use.y_shape)
     except Exception:  # an unexpected view: do not fuse
         return False
     mat = np.transpose(idx, use.y_perm).reshape(use.a_size, use.w_free_size)
@@ -344,19 +365,85 @@ def _gather_use(eqn, ins, here):
     )
 
 
+def _view_index(eqns, leaf_shape):
+    """The leaf's entry indices ``arange(P)`` through the view equations ``eqns``, as
+    concrete numpy integers (exact: the view moves entries, it does not combine them)."""
+    idx = np.arange(math.prod(leaf_shape), dtype=np.int32).reshape(leaf_shape)
+    with jax.ensure_compile_time_eval():  # concrete even inside a jit trace
+        for eqn in eqns:
+            idx = np.asarray(_bind(eqn, [idx]))
+    return idx
+
+
+def _elementwise_use(eqn, ins, here, leaf_shape):
+    """``y = x * view(s)`` (``"scale"``), ``y = x + view(b)``, ``x - view(b)`` or
+    ``view(b) - x`` (``"shift"``), with exactly one operand a parameter view.
+
+    Structured when every entry of the leaf appears at the same places in every
+    row of ``y`` seen as (positions, units): the axes along which the broadcast view
+    is constant are the positions ``a``, the others the units ``k``, and the units must
+    hold each leaf entry exactly once. Then, per sample and output entry,
+    ∂f/∂s[σ(k)] = Σ_a x[a, k] g[a, k] (scale) and ∂f/∂b[σ(k)] = ±Σ_a g[a, k] (shift),
+    with ``x`` broadcast to ``y``'s shape and σ the units' leaf entries. Decided
+    exactly by replaying the view on the entry indices; None when it does not hold.
+    """
+    name = eqn.primitive.name
+    w_side = 0 if ins[0] is not None else 1
+    leaf, chain, eqns = ins[w_side]
+    y_shape = tuple(eqn.outvars[0].aval.shape)
+    size = math.prod(leaf_shape)
+    if size == 0 or math.prod(y_shape) == 0:
+        return None
+    try:
+        idx = np.broadcast_to(_view_index(eqns, leaf_shape), y_shape)
+    except Exception:  # an unexpected view or broadcast: not structured
+        return None
+    units = tuple(d for d in range(len(y_shape)) if not (idx == idx.take([0], axis=d)).all())
+    positions = tuple(d for d in range(len(y_shape)) if d not in units)
+    y_perm = positions + units
+    a_size = math.prod(y_shape[d] for d in positions)
+    k_size = math.prod(y_shape[d] for d in units)
+    row = np.transpose(idx, y_perm).reshape(a_size, k_size)[0]
+    if k_size != size or not np.array_equal(np.sort(row), np.arange(size)):
+        return None  # a leaf entry repeated over units (or missing): fall back
+    order = np.argsort(row)
+    leaf_order = () if np.array_equal(order, np.arange(size)) else tuple(int(i) for i in order)
+    sign = -1 if name == "sub" and w_side == 1 else 1
+    x_side = 1 - w_side
+    return Use(
+        here,
+        leaf,
+        "scale" if name == "mul" else "shift",
+        x_side,
+        ("elementwise", tuple(leaf_shape)),  # Jacobians in the leaf's order: uses pair up
+        y_shape,
+        str(eqn.outvars[0].aval.dtype),
+        y_perm,
+        a_size,
+        size,
+        1,
+        (sign, tuple(eqn.invars[x_side].aval.shape), leaf_order),
+    )
+
+
 _RULES = {"dot_general": _dot_use, "conv_general_dilated": _conv_use, "gather": _gather_use}
+#: Elementwise primitives with one parameter operand handled by :func:`_elementwise_use`.
+_ELEMENTWISE_PRIMITIVES = frozenset({"mul", "add", "sub"})
 
 
 def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True) -> Analysis:
     """Finds the structured uses of the first ``n_param_leaves`` inputs of ``closed``.
 
     With ``fuse_bias``, a bias added to the output of a product or convolution, one
-    entry per output unit, joins that use as a constant input column.
+    entry per output unit, joins that use as a constant input column; any other sum
+    or product of a parameter view with a non-parameter is an elementwise shift or
+    scale (:func:`_elementwise_use`) when its view allows.
     """
     uses: list[Use] = []
     bad: set[int] = set()
-    use_of_output: dict = {}  # output var of a use -> use index
-    bias_candidates: list[tuple[int, int, tuple, tuple]] = []  # (use, leaf, eqns, shape)
+    use_of_output: dict = {}  # output var of a dot / conv use -> use index
+    bias_candidates: list[tuple[int, int, int, tuple]] = []  # (use, shift use, leaf, eqns)
+    leaf_shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars[:n_param_leaves]]
 
     def walk(jaxpr, origins: dict, path: tuple):
         # origins: var -> (leaf, view chain as hashable steps, view equations)
@@ -393,21 +480,31 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 step = (name, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
                 origins[eqn.outvars[0]] = (leaf, chain + (step,), eqns + (eqn,))
                 continue
-            if name == "add" and len(ins) == 2 and sum(o is not None for o in ins) == 1:
+            if (
+                name in _ELEMENTWISE_PRIMITIVES
+                and len(ins) == 2
+                and sum(o is not None for o in ins) == 1
+            ):
                 b_side = 0 if ins[0] is not None else 1
+                leaf, _, eqns = ins[b_side]
+                use = _elementwise_use(eqn, ins, here, leaf_shapes[leaf])
+                if use is None:
+                    bad.add(leaf)
+                    continue
+                uses.append(use)
                 y = eqn.invars[1 - b_side]
-                # Fusable only when the product's output feeds this add alone (so the
-                # cotangent at the product equals the one at the bias) and the sum has
-                # the product's shape.
+                # A bias fuses with its product only when the product's output feeds
+                # this add alone (so the cotangent at the product equals the one at the
+                # bias) and the sum has the product's shape.
                 if (
-                    not _literal(y)
+                    name == "add"
+                    and not _literal(y)
                     and y in use_of_output
                     and readers.get(y) == 1
                     and tuple(eqn.outvars[0].aval.shape) == tuple(y.aval.shape)
                 ):
-                    leaf, _, eqns = ins[b_side]
-                    bias_candidates.append((use_of_output[y], leaf, eqns))
-                    continue
+                    bias_candidates.append((use_of_output[y], len(uses) - 1, leaf, eqns))
+                continue
             rule = _RULES.get(name)
             if rule is not None and sum(o is not None for o in ins) == 1:
                 use = rule(eqn, ins, here)
@@ -432,28 +529,23 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
         if len({uses[u].key for u in members}) > 1:
             bad.add(leaf)  # the same leaf seen through different views: no pairing
     uses_per_leaf = {leaf: len(m) for leaf, m in by_leaf.items()}
-    bias_count: dict[int, int] = {}
-    for _, leaf, _ in bias_candidates:
-        bias_count[leaf] = bias_count.get(leaf, 0) + 1
     fused: dict[int, int] = {}  # use index (in ``uses``) -> bias leaf
-    leaf_shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars[:n_param_leaves]]
-    for u, leaf, eqns in bias_candidates:
+    absorbed_uses: set[int] = set()  # shift uses replaced by a fused bias
+    for u, s, leaf, eqns in bias_candidates:
         use = uses[u]
         ok = (
             fuse_bias
             and leaf not in bad
-            and leaf not in by_leaf
-            and bias_count[leaf] == 1
+            and uses_per_leaf[leaf] == 1  # this add is the bias's only use
             and use.leaf not in bad
             and uses_per_leaf[use.leaf] == 1
             and use.kind in ("dot", "conv")
             and _bias_fusable(eqns, leaf_shapes[leaf], use)
         )
-        if ok:
+        if ok:  # otherwise the add stays an elementwise shift
             fused[u] = leaf
-        else:
-            bad.add(leaf)
-    kept_index = [u for u, use in enumerate(uses) if use.leaf not in bad]
+            absorbed_uses.add(s)
+    kept_index = [u for u, use in enumerate(uses) if use.leaf not in bad and u not in absorbed_uses]
     kept = [uses[u] for u in kept_index]
     biased = tuple(u in fused for u in kept_index)
     bias_leaves = tuple(fused.get(u, -1) for u in kept_index)
@@ -588,6 +680,10 @@ def _explicit_jacobian(use: Use, xm, g):
     return jnp.moveaxis(j, 1, 2).reshape(lead + (j.shape[1], j.shape[3]))
 
 
+#: Kinds whose explicit Jacobian is built from the recorded operand itself (no input
+#: matrix): convolutions (patches, chunked) and elementwise scales and shifts.
+_RAW_INPUT_KINDS = frozenset({"conv"}) | ELEMENTWISE_KINDS
+
 #: Values of convolution patches formed at once when building per-sample Jacobians:
 #: a few MiB, so that they stay in cache instead of crossing main memory.
 _PATCH_CHUNK_VALUES = 2**19
@@ -621,6 +717,26 @@ def _one_hot_jacobian(use: Use, tokens, g):
         tokens = jnp.clip(tokens, 0, vocab - 1)
     hot = jax.nn.one_hot(tokens, vocab, dtype=g.dtype)  # out of range: all zero
     return jnp.einsum("nav,n...ad->n...vd", hot, g)
+
+
+def _elementwise_jacobian(use: Use, xu, g):
+    """Per-sample Jacobian of an elementwise scale or shift in the leaf's order,
+    ``(N, *O, K)``: ``Σ_a x[a, k] g[a, k]`` (scale) or ``±Σ_a g[a, k]`` (shift), from
+    the recorded other operand ``(N, *x)`` and the cotangents ``(N, *O, A, K)``."""
+    sign, x_shape, leaf_order = use.x_info
+    if use.kind == "scale":
+        n, pad = g.shape[0], (1,) * (len(use.y_shape) - len(x_shape))
+        xu = jnp.reshape(jnp.asarray(xu, g.dtype), (n,) + pad + x_shape)  # a constant: (N,)
+        xu = jnp.broadcast_to(xu, (n,) + use.y_shape)
+        xu = jnp.transpose(xu, (0,) + tuple(1 + a for a in use.y_perm))
+        xm = xu.reshape((xu.shape[0], use.a_size, use.w_free_size))  # (N, A, K)
+        g3 = g.reshape((g.shape[0], -1) + g.shape[-2:])  # (N, O, A, K)
+        j = jnp.einsum("nak,noak->nok", xm, g3).reshape(g.shape[:-2] + g.shape[-1:])
+    else:
+        j = jnp.sum(g, axis=-2)
+        if sign < 0:
+            j = -j
+    return j[..., np.asarray(leaf_order)] if leaf_order else j
 
 
 def features(apply3, params, x, aux, out_tree, fuse_bias: bool = True, modes=None):
@@ -667,7 +783,9 @@ def features(apply3, params, x, aux, out_tree, fuse_bias: bool = True, modes=Non
     out_shapes = out_tree.flatten_up_to(jax.eval_shape(apply3, params, x, aux))
     biased = analysis.biased or (False,) * len(analysis.uses)
     x_mats = [
-        None if use.kind == "conv" and not _gram(analysis, modes, u) else _input_matrix(use, xu, b)
+        None
+        if use.kind in _RAW_INPUT_KINDS and not _gram(analysis, modes, u)
+        else _input_matrix(use, xu, b)
         for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True))
     ]
     fallback, explicit, g = [], [], []
@@ -694,6 +812,8 @@ def features(apply3, params, x, aux, out_tree, fuse_bias: bool = True, modes=Non
                     j = _one_hot_jacobian(use, x_mats[u], per_use[u])
                 elif use.kind == "conv":
                     j = _conv_jacobian(use, xs[u], per_use[u], biased[u])
+                elif use.kind in ELEMENTWISE_KINDS:
+                    j = _elementwise_jacobian(use, xs[u], per_use[u])
                 else:
                     j = _explicit_jacobian(use, x_mats[u], per_use[u])
                 total = j if total is None else total + j

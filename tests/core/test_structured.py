@@ -38,7 +38,8 @@ def mlp(p, x):
 
 
 def product_read_twice(p, x):
-    """x W feeds the bias add and the output: the bias must not be fused."""
+    """x W feeds the bias add and the output: the bias is not fused (an elementwise
+    shift instead)."""
     y = x @ p[0]
     return jnp.tanh(y + p[1]) @ p[2] + y[:, :3]
 
@@ -49,7 +50,8 @@ def scalar_bias(p, x):
 
 
 def left_weight(p, x):
-    """The weight as the left operand: (W^T x^T)^T."""
+    """The weight as the left operand: (W^T x^T)^T (the bias after the transpose is
+    an elementwise shift)."""
     return jnp.tanh((p[0].T @ x.T).T + p[1]) @ p[2]
 
 
@@ -66,8 +68,13 @@ def scan_layers(p, x):
     return h @ p[2]
 
 
-def param_in_nonlinearity(p, x):
+def scale_after_product(p, x):
+    """An elementwise scale of a product's output, then a nonlinearity."""
     return jnp.tanh((x @ p[0]) * p[1]) @ p[2]
+
+
+def param_in_nonlinearity(p, x):
+    return jnp.tanh((x @ p[0]) * jnp.tanh(p[1])) @ p[2]
 
 
 def transposed_tying(p, x):
@@ -84,13 +91,18 @@ def sequence_einsum(p, x):
     return jnp.einsum("nse,eo->nso", jnp.tanh(h), p[2]).mean(axis=1)
 
 
+SHIFT = "structured (elementwise shift, per-sample Jacobian)"
+SCALE = "structured (elementwise scale, per-sample Jacobian)"
+
 MODELS = {
-    "mlp_softplus": (mlp, ["structured", "structured", "structured"]),  # bias fused
-    "product_read_twice": (product_read_twice, ["structured", "jacobian (fallback)", "structured"]),
+    # name: (model, the prefix of each leaf's plan label)
+    "mlp_softplus": (mlp, ["structured", "structured (bias fused", "structured"]),
+    "product_read_twice": (product_read_twice, ["structured", SHIFT, "structured"]),
     "scalar_bias": (scalar_bias, ["structured", "jacobian (fallback)", "structured"]),
-    "left_weight": (left_weight, ["structured", "jacobian (fallback)", "structured"]),
-    "checkpoint_gelu": (gelu_checkpointed, ["structured", "jacobian (fallback)", "structured"]),
+    "left_weight": (left_weight, ["structured", SHIFT, "structured"]),
+    "checkpoint_gelu": (gelu_checkpointed, ["structured", SHIFT, "structured"]),
     "scan": (scan_layers, ["jacobian (fallback)", "jacobian (fallback)", "structured"]),
+    "scale_after_product": (scale_after_product, ["structured", SCALE, "structured"]),
     "param_in_nonlinearity": (
         param_in_nonlinearity,
         ["structured", "jacobian (fallback)", "structured"],
@@ -117,10 +129,8 @@ def test_structured_matches_reference_and_plan(name):
     reference.assert_close(k, reference.ntk(f, p, x1, x2, trace_axes=())[0])
     plan = ntk_core.plan(f, p, x1, x2, trace_axes=(), implementation="structured")
     assert plan.implementation == "structured"
-    assert [
-        leaf.method.split(" (")[0] if "structured" in leaf.method else leaf.method
-        for leaf in plan.leaves
-    ] == methods
+    for leaf, expected in zip(plan.leaves, methods, strict=True):
+        assert leaf.method.startswith(expected), (leaf.method, expected)
     assert [leaf.size for leaf in plan.leaves] == [16, 4, 12]
 
 
@@ -360,19 +370,19 @@ CONV_MODELS = {
         conv_twice,
         (4, 4, 3),
         ((2, 2, 3, 3), (3,), (12, 2)),
-        ["structured (2 convolutions", "jacobian (fallback)", "structured"],
+        ["structured (2 convolutions", SHIFT, "structured"],
     ),
     "kernel_elsewhere": (
         conv_kernel_elsewhere,
         (4, 4, 3),
         ((2, 2, 3, 3), (3,), (48, 2)),
-        ["jacobian (fallback)", "jacobian (fallback)", "structured"],
+        ["jacobian (fallback)", SHIFT, "structured"],
     ),
     "grouped": (
         conv_grouped,
         (4, 4, 3),
         ((2, 2, 1, 3), (3,), (48, 2)),
-        ["jacobian (fallback)", "jacobian (fallback)", "structured"],
+        ["jacobian (fallback)", SHIFT, "structured"],
     ),
     "one_position": (
         conv_one_position,
@@ -468,7 +478,8 @@ def permuted_bias(p, x):
 
 
 def position_bias(p, x):
-    """A bias that varies over positions (one entry per (position, unit)): fallback."""
+    """A bias that varies over positions (one entry per (position, unit)): not fused,
+    an elementwise shift with every (position, unit) a unit."""
     y = x.reshape(x.shape[0], 2, 2) @ p[0] + p[1].reshape(2, 2)
     return jnp.einsum("nlk,ko->no", jnp.tanh(y), p[2])
 
@@ -478,7 +489,7 @@ BIAS_MODELS = {
     "seq_dense_bias": (seq_dense_bias, ((2, 4), (4,), (4, 3)), "structured (bias"),
     "unit_major_bias": (unit_major_bias, ((2, 4), (4,), (4, 3)), "structured (bias"),
     "permuted_bias": (permuted_bias, ((2, 2, 2), (4,), (2, 2, 3)), "structured (bias"),
-    "position_bias": (position_bias, ((2, 2), (4,), (2, 3)), "jacobian (fallback)"),
+    "position_bias": (position_bias, ((2, 2), (4,), (2, 3)), SHIFT),
 }
 
 
@@ -588,3 +599,227 @@ def test_haiku_conv_nchw_and_embed_are_structured():
             "convolution" in leaf.method or "embedding gather" in leaf.method
             for leaf in plan.leaves
         )
+
+
+# -- elementwise scales and shifts (LayerNorm / BatchNorm scale and bias) -----------------
+
+
+def scale_shift(p, x):
+    """The plain-JAX ``x * s + b``."""
+    return jnp.tanh(x * p[0] + p[1]) @ p[2]
+
+
+def transposed_views(p, x):
+    """``view(s) * x`` with s seen as a transposed (2, 2) matrix (the units hold the
+    leaf's entries in another order), then ``h - view(b)`` (a shift with a minus sign)."""
+    h = p[0].reshape(2, 2).T * x.reshape(x.shape[0], 2, 2)
+    h = h - p[1].reshape(2, 2)
+    return jnp.tanh(h).reshape(x.shape[0], 4) @ p[2]
+
+
+def factor_before_input(p, x):
+    """LayerNorm's order over 2 positions of 4 units: the scale first meets the
+    input-dependent factor rsqrt(var + eps), then the centred input."""
+    xs = x.reshape(x.shape[0], 2, 4)
+    mean = xs.mean(-1, keepdims=True)
+    var = jnp.square(xs - mean).mean(-1, keepdims=True)
+    h = (xs - mean) * (jax.lax.rsqrt(var + 1e-3) * p[0]) + p[1]
+    return jnp.tanh(h).mean(axis=1) @ p[2]
+
+
+def constant_factor(p, x):
+    """A literal times the scale (a scale whose input is a constant), then the input."""
+    return jnp.tanh(x * (2.0 * p[0]) + p[1]) @ p[2]
+
+
+def shift_then_scale(p, x):
+    """``(view(b) - x) * s``: the bias on the left of a subtraction, before the scale."""
+    return jnp.tanh((p[1] - x) * p[0]) @ p[2]
+
+
+def tied_elementwise(p, x):
+    """One leaf used as two scales (through different views) and a shift: the
+    per-use Jacobians, all in the leaf's order, are summed."""
+    h = jnp.tanh(x * p[0])
+    return jnp.tanh(h * p[0].reshape(1, 4) + p[0] + p[1]) @ p[2]
+
+
+def scale_and_product(p, x):
+    """s as an elementwise scale and as the weight of a product: fallback."""
+    return jnp.tanh(x * p[0] + p[1]) @ p[2] + (x @ p[0])[:, None]
+
+
+def square_of_scale(p, x):
+    """``x * (s * s)``: a product of two parameter views, fallback."""
+    return jnp.tanh(x * (p[0] * p[0]) + p[1]) @ p[2]
+
+
+def repeated_over_units(p, x):
+    """s tiled twice along the units (broadcast, then merged by a reshape): each entry
+    appears twice per row, fallback."""
+    h = x * jnp.broadcast_to(p[0], (2, 4)).reshape(8)
+    return jnp.tanh(h.reshape(x.shape[0], 2, 4).mean(axis=1) + p[1]) @ p[2]
+
+
+_FB = "jacobian (fallback)"
+
+ELEMENTWISE_MODELS = {
+    # name: (model, input size, plan labels of (s, b, W))
+    "scale_shift": (scale_shift, 4, [SCALE, SHIFT, "structured (1 matrix product"]),
+    "transposed_views": (transposed_views, 4, [SCALE, SHIFT, "structured"]),
+    "factor_before_input": (factor_before_input, 8, [SCALE, SHIFT, "structured"]),
+    "constant_factor": (constant_factor, 4, [SCALE, SHIFT, "structured"]),
+    "shift_then_scale": (shift_then_scale, 4, [SCALE, SHIFT, "structured"]),
+    "tied_elementwise": (
+        tied_elementwise,
+        4,
+        [
+            "structured (2 elementwise scales and elementwise shift, per-sample Jacobian)",
+            SHIFT,
+            "structured",
+        ],
+    ),
+    "scale_and_product": (scale_and_product, 4, [_FB, SHIFT, "structured"]),
+    "square_of_scale": (square_of_scale, 4, [_FB, SHIFT, "structured"]),
+    "repeated_over_units": (repeated_over_units, 8, [_FB, SHIFT, "structured"]),
+}
+
+
+@pytest.mark.parametrize("name", list(ELEMENTWISE_MODELS))
+def test_elementwise_rules_match_reference_and_plan(name):
+    """Exact labels, so that a silent fallback (or a wrong match) fails."""
+    f, d, methods = ELEMENTWISE_MODELS[name]
+    p = _params((4,), (4,), (4, 3), seed=11)
+    p[0] = p[0] + 1.5  # scales away from 0
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (3, d))
+    x2 = jax.random.normal(jax.random.PRNGKey(2), (2, d))
+    k = ntk_core.empirical_ntk(f, p, x1, x2, trace_axes=(), implementation="structured")
+    reference.assert_close(k, reference.ntk(f, p, x1, x2, trace_axes=())[0])
+    plan = ntk_core.plan(f, p, x1, x2, trace_axes=(), implementation="structured")
+    for leaf, expected in zip(plan.leaves, methods, strict=True):
+        assert leaf.method.startswith(expected), (leaf.method, expected)
+        if "elementwise" in expected:
+            assert leaf.method == expected
+
+
+def _flax_norm(kind):
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            if kind == "layernorm":
+                h = nn.LayerNorm()(x)
+            else:
+                h = nn.BatchNorm(use_running_average=True)(x)
+            return nn.Dense(2)(jnp.tanh(h))  # per position: outputs (N, 3, 2)
+
+    return Net()
+
+
+def _norm_model(kind):
+    """``(apply(params, x), params)`` of a normalisation layer between (N, 3, 4) inputs
+    and per-position logits (N, 3, 2), with non-trivial running statistics."""
+    x = jax.random.normal(jax.random.PRNGKey(5), (4, 3, 4))
+    if kind.startswith("flax"):
+        model = _flax_norm(kind.split("_")[1])
+        variables = model.init(jax.random.PRNGKey(0), x)
+        params = jax.tree.map(lambda v: v + 0.3, variables["params"])  # non-trivial
+        stats = {"mean": jnp.linspace(-0.5, 0.5, 4), "var": jnp.linspace(0.5, 2.0, 4)}
+        rest = {"batch_stats": {"BatchNorm_0": stats}} if "batchnorm" in kind else {}
+        return (lambda p, x: model.apply({"params": p, **rest}, x)), params
+    hk = pytest.importorskip("haiku")
+
+    def net(x, is_training=False):
+        if kind == "haiku_layernorm":
+            h = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
+        else:
+            h = hk.BatchNorm(True, True, 0.5)(x, is_training=is_training)
+        return hk.Linear(2)(jnp.tanh(h))
+
+    model = hk.without_apply_rng(hk.transform_with_state(net))
+    params, state = model.init(jax.random.PRNGKey(0), x, is_training=True)
+    params = jax.tree.map(lambda v: v + 0.3, params)
+    _, state = model.apply(params, state, 3.0 * x + 1.0, is_training=True)  # running stats
+    return (lambda p, x: model.apply(p, state, x)[0]), params
+
+
+@pytest.mark.parametrize(
+    "kind", ["flax_batchnorm", "haiku_layernorm", "haiku_batchnorm"]
+)  # Flax LayerNorm: test_layernorm_all_axes_and_per_leaf
+def test_norm_layers_are_elementwise_scales_and_shifts(kind):
+    f, p = _norm_model(kind)
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 4))
+    x2 = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 4))
+    k = ntk_core.empirical_ntk(f, p, x1, x2, implementation="structured")
+    reference.assert_close(k, reference.ntk(f, p, x1, x2)[0])
+    plan = ntk_core.plan(f, p, x1, x2, implementation="structured")
+    methods = {leaf.path: leaf.method for leaf in plan.leaves}
+    norm = {path: m for path, m in methods.items() if "Norm" in path or "norm" in path}
+    assert len(norm) == 2, methods
+    for path, method in norm.items():
+        assert method == (SCALE if "scale" in path else SHIFT), (path, method)
+    assert all(m.startswith("structured") for m in methods.values()), methods
+
+
+_AXES = [
+    dict(trace_axes=(-1,)),
+    dict(trace_axes=()),
+    dict(trace_axes=(), diagonal_axes=(-1,)),
+    dict(trace_axes=(-1,), diagonal_axes=(0,)),
+]
+
+
+def test_layernorm_all_axes_and_per_leaf():
+    """Flax LayerNorm between two output axes: every axes setting, and the per-leaf
+    kernels of the scale and bias (bias fusion off there: Dense biases become shifts)."""
+    f, p = _norm_model("flax_layernorm")
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 4))
+    x2 = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 4))
+    full = reference.full_ntk(f, p, x1, x2)[0]
+    full_same = reference.full_ntk(f, p, x1, None)[0]
+    for axes in _AXES:
+        batch_diag = 0 in axes.get("diagonal_axes", ())
+        k = ntk_core.empirical_ntk(
+            f, p, x1, None if batch_diag else x2, implementation="structured", **axes
+        )
+        expected = reference.reduce_full(
+            full_same if batch_diag else full, axes["trace_axes"], axes.get("diagonal_axes", ())
+        )
+        reference.assert_close(k, expected)
+    per_leaf = ntk_core.empirical_ntk_per_leaf(f, p, x1, x2, implementation="structured")
+    leaves, treedef = jax.tree.flatten(p)
+    kernels = jax.tree.leaves(per_leaf)
+    reference.assert_close(sum(kernels), reference.ntk(f, p, x1, x2)[0])
+    for i in (2, 3):  # LayerNorm bias and scale
+        leaf = leaves[i]
+
+        def f_leaf(v, x, i=i):
+            return f(jax.tree.unflatten(treedef, leaves[:i] + [v] + leaves[i + 1 :]), x)
+
+        reference.assert_close(kernels[i], reference.ntk(f_leaf, leaf, x1, x2)[0])
+    plan = ntk_core.plan(f, p, x1, x2, implementation="structured")
+    assert sorted(leaf.method for leaf in plan.leaves if "LayerNorm" in leaf.path) == [
+        SCALE,
+        SHIFT,
+    ]
+
+
+def test_batchnorm_training_mode_is_differentiated_whole_batch():
+    """Training-mode BatchNorm couples the samples: with vmap_axes=None there is no
+    per-sample structure, so "structured" runs the Jacobian contraction (exact)."""
+    import flax.linen as nn
+
+    model = nn.BatchNorm(use_running_average=False)
+    x = jax.random.normal(jax.random.PRNGKey(3), (4, 3))
+    variables = model.init(jax.random.PRNGKey(0), x)
+
+    def f(p, x):
+        out, _ = model.apply({**variables, "params": p}, x, mutable=["batch_stats"])
+        return jnp.tanh(out)
+
+    params = jax.tree.map(lambda v: v + 0.3, variables["params"])
+    k = ntk_core.empirical_ntk(f, params, x, implementation="structured", vmap_axes=None)
+    reference.assert_close(k, reference.ntk(f, params, x, None)[0])
+    plan = ntk_core.plan(f, params, x, implementation="structured", vmap_axes=None)
+    assert plan.implementation == "jacobian"
