@@ -13,7 +13,9 @@ parameter count:
 * ``"structured"``: (N1 + N2)·O·3F for the cotangents and fallback Jacobians, plus
   per pair 2·O'·P_fallback and, per structured leaf, the cheaper of its Gram form
   Σ_{u,v} 2·A_u·A_v·(C + O'·K) (or 2·(A_u·A_v·(C + O·K) + O'·A·K) when that order is
-  cheaper; a gather's token match counts C = 1) and its explicit
+  cheaper; a gather's token match counts C = 1), plus
+  ``_structured.GRAM_VALUE_FLOPS`` per value its memory-bound einsums write (the
+  input Gram matrix, the intermediate, the output) when A_u·A_v > 1, and its explicit
   form 2·O'·C·K (``_structured.choose_modes``, the choice the computation makes), the
   explicit form adding 2·O·A·C·K per sample and use to build the Jacobian (and A·C to
   slice a convolution's patches); memory (N1 + N2)·(O·P_fallback + per structured leaf
