@@ -9,7 +9,8 @@ products and of convolutions, elementwise work. ``"structured"`` needs the cotan
 at each use (activation gradients) but not the weight gradients of its structured
 leaves, which is where it saves; per leaf it takes the cheaper of its Gram form
 Σ_{u,v} 2·A_u·A_v·(C + O'·K) (or 2·(A_u·A_v·(C + O·K) + O'·A·K) when that order is
-cheaper; a gather's token match counts C = 1) and its explicit form 2·O'·C·K
+cheaper; a gather's token match counts C = 1, plus ``_structured.GRAM_VALUE_FLOPS`` per
+value its memory-bound einsums write when A_u·A_v > 1) and its explicit form 2·O'·C·K
 (``_structured.choose_modes``, the choice the computation makes; elementwise scales
 and shifts, C = 1, always take the explicit form). The formulas are in
 :func:`estimate`.
@@ -17,7 +18,8 @@ and shifts, C = 1, always take the explicit form). The formulas are in
 Each estimate also has a time in seconds (:func:`estimate`): FLOPs at the backend's
 matrix-product rate, per-sample convolution kernel gradients (which XLA runs as grouped
 convolutions, far below that rate on CPU) slowed by a measured factor, plus the bytes
-of features and kernel terms written at its memory bandwidth (:data:`RATES`).
+of features written at its memory bandwidth (:data:`RATES`), plus
+``_jacobian.EINSUM_PASS_FLOPS`` per kernel value for each separate contraction einsum.
 ``"auto"`` takes the fastest estimate among those whose features fit in
 :data:`JACOBIAN_MEMORY_BUDGET` bytes (``"ntvp"`` if none does).
 """
@@ -30,6 +32,7 @@ import math
 import jax
 from jax.extend import core as jex_core
 
+from . import _jacobian
 from ._structured import choose_modes, pair_costs
 
 #: Bytes of per-sample Jacobians above which ``"auto"`` avoids ``"jacobian"``.
@@ -248,8 +251,9 @@ def estimate(
       leaf's form + pairs·(2·O'·P_fb + Σ leaf pair costs).
 
     Seconds: FLOPs / ``flops_per_s``, with per-sample convolution kernel gradients
-    ``conv_weight_grad_slowdown`` times slower, plus the bytes of features written and
-    of the kernel written once per contraction term, / ``bytes_per_s`` (:func:`rates_for`).
+    ``conv_weight_grad_slowdown`` times slower and ``_jacobian.EINSUM_PASS_FLOPS`` per
+    kernel value and separate contraction einsum (narrow Jacobians are merged into one),
+    plus the feature bytes written and read / ``bytes_per_s`` (:func:`rates_for`).
 
     Args:
       single_fn: ``f(params, x_i, aux)`` on one sample.
@@ -282,10 +286,12 @@ def estimate(
     grad_w = pc.grad_weights_dot + pc.grad_weights_conv
     reverse = pc.grad_activations + grad_w + pc.grad_elementwise
 
-    def seconds(flops, slow_flops, nbytes):
-        return (flops + slow * slow_flops) / rates.flops_per_s + nbytes / rates.bytes_per_s
+    def seconds(flops, slow_flops, nbytes, passes=0):
+        extra = slow * slow_flops + passes * pairs * o_pair * _jacobian.EINSUM_PASS_FLOPS
+        return (flops + extra) / rates.flops_per_s + nbytes / rates.bytes_per_s
 
-    kernel_bytes = pairs * o_pair * itemsize
+    # Separate contraction einsums: narrow Jacobians are merged into one (_jacobian.merge).
+    limit = _jacobian.merge_limit(min(n1, n2), out_total, o_pair)
     jac_flops = n_jac * (forward + out_total * reverse) + 2.0 * pairs * o_pair * n_params
     jac_bytes = n_jac * out_total * n_params * itemsize
     jac = CostEstimate(
@@ -295,7 +301,8 @@ def estimate(
         seconds(
             jac_flops,
             n_jac * out_total * pc.grad_weights_conv,
-            2 * jac_bytes + kernel_bytes * len(leaf_sizes),
+            2 * jac_bytes,
+            _jacobian.einsum_count(leaf_sizes, limit),
         ),
     )
     ntvp_flops = n2 * (forward + out_total * reverse) + pairs * out_total * 3 * forward
@@ -306,7 +313,8 @@ def estimate(
         seconds(
             ntvp_flops,
             (n2 + pairs) * out_total * pc.grad_weights_conv,
-            kernel_bytes * out_total,
+            0.0,
+            out_total,
         ),
     )
     p_fallback = sum(leaf_sizes[i] for i in analysis.fallback)
@@ -314,7 +322,8 @@ def estimate(
     per_pair = 2.0 * o_pair * p_fallback
     per_sample = out_total * p_fallback  # values stored per sample
     per_sample_flops = 0.0  # beyond the reverse pass
-    terms = len(analysis.fallback)
+    widths = [leaf_sizes[i] for i in analysis.fallback]  # Jacobian-type features
+    gram_terms = 0
     for group, mode in zip(analysis.groups, choose_modes(analysis, o_pair, out_total), strict=True):
         gram, explicit = pair_costs(analysis, group, o_pair, out_total)
         for u in group:
@@ -328,14 +337,14 @@ def estimate(
             use = analysis.uses[group[0]]
             per_sample += out_total * analysis.input_size(group[0]) * use.w_free_size
             per_pair += explicit
-            terms += 1
+            widths.append(analysis.input_size(group[0]) * use.w_free_size)
         else:
             for u in group:
                 use = analysis.uses[u]
                 c = 1 if use.kind == "gather" else analysis.input_size(u)
                 per_sample += use.a_size * (c + out_total * use.w_free_size)
             per_pair += gram
-            terms += len(group) ** 2
+            gram_terms += len(group) ** 2
     reverse_structured = pc.grad_activations + pc.grad_elementwise + share * grad_w
     structured_flops = (
         n_jac * (forward + out_total * reverse_structured + per_sample_flops) + pairs * per_pair
@@ -348,7 +357,8 @@ def estimate(
         seconds(
             structured_flops,
             n_jac * out_total * share * pc.grad_weights_conv,
-            2 * structured_bytes + kernel_bytes * terms,
+            2 * structured_bytes,
+            _jacobian.einsum_count(widths, limit) + gram_terms,
         ),
     )
     return jac, ntvp, structured

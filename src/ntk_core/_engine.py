@@ -48,21 +48,24 @@ class _Config:
     params_tree: Any = None
     structure: tuple = ()  # "structured": Analysis.leaves(...)
     analysis: Any = None  # "structured": the _structured.Analysis
+    n2: int = 0  # samples of x2 (of x1 when x2 is None)
 
 
 @functools.lru_cache(maxsize=64)
 def _jacobian_features(apply3, vmap_axes, precision):
     """The jitted first phase of ``"jacobian"``: per-sample Jacobians of one batch.
 
-    Shared by every kernel function of the same ``apply3`` whatever its axes, so
-    changing ``trace_axes`` or ``diagonal_axes`` recompiles only the contraction.
+    Shared by every kernel function of the same ``apply3`` and the same
+    ``merge_limits`` (:func:`_merge_limits`), so changing ``trace_axes`` or
+    ``diagonal_axes`` recompiles the contraction, and the features only where the
+    kernel values per pair change.
     """
 
-    def features(params, x, aux, *, out_tree):
+    def features(params, x, aux, *, out_tree, merge_limits):
         with jax.default_matmul_precision(precision):
-            return _jacobian.jacobians(apply3, params, x, aux, vmap_axes, out_tree)
+            return _jacobian.jacobians(apply3, params, x, aux, vmap_axes, out_tree, merge_limits)
 
-    return jax.jit(features, static_argnames=("out_tree",))
+    return jax.jit(features, static_argnames=("out_tree", "merge_limits"))
 
 
 @functools.lru_cache(maxsize=64)
@@ -82,11 +85,13 @@ def _ntvp_features(apply3, vmap_axes, precision):
 def _structured_features(apply3, precision, fuse_bias):
     """The jitted first phase of ``"structured"``: layer inputs, cotangents, fallbacks."""
 
-    def features(params, x, aux, *, out_tree, modes):
+    def features(params, x, aux, *, out_tree, modes, merge_limits):
         with jax.default_matmul_precision(precision):
-            return _structured.features(apply3, params, x, aux, out_tree, fuse_bias, modes)
+            return _structured.features(
+                apply3, params, x, aux, out_tree, fuse_bias, modes, merge_limits
+            )
 
-    return jax.jit(features, static_argnames=("out_tree", "modes"))
+    return jax.jit(features, static_argnames=("out_tree", "modes", "merge_limits"))
 
 
 def _pair_sizes(shapes1, layouts) -> list[int]:
@@ -100,6 +105,27 @@ def _pair_sizes(shapes1, layouts) -> list[int]:
             size *= s.shape[a]
         sizes.append(size)
     return sizes
+
+
+def _merge_limits(config) -> tuple[int, ...] | None:
+    """Per output leaf, the widest per-leaf Jacobian merged into one contraction
+    (:func:`ntk_core._jacobian.merge_limit` with O' the kept output axes squared and
+    the diagonal ones once); None where each leaf's kernel is needed apart
+    (``"ntk_per_leaf"``) or on the batch diagonal (N kernel values, too few to pay
+    for a copy)."""
+    if config.kind != "ntk" or config.layouts[0].batch_diagonal:
+        return None
+    n = min(config.shapes1[0].shape[0], config.n2)
+    limits = []
+    for s, layout in zip(config.shapes1, config.layouts, strict=True):
+        pair = 1
+        for a in range(1, layout.ndim):
+            if a in layout.diag:
+                pair *= s.shape[a]
+            elif a not in layout.trace:
+                pair *= s.shape[a] ** 2
+        limits.append(_jacobian.merge_limit(n, math.prod(s.shape[1:]), pair))
+    return tuple(limits)
 
 
 def _signature(tree) -> tuple:
@@ -354,6 +380,7 @@ class KernelFunction:
             jax.tree.structure(params),
             structure,
             analysis,
+            n2,
         )
 
     @property
@@ -455,10 +482,17 @@ class KernelFunction:
         impl = config.implementation
         if impl == "jacobian":
             jac = _jacobian_features(self._apply3, config.vmap_axes, config.precision)
-            return functools.partial(jac, out_tree=config.out_tree)
+            return functools.partial(
+                jac, out_tree=config.out_tree, merge_limits=_merge_limits(config)
+            )
         if impl == "structured":
             feat = _structured_features(self._apply3, config.precision, self._fuse_bias)
-            return functools.partial(feat, out_tree=config.out_tree, modes=config.structure[4])
+            return functools.partial(
+                feat,
+                out_tree=config.out_tree,
+                modes=config.structure[4],
+                merge_limits=_merge_limits(config),
+            )
         if impl == "nngp":
             return functools.partial(self._outputs, config=config)
         return None

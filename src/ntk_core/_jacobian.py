@@ -5,6 +5,12 @@
 (N1 + N2)·O·P, and N1·N2·O'·P multiply-adds for the contraction (O' the product of the
 kept output sizes). Reference: Novak et al., "Fast Finite Width Neural Tangent Kernel",
 ICML 2022, section 3.1.
+
+Unless the kernel is split per parameter leaf, the narrow per-leaf Jacobians are
+concatenated once per block of samples (:func:`merge`) and contracted by one einsum:
+each separate einsum writes and re-reads the whole (N1, N2, O') output through a
+poorly shaped matrix product (a contraction of P_l values per output value), which on
+XLA CPU costs about :data:`EINSUM_PASS_FLOPS` FLOPs per output value whatever P_l.
 """
 
 from __future__ import annotations
@@ -14,9 +20,77 @@ import jax.numpy as jnp
 
 from ._model import per_sample
 
+#: FLOP-equivalents of one output value of a separate Jacobian-contraction einsum
+#: beyond its multiply-adds (writing, transposing and summing the (N1, N2, O') output).
+#: Measured on XLA CPU (2 cores, jax 0.10.2; load average 1-4): 13 einsums
+#: ``nabp,mcbp->nmac`` over leaves of the token model (N = 256, O = 5x3, P_l = 3..88)
+#: take 0.26 s, one einsum over their concatenation (P = 419) 0.080 s: about 9 ns per
+#: output value and einsum, i.e. ~400 FLOPs at the 40-50 GFLOP/s of those einsums.
+EINSUM_PASS_FLOPS = 400.0
+#: Copies of values that concatenating Jacobians costs, per value, in the same units
+#: (1.6 M values concatenated in 2.4 ms, 1.5 ns per value): ~64 FLOPs.
+COPY_FLOPS = 64.0
 
-def jacobians(apply3, params, x, aux, vmap_axes, out_tree):
-    """Per-output-leaf lists of Jacobians flattened to ``(N, *out_shape[1:], P_leaf)``."""
+
+def merge_limit(n: int, out_size: int, pair_size: int) -> int:
+    """Widest per-leaf Jacobian (P_l) worth copying into the concatenated matrix.
+
+    For a kernel of N1 x N2 samples, copying a leaf's Jacobians costs (N1 + N2)·O·P_l
+    copies (:data:`COPY_FLOPS` each), while contracting it apart costs one more einsum
+    pass over the N1·N2·O' kernel values (:data:`EINSUM_PASS_FLOPS` each), with O the
+    output entries per sample and O' the kernel values per pair. With n = min(N1, N2),
+    the copy pays when
+
+        P_l ≤ (EINSUM_PASS_FLOPS / COPY_FLOPS) · n · O' / (2·O)   (≈ 3·n·O'/O).
+
+    The blocked engine computes each block's features once per band of tiles and
+    contracts them with all the other side's blocks, so the whole call's N1, N2 hold
+    there too. A wide leaf (e.g. the 784 000 weights of an MLP's first layer) stays
+    apart: its einsum is a good matrix product already and a copy would double its
+    memory.
+    """
+    return int(EINSUM_PASS_FLOPS / COPY_FLOPS * n * pair_size / (2.0 * max(out_size, 1)))
+
+
+def merge_groups(widths, dtypes, limit: float) -> list[list[int]]:
+    """Indices of the matrices contracted together: one group per dtype of the narrow
+    ones (width ≤ ``limit``), in first-seen order, then each wide one alone."""
+    narrow: dict = {}
+    wide = []
+    for i, (w, dt) in enumerate(zip(widths, dtypes, strict=True)):
+        if w <= limit:
+            narrow.setdefault(str(dt), []).append(i)
+        else:
+            wide.append([i])
+    return list(narrow.values()) + wide
+
+
+def einsum_count(widths, limit: float) -> int:
+    """Einsums that :func:`merge` leaves for matrices of these widths (one dtype)."""
+    wide = sum(1 for w in widths if w > limit)
+    return wide + int(len(widths) > wide)
+
+
+def merge(mats, limit: int | None):
+    """Per-sample Jacobian-type matrices ``(N, *O, P_l)`` of one output leaf, those of
+    width P_l ≤ ``limit`` (:func:`merge_limit`) concatenated along the last axis;
+    ``limit`` None keeps them apart (kernels split per leaf). The limit comes from the
+    whole call, never from the block, so that both sides of a tile merge alike."""
+    if limit is None or len(mats) < 2:
+        return list(mats)
+    groups = merge_groups([m.shape[-1] for m in mats], [m.dtype for m in mats], limit)
+    return [
+        mats[g[0]] if len(g) == 1 else jnp.concatenate([mats[i] for i in g], axis=-1)
+        for g in groups
+    ]
+
+
+def jacobians(apply3, params, x, aux, vmap_axes, out_tree, merge_limits=None):
+    """Per-output-leaf lists of Jacobians flattened to ``(N, *out_shape[1:], P_leaf)``.
+
+    With ``merge_limits`` (per output leaf, see :func:`merge`), the narrow ones are
+    concatenated: the lists then hold one matrix per contraction, not per leaf.
+    """
     if vmap_axes is None:
         jac = jax.jacrev(lambda p: apply3(p, x, aux))(params)
     else:
@@ -32,6 +106,8 @@ def jacobians(apply3, params, x, aux, vmap_axes, out_tree):
             out_ndim = j.ndim - jnp.ndim(p)
             mats.append(j.reshape(j.shape[:out_ndim] + (-1,)))
         result.append(mats)
+    if merge_limits is not None:
+        result = [merge(mats, lim) for mats, lim in zip(result, merge_limits, strict=True)]
     return result
 
 

@@ -93,6 +93,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex
 
+from . import _jacobian
 from ._model import per_sample
 
 #: Primitives through which a parameter stays "the same numbers in another order".
@@ -166,16 +167,35 @@ class Analysis:
         return use.x_contract_size + int(bool(self.biased) and self.biased[u])
 
 
+#: FLOP-equivalents of writing and reading back one value of an intermediate or output
+#: array of the Gram form's einsums: the input Gram matrix (the token match of a
+#: gather), the cotangent Gram matrix or the input Gram times one side's cotangents,
+#: and each use pair's output. Those einsums contract a few values per output value
+#: (A, K, a match's single 0/1), so they run at memory speed, not matmul speed: the
+#: token model's embedding (A = 5, K = 8, O = 15, O' = 75) took 0.48 s for N = 256 in
+#: the Gram form (0.8 GFLOP, 46 M intermediate values: ~10 ns per value) against 0.1 s
+#: for the whole explicit-form kernel (XLA CPU, 2 cores). The same per-value cost as a
+#: separate Jacobian einsum's output pass (``_jacobian.EINSUM_PASS_FLOPS``).
+GRAM_VALUE_FLOPS = _jacobian.EINSUM_PASS_FLOPS
+
+
 def pair_costs(analysis: Analysis, group, o_pair: int, o_out: int) -> tuple[float, float]:
-    """FLOPs per pair of samples of one leaf: (Gram form, explicit Jacobian form).
+    """Cost per pair of samples of one leaf, in FLOPs: (Gram form, explicit form).
 
     Gram, per pair of uses (u, v): 2·A_u·A_v·C for the input Gram matrix (C = 1 for a
-    gather's token match), then the cheaper of 2·A_u·A_v·O'·K (the cotangent Gram
-    matrix) and 2·(A_u·A_v·O·K + O'·min(A_u, A_v)·K) (input Gram times one side's
-    cotangents first), the orders ``jnp.einsum(optimize="optimal")`` chooses between;
-    explicit: 2·O'·C·K. O' is the kernel entries per pair, O the output entries per
-    sample. Elementwise scales and shifts (C = 1) have no Gram form (infinite cost):
-    their Gram form would cost 2·A_u·A_v·O'·K, never less than the explicit 2·O'·K.
+    gather's token match), then the order with fewer FLOPs (the one
+    ``jnp.einsum(optimize="optimal")`` takes) of 2·A_u·A_v·O'·K (the cotangent Gram
+    matrix, A_u·A_v·O' values) and 2·(A_u·A_v·O·K + O'·min(A_u, A_v)·K) (the input Gram
+    times one side's cotangents first, max(A_u, A_v)·O·K values), plus, when the uses
+    have several positions (A_u·A_v > 1), :data:`GRAM_VALUE_FLOPS` per value of the
+    input Gram matrix, that intermediate and the O' outputs (with one position each,
+    the Gram form is two matrix products and a product of their outputs, values of the
+    order of the explicit form's own output); explicit: 2·O'·C·K, the Jacobian
+    contraction (merged with the other Jacobians into one einsum, so no output pass of
+    its own). O' is the kernel
+    entries per pair (traced axes included), O the output entries per sample.
+    Elementwise scales and shifts (C = 1) have no Gram form (infinite cost): their Gram
+    form would cost 2·A_u·A_v·O'·K, never less than the explicit 2·O'·K.
     """
     use = analysis.uses[group[0]]
     explicit = 2.0 * o_pair * analysis.input_size(group[0]) * use.w_free_size
@@ -186,8 +206,15 @@ def pair_costs(analysis: Analysis, group, o_pair: int, o_out: int) -> tuple[floa
         use_u, use_v = analysis.uses[u], analysis.uses[v]
         c = 1 if use_u.kind == "gather" else analysis.input_size(u)
         a_u, a_v, k = use_u.a_size, use_v.a_size, use_u.w_free_size
-        cotangents = min(a_u * a_v * o_pair * k, a_u * a_v * o_out * k + o_pair * min(a_u, a_v) * k)
-        gram += 2.0 * (a_u * a_v * c + cotangents)
+        first = (2.0 * a_u * a_v * o_pair * k, a_u * a_v * o_pair)
+        second = (
+            2.0 * (a_u * a_v * o_out * k + o_pair * min(a_u, a_v) * k),
+            max(a_u, a_v) * o_out * k,
+        )
+        flops, values = min(first, second)
+        gram += 2.0 * a_u * a_v * c + flops
+        if a_u * a_v > 1:  # one position each: two matrix products, no intermediate
+            gram += GRAM_VALUE_FLOPS * (a_u * a_v + values + o_pair)
     return gram, explicit
 
 
@@ -739,20 +766,85 @@ def _elementwise_jacobian(use: Use, xu, g):
     return j[..., np.asarray(leaf_order)] if leaf_order else j
 
 
-def features(apply3, params, x, aux, out_tree, fuse_bias: bool = True, modes=None):
+#: Bytes of per-sample intermediates that the features phase may hold at once: the
+#: samples of a block are processed :func:`chunk_size` at a time, so that the forward
+#: values, residuals and cotangents of the reverse passes (and the recorded inputs and
+#: the cotangents at every use) of a whole block never coexist.
+FEATURE_CHUNK_BYTES = 2**28
+
+
+def _values_produced(jaxpr) -> int:
+    """Values one evaluation of ``jaxpr`` writes (its equations' outputs, sub-jaxprs
+    counted once)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+        sub = _sub_jaxpr(eqn)
+        if sub is not None:
+            total += _values_produced(sub[0])
+    return total
+
+
+def chunk_size(closed: jex.ClosedJaxpr, n: int, out_size: int, feature_values: int) -> int:
+    """Samples whose structured features are computed together:
+
+        B = FEATURE_CHUNK_BYTES // (itemsize · ((O + 2)·V + F)),  1 ≤ B ≤ N,
+
+    with V the values one sample's forward pass writes (``closed``, the per-sample
+    jaxpr), O the output entries per sample (the reverse passes keep the forward
+    values, their residuals and O cotangents of each alive) and F the feature values
+    of one sample (written before they are stored).
+    """
+    itemsize = max(
+        (np.dtype(v.aval.dtype).itemsize for v in closed.jaxpr.outvars if hasattr(v, "aval")),
+        default=4,
+    )
+    per_sample_bytes = itemsize * ((out_size + 2) * _values_produced(closed.jaxpr) + feature_values)
+    return int(min(n, max(1, FEATURE_CHUNK_BYTES // max(per_sample_bytes, 1))))
+
+
+def _in_chunks(fn, x, n: int, chunk: int):
+    """``fn(x)`` for a function of a batch whose outputs all have batch axis 0, computed
+    ``chunk`` samples at a time into preallocated outputs (the last chunk starts at
+    N - chunk, overlapping its predecessor: no padding, no concatenation copy)."""
+    if chunk >= n:
+        return fn(x)
+
+    def take(start):
+        return jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, start, chunk, 0), x)
+
+    shapes = jax.eval_shape(fn, take(0))
+    out = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape[1:], s.dtype), shapes)
+
+    def body(i, out):
+        start = jnp.minimum(i * chunk, n - chunk)
+        part = fn(take(start))
+        return jax.tree.map(lambda o, p: lax.dynamic_update_slice_in_dim(o, p, start, 0), out, part)
+
+    return lax.fori_loop(0, -(-n // chunk), body, out)
+
+
+def features(
+    apply3, params, x, aux, out_tree, fuse_bias: bool = True, modes=None, merge_limits=None
+):
     """Per-sample structured features of a batch.
 
     Returns a dict with ``"fallback"``: per output leaf, a list of explicit Jacobians
     ``(N, *O, P_l)``; ``"explicit"``: per output leaf, per ``"explicit"`` group, the
-    Jacobian ``(N, *O, C·K)`` from the recorded inputs and cotangents; ``"x"``: per use,
-    layer inputs ``(N, A, C)`` (tokens ``(N, A)``; empty for explicit groups); ``"g"``:
-    per output leaf, per use, cotangents ``(N, *O, A, K)`` (empty for explicit groups).
+    Jacobian ``(N, *O, C·K)`` from the recorded inputs and cotangents; ``"merged"``: per
+    output leaf, an empty list, or with ``merge_limits`` (per output leaf) the fallback
+    and explicit Jacobians merged by :func:`ntk_core._jacobian.merge` (the narrow ones
+    concatenated; ``"fallback"`` and ``"explicit"`` are then empty); ``"x"``: per use,
+    layer inputs ``(N, A, C)`` (tokens ``(N, A)``; None for explicit groups); ``"g"``:
+    per output leaf, per use, cotangents ``(N, *O, A, K)`` (None for explicit groups).
+    Computed :func:`chunk_size` samples at a time.
     """
     x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), x)
     analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias)
     if modes is None:
         modes = ("gram",) * len(analysis.groups)
     param_leaves = jax.tree.leaves(params)
+    n = jax.tree.leaves(x)[0].shape[0]
 
     def one(x_i):
         leaves_x = jax.tree.leaves(x_i)
@@ -777,51 +869,73 @@ def features(apply3, params, x, aux, out_tree, fuse_bias: bool = True, modes=Non
         jac, xs = jax.jacrev(run, argnums=(0, 1), has_aux=True)(fb0, d0)
         return jac, xs
 
-    jac, xs = jax.vmap(one)(x)
-    j_fb = [pair[0] for pair in jac]
-    j_d = [pair[1] for pair in jac]
     out_shapes = out_tree.flatten_up_to(jax.eval_shape(apply3, params, x, aux))
     biased = analysis.biased or (False,) * len(analysis.uses)
-    x_mats = [
-        None
-        if use.kind in _RAW_INPUT_KINDS and not _gram(analysis, modes, u)
-        else _input_matrix(use, xu, b)
-        for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True))
-    ]
-    fallback, explicit, g = [], [], []
-    for k, o in enumerate(out_shapes):
-        o_ndim = len(o.shape)  # (N, *O)
-        fallback.append(
-            [j.reshape(j.shape[:o_ndim] + (-1,)) for j in j_fb[k]] if analysis.fallback else []
-        )
-        per_use = []
-        for use, gu in zip(analysis.uses, j_d[k], strict=True):
-            # gu: (N, *O, *y) -> (N, *O, A, K)
-            lead = gu.shape[:o_ndim]
-            perm = tuple(range(o_ndim)) + tuple(o_ndim + a for a in use.y_perm)
-            gu = jnp.transpose(gu, perm).reshape(lead + (use.a_size, use.w_free_size))
-            per_use.append(gu)
-        per_group = []
-        for group, mode in zip(analysis.groups, modes, strict=True):
-            if mode != "explicit":
-                continue
-            total = None
-            for u in group:
-                use = analysis.uses[u]
-                if use.kind == "gather":
-                    j = _one_hot_jacobian(use, x_mats[u], per_use[u])
-                elif use.kind == "conv":
-                    j = _conv_jacobian(use, xs[u], per_use[u], biased[u])
-                elif use.kind in ELEMENTWISE_KINDS:
-                    j = _elementwise_jacobian(use, xs[u], per_use[u])
-                else:
-                    j = _explicit_jacobian(use, x_mats[u], per_use[u])
-                total = j if total is None else total + j
-            per_group.append(total.reshape(total.shape[:o_ndim] + (-1,)))
-        explicit.append(per_group)
-        g.append([gu if _gram(analysis, modes, u) else None for u, gu in enumerate(per_use)])
-    x_out = [xm if _gram(analysis, modes, u) else None for u, xm in enumerate(x_mats)]
-    return {"fallback": fallback, "explicit": explicit, "x": x_out, "g": g}
+
+    def batch(xb):
+        jac, xs = jax.vmap(one)(xb)
+        j_fb = [pair[0] for pair in jac]
+        j_d = [pair[1] for pair in jac]
+        x_mats = [
+            None
+            if use.kind in _RAW_INPUT_KINDS and not _gram(analysis, modes, u)
+            else _input_matrix(use, xu, b)
+            for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True))
+        ]
+        fallback, explicit, merged, g = [], [], [], []
+        for k, o in enumerate(out_shapes):
+            o_ndim = len(o.shape)  # (N, *O)
+            fb_k = [j.reshape(j.shape[:o_ndim] + (-1,)) for j in j_fb[k]]
+            per_use = []
+            for use, gu in zip(analysis.uses, j_d[k], strict=True):
+                # gu: (N, *O, *y) -> (N, *O, A, K)
+                lead = gu.shape[:o_ndim]
+                perm = tuple(range(o_ndim)) + tuple(o_ndim + a for a in use.y_perm)
+                gu = jnp.transpose(gu, perm).reshape(lead + (use.a_size, use.w_free_size))
+                per_use.append(gu)
+            per_group = []
+            for group, mode in zip(analysis.groups, modes, strict=True):
+                if mode != "explicit":
+                    continue
+                total = None
+                for u in group:
+                    use = analysis.uses[u]
+                    if use.kind == "gather":
+                        j = _one_hot_jacobian(use, x_mats[u], per_use[u])
+                    elif use.kind == "conv":
+                        j = _conv_jacobian(use, xs[u], per_use[u], biased[u])
+                    elif use.kind in ELEMENTWISE_KINDS:
+                        j = _elementwise_jacobian(use, xs[u], per_use[u])
+                    else:
+                        j = _explicit_jacobian(use, x_mats[u], per_use[u])
+                    total = j if total is None else total + j
+                per_group.append(total.reshape(total.shape[:o_ndim] + (-1,)))
+            if merge_limits is None:
+                fallback.append(fb_k)
+                explicit.append(per_group)
+                merged.append([])
+            else:
+                fallback.append([])
+                explicit.append([])
+                merged.append(_jacobian.merge(fb_k + per_group, merge_limits[k]))
+            g.append([gu if _gram(analysis, modes, u) else None for u, gu in enumerate(per_use)])
+        x_out = [xm if _gram(analysis, modes, u) else None for u, xm in enumerate(x_mats)]
+        return {"fallback": fallback, "explicit": explicit, "merged": merged, "x": x_out, "g": g}
+
+    out_size = sum(math.prod(o.shape[1:]) for o in out_shapes)
+    # Feature values of one sample: Jacobians of fallback leaves and explicit groups,
+    # inputs and cotangents of Gram-form uses.
+    jacobian_width = sum(param_leaves[i].size for i in analysis.fallback)
+    for group, mode in zip(analysis.groups, modes, strict=True):
+        if mode == "explicit":
+            jacobian_width += analysis.input_size(group[0]) * analysis.uses[group[0]].w_free_size
+    gram_values = sum(
+        use.a_size * (analysis.input_size(u) + out_size * use.w_free_size)
+        for u, use in enumerate(analysis.uses)
+        if _gram(analysis, modes, u)
+    )
+    chunk = chunk_size(closed, n, out_size, out_size * jacobian_width + gram_values)
+    return _in_chunks(batch, x, n, chunk)
 
 
 def _gram(analysis: Analysis, modes, u: int) -> bool:
@@ -837,7 +951,9 @@ def _fresh_letters(used: str, n: int) -> list[str]:
 
 
 def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
-    """Per output leaf, the list of each parameter leaf's kernel (they sum to the NTK).
+    """Per output leaf, the list of each parameter leaf's kernel (they sum to the NTK);
+    with merged features (``f1["merged"]``, see :func:`features`) the list starts with
+    the kernels of the merged Jacobians instead of their leaves' own.
 
     ``analysis_leaves`` is ``(n_leaves, fallback leaf ids, groups of use indices, group
     leaf ids, group modes)`` and ``analysis`` the :class:`Analysis` they come from.
@@ -851,6 +967,7 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
             for a in (
                 list(f1["fallback"][k])
                 + list(f1["explicit"][k])
+                + list(f1["merged"][k])
                 + [gu for gu in f1["g"][k] if gu is not None]
             )
         )
@@ -860,13 +977,20 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
         def jacobian_term(a, b, spec=f"{lhs},{rhs}->{out}", size=size):
             return jnp.einsum(spec, a, b, precision=precision) / size
 
-        for leaf, a, b in zip(fallback, f1["fallback"][k], f2["fallback"][k], strict=True):
-            per_leaf[leaf] = jacobian_term(a, b)
+        # Merged Jacobians (fallback leaves and explicit groups, not split per leaf).
+        merged = [
+            jacobian_term(a, b) for a, b in zip(f1["merged"][k], f2["merged"][k], strict=True)
+        ]
+        if not merged:
+            for leaf, a, b in zip(fallback, f1["fallback"][k], f2["fallback"][k], strict=True):
+                per_leaf[leaf] = jacobian_term(a, b)
         lo, ro, _ = layout.specs()
         ia, ib, c, kk = _fresh_letters(lo + ro + out, 4)
         explicit_index = 0
         for leaf, group, mode in zip(group_leaves, groups, modes, strict=True):
             if mode == "explicit":
+                if merged:
+                    continue
                 a = f1["explicit"][k][explicit_index]
                 b = f2["explicit"][k][explicit_index]
                 explicit_index += 1
@@ -902,5 +1026,6 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
                     )
                 total = term if total is None else total + term
             per_leaf[leaf] = total / size
-        kernels.append([term for term in per_leaf if term is not None])  # fused biases
+        # None: fused biases, and leaves in the merged Jacobians.
+        kernels.append(merged + [term for term in per_leaf if term is not None])
     return kernels
