@@ -281,7 +281,9 @@ def test_output_types():
     assert isinstance(one_call, jax.Array)  # batch_size=None: today's behaviour
     host = _kernel("ntk", "structured", "trace", B)(PARAMS, X1)
     assert isinstance(host, np.ndarray)
-    device = ntk_core.empirical_ntk(F, PARAMS, X1, batch_size=B, store_on_device=True)
+    device = ntk_core.empirical_ntk(
+        F, PARAMS, X1, implementation="structured", batch_size=B, store_on_device=True
+    )
     assert isinstance(device, jax.Array)
     np.testing.assert_array_equal(np.asarray(device), host)
 
