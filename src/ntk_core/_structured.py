@@ -27,12 +27,14 @@ coordinates and ``k`` over its output units:
 * Elementwise scales ``y = x * view(s)`` (LayerNorm / BatchNorm scale, in either
   operand order) and shifts ``y = x ± view(b)`` (LayerNorm / BatchNorm bias, any bias
   not fused with a product), where ``view`` reshapes, transposes and broadcasts the
-  leaf so that each row of ``y`` seen as (positions a, units k) holds every leaf entry
-  once: ∂f_o/∂s[σ(k)] = Σ_a x[a, k] g_o[a, k], ∂f_o/∂b[σ(k)] = ±Σ_a g_o[a, k] (C = 1,
-  ``x`` broadcast to ``y``). The scale's ``x`` is whatever it is multiplied by first:
-  Flax and Haiku compute ``(x - mean) * (rsqrt(var + eps) * s)``, so the use is the
-  product ``rsqrt(var + eps) * s`` (input-dependent in LayerNorm, running statistics
-  in eval-mode BatchNorm), and its cotangent carries ``x - mean``; exact either way.
+  leaf so that each row of the operand ``v = view(s)`` seen as (positions a, units k)
+  holds every leaf entry once: ∂f_o/∂s[σ(k)] = Σ_a ∂f_o/∂v[a, k], where the probe δ
+  sits on ``v`` itself (before the operation broadcasts it), so that the reverse pass
+  forms ∂f_o/∂v = Σ_broadcast x·g_o (scale) or ±Σ g_o (shift) already reduced, and the
+  cotangent at ``y`` is never written out. The scale's ``x`` is whatever it is
+  multiplied by first: Flax and Haiku compute ``(x - mean) * (rsqrt(var + eps) * s)``,
+  so the use is the product ``rsqrt(var + eps) * s`` (input-dependent in LayerNorm,
+  running statistics in eval-mode BatchNorm); exact either way.
 
 A use's NTK contribution is, per pair of uses (u, v) of one leaf,
 
@@ -67,14 +69,14 @@ cond / while / custom_vjp. Sub-jaxprs of ``jit``, ``closed_call`` and ``checkpoi
 are inlined; ``custom_jvp`` functions (``jax.nn.relu``, ``gelu``) are evaluated with
 their own rules.
 
-Elementwise scales and shifts are always in the explicit mode: their Gram form
-A_u·A_v·O'·K per pair is never cheaper than the explicit O'·K. The joint reverse pass
-of the fallback computes the same Jacobian with the same operation count, but was
-measured slower: per-sample features of ``mean_L(tanh(norm(x) * s) @ W)`` with x of
-shape (256, 32, 128) and 4 outputs take 0.040 s for the scale through the reverse pass
-against 0.016 s for recording x and g and reducing them (one XLA CPU thread, process
-time, machine load 9). All uses of one leaf form their Jacobians in the leaf's own
-order, so scales and shifts of one leaf (through any views) sum exactly.
+Elementwise scales and shifts are always in the explicit mode (C = 1): their Gram form
+A_u·A_v·O'·K per pair is never cheaper than the explicit O'·K. Their per-sample
+Jacobian costs what the fallback's joint reverse pass would (the same reduction, now
+labelled and available to per-leaf kernels); recording ``x`` and the cotangent at
+``y`` instead writes out N·O·A·K values per use (a full feature map per BatchNorm),
+which was no faster in the ResNet benchmark. All uses of one leaf form their
+Jacobians in the leaf's own order, so scales and shifts of one leaf (through any
+views) sum exactly.
 
 Reference: Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent
 Kernel", ICML 2022, section 3.3.
@@ -136,12 +138,12 @@ class Use:
     key: tuple  # uses of one leaf with equal keys pair up coordinate by coordinate
     y_shape: tuple[int, ...]
     y_dtype: str
-    y_perm: tuple[int, ...]
+    y_perm: tuple[int, ...]  # scale / shift: of the probed parameter operand
     a_size: int  # A: output positions
     w_free_size: int  # K: output units
     x_contract_size: int  # C: input coordinates (V for a gather)
-    # dot: (x_free, x_contract); conv: geometry; gather: (mode,); scale / shift: (sign,
-    # x shape, leaf order: the unit holding each leaf entry, or () when unit k is entry k)
+    # dot: (x_free, x_contract); conv: geometry; gather: (mode,); scale / shift:
+    # (probed operand, leaf order: the unit holding each leaf entry, or () for unit k)
     x_info: tuple = ()
 
 
@@ -404,52 +406,52 @@ def _view_index(eqns, leaf_shape):
 
 def _elementwise_use(eqn, ins, here, leaf_shape):
     """``y = x * view(s)`` (``"scale"``), ``y = x + view(b)``, ``x - view(b)`` or
-    ``view(b) - x`` (``"shift"``), with exactly one operand a parameter view.
+    ``view(b) - x`` (``"shift"``), with exactly one operand a parameter view ``v``.
 
-    Structured when every entry of the leaf appears at the same places in every
-    row of ``y`` seen as (positions, units): the axes along which the broadcast view
-    is constant are the positions ``a``, the others the units ``k``, and the units must
-    hold each leaf entry exactly once. Then, per sample and output entry,
-    ∂f/∂s[σ(k)] = Σ_a x[a, k] g[a, k] (scale) and ∂f/∂b[σ(k)] = ±Σ_a g[a, k] (shift),
-    with ``x`` broadcast to ``y``'s shape and σ the units' leaf entries. Decided
-    exactly by replaying the view on the entry indices; None when it does not hold.
+    The probe goes on the operand ``v`` itself (before the operation broadcasts it to
+    ``y``), so the reverse pass returns ∂f/∂v = Σ_broadcast x·g_y (scale) or ±Σ g_y
+    (shift), reduced where it is formed: the cotangent at ``y`` is never written out.
+    Structured when every leaf entry appears at the same places in every row of ``v``
+    seen as (positions a, units k): the axes along which ``v`` is constant (a
+    broadcast) are the positions, the others the units, which must hold each leaf entry
+    exactly once; then ∂f/∂s[σ(k)] = Σ_a ∂f/∂v[a, k] with σ the units' leaf entries.
+    Decided exactly by replaying the view on the entry indices; None otherwise.
     """
-    name = eqn.primitive.name
     w_side = 0 if ins[0] is not None else 1
     leaf, chain, eqns = ins[w_side]
-    y_shape = tuple(eqn.outvars[0].aval.shape)
+    v_shape = tuple(eqn.invars[w_side].aval.shape)
     size = math.prod(leaf_shape)
-    if size == 0 or math.prod(y_shape) == 0:
+    if size == 0:
         return None
     try:
-        idx = np.broadcast_to(_view_index(eqns, leaf_shape), y_shape)
-    except Exception:  # an unexpected view or broadcast: not structured
+        idx = _view_index(eqns, leaf_shape)
+    except Exception:  # an unexpected view: not structured
         return None
-    units = tuple(d for d in range(len(y_shape)) if not (idx == idx.take([0], axis=d)).all())
-    positions = tuple(d for d in range(len(y_shape)) if d not in units)
-    y_perm = positions + units
-    a_size = math.prod(y_shape[d] for d in positions)
-    k_size = math.prod(y_shape[d] for d in units)
-    row = np.transpose(idx, y_perm).reshape(a_size, k_size)[0]
+    if idx.shape != v_shape:
+        return None
+    units = tuple(d for d in range(len(v_shape)) if not (idx == idx.take([0], axis=d)).all())
+    positions = tuple(d for d in range(len(v_shape)) if d not in units)
+    v_perm = positions + units
+    a_size = math.prod(v_shape[d] for d in positions)
+    k_size = math.prod(v_shape[d] for d in units)
+    row = np.transpose(idx, v_perm).reshape(a_size, k_size)[0]
     if k_size != size or not np.array_equal(np.sort(row), np.arange(size)):
         return None  # a leaf entry repeated over units (or missing): fall back
     order = np.argsort(row)
     leaf_order = () if np.array_equal(order, np.arange(size)) else tuple(int(i) for i in order)
-    sign = -1 if name == "sub" and w_side == 1 else 1
-    x_side = 1 - w_side
     return Use(
         here,
         leaf,
-        "scale" if name == "mul" else "shift",
-        x_side,
+        "scale" if eqn.primitive.name == "mul" else "shift",
+        1 - w_side,
         ("elementwise", tuple(leaf_shape)),  # Jacobians in the leaf's order: uses pair up
-        y_shape,
-        str(eqn.outvars[0].aval.dtype),
-        y_perm,
+        v_shape,  # the probe's shape: the operand's, not the output's
+        str(eqn.invars[w_side].aval.dtype),
+        v_perm,
         a_size,
         size,
         1,
-        (sign, tuple(eqn.invars[x_side].aval.shape), leaf_order),
+        (w_side, leaf_order),
     )
 
 
@@ -587,6 +589,14 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     )
 
 
+def _probe(use: Use, delta) -> tuple:
+    """What :func:`_evaluate` does at a use: ``(recorded operand, delta)`` adds the
+    delta to the output; ``(..., delta, operand)`` to that (parameter) operand."""
+    if use.kind in ELEMENTWISE_KINDS:
+        return (use.x_side, delta, use.x_info[0])
+    return (use.x_side, delta)
+
+
 def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
     env = {}
 
@@ -604,13 +614,16 @@ def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
             sub, sub_consts = _sub_jaxpr(eqn)
             outs = _evaluate(sub, sub_consts, invals, probes, records, here)
         else:
+            probe = probes.get(here)
+            if probe is not None:
+                records[here] = invals[probe[0]]
+                if len(probe) == 3:  # the delta on a parameter operand
+                    invals[probe[2]] = invals[probe[2]] + probe[1]
             outs = _bind(eqn, invals)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-            if here in probes:
-                x_side, delta = probes[here]
-                records[here] = invals[x_side]
-                outs = [outs[0] + delta]
+            if probe is not None and len(probe) == 2:
+                outs = [outs[0] + probe[1]]
         for v, val in zip(eqn.outvars, outs, strict=True):
             env[v] = val  # a dropped output (DropVar) is never read
     return [read(v) for v in jaxpr.outvars]
@@ -746,23 +759,12 @@ def _one_hot_jacobian(use: Use, tokens, g):
     return jnp.einsum("nav,n...ad->n...vd", hot, g)
 
 
-def _elementwise_jacobian(use: Use, xu, g):
+def _elementwise_jacobian(use: Use, g):
     """Per-sample Jacobian of an elementwise scale or shift in the leaf's order,
-    ``(N, *O, K)``: ``Σ_a x[a, k] g[a, k]`` (scale) or ``±Σ_a g[a, k]`` (shift), from
-    the recorded other operand ``(N, *x)`` and the cotangents ``(N, *O, A, K)``."""
-    sign, x_shape, leaf_order = use.x_info
-    if use.kind == "scale":
-        n, pad = g.shape[0], (1,) * (len(use.y_shape) - len(x_shape))
-        xu = jnp.reshape(jnp.asarray(xu, g.dtype), (n,) + pad + x_shape)  # a constant: (N,)
-        xu = jnp.broadcast_to(xu, (n,) + use.y_shape)
-        xu = jnp.transpose(xu, (0,) + tuple(1 + a for a in use.y_perm))
-        xm = xu.reshape((xu.shape[0], use.a_size, use.w_free_size))  # (N, A, K)
-        g3 = g.reshape((g.shape[0], -1) + g.shape[-2:])  # (N, O, A, K)
-        j = jnp.einsum("nak,noak->nok", xm, g3).reshape(g.shape[:-2] + g.shape[-1:])
-    else:
-        j = jnp.sum(g, axis=-2)
-        if sign < 0:
-            j = -j
+    ``(N, *O, K)``, from the cotangents at its parameter operand ``(N, *O, A, K)``
+    (Σ_broadcast x·g and ±Σ g already reduced by the reverse pass): ``Σ_a g[a, k]``."""
+    _, leaf_order = use.x_info
+    j = g[..., 0, :] if use.a_size == 1 else jnp.sum(g, axis=-2)
     return j[..., np.asarray(leaf_order)] if leaf_order else j
 
 
@@ -855,7 +857,7 @@ def features(
             for i, v in zip(analysis.fallback, fb, strict=True):
                 leaves[i] = v
             probes = {
-                use.path: (use.x_side, d) for use, d in zip(analysis.uses, deltas, strict=True)
+                use.path: _probe(use, d) for use, d in zip(analysis.uses, deltas, strict=True)
             }
             records: dict = {}
             outs = _evaluate(
@@ -905,7 +907,7 @@ def features(
                     elif use.kind == "conv":
                         j = _conv_jacobian(use, xs[u], per_use[u], biased[u])
                     elif use.kind in ELEMENTWISE_KINDS:
-                        j = _elementwise_jacobian(use, xs[u], per_use[u])
+                        j = _elementwise_jacobian(use, per_use[u])
                     else:
                         j = _explicit_jacobian(use, x_mats[u], per_use[u])
                     total = j if total is None else total + j
