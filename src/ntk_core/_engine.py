@@ -237,6 +237,7 @@ class KernelFunction:
         self._hint = hint
         self._configs: dict = {}
         self._analyses: dict = {}
+        self._chunks: dict = {}  # (config, x signature) -> structured features chunk
         # The jitted phases are functions of their static arguments alone (no self), so
         # kernel functions of the same model and configuration (e.g. with and without
         # batch_size, or "auto" and what it chose) share their compilations.
@@ -487,15 +488,43 @@ class KernelFunction:
             )
         if impl == "structured":
             feat = _structured_features(self._apply3, config.precision, self._fuse_bias)
-            return functools.partial(
+            feat = functools.partial(
                 feat,
                 out_tree=config.out_tree,
                 modes=config.structure[4],
                 merge_limits=_merge_limits(config),
             )
+            return functools.partial(self._structured_in_chunks, feat, config)
         if impl == "nngp":
             return functools.partial(self._outputs, config=config)
         return None
+
+    def _structured_in_chunks(self, features, config: _Config, params, x, aux):
+        """``features(params, x, aux)`` computed :func:`_structured.chunk_size` samples
+        at a time, one compiled call per chunk (the last one overlapping its
+        predecessor, so every call has the same shapes), each written into the
+        preallocated outputs; in one call under an outer transformation."""
+        leaves = jax.tree.leaves((params, x, aux))
+        if any(isinstance(v, jax.core.Tracer) for v in leaves):
+            return features(params, x, aux)
+        n = np.shape(jax.tree.leaves(x)[0])[0]
+        key = (config, _signature(x))
+        chunk = self._chunks.get(key)
+        if chunk is None:
+            chunk = _structured.chunk_size(
+                self._apply3, params, x, aux, config.out_tree, self._fuse_bias, config.structure[4]
+            )
+            self._chunks[key] = chunk
+        if chunk >= n:
+            return features(params, x, aux)
+        out = None
+        for start in range(0, n, chunk):
+            start = min(start, n - chunk)
+            part = features(params, jax.tree.map(lambda v, s=start: v[s : s + chunk], x), aux)
+            if out is None:
+                out = jax.tree.map(lambda p: jnp.zeros((n,) + p.shape[1:], p.dtype), part)
+            out = _put_chunk(out, part, start)
+        return out
 
     @staticmethod
     def _tile(params, fa, fb, aux, xa, xb, *, apply3, config: _Config, same: bool):
@@ -668,6 +697,13 @@ _JITS = {
     "outputs": jax.jit(KernelFunction._nngp_outputs, static_argnames=("apply3", "config")),
     "tile": jax.jit(KernelFunction._tile, static_argnames=("apply3", "config", "same")),
 }
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_chunk(out, part, start):
+    """``out`` with the features of one chunk written at sample ``start`` (in place)."""
+    return jax.tree.map(lambda o, p: lax.dynamic_update_slice_in_dim(o, p, start, 0), out, part)
+
 
 _leaf_all_finite = jax.jit(lambda v: jnp.all(jnp.isfinite(v)))
 

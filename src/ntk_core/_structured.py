@@ -787,43 +787,36 @@ def _values_produced(jaxpr) -> int:
     return total
 
 
-def chunk_size(closed: jex.ClosedJaxpr, n: int, out_size: int, feature_values: int) -> int:
-    """Samples whose structured features are computed together:
+def chunk_size(apply3, params, x, aux, out_tree, fuse_bias: bool, modes) -> int:
+    """Samples of ``x`` whose structured features are computed together:
 
         B = FEATURE_CHUNK_BYTES // (itemsize · ((O + 2)·V + F)),  1 ≤ B ≤ N,
 
-    with V the values one sample's forward pass writes (``closed``, the per-sample
-    jaxpr), O the output entries per sample (the reverse passes keep the forward
-    values, their residuals and O cotangents of each alive) and F the feature values
-    of one sample (written before they are stored).
+    with V the values one sample's forward pass writes, O the output entries per
+    sample (the reverse passes keep the forward values, their residuals and O
+    cotangents of each alive) and F the feature values of one sample (Jacobians of
+    fallback leaves and explicit groups, inputs and cotangents of Gram-form uses).
+    The engine dispatches the chunks one by one (:mod:`ntk_core._engine`): an XLA loop
+    over chunks inside one compiled call ran the ResNet case's features 3-5x slower.
     """
-    itemsize = max(
-        (np.dtype(v.aval.dtype).itemsize for v in closed.jaxpr.outvars if hasattr(v, "aval")),
-        default=4,
+    x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x)
+    analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias)
+    n = np.shape(jax.tree.leaves(x)[0])[0]
+    outs = out_tree.flatten_up_to(jax.eval_shape(per_sample(apply3), params, x_one, aux))
+    out_size = sum(math.prod(o.shape) for o in outs)
+    leaves = jax.tree.leaves(params)
+    width = sum(math.prod(np.shape(leaves[i])) for i in analysis.fallback)
+    for group, mode in zip(analysis.groups, modes, strict=True):
+        if mode == "explicit":
+            width += analysis.input_size(group[0]) * analysis.uses[group[0]].w_free_size
+    gram_values = sum(
+        use.a_size * (analysis.input_size(u) + out_size * use.w_free_size)
+        for u, use in enumerate(analysis.uses)
+        if _gram(analysis, modes, u)
     )
-    per_sample_bytes = itemsize * ((out_size + 2) * _values_produced(closed.jaxpr) + feature_values)
-    return int(min(n, max(1, FEATURE_CHUNK_BYTES // max(per_sample_bytes, 1))))
-
-
-def _in_chunks(fn, x, n: int, chunk: int):
-    """``fn(x)`` for a function of a batch whose outputs all have batch axis 0, computed
-    ``chunk`` samples at a time into preallocated outputs (the last chunk starts at
-    N - chunk, overlapping its predecessor: no padding, no concatenation copy)."""
-    if chunk >= n:
-        return fn(x)
-
-    def take(start):
-        return jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, start, chunk, 0), x)
-
-    shapes = jax.eval_shape(fn, take(0))
-    out = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape[1:], s.dtype), shapes)
-
-    def body(i, out):
-        start = jnp.minimum(i * chunk, n - chunk)
-        part = fn(take(start))
-        return jax.tree.map(lambda o, p: lax.dynamic_update_slice_in_dim(o, p, start, 0), out, part)
-
-    return lax.fori_loop(0, -(-n // chunk), body, out)
+    itemsize = max((np.dtype(o.dtype).itemsize for o in outs), default=4)
+    values = (out_size + 2) * _values_produced(closed.jaxpr) + out_size * width + gram_values
+    return int(min(n, max(1, FEATURE_CHUNK_BYTES // max(itemsize * values, 1))))
 
 
 def features(
@@ -839,14 +832,12 @@ def features(
     concatenated; ``"fallback"`` and ``"explicit"`` are then empty); ``"x"``: per use,
     layer inputs ``(N, A, C)`` (tokens ``(N, A)``; None for explicit groups); ``"g"``:
     per output leaf, per use, cotangents ``(N, *O, A, K)`` (None for explicit groups).
-    Computed :func:`chunk_size` samples at a time.
     """
     x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), x)
     analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias)
     if modes is None:
         modes = ("gram",) * len(analysis.groups)
     param_leaves = jax.tree.leaves(params)
-    n = jax.tree.leaves(x)[0].shape[0]
 
     def one(x_i):
         leaves_x = jax.tree.leaves(x_i)
@@ -924,20 +915,7 @@ def features(
         x_out = [xm if _gram(analysis, modes, u) else None for u, xm in enumerate(x_mats)]
         return {"fallback": fallback, "explicit": explicit, "merged": merged, "x": x_out, "g": g}
 
-    out_size = sum(math.prod(o.shape[1:]) for o in out_shapes)
-    # Feature values of one sample: Jacobians of fallback leaves and explicit groups,
-    # inputs and cotangents of Gram-form uses.
-    jacobian_width = sum(param_leaves[i].size for i in analysis.fallback)
-    for group, mode in zip(analysis.groups, modes, strict=True):
-        if mode == "explicit":
-            jacobian_width += analysis.input_size(group[0]) * analysis.uses[group[0]].w_free_size
-    gram_values = sum(
-        use.a_size * (analysis.input_size(u) + out_size * use.w_free_size)
-        for u, use in enumerate(analysis.uses)
-        if _gram(analysis, modes, u)
-    )
-    chunk = chunk_size(closed, n, out_size, out_size * jacobian_width + gram_values)
-    return _in_chunks(batch, x, n, chunk)
+    return batch(x)
 
 
 def _gram(analysis: Analysis, modes, u: int) -> bool:
