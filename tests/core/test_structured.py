@@ -825,3 +825,26 @@ def test_batchnorm_training_mode_is_differentiated_whole_batch():
     reference.assert_close(k, reference.ntk(f, params, x, None)[0])
     plan = ntk_core.plan(f, params, x, implementation="structured", vmap_axes=None)
     assert plan.implementation == "jacobian"
+
+
+def test_narrow_jacobians_merged_into_one_contraction():
+    """The kernel (not split per leaf) contracts the narrow per-leaf Jacobians as one
+    concatenated matrix and keeps a wide one apart, per dtype; the merged kernel
+    matches the reference (and the per-leaf sums, see the per-leaf test above)."""
+    from ntk_core import _jacobian
+
+    assert _jacobian.merge_groups([3, 5000, 4, 2], ["float32"] * 3 + ["bfloat16"], 100) == [
+        [0, 2],
+        [3],
+        [1],
+    ]
+    p = _params((20, 40), (40,), (40, 3))  # leaves of 800, 40 and 120 weights
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (16, 20))
+    x2 = jax.random.normal(jax.random.PRNGKey(2), (17, 20))
+    # N = 16, O = 3 outputs, O' = 9 kernel values per pair (trace_axes=()).
+    assert 120 <= _jacobian.merge_limit(16, 3, 9) < 800
+    fn = ntk_core.ntk_fn(mlp, trace_axes=(), implementation="jacobian")
+    kf = fn.plan.__self__
+    feats = kf.block_features(kf.config_for(p, x1, x2))(p, x1, None)
+    assert [m.shape[-1] for m in feats[0]] == [40 + 120, 800]
+    reference.assert_close(fn(p, x1, x2), reference.ntk(mlp, p, x1, x2, trace_axes=())[0])
