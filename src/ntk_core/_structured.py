@@ -792,6 +792,7 @@ def chunk_size(apply3, params, x, aux, out_tree, fuse_bias: bool, modes) -> int:
 
         B = FEATURE_CHUNK_BYTES // (itemsize · ((O + 2)·V + F)),  1 ≤ B ≤ N,
 
+    then evened out to ⌈N / ⌈N / B⌉⌉ so that the chunks are about equal,
     with V the values one sample's forward pass writes, O the output entries per
     sample (the reverse passes keep the forward values, their residuals and O
     cotangents of each alive) and F the feature values of one sample (Jacobians of
@@ -816,7 +817,9 @@ def chunk_size(apply3, params, x, aux, out_tree, fuse_bias: bool, modes) -> int:
     )
     itemsize = max((np.dtype(o.dtype).itemsize for o in outs), default=4)
     values = (out_size + 2) * _values_produced(closed.jaxpr) + out_size * width + gram_values
-    return int(min(n, max(1, FEATURE_CHUNK_BYTES // max(itemsize * values, 1))))
+    most = int(min(n, max(1, FEATURE_CHUNK_BYTES // max(itemsize * values, 1))))
+    pieces = -(-n // most)
+    return -(-n // pieces)  # balanced: the overlapping last chunk repeats < pieces samples
 
 
 def features(
