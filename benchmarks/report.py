@@ -118,6 +118,9 @@ def nt_table(core, nt):
         for impl in NT:
             m, ours = other.get(impl), row.get(impl)
             head = f"| {row['title']} | {row['N']} | {NT_NAMES[impl]} |"
+            if m is None:
+                lines.append(f"{head} not run | | | | | |")
+                continue
             if not _ok(m):
                 why = m.get("skipped") and f"skipped: {m['skipped']}" or m.get("error")
                 lines.append(f"{head} {why} | | | | | |")
