@@ -86,11 +86,10 @@ def run_case(name: str) -> dict:
         progress=False,
     )
     load_before = os.getloadavg()
-    times = []
+    times, k = [], None
     # The MLP: three calls (the first compiles); LeNet at 5000: one call (85 s).
-    for i in range(3 if model == "mlp" else 1 if n >= 5000 else 2):
-        if i:
-            del k  # one result held at a time
+    for _ in range(3 if model == "mlp" else 1 if n >= 5000 else 2):
+        del k  # one result held at a time
         t = time.perf_counter()
         k = jax.block_until_ready(kernel(params, x, x2))
         times.append(time.perf_counter() - t)
