@@ -101,7 +101,8 @@ CASES = [
         "implementation int",
         lambda: ntk_core.empirical_ntk(f, W, X, implementation=1),
         ValueError,
-        r"implementation must be one of .* got 1",
+        r"implementation=1 is neural-tangents' NtkImplementation.JACOBIAN_CONTRACTION; .*"
+        r"Fix: pass implementation='jacobian'",
     ),
     (
         "unknown precision",
