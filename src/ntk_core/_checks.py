@@ -124,9 +124,11 @@ def failure_hint(params, error: Exception | None = None) -> str:
     of a framework's apply signature."""
     if error is not None and "must be called with an RNG" in str(error):
         return (
-            "; this is a Haiku apply that expects an rng argument: pass "
-            "hk.without_apply_rng(transformed).apply, or use ntk_haiku.kernel(transformed, "
-            "params, x), which handles rng and state"
+            "; this is a Haiku apply that expects an rng argument: use "
+            "ntk_haiku.kernel(transformed, params, x, rng=key) (it handles rng and state; "
+            "rng=key only if the model draws random numbers), or pass "
+            "hk.without_apply_rng(transformed).apply for a model that draws none, or "
+            "lambda p, x: transformed.apply(p, key, x) to fix one key"
         )
     if isinstance(params, Mapping) and "params" in params:
         return (

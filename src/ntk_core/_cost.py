@@ -55,15 +55,21 @@ class Plan:
     implementation: str
     estimates: tuple  # CostEstimate for each implementation considered
     leaves: tuple[LeafPlan, ...]
+    requested: str = ""  # the implementation option ("auto" when it chose)
 
     def __str__(self) -> str:
-        lines = [f"implementation: {self.implementation}"]
+        how = " (chosen by implementation='auto')" if self.requested == "auto" else ""
+        lines = [
+            f"implementation: {self.implementation}{how}",
+            "  estimates (FLOPs, feature memory, warm run time; compilation excluded):",
+        ]
         for e in self.estimates:
             mib = e.memory_bytes / 2**20
             lines.append(
                 f"  {e.implementation:<10} {e.flops:12.3e} FLOPs  {mib:10.1f} MiB"
                 f"  ~{e.seconds:.3g} s"
             )
+        lines.append(f"  {'parameter leaf':<40} {'size':>10}  method")
         for leaf in self.leaves:
             lines.append(f"  {leaf.path:<40} {leaf.size:>10}  {leaf.method}")
         return "\n".join(lines)

@@ -298,9 +298,15 @@ class KernelFunction:
         except Exception as e:  # the model's own error, with context
             raise ValueError(
                 f"{fn}: calling the model on x1 (shapes {_describe(x1)}) failed with "
-                f"{type(e).__name__}: {e}. Fix: check that params belong to this model and "
-                f"that x1 has the per-sample shape and dtype it expects (argument order: "
-                f"params, x1, x2){_checks.failure_hint(params, e)}."
+                f"{type(e).__name__}: {e}. Fix: "
+                + (
+                    _checks.failure_hint(params, e).lstrip("; ")
+                    if "must be called with an RNG" in str(e)
+                    else f"check that params belong to this model and that x1 has the "
+                    f"per-sample shape and dtype it expects (argument order: params, x1, "
+                    f"x2){_checks.failure_hint(params, e)}"
+                )
+                + "."
             ) from e
         out_leaves, out_tree = jax.tree.flatten(out)
         if not out_leaves:
@@ -599,7 +605,9 @@ class KernelFunction:
             else:
                 method = methods.get(i, "jacobian (fallback)")
             leaves.append(_cost.LeafPlan(path, size, method))
-        return _cost.Plan(config.implementation, tuple(estimates), tuple(leaves))
+        return _cost.Plan(
+            config.implementation, tuple(estimates), tuple(leaves), self._options.implementation
+        )
 
     def implementation_for(self, params, x1, x2=None, aux=None) -> str:
         """The implementation a call with these inputs uses (what ``"auto"`` chose)."""

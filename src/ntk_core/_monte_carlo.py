@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -167,6 +168,12 @@ def monte_carlo_kernels(
                 f"{fn}: {name} must be callable, got {type(f).__name__}. Fix: pass "
                 f"init_fn(key) -> params and apply_fn(params, x) -> outputs."
             )
+    if _takes_shape(init_fn):
+        raise TypeError(
+            f"{fn}: init_fn takes (key, shape), like neural-tangents' stax init_fn, but "
+            f"here init_fn(key) -> params. Fix: pass lambda k: init_fn(k, x1.shape)[1] (stax "
+            f"returns (output_shape, params))."
+        )
     axes = dict(trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes)
     ntk = ntk_fn(apply_fn, implementation=implementation, precision=precision, **axes)
     nngp = nngp_fn(apply_fn, precision=precision, **axes)
@@ -177,6 +184,21 @@ def monte_carlo_kernels(
         return nngp(params, x1, x2), ntk(params, x1, x2)
 
     return average(fn, sample, key, n_samples, batch_size_samples, progress)
+
+
+def _takes_shape(init_fn) -> bool:
+    """Whether ``init_fn`` needs two positional arguments (neural-tangents' stax
+    ``init_fn(key, input_shape)``) rather than a key alone."""
+    try:
+        parameters = inspect.signature(init_fn).parameters.values()
+    except (TypeError, ValueError):  # builtins and other objects without a signature
+        return False
+    required = [
+        p
+        for p in parameters
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    return len(required) >= 2
 
 
 def _nt_style_hint(fn):
@@ -190,13 +212,14 @@ def _nt_style_hint(fn):
             return checked(*args, **kwargs)
         except TypeError as e:
             if len(args) >= 4 and isinstance(args[3], int) and not isinstance(args[3], bool):
+                init = "lambda k: init_fn(k, x1.shape)[1]" if _takes_shape(args[0]) else "init_fn"
                 raise TypeError(
                     f"monte_carlo_kernels: got (init_fn, apply_fn, {type(args[2]).__name__}, "
                     f"{args[3]!r}), which looks like neural-tangents' "
                     f"monte_carlo_kernel_fn(init_fn, apply_fn, key, n_samples); here the "
-                    f"inputs come third and key and n_samples are keywords, and init_fn takes "
-                    f"only a key. Fix: monte_carlo_kernels(lambda k: init_fn(k, x.shape)[1], "
-                    f"apply_fn, x1, x2, key=key, n_samples={args[3]!r})."
+                    f"inputs come third, key and n_samples are keywords, and init_fn takes "
+                    f"only a key. Fix: monte_carlo_kernels({init}, apply_fn, x1, x2, key=key, "
+                    f"n_samples={args[3]!r})."
                 ) from e
             raise
 
