@@ -5,6 +5,8 @@ Used by ``ntk_flax`` and ``ntk_haiku``; not part of the public API.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ._engine import KernelFunction
 from ._options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
 
@@ -16,6 +18,18 @@ _RENAMED = {
     },
     "ntk_flax": {"rng": "pass rngs={'dropout': key} (Flax takes a dict of PRNG keys, not rng=)"},
 }
+
+
+def check_apply_kwargs(fn_name: str, apply_kwargs, example: str) -> dict:
+    """``apply_kwargs`` as a dict (``None`` -> ``{}``); a TypeError naming ``example``
+    (e.g. ``"{'train': False}"``) for anything that is not a mapping."""
+    if apply_kwargs is not None and not isinstance(apply_kwargs, Mapping):
+        raise TypeError(
+            f"{fn_name}: apply_kwargs must be a dict of the model's keyword arguments, got "
+            f"{type(apply_kwargs).__name__} {apply_kwargs!r}. Fix: pass e.g. "
+            f"apply_kwargs={example}."
+        )
+    return dict(apply_kwargs or {})
 
 
 def kernel_function(fn_name: str, kind: str, apply3, options: dict, check=None, hint: str = ""):

@@ -119,24 +119,28 @@ def _numeric(dtype) -> bool:
         return False
 
 
-def failure_hint(params, error: Exception | None = None) -> str:
-    """A hint appended to "calling the model failed" for a likely mix-up of params or
-    of a framework's apply signature."""
-    if error is not None and "must be called with an RNG" in str(error):
+def model_call_fix(params, error: Exception) -> str:
+    """The fix for "calling the model failed": the specific one for a Haiku apply that
+    expects an rng, else the generic one with a hint for a likely mix-up of params."""
+    if "must be called with an RNG" in str(error):
         return (
-            "; this is a Haiku apply that expects an rng argument: use "
+            "this is a Haiku apply that expects an rng argument: use "
             "ntk_haiku.kernel(transformed, params, x, rng=key) (it handles rng and state; "
             "rng=key only if the model draws random numbers), or pass "
             "hk.without_apply_rng(transformed).apply for a model that draws none, or "
             "lambda p, x: transformed.apply(p, key, x) to fix one key"
         )
+    fix = (
+        "check that params belong to this model and that x1 has the per-sample shape and "
+        "dtype it expects (argument order: params, x1, x2)"
+    )
     if isinstance(params, Mapping) and "params" in params:
-        return (
+        fix += (
             "; params has a top-level 'params' key: if it is a Flax variables dict, pass "
             "variables['params'] to an apply_fn that adds {'params': ...} itself, or use "
             "ntk_flax.kernel(model, variables, x)"
         )
-    return ""
+    return fix
 
 
 def before_trace(fn_name: str, params, x1, x2, options) -> None:

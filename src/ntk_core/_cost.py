@@ -105,19 +105,6 @@ def _eqn_flops(eqn) -> float:
     return 0.0
 
 
-def jaxpr_flops(jaxpr) -> float:
-    """FLOPs of a jaxpr counted from its shapes (sub-jaxprs included; scans times length)."""
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        product = _eqn_flops(eqn)
-        total += product if product else sum(_shape_size(v) for v in eqn.outvars)
-        repeat = eqn.params.get("length", 1) if name == "scan" else 1
-        for sub in _sub_jaxprs(eqn.params):
-            total += repeat * jaxpr_flops(sub)
-    return total
-
-
 @dataclasses.dataclass
 class PassCost:
     """FLOPs of one single-sample forward pass and of one reverse pass (one output

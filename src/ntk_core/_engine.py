@@ -298,15 +298,7 @@ class KernelFunction:
         except Exception as e:  # the model's own error, with context
             raise ValueError(
                 f"{fn}: calling the model on x1 (shapes {_describe(x1)}) failed with "
-                f"{type(e).__name__}: {e}. Fix: "
-                + (
-                    _checks.failure_hint(params, e).lstrip("; ")
-                    if "must be called with an RNG" in str(e)
-                    else f"check that params belong to this model and that x1 has the "
-                    f"per-sample shape and dtype it expects (argument order: params, x1, "
-                    f"x2){_checks.failure_hint(params, e)}"
-                )
-                + "."
+                f"{type(e).__name__}: {e}. Fix: {_checks.model_call_fix(params, e)}."
             ) from e
         out_leaves, out_tree = jax.tree.flatten(out)
         if not out_leaves:

@@ -14,7 +14,7 @@ import flax.errors
 import flax.linen as nn
 import jax
 
-from ntk_core._adapter import BuildCache, freeze, kernel_function
+from ntk_core._adapter import BuildCache, check_apply_kwargs, freeze, kernel_function
 from ntk_core._checks import NNX_RECIPE, is_nnx_module, missing_model_argument
 
 _MUTABLE = flax.core.DenyList(["params"])
@@ -65,13 +65,7 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
             f"pass the module instance (e.g. MyModel()); the argument order is (model, "
             f"variables, x1, x2); for a plain function use ntk_core.empirical_ntk."
         )
-    if apply_kwargs is not None and not isinstance(apply_kwargs, Mapping):
-        raise TypeError(
-            f"{fn_name}: apply_kwargs must be a dict of the model's keyword arguments, got "
-            f"{type(apply_kwargs).__name__} {apply_kwargs!r}. Fix: pass e.g. "
-            f"apply_kwargs={{'train': False}}."
-        )
-    apply_kwargs = dict(apply_kwargs or {})
+    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
     apply3 = _model_apply(model, method, apply_kwargs)
     vmap_axes = options.get("vmap_axes", 0)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import haiku as hk
 import jax
 
-from ntk_core._adapter import BuildCache, freeze, kernel_function
+from ntk_core._adapter import BuildCache, check_apply_kwargs, freeze, kernel_function
 from ntk_core._checks import missing_model_argument
 
 
@@ -41,13 +41,7 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
             f"hk.transform / hk.transform_with_state), got {type(transformed).__name__}. "
             f"Fix: wrap your forward function with hk.transform(f)."
         )
-    if apply_kwargs is not None and not isinstance(apply_kwargs, Mapping):
-        raise TypeError(
-            f"{fn_name}: apply_kwargs must be a dict of the model's keyword arguments, got "
-            f"{type(apply_kwargs).__name__} {apply_kwargs!r}. Fix: pass e.g. "
-            f"apply_kwargs={{'is_training': False}}."
-        )
-    apply_kwargs = dict(apply_kwargs or {})
+    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
     apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs)
 
     def check(params, x1, x2, aux):
