@@ -200,11 +200,14 @@ class Rates:
     conv_weight_grad_slowdown: float
 
 
-#: Measured on the 2-core CI CPU (jax 0.10.2): float32 matrix products at 115-125
-#: GFLOP/s, copies at ~10 GB/s, and per-sample convolution kernel gradients 30-150x
-#: slower per FLOP than matrix products (ResNet-style CNN and LeNet, ``vmap(jacrev)``);
-#: 20 is the conservative end. GPU: nominal figures of a data-centre GPU (not measured
-#: by this project; only their ratios matter to the choice).
+#: CPU: float32 matrix products measured at 115-125 GFLOP/s on the 2-core CI CPU (jax
+#: 0.10.2). 10 GB/s is an assumed bandwidth (host copies of tiles measured 3-6 GB/s,
+#: so feature bytes are if anything undercounted). Per-sample convolution kernel
+#: gradients: 30-150x slower per FLOP than matrix products, derived from the measured
+#: feature-phase times of ``"jacobian"`` and ``"structured"`` on the ResNet-style CNN and
+#: LeNet (load 1-4) and their counted FLOPs; 20 is the conservative end. GPU: nominal
+#: figures of a data-centre GPU (not measured by this project; only their ratios matter
+#: to the choice).
 RATES = {
     "cpu": Rates(flops_per_s=1.2e11, bytes_per_s=1.0e10, conv_weight_grad_slowdown=20.0),
     "gpu": Rates(flops_per_s=5.0e13, bytes_per_s=3.0e12, conv_weight_grad_slowdown=2.0),
