@@ -85,7 +85,7 @@ def device_peak_bytes():
     return None if not stats else stats.get("peak_bytes_in_use")
 
 
-def time_jitted(fn, args, *, min_total_s: float = 1.0, max_repeats: int = 3) -> dict:
+def time_jitted(fn, args, *, min_total_s: float = 1.0, max_repeats: int = 20) -> dict:
     """Trace+lower, compile, first run and warm runs of ``jax.jit`` function ``fn``.
 
     Warm runs repeat (at most ``max_repeats``) until they took ``min_total_s`` in all;

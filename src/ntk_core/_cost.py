@@ -232,7 +232,19 @@ class CostEstimate:
 
 
 def estimate(
-    single_fn, params, x_one, aux, *, n1, n2, pairs, out_sizes, pair_sizes, symmetric, analysis
+    single_fn,
+    params,
+    x_one,
+    aux,
+    *,
+    n1,
+    n2,
+    pairs,
+    out_sizes,
+    pair_sizes,
+    symmetric,
+    analysis,
+    triangle=1,
 ):
     """Cost estimates of ``"jacobian"``, ``"ntvp"`` and ``"structured"`` for one call.
 
@@ -260,11 +272,16 @@ def estimate(
         diagonal), per output leaf.
       symmetric: x2 is x1 (features computed once).
       analysis: the structured analysis of ``single_fn`` (``_structured.Analysis``).
+      triangle: k of the engine's triangular contraction of a symmetric Gram matrix
+        (1: none): ``"jacobian"`` and ``"structured"`` contract (k + 1) / 2k of the
+        pairs; ``"ntvp"`` (no features) all of them.
 
     Returns:
       Estimates for ``"jacobian"``, ``"ntvp"`` and ``"structured"``.
     """
     closed = jax.make_jaxpr(single_fn)(params, x_one, aux)
+    all_pairs = pairs
+    pairs = pairs * (triangle + 1) / (2 * triangle)  # contracted by the two feature methods
     param_leaves = jax.tree.leaves(params)
     n_p, n_x = len(param_leaves), len(jax.tree.leaves(x_one))
     depends = [(True, False)] * n_p + [(False, True)] * n_x
@@ -282,8 +299,8 @@ def estimate(
     grad_w = pc.grad_weights_dot + pc.grad_weights_conv
     reverse = pc.grad_activations + grad_w + pc.grad_elementwise
 
-    def seconds(flops, slow_flops, nbytes, passes=0):
-        extra = slow * slow_flops + passes * pairs * o_pair * _jacobian.EINSUM_PASS_FLOPS
+    def seconds(flops, slow_flops, nbytes, passes=0, passed_pairs=pairs):
+        extra = slow * slow_flops + passes * passed_pairs * o_pair * _jacobian.EINSUM_PASS_FLOPS
         return (flops + extra) / rates.flops_per_s + nbytes / rates.bytes_per_s
 
     # Separate contraction einsums: narrow Jacobians are merged into one (_jacobian.merge).
@@ -301,16 +318,17 @@ def estimate(
             _jacobian.einsum_count(leaf_sizes, limit),
         ),
     )
-    ntvp_flops = n2 * (forward + out_total * reverse) + pairs * out_total * 3 * forward
+    ntvp_flops = n2 * (forward + out_total * reverse) + all_pairs * out_total * 3 * forward
     ntvp = CostEstimate(
         "ntvp",
         ntvp_flops,
         float(out_total * n_params * itemsize + n1 * out_total * max(out_sizes) * itemsize),
         seconds(
             ntvp_flops,
-            (n2 + pairs) * out_total * pc.grad_weights_conv,
+            (n2 + all_pairs) * out_total * pc.grad_weights_conv,
             0.0,
             out_total,
+            all_pairs,
         ),
     )
     p_fallback = sum(leaf_sizes[i] for i in analysis.fallback)

@@ -83,15 +83,16 @@ def _ntvp_features(apply3, vmap_axes, precision):
 
 @functools.lru_cache(maxsize=64)
 def _structured_features(apply3, precision, fuse_bias):
-    """The jitted first phase of ``"structured"``: layer inputs, cotangents, fallbacks."""
+    """The jitted first phase of ``"structured"``: layer inputs, cotangents, fallbacks,
+    ``chunk`` samples at a time."""
 
-    def features(params, x, aux, *, out_tree, modes, merge_limits):
+    def features(params, x, aux, *, out_tree, modes, merge_limits, chunk):
         with jax.default_matmul_precision(precision):
-            return _structured.features(
-                apply3, params, x, aux, out_tree, fuse_bias, modes, merge_limits
+            return _structured.features_in_chunks(
+                apply3, params, x, aux, out_tree, fuse_bias, modes, merge_limits, chunk
             )
 
-    return jax.jit(features, static_argnames=("out_tree", "modes", "merge_limits"))
+    return jax.jit(features, static_argnames=("out_tree", "modes", "merge_limits", "chunk"))
 
 
 def _pair_sizes(shapes1, layouts) -> list[int]:
@@ -404,6 +405,7 @@ class KernelFunction:
         out_sizes = [math.prod(s.shape[1:]) for s in shapes1]
         pair_sizes = _pair_sizes(shapes1, layouts)
         batch_diag = any(layout.batch_diagonal for layout in layouts)
+        traced_batch = any(0 in layout.trace for layout in layouts)
         estimates = _cost.estimate(
             per_sample(self._apply3),
             params,
@@ -412,6 +414,7 @@ class KernelFunction:
             n1=n1,
             n2=n2,
             pairs=n1 if batch_diag else n1 * n2,
+            triangle=1 if batch_diag or not symmetric or traced_batch else triangle_blocks(n1),
             out_sizes=out_sizes,
             pair_sizes=pair_sizes,
             symmetric=symmetric,
@@ -499,13 +502,8 @@ class KernelFunction:
 
     def _structured_in_chunks(self, features, config: _Config, params, x, aux):
         """``features(params, x, aux)`` computed :func:`_structured.chunk_size` samples
-        at a time, one compiled call per chunk (the last one overlapping its
-        predecessor, so every call has the same shapes), each written into the
-        preallocated outputs; in one call under an outer transformation."""
-        leaves = jax.tree.leaves((params, x, aux))
-        if any(isinstance(v, jax.core.Tracer) for v in leaves):
-            return features(params, x, aux)
-        n = np.shape(jax.tree.leaves(x)[0])[0]
+        at a time (:func:`_structured.features_in_chunks`); the chunk size is cached
+        per configuration and input shapes."""
         key = (config, _signature(x))
         chunk = self._chunks.get(key)
         if chunk is None:
@@ -513,16 +511,7 @@ class KernelFunction:
                 self._apply3, params, x, aux, config.out_tree, self._fuse_bias, config.structure[4]
             )
             self._chunks[key] = chunk
-        if chunk >= n:
-            return features(params, x, aux)
-        out = None
-        for start in range(0, n, chunk):
-            start = min(start, n - chunk)
-            part = features(params, jax.tree.map(lambda v, s=start: v[s : s + chunk], x), aux)
-            if out is None:
-                out = jax.tree.map(lambda p: jnp.zeros((n,) + p.shape[1:], p.dtype), part)
-            out = _put_chunk(out, part, start)
-        return out
+        return features(params, x, aux, chunk=chunk)
 
     @staticmethod
     def _tile(params, fa, fb, aux, xa, xb, *, apply3, config: _Config, same: bool):
@@ -650,8 +639,8 @@ class KernelFunction:
 #: above the diagonal are computed (the rest are their mirrors): (k + 1)/2k of the pair
 #: work, 5/8 at k = 4. Blocks below TRIANGLE_MIN_BLOCK samples would lose more to
 #: smaller matrix products than they save.
-TRIANGLE_MIN_BLOCK = 256
-TRIANGLE_MAX_BLOCKS = 4
+TRIANGLE_MIN_BLOCK = 128
+TRIANGLE_MAX_BLOCKS = 8
 
 
 def _triangle_blocks(features, config: _Config) -> int:
@@ -662,7 +651,11 @@ def _triangle_blocks(features, config: _Config) -> int:
     leaves = jax.tree.leaves(features)
     if not leaves:
         return 1
-    n = leaves[0].shape[0]
+    return triangle_blocks(leaves[0].shape[0])
+
+
+def triangle_blocks(n: int) -> int:
+    """k for a symmetric contraction of ``n`` samples (see :data:`TRIANGLE_MIN_BLOCK`)."""
     return max(1, min(TRIANGLE_MAX_BLOCKS, n // TRIANGLE_MIN_BLOCK))
 
 
@@ -697,12 +690,6 @@ _JITS = {
     "outputs": jax.jit(KernelFunction._nngp_outputs, static_argnames=("apply3", "config")),
     "tile": jax.jit(KernelFunction._tile, static_argnames=("apply3", "config", "same")),
 }
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _put_chunk(out, part, start):
-    """``out`` with the features of one chunk written at sample ``start`` (in place)."""
-    return jax.tree.map(lambda o, p: lax.dynamic_update_slice_in_dim(o, p, start, 0), out, part)
 
 
 _leaf_all_finite = jax.jit(lambda v: jnp.all(jnp.isfinite(v)))

@@ -597,36 +597,111 @@ def _probe(use: Use, delta) -> tuple:
     return (use.x_side, delta)
 
 
-def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
+def _conv_with_canonical_transpose(eqn, lhs, rhs):
+    """``conv_general_dilated(lhs, rhs)`` as ``eqn`` binds it, whose reverse pass (the
+    cotangent of ``lhs`` only: ``rhs`` must not be differentiated) convolves with the
+    flipped kernel materialised in the canonical (spatial..., in, out) order.
+
+    Equal in value to JAX's own transpose rule, which is used for it. Without the
+    materialised kernel, XLA on CPU compiles that transposed convolution inside a loop
+    (``lax.map``, ``fori_loop``) as a naive loop nest, about 5x slower than the same
+    convolution outside one; the chunked features under an outer ``jax.jit`` run in
+    such a loop.
+    """
+    params = eqn.params
+    dn = params["dimension_numbers"]
+    n_sp = len(dn.rhs_spec) - 2
+    spatial = tuple(range(n_sp))
+    # The kernel in physical order (spatial..., O, I): JAX's transpose rule swaps O and
+    # I, so its transposed convolution reads it as (spatial..., in, out).
+    order = tuple(dn.rhs_spec[2:]) + (dn.rhs_spec[0], dn.rhs_spec[1])
+    turned = dict(params, dimension_numbers=dn._replace(rhs_spec=(n_sp, n_sp + 1) + spatial))
+    lhs_type = jax.ShapeDtypeStruct(lhs.shape, lhs.dtype)
+
+    @jax.custom_vjp
+    def conv(x, w):
+        return _bind(eqn, [x, w])
+
+    def forward(x, w):
+        return conv(x, w), w
+
+    def backward(w, g):
+        # The transpose rule reverses the kernel: reverse it here first, behind a
+        # barrier that XLA cannot fold through, so the two reversals cancel and the
+        # transposed convolution reads a materialised, unreversed array.
+        flipped = lax.optimization_barrier(jnp.flip(jnp.transpose(w, order), spatial))
+        kernel = jnp.flip(flipped, spatial)
+
+        def linear(x):
+            return eqn.primitive.bind(x, kernel, **turned)
+
+        (dx,) = jax.linear_transpose(linear, lhs_type)(g)
+        return dx, None
+
+    conv.defvjp(forward, backward)
+    return conv(lhs, rhs)
+
+
+def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=(), live=None):
+    """The outputs of ``jaxpr`` with the probes' deltas added (see
+    :func:`_evaluate_live`)."""
+    return _evaluate_live(jaxpr, consts, args, probes, records, path, live)[0]
+
+
+def _evaluate_live(jaxpr, consts, args, probes: dict, records: dict, path=(), live=None):
+    """``(outputs, live flags)`` of ``jaxpr`` with the probes' deltas added; ``live``
+    flags the ``args`` that are differentiated (default: all), the others being
+    constants of the reverse pass, and an output is live when it depends on a live
+    argument or a delta."""
     env = {}
+    alive = {}
 
     def read(v):
         return v.val if _literal(v) else env[v]
 
+    def is_live(v):
+        return not _literal(v) and alive.get(v, False)
+
+    if live is None:
+        live = [True] * len(args)
     for v, val in zip(jaxpr.constvars, consts, strict=True):
         env[v] = val
-    for v, val in zip(jaxpr.invars, args, strict=True):
+    for v, val, flag in zip(jaxpr.invars, args, live, strict=True):
         env[v] = val
+        alive[v] = flag
     for i, eqn in enumerate(jaxpr.eqns):
         here = path + (i,)
         invals = [read(v) for v in eqn.invars]
+        inlive = [is_live(v) for v in eqn.invars]
+        probe = probes.get(here)
         if _inlined(eqn):
             sub, sub_consts = _sub_jaxpr(eqn)
-            outs = _evaluate(sub, sub_consts, invals, probes, records, here)
+            outs, outlive = _evaluate_live(sub, sub_consts, invals, probes, records, here, inlive)
         else:
-            probe = probes.get(here)
             if probe is not None:
                 records[here] = invals[probe[0]]
                 if len(probe) == 3:  # the delta on a parameter operand
                     invals[probe[2]] = invals[probe[2]] + probe[1]
-            outs = _bind(eqn, invals)
+            if (
+                eqn.primitive.name == "conv_general_dilated"
+                and not inlive[1]
+                and (probe is None or len(probe) == 2)
+                and eqn.params["feature_group_count"] == 1
+                and eqn.params["batch_group_count"] == 1
+            ):
+                outs = _conv_with_canonical_transpose(eqn, *invals)
+            else:
+                outs = _bind(eqn, invals)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
+            live_out = any(inlive) or (probe is not None)
             if probe is not None and len(probe) == 2:
                 outs = [outs[0] + probe[1]]
-        for v, val in zip(eqn.outvars, outs, strict=True):
+            outlive = [live_out] * len(outs)
+        for v, val, flag in zip(eqn.outvars, outs, outlive, strict=True):
             env[v] = val  # a dropped output (DropVar) is never read
-    return [read(v) for v in jaxpr.outvars]
+            alive[v] = flag
+    return [read(v) for v in jaxpr.outvars], [is_live(v) for v in jaxpr.outvars]
 
 
 def analysis_for(
@@ -797,8 +872,7 @@ def chunk_size(apply3, params, x, aux, out_tree, fuse_bias: bool, modes) -> int:
     sample (the reverse passes keep the forward values, their residuals and O
     cotangents of each alive) and F the feature values of one sample (Jacobians of
     fallback leaves and explicit groups, inputs and cotangents of Gram-form uses).
-    The engine dispatches the chunks one by one (:mod:`ntk_core._engine`): an XLA loop
-    over chunks inside one compiled call ran the ResNet case's features 3-5x slower.
+    :func:`features_in_chunks` loops over them inside one compiled call.
     """
     x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x)
     analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias)
@@ -822,6 +896,33 @@ def chunk_size(apply3, params, x, aux, out_tree, fuse_bias: bool, modes) -> int:
     return -(-n // pieces)  # balanced: the overlapping last chunk repeats < pieces samples
 
 
+def features_in_chunks(
+    apply3, params, x, aux, out_tree, fuse_bias: bool, modes, merge_limits, chunk: int
+):
+    """:func:`features` of ``x`` computed ``chunk`` samples at a time in an XLA loop,
+    written into the outputs in place: the transient memory of the forward and reverse
+    passes is that of one chunk. The last chunk overlaps its predecessor (every step
+    has the same shapes); the rows they share are written twice with equal values."""
+    n = np.shape(jax.tree.leaves(x)[0])[0]
+    if chunk >= n:
+        return features(apply3, params, x, aux, out_tree, fuse_bias, modes, merge_limits)
+
+    def part(start):
+        xb = jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, start, chunk, 0), x)
+        return features(apply3, params, xb, aux, out_tree, fuse_bias, modes, merge_limits)
+
+    shapes = jax.eval_shape(part, 0)
+    out = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape[1:], s.dtype), shapes)
+
+    def step(i, out):
+        start = jnp.minimum(i * chunk, n - chunk)
+        return jax.tree.map(
+            lambda o, p: lax.dynamic_update_slice_in_dim(o, p, start, 0), out, part(start)
+        )
+
+    return lax.fori_loop(0, -(-n // chunk), step, out)
+
+
 def features(
     apply3, params, x, aux, out_tree, fuse_bias: bool = True, modes=None, merge_limits=None
 ):
@@ -841,6 +942,7 @@ def features(
     if modes is None:
         modes = ("gram",) * len(analysis.groups)
     param_leaves = jax.tree.leaves(params)
+    fallback = frozenset(analysis.fallback)
 
     def one(x_i):
         leaves_x = jax.tree.leaves(x_i)
@@ -854,8 +956,15 @@ def features(
                 use.path: _probe(use, d) for use, d in zip(analysis.uses, deltas, strict=True)
             }
             records: dict = {}
+            live = [i in fallback for i in range(len(leaves))]
+            live += [False] * (len(leaves_x) + len(leaves_aux))
             outs = _evaluate(
-                closed.jaxpr, closed.consts, leaves + leaves_x + leaves_aux, probes, records
+                closed.jaxpr,
+                closed.consts,
+                leaves + leaves_x + leaves_aux,
+                probes,
+                records,
+                live=live,
             )
             return outs, [records[use.path] for use in analysis.uses]
 
@@ -933,6 +1042,26 @@ def _fresh_letters(used: str, n: int) -> list[str]:
     return free[:n]
 
 
+def _single_position_term(specs, letters, x1, x2, g1, g2, precision):
+    """The Gram form of two uses with one output position each (a Dense layer): the
+    input Gram matrix ``(N1, N2)`` times the cotangent Gram matrix, as an elementwise
+    product. (One einsum of all four operands lowers that product to a batched product
+    of 1 x 1 matrices, about 2.5x slower on XLA CPU.)
+
+    ``specs`` are the subscripts of the two input matrices, of the two cotangents'
+    sample and output axes, and of the output; ``letters`` the position letters of the
+    two sides and the unit letter.
+    """
+    x1_spec, x2_spec, lo, ro, out = specs
+    ia, ib, kk = letters
+    samples = lo[0] if lo[0] == ro[0] else lo[0] + ro[0]
+    # The size-1 position axes sum away.
+    xx = jnp.einsum(f"{x1_spec},{x2_spec}->{samples}", x1, x2, precision=precision)
+    gg = jnp.einsum(f"{lo}{ia}{kk},{ro}{ib}{kk}->{out}", g1, g2, precision=precision)
+    # ``samples`` is in ``out``'s order (the N1 axis comes first): expand to its rank.
+    return gg * xx.reshape(tuple(xx.shape[samples.index(s)] if s in samples else 1 for s in out))
+
+
 def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
     """Per output leaf, the list of each parameter leaf's kernel (they sum to the NTK);
     with merged features (``f1["merged"]``, see :func:`features`) the list starts with
@@ -981,32 +1110,37 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
                 continue
             total = None
             for u, v in itertools.product(group, group):
-                use = analysis.uses[u]
+                use, use_v = analysis.uses[u], analysis.uses[v]
                 g1, g2 = f1["g"][k][u], f2["g"][k][v]
                 if use.kind == "gather":
                     diagonal = lo[0] == ro[0]
                     match = _token_match(use, f1["x"][u], f2["x"][v], diagonal)
                     m_spec = f"{lo[0]}{ia}{ib}" if diagonal else f"{lo[0]}{ia}{ro[0]}{ib}"
-                    term = jnp.einsum(
-                        f"{m_spec},{lo}{ia}{kk},{ro}{ib}{kk}->{out}",
-                        match,
+                    operands = (f"{m_spec},{lo}{ia}{kk},{ro}{ib}{kk}->{out}", match, g1, g2)
+                elif use.a_size == 1 and use_v.a_size == 1:
+                    x_specs = (_x_spec(use, lo[0], ia, c), _x_spec(use_v, ro[0], ib, c))
+                    term = _single_position_term(
+                        x_specs + (lo, ro, out),
+                        (ia, ib, kk),
+                        f1["x"][u],
+                        f2["x"][v],
                         g1,
                         g2,
-                        precision=precision,
-                        optimize="optimal",
+                        precision,
                     )
+                    total = term if total is None else total + term
+                    continue
                 else:
                     x1_spec = _x_spec(use, lo[0], ia, c)
-                    x2_spec = _x_spec(analysis.uses[v], ro[0], ib, c)
-                    term = jnp.einsum(
+                    x2_spec = _x_spec(use_v, ro[0], ib, c)
+                    operands = (
                         f"{x1_spec},{x2_spec},{lo}{ia}{kk},{ro}{ib}{kk}->{out}",
                         f1["x"][u],
                         f2["x"][v],
                         g1,
                         g2,
-                        precision=precision,
-                        optimize="optimal",
                     )
+                term = jnp.einsum(*operands, precision=precision, optimize="optimal")
                 total = term if total is None else total + term
             per_leaf[leaf] = total / size
         # None: fused biases, and leaves in the merged Jacobians.

@@ -146,6 +146,31 @@ def test_plan_reports_every_leaf_and_matches_auto():
     assert "implementation: " in str(plan)
 
 
+def test_plan_counts_the_triangular_contraction():
+    """Estimated FLOPs are a·N (features) + b·N² (contraction) while the Gram matrix is
+    contracted whole (N < 2·TRIANGLE_MIN_BLOCK); from N = 256 on, only (k + 1)/2k of the
+    pairs are contracted by the feature methods, while NTK-vector products, which have
+    no features, still compute all of them."""
+    from ntk_core import _engine
+
+    p = _params((6, 5), (5,), (5, 2))
+    k = _engine.triangle_blocks(256)
+    assert k == 256 // _engine.TRIANGLE_MIN_BLOCK > 1
+    flops = {}
+    for n in (32, 64, 256):
+        plan = ntk_core.plan(mlp, p, jnp.ones((n, 6)), trace_axes=())
+        flops[n] = {e.implementation: e.flops for e in plan.estimates}
+    for impl, share in [("jacobian", (k + 1) / (2 * k)), ("structured", (k + 1) / (2 * k))]:
+        f32, f64 = flops[32][impl], flops[64][impl]
+        # Solve a·N + b·N² through N = 32 and N = 64, then predict N = 256.
+        b = (f64 - 2 * f32) / (64**2 - 2 * 32**2)
+        a = (f32 - b * 32**2) / 32
+        np.testing.assert_allclose(flops[256][impl], a * 256 + share * b * 256**2, rtol=1e-9)
+    f32, f64 = flops[32]["ntvp"], flops[64]["ntvp"]
+    b = (f64 - 2 * f32) / (64**2 - 2 * 32**2)
+    np.testing.assert_allclose(flops[256]["ntvp"], (f32 - b * 32**2) / 32 * 256 + b * 256**2)
+
+
 def test_auto_never_structured_without_per_sample_independence():
     p = _params((4, 4), (4,), (4, 3))
     plan = ntk_core.plan(mlp, p, jnp.ones((5, 4)), vmap_axes=None)
@@ -848,3 +873,28 @@ def test_narrow_jacobians_merged_into_one_contraction():
     feats = kf.block_features(kf.config_for(p, x1, x2))(p, x1, None)
     assert [m.shape[-1] for m in feats[0]] == [40 + 120, 800]
     reference.assert_close(fn(p, x1, x2), reference.ntk(mlp, p, x1, x2, trace_axes=())[0])
+
+
+def test_features_in_chunks_match_reference_directly_and_under_jit(monkeypatch):
+    """With a feature budget of a few samples, the structured features are computed in
+    chunks inside an XLA loop (the last one overlapping its predecessor, N = 7 not a
+    multiple of the chunk), directly and under an outer ``jax.jit``; the convolutions'
+    reverse passes run through the canonical-kernel transpose. Both match the float64
+    reference, for x2=None and a second input."""
+    from ntk_core import _structured
+
+    f, x_shape, shapes, _ = CONV_MODELS["twice"]
+    p = _params(*shapes, seed=3)
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (7, *x_shape))
+    x2 = jax.random.normal(jax.random.PRNGKey(2), (5, *x_shape))
+    fn = ntk_core.ntk_fn(f, trace_axes=(), implementation="structured")
+    kf = fn.plan.__self__
+    one = jax.ShapeDtypeStruct(x_shape, x1.dtype)
+    analysis, closed = _structured.analysis_for(kf._apply3, p, one, None)
+    per_sample = 4 * (2 + 2) * _structured._values_produced(closed.jaxpr)
+    monkeypatch.setattr(_structured, "FEATURE_CHUNK_BYTES", 3 * per_sample)
+    cases = [(fn(p, x1), None), (jax.jit(fn)(p, x1, x2), x2)]
+    chunks = set(kf._chunks.values())
+    assert chunks and max(chunks) < 5, chunks  # every call really ran in chunks
+    for k, second in cases:
+        reference.assert_close(k, reference.ntk(f, p, x1, second, trace_axes=())[0])
