@@ -244,7 +244,7 @@ def estimate(
     pair_sizes,
     symmetric,
     analysis,
-    triangle=1,
+    triangle=None,
 ):
     """Cost estimates of ``"jacobian"``, ``"ntvp"`` and ``"structured"`` for one call.
 
@@ -272,16 +272,22 @@ def estimate(
         diagonal), per output leaf.
       symmetric: x2 is x1 (features computed once).
       analysis: the structured analysis of ``single_fn`` (``_structured.Analysis``).
-      triangle: k of the engine's triangular contraction of a symmetric Gram matrix
-        (1: none): ``"jacobian"`` and ``"structured"`` contract (k + 1) / 2k of the
-        pairs; ``"ntvp"`` (no features) all of them.
+      triangle: ``k(n, feature_bytes)``, the blocks of the engine's triangular
+        contraction of a symmetric Gram matrix (None: not symmetric): ``"jacobian"``
+        and ``"structured"`` contract (k + 1) / 2k of the pairs; ``"ntvp"`` (no
+        features) all of them.
 
     Returns:
       Estimates for ``"jacobian"``, ``"ntvp"`` and ``"structured"``.
     """
     closed = jax.make_jaxpr(single_fn)(params, x_one, aux)
     all_pairs = pairs
-    pairs = pairs * (triangle + 1) / (2 * triangle)  # contracted by the two feature methods
+
+    def contracted(feature_bytes):
+        """Pairs the feature methods contract (the triangle, where it applies)."""
+        k = 1 if triangle is None else triangle(n1, feature_bytes)
+        return all_pairs * (k + 1) / (2 * k)
+
     param_leaves = jax.tree.leaves(params)
     n_p, n_x = len(param_leaves), len(jax.tree.leaves(x_one))
     depends = [(True, False)] * n_p + [(False, True)] * n_x
@@ -299,14 +305,15 @@ def estimate(
     grad_w = pc.grad_weights_dot + pc.grad_weights_conv
     reverse = pc.grad_activations + grad_w + pc.grad_elementwise
 
-    def seconds(flops, slow_flops, nbytes, passes=0, passed_pairs=pairs):
+    def seconds(flops, slow_flops, nbytes, passes, passed_pairs):
         extra = slow * slow_flops + passes * passed_pairs * o_pair * _jacobian.EINSUM_PASS_FLOPS
         return (flops + extra) / rates.flops_per_s + nbytes / rates.bytes_per_s
 
     # Separate contraction einsums: narrow Jacobians are merged into one (_jacobian.merge).
     limit = _jacobian.merge_limit(min(n1, n2), out_total, o_pair)
-    jac_flops = n_jac * (forward + out_total * reverse) + 2.0 * pairs * o_pair * n_params
     jac_bytes = n_jac * out_total * n_params * itemsize
+    jac_pairs = contracted(jac_bytes)
+    jac_flops = n_jac * (forward + out_total * reverse) + 2.0 * jac_pairs * o_pair * n_params
     jac = CostEstimate(
         "jacobian",
         jac_flops,
@@ -316,6 +323,7 @@ def estimate(
             n_jac * out_total * pc.grad_weights_conv,
             2 * jac_bytes,
             _jacobian.einsum_count(leaf_sizes, limit),
+            jac_pairs,
         ),
     )
     ntvp_flops = n2 * (forward + out_total * reverse) + all_pairs * out_total * 3 * forward
@@ -360,10 +368,12 @@ def estimate(
             per_pair += gram
             gram_terms += len(group) ** 2
     reverse_structured = pc.grad_activations + pc.grad_elementwise + share * grad_w
-    structured_flops = (
-        n_jac * (forward + out_total * reverse_structured + per_sample_flops) + pairs * per_pair
-    )
     structured_bytes = n_jac * per_sample * itemsize
+    structured_pairs = contracted(structured_bytes)
+    structured_flops = (
+        n_jac * (forward + out_total * reverse_structured + per_sample_flops)
+        + structured_pairs * per_pair
+    )
     structured = CostEstimate(
         "structured",
         structured_flops,
@@ -373,6 +383,7 @@ def estimate(
             n_jac * out_total * share * pc.grad_weights_conv,
             2 * structured_bytes,
             _jacobian.einsum_count(widths, limit) + gram_terms,
+            structured_pairs,
         ),
     )
     return jac, ntvp, structured

@@ -146,26 +146,33 @@ def test_plan_reports_every_leaf_and_matches_auto():
     assert "implementation: " in str(plan)
 
 
-def test_plan_counts_the_triangular_contraction():
+def test_plan_counts_the_triangular_contraction(monkeypatch):
     """Estimated FLOPs are a·N (features) + b·N² (contraction) while the Gram matrix is
     contracted whole (N < 2·TRIANGLE_MIN_BLOCK); from N = 256 on, only (k + 1)/2k of the
     pairs are contracted by the feature methods, while NTK-vector products, which have
-    no features, still compute all of them."""
+    no features, still compute all of them; and all of them again where the features
+    pass TRIANGLE_MAX_FEATURE_BYTES (the blocks would copy them)."""
     from ntk_core import _engine
 
     p = _params((6, 5), (5,), (5, 2))
     k = _engine.triangle_blocks(256)
     assert k == 256 // _engine.TRIANGLE_MIN_BLOCK > 1
+    assert _engine.triangle_blocks(256, _engine.TRIANGLE_MAX_FEATURE_BYTES + 1) == 1
     flops = {}
-    for n in (32, 64, 256):
-        plan = ntk_core.plan(mlp, p, jnp.ones((n, 6)), trace_axes=())
+    for n in (32, 64, 256, "whole"):
+        if n == "whole":
+            monkeypatch.setattr(_engine, "TRIANGLE_MAX_FEATURE_BYTES", 0)
+        x = jnp.ones((256 if n == "whole" else n, 6))
+        plan = ntk_core.plan(mlp, p, x, trace_axes=())
         flops[n] = {e.implementation: e.flops for e in plan.estimates}
-    for impl, share in [("jacobian", (k + 1) / (2 * k)), ("structured", (k + 1) / (2 * k))]:
+    for impl in ["jacobian", "structured"]:
         f32, f64 = flops[32][impl], flops[64][impl]
         # Solve a·N + b·N² through N = 32 and N = 64, then predict N = 256.
         b = (f64 - 2 * f32) / (64**2 - 2 * 32**2)
         a = (f32 - b * 32**2) / 32
+        share = (k + 1) / (2 * k)
         np.testing.assert_allclose(flops[256][impl], a * 256 + share * b * 256**2, rtol=1e-9)
+        np.testing.assert_allclose(flops["whole"][impl], a * 256 + b * 256**2, rtol=1e-9)
     f32, f64 = flops[32]["ntvp"], flops[64]["ntvp"]
     b = (f64 - 2 * f32) / (64**2 - 2 * 32**2)
     np.testing.assert_allclose(flops[256]["ntvp"], (f32 - b * 32**2) / 32 * 256 + b * 256**2)
