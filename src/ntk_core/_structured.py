@@ -598,94 +598,76 @@ def _probe(use: Use, delta) -> tuple:
 
 
 def _conv_with_canonical_transpose(eqn, lhs, rhs):
-    """``conv_general_dilated(lhs, rhs)`` as ``eqn`` binds it, whose reverse pass (the
-    cotangent of ``lhs`` only: ``rhs`` must not be differentiated) convolves with the
-    flipped kernel materialised in the canonical (spatial..., in, out) order.
+    """``conv_general_dilated(lhs, rhs)`` as ``eqn`` binds it, with a JVP rule whose
+    transpose (the reverse pass to ``lhs``) convolves with the flipped kernel
+    materialised in the canonical (spatial..., in, out) order.
 
-    Equal in value to JAX's own transpose rule, which is used for it. Without the
-    materialised kernel, XLA on CPU compiles that transposed convolution inside a loop
-    (``lax.map``, ``fori_loop``) as a naive loop nest, about 5x slower than the same
-    convolution outside one; the chunked features under an outer ``jax.jit`` run in
-    such a loop.
+    Equal in value, and in every derivative, to the plain convolution (the tangent of
+    ``lhs`` goes through the same kernel, laid out differently; that of ``rhs`` through
+    the plain convolution). Without the materialised kernel, XLA on CPU compiles the
+    transposed convolution inside a loop (``fori_loop``, ``lax.map``) as a naive loop
+    nest, about 5x slower than the same convolution outside one; the chunked features
+    run in such a loop.
     """
     params = eqn.params
     dn = params["dimension_numbers"]
     n_sp = len(dn.rhs_spec) - 2
     spatial = tuple(range(n_sp))
-    # The kernel in physical order (spatial..., O, I): JAX's transpose rule swaps O and
-    # I, so its transposed convolution reads it as (spatial..., in, out).
+    # The kernel in physical order (spatial..., O, I): the transpose rule swaps O and I,
+    # so its transposed convolution reads it as (spatial..., in, out).
     order = tuple(dn.rhs_spec[2:]) + (dn.rhs_spec[0], dn.rhs_spec[1])
     turned = dict(params, dimension_numbers=dn._replace(rhs_spec=(n_sp, n_sp + 1) + spatial))
-    lhs_type = jax.ShapeDtypeStruct(lhs.shape, lhs.dtype)
 
-    @jax.custom_vjp
+    @jax.custom_jvp
     def conv(x, w):
         return _bind(eqn, [x, w])
 
-    def forward(x, w):
-        return conv(x, w), w
+    def conv_jvp(primals, tangents):
+        x, w = primals
+        dx, dw = tangents
+        y = _bind(eqn, [x, w])
+        t = None
+        if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
+            # The transpose rule reverses this kernel: reverse it here first, behind a
+            # barrier XLA cannot fold through, so that the two reversals cancel and the
+            # transposed convolution reads a materialised, unreversed array.
+            flipped = lax.optimization_barrier(jnp.flip(jnp.transpose(w, order), spatial))
+            t = eqn.primitive.bind(dx, jnp.flip(flipped, spatial), **turned)
+        if not isinstance(dw, jax.custom_derivatives.SymbolicZero):
+            tw = _bind(eqn, [x, dw])
+            t = tw if t is None else t + tw
+        if t is None:
+            t = jnp.zeros_like(y)
+        return y, t
 
-    def backward(w, g):
-        # The transpose rule reverses the kernel: reverse it here first, behind a
-        # barrier that XLA cannot fold through, so the two reversals cancel and the
-        # transposed convolution reads a materialised, unreversed array.
-        flipped = lax.optimization_barrier(jnp.flip(jnp.transpose(w, order), spatial))
-        kernel = jnp.flip(flipped, spatial)
-
-        def linear(x):
-            return eqn.primitive.bind(x, kernel, **turned)
-
-        (dx,) = jax.linear_transpose(linear, lhs_type)(g)
-        return dx, None
-
-    conv.defvjp(forward, backward)
+    conv.defjvp(conv_jvp, symbolic_zeros=True)
     return conv(lhs, rhs)
 
 
-def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=(), live=None):
-    """The outputs of ``jaxpr`` with the probes' deltas added (see
-    :func:`_evaluate_live`)."""
-    return _evaluate_live(jaxpr, consts, args, probes, records, path, live)[0]
-
-
-def _evaluate_live(jaxpr, consts, args, probes: dict, records: dict, path=(), live=None):
-    """``(outputs, live flags)`` of ``jaxpr`` with the probes' deltas added; ``live``
-    flags the ``args`` that are differentiated (default: all), the others being
-    constants of the reverse pass, and an output is live when it depends on a live
-    argument or a delta."""
+def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
     env = {}
-    alive = {}
 
     def read(v):
         return v.val if _literal(v) else env[v]
 
-    def is_live(v):
-        return not _literal(v) and alive.get(v, False)
-
-    if live is None:
-        live = [True] * len(args)
     for v, val in zip(jaxpr.constvars, consts, strict=True):
         env[v] = val
-    for v, val, flag in zip(jaxpr.invars, args, live, strict=True):
+    for v, val in zip(jaxpr.invars, args, strict=True):
         env[v] = val
-        alive[v] = flag
     for i, eqn in enumerate(jaxpr.eqns):
         here = path + (i,)
         invals = [read(v) for v in eqn.invars]
-        inlive = [is_live(v) for v in eqn.invars]
-        probe = probes.get(here)
         if _inlined(eqn):
             sub, sub_consts = _sub_jaxpr(eqn)
-            outs, outlive = _evaluate_live(sub, sub_consts, invals, probes, records, here, inlive)
+            outs = _evaluate(sub, sub_consts, invals, probes, records, here)
         else:
+            probe = probes.get(here)
             if probe is not None:
                 records[here] = invals[probe[0]]
                 if len(probe) == 3:  # the delta on a parameter operand
                     invals[probe[2]] = invals[probe[2]] + probe[1]
             if (
                 eqn.primitive.name == "conv_general_dilated"
-                and not inlive[1]
-                and (probe is None or len(probe) == 2)
                 and eqn.params["feature_group_count"] == 1
                 and eqn.params["batch_group_count"] == 1
             ):
@@ -694,14 +676,11 @@ def _evaluate_live(jaxpr, consts, args, probes: dict, records: dict, path=(), li
                 outs = _bind(eqn, invals)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-            live_out = any(inlive) or (probe is not None)
             if probe is not None and len(probe) == 2:
                 outs = [outs[0] + probe[1]]
-            outlive = [live_out] * len(outs)
-        for v, val, flag in zip(eqn.outvars, outs, outlive, strict=True):
+        for v, val in zip(eqn.outvars, outs, strict=True):
             env[v] = val  # a dropped output (DropVar) is never read
-            alive[v] = flag
-    return [read(v) for v in jaxpr.outvars], [is_live(v) for v in jaxpr.outvars]
+    return [read(v) for v in jaxpr.outvars]
 
 
 def analysis_for(
@@ -942,7 +921,6 @@ def features(
     if modes is None:
         modes = ("gram",) * len(analysis.groups)
     param_leaves = jax.tree.leaves(params)
-    fallback = frozenset(analysis.fallback)
 
     def one(x_i):
         leaves_x = jax.tree.leaves(x_i)
@@ -956,15 +934,8 @@ def features(
                 use.path: _probe(use, d) for use, d in zip(analysis.uses, deltas, strict=True)
             }
             records: dict = {}
-            live = [i in fallback for i in range(len(leaves))]
-            live += [False] * (len(leaves_x) + len(leaves_aux))
             outs = _evaluate(
-                closed.jaxpr,
-                closed.consts,
-                leaves + leaves_x + leaves_aux,
-                probes,
-                records,
-                live=live,
+                closed.jaxpr, closed.consts, leaves + leaves_x + leaves_aux, probes, records
             )
             return outs, [records[use.path] for use in analysis.uses]
 
