@@ -63,6 +63,7 @@ import numpy as np
 from jax import lax
 
 from . import _probe
+from ._barrier import barrier
 from ._options import DEFAULT_MEMORY_BUDGET
 
 
@@ -173,8 +174,8 @@ def _symmetric_leaf(k, layout):
     differently). (A select on an
     index mask would be exact too, but XLA constant-folds such masks very slowly.)
     """
-    k = lax.optimization_barrier(k)
-    total = lax.optimization_barrier(k + jnp.transpose(k, swap_perm(layout)))
+    k = barrier(k)
+    total = barrier(k + jnp.transpose(k, swap_perm(layout)))
     return total * jnp.asarray(0.5, k.dtype)
 
 
@@ -365,7 +366,7 @@ def compute(kf, config, params, x1, x2, aux):
     if batch_diagonal or same:
         b1 = b2 = min(b, n1)
     if config.vmap_axes is None and max(b1, b2) < max(n1, n2):
-        if _probe.samples_interact(kf._apply3, params, x1, x2, aux):
+        if _probe.samples_interact(kf._apply3, params, x1, x2, aux, fn_name=fn):
             raise ValueError(
                 f"{fn}: batch_size={opts.batch_size!r} with vmap_axes=None would "
                 f"differentiate each block of {b1} samples as its own batch, but the "

@@ -59,6 +59,11 @@ class Plan:
 
     def __str__(self) -> str:
         how = " (chosen by implementation='auto')" if self.requested == "auto" else ""
+        if self.requested == "structured" and self.implementation == "jacobian":
+            how = (
+                " (implementation='structured' with vmap_axes=None: the whole batch is "
+                "differentiated, there is no per-sample structure to use)"
+            )
         lines = [
             f"implementation: {self.implementation}{how}",
             "  estimates (FLOPs, feature memory, warm run time; compilation excluded):",

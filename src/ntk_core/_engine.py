@@ -332,7 +332,7 @@ class KernelFunction:
             layouts.append(layout)
         _checks.after_trace(fn, self._apply3, params, x1, x2, aux, out_leaves, opts)  # warnings
         if opts.vmap_axes is not None and _probe.samples_interact(
-            self._apply3, params, x1, x2, aux
+            self._apply3, params, x1, x2, aux, fn_name=fn
         ):
             how = f" (e.g. {self._hint})" if self._hint else ""
             raise ValueError(

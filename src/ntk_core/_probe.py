@@ -56,7 +56,9 @@ def _batches(x1, x2):
     return None
 
 
-def samples_interact(apply3, params, x1, x2, aux, rtol: float = 1e-4) -> bool:
+def samples_interact(
+    apply3, params, x1, x2, aux, rtol: float = 1e-4, fn_name: str = "ntk_core"
+) -> bool:
     """True when sample 0's output changes with the other samples of its batch.
 
     Returns False when the inputs are abstract (under an outer ``jax.jit``) or too few
@@ -71,8 +73,19 @@ def samples_interact(apply3, params, x1, x2, aux, rtol: float = 1e-4) -> bool:
             return jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *samples)
 
         run = jax.jit(apply3)
-        out_b = jax.tree.leaves(run(params, stack(batches[0]), aux))
-        out_c = jax.tree.leaves(run(params, stack(batches[1]), aux))
+        try:
+            out_b = jax.tree.leaves(run(params, stack(batches[0]), aux))
+            out_c = jax.tree.leaves(run(params, stack(batches[1]), aux))
+        except (TypeError, ValueError, IndexError) as error:
+            k = len(batches[0])
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise ValueError(
+                f"{fn_name}: the model fails on a batch of {k} samples, which the check of "
+                f"per-sample independence (vmap_axes=0) runs it on: "
+                f"{type(error).__name__}: {first} Fix: make the model accept any batch "
+                f"size (e.g. x.reshape(x.shape[0], -1), not a fixed batch), or pass "
+                f"vmap_axes=None to differentiate the whole batch as given."
+            ) from error
         for b, c in zip(out_b, out_c, strict=True):
             b0, c0 = np.asarray(b[:1], np.float64), np.asarray(c[:1], np.float64)
             scale = max(np.abs(b0).max(initial=0.0), np.abs(c0).max(initial=0.0), 1e-30)

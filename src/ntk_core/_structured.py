@@ -96,6 +96,7 @@ from jax import lax
 from jax.extend import core as jex
 
 from . import _jacobian
+from ._barrier import barrier
 from ._model import per_sample
 
 #: Primitives through which a parameter stays "the same numbers in another order".
@@ -631,7 +632,7 @@ def _conv_with_canonical_transpose(eqn, lhs, rhs):
             # The transpose rule reverses this kernel: reverse it here first, behind a
             # barrier XLA cannot fold through, so that the two reversals cancel and the
             # transposed convolution reads a materialised, unreversed array.
-            flipped = lax.optimization_barrier(jnp.flip(jnp.transpose(w, order), spatial))
+            flipped = barrier(jnp.flip(jnp.transpose(w, order), spatial))
             t = eqn.primitive.bind(dx, jnp.flip(flipped, spatial), **turned)
         if not isinstance(dw, jax.custom_derivatives.SymbolicZero):
             tw = _bind(eqn, [x, dw])

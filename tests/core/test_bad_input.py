@@ -35,6 +35,7 @@ P = {"w": jnp.ones((3, 5)), "v": jnp.ones((5, 2))}
 embed = lambda p, tokens: p["e"][tokens].sum(1)   # integer tokens (N, T) -> (N, 2)
 E = {"e": jnp.ones((10, 2))}
 centred = lambda w, x: (x @ w) - (x @ w).mean(0)  # samples interact (batch mean)
+fixed_batch = lambda w, x: x.reshape(4, -1) @ w    # works only on batches of 4
 XS = X + jnp.arange(4.0)[:, None]            # distinct samples
 """
 
@@ -256,6 +257,9 @@ def _rows():
         Row("samples-interact", "a model whose samples interact (batch mean) with vmap_axes=0",
             "ntk_core.empirical_ntk(centred, W, XS)",
             ValueError, r"^empirical_ntk: the model's output for one sample depends on the other samples of its batch" + fix + r".*vmap_axes=None"),
+        Row("fixed-batch", "a model that works only at one batch size, with vmap_axes=0",
+            "ntk_core.empirical_ntk(fixed_batch, W, XS)",
+            ValueError, r"^empirical_ntk: the model fails on a batch of 3 samples, which the check of per-sample independence" + fix + r".*vmap_axes=None"),
         Row("core-linen-module", "a flax.linen module passed to the core",
             "ntk_core.empirical_ntk(dense, V, X)",
             TypeError, r"^empirical_ntk: apply_fn is the flax.linen module Dense itself" + fix + r"use ntk_flax.kernel", ("flax",)),

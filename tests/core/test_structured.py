@@ -857,6 +857,7 @@ def test_batchnorm_training_mode_is_differentiated_whole_batch():
     reference.assert_close(k, reference.ntk(f, params, x, None)[0])
     plan = ntk_core.plan(f, params, x, implementation="structured", vmap_axes=None)
     assert plan.implementation == "jacobian"
+    assert "implementation='structured' with vmap_axes=None" in str(plan)
 
 
 def test_narrow_jacobians_merged_into_one_contraction():
@@ -910,9 +911,9 @@ def test_features_in_chunks_match_reference_directly_and_under_jit(monkeypatch):
 def test_kernel_differentiable_through_structured_convolutions(monkeypatch):
     """The convolutions' reverse passes run through a custom JVP rule (canonical kernel
     layout); the kernel stays differentiable with respect to the parameters, in reverse
-    and forward mode, in chunks: the gradient of a scalar of the NTK equals that of the
-    Jacobian contraction (plain JAX autodiff), itself checked against a float64 finite
-    difference."""
+    and forward mode, in chunks: the gradient of a weighted sum of the NTK equals that
+    of the Jacobian contraction (plain JAX autodiff through no custom rule), and the
+    forward-mode derivative along a direction equals the gradient's projection."""
     from ntk_core import _structured
 
     f, x_shape, shapes, _ = CONV_MODELS["nchw_dilated"]
@@ -940,9 +941,3 @@ def test_kernel_differentiable_through_structured_convolutions(monkeypatch):
         for g, d in zip(jax.tree.leaves(grads["jacobian"]), jax.tree.leaves(direction), strict=True)
     )
     np.testing.assert_allclose(float(tangent), expected, rtol=2e-4)
-    # The Jacobian contraction's own gradient against a central difference (float64
-    # would need x64; float32 with a step on the scale of the parameters is enough).
-    eps = 1e-2
-    plus = loss("jacobian")(jax.tree.map(lambda v, d: v + eps * d, p, direction))
-    minus = loss("jacobian")(jax.tree.map(lambda v, d: v - eps * d, p, direction))
-    np.testing.assert_allclose((float(plus) - float(minus)) / (2 * eps), expected, rtol=2e-2)
