@@ -1014,22 +1014,17 @@ def _fresh_letters(used: str, n: int) -> list[str]:
     return free[:n]
 
 
-def _single_position_term(specs, letters, x1, x2, g1, g2, precision):
+def _single_position_term(x1_spec, x2_spec, g_specs, out, x1, x2, g1, g2, precision):
     """The Gram form of two uses with one output position each (a Dense layer): the
     input Gram matrix ``(N1, N2)`` times the cotangent Gram matrix, as an elementwise
     product. (One einsum of all four operands lowers that product to a batched product
-    of 1 x 1 matrices, about 2.5x slower on XLA CPU.)
-
-    ``specs`` are the subscripts of the two input matrices, of the two cotangents'
-    sample and output axes, and of the output; ``letters`` the position letters of the
-    two sides and the unit letter.
-    """
-    x1_spec, x2_spec, lo, ro, out = specs
-    ia, ib, kk = letters
-    samples = lo[0] if lo[0] == ro[0] else lo[0] + ro[0]
+    of 1 x 1 matrices, about 2.5x slower on XLA CPU.) Subscripts as in
+    :func:`contract`: the sample letter leads each input's, ``g_specs`` are the two
+    cotangents'."""
+    samples = x1_spec[0] if x1_spec[0] == x2_spec[0] else x1_spec[0] + x2_spec[0]
     # The size-1 position axes sum away.
     xx = jnp.einsum(f"{x1_spec},{x2_spec}->{samples}", x1, x2, precision=precision)
-    gg = jnp.einsum(f"{lo}{ia}{kk},{ro}{ib}{kk}->{out}", g1, g2, precision=precision)
+    gg = jnp.einsum(f"{g_specs}->{out}", g1, g2, precision=precision)
     # ``samples`` is in ``out``'s order (the N1 axis comes first): expand to its rank.
     return gg * xx.reshape(tuple(xx.shape[samples.index(s)] if s in samples else 1 for s in out))
 
@@ -1084,35 +1079,37 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
             for u, v in itertools.product(group, group):
                 use, use_v = analysis.uses[u], analysis.uses[v]
                 g1, g2 = f1["g"][k][u], f2["g"][k][v]
+                x1, x2 = f1["x"][u], f2["x"][v]
                 if use.kind == "gather":
                     diagonal = lo[0] == ro[0]
-                    match = _token_match(use, f1["x"][u], f2["x"][v], diagonal)
+                    match = _token_match(use, x1, x2, diagonal)
                     m_spec = f"{lo[0]}{ia}{ib}" if diagonal else f"{lo[0]}{ia}{ro[0]}{ib}"
-                    operands = (f"{m_spec},{lo}{ia}{kk},{ro}{ib}{kk}->{out}", match, g1, g2)
-                elif use.a_size == 1 and use_v.a_size == 1:
-                    x_specs = (_x_spec(use, lo[0], ia, c), _x_spec(use_v, ro[0], ib, c))
-                    term = _single_position_term(
-                        x_specs + (lo, ro, out),
-                        (ia, ib, kk),
-                        f1["x"][u],
-                        f2["x"][v],
+                    term = jnp.einsum(
+                        f"{m_spec},{lo}{ia}{kk},{ro}{ib}{kk}->{out}",
+                        match,
                         g1,
                         g2,
-                        precision,
+                        precision=precision,
+                        optimize="optimal",
                     )
-                    total = term if total is None else total + term
-                    continue
                 else:
                     x1_spec = _x_spec(use, lo[0], ia, c)
                     x2_spec = _x_spec(use_v, ro[0], ib, c)
-                    operands = (
-                        f"{x1_spec},{x2_spec},{lo}{ia}{kk},{ro}{ib}{kk}->{out}",
-                        f1["x"][u],
-                        f2["x"][v],
-                        g1,
-                        g2,
-                    )
-                term = jnp.einsum(*operands, precision=precision, optimize="optimal")
+                    g_specs = f"{lo}{ia}{kk},{ro}{ib}{kk}"
+                    if use.a_size == 1 and use_v.a_size == 1:
+                        term = _single_position_term(
+                            x1_spec, x2_spec, g_specs, out, x1, x2, g1, g2, precision
+                        )
+                    else:
+                        term = jnp.einsum(
+                            f"{x1_spec},{x2_spec},{g_specs}->{out}",
+                            x1,
+                            x2,
+                            g1,
+                            g2,
+                            precision=precision,
+                            optimize="optimal",
+                        )
                 total = term if total is None else total + term
             per_leaf[leaf] = total / size
         # None: fused biases, and leaves in the merged Jacobians.
