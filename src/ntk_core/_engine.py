@@ -475,7 +475,7 @@ class KernelFunction:
         kernels = []
         for layout, a, b in zip(config.layouts, out1, out2, strict=True):
             lhs, rhs, out = layout.specs()
-            k = jnp.einsum(f"{lhs},{rhs}->{out}", a, b, precision=_PRECISION[config.precision])
+            k = _jacobian.pair_einsum(lhs, rhs, out, a, b, _PRECISION[config.precision])
             kernels.append(k / layout.trace_size(a.shape))
         return jax.tree.unflatten(config.out_tree, kernels)
 

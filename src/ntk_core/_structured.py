@@ -1023,8 +1023,8 @@ def _single_position_term(x1_spec, x2_spec, g_specs, out, x1, x2, g1, g2, precis
     cotangents'."""
     samples = x1_spec[0] if x1_spec[0] == x2_spec[0] else x1_spec[0] + x2_spec[0]
     # The size-1 position axes sum away.
-    xx = jnp.einsum(f"{x1_spec},{x2_spec}->{samples}", x1, x2, precision=precision)
-    gg = jnp.einsum(f"{g_specs}->{out}", g1, g2, precision=precision)
+    xx = _jacobian.pair_einsum(x1_spec, x2_spec, samples, x1, x2, precision)
+    gg = _jacobian.pair_einsum(*g_specs.split(","), out, g1, g2, precision)
     # ``samples`` is in ``out``'s order (the N1 axis comes first): expand to its rank.
     return gg * xx.reshape(tuple(xx.shape[samples.index(s)] if s in samples else 1 for s in out))
 
@@ -1053,8 +1053,8 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
         size = layout.trace_size(n1_shape)
         per_leaf = [None] * n_leaves
 
-        def jacobian_term(a, b, spec=f"{lhs},{rhs}->{out}", size=size):
-            return jnp.einsum(spec, a, b, precision=precision) / size
+        def jacobian_term(a, b, specs=(lhs, rhs, out), size=size):
+            return _jacobian.pair_einsum(*specs, a, b, precision) / size
 
         # Merged Jacobians (fallback leaves and explicit groups, not split per leaf).
         merged = [

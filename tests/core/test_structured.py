@@ -883,6 +883,33 @@ def test_narrow_jacobians_merged_into_one_contraction():
     reference.assert_close(fn(p, x1, x2), reference.ntk(mlp, p, x1, x2, trace_axes=())[0])
 
 
+@pytest.mark.parametrize(
+    "a_spec, b_spec, out, sizes",
+    [
+        ("nk", "mk", "nm", {}),  # plain Gram
+        ("nak", "mbk", "nm", {"a": 1, "b": 1}),  # size-1 position axes summed away
+        ("nock", "mpck", "nmop", {"o": 3, "p": 3, "c": 1}),  # trace_axes=(): rows N*O
+        ("nock", "mock", "nm", {"o": 3, "c": 2}),  # traced output axis contracted
+        ("nok", "mok", "nmo", {"o": 3}),  # diagonal output axis: a batched product
+        ("nok", "npk", "nop", {"o": 2, "p": 2}),  # batch diagonal (one sample letter)
+        ("nakc", "mbkc", "mn", {"a": 2, "b": 2}),  # axes summed apart, output swapped
+    ],
+)
+def test_pair_einsum_equals_einsum(a_spec, b_spec, out, sizes):
+    """The two-operand contraction every Gram and Jacobian term goes through, as one
+    2-D matrix product, equals numpy's float64 einsum for each kind of axis."""
+    from ntk_core import _jacobian
+
+    sizes = {"n": 5, "m": 4, "k": 7, "c": 3} | sizes
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal([sizes[s] for s in a_spec]).astype(np.float32)
+    b = rng.standard_normal([sizes[s] for s in b_spec]).astype(np.float32)
+    got = _jacobian.pair_einsum(a_spec, b_spec, out, jnp.asarray(a), jnp.asarray(b), "highest")
+    expected = np.einsum(f"{a_spec},{b_spec}->{out}", a.astype(np.float64), b.astype(np.float64))
+    assert got.dtype == jnp.float32 and got.shape == expected.shape
+    reference.assert_close(got, expected)
+
+
 def test_features_in_chunks_match_reference_directly_and_under_jit(monkeypatch):
     """With a feature budget of a few samples, the structured features are computed in
     chunks inside an XLA loop (the last one overlapping its predecessor, N = 7 not a
