@@ -420,9 +420,11 @@ def plan(
     Jacobian)"`` (``x + b`` not fused with a product: LayerNorm / BatchNorm biases), with
     ``", per-sample Jacobian"`` when the leaf's Jacobian is formed from its recorded
     inputs and cotangents because that is cheaper than the Gram form for these shapes;
-    ``"jacobian (fallback)"`` for a leaf no rule covers (a parameter inside a
-    nonlinearity, grouped convolutions, tied input/output embeddings, ...); ``"jacobian"``
-    or ``"ntvp"`` when another implementation runs.
+    ``"jacobian (fallback: <reason>)"`` for a leaf no rule covers, the reason naming
+    what stopped the rules (e.g. ``used by tanh, which no rule covers`` for a parameter
+    inside a nonlinearity, ``the kernel of a grouped or depthwise convolution``, ``cast
+    to another dtype (convert_element_type)``, ``used inside a loop (scan)``, ``not used
+    by the model``); ``"jacobian"`` or ``"ntvp"`` when another implementation runs.
     ``print(plan)`` shows a table. Arguments as :func:`empirical_ntk` (x1 with N1
     samples, x2 with N2 or ``None``); the estimates count N1·N2 pairs (N1 on the batch
     diagonal).

@@ -45,7 +45,7 @@ class LeafPlan:
 
     path: str  # e.g. "['Dense_0']['kernel']"
     size: int
-    method: str  # "structured (1 matrix product)", "jacobian (fallback)", "ntvp", ...
+    method: str  # "structured (1 matrix product)", "jacobian (fallback: <reason>)", "ntvp", ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -204,6 +204,8 @@ def _structured_methods(analysis, modes) -> dict[int, str]:
         if leaf >= 0:
             kind = _structured.KIND_NAMES[analysis.uses[u].kind]
             methods[leaf] = f"structured (bias fused with its {kind})"
+    for leaf, reason in zip(analysis.fallback, analysis.fallback_reasons, strict=True):
+        methods[leaf] = f"jacobian (fallback: {reason})"
     return methods
 
 

@@ -155,6 +155,7 @@ class Analysis:
     groups: tuple[tuple[int, ...], ...]  # use indices of each structured leaf
     biased: tuple[bool, ...] = ()  # per use: a bias added to its output is fused in
     bias_leaves: tuple[int, ...] = ()  # per use: the fused bias leaf, or -1
+    fallback_reasons: tuple[str, ...] = ()  # per fallback leaf: why no rule covers it
 
     def leaves(self, n_leaves: int, modes: tuple[str, ...] | None = None) -> tuple:
         """``(n_leaves, fallback, groups, leaf of each group, mode of each group)`` for
@@ -461,6 +462,47 @@ _RULES = {"dot_general": _dot_use, "conv_general_dilated": _conv_use, "gather": 
 _ELEMENTWISE_PRIMITIVES = frozenset({"mul", "add", "sub"})
 
 
+#: Why a parameter used by one of these primitives falls back, for ``plan()``.
+_PRIMITIVE_REASONS = {
+    "convert_element_type": (
+        "cast to another dtype (convert_element_type), e.g. by a Flax dtype=bfloat16 "
+        "or by float32 parameters meeting float64 inputs"
+    ),
+    "custom_jvp_call": "passed through a function with a custom derivative (custom_jvp)",
+    "custom_vjp_call": "passed through a function with a custom derivative (custom_vjp)",
+    "custom_vjp_call_jaxpr": "passed through a function with a custom derivative (custom_vjp)",
+    "scan": "used inside a loop (scan), which is not analysed",
+    "while": "used inside a loop (while_loop), which is not analysed",
+    "cond": "used inside a branch (cond), which is not analysed",
+}
+
+
+def _rule_miss_reason(eqn, ins) -> str:
+    """Why :data:`_RULES` (or the elementwise rule) did not take this equation."""
+    name = eqn.primitive.name
+    if name in _ELEMENTWISE_PRIMITIVES:
+        return f"an elementwise {name} whose broadcast repeats or drops parameter entries"
+    chain = next(o[1] for o in ins if o is not None)
+    if any(step[0] == "broadcast_in_dim" for step in chain):
+        return f"broadcast before its {name}, so its entries repeat"
+    if name == "dot_general":
+        (_, _), (lb, rb) = eqn.params["dimension_numbers"]
+        if lb or rb:
+            return "a matrix product batched over the parameter's axes"
+    if name == "conv_general_dilated":
+        if ins[1] is None:
+            return "the input operand of a convolution (not its kernel)"
+        groups = eqn.params["feature_group_count"], eqn.params["batch_group_count"]
+        if groups != (1, 1):
+            return (
+                f"the kernel of a grouped or depthwise convolution (feature_group_count="
+                f"{groups[0]}, batch_group_count={groups[1]})"
+            )
+    if name == "gather":
+        return "a gather other than a row lookup table[tokens] with integer tokens"
+    return f"a {name} that no rule covers"
+
+
 def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True) -> Analysis:
     """Finds the structured uses of the first ``n_param_leaves`` inputs of ``closed``.
 
@@ -470,7 +512,11 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     scale (:func:`_elementwise_use`) when its view allows.
     """
     uses: list[Use] = []
-    bad: set[int] = set()
+    bad: dict[int, str] = {}  # leaf -> the first reason it falls back
+
+    def fall_back(leaf: int, reason: str) -> None:
+        bad.setdefault(leaf, reason)
+
     use_of_output: dict = {}  # output var of a dot / conv use -> use index
     bias_candidates: list[tuple[int, int, int, tuple]] = []  # (use, shift use, leaf, eqns)
     leaf_shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars[:n_param_leaves]]
@@ -504,7 +550,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 if len(eqn.invars) != 1:
                     for o in ins:
                         if o is not None:
-                            bad.add(o[0])
+                            fall_back(o[0], f"a {name} with several operands")
                     continue
                 leaf, chain, eqns = ins[0]
                 step = (name, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
@@ -519,7 +565,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 leaf, _, eqns = ins[b_side]
                 use = _elementwise_use(eqn, ins, here, leaf_shapes[leaf])
                 if use is None:
-                    bad.add(leaf)
+                    fall_back(leaf, _rule_miss_reason(eqn, ins))
                     continue
                 uses.append(use)
                 y = eqn.invars[1 - b_side]
@@ -536,19 +582,25 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                     bias_candidates.append((use_of_output[y], len(uses) - 1, leaf, eqns))
                 continue
             rule = _RULES.get(name)
-            if rule is not None and sum(o is not None for o in ins) == 1:
+            n_params = sum(o is not None for o in ins)
+            if rule is not None and n_params == 1:
                 use = rule(eqn, ins, here)
                 if use is not None:
                     uses.append(use)
                     use_of_output[eqn.outvars[0]] = len(uses) - 1
                     continue
+                reason = _rule_miss_reason(eqn, ins)
+            elif n_params > 1 and (rule is not None or name in _ELEMENTWISE_PRIMITIVES):
+                reason = f"a {name} of two parameter views (e.g. W @ W or s * s)"
+            else:
+                reason = _PRIMITIVE_REASONS.get(name, f"used by {name}, which no rule covers")
             for o in ins:  # any other use of a parameter view
                 if o is not None:
-                    bad.add(o[0])
+                    fall_back(o[0], reason)
         for v in jaxpr.outvars:
             o = None if _literal(v) else origins.get(v)
             if o is not None:
-                bad.add(o[0])
+                fall_back(o[0], "returned by the model itself (a parameter view as output)")
 
     invars = closed.jaxpr.invars[:n_param_leaves]
     walk(closed.jaxpr, {v: (i, (), ()) for i, v in enumerate(invars)}, ())
@@ -556,8 +608,10 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     for u, use in enumerate(uses):
         by_leaf.setdefault(use.leaf, []).append(u)
     for leaf, members in by_leaf.items():
-        if len({uses[u].key for u in members}) > 1:
-            bad.add(leaf)  # the same leaf seen through different views: no pairing
+        if len({uses[u].key for u in members}) > 1:  # different views: no pairing
+            fall_back(
+                leaf, "used through different views or operations whose Jacobians do not pair up"
+            )
     uses_per_leaf = {leaf: len(m) for leaf, m in by_leaf.items()}
     fused: dict[int, int] = {}  # use index (in ``uses``) -> bias leaf
     absorbed_uses: set[int] = set()  # shift uses replaced by a fused bias
@@ -585,8 +639,14 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     absorbed = set(fused.values())
     structured = set(groups) | absorbed
     fallback = tuple(i for i in range(n_param_leaves) if i not in structured)
+    reasons = tuple(bad.get(i, "not used by the model: its kernel is zero") for i in fallback)
     return Analysis(
-        tuple(kept), fallback, tuple(tuple(g) for g in groups.values()), biased, bias_leaves
+        tuple(kept),
+        fallback,
+        tuple(tuple(g) for g in groups.values()),
+        biased,
+        bias_leaves,
+        reasons,
     )
 
 

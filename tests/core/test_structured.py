@@ -92,31 +92,78 @@ def sequence_einsum(p, x):
 
 
 SHIFT = "structured (elementwise shift, per-sample Jacobian)"
+FB = "jacobian (fallback: "  # then the reason no rule covers the leaf
+UNUSED = f"{FB}not used by the model: its kernel is zero)"
 SCALE = "structured (elementwise scale, per-sample Jacobian)"
 
 MODELS = {
     # name: (model, the prefix of each leaf's plan label)
     "mlp_softplus": (mlp, ["structured", "structured (bias fused", "structured"]),
     "product_read_twice": (product_read_twice, ["structured", SHIFT, "structured"]),
-    "scalar_bias": (scalar_bias, ["structured", "jacobian (fallback)", "structured"]),
+    "scalar_bias": (scalar_bias, ["structured", f"{FB}used by slice", "structured"]),
     "left_weight": (left_weight, ["structured", SHIFT, "structured"]),
     "checkpoint_gelu": (gelu_checkpointed, ["structured", SHIFT, "structured"]),
-    "scan": (scan_layers, ["jacobian (fallback)", "jacobian (fallback)", "structured"]),
+    "scan": (scan_layers, [f"{FB}used by stack", UNUSED, "structured"]),
     "scale_after_product": (scale_after_product, ["structured", SCALE, "structured"]),
     "param_in_nonlinearity": (
         param_in_nonlinearity,
-        ["structured", "jacobian (fallback)", "structured"],
+        ["structured", f"{FB}used by tanh, which no rule covers)", "structured"],
     ),
     "transposed_tying": (
         transposed_tying,
-        ["jacobian (fallback)", "jacobian (fallback)", "structured"],
+        [f"{FB}used through different views", UNUSED, "structured"],
     ),
-    "custom_vjp": (custom_vjp_activation, ["structured", "jacobian (fallback)", "structured"]),
+    "custom_vjp": (custom_vjp_activation, ["structured", UNUSED, "structured"]),
     "sequence_einsum": (
         sequence_einsum,
-        ["jacobian (fallback)", "jacobian (fallback)", "structured"],
+        [f"{FB}used by slice", UNUSED, "structured"],
     ),
 }
+
+
+def _cast(p, x):
+    """Computed in bfloat16 from float32 parameters (a Flax dtype=jnp.bfloat16 layer)."""
+    h = x.astype(jnp.bfloat16) @ p[0].astype(jnp.bfloat16)
+    return jnp.tanh(h.astype(jnp.float32) + p[1]) @ p[2]
+
+
+def _custom_jvp_param(p, x):
+    return jnp.tanh(x @ p[0] + jax.nn.relu(p[1])) @ p[2]
+
+
+def _scan_closure(p, x):
+    h, _ = jax.lax.scan(lambda h, _: (jnp.tanh(h @ p[0] + p[1]), None), x, None, length=2)
+    return h @ p[2]
+
+
+@pytest.mark.parametrize(
+    "f, reasons",
+    [
+        (_cast, ["cast to another dtype (convert_element_type), e.g. by a Flax dtype"]),
+        (_custom_jvp_param, [None, "passed through a function with a custom derivative"]),
+        (_scan_closure, ["used inside a loop (scan)", "used inside a loop (scan)"]),
+    ],
+)
+def test_plan_says_why_a_leaf_falls_back(f, reasons):
+    """Each fallback leaf's plan label names what stopped the rules, and the kernel
+    still equals the reference."""
+    p = _params((4, 4), (4,), (4, 3))
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (3, 4))
+    plan = ntk_core.plan(f, p, x1, trace_axes=(), implementation="structured")
+    for leaf, reason in zip(plan.leaves[: len(reasons)], reasons, strict=True):
+        if reason is None:
+            assert leaf.method.startswith("structured"), leaf.method
+        else:
+            assert leaf.method.startswith(f"{FB}{reason}"), leaf.method
+    assert plan.leaves[2].method.startswith("structured")
+    assert f"{FB}{reasons[-1]}" in str(plan)
+    k = ntk_core.empirical_ntk(f, p, x1, trace_axes=(), implementation="structured")
+    expected = reference.ntk(f, p, x1, None, trace_axes=())[0]
+    if f is _cast:  # bfloat16 products on both sides: agreement to bfloat16's precision
+        scale = np.abs(expected).max()
+        np.testing.assert_allclose(np.asarray(k, np.float64), expected, atol=2e-2 * scale)
+    else:
+        reference.assert_close(k, expected)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -408,13 +455,13 @@ CONV_MODELS = {
         conv_kernel_elsewhere,
         (4, 4, 3),
         ((2, 2, 3, 3), (3,), (48, 2)),
-        ["jacobian (fallback)", SHIFT, "structured"],
+        [f"{FB}used by integer_pow", SHIFT, "structured"],
     ),
     "grouped": (
         conv_grouped,
         (4, 4, 3),
         ((2, 2, 1, 3), (3,), (48, 2)),
-        ["jacobian (fallback)", SHIFT, "structured"],
+        [f"{FB}the kernel of a grouped or depthwise convolution", SHIFT, "structured"],
     ),
     "one_position": (
         conv_one_position,
@@ -588,7 +635,7 @@ def test_tied_embedding_falls_back_and_matches():
     k = ntk_core.empirical_ntk(f, p, t1, t2, trace_axes=(), implementation="structured")
     reference.assert_close(k, reference.ntk(f, p, t1, t2, trace_axes=())[0])
     plan = ntk_core.plan(f, p, t1, t2, trace_axes=(), implementation="structured")
-    assert plan.leaves[0].method == "jacobian (fallback)"
+    assert plan.leaves[0].method.startswith(f"{FB}used through different views")
 
 
 def test_embedding_used_twice_sums_its_uses():
@@ -695,8 +742,6 @@ def repeated_over_units(p, x):
     return jnp.tanh(h.reshape(x.shape[0], 2, 4).mean(axis=1) + p[1]) @ p[2]
 
 
-_FB = "jacobian (fallback)"
-
 ELEMENTWISE_MODELS = {
     # name: (model, input size, plan labels of (s, b, W))
     "scale_shift": (scale_shift, 4, [SCALE, SHIFT, "structured (1 matrix product"]),
@@ -713,9 +758,25 @@ ELEMENTWISE_MODELS = {
             "structured",
         ],
     ),
-    "scale_and_product": (scale_and_product, 4, [_FB, SHIFT, "structured"]),
-    "square_of_scale": (square_of_scale, 4, [_FB, SHIFT, "structured"]),
-    "repeated_over_units": (repeated_over_units, 8, [_FB, SHIFT, "structured"]),
+    "scale_and_product": (
+        scale_and_product,
+        4,
+        [f"{FB}used through different views or operations", SHIFT, "structured"],
+    ),
+    "square_of_scale": (
+        square_of_scale,
+        4,
+        [f"{FB}a mul of two parameter views", SHIFT, "structured"],
+    ),
+    "repeated_over_units": (
+        repeated_over_units,
+        8,
+        [
+            f"{FB}an elementwise mul whose broadcast repeats or drops parameter entries)",
+            SHIFT,
+            "structured",
+        ],
+    ),
 }
 
 
