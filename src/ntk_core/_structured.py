@@ -156,6 +156,7 @@ class Analysis:
     biased: tuple[bool, ...] = ()  # per use: a bias added to its output is fused in
     bias_leaves: tuple[int, ...] = ()  # per use: the fused bias leaf, or -1
     fallback_reasons: tuple[str, ...] = ()  # per fallback leaf: why no rule covers it
+    leaf_dtypes: tuple[str, ...] = ()  # per parameter leaf (its Jacobian's dtype)
 
     def leaves(self, n_leaves: int, modes: tuple[str, ...] | None = None) -> tuple:
         """``(n_leaves, fallback, groups, leaf of each group, mode of each group)`` for
@@ -465,8 +466,8 @@ _ELEMENTWISE_PRIMITIVES = frozenset({"mul", "add", "sub"})
 #: Why a parameter used by one of these primitives falls back, for ``plan()``.
 _PRIMITIVE_REASONS = {
     "convert_element_type": (
-        "cast to another dtype (convert_element_type), e.g. by a Flax dtype=bfloat16 "
-        "or by float32 parameters meeting float64 inputs"
+        "cast to a lower precision (convert_element_type), e.g. a Flax layer with "
+        "dtype=jnp.bfloat16, whose rounded Jacobian autodiff gives"
     ),
     "custom_jvp_call": "passed through a function with a custom derivative (custom_jvp)",
     "custom_vjp_call": "passed through a function with a custom derivative (custom_vjp)",
@@ -475,6 +476,21 @@ _PRIMITIVE_REASONS = {
     "while": "used inside a loop (while_loop), which is not analysed",
     "cond": "used inside a branch (cond), which is not analysed",
 }
+
+
+def _float_cast(eqn) -> bool:
+    """A ``convert_element_type`` from a floating dtype to one that holds all its
+    values (float32 → float64, bfloat16 → float32): the same numbers. A cast to a lower
+    precision (a Flax ``dtype=jnp.bfloat16`` layer of float32 parameters) is not one:
+    the Gram form would take the products of its inputs and cotangents exactly, where
+    autodiff's Jacobian (and so ``"jacobian"``) rounds them to that precision, and the
+    kernels would differ by ~1e-3."""
+    a, b = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+    return bool(
+        jnp.issubdtype(a, jnp.floating)
+        and jnp.issubdtype(b, jnp.floating)
+        and jnp.promote_types(a, b) == b
+    )
 
 
 def _rule_miss_reason(eqn, ins) -> str:
@@ -555,6 +571,14 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 leaf, chain, eqns = ins[0]
                 step = (name, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
                 origins[eqn.outvars[0]] = (leaf, chain + (step,), eqns + (eqn,))
+                continue
+            if name == "convert_element_type" and _float_cast(eqn):
+                # A widening cast (float32 parameters meeting float64 inputs): the same
+                # entries, so a view; not replayed on entry indices (``eqns``), whose
+                # order it keeps.
+                leaf, chain, eqns = ins[0]
+                step = (name, str(eqn.outvars[0].aval.dtype))
+                origins[eqn.outvars[0]] = (leaf, chain + (step,), eqns)
                 continue
             if (
                 name in _ELEMENTWISE_PRIMITIVES
@@ -647,6 +671,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
         biased,
         bias_leaves,
         reasons,
+        tuple(str(v.aval.dtype) for v in invars),
     )
 
 
@@ -1009,10 +1034,20 @@ def features(
     out_shapes = out_tree.flatten_up_to(jax.eval_shape(apply3, params, x, aux))
     biased = analysis.biased or (False,) * len(analysis.uses)
 
+    # Inputs and cotangents of a use whose weights were widened (float32 parameters
+    # meeting float64 inputs) are contracted in the promoted dtype, and each leaf's
+    # kernel comes out in its own dtype, as its Jacobian would.
+    leaf_dtypes = analysis.leaf_dtypes
+    work = [jnp.promote_types(leaf_dtypes[use.leaf], use.y_dtype) for use in analysis.uses]
+
+    def cast(v, dtype):
+        return v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v
+
     def batch(xb):
         jac, xs = jax.vmap(one)(xb)
         j_fb = [pair[0] for pair in jac]
-        j_d = [pair[1] for pair in jac]
+        j_d = [[cast(g, w) for g, w in zip(pair[1], work, strict=True)] for pair in jac]
+        xs = [cast(v, w) for v, w in zip(xs, work, strict=True)]
         x_mats = [
             None
             if use.kind in _RAW_INPUT_KINDS and not _gram(analysis, modes, u)
@@ -1046,7 +1081,8 @@ def features(
                     else:
                         j = _explicit_jacobian(use, x_mats[u], per_use[u])
                     total = j if total is None else total + j
-                per_group.append(total.reshape(total.shape[:o_ndim] + (-1,)))
+                leaf_dtype = leaf_dtypes[analysis.uses[group[0]].leaf]
+                per_group.append(total.reshape(total.shape[:o_ndim] + (-1,)).astype(leaf_dtype))
             if merge_limits is None:
                 fallback.append(fb_k)
                 explicit.append(per_group)
@@ -1171,7 +1207,7 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
                             optimize="optimal",
                         )
                 total = term if total is None else total + term
-            per_leaf[leaf] = total / size
+            per_leaf[leaf] = (total / size).astype(analysis.leaf_dtypes[leaf])
         # None: fused biases, and leaves in the merged Jacobians.
         kernels.append(merged + [term for term in per_leaf if term is not None])
     return kernels

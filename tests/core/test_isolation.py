@@ -81,3 +81,42 @@ print("ok")
         ),
     )
     assert "ok" in out
+
+
+def test_float32_parameters_with_float64_inputs_stay_structured():
+    """Under x64, float32 parameters (Flax's default param_dtype) meeting float64 inputs
+    are widened before each product: the Gram form still applies (no leaf falls back),
+    each leaf's kernel keeps its parameters' dtype as its Jacobian would, and the kernel
+    equals the float64 reference of those float32 Jacobians and the Jacobian
+    contraction."""
+    out = _run(
+        """
+import jax, numpy as np
+import jax.numpy as jnp
+import ntk_core
+import reference
+k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+params = {"w": jax.random.normal(k1, (6, 16), jnp.float32), "b": jnp.full((16,), 0.1, jnp.float32),
+          "v": jax.random.normal(k2, (16, 3), jnp.float32)}
+f = lambda p, x: jnp.tanh(x @ p["w"] + p["b"]) @ p["v"]
+x1 = jax.random.normal(k3, (5, 6), jnp.float64)
+x2 = x1[:3] * 0.5
+plan = ntk_core.plan(f, params, x1, x2, trace_axes=(), implementation="structured")
+assert not any("fallback" in leaf.method for leaf in plan.leaves), plan
+expected = reference.ntk(f, params, x1, x2, trace_axes=())[0]
+k = ntk_core.empirical_ntk(f, params, x1, x2, trace_axes=(), implementation="structured")
+assert k.dtype == jnp.float32, k.dtype
+reference.assert_close(k, expected)
+kj = ntk_core.empirical_ntk(f, params, x1, x2, trace_axes=(), implementation="jacobian")
+assert kj.dtype == jnp.float32, kj.dtype
+reference.assert_close(k, np.asarray(kj, np.float64))
+per_leaf = ntk_core.empirical_ntk_per_leaf(f, params, x1, x2, trace_axes=())
+assert {str(v.dtype) for v in jax.tree.leaves(per_leaf)} == {"float32"}
+print("ok")
+""",
+        JAX_ENABLE_X64="1",
+        PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    assert "ok" in out

@@ -139,7 +139,7 @@ def _scan_closure(p, x):
 @pytest.mark.parametrize(
     "f, reasons",
     [
-        (_cast, ["cast to another dtype (convert_element_type), e.g. by a Flax dtype"]),
+        (_cast, ["cast to a lower precision (convert_element_type), e.g. a Flax layer"]),
         (_custom_jvp_param, [None, "passed through a function with a custom derivative"]),
         (_scan_closure, ["used inside a loop (scan)", "used inside a loop (scan)"]),
     ],
@@ -159,9 +159,11 @@ def test_plan_says_why_a_leaf_falls_back(f, reasons):
     assert f"{FB}{reasons[-1]}" in str(plan)
     k = ntk_core.empirical_ntk(f, p, x1, trace_axes=(), implementation="structured")
     expected = reference.ntk(f, p, x1, None, trace_axes=())[0]
-    if f is _cast:  # bfloat16 products on both sides: agreement to bfloat16's precision
-        scale = np.abs(expected).max()
-        np.testing.assert_allclose(np.asarray(k, np.float64), expected, atol=2e-2 * scale)
+    if f is _cast:  # the same bfloat16 Jacobians as "jacobian"; the reference's whole-
+        # batch reverse pass rounds its bfloat16 products in another order
+        kj = ntk_core.empirical_ntk(f, p, x1, trace_axes=(), implementation="jacobian")
+        reference.assert_close(k, np.asarray(kj, np.float64))
+        np.testing.assert_allclose(k, expected, atol=1e-2 * np.abs(expected).max())
     else:
         reference.assert_close(k, expected)
 
