@@ -120,7 +120,8 @@ def pair_einsum(a_spec: str, b_spec: str, out: str, a, b, precision):
     first; the axes the operands share are flattened into the contracted dimension
     and each operand's other axes into its rows, so XLA sees ``(F_a, S) x (F_b, S)ᵀ``
     whatever the axis order and sizes. An output axis both operands have (a diagonal
-    axis) needs a batched product: those specs go to ``jnp.einsum`` unchanged.
+    axis) needs a batched product, and a letter repeated within one operand a
+    diagonal: those specs go to ``jnp.einsum`` unchanged.
 
     Why: ``jnp.einsum`` passes the axes to ``dot_general`` as they are, and with size-1
     and split contracted axes XLA CPU transposes a copy of one operand per product
@@ -136,7 +137,8 @@ def pair_einsum(a_spec: str, b_spec: str, out: str, a, b, precision):
         b = jnp.sum(b, axis=b_sum)
         b_spec = "".join(s for i, s in enumerate(b_spec) if i not in b_sum)
     shared = [s for s in a_spec if s in b_spec]
-    if any(s in out for s in shared) or len(set(a_spec + b_spec)) != len(set(a_spec) | set(b_spec)):
+    repeated = len(set(a_spec)) != len(a_spec) or len(set(b_spec)) != len(b_spec)
+    if repeated or any(s in out for s in shared):
         return jnp.einsum(f"{a_spec},{b_spec}->{out}", a, b, precision=precision)
     size = dict(zip(a_spec, a.shape, strict=True)) | dict(zip(b_spec, b.shape, strict=True))
     free_a = [s for s in a_spec if s not in shared]

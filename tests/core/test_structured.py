@@ -139,7 +139,7 @@ def _scan_closure(p, x):
 @pytest.mark.parametrize(
     "f, reasons",
     [
-        (_cast, ["cast to a lower precision (convert_element_type), e.g. a Flax layer"]),
+        (_cast, ["cast to a lower precision (float32 -> bfloat16, convert_element_type)"]),
         (_custom_jvp_param, [None, "passed through a function with a custom derivative"]),
         (_scan_closure, ["used inside a loop (scan)", "used inside a loop (scan)"]),
     ],
@@ -956,6 +956,7 @@ def test_narrow_jacobians_merged_into_one_contraction():
         ("nok", "mok", "nmo", {"o": 3}),  # diagonal output axis: a batched product
         ("nok", "npk", "nop", {"o": 2, "p": 2}),  # batch diagonal (one sample letter)
         ("nakc", "mbkc", "mn", {"a": 2, "b": 2}),  # axes summed apart, output swapped
+        ("nnk", "mk", "nm", {}),  # a letter repeated in one operand: its diagonal
     ],
 )
 def test_pair_einsum_equals_einsum(a_spec, b_spec, out, sizes):
