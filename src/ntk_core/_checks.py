@@ -119,6 +119,20 @@ def _numeric(dtype) -> bool:
         return False
 
 
+def leaked_tracer_error(fn_name: str, error: Exception) -> ValueError:
+    """The ValueError for a model that uses a leaked tracer (JAX's
+    ``UnexpectedTracerError``): a value traced by an earlier transformation, e.g. a
+    variable captured inside a ``jax.jit``-ed function and used after it returned."""
+    return ValueError(
+        f"{fn_name}: the model uses a value traced by an earlier JAX transformation that "
+        f"has already finished (a leaked tracer, e.g. a closure over a variable of a "
+        f"jax.jit-ed or jax.grad-ed function, used after that function returned), so it "
+        f"cannot be evaluated here. Fix: pass that value to the model through params, x "
+        f"or aux instead of closing over it, or compute it outside any transformation. "
+        f"JAX's report: {str(error).strip().splitlines()[0]}"
+    )
+
+
 def model_call_fix(params, error: Exception) -> str:
     """The fix for "calling the model failed": the specific one for a Haiku apply that
     expects an rng, else the generic one with a hint for a likely mix-up of params."""

@@ -298,10 +298,13 @@ class KernelFunction:
             self._check(params, x1, x2, aux)
         try:
             out = jax.eval_shape(lambda p, x, a: self._apply3(p, x, a), params, x1, aux)
+        except jax.errors.UnexpectedTracerError as e:
+            raise _checks.leaked_tracer_error(fn, e) from e
         except Exception as e:  # the model's own error, with context
             raise ValueError(
                 f"{fn}: calling the model on x1 (shapes {_describe(x1)}) failed with "
-                f"{type(e).__name__}: {e}. Fix: {_checks.model_call_fix(params, e)}."
+                f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}. "
+                f"Fix: {_checks.model_call_fix(params, e)}."
             ) from e
         out_leaves, out_tree = jax.tree.flatten(out)
         if not out_leaves:
@@ -598,6 +601,12 @@ class KernelFunction:
         return self.config_for(params, x1, x2, aux).implementation
 
     def __call__(self, params, x1, x2=None, aux=None):
+        try:
+            return self._call(params, x1, x2, aux)
+        except jax.errors.UnexpectedTracerError as e:  # found when the phases trace
+            raise _checks.leaked_tracer_error(self._fn_name, e) from e
+
+    def _call(self, params, x1, x2, aux):
         params, x1, x2 = _as_arrays(params), _as_arrays(x1), _as_arrays(x2)
         _check_finite_inputs(self._fn_name, "x1", x1)  # before any tracing
         if x2 is not None:

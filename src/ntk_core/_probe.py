@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _checks
+
 
 def _sample(x, i):
     return jax.tree.map(lambda leaf: jnp.asarray(leaf)[i : i + 1], x)
@@ -76,6 +78,8 @@ def samples_interact(
         try:
             out_b = jax.tree.leaves(run(params, stack(batches[0]), aux))
             out_c = jax.tree.leaves(run(params, stack(batches[1]), aux))
+        except jax.errors.UnexpectedTracerError as error:
+            raise _checks.leaked_tracer_error(fn_name, error) from error
         except (TypeError, ValueError, IndexError) as error:
             k = len(batches[0])
             first = str(error).strip().splitlines()[0] if str(error).strip() else ""

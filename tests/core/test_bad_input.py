@@ -37,6 +37,11 @@ E = {"e": jnp.ones((10, 2))}
 centred = lambda w, x: (x @ w) - (x @ w).mean(0)  # samples interact (batch mean)
 fixed_batch = lambda w, x: x.reshape(4, -1) @ w    # works only on batches of 4
 XS = X + jnp.arange(4.0)[:, None]            # distinct samples
+def leak(s):                                 # closes over a traced value that escapes
+    global leaky
+    leaky = lambda w, x: jnp.tanh(x @ w) * s
+    return s
+jax.jit(leak)(2.0)                           # leaky now holds a leaked tracer
 """
 
 FLAX_SETUP = """\
@@ -260,6 +265,12 @@ def _rows():
         Row("fixed-batch", "a model that works only at one batch size, with vmap_axes=0",
             "ntk_core.empirical_ntk(fixed_batch, W, XS)",
             ValueError, r"^empirical_ntk: the model fails on a batch of 3 samples, which the check of per-sample independence" + fix + r".*vmap_axes=None"),
+        Row("leaked-tracer", "a model closing over a tracer that escaped an earlier jax.jit",
+            "ntk_core.empirical_ntk(leaky, W, X)",
+            ValueError, r"^empirical_ntk: the model uses a value traced by an earlier JAX transformation that has already finished \(a leaked tracer" + fix + r"pass that value to the model through params, x or aux"),
+        Row("leaked-tracer-whole-batch", "the same, differentiating the whole batch (vmap_axes=None)",
+            "ntk_core.empirical_ntk(leaky, W, X, vmap_axes=None)",
+            ValueError, r"^empirical_ntk: the model uses a value traced by an earlier JAX transformation" + fix),
         Row("core-linen-module", "a flax.linen module passed to the core",
             "ntk_core.empirical_ntk(dense, V, X)",
             TypeError, r"^empirical_ntk: apply_fn is the flax.linen module Dense itself" + fix + r"use ntk_flax.kernel", ("flax",)),
