@@ -146,6 +146,9 @@ class Use:
     # dot: (x_free, x_contract); conv: geometry; gather: (mode,); scale / shift:
     # (probed operand, leaf order: the unit holding each leaf entry, or () for unit k)
     x_info: tuple = ()
+    # A constant scalar the leaf was multiplied by before this use (W / 8, -W, c * W:
+    # NTK parametrisation): the use's Jacobian is this times the unscaled one's.
+    factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,10 +282,21 @@ def _bias_fusable(eqns, leaf_shape, use: Use) -> bool:
     return bool((mat == mat[:1]).all() and np.array_equal(np.sort(mat[0]), np.arange(size)))
 
 
+def _scaled(chain) -> tuple[tuple, float]:
+    """The view chain without its constant scalings (they do not move entries, so
+    uses that differ only by them pair up) and the product of their factors."""
+    factor = 1.0
+    for step in chain:
+        if step[0] == "scale_by":
+            factor *= step[1]
+    return tuple(step for step in chain if step[0] != "scale_by"), factor
+
+
 def _dot_use(eqn, ins, here):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     w_side = 0 if ins[0] is not None else 1
     leaf, chain, _ = ins[w_side]
+    chain, factor = _scaled(chain)
     if lb or rb or any(step[0] == "broadcast_in_dim" for step in chain):
         return None
     x_side = 1 - w_side
@@ -311,6 +325,7 @@ def _dot_use(eqn, ins, here):
         k,
         math.prod(x_var.aval.shape[a] for a in x_contract),
         (x_free, x_contract),
+        factor=factor,
     )
 
 
@@ -321,6 +336,7 @@ def _conv_use(eqn, ins, here):
     if p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
         return None
     leaf, chain, _ = ins[1]
+    chain, factor = _scaled(chain)
     if any(step[0] == "broadcast_in_dim" for step in chain):
         return None
     dn = p["dimension_numbers"]
@@ -353,6 +369,7 @@ def _conv_use(eqn, ins, here):
         w_shape[rhs_spec[0]],
         c_in * math.prod(window),
         geometry,
+        factor=factor,
     )
 
 
@@ -360,6 +377,7 @@ def _gather_use(eqn, ins, here):
     if ins[0] is None or ins[1] is not None:
         return None  # a parameter table looked up with non-parameter indices
     leaf, chain, _ = ins[0]
+    chain, factor = _scaled(chain)
     if any(step[0] == "broadcast_in_dim" for step in chain):
         return None
     p = eqn.params
@@ -394,6 +412,7 @@ def _gather_use(eqn, ins, here):
         table[1],
         table[0],
         (mode,),
+        factor=factor,
     )
 
 
@@ -422,6 +441,7 @@ def _elementwise_use(eqn, ins, here, leaf_shape):
     """
     w_side = 0 if ins[0] is not None else 1
     leaf, chain, eqns = ins[w_side]
+    _, factor = _scaled(chain)
     v_shape = tuple(eqn.invars[w_side].aval.shape)
     size = math.prod(leaf_shape)
     if size == 0:
@@ -455,6 +475,7 @@ def _elementwise_use(eqn, ins, here, leaf_shape):
         size,
         1,
         (w_side, leaf_order),
+        factor=factor,
     )
 
 
@@ -472,6 +493,35 @@ _PRIMITIVE_REASONS = {
     "while": "used inside a loop (while_loop), which is not analysed",
     "cond": "used inside a branch (cond), which is not analysed",
 }
+
+
+def _scalar(v, known: dict) -> float | None:
+    """The value of a scalar literal or of a known scalar constant, else None."""
+    if _literal(v):
+        value = np.asarray(v.val)
+        if value.ndim == 0 and np.isrealobj(value):
+            return float(value)
+        return None
+    return known.get(v)
+
+
+def _constant_factor(eqn, ins, known: dict) -> float | None:
+    """``f`` when ``eqn`` multiplies the one parameter view among its operands by a
+    constant scalar: ``neg`` (-1), ``mul`` by a scalar (c), ``div`` by one (1 / c)."""
+    name = eqn.primitive.name
+    if name == "neg":
+        return -1.0
+    if name not in ("mul", "div") or len(ins) != 2 or (ins[0] is None) == (ins[1] is None):
+        return None
+    w_side = 0 if ins[0] is not None else 1
+    if eqn.invars[w_side].aval.shape != eqn.outvars[0].aval.shape:
+        return None  # the scalar broadcasts the view: not the same entries
+    c = _scalar(eqn.invars[1 - w_side], known)
+    if c is None:
+        return None
+    if name == "mul":
+        return c
+    return 1.0 / c if w_side == 0 and c != 0.0 else None
 
 
 def _float_cast(eqn) -> bool:
@@ -552,6 +602,13 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
             ins = [origin(v) for v in eqn.invars]
             name = eqn.primitive.name
             if not any(o is not None for o in ins):
+                if name == "convert_element_type" and _scalar(eqn.invars[0], known) is not None:
+                    known[eqn.outvars[0]] = _scalar(eqn.invars[0], known)
+                continue
+            factor = _constant_factor(eqn, ins, known)
+            if factor is not None:  # W / 8, -W, c * W: a view with a factor
+                leaf, chain, eqns = next(o for o in ins if o is not None)
+                origins[eqn.outvars[0]] = (leaf, chain + (("scale_by", factor),), eqns)
                 continue
             if _inlined(eqn):
                 sub, _ = _sub_jaxpr(eqn)
@@ -631,6 +688,11 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 fall_back(o[0], "returned by the model itself (a parameter view as output)")
 
     invars = closed.jaxpr.invars[:n_param_leaves]
+    known = {  # the model's scalar constants (e.g. jnp.sqrt(2.0) closed over)
+        v: float(np.asarray(c))
+        for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
+        if np.ndim(c) == 0 and np.isrealobj(c) and not isinstance(c, jax.core.Tracer)
+    }
     walk(closed.jaxpr, {v: (i, (), ()) for i, v in enumerate(invars)}, ())
     by_leaf: dict[int, list[int]] = {}
     for u, use in enumerate(uses):
@@ -649,6 +711,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
             fuse_bias
             and leaf not in bad
             and uses_per_leaf[leaf] == 1  # this add is the bias's only use
+            and uses[s].factor == 1.0  # a scaled bias stays an elementwise shift
             and use.leaf not in bad
             and uses_per_leaf[use.leaf] == 1
             and use.kind in ("dot", "conv")
@@ -874,6 +937,8 @@ def _explicit_jacobian(use: Use, xm, g):
 #: Kinds whose explicit Jacobian is built from the recorded operand itself (no input
 #: matrix): convolutions (patches, chunked) and elementwise scales and shifts.
 _RAW_INPUT_KINDS = frozenset({"conv"}) | ELEMENTWISE_KINDS
+#: Kinds whose Use.factor goes on the recorded input (see :func:`features`).
+_INPUT_SCALED = frozenset({"dot", "conv"})
 
 #: Values of convolution patches formed at once when building per-sample Jacobians:
 #: a few MiB, so that they stay in cache instead of crossing main memory.
@@ -1059,6 +1124,13 @@ def features(
         j_fb = [pair[0] for pair in jac]
         j_d = [[cast(g, w) for g, w in zip(pair[1], work, strict=True)] for pair in jac]
         xs = [cast(v, w) for v, w in zip(xs, work, strict=True)]
+        # A constant factor of the weights (Use.factor) scales the recorded input of a
+        # product or convolution (not a fused bias's ones, which come after), else the
+        # cotangent.
+        xs = [
+            v * use.factor if use.factor != 1.0 and use.kind in _INPUT_SCALED else v
+            for v, use in zip(xs, analysis.uses, strict=True)
+        ]
         x_mats = [
             None
             if use.kind in _RAW_INPUT_KINDS and not _gram(analysis, modes, u)
@@ -1075,6 +1147,8 @@ def features(
                 lead = gu.shape[:o_ndim]
                 perm = tuple(range(o_ndim)) + tuple(o_ndim + a for a in use.y_perm)
                 gu = jnp.transpose(gu, perm).reshape(lead + (use.a_size, use.w_free_size))
+                if use.factor != 1.0 and use.kind not in _INPUT_SCALED:
+                    gu = gu * use.factor
                 per_use.append(gu)
             per_group = []
             for group, mode in zip(analysis.groups, modes, strict=True):

@@ -168,6 +168,51 @@ def test_plan_says_why_a_leaf_falls_back(f, reasons):
         reference.assert_close(k, expected)
 
 
+_SQRT2 = jnp.sqrt(2.0)  # a constant the models close over (a jaxpr constvar)
+
+SCALED_MODELS = {
+    # NTK parametrisation: weights times a constant before their product; plan labels of
+    # (w, b, v, e) for the used leaves
+    "divided": (
+        lambda p, x: jnp.tanh(x @ (p[0] / 8.0) + p[1]) @ (p[2] / 3.0),
+        ["structured (1 matrix product)", "structured (bias fused", "structured (1 matrix"],
+    ),
+    "negated_and_scaled_bias": (
+        lambda p, x: jnp.tanh(x @ (-p[0]) + p[1] * 0.5) @ p[2],
+        ["structured (1 matrix product)", SHIFT, "structured (1 matrix"],
+    ),
+    "constant_on_the_left": (
+        lambda p, x: jnp.tanh(x @ (0.125 * p[0]) + p[1]) @ (p[2] * _SQRT2),
+        ["structured (1 matrix product)", "structured (bias fused", "structured (1 matrix"],
+    ),
+    "same_weight_two_factors": (
+        lambda p, x: jnp.tanh(x @ (p[0] * 0.5) + (x @ p[0]) * 2.0 + p[1]) @ p[2],
+        ["structured (2 matrix products", SHIFT, "structured (1 matrix"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SCALED_MODELS))
+def test_constant_scaled_weights_keep_their_rule(name):
+    """W / c, -W and c * W (c a literal or a closed-over constant) keep the matrix
+    product's Gram form, with the factor squared in the kernel, instead of an explicit
+    per-sample Jacobian; a scaled bias is not fused (its Jacobian carries the factor)."""
+    f, methods = SCALED_MODELS[name]
+    p = _params((4, 4), (4,), (4, 3))
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (3, 4))
+    x2 = jax.random.normal(jax.random.PRNGKey(2), (2, 4))
+    plan = ntk_core.plan(f, p, x1, x2, trace_axes=(), implementation="structured")
+    for leaf, expected in zip(plan.leaves, methods, strict=True):
+        assert leaf.method.startswith(expected), (leaf.method, expected)
+    k = ntk_core.empirical_ntk(f, p, x1, x2, trace_axes=(), implementation="structured")
+    reference.assert_close(k, reference.ntk(f, p, x1, x2, trace_axes=())[0])
+    per_leaf = ntk_core.empirical_ntk_per_leaf(f, p, x1, x2, trace_axes=())
+    for got, leaf in zip(per_leaf, p, strict=True):  # each leaf's own kernel
+        only = lambda q, x, leaf=leaf, p=p: f([q if v is leaf else v for v in p], x)
+        expected = reference.ntk(only, leaf, x1, x2, trace_axes=())[0]
+        reference.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_structured_matches_reference_and_plan(name):
     f, methods = MODELS[name]
