@@ -48,8 +48,16 @@ def full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagona
 
     Each is laid out ``(N1, *O, N2, *O)``, or ``(N, *O, *O)`` (pairs x1_i, x2_i only)
     when ``batch_diagonal`` (only with ``vmap_axes=0``; otherwise the batch diagonal is
-    taken from the full form by :func:`reduce`).
+    taken from the full form by :func:`reduce`). In the parameters' (promoted) dtype,
+    that of their Jacobians, as the other implementations give it: the JVPs run in the
+    outputs' dtype, which float64 inputs make float64 for float32 parameters.
     """
+    dtype = jnp.result_type(*jax.tree.leaves(params))
+    fulls = _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal)
+    return [full.astype(dtype) for full in fulls]
+
+
+def _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal):
     n_out = out_tree.num_leaves
     shapes1 = [
         jax.ShapeDtypeStruct(o.shape, o.dtype)

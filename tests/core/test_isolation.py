@@ -86,9 +86,9 @@ print("ok")
 def test_float32_parameters_with_float64_inputs_stay_structured():
     """Under x64, float32 parameters (Flax's default param_dtype) meeting float64 inputs
     are widened before each product: the Gram form still applies (no leaf falls back),
-    each leaf's kernel keeps its parameters' dtype as its Jacobian would, and the kernel
-    equals the float64 reference of those float32 Jacobians and the Jacobian
-    contraction."""
+    each leaf's kernel keeps its parameters' dtype as its Jacobian would (so does every
+    implementation's kernel), and the kernel equals the float64 reference of those
+    float32 Jacobians, the Jacobian contraction and the NTK-vector products."""
     out = _run(
         """
 import jax, numpy as np
@@ -107,9 +107,10 @@ expected = reference.ntk(f, params, x1, x2, trace_axes=())[0]
 k = ntk_core.empirical_ntk(f, params, x1, x2, trace_axes=(), implementation="structured")
 assert k.dtype == jnp.float32, k.dtype
 reference.assert_close(k, expected)
-kj = ntk_core.empirical_ntk(f, params, x1, x2, trace_axes=(), implementation="jacobian")
-assert kj.dtype == jnp.float32, kj.dtype
-reference.assert_close(k, np.asarray(kj, np.float64))
+for impl in ("jacobian", "ntvp"):  # the same dtype from every implementation
+    kj = ntk_core.empirical_ntk(f, params, x1, x2, trace_axes=(), implementation=impl)
+    assert kj.dtype == jnp.float32, (impl, kj.dtype)
+    reference.assert_close(k, np.asarray(kj, np.float64))
 per_leaf = ntk_core.empirical_ntk_per_leaf(f, params, x1, x2, trace_axes=())
 assert {str(v.dtype) for v in jax.tree.leaves(per_leaf)} == {"float32"}
 print("ok")
