@@ -539,6 +539,21 @@ def _float_cast(eqn) -> bool:
     )
 
 
+def _function_name(eqn) -> str:
+    """The name of the function a call-like equation wraps (``relu`` for
+    ``jax.nn.relu``'s custom_jvp call), or "" where JAX does not record it."""
+    for key in ("call_jaxpr", "fun_jaxpr", "jaxpr"):
+        sub = eqn.params.get(key)
+        info = getattr(getattr(sub, "jaxpr", sub), "debug_info", None)
+        name = getattr(info, "func_name", None)
+        if not isinstance(name, str):  # older JAX: only "relu at /path/file.py:12"
+            where = getattr(info, "func_src_info", None)
+            name = where.split(" at ")[0] if isinstance(where, str) else ""
+        if name and not name.startswith("<"):
+            return name
+    return ""
+
+
 def _rule_miss_reason(eqn, ins) -> str:
     """Why :data:`_RULES` (or the elementwise rule) did not take this equation."""
     name = eqn.primitive.name
@@ -583,7 +598,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     bias_candidates: list[tuple[int, int, int, tuple]] = []  # (use, shift use, leaf, eqns)
     leaf_shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars[:n_param_leaves]]
 
-    def walk(jaxpr, origins: dict, path: tuple):
+    def walk(jaxpr, origins: dict, path: tuple, inside: str = ""):
         # origins: var -> (leaf, view chain as hashable steps, view equations)
         def origin(v):
             return None if _literal(v) else origins.get(v)
@@ -613,7 +628,9 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
             if _inlined(eqn):
                 sub, _ = _sub_jaxpr(eqn)
                 sub_origins = {v: o for v, o in zip(sub.invars, ins, strict=True) if o is not None}
-                walk(sub, sub_origins, here)  # views it returns are marked there
+                name_here = eqn.params.get("name")
+                within = f" inside {name_here}" if isinstance(name_here, str) else inside
+                walk(sub, sub_origins, here, within)  # views it returns are marked there
                 continue
             if name in _VIEW_PRIMITIVES or name == "broadcast_in_dim":
                 if len(eqn.invars) != 1:
@@ -677,8 +694,13 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                     if jnp.issubdtype(b, jnp.floating)
                     else f"cast from {a} to {b} (convert_element_type)"
                 )
+            elif name in _PRIMITIVE_REASONS:
+                reason = _PRIMITIVE_REASONS[name]
+                function = _function_name(eqn)
+                if function:  # e.g. "passed through relu, a function with ..."
+                    reason = reason.replace("a function", f"{function}{inside}, a function")
             else:
-                reason = _PRIMITIVE_REASONS.get(name, f"used by {name}, which no rule covers")
+                reason = f"used by {name}{inside}, which no rule covers"
             for o in ins:  # any other use of a parameter view
                 if o is not None:
                     fall_back(o[0], reason)

@@ -131,6 +131,23 @@ def _custom_jvp_param(p, x):
     return jnp.tanh(x @ p[0] + jax.nn.relu(p[1])) @ p[2]
 
 
+@jax.custom_jvp
+def _bounded(w):
+    return jnp.tanh(w)
+
+
+_bounded.defjvp(lambda w, t: (jnp.tanh(w[0]), t[0] * (1.0 - jnp.tanh(w[0]) ** 2)))
+
+
+@jax.jit
+def _bounded_twice(w):
+    return 2.0 * _bounded(w)
+
+
+def _bounded_param(p, x):  # a custom_jvp function inside a jitted one
+    return jnp.tanh(x @ p[0] + _bounded_twice(p[1])) @ p[2]
+
+
 def _scan_closure(p, x):
     h, _ = jax.lax.scan(lambda h, _: (jnp.tanh(h @ p[0] + p[1]), None), x, None, length=2)
     return h @ p[2]
@@ -140,7 +157,8 @@ def _scan_closure(p, x):
     "f, reasons",
     [
         (_cast, ["cast to a lower precision (float32 -> bfloat16, convert_element_type)"]),
-        (_custom_jvp_param, [None, "passed through a function with a custom derivative"]),
+        (_custom_jvp_param, [None, "passed through relu, a function with a custom derivative"]),
+        (_bounded_param, [None, "passed through _bounded inside _bounded_twice, a function"]),
         (_scan_closure, ["used inside a loop (scan)", "used inside a loop (scan)"]),
     ],
 )
