@@ -617,8 +617,10 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
             ins = [origin(v) for v in eqn.invars]
             name = eqn.primitive.name
             if not any(o is not None for o in ins):
-                if name == "convert_element_type" and _scalar(eqn.invars[0], known) is not None:
-                    known[eqn.outvars[0]] = _scalar(eqn.invars[0], known)
+                if name == "convert_element_type":  # of a scalar constant: still known
+                    value = _scalar(eqn.invars[0], known)
+                    if value is not None:
+                        known[eqn.outvars[0]] = value
                 continue
             factor = _constant_factor(eqn, ins, known)
             if factor is not None:  # W / 8, -W, c * W: a view with a factor
@@ -893,11 +895,19 @@ def patches(x, geometry):
     return p.reshape((p.shape[0] * p.shape[1], -1))
 
 
-def _bias_added_to_gram(use: Use, analysis: Analysis, modes, u: int) -> bool:
-    """A Dense layer's fused bias in the Gram form: (x·x' + 1)(g·g') adds 1 to the input
-    Gram matrix instead of a column of ones to the inputs (whose copy and odd width
-    cost about 4% of the MLP 784-1000-1 kernel on XLA CPU)."""
-    return use.kind == "dot" and use.a_size == 1 and _gram(analysis, modes, u)
+def _bias_in_gram(analysis: Analysis, modes, u: int) -> bool:
+    """Whether use ``u`` is a Dense layer with a fused bias in the Gram form: then
+    (x·x' + 1)(g·g') adds 1 to the input Gram matrix (:func:`contract`) instead of a
+    column of ones to the inputs (:func:`features`), whose copy and odd width cost
+    about 4% of the MLP 784-1000-1 kernel on XLA CPU."""
+    use = analysis.uses[u]
+    return (
+        bool(analysis.biased)
+        and analysis.biased[u]
+        and use.kind == "dot"
+        and use.a_size == 1
+        and _gram(analysis, modes, u)
+    )
 
 
 def _input_matrix(use: Use, xu, biased: bool):
@@ -1138,25 +1148,28 @@ def features(
     leaf_dtypes = analysis.leaf_dtypes
     work = [jnp.promote_types(leaf_dtypes[use.leaf], use.y_dtype) for use in analysis.uses]
 
-    def cast(v, dtype):
-        return v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v
+    # A constant factor of the weights (Use.factor) scales the recorded input of a
+    # product or convolution (not a fused bias's ones, added later), else the cotangent.
+    x_factors = [use.factor if use.kind in _INPUT_SCALED else 1.0 for use in analysis.uses]
+    g_factors = [use.factor if use.kind not in _INPUT_SCALED else 1.0 for use in analysis.uses]
+
+    def prepared(v, dtype, factor):
+        if jnp.issubdtype(v.dtype, jnp.floating):  # not a gather's tokens
+            v = v.astype(dtype)
+        return v if factor == 1.0 else v * factor
 
     def batch(xb):
         jac, xs = jax.vmap(one)(xb)
         j_fb = [pair[0] for pair in jac]
-        j_d = [[cast(g, w) for g, w in zip(pair[1], work, strict=True)] for pair in jac]
-        xs = [cast(v, w) for v, w in zip(xs, work, strict=True)]
-        # A constant factor of the weights (Use.factor) scales the recorded input of a
-        # product or convolution (not a fused bias's ones, which come after), else the
-        # cotangent.
-        xs = [
-            v * use.factor if use.factor != 1.0 and use.kind in _INPUT_SCALED else v
-            for v, use in zip(xs, analysis.uses, strict=True)
+        j_d = [
+            [prepared(g, w, f) for g, w, f in zip(pair[1], work, g_factors, strict=True)]
+            for pair in jac
         ]
+        xs = [prepared(v, w, f) for v, w, f in zip(xs, work, x_factors, strict=True)]
         x_mats = [
             None
             if use.kind in _RAW_INPUT_KINDS and not _gram(analysis, modes, u)
-            else _input_matrix(use, xu, b and not _bias_added_to_gram(use, analysis, modes, u))
+            else _input_matrix(use, xu, b and not _bias_in_gram(analysis, modes, u))
             for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True))
         ]
         fallback, explicit, merged, g = [], [], [], []
@@ -1169,8 +1182,6 @@ def features(
                 lead = gu.shape[:o_ndim]
                 perm = tuple(range(o_ndim)) + tuple(o_ndim + a for a in use.y_perm)
                 gu = jnp.transpose(gu, perm).reshape(lead + (use.a_size, use.w_free_size))
-                if use.factor != 1.0 and use.kind not in _INPUT_SCALED:
-                    gu = gu * use.factor
                 per_use.append(gu)
             per_group = []
             for group, mode in zip(analysis.groups, modes, strict=True):
@@ -1229,7 +1240,7 @@ def _single_position_term(
     samples = x1_spec[0] if x1_spec[0] == x2_spec[0] else x1_spec[0] + x2_spec[0]
     # The size-1 position axes sum away.
     xx = _jacobian.pair_einsum(x1_spec, x2_spec, samples, x1, x2, precision)
-    if plus_one:  # a fused bias (see _bias_added_to_gram)
+    if plus_one:  # a fused bias (see _bias_in_gram)
         xx = xx + 1
     gg = _jacobian.pair_einsum(*g_specs.split(","), out, g1, g2, precision)
     # ``samples`` is in ``out``'s order (the N1 axis comes first): expand to its rank.
@@ -1304,7 +1315,7 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
                     x2_spec = _x_spec(use_v, ro[0], ib, c)
                     g_specs = f"{lo}{ia}{kk},{ro}{ib}{kk}"
                     if use.a_size == 1 and use_v.a_size == 1:
-                        # A fused bias is one use's only partner (u == v): x·x' + 1.
+                        # A fused bias's use is its leaf's only one (u == v).
                         term = _single_position_term(
                             x1_spec,
                             x2_spec,
@@ -1315,7 +1326,7 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
                             g1,
                             g2,
                             precision,
-                            analysis.biased and analysis.biased[u] and use.kind == "dot",
+                            _bias_in_gram(analysis, modes, u),
                         )
                     else:
                         term = jnp.einsum(

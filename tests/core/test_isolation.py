@@ -30,6 +30,16 @@ def _run(code: str, **env) -> str:
     return result.stdout
 
 
+def _run_x64(code: str) -> str:
+    """``_run`` with x64 on and ``tests/`` importable (for ``reference``)."""
+    tests = os.path.dirname(os.path.dirname(__file__))
+    return _run(
+        code,
+        JAX_ENABLE_X64="1",
+        PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+    )
+
+
 def test_core_imports_and_works_without_flax_and_haiku():
     out = _run(
         BLOCK_FRAMEWORKS
@@ -51,7 +61,7 @@ print("ok")
 
 
 def test_float64_matches_reference_to_1e12():
-    out = _run(
+    out = _run_x64(
         """
 import jax, numpy as np
 import jax.numpy as jnp
@@ -75,10 +85,6 @@ for axes in [dict(trace_axes=(-1,)), dict(trace_axes=()), dict(trace_axes=(), di
         dtype="float64")
 print("ok")
 """,
-        JAX_ENABLE_X64="1",
-        PYTHONPATH=os.pathsep.join(
-            [os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]
-        ),
     )
     assert "ok" in out
 
@@ -89,7 +95,7 @@ def test_float32_parameters_with_float64_inputs_stay_structured():
     each leaf's kernel keeps its parameters' dtype as its Jacobian would (so does every
     implementation's kernel), and the kernel equals the float64 reference of those
     float32 Jacobians, the Jacobian contraction and the NTK-vector products."""
-    out = _run(
+    out = _run_x64(
         """
 import jax, numpy as np
 import jax.numpy as jnp
@@ -115,9 +121,5 @@ per_leaf = ntk_core.empirical_ntk_per_leaf(f, params, x1, x2, trace_axes=())
 assert {str(v.dtype) for v in jax.tree.leaves(per_leaf)} == {"float32"}
 print("ok")
 """,
-        JAX_ENABLE_X64="1",
-        PYTHONPATH=os.pathsep.join(
-            [os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]
-        ),
     )
     assert "ok" in out
