@@ -72,10 +72,29 @@ def nngp(apply_fn, params, x1, x2, trace_axes=(-1,), diagonal_axes=()):
     return [reduce_full(k, trace_axes, diagonal_axes) for k in full_nngp(apply_fn, params, x1, x2)]
 
 
-def assert_close(actual, expected, dtype="float32"):
-    """Asserts shape equality and max |a - e| <= TOLERANCE[dtype] * max |e|."""
+def leaf_alone(apply_fn, params, index):
+    """``(f, leaf)``: ``apply_fn`` as a function ``f(leaf, x)`` of parameter leaf number
+    ``index`` (in ``jax.tree.leaves`` order), the others held fixed; its reference NTK is
+    that leaf's share of the kernel."""
+    leaves, treedef = jax.tree.flatten(params)
+
+    def f(leaf, x):
+        return apply_fn(
+            jax.tree.unflatten(treedef, [*leaves[:index], leaf, *leaves[index + 1 :]]), x
+        )
+
+    return f, leaves[index]
+
+
+def assert_close(actual, expected, dtype="float32", scale=None):
+    """Asserts shape equality and max |a - e| <= TOLERANCE[dtype] * max |e|.
+
+    ``scale`` replaces max |e| where a part is compared whose size is not the
+    computation's (one leaf's share of a kernel, which can be zero: pass the whole
+    kernel's max |K|).
+    """
     actual = np.asarray(actual, np.float64)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    scale = max(np.abs(expected).max(), 1e-30)
+    scale = max(np.abs(expected).max() if scale is None else scale, 1e-30)
     err = np.abs(actual - expected).max()
     assert err <= TOLERANCE[dtype] * scale, f"max error {err:.3e} vs scale {scale:.3e}"

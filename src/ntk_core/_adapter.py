@@ -34,7 +34,7 @@ def check_apply_kwargs(fn_name: str, apply_kwargs, example: str) -> dict:
 
 def kernel_function(fn_name: str, kind: str, apply3, options: dict, check=None, hint: str = ""):
     """Validates ``options`` (names and values) and builds a :class:`KernelFunction`."""
-    valid = NTK_OPTION_NAMES if kind == "ntk" else NNGP_OPTION_NAMES
+    valid = NNGP_OPTION_NAMES if kind == "nngp" else NTK_OPTION_NAMES
     unknown = sorted(set(options) - set(valid))
     if unknown:
         renamed = _RENAMED.get(fn_name.split(".")[0], {})

@@ -2,8 +2,11 @@
 
 from ntk_flax._kernel import kernel as kernel
 from ntk_flax._kernel import kernel_fn as kernel_fn
+from ntk_flax._kernel import kernel_per_leaf as kernel_per_leaf
+from ntk_flax._kernel import kernel_per_leaf_fn as kernel_per_leaf_fn
 from ntk_flax._kernel import nngp as nngp
 from ntk_flax._kernel import nngp_fn as nngp_fn
+from ntk_flax._kernel import plan as plan
 from ntk_flax._models import LeNet as LeNet
 from ntk_flax._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 
@@ -11,7 +14,10 @@ __all__ = (
     "LeNet",
     "kernel",
     "kernel_fn",
+    "kernel_per_leaf",
+    "kernel_per_leaf_fn",
     "monte_carlo_kernels",
     "nngp",
     "nngp_fn",
+    "plan",
 )

@@ -124,7 +124,13 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
         params, rest = _split(fn_name, variables)
         return kernel.implementation_for(params, x1, x2, (rest, rngs))
 
+    def plan(variables, x1, x2=None, *, rngs=None):
+        params, rest = _split(fn_name, variables)
+        return kernel.plan(params, x1, x2, (rest, rngs))
+
     call.implementation_for = implementation_for
+    if kind == "ntk":
+        call.plan = plan
     return call
 
 
@@ -153,7 +159,8 @@ def kernel_fn(
       ``kernel(variables, x1, x2=None, *, rngs=None)`` giving the kernel in the layout of
       :func:`ntk_core.empirical_ntk`: ``(N1, N2)`` for ``(N, O)`` outputs by default.
       ``kernel.implementation_for(variables, x1, x2=None)`` tells which implementation
-      such a call uses (what ``"auto"`` chose).
+      such a call uses (what ``"auto"`` chose); ``kernel.plan(variables, x1, x2=None)``
+      describes it per parameter leaf (see :func:`plan`).
 
     Raises:
       TypeError: ``model`` not a linen Module; an unknown option; ``variables`` not a dict.
@@ -164,6 +171,15 @@ def kernel_fn(
 
     Cost: as :func:`ntk_core.ntk_fn`, plus, once per input shape, two small forward
     passes that check per-sample independence.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> import ntk_flax
+      >>> model = nn.Dense(3)
+      >>> x = jnp.ones((4, 2))
+      >>> kernel = ntk_flax.kernel_fn(model, trace_axes=())
+      >>> kernel(model.init(jax.random.PRNGKey(0), x), x).shape  # (N1, N2, O, O)
+      (4, 4, 3, 3)
     """
     return _make("ntk_flax.kernel_fn", "ntk", model, method, apply_kwargs, options)
 
@@ -171,10 +187,27 @@ def kernel_fn(
 def nngp_fn(
     model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
 ) -> Callable:
-    """Jitted empirical NNGP of a ``flax.linen`` model; see :func:`kernel_fn`.
+    """Jitted empirical NNGP kernel of a ``flax.linen`` model; see :func:`kernel_fn`.
+
+    Returns ``kernel(variables, x1, x2=None, *, rngs=None)`` giving f(x1)·f(x2) in the
+    layout of :func:`ntk_core.empirical_nngp`: ``(N1, N2)`` for ``(N, O)`` outputs by
+    default, ``(N1, N2, O, O)`` with ``trace_axes=()``, in the outputs' dtype.
 
     Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
     ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
+
+    Raises:
+      As :func:`kernel_fn`; TypeError for ``implementation=`` (an NNGP has none).
+
+    Cost: one forward pass per sample and N1·N2·O'·O multiply-adds.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> import ntk_flax
+      >>> model = nn.Dense(3)
+      >>> x = jnp.ones((4, 2))
+      >>> ntk_flax.nngp_fn(model)(model.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4)
     """
     return _make("ntk_flax.nngp_fn", "nngp", model, method, apply_kwargs, options)
 
@@ -213,6 +246,9 @@ def kernel(
     Raises:
       See :func:`kernel_fn`.
 
+    Cost: as :func:`kernel_fn` (compiled once per model, options and input shapes, and
+    cached).
+
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp
       >>> import ntk_flax
@@ -242,11 +278,156 @@ def nngp(
 ):
     """Empirical NNGP kernel f(x1)·f(x2) of a ``flax.linen`` model; see :func:`kernel`.
 
-    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
-    ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
+    Returns the kernel in the layout of :func:`ntk_core.empirical_nngp` (``(N1, N2)`` for
+    ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with ``trace_axes=()``), in the
+    outputs' dtype. Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``,
+    ``precision``, ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
+
+    Raises:
+      See :func:`nngp_fn`.
+
+    Cost: as :func:`nngp_fn` (compiled once and cached).
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> import ntk_flax
+      >>> model = nn.Dense(3)
+      >>> x = jnp.ones((4, 2))
+      >>> ntk_flax.nngp(model, model.init(jax.random.PRNGKey(0), x), x, trace_axes=()).shape
+      (4, 4, 3, 3)
     """
     fn = _cached("ntk_flax.nngp", "nngp", model, method, apply_kwargs, options)
     return fn(variables, x1, x2, rngs=rngs)
+
+
+def kernel_per_leaf_fn(
+    model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
+) -> Callable:
+    """Jitted empirical NTK of a ``flax.linen`` model, split by parameter leaf.
+
+    Returns ``kernel(variables, x1, x2=None, *, rngs=None)`` giving a dict shaped like
+    ``variables["params"]`` (``{"Dense_0": {"kernel": K, "bias": K}, ...}``) whose
+    leaves Θ_l are kernels in the layout of :func:`kernel` (``(N1, N2)`` by default,
+    ``(N1, N2, O, O)`` with ``trace_axes=()``), with Σ_l Θ_l = Θ (see
+    :func:`ntk_core.ntk_per_leaf_fn`). Shows which layers drive the kernel.
+
+    Args:
+      model, method, apply_kwargs: see :func:`kernel_fn`.
+      **options: as :func:`kernel_fn`; ``implementation`` is ``"auto"``,
+        ``"jacobian"`` or ``"structured"`` (NTK-vector products do not separate the
+        leaves).
+
+    Raises:
+      As :func:`kernel_fn`, and ValueError for ``implementation="ntvp"``.
+
+    Cost: as :func:`kernel_fn` with the same implementation (the per-leaf terms are what
+    it sums), plus the memory of L kernels instead of one.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> import ntk_flax
+      >>> model = nn.Dense(3)
+      >>> x = jnp.ones((4, 2))
+      >>> k = ntk_flax.kernel_per_leaf_fn(model)(model.init(jax.random.PRNGKey(0), x), x)
+      >>> k["kernel"].shape
+      (4, 4)
+    """
+    return _make(
+        "ntk_flax.kernel_per_leaf_fn", "ntk_per_leaf", model, method, apply_kwargs, options
+    )
+
+
+def kernel_per_leaf(
+    model: nn.Module,
+    variables,
+    x1,
+    x2=None,
+    *,
+    method: str | Callable | None = None,
+    apply_kwargs=None,
+    rngs=None,
+    **options,
+):
+    """Empirical NTK of a ``flax.linen`` model split by parameter leaf.
+
+    Θ_l(x1, x2)[i, j, a, b] = Σ_{p in leaf l} ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p for each
+    leaf l of ``variables["params"]``; the leaves sum to :func:`kernel`.
+
+    Args:
+      model, variables, x1, x2, method, apply_kwargs, rngs: see :func:`kernel`.
+      **options: see :func:`kernel_per_leaf_fn`.
+
+    Returns:
+      A dict shaped like ``variables["params"]`` of kernels, each in the layout and
+      dtype of :func:`kernel` (``(N1, N2)`` by default, ``(N1, N2, O, O)`` with
+      ``trace_axes=()``).
+
+    Raises:
+      See :func:`kernel_per_leaf_fn`.
+
+    Cost: as :func:`kernel_per_leaf_fn` (compiled once and cached).
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> import ntk_flax
+      >>> model = nn.Dense(3)
+      >>> x = jnp.ones((4, 2))
+      >>> k = ntk_flax.kernel_per_leaf(model, model.init(jax.random.PRNGKey(0), x), x)
+      >>> sorted(k), k["kernel"].shape, float(k["bias"][0, 0])
+      (['bias', 'kernel'], (4, 4), 1.0)
+
+    References:
+      Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel",
+      ICML 2022.
+    """
+    fn = _cached("ntk_flax.kernel_per_leaf", "ntk_per_leaf", model, method, apply_kwargs, options)
+    return fn(variables, x1, x2, rngs=rngs)
+
+
+def plan(
+    model: nn.Module,
+    variables,
+    x1,
+    x2=None,
+    *,
+    method: str | Callable | None = None,
+    apply_kwargs=None,
+    rngs=None,
+    **options,
+):
+    """What :func:`kernel` with these arguments would do, without computing it.
+
+    Returns the ``Plan`` of :func:`ntk_core.plan` for the ``params`` collection:
+    ``implementation`` (what ``"auto"`` chose), ``estimates`` (analytic FLOPs and
+    feature bytes of each implementation considered) and ``leaves``, one per parameter
+    leaf with its path (``"['Dense_0']['kernel']"``), size P_l and method (e.g.
+    ``"structured (1 matrix product)"`` or ``"jacobian (fallback: <reason>)"``).
+    ``print(plan)`` shows a table. The estimates count N1·N2 pairs (N1 on the batch
+    diagonal) of x1 with N1 samples and x2 with N2 (or ``None``).
+
+    Args:
+      model, variables, x1, x2, method, apply_kwargs, rngs, **options: as
+      :func:`kernel`.
+
+    Raises:
+      As :func:`kernel_fn`.
+
+    Cost: one abstract trace of the model and the independence probe (two small forward
+    passes); no kernel is computed.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> import ntk_flax
+      >>> model = nn.Dense(3)
+      >>> x = jnp.ones((4, 2))
+      >>> p = ntk_flax.plan(model, model.init(jax.random.PRNGKey(0), x), x)
+      >>> for leaf in p.leaves:
+      ...     print(leaf.path, leaf.size, leaf.method)
+      ['bias'] 3 structured (bias fused with its matrix product)
+      ['kernel'] 6 structured (1 matrix product)
+    """
+    fn = _cached("ntk_flax.plan", "ntk", model, method, apply_kwargs, options)
+    return fn.plan(variables, x1, x2, rngs=rngs)
 
 
 _CACHE = BuildCache()

@@ -2,8 +2,11 @@
 
 from ntk_haiku._kernel import kernel as kernel
 from ntk_haiku._kernel import kernel_fn as kernel_fn
+from ntk_haiku._kernel import kernel_per_leaf as kernel_per_leaf
+from ntk_haiku._kernel import kernel_per_leaf_fn as kernel_per_leaf_fn
 from ntk_haiku._kernel import nngp as nngp
 from ntk_haiku._kernel import nngp_fn as nngp_fn
+from ntk_haiku._kernel import plan as plan
 from ntk_haiku._models import lenet as lenet
 from ntk_haiku._models import params_from_flax as params_from_flax
 from ntk_haiku._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
@@ -11,9 +14,12 @@ from ntk_haiku._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 __all__ = (
     "kernel",
     "kernel_fn",
+    "kernel_per_leaf",
+    "kernel_per_leaf_fn",
     "lenet",
     "monte_carlo_kernels",
     "nngp",
     "nngp_fn",
     "params_from_flax",
+    "plan",
 )

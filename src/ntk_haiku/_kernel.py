@@ -71,7 +71,8 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
         fn_name, kind, apply3, options, check, hint="apply_kwargs={'is_training': False}"
     )
 
-    def call(params, x1, x2=None, *, state=None, rng=None):
+    def aux(params, state, rng):
+        """``(state, rng)`` for the core, after checking them against the transform."""
         if with_state and state is None:
             raise ValueError(
                 f"{fn_name}: this hk.TransformedWithState needs its state. Fix: pass "
@@ -93,8 +94,20 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
                 f"{type(params).__name__}. Fix: pass params = transformed.init(key, x); the "
                 f"argument order is (transformed, params, x1, x2)."
             )
-        return kernel(params, x1, x2, (state, rng))
+        return state, rng
 
+    def call(params, x1, x2=None, *, state=None, rng=None):
+        return kernel(params, x1, x2, aux(params, state, rng))
+
+    def implementation_for(params, x1, x2=None, *, state=None, rng=None) -> str:
+        return kernel.implementation_for(params, x1, x2, aux(params, state, rng))
+
+    def plan(params, x1, x2=None, *, state=None, rng=None):
+        return kernel.plan(params, x1, x2, aux(params, state, rng))
+
+    call.implementation_for = implementation_for
+    if kind == "ntk":
+        call.plan = plan
     return call
 
 
@@ -117,7 +130,11 @@ def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
 
     Returns:
       ``kernel(params, x1, x2=None, *, state=None, rng=None)`` in the layout of
-      :func:`ntk_core.empirical_ntk`.
+      :func:`ntk_core.empirical_ntk`: ``(N1, N2)`` for ``(N, O)`` outputs by default,
+      ``(N1, N2, O, O)`` with ``trace_axes=()``. ``kernel.implementation_for(params, x1, x2=None,
+      *, state=None, rng=None)`` tells which implementation such a call uses (what
+      ``"auto"`` chose); ``kernel.plan(...)``, with the same arguments, describes it per
+      parameter leaf (see :func:`plan`).
 
     Raises:
       TypeError: not a transformed function; an unknown option; params not a dict.
@@ -128,15 +145,41 @@ def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
 
     Cost: as :func:`ntk_core.ntk_fn`, plus, once per input shape, two small forward
     passes that check per-sample independence.
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp
+      >>> import ntk_haiku
+      >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
+      >>> x = jnp.ones((4, 2))
+      >>> kernel = ntk_haiku.kernel_fn(net, trace_axes=())
+      >>> kernel(net.init(jax.random.PRNGKey(0), x), x).shape  # (N1, N2, O, O)
+      (4, 4, 3, 3)
     """
     return _make("ntk_haiku.kernel_fn", "ntk", transformed, apply_kwargs, options)
 
 
 def nngp_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
-    """Jitted empirical NNGP of a Haiku model; see :func:`kernel_fn`.
+    """Jitted empirical NNGP kernel of a Haiku model; see :func:`kernel_fn`.
+
+    Returns ``kernel(params, x1, x2=None, *, state=None, rng=None)`` giving f(x1)·f(x2)
+    in the layout of :func:`ntk_core.empirical_nngp`: ``(N1, N2)`` for ``(N, O)`` outputs
+    by default, ``(N1, N2, O, O)`` with ``trace_axes=()``, in the outputs' dtype.
 
     Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
     ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
+
+    Raises:
+      As :func:`kernel_fn`; TypeError for ``implementation=`` (an NNGP has none).
+
+    Cost: one forward pass per sample and N1·N2·O'·O multiply-adds.
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp
+      >>> import ntk_haiku
+      >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
+      >>> x = jnp.ones((4, 2))
+      >>> ntk_haiku.nngp_fn(net)(net.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4)
     """
     return _make("ntk_haiku.nngp_fn", "nngp", transformed, apply_kwargs, options)
 
@@ -163,6 +206,9 @@ def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwar
     Raises:
       See :func:`kernel_fn`.
 
+    Cost: as :func:`kernel_fn` (compiled once per transform, options and input shapes,
+    and cached).
+
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp
       >>> import ntk_haiku
@@ -182,11 +228,134 @@ def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwar
 def nngp(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
     """Empirical NNGP kernel f(x1)·f(x2) of a Haiku model; see :func:`kernel`.
 
-    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
-    ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
+    Returns the kernel in the layout of :func:`ntk_core.empirical_nngp` (``(N1, N2)`` for
+    ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with ``trace_axes=()``), in the
+    outputs' dtype. Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``,
+    ``precision``, ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
+
+    Raises:
+      See :func:`nngp_fn`.
+
+    Cost: as :func:`nngp_fn` (compiled once and cached).
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp
+      >>> import ntk_haiku
+      >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
+      >>> x = jnp.ones((4, 2))
+      >>> ntk_haiku.nngp(net, net.init(jax.random.PRNGKey(0), x), x, trace_axes=()).shape
+      (4, 4, 3, 3)
     """
     fn = _cached("ntk_haiku.nngp", "nngp", transformed, apply_kwargs, options)
     return fn(params, x1, x2, state=state, rng=rng)
+
+
+def kernel_per_leaf_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
+    """Jitted empirical NTK of a Haiku model, split by parameter leaf.
+
+    Returns ``kernel(params, x1, x2=None, *, state=None, rng=None)`` giving a dict shaped
+    like ``params`` (``{"linear": {"w": K, "b": K}, ...}``) whose leaves Θ_l are kernels
+    in the layout of :func:`kernel` (``(N1, N2)`` by default, ``(N1, N2, O, O)`` with
+    ``trace_axes=()``), with Σ_l Θ_l = Θ (see
+    :func:`ntk_core.ntk_per_leaf_fn`). Shows which layers drive the kernel.
+
+    Args:
+      transformed, apply_kwargs: see :func:`kernel_fn`.
+      **options: as :func:`kernel_fn`; ``implementation`` is ``"auto"``,
+        ``"jacobian"`` or ``"structured"`` (NTK-vector products do not separate the
+        leaves).
+
+    Raises:
+      As :func:`kernel_fn`, and ValueError for ``implementation="ntvp"``.
+
+    Cost: as :func:`kernel_fn` with the same implementation (the per-leaf terms are what
+    it sums), plus the memory of L kernels instead of one.
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp
+      >>> import ntk_haiku
+      >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
+      >>> x = jnp.ones((4, 2))
+      >>> k = ntk_haiku.kernel_per_leaf_fn(net)(net.init(jax.random.PRNGKey(0), x), x)
+      >>> k["linear"]["w"].shape
+      (4, 4)
+    """
+    return _make("ntk_haiku.kernel_per_leaf_fn", "ntk_per_leaf", transformed, apply_kwargs, options)
+
+
+def kernel_per_leaf(
+    transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options
+):
+    """Empirical NTK of a Haiku model split by parameter leaf.
+
+    Θ_l(x1, x2)[i, j, a, b] = Σ_{p in leaf l} ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p for each
+    leaf l of ``params``; the leaves sum to :func:`kernel`.
+
+    Args:
+      transformed, params, x1, x2, state, rng, apply_kwargs: see :func:`kernel`.
+      **options: see :func:`kernel_per_leaf_fn`.
+
+    Returns:
+      A dict shaped like ``params`` of kernels, each in the layout and dtype of
+      :func:`kernel` (``(N1, N2)`` by default, ``(N1, N2, O, O)`` with
+      ``trace_axes=()``).
+
+    Raises:
+      See :func:`kernel_per_leaf_fn`.
+
+    Cost: as :func:`kernel_per_leaf_fn` (compiled once and cached).
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp
+      >>> import ntk_haiku
+      >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
+      >>> x = jnp.ones((4, 2))
+      >>> k = ntk_haiku.kernel_per_leaf(net, net.init(jax.random.PRNGKey(0), x), x)
+      >>> sorted(k["linear"]), k["linear"]["w"].shape, float(k["linear"]["b"][0, 0])
+      (['b', 'w'], (4, 4), 1.0)
+
+    References:
+      Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel",
+      ICML 2022.
+    """
+    fn = _cached("ntk_haiku.kernel_per_leaf", "ntk_per_leaf", transformed, apply_kwargs, options)
+    return fn(params, x1, x2, state=state, rng=rng)
+
+
+def plan(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
+    """What :func:`kernel` with these arguments would do, without computing it.
+
+    Returns the ``Plan`` of :func:`ntk_core.plan`: ``implementation`` (what ``"auto"``
+    chose), ``estimates`` (analytic FLOPs and feature bytes of each implementation
+    considered) and ``leaves``, one per leaf of ``params`` with its path
+    (``"['linear']['w']"``), size P_l and method (e.g. ``"structured (1 matrix
+    product)"`` or ``"jacobian (fallback: <reason>)"``). ``print(plan)`` shows a table.
+    The estimates count N1·N2 pairs (N1 on the batch diagonal) of x1 with N1 samples
+    and x2 with N2 (or ``None``).
+
+    Args:
+      transformed, params, x1, x2, state, rng, apply_kwargs, **options: as
+      :func:`kernel`.
+
+    Raises:
+      As :func:`kernel_fn`.
+
+    Cost: one abstract trace of the model and the independence probe (two small forward
+    passes); no kernel is computed.
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp
+      >>> import ntk_haiku
+      >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
+      >>> x = jnp.ones((4, 2))
+      >>> p = ntk_haiku.plan(net, net.init(jax.random.PRNGKey(0), x), x)
+      >>> for leaf in p.leaves:
+      ...     print(leaf.path, leaf.size, leaf.method)
+      ['linear']['b'] 3 structured (bias fused with its matrix product)
+      ['linear']['w'] 6 structured (1 matrix product)
+    """
+    fn = _cached("ntk_haiku.plan", "ntk", transformed, apply_kwargs, options)
+    return fn.plan(params, x1, x2, state=state, rng=rng)
 
 
 _CACHE = BuildCache()

@@ -41,6 +41,30 @@ def test_public_functions_document_shapes_errors_and_cost(name):
     assert "N1" in doc and "Raises:" in doc and "Example" in doc
 
 
+ADAPTER_FUNCTIONS = [
+    f"{package}.{name}"
+    for package in ("ntk_flax", "ntk_haiku")
+    for name in (
+        "kernel",
+        "kernel_fn",
+        "nngp",
+        "nngp_fn",
+        "kernel_per_leaf",
+        "kernel_per_leaf_fn",
+        "plan",
+        "monte_carlo_kernels",
+    )
+]
+
+
+@pytest.mark.parametrize("name", ADAPTER_FUNCTIONS)
+def test_adapter_kernel_functions_document_shapes_errors_cost_and_example(name):
+    package, function = name.split(".")
+    doc = getattr(importlib.import_module(package), function).__doc__
+    for part in ("N1", "Raises:", "Cost", "Example:"):
+        assert part in doc, part
+
+
 @pytest.mark.parametrize("name", ["gp_inference", "gradient_descent_mse"])
 def test_predict_functions_document_formula_shapes_errors_cost_and_references(name):
     doc = getattr(ntk_core.predict, name).__doc__

@@ -82,3 +82,27 @@ def test_same_ntk_and_nngp(name, axes):
     g_flax = ntk_flax.nngp(flax_model, variables, x1, x2, **AXES[axes])
     g_haiku = ntk_haiku.nngp(net, params, x1, x2, **AXES[axes])
     reference.assert_close(g_haiku, np.asarray(g_flax, np.float64))
+
+
+@pytest.mark.parametrize("name, axes", [("mlp", "trace"), ("lenet", "full")])
+def test_same_kernel_per_leaf_and_plan(name, axes):
+    """Leaf by leaf, through the transplant's renaming (kernel -> w, bias -> b): the
+    same per-leaf kernels, and the same method for each leaf in the plans."""
+    flax_model, variables, net, params, x1 = _twins(name)
+    x2 = _x2(name, axes)
+    k_flax = ntk_flax.kernel_per_leaf(flax_model, variables, x1, x2, **AXES[axes])
+    k_haiku = ntk_haiku.kernel_per_leaf(net, params, x1, x2, **AXES[axes])
+    as_haiku = ntk_haiku.params_from_flax(k_flax)
+    assert jax.tree.structure(as_haiku) == jax.tree.structure(k_haiku)
+    scale = np.abs(np.asarray(ntk_flax.kernel(flax_model, variables, x1, x2, **AXES[axes]))).max()
+    for a, b in zip(jax.tree.leaves(k_haiku), jax.tree.leaves(as_haiku), strict=True):
+        reference.assert_close(a, np.asarray(b, np.float64), scale=scale)
+    plan_flax = ntk_flax.plan(flax_model, variables, x1, x2, **AXES[axes])
+    plan_haiku = ntk_haiku.plan(net, params, x1, x2, **AXES[axes])
+    assert plan_flax.implementation == plan_haiku.implementation
+    methods_flax = ntk_haiku.params_from_flax(
+        jax.tree.unflatten(
+            jax.tree.structure(variables["params"]), [leaf.method for leaf in plan_flax.leaves]
+        )
+    )
+    assert jax.tree.leaves(methods_flax) == [leaf.method for leaf in plan_haiku.leaves]

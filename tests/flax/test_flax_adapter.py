@@ -211,6 +211,18 @@ ERRORS = [
         ValueError,
         r"ntk_flax.kernel: x1 is empty",
     ),
+    (
+        "plan without the params collection",
+        lambda: ntk_flax.plan(MODEL, VARIABLES["params"], X),
+        ValueError,
+        r"^ntk_flax.plan: variables has no 'params' collection",
+    ),
+    (
+        "plan with an unknown option",
+        lambda: ntk_flax.plan(MODEL, VARIABLES, X, train=False),
+        TypeError,
+        r"^ntk_flax.plan: unknown option\(s\) 'train'",
+    ),
 ]
 
 
@@ -232,3 +244,72 @@ def test_batch_size_gives_the_one_call_kernel():
             reference.assert_close(batched, _ref(entry, x1, x, kind, trace_axes=())[0])
     on_device = ntk_flax.kernel_fn(entry.model, batch_size=4, store_on_device=True)
     assert isinstance(on_device(entry.variables, x1), jax.Array)
+
+
+@pytest.mark.parametrize("name", ["mlp", "batchnorm_eval", "tied"])
+def test_kernel_per_leaf_matches_each_leafs_reference_and_sums_to_kernel(name):
+    entry = zoo.ZOO[name]
+    x1, x2 = zoo.inputs(entry)
+    kw = dict(apply_kwargs=entry.apply_kwargs, trace_axes=())
+    per_leaf = ntk_flax.kernel_per_leaf(entry.model, entry.variables, x1, x2, **kw)
+    params = entry.variables["params"]
+    assert jax.tree.structure(per_leaf) == jax.tree.structure(params)  # no batch_stats
+    expected_total = _ref(entry, x1, x2, trace_axes=())[0]
+    scale = np.abs(expected_total).max()  # a leaf's share can be 0 (a bias before softmax)
+    for i, got in enumerate(jax.tree.leaves(per_leaf)):
+        f, leaf = reference.leaf_alone(zoo.apply_fn(entry), params, i)
+        expected = reference.ntk(f, leaf, x1, x2, trace_axes=())[0]
+        reference.assert_close(got, expected, scale=scale)
+    total = np.asarray(ntk_flax.kernel(entry.model, entry.variables, x1, x2, **kw), np.float64)
+    reference.assert_close(total, expected_total)
+    reference.assert_close(sum(np.asarray(k, np.float64) for k in jax.tree.leaves(per_leaf)), total)
+
+
+def test_kernel_per_leaf_fn_reused_without_recompiling():
+    model = Counting()
+    x = jax.random.normal(jax.random.PRNGKey(0), (5, 3))
+    variables = model.init(jax.random.PRNGKey(1), x)
+    kernel = ntk_flax.kernel_per_leaf_fn(model, implementation="structured")
+    first = kernel(variables, x)
+    n = len(CALLS)
+    variables = jax.tree.map(lambda p: p * 0.5, variables)
+    later = kernel(variables, x)
+    assert len(CALLS) == n
+    assert not np.allclose(first["Dense_0"]["kernel"], later["Dense_0"]["kernel"])
+
+
+class HalfPrecisionHead(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(6)(x))
+        return nn.Dense(2, dtype=jnp.bfloat16)(h)
+
+
+def test_plan_lists_the_params_leaves_with_their_methods():
+    entry = zoo.ZOO["batchnorm_eval"]
+    x1, _ = zoo.inputs(entry)
+    kw = dict(apply_kwargs=entry.apply_kwargs)
+    plan = ntk_flax.plan(entry.model, entry.variables, x1, **kw)
+    params = entry.variables["params"]
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+    assert [leaf.path for leaf in plan.leaves] == paths  # params only, not batch_stats
+    assert [leaf.size for leaf in plan.leaves] == [v.size for v in jax.tree.leaves(params)]
+    assert plan.implementation == "structured"
+    methods = {leaf.path: leaf.method for leaf in plan.leaves}
+    assert methods["['BatchNorm_0']['scale']"].startswith("structured (elementwise scale")
+    assert methods["['Conv_0']['kernel']"].startswith("structured (1 convolution")
+    kernel = ntk_flax.kernel_fn(entry.model, **kw)
+    assert kernel.plan(entry.variables, x1).leaves == plan.leaves
+    assert kernel.implementation_for(entry.variables, x1) == plan.implementation
+    # A bfloat16 layer: the plan names the fallback and its reason, per Flax path.
+    model = HalfPrecisionHead()
+    x = jnp.ones((4, 3))
+    variables = model.init(jax.random.PRNGKey(0), x)
+    methods = {
+        leaf.path: leaf.method
+        for leaf in ntk_flax.plan(model, variables, x, implementation="structured").leaves
+    }
+    assert methods["['Dense_0']['kernel']"] == "structured (1 matrix product)"
+    assert methods["['Dense_1']['kernel']"].startswith(
+        "jacobian (fallback: cast to a lower precision (float32 -> bfloat16"
+    )

@@ -61,6 +61,54 @@ def test_with_state_eval_mode_matches_reference():
     reference.assert_close(k, reference.ntk(f, params, X, None)[0])
 
 
+def test_kernel_per_leaf_with_state_matches_each_leafs_reference():
+    net, params, state = _bn()
+    kw = dict(state=state, apply_kwargs={"is_training": False}, trace_axes=())
+    x2 = X[:2] * 2.0
+
+    def f(p, x):
+        return net.apply(p, state, None, x, False)[0]
+
+    per_leaf = ntk_haiku.kernel_per_leaf(net, params, X, x2, **kw)
+    assert jax.tree.structure(per_leaf) == jax.tree.structure(params)
+    expected_total = reference.ntk(f, params, X, x2, trace_axes=())[0]
+    scale = np.abs(expected_total).max()
+    for i, got in enumerate(jax.tree.leaves(per_leaf)):
+        g, leaf = reference.leaf_alone(f, params, i)
+        reference.assert_close(got, reference.ntk(g, leaf, X, x2, trace_axes=())[0], scale=scale)
+    reference.assert_close(
+        sum(np.asarray(k, np.float64) for k in jax.tree.leaves(per_leaf)), expected_total
+    )
+    kernel = ntk_haiku.kernel_per_leaf_fn(net, apply_kwargs={"is_training": False}, trace_axes=())
+    again = kernel(params, X, x2, state=state)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(per_leaf), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_plan_lists_the_params_leaves_with_their_methods():
+    net, params, state = _bn()
+    kw = dict(apply_kwargs={"is_training": False}, implementation="structured")
+    plan = ntk_haiku.plan(net, params, X, state=state, **kw)
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+    assert [leaf.path for leaf in plan.leaves] == paths  # params only, not the state
+    assert [leaf.size for leaf in plan.leaves] == [v.size for v in jax.tree.leaves(params)]
+    methods = {leaf.path: leaf.method for leaf in plan.leaves}
+    assert methods["['linear']['w']"] == "structured (1 matrix product)"
+    assert methods["['batch_norm']['scale']"].startswith("structured (elementwise scale")
+    kernel = ntk_haiku.kernel_fn(net, **kw)
+    assert kernel.plan(params, X, state=state).leaves == plan.leaves
+    assert kernel.implementation_for(params, X, state=state) == plan.implementation
+
+    # A parameter inside a nonlinearity: the plan names the fallback and its reason.
+    def scaled(x):
+        return jnp.tanh(hk.get_parameter("s", [3], init=jnp.ones)) * x
+
+    net = hk.without_apply_rng(hk.transform(scaled))
+    (leaf,) = ntk_haiku.plan(net, net.init(None, X), X, implementation="structured").leaves
+    assert leaf.path == "['~']['s']"
+    assert leaf.method == "jacobian (fallback: used by tanh, which no rule covers)"
+
+
 def test_batchnorm_training_refused_with_vmap_axes_0_and_exact_with_none():
     net, params, state = _bn()
     with pytest.raises(
@@ -159,6 +207,19 @@ ERRORS = [
         lambda: ntk_haiku.kernel(NET, PARAMS, jnp.ones((4, 7))),
         ValueError,
         r"ntk_haiku.kernel: applying the model to x1 failed",
+    ),
+    (
+        "implementation_for with a state for a plain transform",
+        lambda: ntk_haiku.kernel_fn(NET).implementation_for(PARAMS, X, state={}),
+        ValueError,
+        r"^ntk_haiku.kernel_fn: state was given but the model is a plain hk.Transformed",
+    ),
+    (
+        "per-leaf kernel with ntvp",
+        lambda: ntk_haiku.kernel_per_leaf(NET, PARAMS, X, implementation="ntvp"),
+        ValueError,
+        r"^ntk_haiku.kernel_per_leaf: per-leaf kernels need implementation 'jacobian', "
+        r"'structured' or 'auto', got 'ntvp'",
     ),
     (
         "bad trace axes",
