@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -153,6 +154,42 @@ def test_model_precision_below_highest_warns(model, warns, fresh_warnings):
             warnings.simplefilter("always")
             ntk_core.empirical_ntk(model, w, x, trace_axes=())
         assert not _precision_warnings(rec)
+
+
+def _bf16_inside_jit(w, x):
+    return jax.jit(lambda a, b: a.astype(jnp.bfloat16) @ b.astype(jnp.bfloat16))(x, w)
+
+
+@pytest.mark.parametrize(
+    "model, params_dtype, x_dtype, expected",
+    [
+        (lambda w, x: x @ w, "bfloat16", "bfloat16", r"\(params bfloat16\).* 1e-2 .*bfloat16"),
+        (lambda w, x: x @ w, "float16", "float16", r"\(params float16\).* 5e-4 .*float16"),
+        (_bf16_inside_jit, "float32", "float32", r"\(a cast float32 -> bfloat16\).* 1e-2 "),
+        (lambda w, x: x @ w, "float32", "bfloat16", None),  # widened: float32 products
+        (lambda w, x: x @ w, "float32", "float32", None),
+    ],
+    ids=["bf16-params", "f16-params", "cast-inside-jit", "bf16-inputs-only", "float32"],
+)
+def test_half_precision_model_warns_once(model, params_dtype, x_dtype, expected, fresh_warnings):
+    """Autodiff rounds the Jacobian's products in bfloat16/float16: the warning names
+    where and the measured error of that dtype; half-precision inputs meeting float32
+    params are promoted to float32 (no warning)."""
+    w = jnp.ones((3, 2), params_dtype)
+    x = jnp.arange(12.0).reshape(4, 3).astype(x_dtype)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ntk_core.empirical_ntk(model, w, x, trace_axes=())
+        ntk_core.empirical_ntk(model, w, 2 * x, trace_axes=())  # once per process
+    found = _precision_warnings(rec)
+    if expected is None:
+        assert not found
+        return
+    assert len(found) == 1 and found[0].filename == __file__
+    message = str(found[0].message)
+    assert message.startswith("empirical_ntk: the model computes in half precision (")
+    assert re.search(expected, message), message
+    assert "Fix: compute kernels with the model in float32" in message
 
 
 def test_lower_global_matmul_precision_is_overridden_so_no_warning(fresh_warnings):

@@ -167,6 +167,7 @@ def _scan_closure(p, x):
         (_scan_closure, [r"used inside a loop \(scan\)", r"used inside a loop \(scan\)"]),
     ],
 )
+@pytest.mark.filterwarnings("ignore:.*computes in half precision:UserWarning")  # bf16 model
 def test_plan_says_why_a_leaf_falls_back(f, reasons):
     """Each fallback leaf's plan label names what stopped the rules (``reasons``:
     regular expressions), and the kernel still equals the reference."""

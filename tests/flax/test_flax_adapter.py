@@ -285,6 +285,7 @@ class HalfPrecisionHead(nn.Module):
         return nn.Dense(2, dtype=jnp.bfloat16)(h)
 
 
+@pytest.mark.filterwarnings("ignore:.*computes in half precision:UserWarning")  # bf16 model
 def test_plan_lists_the_params_leaves_with_their_methods():
     entry = zoo.ZOO["batchnorm_eval"]
     x1, _ = zoo.inputs(entry)
