@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.extend import core as jex
 
 #: The oldest CUDA runtime the library accepts.
 MIN_CUDA = (11, 0)
@@ -273,24 +274,47 @@ def _low_precision(value) -> bool:
     return False
 
 
+def _sub_jaxprs(eqn):
+    """The jaxprs inside an equation's parameters (jit, custom_jvp, scan, cond, ...)."""
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
 def _equations(jaxpr):
-    """Every equation of a jaxpr, those of its sub-jaxprs (jit, custom_jvp, scan, ...)
-    included."""
+    """Every equation of a jaxpr, those of its sub-jaxprs included."""
     for eqn in jaxpr.eqns:
         yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-                if hasattr(inner, "eqns"):
-                    yield from _equations(inner)
+        for inner in _sub_jaxprs(eqn):
+            yield from _equations(inner)
 
 
 def _low_precision_ops(jaxpr) -> list[str]:
-    return [
-        f"{eqn.primitive.name}(precision={eqn.params['precision']})"
-        for eqn in _equations(jaxpr)
-        if "precision" in eqn.params and _low_precision(eqn.params["precision"])
-    ]
+    """Dots and convolutions with a precision below HIGHEST on an operand that varies
+    with the jaxpr's inputs (params, x), sub-jaxprs included (all their inputs count as
+    varying).
+
+    An operand computed from constants alone is not counted: JAX itself gives DEFAULT
+    precision to the one-hot filter of ``lax.conv_general_dilated_patches`` (Flax
+    ``ConvLocal``) next to HIGHEST for the patches; its values are exact in any
+    precision, and the derivatives flow through the other operand.
+    """
+    found = []
+    varying = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        moves = [not isinstance(v, jex.Literal) and v in varying for v in eqn.invars]
+        if any(moves):
+            varying.update(eqn.outvars)
+        value = eqn.params.get("precision")
+        if value is not None:
+            per_operand = value if isinstance(value, tuple) else (value,) * len(moves)
+            if any(_low_precision(p) and m for p, m in zip(per_operand, moves, strict=False)):
+                found.append(f"{eqn.primitive.name}(precision={value})")
+        for inner in _sub_jaxprs(eqn):
+            found += _low_precision_ops(inner)
+    return found
 
 
 #: Relative error of a half-precision model's kernel against the float32 model's exact

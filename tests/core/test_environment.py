@@ -121,6 +121,30 @@ def test_precision_option_warns_once_per_value(fresh_warnings):
         ntk_core.ntk_fn(lambda w, x: 4 * x @ w, precision="default")(w, x)
 
 
+HIGHEST, DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
+
+
+def test_flax_conv_local_does_not_warn(fresh_warnings):
+    """ConvLocal extracts patches with lax.conv_general_dilated_patches, which gives its
+    constant one-hot filter DEFAULT precision: exact, so no warning."""
+    nn = pytest.importorskip("flax.linen")
+    import ntk_flax
+
+    class Local(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.ConvLocal(2, (3, 3))(x)
+            return nn.Dense(2)(h.reshape(h.shape[0], -1))
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 6, 6, 1))
+    model = Local()
+    variables = model.init(jax.random.PRNGKey(0), x)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ntk_flax.kernel(model, variables, x)
+    assert not _precision_warnings(rec)
+
+
 def _inner_jit(w, x):
     return jax.jit(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.DEFAULT))(x, w)
 
@@ -140,8 +164,19 @@ def _conv(w, x):
         (_conv, True),
         (lambda w, x: jnp.dot(x, w, precision="highest"), False),
         (lambda w, x: x @ w, False),
+        (lambda w, x: jnp.dot(x, w, precision=(HIGHEST, DEFAULT)), True),  # w varies
+        (lambda w, x: jnp.dot(x @ w, jnp.eye(2), precision=(HIGHEST, DEFAULT)), False),
     ],
-    ids=["dot-default", "dot-high", "nested-jit", "conv-bf16", "dot-highest", "no-precision"],
+    ids=[
+        "dot-default",
+        "dot-high",
+        "nested-jit",
+        "conv-bf16",
+        "dot-highest",
+        "no-precision",
+        "default-on-params",
+        "default-on-constant",
+    ],
 )
 def test_model_precision_below_highest_warns(model, warns, fresh_warnings):
     w, x = jnp.ones((3, 2)), jnp.arange(12.0).reshape(4, 3)
