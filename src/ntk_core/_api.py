@@ -424,10 +424,11 @@ def plan(
     what stopped the rules (e.g. ``used by tanh, which no rule covers`` for a parameter
     inside a nonlinearity, ``the kernel of a grouped or depthwise convolution``, ``cast
     to a lower precision (float32 -> bfloat16, ...)``, ``used inside a loop (scan)``, ``not used
-    by the model``); ``"jacobian"`` or ``"ntvp"`` when another implementation runs.
-    ``print(plan)`` shows a table. Arguments as :func:`empirical_ntk` (x1 with N1
-    samples, x2 with N2 or ``None``); the estimates count N1·N2 pairs (N1 on the batch
-    diagonal).
+    by the model``); ``"jacobian"`` or ``"ntvp"`` when another implementation runs,
+    with ``leaf.structured`` the method ``"structured"`` would use for that leaf (``""``
+    with ``vmap_axes=None``, where it cannot run). ``print(plan)`` shows a table.
+    Arguments as :func:`empirical_ntk` (x1 with N1 samples, x2 with N2 or ``None``); the
+    estimates count N1·N2 pairs (N1 on the batch diagonal).
 
     Raises:
       TypeError, ValueError: as :func:`ntk_fn`.

@@ -46,6 +46,9 @@ class LeafPlan:
     path: str  # e.g. "['Dense_0']['kernel']"
     size: int
     method: str  # "structured (1 matrix product)", "jacobian (fallback: <reason>)", "ntvp", ...
+    #: When another implementation runs (``method`` "jacobian" or "ntvp"): the method
+    #: ``implementation="structured"`` would use for this leaf ("" when not estimated).
+    structured: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +77,12 @@ class Plan:
                 f"  {e.implementation:<10} {e.flops:12.3e} FLOPs  {mib:10.1f} MiB"
                 f"  ~{e.seconds:.3g} s"
             )
-        lines.append(f"  {'parameter leaf':<40} {'size':>10}  method")
+        alternative = any(leaf.structured for leaf in self.leaves)
+        head = f"  {'parameter leaf':<40} {'size':>10}  method"
+        lines.append(head + ("     (implementation='structured' would use)" if alternative else ""))
         for leaf in self.leaves:
-            lines.append(f"  {leaf.path:<40} {leaf.size:>10}  {leaf.method}")
+            line = f"  {leaf.path:<40} {leaf.size:>10}  {leaf.method}"
+            lines.append(line + (f"  ({leaf.structured})" if leaf.structured else ""))
         return "\n".join(lines)
 
 

@@ -181,6 +181,13 @@ def _batch_size(fn_name: str, name: str, x) -> int:
     return n
 
 
+def _structured_modes(analysis, shapes1, layouts) -> tuple[str, ...]:
+    """Per leaf group, ``"gram"`` or ``"explicit"``: the cheaper form for these outputs."""
+    o_pair = sum(_pair_sizes(shapes1, layouts))
+    o_out = sum(math.prod(s.shape[1:]) for s in shapes1)
+    return _structured.choose_modes(analysis, o_pair, o_out)
+
+
 def _structured_methods(analysis, modes) -> dict[int, str]:
     """``plan()`` labels of the structured leaves, e.g. "structured (1 convolution)"."""
     methods = {}
@@ -369,9 +376,7 @@ class KernelFunction:
             else:
                 n_leaves = len(jax.tree.leaves(params))
                 analysis = self._analysis(params, x1, aux)
-                o_pair = sum(_pair_sizes(shapes1, layouts))
-                o_out = sum(math.prod(s.shape[1:]) for s in shapes1)
-                modes = _structured.choose_modes(analysis, o_pair, o_out)
+                modes = _structured_modes(analysis, shapes1, layouts)
                 structure = analysis.leaves(n_leaves, modes)
         return _Config(
             self._kind,
@@ -581,16 +586,20 @@ class KernelFunction:
         )
         paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
         sizes = [math.prod(np.shape(v)) for v in jax.tree.leaves(params)]
-        methods = {}
-        if config.implementation == "structured":
-            methods = _structured_methods(config.analysis, config.structure[4])
+        structured = config.implementation == "structured"
+        analysis, modes = config.analysis, config.structure[4] if structured else None
+        if not structured and any(e.implementation == "structured" for e in estimates):
+            # Another implementation runs: say what "structured" would do, leaf by leaf.
+            analysis = self._analysis(params, x1, aux)
+            modes = _structured_modes(analysis, config.shapes1, config.layouts)
+        methods = {} if analysis is None else _structured_methods(analysis, modes)
         leaves = []
         for i, (path, size) in enumerate(zip(paths, sizes, strict=True)):
-            if config.implementation != "structured":
-                method = config.implementation
+            method = methods.get(i, "jacobian (fallback)") if methods else ""
+            if structured:
+                leaves.append(_cost.LeafPlan(path, size, method))
             else:
-                method = methods.get(i, "jacobian (fallback)")
-            leaves.append(_cost.LeafPlan(path, size, method))
+                leaves.append(_cost.LeafPlan(path, size, config.implementation, method))
         return _cost.Plan(
             config.implementation, tuple(estimates), tuple(leaves), self._options.implementation
         )

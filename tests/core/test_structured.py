@@ -266,6 +266,28 @@ def test_plan_reports_every_leaf_and_matches_auto():
     assert "implementation: " in str(plan)
 
 
+@pytest.mark.parametrize("implementation", ["jacobian", "ntvp"])
+def test_plan_of_another_implementation_says_what_structured_would_do(implementation):
+    """When "jacobian" or "ntvp" runs (asked for, or chosen by "auto"), each leaf also
+    carries the method "structured" would use, fallback reasons included; nothing when
+    "structured" cannot run (vmap_axes=None)."""
+    f = param_in_nonlinearity
+    p = _params((4, 4), (4,), (4, 3))
+    x = jnp.ones((5, 4))
+    other = ntk_core.plan(f, p, x, trace_axes=(), implementation=implementation)
+    structured = ntk_core.plan(f, p, x, trace_axes=(), implementation="structured")
+    assert [leaf.method for leaf in other.leaves] == [implementation] * 3
+    assert [leaf.structured for leaf in other.leaves] == [leaf.method for leaf in structured.leaves]
+    assert other.leaves[1].structured == f"{FB}used by tanh, which no rule covers)"
+    assert all(leaf.structured == "" for leaf in structured.leaves)
+    text = str(other)
+    assert "(implementation='structured' would use)" in text
+    assert f"{implementation}  ({FB}used by tanh, which no rule covers))" in text
+    whole = ntk_core.plan(f, p, x, vmap_axes=None, implementation=implementation)
+    assert all(leaf.structured == "" for leaf in whole.leaves)
+    assert "would use" not in str(whole)
+
+
 def test_plan_counts_the_triangular_contraction(monkeypatch):
     """Estimated FLOPs are a·N (features) + b·N² (contraction) while the Gram matrix is
     contracted whole (N < 2·TRIANGLE_MIN_BLOCK); from N = 256 on, only (k + 1)/2k of the
