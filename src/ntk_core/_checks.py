@@ -199,3 +199,26 @@ def after_trace(fn_name: str, apply3, params, x1, x2, aux, out_leaves, options) 
     _environment.check_float64(fn_name, params=params, x1=x1, x2=x2)
     _environment.check_precision_option(fn_name, options.precision)
     _environment.check_model_precision(fn_name, apply3, params, x1, aux, options.precision)
+
+
+def runs_in_neural_tangents_order(apply3, params, x1, x2, aux) -> bool:
+    """True when a failed call ``kernel(params, x1, x2)`` was meant as neural-tangents'
+    ``kernel(x1, x2, params)``: the model runs with ``x2`` as its parameters on both
+    ``params`` and ``x1`` as inputs, giving one output per sample of each, but not in
+    the order given (up to four abstract traces, on the error path only)."""
+
+    def outputs(p, x):
+        try:
+            return jax.tree.leaves(jax.eval_shape(lambda p, x: apply3(p, x, aux), p, x))
+        except Exception:
+            return None
+
+    def batch(x):
+        sizes = {np.shape(v)[0] if np.ndim(v) else None for v in jax.tree.leaves(x)}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    for p, x in ((x2, params), (x2, x1)):  # swapped: both must run, per sample
+        out = outputs(p, x)
+        if not out or batch(x) is None or any(o.shape[:1] != (batch(x),) for o in out):
+            return False
+    return outputs(params, x1) is None or outputs(params, x2) is None

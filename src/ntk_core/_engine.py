@@ -262,6 +262,21 @@ class KernelFunction:
 
     # -- validation --------------------------------------------------------------------
     def _prepare(self, params, x1, x2, aux) -> _Config:
+        try:
+            return self._validated(params, x1, x2, aux)
+        except (TypeError, ValueError) as e:
+            if x2 is None or not _checks.runs_in_neural_tangents_order(
+                self._apply3, params, x1, x2, aux
+            ):
+                raise
+            raise ValueError(
+                f"{self._fn_name}: the arguments are in neural-tangents' order (x1, x2, "
+                f"params): the model runs with the third one as its parameters and the "
+                f"first as its inputs. Fix: pass params first, (params, x1, x2)."
+            ) from e
+
+    def _validated(self, params, x1, x2, aux) -> _Config:
+        """The configuration of a call; raises on bad input (see :meth:`_prepare`)."""
         fn = self._fn_name
         opts = self._options
         _checks.before_trace(fn, params, x1, x2, opts)  # backend guard, dtypes
