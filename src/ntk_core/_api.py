@@ -423,8 +423,10 @@ def plan(
     ``"jacobian (fallback: <reason>)"`` for a leaf no rule covers, the reason naming
     what stopped the rules (e.g. ``used by tanh, which no rule covers`` for a parameter
     inside a nonlinearity, ``the kernel of a grouped or depthwise convolution``, ``cast
-    to a lower precision (float32 -> bfloat16, ...)``, ``used inside a loop (scan)``, ``not used
-    by the model``); ``"jacobian"`` or ``"ntvp"`` when another implementation runs,
+    to a lower precision (float32 -> bfloat16, ...)``, ``used inside a loop (scan)``,
+    ``not used by the model``) and, where JAX recorded it, the user's line that did
+    (``...; at model.py:12, in MLP.__call__``); ``"jacobian"`` or ``"ntvp"`` when
+    another implementation runs,
     with ``leaf.structured`` the method ``"structured"`` would use for that leaf (``""``
     with ``vmap_axes=None``, where it cannot run). ``print(plan)`` shows a table.
     Arguments as :func:`empirical_ntk` (x1 with N1 samples, x2 with N2 or ``None``); the

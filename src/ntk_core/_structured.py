@@ -87,7 +87,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 import string
+import sys
+import sysconfig
 
 import jax
 import jax.numpy as jnp
@@ -554,6 +557,36 @@ def _function_name(eqn) -> str:
     return ""
 
 
+#: Packages whose frames are not the user's code in a source location.
+_LIBRARIES = ("jax", "jaxlib", "ntk_core", "ntk_flax", "ntk_haiku", "flax", "haiku", "numpy")
+
+
+def _library_roots() -> tuple[str, ...]:
+    roots = [sysconfig.get_paths()["stdlib"]]
+    for name in _LIBRARIES:  # only packages already imported: nothing imported here
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            roots.append(os.path.dirname(os.path.abspath(path)))
+    return tuple(root + os.sep for root in roots)
+
+
+def _source_location(eqn) -> str:
+    """Where the user's code created ``eqn``: ``"model.py:12, in MLP.__call__"``, the
+    innermost frame of its traceback outside JAX, the Python standard library, Flax,
+    Haiku and this library; "" where JAX recorded none."""
+    try:
+        frames = eqn.source_info.traceback.frames
+    except AttributeError:
+        return ""
+    roots = _library_roots()
+    for frame in frames:
+        path = os.path.abspath(frame.file_name)
+        if not path.startswith(roots):
+            return f"{os.path.basename(path)}:{frame.line_num}, in {frame.function_name}"
+    return ""
+
+
 def _rule_miss_reason(eqn, ins) -> str:
     """Why :data:`_RULES` (or the elementwise rule) did not take this equation."""
     name = eqn.primitive.name
@@ -591,15 +624,21 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     uses: list[Use] = []
     bad: dict[int, str] = {}  # leaf -> the first reason it falls back
 
-    def fall_back(leaf: int, reason: str) -> None:
-        bad.setdefault(leaf, reason)
+    def fall_back(leaf: int, reason: str, eqn=None) -> None:
+        """Records the first reason ``leaf`` falls back, with the user's line of
+        ``eqn`` where JAX recorded it."""
+        if leaf not in bad:
+            where = "" if eqn is None else _source_location(eqn)
+            bad[leaf] = f"{reason}; at {where}" if where else reason
 
     use_of_output: dict = {}  # output var of a dot / conv use -> use index
     bias_candidates: list[tuple[int, int, int, tuple]] = []  # (use, shift use, leaf, eqns)
     leaf_shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars[:n_param_leaves]]
 
-    def walk(jaxpr, origins: dict, path: tuple, inside: str = ""):
-        # origins: var -> (leaf, view chain as hashable steps, view equations)
+    def walk(jaxpr, origins: dict, path: tuple, inside: str = "", call=None):
+        # origins: var -> (leaf, view chain as hashable steps, view equations); call:
+        # the outermost inlined call (jit) around ``jaxpr``, whose source location is
+        # the user's (a jitted function's own trace may come from its cache).
         def origin(v):
             return None if _literal(v) else origins.get(v)
 
@@ -632,13 +671,13 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 sub_origins = {v: o for v, o in zip(sub.invars, ins, strict=True) if o is not None}
                 name_here = eqn.params.get("name")
                 within = f" inside {name_here}" if isinstance(name_here, str) else inside
-                walk(sub, sub_origins, here, within)  # views it returns are marked there
+                walk(sub, sub_origins, here, within, call or eqn)  # returned views: marked there
                 continue
             if name in _VIEW_PRIMITIVES or name == "broadcast_in_dim":
                 if len(eqn.invars) != 1:
                     for o in ins:
                         if o is not None:
-                            fall_back(o[0], f"a {name} with several operands")
+                            fall_back(o[0], f"a {name} with several operands", call or eqn)
                     continue
                 leaf, chain, eqns = ins[0]
                 step = (name, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
@@ -661,7 +700,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 leaf, _, eqns = ins[b_side]
                 use = _elementwise_use(eqn, ins, here, leaf_shapes[leaf])
                 if use is None:
-                    fall_back(leaf, _rule_miss_reason(eqn, ins))
+                    fall_back(leaf, _rule_miss_reason(eqn, ins), call or eqn)
                     continue
                 uses.append(use)
                 y = eqn.invars[1 - b_side]
@@ -705,7 +744,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 reason = f"used by {name}{inside}, which no rule covers"
             for o in ins:  # any other use of a parameter view
                 if o is not None:
-                    fall_back(o[0], reason)
+                    fall_back(o[0], reason, call or eqn)
         for v in jaxpr.outvars:
             o = None if _literal(v) else origins.get(v)
             if o is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -314,3 +316,7 @@ def test_plan_lists_the_params_leaves_with_their_methods():
     assert methods["['Dense_1']['kernel']"].startswith(
         "jacobian (fallback: cast to a lower precision (float32 -> bfloat16"
     )
+    source, start = inspect.getsourcelines(HalfPrecisionHead)
+    line = start + next(i for i, text in enumerate(source) if "bfloat16" in text)
+    where = f"; at test_flax_adapter.py:{line}, in HalfPrecisionHead.__call__)"
+    assert methods["['Dense_1']['kernel']"].endswith(where)  # the user's line, not Flax's

@@ -106,7 +106,9 @@ def test_plan_lists_the_params_leaves_with_their_methods():
     net = hk.without_apply_rng(hk.transform(scaled))
     (leaf,) = ntk_haiku.plan(net, net.init(None, X), X, implementation="structured").leaves
     assert leaf.path == "['~']['s']"
-    assert leaf.method == "jacobian (fallback: used by tanh, which no rule covers)"
+    assert leaf.method.startswith("jacobian (fallback: used by tanh, which no rule covers; at ")
+    line = scaled.__code__.co_firstlineno + 1
+    assert leaf.method.endswith(f"test_haiku_adapter.py:{line}, in {scaled.__qualname__})")
 
 
 def test_batchnorm_training_refused_with_vmap_axes_0_and_exact_with_none():
