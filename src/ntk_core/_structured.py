@@ -587,6 +587,26 @@ def _source_location(eqn) -> str:
     return ""
 
 
+def _unpaired_reason(members: list[Use], sites: list[str], indices: list[int]) -> str:
+    """Why a leaf used several times (weight tying) falls back: its uses' Jacobians are
+    of different views or operations, e.g. ``a matrix product (at model.py:4, in f) and
+    a matrix product of another view of it (at model.py:6, in f)``."""
+    parts, seen = [], {}
+    for use, u in zip(members, indices, strict=True):
+        if use.key in seen:
+            continue
+        name = KIND_NAMES[use.kind]
+        other = " of another view of it" if any(k[0] == use.kind for k in seen) else ""
+        seen[use.key] = use.kind
+        where = f" (at {sites[u]})" if sites[u] else ""
+        article = "an" if name[0] in "aeiou" else "a"
+        parts.append(f"{article} {name}{other}{where}")
+    return (
+        f"used by {' and '.join(parts)}, whose Jacobians do not pair up entry by entry "
+        f"(weight tying through different views)"
+    )
+
+
 def _rule_miss_reason(eqn, ins) -> str:
     """Why :data:`_RULES` (or the elementwise rule) did not take this equation."""
     name = eqn.primitive.name
@@ -622,6 +642,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     scale (:func:`_elementwise_use`) when its view allows.
     """
     uses: list[Use] = []
+    use_sites: list[str] = []  # per use: the user's line (see _source_location)
     bad: dict[int, str] = {}  # leaf -> the first reason it falls back
 
     def fall_back(leaf: int, reason: str, eqn=None) -> None:
@@ -703,6 +724,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                     fall_back(leaf, _rule_miss_reason(eqn, ins), call or eqn)
                     continue
                 uses.append(use)
+                use_sites.append(_source_location(call or eqn))
                 y = eqn.invars[1 - b_side]
                 # A bias fuses with its product only when the product's output feeds
                 # this add alone (so the cotangent at the product equals the one at the
@@ -722,6 +744,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 use = rule(eqn, ins, here)
                 if use is not None:
                     uses.append(use)
+                    use_sites.append(_source_location(call or eqn))
                     use_of_output[eqn.outvars[0]] = len(uses) - 1
                     continue
                 reason = _rule_miss_reason(eqn, ins)
@@ -762,9 +785,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
         by_leaf.setdefault(use.leaf, []).append(u)
     for leaf, members in by_leaf.items():
         if len({uses[u].key for u in members}) > 1:  # different views: no pairing
-            fall_back(
-                leaf, "used through different views or operations whose Jacobians do not pair up"
-            )
+            fall_back(leaf, _unpaired_reason([uses[u] for u in members], use_sites, members))
     uses_per_leaf = {leaf: len(m) for leaf, m in by_leaf.items()}
     fused: dict[int, int] = {}  # use index (in ``uses``) -> bias leaf
     absorbed_uses: set[int] = set()  # shift uses replaced by a fused bias

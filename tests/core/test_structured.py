@@ -87,6 +87,9 @@ def transposed_tying(p, x):
     return jnp.tanh(h @ p[0].T) @ p[2]
 
 
+TIED_LINE = transposed_tying.__code__.co_firstlineno + 1
+
+
 def custom_vjp_activation(p, x):
     return clipped_identity(jnp.tanh(x @ p[0])) @ p[2]
 
@@ -123,7 +126,13 @@ MODELS = {
     ),
     "transposed_tying": (
         transposed_tying,
-        [f"{FB}used through different views", UNUSED, "structured"],
+        [
+            f"{FB}used by a matrix product (at {HERE}:{TIED_LINE}, in transposed_tying) and a "
+            f"matrix product of another view of it (at {HERE}:{TIED_LINE + 1}, in "
+            f"transposed_tying), whose Jacobians do not pair up",
+            UNUSED,
+            "structured",
+        ],
     ),
     "custom_vjp": (custom_vjp_activation, ["structured", UNUSED, "structured"]),
     "sequence_einsum": (
@@ -744,7 +753,8 @@ def test_tied_embedding_falls_back_and_matches():
     k = ntk_core.empirical_ntk(f, p, t1, t2, trace_axes=(), implementation="structured")
     reference.assert_close(k, reference.ntk(f, p, t1, t2, trace_axes=())[0])
     plan = ntk_core.plan(f, p, t1, t2, trace_axes=(), implementation="structured")
-    assert plan.leaves[0].method.startswith(f"{FB}used through different views")
+    assert plan.leaves[0].method.startswith(f"{FB}used by an embedding gather (at {HERE}:")
+    assert "and a matrix product (at" in plan.leaves[0].method
 
 
 def test_embedding_used_twice_sums_its_uses():
@@ -870,7 +880,7 @@ ELEMENTWISE_MODELS = {
     "scale_and_product": (
         scale_and_product,
         4,
-        [f"{FB}used through different views or operations", SHIFT, "structured"],
+        [f"{FB}used by an elementwise scale (at {HERE}:", SHIFT, "structured"],
     ),
     "square_of_scale": (
         square_of_scale,
