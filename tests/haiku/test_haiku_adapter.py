@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -108,7 +110,8 @@ def test_plan_lists_the_params_leaves_with_their_methods():
     assert leaf.path == "['~']['s']"
     assert leaf.method.startswith("jacobian (fallback: used by tanh, which no rule covers; at ")
     line = scaled.__code__.co_firstlineno + 1
-    assert leaf.method.endswith(f"test_haiku_adapter.py:{line}, in {scaled.__qualname__})")
+    # the function's qualified name where JAX records it (jaxlib >= 0.5), else its name
+    assert re.search(rf"; at test_haiku_adapter.py:{line}, in (\S+\.)?scaled\)$", leaf.method)
 
 
 def test_batchnorm_training_refused_with_vmap_axes_0_and_exact_with_none():
