@@ -85,6 +85,7 @@ Kernel", ICML 2022, section 3.3.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -562,12 +563,16 @@ _LIBRARIES = ("jax", "jaxlib", "ntk_core", "ntk_flax", "ntk_haiku", "flax", "hai
 
 
 def _library_roots() -> tuple[str, ...]:
+    """The folders of the standard library and of :data:`_LIBRARIES` already imported
+    (nothing is imported here)."""
+    files = tuple(getattr(sys.modules.get(name), "__file__", None) for name in _LIBRARIES)
+    return _roots(files)
+
+
+@functools.lru_cache(maxsize=8)
+def _roots(files: tuple) -> tuple[str, ...]:
     roots = [sysconfig.get_paths()["stdlib"]]
-    for name in _LIBRARIES:  # only packages already imported: nothing imported here
-        module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
-        if path:
-            roots.append(os.path.dirname(os.path.abspath(path)))
+    roots += [os.path.dirname(os.path.abspath(f)) for f in files if f]
     return tuple(root + os.sep for root in roots)
 
 
