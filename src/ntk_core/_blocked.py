@@ -314,8 +314,13 @@ def _pair_bytes(config, kernel_bytes: float, out_sizes, itemsize) -> float:
     if config.implementation == "ntvp":
         return kernel_bytes + itemsize * sum(o * o for o in out_sizes)
     if config.implementation == "structured":
-        fallback, groups = config.structure[1], config.structure[2]
-        terms = len(fallback) + 2 * sum(len(g) ** 2 for g in groups)
+        fallback, groups, modes = config.structure[1], config.structure[2], config.structure[4]
+        # A Gram-form group holds an input and a cotangent Gram matrix per pair of its
+        # uses; a per-sample-Jacobian group ("explicit") one contraction, as a fallback.
+        terms = len(fallback) + sum(
+            1 if mode == "explicit" else 2 * len(g) ** 2
+            for g, mode in zip(groups, modes, strict=True)
+        )
     elif config.implementation == "jacobian":
         terms = config.params_tree.num_leaves
     else:
