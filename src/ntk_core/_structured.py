@@ -509,6 +509,15 @@ def _scalar(v, known: dict) -> float | None:
     return known.get(v)
 
 
+def _scalar_constants(constvars, consts) -> dict:
+    """``{var: value}`` of the real scalar constants among a jaxpr's constants."""
+    return {
+        v: float(np.asarray(c))
+        for v, c in zip(constvars, consts, strict=True)
+        if np.ndim(c) == 0 and np.isrealobj(c) and not isinstance(c, jax.core.Tracer)
+    }
+
+
 def _constant_factor(eqn, ins, known: dict) -> float | None:
     """``f`` when ``eqn`` multiplies the one parameter view among its operands by a
     constant scalar: ``neg`` (-1), ``mul`` by a scalar (c), ``div`` by one (1 / c)."""
@@ -681,6 +690,13 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
             here = path + (i,)
             ins = [origin(v) for v in eqn.invars]
             name = eqn.primitive.name
+            if _inlined(eqn):  # scalar constants passed in stay known inside
+                sub, consts = _sub_jaxpr(eqn)
+                for outer, inner in zip(eqn.invars, sub.invars, strict=False):
+                    value = _scalar(outer, known)
+                    if value is not None:
+                        known[inner] = value
+                known.update(_scalar_constants(sub.constvars, consts))
             if not any(o is not None for o in ins):
                 if name == "convert_element_type":  # of a scalar constant: still known
                     value = _scalar(eqn.invars[0], known)
@@ -779,11 +795,9 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 fall_back(o[0], "returned by the model itself (a parameter view as output)")
 
     invars = closed.jaxpr.invars[:n_param_leaves]
-    known = {  # the model's scalar constants (e.g. jnp.sqrt(2.0) closed over)
-        v: float(np.asarray(c))
-        for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
-        if np.ndim(c) == 0 and np.isrealobj(c) and not isinstance(c, jax.core.Tracer)
-    }
+    # The model's scalar constants (e.g. jnp.sqrt(2.0) closed over), and inside inlined
+    # calls those passed in or closed over there.
+    known = _scalar_constants(closed.jaxpr.constvars, closed.consts)
     walk(closed.jaxpr, {v: (i, (), ()) for i, v in enumerate(invars)}, ())
     by_leaf: dict[int, list[int]] = {}
     for u, use in enumerate(uses):

@@ -216,6 +216,12 @@ def test_plan_says_why_a_leaf_falls_back(f, reasons):
 
 _SQRT2 = jnp.sqrt(2.0)  # a constant the models close over (a jaxpr constvar)
 
+
+@jax.jit
+def _scaled_dense(w, x):  # the constant reaches the jitted call as an argument
+    return x @ (w / _SQRT2)
+
+
 SCALED_MODELS = {
     # NTK parametrisation: weights times a constant before their product; plan labels of
     # (w, b, v, e) for the used leaves
@@ -230,6 +236,10 @@ SCALED_MODELS = {
     "constant_on_the_left": (
         lambda p, x: jnp.tanh(x @ (0.125 * p[0]) + p[1]) @ (p[2] * _SQRT2),
         ["structured (1 matrix product)", "structured (bias fused", "structured (1 matrix"],
+    ),
+    "inside_jit": (
+        lambda p, x: jnp.tanh(_scaled_dense(p[0], x) + p[1]) @ p[2],
+        ["structured (1 matrix product)", SHIFT, "structured (1 matrix"],  # not fused across
     ),
     "same_weight_two_factors": (
         lambda p, x: jnp.tanh(x @ (p[0] * 0.5) + (x @ p[0]) * 2.0 + p[1]) @ p[2],
