@@ -5,6 +5,7 @@ Used by ``ntk_flax`` and ``ntk_haiku``; not part of the public API.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 
 from ._engine import KernelFunction
@@ -38,11 +39,20 @@ def kernel_function(fn_name: str, kind: str, apply3, options: dict, check=None, 
     unknown = sorted(set(options) - set(valid))
     if unknown:
         renamed = _RENAMED.get(fn_name.split(".")[0], {})
-        fix = "; ".join(renamed[u] for u in unknown if u in renamed)
+        fixes, model_kwargs = [], False
+        for u in unknown:
+            close = difflib.get_close_matches(u, valid, 1)
+            if u in renamed:
+                fixes.append(renamed[u])
+            elif close:  # a misspelt option, e.g. trace_axis
+                fixes.append(f"write {close[0]}= (not {u}=)")
+            else:
+                model_kwargs = True
+        if model_kwargs:
+            fixes.append("pass model keyword arguments through apply_kwargs={...}")
         raise TypeError(
             f"{fn_name}: unknown option(s) {', '.join(map(repr, unknown))}; valid options are "
-            f"{', '.join(valid)}. Fix: "
-            + (fix + "." if fix else "pass model keyword arguments through apply_kwargs={...}.")
+            f"{', '.join(valid)}. Fix: {'; '.join(fixes)}."
         )
     return KernelFunction(fn_name, kind, apply3, make_options(fn_name, **options), check, hint)
 

@@ -96,18 +96,40 @@ def params_check(fn_name: str, apply_fn):
     return check
 
 
-def missing_model_argument(error: Exception) -> str:
-    """For an adapter's "applying the model failed": the fix when the model's own call
-    lacks an argument (``train``, ``is_training``), else ``""``."""
+def _model_argument_fix(error: Exception) -> str:
+    """The fix when the model's own call lacks an argument (``train``, ``is_training``)
+    or got one it does not take (a misspelt key of ``apply_kwargs``), else ``""``."""
+    if not isinstance(error, TypeError):
+        return ""
+    unexpected = re.search(r"got an unexpected keyword argument '([^']+)'", str(error))
+    if unexpected is not None:
+        return (
+            f"the model does not take the keyword argument {unexpected.group(1)!r}, which "
+            f"apply_kwargs passes: use the names of the model's own arguments (its "
+            f"__call__ signature) in apply_kwargs"
+        )
     m = re.search(
         r"missing \d+ required (?:positional |keyword-only )?arguments?: (.+)$", str(error)
     )
-    if not isinstance(error, TypeError) or m is None:
+    if m is None:
         return ""
     first = m.group(1).split(",")[0].split(" and ")[0].strip()
     return (
-        f" The model's own argument(s) {m.group(1)} are missing: pass them with "
-        f"apply_kwargs={{{first}: False}} (for example)."
+        f"the model's own argument(s) {m.group(1)} are missing: pass them with "
+        f"apply_kwargs={{{first}: False}} (for example)"
+    )
+
+
+def adapter_model_failure(fn_name: str, params_name: str, error: Exception) -> ValueError:
+    """An adapter's ValueError for a model that fails on x1: the model's own error, then
+    the fix (the specific one for a missing or unexpected model argument)."""
+    fix = _model_argument_fix(error) or (
+        f"check that {params_name} come from this model's init and that x1 has the shape it "
+        f"expects, batch axis first (x1[None] for a single sample)"
+    )
+    return ValueError(
+        f"{fn_name}: applying the model to x1 failed with {type(error).__name__}: "
+        f"{str(error).rstrip().rstrip('.')}. Fix: {fix}."
     )
 
 
@@ -133,7 +155,28 @@ def leaked_tracer_error(fn_name: str, error: Exception) -> ValueError:
     )
 
 
-def model_call_fix(params, error: Exception) -> str:
+def argument_order(fn_name: str) -> str:
+    """The argument order of the public function ``fn_name``, for error messages:
+    ``(params, x1, x2)`` in the core, ``(model, variables, x1, x2)`` for
+    ``ntk_flax.kernel``, ``(variables, x1, x2)`` for the function ``ntk_flax.kernel_fn``
+    returns, Haiku's ``(transformed, params, x1, x2)`` / ``(params, x1, x2)``, and the
+    Monte Carlo kernels' ``(model, x1, x2)`` / ``(init_fn, apply_fn, x1, x2)``."""
+    built = fn_name.endswith("_fn")
+    if fn_name.endswith("monte_carlo_kernels"):
+        return "(model, x1, x2)" if fn_name.startswith("ntk_") else "(init_fn, apply_fn, x1, x2)"
+    if fn_name.startswith("ntk_flax."):
+        return "(variables, x1, x2)" if built else "(model, variables, x1, x2)"
+    if fn_name.startswith("ntk_haiku."):
+        return "(params, x1, x2)" if built else "(transformed, params, x1, x2)"
+    return "(params, x1, x2)"
+
+
+def model_noun(fn_name: str) -> str:
+    """What the user gave as the model: ``apply_fn`` in the core, else the model."""
+    return "the model" if fn_name.startswith(("ntk_flax.", "ntk_haiku.")) else "apply_fn"
+
+
+def model_call_fix(params, error: Exception, fn_name: str = "") -> str:
     """The fix for "calling the model failed": the specific one for a Haiku apply that
     expects an rng, else the generic one with a hint for a likely mix-up of params."""
     if "must be called with an RNG" in str(error):
@@ -146,7 +189,7 @@ def model_call_fix(params, error: Exception) -> str:
         )
     fix = (
         "check that params belong to this model and that x1 has the per-sample shape and "
-        "dtype it expects (argument order: params, x1, x2)"
+        f"dtype it expects (argument order: {argument_order(fn_name)[1:-1]})"
     )
     if isinstance(params, Mapping) and "params" in params:
         fix += (

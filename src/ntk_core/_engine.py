@@ -154,8 +154,14 @@ def _batch_size(fn_name: str, name: str, x) -> int:
     if not leaves:
         raise ValueError(
             f"{fn_name}: {name} has no arrays (got {x!r}). Fix: pass an array, or a pytree "
-            f"of arrays, whose axis 0 indexes samples; the argument order is (params, x1, "
-            f"x2), not neural-tangents' (x1, x2, params)."
+            f"of arrays, whose axis 0 indexes samples; the argument order is "
+            f"{_checks.argument_order(fn_name)}"
+            + (
+                ""
+                if _checks.model_noun(fn_name) != "apply_fn"
+                else ", not neural-tangents' (x1, x2, params)"
+            )
+            + "."
         )
     sizes = set()
     for leaf in leaves:
@@ -170,7 +176,7 @@ def _batch_size(fn_name: str, name: str, x) -> int:
         raise ValueError(
             f"{fn_name}: the arrays of {name} disagree on the batch size (axis 0): shapes "
             f"{_describe(x)}. Fix: give every input array the same number of samples; "
-            f"the argument order is (params, x1, x2), params first."
+            f"the argument order is {_checks.argument_order(fn_name)}."
         )
     (n,) = sizes
     if n == 0:
@@ -239,6 +245,12 @@ class KernelFunction:
         check: Callable | None = None,
         hint: str = "",
     ):
+        if kind == "ntk_per_leaf" and options.implementation == "ntvp":
+            raise ValueError(
+                f"{fn_name}: per-leaf kernels need implementation 'jacobian', 'structured' "
+                f"or 'auto', got 'ntvp' (NTK-vector products do not separate the leaves). "
+                f"Fix: pass implementation='auto'."
+            )
         self._fn_name = fn_name
         self._kind = kind
         self._apply3 = apply3
@@ -326,13 +338,14 @@ class KernelFunction:
             raise ValueError(
                 f"{fn}: calling the model on x1 (shapes {_describe(x1)}) failed with "
                 f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}. "
-                f"Fix: {_checks.model_call_fix(params, e)}."
+                f"Fix: {_checks.model_call_fix(params, e, fn)}."
             ) from e
         out_leaves, out_tree = jax.tree.flatten(out)
         if not out_leaves:
             raise ValueError(
                 f"{fn}: the model returned no arrays ({out!r}); expected its outputs, e.g. "
-                f"logits (N, O). Fix: make apply_fn return the network's output."
+                f"logits (N, O). Fix: make {_checks.model_noun(fn)} return the network's "
+                f"output."
             )
         layouts = []
         for i, leaf in enumerate(out_leaves):
@@ -341,8 +354,8 @@ class KernelFunction:
                 raise ValueError(
                     f"{fn}: {where} has shape {leaf.shape} but x1 has {n1} samples (x1 shapes "
                     f"{_describe(x1)}); outputs must keep the batch axis 0. Fix: if x1 is a "
-                    f"single sample, add a batch axis (x1[None]); otherwise make apply_fn "
-                    f"return one row per sample."
+                    f"single sample, add a batch axis (x1[None]); otherwise make "
+                    f"{_checks.model_noun(fn)} return one row per sample."
                 )
             if not jnp.issubdtype(leaf.dtype, jnp.inexact):
                 raise TypeError(
@@ -371,19 +384,9 @@ class KernelFunction:
             )
         shapes1 = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
         implementation = "nngp" if self._kind == "nngp" else opts.implementation
-        if self._kind == "ntk_per_leaf" and implementation == "auto":
-            implementation = "auto_per_leaf"
-        if implementation in ("auto", "auto_per_leaf"):
+        if implementation == "auto":  # per-leaf: among those that separate the leaves
             estimates = self._estimates(params, x1, aux, n1, n2, x2 is None, shapes1, layouts)
-            if implementation == "auto_per_leaf":
-                estimates = tuple(e for e in estimates if e.implementation != "ntvp")
             implementation = _cost.choose(estimates)
-        if self._kind == "ntk_per_leaf" and implementation == "ntvp":
-            raise ValueError(
-                f"{fn}: per-leaf kernels need implementation 'jacobian', 'structured' or "
-                f"'auto', got 'ntvp' (NTK-vector products do not separate the leaves). Fix: "
-                f"pass implementation='auto'."
-            )
         structure, analysis = (), None
         if implementation == "structured":
             if opts.vmap_axes is None:
@@ -447,6 +450,8 @@ class KernelFunction:
         )
         if self._options.vmap_axes is None:  # "structured" needs per-sample independence
             estimates = tuple(e for e in estimates if e.implementation != "structured")
+        if self._kind == "ntk_per_leaf":  # NTK-vector products do not separate the leaves
+            estimates = tuple(e for e in estimates if e.implementation != "ntvp")
         return estimates
 
     # -- computation -------------------------------------------------------------------
@@ -592,14 +597,22 @@ class KernelFunction:
         """What a call with these inputs does: implementation, cost estimates, per leaf."""
         params, x1, x2 = _as_arrays(params), _as_arrays(x1), _as_arrays(x2)
         config = self.config_for(params, x1, x2, aux)
-        if config.kind != "ntk":
-            raise ValueError(f"{self._fn_name}: plan() describes NTK computations only.")
+        if config.kind == "nngp":
+            raise ValueError(
+                f"{self._fn_name}: plan() describes NTK computations; an NNGP kernel has no "
+                f"implementation to choose (one forward pass per sample, then the outputs' "
+                f"N1·N2 contraction). Fix: call plan on the NTK kernel function of the same "
+                f"model (ntk_core.ntk_fn, ntk_flax.kernel_fn or ntk_haiku.kernel_fn)."
+            )
         n1 = _batch_size(self._fn_name, "x1", x1)
         n2 = n1 if x2 is None else _batch_size(self._fn_name, "x2", x2)
         estimates = self._estimates(
             params, x1, aux, n1, n2, x2 is None, config.shapes1, config.layouts
         )
-        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+        paths = [
+            jax.tree_util.keystr(k) or "(root)"  # params that are one array
+            for k, _ in jax.tree_util.tree_leaves_with_path(params)
+        ]
         sizes = [math.prod(np.shape(v)) for v in jax.tree.leaves(params)]
         structured = config.implementation == "structured"
         analysis, modes = config.analysis, config.structure[4] if structured else None

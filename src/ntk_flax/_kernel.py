@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 
 from ntk_core._adapter import BuildCache, check_apply_kwargs, freeze, kernel_function
-from ntk_core._checks import NNX_RECIPE, is_nnx_module, missing_model_argument
+from ntk_core._checks import NNX_RECIPE, adapter_model_failure, argument_order, is_nnx_module
 
 _MUTABLE = flax.core.DenyList(["params"])
 
@@ -25,7 +25,8 @@ def _split(fn_name: str, variables):
         raise TypeError(
             f"{fn_name}: variables must be the dict returned by model.init(...), got "
             f"{type(variables).__name__}. Fix: pass model.init(key, x), or "
-            f"{{'params': state.params}} for a train state."
+            f"{{'params': state.params}} for a train state; the argument order is "
+            f"{argument_order(fn_name)}."
         )
     if "params" not in variables:
         raise ValueError(
@@ -100,12 +101,7 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
                     f"the whole batch (updated statistics are discarded)."
                 ) from None
         except Exception as e:
-            raise ValueError(
-                f"{fn_name}: applying the model to x1 failed with {type(e).__name__}: {e}. "
-                f"Fix: check that variables come from this model's init and that x1 has the "
-                f"shape it expects, batch axis first (x1[None] for a single sample)."
-                f"{missing_model_argument(e)}"
-            ) from e
+            raise adapter_model_failure(fn_name, "variables", e) from e
 
     kernel = kernel_function(
         fn_name,
@@ -129,8 +125,7 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
         return kernel.plan(params, x1, x2, (rest, rngs))
 
     call.implementation_for = implementation_for
-    if kind == "ntk":
-        call.plan = plan
+    call.plan = plan
     return call
 
 
@@ -435,5 +430,5 @@ _CACHE = BuildCache()
 
 def _cached(fn_name, kind, model, method, apply_kwargs, options):
     """Reuses the compiled kernel function of an equal earlier call."""
-    key = (fn_name, model, method, freeze(apply_kwargs or {}), freeze(options))
+    key = (fn_name, model, method, freeze(apply_kwargs), freeze(options))
     return _CACHE.get(key, lambda: _make(fn_name, kind, model, method, apply_kwargs, options))

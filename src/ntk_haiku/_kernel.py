@@ -14,7 +14,7 @@ import haiku as hk
 import jax
 
 from ntk_core._adapter import BuildCache, check_apply_kwargs, freeze, kernel_function
-from ntk_core._checks import missing_model_argument
+from ntk_core._checks import adapter_model_failure
 
 
 def _model_apply(transformed, apply_kwargs):
@@ -49,23 +49,14 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
             jax.eval_shape(lambda p, x, a: apply3(p, x, a), params, x1, aux)
         except ValueError as e:
             if "PRNGKey" not in str(e):
-                raise ValueError(
-                    f"{fn_name}: applying the model to x1 failed: {e}. Fix: check that params "
-                    f"come from this model's init and that x1 has the shape it expects, batch "
-                    f"axis first (x1[None] for a single sample)."
-                ) from e
+                raise adapter_model_failure(fn_name, "params", e) from e
             raise ValueError(
                 f"{fn_name}: the model needs a random key (e.g. dropout) but rng=None. Fix: "
                 f"pass rng=jax.random.PRNGKey(0) (the same key for every sample), or make the "
                 f"model deterministic."
             ) from None
         except Exception as e:
-            raise ValueError(
-                f"{fn_name}: applying the model to x1 failed with {type(e).__name__}: {e}. "
-                f"Fix: check that params come from this model's init and that x1 has the "
-                f"shape it expects, batch axis first (x1[None] for a single sample)."
-                f"{missing_model_argument(e)}"
-            ) from e
+            raise adapter_model_failure(fn_name, "params", e) from e
 
     kernel = kernel_function(
         fn_name, kind, apply3, options, check, hint="apply_kwargs={'is_training': False}"
@@ -77,6 +68,12 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
             raise ValueError(
                 f"{fn_name}: this hk.TransformedWithState needs its state. Fix: pass "
                 f"state=state, the second value returned by transformed.init(key, x)."
+            )
+        if with_state and not isinstance(state, Mapping):
+            raise TypeError(
+                f"{fn_name}: state must be the mapping returned by transformed.init(key, x) "
+                f"(its second value), got {type(state).__name__}. Fix: pass params, state = "
+                f"transformed.init(key, x) as params=params, state=state."
             )
         if not with_state and state is not None:
             raise ValueError(
@@ -106,8 +103,7 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
         return kernel.plan(params, x1, x2, aux(params, state, rng))
 
     call.implementation_for = implementation_for
-    if kind == "ntk":
-        call.plan = plan
+    call.plan = plan
     return call
 
 
@@ -363,5 +359,5 @@ _CACHE = BuildCache()
 
 def _cached(fn_name, kind, transformed, apply_kwargs, options):
     """Reuses the compiled kernel function of an equal earlier call."""
-    key = (fn_name, transformed, freeze(apply_kwargs or {}), freeze(options))
+    key = (fn_name, transformed, freeze(apply_kwargs), freeze(options))
     return _CACHE.get(key, lambda: _make(fn_name, kind, transformed, apply_kwargs, options))

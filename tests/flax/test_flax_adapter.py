@@ -321,3 +321,31 @@ def test_plan_lists_the_params_leaves_with_their_methods():
     line = start + next(i for i, text in enumerate(source) if "bfloat16" in text)
     where = rf"; at test_flax_adapter.py:{line}, in (HalfPrecisionHead\.)?__call__\)$"
     assert re.search(where, methods["['Dense_1']['kernel']"])  # the user's line, not Flax's
+
+
+def test_apply_kwargs_checked_even_after_a_cached_call():
+    """The one-call entry points cache their kernel function per arguments; a falsy
+    non-dict apply_kwargs must not reuse the entry of apply_kwargs=None."""
+    ntk_flax.plan(MODEL, VARIABLES, X)
+    ntk_flax.kernel(MODEL, VARIABLES, X)
+    for bad in (False, 0, "", []):
+        with pytest.raises(TypeError, match=r"^ntk_flax.plan: apply_kwargs must be a dict"):
+            ntk_flax.plan(MODEL, VARIABLES, X, apply_kwargs=bad)
+        with pytest.raises(TypeError, match=r"^ntk_flax.kernel: apply_kwargs must be a dict"):
+            ntk_flax.kernel(MODEL, VARIABLES, X, apply_kwargs=bad)
+
+
+def test_per_leaf_kernel_function_has_a_plan_without_ntvp():
+    model = Counting()
+    x = jax.random.normal(jax.random.PRNGKey(0), (5, 3))
+    variables = model.init(jax.random.PRNGKey(1), x)
+    kernel = ntk_flax.kernel_per_leaf_fn(model, trace_axes=())
+    plan = kernel.plan(variables, x)
+    assert {e.implementation for e in plan.estimates} == {"jacobian", "structured"}
+    assert [leaf.path for leaf in plan.leaves] == [
+        "['Dense_0']['bias']",
+        "['Dense_0']['kernel']",
+        "['Dense_1']['bias']",
+        "['Dense_1']['kernel']",
+    ]
+    assert plan.implementation == kernel.implementation_for(variables, x)
