@@ -171,6 +171,15 @@ def argument_order(fn_name: str) -> str:
     return "(params, x1, x2)"
 
 
+def order_hint(fn_name: str) -> str:
+    """ "the argument order is ...", with neural-tangents' order for the core functions,
+    whose (params, x1, x2) users of neural-tangents' (x1, x2, params) get wrong."""
+    hint = f"the argument order is {argument_order(fn_name)}"
+    if model_noun(fn_name) == "apply_fn" and not fn_name.endswith("monte_carlo_kernels"):
+        hint += ", not neural-tangents' (x1, x2, params)"
+    return hint
+
+
 def model_noun(fn_name: str) -> str:
     """What the user gave as the model: ``apply_fn`` in the core, else the model."""
     return "the model" if fn_name.startswith(("ntk_flax.", "ntk_haiku.")) else "apply_fn"

@@ -154,14 +154,7 @@ def _batch_size(fn_name: str, name: str, x) -> int:
     if not leaves:
         raise ValueError(
             f"{fn_name}: {name} has no arrays (got {x!r}). Fix: pass an array, or a pytree "
-            f"of arrays, whose axis 0 indexes samples; the argument order is "
-            f"{_checks.argument_order(fn_name)}"
-            + (
-                ""
-                if _checks.model_noun(fn_name) != "apply_fn"
-                else ", not neural-tangents' (x1, x2, params)"
-            )
-            + "."
+            f"of arrays, whose axis 0 indexes samples; {_checks.order_hint(fn_name)}."
         )
     sizes = set()
     for leaf in leaves:
@@ -176,7 +169,7 @@ def _batch_size(fn_name: str, name: str, x) -> int:
         raise ValueError(
             f"{fn_name}: the arrays of {name} disagree on the batch size (axis 0): shapes "
             f"{_describe(x)}. Fix: give every input array the same number of samples; "
-            f"the argument order is {_checks.argument_order(fn_name)}."
+            f"{_checks.order_hint(fn_name)}."
         )
     (n,) = sizes
     if n == 0:
@@ -277,8 +270,11 @@ class KernelFunction:
         try:
             return self._validated(params, x1, x2, aux)
         except (TypeError, ValueError) as e:
-            if x2 is None or not _checks.runs_in_neural_tangents_order(
-                self._apply3, params, x1, x2, aux
+            core = _checks.model_noun(self._fn_name) == "apply_fn"  # adapters check theirs
+            if (
+                not core
+                or x2 is None
+                or not _checks.runs_in_neural_tangents_order(self._apply3, params, x1, x2, aux)
             ):
                 raise
             raise ValueError(
