@@ -601,17 +601,20 @@ def _source_location(eqn) -> str:
     return ""
 
 
-def _unpaired_reason(members: list[Use], sites: list[str], indices: list[int]) -> str:
-    """Why a leaf used several times (weight tying) falls back: its uses' Jacobians are
-    of different views or operations, e.g. ``a matrix product (at model.py:4, in f) and
-    a matrix product of another view of it (at model.py:6, in f)``."""
-    parts, seen = [], {}
-    for use, u in zip(members, indices, strict=True):
-        if use.key in seen:
+def _unpaired_reason(uses: list[Use], sites: list[str], indices: list[int]) -> str:
+    """Why a leaf used several times (weight tying) falls back: its uses ``indices``
+    have Jacobians of different views or operations, e.g. ``a matrix product (at
+    model.py:4, in f) and a matrix product of another view of it (at model.py:6, in
+    f)``; ``sites``: each use's source location."""
+    parts, keys, kinds = [], set(), set()
+    for u in indices:
+        use = uses[u]
+        if use.key in keys:
             continue
+        keys.add(use.key)
         name = KIND_NAMES[use.kind]
-        other = " of another view of it" if any(k[0] == use.kind for k in seen) else ""
-        seen[use.key] = use.kind
+        other = " of another view of it" if use.kind in kinds else ""
+        kinds.add(use.kind)
         where = f" (at {sites[u]})" if sites[u] else ""
         article = "an" if name[0] in "aeiou" else "a"
         parts.append(f"{article} {name}{other}{where}")
@@ -694,7 +697,9 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 sub, consts = _sub_jaxpr(eqn)
                 for outer, inner in zip(eqn.invars, sub.invars, strict=False):
                     value = _scalar(outer, known)
-                    if value is not None:
+                    if value is None:  # a jaxpr JAX reuses for another call: forget
+                        known.pop(inner, None)
+                    else:
                         known[inner] = value
                 known.update(_scalar_constants(sub.constvars, consts))
             if not any(o is not None for o in ins):
@@ -804,7 +809,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
         by_leaf.setdefault(use.leaf, []).append(u)
     for leaf, members in by_leaf.items():
         if len({uses[u].key for u in members}) > 1:  # different views: no pairing
-            fall_back(leaf, _unpaired_reason([uses[u] for u in members], use_sites, members))
+            fall_back(leaf, _unpaired_reason(uses, use_sites, members))
     uses_per_leaf = {leaf: len(m) for leaf, m in by_leaf.items()}
     fused: dict[int, int] = {}  # use index (in ``uses``) -> bias leaf
     absorbed_uses: set[int] = set()  # shift uses replaced by a fused bias
