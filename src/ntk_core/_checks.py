@@ -54,7 +54,8 @@ def check_apply_fn(fn_name: str, apply_fn) -> None:
     if is_nnx_module(apply_fn):
         raise TypeError(
             f"{fn_name}: apply_fn is the flax.nnx module {type(apply_fn).__name__}; "
-            f"expected a function apply_fn(params, x) of explicit params. Fix: "
+            f"expected a function apply_fn(params, x) of explicit params. Fix: use "
+            f"ntk_flax.kernel(model, None, x) (None: the module's own nnx.Param state), or "
             f"{NNX_RECIPE}."
         )
     if _is_haiku_transformed(apply_fn):

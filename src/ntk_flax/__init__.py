@@ -1,4 +1,5 @@
-"""ntk_flax: empirical NTK and NNGP kernels of ``flax.linen`` models via ``ntk_core``."""
+"""ntk_flax: empirical NTK and NNGP kernels of ``flax.linen`` and ``flax.nnx`` models via
+``ntk_core``."""
 
 from ntk_flax._kernel import kernel as kernel
 from ntk_flax._kernel import kernel_fn as kernel_fn

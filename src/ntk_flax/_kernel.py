@@ -1,4 +1,4 @@
-"""Empirical NTK / NNGP of ``flax.linen`` models.
+"""Empirical NTK / NNGP of ``flax.linen`` models (and ``flax.nnx`` ones, see ``_nnx``).
 
 The adapter turns ``(model, variables)`` into a pure ``apply3(params, x, aux)`` where
 ``params = variables["params"]`` is differentiated and every other collection
@@ -15,7 +15,8 @@ import flax.linen as nn
 import jax
 
 from ntk_core._adapter import BuildCache, check_apply_kwargs, freeze, kernel_function
-from ntk_core._checks import NNX_RECIPE, adapter_model_failure, argument_order, is_nnx_module
+from ntk_core._checks import adapter_model_failure, argument_order, is_nnx_module
+from ntk_flax import _nnx
 
 _MUTABLE = flax.core.DenyList(["params"])
 
@@ -55,16 +56,14 @@ def _model_apply(model, method, apply_kwargs):
 
 
 def _make(fn_name, kind, model, method, apply_kwargs, options):
-    if is_nnx_module(model):  # recognised without importing flax.nnx
-        raise TypeError(
-            f"{fn_name}: model is the flax.nnx module {type(model).__name__}; this adapter "
-            f"takes flax.linen modules. Fix: {NNX_RECIPE}."
-        )
+    if is_nnx_module(model):  # flax.nnx: the module's own state, split per call
+        return _nnx.make(fn_name, kind, model, method, apply_kwargs, options)
     if not isinstance(model, nn.Module):
         raise TypeError(
-            f"{fn_name}: model must be a flax.linen.Module, got {type(model).__name__}. Fix: "
-            f"pass the module instance (e.g. MyModel()); the argument order is (model, "
-            f"variables, x1, x2); for a plain function use ntk_core.empirical_ntk."
+            f"{fn_name}: model must be a flax.linen.Module or a flax.nnx.Module, got "
+            f"{type(model).__name__}. Fix: pass the module instance (e.g. MyModel()); the "
+            f"argument order is (model, variables, x1, x2); for a plain function use "
+            f"ntk_core.empirical_ntk."
         )
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
     apply3 = _model_apply(model, method, apply_kwargs)
@@ -140,10 +139,17 @@ def kernel_fn(
     are held fixed and never mutated. New variables of the same shapes (each training
     step) do not recompile.
 
+    A ``flax.nnx`` module holds its own state: pass ``variables=None`` to use its
+    ``nnx.Param`` variables as they are at each call (after in-place optimizer updates),
+    or a state of the same structure (``nnx.state(model, nnx.Param)``, e.g. of another
+    step); its other state (BatchNorm statistics, RNG state) is held fixed. Call
+    ``model.eval()`` first for BatchNorm and Dropout in evaluation mode; switching the
+    mode recompiles once.
+
     Args:
-      model: a ``flax.linen.Module``.
-      method: passed to ``model.apply`` (a method name or function); default
-        ``__call__``.
+      model: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
+      method: passed to ``model.apply`` (a method name or function; for nnx, a method
+        name); default ``__call__``.
       apply_kwargs: extra keyword arguments of the model, e.g. ``{"train": False}``.
       **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
         ``precision`` as in :func:`ntk_core.ntk_fn`, and the blocked engine's
@@ -158,10 +164,12 @@ def kernel_fn(
       describes it per parameter leaf (see :func:`plan`).
 
     Raises:
-      TypeError: ``model`` not a linen Module; an unknown option; ``variables`` not a dict.
-      ValueError: ``variables`` without ``params``; a model needing an rng (dropout)
-        without ``rngs``; a model whose samples interact (BatchNorm in training mode)
-        with ``vmap_axes=0``; the model failing on x1; and every error of
+      TypeError: ``model`` not a linen or nnx Module; an unknown option; ``variables``
+        not a dict; ``rngs`` for an nnx module; an nnx ``method`` it does not have.
+      ValueError: ``variables`` without ``params`` (for nnx: not of its ``nnx.Param``
+        state's structure); a model needing an rng (dropout) without ``rngs``; a model
+        whose samples interact (BatchNorm in training mode) with ``vmap_axes=0``; the
+        model failing on x1; and every error of
         :func:`ntk_core.ntk_fn`.
 
     Cost: as :func:`ntk_core.ntk_fn`, plus, once per input shape, two small forward
@@ -225,9 +233,10 @@ def kernel(
     ``(N, O)`` outputs with the default ``trace_axes=(-1,)``, traced axes averaged).
 
     Args:
-      model: a ``flax.linen.Module``.
+      model: a ``flax.linen.Module`` or a ``flax.nnx.Module`` (see :func:`kernel_fn`).
       variables: the dict returned by ``model.init`` (``params`` plus any other
-        collections, held fixed).
+        collections, held fixed); for an nnx module, ``None`` (its own ``nnx.Param``
+        state) or such a state.
       x1: array or pytree of arrays, batch axis 0 of size N1.
       x2: ``None`` (x2 is x1) or like x1 with N2 samples.
       method, apply_kwargs, **options: see :func:`kernel_fn`.

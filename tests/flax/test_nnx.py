@@ -1,0 +1,156 @@
+"""ntk_flax with flax.nnx modules: against the float64 reference and the same network in
+flax.linen (weights copied over), in training loops, per leaf, and its errors."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ntk_flax
+import reference
+
+# flax >= 0.12 deprecates Variable.value in favour of variable[...]; the oldest flax this
+# project supports (0.10) reads and writes values through .value.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:'.value' (access|setter) is now deprecated:DeprecationWarning"
+)
+
+TRACES = []
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.dense_0 = nnx.Linear(3, 5, rngs=rngs)
+        self.norm = nnx.BatchNorm(5, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.dense_1 = nnx.Linear(5, 2, rngs=rngs)
+
+    def __call__(self, x):
+        TRACES.append(1)  # runs only while JAX traces
+        return self.dense_1(self.drop(jnp.tanh(self.norm(self.dense_0(x)))))
+
+
+class LinenTwin(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(5, name="dense_0")(x)
+        h = nn.BatchNorm(use_running_average=True, name="norm")(h)
+        return nn.Dense(2, name="dense_1")(jnp.tanh(h))
+
+
+X1 = jax.random.normal(jax.random.PRNGKey(1), (4, 3))
+X2 = jax.random.normal(jax.random.PRNGKey(2), (3, 3))
+
+
+def _net():
+    """An nnx Net in evaluation mode with non-trivial BatchNorm statistics."""
+    model = Net(nnx.Rngs(0))
+    model.norm.mean.value = jnp.linspace(-0.5, 0.5, 5)
+    model.norm.var.value = jnp.linspace(0.5, 2.0, 5)
+    model.eval()
+    return model
+
+
+def _pure(model):
+    """The reference's apply_fn: the module as a function of its nnx.Param state."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return (lambda p, x: nnx.merge(graphdef, p, rest)(x)), params
+
+
+@pytest.mark.parametrize("implementation", ["structured", "jacobian"])
+def test_kernel_and_nngp_match_reference_and_the_linen_twin(implementation):
+    model = _net()
+    k = ntk_flax.kernel(model, None, X1, X2, trace_axes=(), implementation=implementation)
+    f, params = _pure(model)
+    expected = reference.ntk(f, params, X1, X2, trace_axes=())[0]
+    reference.assert_close(k, expected)
+    reference.assert_close(ntk_flax.nngp(model, None, X1, X2), reference.nngp(f, params, X1, X2)[0])
+    # The same network in flax.linen, with the nnx weights and statistics copied over.
+    variables = {
+        "params": {
+            "dense_0": {"kernel": model.dense_0.kernel.value, "bias": model.dense_0.bias.value},
+            "norm": {"scale": model.norm.scale.value, "bias": model.norm.bias.value},
+            "dense_1": {"kernel": model.dense_1.kernel.value, "bias": model.dense_1.bias.value},
+        },
+        "batch_stats": {"norm": {"mean": model.norm.mean.value, "var": model.norm.var.value}},
+    }
+    linen = ntk_flax.kernel(LinenTwin(), variables, X1, X2, trace_axes=())
+    reference.assert_close(k, np.asarray(linen, np.float64))
+
+
+def test_training_mode_refused_with_the_eval_fix():
+    model = _net()
+    model.train()  # BatchNorm with batch statistics: samples interact
+    with pytest.raises(ValueError, match=r"^ntk_flax.kernel: .* \(e\.g\. model\.eval\(\)\)"):
+        ntk_flax.kernel(model, None, X1)
+
+
+def test_kernel_fn_follows_the_module_and_given_variables_without_recompiling():
+    model = _net()
+    kernel = ntk_flax.kernel_fn(model)
+    first = kernel(None, X1)
+    n = len(TRACES)
+    model.dense_0.kernel.value = model.dense_0.kernel.value * 1.5  # an in-place update
+    updated = kernel(None, X1)
+    state = jax.tree.map(lambda v: 0.5 * v, nnx.state(model, nnx.Param))
+    given = kernel(state, X1)
+    assert len(TRACES) == n  # same shapes, same mode: no retrace
+    f, params = _pure(model)
+    reference.assert_close(updated, reference.ntk(f, params, X1, None)[0])
+    reference.assert_close(given, reference.ntk(f, state, X1, None)[0])
+    assert not np.allclose(first, updated)
+
+
+def test_per_leaf_kernels_and_plan():
+    model = _net()
+    per_leaf = ntk_flax.kernel_per_leaf(model, None, X1, X2, trace_axes=())
+    f, params = _pure(model)
+    assert jax.tree.structure(per_leaf) == jax.tree.structure(params)
+    expected_total = reference.ntk(f, params, X1, X2, trace_axes=())[0]
+    scale = np.abs(expected_total).max()
+    for i, got in enumerate(jax.tree.leaves(per_leaf)):
+        g, leaf = reference.leaf_alone(f, params, i)
+        reference.assert_close(got, reference.ntk(g, leaf, X1, X2, trace_axes=())[0], scale=scale)
+    plan = ntk_flax.plan(model, None, X1, implementation="structured")
+    methods = {leaf.path: leaf.method for leaf in plan.leaves}
+    assert methods["['dense_0']['kernel'].value"] == "structured (1 matrix product)"
+    assert methods["['norm']['scale'].value"].startswith("structured (elementwise scale")
+    assert len(methods) == len(jax.tree.leaves(params))  # Params only, no statistics
+
+
+ERRORS = [
+    (
+        "variables of another structure",
+        lambda: ntk_flax.kernel(_net(), {"w": jnp.ones(3)}, X1),
+        ValueError,
+        r"^ntk_flax.kernel: variables do not have the structure of the module's nnx.Param",
+    ),
+    (
+        "rngs for an nnx module",
+        lambda: ntk_flax.kernel(_net(), None, X1, rngs={"dropout": jax.random.PRNGKey(0)}),
+        TypeError,
+        r"^ntk_flax.kernel: rngs was given, but an nnx module carries its own nnx.Rngs",
+    ),
+    (
+        "a method it does not have",
+        lambda: ntk_flax.kernel_fn(_net(), method="features"),
+        TypeError,
+        r"^ntk_flax.kernel_fn: method must name a method of the nnx module Net, got 'features'",
+    ),
+    (
+        "inputs of the wrong shape",
+        lambda: ntk_flax.kernel(_net(), None, jnp.ones((4, 5))),
+        ValueError,
+        r"^ntk_flax.kernel: applying the model to x1 failed with",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, exc, pattern", [c[1:] for c in ERRORS], ids=[c[0] for c in ERRORS])
+def test_error(call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
