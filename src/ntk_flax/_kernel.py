@@ -307,13 +307,14 @@ def nngp(
 def kernel_per_leaf_fn(
     model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
 ) -> Callable:
-    """Jitted empirical NTK of a ``flax.linen`` model, split by parameter leaf.
+    """Jitted empirical NTK of a Flax model, split by parameter leaf.
 
     Returns ``kernel(variables, x1, x2=None, *, rngs=None)`` giving a dict shaped like
-    ``variables["params"]`` (``{"Dense_0": {"kernel": K, "bias": K}, ...}``) whose
-    leaves Θ_l are kernels in the layout of :func:`kernel` (``(N1, N2)`` by default,
-    ``(N1, N2, O, O)`` with ``trace_axes=()``), with Σ_l Θ_l = Θ (see
-    :func:`ntk_core.ntk_per_leaf_fn`). Shows which layers drive the kernel.
+    ``variables["params"]`` (``{"Dense_0": {"kernel": K, "bias": K}, ...}``; for an nnx
+    module, an ``nnx.State`` shaped like its ``nnx.Param`` state) whose leaves Θ_l are
+    kernels in the layout of :func:`kernel` (``(N1, N2)`` by default, ``(N1, N2, O, O)``
+    with ``trace_axes=()``), with Σ_l Θ_l = Θ (see :func:`ntk_core.ntk_per_leaf_fn`).
+    Shows which layers drive the kernel.
 
     Args:
       model, method, apply_kwargs: see :func:`kernel_fn`.
@@ -362,9 +363,9 @@ def kernel_per_leaf(
       **options: see :func:`kernel_per_leaf_fn`.
 
     Returns:
-      A dict shaped like ``variables["params"]`` of kernels, each in the layout and
-      dtype of :func:`kernel` (``(N1, N2)`` by default, ``(N1, N2, O, O)`` with
-      ``trace_axes=()``).
+      A dict shaped like ``variables["params"]`` (an ``nnx.State`` for an nnx module)
+      of kernels, each in the layout and dtype of :func:`kernel` (``(N1, N2)`` by
+      default, ``(N1, N2, O, O)`` with ``trace_axes=()``).
 
     Raises:
       See :func:`kernel_per_leaf_fn`.
