@@ -57,6 +57,43 @@ def kernel_function(fn_name: str, kind: str, apply3, options: dict, check=None, 
     return KernelFunction(fn_name, kind, apply3, make_options(fn_name, **options), check, hint)
 
 
+def bound_kernel(fn_name: str, kernel: KernelFunction, to_core, keywords: tuple[str, ...]):
+    """The function an adapter returns: ``call(first, x1, x2=None, **keywords)``, with
+    ``.implementation_for`` and ``.plan`` taking the same arguments.
+
+    ``to_core(first, **keywords) -> (params, aux)`` turns the adapter's arguments (Flax
+    ``variables`` and ``rngs``, Haiku ``params``, ``state`` and ``rng``) into the core's;
+    a keyword outside ``keywords`` gets a TypeError naming the valid ones.
+    """
+
+    def core_arguments(first, given):
+        unknown = sorted(set(given) - set(keywords))
+        if unknown:
+            raise TypeError(
+                f"{fn_name}(...)(...): unknown keyword argument(s) "
+                f"{', '.join(map(repr, unknown))}; the kernel function takes "
+                f"{', '.join(f'{k}=' for k in keywords)}. Fix: give kernel options when "
+                f"building it, and model arguments through apply_kwargs={{...}}."
+            )
+        return to_core(first, **given)
+
+    def call(first, x1, x2=None, **given):
+        params, aux = core_arguments(first, given)
+        return kernel(params, x1, x2, aux)
+
+    def implementation_for(first, x1, x2=None, **given) -> str:
+        params, aux = core_arguments(first, given)
+        return kernel.implementation_for(params, x1, x2, aux)
+
+    def plan(first, x1, x2=None, **given):
+        params, aux = core_arguments(first, given)
+        return kernel.plan(params, x1, x2, aux)
+
+    call.implementation_for = implementation_for
+    call.plan = plan
+    return call
+
+
 def freeze(value):
     """A hashable stand-in for nested dicts and lists (for cache keys)."""
     if isinstance(value, dict):

@@ -33,6 +33,7 @@ import jax
 from jax.extend import core as jex_core
 
 from . import _jacobian
+from ._environment import sub_jaxprs
 from ._structured import choose_modes, pair_costs
 
 #: Bytes of per-sample Jacobians above which ``"auto"`` avoids ``"jacobian"``.
@@ -84,16 +85,6 @@ class Plan:
             line = f"  {leaf.path:<40} {leaf.size:>10}  {leaf.method}"
             lines.append(line + (f"  ({leaf.structured})" if leaf.structured else ""))
         return "\n".join(lines)
-
-
-def _sub_jaxprs(params):
-    for value in params.values():
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        for item in items:
-            if isinstance(item, jex_core.ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, jex_core.Jaxpr):
-                yield item
 
 
 def _shape_size(var) -> int:
@@ -163,7 +154,7 @@ def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
         on_x = any(f[1] for f in ins)
         name = eqn.primitive.name
         product = _eqn_flops(eqn)
-        subs = list(_sub_jaxprs(eqn.params))
+        subs = list(sub_jaxprs(eqn))
         if product:
             cost.forward += product
             for dep_p, dep_x in ins[:2]:

@@ -274,20 +274,22 @@ def _low_precision(value) -> bool:
     return False
 
 
-def _sub_jaxprs(eqn):
-    """The jaxprs inside an equation's parameters (jit, custom_jvp, scan, cond, ...)."""
+def sub_jaxprs(eqn):
+    """The jaxprs inside an equation's parameters (jit, custom_jvp, scan, cond, ...);
+    shared with :mod:`ntk_core._cost`."""
     for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-            if hasattr(inner, "eqns"):
-                yield inner
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jex.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jex.Jaxpr):
+                yield item
 
 
 def _equations(jaxpr):
     """Every equation of a jaxpr, those of its sub-jaxprs included."""
     for eqn in jaxpr.eqns:
         yield eqn
-        for inner in _sub_jaxprs(eqn):
+        for inner in sub_jaxprs(eqn):
             yield from _equations(inner)
 
 
@@ -312,7 +314,7 @@ def _low_precision_ops(jaxpr) -> list[str]:
             per_operand = value if isinstance(value, tuple) else (value,) * len(moves)
             if any(_low_precision(p) and m for p, m in zip(per_operand, moves, strict=False)):
                 found.append(f"{eqn.primitive.name}(precision={value})")
-        for inner in _sub_jaxprs(eqn):
+        for inner in sub_jaxprs(eqn):
             found += _low_precision_ops(inner)
     return found
 

@@ -601,11 +601,11 @@ def _source_location(eqn) -> str:
     return ""
 
 
-def _unpaired_reason(uses: list[Use], sites: list[str], indices: list[int]) -> str:
+def _unpaired_reason(uses: list[Use], sites: list, indices: list[int]) -> str:
     """Why a leaf used several times (weight tying) falls back: its uses ``indices``
     have Jacobians of different views or operations, e.g. ``a matrix product (at
     model.py:4, in f) and a matrix product of another view of it (at model.py:6, in
-    f)``; ``sites``: each use's source location."""
+    f)``; ``sites``: each use's equation (its source location is looked up here)."""
     parts, keys, kinds = [], set(), set()
     for u in indices:
         use = uses[u]
@@ -615,7 +615,8 @@ def _unpaired_reason(uses: list[Use], sites: list[str], indices: list[int]) -> s
         name = KIND_NAMES[use.kind]
         other = " of another view of it" if use.kind in kinds else ""
         kinds.add(use.kind)
-        where = f" (at {sites[u]})" if sites[u] else ""
+        location = _source_location(sites[u])
+        where = f" (at {location})" if location else ""
         article = "an" if name[0] in "aeiou" else "a"
         parts.append(f"{article} {name}{other}{where}")
     return (
@@ -659,7 +660,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     scale (:func:`_elementwise_use`) when its view allows.
     """
     uses: list[Use] = []
-    use_sites: list[str] = []  # per use: the user's line (see _source_location)
+    use_sites: list = []  # per use: the equation whose source line names it (if tied)
     bad: dict[int, str] = {}  # leaf -> the first reason it falls back
 
     def fall_back(leaf: int, reason: str, eqn=None) -> None:
@@ -750,7 +751,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                     fall_back(leaf, _rule_miss_reason(eqn, ins), call or eqn)
                     continue
                 uses.append(use)
-                use_sites.append(_source_location(call or eqn))
+                use_sites.append(call or eqn)
                 y = eqn.invars[1 - b_side]
                 # A bias fuses with its product only when the product's output feeds
                 # this add alone (so the cotangent at the product equals the one at the
@@ -770,7 +771,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 use = rule(eqn, ins, here)
                 if use is not None:
                     uses.append(use)
-                    use_sites.append(_source_location(call or eqn))
+                    use_sites.append(call or eqn)
                     use_of_output[eqn.outvars[0]] = len(uses) - 1
                     continue
                 reason = _rule_miss_reason(eqn, ins)

@@ -14,7 +14,13 @@ import flax.errors
 import flax.linen as nn
 import jax
 
-from ntk_core._adapter import BuildCache, check_apply_kwargs, freeze, kernel_function
+from ntk_core._adapter import (
+    BuildCache,
+    bound_kernel,
+    check_apply_kwargs,
+    freeze,
+    kernel_function,
+)
 from ntk_core._checks import adapter_model_failure, argument_order, is_nnx_module
 from ntk_flax import _nnx
 
@@ -111,21 +117,11 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
         hint="use_running_average=True / apply_kwargs={'train': False}",
     )
 
-    def call(variables, x1, x2=None, *, rngs=None):
+    def to_core(variables, rngs=None):
         params, rest = _split(fn_name, variables)
-        return kernel(params, x1, x2, (rest, rngs))
+        return params, (rest, rngs)
 
-    def implementation_for(variables, x1, x2=None, *, rngs=None) -> str:
-        params, rest = _split(fn_name, variables)
-        return kernel.implementation_for(params, x1, x2, (rest, rngs))
-
-    def plan(variables, x1, x2=None, *, rngs=None):
-        params, rest = _split(fn_name, variables)
-        return kernel.plan(params, x1, x2, (rest, rngs))
-
-    call.implementation_for = implementation_for
-    call.plan = plan
-    return call
+    return bound_kernel(fn_name, kernel, to_core, ("rngs",))
 
 
 def kernel_fn(

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from ntk_core._adapter import check_apply_kwargs, kernel_function
+from ntk_core._adapter import bound_kernel, check_apply_kwargs, kernel_function
 from ntk_core._checks import adapter_model_failure
 
 
@@ -50,7 +50,7 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
 
     kernel = kernel_function(fn_name, kind, apply3, options, check, hint="model.eval()")
 
-    def split(variables, rngs):
+    def to_core(variables, rngs=None):
         if rngs is not None:
             raise TypeError(
                 f"{fn_name}: rngs was given, but an nnx module carries its own nnx.Rngs. "
@@ -69,18 +69,4 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
             params = variables
         return params, (graphdef, rest)
 
-    def call(variables, x1, x2=None, *, rngs=None):
-        params, aux = split(variables, rngs)
-        return kernel(params, x1, x2, aux)
-
-    def implementation_for(variables, x1, x2=None, *, rngs=None) -> str:
-        params, aux = split(variables, rngs)
-        return kernel.implementation_for(params, x1, x2, aux)
-
-    def plan(variables, x1, x2=None, *, rngs=None):
-        params, aux = split(variables, rngs)
-        return kernel.plan(params, x1, x2, aux)
-
-    call.implementation_for = implementation_for
-    call.plan = plan
-    return call
+    return bound_kernel(fn_name, kernel, to_core, ("rngs",))

@@ -13,7 +13,13 @@ from collections.abc import Callable, Mapping
 import haiku as hk
 import jax
 
-from ntk_core._adapter import BuildCache, check_apply_kwargs, freeze, kernel_function
+from ntk_core._adapter import (
+    BuildCache,
+    bound_kernel,
+    check_apply_kwargs,
+    freeze,
+    kernel_function,
+)
 from ntk_core._checks import adapter_model_failure
 
 
@@ -62,8 +68,9 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
         fn_name, kind, apply3, options, check, hint="apply_kwargs={'is_training': False}"
     )
 
-    def aux(params, state, rng):
-        """``(state, rng)`` for the core, after checking them against the transform."""
+    def to_core(params, state=None, rng=None):
+        """``(params, (state, rng))`` for the core, after checking them against the
+        transform."""
         if with_state and state is None:
             raise ValueError(
                 f"{fn_name}: this hk.TransformedWithState needs its state. Fix: pass "
@@ -91,20 +98,9 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
                 f"{type(params).__name__}. Fix: pass params = transformed.init(key, x); the "
                 f"argument order is (transformed, params, x1, x2)."
             )
-        return state, rng
+        return params, (state, rng)
 
-    def call(params, x1, x2=None, *, state=None, rng=None):
-        return kernel(params, x1, x2, aux(params, state, rng))
-
-    def implementation_for(params, x1, x2=None, *, state=None, rng=None) -> str:
-        return kernel.implementation_for(params, x1, x2, aux(params, state, rng))
-
-    def plan(params, x1, x2=None, *, state=None, rng=None):
-        return kernel.plan(params, x1, x2, aux(params, state, rng))
-
-    call.implementation_for = implementation_for
-    call.plan = plan
-    return call
+    return bound_kernel(fn_name, kernel, to_core, ("state", "rng"))
 
 
 def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
