@@ -239,8 +239,11 @@ def before_trace(fn_name: str, params, x1, x2, options) -> None:
             )
 
 
-def after_trace(fn_name: str, apply3, params, x1, x2, aux, out_leaves, options) -> None:
-    """Checks that need the model's outputs (already validated), and precision warnings."""
+def after_trace(
+    fn_name: str, apply3, params, x1, x2, aux, out_leaves, options, kernel: str = "NTK"
+) -> None:
+    """Checks that need the model's outputs (already validated), and precision warnings
+    (worded for ``kernel``, "NTK" or "NNGP")."""
     for i, leaf in enumerate(out_leaves):
         if np.dtype(leaf.dtype).kind == "c":
             where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
@@ -251,7 +254,9 @@ def after_trace(fn_name: str, apply3, params, x1, x2, aux, out_leaves, options) 
             )
     _environment.check_float64(fn_name, params=params, x1=x1, x2=x2)
     _environment.check_precision_option(fn_name, options.precision)
-    _environment.check_model_precision(fn_name, apply3, params, x1, aux, options.precision)
+    _environment.check_model_precision(
+        fn_name, apply3, params, x1, aux, options.precision, kernel
+    )
 
 
 def runs_in_neural_tangents_order(apply3, params, x1, x2, aux) -> bool:

@@ -366,7 +366,8 @@ class KernelFunction:
                     f"N1={n1} and N2={n2}. Fix: pass x2 with N1 samples, or x2=None."
                 )
             layouts.append(layout)
-        _checks.after_trace(fn, self._apply3, params, x1, x2, aux, out_leaves, opts)  # warnings
+        kernel = "NNGP" if self._kind == "nngp" else "NTK"
+        _checks.after_trace(fn, self._apply3, params, x1, x2, aux, out_leaves, opts, kernel)
         if opts.vmap_axes is not None and _probe.samples_interact(
             self._apply3, params, x1, x2, aux, fn_name=fn
         ):

@@ -8,6 +8,7 @@ hands it to ``ntk_core``.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping
 
 import haiku as hk
@@ -40,6 +41,41 @@ def _model_apply(transformed, apply_kwargs):
     return apply3, with_state, takes_rng
 
 
+def _foreign_params(fn_name, params, error) -> ValueError | None:
+    """The ValueError for params that are not this transform's (Haiku cannot find a
+    parameter the model asks for), naming the modules they hold; ``None`` otherwise.
+    A Flax variables dict (``{'params': {'Dense_0': ...}}``) gets the ntk_flax fix."""
+    wanted = re.search(r"Unable to retrieve parameter '([^']+)' for module '([^']+)'", str(error))
+    if wanted is None or not isinstance(params, Mapping):
+        return None
+    name, module = wanted.groups()
+    held = sorted(map(str, params))
+    shown = held if len(held) <= 6 else held[:6] + [f"... ({len(held)} in all)"]
+    if "params" in params and isinstance(params["params"], Mapping):
+        fix = (
+            "params looks like a Flax variables dict ({'params': ...}): use "
+            "ntk_flax.kernel(model, variables, x) for a Flax model, or pass the params "
+            "returned by transformed.init(key, x) for this Haiku model"
+        )
+    elif not all(isinstance(v, Mapping) for v in params.values()):
+        fix = (
+            "Haiku params map module names to dicts of arrays ({'linear': {'w': ..., "
+            "'b': ...}}), and these map names straight to arrays (Flax's "
+            "variables['params'] of a single layer?): pass the params returned by "
+            "transformed.init(key, x), or use ntk_flax.kernel for a Flax model"
+        )
+    else:
+        fix = (
+            "pass the params returned by this transform's init, params = "
+            "transformed.init(key, x) (params of another model, or of this model under "
+            "another hk.transform with different module names, do not fit)"
+        )
+    return ValueError(
+        f"{fn_name}: the model asks for parameter {name!r} of module {module!r}, which "
+        f"params does not hold (its modules: {shown}). Fix: {fix}."
+    )
+
+
 def _make(fn_name, kind, transformed, apply_kwargs, options):
     if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
         raise TypeError(
@@ -55,14 +91,18 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
             jax.eval_shape(lambda p, x, a: apply3(p, x, a), params, x1, aux)
         except ValueError as e:
             if "PRNGKey" not in str(e):
-                raise adapter_model_failure(fn_name, "params", e) from e
+                raise _foreign_params(fn_name, params, e) or adapter_model_failure(
+                    fn_name, "params", e
+                ) from e
             raise ValueError(
                 f"{fn_name}: the model needs a random key (e.g. dropout) but rng=None. Fix: "
                 f"pass rng=jax.random.PRNGKey(0) (the same key for every sample), or make the "
                 f"model deterministic."
             ) from None
         except Exception as e:
-            raise adapter_model_failure(fn_name, "params", e) from e
+            raise _foreign_params(fn_name, params, e) or adapter_model_failure(
+                fn_name, "params", e
+            ) from e
 
     kernel = kernel_function(
         fn_name, kind, apply3, options, check, hint="apply_kwargs={'is_training': False}"

@@ -237,6 +237,30 @@ def test_half_precision_model_warns_once(model, params_dtype, x_dtype, expected,
     assert "Fix: compute kernels with the model in float32" in message
 
 
+def test_half_precision_nngp_warning_speaks_of_the_forward_pass(fresh_warnings):
+    """The NNGP has no Jacobian: its warning names the forward pass, and the bfloat16
+    NNGP really is off from the float32 one by the order the warning gives (1e-2)."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+    w = jax.random.normal(k1, (10, 64)) / np.sqrt(10.0)
+    x = jax.random.normal(k2, (16, 10))
+
+    def model(w, x):
+        return jnp.tanh(x @ w) @ jnp.ones((64, 2), w.dtype) / 8.0
+
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        half = ntk_core.empirical_nngp(model, w.astype(jnp.bfloat16), x.astype(jnp.bfloat16))
+    found = _precision_warnings(rec)
+    assert len(found) == 1, [str(f.message) for f in rec]
+    message = str(found[0].message)
+    assert message.startswith("empirical_nngp: the model computes in half precision (")
+    assert "every product of the forward pass is rounded, so the NNGP differs" in message
+    assert "Jacobian" not in message
+    exact = np.asarray(ntk_core.empirical_nngp(model, w, x), np.float64)
+    error = np.abs(np.asarray(half, np.float64) - exact).max() / np.abs(exact).max()
+    assert 1e-4 < error < 5e-2, error
+
+
 def test_lower_global_matmul_precision_is_overridden_so_no_warning(fresh_warnings):
     w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
     with warnings.catch_warnings(record=True) as rec:
