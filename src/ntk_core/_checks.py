@@ -254,9 +254,7 @@ def after_trace(
             )
     _environment.check_float64(fn_name, params=params, x1=x1, x2=x2)
     _environment.check_precision_option(fn_name, options.precision)
-    _environment.check_model_precision(
-        fn_name, apply3, params, x1, aux, options.precision, kernel
-    )
+    _environment.check_model_precision(fn_name, apply3, params, x1, aux, options.precision, kernel)
 
 
 def runs_in_neural_tangents_order(apply3, params, x1, x2, aux) -> bool:
