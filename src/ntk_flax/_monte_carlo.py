@@ -1,4 +1,5 @@
-"""Monte Carlo NNGP and NTK of ``flax.linen`` models (initialised with ``model.init``)."""
+"""Monte Carlo NNGP and NTK of ``flax.linen`` models (initialised with ``model.init``)
+and of ``flax.nnx`` models (built by a function of ``nnx.Rngs``)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 
-from ntk_core._monte_carlo import average
+from ntk_core._checks import is_nnx_module
+from ntk_core._monte_carlo import average, check_samples
 from ntk_core._predict import Kernels
 
 from ._kernel import _make
+from ._nnx import make as _make_nnx
 
 
 def monte_carlo_kernels(
-    model: nn.Module,
+    model: nn.Module | Callable,
     x1,
     x2=None,
     *,
@@ -26,7 +29,7 @@ def monte_carlo_kernels(
     progress: bool | None = None,
     **options,
 ) -> Kernels:
-    """Monte Carlo NNGP and NTK of a ``flax.linen`` model over random initialisations.
+    """Monte Carlo NNGP and NTK of a Flax model over random initialisations.
 
     The average over S = ``n_samples`` initialisations ``model.init(k_s, x1[:1])``,
     k_s = ``jax.random.split(key, S)[s]``, of the empirical NNGP and NTK of
@@ -36,16 +39,24 @@ def monte_carlo_kernels(
     standard parameterisation, whose kernels grow with the width unlike the NTK
     parameterisation's. See :func:`ntk_core.monte_carlo_kernels` for the maths.
 
+    ``flax.nnx`` models initialise when they are built, so for them ``model`` is the
+    function that builds one from an ``nnx.Rngs``, e.g. ``lambda rngs: MLP(rngs=rngs)``:
+    initialisation s is ``model(nnx.Rngs(k_s))``, whose ``nnx.Param`` state is
+    differentiated. Its other state (BatchNorm statistics, RNG state) and its mode are
+    those of one module built with ``nnx.Rngs(key)``; for Dropout or BatchNorm, build it
+    in evaluation mode (call ``.eval()`` on it in that function before returning it).
+
     Args:
-      model: a ``flax.linen.Module``.
+      model: a ``flax.linen.Module``, or for ``flax.nnx`` a function
+        ``model(rngs: nnx.Rngs) -> nnx.Module``.
       x1: array or pytree of arrays, batch axis 0 of size N1 (its first sample is the
         ``model.init`` input).
       x2: ``None`` (x2 is x1) or like x1 with N2 samples.
       key: one PRNG key.
       n_samples: S >= 1.
       batch_size_samples: samples computed together (vmapped over their keys), default 1.
-      method, apply_kwargs: as :func:`ntk_flax.kernel_fn` (``apply_kwargs`` is also
-        passed to ``model.init``).
+      method, apply_kwargs: as :func:`ntk_flax.kernel_fn` (for linen, ``apply_kwargs``
+        is also passed to ``model.init``).
       progress: tqdm bar over the samples (``None``: in a terminal only).
       **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
         ``precision`` as in :func:`ntk_core.ntk_fn` (the NNGP ignores
@@ -59,8 +70,8 @@ def monte_carlo_kernels(
       TypeError, ValueError: as :func:`ntk_flax.kernel_fn` and
         :func:`ntk_core.monte_carlo_kernels`.
 
-    Cost: S calls of ``model.init`` and of :func:`ntk_flax.kernel` and
-    :func:`ntk_flax.nngp` (one compilation each).
+    Cost: S calls of ``model.init`` (or of the nnx builder, jitted) and of
+    :func:`ntk_flax.kernel` and :func:`ntk_flax.nngp` (one compilation each).
 
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -77,10 +88,32 @@ def monte_carlo_kernels(
     """
     fn = "ntk_flax.monte_carlo_kernels"
     if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"{fn}: model must be a flax.linen.Module, got {type(model).__name__}. Fix: pass "
-            f"the module instance; for init/apply functions use "
-            f"ntk_core.monte_carlo_kernels."
+        if is_nnx_module(model):
+            raise TypeError(
+                f"{fn}: model is the nnx module {type(model).__name__} itself, which is "
+                f"already initialised; Monte Carlo kernels need fresh initialisations. Fix: "
+                f"pass the function that builds it from an nnx.Rngs, e.g. lambda rngs: "
+                f"{type(model).__name__}(..., rngs=rngs)."
+            )
+        if not callable(model):
+            raise TypeError(
+                f"{fn}: model must be a flax.linen.Module or a function building an nnx "
+                f"module from an nnx.Rngs, got {type(model).__name__}. Fix: pass the module "
+                f"instance (linen) or lambda rngs: Model(..., rngs=rngs) (nnx); for "
+                f"init/apply functions use ntk_core.monte_carlo_kernels."
+            )
+        return _nnx_monte_carlo(
+            fn,
+            model,
+            x1,
+            x2,
+            key,
+            n_samples,
+            batch_size_samples,
+            method,
+            apply_kwargs,
+            progress,
+            options,
         )
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
     ntk = _make(fn, "ntk", model, method, apply_kwargs, options)  # errors name fn
@@ -93,5 +126,50 @@ def monte_carlo_kernels(
     def sample(k):
         variables = init(k)
         return nngp(variables, x1, x2), ntk(variables, x1, x2)
+
+    return average(fn, sample, key, n_samples, batch_size_samples, progress)
+
+
+def _nnx_monte_carlo(
+    fn,
+    build,
+    x1,
+    x2,
+    key,
+    n_samples,
+    batch_size_samples,
+    method,
+    apply_kwargs,
+    progress,
+    options,
+) -> Kernels:
+    """Monte Carlo kernels of the nnx modules ``build(nnx.Rngs(k_s))``: each sample's
+    ``nnx.Param`` state is built under jit and handed, as ``variables``, to the kernel
+    functions of one template module."""
+    from flax import nnx
+
+    check_samples(fn, key, n_samples, batch_size_samples)  # before building anything
+    try:
+        template = build(nnx.Rngs(key))
+    except Exception as e:
+        raise TypeError(
+            f"{fn}: building the nnx module with model(nnx.Rngs(key)) failed with "
+            f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}. Fix: pass a function of "
+            f"one nnx.Rngs that returns the module, e.g. lambda rngs: Model(..., rngs=rngs)."
+        ) from e
+    if not is_nnx_module(template):
+        raise TypeError(
+            f"{fn}: model(nnx.Rngs(key)) returned {type(template).__name__}, not an nnx "
+            f"module. Fix: return the module from the function (after calling .eval() on "
+            f"it, if it has Dropout or BatchNorm)."
+        )
+    nngp_options = {k: v for k, v in options.items() if k != "implementation"}
+    ntk = _make_nnx(fn, "ntk", template, method, apply_kwargs, options)
+    nngp = _make_nnx(fn, "nngp", template, method, apply_kwargs, nngp_options)
+    params_of = jax.jit(lambda k: nnx.state(build(nnx.Rngs(k)), nnx.Param))
+
+    def sample(k):
+        params = params_of(k)
+        return nngp(params, x1, x2), ntk(params, x1, x2)
 
     return average(fn, sample, key, n_samples, batch_size_samples, progress)

@@ -122,6 +122,48 @@ def test_per_leaf_kernels_and_plan():
     assert len(methods) == len(jax.tree.leaves(params))  # Params only, no statistics
 
 
+class Small(nnx.Module):
+    """An nnx MLP for the Monte Carlo kernels (Dropout: built in evaluation mode)."""
+
+    def __init__(self, rngs):
+        self.dense_0 = nnx.Linear(3, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.dense_1 = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense_1(self.drop(jnp.tanh(self.dense_0(x))))
+
+
+def _small(rngs):
+    model = Small(rngs)
+    model.eval()
+    return model
+
+
+@pytest.mark.parametrize("batch_size_samples", [1, 2])
+def test_monte_carlo_kernels_average_the_reference_over_fresh_modules(batch_size_samples):
+    """The average over S = 3 modules built with nnx.Rngs(k_s), k_s = split(key, 3)[s],
+    of the float64 reference NTK and NNGP of each (batches of 2 leave a partial one)."""
+    key = jax.random.PRNGKey(7)
+    got = ntk_flax.monte_carlo_kernels(
+        _small,
+        X1,
+        X2,
+        key=key,
+        n_samples=3,
+        batch_size_samples=batch_size_samples,
+        trace_axes=(),
+    )
+    ntks, nngps = [], []
+    for k in jax.random.split(key, 3):
+        f, params = _pure(_small(nnx.Rngs(k)))
+        ntks.append(reference.ntk(f, params, X1, X2, trace_axes=())[0])
+        nngps.append(reference.nngp(f, params, X1, X2, trace_axes=())[0])
+    assert not np.allclose(ntks[0], ntks[1])  # the initialisations differ
+    reference.assert_close(got.ntk, np.mean(ntks, axis=0))
+    reference.assert_close(got.nngp, np.mean(nngps, axis=0))
+
+
 ERRORS = [
     (
         "variables of another structure",
@@ -140,6 +182,31 @@ ERRORS = [
         lambda: ntk_flax.kernel_fn(_net(), method="features"),
         TypeError,
         r"^ntk_flax.kernel_fn: method must name a method of the nnx module Net, got 'features'",
+    ),
+    (
+        "Monte Carlo of a built module",
+        lambda: ntk_flax.monte_carlo_kernels(_net(), X1, key=jax.random.PRNGKey(0), n_samples=2),
+        TypeError,
+        r"^ntk_flax.monte_carlo_kernels: model is the nnx module Net itself, which is already "
+        r"initialised; .*Fix: pass the function that builds it from an nnx.Rngs",
+    ),
+    (
+        "Monte Carlo builder without an rngs argument",
+        lambda: ntk_flax.monte_carlo_kernels(
+            lambda: _small(nnx.Rngs(0)), X1, key=jax.random.PRNGKey(0), n_samples=2
+        ),
+        TypeError,
+        r"^ntk_flax.monte_carlo_kernels: building the nnx module with model\(nnx.Rngs\(key\)\) "
+        r"failed with TypeError",
+    ),
+    (
+        "Monte Carlo builder returning None",
+        lambda: ntk_flax.monte_carlo_kernels(
+            lambda rngs: _small(rngs).eval(), X1, key=jax.random.PRNGKey(0), n_samples=2
+        ),
+        TypeError,
+        r"^ntk_flax.monte_carlo_kernels: model\(nnx.Rngs\(key\)\) returned NoneType, not an "
+        r"nnx module",
     ),
     (
         "inputs of the wrong shape",
