@@ -140,28 +140,29 @@ def _small(rngs):
     return model
 
 
-@pytest.mark.parametrize("batch_size_samples", [1, 2])
-def test_monte_carlo_kernels_average_the_reference_over_fresh_modules(batch_size_samples):
+def test_monte_carlo_kernels_average_the_reference_over_fresh_modules():
     """The average over S = 3 modules built with nnx.Rngs(k_s), k_s = split(key, 3)[s],
-    of the float64 reference NTK and NNGP of each (batches of 2 leave a partial one)."""
+    of the float64 reference NTK and NNGP of each, one sample at a time and in batches
+    of 2 (vmapped, the last one partial)."""
     key = jax.random.PRNGKey(7)
-    got = ntk_flax.monte_carlo_kernels(
-        _small,
-        X1,
-        X2,
-        key=key,
-        n_samples=3,
-        batch_size_samples=batch_size_samples,
-        trace_axes=(),
-    )
     ntks, nngps = [], []
     for k in jax.random.split(key, 3):
         f, params = _pure(_small(nnx.Rngs(k)))
         ntks.append(reference.ntk(f, params, X1, X2, trace_axes=())[0])
         nngps.append(reference.nngp(f, params, X1, X2, trace_axes=())[0])
     assert not np.allclose(ntks[0], ntks[1])  # the initialisations differ
-    reference.assert_close(got.ntk, np.mean(ntks, axis=0))
-    reference.assert_close(got.nngp, np.mean(nngps, axis=0))
+    for batch_size_samples in (1, 2):
+        got = ntk_flax.monte_carlo_kernels(
+            _small,
+            X1,
+            X2,
+            key=key,
+            n_samples=3,
+            batch_size_samples=batch_size_samples,
+            trace_axes=(),
+        )
+        reference.assert_close(got.ntk, np.mean(ntks, axis=0))
+        reference.assert_close(got.nngp, np.mean(nngps, axis=0))
 
 
 ERRORS = [
