@@ -124,10 +124,17 @@ def _model_argument_fix(error: Exception) -> str:
 def adapter_model_failure(fn_name: str, params_name: str, error: Exception) -> ValueError:
     """An adapter's ValueError for a model that fails on x1: the model's own error, then
     the fix (the specific one for a missing or unexpected model argument)."""
-    fix = _model_argument_fix(error) or (
-        f"check that {params_name} come from this model's init and that x1 has the shape it "
-        f"expects, batch axis first (x1[None] for a single sample)"
-    )
+    if fn_name.endswith("monte_carlo_kernels"):  # the parameters come from its own init
+        generic = (
+            "check that x1 has the per-sample shape and dtype the model expects, batch "
+            "axis first (x1[None] for a single sample)"
+        )
+    else:
+        generic = (
+            f"check that {params_name} come from this model's init and that x1 has the "
+            f"shape it expects, batch axis first (x1[None] for a single sample)"
+        )
+    fix = _model_argument_fix(error) or generic
     return ValueError(
         f"{fn_name}: applying the model to x1 failed with {type(error).__name__}: "
         f"{str(error).rstrip().rstrip('.')}. Fix: {fix}."

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import sys
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from ._api import _checked_arguments, nngp_fn, ntk_fn
+from ._api import _checked_arguments, _make
+from ._engine import _check_finite_inputs
 from ._predict import Kernels
 
 
@@ -40,9 +42,16 @@ def progress_bar(fn_name: str, progress, total: int, desc: str):
     return tqdm(total=total, desc=desc)
 
 
-def check_samples(fn_name: str, key, n_samples, batch_size_samples) -> None:
+def check_samples(fn_name: str, key, n_samples, batch_size_samples, options=None) -> None:
+    """Validates the sampling arguments (numpy integers count as ints) and, for the
+    adapters' ``**options``, refuses the blocked engine's ``batch_size`` when samples
+    are vmapped together."""
     for name, v in (("n_samples", n_samples), ("batch_size_samples", batch_size_samples)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        try:
+            ok = not isinstance(v, bool) and operator.index(v) >= 1
+        except TypeError:
+            ok = False
+        if not ok:
             raise ValueError(
                 f"{fn_name}: {name} must be a positive int, got {v!r}. Fix: pass e.g. "
                 f"{name}={16 if name == 'n_samples' else 4}."
@@ -50,10 +59,18 @@ def check_samples(fn_name: str, key, n_samples, batch_size_samples) -> None:
     if not isinstance(key, jax.Array) or not (
         jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,)
     ):
+        shape = f" of shape {key.shape}" if isinstance(key, jax.Array) else ""
         raise TypeError(
             f"{fn_name}: key must be one PRNG key (jax.random.PRNGKey(0) or "
-            f"jax.random.key(0)), got {type(key).__name__} "
-            f"{getattr(key, 'shape', '')}. Fix: pass key=jax.random.PRNGKey(seed)."
+            f"jax.random.key(0)), got {type(key).__name__}{shape}. Fix: pass "
+            f"key=jax.random.PRNGKey(seed)."
+        )
+    if (options or {}).get("batch_size") is not None and operator.index(batch_size_samples) > 1:
+        raise ValueError(
+            f"{fn_name}: batch_size={options['batch_size']!r} (the blocked engine, one "
+            f"sample's kernel in tiles) cannot run inside batch_size_samples="
+            f"{batch_size_samples!r} (samples vmapped together). Fix: pass "
+            f"batch_size_samples=1 with batch_size, or drop batch_size."
         )
 
 
@@ -64,27 +81,60 @@ def average(
     n_samples: int,
     batch_size_samples: int,
     progress,
+    x1=None,
+    x2=None,
 ) -> Kernels:
     """Mean over ``keys = jax.random.split(key, n_samples)`` of ``sample(keys[i])``,
-    which returns ``(nngp, ntk)`` pytrees; sums in the kernels' dtype, then divides.
-    With ``batch_size_samples`` b > 1, ``sample`` is vmapped over b keys at a time."""
+    which returns ``(nngp, ntk)`` pytrees; sums in float32 or wider (half-precision
+    kernels lose digits and overflow in a running sum), then divides and returns the
+    kernels' dtype. With ``batch_size_samples`` b > 1, ``sample`` is vmapped over b keys
+    at a time, where the kernel functions cannot check their inputs and results: ``x1``
+    and ``x2`` are checked for NaN/Inf first, and the mean afterwards."""
     check_samples(fn_name, key, n_samples, batch_size_samples)
+    n_samples, batch_size_samples = operator.index(n_samples), operator.index(batch_size_samples)
+    for name, x in (("x1", x1), ("x2", x2)):
+        if x is not None:
+            _check_finite_inputs(fn_name, name, x)
     keys = jax.random.split(key, n_samples)
-    batched = jax.jit(jax.vmap(sample))  # one compilation per batch size
+
+    def wide(a):
+        return a.astype(jnp.promote_types(a.dtype, jnp.float32))
+
+    dtypes = {}
+
+    def summed(ks):  # jitted; records the kernels' dtypes while it traces
+        out = jax.vmap(sample)(ks)
+        dtypes["kernels"] = jax.tree.map(lambda a: a.dtype, out)
+        return jax.tree.map(lambda a: wide(a).sum(0), out)
+
+    batched = jax.jit(summed)  # one compilation per batch size
     bar = progress_bar(fn_name, progress, n_samples, fn_name)
     total = None
     for start in range(0, n_samples, batch_size_samples):
         stop = min(n_samples, start + batch_size_samples)
         if batch_size_samples == 1:
             k = sample(keys[start])
+            dtypes["kernels"] = jax.tree.map(lambda a: a.dtype, k)
+            k = jax.tree.map(wide, k)
         else:
-            k = jax.tree.map(lambda a: a.sum(0), batched(keys[start:stop]))
+            k = batched(keys[start:stop])
         total = k if total is None else jax.tree.map(jnp.add, total, k)
         if bar is not None:
             bar.update(stop - start)
     if bar is not None:
         bar.close()
-    nngp, ntk = jax.tree.map(lambda s: s / n_samples, total)
+    mean = jax.tree.map(lambda s, d: (s / n_samples).astype(d), total, dtypes["kernels"])
+    for name, kernel in zip(("NNGP", "NTK"), mean, strict=True):
+        if not all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(kernel)):
+            raise ValueError(
+                f"{fn_name}: the Monte Carlo {name} came out non-finite (NaN or Inf) from "
+                f"finite inputs: some initialisation gave a non-finite kernel (the model "
+                f"computes NaN or Inf, e.g. a log or division by zero, or its outputs "
+                f"overflow the dtype: float16 ends at 65504). Fix: find the sample with "
+                f"batch_size_samples=1, whose kernels check their results; compute in "
+                f"float32 for overflow."
+            )
+    nngp, ntk = mean
     return Kernels(nngp=nngp, ntk=ntk)
 
 
@@ -115,6 +165,8 @@ def monte_carlo_kernels(
     keys and options. Samples run ``batch_size_samples`` at a time (vmapped), one
     compiled kernel function for all batches of that size (a ragged last batch compiles
     once more); memory is that of one batch's kernels and features plus the running sum.
+    The running sum is kept in float32 or wider (a half-precision sum would drop the
+    low bits of late samples), and the mean returned in the kernels' dtype.
 
     Args:
       init_fn: ``init_fn(key) -> params``, e.g. ``lambda k: model.init(k, x)["params"]``.
@@ -138,8 +190,10 @@ def monte_carlo_kernels(
     Raises:
       TypeError: ``init_fn`` or ``apply_fn`` not callable, ``key`` not one PRNG key,
         ``progress`` not a bool or None; and the errors of :func:`ntk_fn`.
-      ValueError: ``n_samples`` or ``batch_size_samples`` not a positive int; and the
-        errors of :func:`ntk_fn`.
+      ValueError: ``n_samples`` or ``batch_size_samples`` not a positive int;
+        ``init_fn(key)`` failing (it runs under ``jax.jit``); NaN/Inf in x1 or x2; a
+        non-finite mean (some initialisation gave a non-finite kernel); and the errors
+        of :func:`ntk_fn`.
       ImportError: ``progress=True`` without tqdm.
 
     Cost: S initialisations, and S times the cost of :func:`ntk_fn` plus one forward
@@ -174,16 +228,41 @@ def monte_carlo_kernels(
             f"here init_fn(key) -> params. Fix: pass lambda k: init_fn(k, x1.shape)[1] (stax "
             f"returns (output_shape, params))."
         )
+    check_samples(fn, key, n_samples, batch_size_samples)
     axes = dict(trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes)
-    ntk = ntk_fn(apply_fn, implementation=implementation, precision=precision, **axes)
-    nngp = nngp_fn(apply_fn, precision=precision, **axes)
-    init = jax.jit(init_fn)
+    ntk = _make(
+        "ntk", fn, apply_fn, dict(implementation=implementation, precision=precision, **axes)
+    )
+    nngp = _make("nngp", fn, apply_fn, dict(precision=precision, **axes))
+    init = initialiser(fn, jax.jit(init_fn), "init_fn(key)", "init_fn(key) -> params")
 
     def sample(k):
         params = init(k)
         return nngp(params, x1, x2), ntk(params, x1, x2)
 
-    return average(fn, sample, key, n_samples, batch_size_samples, progress)
+    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2)
+
+
+def initialiser(fn_name: str, init: Callable, call: str, expected: str) -> Callable:
+    """``init`` whose failures (as the user's function, e.g. a Python conversion of a
+    traced value under jit) become a ValueError naming ``call`` and the fix."""
+
+    def checked(k):
+        try:
+            return init(k)
+        except Exception as e:
+            fix = f"make {call} a pure JAX function of the key ({expected})"
+            if isinstance(e, jax.errors.ConcretizationTypeError):
+                fix += (
+                    ", without Python conversions such as float(...) or if on array values: "
+                    "it runs under jax.jit"
+                )
+            raise ValueError(
+                f"{fn_name}: {call} failed with {type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0].rstrip('.')}. Fix: {fix}."
+            ) from e
+
+    return checked
 
 
 def _takes_shape(init_fn) -> bool:

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 
 from ntk_core._checks import is_nnx_module
-from ntk_core._monte_carlo import average, check_samples
+from ntk_core._monte_carlo import average, check_samples, initialiser
 from ntk_core._predict import Kernels
 
 from ._kernel import _make
@@ -41,10 +41,15 @@ def monte_carlo_kernels(
 
     ``flax.nnx`` models initialise when they are built, so for them ``model`` is the
     function that builds one from an ``nnx.Rngs``, e.g. ``lambda rngs: MLP(rngs=rngs)``:
-    initialisation s is ``model(nnx.Rngs(k_s))``, whose ``nnx.Param`` state is
-    differentiated. Its other state (BatchNorm statistics, RNG state) and its mode are
-    those of one module built with ``nnx.Rngs(key)``; for Dropout or BatchNorm, build it
-    in evaluation mode (call ``.eval()`` on it in that function before returning it).
+    initialisation s is the module ``model(nnx.Rngs(k_s))`` (built under ``jax.jit``),
+    whose ``nnx.Param`` state is differentiated and whose other state (BatchNorm
+    statistics, fixed random features, RNG state) is held fixed. Modules with Dropout or
+    BatchNorm must be built in evaluation mode (call ``.eval()`` on the module in that
+    function before returning it).
+
+    Half-precision kernels are summed in float32 and the mean returned in their dtype.
+    With ``batch_size_samples`` > 1 the samples run vmapped in one jitted call: x1 and
+    x2 are checked for NaN/Inf before, and the means for non-finite values after.
 
     Args:
       model: a ``flax.linen.Module``, or for ``flax.nnx`` a function
@@ -56,11 +61,12 @@ def monte_carlo_kernels(
       n_samples: S >= 1.
       batch_size_samples: samples computed together (vmapped over their keys), default 1.
       method, apply_kwargs: as :func:`ntk_flax.kernel_fn` (for linen, ``apply_kwargs``
-        is also passed to ``model.init``).
+        is also passed to ``model.init``; for nnx, ``method`` is a method's name).
       progress: tqdm bar over the samples (``None``: in a terminal only).
       **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
         ``precision`` as in :func:`ntk_core.ntk_fn` (the NNGP ignores
-        ``implementation``).
+        ``implementation``), and the blocked engine's ``batch_size`` etc. for each
+        sample (only with ``batch_size_samples=1``).
 
     Returns:
       ``ntk_core.predict.Kernels(nngp, ntk)``, each ``(N1, N2)`` for ``(N, O)`` outputs
@@ -68,7 +74,10 @@ def monte_carlo_kernels(
 
     Raises:
       TypeError, ValueError: as :func:`ntk_flax.kernel_fn` and
-        :func:`ntk_core.monte_carlo_kernels`.
+        :func:`ntk_core.monte_carlo_kernels`; for nnx, an initialised module instead of
+        the function building it, a builder that fails (also under ``jax.jit``) or
+        builds a module without ``nnx.Param`` or in training mode; ``batch_size`` with
+        ``batch_size_samples`` > 1; a non-finite mean.
 
     Cost: S calls of ``model.init`` (or of the nnx builder, jitted) and of
     :func:`ntk_flax.kernel` and :func:`ntk_flax.nngp` (one compilation each).
@@ -115,19 +124,25 @@ def monte_carlo_kernels(
             progress,
             options,
         )
+    check_samples(fn, key, n_samples, batch_size_samples, options)
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
     ntk = _make(fn, "ntk", model, method, apply_kwargs, options)  # errors name fn
     nngp = _make(fn, "nngp", model, method, apply_kwargs, nngp_options)
     x_init = jax.tree.map(lambda a: a[:1], x1)
     init_kwargs = dict(apply_kwargs or {})
 
-    init = jax.jit(lambda k: model.init(k, x_init, method=method, **init_kwargs))
+    init = initialiser(
+        fn,
+        jax.jit(lambda k: model.init(k, x_init, method=method, **init_kwargs)),
+        "model.init(key, x1[:1])",
+        "the module's __call__, traced under jax.jit",
+    )
 
     def sample(k):
         variables = init(k)
         return nngp(variables, x1, x2), ntk(variables, x1, x2)
 
-    return average(fn, sample, key, n_samples, batch_size_samples, progress)
+    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2)
 
 
 def _nnx_monte_carlo(
@@ -144,15 +159,15 @@ def _nnx_monte_carlo(
     options,
 ) -> Kernels:
     """Monte Carlo kernels of the nnx modules ``build(nnx.Rngs(k_s))``: each sample's
-    ``nnx.Param`` state is built under jit and handed, as ``variables``, to the kernel
-    functions of one template module."""
+    state is built under jit; its ``nnx.Param`` state is differentiated and its other
+    state held fixed, through the graph definition of one template module."""
     from flax import nnx
 
-    check_samples(fn, key, n_samples, batch_size_samples)  # before building anything
+    check_samples(fn, key, n_samples, batch_size_samples, options)  # before building
     try:
         template = build(nnx.Rngs(key))
     except Exception as e:
-        raise TypeError(
+        raise (TypeError if isinstance(e, TypeError) else ValueError)(
             f"{fn}: building the nnx module with model(nnx.Rngs(key)) failed with "
             f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}. Fix: pass a function of "
             f"one nnx.Rngs that returns the module, e.g. lambda rngs: Model(..., rngs=rngs)."
@@ -163,13 +178,27 @@ def _nnx_monte_carlo(
             f"module. Fix: return the module from the function (after calling .eval() on "
             f"it, if it has Dropout or BatchNorm)."
         )
+    if not jax.tree.leaves(nnx.state(template, nnx.Param)):
+        raise ValueError(
+            f"{fn}: the module model(nnx.Rngs(key)) builds, {type(template).__name__}, has "
+            f"no nnx.Param variables, so its NTK is zero and its NNGP the same for every "
+            f"initialisation. Fix: build the module with its trainable layers (nnx.Linear, "
+            f"nnx.Conv, ...), which hold nnx.Param variables."
+        )
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
     ntk = _make_nnx(fn, "ntk", template, method, apply_kwargs, options)
     nngp = _make_nnx(fn, "nngp", template, method, apply_kwargs, nngp_options)
-    params_of = jax.jit(lambda k: nnx.state(build(nnx.Rngs(k)), nnx.Param))
+    # Each sample's whole state: its parameters, and its other state (statistics,
+    # buffers drawn from rngs, RNG state) as that initialisation made them.
+    state_of = initialiser(
+        fn,
+        jax.jit(lambda k: nnx.split(build(nnx.Rngs(k)), nnx.Param, ...)[1:]),
+        "model(nnx.Rngs(key))",
+        "the function building the module, traced under jax.jit",
+    )
 
     def sample(k):
-        params = params_of(k)
-        return nngp(params, x1, x2), ntk(params, x1, x2)
+        params, rest = state_of(k)
+        return nngp.of_state(params, rest, x1, x2), ntk.of_state(params, rest, x1, x2)
 
-    return average(fn, sample, key, n_samples, batch_size_samples, progress)
+    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2)

@@ -31,6 +31,36 @@ def _method(fn_name: str, model, method) -> str:
     return method
 
 
+def _training_mode(fn_name: str, model) -> None:
+    """Refuses Dropout (rate > 0) and BatchNorm in training mode: dropout would draw a
+    mask per sample from the module's RNG state (the kernel of a random function), and
+    BatchNorm would normalise by batch statistics it also mutates."""
+    iterate = getattr(nnx, "iter_modules", None)  # flax >= 0.12; before, a method
+    modules = iterate(model) if iterate is not None else model.iter_modules()
+    found = []
+    for path, module in modules:
+        name = "/".join(map(str, path)) or "(root)"
+        if isinstance(module, nnx.Dropout) and module.rate > 0 and not module.deterministic:
+            found.append(f"Dropout at {name}")
+        if isinstance(module, nnx.BatchNorm) and not module.use_running_average:
+            found.append(f"BatchNorm at {name}")
+    if found:
+        fix = (
+            "call .eval() on the module in the function that builds it (m = Model(rngs="
+            "rngs); m.eval(); return m)"
+            if fn_name.endswith("monte_carlo_kernels")
+            else "put the module in evaluation mode (e.g. model.eval()), or build those "
+            "layers with deterministic=True / use_running_average=True"
+        )
+        raise ValueError(
+            f"{fn_name}: the nnx module is in training mode ({', '.join(found[:3])}"
+            f"{', ...' if len(found) > 3 else ''}): Dropout would draw a different mask for "
+            f"each sample from the module's RNG state, and BatchNorm would normalise by the "
+            f"batch's statistics, so there is no fixed function whose kernel to compute. "
+            f"Fix: {fix}."
+        )
+
+
 def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Callable:
     """The kernel function ``call(variables, x1, x2=None, *, rngs=None)`` of an nnx
     module; ``variables`` is ``None`` (the module's own ``nnx.Param`` state now) or a
@@ -56,6 +86,7 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
                 f"{fn_name}: rngs was given, but an nnx module carries its own nnx.Rngs. "
                 f"Fix: drop rngs= (call model.eval() for deterministic dropout)."
             )
+        _training_mode(fn_name, model)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if variables is not None:
             if jax.tree.structure(variables) != jax.tree.structure(params):
@@ -69,4 +100,13 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
             params = variables
         return params, (graphdef, rest)
 
-    return bound_kernel(fn_name, kernel, to_core, ("rngs",))
+    call = bound_kernel(fn_name, kernel, to_core, ("rngs",))
+
+    def of_state(params, rest, x1, x2=None):
+        """The kernel of the module with ``params`` and other state ``rest`` (states
+        of a module built like this one), for the Monte Carlo kernels."""
+        _training_mode(fn_name, model)
+        return kernel(params, x1, x2, (nnx.split(model, nnx.Param, ...)[0], rest))
+
+    call.of_state = of_state
+    return call

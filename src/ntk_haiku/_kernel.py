@@ -41,17 +41,49 @@ def _model_apply(transformed, apply_kwargs):
     return apply3, with_state, takes_rng
 
 
-def _foreign_params(fn_name, params, error) -> ValueError | None:
-    """The ValueError for params that are not this transform's (Haiku cannot find a
-    parameter the model asks for), naming the modules they hold; ``None`` otherwise.
-    A Flax variables dict (``{'params': {'Dense_0': ...}}``) gets the ntk_flax fix."""
-    wanted = re.search(r"Unable to retrieve parameter '([^']+)' for module '([^']+)'", str(error))
-    if wanted is None or not isinstance(params, Mapping):
+_FLAX_COLLECTIONS = {"params", "batch_stats", "cache", "intermediates", "constants"}
+_FLAX_LEAF_NAMES = {"kernel", "bias", "scale", "embedding"}
+
+
+def _leaf_names(tree) -> set[str]:
+    return {
+        str(getattr(path[-1], "key", path[-1]))
+        for path, _ in jax.tree_util.tree_leaves_with_path(tree)
+        if path
+    }
+
+
+def _foreign_params(fn_name, params, state, error) -> ValueError | None:
+    """The ValueError for params or state that are not this transform's (Haiku cannot
+    find a parameter or state entry the model asks for), naming what they hold;
+    ``None`` for other errors. Flax variables get the ntk_flax fix."""
+    text = str(error)
+    wanted = re.search(r"Unable to retrieve parameter '([^']+)' for module '([^']+)'", text)
+    if wanted is None:
+        wanted_state = re.search(r"No value for '([^']+)' in '([^']+)'", text)
+        if wanted_state is None or not isinstance(state, Mapping):
+            return None
+        name, module = wanted_state.groups()
+        held = sorted(map(str, state))
+        return ValueError(
+            f"{fn_name}: the model asks for state {name!r} of module {module!r}, which "
+            f"state does not hold (its modules: {_shown(held)}). Fix: pass the state "
+            f"returned together with these params, params, state = transformed.init(key, "
+            f"x) (state of another model, or an empty one, does not fit)."
+        )
+    if not isinstance(params, Mapping):
         return None
     name, module = wanted.groups()
     held = sorted(map(str, params))
-    shown = held if len(held) <= 6 else held[:6] + [f"... ({len(held)} in all)"]
-    if "params" in params and isinstance(params["params"], Mapping):
+    subject = f"params does not hold (its modules: {_shown(held)})"
+    if module in params and isinstance(params[module], Mapping):
+        inside = sorted(map(str, params[module]))
+        subject = f"params does not hold (module {module!r} holds only {inside})"
+        fix = (
+            "pass the params returned by transformed.init(key, x) unchanged; a parameter "
+            "of this module was removed or renamed"
+        )
+    elif "params" in params and set(map(str, params)) <= _FLAX_COLLECTIONS:
         fix = (
             "params looks like a Flax variables dict ({'params': ...}): use "
             "ntk_flax.kernel(model, variables, x) for a Flax model, or pass the params "
@@ -64,6 +96,13 @@ def _foreign_params(fn_name, params, error) -> ValueError | None:
             "variables['params'] of a single layer?): pass the params returned by "
             "transformed.init(key, x), or use ntk_flax.kernel for a Flax model"
         )
+    elif _leaf_names(params) & _FLAX_LEAF_NAMES and not _leaf_names(params) & {"w", "b"}:
+        fix = (
+            f"params look like Flax parameters (leaves named "
+            f"{sorted(_leaf_names(params) & _FLAX_LEAF_NAMES)}; Haiku names them w, b, "
+            f"...): use ntk_flax.kernel(model, variables, x) for a Flax model, or pass the "
+            f"params returned by transformed.init(key, x) for this Haiku model"
+        )
     else:
         fix = (
             "pass the params returned by this transform's init, params = "
@@ -72,8 +111,12 @@ def _foreign_params(fn_name, params, error) -> ValueError | None:
         )
     return ValueError(
         f"{fn_name}: the model asks for parameter {name!r} of module {module!r}, which "
-        f"params does not hold (its modules: {shown}). Fix: {fix}."
+        f"{subject}. Fix: {fix}."
     )
+
+
+def _shown(names: list[str]) -> list[str]:
+    return names if len(names) <= 6 else names[:6] + [f"... ({len(names)} in all)"]
 
 
 def _make(fn_name, kind, transformed, apply_kwargs, options):
@@ -91,7 +134,7 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
             jax.eval_shape(lambda p, x, a: apply3(p, x, a), params, x1, aux)
         except ValueError as e:
             if "PRNGKey" not in str(e):
-                raise _foreign_params(fn_name, params, e) or adapter_model_failure(
+                raise _foreign_params(fn_name, params, aux[0], e) or adapter_model_failure(
                     fn_name, "params", e
                 ) from e
             raise ValueError(
@@ -100,7 +143,7 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
                 f"model deterministic."
             ) from None
         except Exception as e:
-            raise _foreign_params(fn_name, params, e) or adapter_model_failure(
+            raise _foreign_params(fn_name, params, aux[0], e) or adapter_model_failure(
                 fn_name, "params", e
             ) from e
 
@@ -137,6 +180,18 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
                 f"{fn_name}: params must be the dict returned by transformed.init, got "
                 f"{type(params).__name__}. Fix: pass params = transformed.init(key, x); the "
                 f"argument order is (transformed, params, x1, x2)."
+            )
+        integer = [
+            jax.tree_util.keystr(path)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+            if hasattr(leaf, "dtype") and jax.numpy.issubdtype(leaf.dtype, jax.numpy.integer)
+        ]
+        if integer:
+            raise TypeError(
+                f"{fn_name}: params holds integer arrays ({', '.join(integer[:3])}), as Haiku "
+                f"state does (e.g. a BatchNorm or EMA counter), and params are differentiated. "
+                f"Fix: pass both values of params, state = transformed.init(key, x) in their "
+                f"places: (transformed, params, x, state=state)."
             )
         return params, (state, rng)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import haiku as hk
 import jax
 
-from ntk_core._monte_carlo import average
+from ntk_core._monte_carlo import average, check_samples, initialiser
 from ntk_core._predict import Kernels
 
 from ._kernel import _make
@@ -77,6 +77,7 @@ def monte_carlo_kernels(
             f"{type(transformed).__name__}. Fix: wrap your forward function with "
             f"hk.transform(f)."
         )
+    check_samples(fn, key, n_samples, batch_size_samples, options)
     with_state = isinstance(transformed, hk.TransformedWithState)
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
     ntk = _make(fn, "ntk", transformed, apply_kwargs, options)  # errors name fn
@@ -84,7 +85,12 @@ def monte_carlo_kernels(
     x_init = jax.tree.map(lambda a: a[:1], x1)
     init_kwargs = dict(apply_kwargs or {})
 
-    init = jax.jit(lambda k: transformed.init(k, x_init, **init_kwargs))
+    init = initialiser(
+        fn,
+        jax.jit(lambda k: transformed.init(k, x_init, **init_kwargs)),
+        "transformed.init(key, x1[:1])",
+        "the forward function, traced under jax.jit",
+    )
 
     def sample(k):
         out = init(k)
@@ -94,4 +100,4 @@ def monte_carlo_kernels(
             ntk(params, x1, x2, state=state, rng=rng),
         )
 
-    return average(fn, sample, key, n_samples, batch_size_samples, progress)
+    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2)

@@ -67,6 +67,61 @@ def test_progress_bar_when_asked(capsys):
     assert "2/2" in capsys.readouterr().err
 
 
+def test_half_precision_kernels_are_averaged_in_float32():
+    """A running bfloat16 sum of 128 kernels drops the late ones' low bits (8-bit
+    mantissa); summed in float32 the mean is off only by one bfloat16 rounding.
+    Reference: the float64 mean of the same bfloat16 kernels."""
+    key, n = jax.random.PRNGKey(4), 128
+
+    def init16(k):
+        return jax.tree.map(lambda a: a.astype(jnp.bfloat16), init_fn(k))
+
+    def apply16(params, x):
+        return apply_fn(params, x.astype(jnp.bfloat16))
+
+    with pytest.warns(ntk_core.PrecisionWarning, match="half precision"):
+        got = ntk_core.monte_carlo_kernels(
+            init16, apply16, X1, key=key, n_samples=n, progress=False
+        )
+    assert got.ntk.dtype == jnp.bfloat16  # the kernels' dtype is kept
+    kernel = jax.jit(ntk_core.ntk_fn(apply16))
+    separate = [np.asarray(kernel(init16(k), X1), np.float64) for k in jax.random.split(key, n)]
+    expected = np.mean(separate, axis=0)
+    error = np.abs(np.asarray(got.ntk, np.float64) - expected).max() / np.abs(expected).max()
+    assert error < 8e-3, error  # one bfloat16 rounding of the mean: <= 2**-8 = 3.9e-3
+
+
+def test_non_finite_inputs_refused_when_samples_are_vmapped():
+    """With batch_size_samples > 1 the kernel functions run under vmap, where they cannot
+    check their inputs: the Monte Carlo function checks them first."""
+    x = X1.at[2, 1].set(jnp.nan)
+    with pytest.raises(
+        ValueError, match=r"^monte_carlo_kernels: x1 contains NaN values, first in sample 2"
+    ):
+        ntk_core.monte_carlo_kernels(
+            init_fn, apply_fn, x, key=jax.random.PRNGKey(0), n_samples=4, batch_size_samples=2
+        )
+
+
+def test_non_finite_mean_refused():
+    """A model that makes NaN for some initialisations (here log of a weight) gives a
+    ValueError instead of a silent NaN mean, vmapped or not."""
+
+    def apply_log(params, x):
+        return apply_fn(params, x) * jnp.log(params["v"][0, 0])
+
+    for batch in (1, 2):
+        with pytest.raises(ValueError, match=r"^monte_carlo_kernels: .*non-finite"):
+            ntk_core.monte_carlo_kernels(
+                init_fn,
+                apply_log,
+                X1,
+                key=jax.random.PRNGKey(0),
+                n_samples=6,
+                batch_size_samples=batch,
+            )
+
+
 ERRORS = [
     (
         dict(n_samples=0),
@@ -76,6 +131,13 @@ ERRORS = [
     (dict(key=0), TypeError, r"^monte_carlo_kernels: key must be one PRNG key.*Fix"),
     (dict(progress="yes"), TypeError, r"^monte_carlo_kernels: progress must be None"),
     (dict(init_fn=3), TypeError, r"^monte_carlo_kernels: init_fn must be callable"),
+    (
+        dict(init_fn=lambda k: {"w": jnp.ones((3, 2)) * float(k[0])}),
+        ValueError,
+        r"^monte_carlo_kernels: init_fn\(key\) failed with ConcretizationTypeError: .*Fix: make "
+        r"init_fn\(key\) a pure JAX function of the key .*it runs under jax.jit",
+    ),
+    (dict(n_samples=np.int64(0)), ValueError, r"^monte_carlo_kernels: n_samples must be"),
 ]
 
 

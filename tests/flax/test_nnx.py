@@ -165,6 +165,52 @@ def test_monte_carlo_kernels_average_the_reference_over_fresh_modules():
         reference.assert_close(got.nngp, np.mean(nngps, axis=0))
 
 
+class RandomFeatures(nnx.Module):
+    """Fixed random features (an nnx.Variable drawn from rngs, not a Param) and a
+    trained read-out: each initialisation has its own features."""
+
+    def __init__(self, rngs):
+        self.proj = nnx.Variable(jax.random.normal(rngs.params(), (3, 16)))
+        self.read = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.read(jnp.cos(x @ self.proj.value))
+
+
+def test_monte_carlo_kernels_use_each_initialisations_other_state():
+    """Non-Param state drawn at initialisation (random features) belongs to its
+    sample: the result is the mean of the separately built modules' kernels."""
+    key = jax.random.PRNGKey(5)
+    got = ntk_flax.monte_carlo_kernels(
+        RandomFeatures, X1, key=key, n_samples=3, batch_size_samples=2
+    )
+    ntks, nngps = [], []
+    for k in jax.random.split(key, 3):
+        f, params = _pure(RandomFeatures(nnx.Rngs(k)))
+        ntks.append(reference.ntk(f, params, X1, None)[0])
+        nngps.append(reference.nngp(f, params, X1, None)[0])
+    reference.assert_close(got.ntk, np.mean(ntks, axis=0))
+    reference.assert_close(got.nngp, np.mean(nngps, axis=0))
+
+
+def test_dropout_in_training_mode_refused():
+    """Train-mode Dropout would draw a mask per sample from the module's RNG state."""
+    model = Small(nnx.Rngs(0))
+    with pytest.raises(
+        ValueError,
+        match=r"^ntk_flax.nngp: the nnx module is in training mode \(Dropout at drop\).*Fix: put the module in evaluation mode \(e.g. model.eval\(\)\)",
+    ):
+        ntk_flax.nngp(model, None, X1)
+    with pytest.raises(
+        ValueError,
+        match=r"^ntk_flax.monte_carlo_kernels: the nnx module is in training mode.*Fix: call .eval\(\) on the module in the function that builds it",
+    ):
+        ntk_flax.monte_carlo_kernels(Small, X1, key=jax.random.PRNGKey(0), n_samples=2)
+    model.eval()
+    f, params = _pure(model)
+    reference.assert_close(ntk_flax.nngp(model, None, X1), reference.nngp(f, params, X1, None)[0])
+
+
 ERRORS = [
     (
         "variables of another structure",
