@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import re
 from collections.abc import Callable
 
 from ._checks import check_apply_fn, params_check
@@ -453,16 +454,21 @@ def plan(
     return _get("ntk", "plan", apply_fn, _options(locals())).plan(params, x1, x2)
 
 
-def _checked_arguments(fn):
+def _checked_arguments(fn, name: str | None = None):
     """Turns Python's binding errors (an unknown or misspelt option, too many positional
-    arguments, a missing one) into a TypeError naming the valid options and the fix.
+    arguments, a missing one) into a TypeError naming the valid options and the fix;
+    ``name`` is the public name in messages (default ``fn.__name__``).
 
     Costs nothing on a correct call: the signature is consulted only after a TypeError.
     """
     signature = inspect.signature(fn)
-    name = fn.__name__
+    name = name or fn.__name__
     options = [n for n, p in signature.parameters.items() if p.kind is p.KEYWORD_ONLY]
-    positional = [n for n, p in signature.parameters.items() if p.kind is not p.KEYWORD_ONLY]
+    positional = [
+        n
+        for n, p in signature.parameters.items()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
 
     @functools.wraps(fn)
     def checked(*args, **kwargs):
@@ -490,6 +496,9 @@ def _checked_arguments(fn):
                     reason = f"{e} (expected positional arguments {', '.join(positional)})."
                     fix = f"call {name}({', '.join(positional)}, *, option=...); options are "
                     fix += "keyword-only."
+                    missing = re.search(r"missing a required argument: '(\w+)'", str(e))
+                    if missing and missing.group(1) in options:
+                        fix = f"pass {missing.group(1)}=... by keyword (it is keyword-only)."
                 raise TypeError(f"{name}: {reason} Fix: {fix}") from None
             raise
 

@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
+from ntk_core._api import _checked_arguments
 from ntk_core._checks import is_nnx_module
 from ntk_core._monte_carlo import average, check_samples, initialiser
 from ntk_core._predict import Kernels
@@ -197,8 +199,24 @@ def _nnx_monte_carlo(
         "the function building the module, traced under jax.jit",
     )
 
+    if n_samples >= 2:  # a builder that ignores its rngs makes every sample the same
+        keys = jax.random.split(key, 2)
+        first, second = (jax.tree.leaves(state_of(k)[0]) for k in keys)
+        if all(bool(jnp.array_equal(a, b)) for a, b in zip(first, second, strict=True)):
+            raise ValueError(
+                f"{fn}: model(nnx.Rngs(k)) built the same parameters for two different keys, "
+                f"so every sample would be the same network: the function does not pass its "
+                f"rngs argument on (e.g. it builds with nnx.Rngs(0) inside), or no "
+                f"initialiser is random. Fix: build with the rngs it is given, lambda rngs: "
+                f"Model(..., rngs=rngs); for a network without random initialisation use "
+                f"ntk_flax.kernel once."
+            )
+
     def sample(k):
         params, rest = state_of(k)
         return nngp.of_state(params, rest, x1, x2), ntk.of_state(params, rest, x1, x2)
 
     return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2)
+
+
+monte_carlo_kernels = _checked_arguments(monte_carlo_kernels, "ntk_flax.monte_carlo_kernels")

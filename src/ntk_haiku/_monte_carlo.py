@@ -5,6 +5,7 @@ from __future__ import annotations
 import haiku as hk
 import jax
 
+from ntk_core._api import _checked_arguments
 from ntk_core._monte_carlo import average, check_samples, initialiser
 from ntk_core._predict import Kernels
 
@@ -101,3 +102,6 @@ def monte_carlo_kernels(
         )
 
     return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2)
+
+
+monte_carlo_kernels = _checked_arguments(monte_carlo_kernels, "ntk_haiku.monte_carlo_kernels")

@@ -256,6 +256,22 @@ ERRORS = [
         r"nnx module",
     ),
     (
+        "Monte Carlo builder ignoring its rngs",
+        lambda: ntk_flax.monte_carlo_kernels(
+            lambda rngs: _small(nnx.Rngs(0)), X1, key=jax.random.PRNGKey(0), n_samples=2
+        ),
+        ValueError,
+        r"^ntk_flax.monte_carlo_kernels: model\(nnx.Rngs\(k\)\) built the same parameters for "
+        r"two different keys.*Fix: build with the rngs it is given",
+    ),
+    (
+        "Monte Carlo without its key",
+        lambda: ntk_flax.monte_carlo_kernels(_small, X1, n_samples=2),
+        TypeError,
+        r"^ntk_flax.monte_carlo_kernels: missing a required argument: 'key'.*Fix: pass key=\.\.\. "
+        r"by keyword",
+    ),
+    (
         "inputs of the wrong shape",
         lambda: ntk_flax.kernel(_net(), None, jnp.ones((4, 5))),
         ValueError,
