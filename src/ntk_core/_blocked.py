@@ -267,15 +267,22 @@ def _nonfinite_tile_error(fn, tile, r0, r1, c0, c1, batch_diagonal):
             where = f", first at x1 sample {i} and x2 sample {j}"
             break
     cols = "" if batch_diagonal else f" and x2 samples {c0}..{c1 - 1}"
+    dtype = np.dtype(jax.tree.leaves(tile)[0].dtype)
+    limit = f"{float(np.finfo(dtype).max):.3g}" if dtype.kind == "f" else "its range"
+    wider = (
+        "compute in float32 (half-precision params cast to float32)"
+        if dtype.itemsize < 4
+        else "compute in float64 (jax.config.update('jax_enable_x64', True) with float64 "
+        "params and inputs)"
+    )
     return ValueError(
         f"{fn}: the kernel came out non-finite (NaN or Inf) in the tile of x1 samples "
         f"{r0}..{r1 - 1}{cols}{where}, although x1 and x2 are finite. Likely causes: the "
         f"model produces NaN/Inf for these samples (log or sqrt of a negative number, a "
-        f"division by zero, non-finite parameters), or float32 overflow (entries beyond "
-        f"3.4e38 from very large inputs, weights or depth). Fix: check that the model's "
-        f"output and gradients are finite on these samples, rescale the inputs or "
-        f"parameters, or compute in float64 (jax.config.update('jax_enable_x64', True) "
-        f"with float64 params and inputs)."
+        f"division by zero, non-finite parameters), or {dtype.name} overflow (entries "
+        f"beyond {limit} from very large inputs, weights or depth). Fix: check that the "
+        f"model's output and gradients are finite on these samples, rescale the inputs or "
+        f"parameters, or {wider}."
     )
 
 

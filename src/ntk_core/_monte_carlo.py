@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import operator
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._api import _checked_arguments, _make
-from ._engine import _check_finite_inputs
+from ._engine import _check_finite_inputs, _concrete_bool
+from ._options import make_options
 from ._predict import Kernels
 
 
@@ -42,6 +45,42 @@ def progress_bar(fn_name: str, progress, total: int, desc: str):
     return tqdm(total=total, desc=desc)
 
 
+_KERNEL_OPTIONS = [n for n in inspect.signature(make_options).parameters if n != "fn_name"]
+_OWN_ARGUMENTS = [
+    "key",
+    "n_samples",
+    "batch_size_samples",
+    "progress",
+    "method",
+    "apply_kwargs",
+    "init_kwargs",
+]
+
+
+def check_inputs(fn_name: str, x1, x2) -> None:
+    """The adapters' Monte Carlo functions slice ``x1[:1]`` for init: x1 and x2 must be
+    arrays (or pytrees of them) with a batch axis, not Python lists or parameters."""
+    for name, x in (("x1", x1), ("x2", x2)):
+        if x is None:
+            continue
+        leaves = jax.tree.leaves(x)
+        if not leaves or any(np.ndim(leaf) == 0 for leaf in leaves):
+            raise TypeError(
+                f"{fn_name}: {name} must be an array (or pytree of arrays) with batch axis "
+                f"0, got {type(x).__name__} with {len(leaves)} scalar or missing leaves. "
+                f"Fix: pass np.asarray({name}), shape (N, ...)."
+            )
+    nested = isinstance(x1, Mapping) and all(isinstance(v, Mapping) for v in x1.values())
+    flax_variables = nested and "params" in x1
+    mismatched = x2 is not None and jax.tree.structure(x2) != jax.tree.structure(x1)
+    if flax_variables or (nested and mismatched):
+        raise TypeError(
+            f"{fn_name}: x1 is a dict of {sorted(map(str, x1))[:4]}, which looks like a model's "
+            f"parameters; Monte Carlo kernels draw their own initialisations. Fix: call "
+            f"{fn_name}(model, x1, x2=None, *, key=key, n_samples=S) without parameters."
+        )
+
+
 def check_samples(fn_name: str, key, n_samples, batch_size_samples, options=None) -> None:
     """Validates the sampling arguments (numpy integers count as ints) and, for the
     adapters' ``**options``, refuses the blocked engine's ``batch_size`` when samples
@@ -64,6 +103,17 @@ def check_samples(fn_name: str, key, n_samples, batch_size_samples, options=None
             f"{fn_name}: key must be one PRNG key (jax.random.PRNGKey(0) or "
             f"jax.random.key(0)), got {type(key).__name__}{shape}. Fix: pass "
             f"key=jax.random.PRNGKey(seed)."
+        )
+    unknown = sorted(set(options or {}) - set(_KERNEL_OPTIONS))
+    if unknown:
+        names = _KERNEL_OPTIONS + _OWN_ARGUMENTS
+        close = {u: difflib.get_close_matches(u, names, 1) for u in unknown}
+        guess = "".join(f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c)
+        raise TypeError(
+            f"{fn_name}: unknown option(s) {', '.join(map(repr, unknown))}; it takes "
+            f"{', '.join(_OWN_ARGUMENTS)} and the kernel options "
+            f"{', '.join(_KERNEL_OPTIONS)}.{guess} Fix: use those names; keyword arguments "
+            f"of the model go in apply_kwargs={{...}}."
         )
     if (options or {}).get("batch_size") is not None and operator.index(batch_size_samples) > 1:
         raise ValueError(
@@ -112,30 +162,49 @@ def average(
     total = None
     for start in range(0, n_samples, batch_size_samples):
         stop = min(n_samples, start + batch_size_samples)
+        where = (
+            f"initialisation {start}"
+            if stop == start + 1
+            else f"initialisations {start}..{stop - 1}"
+        ) + f" (keys jax.random.split(key, {n_samples})[{start}:{stop}])"
         if batch_size_samples == 1:
-            k = sample(keys[start])
+            try:
+                k = sample(keys[start])
+            except ValueError as e:
+                if "non-finite" not in str(e):
+                    raise
+                inner = str(e).removeprefix(f"{fn_name}: ")
+                raise ValueError(f"{fn_name}: in {where}: {inner}") from e
             dtypes["kernels"] = jax.tree.map(lambda a: a.dtype, k)
             k = jax.tree.map(wide, k)
         else:
             k = batched(keys[start:stop])
+        _check_finite_sum(fn_name, k, where)
         total = k if total is None else jax.tree.map(jnp.add, total, k)
         if bar is not None:
             bar.update(stop - start)
     if bar is not None:
         bar.close()
     mean = jax.tree.map(lambda s, d: (s / n_samples).astype(d), total, dtypes["kernels"])
-    for name, kernel in zip(("NNGP", "NTK"), mean, strict=True):
-        if not all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(kernel)):
-            raise ValueError(
-                f"{fn_name}: the Monte Carlo {name} came out non-finite (NaN or Inf) from "
-                f"finite inputs: some initialisation gave a non-finite kernel (the model "
-                f"computes NaN or Inf, e.g. a log or division by zero, or its outputs "
-                f"overflow the dtype: float16 ends at 65504). Fix: find the sample with "
-                f"batch_size_samples=1, whose kernels check their results; compute in "
-                f"float32 for overflow."
-            )
+    _check_finite_sum(fn_name, mean, "the mean, cast back to the kernels' dtype")
     nngp, ntk = mean
     return Kernels(nngp=nngp, ntk=ntk)
+
+
+def _check_finite_sum(fn_name: str, kernels, where: str) -> None:
+    """Raises ValueError when the (NNGP, NTK) sums of ``where`` hold NaN or Inf; under an
+    outer jax.jit (abstract values) nothing is checked."""
+    for name, kernel in zip(("NNGP", "NTK"), kernels, strict=True):
+        for a in jax.tree.leaves(kernel):
+            if _concrete_bool(jnp.all(jnp.isfinite(a))) is False:
+                raise ValueError(
+                    f"{fn_name}: the {name} came out non-finite (NaN or Inf) in {where}, "
+                    f"from finite inputs: the model computes NaN or Inf for that "
+                    f"initialisation (a log or sqrt of a negative number, a division by "
+                    f"zero), or its kernel overflows the model's dtype (float16 ends at "
+                    f"65504). Fix: check the model on that initialisation's "
+                    f"parameters; compute in float32 (or float64) against overflow."
+                )
 
 
 def monte_carlo_kernels(
@@ -243,20 +312,28 @@ def monte_carlo_kernels(
     return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2)
 
 
-def initialiser(fn_name: str, init: Callable, call: str, expected: str) -> Callable:
-    """``init`` whose failures (as the user's function, e.g. a Python conversion of a
-    traced value under jit) become a ValueError naming ``call`` and the fix."""
+def initialiser(
+    fn_name: str, init: Callable, call: str, expected: str, otherwise: str = ""
+) -> Callable:
+    """``init`` whose failures become a ValueError naming ``call`` and the fix: for a
+    traced value used as a Python value, that it runs under jit; else ``otherwise``
+    (default: that it be a pure JAX function of the key, ``expected``)."""
 
     def checked(k):
         try:
             return init(k)
         except Exception as e:
+            traced = isinstance(
+                e, (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError)
+            )
             fix = f"make {call} a pure JAX function of the key ({expected})"
-            if isinstance(e, jax.errors.ConcretizationTypeError):
+            if traced:
                 fix += (
                     ", without Python conversions such as float(...) or if on array values: "
                     "it runs under jax.jit"
                 )
+            elif otherwise:
+                fix = otherwise
             raise ValueError(
                 f"{fn_name}: {call} failed with {type(e).__name__}: "
                 f"{str(e).strip().splitlines()[0].rstrip('.')}. Fix: {fix}."

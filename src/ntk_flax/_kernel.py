@@ -21,6 +21,7 @@ from ntk_core._adapter import (
     freeze,
     kernel_function,
 )
+from ntk_core._api import _checked_arguments
 from ntk_core._checks import adapter_model_failure, argument_order, is_nnx_module
 from ntk_flax import _nnx
 
@@ -438,3 +439,14 @@ def _cached(fn_name, kind, model, method, apply_kwargs, options):
     """Reuses the compiled kernel function of an equal earlier call."""
     key = (fn_name, model, method, freeze(apply_kwargs), freeze(options))
     return _CACHE.get(key, lambda: _make(fn_name, kind, model, method, apply_kwargs, options))
+
+
+# Python's own binding errors (a missing x1, too many positional arguments) get the
+# public name and the fix.
+kernel_fn = _checked_arguments(kernel_fn, "ntk_flax.kernel_fn")
+nngp_fn = _checked_arguments(nngp_fn, "ntk_flax.nngp_fn")
+kernel = _checked_arguments(kernel, "ntk_flax.kernel")
+nngp = _checked_arguments(nngp, "ntk_flax.nngp")
+kernel_per_leaf_fn = _checked_arguments(kernel_per_leaf_fn, "ntk_flax.kernel_per_leaf_fn")
+kernel_per_leaf = _checked_arguments(kernel_per_leaf, "ntk_flax.kernel_per_leaf")
+plan = _checked_arguments(plan, "ntk_flax.plan")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from ntk_core._api import _checked_arguments
 from ntk_core._checks import is_nnx_module
-from ntk_core._monte_carlo import average, check_samples, initialiser
+from ntk_core._monte_carlo import average, check_inputs, check_samples, initialiser
 from ntk_core._predict import Kernels
 
 from ._kernel import _make
@@ -28,6 +28,7 @@ def monte_carlo_kernels(
     batch_size_samples: int = 1,
     method: str | Callable | None = None,
     apply_kwargs=None,
+    init_kwargs=None,
     progress: bool | None = None,
     **options,
 ) -> Kernels:
@@ -63,7 +64,11 @@ def monte_carlo_kernels(
       n_samples: S >= 1.
       batch_size_samples: samples computed together (vmapped over their keys), default 1.
       method, apply_kwargs: as :func:`ntk_flax.kernel_fn` (for linen, ``apply_kwargs``
-        is also passed to ``model.init``; for nnx, ``method`` is a method's name).
+        is also passed to ``model.init`` unless ``init_kwargs`` is given; for nnx,
+        ``method`` is a method's name).
+      init_kwargs: linen only: keyword arguments for ``model.init`` instead of
+        ``apply_kwargs`` (e.g. ``{"train": True}`` with ``apply_kwargs={"train":
+        False}``).
       progress: tqdm bar over the samples (``None``: in a terminal only).
       **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
         ``precision`` as in :func:`ntk_core.ntk_fn` (the NNGP ignores
@@ -113,6 +118,12 @@ def monte_carlo_kernels(
                 f"instance (linen) or lambda rngs: Model(..., rngs=rngs) (nnx); for "
                 f"init/apply functions use ntk_core.monte_carlo_kernels."
             )
+        if init_kwargs is not None:
+            raise TypeError(
+                f"{fn}: init_kwargs was given for an nnx model, which initialises when its "
+                f"builder runs. Fix: drop init_kwargs and pass the arguments inside the "
+                f"builder, lambda rngs: Model(..., rngs=rngs)."
+            )
         return _nnx_monte_carlo(
             fn,
             model,
@@ -127,17 +138,20 @@ def monte_carlo_kernels(
             options,
         )
     check_samples(fn, key, n_samples, batch_size_samples, options)
+    check_inputs(fn, x1, x2)
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
     ntk = _make(fn, "ntk", model, method, apply_kwargs, options)  # errors name fn
     nngp = _make(fn, "nngp", model, method, apply_kwargs, nngp_options)
     x_init = jax.tree.map(lambda a: a[:1], x1)
-    init_kwargs = dict(apply_kwargs or {})
+    init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else dict(init_kwargs)
 
     init = initialiser(
         fn,
         jax.jit(lambda k: model.init(k, x_init, method=method, **init_kwargs)),
         "model.init(key, x1[:1])",
         "the module's __call__, traced under jax.jit",
+        "check that x1 has the per-sample shape the model expects (batch axis first); "
+        "init_kwargs={...} gives model.init other keyword arguments than apply_kwargs",
     )
 
     def sample(k):
@@ -145,6 +159,13 @@ def monte_carlo_kernels(
         return nngp(variables, x1, x2), ntk(variables, x1, x2)
 
     return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2)
+
+
+def _comparable(leaf):
+    """Typed PRNG keys compare by their key data."""
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(leaf)
+    return leaf
 
 
 def _nnx_monte_carlo(
@@ -166,6 +187,7 @@ def _nnx_monte_carlo(
     from flax import nnx
 
     check_samples(fn, key, n_samples, batch_size_samples, options)  # before building
+    check_inputs(fn, x1, x2)
     try:
         template = build(nnx.Rngs(key))
     except Exception as e:
@@ -201,15 +223,15 @@ def _nnx_monte_carlo(
 
     if n_samples >= 2:  # a builder that ignores its rngs makes every sample the same
         keys = jax.random.split(key, 2)
-        first, second = (jax.tree.leaves(state_of(k)[0]) for k in keys)
+        first, second = (map(_comparable, jax.tree.leaves(state_of(k))) for k in keys)
         if all(bool(jnp.array_equal(a, b)) for a, b in zip(first, second, strict=True)):
             raise ValueError(
-                f"{fn}: model(nnx.Rngs(k)) built the same parameters for two different keys, "
-                f"so every sample would be the same network: the function does not pass its "
-                f"rngs argument on (e.g. it builds with nnx.Rngs(0) inside), or no "
-                f"initialiser is random. Fix: build with the rngs it is given, lambda rngs: "
-                f"Model(..., rngs=rngs); for a network without random initialisation use "
-                f"ntk_flax.kernel once."
+                f"{fn}: model(nnx.Rngs(k)) built the same module (parameters and other "
+                f"state) for two different keys, so every sample would be the same network: "
+                f"the function does not pass its rngs argument on (e.g. it builds with "
+                f"nnx.Rngs(0) inside), or nothing in it is random. Fix: build with the rngs "
+                f"it is given, lambda rngs: Model(..., rngs=rngs); for a network without "
+                f"random initialisation use ntk_flax.kernel once."
             )
 
     def sample(k):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import numpy as np
 from flax import nnx
 
 from ntk_core._adapter import bound_kernel, check_apply_kwargs, kernel_function
@@ -31,34 +32,74 @@ def _method(fn_name: str, model, method) -> str:
     return method
 
 
-def _training_mode(fn_name: str, model) -> None:
-    """Refuses Dropout (rate > 0) and BatchNorm in training mode: dropout would draw a
-    mask per sample from the module's RNG state (the kernel of a random function), and
-    BatchNorm would normalise by batch statistics it also mutates."""
-    iterate = getattr(nnx, "iter_modules", None)  # flax >= 0.12; before, a method
-    modules = iterate(model) if iterate is not None else model.iter_modules()
+def _variables(rest) -> list[tuple[str, str]]:
+    """(path, variable type) of each array leaf of an nnx state, in leaf order."""
+
+    def is_variable(v) -> bool:  # flax < 0.12 keeps VariableState in states
+        return isinstance(v, nnx.Variable) or type(v).__name__ == "VariableState"
+
     found = []
-    for path, module in modules:
-        name = "/".join(map(str, path)) or "(root)"
-        if isinstance(module, nnx.Dropout) and module.rate > 0 and not module.deterministic:
-            found.append(f"Dropout at {name}")
-        if isinstance(module, nnx.BatchNorm) and not module.use_running_average:
-            found.append(f"BatchNorm at {name}")
-    if found:
+    for path, v in jax.tree_util.tree_leaves_with_path(rest, is_leaf=is_variable):
+        kind = getattr(v, "type", type(v))
+        keys = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        found += [(keys, getattr(kind, "__name__", str(kind)))] * len(jax.tree.leaves(v))
+    return found
+
+
+def _state_changes(graphdef, params, rest, x, name, apply_kwargs) -> list[str]:
+    """The non-Param variables the module's call writes ("RngCount at drop/rngs/count"):
+    one abstract trace, in which a variable left unchanged passes straight through."""
+
+    def call(params, rest, x):
+        module = nnx.merge(graphdef, params, rest)
+        getattr(module, name)(x, **apply_kwargs)
+        return nnx.split(module, nnx.Param, ...)[2]
+
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, rest, x))
+    jaxpr = jax.make_jaxpr(call)(*abstract).jaxpr
+    first = len(jax.tree.leaves(params))
+    inputs = jaxpr.invars[first : first + len(jax.tree.leaves(rest))]
+    if len(jaxpr.outvars) != len(inputs):  # the call added or removed state
+        return ["the state's structure"]
+    return [
+        f"{kind} at {path}"
+        for (path, kind), before, after in zip(_variables(rest), inputs, jaxpr.outvars, strict=True)
+        if after is not before
+    ]
+
+
+def _refuse_state_changes(fn_name: str, changed: list[str]) -> None:
+    random = any("Rng" in c for c in changed)
+    statistics = any("BatchStat" in c for c in changed)
+    why = (
+        "it draws random numbers from its RNG state (Dropout in training mode, or noise), "
+        "a different draw for each sample"
+        if random
+        else "it updates its BatchNorm statistics (training mode) and normalises by the batch's own"
+        if statistics
+        else "it writes state that later calls would read"
+    )
+    if fn_name.endswith("monte_carlo_kernels"):
         fix = (
-            "call .eval() on the module in the function that builds it (m = Model(rngs="
-            "rngs); m.eval(); return m)"
-            if fn_name.endswith("monte_carlo_kernels")
-            else "put the module in evaluation mode (e.g. model.eval()), or build those "
-            "layers with deterministic=True / use_running_average=True"
+            "call .eval() on the module in the function that builds it (m = Model("
+            "rngs=rngs); m.eval(); return m)"
         )
-        raise ValueError(
-            f"{fn_name}: the nnx module is in training mode ({', '.join(found[:3])}"
-            f"{', ...' if len(found) > 3 else ''}): Dropout would draw a different mask for "
-            f"each sample from the module's RNG state, and BatchNorm would normalise by the "
-            f"batch's statistics, so there is no fixed function whose kernel to compute. "
-            f"Fix: {fix}."
+    else:
+        fix = "put the module in evaluation mode (e.g. model.eval())"
+    if random:
+        fix += ", or pass the call's own switch, e.g. apply_kwargs={'deterministic': True}"
+    elif statistics:
+        fix += (
+            ", or pass the call's own switch (e.g. apply_kwargs={'train': False} for a "
+            "__call__ that sets use_running_average from it)"
         )
+    else:
+        fix += ", and keep the state the call writes out of the forward pass"
+    raise ValueError(
+        f"{fn_name}: the nnx module changes its own state when called "
+        f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): {why}; a kernel "
+        f"needs a fixed function of params and x. Fix: {fix}."
+    )
 
 
 def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Callable:
@@ -77,6 +118,10 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
             jax.eval_shape(apply3, params, x1, aux)
         except Exception as e:
             raise adapter_model_failure(fn_name, "variables", e) from e
+        graphdef, rest = aux
+        changed = _state_changes(graphdef, params, rest, x1, name, apply_kwargs)
+        if changed:
+            _refuse_state_changes(fn_name, changed)
 
     kernel = kernel_function(fn_name, kind, apply3, options, check, hint="model.eval()")
 
@@ -86,7 +131,6 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
                 f"{fn_name}: rngs was given, but an nnx module carries its own nnx.Rngs. "
                 f"Fix: drop rngs= (call model.eval() for deterministic dropout)."
             )
-        _training_mode(fn_name, model)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if variables is not None:
             if jax.tree.structure(variables) != jax.tree.structure(params):
@@ -97,6 +141,22 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
                     f"module's own parameters, or nnx.state(model, nnx.Param) (e.g. of "
                     f"another step of the same model)."
                 )
+            wrong = [
+                f"{jax.tree_util.keystr(path)} {np.shape(got)} (expected {np.shape(want)})"
+                for (path, want), got in zip(
+                    jax.tree_util.tree_leaves_with_path(params),
+                    jax.tree.leaves(variables),
+                    strict=True,
+                )
+                if np.shape(got) != np.shape(want)
+            ]
+            if wrong:
+                raise ValueError(
+                    f"{fn_name}: variables do not have the shapes of the module's nnx.Param "
+                    f"state: {', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''}. Fix: "
+                    f"pass nnx.state(model, nnx.Param) of this model (e.g. of another "
+                    f"training step), or variables=None for the module's own parameters."
+                )
             params = variables
         return params, (graphdef, rest)
 
@@ -105,7 +165,6 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
     def of_state(params, rest, x1, x2=None):
         """The kernel of the module with ``params`` and other state ``rest`` (states
         of a module built like this one), for the Monte Carlo kernels."""
-        _training_mode(fn_name, model)
         return kernel(params, x1, x2, (nnx.split(model, nnx.Param, ...)[0], rest))
 
     call.of_state = of_state

@@ -21,6 +21,7 @@ from ntk_core._adapter import (
     freeze,
     kernel_function,
 )
+from ntk_core._api import _checked_arguments
 from ntk_core._checks import adapter_model_failure
 
 
@@ -42,7 +43,7 @@ def _model_apply(transformed, apply_kwargs):
 
 
 _FLAX_COLLECTIONS = {"params", "batch_stats", "cache", "intermediates", "constants"}
-_FLAX_LEAF_NAMES = {"kernel", "bias", "scale", "embedding"}
+_FLAX_LEAF_NAMES = {"kernel", "embedding"}  # Haiku's are w and embeddings
 
 
 def _leaf_names(tree) -> set[str]:
@@ -76,7 +77,14 @@ def _foreign_params(fn_name, params, state, error) -> ValueError | None:
     name, module = wanted.groups()
     held = sorted(map(str, params))
     subject = f"params does not hold (its modules: {_shown(held)})"
-    if module in params and isinstance(params[module], Mapping):
+    in_state = isinstance(state, Mapping) and isinstance(state.get(module), Mapping)
+    if (in_state and name in state[module]) or (params is state and state is not None):
+        fix = (
+            "state holds it, so params and state look swapped (or state was passed as "
+            "params): pass params, state = transformed.init(key, x) as (transformed, params, "
+            "x, state=state)"
+        )
+    elif module in params and isinstance(params[module], Mapping):
         inside = sorted(map(str, params[module]))
         subject = f"params does not hold (module {module!r} holds only {inside})"
         fix = (
@@ -452,3 +460,14 @@ def _cached(fn_name, kind, transformed, apply_kwargs, options):
     """Reuses the compiled kernel function of an equal earlier call."""
     key = (fn_name, transformed, freeze(apply_kwargs), freeze(options))
     return _CACHE.get(key, lambda: _make(fn_name, kind, transformed, apply_kwargs, options))
+
+
+# Python's own binding errors (a missing x1, too many positional arguments) get the
+# public name and the fix.
+kernel_fn = _checked_arguments(kernel_fn, "ntk_haiku.kernel_fn")
+nngp_fn = _checked_arguments(nngp_fn, "ntk_haiku.nngp_fn")
+kernel = _checked_arguments(kernel, "ntk_haiku.kernel")
+nngp = _checked_arguments(nngp, "ntk_haiku.nngp")
+kernel_per_leaf_fn = _checked_arguments(kernel_per_leaf_fn, "ntk_haiku.kernel_per_leaf_fn")
+kernel_per_leaf = _checked_arguments(kernel_per_leaf, "ntk_haiku.kernel_per_leaf")
+plan = _checked_arguments(plan, "ntk_haiku.plan")

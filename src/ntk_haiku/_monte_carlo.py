@@ -6,7 +6,7 @@ import haiku as hk
 import jax
 
 from ntk_core._api import _checked_arguments
-from ntk_core._monte_carlo import average, check_samples, initialiser
+from ntk_core._monte_carlo import average, check_inputs, check_samples, initialiser
 from ntk_core._predict import Kernels
 
 from ._kernel import _make
@@ -22,6 +22,7 @@ def monte_carlo_kernels(
     batch_size_samples: int = 1,
     rng=None,
     apply_kwargs=None,
+    init_kwargs=None,
     progress: bool | None = None,
     **options,
 ) -> Kernels:
@@ -42,7 +43,11 @@ def monte_carlo_kernels(
       batch_size_samples: samples computed together (vmapped over their keys), default 1.
       rng: a PRNG key for models that need one at apply time (the same for every
         sample), as in :func:`ntk_haiku.kernel`.
-      apply_kwargs: keyword arguments of the forward function (also given to ``init``).
+      apply_kwargs: keyword arguments of the forward function (also given to ``init``
+        unless ``init_kwargs`` is given).
+      init_kwargs: keyword arguments for ``transformed.init`` instead of
+        ``apply_kwargs``, e.g. ``{"is_training": True}`` for ``hk.BatchNorm``, which
+        initialises only in training mode, with ``apply_kwargs={"is_training": False}``.
       progress: tqdm bar over the samples (``None``: in a terminal only).
       **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
         ``precision`` as in :func:`ntk_core.ntk_fn`.
@@ -79,18 +84,22 @@ def monte_carlo_kernels(
             f"hk.transform(f)."
         )
     check_samples(fn, key, n_samples, batch_size_samples, options)
+    check_inputs(fn, x1, x2)
     with_state = isinstance(transformed, hk.TransformedWithState)
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
     ntk = _make(fn, "ntk", transformed, apply_kwargs, options)  # errors name fn
     nngp = _make(fn, "nngp", transformed, apply_kwargs, nngp_options)
     x_init = jax.tree.map(lambda a: a[:1], x1)
-    init_kwargs = dict(apply_kwargs or {})
+    init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else dict(init_kwargs)
 
     init = initialiser(
         fn,
         jax.jit(lambda k: transformed.init(k, x_init, **init_kwargs)),
         "transformed.init(key, x1[:1])",
         "the forward function, traced under jax.jit",
+        "check that x1 has the per-sample shape the model expects (batch axis first); a "
+        "model that initialises only in training mode (hk.BatchNorm) needs "
+        "init_kwargs={'is_training': True} with apply_kwargs={'is_training': False}",
     )
 
     def sample(k):

@@ -83,6 +83,12 @@ def bn_forward(x, is_training):
 
 bn_net = hk.transform_with_state(bn_forward)
 BP, BS = bn_net.init(jax.random.PRNGKey(0), X, is_training=True)
+
+def scale_forward(x):
+    return hk.Linear(2)(x) * hk.get_state("scale", (), init=jnp.ones)
+
+scale_net = hk.without_apply_rng(hk.transform_with_state(scale_forward))
+SP, SS = scale_net.init(jax.random.PRNGKey(0), X)
 """
 
 
@@ -331,7 +337,7 @@ def _rows():
             TypeError, r"^ntk_flax.monte_carlo_kernels: model is the nnx module Linear itself, which is already initialised" + fix + r"pass the function that builds it from an nnx.Rngs, e.g. lambda rngs: Linear\(..., rngs=rngs\)", ("flax",)),
         Row("flax-nnx-train-dropout", "an nnx module with Dropout in training mode",
             "ntk_flax.nngp(nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(1))), None, X)",
-            ValueError, r"^ntk_flax.nngp: the nnx module is in training mode \(Dropout at layers/1\)" + fix + r"put the module in evaluation mode \(e.g. model.eval\(\)\)", ("flax",)),
+            ValueError, r"^ntk_flax.nngp: the nnx module changes its own state when called \(RngCount at layers/1/\S*count\): it draws random numbers" + fix + r"put the module in evaluation mode \(e.g. model.eval\(\)\)", ("flax",)),
         Row("flax-mc-batch-size-in-vmapped-samples", "the blocked engine's batch_size with samples vmapped together",
             "ntk_flax.monte_carlo_kernels(dense, X, key=jax.random.PRNGKey(0), n_samples=4, batch_size_samples=2, batch_size=2)",
             ValueError, r"^ntk_flax.monte_carlo_kernels: batch_size=2 .* cannot run inside batch_size_samples=2" + fix + r"pass batch_size_samples=1 with batch_size", ("flax",)),
@@ -341,6 +347,24 @@ def _rows():
         Row("flax-nnx-mc-no-params", "an nnx builder whose module has no nnx.Param",
             "ntk_flax.monte_carlo_kernels(lambda rngs: nnx.Sequential(nnx.relu), X, key=jax.random.PRNGKey(0), n_samples=2)",
             ValueError, r"^ntk_flax.monte_carlo_kernels: the module model\(nnx.Rngs\(key\)\) builds, Sequential, has no nnx.Param variables" + fix, ("flax",)),
+        Row("flax-nnx-variables-shapes", "nnx variables of another width (same structure)",
+            "ntk_flax.kernel(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), nnx.state(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.Param), X)",
+            ValueError, r"^ntk_flax.kernel: variables do not have the shapes of the module's nnx.Param state: .*\(4,\) \(expected \(2,\)\)" + fix + r"pass nnx.state\(model, nnx.Param\) of this model", ("flax",)),
+        Row("flax-mc-params-as-x1", "variables passed to the Monte Carlo function as in ntk_flax.kernel",
+            "ntk_flax.monte_carlo_kernels(dense, V, X, key=jax.random.PRNGKey(0), n_samples=2)",
+            TypeError, r"^ntk_flax.monte_carlo_kernels: x1 is a dict of \['params'\], which looks like a model's parameters" + fix + r".*without parameters", ("flax",)),
+        Row("flax-mc-list-input", "a Python list as x1 of the Monte Carlo function",
+            "ntk_flax.monte_carlo_kernels(dense, X.tolist(), key=jax.random.PRNGKey(0), n_samples=2)",
+            TypeError, r"^ntk_flax.monte_carlo_kernels: x1 must be an array \(or pytree of arrays\) with batch axis 0, got list" + fix + r".*np.asarray\(x1\)", ("flax",)),
+        Row("flax-mc-misspelt-option", "a misspelt Monte Carlo option (batch_size_sample)",
+            "ntk_flax.monte_carlo_kernels(dense, X, key=jax.random.PRNGKey(0), n_samples=2, batch_size_sample=2)",
+            TypeError, r"^ntk_flax.monte_carlo_kernels: unknown option\(s\) 'batch_size_sample'.*Did you mean 'batch_size_samples'" + fix, ("flax",)),
+        Row("flax-kernel-missing-x", "the variables forgotten: ntk_flax.kernel(model, x)",
+            "ntk_flax.kernel(dense, X)",
+            TypeError, r"^ntk_flax.kernel: missing a required argument: 'x1' \(expected positional arguments model, variables, x1, x2\)" + fix, ("flax",)),
+        Row("flax-nnx-mutating-call", "an nnx module whose call writes its own state (vmap_axes=None)",
+            "ntk_flax.kernel(nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), nnx.BatchNorm(2, rngs=nnx.Rngs(0))), None, X, vmap_axes=None)",
+            ValueError, r"^ntk_flax.kernel: the nnx module changes its own state when called \(BatchStat at layers/1/mean, BatchStat at layers/1/var\): it updates its BatchNorm statistics" + fix + r".*model.eval\(\)", ("flax",)),
         Row("flax-nnx-rngs", "rngs= given for an nnx module (which carries its own)",
             "ntk_flax.kernel(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), None, X, rngs={'dropout': jax.random.PRNGKey(0)})",
             TypeError, r"^ntk_flax.kernel: rngs was given, but an nnx module carries its own nnx.Rngs" + fix + r"drop rngs=", ("flax",)),
@@ -440,13 +464,19 @@ def _rows():
             ValueError, r"^ntk_haiku.kernel: the model asks for parameter 'b' of module 'linear', which params does not hold \(module 'linear' holds only \['w'\]\)" + fix + r".*a parameter of this module was removed or renamed", ("haiku",)),
         Row("haiku-flax-params-nested", "a Flax model's params collection (modules of kernel/bias) given to a Haiku model",
             'ntk_haiku.kernel(net, {"Dense_0": V["params"]}, X)',
-            ValueError, r"^ntk_haiku.kernel: the model asks for parameter 'w' of module 'linear'" + fix + r"params look like Flax parameters \(leaves named \['bias', 'kernel'\]", ("flax", "haiku")),
+            ValueError, r"^ntk_haiku.kernel: the model asks for parameter 'w' of module 'linear'" + fix + r"params look like Flax parameters \(leaves named \['kernel'\]", ("flax", "haiku")),
         Row("haiku-state-as-params", "Haiku state passed as params (integer counters)",
             'ntk_haiku.kernel(bn_net, BS, X, state=BS, apply_kwargs={"is_training": False})',
             TypeError, r"^ntk_haiku.kernel: params holds integer arrays .*counter.*as Haiku state does" + fix + r"pass both values of params, state = transformed.init\(key, x\)", ("haiku",)),
         Row("haiku-empty-state", "an empty state for a model with BatchNorm",
             'ntk_haiku.kernel(bn_net, BP, X, state={}, apply_kwargs={"is_training": False})',
             ValueError, r"^ntk_haiku.kernel: the model asks for state '\w+' of module 'batch_norm/~/mean_ema', which state does not hold \(its modules: \[\]\)" + fix + r"pass the state returned together with these params", ("haiku",)),
+        Row("haiku-params-state-swapped", "params and state swapped (state of floats only)",
+            "ntk_haiku.kernel(scale_net, SS, X, state=SP)",
+            ValueError, r"^ntk_haiku.kernel: the model asks for parameter 'w' of module 'linear'" + fix + r"state holds it, so params and state look swapped", ("haiku",)),
+        Row("haiku-mc-bn-init", "Haiku BatchNorm Monte Carlo without init_kwargs (BatchNorm initialises only in training mode)",
+            'ntk_haiku.monte_carlo_kernels(bn_net, X, key=jax.random.PRNGKey(0), n_samples=2, apply_kwargs={"is_training": False})',
+            ValueError, r"^ntk_haiku.monte_carlo_kernels: transformed.init\(key, x1\[:1\]\) failed with ValueError" + fix + r".*init_kwargs=\{'is_training': True\}", ("haiku",)),
         Row("haiku-other-model-params", "params of another Haiku model",
             "ntk_haiku.kernel(bn_net, HP, X, state=BS, apply_kwargs={'is_training': False})",
             ValueError, r"^ntk_haiku.kernel: the model asks for parameter '\w+' of module 'batch_norm', which params does not hold \(its modules: \['linear'\]\)" + fix + r"pass the params returned by this transform's init", ("haiku",)),

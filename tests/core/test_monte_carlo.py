@@ -105,13 +105,22 @@ def test_non_finite_inputs_refused_when_samples_are_vmapped():
 
 def test_non_finite_mean_refused():
     """A model that makes NaN for some initialisations (here log of a weight) gives a
-    ValueError instead of a silent NaN mean, vmapped or not."""
+    ValueError naming the first such initialisation (or its batch) instead of a silent
+    NaN mean, vmapped or not."""
 
     def apply_log(params, x):
         return apply_fn(params, x) * jnp.log(params["v"][0, 0])
 
-    for batch in (1, 2):
-        with pytest.raises(ValueError, match=r"^monte_carlo_kernels: .*non-finite"):
+    keys = jax.random.split(jax.random.PRNGKey(0), 6)
+    first = next(s for s, k in enumerate(keys) if init_fn(k)["v"][0, 0] < 0)  # log(<0) = NaN
+    for batch, where in (
+        (1, f"in initialisation {first} "),
+        (2, f"initialisations {first // 2 * 2}.."),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"^monte_carlo_kernels: .*{where}.*non-finite|^monte_carlo_kernels: .*non-finite.* {where}",
+        ):
             ntk_core.monte_carlo_kernels(
                 init_fn,
                 apply_log,

@@ -198,17 +198,63 @@ def test_dropout_in_training_mode_refused():
     model = Small(nnx.Rngs(0))
     with pytest.raises(
         ValueError,
-        match=r"^ntk_flax.nngp: the nnx module is in training mode \(Dropout at drop\).*Fix: put the module in evaluation mode \(e.g. model.eval\(\)\)",
+        match=r"^ntk_flax.nngp: the nnx module changes its own state when called \(RngCount at "
+        r"drop/\S*count\): it draws random numbers .*Fix: put the module in evaluation mode "
+        r"\(e.g. model.eval\(\)\)",
     ):
         ntk_flax.nngp(model, None, X1)
     with pytest.raises(
         ValueError,
-        match=r"^ntk_flax.monte_carlo_kernels: the nnx module is in training mode.*Fix: call .eval\(\) on the module in the function that builds it",
+        match=r"^ntk_flax.monte_carlo_kernels: the nnx module changes its own state when called"
+        r".*Fix: call .eval\(\) on the module in the function that builds it",
     ):
         ntk_flax.monte_carlo_kernels(Small, X1, key=jax.random.PRNGKey(0), n_samples=2)
     model.eval()
     f, params = _pure(model)
     reference.assert_close(ntk_flax.nngp(model, None, X1), reference.nngp(f, params, X1, None)[0])
+
+
+class Switched(nnx.Module):
+    """Dropout switched by the call's own argument, and a call counter."""
+
+    def __init__(self, rngs, count=False):
+        self.dense = nnx.Linear(3, 4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.calls = Calls(jnp.zeros(())) if count else None
+
+    def __call__(self, x, deterministic=False):
+        if self.calls is not None:
+            self.calls.value = self.calls.value + 1
+        return self.drop(self.dense(x), deterministic=deterministic)
+
+
+class Calls(nnx.Variable):
+    pass
+
+
+@pytest.mark.parametrize("vmap_axes", [0, None])
+def test_state_writes_decide_refusal_not_the_mode(vmap_axes):
+    """A module in its default (training) mode whose call is made deterministic by
+    apply_kwargs is a fixed function (kernel equals the reference); the same module with
+    deterministic=False, or one that counts its calls, is refused."""
+    model = Switched(nnx.Rngs(0))
+    options = dict(vmap_axes=vmap_axes, apply_kwargs={"deterministic": True})
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    expected = reference.ntk(
+        lambda p, x: nnx.merge(graphdef, p, rest)(x, deterministic=True), params, X1, None
+    )[0]
+    reference.assert_close(ntk_flax.kernel(model, None, X1, **options), expected)
+    with pytest.raises(ValueError, match=r"changes its own state when called \(RngCount"):
+        ntk_flax.kernel(model, None, X1, vmap_axes=vmap_axes, apply_kwargs={"deterministic": False})
+    with pytest.raises(ValueError, match=r"changes its own state when called \(Calls at calls\)"):
+        ntk_flax.kernel(Switched(nnx.Rngs(0), count=True), None, X1, **options)
+
+
+def test_variables_of_other_shapes_refused():
+    model = _net()
+    wider = jax.tree.map(lambda a: jnp.concatenate([a, a], -1), nnx.state(model, nnx.Param))
+    with pytest.raises(ValueError, match=r"^ntk_flax.kernel: variables do not have the shapes"):
+        ntk_flax.kernel(model, wider, X1)
 
 
 ERRORS = [
@@ -261,8 +307,8 @@ ERRORS = [
             lambda rngs: _small(nnx.Rngs(0)), X1, key=jax.random.PRNGKey(0), n_samples=2
         ),
         ValueError,
-        r"^ntk_flax.monte_carlo_kernels: model\(nnx.Rngs\(k\)\) built the same parameters for "
-        r"two different keys.*Fix: build with the rngs it is given",
+        r"^ntk_flax.monte_carlo_kernels: model\(nnx.Rngs\(k\)\) built the same module \(parameters "
+        r"and other state\) for two different keys.*Fix: build with the rngs it is given",
     ),
     (
         "Monte Carlo without its key",

@@ -22,3 +22,25 @@ def test_haiku_average_equals_separate_kernels():
     nngp = np.mean([np.asarray(ntk_haiku.nngp(net, p, x), np.float64) for p in params], axis=0)
     np.testing.assert_allclose(np.asarray(k.ntk), ntk, atol=1e-6 * np.abs(ntk).max())
     np.testing.assert_allclose(np.asarray(k.nngp), nngp, atol=1e-6 * np.abs(nngp).max())
+
+
+def test_batchnorm_initialised_in_training_mode_evaluated_in_eval_mode():
+    """hk.BatchNorm initialises only with is_training=True: init_kwargs gives init its own
+    arguments; the result is the mean of the separate eval-mode kernels with each
+    initialisation's state."""
+
+    def forward(x, is_training):
+        h = hk.BatchNorm(True, True, 0.9)(hk.Linear(6)(x), is_training=is_training)
+        return hk.Linear(2)(jnp.tanh(h))
+
+    net = hk.without_apply_rng(hk.transform_with_state(forward))
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 3))
+    key, n, evaluate = jax.random.PRNGKey(2), 2, {"is_training": False}
+    k = ntk_haiku.monte_carlo_kernels(
+        net, x, key=key, n_samples=n, apply_kwargs=evaluate, init_kwargs={"is_training": True}
+    )
+    inits = [net.init(kk, x[:1], is_training=True) for kk in jax.random.split(key, n)]
+    ntk = np.mean(
+        [ntk_haiku.kernel(net, p, x, state=s, apply_kwargs=evaluate) for p, s in inits], axis=0
+    )
+    np.testing.assert_allclose(np.asarray(k.ntk), ntk, atol=1e-6 * np.abs(ntk).max())
