@@ -295,7 +295,8 @@ def monte_carlo_kernels(
         raise TypeError(
             f"{fn}: init_fn takes (key, shape), like neural-tangents' stax init_fn, but "
             f"here init_fn(key) -> params. Fix: pass lambda k: init_fn(k, x1.shape)[1] (stax "
-            f"returns (output_shape, params))."
+            f"returns (output_shape, params)); if init_fn is your apply_fn(params, x), the "
+            f"two are swapped: the order is (init_fn, apply_fn, x1, ...)."
         )
     check_samples(fn, key, n_samples, batch_size_samples)
     axes = dict(trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes)

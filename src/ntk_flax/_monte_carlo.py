@@ -103,6 +103,11 @@ def monte_carlo_kernels(
       Gaussian Processes", ICLR 2019.
     """
     fn = "ntk_flax.monte_carlo_kernels"
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise TypeError(
+            f"{fn}: model is the linen class {model.__name__}, not an instance. Fix: pass "
+            f"{model.__name__}(...) with its attributes, e.g. nn.Dense(10)."
+        )
     if not isinstance(model, nn.Module):
         if is_nnx_module(model):
             raise TypeError(
@@ -193,7 +198,8 @@ def _nnx_monte_carlo(
     except Exception as e:
         raise (TypeError if isinstance(e, TypeError) else ValueError)(
             f"{fn}: building the nnx module with model(nnx.Rngs(key)) failed with "
-            f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}. Fix: pass a function of "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0].rstrip('.')}. Fix: pass a "
+            f"function of "
             f"one nnx.Rngs that returns the module, e.g. lambda rngs: Model(..., rngs=rngs)."
         ) from e
     if not is_nnx_module(template):
