@@ -129,21 +129,13 @@ def monte_carlo_kernels(
                 f"builder runs. Fix: drop init_kwargs and pass the arguments inside the "
                 f"builder, lambda rngs: Model(..., rngs=rngs)."
             )
-        return _nnx_monte_carlo(
-            fn,
-            model,
-            x1,
-            x2,
-            key,
-            n_samples,
-            batch_size_samples,
-            method,
-            apply_kwargs,
-            progress,
-            options,
-        )
-    check_samples(fn, key, n_samples, batch_size_samples, options)
+    check_samples(fn, key, n_samples, batch_size_samples, options)  # before building
     check_inputs(fn, x1, x2)
+    if not isinstance(model, nn.Module):
+        return _nnx_monte_carlo(
+            fn, model, x1, x2, key, n_samples, batch_size_samples, method, apply_kwargs,
+            progress, options,
+        )  # fmt: skip
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
     ntk = _make(fn, "ntk", model, method, apply_kwargs, options)  # errors name fn
     nngp = _make(fn, "nngp", model, method, apply_kwargs, nngp_options)
@@ -191,8 +183,6 @@ def _nnx_monte_carlo(
     state held fixed, through the graph definition of one template module."""
     from flax import nnx
 
-    check_samples(fn, key, n_samples, batch_size_samples, options)  # before building
-    check_inputs(fn, x1, x2)
     try:
         template = build(nnx.Rngs(key))
     except Exception as e:
