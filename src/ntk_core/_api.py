@@ -488,10 +488,19 @@ def _checked_arguments(fn, name: str | None = None):
                         f"unknown keyword argument(s) {', '.join(map(repr, unknown))}; valid "
                         f"options are {', '.join(options)}.{guess}"
                     )
-                    fix = (
-                        "use those option names; keyword arguments of the model go into "
-                        "apply_fn, e.g. functools.partial(model.apply, train=False)."
-                    )
+                    if "apply_kwargs" in signature.parameters:  # the adapters
+                        reason = reason.replace(
+                            "valid options are", "valid options are the kernel options and"
+                        )
+                        fix = (
+                            "use those option names; keyword arguments of the model go in "
+                            "apply_kwargs={...}."
+                        )
+                    else:
+                        fix = (
+                            "use those option names; keyword arguments of the model go into "
+                            "apply_fn, e.g. functools.partial(model.apply, train=False)."
+                        )
                 else:
                     reason = f"{e} (expected positional arguments {', '.join(positional)})."
                     fix = f"call {name}({', '.join(positional)}, *, option=...); options are "

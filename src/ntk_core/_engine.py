@@ -146,7 +146,11 @@ def _as_arrays(tree):
 
 def _describe(tree) -> str:
     shapes = jax.tree.map(lambda v: tuple(np.shape(v)), tree)
-    return repr(shapes)
+    text = repr(shapes)
+    if len(text) > 300:  # e.g. a long Python list of numbers: one () per element
+        n = len(jax.tree.leaves(tree))
+        text = f"{text[:200]}... ({type(tree).__name__} with {n} leaves)"
+    return text
 
 
 def _batch_size(fn_name: str, name: str, x) -> int:

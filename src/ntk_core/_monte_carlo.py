@@ -46,15 +46,10 @@ def progress_bar(fn_name: str, progress, total: int, desc: str):
 
 
 _KERNEL_OPTIONS = [n for n in inspect.signature(make_options).parameters if n != "fn_name"]
-_OWN_ARGUMENTS = [
-    "key",
-    "n_samples",
-    "batch_size_samples",
-    "progress",
-    "method",
-    "apply_kwargs",
-    "init_kwargs",
-]
+_OWN_ARGUMENTS = {
+    "ntk_flax": ["key", "n_samples", "batch_size_samples", "method", "apply_kwargs", "init_kwargs"],
+    "ntk_haiku": ["key", "n_samples", "batch_size_samples", "rng", "apply_kwargs", "init_kwargs"],
+}
 
 
 def check_inputs(fn_name: str, x1, x2) -> None:
@@ -81,6 +76,19 @@ def check_inputs(fn_name: str, x1, x2) -> None:
         )
 
 
+def check_init_kwargs(fn_name: str, init_kwargs) -> dict | None:
+    """``init_kwargs`` as a dict (None stays None); anything but a mapping is refused."""
+    if init_kwargs is None:
+        return None
+    if not isinstance(init_kwargs, Mapping):
+        raise TypeError(
+            f"{fn_name}: init_kwargs must be a dict of keyword arguments for the model's "
+            f"init, got {type(init_kwargs).__name__}. Fix: pass e.g. "
+            f"init_kwargs={{'is_training': True}}."
+        )
+    return dict(init_kwargs)
+
+
 def check_samples(fn_name: str, key, n_samples, batch_size_samples, options=None) -> None:
     """Validates the sampling arguments (numpy integers count as ints) and, for the
     adapters' ``**options``, refuses the blocked engine's ``batch_size`` when samples
@@ -105,13 +113,14 @@ def check_samples(fn_name: str, key, n_samples, batch_size_samples, options=None
             f"key=jax.random.PRNGKey(seed)."
         )
     unknown = sorted(set(options or {}) - set(_KERNEL_OPTIONS))
+    own = _OWN_ARGUMENTS.get(fn_name.split(".")[0], [])
     if unknown:
-        names = _KERNEL_OPTIONS + _OWN_ARGUMENTS
+        names = _KERNEL_OPTIONS + own
         close = {u: difflib.get_close_matches(u, names, 1) for u in unknown}
         guess = "".join(f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c)
         raise TypeError(
             f"{fn_name}: unknown option(s) {', '.join(map(repr, unknown))}; it takes "
-            f"{', '.join(_OWN_ARGUMENTS)} and the kernel options "
+            f"{', '.join(own)} and the kernel options "
             f"{', '.join(_KERNEL_OPTIONS)}.{guess} Fix: use those names; keyword arguments "
             f"of the model go in apply_kwargs={{...}}."
         )

@@ -11,7 +11,13 @@ import jax.numpy as jnp
 
 from ntk_core._api import _checked_arguments
 from ntk_core._checks import is_nnx_module
-from ntk_core._monte_carlo import average, check_inputs, check_samples, initialiser
+from ntk_core._monte_carlo import (
+    average,
+    check_init_kwargs,
+    check_inputs,
+    check_samples,
+    initialiser,
+)
 from ntk_core._predict import Kernels
 
 from ._kernel import _make
@@ -131,6 +137,7 @@ def monte_carlo_kernels(
             )
     check_samples(fn, key, n_samples, batch_size_samples, options)  # before building
     check_inputs(fn, x1, x2)
+    init_kwargs = check_init_kwargs(fn, init_kwargs)
     if not isinstance(model, nn.Module):
         return _nnx_monte_carlo(
             fn, model, x1, x2, key, n_samples, batch_size_samples, method, apply_kwargs,
@@ -140,7 +147,7 @@ def monte_carlo_kernels(
     ntk = _make(fn, "ntk", model, method, apply_kwargs, options)  # errors name fn
     nngp = _make(fn, "nngp", model, method, apply_kwargs, nngp_options)
     x_init = jax.tree.map(lambda a: a[:1], x1)
-    init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else dict(init_kwargs)
+    init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
 
     init = initialiser(
         fn,

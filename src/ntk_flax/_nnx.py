@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -32,6 +33,11 @@ def _method(fn_name: str, model, method) -> str:
     return method
 
 
+def _paths(state) -> str:
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+    return "[" + ", ".join(paths[:4]) + (", ...]" if len(paths) > 4 else "]")
+
+
 def _variables(rest) -> list[tuple[str, str]]:
     """(path, variable type) of each array leaf of an nnx state, in leaf order."""
 
@@ -46,30 +52,60 @@ def _variables(rest) -> list[tuple[str, str]]:
     return found
 
 
+# Variables a call may write without changing the function: outputs of the call
+# (sow's Intermediate, perturb's Perturbation), read by no later call.
+_OUTPUTS = tuple(
+    t for t in (getattr(nnx, "Intermediate", None), getattr(nnx, "Perturbation", None)) if t
+)
+
+
+def _abstract(tree):
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(
+            np.shape(a), getattr(a, "dtype", None) or jnp.result_type(a)
+        ),
+        tree,
+    )
+
+
 def _state_changes(graphdef, params, rest, x, name, apply_kwargs) -> list[str]:
-    """The non-Param variables the module's call writes ("RngCount at drop/rngs/count"):
-    one abstract trace, in which a variable left unchanged passes straight through."""
+    """The variables the module's call writes ("RngCount at drop/rngs/count"), its own
+    parameters included and its outputs (``sow``, ``perturb``) excluded: one abstract
+    trace, in which a variable left unchanged passes straight through."""
+    _, params, outputs, other = nnx.split(
+        nnx.merge(graphdef, params, rest), nnx.Param, _OUTPUTS, ...
+    )
 
-    def call(params, rest, x):
-        module = nnx.merge(graphdef, params, rest)
+    def call(params, outputs, other, x):
+        module = nnx.merge(graphdef, params, outputs, other)
         getattr(module, name)(x, **apply_kwargs)
-        return nnx.split(module, nnx.Param, ...)[2]
+        _, params_after, _, other_after = nnx.split(module, nnx.Param, _OUTPUTS, ...)
+        return params_after, other_after
 
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, rest, x))
-    jaxpr = jax.make_jaxpr(call)(*abstract).jaxpr
-    first = len(jax.tree.leaves(params))
-    inputs = jaxpr.invars[first : first + len(jax.tree.leaves(rest))]
-    if len(jaxpr.outvars) != len(inputs):  # the call added or removed state
+    jaxpr = jax.make_jaxpr(call)(*_abstract((params, outputs, other, x))).jaxpr
+    n_params, n_outputs = len(jax.tree.leaves(params)), len(jax.tree.leaves(outputs))
+    params_in = jaxpr.invars[:n_params]
+    other_in = jaxpr.invars[
+        n_params + n_outputs : n_params + n_outputs + len(jax.tree.leaves(other))
+    ]
+    params_out, other_out = jaxpr.outvars[:n_params], jaxpr.outvars[n_params:]
+    if len(other_out) != len(other_in):  # the call added or removed state
         return ["the state's structure"]
     return [
         f"{kind} at {path}"
-        for (path, kind), before, after in zip(_variables(rest), inputs, jaxpr.outvars, strict=True)
+        for (path, kind), before, after in zip(
+            _variables(params) + _variables(other),
+            params_in + other_in,
+            params_out + other_out,
+            strict=True,
+        )
         if after is not before
     ]
 
 
 def _refuse_state_changes(fn_name: str, changed: list[str]) -> None:
     random = any("Rng" in c for c in changed)
+    parameters = any(c.startswith("Param") for c in changed)
     statistics = any("BatchStat" in c for c in changed)
     why = (
         "it draws random numbers from its RNG state (Dropout in training mode, or noise), "
@@ -77,6 +113,8 @@ def _refuse_state_changes(fn_name: str, changed: list[str]) -> None:
         if random
         else "it updates its BatchNorm statistics (training mode) and normalises by the batch's own"
         if statistics
+        else "it writes its own parameters, so the function differs from call to call"
+        if parameters
         else "it writes state that later calls would read"
     )
     if fn_name.endswith("monte_carlo_kernels"):
@@ -134,12 +172,20 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if variables is not None:
             if jax.tree.structure(variables) != jax.tree.structure(params):
+                pure = (
+                    "; a plain dict (e.g. from a checkpoint) goes back into a state with "
+                    "state = nnx.state(model, nnx.Param); nnx.replace_by_pure_dict(state, d)"
+                    if isinstance(variables, dict) and hasattr(nnx, "replace_by_pure_dict")
+                    else ""
+                )
                 raise ValueError(
                     f"{fn_name}: variables do not have the structure of the module's "
-                    f"nnx.Param state ({len(jax.tree.leaves(variables))} leaves against "
-                    f"{len(jax.tree.leaves(params))}). Fix: pass variables=None for the "
-                    f"module's own parameters, or nnx.state(model, nnx.Param) (e.g. of "
-                    f"another step of the same model)."
+                    f"nnx.Param state (got {type(variables).__name__} with "
+                    f"{len(jax.tree.leaves(variables))} leaves, against "
+                    f"{len(jax.tree.leaves(params))} in {type(params).__name__} "
+                    f"{_paths(params)}). Fix: pass variables=None for the module's own "
+                    f"parameters, or nnx.state(model, nnx.Param) (e.g. of another step of the "
+                    f"same model){pure}."
                 )
             wrong = [
                 f"{jax.tree_util.keystr(path)} {np.shape(got)} (expected {np.shape(want)})"

@@ -6,7 +6,13 @@ import haiku as hk
 import jax
 
 from ntk_core._api import _checked_arguments
-from ntk_core._monte_carlo import average, check_inputs, check_samples, initialiser
+from ntk_core._monte_carlo import (
+    average,
+    check_init_kwargs,
+    check_inputs,
+    check_samples,
+    initialiser,
+)
 from ntk_core._predict import Kernels
 
 from ._kernel import _make
@@ -30,8 +36,11 @@ def monte_carlo_kernels(
 
     The average over S = ``n_samples`` initialisations ``transformed.init(k_s, x1[:1])``,
     k_s = ``jax.random.split(key, S)[s]``, of the empirical NNGP and NTK of
-    :func:`ntk_haiku.nngp` and :func:`ntk_haiku.kernel` (for ``hk.TransformedWithState``
-    each initialisation's state is held fixed). See
+    :func:`ntk_haiku.nngp` and :func:`ntk_haiku.kernel`. An ``hk.TransformedWithState``
+    initialises on all of x1, ``transformed.init(k_s, x1)``, and each initialisation's
+    state is held fixed: state built from data, such as ``hk.BatchNorm``'s moving
+    averages after an ``is_training=True`` init, then holds x1's statistics (from one
+    sample its variance would be 0, and evaluation would divide by √eps). See
     :func:`ntk_core.monte_carlo_kernels` for the maths.
 
     Args:
@@ -85,17 +94,18 @@ def monte_carlo_kernels(
         )
     check_samples(fn, key, n_samples, batch_size_samples, options)
     check_inputs(fn, x1, x2)
+    init_kwargs = check_init_kwargs(fn, init_kwargs)
     with_state = isinstance(transformed, hk.TransformedWithState)
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
     ntk = _make(fn, "ntk", transformed, apply_kwargs, options)  # errors name fn
     nngp = _make(fn, "nngp", transformed, apply_kwargs, nngp_options)
-    x_init = jax.tree.map(lambda a: a[:1], x1)
-    init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else dict(init_kwargs)
+    x_init = x1 if with_state else jax.tree.map(lambda a: a[:1], x1)  # state from all of x1
+    init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
 
     init = initialiser(
         fn,
         jax.jit(lambda k: transformed.init(k, x_init, **init_kwargs)),
-        "transformed.init(key, x1[:1])",
+        "transformed.init(key, x1)" if with_state else "transformed.init(key, x1[:1])",
         "the forward function, traced under jax.jit",
         "check that x1 has the per-sample shape the model expects (batch axis first); a "
         "model that initialises only in training mode (hk.BatchNorm) needs "

@@ -250,6 +250,45 @@ def test_state_writes_decide_refusal_not_the_mode(vmap_axes):
         ntk_flax.kernel(Switched(nnx.Rngs(0), count=True), None, X1, **options)
 
 
+class Sown(nnx.Module):
+    """A pure call that sows an intermediate and reads a Python-number constant."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(3, 5, rngs=rngs)
+        self.out = nnx.Linear(5, 2, rngs=rngs)
+        self.scale = nnx.Variable(3)  # a plain int, not an array
+
+    def __call__(self, x):
+        h = jnp.tanh(self.dense(x))
+        self.sow(nnx.Intermediate, "h", h)
+        return self.out(h) * self.scale.value
+
+
+class WritesParam(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(3, 2, rngs=rngs)
+
+    def __call__(self, x):
+        self.dense.kernel.value = self.dense.kernel.value * 0.5
+        return self.dense(x)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:Using 'Module.sow\\(\\)' outside:DeprecationWarning"
+)  # flax 0.12
+def test_outputs_and_constants_accepted_parameter_writes_refused():
+    """sow (an output of the call) and a Python-number Variable leave the function
+    fixed: the kernel equals the reference; a call that writes its own Param does not."""
+    model = Sown(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    expected = reference.ntk(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, X1, None)[0]
+    reference.assert_close(ntk_flax.kernel(model, None, X1), expected)
+    with pytest.raises(
+        ValueError, match=r"\(Param at dense/kernel\): it writes its own parameters"
+    ):
+        ntk_flax.kernel(WritesParam(nnx.Rngs(0)), None, X1)
+
+
 def test_variables_of_other_shapes_refused():
     model = _net()
     wider = jax.tree.map(lambda a: jnp.concatenate([a, a], -1), nnx.state(model, nnx.Param))

@@ -26,8 +26,9 @@ def test_haiku_average_equals_separate_kernels():
 
 def test_batchnorm_initialised_in_training_mode_evaluated_in_eval_mode():
     """hk.BatchNorm initialises only with is_training=True: init_kwargs gives init its own
-    arguments; the result is the mean of the separate eval-mode kernels with each
-    initialisation's state."""
+    arguments, and init runs on all of x1 so that the moving averages hold x1's
+    statistics (a positive variance); the result is the mean of the separate eval-mode
+    kernels with each initialisation's state."""
 
     def forward(x, is_training):
         h = hk.BatchNorm(True, True, 0.9)(hk.Linear(6)(x), is_training=is_training)
@@ -39,7 +40,9 @@ def test_batchnorm_initialised_in_training_mode_evaluated_in_eval_mode():
     k = ntk_haiku.monte_carlo_kernels(
         net, x, key=key, n_samples=n, apply_kwargs=evaluate, init_kwargs={"is_training": True}
     )
-    inits = [net.init(kk, x[:1], is_training=True) for kk in jax.random.split(key, n)]
+    inits = [net.init(kk, x, is_training=True) for kk in jax.random.split(key, n)]
+    for _, state in inits:
+        assert float(state["batch_norm/~/var_ema"]["average"].min()) > 1e-3
     ntk = np.mean(
         [ntk_haiku.kernel(net, p, x, state=s, apply_kwargs=evaluate) for p, s in inits], axis=0
     )
