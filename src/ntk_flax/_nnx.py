@@ -187,16 +187,15 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
                     f"parameters, or nnx.state(model, nnx.Param) (e.g. of another step of the "
                     f"same model){pure}."
                 )
-            wrong = [
-                f"{jax.tree_util.keystr(path)} {np.shape(got)} (expected {np.shape(want)})"
-                for (path, want), got in zip(
-                    jax.tree_util.tree_leaves_with_path(params),
-                    jax.tree.leaves(variables),
-                    strict=True,
-                )
-                if np.shape(got) != np.shape(want)
-            ]
-            if wrong:
+            shapes = [np.shape(v) for v in jax.tree.leaves(variables)]
+            if shapes != [np.shape(v) for v in jax.tree.leaves(params)]:
+                wrong = [  # paths only for the message
+                    f"{jax.tree_util.keystr(path)} {got} (expected {np.shape(want)})"
+                    for (path, want), got in zip(
+                        jax.tree_util.tree_leaves_with_path(params), shapes, strict=True
+                    )
+                    if got != np.shape(want)
+                ]
                 raise ValueError(
                     f"{fn_name}: variables do not have the shapes of the module's nnx.Param "
                     f"state: {', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''}. Fix: "

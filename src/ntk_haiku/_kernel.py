@@ -189,12 +189,16 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
                 f"{type(params).__name__}. Fix: pass params = transformed.init(key, x); the "
                 f"argument order is (transformed, params, x1, x2)."
             )
-        integer = [
-            jax.tree_util.keystr(path)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-            if hasattr(leaf, "dtype") and jax.numpy.issubdtype(leaf.dtype, jax.numpy.integer)
-        ]
-        if integer:
+
+        def is_integer(leaf) -> bool:
+            return hasattr(leaf, "dtype") and jax.numpy.issubdtype(leaf.dtype, jax.numpy.integer)
+
+        if any(map(is_integer, jax.tree.leaves(params))):  # paths only for the message
+            integer = [
+                jax.tree_util.keystr(path)
+                for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+                if is_integer(leaf)
+            ]
             raise TypeError(
                 f"{fn_name}: params holds integer arrays ({', '.join(integer[:3])}), as Haiku "
                 f"state does (e.g. a BatchNorm or EMA counter), and params are differentiated. "
