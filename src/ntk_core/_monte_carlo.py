@@ -189,7 +189,7 @@ def average(
         else:
             k = batched(keys[start:stop])
         _check_finite_sum(fn_name, k, where)
-        total = k if total is None else jax.tree.map(jnp.add, total, k)
+        total = k if total is None else jax.tree.map(_add, total, k)
         if bar is not None:
             bar.update(stop - start)
     if bar is not None:
@@ -200,12 +200,26 @@ def average(
     return Kernels(nngp=nngp, ntk=ntk)
 
 
+def _add(total, k):
+    """total + k; a host (numpy) total stays on the host, summed in place: with
+    ``batch_size`` each sample's kernel is a host array, which may not fit the device."""
+    if isinstance(total, np.ndarray) and isinstance(k, np.ndarray):
+        return np.add(total, k, out=total)
+    return jnp.add(total, k)
+
+
+def _all_finite(a) -> bool | None:
+    if isinstance(a, np.ndarray):
+        return bool(np.isfinite(a).all())
+    return _concrete_bool(jnp.all(jnp.isfinite(a)))
+
+
 def _check_finite_sum(fn_name: str, kernels, where: str) -> None:
     """Raises ValueError when the (NNGP, NTK) sums of ``where`` hold NaN or Inf; under an
     outer jax.jit (abstract values) nothing is checked."""
     for name, kernel in zip(("NNGP", "NTK"), kernels, strict=True):
         for a in jax.tree.leaves(kernel):
-            if _concrete_bool(jnp.all(jnp.isfinite(a))) is False:
+            if _all_finite(a) is False:
                 raise ValueError(
                     f"{fn_name}: the {name} came out non-finite (NaN or Inf) in {where}, "
                     f"from finite inputs: the model computes NaN or Inf for that "
@@ -231,6 +245,9 @@ def monte_carlo_kernels(
     vmap_axes=0,
     implementation="auto",
     precision="highest",
+    batch_size=None,
+    store_on_device=False,
+    memory_budget=None,
 ) -> Kernels:
     """Monte Carlo NNGP and NTK: empirical kernels averaged over random initialisations.
 
@@ -259,6 +276,10 @@ def monte_carlo_kernels(
         when stderr is a terminal, ``True`` always (needs tqdm), ``False`` never.
       trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
         :mod:`ntk_core._options` (the NNGP ignores ``implementation``).
+      batch_size, store_on_device, memory_budget: the blocked engine for each sample's
+        kernels, as in :func:`ntk_fn` (only with ``batch_size_samples=1``); with
+        ``batch_size`` the kernels and their running sum are host numpy arrays unless
+        ``store_on_device=True``.
 
     Returns:
       ``Kernels(nngp, ntk)``, each in the layout of :func:`empirical_ntk` (``(N1, N2)``
@@ -269,9 +290,9 @@ def monte_carlo_kernels(
       TypeError: ``init_fn`` or ``apply_fn`` not callable, ``key`` not one PRNG key,
         ``progress`` not a bool or None; and the errors of :func:`ntk_fn`.
       ValueError: ``n_samples`` or ``batch_size_samples`` not a positive int;
-        ``init_fn(key)`` failing (it runs under ``jax.jit``); NaN/Inf in x1 or x2; a
-        non-finite mean (some initialisation gave a non-finite kernel); and the errors
-        of :func:`ntk_fn`.
+        ``batch_size`` with ``batch_size_samples`` > 1; ``init_fn(key)`` failing (it
+        runs under ``jax.jit``); NaN/Inf in x1 or x2; a non-finite mean (some
+        initialisation gave a non-finite kernel); and the errors of :func:`ntk_fn`.
       ImportError: ``progress=True`` without tqdm.
 
     Cost: S initialisations, and S times the cost of :func:`ntk_fn` plus one forward
@@ -307,12 +328,19 @@ def monte_carlo_kernels(
             f"returns (output_shape, params)); if init_fn is your apply_fn(params, x), the "
             f"two are swapped: the order is (init_fn, apply_fn, x1, ...)."
         )
-    check_samples(fn, key, n_samples, batch_size_samples)
-    axes = dict(trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes)
-    ntk = _make(
-        "ntk", fn, apply_fn, dict(implementation=implementation, precision=precision, **axes)
+    blocked = dict(batch_size=batch_size, store_on_device=store_on_device)
+    check_samples(fn, key, n_samples, batch_size_samples, blocked)
+    common = dict(
+        trace_axes=trace_axes,
+        diagonal_axes=diagonal_axes,
+        vmap_axes=vmap_axes,
+        precision=precision,
+        memory_budget=memory_budget,
+        progress=False,  # the samples have their own bar
+        **blocked,
     )
-    nngp = _make("nngp", fn, apply_fn, dict(precision=precision, **axes))
+    ntk = _make("ntk", fn, apply_fn, dict(implementation=implementation, **common))
+    nngp = _make("nngp", fn, apply_fn, common)
     init = initialiser(fn, jax.jit(init_fn), "init_fn(key)", "init_fn(key) -> params")
 
     def sample(k):

@@ -313,6 +313,9 @@ def _rows():
         Row("core-mc-stax-init", "a stax-style init_fn(key, shape) with otherwise correct arguments",
             "ntk_core.monte_carlo_kernels(lambda k, s: (s, {}), f, X, key=jax.random.PRNGKey(0), n_samples=2)",
             TypeError, r"^monte_carlo_kernels: init_fn takes \(key, shape\)" + fix + r"pass lambda k: init_fn\(k, x1.shape\)\[1\]"),
+        Row("core-mc-batch-size-in-vmapped-samples", "the blocked engine's batch_size with samples vmapped together",
+            "ntk_core.monte_carlo_kernels(lambda k: W, f, X, key=jax.random.PRNGKey(0), n_samples=4, batch_size_samples=2, batch_size=2)",
+            ValueError, r"^monte_carlo_kernels: batch_size=2 .* cannot run inside batch_size_samples=2" + fix + r"pass batch_size_samples=1 with batch_size"),
         # -- ntk_flax -----------------------------------------------------------------
         Row("flax-rng-spelling", "Haiku's rng= given to the Flax adapter",
             "ntk_flax.kernel(Drop(), V_DROP, X, rng=jax.random.PRNGKey(0))",

@@ -60,6 +60,19 @@ def test_average_equals_mean_of_separate_empirical_kernels(x2, axes, batch):
         assert np.abs(separate[0] - separate[1]).max() > 1e-3 * np.abs(expected).max()
 
 
+def test_blocked_engine_samples_are_summed_on_the_host():
+    """With batch_size each sample's kernel is a host array (the point of the blocked
+    engine: kernels larger than the device); the mean stays on the host too."""
+    key, n = jax.random.PRNGKey(4), 3
+    common = dict(key=key, n_samples=n, progress=False, trace_axes=())
+    blocked = ntk_core.monte_carlo_kernels(init_fn, apply_fn, X1, X2, batch_size=2, **common)
+    whole = ntk_core.monte_carlo_kernels(init_fn, apply_fn, X1, X2, **common)
+    for got, expected in ((blocked.ntk, whole.ntk), (blocked.nngp, whole.nngp)):
+        assert isinstance(got, np.ndarray) and got.dtype == np.float32
+        expected = np.asarray(expected, np.float64)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+
+
 def test_progress_bar_when_asked(capsys):
     ntk_core.monte_carlo_kernels(
         init_fn, apply_fn, X1, key=jax.random.PRNGKey(0), n_samples=2, progress=True
