@@ -52,9 +52,10 @@ _OWN_ARGUMENTS = {
 }
 
 
-def check_inputs(fn_name: str, x1, x2) -> None:
-    """The adapters' Monte Carlo functions slice ``x1[:1]`` for init: x1 and x2 must be
-    arrays (or pytrees of them) with a batch axis, not Python lists or parameters."""
+def check_inputs(fn_name: str, x1, x2, models: str = "model") -> None:
+    """x1 and x2 must be arrays (or pytrees of them) with a batch axis, not Python lists
+    or parameters (the adapters' Monte Carlo functions slice ``x1[:1]`` for init);
+    ``models``: the function's arguments before x1, for the fix."""
     for name, x in (("x1", x1), ("x2", x2)):
         if x is None:
             continue
@@ -68,11 +69,11 @@ def check_inputs(fn_name: str, x1, x2) -> None:
     nested = isinstance(x1, Mapping) and all(isinstance(v, Mapping) for v in x1.values())
     flax_variables = nested and "params" in x1
     mismatched = x2 is not None and jax.tree.structure(x2) != jax.tree.structure(x1)
-    if flax_variables or (nested and mismatched):
+    if flax_variables or (isinstance(x1, Mapping) and mismatched):
         raise TypeError(
             f"{fn_name}: x1 is a dict of {sorted(map(str, x1))[:4]}, which looks like a model's "
             f"parameters; Monte Carlo kernels draw their own initialisations. Fix: call "
-            f"{fn_name}(model, x1, x2=None, *, key=key, n_samples=S) without parameters."
+            f"{fn_name}({models}, x1, x2=None, *, key=key, n_samples=S) without parameters."
         )
 
 
@@ -330,6 +331,7 @@ def monte_carlo_kernels(
         )
     blocked = dict(batch_size=batch_size, store_on_device=store_on_device)
     check_samples(fn, key, n_samples, batch_size_samples, blocked)
+    check_inputs(fn, x1, x2, "init_fn, apply_fn")
     common = dict(
         trace_axes=trace_axes,
         diagonal_axes=diagonal_axes,
