@@ -103,7 +103,20 @@ def _state_changes(graphdef, params, rest, x, name, apply_kwargs) -> list[str]:
     ]
 
 
-def _refuse_state_changes(fn_name: str, changed: list[str]) -> None:
+def _in_eval_mode(module) -> bool:
+    """Every submodule with a mode flag (Dropout's ``deterministic``, BatchNorm's
+    ``use_running_average``) is in evaluation mode, and there is at least one."""
+    flags = [
+        getattr(node, flag)
+        for _, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.Module)
+        for flag in ("deterministic", "use_running_average")
+        if isinstance(getattr(node, flag, None), bool)
+    ]
+    return bool(flags) and all(flags)
+
+
+def _refuse_state_changes(fn_name: str, changed: list[str], module=None) -> None:
     random = any("Rng" in c for c in changed)
     parameters = any(c.startswith("Param") for c in changed)
     statistics = any("BatchStat" in c for c in changed)
@@ -117,6 +130,24 @@ def _refuse_state_changes(fn_name: str, changed: list[str]) -> None:
         if parameters
         else "it writes state that later calls would read"
     )
+    if (random or statistics) and module is not None and _in_eval_mode(module):
+        what, cause, switch = (
+            ("draws random numbers from its RNG state, a different draw for each sample",
+             "deterministic=False passed inside __call__, or noise drawn from its rngs",
+             "apply_kwargs={'deterministic': True}")
+            if random
+            else ("updates its BatchNorm statistics and normalises by the batch's own",
+                  "use_running_average=False passed inside __call__",
+                  "apply_kwargs={'train': False}")
+        )  # fmt: skip
+        raise ValueError(
+            f"{fn_name}: the nnx module changes its own state when called "
+            f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): it {what}, "
+            f"although its layers are in evaluation mode, so the call itself asks for it "
+            f"({cause}); a kernel needs a fixed function of params and x. Fix: let "
+            f"__call__ take the switch as an argument and pass it, e.g. {switch}, or take "
+            f"the {'random draw' if random else 'statistics update'} out of the forward pass."
+        )
     if fn_name.endswith("monte_carlo_kernels"):
         fix = (
             "call .eval() on the module in the function that builds it (m = Model("
@@ -159,7 +190,7 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
         graphdef, rest = aux
         changed = _state_changes(graphdef, params, rest, x1, name, apply_kwargs)
         if changed:
-            _refuse_state_changes(fn_name, changed)
+            _refuse_state_changes(fn_name, changed, nnx.merge(graphdef, params, rest))
 
     kernel = kernel_function(fn_name, kind, apply3, options, check, hint="model.eval()")
 

@@ -250,6 +250,20 @@ def test_state_writes_decide_refusal_not_the_mode(vmap_axes):
         ntk_flax.kernel(Switched(nnx.Rngs(0), count=True), None, X1, **options)
 
 
+def test_randomness_forced_by_the_call_in_evaluation_mode_gets_the_argument_fix():
+    """Switched passes deterministic=False to its Dropout unless told otherwise, so
+    model.eval() cannot help: the fix is the call's own switch, not eval()."""
+    model = Switched(nnx.Rngs(0))
+    model.eval()
+    with pytest.raises(
+        ValueError,
+        match=r"^ntk_flax.kernel: .*\(RngCount at drop/\S*count\): .*although its layers are in "
+        r"evaluation mode.*Fix: let __call__ take the switch as an argument and pass it, e.g. "
+        r"apply_kwargs=\{'deterministic': True\}",
+    ):
+        ntk_flax.kernel(model, None, X1)
+
+
 class Sown(nnx.Module):
     """A pure call that sows an intermediate and reads a Python-number constant."""
 
