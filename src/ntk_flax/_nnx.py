@@ -171,6 +171,27 @@ def _refuse_state_changes(fn_name: str, changed: list[str], module=None) -> None
     )
 
 
+def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exception) -> None:
+    """A call that failed writing the state of an nnx object given in ``apply_kwargs``
+    (an external ``nnx.Rngs`` drawing dropout masks) gets its own ValueError."""
+    if type(error).__name__ != "TraceContextError":
+        return
+    stateful = [
+        f"{name} ({type(v).__name__})"
+        for name, v in apply_kwargs.items()
+        if isinstance(v, nnx.Rngs | nnx.Variable | nnx.Module)
+    ]
+    if stateful:
+        raise ValueError(
+            f"{fn_name}: the call writes the state of {', '.join(stateful)} given in "
+            f"apply_kwargs (e.g. an nnx.Rngs drawing a dropout mask), which a kernel cannot "
+            f"do: the function of params and x must be fixed, and nnx objects from outside "
+            f"cannot be changed inside its transformations. Fix: make the call "
+            f"deterministic (model.eval(), or apply_kwargs={{'deterministic': True}}) and "
+            f"drop the nnx object from apply_kwargs."
+        ) from error
+
+
 def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Callable:
     """The kernel function ``call(variables, x1, x2=None, *, rngs=None)`` of an nnx
     module; ``variables`` is ``None`` (the module's own ``nnx.Param`` state now) or a
@@ -186,6 +207,7 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
         try:
             jax.eval_shape(apply3, params, x1, aux)
         except Exception as e:
+            _refuse_stateful_arguments(fn_name, apply_kwargs, e)
             raise adapter_model_failure(fn_name, "variables", e) from e
         graphdef, rest = aux
         changed = _state_changes(graphdef, params, rest, x1, name, apply_kwargs)

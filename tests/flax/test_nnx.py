@@ -264,6 +264,33 @@ def test_randomness_forced_by_the_call_in_evaluation_mode_gets_the_argument_fix(
         ntk_flax.kernel(model, None, X1)
 
 
+class ExternalRngs(nnx.Module):
+    """Dropout that draws from an nnx.Rngs given to the call."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(3, 4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs=None):
+        return self.drop(self.dense(x), rngs=rngs)
+
+
+def test_external_rngs_in_apply_kwargs():
+    """Drawing from an outside nnx.Rngs is refused with its own fix (it was a wrapped
+    TraceContextError); in evaluation mode the Rngs is unused and the kernel is exact."""
+    model = ExternalRngs(nnx.Rngs(0))
+    with pytest.raises(
+        ValueError,
+        match=r"^ntk_flax.kernel: the call writes the state of rngs \(Rngs\) given in "
+        r"apply_kwargs.*Fix: make the call deterministic",
+    ):
+        ntk_flax.kernel(model, None, X1, apply_kwargs={"rngs": nnx.Rngs(1)})
+    model.eval()
+    f, params = _pure(model)
+    got = ntk_flax.kernel(model, None, X1, apply_kwargs={"rngs": nnx.Rngs(1)})
+    reference.assert_close(got, reference.ntk(f, params, X1, None)[0])
+
+
 class Sown(nnx.Module):
     """A pure call that sows an intermediate and reads a Python-number constant."""
 
