@@ -151,6 +151,7 @@ def test_vmap_axes_none_for_interacting_samples():
         reference.assert_close(k, expected)
 
 
+@pytest.mark.filterwarnings("ignore::ntk_core.PrecisionWarning")  # tested in test_environment
 def test_precision_option_reaches_results():
     entry = zoo.ZOO["mlp"]
     x = entry.make_x(jax.random.PRNGKey(6), 3)
