@@ -19,7 +19,7 @@ TOLERANCE = {"float32": 2e-5, "float64": 1e-12}
 def _flat_jacobian(apply_fn, params, x) -> list[np.ndarray]:
     """Per output leaf: the whole-batch Jacobian as float64 ``(N, *O, P)``."""
     jac = jax.jit(jax.jacrev(lambda p, x: apply_fn(p, x)))(params, x)
-    out = jax.eval_shape(lambda: apply_fn(params, x))
+    out = jax.eval_shape(apply_fn, params, x)
     out_leaves, out_tree = jax.tree.flatten(out)
     result = []
     for o, leaf_jac in zip(out_leaves, out_tree.flatten_up_to(jac), strict=True):

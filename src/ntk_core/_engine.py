@@ -388,6 +388,22 @@ class KernelFunction:
         if implementation == "auto":  # per-leaf: among those that separate the leaves
             estimates = self._estimates(params, x1, aux, n1, n2, x2 is None, shapes1, layouts)
             implementation = _cost.choose(estimates)
+            if implementation == "ntvp" and (
+                self._ntvp_failure(params, x1, x2, aux, out_tree, layouts) is not None
+            ):
+                others = [e for e in estimates if e.implementation != "ntvp"]
+                implementation = min(others, key=lambda e: e.seconds).implementation
+        elif implementation == "ntvp":
+            error = self._ntvp_failure(params, x1, x2, aux, out_tree, layouts)
+            if error is not None:
+                raise ValueError(
+                    f"{fn}: the model cannot run inside NTK-vector products' nested "
+                    f"transformations (a vmap of JVPs of a vmap over samples): "
+                    f"{type(error).__name__}: {str(error).splitlines()[0][:200]}. This "
+                    f"happens with models that apply their own transformations, e.g. "
+                    f"flax.nnx.scan or nnx.RNN. Fix: pass implementation='auto' (which "
+                    f"avoids them for such models), 'structured' or 'jacobian'."
+                ) from error
         structure, analysis = (), None
         if implementation == "structured":
             if opts.vmap_axes is None:
@@ -411,6 +427,25 @@ class KernelFunction:
             analysis,
             n2,
         )
+
+    def _ntvp_failure(self, params, x1, x2, aux, out_tree, layouts) -> Exception | None:
+        """The error NTK-vector products raise on one sample of x1 and x2 when traced
+        (``jax.eval_shape``, nothing runs), or None: models that apply their own
+        transformations (``flax.nnx.scan``) can fail inside ntvp's nesting alone."""
+        one = functools.partial(jax.tree.map, lambda a: a[:1])
+        xb = x1 if x2 is None else x2
+        pairwise = self._options.vmap_axes is not None and layouts[0].batch_diagonal
+
+        def trace(p, a, b, aux):
+            return _ntvp.full_kernels(
+                self._apply3, p, a, b, aux, self._options.vmap_axes, out_tree, pairwise
+            )
+
+        try:
+            jax.eval_shape(trace, params, one(x1), one(xb), aux)
+        except Exception as e:  # the model's own error, found by the first trace
+            return e
+        return None
 
     @property
     def _fuse_bias(self) -> bool:

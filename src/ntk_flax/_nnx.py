@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -71,36 +72,60 @@ def _abstract(tree):
 def _state_changes(graphdef, params, rest, x, name, apply_kwargs) -> list[str]:
     """The variables the module's call writes ("RngCount at drop/rngs/count"), its own
     parameters included and its outputs (``sow``, ``perturb``) excluded: one abstract
-    trace, in which a variable left unchanged passes straight through."""
+    trace, in which a variable left unchanged passes straight through. RNG state that
+    the call advances without its output depending on any draw (``nnx.RNN`` splits a key
+    for its zero initial carry) leaves the function fixed and is not reported."""
     _, params, outputs, other = nnx.split(
         nnx.merge(graphdef, params, rest), nnx.Param, _OUTPUTS, ...
     )
 
     def call(params, outputs, other, x):
         module = nnx.merge(graphdef, params, outputs, other)
-        getattr(module, name)(x, **apply_kwargs)
+        y = getattr(module, name)(x, **apply_kwargs)
         _, params_after, _, other_after = nnx.split(module, nnx.Param, _OUTPUTS, ...)
-        return params_after, other_after
+        return y, params_after, other_after
 
-    jaxpr = jax.make_jaxpr(call)(*_abstract((params, outputs, other, x))).jaxpr
-    n_params, n_outputs = len(jax.tree.leaves(params)), len(jax.tree.leaves(outputs))
+    closed, shapes = jax.make_jaxpr(call, return_shape=True)(
+        *_abstract((params, outputs, other, x))
+    )
+    jaxpr = closed.jaxpr
+    n_y, n_params = len(jax.tree.leaves(shapes[0])), len(jax.tree.leaves(params))
+    n_outputs = len(jax.tree.leaves(outputs))
     params_in = jaxpr.invars[:n_params]
     other_in = jaxpr.invars[
         n_params + n_outputs : n_params + n_outputs + len(jax.tree.leaves(other))
     ]
-    params_out, other_out = jaxpr.outvars[:n_params], jaxpr.outvars[n_params:]
+    y_out = jaxpr.outvars[:n_y]
+    params_out, other_out = jaxpr.outvars[n_y : n_y + n_params], jaxpr.outvars[n_y + n_params :]
     if len(other_out) != len(other_in):  # the call added or removed state
         return ["the state's structure"]
-    return [
-        f"{kind} at {path}"
+    variables = _variables(params) + _variables(other)
+    changed = [
+        (f"{kind} at {path}", kind)
         for (path, kind), before, after in zip(
-            _variables(params) + _variables(other),
-            params_in + other_in,
-            params_out + other_out,
-            strict=True,
+            variables, params_in + other_in, params_out + other_out, strict=True
         )
         if after is not before
     ]
+    if changed and all(kind.startswith("Rng") for _, kind in changed):
+        rng_in = [
+            v
+            for (_, kind), v in zip(variables, params_in + other_in, strict=True)
+            if kind.startswith("Rng")
+        ]
+        if not _depends_on(jaxpr, y_out, rng_in):
+            return []
+    return [c for c, _ in changed]
+
+
+def _depends_on(jaxpr, outvars, invars) -> bool:
+    """Whether any of ``outvars`` is computed from any of ``invars`` (conservatively: an
+    equation's outputs depend on all of its inputs, sub-computations included)."""
+    needed = {v for v in outvars if not isinstance(v, jex.core.Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            needed.update(v for v in eqn.invars if not isinstance(v, jex.core.Literal))
+    return any(v in needed for v in invars)
 
 
 def _in_eval_mode(module) -> bool:
@@ -201,6 +226,9 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
 
     def apply3(params, x, aux):
         graphdef, rest = aux
+        # fresh variables at this trace level: a call may advance RNG state it does not
+        # draw from (nnx.RNN's zero carry), which nnx allows only in the creating trace
+        rest = jax.tree.map(lambda a: a, rest)
         return getattr(nnx.merge(graphdef, params, rest), name)(x, **apply_kwargs)
 
     def check(params, x1, x2, aux):

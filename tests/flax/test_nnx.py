@@ -3,6 +3,7 @@ flax.linen (weights copied over), in training loops, per leaf, and its errors.""
 
 from __future__ import annotations
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,8 @@ def _net():
 def _pure(model):
     """The reference's apply_fn: the module as a function of its nnx.Param state."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return (lambda p, x: nnx.merge(graphdef, p, rest)(x)), params
+    # fresh variables in each trace: nnx.RNN advances its RNG count when called
+    return (lambda p, x: nnx.merge(graphdef, p, jax.tree.map(lambda a: a, rest))(x)), params
 
 
 @pytest.mark.parametrize("implementation", ["structured", "jacobian"])
@@ -289,6 +291,59 @@ def test_external_rngs_in_apply_kwargs():
     f, params = _pure(model)
     got = ntk_flax.kernel(model, None, X1, apply_kwargs={"rngs": nnx.Rngs(1)})
     reference.assert_close(got, reference.ntk(f, params, X1, None)[0])
+
+
+class Recurrent(nnx.Module):
+    """nnx.RNN over an LSTM cell: it splits an RNG key for its zero initial carry, so
+    each call advances its RNG count without the output depending on the draw."""
+
+    def __init__(self, rngs):
+        self.rnn = nnx.RNN(nnx.LSTMCell(3, 6, rngs=rngs), rngs=rngs)
+        self.out = nnx.Linear(6, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.rnn(x)[:, -1])
+
+
+class Scanned(nnx.Module):
+    """A layer applied three times through nnx.scan (a transformation of its own)."""
+
+    def __init__(self, rngs):
+        self.cell = nnx.Linear(3, 3, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, None), out_axes=nnx.Carry, length=3)
+        def step(h, cell):
+            return jnp.tanh(cell(h))
+
+        return step(x, self.cell)
+
+
+XS = jax.random.normal(jax.random.PRNGKey(7), (4, 5, 3))  # 4 sequences of 5 steps
+
+
+# flax 0.10's nnx.scan returns the parameters it carries as new values, which the
+# state-write check cannot tell from writes: such models are refused there.
+FLAX_VERSION = tuple(int(v) for v in flax.__version__.split(".")[:2])
+
+
+@pytest.mark.skipif(FLAX_VERSION < (0, 12), reason="nnx.scan passes variables through")
+@pytest.mark.parametrize("model_class, x", [(Recurrent, XS), (Scanned, X1)], ids=["rnn", "scan"])
+def test_models_with_their_own_transformations(model_class, x):
+    """An RNN's unused RNG draw is no state change; NTK-vector products cannot nest the
+    model's own nnx transformations, so "auto" avoids them and an explicit choice is
+    refused with the fix; the other implementations equal the reference."""
+    model = model_class(nnx.Rngs(0))
+    f, params = _pure(model)
+    expected = reference.ntk(f, params, x, None)[0]
+    for options in ({}, {"implementation": "structured"}, {"implementation": "jacobian"}):
+        reference.assert_close(ntk_flax.kernel(model, None, x, **options), expected)
+    with pytest.raises(
+        ValueError,
+        match=r"^ntk_flax.kernel: the model cannot run inside NTK-vector products' nested "
+        r"transformations.*Fix: pass implementation='auto'",
+    ):
+        ntk_flax.kernel(model, None, x, implementation="ntvp")
 
 
 class Sown(nnx.Module):
