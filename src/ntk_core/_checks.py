@@ -100,7 +100,9 @@ def params_check(fn_name: str, apply_fn):
 def _model_argument_fix(error: Exception) -> str:
     """The fix when the model's own call lacks an argument (``train``, ``is_training``)
     or got one it does not take (a misspelt key of ``apply_kwargs``), else ``""``."""
-    if "No 'deterministic' argument" in str(error):  # flax.nnx layers without a mode
+    if "No 'deterministic' argument" in str(error) or (  # flax.nnx layers without a mode
+        "but no `rngs` argument was provided" in str(error)  # nnx Dropout, training mode
+    ):
         return (
             "the model needs to know whether it is deterministic (dropout): call "
             "model.eval() first (nnx), or pass apply_kwargs={'deterministic': True}"
@@ -142,7 +144,7 @@ def adapter_model_failure(fn_name: str, params_name: str, error: Exception) -> V
     fix = _model_argument_fix(error) or generic
     return ValueError(
         f"{fn_name}: applying the model to x1 failed with {type(error).__name__}: "
-        f"{str(error).rstrip().rstrip('.')}. Fix: {fix}."
+        f"{' '.join(str(error).split()).rstrip('.')}. Fix: {fix}."
     )
 
 

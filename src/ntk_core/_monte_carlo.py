@@ -69,9 +69,19 @@ def check_inputs(fn_name: str, x1, x2, models: str = "model") -> None:
     nested = isinstance(x1, Mapping) and all(isinstance(v, Mapping) for v in x1.values())
     flax_variables = nested and "params" in x1
     mismatched = x2 is not None and jax.tree.structure(x2) != jax.tree.structure(x1)
-    if flax_variables or (isinstance(x1, Mapping) and mismatched):
+    # a container (dict, list of layers) where x2 is one array: the parameters, most likely
+    container_vs_array = isinstance(x1, Mapping | list | tuple) and not isinstance(
+        x2, Mapping | list | tuple
+    )
+    if flax_variables or (mismatched and (nested or container_vs_array)):
+        what = (
+            f"a dict of {sorted(map(str, x1))[:4]}"
+            if isinstance(x1, Mapping)
+            else f"a {type(x1).__name__} of {len(x1)} "
+            f"{'entry' if len(x1) == 1 else 'entries'} where x2 is one array"
+        )
         raise TypeError(
-            f"{fn_name}: x1 is a dict of {sorted(map(str, x1))[:4]}, which looks like a model's "
+            f"{fn_name}: x1 is {what}, which looks like a model's "
             f"parameters; Monte Carlo kernels draw their own initialisations. Fix: call "
             f"{fn_name}({models}, x1, x2=None, *, key=key, n_samples=S) without parameters."
         )
@@ -126,6 +136,7 @@ def check_samples(fn_name: str, key, n_samples, batch_size_samples, options=None
             f"of the model go in apply_kwargs={{...}}."
         )
     if (options or {}).get("batch_size") is not None and operator.index(batch_size_samples) > 1:
+        make_options(fn_name, batch_size=options["batch_size"])  # an invalid value first
         raise ValueError(
             f"{fn_name}: batch_size={options['batch_size']!r} (the blocked engine, one "
             f"sample's kernel in tiles) cannot run inside batch_size_samples="

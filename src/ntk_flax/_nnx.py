@@ -207,12 +207,17 @@ def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exceptio
         if isinstance(v, nnx.Rngs | nnx.Variable | nnx.Module)
     ]
     if stateful:
+        evaluation = (
+            "call .eval() on the module in the function that builds it"
+            if fn_name.endswith("monte_carlo_kernels")
+            else "model.eval()"
+        )
         raise ValueError(
             f"{fn_name}: the call writes the state of {', '.join(stateful)} given in "
             f"apply_kwargs (e.g. an nnx.Rngs drawing a dropout mask), which a kernel cannot "
             f"do: the function of params and x must be fixed, and nnx objects from outside "
             f"cannot be changed inside its transformations. Fix: make the call "
-            f"deterministic (model.eval(), or apply_kwargs={{'deterministic': True}}) and "
+            f"deterministic ({evaluation}, or apply_kwargs={{'deterministic': True}}) and "
             f"drop the nnx object from apply_kwargs."
         ) from error
 

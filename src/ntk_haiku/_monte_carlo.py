@@ -59,7 +59,11 @@ def monte_carlo_kernels(
         initialises only in training mode, with ``apply_kwargs={"is_training": False}``.
       progress: tqdm bar over the samples (``None``: in a terminal only).
       **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
-        ``precision`` as in :func:`ntk_core.ntk_fn`.
+        ``precision`` as in :func:`ntk_core.ntk_fn` (the NNGP ignores
+        ``implementation``), and the blocked engine's ``batch_size``,
+        ``store_on_device``, ``memory_budget`` for each sample (only with
+        ``batch_size_samples=1``; the kernels and their running sum are then host numpy
+        arrays unless ``store_on_device=True``).
 
     Returns:
       ``ntk_core.predict.Kernels(nngp, ntk)``, each ``(N1, N2)`` for ``(N, O)`` outputs

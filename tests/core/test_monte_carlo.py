@@ -73,6 +73,23 @@ def test_blocked_engine_samples_are_summed_on_the_host():
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
 
 
+def test_dict_inputs_of_other_keys_are_not_taken_for_parameters():
+    """Parameters passed as x1 are named as such, but two dict inputs whose keys differ
+    (a typo in x2) get the structure message."""
+    xd1 = {"a": X1, "b": X1[:, :2]}
+    xd2 = {"a": X2, "c": X2[:, :2]}
+    with pytest.raises(ValueError, match=r"x1 and x2 have different pytree structures"):
+        ntk_core.monte_carlo_kernels(
+            init_fn, lambda p, x: apply_fn(p, x["a"]), xd1, xd2, key=jax.random.PRNGKey(0),
+            n_samples=2,
+        )  # fmt: skip
+    params = init_fn(jax.random.PRNGKey(0))
+    with pytest.raises(TypeError, match=r"x1 is a dict of \['v', 'w'\], which looks like"):
+        ntk_core.monte_carlo_kernels(
+            init_fn, apply_fn, params, X1, key=jax.random.PRNGKey(0), n_samples=2
+        )
+
+
 def test_progress_bar_when_asked(capsys):
     ntk_core.monte_carlo_kernels(
         init_fn, apply_fn, X1, key=jax.random.PRNGKey(0), n_samples=2, progress=True

@@ -346,6 +346,17 @@ def test_models_with_their_own_transformations(model_class, x):
         ntk_flax.kernel(model, None, x, implementation="ntvp")
 
 
+def test_dropout_without_rngs_gets_the_mode_fix():
+    """A training-mode Dropout with no RNG stream (Flax: 'no `rngs` argument was
+    provided') is told to switch the mode, not to check its variables."""
+    with pytest.raises(
+        ValueError,
+        match=r"^ntk_flax.kernel: applying the model to x1 failed with ValueError: .*no `rngs` "
+        r"argument was provided.*Fix: the model needs to know whether it is deterministic",
+    ):
+        ntk_flax.kernel(ExternalRngs(nnx.Rngs(0)), None, X1)
+
+
 class Sown(nnx.Module):
     """A pure call that sows an intermediate and reads a Python-number constant."""
 
