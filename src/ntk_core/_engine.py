@@ -392,7 +392,8 @@ class KernelFunction:
                 self._ntvp_failure(params, x1, x2, aux, out_tree, layouts) is not None
             ):
                 others = [e for e in estimates if e.implementation != "ntvp"]
-                implementation = min(others, key=lambda e: e.seconds).implementation
+                fitting = [e for e in others if e.memory_bytes <= _cost.JACOBIAN_MEMORY_BUDGET]
+                implementation = min(fitting or others, key=lambda e: e.seconds).implementation
         elif implementation == "ntvp":
             error = self._ntvp_failure(params, x1, x2, aux, out_tree, layouts)
             if error is not None:
