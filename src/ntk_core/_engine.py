@@ -789,6 +789,14 @@ _JITS = {
 _leaf_all_finite = jax.jit(lambda v: jnp.all(jnp.isfinite(v)))
 
 
+def all_finite(leaf) -> bool | None:
+    """Whether an array has no NaN/Inf: on the host for numpy arrays, one jitted
+    reduction on the device otherwise; None for an abstract value (under jax.jit)."""
+    if isinstance(leaf, np.ndarray):
+        return bool(np.isfinite(leaf).all())
+    return _concrete_bool(_leaf_all_finite(leaf))
+
+
 def _concrete_bool(value) -> bool | None:
     """``bool(value)``, or None for an abstract value (under an outer ``jax.jit``)."""
     try:
@@ -809,10 +817,7 @@ def _check_finite_inputs(fn_name: str, name: str, x) -> None:
             continue
         if np.ndim(leaf) == 0 or not floating:
             continue  # scalars are refused by the validation that follows
-        if isinstance(leaf, np.ndarray):
-            ok = bool(np.isfinite(leaf).all())
-        else:
-            ok = _concrete_bool(_leaf_all_finite(leaf))
+        ok = all_finite(leaf)
         if ok is None or ok:
             continue
         values = np.asarray(leaf)

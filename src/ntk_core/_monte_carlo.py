@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._api import _checked_arguments, _make
-from ._engine import _check_finite_inputs, _concrete_bool
+from ._engine import _check_finite_inputs, all_finite
 from ._options import make_options
 from ._predict import Kernels
 
@@ -220,18 +220,12 @@ def _add(total, k):
     return jnp.add(total, k)
 
 
-def _all_finite(a) -> bool | None:
-    if isinstance(a, np.ndarray):
-        return bool(np.isfinite(a).all())
-    return _concrete_bool(jnp.all(jnp.isfinite(a)))
-
-
 def _check_finite_sum(fn_name: str, kernels, where: str) -> None:
     """Raises ValueError when the (NNGP, NTK) sums of ``where`` hold NaN or Inf; under an
     outer jax.jit (abstract values) nothing is checked."""
     for name, kernel in zip(("NNGP", "NTK"), kernels, strict=True):
         for a in jax.tree.leaves(kernel):
-            if _all_finite(a) is False:
+            if all_finite(a) is False:
                 raise ValueError(
                     f"{fn_name}: the {name} came out non-finite (NaN or Inf) in {where}, "
                     f"from finite inputs: the model computes NaN or Inf for that "
