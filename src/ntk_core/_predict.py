@@ -10,11 +10,14 @@ no silent NaN).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._environment import _user_stacklevel
 from ._predict_linalg import (
+    ACCEPT,
     Layout,
     Solver,
     as_host_array,
@@ -22,9 +25,19 @@ from ._predict_linalg import (
     check_finite,
     compute_dtype,
     matmul64,
+    numerical_rank,
     scan_train_kernel,
     unit_roundoff,
 )
+
+
+class DegenerateKernelWarning(UserWarning):
+    """A train-train kernel given to :func:`~ntk_core.predict.gp_inference` has low rank.
+
+    The posterior then lives in a low-dimensional space of functions: an empirical NNGP
+    of one network with O outputs has rank at most O (one Monte Carlo sample of the
+    prior), an empirical NTK rank at most the number of parameters.
+    """
 
 
 class Gaussian(NamedTuple):
@@ -105,18 +118,56 @@ def _doc(fn):
 class _Train:
     """One train-train kernel: validated, flattened, regularised and factored."""
 
-    def __init__(self, fn_name, name, k, layout: Layout, diag_reg, absolute, dtype, method):
+    def __init__(
+        self, fn_name, name, k, layout: Layout, diag_reg, absolute, dtype, method, factor=None
+    ):
         k = as_host_array(fn_name, name, k)
         layout.check_pair(name, k, layout.n, layout.n)
         self.k_dtype = k.dtype
         self.k2 = layout.flat(k)
         self.mean_diag, self.kmax = scan_train_kernel(fn_name, name, self.k2, k.dtype)
-        self.dtype = compute_dtype(fn_name, dtype, k.dtype)
+        self.dtype = compute_dtype(fn_name, dtype, k.dtype)  # the results' dtype
         self.reg_scale = 1.0 if absolute else self.mean_diag
         self.lam = diag_reg * self.reg_scale
         self.solver = Solver(
-            fn_name, self.k2, self.lam, self.dtype, reg_scale=self.reg_scale, method=method
+            fn_name,
+            self.k2,
+            self.lam,
+            self.dtype if factor is None else factor,
+            reg_scale=self.reg_scale,
+            method=method,
         )
+
+
+#: A rank counts as structural (warned) when its last eigenvalue is this many times the next.
+_RANK_DROP = 1e3
+
+
+def _warn_if_low_rank(fn_name, field, tr: _Train) -> None:
+    """Warns when the kernel's numerical rank is at most half of what the probes see
+    (all of M for M <= 64, else 64 probes) and ends in a drop of 1000x or more: a kernel
+    built from few feature vectors, not a smooth one whose spectrum fades gradually."""
+    r, c, drop = numerical_rank(tr.k2, tr.k_dtype)
+    if 2 * r > c or drop < _RANK_DROP:
+        return
+    m = tr.k2.shape[0]
+    name = "k_train_train" + (f".{field}" if field else "")
+    nngp = (
+        "an empirical NNGP of one network with O outputs has rank at most O (one sample of "
+        "the prior): for a GP prior, average many initialisations "
+        "(ntk_core.monte_carlo_kernels(..., n_samples=...))"
+    )
+    ntk = "an empirical NTK has rank at most the number of parameters"
+    why = {"nngp": nngp, "ntk": ntk}.get(field, f"{nngp}; {ntk}")
+    warnings.warn(
+        f"{fn_name}: {name} has numerical rank {r} of {m} (eigenvalues above M·u·λ_max, "
+        f"u the round-off of its dtype {np.dtype(tr.k_dtype).name}). As a GP prior it "
+        f"holds only {r} functions of the inputs: the posterior mean and every posterior "
+        f"sample are combinations of them, however many training points there are. "
+        f"{why[0].upper()}{why[1:]}.",
+        DegenerateKernelWarning,
+        stacklevel=_user_stacklevel(),
+    )
 
 
 def _pick(fn_name, name, k, field):
@@ -225,6 +276,8 @@ class GPInference(_TestSide):
             )
         for field in list(self._train):  # solve for y now: an unsolvable kernel fails here
             self._alpha_of(field)
+        for field, tr in self._train.items():
+            _warn_if_low_rank(fn_name, field if isinstance(k_train_train, Kernels) else None, tr)
         self.amplitude = self._amplitude() if opts["fit_amplitude"] else 1.0
 
     def _get_train(self, field) -> _Train:
@@ -512,6 +565,16 @@ def gp_inference(
       full ``k_test_test``, ``(T,)`` / ``(T, O, O)`` for a per-sample diagonal one, None
       without it. The kernels are checked and factored here, once.
 
+    Warns:
+      DegenerateKernelWarning: a train-train kernel of low numerical rank r (eigenvalues
+        above M·u·λ_max, u of its dtype), r at most half of min(M, 64) and followed by
+        a drop of 1000x or more (found from all eigenvalues for M <= 64, else from a
+        64-probe random sketch at 2·M²·64 flops): as a prior it holds only r functions,
+        and the posterior mean and samples are combinations of them. An empirical NNGP
+        of one network with O outputs has rank <= O; average initialisations
+        (:func:`ntk_core.monte_carlo_kernels`) for a GP prior. Smooth kernels whose
+        spectrum fades gradually (e.g. on 1-D inputs) do not warn.
+
     Raises:
       ValueError: ``y_train`` without an output axis or non-finite; a kernel whose shape
         does not match ``y_train`` and ``trace_axes``, non-square, non-symmetric or
@@ -553,6 +616,90 @@ def gp_inference(
     return GPInference(fn, k_train_train, y_train, opts)
 
 
+class _DefaultZero(float):
+    """The default 0.0 of ``fx_train_0`` / ``fx_test_0``: equal to 0.0, but told apart
+    from a 0.0 the caller passed (``is``), so that one-sided outputs can be refused."""
+
+    def __repr__(self) -> str:
+        return "0.0"
+
+
+_DEFAULT_ZERO = _DefaultZero(0.0)
+
+
+def _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train) -> None:
+    """Refuses calls whose test prediction would assume outputs at t = 0 not given."""
+    if fx_test_0 is None and k_test_train is not None:
+        raise ValueError(
+            f"{fn}: fx_test_0=None with k_test_train: the test predictions start from the "
+            f"network's outputs on the test inputs at t = 0. Fix: pass them, or leave "
+            f"fx_test_0 and fx_train_0 at their default 0.0 (outputs 0 at t = 0)."
+        )
+    if k_test_train is None:
+        if fx_train_0 is None:
+            raise ValueError(
+                f"{fn}: fx_train_0=None and k_test_train=None: nothing to predict. Fix: "
+                f"pass fx_train_0 (e.g. 0.0) and/or k_test_train."
+            )
+        if fx_test_0 is not _DEFAULT_ZERO and fx_test_0 is not None:
+            raise ValueError(
+                f"{fn}: fx_test_0 is given but k_test_train=None, so there are no test "
+                f"predictions to start from it. Fix: pass k_test_train (the test-train "
+                f"NTK), or drop fx_test_0."
+            )
+        return
+    if fx_train_0 is None:
+        raise ValueError(
+            f"{fn}: fx_train_0=None with k_test_train: the test predictions f_test(t) = "
+            f"f_test(0) + Θ_tx H(t) (y − f_train(0)) need the outputs on the training "
+            f"inputs at t = 0, and None would silently take them as 0. Fix: pass "
+            f"fx_train_0 (the network's outputs on the training inputs at t = 0), or "
+            f"leave both fx_train_0 and fx_test_0 at their default 0.0."
+        )
+    sides = {"fx_train_0": ("training", fx_train_0), "fx_test_0": ("test", fx_test_0)}
+    given = [name for name, (_, v) in sides.items() if v is not _DEFAULT_ZERO]
+    if len(given) == 1:
+        name = given[0]
+        other = "fx_test_0" if name == "fx_train_0" else "fx_train_0"
+        value = np.asarray(sides[name][1], np.float64)  # dtype checked by _initial_outputs
+        if value.size and np.any(value != 0):
+            raise ValueError(
+                f"{fn}: {name} is given (max |value| {np.nanmax(np.abs(value)):.3g}) but "
+                f"{other} is left at its default 0.0, so the test predictions would assume "
+                f"the network outputs 0 on the {sides[other][0]} inputs at t = 0 while it "
+                f"does not on the {sides[name][0]} inputs. Fix: pass {other} too (the "
+                f"network's outputs on the {sides[other][0]} inputs at t = 0), or "
+                f"{other}=0.0 explicitly if they are 0."
+            )
+
+
+def _initial_outputs(fn, name, value, shape, which) -> np.ndarray:
+    """``value`` as float64 broadcast to ``shape``, finite."""
+    try:
+        arr = np.asarray(value)
+    except Exception:  # noqa: BLE001 - any conversion failure is reported
+        arr = np.asarray(None)
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(
+            f"{fn}: {name} must be a number or an array of the network's outputs, got "
+            f"{type(value).__name__}. Fix: pass the network's outputs on the {which} "
+            f"inputs at t = 0 as an array, or 0.0."
+        )
+    try:
+        arr = np.broadcast_to(np.asarray(arr, np.float64), shape)
+    except ValueError:
+        raise ValueError(
+            f"{fn}: {name} of shape {np.shape(value)} does not broadcast to {shape}. Fix: "
+            f"pass the network's outputs on the {which} inputs, or 0.0."
+        ) from None
+    if not np.isfinite(arr).all():
+        raise ValueError(
+            f"{fn}: {name} contains NaN or inf. Fix: pass the network's (finite) outputs "
+            f"on the {which} inputs at t = 0."
+        )
+    return arr
+
+
 class GradientDescentMSE(_TestSide):
     """Predictor returned by :func:`gradient_descent_mse`; see there."""
 
@@ -586,13 +733,16 @@ class GradientDescentMSE(_TestSide):
             opts["diag_reg_absolute_scale"],
             opts["dtype"],
             "eigh",
+            factor=np.float64,  # a float32 eigendecomposition lost 1e-3 at t = 1e5
         )
         w, v = self._train.solver._eigs
         self._w = np.maximum(w, 0.0)
         self._v = np.asarray(v, np.float64)
         # Directions the kernel does not move (an empirical NTK has rank <= P): eigenvalues
-        # at round-off level, w <= M·u·w_max, keep their t = 0 value even at t = inf.
-        eps = np.finfo(self._train.dtype).eps
+        # at the kernel's own round-off, w <= M·eps·w_max with eps of the kernel's dtype
+        # (the float64 eigendecomposition resolves float32 round-off as eigenvalues), keep
+        # their t = 0 value at every t and add nothing to test outputs.
+        eps = max(np.finfo(self._train.k_dtype).eps, np.finfo(self._train.dtype).eps)
         self._null = self._w <= self._w.size * eps * max(float(self._w.max(initial=0.0)), 0.0)
         self._opts = opts
         self._k = k_train_train
@@ -615,15 +765,28 @@ class GradientDescentMSE(_TestSide):
         return self._w
 
     @_doc
-    def __call__(self, t=None, fx_train_0=0.0, fx_test_0=0.0, k_test_train=None) -> Outputs:
+    def __call__(
+        self, t=None, fx_train_0=_DEFAULT_ZERO, fx_test_0=_DEFAULT_ZERO, k_test_train=None
+    ) -> Outputs:
         """Outputs at training time(s) ``t`` (``None`` or ``np.inf``: convergence).
+
+        The test formula needs the network's outputs at t = 0 on both the training and
+        the test inputs (f_test(t) = f_test(0) + Θ_tx H(t) (y − f_train(0))). Either
+        pass both (the outputs of the network you train), or leave both at their
+        default 0.0: the outputs of a network whose initial outputs are 0, which is also
+        the mean over an ensemble of initialisations (neural-tangents' defaults). Giving
+        one of them non-zero while the other is left at its default, or
+        ``fx_train_0=None`` with ``k_test_train``, is refused: the prediction would
+        silently assume outputs you did not give.
 
         Args:
           t: ``None``/``inf`` or a float or array of times of any shape, in steps
             (continuous time ``learning_rate·t``).
           fx_train_0: outputs on the training inputs at t = 0, broadcastable to
-            ``y_train.shape``; ``None`` skips the train predictions.
-          fx_test_0: outputs on the test inputs at t = 0, broadcastable to ``(T, O...)``.
+            ``y_train.shape`` (default 0.0, see above); ``None`` skips the train
+            predictions (allowed only without ``k_test_train``).
+          fx_test_0: outputs on the test inputs at t = 0, broadcastable to ``(T, O...)``
+            (default 0.0, see above); needs ``k_test_train``.
           k_test_train: the test-train kernel ``(T, N)`` / ``(T, N, O, O)`` (or
             :class:`Kernels`, whose ``ntk`` is used); ``None`` skips test predictions.
 
@@ -633,7 +796,9 @@ class GradientDescentMSE(_TestSide):
 
         Raises:
           ValueError, TypeError: negative or non-finite times, shapes not matching,
-            non-finite kernels; at ``t = inf`` a kernel too ill-conditioned to solve.
+            non-finite kernels or outputs, outputs at t = 0 given for one side only (see
+            above); test predictions more ill-conditioned than float64 can compute to
+            1e-6 (see :func:`gradient_descent_mse`).
         """
         fn = f"{self._fn}(...)"
         lay = self._layout
@@ -646,20 +811,9 @@ class GradientDescentMSE(_TestSide):
                     f"Fix: pass training times in steps."
                 )
             inf = ts.ndim == 0 and np.isinf(ts)
-        if fx_train_0 is None and k_test_train is None:
-            raise ValueError(
-                f"{fn}: fx_train_0=None and k_test_train=None: nothing to predict. Fix: "
-                f"pass fx_train_0 (e.g. 0.0) and/or k_test_train."
-            )
+        _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train)
         f0 = 0.0 if fx_train_0 is None else fx_train_0
-        try:
-            f0 = np.broadcast_to(np.asarray(f0, np.float64), self._y_shape)
-        except ValueError:
-            raise ValueError(
-                f"{fn}: fx_train_0 of shape {np.shape(fx_train_0)} does not broadcast to "
-                f"y_train's shape {self._y_shape}. Fix: pass the network's outputs on the "
-                f"training inputs, or 0.0."
-            ) from None
+        f0 = _initial_outputs(fn, "fx_train_0", f0, self._y_shape, "training")
         rhs = lay.flat_y(f0) - self._y  # (M, R): fx_train_0 − y
         kt, t_test = None, None
         if k_test_train is not None:
@@ -668,59 +822,61 @@ class GradientDescentMSE(_TestSide):
             check_finite(fn, "k_test_train", k)
             kt = lay.flat(k)
             out_shape = (t_test,) + self._y_shape[1:]
-            try:
-                ft0 = np.broadcast_to(np.asarray(fx_test_0, np.float64), out_shape)
-            except ValueError:
-                raise ValueError(
-                    f"{fn}: fx_test_0 of shape {np.shape(fx_test_0)} does not broadcast to "
-                    f"{out_shape}. Fix: pass the network's outputs on the test inputs, or 0.0."
-                ) from None
-            ft0 = lay.flat_y(ft0)
+            ft0 = lay.flat_y(_initial_outputs(fn, "fx_test_0", fx_test_0, out_shape, "test"))
         dt = self._train.dtype
-        if inf:
-            train = test = None
-            if fx_train_0 is not None:  # y, plus f0 − y in the kernel's null space
-                vn = self._v[:, self._null]
-                kept = vn @ (vn.T @ rhs) if vn.shape[1] else 0.0
-                train = lay.unflat_y(self._y + kept, lay.n).astype(dt)
-            if kt is not None:
-                coef = self._train.solver.solve(-rhs)  # A⁻¹ (y − f0)
-                test = ft0 + self._matmul_chunked(kt, coef, t_test)
-                test = lay.unflat_y(test, t_test).astype(dt)
-            return Outputs(train, test)
-        shape = ts.shape
-        tv = ts.reshape(-1) * self._lr / self._y_size  # (K,)
-        with np.errstate(invalid="ignore"):  # inf · 0 in rows replaced below
-            g = np.expm1(-self._w[None, :] * tv[:, None])  # expm1(−w τ), (K, M)
-        g = np.where(np.isinf(tv)[:, None], np.where(self._null, 0.0, -1.0)[None, :], g)
+        shape = () if t is None else ts.shape
+        tv = (np.array([np.inf]) if t is None else ts.reshape(-1)) * self._lr / self._y_size
         c = self._v.T @ rhs  # (M, R) in the eigenbasis
         train = test = None
         if fx_train_0 is not None:
+            g = np.stack([self._decay(tk) for tk in tv])  # expm1(−w τ), (K, M)
             tr = np.einsum("mi,ki,ir->kmr", self._v, g, c)
             train = np.stack([lay.unflat_y(lay.flat_y(f0) + tr[k], lay.n) for k in range(len(tv))])
             train = train.reshape(shape + self._y_shape).astype(dt)
         if kt is not None:
-            if np.isinf(tv).any():
-                raise ValueError(
-                    f"{fn}: an infinite time inside an array of times is not supported for "
-                    f"test predictions. Fix: call once with t=None for convergence."
-                )
-            h = -np.stack([self._weights(tk) for tk in tv])  # expm1(−w τ) / w
+            h = -np.stack([self._weights(fn, tk, t) for tk in tv])  # (K, M)
             b = np.einsum("mi,ki,ir->mkr", self._v, h, c).reshape(self._v.shape[0], -1)
             d = self._matmul_chunked(kt, b, t_test)  # (T·Ko, K·R)
             d = d.reshape(d.shape[0], len(tv), -1)
-            test = np.stack([lay.unflat_y(ft0 + d[:, k], t_test) for k in range(len(tv))]).reshape(
-                shape + (t_test,) + self._y_shape[1:]
-            )
-            test = test.astype(dt)
+            test = np.stack([lay.unflat_y(ft0 + d[:, k], t_test) for k in range(len(tv))])
+            test = test.reshape(shape + (t_test,) + self._y_shape[1:]).astype(dt)
         return Outputs(train, test)
 
-    def _weights(self, tau):
-        """h = (1 − exp(−w τ)) / w per eigenvalue (τ/n scaled time), limit τ at w = 0."""
-        x = self._w * tau
-        with np.errstate(invalid="ignore", over="ignore"):
-            phi = np.where(x > 1e-12, -np.expm1(-x) / np.where(x > 0, x, 1.0), 1.0 - x / 2)
-        return tau * phi
+    def _decay(self, tau):
+        """expm1(−w τ) per eigenvalue (τ = η t / n; −1 at τ = ∞); 0 on null directions."""
+        if np.isinf(tau):
+            return np.where(self._null, 0.0, -1.0)
+        return np.where(self._null, 0.0, np.expm1(-self._w * tau))
+
+    def _weights(self, fn, tau, t):
+        """h = (1 − exp(−w τ)) / w per eigenvalue (τ = η t / n; 1/w at τ = ∞; the limit
+        τ at w = 0); 0 on null directions. Refuses weights whose float64 round-off
+        bound u·w_max·max h exceeds :data:`ACCEPT` (see :func:`gradient_descent_mse`)."""
+        keep = ~self._null
+        if np.isinf(tau):
+            h = np.zeros_like(self._w)
+            h[keep] = 1.0 / self._w[keep]
+        else:
+            x = self._w * tau
+            with np.errstate(invalid="ignore", over="ignore"):
+                phi = np.where(x > 1e-12, -np.expm1(-x) / np.where(x > 0, x, 1.0), 1.0 - x / 2)
+            h = np.where(keep, tau * phi, 0.0)
+        w_max = float(self._w.max(initial=0.0))
+        bound = unit_roundoff(np.float64) * w_max * float(h.max(initial=0.0))
+        if bound > ACCEPT:
+            tr = self._train
+            need = unit_roundoff(np.float64) * w_max / ACCEPT
+            suggest = 10 ** math.ceil(math.log10(max(need / tr.reg_scale, 1e-300)))
+            when = "at convergence (t = inf)" if np.isinf(tau) else f"at t = {t!r}"
+            raise ValueError(
+                f"{fn}: the test predictions {when} are too ill-conditioned to compute: "
+                f"the regularised train-train kernel (λ = {tr.lam:.3e}) has eigenvalues "
+                f"from {float(self._w[keep].min(initial=w_max)):.3e} to {w_max:.3e}, so "
+                f"float64 round-off alone can change them by up to {bound:.1e} relative "
+                f"(u·λ_max·max h, above {ACCEPT:.0e}). Fix: raise diag_reg (about "
+                f"{suggest:.0e} or more in the units used here), or predict at smaller t."
+            )
+        return h
 
     @_doc
     def ntk_ensemble(self, t=None, k_test_train=None, k_test_test=None) -> Gaussian:
@@ -770,13 +926,10 @@ class GradientDescentMSE(_TestSide):
         chunks = list(self._chunks(n_test))
         means, covs = [], []
         for tk in times.reshape(-1):
-            if np.isinf(tk):
-                apply_h = self._train.solver.solve
-            else:
-                h = self._weights(tk * self._lr / self._y_size)
+            h = self._weights(fn, tk * self._lr / self._y_size, float(tk))
 
-                def apply_h(b, h=h):
-                    return self._v @ (h[:, None] * (self._v.T @ b))
+            def apply_h(b, h=h):
+                return self._v @ (h[:, None] * (self._v.T @ b))
 
             mean, cov = _ntk_ensemble(
                 fn,
@@ -828,11 +981,20 @@ def gradient_descent_mse(
         f_test(t)  = f_test(0) + Θ_tx V diag((1 − exp(−w τ / n)) / w) Vᵀ (y − f_train(0))
 
     (Jacot et al. 2018; Lee et al. 2019), neural-tangents' ``gradient_descent_mse``. The
-    eigendecomposition is computed once, here; each call costs matrix products only.
-    At t = ∞ the test outputs are f_test(0) + Θ_tx A⁻¹ (y − f_train(0)), solved with
-    float64 refinement (an ill-conditioned A raises as in :func:`gp_inference`);
-    finite times never invert A (the weight (1 − exp(−w τ/n))/w tends to τ/n as w → 0).
-    Eigenvalues that are negative at round-off level are set to 0.
+    eigendecomposition is computed once, here, and always in float64 on the host
+    (whatever ``dtype``, which sets the results' dtype): a float32 one lost up to 1.3e-3
+    relative against float64 at t = 1e5, where small eigenvalues dominate; each call
+    costs matrix products only. At t = ∞ the weight is 1/w (f_test(∞) = f_test(0) +
+    Θ_tx A⁻¹ (y − f_train(0))); finite times never divide by w (the weight
+    (1 − exp(−w τ/n))/w tends to τ/n as w → 0). Eigenvalues that are negative at
+    round-off level are set to 0. Directions the kernel does not move (eigenvalues of
+    A at most M·eps·w_max, eps of the kernel's dtype: an empirical NTK has rank <= P, so
+    with ``diag_reg=0`` these exist whenever N·O > P) keep their t = 0 value in the
+    train outputs at every t, t = ∞ included, and add nothing to the test outputs
+    (gradient flow never moves them). Test predictions whose float64 round-off bound
+    u·λ_max·max_w h exceeds 1e-6 (h the weight above; at t = ∞ this is u times the
+    condition number of the moving directions) raise a ValueError with the fix (raise
+    ``diag_reg``), at finite and infinite t alike.
 
     Args:
       k_train_train: the train-train NTK ``(N, N)`` / ``(N, N, O, O)``, or
@@ -844,7 +1006,9 @@ def gradient_descent_mse(
       A :class:`GradientDescentMSE`: ``predictor(t=None, fx_train_0=0.0, fx_test_0=0.0,
       k_test_train=None) -> Outputs(train, test)``, train ``t.shape + (N, O...)``, test
       ``t.shape + (T, O...)`` (``Outputs`` unpacks like neural-tangents' ``(fx_train_t,
-      fx_test_t)``); and ``predictor.ntk_ensemble(t, k_test_train, k_test_test=None) ->
+      fx_test_t)``; test predictions take the outputs at t = 0 on both sides or on
+      neither, see :meth:`GradientDescentMSE.__call__`); and
+      ``predictor.ntk_ensemble(t, k_test_train, k_test_test=None) ->
       Gaussian``, the mean and covariance over an infinite ensemble at time t (needs
       ``Kernels(nngp=..., ntk=...)`` for the covariance).
 
@@ -852,9 +1016,9 @@ def gradient_descent_mse(
       ValueError, TypeError: as :func:`gp_inference`, and a non-positive
         ``learning_rate``.
 
-    Cost: one eigendecomposition of the ``M x M`` matrix (M = N·O_kept, about 9·M³
-    flops, 2·M² memory of ``dtype`` plus M² float64 for the eigenvectors); each call
-    2·M²·R·K for K times and 2·T·M·R·K for T test points.
+    Cost: one float64 eigendecomposition of the ``M x M`` matrix (M = N·O_kept, about
+    9·M³ flops, 2·M² float64 memory: the matrix it overwrites and the eigenvectors);
+    each call 2·M²·R·K for K times and 2·T·M·R·K for T test points.
 
     Example:
       >>> import numpy as np

@@ -277,6 +277,41 @@ def matmul64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+#: Random probes of :func:`numerical_rank` (a rank below half of them is exact w.h.p.).
+RANK_PROBES = 64
+
+
+def numerical_rank(k2: np.ndarray, dtype, probes: int = RANK_PROBES) -> tuple[int, int, float]:
+    """``(r, c, drop)``: the numerical rank ``r`` of a flat PSD kernel as ``c`` probes see
+    it, and the drop ``σ_r / σ_{r+1}`` from the last eigenvalue counted to the next.
+
+    Eigenvalues count when above ``M·u·λ_max`` (u of the kernel's ``dtype``: below that
+    they are round-off of the kernel's own entries; numpy's ``matrix_rank`` convention).
+    A structurally low rank (a kernel built from r feature vectors) shows a large drop
+    (to round-off); a smooth kernel whose spectrum decays gradually below round-off
+    (e.g. on 1-D inputs) a drop of a few times. For ``M <= probes`` the eigenvalues are
+    computed (``c = M``); otherwise the singular values of the sketch ``K Ω`` (Ω Gaussian
+    ``(M, probes)``, fixed seed) stand in for them, which finds every rank
+    ``r <= c / 2`` with overwhelming probability (the sketch's singular values are
+    about (√c ± √r)·λ_i; Halko, Martinsson & Tropp 2011) and returns about ``c`` for
+    larger ranks. Cost: 2·M²·c flops streamed in row chunks (M³ for the small case).
+    """
+    m = k2.shape[0]
+    if m <= probes:
+        s = np.abs(scipy.linalg.eigvalsh(np.asarray(k2, np.float64), check_finite=False))
+        c = m
+    else:
+        omega = np.random.default_rng(0).standard_normal((m, probes))
+        s = scipy.linalg.svdvals(matmul64(k2, omega), check_finite=False)
+        c = probes
+    s = np.sort(s)[::-1]
+    if not s.size or s[0] <= 0:
+        return 0, c, math.inf
+    r = int(np.count_nonzero(s > m * unit_roundoff(dtype) * s[0]))
+    drop = math.inf if r >= s.size or s[r] <= 0 else float(s[r - 1] / s[r])
+    return r, c, drop
+
+
 class Solver:
     """Solves ``(K + λ I) x = b`` for a flat symmetric ``K`` (``(M, M)``), refined in float64.
 

@@ -5,6 +5,7 @@ regulariser and output layout; the linear algebra runs on the host (numpy/LAPACK
 refined solves that never return a silent NaN.
 """
 
+from ntk_core._predict import DegenerateKernelWarning as DegenerateKernelWarning
 from ntk_core._predict import Gaussian as Gaussian
 from ntk_core._predict import GPInference as GPInference
 from ntk_core._predict import GradientDescentMSE as GradientDescentMSE
@@ -14,6 +15,7 @@ from ntk_core._predict import gp_inference as gp_inference
 from ntk_core._predict import gradient_descent_mse as gradient_descent_mse
 
 __all__ = (
+    "DegenerateKernelWarning",
     "GPInference",
     "Gaussian",
     "GradientDescentMSE",

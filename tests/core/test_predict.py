@@ -14,6 +14,10 @@ from ntk_core._predict_linalg import Solver
 
 N, T, OUT = 12, 5, 3
 
+# Most kernels here are built from few features on purpose (rank p·OUT), which
+# gp_inference reports; test_low_rank_prior_warns_* asserts that warning.
+pytestmark = pytest.mark.filterwarnings("ignore::ntk_core.predict.DegenerateKernelWarning")
+
 
 def _features(seed, n, p=8):
     """Joint train+test features (n + T, OUT, p): kernels from them are jointly PSD, rank p·OUT."""
@@ -419,9 +423,12 @@ def test_gradient_descent_mse_matches_matrix_exponential(layout):
     np.testing.assert_allclose(chunked.test, one.test, rtol=1e-12, atol=1e-12)
 
 
-def test_gradient_descent_mse_singular_kernel_finite_times_and_inf_error():
-    """Rank-deficient NTK with no regulariser: finite times are well defined (no
-    inversion: (1 − e^{−wτ})/w → τ at w = 0); t = ∞ refuses with the fix."""
+def test_gradient_descent_mse_singular_kernel_finite_times_and_convergence():
+    """Rank-deficient NTK (rank 4 < N = 20) with no regulariser: finite times are well
+    defined (no inversion: (1 − e^{−wτ})/w → τ at w = 0); directions the kernel does not
+    move stay put, so at t = ∞ the test outputs are those of the least-squares fit in
+    the features (reference: numpy's lstsq, independent of the eigendecomposition), and
+    a large finite t approaches them."""
     phi = np.random.default_rng(16).standard_normal((20, 1, 4))
     k = _traced(phi, phi).astype(np.float32)
     y = np.random.default_rng(17).standard_normal((20, 1)).astype(np.float32)
@@ -430,11 +437,30 @@ def test_gradient_descent_mse_singular_kernel_finite_times_and_inf_error():
     assert np.isfinite(out.train).all() and np.isfinite(out.test).all()
     e = scipy.linalg.expm(-k.astype(np.float64) * 100.0 / y.size)
     np.testing.assert_allclose(out.train[1], y + e @ (0 - y), atol=1e-4)
-    with pytest.raises(
-        ValueError,
-        match=r"^gradient_descent_mse: .*ill-conditioned.*condition number.*Fix: raise diag_reg",
-    ):
-        mse(None, fx_train_0=0.0, k_test_train=k[:3])
+    a = phi[:, 0, :].astype(np.float32).astype(np.float64)
+    beta = np.linalg.lstsq(a, y.astype(np.float64), rcond=None)[0]
+    expected = a[:3] @ beta
+    np.testing.assert_allclose(mse(None, k_test_train=k[:3]).test, expected, rtol=1e-5)
+    np.testing.assert_allclose(mse(1e9, k_test_train=k[:3]).test, expected, rtol=1e-5)
+
+
+def test_gradient_descent_mse_refuses_test_predictions_float64_cannot_resolve():
+    """Eigenvalues 1 and 1e-12 (float64, far above round-off, so not a null direction):
+    at t = ∞ the weight 1/w = 1e12 makes float64 round-off alone 1e-4 relative; finite t
+    and t = ∞ refuse alike once u·λ_max·max h > 1e-6, and small t is computed."""
+    q = np.linalg.qr(np.random.default_rng(3).standard_normal((6, 6)))[0]
+    k = (q * np.array([1e-12, 0.5, 0.6, 0.7, 0.8, 1.0])) @ q.T
+    k = (k + k.T) / 2
+    y = np.random.default_rng(4).standard_normal((6, 1))
+    mse = predict.gradient_descent_mse(k, y, dtype="float64")
+    pattern = r"^gradient_descent_mse\(\.\.\.\): the test predictions .*too ill-conditioned.*Fix: raise diag_reg"
+    for t in (None, 1e14):
+        with pytest.raises(ValueError, match=pattern):
+            mse(t, k_test_train=k[:2])
+    w, v = np.linalg.eigh(k)
+    tau = 10.0 / y.size
+    ref = k[:2] @ (v @ ((-np.expm1(-w * tau) / w)[:, None] * (v.T @ y)))
+    np.testing.assert_allclose(mse(10.0, k_test_train=k[:2]).test, ref, rtol=1e-10)
 
 
 def test_ntk_ensemble_at_time_t_matches_matrix_exponential_and_converges_to_gp_inference():
@@ -517,3 +543,134 @@ def test_gradient_descent_mse_singular_kernel_train_outputs_at_convergence(dtype
     np.testing.assert_allclose(mse(np.array([np.inf]), fx_train_0=f0).train[0], expected, atol=tol)
     # the loss at convergence is that of the projection, not 0
     assert ((mse(None, fx_train_0=0.0).train - y) ** 2).mean() > 0.1
+
+
+def _tanh_features_kernel(n_train, n_test, seed=0):
+    """A float32 NTK-like kernel (random tanh features plus a linear term), its train and
+    test-train blocks, and float32 targets."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_train + n_test, 8))
+    f = np.tanh(x @ (rng.standard_normal((8, 200)) / np.sqrt(8)))
+    k = (f @ f.T / 200 + 0.05 * (x @ x.T) / 8).astype(np.float32)
+    y = rng.standard_normal((n_train, 1)).astype(np.float32)
+    return k[:n_train, :n_train], k[n_train:, :n_train], y
+
+
+def _gradient_flow_reference(k_xx, k_tx, y, t, f0=0.0, ft0=0.0):
+    """f_test(t) from a float64 eigendecomposition of the same (float32) kernel."""
+    w, v = np.linalg.eigh(k_xx.astype(np.float64))
+    tau = t / y.size
+    h = -np.expm1(-w * tau) / w
+    return ft0 + k_tx.astype(np.float64) @ (v @ (h[:, None] * (v.T @ (y - f0))))
+
+
+@pytest.mark.parametrize("t", [10.0, 1e3, 1e5, 1e7])
+def test_gradient_descent_mse_float32_kernel_keeps_accuracy_at_large_times(t):
+    """A float32 eigendecomposition lost up to 1.3e-3 relative against a float64 one at
+    t = 1e5 (7e-5 on this kernel, condition number 9e3); the spectral factor is float64
+    now, so only the float32 rounding of the results remains."""
+    k_xx, k_tx, y = _tanh_features_kernel(60, 10)
+    got = predict.gradient_descent_mse(k_xx, y)(t, k_test_train=k_tx).test
+    assert got.dtype == np.float32
+    ref = _gradient_flow_reference(k_xx, k_tx, y, t)
+    assert np.abs(got - ref).max() <= 3e-7 * np.abs(ref).max()
+
+
+def test_gradient_descent_mse_uses_both_initial_outputs():
+    """Given outputs at t = 0 enter the train and the test formula."""
+    k_xx, k_tx, y = _tanh_features_kernel(30, 5, seed=1)
+    rng = np.random.default_rng(2)
+    f0 = rng.standard_normal((30, 1)).astype(np.float32)
+    ft0 = rng.standard_normal((5, 1)).astype(np.float32)
+    out = predict.gradient_descent_mse(k_xx, y)(50.0, f0, ft0, k_tx)
+    ref = _gradient_flow_reference(k_xx, k_tx, y, 50.0, f0, ft0)
+    np.testing.assert_allclose(out.test, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (
+            dict(fx_train_0=None, fx_test_0=1.0),
+            r"fx_train_0=None with k_test_train.*Fix: pass fx_train_0",
+        ),
+        (dict(fx_train_0=None), r"fx_train_0=None with k_test_train"),
+        (
+            dict(fx_train_0=0.5),
+            r"fx_train_0 is given .* but fx_test_0 is left at its default 0.0.*Fix: pass fx_test_0 too",
+        ),
+        (
+            dict(fx_test_0=-2.0),
+            r"fx_test_0 is given .* but fx_train_0 is left at its default 0.0.*Fix: pass fx_train_0 too",
+        ),
+        (dict(fx_train_0=0.0, fx_test_0=None), r"fx_test_0=None with k_test_train.*Fix: pass them"),
+        (dict(fx_train_0=0.0, fx_test_0=np.nan), r"fx_test_0 contains NaN or inf"),
+        (dict(fx_train_0=0.0, fx_test_0="zero"), r"fx_test_0 must be a number or an array"),
+    ],
+)
+def test_gradient_descent_mse_refuses_test_predictions_from_outputs_not_given(kwargs, pattern):
+    """fx_train_0=None used to make the test formula take f_train(0) = 0 silently (the test
+    outputs moved by up to 1.24 on outputs of size 1.8), fx_test_0=None gave NaN."""
+    k_xx, k_tx, y = _tanh_features_kernel(12, 3, seed=3)
+    mse = predict.gradient_descent_mse(k_xx, y)
+    with pytest.raises(
+        (ValueError, TypeError), match=r"^gradient_descent_mse\(\.\.\.\): " + pattern
+    ):
+        mse(5.0, k_test_train=k_tx, **kwargs)
+
+
+def test_gradient_descent_mse_accepts_zero_outputs_on_one_side_and_train_only_calls():
+    """A given 0.0 beside a default one is consistent; without k_test_train, fx_test_0 is
+    not needed and fx_train_0=None with fx_test_0 left alone is 'nothing to predict'."""
+    k_xx, k_tx, y = _tanh_features_kernel(12, 3, seed=3)
+    mse = predict.gradient_descent_mse(k_xx, y)
+    a = mse(5.0, fx_train_0=np.zeros((12, 1)), k_test_train=k_tx).test
+    np.testing.assert_array_equal(a, mse(5.0, k_test_train=k_tx).test)
+    assert mse(5.0, fx_train_0=np.ones((12, 1))).test is None
+    with pytest.raises(ValueError, match=r"fx_test_0 is given but k_test_train=None"):
+        mse(5.0, fx_test_0=np.ones((3, 1)))
+
+
+@pytest.mark.parametrize("m", [60, 200])
+def test_low_rank_prior_warns_with_its_rank(m):
+    """An empirical NNGP of one network with one output, K = f fᵀ, is rank 1: accepted
+    as before (same mean as a float64 solve), with a DegenerateKernelWarning naming the
+    rank (m = 60: all eigenvalues; m = 200: the 64-probe sketch)."""
+    rng = np.random.default_rng(5)
+    f = rng.standard_normal((m, 1)).astype(np.float32)
+    y = rng.standard_normal((m, 1)).astype(np.float32)
+    k = f @ f.T
+    with pytest.warns(
+        predict.DegenerateKernelWarning,
+        match=rf"^gp_inference: k_train_train has numerical rank 1 of {m} .*monte_carlo_kernels",
+    ):
+        post = predict.gp_inference(k, y, diag_reg=1e-3)
+    lam = 1e-3 * np.mean(np.diag(k).astype(np.float64))
+    ref = k[:3].astype(np.float64) @ np.linalg.solve(k.astype(np.float64) + lam * np.eye(m), y)
+    np.testing.assert_allclose(post.nngp(k[:3]).mean, ref, rtol=1e-5)
+
+
+def test_low_rank_prior_warning_counts_features_and_names_the_kernel():
+    """Kernels(nngp=rank 5, ntk=full rank): the NNGP is named with its rank, the NTK
+    (random features, 300 > M) is not."""
+    rng = np.random.default_rng(6)
+    a, b = rng.standard_normal((100, 5)), rng.standard_normal((100, 300))
+    kernels = predict.Kernels(nngp=a @ a.T, ntk=b @ b.T / 300)
+    with pytest.warns(predict.DegenerateKernelWarning) as record:
+        predict.gp_inference(kernels, rng.standard_normal((100, 1)), diag_reg=1e-4)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1 and "k_train_train.nngp has numerical rank 5 of 100" in messages[0]
+
+
+@pytest.mark.filterwarnings("error::ntk_core.predict.DegenerateKernelWarning")
+def test_full_rank_and_smooth_priors_do_not_warn():
+    """neural-tangents' infinite-width kernels of case C3 on 1-D inputs (float32; their
+    spectrum fades gradually below round-off) and a random-feature kernel with more
+    features than points are no degenerate priors."""
+    d = np.load(C3_KERNELS)
+    y = np.load(C3_KERNELS.with_name("gp_erf_1d.npz"))["y_train"]
+    n = int(d["n_train"])
+    for name in ("nngp", "ntk"):
+        predict.gp_inference(d[name][:n, :n], y, diag_reg=1e-2)
+    b = np.random.default_rng(7).standard_normal((150, 400))
+    predict.gp_inference(b @ b.T / 400, np.ones((150, 1)), diag_reg=1e-6)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import warnings
 
 import flax.linen as nn
 import jax
@@ -69,7 +70,14 @@ def test_gp_inference_float32_never_nan(name, diag_reg):
     a = k_xx.astype(np.float64) + lam * np.eye(N)
     mean_ref = k_tx.astype(np.float64) @ np.linalg.solve(a, Y_TRAIN.astype(np.float64))
     try:
-        post = predict.gp_inference(k_xx, Y_TRAIN, diag_reg=diag_reg)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            post = predict.gp_inference(k_xx, Y_TRAIN, diag_reg=diag_reg)
+        # 3 samples of a one-output network: an NNGP of rank 3, and gp_inference says so
+        degenerate = [w for w in record if w.category is predict.DegenerateKernelWarning]
+        assert len(degenerate) == (name == "nngp")
+        if degenerate:
+            assert f"numerical rank 3 of {N}" in str(degenerate[0].message)
     except ValueError as e:  # the documented refusal, with the fix
         assert "too ill-conditioned" in str(e) and "Fix: raise diag_reg" in str(e)
         assert diag_reg < 1e-2, "diag_reg=1e-2 must be solvable in float32"
@@ -80,13 +88,15 @@ def test_gp_inference_float32_never_nan(name, diag_reg):
     assert np.all(var >= 0) and np.all(var <= prior)
     np.testing.assert_allclose(mean, mean_ref, rtol=0, atol=1e-5 * np.abs(mean_ref).max())
     # the same in float64 (on the host, x64 off)
-    mean64, var64 = predict.gp_inference(k_xx, Y_TRAIN, diag_reg=diag_reg, dtype="float64").nngp(
-        k_tx, prior
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", predict.DegenerateKernelWarning)
+        post64 = predict.gp_inference(k_xx, Y_TRAIN, diag_reg=diag_reg, dtype="float64")
+    mean64, var64 = post64.nngp(k_tx, prior)
     np.testing.assert_allclose(mean64, mean_ref, rtol=0, atol=1e-9 * np.abs(mean_ref).max())
     assert np.all(var64 >= 0) and np.all(var64 <= prior)
 
 
+@pytest.mark.filterwarnings("ignore::ntk_core.predict.DegenerateKernelWarning")
 def test_ntk_ensemble_posterior_has_no_nan_and_no_negative_variance():
     k = kernels()
     nngp, ntk = _split(k["nngp"]), _split(k["ntk"])
@@ -95,6 +105,7 @@ def test_ntk_ensemble_posterior_has_no_nan_and_no_negative_variance():
     assert np.isfinite(mean).all() and np.isfinite(var).all() and np.all(var >= 0)
 
 
+@pytest.mark.filterwarnings("ignore::ntk_core.predict.DegenerateKernelWarning")
 def test_fit_amplitude_puts_std_on_the_targets_scale():
     k_xx, k_tx, prior = _split(kernels()["nngp"])
     plain = predict.gp_inference(k_xx, Y_TRAIN, diag_reg=1e-2)
