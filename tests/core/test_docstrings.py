@@ -20,6 +20,7 @@ MODULES = [
     "ntk_flax._kernel",
     "ntk_flax._monte_carlo",
     "ntk_haiku._kernel",
+    "ntk_haiku._models",
     "ntk_haiku._monte_carlo",
 ]
 

@@ -1,5 +1,11 @@
 """The same architecture in Flax and Haiku, with weights transplanted, gives the same
-outputs, NTK and NNGP (every axes setting of the reference grid)."""
+outputs, NTK and NNGP (every axes setting of the reference grid).
+
+Two transplants: Haiku twins whose modules carry the Flax names
+(``params_from_flax(flax_params)``), and Haiku models with Haiku's own module names
+(``hk.nets.MLP``, default ``hk.Linear``/``hk.Conv2D`` names), mapped in order
+(``params_from_flax(flax_params, haiku_params)``).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import functools
 import flax.linen as nn
 import haiku as hk
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -106,3 +113,147 @@ def test_same_kernel_per_leaf_and_plan(name, axes):
         )
     )
     assert jax.tree.leaves(methods_flax) == [leaf.method for leaf in plan_haiku.leaves]
+
+
+# Flax models against Haiku models with Haiku's own module names, mapped in order by
+# params_from_flax(flax_params, haiku_params).
+
+
+class FlaxTanhMLP(nn.Module):
+    widths: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x):
+        for width in self.widths[:-1]:
+            x = jnp.tanh(nn.Dense(width)(x))
+        return nn.Dense(self.widths[-1])(x)
+
+
+class FlaxDenseConvNet(nn.Module):
+    """Dense, Conv, Conv (no bias), Dense, Dense: the kinds interleave."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.tanh(nn.Dense(4)(x))  # over channels: (N, H, W, 3) -> (N, H, W, 4)
+        x = jnp.tanh(nn.Conv(5, (3, 3))(x))
+        x = jnp.tanh(nn.Conv(6, (2, 2), use_bias=False)(x))
+        x = jnp.tanh(nn.Dense(8)(x.reshape((x.shape[0], -1))))
+        return nn.Dense(2)(x)
+
+
+def haiku_dense_conv_net(x):
+    x = jnp.tanh(hk.Linear(4)(x))  # linear
+    x = jnp.tanh(hk.Conv2D(5, 3)(x))  # conv2_d
+    x = jnp.tanh(hk.Conv2D(6, 2, with_bias=False)(x))  # conv2_d_1
+    x = jnp.tanh(hk.Linear(8)(x.reshape((x.shape[0], -1))))  # linear_1
+    return hk.Linear(2)(x)  # linear_2
+
+
+DEEP = (8,) * 11 + (2,)  # square layers: only the order (Dense_2 < Dense_10) tells them apart
+
+MAPPED = {
+    "mlp": (
+        FlaxTanhMLP((16, 16, 3)),
+        lambda x: hk.nets.MLP([16, 16, 3], activation=jnp.tanh)(x),
+        (7,),
+    ),
+    "deep_mlp": (
+        FlaxTanhMLP(DEEP),
+        lambda x: hk.nets.MLP(list(DEEP), activation=jnp.tanh)(x),
+        (8,),
+    ),
+    "deep_sequential": (  # layers_0, layers_2, ..., layers_22 (activations in between)
+        nn.Sequential(
+            [layer for width in DEEP[:-1] for layer in (nn.Dense(width), nn.tanh)]
+            + [nn.Dense(DEEP[-1])]
+        ),
+        lambda x: hk.nets.MLP(list(DEEP), activation=jnp.tanh)(x),
+        (8,),
+    ),
+    "sequential": (
+        nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(8), nn.tanh, nn.Dense(2)]),
+        lambda x: hk.Sequential([hk.Linear(8), jnp.tanh, hk.Linear(8), jnp.tanh, hk.Linear(2)])(x),
+        (5,),
+    ),
+    "dense_conv": (FlaxDenseConvNet(), haiku_dense_conv_net, (6, 6, 3)),
+}
+
+HAIKU_NAMES = {
+    "mlp": ["mlp/~/linear_0", "mlp/~/linear_1", "mlp/~/linear_2"],
+    "deep_mlp": [f"mlp/~/linear_{i}" for i in range(12)],
+    "deep_sequential": [f"mlp/~/linear_{i}" for i in range(12)],
+    "sequential": ["linear", "linear_1", "linear_2"],
+    "dense_conv": ["linear", "conv2_d", "conv2_d_1", "linear_1", "linear_2"],
+}
+
+
+@functools.cache
+def _mapped(name):
+    flax_model, haiku_fn, shape = MAPPED[name]
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (3, *shape))
+    variables = flax_model.init(jax.random.PRNGKey(0), x1)
+    net = hk.without_apply_rng(hk.transform(haiku_fn))
+    template = net.init(jax.random.PRNGKey(3), x1)
+    params = ntk_haiku.params_from_flax(variables["params"], template)
+    return flax_model, variables, net, template, params, x1
+
+
+def _assert_relative(actual, expected, rtol):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    err, scale = np.abs(actual - expected).max(), np.abs(expected).max()
+    assert scale > 0 and err <= rtol * scale, f"max error {err:.3e} vs scale {scale:.3e}"
+
+
+@pytest.mark.parametrize("name", list(MAPPED))
+def test_mapped_params_have_haiku_names_shapes_and_flax_values(name):
+    _, variables, _, template, params, _ = _mapped(name)
+    assert list(params) == list(template) == HAIKU_NAMES[name]
+    assert jax.tree.structure(params) == jax.tree.structure(template)
+    assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, template)
+    # Every Flax array lands in exactly one Haiku leaf, none is the template's.
+    flax_ids = sorted(id(leaf) for leaf in jax.tree.leaves(variables["params"]))
+    assert sorted(id(leaf) for leaf in jax.tree.leaves(params)) == flax_ids
+
+
+@pytest.mark.parametrize(
+    "name, flax_name",
+    [("deep_mlp", "Dense_{}"), ("deep_sequential", "layers_{}")],
+)
+def test_deep_stack_maps_in_numeric_order(name, flax_name):
+    """The i-th Flax layer to the i-th Haiku module: numbers compared as numbers, where
+    alphabetical order would pair layers_10 (the 6th) with linear_1 (the 2nd)."""
+    _, variables, _, _, params, _ = _mapped(name)
+    step = 2 if name == "deep_sequential" else 1
+    for i in range(len(DEEP)):
+        layer = variables["params"][flax_name.format(step * i)]
+        assert params[f"mlp/~/linear_{i}"]["w"] is layer["kernel"]
+        assert params[f"mlp/~/linear_{i}"]["b"] is layer["bias"]
+
+
+@pytest.mark.parametrize("name", ["deep_mlp", "deep_sequential", "dense_conv"])
+def test_mapping_does_not_depend_on_dict_order(name):
+    """jax.jit and jax.eval_shape return dicts with alphabetically sorted keys
+    ('Dense_10' before 'Dense_2', 'linear' before 'conv2_d'): the same mapping."""
+    flax_model, variables, net, _, params, x1 = _mapped(name)
+    sorted_variables = jax.jit(flax_model.init)(jax.random.PRNGKey(0), x1)
+    sorted_template = jax.eval_shape(net.init, jax.random.PRNGKey(3), x1)
+    assert list(sorted_variables["params"]) != list(variables["params"])
+    assert list(sorted_template) == sorted(sorted_template)
+    again = ntk_haiku.params_from_flax(sorted_variables["params"], sorted_template)
+    assert list(again) == sorted(params)
+    assert jax.tree.structure(again) == jax.tree.structure(dict(sorted(params.items())))
+    for module in params:
+        for leaf in params[module]:
+            np.testing.assert_array_equal(again[module][leaf], params[module][leaf])
+
+
+@pytest.mark.parametrize("name", list(MAPPED))
+def test_mapped_same_outputs_and_ntk(name):
+    flax_model, variables, net, _, params, x1 = _mapped(name)
+    x2 = jax.random.normal(jax.random.PRNGKey(2), (2, *MAPPED[name][2]))
+    _assert_relative(net.apply(params, x1), flax_model.apply(variables, x1), rtol=1e-6)
+    k_flax = ntk_flax.kernel(flax_model, variables, x1, x2, trace_axes=())
+    k_haiku = ntk_haiku.kernel(net, params, x1, x2, trace_axes=())
+    assert k_haiku.shape == (3, 2, *net.apply(params, x1).shape[1:] * 2)
+    _assert_relative(k_haiku, k_flax, rtol=1e-5)

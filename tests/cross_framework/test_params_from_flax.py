@@ -1,0 +1,225 @@
+"""ntk_haiku.params_from_flax: each documented error, with its message (the docstring's
+example runs in tests/core/test_docstrings.py)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ntk_haiku
+
+X = jnp.ones((2, 7))
+KEY = jax.random.PRNGKey(0)
+
+
+class FlaxMLP(nn.Module):
+    widths: tuple[int, ...] = (16, 16, 3)
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        for width in self.widths[:-1]:
+            x = jnp.tanh(nn.Dense(width, use_bias=self.use_bias)(x))
+        return nn.Dense(self.widths[-1], use_bias=self.use_bias)(x)
+
+
+class FlaxWithBatchNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.BatchNorm(use_running_average=True)(nn.Dense(16)(x)))
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16)(x)
+
+
+class FlaxNested(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(Block()(x))
+
+
+class FlaxConvDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.Conv(4, (3,))(x[..., None]).reshape((x.shape[0], -1)))
+
+
+def _flax(model, x=X):
+    return model.init(KEY, x)
+
+
+def _haiku(fn, x=X, with_state=False):
+    transform = hk.transform_with_state if with_state else hk.transform
+    return transform(fn).init(KEY, x)
+
+
+def _mlp(widths, **kwargs):
+    return lambda x: hk.nets.MLP(widths, activation=jnp.tanh, **kwargs)(x)
+
+
+MLP_PARAMS = _flax(FlaxMLP())["params"]
+
+ERRORS = [
+    (
+        "fewer haiku modules",
+        lambda: ntk_haiku.params_from_flax(MLP_PARAMS, _haiku(_mlp([16, 3]))),
+        ValueError,
+        r"^params_from_flax: got 3 Flax layers \(rank 2: \['Dense_0', 'Dense_1', 'Dense_2'\]\) "
+        r"but 2 Haiku modules \(rank 2: \['mlp/~/linear_0', 'mlp/~/linear_1'\]\); expected as "
+        r"many Haiku modules as Flax layers of each kernel rank .* Fix: build the Haiku model",
+    ),
+    (
+        "conv where haiku has a linear",
+        lambda: ntk_haiku.params_from_flax(_flax(FlaxConvDense())["params"], _haiku(_mlp([4, 3]))),
+        ValueError,
+        r"^params_from_flax: got 2 Flax layers \(rank 2: \['Dense_0'\]; rank 3: \['Conv_0'\]\) "
+        r"but 2 Haiku modules \(rank 2: \['mlp/~/linear_0', 'mlp/~/linear_1'\]\)",
+    ),
+    (
+        "shape mismatch",
+        lambda: ntk_haiku.params_from_flax(MLP_PARAMS, _haiku(_mlp([16, 8, 3]))),
+        ValueError,
+        r"^params_from_flax: Flax layer 'Dense_1' and Haiku module 'mlp/~/linear_1' \(pair 2 "
+        r"of 3 with rank-2 kernels\): kernel has shape \(16, 16\) but w has shape \(16, 8\); "
+        r"expected equal shapes\. Fix: give the Haiku module",
+    ),
+    (
+        "flax layer without bias",
+        lambda: ntk_haiku.params_from_flax(
+            _flax(FlaxMLP(use_bias=False))["params"], _haiku(_mlp([16, 16, 3]))
+        ),
+        ValueError,
+        r"^params_from_flax: Flax layer 'Dense_0' and Haiku module 'mlp/~/linear_0' .*: "
+        r"'mlp/~/linear_0' has a bias and 'Dense_0' has none; expected a bias on both or on "
+        r"neither\. Fix: match use_bias=",
+    ),
+    (
+        "haiku module without bias",
+        lambda: ntk_haiku.params_from_flax(MLP_PARAMS, _haiku(_mlp([16, 16, 3], with_bias=False))),
+        ValueError,
+        r"'Dense_0' has a bias and 'mlp/~/linear_0' has none",
+    ),
+    (
+        "batchnorm params",
+        lambda: ntk_haiku.params_from_flax(
+            _flax(FlaxWithBatchNorm())["params"], _haiku(_mlp([16, 3]))
+        ),
+        ValueError,
+        r"^params_from_flax: Flax layer 'BatchNorm_0' holds \['bias', 'scale'\]; expected "
+        r"'kernel' and optionally 'bias': only Dense and Conv stacks are mapped\. Fix: "
+        r"transplant the other layers' params by hand",
+    ),
+    (
+        "batchnorm params, flax names kept",
+        lambda: ntk_haiku.params_from_flax(_flax(FlaxWithBatchNorm())["params"]),
+        ValueError,
+        r"^params_from_flax: Flax layer 'BatchNorm_0' holds \['bias', 'scale'\]",
+    ),
+    (
+        "variables dict instead of its params",
+        lambda: ntk_haiku.params_from_flax(_flax(FlaxWithBatchNorm()), _haiku(_mlp([16, 3]))),
+        ValueError,
+        r"^params_from_flax: got a Flax variables dict \(collections \['batch_stats', "
+        r"'params'\]\); expected its 'params' collection\. Fix: pass variables\['params'\]\.",
+    ),
+    (
+        "variables dict, flax names kept",
+        lambda: ntk_haiku.params_from_flax(_flax(FlaxMLP())),
+        ValueError,
+        r"^params_from_flax: got a Flax variables dict \(collections \['params'\]\)",
+    ),
+    (
+        "nested flax modules",
+        lambda: ntk_haiku.params_from_flax(_flax(FlaxNested())["params"], _haiku(_mlp([16, 3]))),
+        ValueError,
+        r"^params_from_flax: Flax module 'Block_0' holds submodules \['Dense_0'\]; expected a "
+        r"flat collection of Dense/Conv layers \(nested Flax modules are not mapped\)\. Fix:",
+    ),
+    (
+        "a lone layer's params",
+        lambda: ntk_haiku.params_from_flax(
+            _flax(nn.Dense(3))["params"], _haiku(lambda x: hk.Linear(3)(x))
+        ),
+        ValueError,
+        r"^params_from_flax: Flax layer 'kernel' holds a \w+; expected a mapping .* wrap its "
+        r"params: \{'Dense_0': variables\['params'\]\}",
+    ),
+    (
+        "arguments swapped",
+        lambda: ntk_haiku.params_from_flax(_haiku(_mlp([16, 16, 3])), MLP_PARAMS),
+        ValueError,
+        r"^params_from_flax: Flax layer 'mlp/~/linear_0' holds \['b', 'w'\]; .* Fix: these "
+        r"look like Haiku params: pass the Flax params first",
+    ),
+    (
+        "flax params as the haiku params",
+        lambda: ntk_haiku.params_from_flax(MLP_PARAMS, MLP_PARAMS),
+        ValueError,
+        r"^params_from_flax: Haiku module 'Dense_0' holds \['bias', 'kernel'\]; expected 'w' "
+        r"and optionally 'b' .* Fix: these look like Flax params",
+    ),
+    (
+        "haiku layer norm",
+        lambda: ntk_haiku.params_from_flax(
+            MLP_PARAMS,
+            _haiku(lambda x: hk.LayerNorm(-1, True, True)(_mlp([16, 16, 3])(x))),
+        ),
+        ValueError,
+        r"^params_from_flax: Haiku module 'layer_norm' holds \['offset', 'scale'\]; expected "
+        r"'w' and optionally 'b' \(hk.Linear, hk.ConvND\): only Dense and Conv stacks are "
+        r"mapped\. Fix: pass the params of a Haiku model built from hk.Linear",
+    ),
+    (
+        "haiku params and state",
+        lambda: ntk_haiku.params_from_flax(MLP_PARAMS, _haiku(_mlp([16, 16, 3]), with_state=True)),
+        TypeError,
+        r"^params_from_flax: haiku_params must be the params dict of the Haiku model, .*; got "
+        r"tuple\. Fix: pass transformed.init\(key, x\) \(for hk.transform_with_state, the "
+        r"params of params, state = init\(key, x\)\)",
+    ),
+    (
+        "flax params not a mapping",
+        lambda: ntk_haiku.params_from_flax(list(MLP_PARAMS.values())),
+        TypeError,
+        r"^params_from_flax: flax_params must be a Flax params collection, .*; got list\. "
+        r"Fix: pass variables\['params'\]",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, exc, pattern", [c[1:] for c in ERRORS], ids=[c[0] for c in ERRORS])
+def test_error(call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+def test_flax_names_kept_without_haiku_params():
+    """The one-argument form renames the leaves only (the LeNet twins' transplant)."""
+    params = ntk_haiku.params_from_flax(MLP_PARAMS)
+    assert list(params) == ["Dense_0", "Dense_1", "Dense_2"]
+    for layer in params:
+        assert params[layer]["w"] is MLP_PARAMS[layer]["kernel"]
+        assert params[layer]["b"] is MLP_PARAMS[layer]["bias"]
+
+
+def test_shape_only_template_and_no_bias_layers():
+    """A jax.eval_shape template is enough, and bias-free layers pair with bias-free
+    modules."""
+    flax_params = _flax(FlaxMLP(use_bias=False))["params"]
+    net = hk.transform(_mlp([16, 16, 3], with_bias=False))
+    template = jax.eval_shape(net.init, KEY, X)
+    params = ntk_haiku.params_from_flax(flax_params, template)
+    assert params == {
+        f"mlp/~/linear_{i}": {"w": flax_params[f"Dense_{i}"]["kernel"]} for i in range(3)
+    }
+    out = net.apply(params, None, X)
+    np.testing.assert_allclose(
+        out, FlaxMLP(use_bias=False).apply({"params": flax_params}, X), rtol=1e-6
+    )
