@@ -266,7 +266,6 @@ def after_trace(
                 f"floating-point outputs. Fix: return the real and imaginary parts as "
                 f"separate outputs (e.g. jnp.stack([z.real, z.imag], -1))."
             )
-    _environment.check_float64(fn_name, params=params, x1=x1, x2=x2)
     _environment.check_precision_option(fn_name, options.precision)
     _environment.check_model_precision(fn_name, apply3, params, x1, aux, options.precision, kernel)
 

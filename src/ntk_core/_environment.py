@@ -4,8 +4,6 @@ Three things can make an empirical kernel silently inexact without any error fro
 
 * an old CUDA toolchain (CUDA 10 gave blocked and one-block Gram matrices that differed
   by 1e-1 per entry, case C1): refused with :class:`UnsupportedBackendError`;
-* a float64 request while ``jax_enable_x64`` is off (JAX silently computes in
-  float32): :class:`PrecisionWarning`;
 * matmul precision below ``"highest"`` (TF32 passes on NVIDIA Ampere and newer, bf16
   passes on TPUs): :class:`PrecisionWarning`;
 * a model that computes in bfloat16 or float16 (half-precision parameters, or a cast
@@ -13,6 +11,14 @@ Three things can make an empirical kernel silently inexact without any error fro
   product of the Jacobian there, so the kernel differs from the float32 model's by about
   1e-2 relative in bfloat16 and 1e-3 in float16 (:data:`HALF_PRECISION_ERROR`):
   :class:`PrecisionWarning`.
+
+float64 inputs with ``jax_enable_x64`` off follow JAX's own convention and raise
+nothing here: NumPy float64 arrays in params, x1 or x2 are implicit float64 (NumPy's
+default), which JAX turns into float32 without a warning, so the kernel is float32 as
+JAX computes it. An explicit float64 request inside the model (``x.astype(jnp.float64)``,
+``jnp.zeros(n, dtype=jnp.float64)``) gets JAX's own ``UserWarning`` ("Explicitly
+requested dtype float64 ... will be truncated to dtype float32"); the kernel API itself
+has no dtype argument through which a float64 kernel could be requested.
 
 The backend's version string (``device.client.platform_version``) is written by XLA as
 ``"cuda <CUDART_VERSION>"`` (CUDA runtime version as 1000 * major + 10 * minor, e.g.
@@ -207,39 +213,6 @@ def warn_once(cause: str, message: str, category=PrecisionWarning) -> None:
             return
         _WARNED.add(cause)
     warnings.warn(message, category, stacklevel=_user_stacklevel())
-
-
-def _float64_leaves(tree) -> list[str]:
-    found = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        dtype = getattr(leaf, "dtype", None)
-        if np.ndim(leaf) == 0:
-            continue  # Python scalars become float64 NumPy scalars here; not a request
-        if dtype is not None and np.dtype(dtype) in (np.float64, np.complex128):
-            found.append(f"{jax.tree_util.keystr(path) or '(root)'} {np.dtype(dtype)}")
-    return found
-
-
-def check_float64(fn_name: str, **trees) -> None:
-    """Warns (once per process) when float64 arrays arrive while x64 is off.
-
-    With ``jax_enable_x64`` off, JAX silently turns float64 NumPy arrays into float32,
-    so a kernel the caller meant to compute in float64 comes out in float32.
-    """
-    if jax.config.jax_enable_x64:
-        return
-    for name, tree in trees.items():
-        found = _float64_leaves(tree)
-        if found:
-            warn_once(
-                "float64 without x64",
-                f"{fn_name}: {name} holds float64 arrays ({', '.join(found[:3])}) but "
-                f"jax_enable_x64 is off, so JAX computes this kernel in float32. Fix: "
-                f'jax.config.update("jax_enable_x64", True) (or JAX_ENABLE_X64=1) at '
-                f"start-up for a float64 kernel, or cast the inputs and params to float32 "
-                f"to silence this warning.",
-            )
-            return
 
 
 def check_precision_option(fn_name: str, precision: str) -> None:

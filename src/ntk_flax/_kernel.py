@@ -19,6 +19,7 @@ from ntk_core._adapter import (
     bound_kernel,
     check_apply_kwargs,
     freeze,
+    input_shape_mismatch,
     kernel_function,
 )
 from ntk_core._api import _checked_arguments
@@ -44,6 +45,90 @@ def _split(fn_name: str, variables):
         )
     rest = {k: v for k, v in variables.items() if k != "params"}
     return variables["params"], rest
+
+
+def _refuse_apply_arguments(fn_name: str, apply_kwargs: dict) -> None:
+    """``model.apply``'s own keywords (``mutable``, ``rngs``, ``method``) in
+    ``apply_kwargs``: the adapter passes those itself."""
+    monte_carlo = fn_name.endswith("monte_carlo_kernels")
+    source = "as model.init makes them" if monte_carlo else "as given in variables"
+    if "mutable" in apply_kwargs:
+        raise TypeError(
+            f"{fn_name}: apply_kwargs['mutable'] = {apply_kwargs['mutable']!r} is not "
+            f"supported: the kernel applies the model itself as a pure function of its "
+            f"'params' collection, with the other collections (batch_stats, ...) held fixed "
+            f"{source} and never updated. Fix: drop 'mutable' from apply_kwargs and apply "
+            f"the model in evaluation mode (e.g. apply_kwargs={{'train': False}}, or "
+            f"BatchNorm(use_running_average=True)), which uses those fixed statistics; "
+            f"for the kernel of training mode, "
+            f"where each batch is normalised by its own statistics, pass the model's "
+            f"training switch with vmap_axes=None (e.g. apply_kwargs={{'train': True}}, "
+            f"vmap_axes=None; the updated statistics are discarded)."
+        )
+    if "rngs" in apply_kwargs:
+        call = (
+            "kernel(variables, x" if fn_name.endswith("_fn") else f"{fn_name}(model, variables, x"
+        )
+        fix = (
+            "run the model deterministically (e.g. apply_kwargs={'train': False}); the "
+            "Monte Carlo kernels take no rngs"
+            if monte_carlo
+            else f"pass rngs= to the kernel call itself, e.g. {call}, rngs={{'dropout': key}}) "
+            f"(the same key for every sample)"
+        )
+        raise TypeError(
+            f"{fn_name}: apply_kwargs holds 'rngs', an argument of model.apply that the "
+            f"kernel passes itself. Fix: drop it from apply_kwargs and {fix}."
+        )
+    if "method" in apply_kwargs:
+        raise TypeError(
+            f"{fn_name}: apply_kwargs holds 'method', an argument of model.apply that the "
+            f"kernel passes itself. Fix: pass method={apply_kwargs['method']!r} to {fn_name} "
+            f"instead of inside apply_kwargs."
+        )
+
+
+def _init_fn(model, method, apply_kwargs, rngs):
+    """``x -> model.init(...)`` with the call's model arguments (for diagnoses under
+    ``jax.eval_shape``: nothing is computed)."""
+
+    def init(x):
+        key = jax.random.PRNGKey(0)
+        streams = {"params": key, "dropout": key, **(rngs or {})}
+        return model.init(streams, x, method=method, **apply_kwargs)
+
+    return init
+
+
+def _missing_collections(fn_name: str, variables, init, x1) -> ValueError:
+    """The ValueError for variables lacking a collection the model reads (Flax's
+    ``ScopeCollectionNotFound``), naming the collections ``model.init`` makes that
+    variables lacks."""
+    held = sorted(variables)
+    try:
+        made = sorted(jax.eval_shape(init, x1))
+    except Exception:  # the model cannot be initialised on x1: say what is known
+        made = []
+    missing = [c for c in made if c not in variables and c != "intermediates"]
+    if not missing:
+        return ValueError(
+            f"{fn_name}: the model reads a variable collection that variables lacks (Flax's "
+            f"ScopeCollectionNotFound); variables holds {held}. Fix: pass the whole "
+            f"variables dict returned by model.init(key, x) (every collection, not only "
+            f"'params')."
+        )
+    names = ", ".join(map(repr, missing))
+    plural = "s" if len(missing) > 1 else ""
+    what = " (BatchNorm's running statistics)" if missing == ["batch_stats"] else ""
+    example = ", ".join(f"'{c}': state.{c}" for c in missing)
+    return ValueError(
+        f"{fn_name}: variables lacks the collection{plural} {names}{what}, which the model "
+        f"reads; variables holds {held}, model.init makes {made}. Fix: pass the whole "
+        f"variables dict returned by model.init(key, x), or add the collection{plural}: "
+        f"{{'params': ..., {', '.join(f'{c!r}: ...' for c in missing)}}} (e.g. "
+        f"{{'params': state.params, {example}}} from a TrainState that carries them); the "
+        f"kernel holds {names} fixed."
+    )
 
 
 def _model_apply(model, method, apply_kwargs):
@@ -73,6 +158,7 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
             f"ntk_core.empirical_ntk."
         )
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
+    _refuse_apply_arguments(fn_name, apply_kwargs)
     apply3 = _model_apply(model, method, apply_kwargs)
     vmap_axes = options.get("vmap_axes", 0)
 
@@ -106,6 +192,21 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
                     f"use_running_average=True), or pass vmap_axes=None to differentiate "
                     f"the whole batch (updated statistics are discarded)."
                 ) from None
+        except flax.errors.ScopeCollectionNotFound:
+            raise _missing_collections(
+                fn_name, variables, _init_fn(model, method, apply_kwargs, rngs), x1
+            ) from None
+        except flax.errors.ScopeParamShapeError as e:
+            init = _init_fn(model, method, apply_kwargs, rngs)
+            mismatch = input_shape_mismatch(
+                fn_name,
+                "variables",
+                params,
+                lambda x: init(x)["params"],
+                x1,
+                "variables = model.init(key, x1)",
+            )
+            raise (mismatch or adapter_model_failure(fn_name, "variables", e)) from None
         except Exception as e:
             raise adapter_model_failure(fn_name, "variables", e) from e
 

@@ -19,6 +19,7 @@ from ntk_core._adapter import (
     bound_kernel,
     check_apply_kwargs,
     freeze,
+    input_shape_mismatch,
     kernel_function,
 )
 from ntk_core._api import _checked_arguments
@@ -137,13 +138,26 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
     apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs)
 
+    def init_params(x):
+        out = transformed.init(jax.random.PRNGKey(0), x, **apply_kwargs)
+        return out[0] if with_state else out
+
     def check(params, x1, x2, aux):
         try:
             jax.eval_shape(lambda p, x, a: apply3(p, x, a), params, x1, aux)
         except ValueError as e:
             if "PRNGKey" not in str(e):
-                raise _foreign_params(fn_name, params, aux[0], e) or adapter_model_failure(
-                    fn_name, "params", e
+                raise (
+                    _foreign_params(fn_name, params, aux[0], e)
+                    or input_shape_mismatch(
+                        fn_name,
+                        "params",
+                        params,
+                        init_params,
+                        x1,
+                        "params = transformed.init(key, x1)",
+                    )
+                    or adapter_model_failure(fn_name, "params", e)
                 ) from e
             raise ValueError(
                 f"{fn_name}: the model needs a random key (e.g. dropout) but rng=None. Fix: "

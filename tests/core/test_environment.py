@@ -92,19 +92,41 @@ def _precision_warnings(record):
     return [w for w in record if issubclass(w.category, ntk_core.PrecisionWarning)]
 
 
-def test_float64_without_x64_warns_once_at_the_users_line(fresh_warnings):
+def test_implicit_float64_without_x64_is_silent_and_float32(fresh_warnings):
+    """NumPy float64 params and inputs with x64 off are implicit float64: JAX turns them
+    into float32 without a warning, and so does the library (no PrecisionWarning, no
+    warning at all); the kernel is the float32 kernel of the inputs cast to float32."""
+
     def f(w, x):
         return jnp.tanh(x @ w)
 
-    w = jnp.ones((3, 2))
-    with pytest.warns(ntk_core.PrecisionWarning, match=r"x1 holds float64 arrays") as record:
-        k = ntk_core.empirical_ntk(f, w, np.ones((4, 3)))
-    assert record[0].filename == __file__  # stacklevel points at this call
-    assert k.dtype == jnp.float32  # what JAX really computed
-    with warnings.catch_warnings(record=True) as again:
+    w64 = np.linspace(-1.0, 1.0, 6).reshape(3, 2)  # float64
+    x64, y64 = np.linspace(-2.0, 2.0, 12).reshape(4, 3), np.linspace(0.0, 1.0, 9).reshape(3, 3)
+    assert w64.dtype == x64.dtype == y64.dtype == np.float64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        k = ntk_core.empirical_ntk(f, w64, x64)
+        k12 = ntk_core.empirical_ntk(f, w64, x64, y64)
+        g = ntk_core.empirical_nngp(f, w64, x64)
+    assert k.dtype == k12.dtype == g.dtype == jnp.float32  # what JAX computes
+    w32, x32, y32 = (a.astype(np.float32) for a in (w64, x64, y64))
+    np.testing.assert_array_equal(k, ntk_core.empirical_ntk(f, w32, x32))
+    np.testing.assert_array_equal(k12, ntk_core.empirical_ntk(f, w32, x32, y32))
+    np.testing.assert_array_equal(g, ntk_core.empirical_nngp(f, w32, x32))
+
+
+def test_explicit_float64_in_the_model_gets_jaxs_own_warning(fresh_warnings):
+    """An explicit float64 request inside the model is JAX's to report (its UserWarning
+    "Explicitly requested dtype float64 ... truncated"); the library adds no warning of
+    its own, and the kernel is float32."""
+    with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        ntk_core.empirical_ntk(f, np.ones((3, 2)), np.ones((5, 3)))  # new signature
-    assert not _precision_warnings(again)
+        k = ntk_core.empirical_ntk(
+            lambda w, x: jnp.tanh(x.astype(jnp.float64) @ w), jnp.ones((3, 2)), jnp.ones((4, 3))
+        )
+    assert k.dtype == jnp.float32
+    assert not _precision_warnings(rec)
+    assert any("Explicitly requested dtype float64" in str(w.message) for w in rec)
 
 
 def test_precision_option_warns_once_per_value(fresh_warnings):
@@ -275,11 +297,12 @@ def test_warning_through_the_flax_adapter_points_at_the_user(fresh_warnings):
     import ntk_flax
 
     model = nn.Dense(2)
-    x = np.ones((3, 4))  # float64
+    x = np.ones((3, 4))  # float64: silent (implicit), see above
     variables = model.init(jax.random.PRNGKey(0), jnp.ones((3, 4)))
-    with pytest.warns(ntk_core.PrecisionWarning, match=r"^ntk_flax.kernel: x1 holds float64") as r:
-        ntk_flax.kernel(model, variables, x)
+    with pytest.warns(ntk_core.PrecisionWarning, match=r"^ntk_flax.kernel: precision='high'") as r:
+        ntk_flax.kernel(model, variables, x, precision="high")
     assert r[0].filename == __file__
+    assert len(_precision_warnings(r)) == 1  # the precision option only, not float64
 
 
 def test_categories():

@@ -101,6 +101,67 @@ def test_batchnorm_training_refused_with_vmap_axes_0_and_exact_with_none():
     reference.assert_close(k, expected)
 
 
+def test_batchnorm_mutable_and_missing_batch_stats_get_fixes_that_work():
+    """apply_kwargs['mutable'] and variables without 'batch_stats' are refused with their
+    own fixes, and each fix the message gives runs (eval mode, train mode with
+    vmap_axes=None, the whole variables dict)."""
+    entry = zoo.ZOO["batchnorm_eval"]
+    x = entry.make_x(jax.random.PRNGKey(3), 4)
+    model, variables = entry.model, entry.variables
+    with pytest.raises(TypeError) as info:
+        ntk_flax.kernel(model, variables, x, apply_kwargs={"mutable": ["batch_stats"]})
+    message = str(info.value)
+    assert message.startswith(
+        "ntk_flax.kernel: apply_kwargs['mutable'] = ['batch_stats'] is not supported"
+    )
+    assert "apply_kwargs={'train': False}" in message
+    assert "apply_kwargs={'train': True}, vmap_axes=None" in message
+    eval_k = ntk_flax.kernel(model, variables, x, apply_kwargs={"train": False})
+    reference.assert_close(eval_k, _ref(entry, x, None)[0])
+    train_k = ntk_flax.kernel(model, variables, x, apply_kwargs={"train": True}, vmap_axes=None)
+    assert train_k.shape == eval_k.shape and np.all(np.isfinite(train_k))
+
+    with pytest.raises(ValueError) as info:
+        ntk_flax.kernel(model, {"params": variables["params"]}, x, apply_kwargs={"train": False})
+    message = str(info.value)
+    assert message.startswith(
+        "ntk_flax.kernel: variables lacks the collection 'batch_stats' (BatchNorm's running "
+        "statistics), which the model reads; variables holds ['params'], model.init makes "
+        "['batch_stats', 'params']. Fix: pass the whole variables dict returned by "
+        "model.init(key, x), or add the collection: {'params': ..., 'batch_stats': ...}"
+    ), message
+    assert "{'params': state.params, 'batch_stats': state.batch_stats}" in message
+    fixed = {"params": variables["params"], "batch_stats": variables["batch_stats"]}
+    reference.assert_close(ntk_flax.kernel(model, fixed, x, apply_kwargs={"train": False}), eval_k)
+
+
+def test_wrong_input_shape_names_the_layer_and_the_shape_the_model_was_made_for():
+    """The shape the variables were made for is found by initialising the model
+    abstractly (no text of Flax's error is read): wrong channels name it, and inputs of
+    that shape work; a wrong image size (seen only after a flatten) names the layer."""
+    entry = zoo.ZOO["cnn10"]  # initialised for (N, 8, 8, 1)
+    with pytest.raises(ValueError) as info:
+        ntk_flax.kernel(entry.model, entry.variables, jnp.ones((2, 8, 8, 3)))
+    assert re.match(
+        r"ntk_flax.kernel: applying the model to x1 failed: x1 has per-sample shape "
+        r"\(8, 8, 3\), but variables were made by model.init for inputs of per-sample shape "
+        r"\(8, 8, 1\): parameter \['Conv_0'\]\['kernel'\] has shape \(3, 3, 1, \d+\), "
+        r"but inputs like x1 need \(3, 3, 3, \d+\)\. Fix: pass inputs of shape "
+        r"\(N, 8, 8, 1\)",
+        str(info.value),
+    ), str(info.value)
+    assert ntk_flax.kernel(entry.model, entry.variables, jnp.ones((2, 8, 8, 1))).shape == (2, 2)
+    with pytest.raises(ValueError) as info:
+        ntk_flax.kernel(entry.model, entry.variables, jnp.ones((2, 6, 6, 1)))
+    assert re.match(
+        r"ntk_flax.kernel: applying the model to x1 failed: variables do not fit inputs of "
+        r"x1's per-sample shape \(6, 6, 1\): parameter \['Dense_\d+'\]\['kernel'\] has shape "
+        r"\(\d+, \d+\), but the model's init on x1 makes \(\d+, \d+\)\. Fix: pass inputs of the "
+        r"per-sample shape the model was initialised with",
+        str(info.value),
+    ), str(info.value)
+
+
 class Dropout(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool = False):
@@ -206,7 +267,25 @@ ERRORS = [
         "wrong input shape",
         lambda: ntk_flax.kernel(MODEL, VARIABLES, jnp.ones((3, 5))),
         ValueError,
-        r"ntk_flax.kernel: applying the model to x1 failed",
+        r"^ntk_flax.kernel: applying the model to x1 failed: x1 has per-sample shape \(5,\), "
+        r"but variables were made by model.init for inputs of per-sample shape \(4,\): "
+        r"parameter \['kernel'\] has shape \(4, 2\), but inputs like x1 need \(5, 2\)\. "
+        r"Fix: pass inputs of shape \(N, 4\)",
+    ),
+    (
+        "apply_kwargs with rngs",
+        lambda: ntk_flax.kernel_fn(MODEL, apply_kwargs={"rngs": {}}),
+        TypeError,
+        r"^ntk_flax.kernel_fn: apply_kwargs holds 'rngs', an argument of model.apply .*Fix: "
+        r"drop it from apply_kwargs and pass rngs= to the kernel call itself, e.g. "
+        r"kernel\(variables, x, rngs=\{'dropout': key\}\)",
+    ),
+    (
+        "apply_kwargs with method",
+        lambda: ntk_flax.kernel(MODEL, VARIABLES, X, apply_kwargs={"method": "__call__"}),
+        TypeError,
+        r"^ntk_flax.kernel: apply_kwargs holds 'method'.*Fix: pass method='__call__' to "
+        r"ntk_flax.kernel instead",
     ),
     (
         "empty input",
