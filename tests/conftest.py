@@ -6,10 +6,42 @@ faster on CPU (measured: 80 reference-grid tests in 97 s instead of 143 s); it d
 change what is computed, and every test compares against tolerances or within one
 compiled program. Set before JAX is imported; an XLA_FLAGS already naming the option is
 left as it is.
+
+Under pytest-xdist a worker reports "workerfinished" and then still runs the outer
+``pytest_sessionfinish`` wrappers (the terminal summary), ``pytest_unconfigure`` and the
+config cleanups; the controller tells it to exit as soon as the last worker has
+reported, and execnet sends a worker still busy 5 s later a SIGINT. The
+KeyboardInterrupt then lands in whatever Python code runs, most often JAX's
+``_xla_gc_callback`` during pytest's final ``gc.collect()``, where it cannot propagate
+and is reported as a ``PytestUnraisableExceptionWarning``. :func:`pytest_sessionfinish`
+keeps that last phase short.
 """
 
+import importlib
 import os
+
+import pytest
 
 _FLAG = "--xla_backend_optimization_level"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=0").strip()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """In an xdist worker, import Hypothesis before the worker reports "workerfinished".
+
+    Hypothesis's pytest plugin imports the package in its ``pytest_terminal_summary``
+    (``from hypothesis.internal.observability import _WROTE_TO``), which a worker runs
+    after "workerfinished", inside the terminal reporter's outer hook wrapper. No test
+    here uses Hypothesis, so that was the first import: the whole package, assertions
+    rewritten by pytest as the module of a plugin distribution (and not cached with
+    PYTHONDONTWRITEBYTECODE=1), about 1 s on an idle machine and 4 s or more on a
+    busy one, enough to outlast execnet's 5 s. A plain hook (trylast: after the
+    session fixtures' teardown) runs before xdist's wrapper sends "workerfinished".
+    """
+    config = session.config
+    if not hasattr(config, "workerinput"):  # the controller, or a run without xdist
+        return
+    if config.pluginmanager.has_plugin("hypothesispytest"):  # installed with hypothesis
+        importlib.import_module("hypothesis")

@@ -65,6 +65,7 @@ from jax import lax
 from . import _probe
 from ._barrier import barrier
 from ._options import DEFAULT_MEMORY_BUDGET
+from ._progress import progress_bar
 
 
 def default_memory_budget() -> int:
@@ -287,24 +288,11 @@ def _nonfinite_tile_error(fn, tile, r0, r1, c0, c1, batch_diagonal):
 
 
 class _Progress:
-    """A tqdm bar over tiles, or nothing."""
+    """A tqdm bar over tiles, or nothing (:func:`ntk_core._progress.show_progress`
+    decides)."""
 
     def __init__(self, fn, total, progress):
-        self.bar = None
-        if progress is False:
-            return
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            if progress:
-                raise ImportError(
-                    f"{fn}: progress=True needs tqdm, which is not installed. Fix: "
-                    f"pip install tqdm, or pass progress=False."
-                ) from None
-            return
-        self.bar = tqdm(
-            total=total, desc=fn, unit="tile", disable=None if progress is None else False
-        )
+        self.bar = progress_bar(fn, progress, total, unit="tile")
 
     def update(self):
         if self.bar is not None:

@@ -6,13 +6,13 @@ import difflib
 import functools
 import inspect
 import operator
-import sys
 from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _progress
 from ._api import _checked_arguments, _make
 from ._engine import _check_finite_inputs, all_finite
 from ._options import make_options
@@ -20,29 +20,15 @@ from ._predict import Kernels
 
 
 def progress_bar(fn_name: str, progress, total: int, desc: str):
-    """A tqdm bar of ``total`` steps (advance with ``.update(k)``), or None.
-
-    ``progress=None`` shows the bar only when stderr is a terminal (and tqdm is
-    installed); ``True`` requires tqdm; ``False`` never shows it.
-    """
+    """A tqdm bar of ``total`` samples (advance with ``.update(k)``), or None;
+    :func:`ntk_core._progress.show_progress` decides whether it is shown (``None``: only
+    when stderr is a terminal, outside CI and not with ``TERM=dumb``)."""
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(
             f"{fn_name}: progress must be None (a bar in a terminal only), True or False, "
             f"got {progress!r}. Fix: pass progress=True, progress=False or leave it None."
         )
-    show = progress if progress is not None else sys.stderr.isatty()
-    if not show:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        if progress:
-            raise ImportError(
-                f"{fn_name}: progress=True needs tqdm. Fix: pip install tqdm, or pass "
-                f"progress=False."
-            ) from None
-        return None
-    return tqdm(total=total, desc=desc)
+    return _progress.progress_bar(desc, progress, total)
 
 
 _KERNEL_OPTIONS = [n for n in inspect.signature(make_options).parameters if n != "fn_name"]
@@ -278,8 +264,11 @@ def monte_carlo_kernels(
       n_samples: S >= 1.
       batch_size_samples: samples computed together (``jax.vmap`` over their keys),
         default 1 (one after another, least memory).
-      progress: tqdm progress bar over the samples: ``None`` (default) shows it only
-        when stderr is a terminal, ``True`` always (needs tqdm), ``False`` never.
+      progress: tqdm progress bar over the samples, on stderr: ``None`` (default)
+        shows it only when stderr is a terminal, the environment variable ``CI`` is
+        unset or false-ish (``""``, ``0``, ``false``, ``no``, ``off``) and ``TERM`` is
+        not ``dumb`` (as ``progress`` in :mod:`ntk_core._options`); ``True`` always
+        (needs tqdm), ``False`` never.
       trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
         :mod:`ntk_core._options` (the NNGP ignores ``implementation``).
       batch_size, store_on_device, memory_budget: the blocked engine for each sample's

@@ -47,9 +47,12 @@ store_on_device:
     ``numpy.ndarray`` (the device holds only the blocks in use). ``True``: it is
     assembled on the device, a ``jax.Array``.
 progress:
-    Only when batched. ``None`` (default): a tqdm progress bar over tiles (tiles done,
-    rate, time left) on stderr when stderr is a terminal, none otherwise. ``True`` /
-    ``False``: always / never.
+    Only when batched. A tqdm progress bar over tiles (tiles done, rate, time left) on
+    stderr. ``None`` (default): shown only when stderr is a terminal
+    (``sys.stderr.isatty()``), the environment variable ``CI`` is unset or false-ish
+    (``""``, ``0``, ``false``, ``no``, ``off``; CI services set ``CI=true``) and ``TERM``
+    is not ``dumb``; so never in pipes, log files or CI logs. ``True`` /
+    ``False``: always / never (see :func:`ntk_core._progress.show_progress`).
 memory_budget:
     Only when batched. Bytes of device memory the blocked engine may use for features,
     tiles and, with ``store_on_device=True``, the output: it sizes ``batch_size="auto"``

@@ -78,9 +78,9 @@ def _figure(path, k_train, labels):
 def run(out: str, n_train: int, seed: int, implementation: str, progress: bool | None) -> int:
     """Runs the demo; returns the process exit status (0 success, 1 failed check)."""
     import haiku as hk
-    from tqdm.auto import tqdm
 
     import ntk_haiku
+    from ntk_core._progress import progress_bar
 
     t_start = time.perf_counter()
     images, labels = load_digits_32(seed)
@@ -106,15 +106,17 @@ def run(out: str, n_train: int, seed: int, implementation: str, progress: bool |
     n_check = min(128, n_train)
     steps = ["train x train NTK", "test x train NTK", "Haiku twin check", "kernel regression"]
     timings = {}
-    bar = tqdm(total=len(steps), disable=None if progress is None else not progress, unit="step")
+    bar = progress_bar("ntk demo", progress, len(steps), unit="step")
 
     def step(name):
-        bar.set_description(name)
+        if bar is not None:
+            bar.set_description(name)
         timings[name] = time.perf_counter()
 
     def done(name):
         timings[name] = time.perf_counter() - timings[name]
-        bar.update()
+        if bar is not None:
+            bar.update()
 
     step(steps[0])
     k_train = np.asarray(jax.block_until_ready(kernel(variables, x_train)))
@@ -133,7 +135,8 @@ def run(out: str, n_train: int, seed: int, implementation: str, progress: bool |
     mean, lam = kernel_regression(k_train, k_test_train, y_train, 10, DIAG_REG)
     accuracy = float(np.mean(np.argmax(mean, axis=1) == y_test))
     done(steps[3])
-    bar.close()
+    if bar is not None:
+        bar.close()
 
     np.save(os.path.join(out, "ntk_train_train.npy"), k_train)
     np.save(os.path.join(out, "ntk_test_train.npy"), k_test_train)

@@ -57,7 +57,9 @@ def monte_carlo_kernels(
       init_kwargs: keyword arguments for ``transformed.init`` instead of
         ``apply_kwargs``, e.g. ``{"is_training": True}`` for ``hk.BatchNorm``, which
         initialises only in training mode, with ``apply_kwargs={"is_training": False}``.
-      progress: tqdm bar over the samples (``None``: in a terminal only).
+      progress: tqdm bar over the samples on stderr; ``None`` (default): only when
+        stderr is a terminal, ``CI`` is not set to a true-ish value and ``TERM`` is not
+        ``dumb``; ``True`` / ``False``: always / never.
       **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
         ``precision`` as in :func:`ntk_core.ntk_fn` (the NNGP ignores
         ``implementation``), and the blocked engine's ``batch_size``,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import os
+import select
+import struct
 import subprocess
 import sys
 import textwrap
@@ -20,7 +22,7 @@ import ntk_core
 import ntk_flax
 import reference
 import zoo
-from ntk_core import _blocked
+from ntk_core import _blocked, _progress
 
 AXES = {
     "trace": dict(trace_axes=(-1,)),
@@ -297,6 +299,126 @@ def test_progress_bar_on_and_off(capsys):
     ntk_core.empirical_ntk(F, PARAMS, X1, X2, batch_size=B, progress=False)
     ntk_core.empirical_ntk(F, PARAMS, X1, X2, batch_size=B)  # None: stderr is no terminal
     assert capsys.readouterr().err == ""
+
+
+# A blocked kernel of 4 x 4 tiles with the default progress=None; "done" on stdout.
+_PROGRESS_SCRIPT = """
+import sys
+import jax.numpy as jnp
+import ntk_core
+k = ntk_core.empirical_ntk(lambda w, x: jnp.tanh(x @ w), jnp.ones((3, 2)), jnp.ones((16, 3)),
+                           jnp.ones((16, 3)), batch_size=4)
+print("done", k.shape, file=sys.stdout, flush=True)
+"""
+
+
+def _stderr_of_default_progress(terminal_size, **environ):
+    """What the blocked engine with ``progress=None`` writes to stderr, in a subprocess
+    whose stderr is a pipe (``terminal_size=None``) or a pseudo-terminal (``os.openpty``)
+    of ``terminal_size`` (rows, columns); (0, 0) is a window size never set, as
+    harnesses and some container runtimes leave it. ``environ`` (None: unset) on top of
+    this environment without ``CI`` and tqdm settings, with ``TERM=xterm``."""
+    env = {k: v for k, v in os.environ.items() if k != "CI" and not k.startswith("TQDM_")}
+    env["TERM"] = "xterm"
+    for name, value in environ.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    command = [sys.executable, "-c", _PROGRESS_SCRIPT]
+    if terminal_size is None:
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode == 0 and "done (16, 16)" in result.stdout, result.stderr
+        return result.stderr
+    import fcntl  # POSIX only
+    import termios
+
+    parent, child = os.openpty()
+    try:
+        fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", *terminal_size, 0, 0))
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=child, env=env
+        )
+    finally:
+        os.close(child)
+    written = b""
+    try:
+        while True:  # until the child's end of the terminal is closed (EOF, or EIO on Linux)
+            ready, _, _ = select.select([parent], [], [], 120)
+            assert ready, f"no output in 120 s; so far {written!r}"
+            try:
+                data = os.read(parent, 1 << 16)
+            except OSError:
+                break
+            if not data:
+                break
+            written += data
+        stdout = process.communicate(timeout=120)[0].decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(parent)
+    assert process.returncode == 0 and "done (16, 16)" in stdout, written[-3000:]
+    return written.decode(errors="replace")
+
+
+_NEEDS_PTY = pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+
+
+@_NEEDS_PTY
+@pytest.mark.parametrize("size", [(24, 80), (0, 0)])
+def test_default_progress_bar_in_a_terminal(size):
+    err = _stderr_of_default_progress(size)
+    assert "empirical_ntk" in err and "16/16" in err and "tile" in err, err  # 4 x 4 tiles
+
+
+@_NEEDS_PTY
+@pytest.mark.parametrize("environ", [{"CI": "true"}, {"CI": "1"}, {"TERM": "dumb"}])
+def test_no_default_progress_bar_in_ci_or_a_dumb_terminal(environ):
+    err = _stderr_of_default_progress((24, 80), **environ)
+    assert "tile" not in err and "empirical_ntk" not in err, err
+
+
+def test_no_default_progress_bar_into_a_pipe():
+    err = _stderr_of_default_progress(None)
+    assert "tile" not in err and "empirical_ntk" not in err, err
+
+
+def test_show_progress_rule(monkeypatch):
+    class Terminal:
+        def isatty(self):
+            return True
+
+    class Closed:
+        def isatty(self):
+            raise ValueError("I/O operation on closed file")
+
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    show = _progress.show_progress
+    assert show(None, Terminal()) and not show(None, Closed()) and not show(None, object())
+    assert show(True, None) and not show(False, Terminal())
+    for value in ("", "0", "false", "False", "no", "off"):
+        monkeypatch.setenv("CI", value)
+        assert show(None, Terminal()), value
+    for value in ("true", "1", "yes", "True"):
+        monkeypatch.setenv("CI", value)
+        assert not show(None, Terminal()) and show(True, Terminal()), value
+    monkeypatch.delenv("CI")
+    monkeypatch.setenv("TERM", "dumb")
+    assert not show(None, Terminal())
+    # a Jupyter kernel (stderr is no terminal there): the notebook bar, except in CI
+    kernel_shell = type("Shell", (), {"kernel": object()})()
+    ipython = type(sys)("IPython")
+    ipython.get_ipython = lambda: kernel_shell
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    assert show(None, object())
+    monkeypatch.setenv("CI", "true")
+    assert not show(None, object())
+    ipython.get_ipython = lambda: None  # IPython imported, but no kernel
+    monkeypatch.delenv("CI")
+    assert not show(None, object())
 
 
 def _with(x, i, value):
