@@ -628,7 +628,8 @@ _DEFAULT_ZERO = _DefaultZero(0.0)
 
 
 def _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train) -> None:
-    """Refuses calls whose test prediction would assume outputs at t = 0 not given."""
+    """Refuses ``None`` outputs at t = 0 where a formula needs them, and test outputs at
+    t = 0 without a test kernel (one-sided outputs: :func:`_check_one_sided`)."""
     if fx_test_0 is None and k_test_train is not None:
         raise ValueError(
             f"{fn}: fx_test_0=None with k_test_train: the test predictions start from the "
@@ -656,21 +657,27 @@ def _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train) -> None:
             f"fx_train_0 (the network's outputs on the training inputs at t = 0), or "
             f"leave both fx_train_0 and fx_test_0 at their default 0.0."
         )
-    sides = {"fx_train_0": ("training", fx_train_0), "fx_test_0": ("test", fx_test_0)}
-    given = [name for name, (_, v) in sides.items() if v is not _DEFAULT_ZERO]
-    if len(given) == 1:
-        name = given[0]
-        other = "fx_test_0" if name == "fx_train_0" else "fx_train_0"
-        value = np.asarray(sides[name][1], np.float64)  # dtype checked by _initial_outputs
-        if value.size and np.any(value != 0):
-            raise ValueError(
-                f"{fn}: {name} is given (max |value| {np.nanmax(np.abs(value)):.3g}) but "
-                f"{other} is left at its default 0.0, so the test predictions would assume "
-                f"the network outputs 0 on the {sides[other][0]} inputs at t = 0 while it "
-                f"does not on the {sides[name][0]} inputs. Fix: pass {other} too (the "
-                f"network's outputs on the {sides[other][0]} inputs at t = 0), or "
-                f"{other}=0.0 explicitly if they are 0."
-            )
+
+
+def _check_one_sided(fn, given, values) -> None:
+    """Refuses a non-zero output at t = 0 on one side beside the other's default.
+
+    ``given``: the names of the outputs the caller passed; ``values``: name -> the
+    validated (finite, broadcast) array."""
+    if len(given) != 1:
+        return
+    name = given[0]
+    other = "fx_test_0" if name == "fx_train_0" else "fx_train_0"
+    which = {"fx_train_0": "training", "fx_test_0": "test"}
+    value = values[name]
+    if value.size and np.any(value != 0):
+        raise ValueError(
+            f"{fn}: {name} is given (max |value| {np.abs(value).max():.3g}) but {other} is "
+            f"left at its default 0.0, so the test predictions would assume the network "
+            f"outputs 0 on the {which[other]} inputs at t = 0 while it does not on the "
+            f"{which[name]} inputs. Fix: pass {other} too (the network's outputs on the "
+            f"{which[other]} inputs at t = 0), or {other}=0.0 explicitly if they are 0."
+        )
 
 
 def _initial_outputs(fn, name, value, shape, which) -> np.ndarray:
@@ -739,11 +746,14 @@ class GradientDescentMSE(_TestSide):
         self._w = np.maximum(w, 0.0)
         self._v = np.asarray(v, np.float64)
         # Directions the kernel does not move (an empirical NTK has rank <= P): eigenvalues
-        # at the kernel's own round-off, w <= M·eps·w_max with eps of the kernel's dtype
-        # (the float64 eigendecomposition resolves float32 round-off as eigenvalues), keep
-        # their t = 0 value at every t and add nothing to test outputs.
-        eps = max(np.finfo(self._train.k_dtype).eps, np.finfo(self._train.dtype).eps)
-        self._null = self._w <= self._w.size * eps * max(float(self._w.max(initial=0.0)), 0.0)
+        # at the kernel's own round-off, w <= √M·u·w_max with u of the kernel's dtype (the
+        # float64 eigendecomposition resolves float32 round-off as eigenvalues of about
+        # u·w_max; M·eps, 8√M times more, froze a real direction at 2.8e-6·w_max of a
+        # full-rank float32 NTK with M = 40), keep their t = 0 value at every t and add
+        # nothing to test outputs.
+        u = max(unit_roundoff(self._train.k_dtype), unit_roundoff(self._train.dtype))
+        w_max = max(float(self._w.max(initial=0.0)), 0.0)
+        self._null = self._w <= math.sqrt(self._w.size) * u * w_max
         self._opts = opts
         self._k = k_train_train
         self._nngp2 = None
@@ -822,7 +832,14 @@ class GradientDescentMSE(_TestSide):
             check_finite(fn, "k_test_train", k)
             kt = lay.flat(k)
             out_shape = (t_test,) + self._y_shape[1:]
-            ft0 = lay.flat_y(_initial_outputs(fn, "fx_test_0", fx_test_0, out_shape, "test"))
+            ft0 = _initial_outputs(fn, "fx_test_0", fx_test_0, out_shape, "test")
+            given = [
+                n
+                for n, v in (("fx_train_0", fx_train_0), ("fx_test_0", fx_test_0))
+                if v is not _DEFAULT_ZERO
+            ]
+            _check_one_sided(fn, given, {"fx_train_0": f0, "fx_test_0": ft0})
+            ft0 = lay.flat_y(ft0)
         dt = self._train.dtype
         shape = () if t is None else ts.shape
         tv = (np.array([np.inf]) if t is None else ts.reshape(-1)) * self._lr / self._y_size
@@ -988,7 +1005,7 @@ def gradient_descent_mse(
     Θ_tx A⁻¹ (y − f_train(0))); finite times never divide by w (the weight
     (1 − exp(−w τ/n))/w tends to τ/n as w → 0). Eigenvalues that are negative at
     round-off level are set to 0. Directions the kernel does not move (eigenvalues of
-    A at most M·eps·w_max, eps of the kernel's dtype: an empirical NTK has rank <= P, so
+    A at most √M·u·w_max, u of the kernel's dtype: an empirical NTK has rank <= P, so
     with ``diag_reg=0`` these exist whenever N·O > P) keep their t = 0 value in the
     train outputs at every t, t = ∞ included, and add nothing to the test outputs
     (gradient flow never moves them). Test predictions whose float64 round-off bound

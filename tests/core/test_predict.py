@@ -606,6 +606,10 @@ def test_gradient_descent_mse_uses_both_initial_outputs():
         (dict(fx_train_0=0.0, fx_test_0=None), r"fx_test_0=None with k_test_train.*Fix: pass them"),
         (dict(fx_train_0=0.0, fx_test_0=np.nan), r"fx_test_0 contains NaN or inf"),
         (dict(fx_train_0=0.0, fx_test_0="zero"), r"fx_test_0 must be a number or an array"),
+        (dict(fx_test_0="zero"), r"fx_test_0 must be a number or an array"),
+        (dict(fx_train_0="zero"), r"fx_train_0 must be a number or an array"),
+        (dict(fx_test_0=np.array([[np.nan]])), r"fx_test_0 contains NaN or inf"),
+        (dict(fx_train_0=np.ones((5, 1))), r"fx_train_0 of shape \(5, 1\) does not broadcast"),
     ],
 )
 def test_gradient_descent_mse_refuses_test_predictions_from_outputs_not_given(kwargs, pattern):
@@ -674,3 +678,25 @@ def test_full_rank_and_smooth_priors_do_not_warn():
         predict.gp_inference(d[name][:n, :n], y, diag_reg=1e-2)
     b = np.random.default_rng(7).standard_normal((150, 400))
     predict.gp_inference(b @ b.T / 400, np.ones((150, 1)), diag_reg=1e-6)
+
+
+MLP_NTK = pathlib.Path(__file__).parents[1] / "data" / "gd_mse_float32_mlp_ntk.npz"
+
+
+@pytest.mark.parametrize("t", [1.0, 1e2, 1e4, 1e5, 1e7, None])
+def test_gradient_descent_mse_trains_every_real_direction_of_a_float32_ntk(t):
+    """A new user's float32 NTK of a Flax MLP 3-32-32-1 (P = 1217 > N = 40, so full
+    rank; smallest eigenvalue 7.45e-4 = 2.8e-6·λ_max, also in a float64 recomputation)
+    with the network's own outputs at t = 0. A null-direction cut-off of M·eps·λ_max
+    froze that direction: 1.1e-2 to 6.6e-2 relative error in the test outputs from
+    t = 1e4. Reference: a float64 eigendecomposition of the same kernel."""
+    d = np.load(MLP_NTK)
+    k_xx, k_tx, f0, ft0, y = (d[k] for k in ("ktt", "kxt", "f0", "g0", "ytr"))
+    out = predict.gradient_descent_mse(k_xx, y)(t, f0, ft0, k_tx)
+    w, v = np.linalg.eigh(k_xx.astype(np.float64))
+    tau = (np.inf if t is None else t) / y.size
+    train = y + v @ (np.exp(-w * tau)[:, None] * (v.T @ (f0 - y)))
+    h = 1 / w if t is None else -np.expm1(-w * tau) / w
+    test = ft0 + k_tx.astype(np.float64) @ (v @ (h[:, None] * (v.T @ (y - f0))))
+    assert np.abs(out.train - train).max() <= 1e-6 * np.abs(train).max()
+    assert np.abs(out.test - test).max() <= 1e-6 * np.abs(test).max()
