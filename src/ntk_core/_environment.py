@@ -295,14 +295,15 @@ def _low_precision_ops(jaxpr) -> list[str]:
 #: Relative error of a half-precision model's kernel against the float32 model's exact
 #: one (max |ΔK| / max |K|), by kernel and dtype: typical value and the range measured on
 #: 10-64-64-3 MLPs (32 samples, 13 seeds each of ReLU and tanh, in two independent
-#: trials; every implementation alike). NTK: bfloat16 4.3e-3 to 2.7e-2, float16 4.6e-4
-#: to 8.9e-3; NNGP: bfloat16 4.1e-3 to 1.7e-2, float16 6.2e-4 to 1.6e-3 (ReLU units near
-#: zero that change sign when rounded make the outliers).
+#: trials; every implementation alike) by ``benchmarks/readme_figures.py --only half``
+#: (2026-12-01): NTK bfloat16 2.7e-3 to 4.1e-2, float16 3.9e-4 to 9.6e-3; NNGP bfloat16
+#: 3.2e-3 to 1.7e-2, float16 4.3e-4 to 2.2e-3 (ReLU units near zero that change sign
+#: when rounded make the outliers).
 HALF_PRECISION_ERROR = {
-    ("NTK", "bfloat16"): "1e-2 (measured 4e-3 to 3e-2)",
-    ("NTK", "float16"): "1e-3 (measured 5e-4 to 9e-3)",
-    ("NNGP", "bfloat16"): "1e-2 (measured 4e-3 to 2e-2)",
-    ("NNGP", "float16"): "1e-3 (measured 6e-4 to 2e-3)",
+    ("NTK", "bfloat16"): "1e-2 (measured 3e-3 to 4e-2)",
+    ("NTK", "float16"): "1e-3 (measured 4e-4 to 1e-2)",
+    ("NNGP", "bfloat16"): "1e-2 (measured 3e-3 to 2e-2)",
+    ("NNGP", "float16"): "1e-3 (measured 4e-4 to 2e-3)",
 }
 _HALF = ("bfloat16", "float16")
 
