@@ -4,7 +4,9 @@ Framework-agnostic: takes any pure ``apply_fn(params, x)`` over pytrees. Imports
 jax and numpy (never flax or haiku).
 """
 
+from ntk_core import metrics as metrics
 from ntk_core import predict as predict
+from ntk_core import spectrum as spectrum
 from ntk_core._api import empirical_nngp as empirical_nngp
 from ntk_core._api import empirical_ntk as empirical_ntk
 from ntk_core._api import empirical_ntk_per_leaf as empirical_ntk_per_leaf
@@ -12,12 +14,16 @@ from ntk_core._api import nngp_fn as nngp_fn
 from ntk_core._api import ntk_fn as ntk_fn
 from ntk_core._api import ntk_per_leaf_fn as ntk_per_leaf_fn
 from ntk_core._api import plan as plan
+from ntk_core._caches import clear_caches as clear_caches
 from ntk_core._doctor import DoctorReport as DoctorReport
 from ntk_core._doctor import doctor as doctor
 from ntk_core._environment import BackendWarning as BackendWarning
 from ntk_core._environment import PrecisionWarning as PrecisionWarning
 from ntk_core._environment import UnsupportedBackendError as UnsupportedBackendError
+from ntk_core._linearize import linearize as linearize
+from ntk_core._linearize import taylor_expand as taylor_expand
 from ntk_core._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
+from ntk_core._ntk_vp import ntk_vp_fn as ntk_vp_fn
 from ntk_core._options import IMPLEMENTATIONS as IMPLEMENTATIONS
 from ntk_core._options import PRECISIONS as PRECISIONS
 from ntk_core._version import __version__ as __version__
@@ -30,14 +36,20 @@ __all__ = (
     "PrecisionWarning",
     "UnsupportedBackendError",
     "__version__",
+    "clear_caches",
     "doctor",
     "empirical_nngp",
     "empirical_ntk",
     "empirical_ntk_per_leaf",
+    "linearize",
+    "metrics",
     "monte_carlo_kernels",
     "nngp_fn",
     "ntk_fn",
     "ntk_per_leaf_fn",
+    "ntk_vp_fn",
     "plan",
     "predict",
+    "spectrum",
+    "taylor_expand",
 )

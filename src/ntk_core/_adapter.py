@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 import jax
 import numpy as np
 
+from . import _caches
 from ._engine import KernelFunction
 from ._options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
 
@@ -141,16 +142,25 @@ def kernel_function(fn_name: str, kind: str, apply3, options: dict, check=None, 
     return KernelFunction(fn_name, kind, apply3, make_options(fn_name, **options), check, hint)
 
 
-def bound_kernel(fn_name: str, kernel: KernelFunction, to_core, keywords: tuple[str, ...]):
+def bound_kernel(
+    fn_name: str,
+    kernel: KernelFunction,
+    to_core,
+    keywords: tuple[str, ...],
+    *,
+    with_x1: bool = False,
+):
     """The function an adapter returns: ``call(first, x1, x2=None, **keywords)``, with
     ``.implementation_for`` and ``.plan`` taking the same arguments.
 
     ``to_core(first, **keywords) -> (params, aux)`` turns the adapter's arguments (Flax
     ``variables`` and ``rngs``, Haiku ``params``, ``state`` and ``rng``) into the core's;
-    a keyword outside ``keywords`` gets a TypeError naming the valid ones.
+    with ``with_x1``, ``to_core(first, x1, **keywords)`` also sees x1 (Flax reads what
+    ``variables`` is from the model's init on x1). A keyword outside ``keywords`` gets a
+    TypeError naming the valid ones.
     """
 
-    def core_arguments(first, given):
+    def core_arguments(first, x1, given):
         unknown = sorted(set(given) - set(keywords))
         if unknown:
             raise TypeError(
@@ -159,18 +169,18 @@ def bound_kernel(fn_name: str, kernel: KernelFunction, to_core, keywords: tuple[
                 f"{', '.join(f'{k}=' for k in keywords)}. Fix: give kernel options when "
                 f"building it, and model arguments through apply_kwargs={{...}}."
             )
-        return to_core(first, **given)
+        return to_core(first, x1, **given) if with_x1 else to_core(first, **given)
 
     def call(first, x1, x2=None, **given):
-        params, aux = core_arguments(first, given)
+        params, aux = core_arguments(first, x1, given)
         return kernel(params, x1, x2, aux)
 
     def implementation_for(first, x1, x2=None, **given) -> str:
-        params, aux = core_arguments(first, given)
+        params, aux = core_arguments(first, x1, given)
         return kernel.implementation_for(params, x1, x2, aux)
 
     def plan(first, x1, x2=None, **given):
-        params, aux = core_arguments(first, given)
+        params, aux = core_arguments(first, x1, given)
         return kernel.plan(params, x1, x2, aux)
 
     call.implementation_for = implementation_for
@@ -194,6 +204,7 @@ class BuildCache:
     def __init__(self, size: int = 32):
         self._size = size
         self._items: dict = {}
+        _caches.register(self._items.clear)  # ntk_core.clear_caches() empties it
 
     def get(self, key, build):
         try:

@@ -14,6 +14,7 @@ import inspect
 import re
 from collections.abc import Callable
 
+from . import _caches
 from ._checks import check_apply_fn, params_check
 from ._engine import KernelFunction
 from ._model import from_apply_fn
@@ -198,7 +199,7 @@ def nngp_fn(
     return _make("nngp", "nngp_fn", apply_fn, locals())
 
 
-@functools.lru_cache(maxsize=64)
+@_caches.lru_cache(maxsize=64)
 def _cached(kind, fn_name, apply_fn, items: tuple) -> Callable:
     return _make(kind, fn_name, apply_fn, dict(items))
 
@@ -260,6 +261,9 @@ def empirical_ntk(
     Raises:
       TypeError, ValueError: as :func:`ntk_fn`.
 
+    Cost: as :func:`ntk_fn` (per implementation, in passes over the model and memory in
+    N1, N2, O, P), plus one cache look-up.
+
     Example:
       >>> import jax.numpy as jnp
       >>> import ntk_core
@@ -270,6 +274,10 @@ def empirical_ntk(
       ...                             batch_size=8)  # tiles of 8 x 8, the last ragged
       >>> k8.shape, float(k8[36, 0])
       ((37, 37), 3.0)
+
+    References:
+      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
+      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     return _get("ntk", "empirical_ntk", apply_fn, _options(locals()))(params, x1, x2)
 
@@ -293,19 +301,27 @@ def empirical_nngp(
     """Empirical NNGP kernel f(x1)·f(x2) of ``apply_fn`` at ``params``.
 
     The one-call form of :func:`nngp_fn` (compiled function cached per
-    ``(apply_fn, options)``). Arguments (x1 with N1 samples, x2 with N2 or ``None``,
-    ``batch_size`` and the other options) as :func:`empirical_ntk`.
+    ``(apply_fn, options)``).
+
+    Args:
+      apply_fn, params, x1 (N1 samples), x2 (N2 samples or ``None``), and the options
+      (``batch_size`` etc.): as :func:`empirical_ntk` (no ``implementation``).
 
     {layout}
 
     Raises:
       TypeError, ValueError: as :func:`nngp_fn`.
 
+    Cost: as :func:`nngp_fn`: one forward pass on x1 and on x2, N1·N2·O' multiply-adds.
+
     Example:
       >>> import jax.numpy as jnp
       >>> import ntk_core
       >>> ntk_core.empirical_nngp(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3)).shape
       (3, 3)
+
+    References:
+      Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
     return _get("nngp", "empirical_nngp", apply_fn, _options(locals()))(params, x1, x2)
 
@@ -355,6 +371,10 @@ def ntk_per_leaf_fn(
       >>> k = ntk_core.ntk_per_leaf_fn(f)(params, jnp.eye(3))
       >>> k["b"].shape, float(k["w"][0, 0]), float(k["b"][0, 0])
       ((3, 3), 1.0, 1.0)
+
+    References:
+      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
+      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     return _make("ntk_per_leaf", "ntk_per_leaf_fn", apply_fn, locals())
 
@@ -378,12 +398,20 @@ def empirical_ntk_per_leaf(
     """The NTK split by parameter leaf: a pytree shaped like ``params`` of kernels.
 
     The one-call form of :func:`ntk_per_leaf_fn` (compiled function cached per
-    ``(apply_fn, options)``); its leaves sum to :func:`empirical_ntk`. Arguments
-    (params of total size P, x1 with N1 samples, x2 with N2 or ``None``, ``batch_size``
-    and the other options) as :func:`empirical_ntk`.
+    ``(apply_fn, options)``); its leaves sum to :func:`empirical_ntk`.
+
+    Args:
+      apply_fn, params (total size P), x1 (N1 samples), x2 (N2 samples or ``None``), and
+      the options (``batch_size`` etc.): as :func:`empirical_ntk`.
+
+    Returns:
+      A pytree shaped like ``params`` of kernels in the layout of :func:`empirical_ntk`
+      (``(N1, N2)`` by default).
 
     Raises:
       TypeError, ValueError: as :func:`ntk_per_leaf_fn`.
+
+    Cost: as :func:`ntk_per_leaf_fn`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -391,6 +419,10 @@ def empirical_ntk_per_leaf(
       >>> f = lambda p, x: x @ p["w"]
       >>> ntk_core.empirical_ntk_per_leaf(f, {"w": jnp.ones((3, 2))}, jnp.eye(3))["w"].shape
       (3, 3)
+
+    References:
+      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
+      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     options = _options(locals())
     return _get("ntk_per_leaf", "empirical_ntk_per_leaf", apply_fn, options)(params, x1, x2)
@@ -433,6 +465,13 @@ def plan(
     Arguments as :func:`empirical_ntk` (x1 with N1 samples, x2 with N2 or ``None``); the
     estimates count N1·N2 pairs (N1 on the batch diagonal).
 
+    Args:
+      apply_fn, params, x1, x2, trace_axes, diagonal_axes, vmap_axes, implementation,
+      precision: as :func:`empirical_ntk`.
+
+    Returns:
+      A ``Plan`` (see above); ``str(plan)`` is its table.
+
     Raises:
       TypeError, ValueError: as :func:`ntk_fn`.
 
@@ -450,6 +489,10 @@ def plan(
       ...     print(leaf.path, leaf.size, leaf.method)
       ['b'] 2 structured (bias fused with its matrix product)
       ['w'] 6 structured (1 matrix product)
+
+    References:
+      Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel",
+      ICML 2022 (the implementations and their costs).
     """
     return _get("ntk", "plan", apply_fn, _options(locals())).plan(params, x1, x2)
 

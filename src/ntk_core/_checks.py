@@ -170,12 +170,19 @@ def leaked_tracer_error(fn_name: str, error: Exception) -> ValueError:
     )
 
 
+#: Public functions of (apply_fn, params, x): NTK-vector products and spectra.
+ONE_INPUT = ("ntk_vp_fn", "ntk_eigsh", "ntk_operator", "ntk_trace")
+
+
 def argument_order(fn_name: str) -> str:
     """The argument order of the public function ``fn_name``, for error messages:
     ``(params, x1, x2)`` in the core, ``(model, variables, x1, x2)`` for
     ``ntk_flax.kernel``, ``(variables, x1, x2)`` for the function ``ntk_flax.kernel_fn``
     returns, Haiku's ``(transformed, params, x1, x2)`` / ``(params, x1, x2)``, and the
-    Monte Carlo kernels' ``(model, x1, x2)`` / ``(init_fn, apply_fn, x1, x2)``."""
+    Monte Carlo kernels' ``(model, x1, x2)`` / ``(init_fn, apply_fn, x1, x2)``,
+    and ``(params, x)`` for the matrix-free functions of one input (:data:`ONE_INPUT`)."""
+    if fn_name in ONE_INPUT:
+        return "(params, x)"
     built = fn_name.endswith("_fn")
     if fn_name.endswith("monte_carlo_kernels"):
         return "(model, x1, x2)" if fn_name.startswith("ntk_") else "(init_fn, apply_fn, x1, x2)"
@@ -191,7 +198,8 @@ def order_hint(fn_name: str) -> str:
     whose (params, x1, x2) users of neural-tangents' (x1, x2, params) get wrong."""
     hint = f"the argument order is {argument_order(fn_name)}"
     if model_noun(fn_name) == "apply_fn" and not fn_name.endswith("monte_carlo_kernels"):
-        hint += ", not neural-tangents' (x1, x2, params)"
+        nt = "(f, x_train, params)" if fn_name in ONE_INPUT else "(x1, x2, params)"
+        hint += f", not neural-tangents' {nt}"
     return hint
 
 

@@ -501,14 +501,18 @@ def doctor(checks: Sequence[Check] | None = None, *, self_test: bool = True) -> 
 
     Cost: the full NTK (N1 = 4, N2 = 3, O = 2) of a LeNet on 16x16x3 inputs with three
     implementations, and with Flax and Haiku: a few dozen small compilations, which
-    dominate (``ntk doctor`` measured 55 s wall, 37 s CPU, on a shared 2-core CPU machine
-    under load); the kernels themselves take milliseconds.
+    dominate (the whole ``ntk doctor`` command: see the README's figure, written by
+    ``benchmarks/readme_figures.py``); the kernels themselves take milliseconds.
 
     Example:
       >>> import ntk_core
       >>> report = ntk_core.doctor(self_test=False)
       >>> report.backend in ("cpu", "gpu", "tpu"), report.ok
       (True, True)
+
+    References:
+      The users' case C1: CUDA 10 toolchains gave blocked and one-block Gram matrices
+      1e-1 apart, which this self-test catches.
     """
     device = jax.devices()[0]
     raw = str(device.client.platform_version)

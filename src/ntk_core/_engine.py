@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _blocked, _checks, _cost, _jacobian, _ntvp, _probe, _structured
+from . import _blocked, _caches, _checks, _cost, _jacobian, _ntvp, _probe, _structured
 from ._layout import LeafLayout, resolve_layout
 from ._model import per_sample
 from ._options import KernelOptions
@@ -51,7 +51,7 @@ class _Config:
     n2: int = 0  # samples of x2 (of x1 when x2 is None)
 
 
-@functools.lru_cache(maxsize=64)
+@_caches.lru_cache(maxsize=64)
 def _jacobian_features(apply3, vmap_axes, precision):
     """The jitted first phase of ``"jacobian"``: per-sample Jacobians of one batch.
 
@@ -68,7 +68,7 @@ def _jacobian_features(apply3, vmap_axes, precision):
     return jax.jit(features, static_argnames=("out_tree", "merge_limits"))
 
 
-@functools.lru_cache(maxsize=64)
+@_caches.lru_cache(maxsize=64)
 def _ntvp_features(apply3, vmap_axes, precision):
     """The jitted full-kernel phase of ``"ntvp"`` (reductions are compiled apart)."""
 
@@ -81,7 +81,7 @@ def _ntvp_features(apply3, vmap_axes, precision):
     return jax.jit(features, static_argnames=("out_tree", "batch_diagonal"))
 
 
-@functools.lru_cache(maxsize=64)
+@_caches.lru_cache(maxsize=64)
 def _structured_features(apply3, precision, fuse_bias):
     """The jitted first phase of ``"structured"``: layer inputs, cotangents, fallbacks,
     ``chunk`` samples at a time."""

@@ -6,10 +6,10 @@ carry Flax's non-``params`` collections and Haiku's state and rng in it).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+
+from . import _caches
 
 
 def per_sample(apply3):
@@ -23,7 +23,7 @@ def per_sample(apply3):
     return single
 
 
-@functools.lru_cache(maxsize=64)
+@_caches.lru_cache(maxsize=64)
 def from_apply_fn(apply_fn):
     """Wraps a public ``apply_fn(params, x)`` as ``apply3(params, x, aux)``.
 

@@ -3,11 +3,12 @@
 The adapter turns ``(model, variables)`` into a pure ``apply3(params, x, aux)`` where
 ``params = variables["params"]`` is differentiated and every other collection
 (``batch_stats``, ...) travels in ``aux``, held fixed; then it hands it to ``ntk_core``.
+``variables`` may also be a bare params dict or a train state (``_variables``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import flax.core
 import flax.errors
@@ -23,28 +24,11 @@ from ntk_core._adapter import (
     kernel_function,
 )
 from ntk_core._api import _checked_arguments
-from ntk_core._checks import adapter_model_failure, argument_order, is_nnx_module
+from ntk_core._checks import adapter_model_failure, is_nnx_module
 from ntk_flax import _nnx
+from ntk_flax._variables import VariablesReader
 
 _MUTABLE = flax.core.DenyList(["params"])
-
-
-def _split(fn_name: str, variables):
-    if not isinstance(variables, Mapping):
-        raise TypeError(
-            f"{fn_name}: variables must be the dict returned by model.init(...), got "
-            f"{type(variables).__name__}. Fix: pass model.init(key, x), or "
-            f"{{'params': state.params}} for a train state; the argument order is "
-            f"{argument_order(fn_name)}."
-        )
-    if "params" not in variables:
-        raise ValueError(
-            f"{fn_name}: variables has no 'params' collection (its keys: "
-            f"{sorted(variables)}). Fix: pass the whole dict returned by model.init(...), or "
-            f"wrap a bare parameter dict as {{'params': params}}."
-        )
-    rest = {k: v for k, v in variables.items() if k != "params"}
-    return variables["params"], rest
 
 
 def _refuse_apply_arguments(fn_name: str, apply_kwargs: dict) -> None:
@@ -161,6 +145,11 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
     _refuse_apply_arguments(fn_name, apply_kwargs)
     apply3 = _model_apply(model, method, apply_kwargs)
     vmap_axes = options.get("vmap_axes", 0)
+    read = VariablesReader(
+        fn_name,
+        lambda rngs: _init_fn(model, method, apply_kwargs, rngs),
+        lambda rngs: lambda v, x: model.apply(v, x, method=method, rngs=rngs, **apply_kwargs),
+    )
 
     def check(params, x1, x2, aux):
         rest, rngs = aux
@@ -192,9 +181,12 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
                     f"use_running_average=True), or pass vmap_axes=None to differentiate "
                     f"the whole batch (updated statistics are discarded)."
                 ) from None
-        except flax.errors.ScopeCollectionNotFound:
-            raise _missing_collections(
-                fn_name, variables, _init_fn(model, method, apply_kwargs, rngs), x1
+        except flax.errors.ScopeCollectionNotFound as e:
+            raise (
+                read.misread(variables, x1, rngs, e)
+                or _missing_collections(
+                    fn_name, variables, _init_fn(model, method, apply_kwargs, rngs), x1
+                )
             ) from None
         except flax.errors.ScopeParamShapeError as e:
             init = _init_fn(model, method, apply_kwargs, rngs)
@@ -208,7 +200,10 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
             )
             raise (mismatch or adapter_model_failure(fn_name, "variables", e)) from None
         except Exception as e:
-            raise adapter_model_failure(fn_name, "variables", e) from e
+            raise (
+                read.misread(variables, x1, rngs, e)
+                or adapter_model_failure(fn_name, "variables", e)
+            ) from e
 
     kernel = kernel_function(
         fn_name,
@@ -219,11 +214,14 @@ def _make(fn_name, kind, model, method, apply_kwargs, options):
         hint="use_running_average=True / apply_kwargs={'train': False}",
     )
 
-    def to_core(variables, rngs=None):
-        params, rest = _split(fn_name, variables)
-        return params, (rest, rngs)
+    def to_core(variables, x1, rngs=None):
+        """``(params, (other collections, rngs))`` for the core from what ``variables``
+        is (see ``_variables``): a variables dict, a bare params dict or a train state."""
+        variables = read(variables, x1, rngs)
+        rest = {k: v for k, v in variables.items() if k != "params"}
+        return variables["params"], (rest, rngs)
 
-    return bound_kernel(fn_name, kernel, to_core, ("rngs",))
+    return bound_kernel(fn_name, kernel, to_core, ("rngs",), with_x1=True)
 
 
 def kernel_fn(
@@ -231,11 +229,12 @@ def kernel_fn(
 ) -> Callable:
     """Jitted empirical NTK of a ``flax.linen`` model, reusable across training steps.
 
-    Returns ``kernel(variables, x1, x2=None, *, rngs=None)``. ``variables`` is the dict
-    returned by ``model.init`` (or ``{"params": state.params, **other_collections}``):
-    only the ``params`` collection is differentiated, the others (``batch_stats``, ...)
-    are held fixed and never mutated. New variables of the same shapes (each training
-    step) do not recompile.
+    Returns ``kernel(variables, x1, x2=None, *, rngs=None)``. ``variables`` is what a
+    Flax training loop holds (see ``variables`` in :func:`kernel`): the dict returned by
+    ``model.init``, a bare params dict (``variables["params"]``, ``state.params``) or a
+    ``TrainState``. Only the ``params`` collection is differentiated, the others
+    (``batch_stats``, ...) are held fixed and never mutated. New variables of the same
+    shapes (each training step) do not recompile.
 
     A ``flax.nnx`` module holds its own state: pass ``variables=None`` to use its
     ``nnx.Param`` variables as they are at each call (after in-place optimizer updates),
@@ -263,15 +262,20 @@ def kernel_fn(
 
     Raises:
       TypeError: ``model`` not a linen or nnx Module; an unknown option; ``variables``
-        not a dict; ``rngs`` for an nnx module; an nnx ``method`` it does not have.
-      ValueError: ``variables`` without ``params`` (for nnx: not of its ``nnx.Param``
-        state's structure); a model needing an rng (dropout) without ``rngs``; a model
-        whose samples interact (BatchNorm in training mode) with ``vmap_axes=0``; the
-        model failing on x1; and every error of
-        :func:`ntk_core.ntk_fn`.
+        neither a dict nor a train state (or a train state whose ``.params`` is not a
+        dict); ``rngs`` for an nnx module; an nnx ``method`` it does not have.
+      ValueError: ``variables`` a dict without ``params`` that does not hold this
+        model's parameters (for nnx: not of its ``nnx.Param`` state's structure); a
+        bare params dict or train state without a collection the model reads
+        (``batch_stats``), or a variables dict without it; a bare params dict whose
+        top-level layer is named ``params`` (Flax cannot apply such a model); a model
+        needing an rng (dropout) without ``rngs``; a model whose samples interact
+        (BatchNorm in training mode) with ``vmap_axes=0``; the model failing on x1; and
+        every error of :func:`ntk_core.ntk_fn`.
 
     Cost: as :func:`ntk_core.ntk_fn`, plus, once per input shape, two small forward
-    passes that check per-sample independence.
+    passes that check per-sample independence; for a bare params dict or a train state,
+    one abstract ``model.init`` (no computation) per per-sample input shape.
 
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -281,6 +285,10 @@ def kernel_fn(
       >>> kernel = ntk_flax.kernel_fn(model, trace_axes=())
       >>> kernel(model.init(jax.random.PRNGKey(0), x), x).shape  # (N1, N2, O, O)
       (4, 4, 3, 3)
+
+    References:
+      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
+      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     return _make("ntk_flax.kernel_fn", "ntk", model, method, apply_kwargs, options)
 
@@ -294,8 +302,11 @@ def nngp_fn(
     layout of :func:`ntk_core.empirical_nngp`: ``(N1, N2)`` for ``(N, O)`` outputs by
     default, ``(N1, N2, O, O)`` with ``trace_axes=()``, in the outputs' dtype.
 
-    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
-    ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
+    Args:
+      model, method, apply_kwargs: as :func:`kernel_fn`.
+      **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
+        ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``, as in
+        :func:`ntk_core.nngp_fn`.
 
     Raises:
       As :func:`kernel_fn`; TypeError for ``implementation=`` (an NNGP has none).
@@ -309,6 +320,9 @@ def nngp_fn(
       >>> x = jnp.ones((4, 2))
       >>> ntk_flax.nngp_fn(model)(model.init(jax.random.PRNGKey(0), x), x).shape
       (4, 4)
+
+    References:
+      Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
     return _make("ntk_flax.nngp_fn", "nngp", model, method, apply_kwargs, options)
 
@@ -332,9 +346,28 @@ def kernel(
 
     Args:
       model: a ``flax.linen.Module`` or a ``flax.nnx.Module`` (see :func:`kernel_fn`).
-      variables: the dict returned by ``model.init`` (``params`` plus any other
-        collections, held fixed); for an nnx module, ``None`` (its own ``nnx.Param``
-        state) or such a state.
+      variables: what a Flax training loop holds, one of
+
+        * the variables dict returned by ``model.init``, ``{"params": ...,
+          "batch_stats": ...}`` (any mapping with a ``"params"`` key): ``params`` is
+          differentiated, the other collections are held fixed;
+        * a bare params dict, the ``params`` collection alone (``variables["params"]``,
+          ``state.params``; a mapping without a ``"params"`` key), used as
+          ``{"params": params}``. It must hold every parameter that ``model.init``
+          makes on one sample of x1 (checked with an abstract init, nothing
+          computed); parameters of another model are refused, and so is a bare params
+          dict of a model that also reads another collection (BatchNorm's
+          ``batch_stats``): pass the variables dict or a train state carrying it;
+        * a train state: any object with ``.params`` and ``.apply_fn``, e.g.
+          ``flax.training.train_state.TrainState`` or a subclass. Read:
+          ``state.params`` (a bare params dict, or a variables dict), and for each
+          other collection that ``model.init`` makes and ``state.params`` lacks, the
+          state's attribute of that name if it is not ``None`` (``state.batch_stats``
+          of a subclass with a ``batch_stats`` field). Nothing else is read: not
+          ``step``, ``tx`` or ``opt_state``, and not ``apply_fn`` (``model`` is
+          applied).
+
+        For an nnx module: ``None`` (its own ``nnx.Param`` state) or such a state.
       x1: array or pytree of arrays, batch axis 0 of size N1.
       x2: ``None`` (x2 is x1) or like x1 with N2 samples.
       method, apply_kwargs, **options: see :func:`kernel_fn`.
@@ -356,8 +389,12 @@ def kernel(
       >>> import ntk_flax
       >>> model = nn.Dense(3)
       >>> x = jnp.ones((4, 2))
-      >>> ntk_flax.kernel(model, model.init(jax.random.PRNGKey(0), x), x).shape
+      >>> variables = model.init(jax.random.PRNGKey(0), x)
+      >>> ntk_flax.kernel(model, variables, x).shape
       (4, 4)
+      >>> k = ntk_flax.kernel(model, variables["params"], x)  # or state.params, or state
+      >>> bool((k == ntk_flax.kernel(model, variables, x)).all())
+      True
 
     References:
       Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel",
@@ -380,10 +417,16 @@ def nngp(
 ):
     """Empirical NNGP kernel f(x1)·f(x2) of a ``flax.linen`` model; see :func:`kernel`.
 
-    Returns the kernel in the layout of :func:`ntk_core.empirical_nngp` (``(N1, N2)`` for
-    ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with ``trace_axes=()``), in the
-    outputs' dtype. Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``,
-    ``precision``, ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
+    Args:
+      model, variables, x1 (N1 samples), x2 (N2 samples or ``None``), method,
+      apply_kwargs, rngs: as :func:`kernel`.
+      **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
+        ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
+
+    Returns:
+      The kernel in the layout of :func:`ntk_core.empirical_nngp` (``(N1, N2)`` for
+      ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with ``trace_axes=()``), in the
+      outputs' dtype.
 
     Raises:
       See :func:`nngp_fn`.
@@ -397,6 +440,9 @@ def nngp(
       >>> x = jnp.ones((4, 2))
       >>> ntk_flax.nngp(model, model.init(jax.random.PRNGKey(0), x), x, trace_axes=()).shape
       (4, 4, 3, 3)
+
+    References:
+      Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
     fn = _cached("ntk_flax.nngp", "nngp", model, method, apply_kwargs, options)
     return fn(variables, x1, x2, rngs=rngs)
@@ -407,8 +453,9 @@ def kernel_per_leaf_fn(
 ) -> Callable:
     """Jitted empirical NTK of a Flax model, split by parameter leaf.
 
-    Returns ``kernel(variables, x1, x2=None, *, rngs=None)`` giving a dict shaped like
-    ``variables["params"]`` (``{"Dense_0": {"kernel": K, "bias": K}, ...}``; for an nnx
+    Returns ``kernel(variables, x1, x2=None, *, rngs=None)`` (``variables`` as in
+    :func:`kernel`) giving a dict shaped like the ``params`` collection
+    (``{"Dense_0": {"kernel": K, "bias": K}, ...}``; for an nnx
     module, an ``nnx.State`` shaped like its ``nnx.Param`` state) whose leaves Θ_l are
     kernels in the layout of :func:`kernel` (``(N1, N2)`` by default, ``(N1, N2, O, O)``
     with ``trace_axes=()``), with Σ_l Θ_l = Θ (see :func:`ntk_core.ntk_per_leaf_fn`).
@@ -434,6 +481,10 @@ def kernel_per_leaf_fn(
       >>> k = ntk_flax.kernel_per_leaf_fn(model)(model.init(jax.random.PRNGKey(0), x), x)
       >>> k["kernel"].shape
       (4, 4)
+
+    References:
+      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
+      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     return _make(
         "ntk_flax.kernel_per_leaf_fn", "ntk_per_leaf", model, method, apply_kwargs, options
@@ -454,14 +505,14 @@ def kernel_per_leaf(
     """Empirical NTK of a ``flax.linen`` model split by parameter leaf.
 
     Θ_l(x1, x2)[i, j, a, b] = Σ_{p in leaf l} ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p for each
-    leaf l of ``variables["params"]``; the leaves sum to :func:`kernel`.
+    leaf l of the ``params`` collection; the leaves sum to :func:`kernel`.
 
     Args:
       model, variables, x1, x2, method, apply_kwargs, rngs: see :func:`kernel`.
       **options: see :func:`kernel_per_leaf_fn`.
 
     Returns:
-      A dict shaped like ``variables["params"]`` (an ``nnx.State`` for an nnx module)
+      A dict shaped like the ``params`` collection (an ``nnx.State`` for an nnx module)
       of kernels, each in the layout and dtype of :func:`kernel` (``(N1, N2)`` by
       default, ``(N1, N2, O, O)`` with ``trace_axes=()``).
 
@@ -528,6 +579,10 @@ def plan(
       ...     print(leaf.path, leaf.size, leaf.method)
       ['bias'] 3 structured (bias fused with its matrix product)
       ['kernel'] 6 structured (1 matrix product)
+
+    References:
+      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
+      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     fn = _cached("ntk_flax.plan", "ntk", model, method, apply_kwargs, options)
     return fn.plan(variables, x1, x2, rngs=rngs)

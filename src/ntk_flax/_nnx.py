@@ -222,12 +222,9 @@ def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exceptio
         ) from error
 
 
-def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Callable:
-    """The kernel function ``call(variables, x1, x2=None, *, rngs=None)`` of an nnx
-    module; ``variables`` is ``None`` (the module's own ``nnx.Param`` state now) or a
-    state of the same structure."""
-    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'deterministic': True}")
-    name = _method(fn_name, model, method)
+def model_apply(name: str, apply_kwargs: dict) -> Callable:
+    """The pure ``apply3(params, x, aux)`` of an nnx module's method ``name``, with
+    ``aux = (graphdef, rest)``: the module rebuilt from its parts at each call."""
 
     def apply3(params, x, aux):
         graphdef, rest = aux
@@ -235,6 +232,17 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
         # draw from (nnx.RNN's zero carry), which nnx allows only in the creating trace
         rest = jax.tree.map(lambda a: a, rest)
         return getattr(nnx.merge(graphdef, params, rest), name)(x, **apply_kwargs)
+
+    return apply3
+
+
+def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Callable:
+    """The kernel function ``call(variables, x1, x2=None, *, rngs=None)`` of an nnx
+    module; ``variables`` is ``None`` (the module's own ``nnx.Param`` state now) or a
+    state of the same structure."""
+    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'deterministic': True}")
+    name = _method(fn_name, model, method)
+    apply3 = model_apply(name, apply_kwargs)
 
     def check(params, x1, x2, aux):
         try:

@@ -267,6 +267,10 @@ def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
       >>> kernel = ntk_haiku.kernel_fn(net, trace_axes=())
       >>> kernel(net.init(jax.random.PRNGKey(0), x), x).shape  # (N1, N2, O, O)
       (4, 4, 3, 3)
+
+    References:
+      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
+      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     return _make("ntk_haiku.kernel_fn", "ntk", transformed, apply_kwargs, options)
 
@@ -278,8 +282,11 @@ def nngp_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
     in the layout of :func:`ntk_core.empirical_nngp`: ``(N1, N2)`` for ``(N, O)`` outputs
     by default, ``(N1, N2, O, O)`` with ``trace_axes=()``, in the outputs' dtype.
 
-    Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
-    ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
+    Args:
+      transformed, apply_kwargs: as :func:`kernel_fn`.
+      **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
+        ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``, as in
+        :func:`ntk_core.nngp_fn`.
 
     Raises:
       As :func:`kernel_fn`; TypeError for ``implementation=`` (an NNGP has none).
@@ -293,6 +300,9 @@ def nngp_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
       >>> x = jnp.ones((4, 2))
       >>> ntk_haiku.nngp_fn(net)(net.init(jax.random.PRNGKey(0), x), x).shape
       (4, 4)
+
+    References:
+      Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
     return _make("ntk_haiku.nngp_fn", "nngp", transformed, apply_kwargs, options)
 
@@ -341,10 +351,16 @@ def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwar
 def nngp(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
     """Empirical NNGP kernel f(x1)·f(x2) of a Haiku model; see :func:`kernel`.
 
-    Returns the kernel in the layout of :func:`ntk_core.empirical_nngp` (``(N1, N2)`` for
-    ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with ``trace_axes=()``), in the
-    outputs' dtype. Options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``,
-    ``precision``, ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
+    Args:
+      transformed, params, x1 (N1 samples), x2 (N2 samples or ``None``), state, rng,
+      apply_kwargs: as :func:`kernel`.
+      **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``precision``,
+        ``batch_size``, ``store_on_device``, ``progress``, ``memory_budget``.
+
+    Returns:
+      The kernel in the layout of :func:`ntk_core.empirical_nngp` (``(N1, N2)`` for
+      ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with ``trace_axes=()``), in the
+      outputs' dtype.
 
     Raises:
       See :func:`nngp_fn`.
@@ -358,6 +374,9 @@ def nngp(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs
       >>> x = jnp.ones((4, 2))
       >>> ntk_haiku.nngp(net, net.init(jax.random.PRNGKey(0), x), x, trace_axes=()).shape
       (4, 4, 3, 3)
+
+    References:
+      Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
     fn = _cached("ntk_haiku.nngp", "nngp", transformed, apply_kwargs, options)
     return fn(params, x1, x2, state=state, rng=rng)
@@ -392,6 +411,10 @@ def kernel_per_leaf_fn(transformed, *, apply_kwargs=None, **options) -> Callable
       >>> k = ntk_haiku.kernel_per_leaf_fn(net)(net.init(jax.random.PRNGKey(0), x), x)
       >>> k["linear"]["w"].shape
       (4, 4)
+
+    References:
+      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
+      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     return _make("ntk_haiku.kernel_per_leaf_fn", "ntk_per_leaf", transformed, apply_kwargs, options)
 
@@ -466,6 +489,10 @@ def plan(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs
       ...     print(leaf.path, leaf.size, leaf.method)
       ['linear']['b'] 3 structured (bias fused with its matrix product)
       ['linear']['w'] 6 structured (1 matrix product)
+
+    References:
+      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
+      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     fn = _cached("ntk_haiku.plan", "ntk", transformed, apply_kwargs, options)
     return fn.plan(params, x1, x2, state=state, rng=rng)

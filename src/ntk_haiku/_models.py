@@ -13,8 +13,36 @@ import numpy as np
 def lenet(x, out_features: int = 1):
     """Haiku forward function of the LeNet of case C1; use inside ``hk.transform``.
 
-    The same architecture and module names as ``ntk_flax.LeNet``: inputs
-    ``(N, H, W, C)``, outputs ``(N, out_features)``.
+    Conv(6, 5x5, SAME) → ReLU → avg-pool 2x2/2 → Conv(16, 5x5, SAME) → ReLU → avg-pool
+    2x2/2 → flatten → Dense 120 → ReLU → Dense 84 → ReLU → Dense ``out_features``: the
+    same architecture and module names (``Conv_0``, ``Conv_1``, ``Dense_0..2``) as
+    ``ntk_flax.LeNet``, so ``params_from_flax(variables["params"])`` transplants its
+    weights.
+
+    Args:
+      x: inputs ``(N, H, W, C)``, H and W multiples of 4.
+      out_features: the output size O.
+
+    Returns:
+      Outputs ``(N, O)``, in the dtype of ``x`` and the parameters.
+
+    Raises:
+      Haiku's errors for inputs of another rank (this is a plain forward function).
+
+    Cost: one forward pass, about 2·N·H·W·(3·25·6 + 6·25·16/4) multiply-adds for the
+    convolutions.
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp
+      >>> import ntk_haiku
+      >>> net = hk.without_apply_rng(hk.transform(ntk_haiku.lenet))
+      >>> x = jnp.ones((2, 16, 16, 3))
+      >>> net.apply(net.init(jax.random.PRNGKey(0), x), x).shape
+      (2, 1)
+
+    References:
+      LeCun et al., "Gradient-based learning applied to document recognition", 1998;
+      the users' case C1.
     """
     for i, features in enumerate((6, 16)):
         x = hk.Conv2D(features, 5, padding="SAME", name=f"Conv_{i}")(x)
@@ -84,7 +112,7 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
         module other than ``hk.Linear``/``hk.ConvND``; the two have different numbers
         of layers of some kernel rank; or a pair's shapes or biases differ.
 
-    Cost: no computation; the result shares the Flax arrays.
+    Cost: no computation and no inputs ``(N, ...)``; the result shares the Flax arrays.
 
     Example:
       >>> import flax.linen as nn, haiku as hk, jax, jax.numpy as jnp
@@ -104,6 +132,10 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
       {'mlp/~/linear_0': (3, 8), 'mlp/~/linear_1': (8, 1)}
       >>> bool(jnp.allclose(net.apply(params, x), MLP().apply(variables, x), atol=1e-6))
       True
+
+    References:
+      Flax's ``nn.Dense`` / ``nn.Conv`` and Haiku's ``hk.Linear`` / ``hk.ConvND``
+      documentation: both store kernels as ``(..., in, out)``.
     """
     layers = _flax_layers(flax_params, require_kernel=haiku_params is not None)
     if haiku_params is None:

@@ -228,10 +228,12 @@ VARIABLES = MODEL.init(jax.random.PRNGKey(0), X)
 
 ERRORS = [
     (
-        "no params collection",
-        lambda: ntk_flax.kernel(MODEL, VARIABLES["params"], X),
+        "another model's params",
+        lambda: ntk_flax.kernel(MODEL, {"Dense_0": VARIABLES["params"]}, X),
         ValueError,
-        r"ntk_flax.kernel: variables has no 'params' collection .* \{'params': params\}",
+        r"^ntk_flax.kernel: variables has no 'params' collection \(its keys: \['Dense_0'\]\) "
+        r"and is not this model's params dict either: .*it holds \['Dense_0'\]\['bias'\], "
+        r"\['Dense_0'\]\['kernel'\]\. Fix: pass this model's parameters",
     ),
     (
         "variables not a dict",
@@ -294,10 +296,10 @@ ERRORS = [
         r"ntk_flax.kernel: x1 is empty",
     ),
     (
-        "plan without the params collection",
-        lambda: ntk_flax.plan(MODEL, VARIABLES["params"], X),
+        "plan with another model's params",
+        lambda: ntk_flax.plan(MODEL, {"w": X}, X),
         ValueError,
-        r"^ntk_flax.plan: variables has no 'params' collection",
+        r"^ntk_flax.plan: variables has no 'params' collection .* is not this model's params",
     ),
     (
         "plan with an unknown option",
