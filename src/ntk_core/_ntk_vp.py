@@ -12,7 +12,6 @@ it to ARPACK.
 
 from __future__ import annotations
 
-import functools
 import numbers
 from collections.abc import Callable
 
@@ -20,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, _probe
+from . import _caches, _checks, _probe
 from ._api import _checked_arguments
 from ._engine import _batch_size, _check_finite_inputs, _describe, all_finite
 from ._model import from_apply_fn
@@ -83,7 +82,7 @@ def _make_product(apply_fn, precision: str, batch_size: int | None) -> Callable:
     return jax.jit(product)
 
 
-_cached_product = functools.lru_cache(maxsize=64)(_make_product)
+_cached_product = _caches.lru_cache(maxsize=64)(_make_product)
 
 
 def _product(apply_fn, precision, batch_size) -> Callable:

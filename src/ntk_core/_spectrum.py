@@ -10,7 +10,6 @@ a memory-mapped ``.npy`` file (:mod:`ntk_core._host_kernel`).
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from typing import Any, NamedTuple
@@ -20,6 +19,7 @@ import numpy as np
 import scipy.linalg
 import scipy.sparse.linalg
 
+from . import _caches
 from ._api import _checked_arguments, _get
 from ._checks import check_apply_fn
 from ._host_kernel import HostKernel, eigenvalues_of
@@ -417,7 +417,7 @@ def kernel_eigsh(
     return Eigenpairs(w, unflat(v), op.matvecs)
 
 
-@functools.lru_cache(maxsize=64)
+@_caches.lru_cache(maxsize=64)
 def _flattened(apply_fn):
     """``apply_fn`` with its output leaves flattened to ``(N, O_l)`` and concatenated
     (cached, so the kernel function behind :func:`ntk_trace` is reused)."""
