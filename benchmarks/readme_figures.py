@@ -60,7 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results_readme_figures.json"
-PARTS = ("demo", "cache", "doctor", "half", "c3", "tests")
+PARTS = ("demo", "cache", "doctor", "half", "c3", "track", "tests")
 TEST_COMMAND = ("-m", "pytest", "-n", "2", "--dist", "loadfile")
 WIDTH = 88
 
@@ -418,6 +418,29 @@ def measure_c3() -> dict:
             "stdout": run["stdout"]}  # fmt: skip
 
 
+def measure_track() -> dict:
+    """``ntk track --out TMP`` with its defaults in a fresh process; its summary.json."""
+    with tempfile.TemporaryDirectory(prefix="ntk-track-") as out:
+        run = timed([ntk_executable(), "track", "--out", out, "--no-progress"], env=_env(None))
+        if run["rc"] != 0:
+            _fail("ntk track", run)
+        with open(os.path.join(out, "summary.json")) as fh:
+            summary = json.load(fh)
+    history = summary.get("history", {})
+    return {
+        "wall_s": run["wall_s"],
+        "seconds": summary["seconds"],
+        "steps": summary["steps"],
+        "every": summary["every"],
+        "probe": summary["probe"],
+        "implementation": summary["implementation"],
+        "test_accuracy": summary["test_accuracy"],
+        "kernels": len(history.get("step", [])),
+        "final_distance": (history.get("kernel_distance") or [None])[-1],
+        "final_centered_alignment": (history.get("centered_alignment") or [None])[-1],
+    }
+
+
 # ---------------------------------------------------------------- the README's text
 
 
@@ -526,6 +549,23 @@ def text_c3(r: dict) -> str:
     )
 
 
+def text_track(r: dict) -> str:
+    tail = ""
+    if r["final_distance"] is not None and r["final_centered_alignment"] is not None:
+        tail = (
+            f"; at the last step the kernel distance from the initial NTK was "
+            f"{r['final_distance']:.3f} and the centred alignment "
+            f"{r['final_centered_alignment']:.2f}"
+        )
+    return (
+        f"{_head(r)}: `ntk track` with its defaults ({r['steps']} steps, the NTK of "
+        f"{r['probe']} probe samples every {r['every']} steps: {r['kernels']} kernels, "
+        f"`'auto' -> {r['implementation']}`) took {r['wall_s']:.0f} s with the Python "
+        f"start-up, {r['seconds']['tracking']:.0f} s of it for the kernels and their "
+        f"metrics; test accuracy {r['test_accuracy']:.3f}{tail}."
+    )
+
+
 def text_tests(r: dict) -> str:
     counts = ", ".join(f"{n} {word}" for word, n in r["counts"].items())
     minutes, seconds = divmod(round(r["wall_s"]), 60)
@@ -543,6 +583,7 @@ TEXT = {
     "doctor": text_doctor,
     "half": text_half,
     "c3": text_c3,
+    "track": text_track,
     "tests": text_tests,
 }
 
@@ -601,6 +642,7 @@ def main(argv=None) -> int:
         "doctor": lambda: measure_doctor(args.repeat),
         "half": lambda: measure_half(args.half_seeds),
         "c3": measure_c3,
+        "track": measure_track,
         "tests": measure_tests,
     }
     results = {}

@@ -1,9 +1,10 @@
-"""The model zoo of the test suite: one registry of small Flax models.
+"""The Flax model zoo of ``tests/flax``: one registry of small ``flax.linen`` models.
 
 Each entry gives a ``flax.linen`` module, its variables, inputs ``make_x(key, n)``, and
 extra apply keyword arguments; ``apply_fn(entry)`` turns it into a plain
-``apply_fn(params, x)`` for the core tests (the ``params`` collection differentiated,
-other collections closed over).
+``apply_fn(params, x)`` (the ``params`` collection differentiated, other collections
+closed over). The core tests use ``core_zoo.py``, the same networks in plain JAX (they
+run without Flax); ``tests/flax/test_zoo_equivalence.py`` checks the two correspond.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from ntk_core._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 from ntk_core._ntk_vp import ntk_vp_fn as ntk_vp_fn
 from ntk_core._options import IMPLEMENTATIONS as IMPLEMENTATIONS
 from ntk_core._options import PRECISIONS as PRECISIONS
+from ntk_core._tracking import KernelRecord as KernelRecord
+from ntk_core._tracking import KernelTracker as KernelTracker
 from ntk_core._version import __version__ as __version__
 
 __all__ = (
@@ -33,6 +35,8 @@ __all__ = (
     "PRECISIONS",
     "BackendWarning",
     "DoctorReport",
+    "KernelRecord",
+    "KernelTracker",
     "PrecisionWarning",
     "UnsupportedBackendError",
     "__version__",

@@ -262,10 +262,11 @@ def before_trace(fn_name: str, params, x1, x2, options) -> None:
 
 
 def after_trace(
-    fn_name: str, apply3, params, x1, x2, aux, out_leaves, options, kernel: str = "NTK"
+    fn_name: str, apply3, params, x1, x2, aux, out_leaves, options, kernel: str = "NTK", closed=None
 ) -> None:
     """Checks that need the model's outputs (already validated), and precision warnings
-    (worded for ``kernel``, "NTK" or "NNGP")."""
+    (worded for ``kernel``, "NTK" or "NNGP"); ``closed``: the model's jaxpr when the
+    caller has traced it already (under the kernel's matmul precision)."""
     for i, leaf in enumerate(out_leaves):
         if np.dtype(leaf.dtype).kind == "c":
             where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
@@ -275,7 +276,9 @@ def after_trace(
                 f"separate outputs (e.g. jnp.stack([z.real, z.imag], -1))."
             )
     _environment.check_precision_option(fn_name, options.precision)
-    _environment.check_model_precision(fn_name, apply3, params, x1, aux, options.precision, kernel)
+    _environment.check_model_precision(
+        fn_name, apply3, params, x1, aux, options.precision, kernel, closed
+    )
 
 
 def runs_in_neural_tangents_order(apply3, params, x1, x2, aux) -> bool:

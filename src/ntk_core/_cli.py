@@ -1,4 +1,4 @@
-"""The ``ntk`` command line: ``ntk demo`` and ``ntk doctor``."""
+"""The ``ntk`` command line: ``ntk demo``, ``ntk track`` and ``ntk doctor``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,24 @@ def _demo(args) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
+
+
+def _track(args) -> int:
+    try:
+        from ntk_flax import _track as tracking
+
+        tracking.run_args(args)  # imports optax, scikit-learn and matplotlib when needed
+    except ImportError as e:
+        print(
+            f"ntk track needs the optional dependencies ({e}). Fix: "
+            f"python -m pip install 'ntk-jax[all]'",
+            file=sys.stderr,
+        )
+        return 2
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    return 0
 
 
 def _doctor(args, checks=None) -> int:
@@ -48,6 +66,18 @@ def main(argv=None, *, checks=None) -> int:
     else:
         add_arguments(demo)
     demo.set_defaults(run=_demo)
+    track = sub.add_parser(
+        "track",
+        help="NTK of a LeNet tracked through training on handwritten digits: kernel "
+        "distance, label alignment, top eigenvalues (PNG and JSON)",
+    )
+    try:
+        from ntk_flax._track import add_arguments as add_track_arguments
+    except ImportError:
+        track.add_argument("rest", nargs=argparse.REMAINDER)
+    else:
+        add_track_arguments(track)
+    track.set_defaults(run=_track)
     doctor = sub.add_parser(
         "doctor",
         help="versions, devices, precision settings, and a self-test of kernel exactness; "

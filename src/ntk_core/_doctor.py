@@ -194,6 +194,14 @@ def _version(name: str) -> str | None:
         return None
 
 
+def _installed(name: str) -> bool:
+    """Whether the package ``name`` can be imported, checked without importing it. A bare
+    directory of that name on ``sys.path`` (a namespace package: no origin), such as a
+    project's ``tests/flax`` folder, is not the framework."""
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin is not None
+
+
 def _memory(device) -> dict | None:
     try:
         stats = device.memory_stats()
@@ -315,7 +323,7 @@ def _plain_cnn(x, out_features, model):
 
 def _network(x, out_features, model):
     """``(apply_fn, params, description)`` of the self-test network."""
-    if model == "lenet" and importlib.util.find_spec("flax") is not None:
+    if model == "lenet" and _installed("flax"):
         import ntk_flax
 
         net = ntk_flax.LeNet(out_features=out_features)
@@ -389,7 +397,7 @@ def frameworks_check(samples: int = 4, image_size: int = 16, model: str = "lenet
     """The Flax network and its Haiku twin with transplanted weights give the same NTK."""
 
     def run() -> CheckResult:
-        missing = [m for m in ("flax", "haiku") if importlib.util.find_spec(m) is None]
+        missing = [m for m in ("flax", "haiku") if not _installed(m)]
         if missing:
             return CheckResult("", "skip", f"{' and '.join(missing)} not installed")
         import haiku as hk

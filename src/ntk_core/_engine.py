@@ -140,6 +140,12 @@ def _signature(tree) -> tuple:
     return treedef, tuple(sig)
 
 
+def _sample_signature(tree) -> tuple:
+    """:func:`_signature` without the batch axis: what one sample looks like."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(np.shape(v)[1:]), str(jnp.result_type(v))) for v in leaves)
+
+
 def _as_arrays(tree):
     return jax.tree.map(lambda v: v if hasattr(v, "shape") else np.asarray(v), tree)
 
@@ -256,6 +262,7 @@ class KernelFunction:
         self._hint = hint
         self._configs: dict = {}
         self._analyses: dict = {}
+        self._samples: dict = {}  # per-sample signature -> (output tree, per-sample shapes)
         self._chunks: dict = {}  # (config, x signature) -> structured features chunk
         # The jitted phases are functions of their static arguments alone (no self), so
         # kernel functions of the same model and configuration (e.g. with and without
@@ -330,17 +337,33 @@ class KernelFunction:
                     )
         if self._check is not None:
             self._check(params, x1, x2, aux)
-        try:
-            out = jax.eval_shape(lambda p, x, a: self._apply3(p, x, a), params, x1, aux)
-        except jax.errors.UnexpectedTracerError as e:
-            raise _checks.leaked_tracer_error(fn, e) from e
-        except Exception as e:  # the model's own error, with context
-            raise ValueError(
-                f"{fn}: calling the model on x1 (shapes {_describe(x1)}) failed with "
-                f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}. "
-                f"Fix: {_checks.model_call_fix(params, e, fn)}."
-            ) from e
-        out_leaves, out_tree = jax.tree.flatten(out)
+        # One abstract trace of the model gives its outputs and the jaxpr the precision
+        # checks read. With vmap_axes=0 the model is analysed per sample, so a new N of
+        # the same per-sample signature reuses the first trace's outputs and checks.
+        sample_key = None
+        if opts.vmap_axes is not None:
+            sample_key = (_signature(params), _sample_signature(x1), _signature(aux))
+        known = self._samples.get(sample_key) if sample_key is not None else None
+        closed = None
+        if known is not None:
+            out_tree, sample_outputs = known
+            out_leaves = [jax.ShapeDtypeStruct((n1,) + s, d) for s, d in sample_outputs]
+        else:
+            x_abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x1)
+            try:
+                with jax.default_matmul_precision(opts.precision):
+                    closed, out = jax.make_jaxpr(self._apply3, return_shape=True)(
+                        params, x_abstract, aux
+                    )
+            except jax.errors.UnexpectedTracerError as e:
+                raise _checks.leaked_tracer_error(fn, e) from e
+            except Exception as e:  # the model's own error, with context
+                raise ValueError(
+                    f"{fn}: calling the model on x1 (shapes {_describe(x1)}) failed with "
+                    f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}. "
+                    f"Fix: {_checks.model_call_fix(params, e, fn)}."
+                ) from e
+            out_leaves, out_tree = jax.tree.flatten(out)
         if not out_leaves:
             raise ValueError(
                 f"{fn}: the model returned no arrays ({out!r}); expected its outputs, e.g. "
@@ -371,7 +394,10 @@ class KernelFunction:
                 )
             layouts.append(layout)
         kernel = "NNGP" if self._kind == "nngp" else "NTK"
-        _checks.after_trace(fn, self._apply3, params, x1, x2, aux, out_leaves, opts, kernel)
+        if known is None:
+            _checks.after_trace(
+                fn, self._apply3, params, x1, x2, aux, out_leaves, opts, kernel, closed
+            )
         if opts.vmap_axes is not None and _probe.samples_interact(
             self._apply3, params, x1, x2, aux, fn_name=fn
         ):
@@ -383,6 +409,8 @@ class KernelFunction:
                 f"give a wrong kernel. Fix: run the model in evaluation mode{how}, or pass "
                 f"vmap_axes=None to differentiate the whole batch."
             )
+        if sample_key is not None and known is None:
+            self._samples[sample_key] = (out_tree, [(o.shape[1:], o.dtype) for o in out_leaves])
         shapes1 = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
         implementation = "nngp" if self._kind == "nngp" else opts.implementation
         if implementation == "auto":  # per-leaf: among those that separate the leaves
@@ -455,7 +483,7 @@ class KernelFunction:
 
     def _analysis(self, params, x1, aux):
         """The structured analysis (one abstract trace), cached per input signature."""
-        key = (_signature(params), _signature(x1), _signature(aux))
+        key = (_signature(params), _sample_signature(x1), _signature(aux))  # not N
         analysis = self._analyses.get(key)
         if analysis is None:
             x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)

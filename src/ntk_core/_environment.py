@@ -352,21 +352,24 @@ def _check_half_precision(fn_name: str, params, jaxpr, kernel: str = "NTK") -> N
 
 
 def check_model_precision(
-    fn_name: str, apply3, params, x1, aux, precision: str, kernel: str = "NTK"
+    fn_name: str, apply3, params, x1, aux, precision: str, kernel: str = "NTK", closed=None
 ) -> None:
     """Warns (once per process) when the model's own matmuls ask for lower precision.
 
     The kernel computation runs under ``jax.default_matmul_precision(precision)``, which
     overrides a lower global ``jax_default_matmul_precision``, but not a precision the
     model passes explicitly (``nn.Dense(precision=...)``, ``jnp.dot(...,
-    precision="default")``). One abstract trace of the model finds those.
+    precision="default")``). One abstract trace of the model finds those: ``closed``,
+    the caller's jaxpr of ``apply3`` traced under ``jax.default_matmul_precision(precision)``
+    (the engine's, so the model is not traced again), or one made here.
     """
-    x_abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x1)
-    try:
-        with jax.default_matmul_precision(precision):
-            closed = jax.make_jaxpr(apply3)(params, x_abstract, aux)
-    except Exception:  # the engine reports model failures with context
-        closed = None
+    if closed is None:
+        x_abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x1)
+        try:
+            with jax.default_matmul_precision(precision):
+                closed = jax.make_jaxpr(apply3)(params, x_abstract, aux)
+        except Exception:  # the engine reports model failures with context
+            closed = None
     _check_half_precision(fn_name, params, None if closed is None else closed.jaxpr, kernel)
     if precision != "highest" or closed is None:
         return  # the option itself was warned about

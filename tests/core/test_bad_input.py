@@ -15,12 +15,13 @@ JAX internal traceback, a hang or a silent wrong answer.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import pathlib
 import sys
 from typing import NamedTuple
 
 import pytest
+
+import frameworks
 
 SETUP = """\
 import functools
@@ -576,6 +577,31 @@ def _rows():
         Row("gp-nan-targets", "targets with NaN (missing labels)",
             "ntk_core.predict.gp_inference(np.eye(4), np.array([[1.0], [np.nan], [0.0], [2.0]]))",
             ValueError, r"^gp_inference: y_train contains NaN or inf" + fix + r".*drop or impute"),
+        # -- tracking through training (issue 18) -------------------------------------
+        Row("tracker-every-zero", "a KernelTracker with every=0",
+            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=0)",
+            ValueError, r"^KernelTracker: every must be a positive int, got 0" + fix + r"pass every=k"),
+        Row("tracker-every-float", "a KernelTracker with every not an int",
+            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=2.5)",
+            TypeError, r"^KernelTracker: every must be a positive int, got 2.5 \(float\)" + fix),
+        Row("tracker-not-callable", "a KernelTracker given params instead of a kernel function",
+            "ntk_core.KernelTracker(W, X, every=1)",
+            TypeError, r"^KernelTracker: kernel_fn must be a callable kernel\(params_like, x\), got ArrayImpl" + fix + r"pass a kernel function, e.g. ntk_core.ntk_fn\(apply_fn\)"),
+        Row("tracker-probe-no-batch-axis", "a KernelTracker probe set without a batch axis",
+            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), jnp.float32(1.0), every=1)",
+            ValueError, r"^KernelTracker: x_probe has a scalar leaf \(shape \(\)\), so no batch axis" + fix),
+        Row("tracker-probe-not-array", "a KernelTracker probe set of Python numbers",
+            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), [1.0, 2.0], every=1)",
+            TypeError, r"^KernelTracker: x_probe must be an array or a pytree of arrays, got a leaf of type float" + fix),
+        Row("tracker-y-length", "KernelTracker labels for another number of samples",
+            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, jnp.ones((3, 2)), every=1)",
+            ValueError, r"^KernelTracker: y has shape \(3, 2\); expected \(N,\) or \(N, O\) for the N = 4 probe samples" + fix),
+        Row("tracker-step-jax-array", "KernelTracker.update with a jax.Array step (state.step)",
+            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=1).update(jnp.array(0), W)",
+            TypeError, r"^KernelTracker.update: step is a jax.Array .* would wait for the device at every step" + fix + r"pass the Python loop counter"),
+        Row("tracker-apply-fn-as-kernel", "a KernelTracker given the model's apply function, not a kernel function",
+            "ntk_core.KernelTracker(f, X, every=1).update(0, W)",
+            ValueError, r"^KernelTracker.update: the kernel function returned shape \(4, 2\); expected the kernel of the N = 4 probe samples" + fix + r"pass a kernel function kernel\(params, x\) such as ntk_core.ntk_fn\(apply_fn\)"),
     ]  # fmt: skip
 
 
@@ -589,7 +615,7 @@ def _namespace(needs: tuple) -> dict:
 
 
 def _missing(needs) -> list[str]:
-    return [m for m in needs if importlib.util.find_spec(m) is None]
+    return [m for m in needs if not frameworks.installed(m)]
 
 
 ROWS = _rows()

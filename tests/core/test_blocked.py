@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import core_zoo
+import frameworks
 import ntk_core
-import ntk_flax
 import reference
-import zoo
 from ntk_core import _blocked, _progress
 
 AXES = {
@@ -31,9 +31,9 @@ AXES = {
     "diag_batch": dict(trace_axes=(), diagonal_axes=(0,)),
 }
 N1, N2, B = 37, 23, 8
-ENTRY = zoo.ZOO["mlp"]  # Dense 5 -> 8 -> relu -> 3, biases
-F = zoo.apply_fn(ENTRY)
-PARAMS = ENTRY.variables["params"]
+ENTRY = core_zoo.ZOO["mlp"]  # Dense 5 -> 8 -> relu -> 3, biases
+F = core_zoo.apply_fn(ENTRY)
+PARAMS = ENTRY.params
 X1 = ENTRY.make_x(jax.random.PRNGKey(11), N1)
 X2 = ENTRY.make_x(jax.random.PRNGKey(12), N2)
 X2_DIAG = ENTRY.make_x(jax.random.PRNGKey(13), N1)  # the batch diagonal needs N2 = N1
@@ -151,9 +151,9 @@ def test_blocked_matches_float64_reference():
 
 
 def test_pytree_inputs_and_outputs():
-    entry = zoo.ZOO["dict_input"]
-    f, params = zoo.apply_fn(entry), entry.variables["params"]
-    x1, _ = zoo.inputs(entry, 19, 2)
+    entry = core_zoo.ZOO["dict_input"]
+    f, params = core_zoo.apply_fn(entry), entry.params
+    x1, _ = core_zoo.inputs(entry, 19, 2)
     blocked = ntk_core.empirical_ntk(f, params, x1, trace_axes=(), batch_size=4)
     expected = reference.ntk(f, params, x1, None, trace_axes=())
     assert isinstance(blocked, tuple) and len(blocked) == 2  # the output's structure
@@ -162,6 +162,20 @@ def test_pytree_inputs_and_outputs():
 
 
 def test_params_by_keyword_and_apply_arguments_closed_over():
+    entry = core_zoo.ZOO["batchnorm_eval"]  # running statistics closed over, held fixed
+    x1, x2 = core_zoo.inputs(entry, 11, 6)
+    kernel = ntk_core.ntk_fn(core_zoo.apply_fn(entry), batch_size=4, progress=False)
+    k = kernel(params=entry.params, x1=x1, x2=x2)
+    reference.assert_close(k, reference.ntk(core_zoo.apply_fn(entry), entry.params, x1, x2)[0])
+
+
+@frameworks.requires("flax")
+def test_flax_adapter_batched_equals_core_batched():
+    """ntk_flax.kernel with batch_size (the model's apply_kwargs and batch_stats held by
+    the adapter) gives the kernel of ntk_core.ntk_fn on the closed-over apply function."""
+    import ntk_flax
+    import zoo
+
     entry = zoo.ZOO["batchnorm_eval"]  # apply_kwargs {"train": False}, batch_stats fixed
     x1, x2 = zoo.inputs(entry, 11, 6)
     kernel = ntk_core.ntk_fn(zoo.apply_fn(entry), batch_size=4, progress=False)
@@ -195,13 +209,13 @@ def test_vmap_axes_none_refused_when_samples_interact():
 
 
 def test_lenet_c1_same_gram_for_every_batch_size():
-    model = ntk_flax.LeNet()
+    entry = core_zoo.ZOO["lenet"]  # ntk_flax.LeNet() in plain JAX: one output
+    f, params = core_zoo.apply_fn(entry), entry.params
     x = jax.random.normal(jax.random.PRNGKey(0), (120, 32, 32, 3))
-    variables = model.init(jax.random.PRNGKey(1), x[:1])
-    one_call = np.asarray(ntk_flax.kernel(model, variables, x, trace_axes=()))
+    one_call = np.asarray(ntk_core.empirical_ntk(f, params, x, trace_axes=()))
     assert one_call.shape == (120, 120, 1, 1)
     for batch_size in (500, 100, 10):  # 500 >= N: one tile
-        k = ntk_flax.kernel(model, variables, x, trace_axes=(), batch_size=batch_size)
+        k = ntk_core.empirical_ntk(f, params, x, trace_axes=(), batch_size=batch_size)
         _assert_blocked_equals_one_call(k, one_call)
         assert np.array_equal(k, _swap(k, "full"))
 
@@ -442,11 +456,11 @@ def test_nonfinite_inputs_name_argument_and_sample(batch_size):
 
 
 def test_nonfinite_input_leaf_of_a_pytree_is_named():
-    entry = zoo.ZOO["dict_input"]
-    x1, _ = zoo.inputs(entry, 6, 2)
+    entry = core_zoo.ZOO["dict_input"]
+    x1, _ = core_zoo.inputs(entry, 6, 2)
     x1 = {**x1, "mask": _with(x1["mask"], 4, np.nan)}
     with pytest.raises(ValueError, match=r"x1\['mask'\] contains NaN values, first in sample 4"):
-        ntk_core.empirical_ntk(zoo.apply_fn(entry), entry.variables["params"], x1)
+        ntk_core.empirical_ntk(core_zoo.apply_fn(entry), entry.params, x1)
 
 
 @pytest.mark.parametrize("batch_size", [None, B])
@@ -506,8 +520,17 @@ def test_option_errors(options, exc, pattern):
         ntk_core.empirical_ntk(F, PARAMS, X1, **options)
     with pytest.raises(exc, match=r"^nngp_fn: .*" + pattern):
         ntk_core.nngp_fn(F, **options)
+
+
+@frameworks.requires("flax")
+@pytest.mark.parametrize(("options", "exc", "pattern"), ERRORS, ids=[repr(e[0]) for e in ERRORS])
+def test_option_errors_through_the_flax_adapter(options, exc, pattern):
+    import flax.linen as nn
+
+    import ntk_flax
+
     with pytest.raises(exc, match=r"^ntk_flax.kernel_fn: .*" + pattern):
-        ntk_flax.kernel_fn(ENTRY.model, **options)
+        ntk_flax.kernel_fn(nn.Dense(3), **options)
 
 
 def test_float64_blocked_equals_one_call_to_1e12():

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+import frameworks
 import ntk_core
 from ntk_core import _cli, _doctor
 from ntk_core._doctor import Check, CheckResult
@@ -100,7 +101,7 @@ def test_default_self_test_passes_on_this_device(capsys):
     assert statuses["backend supported"] == "pass"
     assert statuses["implementations agree (jacobian, ntvp, structured)"] == "pass"
     assert "ntvp vs jacobian" in out["checks"][1]["detail"]
-    both = all(importlib.util.find_spec(m) for m in ("flax", "haiku"))
+    both = all(frameworks.installed(m) for m in ("flax", "haiku"))
     assert statuses["Flax equals Haiku (same weights)"] == ("pass" if both else "skip")
     assert statuses["batched equals unbatched"] == "pass"
     assert "batch_size=2 vs one call, x2=None" in out["checks"][3]["detail"]

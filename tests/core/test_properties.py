@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import core_zoo
 import ntk_core
 import reference
-import zoo
 
 IMPLEMENTATIONS = ["jacobian", "ntvp", "structured"]
 
@@ -25,11 +25,11 @@ def _square(k, n):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("trace_axes", [(-1,), ()], ids=["trace", "full"])
 def test_symmetric_and_psd(implementation, trace_axes):
-    entry = zoo.ZOO["cnn10"]
+    entry = core_zoo.ZOO["cnn10"]
     x = entry.make_x(jax.random.PRNGKey(3), 6)
     k = ntk_core.empirical_ntk(
-        zoo.apply_fn(entry),
-        entry.variables["params"],
+        core_zoo.apply_fn(entry),
+        entry.params,
         x,
         trace_axes=trace_axes,
         implementation=implementation,
@@ -49,18 +49,18 @@ def test_symmetric_and_psd(implementation, trace_axes):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_x2_none_equals_x2_x1(implementation):
-    entry = zoo.ZOO["tied"]
+    entry = core_zoo.ZOO["tied"]
     x = entry.make_x(jax.random.PRNGKey(4), 5)
-    f, p = zoo.apply_fn(entry), entry.variables["params"]
+    f, p = core_zoo.apply_fn(entry), entry.params
     k_none = ntk_core.empirical_ntk(f, p, x, None, trace_axes=(), implementation=implementation)
     k_same = ntk_core.empirical_ntk(f, p, x, x, trace_axes=(), implementation=implementation)
     reference.assert_close(k_none, np.asarray(k_same, np.float64))
 
 
 def test_traced_kernel_is_mean_of_full_kernel_diagonal():
-    entry = zoo.ZOO["mlp"]
+    entry = core_zoo.ZOO["mlp"]
     x = entry.make_x(jax.random.PRNGKey(5), 4)
-    f, p = zoo.apply_fn(entry), entry.variables["params"]
+    f, p = core_zoo.apply_fn(entry), entry.params
     full = np.asarray(ntk_core.empirical_ntk(f, p, x, trace_axes=()), np.float64)
     traced = ntk_core.empirical_ntk(f, p, x)
     diag = ntk_core.empirical_ntk(f, p, x, trace_axes=(), diagonal_axes=(-1,))
@@ -128,9 +128,9 @@ def test_linear_model_closed_form():
 
 
 def test_vmap_axes_none_matches_per_sample_for_independent_model():
-    entry = zoo.ZOO["batchnorm_eval"]
-    x1, x2 = zoo.inputs(entry)
-    f, p = zoo.apply_fn(entry), entry.variables["params"]
+    entry = core_zoo.ZOO["batchnorm_eval"]
+    x1, x2 = core_zoo.inputs(entry)
+    f, p = core_zoo.apply_fn(entry), entry.params
     a = ntk_core.empirical_ntk(f, p, x1, x2, trace_axes=(), vmap_axes=None)
     b = ntk_core.empirical_ntk(f, p, x1, x2, trace_axes=(), vmap_axes=0)
     reference.assert_close(a, np.asarray(b, np.float64))
@@ -153,9 +153,9 @@ def test_vmap_axes_none_for_interacting_samples():
 
 @pytest.mark.filterwarnings("ignore::ntk_core.PrecisionWarning")  # tested in test_environment
 def test_precision_option_reaches_results():
-    entry = zoo.ZOO["mlp"]
+    entry = core_zoo.ZOO["mlp"]
     x = entry.make_x(jax.random.PRNGKey(6), 3)
-    f, p = zoo.apply_fn(entry), entry.variables["params"]
+    f, p = core_zoo.apply_fn(entry), entry.params
     expected = reference.ntk(f, p, x, None)[0]
     for precision in ntk_core.PRECISIONS:
         reference.assert_close(ntk_core.empirical_ntk(f, p, x, precision=precision), expected)

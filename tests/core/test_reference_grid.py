@@ -1,5 +1,6 @@
-"""Every implementation x zoo model x axes setting x (x2 given or None) against the
-independent float64 reference (tests/reference.py). Full grid, no sampling."""
+"""Every implementation x zoo model (plain JAX, tests/core_zoo.py) x axes setting x (x2
+given or None) against the independent float64 reference (tests/reference.py). Full
+grid, no sampling."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import functools
 import jax
 import pytest
 
+import core_zoo
 import ntk_core
 import reference
-import zoo
 
 AXES = {
     "trace": dict(trace_axes=(-1,)),
@@ -21,18 +22,18 @@ AXES = {
 
 
 def _inputs(name, axes, with_x2):
-    entry = zoo.ZOO[name]
+    entry = core_zoo.ZOO[name]
     n2 = 3 if axes == "diag_batch" else 2
-    x1, x2 = zoo.inputs(entry, 3, n2)
+    x1, x2 = core_zoo.inputs(entry, 3, n2)
     return x1, (x2 if with_x2 else None)
 
 
 @functools.cache
 def _full_reference(kind, name, n2, with_x2):
-    entry = zoo.ZOO[name]
-    x1, x2 = zoo.inputs(entry, 3, n2)
+    entry = core_zoo.ZOO[name]
+    x1, x2 = core_zoo.inputs(entry, 3, n2)
     fn = reference.full_ntk if kind == "ntk" else reference.full_nngp
-    return fn(zoo.apply_fn(entry), entry.variables["params"], x1, x2 if with_x2 else None)
+    return fn(core_zoo.apply_fn(entry), entry.params, x1, x2 if with_x2 else None)
 
 
 def _reference(kind, name, axes, with_x2):
@@ -57,13 +58,13 @@ def _check(result, expected):
 @pytest.mark.parametrize("with_x2", [False, True], ids=["x2_none", "x2_given"])
 @pytest.mark.parametrize("axes", list(AXES))
 @pytest.mark.parametrize("implementation", ["jacobian", "ntvp", "structured", "auto"])
-@pytest.mark.parametrize("name", list(zoo.ZOO))
+@pytest.mark.parametrize("name", list(core_zoo.ZOO))
 def test_ntk_matches_reference(name, implementation, axes, with_x2):
-    entry = zoo.ZOO[name]
+    entry = core_zoo.ZOO[name]
     x1, x2 = _inputs(name, axes, with_x2)
     k = ntk_core.empirical_ntk(
-        zoo.apply_fn(entry),
-        entry.variables["params"],
+        core_zoo.apply_fn(entry),
+        entry.params,
         x1,
         x2,
         implementation=implementation,
@@ -74,11 +75,9 @@ def test_ntk_matches_reference(name, implementation, axes, with_x2):
 
 @pytest.mark.parametrize("with_x2", [False, True], ids=["x2_none", "x2_given"])
 @pytest.mark.parametrize("axes", list(AXES))
-@pytest.mark.parametrize("name", list(zoo.ZOO))
+@pytest.mark.parametrize("name", list(core_zoo.ZOO))
 def test_nngp_matches_reference(name, axes, with_x2):
-    entry = zoo.ZOO[name]
+    entry = core_zoo.ZOO[name]
     x1, x2 = _inputs(name, axes, with_x2)
-    k = ntk_core.empirical_nngp(
-        zoo.apply_fn(entry), entry.variables["params"], x1, x2, **AXES[axes]
-    )
+    k = ntk_core.empirical_nngp(core_zoo.apply_fn(entry), entry.params, x1, x2, **AXES[axes])
     _check(k, _reference("nngp", name, axes, with_x2))

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import frameworks
 import ntk_core
 import reference
 
@@ -424,11 +425,11 @@ def test_auto_prefers_structured_where_per_sample_conv_gradients_are_slow():
 def test_per_leaf_kernels_sum_to_total_and_match_reference(name, implementation):
     import numpy as np
 
-    import zoo
+    import core_zoo
 
-    entry = zoo.ZOO[name]
-    f, p = zoo.apply_fn(entry), entry.variables["params"]
-    x1, x2 = zoo.inputs(entry)
+    entry = core_zoo.ZOO[name]
+    f, p = core_zoo.apply_fn(entry), entry.params
+    x1, x2 = core_zoo.inputs(entry)
     per_leaf = ntk_core.empirical_ntk_per_leaf(
         f, p, x1, x2, trace_axes=(), implementation=implementation
     )
@@ -783,9 +784,10 @@ def test_embedding_used_twice_sums_its_uses():
     assert plan.leaves[0].method.startswith("structured (2 embedding gathers"), plan.leaves[0]
 
 
+@frameworks.requires("haiku")
 def test_haiku_conv_nchw_and_embed_are_structured():
     """Haiku's NCHW Conv2D (bias (K, 1, 1)) and Embed, against the reference."""
-    hk = pytest.importorskip("haiku")
+    import haiku as hk
 
     def image_net(x):
         h = jax.nn.relu(hk.Conv2D(3, 2, stride=2, data_format="NCHW")(x))
@@ -926,36 +928,59 @@ def test_elementwise_rules_match_reference_and_plan(name):
             assert leaf.method == expected
 
 
-def _flax_norm(kind):
-    import flax.linen as nn
-
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            if kind == "layernorm":
-                h = nn.LayerNorm()(x)
-            else:
-                h = nn.BatchNorm(use_running_average=True)(x)
-            return nn.Dense(2)(jnp.tanh(h))  # per position: outputs (N, 3, 2)
-
-    return Net()
+#: Non-trivial running statistics of the evaluation-mode BatchNorms below.
+_STATS = {"mean": jnp.linspace(-0.5, 0.5, 4), "var": jnp.linspace(0.5, 2.0, 4)}
 
 
 def _norm_model(kind):
     """``(apply(params, x), params)`` of a normalisation layer between (N, 3, 4) inputs
-    and per-position logits (N, 3, 2), with non-trivial running statistics."""
+    and per-position logits (N, 3, 2), with non-trivial parameters and running
+    statistics. ``kind`` is ``"<framework>_<layer>"``: ``jax`` (``core_zoo``'s layers,
+    computed as Flax computes them, under Flax's parameter names), ``flax`` or ``haiku``;
+    ``layernorm`` or ``batchnorm`` (evaluation mode)."""
+    framework, layer = kind.split("_")
     x = jax.random.normal(jax.random.PRNGKey(5), (4, 3, 4))
-    if kind.startswith("flax"):
-        model = _flax_norm(kind.split("_")[1])
+    if framework == "jax":
+        import core_zoo
+
+        name = "LayerNorm_0" if layer == "layernorm" else "BatchNorm_0"
+
+        def f(p, x):
+            if layer == "layernorm":
+                h = core_zoo.layer_norm(p[name], x)
+            else:
+                h = core_zoo.batch_norm_eval(p[name], _STATS, x)
+            return core_zoo.dense(p["Dense_0"], jnp.tanh(h))  # per position: (N, 3, 2)
+
+        params = {
+            name: {"scale": jnp.ones(4), "bias": jnp.zeros(4)},
+            "Dense_0": {
+                "kernel": jax.random.normal(jax.random.PRNGKey(0), (4, 2)) / 2.0,
+                "bias": jnp.zeros(2),
+            },
+        }
+        return f, jax.tree.map(lambda v: v + 0.3, params)  # non-trivial
+    if framework == "flax":
+        import flax.linen as nn
+
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                if layer == "layernorm":
+                    h = nn.LayerNorm()(x)
+                else:
+                    h = nn.BatchNorm(use_running_average=True)(x)
+                return nn.Dense(2)(jnp.tanh(h))  # per position: outputs (N, 3, 2)
+
+        model = Net()
         variables = model.init(jax.random.PRNGKey(0), x)
         params = jax.tree.map(lambda v: v + 0.3, variables["params"])  # non-trivial
-        stats = {"mean": jnp.linspace(-0.5, 0.5, 4), "var": jnp.linspace(0.5, 2.0, 4)}
-        rest = {"batch_stats": {"BatchNorm_0": stats}} if "batchnorm" in kind else {}
+        rest = {"batch_stats": {"BatchNorm_0": _STATS}} if layer == "batchnorm" else {}
         return (lambda p, x: model.apply({"params": p, **rest}, x)), params
-    hk = pytest.importorskip("haiku")
+    import haiku as hk
 
     def net(x, is_training=False):
-        if kind == "haiku_layernorm":
+        if layer == "layernorm":
             h = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
         else:
             h = hk.BatchNorm(True, True, 0.5)(x, is_training=is_training)
@@ -969,8 +994,14 @@ def _norm_model(kind):
 
 
 @pytest.mark.parametrize(
-    "kind", ["flax_batchnorm", "haiku_layernorm", "haiku_batchnorm"]
-)  # Flax LayerNorm: test_layernorm_all_axes_and_per_leaf
+    "kind",
+    [
+        "jax_batchnorm",
+        pytest.param("flax_batchnorm", marks=frameworks.requires("flax")),
+        pytest.param("haiku_layernorm", marks=frameworks.requires("haiku")),
+        pytest.param("haiku_batchnorm", marks=frameworks.requires("haiku")),
+    ],
+)  # LayerNorm in plain JAX and Flax: test_layernorm_all_axes_and_per_leaf
 def test_norm_layers_are_elementwise_scales_and_shifts(kind):
     f, p = _norm_model(kind)
     x1 = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 4))
@@ -994,10 +1025,14 @@ _AXES = [
 ]
 
 
-def test_layernorm_all_axes_and_per_leaf():
-    """Flax LayerNorm between two output axes: every axes setting, and the per-leaf
-    kernels of the scale and bias (bias fusion off there: Dense biases become shifts)."""
-    f, p = _norm_model("flax_layernorm")
+@pytest.mark.parametrize(
+    "kind", ["jax_layernorm", pytest.param("flax_layernorm", marks=frameworks.requires("flax"))]
+)
+def test_layernorm_all_axes_and_per_leaf(kind):
+    """LayerNorm (Flax's, and the plain-JAX one computed the same way) between two
+    output axes: every axes setting, and the per-leaf kernels of the scale and bias
+    (bias fusion off there: Dense biases become shifts)."""
+    f, p = _norm_model(kind)
     x1 = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 4))
     x2 = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 4))
     full = reference.full_ntk(f, p, x1, x2)[0]
@@ -1029,20 +1064,31 @@ def test_layernorm_all_axes_and_per_leaf():
     ]
 
 
-def test_batchnorm_training_mode_is_differentiated_whole_batch():
+@pytest.mark.parametrize(
+    "framework", ["jax", pytest.param("flax", marks=frameworks.requires("flax"))]
+)
+def test_batchnorm_training_mode_is_differentiated_whole_batch(framework):
     """Training-mode BatchNorm couples the samples: with vmap_axes=None there is no
     per-sample structure, so "structured" runs the Jacobian contraction (exact)."""
-    import flax.linen as nn
-
-    model = nn.BatchNorm(use_running_average=False)
     x = jax.random.normal(jax.random.PRNGKey(3), (4, 3))
-    variables = model.init(jax.random.PRNGKey(0), x)
+    if framework == "jax":
+        import core_zoo
 
-    def f(p, x):
-        out, _ = model.apply({**variables, "params": p}, x, mutable=["batch_stats"])
-        return jnp.tanh(out)
+        def f(p, x):
+            return jnp.tanh(core_zoo.batch_norm_train(p, x))
 
-    params = jax.tree.map(lambda v: v + 0.3, variables["params"])
+        params = {"scale": jnp.ones(3) + 0.3, "bias": jnp.zeros(3) + 0.3}
+    else:
+        import flax.linen as nn
+
+        model = nn.BatchNorm(use_running_average=False)
+        variables = model.init(jax.random.PRNGKey(0), x)
+
+        def f(p, x):
+            out, _ = model.apply({**variables, "params": p}, x, mutable=["batch_stats"])
+            return jnp.tanh(out)
+
+        params = jax.tree.map(lambda v: v + 0.3, variables["params"])
     k = ntk_core.empirical_ntk(f, params, x, implementation="structured", vmap_axes=None)
     reference.assert_close(k, reference.ntk(f, params, x, None)[0])
     plan = ntk_core.plan(f, params, x, implementation="structured", vmap_axes=None)

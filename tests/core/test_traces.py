@@ -1,0 +1,59 @@
+"""How often a kernel call traces the user's model (issue 17: the first call is the
+common case). With vmap_axes=0 the model is analysed per sample, so a call with a new N
+of the same per-sample signature reuses that analysis: the Jacobian contraction then
+traces the model once (its jitted features), and no implementation traces it as often
+as on the first call. A repeated call traces nothing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ntk_core
+
+
+def _counted():
+    traces = [0]
+
+    def apply_fn(p, x):
+        traces[0] += 1
+        return jnp.tanh(x @ p["w"]) @ p["v"]
+
+    return apply_fn, traces
+
+
+PARAMS = {
+    "w": jax.random.normal(jax.random.PRNGKey(0), (6, 16)),
+    "v": jax.random.normal(jax.random.PRNGKey(1), (16, 3)),
+}
+
+
+@pytest.mark.parametrize("implementation", ["jacobian", "structured", "ntvp", "auto"])
+def test_a_new_n_traces_the_model_less_than_the_first_call(implementation):
+    apply_fn, traces = _counted()
+    kernel = ntk_core.ntk_fn(apply_fn, implementation=implementation)
+    kernel(PARAMS, jnp.ones((5, 6)))
+    first = traces[0]
+    kernel(PARAMS, jnp.ones((9, 6)))
+    new_n = traces[0] - first
+    kernel(PARAMS, jnp.ones((9, 6)) * 2.0)
+    assert traces[0] - first - new_n == 0  # same shapes: nothing traced
+    assert new_n < first
+    if implementation == "jacobian":
+        assert (first, new_n) == (3, 1)  # outputs + precision checks, probe, features
+
+
+def test_a_new_n_keeps_the_checks_of_the_first_call():
+    """The per-sample analysis is reused, not skipped: a model whose samples interact
+    is refused at every N, and the kernel at the new N equals a fresh computation."""
+    kernel = ntk_core.ntk_fn(lambda w, x: (x @ w) - (x @ w).mean(0))
+    for n in (4, 7):
+        with pytest.raises(ValueError, match="depends on the other samples"):
+            kernel(jnp.ones((3, 2)), jnp.arange(3.0 * n).reshape(n, 3))
+    apply_fn, _ = _counted()
+    kernel = ntk_core.ntk_fn(apply_fn, trace_axes=())
+    kernel(PARAMS, jnp.ones((5, 6)))
+    x = jax.random.normal(jax.random.PRNGKey(2), (8, 6))
+    fresh = ntk_core.ntk_fn(lambda p, x: apply_fn(p, x), trace_axes=())(PARAMS, x)
+    assert jnp.array_equal(kernel(PARAMS, x), fresh)
