@@ -124,6 +124,13 @@ def _labels(y, n: int) -> np.ndarray | None:
         )
     if not np.isfinite(arr).all():
         raise ValueError(f"{_NAME}: y contains NaN or Inf. Fix: pass finite labels.")
+    if arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer) and len(np.unique(arr)) > 2:
+        raise ValueError(
+            f"{_NAME}: y is a vector of {len(np.unique(arr))} distinct integers (class ids?); "
+            f"as one target column, y yᵀ would make classes 2 and 3 more alike than 0 and "
+            f"3, and the alignment meaningless. Fix: pass one-hot labels "
+            f"(np.eye(n_classes)[y], shape (N, O)), or y.astype(float) for numeric targets."
+        )
     return arr.astype(np.float64)
 
 
@@ -320,7 +327,7 @@ class KernelTracker:
         **kernel_kwargs)``; at steps that are not due nothing is computed and ``None``
         is returned. ``step`` must be a Python (or numpy) int, e.g. the loop counter.
         """
-        if not _is_int(step):
+        if not _is_int(step) or step < 0:
             self._bad_step(step)
         if step % self.every:
             return None
@@ -333,6 +340,11 @@ class KernelTracker:
                 f"{step.dtype}), e.g. state.step; deciding whether it is due would wait for "
                 f"the device at every step. Fix: pass the Python loop counter "
                 f"(for step in range(n): ... tracker.update(step, state))."
+            )
+        if _is_int(step):  # negative
+            raise ValueError(
+                f"{_NAME}.update: step must be >= 0, got {step}. Fix: pass the training "
+                f"step, e.g. the loop counter (for step in range(n): ...)."
             )
         raise TypeError(
             f"{_NAME}.update: step must be an int, got {step!r} ({type(step).__name__}). "

@@ -31,6 +31,7 @@ model's own error on x1 is reported.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Mapping
 
 import flax.core
@@ -94,6 +95,11 @@ def _collections_phrase(missing: list[str]) -> tuple[str, str, str]:
     what = " (BatchNorm's running statistics)" if missing == ["batch_stats"] else ""
     entries = ", ".join(f"{c!r}: ..." for c in missing)
     return f"collection{plural} {names}{what}", names, entries
+
+
+#: Fields of ``flax.training.train_state.TrainState`` that no Flax collection is called: a
+#: dict holding ``params`` and one of these is a train state saved as a dict.
+_TRAIN_STATE_FIELDS = frozenset({"step", "opt_state", "tx", "apply_fn"})
 
 
 class VariablesReader:
@@ -170,6 +176,10 @@ class VariablesReader:
                 f"model.init(key, x), its ['params'] entry, or the TrainState; the argument "
                 f"order is {argument_order(fn)}."
             )
+        if state is None and "params" in given and _TRAIN_STATE_FIELDS & set(given):
+            # a train state as a dict (e.g. restored by orbax without a target): read it as
+            # the train state it was, its params and the collections it carries
+            state, given = types.SimpleNamespace(**given), given["params"]
         if state is None and "params" in given:
             return dict(given)  # a variables dict: a collection it lacks is named by the check
         made, made_key = self._made_for(x1, rngs)

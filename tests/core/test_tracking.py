@@ -178,6 +178,7 @@ KERNEL = ntk_core.ntk_fn(apply_fn)
         (dict(every=1, x_probe=jnp.ones((0, D))), ValueError, r"^KernelTracker: x_probe has no samples"),
         (dict(every=1, x_probe={"a": X, "b": X[:3]}), ValueError, r"^KernelTracker: the leaves of x_probe have different sizes .*\[8, 3\]"),
         (dict(every=1, kernel_fn="ntk"), TypeError, r"^KernelTracker: kernel_fn must be a callable"),
+        (dict(every=1, y=np.arange(N) % 4), ValueError, r"^KernelTracker: y is a vector of 4 distinct integers \(class ids\?\).*one-hot"),
     ],
 )  # fmt: skip
 def test_constructor_errors(kwargs, error, match):
@@ -195,6 +196,8 @@ def test_update_errors():
             tracker.update(step, params)
     with pytest.raises(TypeError, match=r"^KernelTracker.update: step is a jax.Array"):
         tracker.update(jnp.array(3), params)
+    with pytest.raises(ValueError, match=r"^KernelTracker.update: step must be >= 0, got -2.*Fix:"):
+        tracker.update(-2, params)
     tracker.update(np.int64(4), params)  # numpy integers are fine
     with pytest.raises(ValueError, match=r"^KernelTracker.update: step 2 is not after .* 4.*Fix:"):
         tracker.update(2, params)

@@ -88,6 +88,21 @@ def test_bare_params_and_train_state_give_the_variables_kernel():
     )
 
 
+def test_a_train_state_restored_as_a_dict_reads_as_the_train_state():
+    """orbax restores a TrainState saved without a target as a dict with 'params',
+    'opt_state' and 'step' (a new user's finding: it used to fail in Flax's apply with a
+    fix about x1's shape); it is read as the train state it was."""
+    state = _state(MODEL, VARIABLES["params"])
+    as_dict = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
+    _equal(ntk_flax.kernel(MODEL, as_dict, X1, X2), ntk_flax.kernel(MODEL, VARIABLES, X1, X2))
+    variables = _bn_variables()
+    stats = {"params": variables["params"], "batch_stats": variables["batch_stats"], "step": 3}
+    _equal(
+        ntk_flax.kernel(BN_MODEL, stats, X1, **BN_KW),
+        ntk_flax.kernel(BN_MODEL, variables, X1, **BN_KW),
+    )
+
+
 def test_batchnorm_train_state_subclass_carries_batch_stats():
     variables = _bn_variables()
     expected = ntk_flax.kernel(BN_MODEL, variables, X1, **BN_KW)
