@@ -176,27 +176,8 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
     def to_core(params, state=None, rng=None):
         """``(params, (state, rng))`` for the core, after checking them against the
         transform."""
-        if with_state and state is None:
-            raise ValueError(
-                f"{fn_name}: this hk.TransformedWithState needs its state. Fix: pass "
-                f"state=state, the second value returned by transformed.init(key, x)."
-            )
-        if with_state and not isinstance(state, Mapping):
-            raise TypeError(
-                f"{fn_name}: state must be the mapping returned by transformed.init(key, x) "
-                f"(its second value), got {type(state).__name__}. Fix: pass params, state = "
-                f"transformed.init(key, x) as params=params, state=state."
-            )
-        if not with_state and state is not None:
-            raise ValueError(
-                f"{fn_name}: state was given but the model is a plain hk.Transformed without "
-                f"state. Fix: drop state=, or use hk.transform_with_state."
-            )
-        if rng is not None and not takes_rng:
-            raise ValueError(
-                f"{fn_name}: rng was given but the model was built with hk.without_apply_rng "
-                f"and takes none. Fix: drop rng=."
-            )
+        call = "params=params, state=state"
+        check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call)
         if not isinstance(params, Mapping):
             raise TypeError(
                 f"{fn_name}: params must be the dict returned by transformed.init, got "
@@ -222,6 +203,32 @@ def _make(fn_name, kind, transformed, apply_kwargs, options):
         return params, (state, rng)
 
     return bound_kernel(fn_name, kernel, to_core, ("state", "rng"))
+
+
+def check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call) -> None:
+    """Refuses a ``state`` / ``rng`` the transform does not take, or a missing state;
+    ``call`` shows how the caller passes params and state in the fix."""
+    if with_state and state is None:
+        raise ValueError(
+            f"{fn_name}: this hk.TransformedWithState needs its state. Fix: pass "
+            f"state=state, the second value returned by transformed.init(key, x)."
+        )
+    if with_state and not isinstance(state, Mapping):
+        raise TypeError(
+            f"{fn_name}: state must be the mapping returned by transformed.init(key, x) "
+            f"(its second value), got {type(state).__name__}. Fix: pass params, state = "
+            f"transformed.init(key, x) as {call}."
+        )
+    if not with_state and state is not None:
+        raise ValueError(
+            f"{fn_name}: state was given but the model is a plain hk.Transformed without "
+            f"state. Fix: drop state=, or use hk.transform_with_state."
+        )
+    if rng is not None and not takes_rng:
+        raise ValueError(
+            f"{fn_name}: rng was given but the model was built with hk.without_apply_rng "
+            f"and takes none. Fix: drop rng=."
+        )
 
 
 def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:

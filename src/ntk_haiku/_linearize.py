@@ -14,7 +14,7 @@ import haiku as hk
 
 from ntk_core._adapter import check_apply_kwargs
 from ntk_core._linearize import check_degree, expansion
-from ntk_haiku._kernel import _model_apply
+from ntk_haiku._kernel import _model_apply, check_state_and_rng
 
 
 def _expanded(fn_name: str, degree: int, transformed, params0, state, rng, apply_kwargs):
@@ -27,27 +27,8 @@ def _expanded(fn_name: str, degree: int, transformed, params0, state, rng, apply
         )
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
     apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs)
-    if with_state and state is None:
-        raise ValueError(
-            f"{fn_name}: this hk.TransformedWithState needs its state. Fix: pass "
-            f"state=state, the second value returned by transformed.init(key, x)."
-        )
-    if with_state and not isinstance(state, Mapping):
-        raise TypeError(
-            f"{fn_name}: state must be the mapping returned by transformed.init(key, x) "
-            f"(its second value), got {type(state).__name__}. Fix: pass params, state = "
-            f"transformed.init(key, x) as {fn_name}(transformed, params, state=state)."
-        )
-    if not with_state and state is not None:
-        raise ValueError(
-            f"{fn_name}: state was given but the model is a plain hk.Transformed without "
-            f"state. Fix: drop state=, or use hk.transform_with_state."
-        )
-    if rng is not None and not takes_rng:
-        raise ValueError(
-            f"{fn_name}: rng was given but the model was built with hk.without_apply_rng "
-            f"and takes none. Fix: drop rng=."
-        )
+    call = f"{fn_name}(transformed, params, state=state)"
+    check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call)
     if not isinstance(params0, Mapping):
         raise TypeError(
             f"{fn_name}: params0 must be the dict returned by transformed.init, got "
