@@ -14,8 +14,8 @@ two blocks of inputs directly.
 
 * ``x2=None``: only tiles (i, j) with j ≥ i are computed; tile (j, i) is the mirror of
   (i, j) (the x1 and x2 axes of each pair swapped), and each diagonal tile is made
-  exactly symmetric, (K + Kᵀ)·½ (:func:`symmetrize`, also used by the one-call path),
-  so the result is exactly symmetric.
+  exactly symmetric, (K + Kᵀ)·½ (:func:`symmetrize`, inside the tile's program; also
+  the one-call path's), so the result is exactly symmetric.
 * ``diagonal_axes`` containing 0 (the per-sample batch diagonal): one tile per block,
   K(x1_i, x2_i) only, O(N) work.
 * A ragged last block is padded to B samples by repeating its last sample (one compiled
@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _probe
+from . import _checks, _probe
 from ._barrier import barrier
 from ._options import DEFAULT_MEMORY_BUDGET
 from ._progress import progress_bar
@@ -189,10 +189,6 @@ def symmetrize(kernel, config):
         _symmetric_leaf(k, layout) for k, layout in zip(leaves, leaf_layouts(config), strict=True)
     ]
     return jax.tree.unflatten(treedef, leaves)
-
-
-#: :func:`symmetrize` as its own compiled call, on an already computed kernel.
-symmetrize_jit = jax.jit(symmetrize, static_argnames=("config",))
 
 
 def finish_tile(kernel):
@@ -384,10 +380,7 @@ def compute(kf, config, params, x1, x2, aux):
         return _take(x, start, stop, size if pad else stop - start)
 
     def tile(fa, fb, xa, xb, same_block):
-        kernel, finite = kf.tile(params, fa, fb, aux, xa, xb, config=config, same=same_block)
-        if same_block:
-            kernel = symmetrize_jit(kernel, config=config)
-        return kernel, finite
+        return kf.tile(params, fa, fb, aux, xa, xb, config=config, same=same_block)
 
     out = _Output(
         n1,
@@ -458,6 +451,7 @@ def compute(kf, config, params, x1, x2, aux):
     def finalize(task):
         kernel, finite, r0, r1, c0, c1, mirror = task
         if not bool(finite):
+            _checks.check_finite_inputs(fn, x1, x2)  # a non-finite input sample, named
             raise _nonfinite_tile_error(fn, kernel, r0, r1, c0, c1, batch_diagonal)
         out.put(kernel, r0, r1, c0, c1, mirror)
         bar.update()

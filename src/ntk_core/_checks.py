@@ -302,3 +302,59 @@ def runs_in_neural_tangents_order(apply3, params, x1, x2, aux) -> bool:
         if not out or batch(x) is None or any(o.shape[:1] != (batch(x),) for o in out):
             return False
     return outputs(params, x1) is None or outputs(params, x2) is None
+
+
+_leaf_all_finite = jax.jit(lambda v: jnp.all(jnp.isfinite(v)))
+
+
+def all_finite(leaf) -> bool | None:
+    """Whether an array has no NaN/Inf: on the host for numpy arrays, one jitted
+    reduction on the device otherwise; None for an abstract value (under jax.jit)."""
+    if isinstance(leaf, np.ndarray):
+        return bool(np.isfinite(leaf).all())
+    return concrete_bool(_leaf_all_finite(leaf))
+
+
+def concrete_bool(value) -> bool | None:
+    """``bool(value)``, or None for an abstract value (under an outer ``jax.jit``)."""
+    try:
+        return bool(value)
+    except (jax.errors.TracerBoolConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def check_finite_input(fn_name: str, name: str, x) -> None:
+    """Raises ValueError naming the first sample of ``x`` with a NaN or Inf.
+
+    One reduction per floating input leaf (on the host for numpy arrays). The kernel
+    functions call it only once their result came out non-finite
+    (:func:`check_finite_inputs`): a first call compiles no reduction for it.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(x):
+        try:
+            floating = jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+        except (TypeError, ValueError):  # strings, objects: refused by the validation
+            continue
+        if np.ndim(leaf) == 0 or not floating:
+            continue  # scalars are refused by the validation that follows
+        ok = all_finite(leaf)
+        if ok is None or ok:
+            continue
+        values = np.asarray(leaf)
+        bad = ~np.isfinite(values).reshape(values.shape[0], -1).all(axis=1)
+        i = int(np.argmax(bad))
+        kind = "NaN" if np.isnan(values[i]).any() else "Inf"
+        where = f"{name}{jax.tree_util.keystr(path)}"
+        raise ValueError(
+            f"{fn_name}: {where} contains {kind} values, first in sample {i} (axis 0; "
+            f"{int(bad.sum())} of {values.shape[0]} samples are affected); a kernel of "
+            f"non-finite inputs is meaningless. Fix: clean or drop those samples first, e.g. "
+            f"keep = np.isfinite(x).reshape(len(x), -1).all(axis=1); x = x[keep]."
+        )
+
+
+def check_finite_inputs(fn_name: str, x1, x2) -> None:
+    """:func:`check_finite_input` of ``x1`` and of ``x2`` (when given)."""
+    check_finite_input(fn_name, "x1", x1)
+    if x2 is not None:
+        check_finite_input(fn_name, "x2", x2)

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _progress
 from ._api import _checked_arguments, _make
-from ._engine import _check_finite_inputs, all_finite
+from ._checks import all_finite, check_finite_input
 from ._options import make_options
 from ._predict import Kernels
 
@@ -151,7 +151,7 @@ def average(
     n_samples, batch_size_samples = operator.index(n_samples), operator.index(batch_size_samples)
     for name, x in (("x1", x1), ("x2", x2)):
         if x is not None:
-            _check_finite_inputs(fn_name, name, x)
+            check_finite_input(fn_name, name, x)
     keys = jax.random.split(key, n_samples)
 
     def wide(a):

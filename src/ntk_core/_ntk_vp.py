@@ -21,7 +21,8 @@ import numpy as np
 
 from . import _caches, _checks, _probe
 from ._api import _checked_arguments
-from ._engine import _batch_size, _check_finite_inputs, _describe, all_finite
+from ._checks import all_finite, check_finite_input
+from ._engine import _batch_size, _describe
 from ._model import from_apply_fn
 from ._options import make_options
 
@@ -296,7 +297,7 @@ def make_ntk_vp(fn: str, apply_fn, params, x, batch_size, precision) -> Callable
     _checks.before_trace(fn, params, x, None, options)
     _check_params(fn, params)
     n = _batch_size(fn, "x", x)
-    _check_finite_inputs(fn, "x", x)
+    check_finite_input(fn, "x", x)
     params = jax.tree.map(jnp.asarray, params)
     x = jax.tree.map(jnp.asarray, x)
     outputs, tree = _outputs(fn, apply_fn, params, x, n)

@@ -17,8 +17,21 @@ import numpy as np
 from . import _checks
 
 
+def _head(leaf, k: int) -> np.ndarray:
+    """The first ``k`` samples of a concrete array, on the host: numpy indexing (free
+    for numpy inputs and CPU arrays; one small copy from an accelerator), not eager
+    JAX slicing, which compiles a program per shape."""
+    if (
+        isinstance(leaf, jax.Array)
+        and not isinstance(leaf, jax.core.Tracer)  # np.asarray refuses it: no probe
+        and any(d.platform != "cpu" for d in leaf.devices())
+    ):
+        leaf = leaf[:k]  # only k samples cross to the host
+    return np.asarray(leaf)[:k]
+
+
 def _sample(x, i):
-    return jax.tree.map(lambda leaf: jnp.asarray(leaf)[i : i + 1], x)
+    return jax.tree.map(lambda leaf: leaf[i : i + 1], x)
 
 
 def _floating(sample) -> bool:
@@ -34,14 +47,16 @@ def _batches(x1, x2):
     ``t`` (transformed copies of s0 stand in for missing samples); other inputs
     (integer tokens) need three or, better, four samples.
     """
+    x1 = jax.tree.map(lambda leaf: _head(leaf, 4), x1)
     n1 = jax.tree.leaves(x1)[0].shape[0]
-    samples = [_sample(x1, i) for i in range(min(4, n1))]
-    if x2 is not None:
+    samples = [_sample(x1, i) for i in range(n1)]
+    if x2 is not None and n1 < 4:
+        x2 = jax.tree.map(lambda leaf: _head(leaf, 4 - n1), x2)
         n2 = jax.tree.leaves(x2)[0].shape[0]
-        samples += [_sample(x2, i) for i in range(min(4 - len(samples), n2))]
+        samples += [_sample(x2, i) for i in range(n2)]
 
     def affine(v, a, b):
-        return jax.tree.map(lambda leaf: a * leaf + b, v)
+        return jax.tree.map(lambda leaf: (a * leaf + b).astype(leaf.dtype), v)
 
     if _floating(samples[0]):
         s0 = samples[0]
@@ -72,7 +87,7 @@ def samples_interact(
             return False
 
         def stack(samples):
-            return jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *samples)
+            return jax.tree.map(lambda *leaves: np.concatenate(leaves), *samples)
 
         run = jax.jit(apply3)
         try:
@@ -91,7 +106,7 @@ def samples_interact(
                 f"vmap_axes=None to differentiate the whole batch as given."
             ) from error
         for b, c in zip(out_b, out_c, strict=True):
-            b0, c0 = np.asarray(b[:1], np.float64), np.asarray(c[:1], np.float64)
+            b0, c0 = np.asarray(b, np.float64)[:1], np.asarray(c, np.float64)[:1]
             scale = max(np.abs(b0).max(initial=0.0), np.abs(c0).max(initial=0.0), 1e-30)
             if not np.all(np.isfinite(b0)) or not np.all(np.isfinite(c0)):
                 return False  # non-finite inputs are reported elsewhere

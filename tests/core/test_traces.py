@@ -57,3 +57,41 @@ def test_a_new_n_keeps_the_checks_of_the_first_call():
     x = jax.random.normal(jax.random.PRNGKey(2), (8, 6))
     fresh = ntk_core.ntk_fn(lambda p, x: apply_fn(p, x), trace_axes=())(PARAMS, x)
     assert jnp.array_equal(kernel(PARAMS, x), fresh)
+
+
+def _compiles():
+    """A list that grows by one name per XLA compilation (JAX's monitoring events)."""
+    seen: list[str] = []
+
+    def listener(name, secs, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            seen.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    return seen
+
+
+_SEEN = _compiles()
+
+
+@pytest.mark.parametrize("trace_axes", [(-1,), ()], ids=["traced", "full"])
+@pytest.mark.parametrize("implementation", ["jacobian", "structured", "ntvp", "auto"])
+def test_programs_compiled_per_call(implementation, trace_axes):
+    """Issue 17: a first call compiles at most three XLA programs (the independence
+    probe's forward pass, the features, one tile holding the whole triangle loop, its
+    symmetrisation and the all-finite flag), a new N at most two (features and tile of
+    the new shape; the probe and the per-sample analysis are reused) and a repeat none.
+    Before: 10 programs on the first call (eager input checks, probe slicing, analysis
+    ops, a separate symmetrisation) and 28 unrolled block products in the tile."""
+
+    def apply_fn(p, x):
+        return jnp.tanh(x @ p["w"]) @ p["v"]
+
+    kernel = ntk_core.ntk_fn(apply_fn, implementation=implementation, trace_axes=trace_axes)
+    counts = []
+    for x in (jnp.ones((5, 6)), jnp.ones((9, 6)), jnp.ones((9, 6)) * 2.0):
+        before = len(_SEEN)
+        jax.block_until_ready(kernel(PARAMS, x))
+        counts.append(len(_SEEN) - before)
+    assert counts[0] <= 3 and counts[1] <= 2 and counts[2] == 0, counts
+    assert counts[0] >= 2  # the counter sees this kernel's own programs
