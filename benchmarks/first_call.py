@@ -75,10 +75,9 @@ def _worker(side: str, key: str, n: int) -> dict:
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     logger.propagate = False
+    import cases
     import jax
     import jax.numpy as jnp
-
-    import cases
 
     jax.config.update("jax_log_compiles", True)
     case = cases.CASES[key]
@@ -87,6 +86,7 @@ def _worker(side: str, key: str, n: int) -> dict:
     x_test = jnp.asarray(cases.make_inputs(case, n // 2, seed=2))
     if side == "ours":
         import bench_core
+
         import ntk_core
 
         apply = bench_core.apply_fn(case, variables)
