@@ -187,6 +187,50 @@ def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
     return cost
 
 
+def values_written(jaxpr) -> int:
+    """Values one evaluation of ``jaxpr`` writes: its equations' outputs, each
+    sub-jaxpr counted once (the forward pass's residuals; a reverse pass writes about
+    as many cotangents)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += sum(_shape_size(v) for v in eqn.outvars)
+        for sub in sub_jaxprs(eqn):
+            total += values_written(sub)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeBatch:
+    """Memory of differentiating the whole batch at once (``vmap_axes=None``): the
+    forward pass's residuals, and what each output cotangent's reverse pass adds (its
+    cotangents of every value, V_batch, and one gradient of the P parameters). The
+    Jacobian contraction pulls ``chunk`` cotangents back at a time."""
+
+    residual_bytes: int
+    cotangent_bytes: int
+    chunk: int
+    cotangents: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.residual_bytes + self.chunk * self.cotangent_bytes
+
+
+def whole_batch(
+    jaxpr, n_params: int, cotangents: int, itemsize: int, budget: int, jac_bytes: int, scale=1.0
+):
+    """The :class:`WholeBatch` of a batch's jaxpr (its values times ``scale``, for a
+    batch of another size): ``chunk`` = the cotangents whose reverse passes fit in
+    ``budget`` beside the residuals and the Jacobian (``jac_bytes``), at least 1 and at
+    most all ``cotangents`` (N·O)."""
+    values = int(values_written(jaxpr) * scale)
+    residual = values * itemsize
+    per_cotangent = (values + n_params) * itemsize
+    room = budget - residual - jac_bytes
+    chunk = int(min(cotangents, max(1, room // max(per_cotangent, 1))))
+    return WholeBatch(residual, per_cotangent, chunk, cotangents)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rates:
     """What the time estimates assume of a backend.
@@ -247,6 +291,7 @@ def estimate(
     symmetric,
     analysis,
     triangle=None,
+    whole_batch=None,
 ):
     """Cost estimates of ``"jacobian"``, ``"ntvp"`` and ``"structured"`` for one call.
 
@@ -278,6 +323,11 @@ def estimate(
         contraction of a symmetric Gram matrix (None: not symmetric): ``"jacobian"``
         and ``"structured"`` contract (k + 1) / 2k of the pairs; ``"ntvp"`` (no
         features) all of them.
+      whole_batch: the :class:`WholeBatch` of ``vmap_axes=None`` (None: per sample).
+        Each output cotangent's reverse pass then runs over the whole batch, N times
+        the work of one sample's (N·O of them: N²·O per-sample reverse passes), and
+        its memory is added to ``"jacobian"``'s (residuals and the cotangents in
+        flight) and ``"ntvp"``'s (residuals and one cotangent).
 
     Returns:
       Estimates for ``"jacobian"``, ``"ntvp"`` and ``"structured"``.
@@ -306,6 +356,14 @@ def estimate(
     n_jac = n1 if symmetric else n1 + n2
     grad_w = pc.grad_weights_dot + pc.grad_weights_conv
     reverse = pc.grad_activations + grad_w + pc.grad_elementwise
+    # Samples each output cotangent's reverse pass traverses, summed over the samples
+    # whose Jacobians are formed: one each per sample, the whole batch with vmap_axes=None.
+    reversed_jac = n_jac if whole_batch is None else n1 * n1 + (0 if symmetric else n2 * n2)
+    reversed_ntvp = n2 if whole_batch is None else n2 * n2
+    batch_bytes_jac = 0 if whole_batch is None else whole_batch.peak_bytes
+    batch_bytes_ntvp = (
+        0 if whole_batch is None else (whole_batch.residual_bytes + whole_batch.cotangent_bytes)
+    )
 
     def seconds(flops, slow_flops, nbytes, passes, passed_pairs):
         extra = slow * slow_flops + passes * passed_pairs * o_pair * _jacobian.EINSUM_PASS_FLOPS
@@ -315,27 +373,35 @@ def estimate(
     limit = _jacobian.merge_limit(min(n1, n2), out_total, o_pair)
     jac_bytes = n_jac * out_total * n_params * itemsize
     jac_pairs = contracted(jac_bytes)
-    jac_flops = n_jac * (forward + out_total * reverse) + 2.0 * jac_pairs * o_pair * n_params
+    jac_flops = (
+        n_jac * forward + reversed_jac * out_total * reverse + 2.0 * jac_pairs * o_pair * n_params
+    )
     jac = CostEstimate(
         "jacobian",
         jac_flops,
-        float(jac_bytes),
+        float(jac_bytes + batch_bytes_jac),
         seconds(
             jac_flops,
-            n_jac * out_total * pc.grad_weights_conv,
+            reversed_jac * out_total * pc.grad_weights_conv,
             2 * jac_bytes,
             _jacobian.einsum_count(leaf_sizes, limit),
             jac_pairs,
         ),
     )
-    ntvp_flops = n2 * (forward + out_total * reverse) + all_pairs * out_total * 3 * forward
+    ntvp_flops = (
+        n2 * forward + reversed_ntvp * out_total * reverse + all_pairs * out_total * 3 * forward
+    )
     ntvp = CostEstimate(
         "ntvp",
         ntvp_flops,
-        float(out_total * n_params * itemsize + n1 * out_total * max(out_sizes) * itemsize),
+        float(
+            out_total * n_params * itemsize
+            + n1 * out_total * max(out_sizes) * itemsize
+            + batch_bytes_ntvp
+        ),
         seconds(
             ntvp_flops,
-            (n2 + all_pairs) * out_total * pc.grad_weights_conv,
+            (reversed_ntvp + all_pairs) * out_total * pc.grad_weights_conv,
             0.0,
             out_total,
             all_pairs,

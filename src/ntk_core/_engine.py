@@ -50,6 +50,7 @@ class _Config:
     analysis: Any = None  # "structured": the _structured.Analysis
     n2: int = 0  # samples of x2 (of x1 when x2 is None)
     param_sizes: tuple[int, ...] = ()  # entries of each parameter leaf
+    whole_batch: Any = None  # vmap_axes=None: the _cost.WholeBatch memory model
 
 
 @_caches.lru_cache(maxsize=64)
@@ -62,11 +63,38 @@ def _jacobian_features(apply3, vmap_axes, precision):
     kernel values per pair change.
     """
 
-    def features(params, x, aux, *, out_tree, merge_limits):
+    def features(params, x, aux, *, out_tree, merge_limits, cotangent_chunk):
         with jax.default_matmul_precision(precision):
-            return _jacobian.jacobians(apply3, params, x, aux, vmap_axes, out_tree, merge_limits)
+            return _jacobian.jacobians(
+                apply3, params, x, aux, vmap_axes, out_tree, merge_limits, cotangent_chunk
+            )
 
-    return jax.jit(features, static_argnames=("out_tree", "merge_limits"))
+    return jax.jit(features, static_argnames=("out_tree", "merge_limits", "cotangent_chunk"))
+
+
+@_caches.lru_cache(maxsize=64)
+def _whole_batch_phases(apply3, precision):
+    """The jitted phases of ``"jacobian"`` with ``vmap_axes=None`` in cotangent chunks
+    driven from Python (:meth:`KernelFunction._whole_batch_features`): ``rows`` (one
+    chunk of Jacobian rows from ``start``) and ``assemble`` (the chunks, their overlap
+    dropped, as :func:`_jacobian.jacobians` returns the Jacobians)."""
+
+    def rows(params, x, aux, start, *, size):
+        with jax.default_matmul_precision(precision):
+            index = start + jnp.arange(size)
+            return _jacobian.whole_batch_rows(lambda p: apply3(p, x, aux), params, index)
+
+    def assemble(params, x, aux, parts, *, skip, out_tree, merge_limits):
+        last = jax.tree.map(lambda v: v[skip:], parts[-1])
+        flat = jax.tree.map(lambda *v: jnp.concatenate(v), *parts[:-1], last)
+        out_shapes = jax.eval_shape(apply3, params, x, aux)
+        jac = _jacobian.rows_as_jacobian(flat, out_shapes)
+        return _jacobian.matrices(jac, params, out_tree, merge_limits)
+
+    return (
+        jax.jit(rows, static_argnames=("size",)),
+        jax.jit(assemble, static_argnames=("skip", "out_tree", "merge_limits")),
+    )
 
 
 @_caches.lru_cache(maxsize=64)
@@ -417,9 +445,14 @@ class KernelFunction:
         if sample_key is not None and known is None:
             self._samples[sample_key] = (out_tree, [(o.shape[1:], o.dtype) for o in out_leaves])
         shapes1 = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
+        whole_batch = None
+        if opts.vmap_axes is None and self._kind != "nngp":
+            whole_batch = self._whole_batch(closed, params, n1, n2, x2 is None, shapes1)
         implementation = "nngp" if self._kind == "nngp" else opts.implementation
         if implementation == "auto":  # per-leaf: among those that separate the leaves
-            estimates = self._estimates(params, x1, aux, n1, n2, x2 is None, shapes1, layouts)
+            estimates = self._estimates(
+                params, x1, aux, n1, n2, x2 is None, shapes1, layouts, whole_batch
+            )
             implementation = _cost.choose(estimates)
             if implementation == "ntvp" and (
                 self._ntvp_failure(params, x1, x2, aux, out_tree, layouts) is not None
@@ -461,6 +494,7 @@ class KernelFunction:
             analysis,
             n2,
             tuple(math.prod(np.shape(v)) for v in jax.tree.leaves(params)),
+            whole_batch,
         )
 
     def _ntvp_failure(self, params, x1, x2, aux, out_tree, layouts) -> Exception | None:
@@ -499,7 +533,39 @@ class KernelFunction:
             self._analyses[key] = analysis
         return analysis
 
-    def _estimates(self, params, x1, aux, n1, n2, symmetric, shapes1, layouts):
+    def _whole_batch(self, closed, params, n1, n2, symmetric, shapes1):
+        """The :class:`_cost.WholeBatch` of ``vmap_axes=None`` (from the abstract trace
+        of x1's batch, scaled to the larger of x1's and x2's, or to one block of
+        ``batch_size``); refuses, before anything runs, a batch whose forward pass and
+        one output cotangent's reverse pass alone exceed ``memory_budget``."""
+        opts = self._options
+        n_max = max(n1, n2)
+        n = min(n_max, opts.batch_size) if isinstance(opts.batch_size, int) else n_max
+        leaves = jax.tree.leaves(params)
+        n_params = sum(math.prod(np.shape(v)) for v in leaves)
+        itemsize = max(np.dtype(jnp.result_type(v)).itemsize for v in leaves)
+        out_total = sum(math.prod(s.shape[1:]) for s in shapes1)
+        jac_bytes = (n1 if symmetric else n1 + n2) * out_total * n_params * itemsize
+        budget = opts.memory_budget or _blocked.default_memory_budget()
+        model = _cost.whole_batch(  # values of the forward pass grow with the batch
+            closed.jaxpr, n_params, n * out_total, itemsize, budget, jac_bytes, n / n1
+        )
+        one = model.residual_bytes + model.cotangent_bytes
+        if one > budget and opts.batch_size != "auto":
+            given = "memory_budget" if opts.memory_budget else "the default memory_budget"
+            raise ValueError(
+                f"{self._fn_name}: with vmap_axes=None the whole batch of {n} samples is "
+                f"differentiated at once: its forward pass keeps {_gib(model.residual_bytes)} "
+                f"and the reverse pass of each of its {n * out_total} output cotangents "
+                f"needs {_gib(model.cotangent_bytes)} more, {_gib(one)} for one at a time, "
+                f"beyond {given} of {_gib(budget)}. Fix: pass vmap_axes=0 if each sample's "
+                f"output depends on that sample alone (BatchNorm in evaluation mode), pass "
+                f"fewer samples per call, or raise memory_budget (in bytes) if the device "
+                f"has the memory."
+            )
+        return model
+
+    def _estimates(self, params, x1, aux, n1, n2, symmetric, shapes1, layouts, whole_batch=None):
         x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
         out_sizes = [math.prod(s.shape[1:]) for s in shapes1]
         pair_sizes = _pair_sizes(shapes1, layouts)
@@ -518,6 +584,7 @@ class KernelFunction:
             pair_sizes=pair_sizes,
             symmetric=symmetric,
             analysis=self._analysis(params, x1, aux),
+            whole_batch=whole_batch,
         )
         if self._options.vmap_axes is None:  # "structured" needs per-sample independence
             estimates = tuple(e for e in estimates if e.implementation != "structured")
@@ -585,9 +652,16 @@ class KernelFunction:
         impl = config.implementation
         if impl == "jacobian":
             jac = _jacobian_features(self._apply3, config.vmap_axes, config.precision)
-            return functools.partial(
-                jac, out_tree=config.out_tree, merge_limits=_merge_limits(config)
+            chunk = None if config.whole_batch is None else config.whole_batch.chunk
+            jac = functools.partial(
+                jac,
+                out_tree=config.out_tree,
+                merge_limits=_merge_limits(config),
+                cotangent_chunk=chunk,
             )
+            if chunk is None or chunk >= config.whole_batch.cotangents:
+                return jac
+            return functools.partial(self._whole_batch_features, jac, config)
         if impl == "structured":
             feat = _structured_features(self._apply3, config.precision, self._fuse_bias)
             feat = functools.partial(
@@ -600,6 +674,33 @@ class KernelFunction:
         if impl == "nngp":
             return functools.partial(self._outputs, config=config)
         return None
+
+    def _whole_batch_features(self, in_program, config: _Config, params, x, aux):
+        """``"jacobian"`` features of a whole batch (``vmap_axes=None``), the output
+        cotangents pulled back ``config.whole_batch.chunk`` at a time by a loop in
+        Python over one compiled chunk, so that memory stays within the budget at the
+        speed of one pass (XLA CPU runs convolutions' reverse passes about 8x slower
+        inside an XLA loop). Under an outer ``jax.jit`` the chunks loop inside the
+        program instead (``in_program``)."""
+        if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, x, aux))):
+            return in_program(params, x, aux)
+        rows, assemble = _whole_batch_phases(self._apply3, config.precision)
+        n = jax.tree.leaves(x)[0].shape[0]
+        total = n * sum(math.prod(s.shape[1:]) for s in config.shapes1)
+        pieces = -(-total // config.whole_batch.chunk)
+        size = -(-total // pieces)
+        starts = [min(i * size, total - size) for i in range(pieces)]
+        parts = [rows(params, x, aux, np.int32(start), size=size) for start in starts]
+        skip = (starts[-2] + size - starts[-1]) if pieces > 1 else 0
+        return assemble(
+            params,
+            x,
+            aux,
+            parts,
+            skip=skip,
+            out_tree=config.out_tree,
+            merge_limits=_merge_limits(config),
+        )
 
     def _structured_in_chunks(self, features, config: _Config, params, x, aux):
         """``features(params, x, aux)`` computed :func:`_structured.chunk_size` samples
@@ -680,7 +781,7 @@ class KernelFunction:
         n1 = _batch_size(self._fn_name, "x1", x1)
         n2 = n1 if x2 is None else _batch_size(self._fn_name, "x2", x2)
         estimates = self._estimates(
-            params, x1, aux, n1, n2, x2 is None, config.shapes1, config.layouts
+            params, x1, aux, n1, n2, x2 is None, config.shapes1, config.layouts, config.whole_batch
         )
         paths = [
             jax.tree_util.keystr(k) or "(root)"  # params that are one array
@@ -762,6 +863,10 @@ TRIANGLE_MAX_BLOCKS = 8
 #: bytes the Gram matrix is contracted whole (ResNet case, 0.8 GB of features: 0.4 GB
 #: more peak memory in blocks, for a quarter of a contraction that is not its main cost).
 TRIANGLE_MAX_FEATURE_BYTES = 2**28
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**27 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _triangle_blocks(features, config: _Config) -> int:

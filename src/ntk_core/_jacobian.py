@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._model import per_sample
 
@@ -87,17 +88,95 @@ def merge(mats, limit: int | None):
     ]
 
 
-def jacobians(apply3, params, x, aux, vmap_axes, out_tree, merge_limits=None):
+def whole_batch_rows(f, params, index):
+    """Rows ``index`` (flat positions of the outputs, all leaves in order) of the
+    Jacobian of ``f`` (``vmap_axes=None``: the whole batch): one forward pass, then
+    ``len(index)`` output cotangents pulled back through it at once. Returns the
+    parameter tree with leaves ``(len(index), *param_shape)``.
+
+    Memory: the forward pass's residuals (V_batch values) and about V_batch more per
+    cotangent. ``jax.jacrev`` pulls all N·O back at once: 16 GB for a 64-filter
+    convolution on 64 MNIST-sized inputs (O = 10); the engine passes as many as fit
+    in ``memory_budget`` (:func:`ntk_core._cost.whole_batch`).
+    """
+    out, pullback = jax.vjp(f, params)
+    out_leaves, out_def = jax.tree.flatten(out)
+    starts = np.cumsum([0] + [math.prod(o.shape) for o in out_leaves])
+    cotangents = [
+        (index[:, None] == (start + jnp.arange(o.size))[None, :])
+        .astype(o.dtype)
+        .reshape((-1,) + o.shape)
+        for o, start in zip(out_leaves, starts, strict=False)
+    ]
+    return jax.vmap(lambda *ct: pullback(jax.tree.unflatten(out_def, list(ct)))[0])(*cotangents)
+
+
+def rows_as_jacobian(rows, out_shapes):
+    """All rows of :func:`whole_batch_rows` in ``jax.jacrev``'s layout: per output
+    leaf (``out_shapes``, a pytree of shapes), the parameter tree with leaves
+    ``out_shape + param_shape``."""
+    leaves, out_def = jax.tree.flatten(out_shapes)
+    starts = np.cumsum([0] + [math.prod(o.shape) for o in leaves])
+    per_out = [
+        jax.tree.map(
+            lambda j, o=o, s=s: j[s : s + math.prod(o.shape)].reshape(o.shape + j.shape[1:]), rows
+        )
+        for o, s in zip(leaves, starts, strict=False)
+    ]
+    return jax.tree.unflatten(out_def, per_out)
+
+
+def whole_batch_size(apply3, params, x, aux) -> int:
+    """N·O, the output entries of the whole batch (the rows of its Jacobian)."""
+    return sum(math.prod(o.shape) for o in jax.tree.leaves(jax.eval_shape(apply3, params, x, aux)))
+
+
+def whole_batch_jacobian(f, params, chunk: int):
+    """``jax.jacrev(f)(params)``, ``chunk`` output cotangents at a time
+    (:func:`whole_batch_rows`) in one XLA loop whose last chunk overlaps its
+    predecessor. On CPU, XLA runs convolutions' reverse passes inside a loop several
+    times slower (a 64-filter convolution: 8x); the engine loops over the chunks from
+    Python where it can (concrete inputs) and uses this under an outer ``jax.jit``."""
+    out_shapes = jax.eval_shape(f, params)
+    total = sum(math.prod(o.shape) for o in jax.tree.leaves(out_shapes))
+    index = jnp.arange(total)
+    if chunk >= total:
+        return rows_as_jacobian(whole_batch_rows(f, params, index), out_shapes)
+    pieces = -(-total // chunk)
+    size = -(-total // pieces)
+    shapes = jax.eval_shape(lambda i: whole_batch_rows(f, params, i), index[:size])
+    out = jax.tree.map(lambda v: jnp.zeros((total,) + v.shape[1:], v.dtype), shapes)
+
+    def step(i, out):
+        start = jnp.minimum(i * size, total - size)
+        part = whole_batch_rows(f, params, jax.lax.dynamic_slice_in_dim(index, start, size))
+        return jax.tree.map(
+            lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v, start, 0), out, part
+        )
+
+    return rows_as_jacobian(jax.lax.fori_loop(0, pieces, step, out), out_shapes)
+
+
+def jacobians(apply3, params, x, aux, vmap_axes, out_tree, merge_limits=None, cotangent_chunk=None):
     """Per-output-leaf lists of Jacobians flattened to ``(N, *out_shape[1:], P_leaf)``.
 
     With ``merge_limits`` (per output leaf, see :func:`merge`), the narrow ones are
-    concatenated: the lists then hold one matrix per contraction, not per leaf.
+    concatenated: the lists then hold one matrix per contraction, not per leaf. With
+    ``vmap_axes=None`` the whole batch is differentiated, ``cotangent_chunk`` output
+    cotangents at a time (:func:`whole_batch_jacobian`; None: all at once).
     """
     if vmap_axes is None:
-        jac = jax.jacrev(lambda p: apply3(p, x, aux))(params)
+        chunk = cotangent_chunk or whole_batch_size(apply3, params, x, aux)
+        jac = whole_batch_jacobian(lambda p: apply3(p, x, aux), params, chunk)
     else:
         single = per_sample(apply3)
         jac = jax.vmap(jax.jacrev(single), in_axes=(None, 0, None))(params, x, aux)
+    return matrices(jac, params, out_tree, merge_limits)
+
+
+def matrices(jac, params, out_tree, merge_limits=None):
+    """``jax.jacrev``-layout Jacobians as :func:`jacobians` returns them: per output
+    leaf, the matrices ``(N, *out_shape[1:], P_leaf)``, merged by ``merge_limits``."""
     param_leaves = jax.tree.leaves(params)
     per_out = out_tree.flatten_up_to(jac)
     result = []

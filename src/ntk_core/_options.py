@@ -54,9 +54,12 @@ progress:
     is not ``dumb``; so never in pipes, log files or CI logs. ``True`` /
     ``False``: always / never (see :func:`ntk_core._progress.show_progress`).
 memory_budget:
-    Only when batched. Bytes of device memory the blocked engine may use for features,
-    tiles and, with ``store_on_device=True``, the output: it sizes ``batch_size="auto"``
-    and decides how many blocks of features are kept for reuse. ``None`` (default):
+    Bytes of device memory the blocked engine may use for features, tiles and, with
+    ``store_on_device=True``, the output: it sizes ``batch_size="auto"`` and decides
+    how many blocks of features are kept for reuse. With ``vmap_axes=None`` (batched or
+    not) it also bounds the whole-batch reverse passes of the Jacobian contraction:
+    they run as many output cotangents at a time as fit, and a batch whose forward and
+    one reverse pass alone exceed it is refused before anything runs. ``None`` (default):
     half of the device allocator's limit where JAX reports one
     (``device.memory_stats()["bytes_limit"]``, GPUs), else
     :data:`DEFAULT_MEMORY_BUDGET` (1 GiB).
