@@ -319,18 +319,41 @@ def _pair_bytes(config, kernel_bytes: float, out_sizes, itemsize) -> float:
     return kernel_bytes * (2 + terms * n_out) / n_out if n_out else kernel_bytes
 
 
-def compute(kf, config, params, x1, x2, aux):
-    """The blocked kernel of ``kf`` (a ``KernelFunction``) with batching options set."""
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How the blocked engine cuts a call: blocks of ``b1`` rows and ``b2`` columns,
+    ``tiles`` tiles computed, within ``budget`` bytes, from ``feature_bytes`` (F) per
+    sample and ``pair_bytes`` (W) per pair (:func:`auto_batch_size`)."""
+
+    b1: int
+    b2: int
+    tiles: int
+    budget: int
+    feature_bytes: int
+    pair_bytes: float
+    requested: object  # the batch_size option (an int or "auto")
+    available: int = 0  # bytes for features and tiles (the budget less a kept output)
+
+    def __str__(self) -> str:
+        gib = self.budget / 2**30
+        return (
+            f"blocked engine: batch_size={self.requested!r} -> tiles of {self.b1} x "
+            f"{self.b2} samples, {self.tiles} tiles (memory_budget {gib:.2f} GiB; "
+            f"features {self.feature_bytes} B per sample, {self.pair_bytes:.0f} B per pair)"
+        )
+
+
+def tiling(kf, config, params, x1, x2, aux) -> Tiling:
+    """The :class:`Tiling` of a call of ``kf`` (a ``KernelFunction``) with its batching
+    options, from abstract evaluation of one sample's features and tile (nothing
+    runs)."""
     opts = kf._options
-    fn = kf._fn_name
     n1 = _n_samples(x1)
     same = x2 is None
     n2 = n1 if same else _n_samples(x2)
     batch_diagonal = config.layouts[0].batch_diagonal
     budget = opts.memory_budget or default_memory_budget()
     features = kf.block_features(config)  # None for "ntvp"
-
-    # Sizes from abstract evaluation (no computation).
     one = jax.tree.map(lambda v: jax.ShapeDtypeStruct((1,) + np.shape(v)[1:], v.dtype), x1)
     f_one = None if features is None else jax.eval_shape(features, params, one, aux)
     feature_bytes = (
@@ -352,7 +375,6 @@ def compute(kf, config, params, x1, x2, aux):
     # The result on the device comes out of the budget, but at least a quarter of it is
     # left for features and tiles (a result larger than the budget is the caller's call).
     available = max(budget - (out_bytes if opts.store_on_device else 0), budget // 4)
-
     b = opts.batch_size
     if b == "auto":
         b = auto_batch_size(
@@ -361,6 +383,22 @@ def compute(kf, config, params, x1, x2, aux):
     b1, b2 = min(b, n1), min(b, n2)
     if batch_diagonal or same:
         b1 = b2 = min(b, n1)
+    k1, k2 = len(_blocks(n1, b1)), len(_blocks(n2, b2))
+    tiles = k1 if batch_diagonal else (k1 * (k1 + 1) // 2 if same else k1 * k2)
+    return Tiling(b1, b2, tiles, budget, feature_bytes, pair_bytes, opts.batch_size, available)
+
+
+def compute(kf, config, params, x1, x2, aux):
+    """The blocked kernel of ``kf`` (a ``KernelFunction``) with batching options set."""
+    opts = kf._options
+    fn = kf._fn_name
+    n1 = _n_samples(x1)
+    same = x2 is None
+    n2 = n1 if same else _n_samples(x2)
+    batch_diagonal = config.layouts[0].batch_diagonal
+    features = kf.block_features(config)  # None for "ntvp"
+    cut = tiling(kf, config, params, x1, x2, aux)
+    b1, b2 = cut.b1, cut.b2
     if config.vmap_axes is None and max(b1, b2) < max(n1, n2):
         if _probe.samples_interact(kf._apply3, params, x1, x2, aux, fn_name=fn):
             raise ValueError(
@@ -411,8 +449,8 @@ def compute(kf, config, params, x1, x2, aux):
                     xb = block(x1 if same else x2, cols, j, b2)
                     yield (*tile(None, None, xa, xb, False), r0, r1, c0, c1, same)
             return
-        block_bytes = feature_bytes * max(b1, b2)
-        room = available - 2 * pair_bytes * b1 * b2
+        block_bytes = cut.feature_bytes * max(b1, b2)
+        room = cut.available - 2 * cut.pair_bytes * b1 * b2
         capacity = int(room // block_bytes) if block_bytes else len(cols) + len(rows)
         n_kept = len(cols) + (0 if same else 1)  # every column block and one row block
         width = len(cols) if capacity >= n_kept else max(1, capacity - 1)
@@ -441,12 +479,7 @@ def compute(kf, config, params, x1, x2, aux):
                         yield (*tile(fa, column(j), None, None, False), r0, r1, c0, c1, same)
             del kept
 
-    n_tiles = (
-        len(rows)
-        if batch_diagonal
-        else (len(rows) * (len(rows) + 1) // 2 if same else len(rows) * len(cols))
-    )
-    bar = _Progress(fn, n_tiles, opts.progress)
+    bar = _Progress(fn, cut.tiles, opts.progress)
 
     def finalize(task):
         kernel, finite, r0, r1, c0, c1, mirror = task

@@ -60,6 +60,9 @@ class Plan:
     estimates: tuple  # CostEstimate for each implementation considered
     leaves: tuple[LeafPlan, ...]
     requested: str = ""  # the implementation option ("auto" when it chose)
+    #: With ``batch_size`` set: the blocked engine's tiles (``_blocked.Tiling``: the
+    #: block sizes ``batch_size="auto"`` picks, the tile count, the budget).
+    tiling: object = None
 
     def __str__(self) -> str:
         how = " (chosen by implementation='auto')" if self.requested == "auto" else ""
@@ -84,6 +87,8 @@ class Plan:
         for leaf in self.leaves:
             line = f"  {leaf.path:<40} {leaf.size:>10}  {leaf.method}"
             lines.append(line + (f"  ({leaf.structured})" if leaf.structured else ""))
+        if self.tiling is not None:
+            lines.append(f"  {self.tiling}")
         return "\n".join(lines)
 
 

@@ -802,8 +802,15 @@ class KernelFunction:
                 leaves.append(_cost.LeafPlan(path, size, method))
             else:
                 leaves.append(_cost.LeafPlan(path, size, config.implementation, method))
+        tiling = None
+        if self._options.batch_size is not None:
+            tiling = _blocked.tiling(self, config, params, x1, x2, aux)
         return _cost.Plan(
-            config.implementation, tuple(estimates), tuple(leaves), self._options.implementation
+            config.implementation,
+            tuple(estimates),
+            tuple(leaves),
+            self._options.implementation,
+            tiling,
         )
 
     def implementation_for(self, params, x1, x2=None, aux=None) -> str:

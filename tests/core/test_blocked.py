@@ -568,3 +568,37 @@ def test_float64_blocked_equals_one_call_to_1e12():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ok" in result.stdout
+
+
+@pytest.mark.parametrize("batch_size", [B, "auto"])
+def test_plan_shows_the_tiles_the_engine_computes(batch_size, monkeypatch):
+    """plan() reports the blocks batch_size='auto' picks and the number of tiles; the
+    engine computes exactly those tiles (counted), and the auto blocks obey
+    2·F·B + W·B² ≤ budget."""
+    budget = 60_000
+    kernel = ntk_core.ntk_fn(
+        F, trace_axes=(), batch_size=batch_size, memory_budget=budget, progress=False
+    )
+    for x2 in (None, X2):
+        cut = kernel.plan(PARAMS, X1, x2).tiling
+        n2 = N1 if x2 is None else N2
+        k1, k2 = -(-N1 // cut.b1), -(-n2 // cut.b2)
+        assert cut.tiles == (k1 * (k1 + 1) // 2 if x2 is None else k1 * k2)
+        if batch_size == B:
+            assert (cut.b1, cut.b2) == (B, B)
+        else:
+            b = max(cut.b1, cut.b2)
+            assert 2 * cut.feature_bytes * b + cut.pair_bytes * b * b <= budget
+            assert b < N1  # the budget really cuts
+        assert f"{cut.tiles} tiles" in str(kernel.plan(PARAMS, X1, x2))
+        calls = []
+        original = _blocked._Output.put
+
+        def put(self, *args, calls=calls, original=original):
+            calls.append(1)
+            return original(self, *args)
+
+        monkeypatch.setattr(_blocked._Output, "put", put)
+        kernel(PARAMS, X1, x2)
+        monkeypatch.undo()
+        assert len(calls) == cut.tiles

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import ntk_core
+import reference
 from ntk_core import _cost, _jacobian
-from tests import reference
 
 
 def _apply(p, x):
