@@ -41,7 +41,9 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
-from jax.extend import core as jex
+
+# sub_jaxprs: also imported from here by _cost.
+from ._jaxpr_walk import equations, is_literal, sub_jaxprs
 
 #: The oldest CUDA runtime the library accepts.
 MIN_CUDA = (11, 0)
@@ -247,25 +249,6 @@ def _low_precision(value) -> bool:
     return False
 
 
-def sub_jaxprs(eqn):
-    """The jaxprs inside an equation's parameters (jit, custom_jvp, scan, cond, ...);
-    shared with :mod:`ntk_core._cost`."""
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jex.ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, jex.Jaxpr):
-                yield item
-
-
-def _equations(jaxpr):
-    """Every equation of a jaxpr, those of its sub-jaxprs included."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for inner in sub_jaxprs(eqn):
-            yield from _equations(inner)
-
-
 def _low_precision_ops(jaxpr) -> list[str]:
     """Dots and convolutions with a precision below HIGHEST on an operand that varies
     with the jaxpr's inputs (params, x), sub-jaxprs included (all their inputs count as
@@ -279,7 +262,7 @@ def _low_precision_ops(jaxpr) -> list[str]:
     found = []
     varying = set(jaxpr.invars)
     for eqn in jaxpr.eqns:
-        moves = [not isinstance(v, jex.Literal) and v in varying for v in eqn.invars]
+        moves = [not is_literal(v) and v in varying for v in eqn.invars]
         if any(moves):
             varying.update(eqn.outvars)
         value = eqn.params.get("precision")
@@ -311,7 +294,7 @@ _HALF = ("bfloat16", "float16")
 def _half_precision_casts(jaxpr) -> list[str]:
     """Casts of a wider float down to bfloat16 / float16, sub-jaxprs included."""
     found = []
-    for eqn in _equations(jaxpr):
+    for eqn in equations(jaxpr):
         if eqn.primitive.name != "convert_element_type":
             continue
         src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)

@@ -11,30 +11,18 @@ coordinates and ``k`` over its output units:
 
     ∂f_o/∂W[c, k] = Σ_a x[a, c] g_o[a, k]
 
-* ``dot_general`` (Dense, einsum projections): ``x`` is the layer input, free axes first.
-* ``conv_general_dilated`` on its kernel operand (any strides, padding, lhs/rhs
-  dilation and dimension numbers, ``feature_group_count = batch_group_count = 1``):
-  ``x`` are the input patches, ``c = (input channel, window offset)`` in the kernel's
-  ``rhs_spec`` order, extracted by padding and strided slicing (no convolution).
-* ``gather`` of rows of a ``(V, D)`` table (``nn.Embed``, ``hk.Embed``, ``table[tokens]``,
-  ``jnp.take``): ``x[a, c] = [token_a = c]`` (one-hot), so the Gram factor below is the
-  token match ``[t1_a = t2_b]`` and is computed from the tokens without the one-hot;
-  out-of-range tokens follow the lookup's mode (``clip`` clamps; ``fill`` and
-  promise-in-bounds drop them, as the lookup's transpose does).
+Each primitive family is one rule in :mod:`ntk_core._rules` (what it matches, its
+features, its pairwise term, its explicit Jacobian, its ``plan()`` label):
+``dot_general`` (``_rules/dot.py``: Dense, einsum projections), ``conv_general_dilated``
+on its kernel (``_rules/conv.py``: input patches), ``gather`` of table rows
+(``_rules/gather.py``: token matches) and elementwise scales and shifts
+(``_rules/elementwise.py``: LayerNorm / BatchNorm, unfused biases). This module walks
+the jaxpr once, asks the registry about each use of a parameter, and runs the two
+phases.
+
 * A bias added right after a product or convolution, with one entry per output unit
   ``k`` broadcast over the positions ``a`` in any order, joins the use as a constant
   input column: Σ_ab (x1a·x2b + 1)(g1a·g2b) = K_W + (Σ_a g1a)·(Σ_b g2b).
-* Elementwise scales ``y = x * view(s)`` (LayerNorm / BatchNorm scale, in either
-  operand order) and shifts ``y = x ± view(b)`` (LayerNorm / BatchNorm bias, any bias
-  not fused with a product), where ``view`` reshapes, transposes and broadcasts the
-  leaf so that each row of the operand ``v = view(s)`` seen as (positions a, units k)
-  holds every leaf entry once: ∂f_o/∂s[σ(k)] = Σ_a ∂f_o/∂v[a, k], where the probe δ
-  sits on ``v`` itself (before the operation broadcasts it), so that the reverse pass
-  forms ∂f_o/∂v = Σ_broadcast x·g_o (scale) or ±Σ g_o (shift) already reduced, and the
-  cotangent at ``y`` is never written out. The scale's ``x`` is whatever it is
-  multiplied by first: Flax and Haiku compute ``(x - mean) * (rsqrt(var + eps) * s)``,
-  so the use is the product ``rsqrt(var + eps) * s`` (input-dependent in LayerNorm,
-  running statistics in eval-mode BatchNorm); exact either way.
 
 A use's NTK contribution is, per pair of uses (u, v) of one leaf,
 
@@ -49,7 +37,8 @@ when the einsum contracts one side's cotangents first), the explicit one O'·C·
 kernel entries per pair). A Dense layer on vectors (A = 1) takes the Gram
 form, (x1·x2)(g1·g2); a convolution over many positions the explicit one, which is
 still much cheaper than differentiating the kernel through the convolution under
-``vmap`` (a grouped convolution, slow on CPU).
+``vmap`` (a grouped convolution, slow on CPU). Elementwise scales and shifts are always
+in the explicit mode (C = 1).
 
 Phase one (features, per sample, O(N)): the model's jaxpr (``jax.make_jaxpr``) is
 evaluated by a small interpreter over public ``jax.extend.core`` objects that adds a
@@ -69,15 +58,6 @@ cond / while / custom_vjp. Sub-jaxprs of ``jit``, ``closed_call`` and ``checkpoi
 are inlined; ``custom_jvp`` functions (``jax.nn.relu``, ``gelu``) are evaluated with
 their own rules.
 
-Elementwise scales and shifts are always in the explicit mode (C = 1): their Gram form
-A_u·A_v·O'·K per pair is never cheaper than the explicit O'·K. Their per-sample
-Jacobian costs what the fallback's joint reverse pass would (the same reduction, now
-labelled and available to per-leaf kernels); recording ``x`` and the cotangent at
-``y`` instead writes out N·O·A·K values per use (a full feature map per BatchNorm),
-which was no faster in the ResNet benchmark. All uses of one leaf form their
-Jacobians in the leaf's own order, so scales and shifts of one leaf (through any
-views) sum exactly.
-
 Reference: Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent
 Kernel", ICML 2022, section 3.3.
 """
@@ -96,63 +76,27 @@ import sysconfig
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.extend import core as jex
 
-from . import _jacobian
-from ._barrier import barrier
+from . import _jacobian, _rules
+from ._jaxpr_walk import bind, call_body, inlined, is_literal
 from ._model import per_sample
+from ._rules import Subscripts, View
+from ._rules import Use as Use  # the record of one use (read by _cost and _engine)
+from ._rules._base import map_in_batches as map_in_batches
+from ._rules._base import view_index
+from ._rules.conv import patches as patches
 
 #: Primitives through which a parameter stays "the same numbers in another order".
 _VIEW_PRIMITIVES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p"})
-#: Call-like primitives whose sub-jaxpr is evaluated inline.
-_INLINE_PRIMITIVES = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint"}
+
+#: What each kind of use is called in ``plan()`` labels (from the rules' ``kind_names``;
+#: read by ``_engine``, which may ask ``Use.name`` / :func:`method_labels` instead).
+KIND_NAMES = {kind: name for rule in _rules.REGISTRY for kind, name in rule.kind_names.items()}
+#: Kinds of use with no Gram form (elementwise scales and shifts): always explicit.
+ELEMENTWISE_KINDS = frozenset(
+    kind for rule in _rules.REGISTRY if not rule.has_gram_form for kind in rule.kind_names
 )
-#: Lookup modes of ``gather`` handled by the embedding rule.
-_GATHER_MODES = frozenset({"CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"})
-
-#: Elementwise products and sums with a parameter view: always the explicit form.
-ELEMENTWISE_KINDS = frozenset({"scale", "shift"})
-#: What each kind of use is called in ``plan()`` labels.
-KIND_NAMES = {
-    "dot": "matrix product",
-    "conv": "convolution",
-    "gather": "embedding gather",
-    "scale": "elementwise scale",
-    "shift": "elementwise shift",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Use:
-    """One structured use of a parameter leaf.
-
-    ``kind`` is ``"dot"`` (``y = dot_general(x, view(W))``), ``"conv"`` (``y =
-    conv_general_dilated(x, view(W))``), ``"gather"`` (``y = view(W)[tokens]``),
-    ``"scale"`` (``y = x * view(s)``) or ``"shift"`` (``y = x ± view(b)``), the last two
-    with ``view`` broadcasting the leaf over the positions. ``y_perm`` orders the axes of
-    ``y`` as (position axes..., unit axes...), so that ``y.transpose(y_perm).reshape(A,
-    K)`` is the use's output matrix.
-    """
-
-    path: tuple[int, ...]  # indices of the equation through inlined sub-jaxprs
-    leaf: int
-    kind: str
-    x_side: int  # operand index of the recorded input (tokens for a gather)
-    key: tuple  # uses of one leaf with equal keys pair up coordinate by coordinate
-    y_shape: tuple[int, ...]
-    y_dtype: str
-    y_perm: tuple[int, ...]  # scale / shift: of the probed parameter operand
-    a_size: int  # A: output positions
-    w_free_size: int  # K: output units
-    x_contract_size: int  # C: input coordinates (V for a gather)
-    # dot: (x_free, x_contract); conv: geometry; gather: (mode,); scale / shift:
-    # (probed operand, leaf order: the unit holding each leaf entry, or () for unit k)
-    x_info: tuple = ()
-    # A constant scalar the leaf was multiplied by before this use (W / 8, -W, c * W:
-    # NTK parametrisation): the use's Jacobian is this times the unscaled one's.
-    factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,28 +139,28 @@ def pair_costs(analysis: Analysis, group, o_pair: int, o_out: int) -> tuple[floa
     """Cost per pair of samples of one leaf, in FLOPs: (Gram form, explicit form).
 
     Gram, per pair of uses (u, v): 2·A_u·A_v·C for the input Gram matrix (C = 1 for a
-    gather's token match), then the order with fewer FLOPs (the one
-    ``jnp.einsum(optimize="optimal")`` takes) of 2·A_u·A_v·O'·K (the cotangent Gram
-    matrix, A_u·A_v·O' values) and 2·(A_u·A_v·O·K + O'·min(A_u, A_v)·K) (the input Gram
-    times one side's cotangents first, max(A_u, A_v)·O·K values), plus, when the uses
-    have several positions (A_u·A_v > 1), :data:`GRAM_VALUE_FLOPS` per value of the
-    input Gram matrix, that intermediate and the O' outputs (with one position each,
-    the Gram form is two matrix products and a product of their outputs, values of the
-    order of the explicit form's own output); explicit: 2·O'·C·K, the Jacobian
-    contraction (merged with the other Jacobians into one einsum, so no output pass of
-    its own). O' is the kernel
-    entries per pair (traced axes included), O the output entries per sample.
-    Elementwise scales and shifts (C = 1) have no Gram form (infinite cost): their Gram
-    form would cost 2·A_u·A_v·O'·K, never less than the explicit 2·O'·K.
+    gather's token match: the rule's ``gram_input_width``), then the order with fewer
+    FLOPs (the one ``jnp.einsum(optimize="optimal")`` takes) of 2·A_u·A_v·O'·K (the
+    cotangent Gram matrix, A_u·A_v·O' values) and 2·(A_u·A_v·O·K + O'·min(A_u, A_v)·K)
+    (the input Gram times one side's cotangents first, max(A_u, A_v)·O·K values), plus,
+    when the uses have several positions (A_u·A_v > 1), :data:`GRAM_VALUE_FLOPS` per
+    value of the input Gram matrix, that intermediate and the O' outputs (with one
+    position each, the Gram form is two matrix products and a product of their
+    outputs, values of the order of the explicit form's own output); explicit:
+    2·O'·C·K, the Jacobian contraction (merged with the other Jacobians into one
+    einsum, so no output pass of its own). O' is the kernel entries per pair (traced
+    axes included), O the output entries per sample. Rules with no Gram form
+    (elementwise scales and shifts, C = 1) cost it as infinite: it would cost
+    2·A_u·A_v·O'·K, never less than the explicit 2·O'·K.
     """
     use = analysis.uses[group[0]]
     explicit = 2.0 * o_pair * analysis.input_size(group[0]) * use.w_free_size
-    if use.kind in ELEMENTWISE_KINDS:
+    if not use.rule.has_gram_form:
         return math.inf, explicit
     gram = 0.0
     for u, v in itertools.product(group, group):
         use_u, use_v = analysis.uses[u], analysis.uses[v]
-        c = 1 if use_u.kind == "gather" else analysis.input_size(u)
+        c = use_u.rule.gram_input_width(analysis.input_size(u))
         a_u, a_v, k = use_u.a_size, use_v.a_size, use_u.w_free_size
         first = (2.0 * a_u * a_v * o_pair * k, a_u * a_v * o_pair)
         second = (
@@ -240,32 +184,24 @@ def choose_modes(analysis: Analysis, o_pair: int, o_out: int) -> tuple[str, ...]
     return tuple(modes)
 
 
-def _sub_jaxpr(eqn):
-    for name in ("jaxpr", "call_jaxpr"):
-        sub = eqn.params.get(name)
-        if isinstance(sub, jex.ClosedJaxpr):
-            return sub.jaxpr, list(sub.consts)
-        if isinstance(sub, jex.Jaxpr):
-            return sub, []
-    return None
-
-
-def _inlined(eqn) -> bool:
-    return eqn.primitive.name in _INLINE_PRIMITIVES and _sub_jaxpr(eqn) is not None
-
-
-def _literal(v) -> bool:
-    return isinstance(v, jex.Literal)
-
-
-def _bind(eqn, invals):
-    bound = eqn.primitive.get_bind_params(eqn.params)
-    # Older JAX returns (sub-functions, params), newer JAX the params alone.
-    if isinstance(bound, tuple) and len(bound) == 2 and isinstance(bound[1], dict):
-        subfuns, params = bound
-    else:
-        subfuns, params = (), bound
-    return eqn.primitive.bind(*subfuns, *invals, **params)
+def method_labels(analysis: Analysis, modes) -> dict[int, str]:
+    """``plan()`` method of each parameter leaf the analysis covers, e.g. ``"structured
+    (1 convolution, per-sample Jacobian)"``, ``"structured (bias fused with its matrix
+    product)"``, ``"jacobian (fallback: <reason>)"``, from each group's rule
+    (:meth:`ntk_core._rules.Rule.label`)."""
+    methods = {}
+    for group, mode in zip(analysis.groups, modes, strict=True):
+        uses = [analysis.uses[u] for u in group]
+        label = uses[0].rule.label(uses)
+        if mode == "explicit":
+            label += ", per-sample Jacobian"
+        methods[uses[0].leaf] = f"structured ({label})"
+    for u, leaf in enumerate(analysis.bias_leaves):
+        if leaf >= 0:
+            methods[leaf] = f"structured (bias fused with its {analysis.uses[u].name})"
+    for leaf, reason in zip(analysis.fallback, analysis.fallback_reasons, strict=True):
+        methods[leaf] = f"jacobian (fallback: {reason})"
+    return methods
 
 
 def _bias_fusable(eqns, leaf_shape, use: Use) -> bool:
@@ -279,237 +215,11 @@ def _bias_fusable(eqns, leaf_shape, use: Use) -> bool:
     if size != use.w_free_size:
         return False
     try:
-        idx = np.broadcast_to(_view_index(eqns, leaf_shape), use.y_shape)
+        idx = np.broadcast_to(view_index(eqns, leaf_shape), use.y_shape)
     except Exception:  # an unexpected view: do not fuse
         return False
     mat = np.transpose(idx, use.y_perm).reshape(use.a_size, use.w_free_size)
     return bool((mat == mat[:1]).all() and np.array_equal(np.sort(mat[0]), np.arange(size)))
-
-
-def _scaled(chain) -> tuple[tuple, float]:
-    """The view chain without its constant scalings (they do not move entries, so
-    uses that differ only by them pair up) and the product of their factors."""
-    factor = 1.0
-    for step in chain:
-        if step[0] == "scale_by":
-            factor *= step[1]
-    return tuple(step for step in chain if step[0] != "scale_by"), factor
-
-
-def _dot_use(eqn, ins, here):
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    w_side = 0 if ins[0] is not None else 1
-    leaf, chain, _ = ins[w_side]
-    chain, factor = _scaled(chain)
-    if lb or rb or any(step[0] == "broadcast_in_dim" for step in chain):
-        return None
-    x_side = 1 - w_side
-    x_var, w_var = eqn.invars[x_side], eqn.invars[w_side]
-    x_contract = tuple(lc if x_side == 0 else rc)
-    w_contract = tuple(rc if x_side == 0 else lc)
-    x_free = tuple(a for a in range(len(x_var.aval.shape)) if a not in x_contract)
-    w_free = tuple(a for a in range(len(w_var.aval.shape)) if a not in w_contract)
-    y_ndim = len(eqn.outvars[0].aval.shape)
-    # y = (x_free..., w_free...) for x on the left, (w_free..., x_free...) otherwise.
-    if x_side == 0:
-        y_perm = tuple(range(y_ndim))
-    else:
-        y_perm = tuple(range(len(w_free), y_ndim)) + tuple(range(len(w_free)))
-    k = math.prod(w_var.aval.shape[a] for a in w_free)
-    return Use(
-        here,
-        leaf,
-        "dot",
-        x_side,
-        ("dot", chain, w_contract, w_free, x_side),
-        tuple(eqn.outvars[0].aval.shape),
-        str(eqn.outvars[0].aval.dtype),
-        y_perm,
-        math.prod(x_var.aval.shape[a] for a in x_free),
-        k,
-        math.prod(x_var.aval.shape[a] for a in x_contract),
-        (x_free, x_contract),
-        factor=factor,
-    )
-
-
-def _conv_use(eqn, ins, here):
-    if ins[0] is not None or ins[1] is None:
-        return None  # only the kernel operand is a parameter
-    p = eqn.params
-    if p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
-        return None
-    leaf, chain, _ = ins[1]
-    chain, factor = _scaled(chain)
-    if any(step[0] == "broadcast_in_dim" for step in chain):
-        return None
-    dn = p["dimension_numbers"]
-    lhs_spec, rhs_spec, out_spec = (tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec))
-    w_shape = tuple(eqn.invars[1].aval.shape)
-    window = tuple(w_shape[d] for d in rhs_spec[2:])
-    c_in = w_shape[rhs_spec[1]]
-    y_shape = tuple(eqn.outvars[0].aval.shape)
-    out_spatial = tuple(y_shape[d] for d in out_spec[2:])
-    padding = tuple(tuple(int(v) for v in pad) for pad in p["padding"])
-    geometry = (
-        lhs_spec,
-        window,
-        tuple(p["window_strides"]),
-        padding,
-        tuple(p["lhs_dilation"] or (1,) * len(window)),
-        tuple(p["rhs_dilation"] or (1,) * len(window)),
-        out_spatial,
-    )
-    return Use(
-        here,
-        leaf,
-        "conv",
-        0,
-        ("conv", chain, rhs_spec, w_shape),
-        y_shape,
-        str(eqn.outvars[0].aval.dtype),
-        (out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],),
-        y_shape[out_spec[0]] * math.prod(out_spatial),
-        w_shape[rhs_spec[0]],
-        c_in * math.prod(window),
-        geometry,
-        factor=factor,
-    )
-
-
-def _gather_use(eqn, ins, here):
-    if ins[0] is None or ins[1] is not None:
-        return None  # a parameter table looked up with non-parameter indices
-    leaf, chain, _ = ins[0]
-    chain, factor = _scaled(chain)
-    if any(step[0] == "broadcast_in_dim" for step in chain):
-        return None
-    p = eqn.params
-    dn = p["dimension_numbers"]
-    table = tuple(eqn.invars[0].aval.shape)
-    idx_shape = tuple(eqn.invars[1].aval.shape)
-    y_shape = tuple(eqn.outvars[0].aval.shape)
-    mode = getattr(p["mode"], "name", str(p["mode"]).rsplit(".", 1)[-1])
-    ok = (
-        len(table) == 2
-        and tuple(dn.collapsed_slice_dims) == (0,)
-        and tuple(dn.start_index_map) == (0,)
-        and tuple(getattr(dn, "operand_batching_dims", ())) == ()
-        and tuple(dn.offset_dims) == (len(y_shape) - 1,)
-        and tuple(p["slice_sizes"]) == (1, table[1])
-        and idx_shape[-1:] == (1,)
-        and y_shape == idx_shape[:-1] + (table[1],)
-        and mode in _GATHER_MODES
-    )
-    if not ok:
-        return None
-    return Use(
-        here,
-        leaf,
-        "gather",
-        1,
-        ("gather", chain, table),
-        y_shape,
-        str(eqn.outvars[0].aval.dtype),
-        tuple(range(len(y_shape))),
-        math.prod(idx_shape[:-1]),
-        table[1],
-        table[0],
-        (mode,),
-        factor=factor,
-    )
-
-
-def _view_index(eqns, leaf_shape):
-    """The leaf's entry indices ``arange(P)`` through the view equations ``eqns``, as
-    concrete numpy integers (exact: the view moves entries, it does not combine them)."""
-    idx = np.arange(math.prod(leaf_shape), dtype=np.int32).reshape(leaf_shape)
-    for eqn in eqns:
-        idx = _numpy_view(eqn, idx)
-    return idx
-
-
-def _numpy_view(eqn, idx: np.ndarray) -> np.ndarray:
-    """One view equation applied to concrete numpy indices: with numpy for the view
-    primitives (binding them on concrete values would compile one XLA program each,
-    10 for the LeNet), by binding it otherwise."""
-    name, params = eqn.primitive.name, eqn.params
-    if name == "reshape" and params.get("dimensions") is None:
-        return idx.reshape(params["new_sizes"])
-    if name == "transpose":
-        return np.transpose(idx, params["permutation"])
-    if name == "squeeze":
-        return np.squeeze(idx, axis=tuple(params["dimensions"]))
-    if name == "expand_dims":
-        return np.expand_dims(idx, tuple(params["dimensions"]))
-    if name in ("copy", "copy_p"):
-        return idx
-    if name == "broadcast_in_dim":
-        shape = tuple(params["shape"])
-        placed = [1] * len(shape)
-        for axis, dim in enumerate(params["broadcast_dimensions"]):
-            placed[dim] = idx.shape[axis]
-        return np.broadcast_to(idx.reshape(placed), shape)
-    with jax.ensure_compile_time_eval():  # concrete even inside a jit trace
-        return np.asarray(_bind(eqn, [idx]))
-
-
-def _elementwise_use(eqn, ins, here, leaf_shape):
-    """``y = x * view(s)`` (``"scale"``), ``y = x + view(b)``, ``x - view(b)`` or
-    ``view(b) - x`` (``"shift"``), with exactly one operand a parameter view ``v``.
-
-    The probe goes on the operand ``v`` itself (before the operation broadcasts it to
-    ``y``), so the reverse pass returns ∂f/∂v = Σ_broadcast x·g_y (scale) or ±Σ g_y
-    (shift), reduced where it is formed: the cotangent at ``y`` is never written out.
-    Structured when every leaf entry appears at the same places in every row of ``v``
-    seen as (positions a, units k): the axes along which ``v`` is constant (a
-    broadcast) are the positions, the others the units, which must hold each leaf entry
-    exactly once; then ∂f/∂s[σ(k)] = Σ_a ∂f/∂v[a, k] with σ the units' leaf entries.
-    Decided exactly by replaying the view on the entry indices; None otherwise.
-    """
-    w_side = 0 if ins[0] is not None else 1
-    leaf, chain, eqns = ins[w_side]
-    _, factor = _scaled(chain)
-    v_shape = tuple(eqn.invars[w_side].aval.shape)
-    size = math.prod(leaf_shape)
-    if size == 0:
-        return None
-    try:
-        idx = _view_index(eqns, leaf_shape)
-    except Exception:  # an unexpected view: not structured
-        return None
-    if idx.shape != v_shape:
-        return None
-    units = tuple(d for d in range(len(v_shape)) if not (idx == idx.take([0], axis=d)).all())
-    positions = tuple(d for d in range(len(v_shape)) if d not in units)
-    v_perm = positions + units
-    a_size = math.prod(v_shape[d] for d in positions)
-    k_size = math.prod(v_shape[d] for d in units)
-    row = np.transpose(idx, v_perm).reshape(a_size, k_size)[0]
-    if k_size != size or not np.array_equal(np.sort(row), np.arange(size)):
-        return None  # a leaf entry repeated over units (or missing): fall back
-    order = np.argsort(row)
-    leaf_order = () if np.array_equal(order, np.arange(size)) else tuple(int(i) for i in order)
-    return Use(
-        here,
-        leaf,
-        "scale" if eqn.primitive.name == "mul" else "shift",
-        1 - w_side,
-        ("elementwise", tuple(leaf_shape)),  # Jacobians in the leaf's order: uses pair up
-        v_shape,  # the probe's shape: the operand's, not the output's
-        str(eqn.invars[w_side].aval.dtype),
-        v_perm,
-        a_size,
-        size,
-        1,
-        (w_side, leaf_order),
-        factor=factor,
-    )
-
-
-_RULES = {"dot_general": _dot_use, "conv_general_dilated": _conv_use, "gather": _gather_use}
-#: Elementwise primitives with one parameter operand handled by :func:`_elementwise_use`.
-_ELEMENTWISE_PRIMITIVES = frozenset({"mul", "add", "sub"})
 
 
 #: Why a parameter used by one of these primitives falls back, for ``plan()``.
@@ -525,7 +235,7 @@ _PRIMITIVE_REASONS = {
 
 def _scalar(v, known: dict) -> float | None:
     """The value of a scalar literal or of a known scalar constant, else None."""
-    if _literal(v):
+    if is_literal(v):
         value = np.asarray(v.val)
         if value.ndim == 0 and np.isrealobj(value):
             return float(value)
@@ -636,9 +346,9 @@ def _unpaired_reason(uses: list[Use], sites: list, indices: list[int]) -> str:
         if use.key in keys:
             continue
         keys.add(use.key)
-        name = KIND_NAMES[use.kind]
-        other = " of another view of it" if use.kind in kinds else ""
-        kinds.add(use.kind)
+        name, kind = use.name, use.kind
+        other = " of another view of it" if kind in kinds else ""
+        kinds.add(kind)
         location = _source_location(sites[u])
         where = f" (at {location})" if location else ""
         article = "an" if name[0] in "aeiou" else "a"
@@ -649,39 +359,19 @@ def _unpaired_reason(uses: list[Use], sites: list, indices: list[int]) -> str:
     )
 
 
-def _rule_miss_reason(eqn, ins) -> str:
-    """Why :data:`_RULES` (or the elementwise rule) did not take this equation."""
-    name = eqn.primitive.name
-    if name in _ELEMENTWISE_PRIMITIVES:
-        return f"an elementwise {name} whose broadcast repeats or drops parameter entries"
-    chain = next(o[1] for o in ins if o is not None)
-    if any(step[0] == "broadcast_in_dim" for step in chain):
-        return f"broadcast before its {name}, so its entries repeat"
-    if name == "dot_general":
-        (_, _), (lb, rb) = eqn.params["dimension_numbers"]
-        if lb or rb:
-            return "a matrix product batched over the parameter's axes"
-    if name == "conv_general_dilated":
-        if ins[1] is None:
-            return "the input operand of a convolution (not its kernel)"
-        groups = eqn.params["feature_group_count"], eqn.params["batch_group_count"]
-        if groups != (1, 1):
-            return (
-                f"the kernel of a grouped or depthwise convolution (feature_group_count="
-                f"{groups[0]}, batch_group_count={groups[1]})"
-            )
-    if name == "gather":
-        return "a gather other than a row lookup table[tokens] with integer tokens"
-    return f"a {name} that no rule covers"
-
-
 def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True) -> Analysis:
     """Finds the structured uses of the first ``n_param_leaves`` inputs of ``closed``.
+
+    One walk over the equations (inlining ``jit`` / ``closed_call`` / ``checkpoint``
+    bodies) follows each parameter through its views (reshapes, transposes, widening
+    casts, constant scalings); an equation with one parameter view among its operands
+    goes to the first rule of :data:`ntk_core._rules.REGISTRY` for its primitive
+    (``match``); anything else makes the leaf fall back, with a reason for ``plan()``.
 
     With ``fuse_bias``, a bias added to the output of a product or convolution, one
     entry per output unit, joins that use as a constant input column; any other sum
     or product of a parameter view with a non-parameter is an elementwise shift or
-    scale (:func:`_elementwise_use`) when its view allows.
+    scale (``_rules/elementwise.py``) when its view allows.
     """
     uses: list[Use] = []
     use_sites: list = []  # per use: the equation whose source line names it (if tied)
@@ -694,32 +384,33 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
             where = "" if eqn is None else _source_location(eqn)
             bad[leaf] = f"{reason}; at {where}" if where else reason
 
-    use_of_output: dict = {}  # output var of a dot / conv use -> use index
+    use_of_output: dict = {}  # output var of a use that takes a bias -> use index
     bias_candidates: list[tuple[int, int, int, tuple]] = []  # (use, shift use, leaf, eqns)
     leaf_shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars[:n_param_leaves]]
 
     def walk(jaxpr, origins: dict, path: tuple, inside: str = "", call=None):
-        # origins: var -> (leaf, view chain as hashable steps, view equations); call:
-        # the outermost inlined call (jit) around ``jaxpr``, whose source location is
-        # the user's (a jitted function's own trace may come from its cache).
+        # origins: var -> its View (leaf, view chain as hashable steps, view
+        # equations); call: the outermost inlined call (jit) around ``jaxpr``, whose
+        # source location is the user's (a jitted function's own trace may come from
+        # its cache).
         def origin(v):
-            return None if _literal(v) else origins.get(v)
+            return None if is_literal(v) else origins.get(v)
 
         readers: dict = {}  # var -> how many equations (or the outputs) read it
         for eqn in jaxpr.eqns:
             for v in eqn.invars:
-                if not _literal(v):
+                if not is_literal(v):
                     readers[v] = readers.get(v, 0) + 1
         for v in jaxpr.outvars:
-            if not _literal(v):
+            if not is_literal(v):
                 readers[v] = readers.get(v, 0) + 1
 
         for i, eqn in enumerate(jaxpr.eqns):
             here = path + (i,)
             ins = [origin(v) for v in eqn.invars]
             name = eqn.primitive.name
-            if _inlined(eqn):  # scalar constants passed in stay known inside
-                sub, consts = _sub_jaxpr(eqn)
+            if inlined(eqn):  # scalar constants passed in stay known inside
+                sub, consts = call_body(eqn)
                 for outer, inner in zip(eqn.invars, sub.invars, strict=False):
                     value = _scalar(outer, known)
                     if value is None:  # a jaxpr JAX reuses for another call: forget
@@ -735,11 +426,11 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 continue
             factor = _constant_factor(eqn, ins, known)
             if factor is not None:  # W / 8, -W, c * W: a view with a factor
-                leaf, chain, eqns = next(o for o in ins if o is not None)
-                origins[eqn.outvars[0]] = (leaf, chain + (("scale_by", factor),), eqns)
+                view = next(o for o in ins if o is not None)
+                origins[eqn.outvars[0]] = view._replace(chain=view.chain + (("scale_by", factor),))
                 continue
-            if _inlined(eqn):
-                sub, _ = _sub_jaxpr(eqn)
+            if inlined(eqn):
+                sub, _ = call_body(eqn)
                 sub_origins = {v: o for v, o in zip(sub.invars, ins, strict=True) if o is not None}
                 name_here = eqn.params.get("name")
                 within = f" inside {name_here}" if isinstance(name_here, str) else inside
@@ -749,57 +440,46 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 if len(eqn.invars) != 1:
                     for o in ins:
                         if o is not None:
-                            fall_back(o[0], f"a {name} with several operands", call or eqn)
+                            fall_back(o.leaf, f"a {name} with several operands", call or eqn)
                     continue
-                leaf, chain, eqns = ins[0]
+                view = ins[0]
                 step = (name, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
-                origins[eqn.outvars[0]] = (leaf, chain + (step,), eqns + (eqn,))
+                origins[eqn.outvars[0]] = View(view.leaf, view.chain + (step,), view.eqns + (eqn,))
                 continue
             if name == "convert_element_type" and _float_cast(eqn):
                 # A widening cast (float32 parameters meeting float64 inputs): the same
                 # entries, so a view; not replayed on entry indices (``eqns``), whose
                 # order it keeps.
-                leaf, chain, eqns = ins[0]
+                view = ins[0]
                 step = (name, str(eqn.outvars[0].aval.dtype))
-                origins[eqn.outvars[0]] = (leaf, chain + (step,), eqns)
+                origins[eqn.outvars[0]] = view._replace(chain=view.chain + (step,))
                 continue
-            if (
-                name in _ELEMENTWISE_PRIMITIVES
-                and len(ins) == 2
-                and sum(o is not None for o in ins) == 1
-            ):
-                b_side = 0 if ins[0] is not None else 1
-                leaf, _, eqns = ins[b_side]
-                use = _elementwise_use(eqn, ins, here, leaf_shapes[leaf])
-                if use is None:
-                    fall_back(leaf, _rule_miss_reason(eqn, ins), call or eqn)
-                    continue
-                uses.append(use)
-                use_sites.append(call or eqn)
-                y = eqn.invars[1 - b_side]
-                # A bias fuses with its product only when the product's output feeds
-                # this add alone (so the cotangent at the product equals the one at the
-                # bias) and the sum has the product's shape.
-                if (
-                    name == "add"
-                    and not _literal(y)
-                    and y in use_of_output
-                    and readers.get(y) == 1
-                    and tuple(eqn.outvars[0].aval.shape) == tuple(y.aval.shape)
-                ):
-                    bias_candidates.append((use_of_output[y], len(uses) - 1, leaf, eqns))
-                continue
-            rule = _RULES.get(name)
+            rule = _rules.rule_for(name)
             n_params = sum(o is not None for o in ins)
             if rule is not None and n_params == 1:
-                use = rule(eqn, ins, here)
+                use = rule.match(eqn, ins, here, leaf_shapes)
                 if use is not None:
                     uses.append(use)
                     use_sites.append(call or eqn)
-                    use_of_output[eqn.outvars[0]] = len(uses) - 1
+                    if rule.takes_bias:
+                        use_of_output[eqn.outvars[0]] = len(uses) - 1
+                    y = rule.bias_target(eqn, use)
+                    # A bias fuses with its product only when the product's output
+                    # feeds this add alone (so the cotangent at the product equals the
+                    # one at the bias) and the sum has the product's shape.
+                    if (
+                        y is not None
+                        and y in use_of_output
+                        and readers.get(y) == 1
+                        and tuple(eqn.outvars[0].aval.shape) == tuple(y.aval.shape)
+                    ):
+                        view = next(o for o in ins if o is not None)
+                        bias_candidates.append(
+                            (use_of_output[y], len(uses) - 1, use.leaf, view.eqns)
+                        )
                     continue
-                reason = _rule_miss_reason(eqn, ins)
-            elif n_params > 1 and (rule is not None or name in _ELEMENTWISE_PRIMITIVES):
+                reason = rule.miss_reason(eqn, ins)
+            elif n_params > 1 and rule is not None:
                 reason = f"a {name} of two parameter views (e.g. W @ W or s * s)"
             elif name == "convert_element_type":
                 a, b = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
@@ -818,17 +498,17 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 reason = f"used by {name}{inside}, which no rule covers"
             for o in ins:  # any other use of a parameter view
                 if o is not None:
-                    fall_back(o[0], reason, call or eqn)
+                    fall_back(o.leaf, reason, call or eqn)
         for v in jaxpr.outvars:
-            o = None if _literal(v) else origins.get(v)
+            o = None if is_literal(v) else origins.get(v)
             if o is not None:
-                fall_back(o[0], "returned by the model itself (a parameter view as output)")
+                fall_back(o.leaf, "returned by the model itself (a parameter view as output)")
 
     invars = closed.jaxpr.invars[:n_param_leaves]
     # The model's scalar constants (e.g. jnp.sqrt(2.0) closed over), and inside inlined
     # calls those passed in or closed over there.
     known = _scalar_constants(closed.jaxpr.constvars, closed.consts)
-    walk(closed.jaxpr, {v: (i, (), ()) for i, v in enumerate(invars)}, ())
+    walk(closed.jaxpr, {v: View(i, (), ()) for i, v in enumerate(invars)}, ())
     by_leaf: dict[int, list[int]] = {}
     for u, use in enumerate(uses):
         by_leaf.setdefault(use.leaf, []).append(u)
@@ -847,11 +527,12 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
             and uses[s].factor == 1.0  # a scaled bias stays an elementwise shift
             and use.leaf not in bad
             and uses_per_leaf[use.leaf] == 1
-            and use.kind in ("dot", "conv")
+            and use.rule.takes_bias
             and _bias_fusable(eqns, leaf_shapes[leaf], use)
         )
         if ok:  # otherwise the add stays an elementwise shift
             fused[u] = leaf
+            absorbed_uses.add(s)
             absorbed_uses.add(s)
     kept_index = [u for u, use in enumerate(uses) if use.leaf not in bad and u not in absorbed_uses]
     kept = [uses[u] for u in kept_index]
@@ -875,66 +556,21 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     )
 
 
-def _probe(use: Use, delta) -> tuple:
-    """What :func:`_evaluate` does at a use: ``(recorded operand, delta)`` adds the
-    delta to the output; ``(..., delta, operand)`` to that (parameter) operand."""
-    if use.kind in ELEMENTWISE_KINDS:
-        return (use.x_side, delta, use.x_info[0])
-    return (use.x_side, delta)
-
-
-def _conv_with_canonical_transpose(eqn, lhs, rhs):
-    """``conv_general_dilated(lhs, rhs)`` as ``eqn`` binds it, with a JVP rule whose
-    transpose (the reverse pass to ``lhs``) convolves with the flipped kernel
-    materialised in the canonical (spatial..., in, out) order.
-
-    Equal in value, and in every derivative, to the plain convolution (the tangent of
-    ``lhs`` goes through the same kernel, laid out differently; that of ``rhs`` through
-    the plain convolution). Without the materialised kernel, XLA on CPU compiles the
-    transposed convolution inside a loop (``fori_loop``, ``lax.map``) as a naive loop
-    nest, about 5x slower than the same convolution outside one; the chunked features
-    run in such a loop.
-    """
-    params = eqn.params
-    dn = params["dimension_numbers"]
-    n_sp = len(dn.rhs_spec) - 2
-    spatial = tuple(range(n_sp))
-    # The kernel in physical order (spatial..., O, I): the transpose rule swaps O and I,
-    # so its transposed convolution reads it as (spatial..., in, out).
-    order = tuple(dn.rhs_spec[2:]) + (dn.rhs_spec[0], dn.rhs_spec[1])
-    turned = dict(params, dimension_numbers=dn._replace(rhs_spec=(n_sp, n_sp + 1) + spatial))
-
-    @jax.custom_jvp
-    def conv(x, w):
-        return _bind(eqn, [x, w])
-
-    def conv_jvp(primals, tangents):
-        x, w = primals
-        dx, dw = tangents
-        y = _bind(eqn, [x, w])
-        t = None
-        if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
-            # The transpose rule reverses this kernel: reverse it here first, behind a
-            # barrier XLA cannot fold through, so that the two reversals cancel and the
-            # transposed convolution reads a materialised, unreversed array.
-            flipped = barrier(jnp.flip(jnp.transpose(w, order), spatial))
-            t = eqn.primitive.bind(dx, jnp.flip(flipped, spatial), **turned)
-        if not isinstance(dw, jax.custom_derivatives.SymbolicZero):
-            tw = _bind(eqn, [x, dw])
-            t = tw if t is None else t + tw
-        if t is None:
-            t = jnp.zeros_like(y)
-        return y, t
-
-    conv.defjvp(conv_jvp, symbolic_zeros=True)
-    return conv(lhs, rhs)
+def _conv_use(eqn, ins, here):
+    """The convolution rule's use of ``eqn`` (``ins``: per operand, a :class:`View` or
+    its ``(leaf, chain, eqns)`` tuple, or None)."""
+    ins = [None if o is None else View(*o) for o in ins]
+    return _rules.conv.CONV.match(eqn, ins, here, None)
 
 
 def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
+    """The outputs of ``jaxpr`` with the probes (:class:`ntk_core._rules.Probe`, keyed
+    by their use's path) added and the recorded operands written into ``records``;
+    each primitive a rule claims is evaluated by its rule (``Rule.evaluate``)."""
     env = {}
 
     def read(v):
-        return v.val if _literal(v) else env[v]
+        return v.val if is_literal(v) else env[v]
 
     for v, val in zip(jaxpr.constvars, consts, strict=True):
         env[v] = val
@@ -943,27 +579,21 @@ def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
     for i, eqn in enumerate(jaxpr.eqns):
         here = path + (i,)
         invals = [read(v) for v in eqn.invars]
-        if _inlined(eqn):
-            sub, sub_consts = _sub_jaxpr(eqn)
+        if inlined(eqn):
+            sub, sub_consts = call_body(eqn)
             outs = _evaluate(sub, sub_consts, invals, probes, records, here)
         else:
             probe = probes.get(here)
             if probe is not None:
-                records[here] = invals[probe[0]]
-                if len(probe) == 3:  # the delta on a parameter operand
-                    invals[probe[2]] = invals[probe[2]] + probe[1]
-            if (
-                eqn.primitive.name == "conv_general_dilated"
-                and eqn.params["feature_group_count"] == 1
-                and eqn.params["batch_group_count"] == 1
-            ):
-                outs = _conv_with_canonical_transpose(eqn, *invals)
-            else:
-                outs = _bind(eqn, invals)
+                records[here] = invals[probe.record]
+                if probe.operand is not None:  # the delta on a parameter operand
+                    invals[probe.operand] = invals[probe.operand] + probe.delta
+            rule = _rules.rule_for(eqn.primitive.name)
+            outs = bind(eqn, invals) if rule is None else rule.evaluate(eqn, invals)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-            if probe is not None and len(probe) == 2:
-                outs = [outs[0] + probe[1]]
+            if probe is not None and probe.operand is None:
+                outs = [outs[0] + probe.delta]
         for v, val in zip(eqn.outvars, outs, strict=True):
             env[v] = val  # a dropped output (DropVar) is never read
     return [read(v) for v in jaxpr.outvars]
@@ -977,179 +607,17 @@ def analysis_for(
     return analyse(closed, len(jax.tree.leaves(params)), fuse_bias), closed
 
 
-def patches(x, geometry):
-    """Input patches of a convolution: ``(C_in·W, A)`` for one sample's input ``x``.
-
-    Rows follow the input channel, then the window offsets in the kernel's spatial
-    order; columns the output positions (batch, then the spatial axes in the
-    convolution's order), so that ``y[a, k] = Σ_c patches[c, a] · W'[c, k]`` with ``W'``
-    the kernel transposed to ``(C_in, *window, K)``. Built from padding and strided
-    slices only (exact, no convolution), in the layout that needs no transpose.
-    """
-    lhs_spec, window, strides, padding, lhs_dil, rhs_dil, out_spatial = geometry
-    x = jnp.transpose(x, (lhs_spec[1], lhs_spec[0]) + tuple(lhs_spec[2:]))  # (C_in, B, *sp)
-    zero = jnp.zeros((), x.dtype)
-    config = [(0, 0, 0), (0, 0, 0)] + [
-        (lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dil, strict=True)
-    ]
-    x = lax.pad(x, zero, config)
-    slices = []
-    for offset in itertools.product(*(range(w) for w in window)):
-        start = [0, 0] + [o * d for o, d in zip(offset, rhs_dil, strict=True)]
-        limit = list(x.shape[:2]) + [
-            s + (n - 1) * st + 1 for s, n, st in zip(start[2:], out_spatial, strides, strict=True)
-        ]
-        slices.append(lax.slice(x, start, limit, (1, 1) + tuple(strides)))
-    p = jnp.stack(slices, axis=1)  # (C_in, W, B, *out_spatial)
-    return p.reshape((p.shape[0] * p.shape[1], -1))
-
-
 def _bias_in_gram(analysis: Analysis, modes, u: int) -> bool:
-    """Whether use ``u`` is a Dense layer with a fused bias in the Gram form: then
-    (x·x' + 1)(g·g') adds 1 to the input Gram matrix (:func:`contract`) instead of a
-    column of ones to the inputs (:func:`features`), whose copy and odd width cost
-    about 4% of the MLP 784-1000-1 kernel on XLA CPU."""
+    """Whether use ``u`` has a fused bias in the Gram form that its rule adds as 1 to
+    the input Gram matrix (a Dense layer: (x·x' + 1)(g·g'), see
+    ``_rules/dot.py``) instead of a column of ones to the inputs (:func:`features`)."""
     use = analysis.uses[u]
     return (
         bool(analysis.biased)
         and analysis.biased[u]
-        and use.kind == "dot"
-        and use.a_size == 1
+        and use.rule.bias_in_gram(use)
         and _gram(analysis, modes, u)
     )
-
-
-def _input_matrix(use: Use, xu, biased: bool):
-    """The recorded input of one use, batched: ``(N, A, C)``; ``(N, C, A)`` for a
-    convolution (its patches' natural layout); tokens ``(N, A)`` for a gather."""
-    if use.kind == "gather":
-        return xu.reshape((xu.shape[0], use.a_size))
-    if use.kind == "conv":
-        xu = jax.vmap(lambda v: patches(v, use.x_info))(xu)
-        if biased:  # the fused bias: a constant input row
-            xu = jnp.concatenate([xu, jnp.ones((xu.shape[0], 1, xu.shape[2]), xu.dtype)], axis=1)
-        return xu
-    x_free, x_contract = use.x_info
-    perm = (0,) + tuple(1 + a for a in x_free) + tuple(1 + a for a in x_contract)
-    xu = jnp.transpose(xu, perm).reshape((xu.shape[0], use.a_size, -1))
-    if biased:  # the fused bias: a constant input column
-        xu = jnp.concatenate([xu, jnp.ones(xu.shape[:2] + (1,), xu.dtype)], axis=-1)
-    return xu
-
-
-def _x_spec(use: Use, n: str, a: str, c: str) -> str:
-    """Einsum subscripts of a use's input matrix (see :func:`_input_matrix`)."""
-    return f"{n}{c}{a}" if use.kind == "conv" else f"{n}{a}{c}"
-
-
-def _token_match(use: Use, t1, t2, mask_spec_batch_diagonal: bool):
-    """``[t1_a = t2_b]`` for valid tokens, float: ``(N1, A, N2, B)``, or ``(N, A, B)`` on
-    the batch diagonal. Out-of-range tokens are clamped (``clip``) or match nothing."""
-    vocab = use.x_contract_size
-    (mode,) = use.x_info
-
-    def norm(t):
-        if mode == "CLIP":
-            return jnp.clip(t, 0, vocab - 1)
-        return jnp.where((t >= 0) & (t < vocab), t, -1)
-
-    t1, t2 = norm(t1), norm(t2)
-    if mask_spec_batch_diagonal:
-        eq = t1[:, :, None] == t2[:, None, :]
-        valid = (t1 >= 0)[:, :, None]
-    else:
-        eq = t1[:, :, None, None] == t2[None, None, :, :]
-        valid = (t1 >= 0)[:, :, None, None]
-    return (eq & valid).astype(use.y_dtype)
-
-
-def _explicit_jacobian(use: Use, xm, g):
-    """``J[c, k] = Σ_a x[a, c] g[a, k]`` per sample and output entry: ``(N, *O, C, K)``.
-
-    Written as the batched matrix product whose natural output is ``(N, C, O, K)``
-    (other output orders make XLA on CPU copy the large input operand first).
-    """
-    lead = g.shape[:-2]
-    g3 = g.reshape((g.shape[0], -1) + g.shape[-2:])  # (N, O, A, K)
-    j = jnp.einsum(f"{_x_spec(use, 'n', 'a', 'c')},noak->ncok", xm, g3)
-    return jnp.moveaxis(j, 1, 2).reshape(lead + (j.shape[1], j.shape[3]))
-
-
-#: Kinds whose explicit Jacobian is built from the recorded operand itself (no input
-#: matrix): convolutions (patches, chunked) and elementwise scales and shifts.
-_RAW_INPUT_KINDS = frozenset({"conv"}) | ELEMENTWISE_KINDS
-#: Kinds whose Use.factor goes on the recorded input (see :func:`features`).
-_INPUT_SCALED = frozenset({"dot", "conv"})
-
-#: Values of convolution patches formed at once when building per-sample Jacobians:
-#: a few MiB, so that they stay in cache instead of crossing main memory.
-_PATCH_CHUNK_VALUES = 2**19
-
-
-def _conv_jacobian(use: Use, xu, g, biased: bool):
-    """Per-sample kernel Jacobian of a convolution, ``(N, *O, C, K)``, from its recorded
-    inputs ``(N, *lhs)`` and cotangents ``(N, *O, A, K)``: patches times cotangents,
-    a few samples at a time (:func:`map_in_batches`) so that the patches, C/K times larger than
-    the Jacobian, never exist for the whole batch at once."""
-    lead = g.shape[:-2]
-    g3 = g.reshape((g.shape[0], -1) + g.shape[-2:])  # (N, O, A, K)
-
-    def one(args):
-        x_i, g_i = args
-        pm = patches(x_i, use.x_info)  # (C, A)
-        if biased:
-            pm = jnp.concatenate([pm, jnp.ones((1, pm.shape[1]), pm.dtype)], axis=0)
-        return jnp.moveaxis(jnp.einsum("ca,oak->cok", pm, g_i), 0, 1)  # dot's own order
-
-    rows = max(1, _PATCH_CHUNK_VALUES // max(1, use.a_size * use.x_contract_size))
-    j = map_in_batches(jax.vmap(one), (xu, g3), rows)
-    return j.reshape(lead + j.shape[-2:])
-
-
-def map_in_batches(fn, args, most: int):
-    """``fn(args)`` for a batched ``fn`` (leading axis N), at most ``most`` samples at
-    a time in one XLA loop: the batches are evened out to ⌈N / ⌈N / most⌉⌉ samples and
-    the last one overlaps its predecessor, so the program holds ``fn`` once
-    (``lax.map(..., batch_size=)`` compiles it a second time for the remainder: 1.9 s
-    instead of 1.1 s for the LeNet's features)."""
-    n = jax.tree.leaves(args)[0].shape[0]
-    if most >= n:
-        return fn(args)
-    pieces = -(-n // most)
-    size = -(-n // pieces)
-
-    def part(start):
-        return fn(jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, start, size, 0), args))
-
-    shapes = jax.eval_shape(part, 0)
-    out = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape[1:], s.dtype), shapes)
-
-    def step(i, out):
-        start = jnp.minimum(i * size, n - size)
-        return jax.tree.map(
-            lambda o, p: lax.dynamic_update_slice_in_dim(o, p, start, 0), out, part(start)
-        )
-
-    return lax.fori_loop(0, pieces, step, out)
-
-
-def _one_hot_jacobian(use: Use, tokens, g):
-    """Explicit per-sample Jacobian of a lookup: ``J[v, d] = Σ_a [t_a = v] g[a, d]``."""
-    (mode,) = use.x_info
-    vocab = use.x_contract_size
-    if mode == "CLIP":
-        tokens = jnp.clip(tokens, 0, vocab - 1)
-    hot = jax.nn.one_hot(tokens, vocab, dtype=g.dtype)  # out of range: all zero
-    return jnp.einsum("nav,n...ad->n...vd", hot, g)
-
-
-def _elementwise_jacobian(use: Use, g):
-    """Per-sample Jacobian of an elementwise scale or shift in the leaf's order,
-    ``(N, *O, K)``, from the cotangents at its parameter operand ``(N, *O, A, K)``
-    (Σ_broadcast x·g and ±Σ g already reduced by the reverse pass): ``Σ_a g[a, k]``."""
-    _, leaf_order = use.x_info
-    j = g[..., 0, :] if use.a_size == 1 else jnp.sum(g, axis=-2)
-    return j[..., np.asarray(leaf_order)] if leaf_order else j
 
 
 #: Bytes of per-sample intermediates that the features phase may hold at once: the
@@ -1165,7 +633,7 @@ def _values_produced(jaxpr) -> int:
     total = 0
     for eqn in jaxpr.eqns:
         total += sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
-        sub = _sub_jaxpr(eqn)
+        sub = call_body(eqn)
         if sub is not None:
             total += _values_produced(sub[0])
     return total
@@ -1238,6 +706,7 @@ def features(
     if modes is None:
         modes = ("gram",) * len(analysis.groups)
     param_leaves = jax.tree.leaves(params)
+    param_leaves = jax.tree.leaves(params)
 
     def one(x_i):
         leaves_x = jax.tree.leaves(x_i)
@@ -1248,7 +717,8 @@ def features(
             for i, v in zip(analysis.fallback, fb, strict=True):
                 leaves[i] = v
             probes = {
-                use.path: _probe(use, d) for use, d in zip(analysis.uses, deltas, strict=True)
+                use.path: use.rule.probe(use, d)
+                for use, d in zip(analysis.uses, deltas, strict=True)
             }
             records: dict = {}
             outs = _evaluate(
@@ -1272,9 +742,10 @@ def features(
     work = [jnp.promote_types(leaf_dtypes[use.leaf], use.y_dtype) for use in analysis.uses]
 
     # A constant factor of the weights (Use.factor) scales the recorded input of a
-    # product or convolution (not a fused bias's ones, added later), else the cotangent.
-    x_factors = [use.factor if use.kind in _INPUT_SCALED else 1.0 for use in analysis.uses]
-    g_factors = [use.factor if use.kind not in _INPUT_SCALED else 1.0 for use in analysis.uses]
+    # product or convolution (``Rule.scales_input``; not a fused bias's ones, added
+    # later), else the cotangent.
+    x_factors = [use.factor if use.rule.scales_input else 1.0 for use in analysis.uses]
+    g_factors = [1.0 if use.rule.scales_input else use.factor for use in analysis.uses]
 
     def prepared(v, dtype, factor):
         if jnp.issubdtype(v.dtype, jnp.floating):  # not a gather's tokens
@@ -1289,12 +760,14 @@ def features(
             for pair in jac
         ]
         xs = [prepared(v, w, f) for v, w, f in zip(xs, work, x_factors, strict=True)]
-        x_mats = [
-            None
-            if use.kind in _RAW_INPUT_KINDS and not _gram(analysis, modes, u)
-            else _input_matrix(use, xu, b and not _bias_in_gram(analysis, modes, u))
-            for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True))
-        ]
+        # Per use: its Gram-form inputs, or what its explicit Jacobian reads of them.
+        x_mats = []
+        for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True)):
+            bias_column = b and not _bias_in_gram(analysis, modes, u)
+            if _gram(analysis, modes, u):
+                x_mats.append(use.rule.input_features(use, xu, bias_column))
+            else:
+                x_mats.append(use.rule.jacobian_input(use, xu, bias_column))
         fallback, explicit, merged, g = [], [], [], []
         for k, o in enumerate(out_shapes):
             o_ndim = len(o.shape)  # (N, *O)
@@ -1313,14 +786,7 @@ def features(
                 total = None
                 for u in group:
                     use = analysis.uses[u]
-                    if use.kind == "gather":
-                        j = _one_hot_jacobian(use, x_mats[u], per_use[u])
-                    elif use.kind == "conv":
-                        j = _conv_jacobian(use, xs[u], per_use[u], biased[u])
-                    elif use.kind in ELEMENTWISE_KINDS:
-                        j = _elementwise_jacobian(use, per_use[u])
-                    else:
-                        j = _explicit_jacobian(use, x_mats[u], per_use[u])
+                    j = use.rule.jacobian(use, x_mats[u], per_use[u], biased[u])
                     total = j if total is None else total + j
                 leaf_dtype = leaf_dtypes[analysis.uses[group[0]].leaf]
                 per_group.append(total.reshape(total.shape[:o_ndim] + (-1,)).astype(leaf_dtype))
@@ -1349,25 +815,6 @@ def _gram(analysis: Analysis, modes, u: int) -> bool:
 def _fresh_letters(used: str, n: int) -> list[str]:
     free = [c for c in string.ascii_letters if c not in used]
     return free[:n]
-
-
-def _single_position_term(
-    x1_spec, x2_spec, g_specs, out, x1, x2, g1, g2, precision, plus_one=False
-):
-    """The Gram form of two uses with one output position each (a Dense layer): the
-    input Gram matrix ``(N1, N2)`` times the cotangent Gram matrix, as an elementwise
-    product. (One einsum of all four operands lowers that product to a batched product
-    of 1 x 1 matrices, about 2.5x slower on XLA CPU.) Subscripts as in
-    :func:`contract`: the sample letter leads each input's, ``g_specs`` are the two
-    cotangents'."""
-    samples = x1_spec[0] if x1_spec[0] == x2_spec[0] else x1_spec[0] + x2_spec[0]
-    # The size-1 position axes sum away.
-    xx = _jacobian.pair_einsum(x1_spec, x2_spec, samples, x1, x2, precision)
-    if plus_one:  # a fused bias (see _bias_in_gram)
-        xx = xx + 1
-    gg = _jacobian.pair_einsum(*g_specs.split(","), out, g1, g2, precision)
-    # ``samples`` is in ``out``'s order (the N1 axis comes first): expand to its rank.
-    return gg * xx.reshape(tuple(xx.shape[samples.index(s)] if s in samples else 1 for s in out))
 
 
 def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
@@ -1406,6 +853,7 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
                 per_leaf[leaf] = jacobian_term(a, b)
         lo, ro, _ = layout.specs()
         ia, ib, c, kk = _fresh_letters(lo + ro + out, 4)
+        letters = Subscripts(lo, ro, out, ia, ib, c, kk)
         explicit_index = 0
         for leaf, group, mode in zip(group_leaves, groups, modes, strict=True):
             if mode == "explicit":
@@ -1419,48 +867,17 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
             total = None
             for u, v in itertools.product(group, group):
                 use, use_v = analysis.uses[u], analysis.uses[v]
-                g1, g2 = f1["g"][k][u], f2["g"][k][v]
-                x1, x2 = f1["x"][u], f2["x"][v]
-                if use.kind == "gather":
-                    diagonal = lo[0] == ro[0]
-                    match = _token_match(use, x1, x2, diagonal)
-                    m_spec = f"{lo[0]}{ia}{ib}" if diagonal else f"{lo[0]}{ia}{ro[0]}{ib}"
-                    term = jnp.einsum(
-                        f"{m_spec},{lo}{ia}{kk},{ro}{ib}{kk}->{out}",
-                        match,
-                        g1,
-                        g2,
-                        precision=precision,
-                        optimize="optimal",
-                    )
-                else:
-                    x1_spec = _x_spec(use, lo[0], ia, c)
-                    x2_spec = _x_spec(use_v, ro[0], ib, c)
-                    g_specs = f"{lo}{ia}{kk},{ro}{ib}{kk}"
-                    if use.a_size == 1 and use_v.a_size == 1:
-                        # A fused bias's use is its leaf's only one (u == v).
-                        term = _single_position_term(
-                            x1_spec,
-                            x2_spec,
-                            g_specs,
-                            out,
-                            x1,
-                            x2,
-                            g1,
-                            g2,
-                            precision,
-                            _bias_in_gram(analysis, modes, u),
-                        )
-                    else:
-                        term = jnp.einsum(
-                            f"{x1_spec},{x2_spec},{g_specs}->{out}",
-                            x1,
-                            x2,
-                            g1,
-                            g2,
-                            precision=precision,
-                            optimize="optimal",
-                        )
+                term = use.rule.gram_term(
+                    use,
+                    use_v,
+                    f1["x"][u],
+                    f2["x"][v],
+                    f1["g"][k][u],
+                    f2["g"][k][v],
+                    letters,
+                    precision,
+                    _bias_in_gram(analysis, modes, u),
+                )
                 total = term if total is None else total + term
             per_leaf[leaf] = (total / size).astype(analysis.leaf_dtypes[leaf])
         # None: fused biases, and leaves in the merged Jacobians.

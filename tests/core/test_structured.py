@@ -4,6 +4,7 @@ weights seen through different views, sequence axes), each against the reference
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -1205,3 +1206,114 @@ def test_kernel_differentiable_through_structured_convolutions(monkeypatch):
         for g, d in zip(jax.tree.leaves(grads["jacobian"]), jax.tree.leaves(direction), strict=True)
     )
     np.testing.assert_allclose(float(tangent), expected, rtol=2e-4)
+
+
+# -- the rule registry (ntk_core._rules) -----------------------------------------------------
+def test_every_registered_rule_has_the_interface():
+    """Each rule of the registry is a Rule with its own primitives (no two rules claim
+    one: the later would never be asked), plan() names for its kinds, and the rule
+    methods the analysis, the features and the pairwise part call."""
+    from ntk_core import _rules, _structured
+
+    claimed: dict[str, object] = {}
+    for rule in _rules.REGISTRY:
+        assert isinstance(rule, _rules.Rule), rule
+        assert isinstance(rule.primitives, frozenset) and rule.primitives, rule
+        for primitive in rule.primitives:
+            assert primitive not in claimed, (primitive, rule, claimed[primitive])
+            claimed[primitive] = rule
+            assert _rules.rule_for(primitive) is rule
+        assert rule.kind_names and all(
+            isinstance(k, str) and isinstance(n, str) and n for k, n in rule.kind_names.items()
+        ), rule
+        for method in (
+            "match",
+            "miss_reason",
+            "bias_target",
+            "probe",
+            "evaluate",
+            "input_features",
+            "jacobian_input",
+            "jacobian",
+            "x_spec",
+            "gram_input_width",
+            "bias_in_gram",
+            "gram_term",
+            "label",
+        ):
+            assert callable(getattr(rule, method)), (rule, method)
+        assert not getattr(type(rule), "__abstractmethods__", None), rule
+    # The engine's names of the kinds are the rules' own.
+    assert _structured.KIND_NAMES == {
+        kind: name for rule in _rules.REGISTRY for kind, name in rule.kind_names.items()
+    }
+    assert _rules.rule_for("tanh") is None
+
+
+def test_toy_rule_in_a_temporary_registry_is_picked_up(monkeypatch):
+    """A rule placed first in a temporary registry takes the uses of its primitive:
+    the analysis records it on each use, the features and the pairwise part call it,
+    its label names the leaf, and the kernel still matches the reference."""
+    from ntk_core import _rules, _structured
+    from ntk_core._rules.dot import DotRule
+
+    calls = {"match": 0, "gram_term": 0}
+
+    class ToyProduct(DotRule):
+        kind_names = {"toy": "toy product"}
+
+        def match(self, eqn, ins, here, leaf_shapes):
+            calls["match"] += 1
+            use = super().match(eqn, ins, here, leaf_shapes)
+            return None if use is None else dataclasses.replace(use, kind="toy")
+
+        def gram_term(self, *args):
+            calls["gram_term"] += 1
+            return super().gram_term(*args)
+
+    toy = ToyProduct()
+    monkeypatch.setattr(_rules, "REGISTRY", (toy,) + _rules.REGISTRY)
+
+    def toy_model(p, x):  # a function of its own: no compilation of another test reused
+        return jnp.tanh(x @ p[0] + p[1]) @ p[2]
+
+    p = _params((4, 4), (4,), (4, 3))
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (3, 4))
+    x2 = jax.random.normal(jax.random.PRNGKey(2), (2, 4))
+    one = jax.ShapeDtypeStruct((4,), x1.dtype)
+    apply3 = lambda q, x, aux: toy_model(q, x)  # noqa: E731
+    analysis, _ = _structured.analysis_for(apply3, p, one, None)
+    assert [(u.rule, u.kind) for u in analysis.uses] == [(toy, "toy"), (toy, "toy")]
+    modes = _structured.choose_modes(analysis, 9, 3)
+    assert _structured.method_labels(analysis, modes) == {
+        0: "structured (1 toy product)",
+        1: "structured (bias fused with its toy product)",
+        2: "structured (1 toy product)",
+    }
+    k = ntk_core.empirical_ntk(toy_model, p, x1, x2, trace_axes=(), implementation="structured")
+    reference.assert_close(k, reference.ntk(toy_model, p, x1, x2, trace_axes=())[0])
+    assert calls["match"] >= 2 and calls["gram_term"] >= 2, calls
+
+
+@pytest.mark.parametrize(
+    "f, shapes, d",
+    [
+        (mlp, ((4, 4), (4,), (4, 3)), 4),
+        (product_read_twice, ((4, 4), (4,), (4, 3)), 4),
+        (seq_dense_bias, ((2, 4), (4,), (4, 3)), 4),
+        (scale_shift, ((4,), (4,), (4, 3)), 4),
+    ],
+)
+def test_method_labels_are_the_plan_labels(f, shapes, d):
+    """The rules' labels (``_structured.method_labels``) are what plan() shows."""
+    from ntk_core import _structured
+
+    p = _params(*shapes, seed=2)
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, d))
+    one = jax.ShapeDtypeStruct((d,), x.dtype)
+    analysis, _ = _structured.analysis_for(lambda q, v, aux: f(q, v), p, one, None)
+    labels = _structured.method_labels(analysis, _structured.choose_modes(analysis, 9, 3))
+    plan = ntk_core.plan(f, p, x, trace_axes=(), implementation="structured")
+    assert [leaf.method for leaf in plan.leaves] == [
+        labels.get(i, "jacobian (fallback)") for i in range(len(p))
+    ]
