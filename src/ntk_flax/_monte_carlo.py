@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ntk_core._adapter import MONTE_CARLO_NNGP, MONTE_CARLO_NTK
 from ntk_core._api import _checked_arguments
 from ntk_core._checks import is_nnx_module
 from ntk_core._monte_carlo import (
@@ -146,8 +147,9 @@ def monte_carlo_kernels(
             progress, options,
         )  # fmt: skip
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
-    ntk = _make(fn, "ntk", model, method, apply_kwargs, options)  # errors name fn
-    nngp = _make(fn, "nngp", model, method, apply_kwargs, nngp_options)
+    model_keywords = dict(method=method, apply_kwargs=apply_kwargs)
+    ntk = _make(MONTE_CARLO_NTK, model, options, **model_keywords)  # errors name fn
+    nngp = _make(MONTE_CARLO_NNGP, model, nngp_options, **model_keywords)
     x_init = jax.tree.map(lambda a: a[:1], x1)
     init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import haiku as hk
 import jax
 
+from ntk_core._adapter import MONTE_CARLO_NNGP, MONTE_CARLO_NTK
 from ntk_core._api import _checked_arguments
 from ntk_core._monte_carlo import (
     average,
@@ -103,8 +104,8 @@ def monte_carlo_kernels(
     init_kwargs = check_init_kwargs(fn, init_kwargs)
     with_state = isinstance(transformed, hk.TransformedWithState)
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
-    ntk = _make(fn, "ntk", transformed, apply_kwargs, options)  # errors name fn
-    nngp = _make(fn, "nngp", transformed, apply_kwargs, nngp_options)
+    ntk = _make(MONTE_CARLO_NTK, transformed, options, apply_kwargs=apply_kwargs)  # errors name fn
+    nngp = _make(MONTE_CARLO_NNGP, transformed, nngp_options, apply_kwargs=apply_kwargs)
     x_init = x1 if with_state else jax.tree.map(lambda a: a[:1], x1)  # state from all of x1
     init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
 
