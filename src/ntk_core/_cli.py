@@ -17,7 +17,14 @@ def _demo(args) -> int:
         )
         return 2
     try:
-        return _demo.run(args.out, args.n_train, args.seed, args.implementation, args.progress)
+        return _demo.run(
+            args.out,
+            args.n_train,
+            args.seed,
+            args.implementation,
+            args.progress,
+            args.compilation_cache,
+        )
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

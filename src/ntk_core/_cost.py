@@ -112,6 +112,24 @@ def _eqn_flops(eqn) -> float:
     return 0.0
 
 
+def conv_channel_weight(eqn) -> float:
+    """1 / (C_out^1.5 · C_in^0.6) for a convolution (0 for anything else): the shape
+    of its slowdown per FLOP against a large matrix product,
+    ``Rates.conv_channel_slowdown`` times this, plus one. XLA CPU runs convolutions
+    with few channels far below its matrix-product rate; measured (2 cores, jax
+    0.10.2; NHWC, SAME, batch 32-500; C_in -> C_out, kernel: slowdown): 1 -> 6, 5x5:
+    39x; 6 -> 16, 5x5: 4x; 3 -> 16, 3x3: 8x; 16 -> 16, 3x3: 1.6x; 1 -> 64, 3x3:
+    2.1x; 32 -> 32 and 64 -> 64, 3x3: 1.1-1.2x. The fit 1 + 550 / (C_out^1.5 ·
+    C_in^0.6) is within 1.5x of each."""
+    if eqn.primitive.name != "conv_general_dilated":
+        return 0.0
+    rhs_shape = eqn.invars[1].aval.shape
+    out_dim, in_dim = eqn.params["dimension_numbers"].rhs_spec[:2]
+    c_out = rhs_shape[out_dim]
+    c_in = rhs_shape[in_dim] * eqn.params.get("feature_group_count", 1)
+    return 1.0 / (max(c_out, 1) ** 1.5 * max(c_in, 1) ** 0.6)
+
+
 @dataclasses.dataclass
 class PassCost:
     """FLOPs of one single-sample forward pass and of one reverse pass (one output
@@ -130,6 +148,10 @@ class PassCost:
     grad_weights_dot: float = 0.0
     grad_weights_conv: float = 0.0
     grad_elementwise: float = 0.0
+    #: Convolutions' FLOPs weighted by their few-channel slowdown less one
+    #: (:func:`conv_channel_weight`): forward, and in the activation gradient.
+    conv_forward_extra: float = 0.0
+    conv_activation_extra: float = 0.0
 
     def add(self, other: PassCost, times: float = 1.0) -> None:
         for f in dataclasses.fields(self):
@@ -162,9 +184,12 @@ def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
         subs = list(sub_jaxprs(eqn))
         if product:
             cost.forward += product
+            extra = product * conv_channel_weight(eqn)
+            cost.conv_forward_extra += extra
             for dep_p, dep_x in ins[:2]:
                 if dep_p and dep_x:
                     cost.grad_activations += product
+                    cost.conv_activation_extra += extra
                 elif dep_p and name == "conv_general_dilated":
                     cost.grad_weights_conv += product
                 elif dep_p:
@@ -243,12 +268,14 @@ class Rates:
     ``flops_per_s``: dense matrix-product rate; ``bytes_per_s``: memory bandwidth;
     ``conv_weight_grad_slowdown``: how much slower than ``flops_per_s`` per-sample
     gradients of convolution kernels run under ``vmap`` (XLA lowers them to grouped
-    convolutions).
+    convolutions); ``conv_channel_slowdown``: the few-channel slowdown of convolutions
+    (:func:`conv_channel_weight`).
     """
 
     flops_per_s: float
     bytes_per_s: float
     conv_weight_grad_slowdown: float
+    conv_channel_slowdown: float = 0.0
 
 
 #: CPU: float32 matrix products measured at 115-125 GFLOP/s on the 2-core CI CPU (jax
@@ -260,7 +287,12 @@ class Rates:
 #: figures of a data-centre GPU (not measured by this project; only their ratios matter
 #: to the choice).
 RATES = {
-    "cpu": Rates(flops_per_s=1.2e11, bytes_per_s=1.0e10, conv_weight_grad_slowdown=20.0),
+    "cpu": Rates(
+        flops_per_s=1.2e11,
+        bytes_per_s=1.0e10,
+        conv_weight_grad_slowdown=20.0,
+        conv_channel_slowdown=550.0,
+    ),
     "gpu": Rates(flops_per_s=5.0e13, bytes_per_s=3.0e12, conv_weight_grad_slowdown=2.0),
 }
 
@@ -306,7 +338,8 @@ def estimate(
     parameters (P_fb of them in fallback leaves) and n = N1 (+ N2 unless symmetric):
 
     * ``"jacobian"``: n·(F + O·(G_a + G_w + G_e)) + 2·pairs·O'·P FLOPs;
-    * ``"ntvp"``: N2·(F + O·(G_a + G_w + G_e)) + pairs·O·3F;
+    * ``"ntvp"``: N2·(F + O·(G_a + G_w + G_e)) + pairs·O·(G_a + G_w + G_e) (each pair's
+      JVP: its tangent costs about one reverse pass; XLA hoists the primal);
     * ``"structured"``: n·(F + O·(G_a + G_e + G_w·P_fb/P)) + the per-sample work of each
       leaf's form + pairs·(2·O'·P_fb + Σ leaf pair costs).
 
@@ -370,8 +403,12 @@ def estimate(
         0 if whole_batch is None else (whole_batch.residual_bytes + whole_batch.cotangent_bytes)
     )
 
-    def seconds(flops, slow_flops, nbytes, passes, passed_pairs):
+    fwd_x = rates.conv_channel_slowdown * pc.conv_forward_extra
+    act_x = rates.conv_channel_slowdown * pc.conv_activation_extra
+
+    def seconds(flops, slow_flops, nbytes, passes, passed_pairs, channel_flops=0.0):
         extra = slow * slow_flops + passes * passed_pairs * o_pair * _jacobian.EINSUM_PASS_FLOPS
+        extra += channel_flops
         return (flops + extra) / rates.flops_per_s + nbytes / rates.bytes_per_s
 
     # Separate contraction einsums: narrow Jacobians are merged into one (_jacobian.merge).
@@ -391,10 +428,14 @@ def estimate(
             2 * jac_bytes,
             _jacobian.einsum_count(leaf_sizes, limit),
             jac_pairs,
+            n_jac * fwd_x + reversed_jac * out_total * act_x,
         ),
     )
+    # Per pair and output: one JVP over x1's sample, whose primal XLA hoists out of the
+    # loop over columns; its tangent costs about one reverse pass (each product with a
+    # parameter-dependent operand once).
     ntvp_flops = (
-        n2 * forward + reversed_ntvp * out_total * reverse + all_pairs * out_total * 3 * forward
+        n2 * forward + reversed_ntvp * out_total * reverse + all_pairs * out_total * reverse
     )
     ntvp = CostEstimate(
         "ntvp",
@@ -410,6 +451,7 @@ def estimate(
             0.0,
             out_total,
             all_pairs,
+            n2 * fwd_x + (reversed_ntvp * act_x + all_pairs * fwd_x) * out_total,
         ),
     )
     p_fallback = sum(leaf_sizes[i] for i in analysis.fallback)
@@ -457,6 +499,7 @@ def estimate(
             2 * structured_bytes,
             _jacobian.einsum_count(widths, limit) + gram_terms,
             structured_pairs,
+            n_jac * (fwd_x + out_total * act_x),
         ),
     )
     return jac, ntvp, structured

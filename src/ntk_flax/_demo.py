@@ -75,7 +75,23 @@ def _figure(path, k_train, labels):
     plt.close(fig)
 
 
-def run(out: str, n_train: int, seed: int, implementation: str, progress: bool | None) -> int:
+def use_compilation_cache(folder: str) -> None:
+    """JAX's persistent compilation cache in ``folder`` (created), for every program
+    however quickly it compiled (JAX's default keeps only those above one second)."""
+    os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def run(
+    out: str,
+    n_train: int,
+    seed: int,
+    implementation: str,
+    progress: bool | None,
+    compilation_cache: str | None = None,
+) -> int:
     """Runs the demo; returns the process exit status (0 success, 1 failed check)."""
     import haiku as hk
 
@@ -83,6 +99,8 @@ def run(out: str, n_train: int, seed: int, implementation: str, progress: bool |
     from ntk_core._progress import progress_bar
 
     t_start = time.perf_counter()
+    if compilation_cache:
+        use_compilation_cache(compilation_cache)
     images, labels = load_digits_32(seed)
     if not 0 < n_train < len(images):
         raise ValueError(f"ntk demo: --n-train must be in [1, {len(images) - 1}], got {n_train}.")
@@ -185,6 +203,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "structured", "jacobian", "ntvp"],
         help="NTK implementation (auto)",
+    )
+    parser.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        help="keep the compiled XLA programs in DIR (JAX's persistent compilation cache), "
+        "so that the next run with the same DIR skips compiling them",
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--progress", dest="progress", action="store_true", default=None)

@@ -39,3 +39,29 @@ def test_console_script_help():
     )
     assert result.returncode == 0
     assert "--n-train" in result.stdout
+
+
+def test_compilation_cache_option_fills_the_folder_and_is_reused(tmp_path):
+    """--compilation-cache DIR: the first process writes the compiled kernel programs
+    into DIR; a second process with the same DIR writes nothing new (it loads them)."""
+    script = (
+        "import sys, jax, jax.numpy as jnp, ntk_core\n"
+        "from ntk_flax._demo import use_compilation_cache\n"
+        "use_compilation_cache(sys.argv[1])\n"
+        "f = lambda p, x: jnp.tanh(x @ p) @ p.T\n"
+        "k = ntk_core.ntk_fn(f, trace_axes=())(jnp.ones((3, 3)) / 3, jnp.ones((5, 3)))\n"
+        "print(float(k.sum()))\n"
+    )
+    folder = tmp_path / "cache"
+    runs = []
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, "-c", script, str(folder)], capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        runs.append((result.stdout, sorted(p.name for p in folder.iterdir())))
+    assert len(runs[0][1]) >= 2  # the kernel's programs, each one entry
+    assert runs[1] == runs[0]  # the same kernel, and no new entry
+    assert "--compilation-cache" in subprocess.run(
+        [sys.executable, "-m", "ntk_core._cli", "demo", "--help"], capture_output=True, text=True
+    ).stdout
