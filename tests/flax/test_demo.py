@@ -62,6 +62,11 @@ def test_compilation_cache_option_fills_the_folder_and_is_reused(tmp_path):
         runs.append((result.stdout, sorted(p.name for p in folder.iterdir())))
     assert len(runs[0][1]) >= 2  # the kernel's programs, each one entry
     assert runs[1] == runs[0]  # the same kernel, and no new entry
-    assert "--compilation-cache" in subprocess.run(
-        [sys.executable, "-m", "ntk_core._cli", "demo", "--help"], capture_output=True, text=True
-    ).stdout
+    assert (
+        "--compilation-cache"
+        in subprocess.run(
+            [sys.executable, "-m", "ntk_core._cli", "demo", "--help"],
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
