@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-import re
 from collections.abc import Callable
 
 from . import _caches
@@ -497,6 +496,31 @@ def plan(
     return _get("ntk", "plan", apply_fn, _options(locals())).plan(params, x1, x2)
 
 
+def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> str | None:
+    """The parameter ``signature.bind(*args, **kwargs)`` reports missing: the first
+    required one (in signature order) that neither a positional argument nor a keyword
+    gives; ``None`` when none is missing or bind fails on something else first (a
+    positional argument also given by keyword, too many positional arguments, a
+    positional-only one given by keyword), as ``Signature.bind`` checks in that order."""
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    taken = positional[: len(args)]
+    if any(p.name in kwargs and p.kind is not p.POSITIONAL_ONLY for p in taken):
+        return None  # multiple values for an argument
+    if len(args) > len(positional) and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None  # too many positional arguments
+    for p in params[len(taken) :]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name in kwargs:
+            if p.kind is p.POSITIONAL_ONLY:
+                return None  # a positional-only argument given by keyword
+            continue
+        if p.default is p.empty:
+            return p.name
+    return None
+
+
 def _checked_arguments(fn, name: str | None = None):
     """Turns Python's binding errors (an unknown or misspelt option, too many positional
     arguments, a missing one) into a TypeError naming the valid options and the fix;
@@ -548,9 +572,9 @@ def _checked_arguments(fn, name: str | None = None):
                     reason = f"{e} (expected positional arguments {', '.join(positional)})."
                     fix = f"call {name}({', '.join(positional)}, *, option=...); options are "
                     fix += "keyword-only."
-                    missing = re.search(r"missing a required argument: '(\w+)'", str(e))
-                    if missing and missing.group(1) in options:
-                        fix = f"pass {missing.group(1)}=... by keyword (it is keyword-only)."
+                    missing = _first_missing(signature, args, kwargs)
+                    if missing in options:
+                        fix = f"pass {missing}=... by keyword (it is keyword-only)."
                 raise TypeError(f"{name}: {reason} Fix: {fix}") from None
             raise
 

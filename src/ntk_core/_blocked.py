@@ -272,7 +272,7 @@ def _nonfinite_tile_error(fn, tile, r0, r1, c0, c1, batch_diagonal):
         else "compute in float64 (jax.config.update('jax_enable_x64', True) with float64 "
         "params and inputs)"
     )
-    return ValueError(
+    return _checks.non_finite_error(
         f"{fn}: the kernel came out non-finite (NaN or Inf) in the tile of x1 samples "
         f"{r0}..{r1 - 1}{cols}{where}, although x1 and x2 are finite. Likely causes: the "
         f"model produces NaN/Inf for these samples (log or sqrt of a negative number, a "

@@ -21,6 +21,22 @@ import numpy as np
 from . import _environment
 
 
+def non_finite_error(message: str) -> ValueError:
+    """The ValueError for NaN or Inf in an input, a kernel, one of its tiles or a Monte
+    Carlo sum, marked so that callers (the Monte Carlo kernels) tell it from other
+    failures with :func:`is_non_finite_error`, not by reading its message. Users get a
+    plain ValueError, as for every documented error (``docs/errors.md``; the bad-input
+    table accepts no subclass)."""
+    error = ValueError(message)
+    error.ntk_non_finite = True
+    return error
+
+
+def is_non_finite_error(error: BaseException) -> bool:
+    """Whether ``error`` was made by :func:`non_finite_error`."""
+    return getattr(error, "ntk_non_finite", False) is True
+
+
 def _classes(obj) -> list[tuple[str, str]]:
     return [(c.__module__, c.__name__) for c in type(obj).__mro__]
 
@@ -72,8 +88,8 @@ def params_check(fn_name: str, apply_fn):
     while isinstance(inner, functools.partial):
         inner = inner.func
     module = getattr(inner, "__self__", None)
-    if module is None or not _is_linen_module(module) or inner.__name__ != "apply":
-        return None
+    if module is None or not _is_linen_module(module) or inner != module.apply:
+        return None  # not a linen module's own model.apply (bound methods compare so)
     name = type(module).__name__
 
     def check(params, x1, x2, aux):
@@ -97,41 +113,96 @@ def params_check(fn_name: str, apply_fn):
     return check
 
 
+# -- other libraries' wording --------------------------------------------------------------
+# Where no exception class, attribute or signature tells what went wrong, the message of
+# the other library's error is read here, one function per wording, each tested against
+# the library itself (tests/core/test_wording.py, tests/flax/test_nnx_wording.py,
+# tests/haiku/test_haiku_wording.py), so that a rewording fails the tests instead of
+# silently turning a specific fix into the generic one.
+
+
+def python_unexpected_keyword(error: BaseException) -> str | None:
+    """The argument name in CPython's ``TypeError`` for a keyword argument a function
+    does not take, ``"f() got an unexpected keyword argument 'name'"`` (CPython 3.11's
+    wording, checked when this was written; 3.10 put the qualified name before it),
+    else ``None``."""
+    if not isinstance(error, TypeError):
+        return None
+    m = re.search(r"got an unexpected keyword argument '([^']+)'", str(error))
+    return None if m is None else m.group(1)
+
+
+def python_missing_arguments(error: BaseException) -> str | None:
+    """The quoted names (``"'a'"``, ``"'a' and 'b'"``, ``"'a', 'b', and 'c'"``) in
+    CPython's ``TypeError`` for required arguments not given, ``"f() missing 2 required
+    positional arguments: 'a' and 'b'"`` (or ``keyword-only``; CPython 3.11's wording),
+    else ``None``."""
+    if not isinstance(error, TypeError):
+        return None
+    m = re.search(
+        r"missing \d+ required (?:positional |keyword-only )?arguments?: (.+)$", str(error)
+    )
+    return None if m is None else m.group(1)
+
+
+def nnx_mode_missing(error: BaseException) -> bool:
+    """Whether ``error`` is flax.nnx's for a layer told neither whether it is
+    deterministic nor given rngs: ``nnx.Dropout`` (and ``MultiHeadAttention``) raise a
+    ``ValueError`` from ``flax.nnx.module.first_from`` worded ``"No `deterministic`
+    argument was provided to Dropout. ..."`` (flax 0.12.8; this check read
+    ``'deterministic'`` in quotes, an earlier wording) or ``"`deterministic` is False,
+    but no `rngs` argument was provided to Dropout ..."`` (flax 0.12.8)."""
+    text = str(error)
+    return (
+        re.search(r"No [`']deterministic[`'] argument", text) is not None
+        or "but no `rngs` argument was provided" in text
+    )
+
+
+def haiku_apply_without_rng(error: BaseException) -> bool:
+    """Whether ``error`` is Haiku's for an ``apply`` that takes an rng but got something
+    else in its place (``transformed.apply(params, x)``): the ``ValueError`` of
+    ``haiku._src.transform.to_prng_sequence``, worded from ``RNG_ERROR_TPL`` as ``"Apply
+    must be called with an RNG as the second argument, ..."`` (dm-haiku 0.0.17)."""
+    return "must be called with an RNG" in str(error)
+
+
 def _model_argument_fix(error: Exception) -> str:
     """The fix when the model's own call lacks an argument (``train``, ``is_training``)
     or got one it does not take (a misspelt key of ``apply_kwargs``), else ``""``."""
-    if "No 'deterministic' argument" in str(error) or (  # flax.nnx layers without a mode
-        "but no `rngs` argument was provided" in str(error)  # nnx Dropout, training mode
-    ):
+    if nnx_mode_missing(error):  # flax.nnx Dropout without a mode, or without rngs
         return (
             "the model needs to know whether it is deterministic (dropout): call "
             "model.eval() first (nnx), or pass apply_kwargs={'deterministic': True}"
         )
-    if not isinstance(error, TypeError):
-        return ""
-    unexpected = re.search(r"got an unexpected keyword argument '([^']+)'", str(error))
+    unexpected = python_unexpected_keyword(error)
     if unexpected is not None:
         return (
-            f"the model does not take the keyword argument {unexpected.group(1)!r}, which "
+            f"the model does not take the keyword argument {unexpected!r}, which "
             f"apply_kwargs passes: use the names of the model's own arguments (its "
             f"__call__ signature) in apply_kwargs"
         )
-    m = re.search(
-        r"missing \d+ required (?:positional |keyword-only )?arguments?: (.+)$", str(error)
-    )
-    if m is None:
+    missing = python_missing_arguments(error)
+    if missing is None:
         return ""
-    first = m.group(1).split(",")[0].split(" and ")[0].strip()
+    first = missing.split(",")[0].split(" and ")[0].strip()
     return (
-        f"the model's own argument(s) {m.group(1)} are missing: pass them with "
+        f"the model's own argument(s) {missing} are missing: pass them with "
         f"apply_kwargs={{{first}: False}} (for example)"
     )
 
 
-def adapter_model_failure(fn_name: str, params_name: str, error: Exception) -> ValueError:
+def adapter_model_failure(
+    fn_name: str, params_name: str, error: Exception, *, monte_carlo: bool | None = None
+) -> ValueError:
     """An adapter's ValueError for a model that fails on x1: the model's own error, then
-    the fix (the specific one for a missing or unexpected model argument)."""
-    if fn_name.endswith("monte_carlo_kernels"):  # the parameters come from its own init
+    the fix (the specific one for a missing or unexpected model argument).
+    ``monte_carlo``: for the Monte Carlo kernels, whose parameters come from their own
+    init (``entry.form is Form.MONTE_CARLO``); ``None`` reads it from ``fn_name``, for
+    a caller that does not say."""
+    if monte_carlo is None:
+        monte_carlo = fn_name.endswith("monte_carlo_kernels")
+    if monte_carlo:  # the parameters come from its own init
         generic = (
             "check that x1 has the per-sample shape and dtype the model expects, batch "
             "axis first (x1[None] for a single sample)"
@@ -211,7 +282,7 @@ def model_noun(fn_name: str) -> str:
 def model_call_fix(params, error: Exception, fn_name: str = "") -> str:
     """The fix for "calling the model failed": the specific one for a Haiku apply that
     expects an rng, else the generic one with a hint for a likely mix-up of params."""
-    if "must be called with an RNG" in str(error):
+    if haiku_apply_without_rng(error):
         return (
             "this is a Haiku apply that expects an rng argument: use "
             "ntk_haiku.kernel(transformed, params, x, rng=key) (it handles rng and state; "
@@ -324,7 +395,8 @@ def concrete_bool(value) -> bool | None:
 
 
 def check_finite_input(fn_name: str, name: str, x) -> None:
-    """Raises ValueError naming the first sample of ``x`` with a NaN or Inf.
+    """Raises the ValueError of :func:`non_finite_error` naming the first sample of ``x``
+    with a NaN or Inf.
 
     One reduction per floating input leaf (on the host for numpy arrays). The kernel
     functions call it only once their result came out non-finite
@@ -345,7 +417,7 @@ def check_finite_input(fn_name: str, name: str, x) -> None:
         i = int(np.argmax(bad))
         kind = "NaN" if np.isnan(values[i]).any() else "Inf"
         where = f"{name}{jax.tree_util.keystr(path)}"
-        raise ValueError(
+        raise non_finite_error(
             f"{fn_name}: {where} contains {kind} values, first in sample {i} (axis 0; "
             f"{int(bad.sum())} of {values.shape[0]} samples are affected); a kernel of "
             f"non-finite inputs is meaningless. Fix: clean or drop those samples first, e.g. "

@@ -32,7 +32,7 @@ import math
 import jax
 from jax.extend import core as jex_core
 
-from . import _jacobian
+from . import _jacobian, _structured
 from ._environment import sub_jaxprs
 from ._structured import choose_modes, pair_costs
 
@@ -73,7 +73,7 @@ class Plan:
             )
         lines = [
             f"implementation: {self.implementation}{how}",
-            "  estimates (FLOPs, feature memory, warm run time; compilation excluded):",
+            "  estimates (FLOPs, peak memory, warm run time; compilation excluded):",
         ]
         for e in self.estimates:
             mib = e.memory_bytes / 2**20
@@ -232,9 +232,10 @@ def values_written(jaxpr) -> int:
 @dataclasses.dataclass(frozen=True)
 class WholeBatch:
     """Memory of differentiating the whole batch at once (``vmap_axes=None``): the
-    forward pass's residuals, and what each output cotangent's reverse pass adds (its
-    cotangents of every value, V_batch, and one gradient of the P parameters). The
-    Jacobian contraction pulls ``chunk`` cotangents back at a time."""
+    forward pass's residuals (V_batch values), and what each output cotangent's
+    reverse pass adds (cotangents of the live values, about V_batch / 2, and one
+    gradient of the P parameters). The Jacobian contraction pulls ``chunk``
+    cotangents back at a time."""
 
     residual_bytes: int
     cotangent_bytes: int
@@ -255,7 +256,9 @@ def whole_batch(
     most all ``cotangents`` (N·O)."""
     values = int(values_written(jaxpr) * scale)
     residual = values * itemsize
-    per_cotangent = (values + n_params) * itemsize
+    # Half the forward values per cotangent: a reverse pass holds the live ones only
+    # (Conv-64 net, 32 inputs: 401 MB measured at the chunk the full count gave 1013 MB).
+    per_cotangent = (values // 2 + n_params) * itemsize
     room = budget - residual - jac_bytes
     chunk = int(min(cotangents, max(1, room // max(per_cotangent, 1))))
     return WholeBatch(residual, per_cotangent, chunk, cotangents)
@@ -305,8 +308,9 @@ def rates_for(backend: str | None = None) -> Rates:
 
 @dataclasses.dataclass(frozen=True)
 class CostEstimate:
-    """Estimated FLOPs, feature memory (bytes) and time (seconds) of one implementation
-    for one call; ``seconds`` is what ``"auto"`` minimises (see :func:`estimate`)."""
+    """Estimated FLOPs, peak memory (bytes: features, the kernel, the passes in
+    flight) and time (seconds) of one implementation for one call; ``seconds`` is what
+    ``"auto"`` minimises (see :func:`estimate`)."""
 
     implementation: str
     flops: float
@@ -403,6 +407,15 @@ def estimate(
         0 if whole_batch is None else (whole_batch.residual_bytes + whole_batch.cotangent_bytes)
     )
 
+    # Memory beside the features: the kernel (twice for a Gram matrix: its
+    # symmetrisation writes a second copy) and the per-sample passes in flight
+    # (vmapped forward and reverse passes: about (O + 1)·V/2 live values per sample;
+    # "structured" computes its features FEATURE_CHUNK_BYTES at a time). Calibrated on
+    # the benchmark cases (benchmarks/plan_accuracy.py: within 2x of the warm call's
+    # measured peak).
+    values = values_written(closed.jaxpr)
+    kernel_bytes = all_pairs * o_pair * itemsize * (2 if symmetric else 1)
+    passes_bytes = (out_total + 1) * values * itemsize // 2
     fwd_x = rates.conv_channel_slowdown * pc.conv_forward_extra
     act_x = rates.conv_channel_slowdown * pc.conv_activation_extra
 
@@ -421,7 +434,11 @@ def estimate(
     jac = CostEstimate(
         "jacobian",
         jac_flops,
-        float(jac_bytes + batch_bytes_jac),
+        float(
+            1.5 * jac_bytes  # the Jacobians, and (wide leaves) the contraction's copy
+            + kernel_bytes
+            + (n_jac * passes_bytes if whole_batch is None else batch_bytes_jac)
+        ),
         seconds(
             jac_flops,
             reversed_jac * out_total * pc.grad_weights_conv,
@@ -444,6 +461,8 @@ def estimate(
             out_total * n_params * itemsize
             + n1 * out_total * max(out_sizes) * itemsize
             + batch_bytes_ntvp
+            + kernel_bytes
+            + n1 * values * itemsize  # each column's JVP over x1
         ),
         seconds(
             ntvp_flops,
@@ -492,7 +511,11 @@ def estimate(
     structured = CostEstimate(
         "structured",
         structured_flops,
-        float(structured_bytes),
+        float(
+            structured_bytes
+            + kernel_bytes
+            + min(n_jac * passes_bytes, _structured.FEATURE_CHUNK_BYTES)
+        ),
         seconds(
             structured_flops,
             n_jac * out_total * share * pc.grad_weights_conv,

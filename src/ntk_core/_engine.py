@@ -230,34 +230,6 @@ def _structured_modes(analysis, shapes1, layouts) -> tuple[str, ...]:
     return _structured.choose_modes(analysis, o_pair, o_out)
 
 
-def _structured_methods(analysis, modes) -> dict[int, str]:
-    """``plan()`` labels of the structured leaves, e.g. "structured (1 convolution)"."""
-    methods = {}
-    for group, mode in zip(analysis.groups, modes, strict=True):
-        use = analysis.uses[group[0]]
-        name = _structured.KIND_NAMES[use.kind]
-        if use.kind in _structured.ELEMENTWISE_KINDS:  # e.g. "elementwise scale"
-            counts: dict[str, int] = {}
-            for u in group:
-                kind_name = _structured.KIND_NAMES[analysis.uses[u].kind]
-                counts[kind_name] = counts.get(kind_name, 0) + 1
-            label = " and ".join(n if c == 1 else f"{c} {n}s" for n, c in counts.items())
-        elif use.kind == "gather":
-            label = name if len(group) == 1 else f"{len(group)} {name}s"
-        else:
-            label = f"{len(group)} {name}{'s' if len(group) > 1 else ''}"
-        if mode == "explicit":
-            label += ", per-sample Jacobian"
-        methods[use.leaf] = f"structured ({label})"
-    for u, leaf in enumerate(analysis.bias_leaves):
-        if leaf >= 0:
-            kind = _structured.KIND_NAMES[analysis.uses[u].kind]
-            methods[leaf] = f"structured (bias fused with its {kind})"
-    for leaf, reason in zip(analysis.fallback, analysis.fallback_reasons, strict=True):
-        methods[leaf] = f"jacobian (fallback: {reason})"
-    return methods
-
-
 class KernelFunction:
     """A jitted empirical kernel ``(params, x1, x2=None, aux=None) -> kernel``.
 
@@ -447,7 +419,7 @@ class KernelFunction:
         shapes1 = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
         whole_batch = None
         if opts.vmap_axes is None and self._kind != "nngp":
-            whole_batch = self._whole_batch(closed, params, n1, n2, x2 is None, shapes1)
+            whole_batch = self._whole_batch(closed, params, n1, n2, x2 is None, shapes1, layouts)
         implementation = "nngp" if self._kind == "nngp" else opts.implementation
         if implementation == "auto":  # per-leaf: among those that separate the leaves
             estimates = self._estimates(
@@ -533,7 +505,7 @@ class KernelFunction:
             self._analyses[key] = analysis
         return analysis
 
-    def _whole_batch(self, closed, params, n1, n2, symmetric, shapes1):
+    def _whole_batch(self, closed, params, n1, n2, symmetric, shapes1, layouts):
         """The :class:`_cost.WholeBatch` of ``vmap_axes=None`` (from the abstract trace
         of x1's batch, scaled to the larger of x1's and x2's, or to one block of
         ``batch_size``); refuses, before anything runs, a batch whose forward pass and
@@ -546,9 +518,12 @@ class KernelFunction:
         itemsize = max(np.dtype(jnp.result_type(v)).itemsize for v in leaves)
         out_total = sum(math.prod(s.shape[1:]) for s in shapes1)
         jac_bytes = (n1 if symmetric else n1 + n2) * out_total * n_params * itemsize
+        pairs = n1 if layouts[0].batch_diagonal else n1 * n2
+        kernel_bytes = pairs * sum(_pair_sizes(shapes1, layouts)) * itemsize * (1 + symmetric)
+        held = int(1.5 * jac_bytes) + kernel_bytes  # as _cost.estimate counts them
         budget = opts.memory_budget or _blocked.default_memory_budget()
         model = _cost.whole_batch(  # values of the forward pass grow with the batch
-            closed.jaxpr, n_params, n * out_total, itemsize, budget, jac_bytes, n / n1
+            closed.jaxpr, n_params, n * out_total, itemsize, budget, held, n / n1
         )
         one = model.residual_bytes + model.cotangent_bytes
         if one > budget and opts.batch_size != "auto":
@@ -794,7 +769,7 @@ class KernelFunction:
             # Another implementation runs: say what "structured" would do, leaf by leaf.
             analysis = self._analysis(params, x1, aux)
             modes = _structured_modes(analysis, config.shapes1, config.layouts)
-        methods = {} if analysis is None else _structured_methods(analysis, modes)
+        methods = {} if analysis is None else _structured.method_labels(analysis, modes)
         leaves = []
         for i, (path, size) in enumerate(zip(paths, sizes, strict=True)):
             method = methods.get(i, "jacobian (fallback)") if methods else ""

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _progress
 from ._api import _checked_arguments, _make
-from ._checks import all_finite, check_finite_input
+from ._checks import all_finite, check_finite_input, is_non_finite_error, non_finite_error
 from ._options import make_options
 from ._predict import Kernels
 
@@ -178,10 +178,10 @@ def average(
             try:
                 k = sample(keys[start])
             except ValueError as e:
-                if "non-finite" not in str(e):
+                if not is_non_finite_error(e):
                     raise
                 inner = str(e).removeprefix(f"{fn_name}: ")
-                raise ValueError(f"{fn_name}: in {where}: {inner}") from e
+                raise non_finite_error(f"{fn_name}: in {where}: {inner}") from e
             dtypes["kernels"] = jax.tree.map(lambda a: a.dtype, k)
             k = jax.tree.map(wide, k)
         else:
@@ -207,12 +207,13 @@ def _add(total, k):
 
 
 def _check_finite_sum(fn_name: str, kernels, where: str) -> None:
-    """Raises ValueError when the (NNGP, NTK) sums of ``where`` hold NaN or Inf; under an
-    outer jax.jit (abstract values) nothing is checked."""
+    """Raises the ValueError of ``non_finite_error`` when the (NNGP, NTK) sums of
+    ``where`` hold NaN or Inf; under an outer jax.jit (abstract values) nothing is
+    checked."""
     for name, kernel in zip(("NNGP", "NTK"), kernels, strict=True):
         for a in jax.tree.leaves(kernel):
             if all_finite(a) is False:
-                raise ValueError(
+                raise non_finite_error(
                     f"{fn_name}: the {name} came out non-finite (NaN or Inf) in {where}, "
                     f"from finite inputs: the model computes NaN or Inf for that "
                     f"initialisation (a log or sqrt of a negative number, a division by "

@@ -140,8 +140,17 @@ def _make(entry: Entry, model, options: dict, *, method=None, apply_kwargs=None)
     """The kernel function of a linen or nnx ``model`` for ``entry`` (``make`` of
     :data:`ADAPTER`)."""
     fn_name = f"ntk_flax.{entry.name}"
+    mc = entry.form is Form.MONTE_CARLO
     if is_nnx_module(model):  # flax.nnx: the module's own state, split per call
-        return _nnx.make(fn_name, entry.kind, model, method, apply_kwargs, options)
+        return _nnx.make(
+            fn_name,
+            entry.kind,
+            model,
+            method,
+            apply_kwargs,
+            options,
+            monte_carlo=entry.form is Form.MONTE_CARLO,
+        )
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"{fn_name}: model must be a flax.linen.Module or a flax.nnx.Module, got "
@@ -206,11 +215,13 @@ def _make(entry: Entry, model, options: dict, *, method=None, apply_kwargs=None)
                 x1,
                 "variables = model.init(key, x1)",
             )
-            raise (mismatch or adapter_model_failure(fn_name, "variables", e)) from None
+            raise (
+                mismatch or adapter_model_failure(fn_name, "variables", e, monte_carlo=mc)
+            ) from None
         except Exception as e:
             raise (
                 read.misread(variables, x1, rngs, e)
-                or adapter_model_failure(fn_name, "variables", e)
+                or adapter_model_failure(fn_name, "variables", e, monte_carlo=mc)
             ) from e
 
     def to_core(variables, x1, rngs=None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import flax.errors
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
@@ -39,11 +40,29 @@ def _paths(state) -> str:
     return "[" + ", ".join(paths[:4]) + (", ...]" if len(paths) > 4 else "]")
 
 
+#: The classes of an nnx state's leaves: ``nnx.Variable``, and ``nnx.VariableState``
+#: where flax (< 0.12) keeps that separate class in states (flax 0.12 makes the name a
+#: deprecated alias of ``Variable``, looked up lazily, so it is not read from there).
+_VARIABLE_CLASSES = (nnx.Variable,) + tuple(
+    c for c in (vars(nnx).get("VariableState"),) if isinstance(c, type)
+)
+
+
+def _is_trace_context_error(error: BaseException) -> bool:
+    """Whether ``error`` is flax's for writing, inside a transformation, the state of an
+    nnx object made outside it: ``flax.errors.TraceContextError`` (flax 0.12.8), or by
+    its class name for a flax that does not export it there."""
+    cls = getattr(flax.errors, "TraceContextError", None)
+    if isinstance(cls, type):
+        return isinstance(error, cls)
+    return type(error).__name__ == "TraceContextError"
+
+
 def _variables(rest) -> list[tuple[str, str]]:
     """(path, variable type) of each array leaf of an nnx state, in leaf order."""
 
-    def is_variable(v) -> bool:  # flax < 0.12 keeps VariableState in states
-        return isinstance(v, nnx.Variable) or type(v).__name__ == "VariableState"
+    def is_variable(v) -> bool:
+        return isinstance(v, _VARIABLE_CLASSES)
 
     found = []
     for path, v in jax.tree_util.tree_leaves_with_path(rest, is_leaf=is_variable):
@@ -141,7 +160,12 @@ def _in_eval_mode(module) -> bool:
     return bool(flags) and all(flags)
 
 
-def _refuse_state_changes(fn_name: str, changed: list[str], module=None) -> None:
+def _refuse_state_changes(
+    fn_name: str, changed: list[str], module=None, *, monte_carlo: bool = False
+) -> None:
+    """The ValueError for a call that writes the module's state (``changed``, from
+    :func:`_state_changes`); ``monte_carlo``: for the Monte Carlo kernels, whose module
+    is built by the caller's function (the fix says where to call ``.eval()``)."""
     random = any("Rng" in c for c in changed)
     parameters = any(c.startswith("Param") for c in changed)
     statistics = any("BatchStat" in c for c in changed)
@@ -173,7 +197,7 @@ def _refuse_state_changes(fn_name: str, changed: list[str], module=None) -> None
             f"__call__ take the switch as an argument and pass it, e.g. {switch}, or take "
             f"the {'random draw' if random else 'statistics update'} out of the forward pass."
         )
-    if fn_name.endswith("monte_carlo_kernels"):
+    if monte_carlo:
         fix = (
             "call .eval() on the module in the function that builds it (m = Model("
             "rngs=rngs); m.eval(); return m)"
@@ -196,10 +220,13 @@ def _refuse_state_changes(fn_name: str, changed: list[str], module=None) -> None
     )
 
 
-def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exception) -> None:
+def _refuse_stateful_arguments(
+    fn_name: str, apply_kwargs: dict, error: Exception, *, monte_carlo: bool = False
+) -> None:
     """A call that failed writing the state of an nnx object given in ``apply_kwargs``
-    (an external ``nnx.Rngs`` drawing dropout masks) gets its own ValueError."""
-    if type(error).__name__ != "TraceContextError":
+    (an external ``nnx.Rngs`` drawing dropout masks: flax's ``TraceContextError``) gets
+    its own ValueError; ``monte_carlo`` as in :func:`_refuse_state_changes`."""
+    if not _is_trace_context_error(error):
         return
     stateful = [
         f"{name} ({type(v).__name__})"
@@ -209,7 +236,7 @@ def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exceptio
     if stateful:
         evaluation = (
             "call .eval() on the module in the function that builds it"
-            if fn_name.endswith("monte_carlo_kernels")
+            if monte_carlo
             else "model.eval()"
         )
         raise ValueError(
@@ -236,10 +263,23 @@ def model_apply(name: str, apply_kwargs: dict) -> Callable:
     return apply3
 
 
-def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Callable:
+def make(
+    fn_name: str,
+    kind: str,
+    model,
+    method,
+    apply_kwargs,
+    options,
+    *,
+    monte_carlo: bool | None = None,
+) -> Callable:
     """The kernel function ``call(variables, x1, x2=None, *, rngs=None)`` of an nnx
     module; ``variables`` is ``None`` (the module's own ``nnx.Param`` state now) or a
-    state of the same structure."""
+    state of the same structure. ``monte_carlo``: made for the Monte Carlo kernels
+    (``entry.form is Form.MONTE_CARLO``); ``None`` reads it from ``fn_name``, for a
+    caller that does not say."""
+    if monte_carlo is None:
+        monte_carlo = fn_name.endswith("monte_carlo_kernels")
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'deterministic': True}")
     name = _method(fn_name, model, method)
     apply3 = model_apply(name, apply_kwargs)
@@ -248,12 +288,13 @@ def make(fn_name: str, kind: str, model, method, apply_kwargs, options) -> Calla
         try:
             jax.eval_shape(apply3, params, x1, aux)
         except Exception as e:
-            _refuse_stateful_arguments(fn_name, apply_kwargs, e)
-            raise adapter_model_failure(fn_name, "variables", e) from e
+            _refuse_stateful_arguments(fn_name, apply_kwargs, e, monte_carlo=monte_carlo)
+            raise adapter_model_failure(fn_name, "variables", e, monte_carlo=monte_carlo) from e
         graphdef, rest = aux
         changed = _state_changes(graphdef, params, rest, x1, name, apply_kwargs)
         if changed:
-            _refuse_state_changes(fn_name, changed, nnx.merge(graphdef, params, rest))
+            module = nnx.merge(graphdef, params, rest)
+            _refuse_state_changes(fn_name, changed, module, monte_carlo=monte_carlo)
 
     kernel = kernel_function(fn_name, kind, apply3, options, check, hint="model.eval()")
 

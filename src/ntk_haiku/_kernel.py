@@ -19,6 +19,7 @@ from ntk_core import _adapter
 from ntk_core._adapter import (
     Adapter,
     Entry,
+    Form,
     Keyword,
     PureModel,
     build_kernel,
@@ -58,17 +59,48 @@ def _leaf_names(tree) -> set[str]:
     }
 
 
+# Haiku raises a plain ValueError, with no attribute naming the entry, when apply asks
+# for a parameter or a state entry it was not given. Comparing params and state with
+# the trees of an abstract transformed.init does not replace reading the message: init
+# often runs only with other model arguments (BatchNorm initialises in training mode
+# only, while the kernel applies it in evaluation mode), and the message names the
+# first entry the model asks for, an order no tree records. So the two wordings are
+# read here, one function each, tested against Haiku (tests/haiku/test_wording.py).
+
+
+def _haiku_wording(error: BaseException, pattern: str) -> tuple[str, str] | None:
+    if not isinstance(error, ValueError):  # Haiku raises both as a ValueError
+        return None
+    m = re.search(pattern, str(error))
+    return None if m is None else (m.group(1), m.group(2))
+
+
+def haiku_missing_parameter(error: BaseException) -> tuple[str, str] | None:
+    """``(name, module)`` of the parameter Haiku's ``get_parameter`` could not find in
+    the params given to apply, from its ValueError ``"Unable to retrieve parameter 'w'
+    for module 'linear' All parameters must be created as part of `init`."`` (dm-haiku
+    0.0.17, ``haiku/_src/base.py``), else ``None``."""
+    return _haiku_wording(error, r"Unable to retrieve parameter '([^']+)' for module '([^']+)'")
+
+
+def haiku_missing_state(error: BaseException) -> tuple[str, str] | None:
+    """``(name, module)`` of the state entry Haiku's ``get_state`` could not find in the
+    state given to apply (an entry without an init function), from its ValueError
+    ``"No value for 'average' in 'batch_norm/~/mean_ema', perhaps set an init
+    function?"`` (dm-haiku 0.0.17, ``haiku/_src/base.py``), else ``None``."""
+    return _haiku_wording(error, r"No value for '([^']+)' in '([^']+)'")
+
+
 def _foreign_params(fn_name, params, state, error) -> ValueError | None:
     """The ValueError for params or state that are not this transform's (Haiku cannot
     find a parameter or state entry the model asks for), naming what they hold;
     ``None`` for other errors. Flax variables get the ntk_flax fix."""
-    text = str(error)
-    wanted = re.search(r"Unable to retrieve parameter '([^']+)' for module '([^']+)'", text)
+    wanted = haiku_missing_parameter(error)
     if wanted is None:
-        wanted_state = re.search(r"No value for '([^']+)' in '([^']+)'", text)
+        wanted_state = haiku_missing_state(error)
         if wanted_state is None or not isinstance(state, Mapping):
             return None
-        name, module = wanted_state.groups()
+        name, module = wanted_state
         held = sorted(map(str, state))
         return ValueError(
             f"{fn_name}: the model asks for state {name!r} of module {module!r}, which "
@@ -78,7 +110,7 @@ def _foreign_params(fn_name, params, state, error) -> ValueError | None:
         )
     if not isinstance(params, Mapping):
         return None
-    name, module = wanted.groups()
+    name, module = wanted
     held = sorted(map(str, params))
     subject = f"params does not hold (its modules: {_shown(held)})"
     in_state = isinstance(state, Mapping) and isinstance(state.get(module), Mapping)
@@ -143,37 +175,49 @@ def _make(entry: Entry, transformed, options: dict, *, apply_kwargs=None):
         )
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
     apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs)
+    monte_carlo = entry.form is Form.MONTE_CARLO
 
     def init_params(x):
         out = transformed.init(jax.random.PRNGKey(0), x, **apply_kwargs)
         return out[0] if with_state else out
 
-    def check(params, x1, x2, aux):
+    def failure(params, x1, aux) -> Exception | None:
+        """The model's error on x1 (one abstract trace), ``None`` if it runs."""
         try:
             jax.eval_shape(lambda p, x, a: apply3(p, x, a), params, x1, aux)
-        except ValueError as e:
-            if "PRNGKey" not in str(e):
-                raise (
-                    _foreign_params(fn_name, params, aux[0], e)
-                    or input_shape_mismatch(
-                        fn_name,
-                        "params",
-                        params,
-                        init_params,
-                        x1,
-                        "params = transformed.init(key, x1)",
-                    )
-                    or adapter_model_failure(fn_name, "params", e)
-                ) from e
-            raise ValueError(
-                f"{fn_name}: the model needs a random key (e.g. dropout) but rng=None. Fix: "
-                f"pass rng=jax.random.PRNGKey(0) (the same key for every sample), or make the "
-                f"model deterministic."
-            ) from None
         except Exception as e:
-            raise _foreign_params(fn_name, params, aux[0], e) or adapter_model_failure(
-                fn_name, "params", e
-            ) from e
+            return e
+        return None
+
+    def check(params, x1, x2, aux):
+        error = failure(params, x1, aux)
+        if error is None:
+            return
+        state, rng = aux
+        if takes_rng and rng is None:  # does it fail for want of a key? run it with one
+            error = failure(params, x1, (state, jax.random.PRNGKey(0)))
+            if error is None:
+                raise ValueError(
+                    f"{fn_name}: the model needs a random key (e.g. dropout) but rng=None. "
+                    f"Fix: pass rng=jax.random.PRNGKey(0) (the same key for every sample), "
+                    f"or make the model deterministic."
+                ) from None
+        if isinstance(error, ValueError):
+            raise (
+                _foreign_params(fn_name, params, state, error)
+                or input_shape_mismatch(
+                    fn_name,
+                    "params",
+                    params,
+                    init_params,
+                    x1,
+                    "params = transformed.init(key, x1)",
+                )
+                or adapter_model_failure(fn_name, "params", error, monte_carlo=monte_carlo)
+            ) from error
+        raise _foreign_params(fn_name, params, state, error) or adapter_model_failure(
+            fn_name, "params", error, monte_carlo=monte_carlo
+        ) from error
 
     def to_core(params, state=None, rng=None):
         """``(params, (state, rng))`` for the core, after checking them against the

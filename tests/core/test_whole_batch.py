@@ -53,7 +53,7 @@ def test_kernel_within_a_small_budget_equals_the_reference(trace_axes, under_jit
     from Python, or inside the program under an outer jax.jit) equals the float64
     whole-batch reference, and the configuration really chunks."""
     params, x = _data()
-    budget = 40_000
+    budget = 30_000
     kernel = ntk_core.ntk_fn(
         _apply,
         trace_axes=trace_axes,
@@ -63,7 +63,7 @@ def test_kernel_within_a_small_budget_equals_the_reference(trace_axes, under_jit
     )
     values = _cost.values_written(jax.make_jaxpr(_apply)(params, x).jaxpr)
     n_params = 5 * 7 + 7 + 7 * 3
-    assert values * 4 + 9 * 4 * (values + n_params) * 4 > budget  # all at once: too big
+    assert values * 4 + 9 * 4 * (values // 2 + n_params) * 4 > budget  # all at once: too big
     plan = kernel.plan(params, x)
     (jac,) = [e for e in plan.estimates if e.implementation == "jacobian"]
     assert jac.memory_bytes <= budget
@@ -76,7 +76,7 @@ def test_kernel_within_a_small_budget_equals_the_reference(trace_axes, under_jit
 def test_chunk_size_follows_the_budget():
     closed = jax.make_jaxpr(_apply)(*_data())
     values = _cost.values_written(closed.jaxpr)
-    per = (values + 63) * 4
+    per = (values // 2 + 63) * 4
     small = _cost.whole_batch(closed.jaxpr, 63, 36, 4, values * 4 + 3 * per, 0)
     assert small.chunk == 3 and small.peak_bytes <= values * 4 + 3 * per
     assert _cost.whole_batch(closed.jaxpr, 63, 36, 4, 10**9, 0).chunk == 36

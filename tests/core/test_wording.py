@@ -1,0 +1,165 @@
+"""The checks that read another library's error message (CPython's here), each against
+the library itself, so that a rewording fails these tests instead of silently turning
+a specific fix into the generic one; and the checks that replaced such readings."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ntk_core
+from ntk_core import _checks
+from ntk_core._api import _first_missing
+
+
+def _error(call) -> BaseException:
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001 - the error is the value under test
+        return e
+    raise AssertionError("the call did not fail")
+
+
+def one(a, *, train):
+    return a
+
+
+def two(a, b, c):
+    return a
+
+
+def test_python_unexpected_keyword():
+    e = _error(lambda: one(1, train=True, trainig=False))
+    assert _checks.python_unexpected_keyword(e) == "trainig"
+    assert _checks.python_unexpected_keyword(ValueError(str(e))) is None  # TypeError only
+    assert _checks.python_unexpected_keyword(_error(lambda: one(1))) is None
+
+
+@pytest.mark.parametrize(
+    "call, names",
+    [
+        (lambda: one(1), "'train'"),
+        (lambda: two(1), "'b' and 'c'"),
+        (lambda: two(), "'a', 'b', and 'c'"),
+    ],
+)
+def test_python_missing_arguments(call, names):
+    assert _checks.python_missing_arguments(_error(call)) == names
+
+
+def test_model_argument_fix_names_the_argument():
+    fix = _checks._model_argument_fix(_error(lambda: one(1)))
+    assert fix == (
+        "the model's own argument(s) 'train' are missing: pass them with "
+        "apply_kwargs={'train': False} (for example)"
+    )
+    assert _checks._model_argument_fix(ValueError("something else")) == ""
+
+
+def test_adapter_model_failure_monte_carlo_flag():
+    """The explicit flag decides the generic fix; without it the name does."""
+    e = ValueError("bad")
+    mc = "check that x1 has the per-sample shape and dtype the model expects"
+    assert mc in str(_checks.adapter_model_failure("ntk_haiku.kernel", "p", e, monte_carlo=True))
+    assert mc not in str(_checks.adapter_model_failure("ntk_haiku.kernel", "p", e))
+    assert mc in str(_checks.adapter_model_failure("ntk_haiku.monte_carlo_kernels", "p", e))
+
+
+def _signatures():
+    def f(a, b=1, /, c=2, *args, d, e=3, **kwargs):
+        pass
+
+    def g(a, b, *, c, d=4):
+        pass
+
+    def h(a, /, b):
+        pass
+
+    return [inspect.signature(fn) for fn in (f, g, h)]
+
+
+CALLS = [
+    ((), {}),
+    ((1,), {}),
+    ((1, 2), {}),
+    ((1, 2, 3), {}),
+    ((1, 2, 3, 4, 5), {}),
+    ((1,), {"b": 2}),
+    ((1,), {"d": 1}),
+    ((1, 2), {"c": 3}),
+    ((1, 2), {"d": 3}),
+    ((1, 2), {"a": 3}),
+    ((), {"a": 1, "b": 2}),
+    ((1, 2, 3), {"c": 1}),
+]
+
+
+@pytest.mark.parametrize("signature", _signatures(), ids=["f", "g", "h"])
+@pytest.mark.parametrize("args, kwargs", CALLS)
+def test_first_missing_agrees_with_signature_bind(signature, args, kwargs):
+    """``_first_missing`` names the parameter ``Signature.bind`` reports missing (read
+    from its message here, in the test only), and nothing when bind fails otherwise."""
+    try:
+        signature.bind(*args, **kwargs)
+        reported = None
+    except TypeError as e:
+        prefix = "missing a required argument: "
+        reported = str(e).removeprefix(prefix).strip("'") if str(e).startswith(prefix) else None
+    assert _first_missing(signature, args, kwargs) == reported
+
+
+def test_missing_keyword_only_option_message():
+    with pytest.raises(TypeError, match=r"Fix: pass key=\.\.\. by keyword \(it is keyword-only\)"):
+        ntk_core.monte_carlo_kernels(lambda k: jnp.ones(3), lambda p, x: x @ p, jnp.ones((2, 3)))
+
+
+def test_non_finite_errors_are_marked():
+    """Non-finite inputs and kernels raise a plain ValueError that callers recognise by
+    its mark, other ValueErrors are not marked."""
+    x = np.ones((3, 2))
+    x[1, 0] = np.nan
+    with pytest.raises(ValueError, match=r"x1 contains NaN values") as info:
+        _checks.check_finite_input("empirical_ntk", "x1", x)
+    assert type(info.value) is ValueError and _checks.is_non_finite_error(info.value)
+    assert not _checks.is_non_finite_error(ValueError("the kernel came out non-finite"))
+
+
+def test_monte_carlo_reports_a_non_finite_kernel_by_type():
+    """A kernel that comes out non-finite from finite inputs is named with its
+    initialisation (recognised by its mark, not its words), and stays marked."""
+
+    def apply_fn(w, x):
+        return jnp.log(x @ w)  # NaN where x @ w < 0
+
+    with pytest.raises(ValueError, match=r"in initialisation 0 .*non-finite") as info:
+        ntk_core.monte_carlo_kernels(
+            lambda k: -jnp.ones((2, 1)),
+            apply_fn,
+            jnp.ones((3, 2)),
+            key=jax.random.PRNGKey(0),
+            n_samples=2,
+        )
+    assert _checks.is_non_finite_error(info.value)
+
+
+def test_params_check_recognises_model_apply_by_identity():
+    """``model.apply`` of a linen module is recognised as that bound method, not by
+    its name: another method of the module is not."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Dense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(x)
+
+        def features(self, x):
+            return x
+
+    model = Dense()
+    assert _checks.params_check("empirical_ntk", model.apply) is not None
+    assert _checks.params_check("empirical_ntk", model.features) is None
+    assert _checks.params_check("empirical_ntk", lambda p, x: x) is None

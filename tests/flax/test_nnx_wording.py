@@ -1,0 +1,57 @@
+"""The checks of ``flax.nnx`` errors, each against flax itself: by class where flax
+exports one, by its words otherwise (a rewording fails here instead of silently
+turning a specific fix into the generic one)."""
+
+from __future__ import annotations
+
+import flax.errors
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import ntk_flax
+from ntk_core import _checks
+from ntk_flax import _nnx
+
+
+class Drop(nnx.Module):
+    def __init__(self, rngs=None, **dropout):
+        self.dense = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(0.5, rngs=rngs, **dropout)
+
+    def __call__(self, x):
+        return self.drop(self.dense(x))
+
+
+X = jnp.ones((4, 3))
+
+
+@pytest.mark.parametrize(
+    "model",
+    [Drop(), Drop(deterministic=False)],
+    ids=["no-deterministic", "no-rngs"],
+)
+def test_mode_missing_wording(model):
+    with pytest.raises(ValueError) as info:
+        model(X)
+    assert _checks.nnx_mode_missing(info.value)
+
+
+def test_mode_missing_fix():
+    """A Dropout told neither its mode nor given rngs gets the specific fix."""
+    with pytest.raises(ValueError, match=r"Fix: the model needs to know whether it is determ"):
+        ntk_flax.kernel(Drop(), None, X)
+
+
+def test_trace_context_error_is_exported():
+    """The class the adapter checks by (its name is only the fallback)."""
+    assert isinstance(flax.errors.TraceContextError, type)
+    error = flax.errors.TraceContextError("x")
+    assert _nnx._is_trace_context_error(error)
+    assert not _nnx._is_trace_context_error(ValueError("TraceContextError"))
+
+
+def test_variable_classes():
+    state = nnx.state(Drop(), nnx.Param)
+    found = _nnx._variables(state)
+    assert [kind for _, kind in found] == ["Param", "Param"]
