@@ -333,6 +333,7 @@ def estimate(
     analysis,
     triangle=None,
     whole_batch=None,
+    jaxpr=None,
 ):
     """Cost estimates of ``"jacobian"``, ``"ntvp"`` and ``"structured"`` for one call.
 
@@ -365,6 +366,8 @@ def estimate(
         contraction of a symmetric Gram matrix (None: not symmetric): ``"jacobian"``
         and ``"structured"`` contract (k + 1) / 2k of the pairs; ``"ntvp"`` (no
         features) all of them.
+      jaxpr: ``single_fn``'s closed jaxpr on ``x_one``, when the caller has it (None:
+        traced here).
       whole_batch: the :class:`WholeBatch` of ``vmap_axes=None`` (None: per sample).
         Each output cotangent's reverse pass then runs over the whole batch, N times
         the work of one sample's (N·O of them: N²·O per-sample reverse passes), and
@@ -374,7 +377,7 @@ def estimate(
     Returns:
       Estimates for ``"jacobian"``, ``"ntvp"`` and ``"structured"``.
     """
-    closed = jax.make_jaxpr(single_fn)(params, x_one, aux)
+    closed = jaxpr if jaxpr is not None else jax.make_jaxpr(single_fn)(params, x_one, aux)
     all_pairs = pairs
 
     def contracted(feature_bytes):

@@ -23,7 +23,7 @@ from jax import lax
 
 from . import _blocked, _caches, _checks, _cost, _jacobian, _ntvp, _probe, _structured
 from ._layout import LeafLayout, resolve_layout
-from ._model import per_sample
+from ._model import per_sample, per_sample_jaxpr
 from ._options import KernelOptions
 
 _PRECISION = {
@@ -560,6 +560,7 @@ class KernelFunction:
             symmetric=symmetric,
             analysis=self._analysis(params, x1, aux),
             whole_batch=whole_batch,
+            jaxpr=per_sample_jaxpr(self._apply3, params, x_one, aux),
         )
         if self._options.vmap_axes is None:  # "structured" needs per-sample independence
             estimates = tuple(e for e in estimates if e.implementation != "structured")

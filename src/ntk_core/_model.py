@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _caches
 
@@ -35,3 +36,42 @@ def from_apply_fn(apply_fn):
         return apply_fn(params, x)
 
     return apply3
+
+
+def _abstract(leaf):
+    """A leaf's hashable signature for :func:`per_sample_jaxpr`'s cache."""
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        weak = getattr(getattr(leaf, "aval", None), "weak_type", False)
+        # The dtype as JAX traces it (a float64 numpy array is float32 without x64).
+        try:
+            dtype = jax.dtypes.canonicalize_dtype(leaf.dtype)
+        except (TypeError, ValueError):  # extended dtypes (random keys) stay as they are
+            dtype = leaf.dtype
+        return (tuple(leaf.shape), str(dtype), weak)
+    return (type(leaf).__name__, np.shape(leaf), str(np.result_type(leaf)))
+
+
+def per_sample_jaxpr(apply3, params, x_one, aux):
+    """``jax.make_jaxpr(per_sample(apply3))(params, x_one, aux)``, traced once per
+    model and per-sample signature (tree structures, shapes, dtypes as traced): the
+    structured analysis, the cost model and the features' chunk size all read this
+    one jaxpr (before, each traced the model again). The default matmul precision is
+    not part of the jaxpr (it applies when the equations are lowered)."""
+    leaves, treedef = jax.tree.flatten((params, x_one, aux))
+    key = (apply3, treedef, tuple(_abstract(v) for v in leaves))
+    return _traced(key, params, x_one, aux)
+
+
+_JAXPRS: dict = {}
+_caches.register(_JAXPRS.clear)
+_MAX_JAXPRS = 32
+
+
+def _traced(key, params, x_one, aux):
+    closed = _JAXPRS.pop(key, None)
+    if closed is None:
+        closed = jax.make_jaxpr(per_sample(key[0]))(params, x_one, aux)
+        while len(_JAXPRS) >= _MAX_JAXPRS:  # bounded: the oldest goes first
+            _JAXPRS.pop(next(iter(_JAXPRS)))
+    _JAXPRS[key] = closed  # most recently used last
+    return closed

@@ -80,7 +80,7 @@ from jax.extend import core as jex
 
 from . import _jacobian, _rules
 from ._jaxpr_walk import bind, call_body, inlined, is_literal
-from ._model import per_sample
+from ._model import per_sample_jaxpr
 from ._rules import Subscripts, View
 from ._rules import Use as Use  # the record of one use (read by _cost and _engine)
 from ._rules._base import map_in_batches as map_in_batches
@@ -603,7 +603,7 @@ def analysis_for(
     apply3, params, x_one, aux, fuse_bias: bool = True
 ) -> tuple[Analysis, jex.ClosedJaxpr]:
     """The structured analysis of ``apply3`` on one sample (shapes suffice)."""
-    closed = jax.make_jaxpr(per_sample(apply3))(params, x_one, aux)
+    closed = per_sample_jaxpr(apply3, params, x_one, aux)
     return analyse(closed, len(jax.tree.leaves(params)), fuse_bias), closed
 
 
@@ -654,7 +654,7 @@ def chunk_size(apply3, params, x, aux, out_tree, fuse_bias: bool, modes) -> int:
     x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x)
     analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias)
     n = np.shape(jax.tree.leaves(x)[0])[0]
-    outs = out_tree.flatten_up_to(jax.eval_shape(per_sample(apply3), params, x_one, aux))
+    outs = closed.out_avals  # the outputs' leaves, in out_tree's order
     out_size = sum(math.prod(o.shape) for o in outs)
     leaves = jax.tree.leaves(params)
     width = sum(math.prod(np.shape(leaves[i])) for i in analysis.fallback)
