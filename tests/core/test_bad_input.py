@@ -21,7 +21,10 @@ from typing import NamedTuple
 
 import pytest
 
-import frameworks
+if __name__ == "__main__":  # run as a script: the tests' helpers live in tests/
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import frameworks  # noqa: E402
 
 SETUP = """\
 import functools
