@@ -488,8 +488,7 @@ def estimate(
         for u in group:
             use = analysis.uses[u]
             a, c, k = use.a_size, analysis.input_size(u), use.w_free_size
-            if use.kind == "conv":  # patches
-                per_sample_flops += a * c
+            per_sample_flops += use.rule.input_flops(a, c)  # e.g. convolution patches
             if mode == "explicit":
                 per_sample_flops += 2.0 * out_total * a * c * k
         if mode == "explicit":
@@ -500,7 +499,7 @@ def estimate(
         else:
             for u in group:
                 use = analysis.uses[u]
-                c = 1 if use.kind == "gather" else analysis.input_size(u)
+                c = use.rule.input_values(analysis.input_size(u))
                 per_sample += use.a_size * (c + out_total * use.w_free_size)
             per_pair += gram
             gram_terms += len(group) ** 2

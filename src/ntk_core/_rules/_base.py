@@ -183,6 +183,16 @@ class Rule(abc.ABC):
         """FLOPs (halved) per entry of the input Gram matrix: C, the dot product."""
         return c
 
+    # -- cost (read by _cost.estimate) -------------------------------------------------
+    def input_values(self, c: int) -> int:
+        """Values of the recorded input stored per position as a feature: C."""
+        return c
+
+    def input_flops(self, a: int, c: int) -> float:
+        """Per-sample FLOPs of forming the recorded input (A positions, C each): none
+        for an operand recorded as it is."""
+        return 0.0
+
     def bias_in_gram(self, use: Use) -> bool:
         """Whether a fused bias adds 1 to the input Gram matrix instead of a column."""
         return False

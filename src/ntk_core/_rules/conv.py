@@ -90,6 +90,10 @@ class ConvRule(Rule):
     takes_bias = True
     scales_input = True
 
+    def input_flops(self, a, c):
+        """The patches: one copy per value, A positions of C values."""
+        return float(a * c)
+
     def match(self, eqn, ins, here, leaf_shapes):
         if ins[0] is not None or ins[1] is None:
             return None  # only the kernel operand is a parameter

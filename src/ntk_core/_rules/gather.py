@@ -106,6 +106,10 @@ class GatherRule(Rule):
         """One comparison per entry of the token match."""
         return 1
 
+    def input_values(self, c):
+        """The token id alone, not its one-hot row of C values."""
+        return 1
+
     def gram_term(self, u, v, x1, x2, g1, g2, s, precision, plus_one):
         """Σ_ab [t1_a = t2_b] (g1_a·g2_b)."""
         diagonal = s.left[0] == s.right[0]
