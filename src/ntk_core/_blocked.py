@@ -64,6 +64,7 @@ from jax import lax
 
 from . import _checks, _probe
 from ._barrier import barrier
+from ._cost import human_bytes
 from ._options import DEFAULT_MEMORY_BUDGET
 from ._progress import progress_bar
 
@@ -335,10 +336,10 @@ class Tiling:
     available: int = 0  # bytes for features and tiles (the budget less a kept output)
 
     def __str__(self) -> str:
-        gib = self.budget / 2**30
+        budget = human_bytes(self.budget)
         return (
             f"blocked engine: batch_size={self.requested!r} -> tiles of {self.b1} x "
-            f"{self.b2} samples, {self.tiles} tiles (memory_budget {gib:.2f} GiB; "
+            f"{self.b2} samples, {self.tiles} tiles (memory_budget {budget}; "
             f"features {self.feature_bytes} B per sample, {self.pair_bytes:.0f} B per pair)"
         )
 

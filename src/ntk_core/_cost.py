@@ -63,6 +63,9 @@ class Plan:
     #: With ``batch_size`` set: the blocked engine's tiles (``_blocked.Tiling``: the
     #: block sizes ``batch_size="auto"`` picks, the tile count, the budget).
     tiling: object = None
+    #: With ``vmap_axes=None`` and the Jacobian contraction: its :class:`WholeBatch`
+    #: (output cotangents per chunk, chunks, bytes).
+    whole_batch: object = None
 
     def __str__(self) -> str:
         how = " (chosen by implementation='auto')" if self.requested == "auto" else ""
@@ -89,6 +92,8 @@ class Plan:
             lines.append(line + (f"  ({leaf.structured})" if leaf.structured else ""))
         if self.tiling is not None:
             lines.append(f"  {self.tiling}")
+        if self.whole_batch is not None:
+            lines.append(f"  {self.whole_batch}")
         return "\n".join(lines)
 
 
@@ -217,6 +222,16 @@ def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
     return cost
 
 
+def human_bytes(nbytes: float) -> str:
+    """``nbytes`` for a message: GiB, MiB or KiB (whichever reads best), with the
+    exact count below 1 MiB."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{int(nbytes)} bytes"
+
+
 def values_written(jaxpr) -> int:
     """Values one evaluation of ``jaxpr`` writes: its equations' outputs, each
     sub-jaxpr counted once (the forward pass's residuals; a reverse pass writes about
@@ -245,6 +260,15 @@ class WholeBatch:
     @property
     def peak_bytes(self) -> int:
         return self.residual_bytes + self.chunk * self.cotangent_bytes
+
+    def __str__(self) -> str:
+        pieces = -(-self.cotangents // self.chunk)
+        return (
+            f"whole batch (vmap_axes=None): {self.cotangents} output cotangents pulled "
+            f"back {self.chunk} at a time ({pieces} chunks; residuals "
+            f"{human_bytes(self.residual_bytes)}, {human_bytes(self.cotangent_bytes)} per "
+            f"cotangent)"
+        )
 
 
 def whole_batch(
@@ -428,7 +452,7 @@ def estimate(
         return (flops + extra) / rates.flops_per_s + nbytes / rates.bytes_per_s
 
     # Separate contraction einsums: narrow Jacobians are merged into one (_jacobian.merge).
-    limit = _jacobian.merge_limit(min(n1, n2), out_total, o_pair)
+    limit = _jacobian.merge_limit(max(n1, n2), out_total, o_pair)
     jac_bytes = n_jac * out_total * n_params * itemsize
     jac_pairs = contracted(jac_bytes)
     jac_flops = (

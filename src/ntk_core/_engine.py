@@ -145,7 +145,9 @@ def _merge_limits(config) -> tuple[int, ...] | None:
     for a copy)."""
     if config.kind != "ntk" or config.layouts[0].batch_diagonal:
         return None
-    n = min(config.shapes1[0].shape[0], config.n2)
+    # The larger N: a test-train call (N_test < N_train) then groups like the train
+    # Gram matrix before it, and reuses its compiled features.
+    n = max(config.shapes1[0].shape[0], config.n2)
     limits = []
     for s, layout in zip(config.shapes1, config.layouts, strict=True):
         pair = 1
@@ -535,8 +537,8 @@ class KernelFunction:
                 f"needs {_gib(model.cotangent_bytes)} more, {_gib(one)} for one at a time, "
                 f"beyond {given} of {_gib(budget)}. Fix: pass vmap_axes=0 if each sample's "
                 f"output depends on that sample alone (BatchNorm in evaluation mode), pass "
-                f"fewer samples per call, or raise memory_budget (in bytes) if the device "
-                f"has the memory."
+                f"fewer samples per call, or raise memory_budget to at least {one} bytes "
+                f"if the device has the memory."
             )
         return model
 
@@ -787,6 +789,7 @@ class KernelFunction:
             tuple(leaves),
             self._options.implementation,
             tiling,
+            config.whole_batch if config.implementation == "jacobian" else None,
         )
 
     def implementation_for(self, params, x1, x2=None, aux=None) -> str:
@@ -849,7 +852,7 @@ TRIANGLE_MAX_FEATURE_BYTES = 2**28
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**27 else f"{nbytes / 2**20:.1f} MiB"
+    return _cost.human_bytes(nbytes)
 
 
 def _triangle_blocks(features, config: _Config) -> int:

@@ -50,7 +50,10 @@ def merge_limit(n: int, out_size: int, pair_size: int) -> int:
     contracts them with all the other side's blocks, so the whole call's N1, N2 hold
     there too. A wide leaf (e.g. the 784 000 weights of an MLP's first layer) stays
     apart: its einsum is a good matrix product already and a copy would double its
-    memory.
+    memory. The engine and the cost model pass n = max(N1, N2): a test-train call
+    (fewer test samples) then groups the leaves as the train Gram matrix before it did
+    and reuses its compiled features; for unbalanced N1, N2 that merges a little more
+    than the balance above asks.
     """
     return int(EINSUM_PASS_FLOPS / COPY_FLOPS * n * pair_size / (2.0 * max(out_size, 1)))
 

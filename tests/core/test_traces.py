@@ -92,9 +92,11 @@ def test_programs_compiled_per_call(implementation, trace_axes):
 
     kernel = ntk_core.ntk_fn(apply_fn, implementation=implementation, trace_axes=trace_axes)
     counts = []
-    for x in (jnp.ones((5, 6)), jnp.ones((9, 6)), jnp.ones((9, 6)) * 2.0):
+    x9 = jnp.ones((9, 6))
+    for x1, x2 in ((jnp.ones((5, 6)), None), (x9, None), (x9 * 2.0, None), (x9[:3], x9)):
         before = len(_SEEN)
-        jax.block_until_ready(kernel(PARAMS, x))
+        jax.block_until_ready(kernel(PARAMS, x1, x2))
         counts.append(len(_SEEN) - before)
     assert counts[0] <= 3 and counts[1] <= 2 and counts[2] == 0, counts
+    assert counts[3] <= 2, counts  # test-train: the new x1's features and the tile
     assert counts[0] >= 2  # the counter sees this kernel's own programs

@@ -67,6 +67,9 @@ def test_kernel_within_a_small_budget_equals_the_reference(trace_axes, under_jit
     plan = kernel.plan(params, x)
     (jac,) = [e for e in plan.estimates if e.implementation == "jacobian"]
     assert jac.memory_bytes <= budget
+    chunks = -(-plan.whole_batch.cotangents // plan.whole_batch.chunk)
+    assert plan.whole_batch.cotangents == 9 * 4 and chunks > 1
+    assert f"({chunks} chunks;" in str(plan)
     k = jax.jit(lambda p, a: kernel(p, a))(params, x) if under_jit else kernel(params, x)
     expected = reference.ntk(_apply, params, x, None, trace_axes)  # leaves: energy, logits
     for name, e in zip(("energy", "logits"), expected, strict=True):
@@ -95,6 +98,8 @@ def test_a_batch_beyond_the_budget_is_refused_before_running():
     with pytest.raises(ValueError, match=r"vmap_axes=None the whole batch of 9 samples") as e:
         kernel(params, x)
     assert "memory_budget" in str(e.value) and "Fix: pass vmap_axes=0" in str(e.value)
+    assert "beyond memory_budget of 1000 bytes" in str(e.value)
+    assert "raise memory_budget to at least" in str(e.value)
     assert len(calls) == 1  # one abstract trace, nothing compiled or run
 
 
