@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 from . import _blocked, _caches, _checks, _cost, _jacobian, _ntvp, _probe, _structured
+from ._batches import even_batches
 from ._layout import LeafLayout, resolve_layout
 from ._model import per_sample, per_sample_jaxpr
 from ._options import KernelOptions
@@ -665,11 +666,9 @@ class KernelFunction:
         rows, assemble = _whole_batch_phases(self._apply3, config.precision)
         n = jax.tree.leaves(x)[0].shape[0]
         total = n * sum(math.prod(s.shape[1:]) for s in config.shapes1)
-        pieces = -(-total // config.whole_batch.chunk)
-        size = -(-total // pieces)
-        starts = [min(i * size, total - size) for i in range(pieces)]
+        size, starts = even_batches(total, config.whole_batch.chunk)
         parts = [rows(params, x, aux, np.int32(start), size=size) for start in starts]
-        skip = (starts[-2] + size - starts[-1]) if pieces > 1 else 0
+        skip = (starts[-2] + size - starts[-1]) if len(starts) > 1 else 0
         return assemble(
             params,
             x,

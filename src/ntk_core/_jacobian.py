@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._batches import map_in_batches
 from ._model import per_sample
 
 #: FLOP-equivalents of one output value of a separate Jacobian-contraction einsum
@@ -142,22 +143,8 @@ def whole_batch_jacobian(f, params, chunk: int):
     Python where it can (concrete inputs) and uses this under an outer ``jax.jit``."""
     out_shapes = jax.eval_shape(f, params)
     total = sum(math.prod(o.shape) for o in jax.tree.leaves(out_shapes))
-    index = jnp.arange(total)
-    if chunk >= total:
-        return rows_as_jacobian(whole_batch_rows(f, params, index), out_shapes)
-    pieces = -(-total // chunk)
-    size = -(-total // pieces)
-    shapes = jax.eval_shape(lambda i: whole_batch_rows(f, params, i), index[:size])
-    out = jax.tree.map(lambda v: jnp.zeros((total,) + v.shape[1:], v.dtype), shapes)
-
-    def step(i, out):
-        start = jnp.minimum(i * size, total - size)
-        part = whole_batch_rows(f, params, jax.lax.dynamic_slice_in_dim(index, start, size))
-        return jax.tree.map(
-            lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v, start, 0), out, part
-        )
-
-    return rows_as_jacobian(jax.lax.fori_loop(0, pieces, step, out), out_shapes)
+    rows = map_in_batches(lambda i: whole_batch_rows(f, params, i), jnp.arange(total), chunk)
+    return rows_as_jacobian(rows, out_shapes)
 
 
 def jacobians(apply3, params, x, aux, vmap_axes, out_tree, merge_limits=None, cotangent_chunk=None):

@@ -16,6 +16,8 @@ Two views of a sub-jaxpr:
 
 from __future__ import annotations
 
+import math
+
 from jax.extend import core as jex
 
 #: Call-like primitives whose sub-jaxpr is evaluated inline.
@@ -75,3 +77,17 @@ def bind(eqn, invals):
     else:
         subfuns, params = (), bound
     return eqn.primitive.bind(*subfuns, *invals, **params)
+
+
+def values_written(jaxpr) -> int:
+    """Values one evaluation of ``jaxpr`` writes: its equations' outputs, each
+    sub-jaxpr counted once (the forward pass's residuals; a reverse pass writes about
+    as many cotangents). Read by the cost model and the features' chunk size."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            shape = getattr(getattr(v, "aval", None), "shape", None)
+            total += math.prod(shape) if shape is not None else 0
+        for sub in sub_jaxprs(eqn):
+            total += values_written(sub)
+    return total

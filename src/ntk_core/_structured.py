@@ -79,11 +79,11 @@ import numpy as np
 from jax.extend import core as jex
 
 from . import _jacobian, _rules
-from ._jaxpr_walk import bind, call_body, inlined, is_literal
+from ._batches import map_in_batches as map_in_batches
+from ._jaxpr_walk import bind, call_body, inlined, is_literal, values_written
 from ._model import per_sample_jaxpr
 from ._rules import Subscripts, View
 from ._rules import Use as Use  # the record of one use (read by _cost and _engine)
-from ._rules._base import map_in_batches as map_in_batches
 from ._rules._base import view_index
 from ._rules.conv import patches as patches
 
@@ -627,18 +627,6 @@ def _bias_in_gram(analysis: Analysis, modes, u: int) -> bool:
 FEATURE_CHUNK_BYTES = 2**28
 
 
-def _values_produced(jaxpr) -> int:
-    """Values one evaluation of ``jaxpr`` writes (its equations' outputs, sub-jaxprs
-    counted once)."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        total += sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
-        sub = call_body(eqn)
-        if sub is not None:
-            total += _values_produced(sub[0])
-    return total
-
-
 def chunk_size(apply3, params, x, aux, out_tree, fuse_bias: bool, modes) -> int:
     """Samples of ``x`` whose structured features are computed together:
 
@@ -667,7 +655,7 @@ def chunk_size(apply3, params, x, aux, out_tree, fuse_bias: bool, modes) -> int:
         if _gram(analysis, modes, u)
     )
     itemsize = max((np.dtype(o.dtype).itemsize for o in outs), default=4)
-    values = (out_size + 2) * _values_produced(closed.jaxpr) + out_size * width + gram_values
+    values = (out_size + 2) * values_written(closed.jaxpr) + out_size * width + gram_values
     most = int(min(n, max(1, FEATURE_CHUNK_BYTES // max(itemsize * values, 1))))
     pieces = -(-n // most)
     return -(-n // pieces)  # balanced: the overlapping last chunk repeats < pieces samples

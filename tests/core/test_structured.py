@@ -17,6 +17,7 @@ import pytest
 import frameworks
 import ntk_core
 import reference
+from ntk_core._jaxpr_walk import values_written
 
 DN = ("NHWC", "HWIO", "NHWC")
 
@@ -1164,7 +1165,7 @@ def test_features_in_chunks_match_reference_directly_and_under_jit(monkeypatch):
     kf = fn.plan.__self__
     one = jax.ShapeDtypeStruct(x_shape, x1.dtype)
     analysis, closed = _structured.analysis_for(kf._apply3, p, one, None)
-    per_sample = 4 * (2 + 2) * _structured._values_produced(closed.jaxpr)
+    per_sample = 4 * (2 + 2) * values_written(closed.jaxpr)
     monkeypatch.setattr(_structured, "FEATURE_CHUNK_BYTES", 3 * per_sample)
     cases = [(fn(p, x1), None), (jax.jit(fn)(p, x1, x2), x2)]
     chunks = set(kf._chunks.values())

@@ -14,6 +14,7 @@ import pytest
 import ntk_core
 import reference
 from ntk_core import _cost, _jacobian
+from ntk_core._jaxpr_walk import values_written
 
 
 def _apply(p, x):
@@ -61,7 +62,7 @@ def test_kernel_within_a_small_budget_equals_the_reference(trace_axes, under_jit
         implementation="jacobian",
         memory_budget=budget,
     )
-    values = _cost.values_written(jax.make_jaxpr(_apply)(params, x).jaxpr)
+    values = values_written(jax.make_jaxpr(_apply)(params, x).jaxpr)
     n_params = 5 * 7 + 7 + 7 * 3
     assert values * 4 + 9 * 4 * (values // 2 + n_params) * 4 > budget  # all at once: too big
     plan = kernel.plan(params, x)
@@ -78,7 +79,7 @@ def test_kernel_within_a_small_budget_equals_the_reference(trace_axes, under_jit
 
 def test_chunk_size_follows_the_budget():
     closed = jax.make_jaxpr(_apply)(*_data())
-    values = _cost.values_written(closed.jaxpr)
+    values = values_written(closed.jaxpr)
     per = (values // 2 + 63) * 4
     small = _cost.whole_batch(closed.jaxpr, 63, 36, 4, values * 4 + 3 * per, 0)
     assert small.chunk == 3 and small.peak_bytes <= values * 4 + 3 * per

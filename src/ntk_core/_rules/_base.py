@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from .. import _jacobian
+from .._batches import map_in_batches as map_in_batches
 from .._jaxpr_walk import bind
 
 
@@ -303,31 +303,3 @@ def _numpy_view(eqn, idx: np.ndarray) -> np.ndarray:
         return np.broadcast_to(idx.reshape(placed), shape)
     with jax.ensure_compile_time_eval():  # concrete even inside a jit trace
         return np.asarray(bind(eqn, [idx]))
-
-
-# -- batching ------------------------------------------------------------------------------
-def map_in_batches(fn, args, most: int):
-    """``fn(args)`` for a batched ``fn`` (leading axis N), at most ``most`` samples at
-    a time in one XLA loop: the batches are evened out to ⌈N / ⌈N / most⌉⌉ samples and
-    the last one overlaps its predecessor, so the program holds ``fn`` once
-    (``lax.map(..., batch_size=)`` compiles it a second time for the remainder: 1.9 s
-    instead of 1.1 s for the LeNet's features)."""
-    n = jax.tree.leaves(args)[0].shape[0]
-    if most >= n:
-        return fn(args)
-    pieces = -(-n // most)
-    size = -(-n // pieces)
-
-    def part(start):
-        return fn(jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, start, size, 0), args))
-
-    shapes = jax.eval_shape(part, 0)
-    out = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape[1:], s.dtype), shapes)
-
-    def step(i, out):
-        start = jnp.minimum(i * size, n - size)
-        return jax.tree.map(
-            lambda o, p: lax.dynamic_update_slice_in_dim(o, p, start, 0), out, part(start)
-        )
-
-    return lax.fori_loop(0, pieces, step, out)

@@ -1,0 +1,45 @@
+"""Loops over equal, overlapping batches: one body in the program whatever N.
+
+N items are cut into ⌈N / ⌈N / most⌉⌉-sized batches; the last one starts at N - size
+and overlaps its predecessor (its shared rows are computed twice, equal), so every
+step has the same shapes and XLA compiles the body once (``lax.map(...,
+batch_size=)`` compiles it a second time for the remainder: 1.9 s instead of 1.1 s
+for the LeNet's features).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def even_batches(n: int, most: int) -> tuple[int, list[int]]:
+    """``(size, starts)``: batches of ``size`` ≤ ``most`` items covering ``n``, the
+    last starting at ``n - size``."""
+    pieces = -(-n // max(most, 1))
+    size = -(-n // pieces)
+    return size, [min(i * size, n - size) for i in range(pieces)]
+
+
+def map_in_batches(fn, args, most: int):
+    """``fn(args)`` for a batched ``fn`` (leading axis N), at most ``most`` items at a
+    time in one XLA loop (:func:`even_batches`)."""
+    n = jax.tree.leaves(args)[0].shape[0]
+    if most >= n:
+        return fn(args)
+    size, starts = even_batches(n, most)
+
+    def part(start):
+        return fn(jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, start, size, 0), args))
+
+    shapes = jax.eval_shape(part, 0)
+    out = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape[1:], s.dtype), shapes)
+
+    def step(i, out):
+        start = jnp.minimum(i * size, n - size)
+        return jax.tree.map(
+            lambda o, p: lax.dynamic_update_slice_in_dim(o, p, start, 0), out, part(start)
+        )
+
+    return lax.fori_loop(0, len(starts), step, out)
