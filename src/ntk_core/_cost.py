@@ -30,11 +30,9 @@ import dataclasses
 import math
 
 import jax
-from jax.extend import core as jex_core
 
 from . import _jacobian, _structured
-from ._environment import sub_jaxprs
-from ._jaxpr_walk import values_written
+from ._jaxpr_walk import entries, is_literal, sub_jaxprs, sub_operands, values_written
 from ._structured import choose_modes, pair_costs
 
 #: Bytes of per-sample Jacobians above which ``"auto"`` avoids ``"jacobian"``.
@@ -98,15 +96,10 @@ class Plan:
         return "\n".join(lines)
 
 
-def _shape_size(var) -> int:
-    shape = getattr(getattr(var, "aval", None), "shape", None)
-    return math.prod(shape) if shape is not None else 0
-
-
 def _eqn_flops(eqn) -> float:
     """FLOPs of one matrix product or convolution (0 for anything else)."""
     name = eqn.primitive.name
-    out_size = sum(_shape_size(v) for v in eqn.outvars)
+    out_size = sum(entries(v) for v in eqn.outvars)
     if name == "dot_general":
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         lhs_shape = eqn.invars[0].aval.shape
@@ -167,20 +160,15 @@ class PassCost:
 
 def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
     """:class:`PassCost` of ``jaxpr`` whose inputs depend on (parameters, input) as
-    ``depends`` says (sub-jaxprs followed; a sub-jaxpr whose inputs do not map one to
-    one onto its equation's gets every input marked as depending on both)."""
+    ``depends`` says. Sub-jaxprs (``_jaxpr_walk.sub_jaxprs``) are followed with their
+    equation's operands (``_jaxpr_walk.sub_operands``; where they do not map one to one,
+    every input depends on what any operand does), the costliest one counted (a
+    ``cond``'s branches), ``length`` times for a ``scan``'s body."""
     cost = PassCost()
     flags: dict = dict(zip(jaxpr.invars, depends, strict=True))
 
     def get(v):
-        return (
-            flags.get(v, (False, False))
-            if not isinstance(v, jex_core.Literal)
-            else (
-                False,
-                False,
-            )
-        )
+        return (False, False) if is_literal(v) else flags.get(v, (False, False))
 
     for eqn in jaxpr.eqns:
         ins = [get(v) for v in eqn.invars]
@@ -205,17 +193,16 @@ def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
             repeat = eqn.params.get("length", 1) if name == "scan" else 1
             worst = None
             for sub in subs:
-                if len(sub.invars) == len(ins):
-                    inner = pass_cost(sub, ins)
-                elif len(sub.invars) == len(ins) - 1:  # cond: the index comes first
-                    inner = pass_cost(sub, ins[1:])
-                else:
+                operands = sub_operands(eqn, sub)
+                if operands is None:
                     inner = pass_cost(sub, [(on_p, on_x)] * len(sub.invars))
+                else:
+                    inner = pass_cost(sub, [get(v) for v in operands])
                 if worst is None or inner.forward > worst.forward:
                     worst = inner
             cost.add(worst, repeat)
         else:
-            size = sum(_shape_size(v) for v in eqn.outvars)
+            size = sum(entries(v) for v in eqn.outvars)
             cost.forward += size
             if on_p:
                 cost.grad_elementwise += 2.0 * size

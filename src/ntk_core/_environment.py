@@ -42,7 +42,6 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-# sub_jaxprs: also imported from here by _cost.
 from ._jaxpr_walk import equations, is_literal, sub_jaxprs
 
 #: The oldest CUDA runtime the library accepts.

@@ -8,7 +8,9 @@ Two views of a sub-jaxpr:
 
 * :func:`sub_jaxprs` / :func:`equations`: every jaxpr in an equation's parameters
   (``jit``, ``custom_jvp``, ``scan``, both branches of ``cond``, ...), for checks that
-  look at every equation wherever it runs;
+  look at every equation wherever it runs (:func:`sub_operands`: which of the
+  equation's operands a sub-jaxpr's inputs receive, for walks that follow values into
+  it, such as the cost model's);
 * :func:`call_body` / :func:`inlined`: the one body of a call-like equation (``jit``,
   ``closed_call``, ``checkpoint``) whose inputs and outputs are the equation's own, so
   that an interpreter can evaluate it in place.
@@ -39,6 +41,18 @@ def sub_jaxprs(eqn):
                 yield item.jaxpr
             elif isinstance(item, jex.Jaxpr):
                 yield item
+
+
+def sub_operands(eqn, sub):
+    """The operands of ``eqn`` that the inputs of its sub-jaxpr ``sub`` receive, told by
+    their count: all of them (``jit``, ``scan``, ``custom_jvp``), all but the first
+    (a ``cond`` branch: the index comes first), or None when the counts match neither
+    (a ``while`` loop's condition and body, which take their own constants)."""
+    if len(sub.invars) == len(eqn.invars):
+        return list(eqn.invars)
+    if len(sub.invars) == len(eqn.invars) - 1:
+        return list(eqn.invars[1:])
+    return None
 
 
 def equations(jaxpr):
@@ -79,15 +93,19 @@ def bind(eqn, invals):
     return eqn.primitive.bind(*subfuns, *invals, **params)
 
 
+def entries(v) -> int:
+    """Entries of the array a jaxpr variable holds (0 without a shape: a token)."""
+    shape = getattr(getattr(v, "aval", None), "shape", None)
+    return math.prod(shape) if shape is not None else 0
+
+
 def values_written(jaxpr) -> int:
     """Values one evaluation of ``jaxpr`` writes: its equations' outputs, each
     sub-jaxpr counted once (the forward pass's residuals; a reverse pass writes about
     as many cotangents). Read by the cost model and the features' chunk size."""
     total = 0
     for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            shape = getattr(getattr(v, "aval", None), "shape", None)
-            total += math.prod(shape) if shape is not None else 0
+        total += sum(entries(v) for v in eqn.outvars)
         for sub in sub_jaxprs(eqn):
             total += values_written(sub)
     return total

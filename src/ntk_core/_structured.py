@@ -72,6 +72,7 @@ import os
 import string
 import sys
 import sysconfig
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,24 @@ ELEMENTWISE_KINDS = frozenset(
 )
 
 
+class Structure(typing.NamedTuple):
+    """How :func:`contract` splits the kernel by parameter leaf (:meth:`Analysis.leaves`).
+
+    A tuple, so that it hashes into the engine's jit-static configuration.
+    """
+
+    #: Parameter leaves of the model.
+    n_leaves: int
+    #: Leaves differentiated explicitly (no rule covers them), in leaf order.
+    fallback: tuple[int, ...]
+    #: Per structured leaf (group), the indices of its uses in ``Analysis.uses``.
+    groups: tuple[tuple[int, ...], ...]
+    #: Per group, its parameter leaf.
+    group_leaves: tuple[int, ...]
+    #: Per group, ``"gram"`` or ``"explicit"`` (:func:`choose_modes`).
+    modes: tuple[str, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class Analysis:
     uses: tuple[Use, ...]
@@ -109,13 +128,16 @@ class Analysis:
     fallback_reasons: tuple[str, ...] = ()  # per fallback leaf: why no rule covers it
     leaf_dtypes: tuple[str, ...] = ()  # per parameter leaf (its Jacobian's dtype)
 
-    def leaves(self, n_leaves: int, modes: tuple[str, ...] | None = None) -> tuple:
-        """``(n_leaves, fallback, groups, leaf of each group, mode of each group)`` for
-        :func:`contract` (all modes ``"gram"`` unless given)."""
-        group_leaves = tuple(self.uses[g[0]].leaf for g in self.groups)
-        if modes is None:
-            modes = ("gram",) * len(self.groups)
-        return (n_leaves, self.fallback, self.groups, group_leaves, tuple(modes))
+    def leaves(self, n_leaves: int, modes: tuple[str, ...] | None = None) -> Structure:
+        """The :class:`Structure` of ``n_leaves`` parameter leaves for :func:`contract`
+        (all modes ``"gram"`` unless given)."""
+        return Structure(
+            n_leaves=n_leaves,
+            fallback=self.fallback,
+            groups=self.groups,
+            group_leaves=tuple(self.uses[g[0]].leaf for g in self.groups),
+            modes=("gram",) * len(self.groups) if modes is None else tuple(modes),
+        )
 
     def input_size(self, u: int) -> int:
         """C of use ``u`` with its fused bias column."""
@@ -805,15 +827,13 @@ def _fresh_letters(used: str, n: int) -> list[str]:
     return free[:n]
 
 
-def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
+def contract(layouts, structure: Structure, analysis, f1, f2, precision):
     """Per output leaf, the list of each parameter leaf's kernel (they sum to the NTK);
     with merged features (``f1["merged"]``, see :func:`features`) the list starts with
     the kernels of the merged Jacobians instead of their leaves' own.
 
-    ``analysis_leaves`` is ``(n_leaves, fallback leaf ids, groups of use indices, group
-    leaf ids, group modes)`` and ``analysis`` the :class:`Analysis` they come from.
+    ``structure`` is :meth:`Analysis.leaves` of ``analysis``.
     """
-    n_leaves, fallback, groups, group_leaves, modes = analysis_leaves
     kernels = []
     for k, layout in enumerate(layouts):
         lhs, rhs, out = layout.specs(n_contracted=1)
@@ -827,7 +847,7 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
             )
         )
         size = layout.trace_size(n1_shape)
-        per_leaf = [None] * n_leaves
+        per_leaf = [None] * structure.n_leaves
 
         def jacobian_term(a, b, specs=(lhs, rhs, out), size=size):
             return _jacobian.pair_einsum(*specs, a, b, precision) / size
@@ -837,13 +857,17 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
             jacobian_term(a, b) for a, b in zip(f1["merged"][k], f2["merged"][k], strict=True)
         ]
         if not merged:
-            for leaf, a, b in zip(fallback, f1["fallback"][k], f2["fallback"][k], strict=True):
+            for leaf, a, b in zip(
+                structure.fallback, f1["fallback"][k], f2["fallback"][k], strict=True
+            ):
                 per_leaf[leaf] = jacobian_term(a, b)
         lo, ro, _ = layout.specs()
         ia, ib, c, kk = _fresh_letters(lo + ro + out, 4)
         letters = Subscripts(lo, ro, out, ia, ib, c, kk)
         explicit_index = 0
-        for leaf, group, mode in zip(group_leaves, groups, modes, strict=True):
+        for leaf, group, mode in zip(
+            structure.group_leaves, structure.groups, structure.modes, strict=True
+        ):
             if mode == "explicit":
                 if merged:
                     continue
@@ -864,7 +888,7 @@ def contract(layouts, analysis_leaves, analysis, f1, f2, precision):
                     f2["g"][k][v],
                     letters,
                     precision,
-                    _bias_in_gram(analysis, modes, u),
+                    _bias_in_gram(analysis, structure.modes, u),
                 )
                 total = term if total is None else total + term
             per_leaf[leaf] = (total / size).astype(analysis.leaf_dtypes[leaf])
