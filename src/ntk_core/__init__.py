@@ -20,6 +20,7 @@ from ntk_core._doctor import doctor as doctor
 from ntk_core._environment import BackendWarning as BackendWarning
 from ntk_core._environment import PrecisionWarning as PrecisionWarning
 from ntk_core._environment import UnsupportedBackendError as UnsupportedBackendError
+from ntk_core._kernel_function import KernelFunction as KernelFunction
 from ntk_core._linearize import linearize as linearize
 from ntk_core._linearize import taylor_expand as taylor_expand
 from ntk_core._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
@@ -35,6 +36,7 @@ __all__ = (
     "PRECISIONS",
     "BackendWarning",
     "DoctorReport",
+    "KernelFunction",
     "KernelRecord",
     "KernelTracker",
     "PrecisionWarning",

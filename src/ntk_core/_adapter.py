@@ -30,8 +30,10 @@ import numpy as np
 
 from . import _caches
 from ._api import _checked_arguments
-from ._engine import KernelFunction
+from ._engine import Engine
+from ._kernel_function import KernelFunction
 from ._options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
+from ._pipeline import Spec
 
 #: Options of the other framework's spelling, per adapter: the fix to give instead.
 _RENAMED = {
@@ -137,7 +139,8 @@ def input_shape_mismatch(
 
 
 def kernel_function(fn_name: str, kind: str, apply3, options: dict, check=None, hint: str = ""):
-    """Validates ``options`` (names and values) and builds a :class:`KernelFunction`."""
+    """Validates ``options`` (names and values) and builds the model's
+    :class:`~ntk_core._engine.Engine`."""
     valid = NNGP_OPTION_NAMES if kind == "nngp" else NTK_OPTION_NAMES
     unknown = sorted(set(options) - set(valid))
     if unknown:
@@ -157,28 +160,29 @@ def kernel_function(fn_name: str, kind: str, apply3, options: dict, check=None, 
             f"{fn_name}: unknown option(s) {', '.join(map(repr, unknown))}; valid options are "
             f"{', '.join(valid)}. Fix: {'; '.join(fixes)}."
         )
-    return KernelFunction(fn_name, kind, apply3, make_options(fn_name, **options), check, hint)
+    return Engine(Spec(fn_name, kind, apply3, make_options(fn_name, **options), check, hint))
 
 
 def bound_kernel(
     fn_name: str,
-    kernel: KernelFunction,
+    kernel: Engine,
     to_core,
     keywords: tuple[str, ...],
     *,
     with_x1: bool = False,
-):
-    """The function an adapter returns: ``call(first, x1, x2=None, **keywords)``, with
-    ``.implementation_for`` and ``.plan`` taking the same arguments.
+) -> KernelFunction:
+    """The kernel function an adapter returns: ``call(first, x1, x2=None, **keywords)``,
+    with ``.plan`` and ``.implementation_for`` taking the same arguments.
 
     ``to_core(first, **keywords) -> (params, aux)`` turns the adapter's arguments (Flax
     ``variables`` and ``rngs``, Haiku ``params``, ``state`` and ``rng``) into the core's;
     with ``with_x1``, ``to_core(first, x1, **keywords)`` also sees x1 (Flax reads what
     ``variables`` is from the model's init on x1). A keyword outside ``keywords`` gets a
-    TypeError naming the valid ones.
+    TypeError naming the valid ones. ``to_core``'s first parameter names the kernel
+    function's first argument in its signature.
     """
 
-    def core_arguments(first, x1, given):
+    def bind(first, x1, given):
         unknown = sorted(set(given) - set(keywords))
         if unknown:
             raise TypeError(
@@ -189,21 +193,17 @@ def bound_kernel(
             )
         return to_core(first, x1, **given) if with_x1 else to_core(first, **given)
 
-    def call(first, x1, x2=None, **given):
-        params, aux = core_arguments(first, x1, given)
-        return kernel(params, x1, x2, aux)
-
-    def implementation_for(first, x1, x2=None, **given) -> str:
-        params, aux = core_arguments(first, x1, given)
-        return kernel.implementation_for(params, x1, x2, aux)
-
-    def plan(first, x1, x2=None, **given):
-        params, aux = core_arguments(first, x1, given)
-        return kernel.plan(params, x1, x2, aux)
-
-    call.implementation_for = implementation_for
-    call.plan = plan
-    return call
+    p = inspect.Parameter
+    first = next(iter(inspect.signature(to_core).parameters), "params")
+    signature = inspect.Signature(
+        [
+            p(first, p.POSITIONAL_OR_KEYWORD),
+            p("x1", p.POSITIONAL_OR_KEYWORD),
+            p("x2", p.POSITIONAL_OR_KEYWORD, default=None),
+            *(p(k, p.KEYWORD_ONLY, default=None) for k in keywords),
+        ]
+    )
+    return KernelFunction(kernel, bind, signature)
 
 
 def freeze(value):

@@ -15,9 +15,11 @@ from collections.abc import Callable
 
 from . import _caches
 from ._checks import check_apply_fn, params_check
-from ._engine import KernelFunction
+from ._engine import Engine
+from ._kernel_function import KernelFunction
 from ._model import from_apply_fn
 from ._options import NTK_OPTION_NAMES, make_options
+from ._pipeline import Spec
 
 _LAYOUT_DOC = """Returns (for each output leaf of shape ``(N, O_1, ..., O_k)``; a pytree of kernels
     with the output's structure when the output is a pytree) an array of the output's
@@ -58,7 +60,7 @@ def ntk_fn(
     store_on_device=False,
     progress=None,
     memory_budget=None,
-) -> Callable:
+) -> KernelFunction:
     """Returns a jitted empirical NTK function ``kernel(params, x1, x2=None)``.
 
         Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p, with
@@ -81,10 +83,12 @@ def ntk_fn(
             ``batch_size="auto"`` sizes B from ``memory_budget`` bytes.
 
         Returns:
-          ``kernel(params, x1, x2=None)``; ``x2=None`` means x2 is x1 (the Jacobians are
-          computed once, only tiles on and above the diagonal when batched, and the
-          result is exactly symmetric). A ``jax.Array`` with ``batch_size=None``; with a
-          batch size, a ``numpy.ndarray`` on the host (a ``jax.Array`` with
+          a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)`` (with
+          ``kernel.plan(...)`` and ``kernel.implementation_for(...)``); ``x2=None``
+          means x2 is x1 (the Jacobians are computed once, only tiles on and above
+          the diagonal when batched, and the result is exactly symmetric). A
+          ``jax.Array`` with ``batch_size=None``; with a batch size, a
+          ``numpy.ndarray`` on the host (a ``jax.Array`` with
           ``store_on_device=True``), of the same shape and dtype.
 
     {layout}
@@ -126,14 +130,14 @@ def ntk_fn(
     return _make("ntk", "ntk_fn", apply_fn, locals())
 
 
-def _make(kind: str, fn_name: str, apply_fn, options: dict) -> Callable:
+def _make(kind: str, fn_name: str, apply_fn, options: dict) -> KernelFunction:
     check_apply_fn(fn_name, apply_fn)
     _check_callable(fn_name, apply_fn)
     opts = make_options(fn_name, **{k: v for k, v in options.items() if k != "apply_fn"})
     check = params_check(fn_name, apply_fn)
-    kernel_function = KernelFunction(fn_name, kind, from_apply_fn(apply_fn), opts, check)
+    engine = Engine(Spec(fn_name, kind, from_apply_fn(apply_fn), opts, check))
 
-    def kernel(params, x1, x2=None, **unexpected):
+    def bind(params, x1, unexpected):
         if unexpected:
             raise TypeError(
                 f"{fn_name}(...)(params, x1, x2): got the keyword argument(s) "
@@ -142,11 +146,16 @@ def _make(kind: str, fn_name: str, apply_fn, options: dict) -> Callable:
                 f"...) when building it, and model arguments through apply_fn, e.g. "
                 f"functools.partial(model.apply, train=False)."
             )
-        return kernel_function(params, x1, x2)
+        return params, None
 
-    kernel.implementation_for = kernel_function.implementation_for
-    kernel.plan = kernel_function.plan
-    return kernel
+    return KernelFunction(engine, bind, _CORE_SIGNATURE)
+
+
+def _core_kernel(params, x1, x2=None):
+    """The signature of the core's kernel functions."""
+
+
+_CORE_SIGNATURE = inspect.signature(_core_kernel)
 
 
 @_with_layout
@@ -161,7 +170,7 @@ def nngp_fn(
     store_on_device=False,
     progress=None,
     memory_budget=None,
-) -> Callable:
+) -> KernelFunction:
     """Returns a jitted empirical NNGP function ``kernel(params, x1, x2=None)``.
 
         K(x1, x2)[i, j, a, b] = f_a(x1_i) · f_b(x2_j), reduced over ``trace_axes`` and
@@ -175,7 +184,7 @@ def nngp_fn(
             in :func:`ntk_fn` (the features of a block are its outputs).
 
         Returns:
-          ``kernel(params, x1, x2=None)``.
+          a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)``.
 
     {layout}
 
@@ -337,7 +346,7 @@ def ntk_per_leaf_fn(
     store_on_device=False,
     progress=None,
     memory_budget=None,
-) -> Callable:
+) -> KernelFunction:
     """Returns a jitted function ``kernel(params, x1, x2=None)`` of the NTK split by leaf.
 
     Θ_l(x1, x2)[i, j, a, b] = Σ_{p in leaf l} ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p, so
@@ -352,9 +361,10 @@ def ntk_per_leaf_fn(
         :func:`ntk_fn` (every leaf's kernel is assembled tile by tile).
 
     Returns:
-      ``kernel(params, x1, x2=None)`` returning a pytree shaped like ``params`` whose
-      leaves are kernels in the layout of :func:`ntk_fn` (``(N1, N2)`` by default;
-      pytrees of kernels when the output is a pytree).
+      a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)`` returning a
+      pytree shaped like ``params`` whose leaves are kernels in the layout of
+      :func:`ntk_fn` (``(N1, N2)`` by default; pytrees of kernels when the output is a
+      pytree).
 
     Raises:
       TypeError, ValueError: as :func:`ntk_fn`, and ``implementation="ntvp"``.

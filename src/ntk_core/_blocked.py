@@ -1,7 +1,8 @@
 """The blocked Gram engine: a kernel of any size in tiles, with bounded device memory.
 
-With ``batch_size=B`` (or ``"auto"``) a :class:`~ntk_core._engine.KernelFunction`
-hands its call here. x1 is cut into row blocks and x2 into column blocks of B samples
+With ``batch_size=B`` (or ``"auto"``) the engine (:mod:`ntk_core._engine`) hands its
+call here, with the implementation's two phases and the tiling (:func:`tiling`, which
+``plan()`` shows too). x1 is cut into row blocks and x2 into column blocks of B samples
 (the last block of each is ragged); the Gram matrix is computed tile by tile with the
 two phases of DESIGN.md:
 
@@ -62,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _checks, _probe
+from . import _checks
 from ._barrier import barrier
 from ._cost import human_bytes
 from ._options import DEFAULT_MEMORY_BUDGET
@@ -253,7 +254,7 @@ class _Output:
         return jax.tree.unflatten(self.treedef, self.leaves)
 
 
-def _nonfinite_tile_error(fn, tile, r0, r1, c0, c1, batch_diagonal):
+def nonfinite_tile_error(fn, tile, r0, r1, c0, c1, batch_diagonal):
     where = ""
     for leaf in jax.tree.leaves(tile):
         a = np.asarray(leaf)
@@ -306,7 +307,8 @@ def _pair_bytes(config, kernel_bytes: float, out_sizes, itemsize) -> float:
     if config.implementation == "ntvp":
         return kernel_bytes + itemsize * sum(o * o for o in out_sizes)
     if config.implementation == "structured":
-        fallback, groups, modes = config.structure[1], config.structure[2], config.structure[4]
+        structure = config.structure
+        fallback, groups, modes = structure.fallback, structure.groups, structure.modes
         # A Gram-form group holds an input and a cotangent Gram matrix per pair of its
         # uses; a per-sample-Jacobian group ("explicit") one contraction, as a fallback.
         terms = len(fallback) + sum(
@@ -344,24 +346,24 @@ class Tiling:
         )
 
 
-def tiling(kf, config, params, x1, x2, aux) -> Tiling:
-    """The :class:`Tiling` of a call of ``kf`` (a ``KernelFunction``) with its batching
-    options, from abstract evaluation of one sample's features and tile (nothing
-    runs)."""
-    opts = kf._options
+def tiling(implementation, config, options, params, x1, x2, aux) -> Tiling:
+    """The :class:`Tiling` of a call with ``options``' batching (``batch_size``,
+    ``memory_budget``, ``store_on_device``), from abstract evaluation of one sample's
+    features and tile of ``implementation`` (an
+    :class:`~ntk_core._pipeline.Implementation`; nothing runs)."""
     n1 = _n_samples(x1)
     same = x2 is None
     n2 = n1 if same else _n_samples(x2)
     batch_diagonal = config.layouts[0].batch_diagonal
-    budget = opts.memory_budget or default_memory_budget()
-    features = kf.block_features(config)  # None for "ntvp"
+    budget = options.memory_budget or default_memory_budget()
+    features = implementation.features  # None for "ntvp"
     one = jax.tree.map(lambda v: jax.ShapeDtypeStruct((1,) + np.shape(v)[1:], v.dtype), x1)
     f_one = None if features is None else jax.eval_shape(features, params, one, aux)
     feature_bytes = (
         0 if f_one is None else sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(f_one))
     )
     tile_one = jax.eval_shape(
-        lambda p, f, a, x: kf.tile(p, f, f, a, x, x, config=config, same=False)[0],
+        lambda p, f, a, x: implementation.tile(p, f, f, a, x, x, False)[0],
         params,
         f_one,
         aux,
@@ -375,8 +377,8 @@ def tiling(kf, config, params, x1, x2, aux) -> Tiling:
     out_bytes = kernel_bytes * (n1 if batch_diagonal else n1 * n2)
     # The result on the device comes out of the budget, but at least a quarter of it is
     # left for features and tiles (a result larger than the budget is the caller's call).
-    available = max(budget - (out_bytes if opts.store_on_device else 0), budget // 4)
-    b = opts.batch_size
+    available = max(budget - (out_bytes if options.store_on_device else 0), budget // 4)
+    b = options.batch_size
     if b == "auto":
         b = auto_batch_size(
             n1, n2, feature_bytes, pair_bytes, available, batch_diagonal, symmetric=same
@@ -386,30 +388,34 @@ def tiling(kf, config, params, x1, x2, aux) -> Tiling:
         b1 = b2 = min(b, n1)
     k1, k2 = len(_blocks(n1, b1)), len(_blocks(n2, b2))
     tiles = k1 if batch_diagonal else (k1 * (k1 + 1) // 2 if same else k1 * k2)
-    return Tiling(b1, b2, tiles, budget, feature_bytes, pair_bytes, opts.batch_size, available)
+    return Tiling(b1, b2, tiles, budget, feature_bytes, pair_bytes, options.batch_size, available)
 
 
-def compute(kf, config, params, x1, x2, aux):
-    """The blocked kernel of ``kf`` (a ``KernelFunction``) with batching options set."""
-    opts = kf._options
-    fn = kf._fn_name
+def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x2, aux):
+    """The kernel of x1 and x2 (x2 None: x1's Gram matrix) in the tiles of ``cut``.
+
+    Args:
+      implementation: the two phases (:class:`~ntk_core._pipeline.Implementation`).
+      config: the call's :class:`~ntk_core._pipeline.Config` (layouts, output tree).
+      cut: the blocks (:func:`tiling`).
+      options: ``store_on_device`` and ``progress`` are read.
+      fn: the public function's name, for messages and the progress bar.
+      params, x1, x2, aux: the call's arguments.
+
+    Returns:
+      the kernel, a host ``numpy.ndarray`` (a ``jax.Array`` with
+      ``store_on_device=True``) per leaf.
+
+    Raises:
+      ValueError: a tile with NaN or Inf (naming the first non-finite input sample,
+        or the tile and its first non-finite entry).
+    """
     n1 = _n_samples(x1)
     same = x2 is None
     n2 = n1 if same else _n_samples(x2)
     batch_diagonal = config.layouts[0].batch_diagonal
-    features = kf.block_features(config)  # None for "ntvp"
-    cut = tiling(kf, config, params, x1, x2, aux)
+    features = implementation.features  # None for "ntvp"
     b1, b2 = cut.b1, cut.b2
-    if config.vmap_axes is None and max(b1, b2) < max(n1, n2):
-        if _probe.samples_interact(kf._apply3, params, x1, x2, aux, fn_name=fn):
-            raise ValueError(
-                f"{fn}: batch_size={opts.batch_size!r} with vmap_axes=None would "
-                f"differentiate each block of {b1} samples as its own batch, but the "
-                f"model's samples interact (batch statistics such as BatchNorm in training "
-                f"mode), so the blocked kernel would differ from the one-call kernel. Fix: "
-                f"pass batch_size=None, or run the model in evaluation mode with "
-                f"vmap_axes=0."
-            )
     pad = config.vmap_axes is not None
     rows = _blocks(n1, b1)
     cols = rows if same else _blocks(n2, b2)
@@ -419,13 +425,13 @@ def compute(kf, config, params, x1, x2, aux):
         return _take(x, start, stop, size if pad else stop - start)
 
     def tile(fa, fb, xa, xb, same_block):
-        return kf.tile(params, fa, fb, aux, xa, xb, config=config, same=same_block)
+        return implementation.tile(params, fa, fb, aux, xa, xb, same_block)
 
     out = _Output(
         n1,
         n2,
         batch_diagonal,
-        opts.store_on_device,
+        options.store_on_device,
         [swap_perm(layout) for layout in leaf_layouts(config)],
     )
 
@@ -480,13 +486,13 @@ def compute(kf, config, params, x1, x2, aux):
                         yield (*tile(fa, column(j), None, None, False), r0, r1, c0, c1, same)
             del kept
 
-    bar = _Progress(fn, cut.tiles, opts.progress)
+    bar = _Progress(fn, cut.tiles, options.progress)
 
     def finalize(task):
         kernel, finite, r0, r1, c0, c1, mirror = task
         if not bool(finite):
             _checks.check_finite_inputs(fn, x1, x2)  # a non-finite input sample, named
-            raise _nonfinite_tile_error(fn, kernel, r0, r1, c0, c1, batch_diagonal)
+            raise nonfinite_tile_error(fn, kernel, r0, r1, c0, c1, batch_diagonal)
         out.put(kernel, r0, r1, c0, c1, mirror)
         bar.update()
 

@@ -22,9 +22,10 @@ import numpy as np
 from . import _caches, _checks, _probe
 from ._api import _checked_arguments
 from ._checks import all_finite, check_finite_input
-from ._engine import _batch_size, _describe
 from ._model import from_apply_fn
 from ._options import make_options
+from ._validate import batch_size as _batch_size
+from ._validate import describe as _describe
 
 
 def _whole(apply_fn, params, x, v):

@@ -5,6 +5,7 @@ types, progress, non-finite inputs and kernels, and the option errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import select
@@ -116,9 +117,9 @@ def test_symmetric_gram_in_triangular_blocks(monkeypatch, axes):
     """x2=None contracts only the sample blocks on and above the diagonal (k = 4 here,
     blocks of 9, 9, 9 and 10 samples) and mirrors the rest: equal to the float64
     reference, and exactly symmetric, one call and blocked (one diagonal tile)."""
-    from ntk_core import _engine
+    from ntk_core import _implementations
 
-    monkeypatch.setattr(_engine, "TRIANGLE_MIN_BLOCK", 9)
+    monkeypatch.setattr(_implementations, "TRIANGLE_MIN_BLOCK", 9)
     ref = reference.ntk(F, PARAMS, X1, None, **AXES[axes])[0]
     for implementation, batch_size in [
         ("jacobian", None),
@@ -139,8 +140,10 @@ def test_symmetric_gram_in_triangular_blocks(monkeypatch, axes):
     nngp = ntk_core.nngp_fn(F, **AXES[axes])(PARAMS, X1)
     reference.assert_close(nngp, reference.nngp(F, PARAMS, X1, None, **AXES[axes])[0])
     counted = []
-    real = _engine._triangular
-    monkeypatch.setattr(_engine, "_triangular", lambda *a: counted.append(a[2]) or real(*a))
+    real = _implementations._triangular
+    monkeypatch.setattr(
+        _implementations, "_triangular", lambda *a: counted.append(a[2]) or real(*a)
+    )
     ntk_core.ntk_fn(F, implementation="structured", **AXES[axes])(PARAMS, X1[:36])
     assert counted == [4]  # the path above really was the triangular one
 
@@ -222,21 +225,21 @@ def test_lenet_c1_same_gram_for_every_batch_size():
 
 def _counted(kernel):
     """Counts the feature computations of a kernel function of ``ntk_fn``."""
-    kf = kernel.implementation_for.__self__
+    engine = kernel._engine
     calls = []
-    original = kf.block_features
+    original = engine.implementation
 
-    def block_features(config):
-        features = original(config)
+    def implementation(config):
+        found = original(config)
 
         def counted(params, x, aux):
             if not isinstance(jax.tree.leaves(x)[0], jax.core.Tracer):  # not eval_shape
                 calls.append(jax.tree.leaves(x)[0].shape[0])
-            return features(params, x, aux)
+            return found.features(params, x, aux)
 
-        return counted
+        return dataclasses.replace(found, features=counted)
 
-    kf.block_features = block_features
+    engine.implementation = implementation
     return calls
 
 
@@ -256,9 +259,9 @@ def test_features_bounded_by_memory_budget():
     # Room for the tile and two blocks of features: bands of one column block, the
     # row features recomputed once per band (3 bands).
     loose = ntk_core.ntk_fn(F, implementation="jacobian", batch_size=B, progress=False)
-    kf = loose.implementation_for.__self__
-    config = kf.config_for(PARAMS, X1, X2)
-    block = jax.eval_shape(kf.block_features(config), PARAMS, X1[:B], None)
+    engine = loose._engine
+    features = engine.implementation(engine.prepare(PARAMS, X1, X2)[1]).features
+    block = jax.eval_shape(features, PARAMS, X1[:B], None)
     block_bytes = sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(block))
     tight = ntk_core.ntk_fn(
         F,

@@ -330,16 +330,18 @@ def test_plan_counts_the_triangular_contraction(monkeypatch):
     pairs are contracted by the feature methods, while NTK-vector products, which have
     no features, still compute all of them; and all of them again where the features
     pass TRIANGLE_MAX_FEATURE_BYTES (the blocks would copy them)."""
-    from ntk_core import _engine
+    from ntk_core import _implementations
 
     p = _params((6, 5), (5,), (5, 2))
-    k = _engine.triangle_blocks(256)
-    assert k == 256 // _engine.TRIANGLE_MIN_BLOCK > 1
-    assert _engine.triangle_blocks(256, _engine.TRIANGLE_MAX_FEATURE_BYTES + 1) == 1
+    k = _implementations.triangle_blocks(256)
+    assert k == 256 // _implementations.TRIANGLE_MIN_BLOCK > 1
+    assert (
+        _implementations.triangle_blocks(256, _implementations.TRIANGLE_MAX_FEATURE_BYTES + 1) == 1
+    )
     flops = {}
     for n in (32, 64, 256, "whole"):
         if n == "whole":
-            monkeypatch.setattr(_engine, "TRIANGLE_MAX_FEATURE_BYTES", 0)
+            monkeypatch.setattr(_implementations, "TRIANGLE_MAX_FEATURE_BYTES", 0)
         x = jnp.ones((256 if n == "whole" else n, 6))
         plan = ntk_core.plan(mlp, p, x, trace_axes=())
         flops[n] = {e.implementation: e.flops for e in plan.estimates}
@@ -1115,8 +1117,8 @@ def test_narrow_jacobians_merged_into_one_contraction():
     # N = 16, O = 3 outputs, O' = 9 kernel values per pair (trace_axes=()).
     assert 120 <= _jacobian.merge_limit(16, 3, 9) < 800
     fn = ntk_core.ntk_fn(mlp, trace_axes=(), implementation="jacobian")
-    kf = fn.plan.__self__
-    feats = kf.block_features(kf.config_for(p, x1, x2))(p, x1, None)
+    engine = fn._engine
+    feats = engine.implementation(engine.prepare(p, x1, x2)[1]).features(p, x1, None)
     assert [m.shape[-1] for m in feats[0]] == [40 + 120, 800]
     reference.assert_close(fn(p, x1, x2), reference.ntk(mlp, p, x1, x2, trace_axes=())[0])
 
@@ -1162,9 +1164,9 @@ def test_features_in_chunks_match_reference_directly_and_under_jit(monkeypatch):
     x1 = jax.random.normal(jax.random.PRNGKey(1), (7, *x_shape))
     x2 = jax.random.normal(jax.random.PRNGKey(2), (5, *x_shape))
     fn = ntk_core.ntk_fn(f, trace_axes=(), implementation="structured")
-    kf = fn.plan.__self__
+    kf = fn._engine
     one = jax.ShapeDtypeStruct(x_shape, x1.dtype)
-    analysis, closed = _structured.analysis_for(kf._apply3, p, one, None)
+    analysis, closed = _structured.analysis_for(kf.spec.apply3, p, one, None)
     per_sample = 4 * (2 + 2) * values_written(closed.jaxpr)
     monkeypatch.setattr(_structured, "FEATURE_CHUNK_BYTES", 3 * per_sample)
     cases = [(fn(p, x1), None), (jax.jit(fn)(p, x1, x2), x2)]
