@@ -448,6 +448,10 @@ def plan(
     vmap_axes=0,
     implementation="auto",
     precision="highest",
+    batch_size=None,
+    store_on_device=False,
+    progress=None,
+    memory_budget=None,
 ):
     """What :func:`empirical_ntk` with these arguments would do, without computing it.
 
@@ -477,6 +481,9 @@ def plan(
     Args:
       apply_fn, params, x1, x2, trace_axes, diagonal_axes, vmap_axes, implementation,
       precision: as :func:`empirical_ntk`.
+      batch_size, store_on_device, progress, memory_budget: the blocked engine, as
+        :func:`empirical_ntk`; with a ``batch_size`` the plan shows its tiles
+        (``plan.tiling``: block sizes, tile count, memory budget).
 
     Returns:
       A ``Plan`` (see above); ``str(plan)`` is its table.

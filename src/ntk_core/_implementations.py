@@ -30,6 +30,7 @@ from jax import lax
 
 from . import _blocked, _caches, _jacobian, _ntvp, _structured
 from ._batches import even_batches
+from ._model import replay
 from ._pipeline import Config, Implementation
 from ._validate import signature
 
@@ -102,7 +103,15 @@ def _jacobian_features(apply3, vmap_axes, precision):
     def features(params, x, aux, *, out_tree, merge_limits, cotangent_chunk):
         with jax.default_matmul_precision(precision):
             return _jacobian.jacobians(
-                apply3, params, x, aux, vmap_axes, out_tree, merge_limits, cotangent_chunk
+                apply3,
+                params,
+                x,
+                aux,
+                vmap_axes,
+                out_tree,
+                merge_limits,
+                cotangent_chunk,
+                single=replay(apply3, precision),
             )
 
     return jax.jit(features, static_argnames=("out_tree", "merge_limits", "cotangent_chunk"))
@@ -167,7 +176,16 @@ def _structured_features(apply3, precision, fuse_bias):
     def features(params, x, aux, *, out_tree, modes, merge_limits, chunk):
         with jax.default_matmul_precision(precision):
             return _structured.features_in_chunks(
-                apply3, params, x, aux, out_tree, fuse_bias, modes, merge_limits, chunk
+                apply3,
+                params,
+                x,
+                aux,
+                out_tree,
+                fuse_bias,
+                modes,
+                merge_limits,
+                chunk,
+                precision=precision,
             )
 
     return jax.jit(features, static_argnames=("out_tree", "modes", "merge_limits", "chunk"))
@@ -181,16 +199,29 @@ def _structured_in_chunks(apply3, features, config: Config, chunks: dict, params
     chunk = chunks.get(key)
     if chunk is None:
         chunk = _structured.chunk_size(
-            apply3, params, x, aux, config.out_tree, config.fuse_bias, config.structure.modes
+            apply3,
+            params,
+            x,
+            aux,
+            config.out_tree,
+            config.fuse_bias,
+            config.structure.modes,
+            precision=config.precision,
         )
         chunks[key] = chunk
     return features(params, x, aux, chunk=chunk)
 
 
 def _nngp_outputs(params, x, aux, *, apply3, config: Config):
-    """The first phase of the NNGP: the model's outputs on one block."""
+    """The first phase of the NNGP: the model's outputs on one block (with
+    ``vmap_axes=0`` one sample at a time from the per-sample jaxpr, which the probe has
+    shown equal to the batch's)."""
     with jax.default_matmul_precision(config.precision):
-        return config.out_tree.flatten_up_to(apply3(params, x, aux))
+        if config.vmap_axes is None:
+            return config.out_tree.flatten_up_to(apply3(params, x, aux))
+        single = replay(apply3, config.precision)
+        out = jax.vmap(single, in_axes=(None, 0, None))(params, x, aux)
+        return config.out_tree.flatten_up_to(out)
 
 
 _OUTPUTS = jax.jit(_nngp_outputs, static_argnames=("apply3", "config"))
@@ -299,6 +330,7 @@ def _tile(params, fa, fb, aux, xa, xb, *, apply3, config: Config, same: bool):
                 config.vmap_axes,
                 config.out_tree,
                 _pairwise(config),
+                single=replay(apply3, config.precision),
             )
         kernels = _ntvp.reduce(config.layouts, fulls, _pairwise(config))
         kernel = jax.tree.unflatten(config.out_tree, kernels)

@@ -147,19 +147,31 @@ def whole_batch_jacobian(f, params, chunk: int):
     return rows_as_jacobian(rows, out_shapes)
 
 
-def jacobians(apply3, params, x, aux, vmap_axes, out_tree, merge_limits=None, cotangent_chunk=None):
+def jacobians(
+    apply3,
+    params,
+    x,
+    aux,
+    vmap_axes,
+    out_tree,
+    merge_limits=None,
+    cotangent_chunk=None,
+    single=None,
+):
     """Per-output-leaf lists of Jacobians flattened to ``(N, *out_shape[1:], P_leaf)``.
 
     With ``merge_limits`` (per output leaf, see :func:`merge`), the narrow ones are
     concatenated: the lists then hold one matrix per contraction, not per leaf. With
     ``vmap_axes=None`` the whole batch is differentiated, ``cotangent_chunk`` output
-    cotangents at a time (:func:`whole_batch_jacobian`; None: all at once).
+    cotangents at a time (:func:`whole_batch_jacobian`; None: all at once). ``single``:
+    the model on one sample (with ``vmap_axes=0``), by default ``per_sample(apply3)``;
+    the engine passes :func:`ntk_core._model.replay` (no new trace of the model).
     """
     if vmap_axes is None:
         chunk = cotangent_chunk or whole_batch_size(apply3, params, x, aux)
         jac = whole_batch_jacobian(lambda p: apply3(p, x, aux), params, chunk)
     else:
-        single = per_sample(apply3)
+        single = per_sample(apply3) if single is None else single
         jac = jax.vmap(jax.jacrev(single), in_axes=(None, 0, None))(params, x, aux)
     return matrices(jac, params, out_tree, merge_limits)
 

@@ -43,8 +43,12 @@ def reduce(layouts, fulls, batch_diagonal):
     return result
 
 
-def full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal):
+def full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal, single=None):
     """Full NTK per output leaf (list) by NTK-vector products.
+
+    ``single``: the model on one sample (with ``vmap_axes=0``), by default
+    ``per_sample(apply3)``; the engine passes :func:`ntk_core._model.replay`, which
+    evaluates the one per-sample jaxpr instead of tracing the model again.
 
     Each is laid out ``(N1, *O, N2, *O)``, or ``(N, *O, *O)`` (pairs x1_i, x2_i only)
     when ``batch_diagonal`` (only with ``vmap_axes=0``; otherwise the batch diagonal is
@@ -53,15 +57,17 @@ def full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagona
     outputs' dtype, which float64 inputs make float64 for float32 parameters.
     """
     dtype = jnp.result_type(*jax.tree.leaves(params))
-    fulls = _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal)
+    fulls = _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal, single)
     return [full.astype(dtype) for full in fulls]
 
 
-def _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal):
+def _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal, single):
     n_out = out_tree.num_leaves
+    single = per_sample(apply3) if single is None else single
+    batch = apply3 if vmap_axes is None else jax.vmap(single, in_axes=(None, 0, None))
     shapes1 = [
         jax.ShapeDtypeStruct(o.shape, o.dtype)
-        for o in out_tree.flatten_up_to(jax.eval_shape(apply3, params, x1, aux))
+        for o in out_tree.flatten_up_to(jax.eval_shape(batch, params, x1, aux))
     ]
 
     if vmap_axes is None:
@@ -86,8 +92,6 @@ def _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagon
             n2_ndim = len(shapes2[k].shape)
             results.append(jnp.moveaxis(full, tuple(range(n2_ndim)), tuple(range(-n2_ndim, 0))))
         return results
-
-    single = per_sample(apply3)
 
     def f_one(p, x_i):
         return out_tree.flatten_up_to(single(p, x_i, aux))

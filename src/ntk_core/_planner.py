@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _blocked, _cost, _ntvp, _structured
 from ._implementations import triangle_blocks
-from ._model import per_sample, per_sample_jaxpr
+from ._model import per_sample, per_sample_jaxpr, replay
 from ._pipeline import Checked, Config, Implementation, Spec
 from ._validate import sample_signature, signature
 
@@ -52,7 +52,9 @@ def analysis(spec: Spec, analyses: dict, params, x1, aux):
     found = analyses.get(key)
     if found is None:
         x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
-        found = _structured.analysis_for(spec.apply3, params, x_one, aux, spec.fuse_bias)[0]
+        found = _structured.analysis_for(
+            spec.apply3, params, x_one, aux, spec.fuse_bias, precision=spec.options.precision
+        )[0]
         analyses[key] = found
     return found
 
@@ -128,7 +130,10 @@ def ntvp_failure(spec: Spec, checked: Checked, params, x1, x2, aux) -> Exception
     pairwise = vmap_axes is not None and checked.layouts[0].batch_diagonal
 
     def trace(p, a, b, aux):
-        return _ntvp.full_kernels(spec.apply3, p, a, b, aux, vmap_axes, checked.out_tree, pairwise)
+        single = replay(spec.apply3, spec.options.precision)
+        return _ntvp.full_kernels(
+            spec.apply3, p, a, b, aux, vmap_axes, checked.out_tree, pairwise, single
+        )
 
     try:
         jax.eval_shape(trace, params, one(x1), one(xb), aux)
@@ -197,7 +202,7 @@ def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, who
         symmetric=checked.symmetric,
         analysis=analysis(spec, analyses, params, x1, aux),
         whole_batch=whole,
-        jaxpr=per_sample_jaxpr(spec.apply3, params, x_one, aux),
+        jaxpr=per_sample_jaxpr(spec.apply3, params, x_one, aux, precision=spec.options.precision),
     )
     if spec.options.vmap_axes is None:  # "structured" needs per-sample independence
         found = tuple(e for e in found if e.implementation != "structured")

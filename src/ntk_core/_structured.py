@@ -622,10 +622,12 @@ def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
 
 
 def analysis_for(
-    apply3, params, x_one, aux, fuse_bias: bool = True
+    apply3, params, x_one, aux, fuse_bias: bool = True, *, precision: str = "highest"
 ) -> tuple[Analysis, jex.ClosedJaxpr]:
-    """The structured analysis of ``apply3`` on one sample (shapes suffice)."""
-    closed = per_sample_jaxpr(apply3, params, x_one, aux)
+    """The structured analysis of ``apply3`` on one sample (shapes suffice), and the
+    per-sample jaxpr (traced under ``precision``, which the features' interpreter
+    replays) it was made from."""
+    closed = per_sample_jaxpr(apply3, params, x_one, aux, precision=precision)
     return analyse(closed, len(jax.tree.leaves(params)), fuse_bias), closed
 
 
@@ -649,7 +651,9 @@ def _bias_in_gram(analysis: Analysis, modes, u: int) -> bool:
 FEATURE_CHUNK_BYTES = 2**28
 
 
-def chunk_size(apply3, params, x, aux, out_tree, fuse_bias: bool, modes) -> int:
+def chunk_size(
+    apply3, params, x, aux, out_tree, fuse_bias: bool, modes, *, precision: str = "highest"
+) -> int:
     """Samples of ``x`` whose structured features are computed together:
 
         B = FEATURE_CHUNK_BYTES // (itemsize · ((O + 2)·V + F)),  1 ≤ B ≤ N,
@@ -662,7 +666,7 @@ def chunk_size(apply3, params, x, aux, out_tree, fuse_bias: bool, modes) -> int:
     :func:`features_in_chunks` loops over them inside one compiled call.
     """
     x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x)
-    analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias)
+    analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias, precision=precision)
     n = np.shape(jax.tree.leaves(x)[0])[0]
     outs = closed.out_avals  # the outputs' leaves, in out_tree's order
     out_size = sum(math.prod(o.shape) for o in outs)
@@ -684,21 +688,42 @@ def chunk_size(apply3, params, x, aux, out_tree, fuse_bias: bool, modes) -> int:
 
 
 def features_in_chunks(
-    apply3, params, x, aux, out_tree, fuse_bias: bool, modes, merge_limits, chunk: int
+    apply3,
+    params,
+    x,
+    aux,
+    out_tree,
+    fuse_bias: bool,
+    modes,
+    merge_limits,
+    chunk: int,
+    *,
+    precision: str = "highest",
 ):
     """:func:`features` of ``x`` computed ``chunk`` samples at a time in an XLA loop,
     written into the outputs in place: the transient memory of the forward and reverse
     passes is that of one chunk. The last chunk overlaps its predecessor (every step
     has the same shapes); the rows they share are written twice with equal values."""
     return map_in_batches(
-        lambda xb: features(apply3, params, xb, aux, out_tree, fuse_bias, modes, merge_limits),
+        lambda xb: features(
+            apply3, params, xb, aux, out_tree, fuse_bias, modes, merge_limits, precision=precision
+        ),
         x,
         chunk,
     )
 
 
 def features(
-    apply3, params, x, aux, out_tree, fuse_bias: bool = True, modes=None, merge_limits=None
+    apply3,
+    params,
+    x,
+    aux,
+    out_tree,
+    fuse_bias: bool = True,
+    modes=None,
+    merge_limits=None,
+    *,
+    precision: str = "highest",
 ):
     """Per-sample structured features of a batch.
 
@@ -712,7 +737,7 @@ def features(
     per output leaf, per use, cotangents ``(N, *O, A, K)`` (None for explicit groups).
     """
     x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), x)
-    analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias)
+    analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias, precision=precision)
     if modes is None:
         modes = ("gram",) * len(analysis.groups)
     param_leaves = jax.tree.leaves(params)
@@ -742,7 +767,8 @@ def features(
         jac, xs = jax.jacrev(run, argnums=(0, 1), has_aux=True)(fb0, d0)
         return jac, xs
 
-    out_shapes = out_tree.flatten_up_to(jax.eval_shape(apply3, params, x, aux))
+    n = jax.tree.leaves(x)[0].shape[0]  # the batch's outputs, from one sample's
+    out_shapes = [jax.ShapeDtypeStruct((n, *o.shape), o.dtype) for o in closed.out_avals]
     biased = analysis.biased or (False,) * len(analysis.uses)
 
     # Inputs and cotangents of a use whose weights were widened (float32 parameters

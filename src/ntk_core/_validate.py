@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _checks, _probe
 from ._layout import resolve_layout
+from ._model import per_sample_trace
 from ._pipeline import Checked, Spec
 
 
@@ -142,17 +143,31 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     if spec.check is not None:
         spec.check(params, x1, x2, aux)
     # One abstract trace of the model gives its outputs and the jaxpr the precision
-    # checks read. With vmap_axes=0 the model is analysed per sample, so a new N of
-    # the same per-sample signature reuses the first trace's outputs and checks.
+    # checks read. With vmap_axes=0 it is the trace of one sample that the analysis, the
+    # cost model and every implementation's features replay (_model.per_sample_trace),
+    # and a new N of the same per-sample signature reuses its outputs and checks.
     sample_key = None
     if opts.vmap_axes is not None:
         sample_key = (signature(params), sample_signature(x1), signature(aux))
     known = samples.get(sample_key) if sample_key is not None else None
-    closed = None
+    closed, one_sample_error = None, None
     if known is not None:
         out_tree, sample_outputs = known
         out_leaves = [jax.ShapeDtypeStruct((n1,) + s, d) for s, d in sample_outputs]
-    else:
+    elif opts.vmap_axes is not None:
+        x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
+        try:
+            closed, out = per_sample_trace(
+                spec.apply3, params, x_one, aux, precision=opts.precision
+            )
+        except jax.errors.UnexpectedTracerError as e:
+            raise _checks.leaked_tracer_error(fn, e) from e
+        except Exception as e:  # the whole batch's trace below says what is wrong
+            one_sample_error = e
+        else:
+            out_leaves, out_tree = jax.tree.flatten(out)
+            out_leaves = [jax.ShapeDtypeStruct((n1,) + o.shape, o.dtype) for o in out_leaves]
+    if known is None and closed is None:  # vmap_axes=None, or the error path
         x_abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x1)
         try:
             with jax.default_matmul_precision(opts.precision):
@@ -197,6 +212,17 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
                 f"N1={n1} and N2={n2}. Fix: pass x2 with N1 samples, or x2=None."
             )
         layouts.append(layout)
+    if one_sample_error is not None:  # the batch of N runs; one sample does not
+        e = one_sample_error
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(
+            f"{fn}: the model runs on x1's batch of {n1} samples but not on a batch of one "
+            f"sample, which per-sample derivatives (vmap_axes=0) run it on: "
+            f"{type(e).__name__}: {first.rstrip('.')}. Fix: make the model keep the batch "
+            f"axis for any batch size (e.g. x.reshape(x.shape[0], -1), not x.squeeze() "
+            f"or a fixed batch size), or pass vmap_axes=None to differentiate the whole "
+            f"batch as given."
+        ) from e
     kernel = "NNGP" if spec.kind == "nngp" else "NTK"
     if known is None:
         _checks.after_trace(fn, spec.apply3, params, x1, x2, aux, out_leaves, opts, kernel, closed)

@@ -277,7 +277,7 @@ def _rows():
             ValueError, r"^empirical_ntk: the model's output for one sample depends on the other samples of its batch" + fix + r".*vmap_axes=None"),
         Row("fixed-batch", "a model that works only at one batch size, with vmap_axes=0",
             "ntk_core.empirical_ntk(fixed_batch, W, XS)",
-            ValueError, r"^empirical_ntk: the model fails on a batch of 3 samples, which the check of per-sample independence" + fix + r".*vmap_axes=None"),
+            ValueError, r"^empirical_ntk: the model runs on x1's batch of 4 samples but not on a batch of one sample, which per-sample derivatives \(vmap_axes=0\) run it on" + fix + r".*vmap_axes=None"),
         Row("leaked-tracer", "a model closing over a tracer that escaped an earlier jax.jit",
             "ntk_core.empirical_ntk(leaky, W, X)",
             ValueError, r"^empirical_ntk: the model uses a value traced by an earlier JAX transformation that has already finished \(a leaked tracer" + fix + r"pass that value to the model through params, x or aux"),

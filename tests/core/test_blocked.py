@@ -605,3 +605,17 @@ def test_plan_shows_the_tiles_the_engine_computes(batch_size, monkeypatch):
         kernel(PARAMS, X1, x2)
         monkeypatch.undo()
         assert len(calls) == cut.tiles
+
+
+def test_core_plan_takes_the_blocked_options_and_shows_the_tiles():
+    """ntk_core.plan accepts batch_size and memory_budget as empirical_ntk does (it
+    refused them before, while ntk_flax.plan took them): 40 samples in blocks of 8 are
+    5 blocks, 5·6/2 = 15 tiles on and above the diagonal, 5·3 = 15 against 20 others."""
+    x = jnp.ones((40, 3))
+    p = ntk_core.plan(lambda w, x: jnp.tanh(x @ w), jnp.ones((3, 2)), x, batch_size=8)
+    assert (p.tiling.b1, p.tiling.b2, p.tiling.tiles) == (8, 8, 15)
+    p = ntk_core.plan(
+        lambda w, x: jnp.tanh(x @ w), jnp.ones((3, 2)), x, x[:20], batch_size=8, memory_budget=2**20
+    )
+    assert (p.tiling.tiles, p.tiling.budget) == (15, 2**20)
+    assert "15 tiles" in str(p)

@@ -330,20 +330,17 @@ FLAX_VERSION = tuple(int(v) for v in flax.__version__.split(".")[:2])
 @pytest.mark.skipif(FLAX_VERSION < (0, 12), reason="nnx.scan passes variables through")
 @pytest.mark.parametrize("model_class, x", [(Recurrent, XS), (Scanned, X1)], ids=["rnn", "scan"])
 def test_models_with_their_own_transformations(model_class, x):
-    """An RNN's unused RNG draw is no state change; NTK-vector products cannot nest the
-    model's own nnx transformations, so "auto" avoids them and an explicit choice is
-    refused with the fix; the other implementations equal the reference."""
+    """An RNN's unused RNG draw is no state change; every implementation equals the
+    reference, NTK-vector products included: they replay the model's one per-sample
+    jaxpr (ntk_core._model.replay), in which nnx.scan is already traced, instead of
+    nesting the model's own transformations inside theirs (which failed, so "ntvp" was
+    refused for these models before)."""
     model = model_class(nnx.Rngs(0))
     f, params = _pure(model)
     expected = reference.ntk(f, params, x, None)[0]
-    for options in ({}, {"implementation": "structured"}, {"implementation": "jacobian"}):
-        reference.assert_close(ntk_flax.kernel(model, None, x, **options), expected)
-    with pytest.raises(
-        ValueError,
-        match=r"^ntk_flax.kernel: the model cannot run inside NTK-vector products' nested "
-        r"transformations.*Fix: pass implementation='auto'",
-    ):
-        ntk_flax.kernel(model, None, x, implementation="ntvp")
+    for implementation in ("auto", "structured", "jacobian", "ntvp"):
+        kernel = ntk_flax.kernel(model, None, x, implementation=implementation)
+        reference.assert_close(kernel, expected)
 
 
 def test_dropout_without_rngs_gets_the_mode_fix():
