@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _caches
 from ._api import _checked_arguments
+from ._caller import Caller
 from ._engine import Engine
 from ._kernel_function import KernelFunction
 from ._options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
@@ -138,13 +139,14 @@ def input_shape_mismatch(
     )
 
 
-def kernel_function(fn_name: str, kind: str, apply3, options: dict, check=None, hint: str = ""):
+def kernel_function(caller: Caller, kind: str, apply3, options: dict, check=None, hint: str = ""):
     """Validates ``options`` (names and values) and builds the model's
-    :class:`~ntk_core._engine.Engine`."""
+    :class:`~ntk_core._engine.Engine` for the public function ``caller``."""
+    fn_name = caller.name
     valid = NNGP_OPTION_NAMES if kind == "nngp" else NTK_OPTION_NAMES
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        renamed = _RENAMED.get(fn_name.split(".")[0], {})
+        renamed = _RENAMED.get(caller.package, {})
         fixes, model_kwargs = [], False
         for u in unknown:
             close = difflib.get_close_matches(u, valid, 1)
@@ -160,7 +162,8 @@ def kernel_function(fn_name: str, kind: str, apply3, options: dict, check=None, 
             f"{fn_name}: unknown option(s) {', '.join(map(repr, unknown))}; valid options are "
             f"{', '.join(valid)}. Fix: {'; '.join(fixes)}."
         )
-    return Engine(Spec(fn_name, kind, apply3, make_options(fn_name, **options), check, hint))
+    opts = make_options(fn_name, **options)
+    return Engine(Spec(fn_name, kind, apply3, opts, check, hint, caller))
 
 
 def bound_kernel(
@@ -272,12 +275,13 @@ class PureModel:
     to_core_reads_x1: bool = False
 
 
-def build_kernel(fn_name: str, kind: str, model: PureModel, options: dict):
-    """The kernel function of ``model`` (see :func:`bound_kernel`), ``kind`` one of
-    ``"ntk"``, ``"nngp"``, ``"ntk_per_leaf"``; ``options`` are validated here."""
-    kernel = kernel_function(fn_name, kind, model.apply3, options, model.check, model.eval_hint)
+def build_kernel(caller: Caller, kind: str, model: PureModel, options: dict):
+    """The kernel function of ``model`` for the public function ``caller`` (see
+    :func:`bound_kernel`), ``kind`` one of ``"ntk"``, ``"nngp"``, ``"ntk_per_leaf"``;
+    ``options`` are validated here."""
+    kernel = kernel_function(caller, kind, model.apply3, options, model.check, model.eval_hint)
     return bound_kernel(
-        fn_name, kernel, model.to_core, model.call_keywords, with_x1=model.to_core_reads_x1
+        caller.name, kernel, model.to_core, model.call_keywords, with_x1=model.to_core_reads_x1
     )
 
 
@@ -587,8 +591,8 @@ class Adapter:
         points' signatures.
       make: ``make(entry, model, options, **model keywords)`` -> the kernel function
         of ``model`` for ``entry`` (an :class:`Entry`, whose ``kind`` and ``form`` it
-        may read for its messages), usually ``build_kernel(name, entry.kind,
-        PureModel(...), options)``.
+        may read for its messages), usually ``build_kernel(adapter.caller(entry),
+        entry.kind, PureModel(...), options)``.
       words: the framework's own words for the docstring templates: ``a_model``,
         ``model_doc``, ``params_doc``, ``held_fixed``, ``differentiated``,
         ``per_leaf_tree``, ``leaf_path``, ``raises``, ``extra_cost``, and the example's
@@ -628,6 +632,29 @@ class Adapter:
             p("x2", p.POSITIONAL_OR_KEYWORD, default=None),
         ]
         return inspect.Signature([model, *data, *keywords, options])
+
+    def caller(self, entry: Entry) -> Caller:
+        """The :class:`~ntk_core._caller.Caller` of ``package.<entry.name>``, for its
+        messages: its argument order from this adapter's argument names and the
+        entry's form (``(variables, x1, x2)`` for the function a :attr:`Form.BUILD`
+        entry point returns, ``(model, variables, x1, x2)`` for the others, the Monte
+        Carlo kernels' ``(model, x1, x2)``)."""
+        built = entry.form is Form.BUILD
+        monte_carlo = entry.form is Form.MONTE_CARLO
+        if monte_carlo:
+            order = "(model, x1, x2)"
+        elif built:
+            order = f"({self.params}, x1, x2)"
+        else:
+            order = f"({self.model}, {self.params}, x1, x2)"
+        return Caller(
+            f"{self.package}.{entry.name}",
+            order,
+            model="the model",
+            package=self.package,
+            monte_carlo=monte_carlo,
+            built=built,
+        )
 
     def fields(self) -> dict[str, str]:
         """The template fields: the adapter's words and those made from its names."""
@@ -692,7 +719,7 @@ def entry_point(adapter: Adapter, entry: Entry) -> Callable:
     if entry.form is Form.MONTE_CARLO:  # its signature is the adapter's own
         raise ValueError(f"entry_point: {entry.name} has no generated entry point")
     signature = adapter.signature(entry)
-    name = f"{adapter.package}.{entry.name}"
+    name = adapter.caller(entry).name
     model_keywords = [k.name for k in adapter.keywords if not k.per_call]
     call_keywords = [k.name for k in adapter.keywords if k.per_call]
 

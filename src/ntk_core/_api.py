@@ -14,12 +14,22 @@ import inspect
 from collections.abc import Callable
 
 from . import _caches
+from ._caller import Caller, core
 from ._checks import check_apply_fn, params_check
 from ._engine import Engine
 from ._kernel_function import KernelFunction
 from ._model import from_apply_fn
 from ._options import NTK_OPTION_NAMES, make_options
 from ._pipeline import Spec
+
+# The public functions of this module, as their messages name them (ntk_core._caller).
+_NTK_FN = core("ntk_fn", built=True)
+_NNGP_FN = core("nngp_fn", built=True)
+_NTK_PER_LEAF_FN = core("ntk_per_leaf_fn", built=True)
+_EMPIRICAL_NTK = core("empirical_ntk")
+_EMPIRICAL_NNGP = core("empirical_nngp")
+_EMPIRICAL_NTK_PER_LEAF = core("empirical_ntk_per_leaf")
+_PLAN = core("plan")
 
 _LAYOUT_DOC = """Returns (for each output leaf of shape ``(N, O_1, ..., O_k)``; a pytree of kernels
     with the output's structure when the output is a pytree) an array of the output's
@@ -60,6 +70,9 @@ def ntk_fn(
     store_on_device=False,
     progress=None,
     memory_budget=None,
+    out=None,
+    resume=False,
+    overwrite=False,
 ) -> KernelFunction:
     """Returns a jitted empirical NTK function ``kernel(params, x1, x2=None)``.
 
@@ -81,6 +94,11 @@ def ntk_fn(
             ``None``). ``batch_size=B`` computes the Gram matrix in tiles of B x B samples
             with features computed once per block (:mod:`ntk_core._blocked`);
             ``batch_size="auto"`` sizes B from ``memory_budget`` bytes.
+          out, resume, overwrite: with a ``batch_size``, the Gram matrix written tile by
+            tile into the ``.npy`` file ``out`` (returned memory-mapped, read-only), and
+            an interrupted run finished with ``resume=True``; see
+            :mod:`ntk_core._options` and :mod:`ntk_core._store` (defaults ``None``,
+            ``False``, ``False``).
 
         Returns:
           a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)`` (with
@@ -127,15 +145,17 @@ def ntk_fn(
           Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
           Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
-    return _make("ntk", "ntk_fn", apply_fn, locals())
+    return _make("ntk", _NTK_FN, apply_fn, locals())
 
 
-def _make(kind: str, fn_name: str, apply_fn, options: dict) -> KernelFunction:
+def _make(kind: str, caller: Caller, apply_fn, options: dict) -> KernelFunction:
+    """The kernel function of ``apply_fn`` for the public function ``caller``."""
+    fn_name = caller.name
     check_apply_fn(fn_name, apply_fn)
     _check_callable(fn_name, apply_fn)
     opts = make_options(fn_name, **{k: v for k, v in options.items() if k != "apply_fn"})
     check = params_check(fn_name, apply_fn)
-    engine = Engine(Spec(fn_name, kind, from_apply_fn(apply_fn), opts, check))
+    engine = Engine(Spec(fn_name, kind, from_apply_fn(apply_fn), opts, check, caller=caller))
 
     def bind(params, x1, unexpected):
         if unexpected:
@@ -170,6 +190,9 @@ def nngp_fn(
     store_on_device=False,
     progress=None,
     memory_budget=None,
+    out=None,
+    resume=False,
+    overwrite=False,
 ) -> KernelFunction:
     """Returns a jitted empirical NNGP function ``kernel(params, x1, x2=None)``.
 
@@ -180,8 +203,9 @@ def nngp_fn(
           apply_fn: ``apply_fn(params, x) -> outputs`` as in :func:`ntk_fn`.
           trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._options`.
             One forward pass on each batch is enough whatever ``vmap_axes`` says.
-          batch_size, store_on_device, progress, memory_budget: the blocked engine, as
-            in :func:`ntk_fn` (the features of a block are its outputs).
+          batch_size, store_on_device, progress, memory_budget, out, resume, overwrite:
+            the blocked engine, as in :func:`ntk_fn` (the features of a block are its
+            outputs).
 
         Returns:
           a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)``.
@@ -204,22 +228,22 @@ def nngp_fn(
         References:
           Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
-    return _make("nngp", "nngp_fn", apply_fn, locals())
+    return _make("nngp", _NNGP_FN, apply_fn, locals())
 
 
 @_caches.lru_cache(maxsize=64)
-def _cached(kind, fn_name, apply_fn, items: tuple) -> Callable:
-    return _make(kind, fn_name, apply_fn, dict(items))
+def _cached(kind, caller: Caller, apply_fn, items: tuple) -> Callable:
+    return _make(kind, caller, apply_fn, dict(items))
 
 
-def _get(kind, fn_name, apply_fn, options: dict) -> Callable:
+def _get(kind, caller: Caller, apply_fn, options: dict) -> Callable:
     """``_make`` with an LRU cache keyed by ``(apply_fn, options)`` when hashable."""
     items = tuple(sorted(options.items()))
     try:
         hash((apply_fn, items))
     except TypeError:
-        return _make(kind, fn_name, apply_fn, options)
-    return _cached(kind, fn_name, apply_fn, items)
+        return _make(kind, caller, apply_fn, options)
+    return _cached(kind, caller, apply_fn, items)
 
 
 def _options(arguments: dict) -> dict:
@@ -247,6 +271,9 @@ def empirical_ntk(
     store_on_device=False,
     progress=None,
     memory_budget=None,
+    out=None,
+    resume=False,
+    overwrite=False,
 ):
     """Empirical NTK of ``apply_fn`` at ``params`` between x1 and x2 (x1 if None).
 
@@ -261,8 +288,8 @@ def empirical_ntk(
       x2: ``None`` (x2 is x1) or a pytree like x1 with N2 samples.
       trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
         :mod:`ntk_core._options`.
-      batch_size, store_on_device, progress, memory_budget: the blocked engine, as in
-        :func:`ntk_fn`.
+      batch_size, store_on_device, progress, memory_budget, out, resume, overwrite: the
+        blocked engine, as in :func:`ntk_fn`.
 
     {layout}
 
@@ -287,7 +314,7 @@ def empirical_ntk(
       Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
       Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
-    return _get("ntk", "empirical_ntk", apply_fn, _options(locals()))(params, x1, x2)
+    return _get("ntk", _EMPIRICAL_NTK, apply_fn, _options(locals()))(params, x1, x2)
 
 
 @_with_layout
@@ -305,6 +332,9 @@ def empirical_nngp(
     store_on_device=False,
     progress=None,
     memory_budget=None,
+    out=None,
+    resume=False,
+    overwrite=False,
 ):
     """Empirical NNGP kernel f(x1)·f(x2) of ``apply_fn`` at ``params``.
 
@@ -331,7 +361,7 @@ def empirical_nngp(
     References:
       Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
-    return _get("nngp", "empirical_nngp", apply_fn, _options(locals()))(params, x1, x2)
+    return _get("nngp", _EMPIRICAL_NNGP, apply_fn, _options(locals()))(params, x1, x2)
 
 
 def ntk_per_leaf_fn(
@@ -346,6 +376,9 @@ def ntk_per_leaf_fn(
     store_on_device=False,
     progress=None,
     memory_budget=None,
+    out=None,
+    resume=False,
+    overwrite=False,
 ) -> KernelFunction:
     """Returns a jitted function ``kernel(params, x1, x2=None)`` of the NTK split by leaf.
 
@@ -358,7 +391,8 @@ def ntk_per_leaf_fn(
       implementation: ``"auto"``, ``"jacobian"`` or ``"structured"`` (NTK-vector
         products do not separate the leaves).
       batch_size, store_on_device, progress, memory_budget: the blocked engine, as in
-        :func:`ntk_fn` (every leaf's kernel is assembled tile by tile).
+        :func:`ntk_fn` (every leaf's kernel is assembled tile by tile); ``out`` only
+        where the result is one array (params of one leaf).
 
     Returns:
       a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)`` returning a
@@ -385,7 +419,7 @@ def ntk_per_leaf_fn(
       Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
       Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
-    return _make("ntk_per_leaf", "ntk_per_leaf_fn", apply_fn, locals())
+    return _make("ntk_per_leaf", _NTK_PER_LEAF_FN, apply_fn, locals())
 
 
 def empirical_ntk_per_leaf(
@@ -403,6 +437,9 @@ def empirical_ntk_per_leaf(
     store_on_device=False,
     progress=None,
     memory_budget=None,
+    out=None,
+    resume=False,
+    overwrite=False,
 ):
     """The NTK split by parameter leaf: a pytree shaped like ``params`` of kernels.
 
@@ -434,7 +471,7 @@ def empirical_ntk_per_leaf(
       Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     options = _options(locals())
-    return _get("ntk_per_leaf", "empirical_ntk_per_leaf", apply_fn, options)(params, x1, x2)
+    return _get("ntk_per_leaf", _EMPIRICAL_NTK_PER_LEAF, apply_fn, options)(params, x1, x2)
 
 
 def plan(
@@ -510,7 +547,7 @@ def plan(
       Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel",
       ICML 2022 (the implementations and their costs).
     """
-    return _get("ntk", "plan", apply_fn, _options(locals())).plan(params, x1, x2)
+    return _get("ntk", _PLAN, apply_fn, _options(locals())).plan(params, x1, x2)
 
 
 def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> str | None:

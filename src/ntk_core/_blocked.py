@@ -292,9 +292,9 @@ class _Progress:
     def __init__(self, fn, total, progress):
         self.bar = progress_bar(fn, progress, total, unit="tile")
 
-    def update(self):
+    def update(self, k: int = 1):
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(k)
 
     def close(self):
         if self.bar is not None:
@@ -336,6 +336,9 @@ class Tiling:
     pair_bytes: float
     requested: object  # the batch_size option (an int or "auto")
     available: int = 0  # bytes for features and tiles (the budget less a kept output)
+    #: Each kernel leaf of a tile of one pair: its shape (1, 1, ...) or (1, ...) on the
+    #: batch diagonal, and dtype.
+    pair_kernels: tuple = ()
 
     def __str__(self) -> str:
         budget = human_bytes(self.budget)
@@ -388,10 +391,21 @@ def tiling(implementation, config, options, params, x1, x2, aux) -> Tiling:
         b1 = b2 = min(b, n1)
     k1, k2 = len(_blocks(n1, b1)), len(_blocks(n2, b2))
     tiles = k1 if batch_diagonal else (k1 * (k1 + 1) // 2 if same else k1 * k2)
-    return Tiling(b1, b2, tiles, budget, feature_bytes, pair_bytes, options.batch_size, available)
+    pair_kernels = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in kernel_leaves)
+    return Tiling(
+        b1,
+        b2,
+        tiles,
+        budget,
+        feature_bytes,
+        pair_bytes,
+        options.batch_size,
+        available,
+        pair_kernels,
+    )
 
 
-def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x2, aux):
+def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x2, aux, store=None):
     """The kernel of x1 and x2 (x2 None: x1's Gram matrix) in the tiles of ``cut``.
 
     Args:
@@ -401,10 +415,14 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
       options: ``store_on_device`` and ``progress`` are read.
       fn: the public function's name, for messages and the progress bar.
       params, x1, x2, aux: the call's arguments.
+      store: where the tiles go instead of a host or device array: an
+        :class:`ntk_core._store.NpyStore` (``out=``), whose finished tiles (an
+        interrupted run's) are skipped.
 
     Returns:
       the kernel, a host ``numpy.ndarray`` (a ``jax.Array`` with
-      ``store_on_device=True``) per leaf.
+      ``store_on_device=True``; the store's read-only memory map with ``store``) per
+      leaf.
 
     Raises:
       ValueError: a tile with NaN or Inf (naming the first non-finite input sample,
@@ -427,7 +445,7 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
     def tile(fa, fb, xa, xb, same_block):
         return implementation.tile(params, fa, fb, aux, xa, xb, same_block)
 
-    out = _Output(
+    out = store or _Output(
         n1,
         n2,
         batch_diagonal,
@@ -435,10 +453,15 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
         [swap_perm(layout) for layout in leaf_layouts(config)],
     )
 
+    def todo(r0, c0) -> bool:
+        return store is None or not store.is_done(r0, c0)
+
     def tasks():
         """Dispatches each tile; yields (tile, finite flag, r0, r1, c0, c1, mirror)."""
         if batch_diagonal:
             for i, (r0, r1) in enumerate(rows):
+                if not todo(r0, r0):
+                    continue
                 xa = block(x1, rows, i, b1)
                 xb = None if same else block(x2, rows, i, b1)
                 fa = None if features is None else features(params, xa, aux)
@@ -450,6 +473,8 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
                 xa = block(x1, rows, i, b1)
                 for j in range(i if same else 0, len(cols)):
                     c0, c1 = cols[j]
+                    if not todo(r0, c0):
+                        continue
                     if same and j == i:
                         yield (*tile(None, None, xa, None, True), r0, r1, c0, c1, False)
                         continue
@@ -471,7 +496,7 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
                 return kept[j]
 
             for i, (r0, r1) in enumerate(rows):
-                js = [j for j in band if not same or j >= i]
+                js = [j for j in band if (not same or j >= i) and todo(r0, cols[j][0])]
                 if not js:
                     continue
                 if same and i in band:
@@ -487,6 +512,8 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
             del kept
 
     bar = _Progress(fn, cut.tiles, options.progress)
+    if store is not None and store.done:
+        bar.update(len(store.done))  # tiles of the interrupted runs
 
     def finalize(task):
         kernel, finite, r0, r1, c0, c1, mirror = task
@@ -502,7 +529,8 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
             if pending is not None:
                 finalize(pending)
             pending = task
-        finalize(pending)
+        if pending is not None:  # None: every tile was done before (a resume)
+            finalize(pending)
     finally:
         bar.close()
     return out.result()

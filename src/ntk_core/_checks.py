@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _environment
+from ._caller import Caller
 
 
 def non_finite_error(message: str) -> ValueError:
@@ -192,17 +193,11 @@ def _model_argument_fix(error: Exception) -> str:
     )
 
 
-def adapter_model_failure(
-    fn_name: str, params_name: str, error: Exception, *, monte_carlo: bool | None = None
-) -> ValueError:
+def adapter_model_failure(caller: Caller, params_name: str, error: Exception) -> ValueError:
     """An adapter's ValueError for a model that fails on x1: the model's own error, then
-    the fix (the specific one for a missing or unexpected model argument).
-    ``monte_carlo``: for the Monte Carlo kernels, whose parameters come from their own
-    init (``entry.form is Form.MONTE_CARLO``); ``None`` reads it from ``fn_name``, for
-    a caller that does not say."""
-    if monte_carlo is None:
-        monte_carlo = fn_name.endswith("monte_carlo_kernels")
-    if monte_carlo:  # the parameters come from its own init
+    the fix (the specific one for a missing or unexpected model argument). The Monte
+    Carlo kernels' (``caller.monte_carlo``) parameters come from their own init."""
+    if caller.monte_carlo:  # the parameters come from its own init
         generic = (
             "check that x1 has the per-sample shape and dtype the model expects, batch "
             "axis first (x1[None] for a single sample)"
@@ -214,7 +209,7 @@ def adapter_model_failure(
         )
     fix = _model_argument_fix(error) or generic
     return ValueError(
-        f"{fn_name}: applying the model to x1 failed with {type(error).__name__}: "
+        f"{caller.name}: applying the model to x1 failed with {type(error).__name__}: "
         f"{' '.join(str(error).split()).rstrip('.')}. Fix: {fix}."
     )
 
@@ -241,45 +236,17 @@ def leaked_tracer_error(fn_name: str, error: Exception) -> ValueError:
     )
 
 
-#: Public functions of (apply_fn, params, x): NTK-vector products and spectra.
-ONE_INPUT = ("ntk_vp_fn", "ntk_eigsh", "ntk_operator", "ntk_trace")
-
-
-def argument_order(fn_name: str) -> str:
-    """The argument order of the public function ``fn_name``, for error messages:
-    ``(params, x1, x2)`` in the core, ``(model, variables, x1, x2)`` for
-    ``ntk_flax.kernel``, ``(variables, x1, x2)`` for the function ``ntk_flax.kernel_fn``
-    returns, Haiku's ``(transformed, params, x1, x2)`` / ``(params, x1, x2)``, and the
-    Monte Carlo kernels' ``(model, x1, x2)`` / ``(init_fn, apply_fn, x1, x2)``,
-    and ``(params, x)`` for the matrix-free functions of one input (:data:`ONE_INPUT`)."""
-    if fn_name in ONE_INPUT:
-        return "(params, x)"
-    built = fn_name.endswith("_fn")
-    if fn_name.endswith("monte_carlo_kernels"):
-        return "(model, x1, x2)" if fn_name.startswith("ntk_") else "(init_fn, apply_fn, x1, x2)"
-    if fn_name.startswith("ntk_flax."):
-        return "(variables, x1, x2)" if built else "(model, variables, x1, x2)"
-    if fn_name.startswith("ntk_haiku."):
-        return "(params, x1, x2)" if built else "(transformed, params, x1, x2)"
-    return "(params, x1, x2)"
-
-
-def order_hint(fn_name: str) -> str:
-    """ "the argument order is ...", with neural-tangents' order for the core functions,
-    whose (params, x1, x2) users of neural-tangents' (x1, x2, params) get wrong."""
-    hint = f"the argument order is {argument_order(fn_name)}"
-    if model_noun(fn_name) == "apply_fn" and not fn_name.endswith("monte_carlo_kernels"):
-        nt = "(f, x_train, params)" if fn_name in ONE_INPUT else "(x1, x2, params)"
-        hint += f", not neural-tangents' {nt}"
+def order_hint(caller: Caller) -> str:
+    """ "the argument order is ...", with neural-tangents' order where it applies (the
+    core functions, whose (params, x1, x2) users of neural-tangents' (x1, x2, params)
+    get wrong)."""
+    hint = f"the argument order is {caller.order}"
+    if caller.neural_tangents_order:
+        hint += f", not neural-tangents' {caller.neural_tangents_order}"
     return hint
 
 
-def model_noun(fn_name: str) -> str:
-    """What the user gave as the model: ``apply_fn`` in the core, else the model."""
-    return "the model" if fn_name.startswith(("ntk_flax.", "ntk_haiku.")) else "apply_fn"
-
-
-def model_call_fix(params, error: Exception, fn_name: str = "") -> str:
+def model_call_fix(params, error: Exception, caller: Caller) -> str:
     """The fix for "calling the model failed": the specific one for a Haiku apply that
     expects an rng, else the generic one with a hint for a likely mix-up of params."""
     if haiku_apply_without_rng(error):
@@ -292,7 +259,7 @@ def model_call_fix(params, error: Exception, fn_name: str = "") -> str:
         )
     fix = (
         "check that params belong to this model and that x1 has the per-sample shape and "
-        f"dtype it expects (argument order: {argument_order(fn_name)[1:-1]})"
+        f"dtype it expects (argument order: {caller.order[1:-1]})"
     )
     if isinstance(params, Mapping) and "params" in params:
         fix += (

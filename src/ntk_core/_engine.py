@@ -14,8 +14,10 @@ them. The parts receive what they read as arguments (docs/architecture.md).
 from __future__ import annotations
 
 import jax
+import numpy as np
 
-from . import _blocked, _checks, _executor, _implementations, _planner, _validate
+from . import _blocked, _checks, _executor, _implementations, _planner, _store, _validate
+from ._model import per_sample_jaxpr
 from ._pipeline import Checked, Config, Implementation, Spec
 
 
@@ -95,6 +97,21 @@ class Engine:
         _validate.check_untraced(spec, params, x1, x2)
         cut = _blocked.tiling(implementation, config, options, params, x1, x2, aux)
         _validate.check_blocks_independent(spec, checked, cut, params, x1, x2, aux)
+        store = None
+        if options.out is not None:  # written to a .npy file, resumable (_store)
+            model = _store.model_digest(self._model_jaxpr(checked, params, x1, aux))
+            store = _store.for_call(spec, config, cut, model, params, x1, x2, aux)
+            if store.finished:
+                return store.result()
         return _blocked.compute(
-            implementation, config, cut, options, spec.fn_name, params, x1, x2, aux
+            implementation, config, cut, options, spec.fn_name, params, x1, x2, aux, store
+        )
+
+    def _model_jaxpr(self, checked: Checked, params, x1, aux):
+        """The model's jaxpr that validation traced (per sample with vmap_axes=0)."""
+        if self.spec.options.vmap_axes is None:
+            return checked.closed
+        x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
+        return per_sample_jaxpr(
+            self.spec.apply3, params, x_one, aux, precision=self.spec.options.precision
         )

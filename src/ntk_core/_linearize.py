@@ -27,8 +27,11 @@ _REFERENCE = (
 )
 
 
-def _check_apply_fn(fn_name: str, apply_fn) -> None:
-    degree = ", degree" if fn_name == "taylor_expand" else ""
+def _check_apply_fn(fn_name: str, apply_fn, *, takes_degree: bool) -> None:
+    """Refuses a Flax or Haiku model object, or anything not callable, in place of
+    ``apply_fn``; the fix names the adapter's function ``fn_name`` (with its ``degree``
+    argument when ``takes_degree``: :func:`taylor_expand`)."""
+    degree = ", degree" if takes_degree else ""
     if _is_linen_module(apply_fn) or is_nnx_module(apply_fn):
         nnx = f"ntk_flax.{fn_name}(model, None{degree})" if degree else "ntk_flax.linearize(model)"
         raise TypeError(
@@ -356,7 +359,7 @@ def linearize(apply_fn: Callable, params0) -> Callable:
     References:
       {reference}
     """
-    _check_apply_fn("linearize", apply_fn)
+    _check_apply_fn("linearize", apply_fn, takes_degree=False)
     return expansion("linearize", apply_fn, params0, 1)
 
 
@@ -414,7 +417,7 @@ def taylor_expand(apply_fn: Callable, params0, degree: int) -> Callable:
     References:
       {reference}
     """
-    _check_apply_fn("taylor_expand", apply_fn)
+    _check_apply_fn("taylor_expand", apply_fn, takes_degree=True)
     degree = check_degree("taylor_expand", degree)
     return expansion("taylor_expand", apply_fn, params0, degree)
 

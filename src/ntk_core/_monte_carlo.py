@@ -14,6 +14,7 @@ import numpy as np
 
 from . import _progress
 from ._api import _checked_arguments, _make
+from ._caller import Caller
 from ._checks import all_finite, check_finite_input, is_non_finite_error, non_finite_error
 from ._options import make_options
 from ._predict import Kernels
@@ -86,10 +87,11 @@ def check_init_kwargs(fn_name: str, init_kwargs) -> dict | None:
     return dict(init_kwargs)
 
 
-def check_samples(fn_name: str, key, n_samples, batch_size_samples, options=None) -> None:
+def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=None) -> None:
     """Validates the sampling arguments (numpy integers count as ints) and, for the
-    adapters' ``**options``, refuses the blocked engine's ``batch_size`` when samples
-    are vmapped together."""
+    adapters' ``**options`` (their own arguments named by ``caller.package``), refuses
+    the blocked engine's ``batch_size`` when samples are vmapped together."""
+    fn_name = caller.name
     for name, v in (("n_samples", n_samples), ("batch_size_samples", batch_size_samples)):
         try:
             ok = not isinstance(v, bool) and operator.index(v) >= 1
@@ -110,7 +112,7 @@ def check_samples(fn_name: str, key, n_samples, batch_size_samples, options=None
             f"key=jax.random.PRNGKey(seed)."
         )
     unknown = sorted(set(options or {}) - set(_KERNEL_OPTIONS))
-    own = _OWN_ARGUMENTS.get(fn_name.split(".")[0], [])
+    own = _OWN_ARGUMENTS.get(caller.package, [])
     if unknown:
         names = _KERNEL_OPTIONS + own
         close = {u: difflib.get_close_matches(u, names, 1) for u in unknown}
@@ -223,6 +225,13 @@ def _check_finite_sum(fn_name: str, kernels, where: str) -> None:
                 )
 
 
+#: :func:`monte_carlo_kernels` as its messages name it (ntk_core._caller): the
+#: parameters come from init_fn, so neural-tangents' (x1, x2, params) does not apply.
+_MONTE_CARLO_KERNELS = Caller(
+    "monte_carlo_kernels", "(init_fn, apply_fn, x1, x2)", monte_carlo=True
+)
+
+
 def monte_carlo_kernels(
     init_fn: Callable,
     apply_fn: Callable,
@@ -310,7 +319,7 @@ def monte_carlo_kernels(
       Gaussian Processes", ICLR 2019 (Monte Carlo kernels); Lee et al., "Wide Neural
       Networks of Any Depth Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
     """
-    fn = "monte_carlo_kernels"
+    fn = _MONTE_CARLO_KERNELS.name
     for name, f in (("init_fn", init_fn), ("apply_fn", apply_fn)):
         if not callable(f):
             raise TypeError(
@@ -325,7 +334,7 @@ def monte_carlo_kernels(
             f"two are swapped: the order is (init_fn, apply_fn, x1, ...)."
         )
     blocked = dict(batch_size=batch_size, store_on_device=store_on_device)
-    check_samples(fn, key, n_samples, batch_size_samples, blocked)
+    check_samples(_MONTE_CARLO_KERNELS, key, n_samples, batch_size_samples, blocked)
     check_inputs(fn, x1, x2, "init_fn, apply_fn")
     common = dict(
         trace_axes=trace_axes,
@@ -336,8 +345,10 @@ def monte_carlo_kernels(
         progress=False,  # the samples have their own bar
         **blocked,
     )
-    ntk = _make("ntk", fn, apply_fn, dict(implementation=implementation, **common))
-    nngp = _make("nngp", fn, apply_fn, common)
+    ntk = _make(
+        "ntk", _MONTE_CARLO_KERNELS, apply_fn, dict(implementation=implementation, **common)
+    )
+    nngp = _make("nngp", _MONTE_CARLO_KERNELS, apply_fn, common)
     init = initialiser(fn, jax.jit(init_fn), "init_fn(key)", "init_fn(key) -> params")
 
     def sample(k):

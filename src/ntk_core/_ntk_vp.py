@@ -21,6 +21,7 @@ import numpy as np
 
 from . import _caches, _checks, _probe
 from ._api import _checked_arguments
+from ._caller import Caller, core
 from ._checks import all_finite, check_finite_input
 from ._model import from_apply_fn
 from ._options import make_options
@@ -281,11 +282,16 @@ def ntk_vp_fn(
       Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel",
       ICML 2022 (NTK-vector products, section 3.2).
     """
-    return make_ntk_vp("ntk_vp_fn", apply_fn, params, x, batch_size, precision)
+    return make_ntk_vp(_NTK_VP_FN, apply_fn, params, x, batch_size, precision)
 
 
-def make_ntk_vp(fn: str, apply_fn, params, x, batch_size, precision) -> Callable:
-    """:func:`ntk_vp_fn` with errors naming the public function ``fn``."""
+#: :func:`ntk_vp_fn` as its messages name it (ntk_core._caller).
+_NTK_VP_FN = core("ntk_vp_fn", one_input=True)
+
+
+def make_ntk_vp(caller: Caller, apply_fn, params, x, batch_size, precision) -> Callable:
+    """:func:`ntk_vp_fn` with errors naming the public function ``caller``."""
+    fn = caller.name
     _checks.check_apply_fn(fn, apply_fn)
     if not callable(apply_fn):
         raise TypeError(
@@ -297,7 +303,7 @@ def make_ntk_vp(fn: str, apply_fn, params, x, batch_size, precision) -> Callable
     batch_size = _check_batch_size(fn, batch_size)
     _checks.before_trace(fn, params, x, None, options)
     _check_params(fn, params)
-    n = _batch_size(fn, "x", x)
+    n = _batch_size(caller, "x", x)
     check_finite_input(fn, "x", x)
     params = jax.tree.map(jnp.asarray, params)
     x = jax.tree.map(jnp.asarray, x)

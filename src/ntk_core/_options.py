@@ -63,12 +63,31 @@ memory_budget:
     half of the device allocator's limit where JAX reports one
     (``device.memory_stats()["bytes_limit"]``, GPUs), else
     :data:`DEFAULT_MEMORY_BUDGET` (1 GiB).
+out:
+    Only with a ``batch_size``. ``None`` (default): the result is returned in memory.
+    A path ending in ``.npy``: the Gram matrix is written tile by tile into that
+    standard ``.npy`` file, created at its final shape (host memory holds the tiles in
+    flight, not N1 x N2), with a manifest beside it (``<path>.manifest.json``: what the
+    file holds, which tiles are done); the call returns the file read-only and
+    memory-mapped (``np.load(path, mmap_mode="r")``), which :mod:`ntk_core.predict`
+    takes. A finished file of the same call is returned without computing anything.
+    See :mod:`ntk_core._store`.
+resume:
+    Only with ``out``. ``True``: an interrupted run's file (killed at any moment) is
+    finished: only the tiles its manifest does not list are computed, and the file
+    equals an uninterrupted run's bit for bit; inputs, parameters or options that
+    differ from the interrupted run's are refused, naming what differs. Default
+    ``False``.
+overwrite:
+    Only with ``out``. ``True``: an existing file is replaced. Default ``False``: an
+    existing file that is not the finished result of the same call is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 from collections.abc import Sequence
 
 #: Valid values of ``implementation``.
@@ -85,7 +104,15 @@ NT_IMPLEMENTATIONS = {
 PRECISIONS = ("highest", "high", "default")
 #: Keyword options of the NTK entry points, and of the NNGP ones.
 #: Options of the blocked engine, shared by every entry point.
-BLOCK_OPTION_NAMES = ("batch_size", "store_on_device", "progress", "memory_budget")
+BLOCK_OPTION_NAMES = (
+    "batch_size",
+    "store_on_device",
+    "progress",
+    "memory_budget",
+    "out",
+    "resume",
+    "overwrite",
+)
 NTK_OPTION_NAMES = (
     "trace_axes",
     "diagonal_axes",
@@ -113,6 +140,9 @@ class KernelOptions:
     store_on_device: bool = False
     progress: bool | None = None
     memory_budget: int | None = None
+    out: str | None = None
+    resume: bool = False
+    overwrite: bool = False
 
 
 def _axes(fn_name: str, name: str, value) -> Axes:
@@ -156,6 +186,9 @@ def make_options(
     store_on_device=False,
     progress=None,
     memory_budget=None,
+    out=None,
+    resume=False,
+    overwrite=False,
 ) -> KernelOptions:
     """Validates the shared options; raises TypeError/ValueError naming ``fn_name``."""
     trace = _axes(fn_name, "trace_axes", trace_axes)
@@ -190,6 +223,7 @@ def make_options(
         batch_size = int(batch_size)
     if memory_budget is not None:
         memory_budget = int(memory_budget)
+    out = _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device)
     return KernelOptions(
         trace,
         diag,
@@ -200,7 +234,52 @@ def make_options(
         store_on_device,
         progress,
         memory_budget,
+        out,
+        resume,
+        overwrite,
     )
+
+
+def _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device) -> str | None:
+    """Validates ``out``, ``resume`` and ``overwrite`` (see the module docstring);
+    returns the path as a string."""
+    for name, value in (("resume", resume), ("overwrite", overwrite)):
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"{fn_name}: {name} must be True or False, got {type(value).__name__} "
+                f"{value!r}. Fix: pass {name}=True or {name}=False."
+            )
+    if out is None:
+        if resume or overwrite:
+            given = "resume=True" if resume else "overwrite=True"
+            raise ValueError(
+                f"{fn_name}: {given} applies to the file of out=, but out is None. Fix: "
+                f"pass out='kernel.npy' (with a batch_size), or drop {given}."
+            )
+        return None
+    if not isinstance(out, (str, os.PathLike)) or not os.fspath(out).endswith(".npy"):
+        raise ValueError(
+            f"{fn_name}: out must be a path ending in '.npy', got {out!r}. Fix: pass e.g. "
+            f"out='kernel.npy' (a standard .npy file, read with np.load(path, "
+            f"mmap_mode='r'))."
+        )
+    if batch_size is None:
+        raise ValueError(
+            f"{fn_name}: out={os.fspath(out)!r} writes the blocked engine's tiles to the "
+            f"file, but batch_size is None (one call in memory). Fix: pass a batch_size, "
+            f"e.g. batch_size='auto' or batch_size=2048."
+        )
+    if store_on_device:
+        raise ValueError(
+            f"{fn_name}: out={os.fspath(out)!r} writes the kernel to a file on the host, "
+            f"which store_on_device=True contradicts. Fix: drop store_on_device=True."
+        )
+    if resume and overwrite:
+        raise ValueError(
+            f"{fn_name}: resume=True keeps the tiles already in out={os.fspath(out)!r} and "
+            f"overwrite=True discards them; both were given. Fix: pass one of them."
+        )
+    return os.fspath(out)
 
 
 def _block_options(fn_name, batch_size, store_on_device, progress, memory_budget) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from ._caller import Caller
 from ._layout import LeafLayout
 from ._options import KernelOptions
 
@@ -48,6 +49,9 @@ class Spec:
         new input signature before tracing; or None.
       hint: how to put the model in evaluation mode (in the message raised when its
         samples interact under ``vmap_axes=0``).
+      caller: the public function that built it, as the messages describe it (its
+        argument order, what its model is called, neural-tangents' order where it
+        applies); None: a core kernel function ``(params, x1, x2)`` named ``fn_name``.
     """
 
     fn_name: str
@@ -56,6 +60,7 @@ class Spec:
     options: KernelOptions
     check: Callable | None = None
     hint: str = ""
+    caller: Caller | None = None
 
     @property
     def fuse_bias(self) -> bool:

@@ -21,9 +21,16 @@ import scipy.sparse.linalg
 
 from . import _caches
 from ._api import _checked_arguments, _get
+from ._caller import Caller, core
 from ._checks import check_apply_fn
 from ._host_kernel import HostKernel, eigenvalues_of
 from ._ntk_vp import make_ntk_vp
+
+# The public functions of this module of (apply_fn, params, x), as their messages
+# name them (ntk_core._caller).
+_NTK_OPERATOR = core("ntk_operator", one_input=True)
+_NTK_EIGSH = core("ntk_eigsh", one_input=True)
+_NTK_TRACE = core("ntk_trace", one_input=True)
 
 #: Valid values of ``which``: largest (``"LA"``) or smallest (``"SA"``) algebraic.
 WHICH = ("LA", "SA")
@@ -84,8 +91,8 @@ class _Operator(scipy.sparse.linalg.LinearOperator):
         return self
 
 
-def _ntk_operator(fn_name, apply_fn, params, x, batch_size, precision):
-    ntk_vp = make_ntk_vp(fn_name, apply_fn, params, x, batch_size, precision)
+def _ntk_operator(caller: Caller, apply_fn, params, x, batch_size, precision):
+    ntk_vp = make_ntk_vp(caller, apply_fn, params, x, batch_size, precision)
     leaves, tree = jax.tree.flatten(ntk_vp.outputs)
     sizes = [math.prod(o.shape) for o in leaves]
     splits = np.cumsum(sizes)[:-1]
@@ -101,7 +108,7 @@ def _ntk_operator(fn_name, apply_fn, params, x, batch_size, precision):
         shaped = [p.reshape(o.shape + (-1,)) for p, o in zip(parts, leaves, strict=True)]
         return jax.tree.unflatten(tree, shaped)
 
-    return _Operator(fn_name, sum(sizes), product), unflat
+    return _Operator(caller.name, sum(sizes), product), unflat
 
 
 def ntk_operator(apply_fn, params, x, *, batch_size=None, precision="highest"):
@@ -140,8 +147,7 @@ def ntk_operator(apply_fn, params, x, *, batch_size=None, precision="highest"):
       operators are made for); Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width
       Neural Tangent Kernel", ICML 2022 (NTK-vector products).
     """
-    fn = "ntk_operator"
-    return _ntk_operator(fn, apply_fn, params, x, batch_size, precision)[0]
+    return _ntk_operator(_NTK_OPERATOR, apply_fn, params, x, batch_size, precision)[0]
 
 
 def kernel_operator(kernel):
@@ -350,9 +356,9 @@ def ntk_eigsh(
       Lehoucq, Sorensen, Yang, "ARPACK Users' Guide", SIAM 1998; Novak,
       Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
-    fn = "ntk_eigsh"
+    fn = _NTK_EIGSH.name
     check_apply_fn(fn, apply_fn)
-    op, unflat = _ntk_operator(fn, apply_fn, params, x, batch_size, precision)
+    op, unflat = _ntk_operator(_NTK_EIGSH, apply_fn, params, x, batch_size, precision)
     _check_solver_options(fn, k, which, tol, maxiter, ncv, op.shape[0])
     w, v = _solve(fn, op, lambda: _symmetric(op @ np.eye(op.shape[0])), k, which, tol, maxiter, ncv)
     return Eigenpairs(w, unflat(v), op.matvecs)
@@ -469,7 +475,7 @@ def ntk_trace(
       Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018 (tr Θ = Σ_i
       tr Θ(x_i, x_i), the sum of the per-sample diagonal blocks).
     """
-    fn = "ntk_trace"
+    fn = _NTK_TRACE.name
     check_apply_fn(fn, apply_fn)
     if not callable(apply_fn):
         raise TypeError(
@@ -489,7 +495,7 @@ def ntk_trace(
         batch_size=batch_size,
         progress=False,
     )
-    diag = _get("ntk", fn, flat, options)(params, x, None)
+    diag = _get("ntk", _NTK_TRACE, flat, options)(params, x, None)
     return float(np.sum(np.asarray(diag, np.float64)))
 
 

@@ -16,9 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks, _probe
+from ._caller import Caller, core
 from ._layout import resolve_layout
 from ._model import per_sample_trace
 from ._pipeline import Checked, Spec
+
+
+def caller_of(spec: Spec) -> Caller:
+    """The public function whose messages ``spec`` raises: ``spec.caller``, made where
+    that function is defined (a Spec built without one is a core kernel function of
+    ``(params, x1, x2)``)."""
+    return spec.caller if spec.caller is not None else core(spec.fn_name)
 
 
 def signature(tree) -> tuple:
@@ -51,12 +59,15 @@ def describe(tree) -> str:
     return text
 
 
-def batch_size(fn_name: str, name: str, x) -> int:
+def batch_size(caller: Caller, name: str, x) -> int:
+    """The number of samples of ``x`` (axis 0 of every leaf), or a ValueError naming
+    ``caller``, with its argument order."""
+    fn_name = caller.name
     leaves = jax.tree.leaves(x)
     if not leaves:
         raise ValueError(
             f"{fn_name}: {name} has no arrays (got {x!r}). Fix: pass an array, or a pytree "
-            f"of arrays, whose axis 0 indexes samples; {_checks.order_hint(fn_name)}."
+            f"of arrays, whose axis 0 indexes samples; {_checks.order_hint(caller)}."
         )
     sizes = set()
     for leaf in leaves:
@@ -71,7 +82,7 @@ def batch_size(fn_name: str, name: str, x) -> int:
         raise ValueError(
             f"{fn_name}: the arrays of {name} disagree on the batch size (axis 0): shapes "
             f"{describe(x)}. Fix: give every input array the same number of samples; "
-            f"{_checks.order_hint(fn_name)}."
+            f"{_checks.order_hint(caller)}."
         )
     (n,) = sizes
     if n == 0:
@@ -102,6 +113,7 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     passes on three samples (:mod:`ntk_core._probe`); otherwise O(number of leaves).
     """
     fn = spec.fn_name
+    caller = caller_of(spec)
     opts = spec.options
     _checks.before_trace(fn, params, x1, x2, opts)  # backend guard, dtypes
     if not jax.tree.leaves(params):
@@ -116,10 +128,10 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
                 f"differentiates every parameter, so all must be floating point. Fix: "
                 f"cast them, or close over integer constants in apply_fn instead."
             )
-    n1 = batch_size(fn, "x1", x1)
+    n1 = batch_size(caller, "x1", x1)
     n2 = n1
     if x2 is not None:
-        n2 = batch_size(fn, "x2", x2)
+        n2 = batch_size(caller, "x2", x2)
         s1, s2 = jax.tree.structure(x1), jax.tree.structure(x2)
         if s1 != s2:
             raise ValueError(
@@ -180,13 +192,13 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
             raise ValueError(
                 f"{fn}: calling the model on x1 (shapes {describe(x1)}) failed with "
                 f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}. "
-                f"Fix: {_checks.model_call_fix(params, e, fn)}."
+                f"Fix: {_checks.model_call_fix(params, e, caller)}."
             ) from e
         out_leaves, out_tree = jax.tree.flatten(out)
     if not out_leaves:
         raise ValueError(
             f"{fn}: the model returned no arrays ({out!r}); expected its outputs, e.g. "
-            f"logits (N, O). Fix: make {_checks.model_noun(fn)} return the network's "
+            f"logits (N, O). Fix: make {caller.model} return the network's "
             f"output."
         )
     layouts = []
@@ -197,7 +209,7 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
                 f"{fn}: {where} has shape {leaf.shape} but x1 has {n1} samples (x1 shapes "
                 f"{describe(x1)}); outputs must keep the batch axis 0. Fix: if x1 is a "
                 f"single sample, add a batch axis (x1[None]); otherwise make "
-                f"{_checks.model_noun(fn)} return one row per sample."
+                f"{caller.model} return one row per sample."
             )
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
             raise TypeError(
@@ -245,11 +257,10 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
 
 def in_neural_tangents_order(spec: Spec, params, x1, x2, aux) -> ValueError | None:
     """The error to raise instead of a failed validation when the arguments are in
-    neural-tangents' order ``(x1, x2, params)`` (the core's entry points only; the
-    adapters check their own arguments), else None."""
-    core = _checks.model_noun(spec.fn_name) == "apply_fn"
+    neural-tangents' order ``(x1, x2, params)`` (where ``spec.caller`` says that order
+    applies: the core's kernels; the adapters check their own arguments), else None."""
     if (
-        not core
+        not caller_of(spec).neural_tangents_order
         or x2 is None
         or not _checks.runs_in_neural_tangents_order(spec.apply3, params, x1, x2, aux)
     ):

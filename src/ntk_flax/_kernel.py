@@ -139,18 +139,10 @@ def _model_apply(model, method, apply_kwargs):
 def _make(entry: Entry, model, options: dict, *, method=None, apply_kwargs=None):
     """The kernel function of a linen or nnx ``model`` for ``entry`` (``make`` of
     :data:`ADAPTER`)."""
-    fn_name = f"ntk_flax.{entry.name}"
-    mc = entry.form is Form.MONTE_CARLO
+    caller = ADAPTER.caller(entry)
+    fn_name = caller.name
     if is_nnx_module(model):  # flax.nnx: the module's own state, split per call
-        return _nnx.make(
-            fn_name,
-            entry.kind,
-            model,
-            method,
-            apply_kwargs,
-            options,
-            monte_carlo=entry.form is Form.MONTE_CARLO,
-        )
+        return _nnx.make(caller, entry.kind, model, method, apply_kwargs, options)
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"{fn_name}: model must be a flax.linen.Module or a flax.nnx.Module, got "
@@ -163,7 +155,7 @@ def _make(entry: Entry, model, options: dict, *, method=None, apply_kwargs=None)
     apply3 = _model_apply(model, method, apply_kwargs)
     vmap_axes = options.get("vmap_axes", 0)
     read = VariablesReader(
-        fn_name,
+        caller,
         lambda rngs: _init_fn(model, method, apply_kwargs, rngs),
         lambda rngs: lambda v, x: model.apply(v, x, method=method, rngs=rngs, **apply_kwargs),
     )
@@ -215,13 +207,11 @@ def _make(entry: Entry, model, options: dict, *, method=None, apply_kwargs=None)
                 x1,
                 "variables = model.init(key, x1)",
             )
-            raise (
-                mismatch or adapter_model_failure(fn_name, "variables", e, monte_carlo=mc)
-            ) from None
+            raise (mismatch or adapter_model_failure(caller, "variables", e)) from None
         except Exception as e:
             raise (
                 read.misread(variables, x1, rngs, e)
-                or adapter_model_failure(fn_name, "variables", e, monte_carlo=mc)
+                or adapter_model_failure(caller, "variables", e)
             ) from e
 
     def to_core(variables, x1, rngs=None):
@@ -239,7 +229,7 @@ def _make(entry: Entry, model, options: dict, *, method=None, apply_kwargs=None)
         eval_hint="use_running_average=True / apply_kwargs={'train': False}",
         to_core_reads_x1=True,
     )
-    return build_kernel(fn_name, entry.kind, pure, options)
+    return build_kernel(caller, entry.kind, pure, options)
 
 
 #: Flax's words for the entry points (see ``ntk_core._adapter.Adapter``).

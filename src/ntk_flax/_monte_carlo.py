@@ -21,8 +21,11 @@ from ntk_core._monte_carlo import (
 )
 from ntk_core._predict import Kernels
 
-from ._kernel import _make
+from ._kernel import ADAPTER, _make
 from ._nnx import make as _make_nnx
+
+#: :func:`monte_carlo_kernels` as its messages name it (ntk_core._caller).
+_CALLER = ADAPTER.caller(MONTE_CARLO_NTK)
 
 
 def monte_carlo_kernels(
@@ -111,7 +114,7 @@ def monte_carlo_kernels(
       Novak et al., "Bayesian Deep Convolutional Networks with Many Channels are
       Gaussian Processes", ICLR 2019.
     """
-    fn = "ntk_flax.monte_carlo_kernels"
+    fn = _CALLER.name
     if isinstance(model, type) and issubclass(model, nn.Module):
         raise TypeError(
             f"{fn}: model is the linen class {model.__name__}, not an instance. Fix: pass "
@@ -138,7 +141,7 @@ def monte_carlo_kernels(
                 f"builder runs. Fix: drop init_kwargs and pass the arguments inside the "
                 f"builder, lambda rngs: Model(..., rngs=rngs)."
             )
-    check_samples(fn, key, n_samples, batch_size_samples, options)  # before building
+    check_samples(_CALLER, key, n_samples, batch_size_samples, options)  # before building
     check_inputs(fn, x1, x2)
     init_kwargs = check_init_kwargs(fn, init_kwargs)
     if not isinstance(model, nn.Module):
@@ -217,8 +220,8 @@ def _nnx_monte_carlo(
             f"nnx.Conv, ...), which hold nnx.Param variables."
         )
     nngp_options = {k: v for k, v in options.items() if k != "implementation"}
-    ntk = _make_nnx(fn, "ntk", template, method, apply_kwargs, options)
-    nngp = _make_nnx(fn, "nngp", template, method, apply_kwargs, nngp_options)
+    ntk = _make_nnx(_CALLER, "ntk", template, method, apply_kwargs, options)
+    nngp = _make_nnx(_CALLER, "nngp", template, method, apply_kwargs, nngp_options)
     # Each sample's whole state: its parameters, and its other state (statistics,
     # buffers drawn from rngs, RNG state) as that initialisation made them.
     state_of = initialiser(

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from ntk_core._adapter import bound_kernel, check_apply_kwargs, kernel_function
+from ntk_core._caller import Caller
 from ntk_core._checks import adapter_model_failure
 
 
@@ -263,23 +264,12 @@ def model_apply(name: str, apply_kwargs: dict) -> Callable:
     return apply3
 
 
-def make(
-    fn_name: str,
-    kind: str,
-    model,
-    method,
-    apply_kwargs,
-    options,
-    *,
-    monte_carlo: bool | None = None,
-) -> Callable:
+def make(caller: Caller, kind: str, model, method, apply_kwargs, options) -> Callable:
     """The kernel function ``call(variables, x1, x2=None, *, rngs=None)`` of an nnx
-    module; ``variables`` is ``None`` (the module's own ``nnx.Param`` state now) or a
-    state of the same structure. ``monte_carlo``: made for the Monte Carlo kernels
-    (``entry.form is Form.MONTE_CARLO``); ``None`` reads it from ``fn_name``, for a
-    caller that does not say."""
-    if monte_carlo is None:
-        monte_carlo = fn_name.endswith("monte_carlo_kernels")
+    module for the public function ``caller`` (``caller.monte_carlo``: made for the
+    Monte Carlo kernels); ``variables`` is ``None`` (the module's own ``nnx.Param``
+    state now) or a state of the same structure."""
+    fn_name, monte_carlo = caller.name, caller.monte_carlo
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'deterministic': True}")
     name = _method(fn_name, model, method)
     apply3 = model_apply(name, apply_kwargs)
@@ -289,14 +279,14 @@ def make(
             jax.eval_shape(apply3, params, x1, aux)
         except Exception as e:
             _refuse_stateful_arguments(fn_name, apply_kwargs, e, monte_carlo=monte_carlo)
-            raise adapter_model_failure(fn_name, "variables", e, monte_carlo=monte_carlo) from e
+            raise adapter_model_failure(caller, "variables", e) from e
         graphdef, rest = aux
         changed = _state_changes(graphdef, params, rest, x1, name, apply_kwargs)
         if changed:
             module = nnx.merge(graphdef, params, rest)
             _refuse_state_changes(fn_name, changed, module, monte_carlo=monte_carlo)
 
-    kernel = kernel_function(fn_name, kind, apply3, options, check, hint="model.eval()")
+    kernel = kernel_function(caller, kind, apply3, options, check, hint="model.eval()")
 
     def to_core(variables, rngs=None):
         if rngs is not None:

@@ -39,7 +39,7 @@ import flax.errors
 import jax
 import numpy as np
 
-from ntk_core._checks import argument_order
+from ntk_core._caller import Caller
 
 
 def _paths(tree) -> frozenset[str]:
@@ -112,8 +112,8 @@ class VariablesReader:
     calls cost a few tree flattenings.
     """
 
-    def __init__(self, fn_name: str, init: Callable, apply: Callable):
-        self._fn_name = fn_name
+    def __init__(self, caller: Caller, init: Callable, apply: Callable):
+        self._fn_name, self._order = caller.name, caller.order
         self._init = init
         self._apply = apply
         self._made: dict = {}  # (x1 per-sample signature, rngs structure) -> abstract variables
@@ -174,7 +174,7 @@ class VariablesReader:
                 f"params dict, e.g. state.params) or a train state (an object with .params "
                 f"and .apply_fn, e.g. flax.training.train_state.TrainState){hint}. Fix: pass "
                 f"model.init(key, x), its ['params'] entry, or the TrainState; the argument "
-                f"order is {argument_order(fn)}."
+                f"order is {self._order}."
             )
         if state is None and "params" in given and _TRAIN_STATE_FIELDS & set(given):
             # a train state as a dict (e.g. restored by orbax without a target): read it as

@@ -19,7 +19,6 @@ from ntk_core import _adapter
 from ntk_core._adapter import (
     Adapter,
     Entry,
-    Form,
     Keyword,
     PureModel,
     build_kernel,
@@ -166,7 +165,8 @@ def _shown(names: list[str]) -> list[str]:
 def _make(entry: Entry, transformed, options: dict, *, apply_kwargs=None):
     """The kernel function of ``transformed`` for ``entry`` (``make`` of
     :data:`ADAPTER`)."""
-    fn_name = f"ntk_haiku.{entry.name}"
+    caller = ADAPTER.caller(entry)
+    fn_name = caller.name
     if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
         raise TypeError(
             f"{fn_name}: expected an hk.Transformed or hk.TransformedWithState (the result of "
@@ -175,7 +175,6 @@ def _make(entry: Entry, transformed, options: dict, *, apply_kwargs=None):
         )
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
     apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs)
-    monte_carlo = entry.form is Form.MONTE_CARLO
 
     def init_params(x):
         out = transformed.init(jax.random.PRNGKey(0), x, **apply_kwargs)
@@ -213,10 +212,10 @@ def _make(entry: Entry, transformed, options: dict, *, apply_kwargs=None):
                     x1,
                     "params = transformed.init(key, x1)",
                 )
-                or adapter_model_failure(fn_name, "params", error, monte_carlo=monte_carlo)
+                or adapter_model_failure(caller, "params", error)
             ) from error
         raise _foreign_params(fn_name, params, state, error) or adapter_model_failure(
-            fn_name, "params", error, monte_carlo=monte_carlo
+            caller, "params", error
         ) from error
 
     def to_core(params, state=None, rng=None):
@@ -255,7 +254,7 @@ def _make(entry: Entry, transformed, options: dict, *, apply_kwargs=None):
         check=check,
         eval_hint="apply_kwargs={'is_training': False}",
     )
-    return build_kernel(fn_name, entry.kind, pure, options)
+    return build_kernel(caller, entry.kind, pure, options)
 
 
 def check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call) -> None:

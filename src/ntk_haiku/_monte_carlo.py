@@ -16,7 +16,10 @@ from ntk_core._monte_carlo import (
 )
 from ntk_core._predict import Kernels
 
-from ._kernel import _make
+from ._kernel import ADAPTER, _make
+
+#: :func:`monte_carlo_kernels` as its messages name it (ntk_core._caller).
+_CALLER = ADAPTER.caller(MONTE_CARLO_NTK)
 
 
 def monte_carlo_kernels(
@@ -92,14 +95,14 @@ def monte_carlo_kernels(
       Novak et al., "Bayesian Deep Convolutional Networks with Many Channels are
       Gaussian Processes", ICLR 2019.
     """
-    fn = "ntk_haiku.monte_carlo_kernels"
+    fn = _CALLER.name
     if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
         raise TypeError(
             f"{fn}: expected an hk.Transformed or hk.TransformedWithState, got "
             f"{type(transformed).__name__}. Fix: wrap your forward function with "
             f"hk.transform(f)."
         )
-    check_samples(fn, key, n_samples, batch_size_samples, options)
+    check_samples(_CALLER, key, n_samples, batch_size_samples, options)
     check_inputs(fn, x1, x2)
     init_kwargs = check_init_kwargs(fn, init_kwargs)
     with_state = isinstance(transformed, hk.TransformedWithState)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ntk_core
+from ntk_core import _checks
 
 W = jnp.ones((3, 2))
 X = jnp.ones((4, 3))
@@ -252,3 +253,38 @@ def test_errors_leave_no_partial_state():
     with pytest.raises(ValueError):
         kernel(W, jnp.ones((0, 3)))
     np.testing.assert_allclose(kernel(W, X).shape, (4, 4))
+
+
+def test_argument_order_from_the_caller_not_its_name():
+    """A core function and an adapter's each get their own argument order and model
+    noun in a message from the Caller made where they are defined, not from their
+    names: here both have the same made-up name."""
+    from ntk_core._caller import Caller, core
+    from ntk_core._engine import Engine
+    from ntk_core._model import from_apply_fn
+    from ntk_core._options import make_options
+    from ntk_core._pipeline import Spec
+
+    name = "made_up.kernel_fn"  # neither a core name nor an adapter's
+    in_core = core(name)
+    in_adapter = Caller(name, "(model, variables, x1, x2)", model="the model", package="x")
+
+    def message(caller, x1, apply_fn=f):
+        options = make_options(name)
+        engine = Engine(Spec(name, "ntk", from_apply_fn(apply_fn), options, caller=caller))
+        with pytest.raises(ValueError) as e:
+            engine(W, x1)
+        return str(e.value)
+
+    x1 = {"a": jnp.ones((4, 3)), "b": jnp.ones((5, 3))}  # batch sizes disagree
+    assert message(in_core, x1).endswith(
+        "the argument order is (params, x1, x2), not neural-tangents' (x1, x2, params)."
+    )
+    assert message(in_adapter, x1).endswith("the argument order is (model, variables, x1, x2).")
+    no_batch = lambda w, x: jnp.tanh(x @ w).sum(0)  # noqa: E731
+    assert "make apply_fn return one row" in message(in_core, X, no_batch)
+    assert "make the model return one row" in message(in_adapter, X, no_batch)
+    one_input = core(name, one_input=True)
+    assert _checks.order_hint(one_input) == (
+        "the argument order is (params, x), not neural-tangents' (f, x_train, params)"
+    )

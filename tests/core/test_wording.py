@@ -5,6 +5,7 @@ a specific fix into the generic one; and the checks that replaced such readings.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import pytest
 import ntk_core
 from ntk_core import _checks
 from ntk_core._api import _first_missing
+from ntk_core._caller import Caller
 
 
 def _error(call) -> BaseException:
@@ -61,12 +63,14 @@ def test_model_argument_fix_names_the_argument():
 
 
 def test_adapter_model_failure_monte_carlo_flag():
-    """The explicit flag decides the generic fix; without it the name does."""
+    """The caller's monte_carlo field decides the generic fix, whatever its name."""
     e = ValueError("bad")
     mc = "check that x1 has the per-sample shape and dtype the model expects"
-    assert mc in str(_checks.adapter_model_failure("ntk_haiku.kernel", "p", e, monte_carlo=True))
-    assert mc not in str(_checks.adapter_model_failure("ntk_haiku.kernel", "p", e))
-    assert mc in str(_checks.adapter_model_failure("ntk_haiku.monte_carlo_kernels", "p", e))
+    kernel = Caller("ntk_haiku.kernel", "(transformed, params, x1, x2)", model="the model")
+    assert mc in str(_checks.adapter_model_failure(replace(kernel, monte_carlo=True), "p", e))
+    assert mc not in str(_checks.adapter_model_failure(kernel, "p", e))
+    named = replace(kernel, name="ntk_haiku.monte_carlo_kernels")  # the name says nothing
+    assert mc not in str(_checks.adapter_model_failure(named, "p", e))
 
 
 def _signatures():

@@ -1,0 +1,320 @@
+"""Out-of-core kernels: the blocked engine's tiles written into a ``.npy`` file that
+outlives the process (``out=``), and resumed after it is killed (``resume=True``).
+
+The file is a standard ``.npy`` created at its final shape and dtype
+(``numpy.lib.format.open_memmap``), so ``np.load(path, mmap_mode="r")`` reads it and
+:mod:`ntk_core.predict` takes it. Host memory holds the tiles in flight, not N1 x N2.
+
+Beside it, ``<path>.manifest.json`` says what the file is and how far it got:
+
+* ``fingerprint``: SHA-256 digests of x1, x2, the parameters and the fixed model
+  state (``aux``), and the options, dtype, shape and tile grid, in plain words, so that
+  a resume with anything different is refused naming what differs;
+* ``done``: the tiles written, each by its first row and column ``[r0, c0]`` (with
+  x2=None a tile and its mirror are one entry);
+* ``complete``: every tile written.
+
+Crash safety: a tile is written into the memory map and flushed to the file
+(``msync``) before the manifest lists it, and the manifest is replaced atomically
+(written to a temporary file, flushed and synced, then ``os.replace``d), so after a
+SIGKILL at any moment the manifest lists only tiles whose bytes are on disk; a resumed
+call computes the others, with the same compiled programs on the same blocks, so the
+finished file equals an uninterrupted run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+from numpy.lib.format import open_memmap
+
+#: Version of the manifest's layout.
+MANIFEST_VERSION = 1
+
+
+def manifest_path(path: str) -> str:
+    """Where the manifest of ``path`` lives: ``<path>.manifest.json``."""
+    return path + ".manifest.json"
+
+
+def _digest_tree(tree) -> str:
+    """SHA-256 of a pytree's structure and its leaves' shapes, dtypes and bytes."""
+    h = hashlib.sha256()
+    leaves, treedef = jax.tree.flatten(tree)
+    h.update(str(treedef).encode())
+    for leaf in leaves:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            a = np.ascontiguousarray(np.asarray(leaf))
+            h.update(f"{a.shape}{a.dtype}".encode())
+            h.update(a.tobytes())
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()
+
+
+def fingerprint(params, x1, x2, aux, options: dict, shape, dtype, grid) -> dict:
+    """What a file holds, as a JSON-ready dict of plain values (see the module
+    docstring): digests of the arrays, and the options, shape, dtype and tile grid."""
+    return {
+        "x1": _digest_tree(x1),
+        "x2": "x2=None (the Gram matrix of x1)" if x2 is None else _digest_tree(x2),
+        "params": _digest_tree(params),
+        "model state (aux)": _digest_tree(aux),
+        "options": {k: repr(v) for k, v in sorted(options.items())},
+        "shape": list(shape),
+        "dtype": str(np.dtype(dtype)),
+        "tile grid": list(grid),
+    }
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    names = []
+    for key in new:
+        if old.get(key) == new[key]:
+            continue
+        if key == "options" and isinstance(old.get(key), dict):
+            changed = sorted(
+                k for k in set(old[key]) | set(new[key]) if old[key].get(k) != new[key].get(k)
+            )
+            names.append(
+                "options ("
+                + ", ".join(
+                    f"{k}: {old[key].get(k, 'unset')} -> {new[key].get(k, 'unset')}"
+                    for k in changed
+                )
+                + ")"
+            )
+        elif key in ("shape", "dtype", "tile grid"):
+            names.append(f"{key} ({old.get(key)} -> {new[key]})")
+        else:
+            names.append(key)
+    return names
+
+
+def _write_json_atomically(path: str, data: dict) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:  # the rename itself durable (POSIX: sync the folder)
+        dir_fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def _read_manifest(path: str) -> dict | None:
+    try:
+        with open(manifest_path(path)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("version") == MANIFEST_VERSION else None
+
+
+class NpyStore:
+    """The result of a blocked call written tile by tile into ``path`` (see the module
+    docstring). The blocked engine asks :meth:`is_done` before computing a tile,
+    :meth:`put` s each computed tile, and returns :meth:`result`.
+
+    Args:
+      fn: the public function's name, for messages.
+      path: the ``.npy`` file.
+      shape, dtype: the kernel's.
+      perms: the axis permutation of the mirror tile (x2=None).
+      batch_diagonal: a kernel of the per-sample diagonal ``(N, ...)``.
+      fingerprint: :func:`fingerprint` of the call.
+      resume, overwrite: the options.
+
+    Raises:
+      ValueError: an existing file without ``resume`` or ``overwrite``; a resume whose
+        file or manifest is missing or describes another computation (the message
+        names what differs); a folder that does not exist or cannot be written; too
+        little free disk space (the message says how much is needed).
+    """
+
+    def __init__(
+        self, fn, path, shape, dtype, perms, batch_diagonal, fingerprint, resume, overwrite
+    ):
+        self.fn, self.path = fn, path
+        self.perms, self.batch_diagonal = perms, batch_diagonal
+        self.manifest = {
+            "version": MANIFEST_VERSION,
+            "fingerprint": fingerprint,
+            "done": [],
+            "complete": False,
+        }
+        self.done: set[tuple[int, int]] = set()
+        self.finished = False
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        old = _read_manifest(path) if os.path.exists(path) else None
+        if old is not None and old.get("fingerprint") == fingerprint and old.get("complete"):
+            self.finished = True  # the same computation, finished: nothing to do
+            self.memmap = None
+            return
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise ValueError(
+                f"{fn}: out={path!r} is in the folder {folder!r}, which does not exist. "
+                f"Fix: create it first (os.makedirs(folder, exist_ok=True)), or give "
+                f"another path."
+            )
+        if not os.access(folder, os.W_OK):
+            raise ValueError(
+                f"{fn}: out={path!r}: the folder {folder!r} cannot be written. Fix: give a "
+                f"path in a writable folder."
+            )
+        if os.path.exists(path) and resume:
+            self._resume(old, fingerprint, shape, dtype)
+            return
+        if os.path.exists(path) and not overwrite:
+            raise ValueError(
+                f"{fn}: out={path!r} exists, and is not the finished result of this same "
+                f"call. Fix: pass resume=True to finish an interrupted run of the same "
+                f"call, overwrite=True to replace the file, or another path."
+            )
+        free = shutil.disk_usage(folder).free
+        if os.path.exists(path):
+            free += os.path.getsize(path)  # replaced
+        if nbytes > free:
+            raise ValueError(
+                f"{fn}: out={path!r} needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) for a "
+                f"{np.dtype(dtype).name} kernel of shape {tuple(shape)}, but the disk has "
+                f"{free} bytes ({free / 2**30:.2f} GiB) free. Fix: free disk space, write "
+                f"to another disk, or compute a smaller kernel (fewer samples, trace_axes)."
+            )
+        if os.path.exists(manifest_path(path)):
+            os.unlink(manifest_path(path))  # the old file's: no longer true
+        self.memmap = open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape))
+        self.memmap.flush()
+        _write_json_atomically(manifest_path(path), self.manifest)
+
+    def _resume(self, old, fingerprint, shape, dtype) -> None:
+        fn, path = self.fn, self.path
+        if old is None:
+            raise ValueError(
+                f"{fn}: resume=True, but {manifest_path(path)!r} is missing or unreadable, "
+                f"so what {path!r} holds is unknown. Fix: pass overwrite=True to compute "
+                f"it again, or another path."
+            )
+        differs = _differences(old.get("fingerprint", {}), fingerprint)
+        if differs:
+            raise ValueError(
+                f"{fn}: resume=True, but {path!r} was started by a different call: "
+                f"{'; '.join(differs)} differ. Fix: resume with the same inputs, "
+                f"parameters and options, or pass overwrite=True (or another path) to "
+                f"compute this call."
+            )
+        self.memmap = open_memmap(path, mode="r+")
+        if self.memmap.shape != tuple(shape) or self.memmap.dtype != np.dtype(dtype):
+            raise ValueError(
+                f"{fn}: resume=True, but {path!r} has shape {self.memmap.shape} and dtype "
+                f"{self.memmap.dtype}, not {tuple(shape)} {np.dtype(dtype)}. Fix: pass "
+                f"overwrite=True."
+            )
+        self.done = {tuple(t) for t in old.get("done", [])}
+        self.manifest["done"] = sorted(list(t) for t in self.done)
+
+    def is_done(self, r0: int, c0: int) -> bool:
+        return self.finished or (r0, c0) in self.done
+
+    def put(self, tile, r0, r1, c0, c1, mirror: bool) -> None:
+        """Writes one tile (and its mirror), flushes it, then lists it as done."""
+        (leaf,) = jax.tree.leaves(tile)
+        a = np.asarray(leaf)
+        rows = r1 - r0
+        if self.batch_diagonal:
+            self.memmap[r0:r1] = a[:rows]
+        else:
+            a = a[:rows, : c1 - c0]
+            self.memmap[r0:r1, c0:c1] = a
+            if mirror:
+                self.memmap[c0:c1, r0:r1] = np.transpose(a, self.perms[0])
+        self.memmap.flush()  # the bytes are in the file before the manifest says so
+        self.done.add((r0, c0))
+        self.manifest["done"].append([r0, c0])
+        _write_json_atomically(manifest_path(self.path), self.manifest)
+
+    def result(self):
+        """The finished file, read-only and memory-mapped (``np.load(path,
+        mmap_mode="r")``); the manifest marked complete."""
+        if not self.finished:
+            self.memmap.flush()
+            del self.memmap
+            self.manifest["complete"] = True
+            _write_json_atomically(manifest_path(self.path), self.manifest)
+        return np.load(self.path, mmap_mode="r")
+
+
+def model_digest(closed) -> str:
+    """SHA-256 of the model's jaxpr as printed, without the memory addresses that the
+    printout of some equations (custom derivatives) carries: the same model gives the
+    same digest in another process."""
+    text = re.sub(r"0x[0-9a-fA-F]+", "0x", str(closed.jaxpr))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
+    """The :class:`NpyStore` of a blocked call with ``out=`` (``spec``: the kernel
+    function, ``config``: the plan, ``cut``: the tiling, ``model``:
+    :func:`model_digest`).
+
+    Raises:
+      ValueError: a kernel that is a pytree of several arrays (several outputs, or
+        per-leaf kernels); and the errors of :class:`NpyStore`.
+    """
+    from ._blocked import leaf_layouts, swap_perm
+
+    options = spec.options
+    if len(cut.pair_kernels) != 1:
+        raise ValueError(
+            f"{spec.fn_name}: out={options.out!r} writes one kernel array, but this call's "
+            f"kernel is a pytree of {len(cut.pair_kernels)} arrays (a model with several "
+            f"outputs, or per-leaf kernels). Fix: compute one output at a time (an "
+            f"apply_fn returning that output), or drop out= to get the pytree in memory."
+        )
+    (one,) = cut.pair_kernels
+    n1 = int(np.shape(jax.tree.leaves(x1)[0])[0])
+    n2 = n1 if x2 is None else int(np.shape(jax.tree.leaves(x2)[0])[0])
+    batch_diagonal = config.layouts[0].batch_diagonal
+    shape = (n1, *one.shape[1:]) if batch_diagonal else (n1, n2, *one.shape[2:])
+    described = {
+        "kind": spec.kind,
+        "implementation": config.implementation,
+        "trace_axes": options.trace_axes,
+        "diagonal_axes": options.diagonal_axes,
+        "vmap_axes": options.vmap_axes,
+        "precision": options.precision,
+        "model (its jaxpr)": model,
+    }
+    return NpyStore(
+        spec.fn_name,
+        options.out,
+        shape,
+        one.dtype,
+        [swap_perm(layout) for layout in leaf_layouts(config)],
+        batch_diagonal,
+        fingerprint(params, x1, x2, aux, described, shape, one.dtype, (cut.b1, cut.b2)),
+        options.resume,
+        options.overwrite,
+    )
