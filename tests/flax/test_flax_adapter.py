@@ -430,3 +430,28 @@ def test_per_leaf_kernel_function_has_a_plan_without_ntvp():
         "['Dense_1']['kernel']",
     ]
     assert plan.implementation == kernel.implementation_for(variables, x)
+
+
+def test_out_of_core_kernel_equals_the_in_memory_one(tmp_path):
+    """Issue 19: out= reaches the blocked engine through the adapter (the model's
+    batch statistics held fixed are part of the fingerprint); the file equals the
+    in-memory tiles bit for bit, and a resume with other batch statistics is refused."""
+    entry = zoo.ZOO["batchnorm_eval"]
+    x1, x2 = zoo.inputs(entry, 13, 6)
+    kw = dict(apply_kwargs=entry.apply_kwargs, trace_axes=(), batch_size=4)
+    in_memory = ntk_flax.kernel(entry.model, entry.variables, x1, x2, **kw)
+    path = str(tmp_path / "k.npy")
+    written = ntk_flax.kernel(entry.model, entry.variables, x1, x2, out=path, **kw)
+    assert isinstance(written, np.memmap) and np.array_equal(written, in_memory)
+    reference.assert_close(written, _ref(entry, x1, x2, "ntk", trace_axes=())[0])
+    other = jax.tree.map(lambda v: v, dict(entry.variables))
+    other["batch_stats"] = jax.tree.map(lambda v: v + 1.0, other["batch_stats"])
+    manifest = path + ".manifest.json"
+    text = open(manifest).read().replace('"complete": true', '"complete": false')
+    open(manifest, "w").write(text)
+    with pytest.raises(
+        ValueError,
+        match=r"^ntk_flax.kernel: resume=True, but .* was started "
+        r"by a different call: model state \(aux\) differ",
+    ):
+        ntk_flax.kernel(entry.model, other, x1, x2, out=path, resume=True, **kw)

@@ -261,3 +261,17 @@ def test_batch_size_gives_the_one_call_kernel():
     )
     batched = kernel(params, x1, x2, state=state)
     assert np.abs(batched - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_out_of_core_kernel_equals_the_in_memory_one(tmp_path):
+    """Issue 19: out= and resume= reach the blocked engine through the Haiku adapter."""
+    net = hk.without_apply_rng(hk.transform(mlp))
+    x1 = jax.random.normal(jax.random.PRNGKey(3), (11, 3))
+    params = net.init(jax.random.PRNGKey(1), x1)
+    path = str(tmp_path / "k.npy")
+    in_memory = ntk_haiku.kernel(net, params, x1, trace_axes=(), batch_size=4)
+    written = ntk_haiku.kernel(net, params, x1, trace_axes=(), batch_size=4, out=path)
+    assert isinstance(written, np.memmap) and np.array_equal(written, in_memory)
+    reference.assert_close(written, reference.ntk(net.apply, params, x1, None, trace_axes=())[0])
+    again = ntk_haiku.kernel(net, params, x1, trace_axes=(), batch_size=4, out=path, resume=True)
+    assert np.array_equal(again, in_memory)  # finished: returned as it is
