@@ -73,6 +73,7 @@ def ntk_fn(
     out=None,
     resume=False,
     overwrite=False,
+    devices=None,
 ) -> KernelFunction:
     """Returns a jitted empirical NTK function ``kernel(params, x1, x2=None)``.
 
@@ -99,6 +100,8 @@ def ntk_fn(
             an interrupted run finished with ``resume=True``; see
             :mod:`ntk_core._options` and :mod:`ntk_core._store` (defaults ``None``,
             ``False``, ``False``).
+          devices: with a ``batch_size``, the devices whose tiles are computed side by
+            side (default ``None``: all local devices; see :mod:`ntk_core._options`).
 
         Returns:
           a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)`` (with
@@ -193,6 +196,7 @@ def nngp_fn(
     out=None,
     resume=False,
     overwrite=False,
+    devices=None,
 ) -> KernelFunction:
     """Returns a jitted empirical NNGP function ``kernel(params, x1, x2=None)``.
 
@@ -203,8 +207,8 @@ def nngp_fn(
           apply_fn: ``apply_fn(params, x) -> outputs`` as in :func:`ntk_fn`.
           trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._options`.
             One forward pass on each batch is enough whatever ``vmap_axes`` says.
-          batch_size, store_on_device, progress, memory_budget, out, resume, overwrite:
-            the blocked engine, as in :func:`ntk_fn` (the features of a block are its
+          batch_size, store_on_device, progress, memory_budget, out, resume, overwrite,
+            devices: the blocked engine, as in :func:`ntk_fn` (the features of a block are its
             outputs).
 
         Returns:
@@ -274,6 +278,7 @@ def empirical_ntk(
     out=None,
     resume=False,
     overwrite=False,
+    devices=None,
 ):
     """Empirical NTK of ``apply_fn`` at ``params`` between x1 and x2 (x1 if None).
 
@@ -288,8 +293,8 @@ def empirical_ntk(
       x2: ``None`` (x2 is x1) or a pytree like x1 with N2 samples.
       trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
         :mod:`ntk_core._options`.
-      batch_size, store_on_device, progress, memory_budget, out, resume, overwrite: the
-        blocked engine, as in :func:`ntk_fn`.
+      batch_size, store_on_device, progress, memory_budget, out, resume, overwrite,
+        devices: the blocked engine, as in :func:`ntk_fn`.
 
     {layout}
 
@@ -335,6 +340,7 @@ def empirical_nngp(
     out=None,
     resume=False,
     overwrite=False,
+    devices=None,
 ):
     """Empirical NNGP kernel f(x1)·f(x2) of ``apply_fn`` at ``params``.
 
@@ -379,6 +385,7 @@ def ntk_per_leaf_fn(
     out=None,
     resume=False,
     overwrite=False,
+    devices=None,
 ) -> KernelFunction:
     """Returns a jitted function ``kernel(params, x1, x2=None)`` of the NTK split by leaf.
 
@@ -440,6 +447,7 @@ def empirical_ntk_per_leaf(
     out=None,
     resume=False,
     overwrite=False,
+    devices=None,
 ):
     """The NTK split by parameter leaf: a pytree shaped like ``params`` of kernels.
 

@@ -54,6 +54,7 @@ padding).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -339,12 +340,14 @@ class Tiling:
     #: Each kernel leaf of a tile of one pair: its shape (1, 1, ...) or (1, ...) on the
     #: batch diagonal, and dtype.
     pair_kernels: tuple = ()
+    devices: tuple = (None,)  # the devices computing tiles ((None,): the default one)
 
     def __str__(self) -> str:
         budget = human_bytes(self.budget)
+        spread = f" on {len(self.devices)} devices" if len(self.devices) > 1 else ""
         return (
             f"blocked engine: batch_size={self.requested!r} -> tiles of {self.b1} x "
-            f"{self.b2} samples, {self.tiles} tiles (memory_budget {budget}; "
+            f"{self.b2} samples, {self.tiles} tiles{spread} (memory_budget {budget}; "
             f"features {self.feature_bytes} B per sample, {self.pair_bytes:.0f} B per pair)"
         )
 
@@ -392,6 +395,9 @@ def tiling(implementation, config, options, params, x1, x2, aux) -> Tiling:
     k1, k2 = len(_blocks(n1, b1)), len(_blocks(n2, b2))
     tiles = k1 if batch_diagonal else (k1 * (k1 + 1) // 2 if same else k1 * k2)
     pair_kernels = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in kernel_leaves)
+    devices = options.devices
+    if devices is None:  # every local device; one when the result stays on a device
+        devices = (None,) if options.store_on_device else tuple(jax.local_devices())
     return Tiling(
         b1,
         b2,
@@ -402,6 +408,7 @@ def tiling(implementation, config, options, params, x1, x2, aux) -> Tiling:
         options.batch_size,
         available,
         pair_kernels,
+        devices,
     )
 
 
@@ -438,12 +445,33 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
     rows = _blocks(n1, b1)
     cols = rows if same else _blocks(n2, b2)
 
-    def block(x, blocks, k, size):
-        start, stop = blocks[k]
-        return _take(x, start, stop, size if pad else stop - start)
+    # Tiles spread over the devices: the tiles of row block i on device i mod D, the
+    # features of column block j computed on device j mod D and copied where needed.
+    devices = cut.devices
+    n_dev = len(devices)
+    placed: dict = {}
 
-    def tile(fa, fb, xa, xb, same_block):
-        return implementation.tile(params, fa, fb, aux, xa, xb, same_block)
+    def on(d, value):
+        """``value`` on device ``d`` (as given with one device)."""
+        return value if n_dev == 1 else jax.device_put(value, devices[d])
+
+    def model(d):
+        """(params, aux) on device ``d``."""
+        if d not in placed:
+            placed[d] = (on(d, params), on(d, aux))
+        return placed[d]
+
+    def block(x, blocks, k, size, d=0):
+        start, stop = blocks[k]
+        return on(d, _take(x, start, stop, size if pad else stop - start))
+
+    def feats(x, d):
+        p, a = model(d)
+        return features(p, x, a)
+
+    def tile(fa, fb, xa, xb, same_block, d=0):
+        p, a = model(d)
+        return implementation.tile(p, fa, fb, a, xa, xb, same_block)
 
     out = store or _Output(
         n1,
@@ -462,24 +490,26 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
             for i, (r0, r1) in enumerate(rows):
                 if not todo(r0, r0):
                     continue
-                xa = block(x1, rows, i, b1)
-                xb = None if same else block(x2, rows, i, b1)
-                fa = None if features is None else features(params, xa, aux)
-                fb = None if features is None or same else features(params, xb, aux)
-                yield (*tile(fa, fb, xa, xb, same), r0, r1, r0, r1, False)
+                d = i % n_dev
+                xa = block(x1, rows, i, b1, d)
+                xb = None if same else block(x2, rows, i, b1, d)
+                fa = None if features is None else feats(xa, d)
+                fb = None if features is None or same else feats(xb, d)
+                yield (*tile(fa, fb, xa, xb, same, d), r0, r1, r0, r1, False)
             return
         if features is None:
             for i, (r0, r1) in enumerate(rows):
-                xa = block(x1, rows, i, b1)
+                d = i % n_dev
+                xa = block(x1, rows, i, b1, d)
                 for j in range(i if same else 0, len(cols)):
                     c0, c1 = cols[j]
                     if not todo(r0, c0):
                         continue
                     if same and j == i:
-                        yield (*tile(None, None, xa, None, True), r0, r1, c0, c1, False)
+                        yield (*tile(None, None, xa, None, True, d), r0, r1, c0, c1, False)
                         continue
-                    xb = block(x1 if same else x2, cols, j, b2)
-                    yield (*tile(None, None, xa, xb, False), r0, r1, c0, c1, same)
+                    xb = block(x1 if same else x2, cols, j, b2, d)
+                    yield (*tile(None, None, xa, xb, False, d), r0, r1, c0, c1, same)
             return
         block_bytes = cut.feature_bytes * max(b1, b2)
         room = cut.available - 2 * cut.pair_bytes * b1 * b2
@@ -490,25 +520,33 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
             band = range(start, min(start + width, len(cols)))
             kept: dict = {}
 
-            def column(j, kept=kept):
-                if j not in kept:
-                    kept[j] = features(params, block(x1 if same else x2, cols, j, b2), aux)
-                return kept[j]
+            def column(j, d, kept=kept):
+                """Column block j's features on device d (computed on device j mod D)."""
+                if (j, d) not in kept:
+                    home = j % n_dev
+                    if (j, home) not in kept:
+                        x = block(x1 if same else x2, cols, j, b2, home)
+                        kept[j, home] = feats(x, home)
+                    if d != home:
+                        kept[j, d] = on(d, kept[j, home])
+                return kept[j, d]
 
             for i, (r0, r1) in enumerate(rows):
                 js = [j for j in band if (not same or j >= i) and todo(r0, cols[j][0])]
                 if not js:
                     continue
+                d = i % n_dev
                 if same and i in band:
-                    fa = column(i)
+                    fa = column(i, d)
                 else:
-                    fa = features(params, block(x1, rows, i, b1), aux)
+                    fa = feats(block(x1, rows, i, b1, d), d)
                 for j in js:
                     c0, c1 = cols[j]
                     if same and j == i:
-                        yield (*tile(fa, None, None, None, True), r0, r1, c0, c1, False)
+                        yield (*tile(fa, None, None, None, True, d), r0, r1, c0, c1, False)
                     else:
-                        yield (*tile(fa, column(j), None, None, False), r0, r1, c0, c1, same)
+                        fb = column(j, d)
+                        yield (*tile(fa, fb, None, None, False, d), r0, r1, c0, c1, same)
             del kept
 
     bar = _Progress(fn, cut.tiles, options.progress)
@@ -524,13 +562,15 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
         bar.update()
 
     try:
-        pending = None
-        for task in tasks():  # the next tile is dispatched before the last is copied
-            if pending is not None:
-                finalize(pending)
-            pending = task
-        if pending is not None:  # None: every tile was done before (a resume)
-            finalize(pending)
+        # The next tile (one per device) is dispatched before the oldest is copied out,
+        # so the copies overlap the computation and the devices run side by side.
+        pending: collections.deque = collections.deque()
+        for task in tasks():
+            pending.append(task)
+            if len(pending) > n_dev:
+                finalize(pending.popleft())
+        while pending:
+            finalize(pending.popleft())
     finally:
         bar.close()
     return out.result()

@@ -81,6 +81,13 @@ resume:
 overwrite:
     Only with ``out``. ``True``: an existing file is replaced. Default ``False``: an
     existing file that is not the finished result of the same call is refused.
+devices:
+    Only when batched. The devices that compute tiles: ``None`` (default) all local
+    devices of the default backend (``jax.local_devices()``; one device with
+    ``store_on_device=True``), or a list of ``jax.Device``. The tiles of row block i run
+    on device i mod D, each device computing whole tiles (the features of a column
+    block are computed once, on device j mod D, and copied to the others that need
+    them); results equal the single-device ones.
 """
 
 from __future__ import annotations
@@ -112,6 +119,7 @@ BLOCK_OPTION_NAMES = (
     "out",
     "resume",
     "overwrite",
+    "devices",
 )
 NTK_OPTION_NAMES = (
     "trace_axes",
@@ -143,6 +151,7 @@ class KernelOptions:
     out: str | None = None
     resume: bool = False
     overwrite: bool = False
+    devices: tuple | None = None
 
 
 def _axes(fn_name: str, name: str, value) -> Axes:
@@ -189,6 +198,7 @@ def make_options(
     out=None,
     resume=False,
     overwrite=False,
+    devices=None,
 ) -> KernelOptions:
     """Validates the shared options; raises TypeError/ValueError naming ``fn_name``."""
     trace = _axes(fn_name, "trace_axes", trace_axes)
@@ -224,6 +234,7 @@ def make_options(
     if memory_budget is not None:
         memory_budget = int(memory_budget)
     out = _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device)
+    devices = _devices_option(fn_name, devices, store_on_device)
     return KernelOptions(
         trace,
         diag,
@@ -237,7 +248,35 @@ def make_options(
         out,
         resume,
         overwrite,
+        devices,
     )
+
+
+def _devices_option(fn_name, devices, store_on_device) -> tuple | None:
+    """Validates ``devices`` (see the module docstring); returns a tuple or None."""
+    if devices is None:
+        return None
+    import jax  # the options module itself needs no JAX
+
+    given = tuple(devices) if isinstance(devices, (list, tuple)) else None
+    if not given or not all(isinstance(d, jax.Device) for d in given):
+        raise TypeError(
+            f"{fn_name}: devices must be None (all devices of the default backend) or a "
+            f"non-empty list of jax devices, got {devices!r}. Fix: pass e.g. "
+            f"devices=jax.local_devices()[:2]."
+        )
+    if len(set(given)) != len(given):
+        raise ValueError(
+            f"{fn_name}: devices lists a device twice ({list(given)!r}). Fix: list each "
+            f"device once."
+        )
+    if store_on_device and len(given) > 1:
+        raise ValueError(
+            f"{fn_name}: store_on_device=True assembles the result on one device, but "
+            f"devices= names {len(given)}. Fix: drop store_on_device=True (the result is "
+            f"assembled on the host), or pass one device."
+        )
+    return given
 
 
 def _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device) -> str | None:

@@ -1,0 +1,96 @@
+"""Issue 19: the blocked engine spreads its tiles over several devices (``devices=``,
+default all local devices). Run in a subprocess with four CPU devices
+(``--xla_force_host_platform_device_count=4``); every kernel equals the one-device
+kernel bit for bit, for every implementation and axes setting, x2 given or not, with
+the features of every block in memory or in bands (a tight memory_budget), and written
+to a file; the features really ran on all four devices."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+import ntk_core
+
+_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax, jax.numpy as jnp, numpy as np
+    import ntk_core
+
+    assert len(jax.devices()) == 4, jax.devices()
+    f = lambda p, x: jnp.tanh(x @ p["w"] + p["b"]) @ p["v"]
+    P = {"w": jax.random.normal(jax.random.PRNGKey(0), (5, 16)),
+         "b": jax.random.normal(jax.random.PRNGKey(4), (16,)),
+         "v": jax.random.normal(jax.random.PRNGKey(1), (16, 3))}
+    X1 = jax.random.normal(jax.random.PRNGKey(2), (37, 5))
+    X2 = jax.random.normal(jax.random.PRNGKey(3), (23, 5))
+    one = dict(devices=jax.devices()[:1], batch_size=8, progress=False)
+    many = dict(batch_size=8, progress=False)  # default: every local device
+    checked = 0
+    for implementation in ("jacobian", "structured", "ntvp", "nngp"):
+        for axes in ({}, {"trace_axes": ()}, {"diagonal_axes": (0,)}):
+            for x2 in ((None,) if axes.get("diagonal_axes") else (None, X2)):
+                for budget in (None, 3000):  # 3000 bytes: features in bands
+                    if implementation == "nngp":
+                        build = lambda **kw: ntk_core.nngp_fn(f, memory_budget=budget, **axes, **kw)
+                    else:
+                        build = lambda **kw: ntk_core.ntk_fn(
+                            f, implementation=implementation, memory_budget=budget, **axes, **kw)
+                    a, b = build(**one)(P, X1, x2), build(**many)(P, X1, x2)
+                    assert np.array_equal(a, b), (implementation, axes, x2 is None, budget)
+                    checked += 1
+    seen = set()
+    kernel = ntk_core.ntk_fn(f, implementation="structured", **many)
+    engine = kernel._engine
+    original = engine.implementation
+
+    def recorded(config):
+        found = original(config)
+        def features(p, x, aux):
+            if not isinstance(x, jax.core.Tracer):  # not tiling()'s eval_shape
+                seen.update(d.id for d in x.devices())
+            return found.features(p, x, aux)
+        import dataclasses
+        return dataclasses.replace(found, features=features)
+
+    engine.implementation = recorded
+    kernel(P, X1, X2)
+    assert seen == {0, 1, 2, 3}, seen
+    path = os.path.join(sys.argv[1], "k.npy")
+    written = ntk_core.ntk_fn(f, out=path, **many)(P, X1)
+    assert np.array_equal(written, ntk_core.ntk_fn(f, **one)(P, X1))
+    print("checked", checked)
+    """
+)
+
+
+def test_tiles_on_four_devices_equal_one_device(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "checked 40" in run.stdout
+
+
+def test_devices_option_is_checked():
+    with pytest.raises(
+        TypeError,
+        match=r"^ntk_fn: devices must be None .* or a non-empty "
+        r"list of jax devices, got \['gpu:0'\]",
+    ):
+        ntk_core.ntk_fn(lambda w, x: x @ w, batch_size=4, devices=["gpu:0"])
+    device = jax.devices()[0]
+    with pytest.raises(ValueError, match=r"^ntk_fn: devices lists a device twice"):
+        ntk_core.ntk_fn(lambda w, x: x @ w, batch_size=4, devices=[device, device])
