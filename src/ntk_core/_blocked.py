@@ -481,8 +481,20 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
         [swap_perm(layout) for layout in leaf_layouts(config)],
     )
 
+    share = None  # with a store: the tiles this process computes (not done, its share)
+    if store is not None:
+        if batch_diagonal:
+            tiles = [(r0, r0) for r0, _ in rows]
+        else:
+            tiles = [
+                (rows[i][0], cols[j][0])
+                for i in range(len(rows))
+                for j in range(i if same else 0, len(cols))
+            ]
+        share = store.share(tiles)
+
     def todo(r0, c0) -> bool:
-        return store is None or not store.is_done(r0, c0)
+        return share is None or (r0, c0) in share
 
     def tasks():
         """Dispatches each tile; yields (tile, finite flag, r0, r1, c0, c1, mirror)."""

@@ -154,10 +154,22 @@ class NpyStore:
     """
 
     def __init__(
-        self, fn, path, shape, dtype, perms, batch_diagonal, fingerprint, resume, overwrite
+        self,
+        fn,
+        path,
+        shape,
+        dtype,
+        perms,
+        batch_diagonal,
+        fingerprint,
+        resume,
+        overwrite,
+        process=(0, 1),
+        barrier=None,
     ):
         self.fn, self.path = fn, path
         self.perms, self.batch_diagonal = perms, batch_diagonal
+        self.process, self.barrier = process, barrier
         self.manifest = {
             "version": MANIFEST_VERSION,
             "fingerprint": fingerprint,
@@ -165,13 +177,47 @@ class NpyStore:
             "complete": False,
         }
         self.done: set[tuple[int, int]] = set()
-        self.finished = False
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        self.mine: list = []  # this process's tiles done in this run (several processes)
+        self.memmap = None
+        # Every process makes the same checks on the same file (so all refuse alike),
+        # then the first creates the file, then all open it.
         old = _read_manifest(path) if os.path.exists(path) else None
-        if old is not None and old.get("fingerprint") == fingerprint and old.get("complete"):
-            self.finished = True  # the same computation, finished: nothing to do
-            self.memmap = None
+        self.finished = bool(
+            old is not None and old.get("fingerprint") == fingerprint and old.get("complete")
+        )
+        if self.finished:  # the same computation, finished: nothing to do
             return
+        create = not (os.path.exists(path) and resume)
+        if create:
+            self._check_new(shape, dtype, overwrite)
+        else:
+            self._check_resume(old, fingerprint, shape, dtype)
+        self._sync("checked")
+        first = process[0] == 0
+        if create and first:
+            for stale in (manifest_path(path), *_process_manifests(path)):
+                if os.path.exists(stale):
+                    os.unlink(stale)  # the old file's: no longer true
+            self.memmap = open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape))
+            self.memmap.flush()
+            _write_json_atomically(manifest_path(path), self.manifest)
+        self._sync("created")
+        if self.memmap is None:
+            self.memmap = open_memmap(path, mode="r+")
+        if not create:
+            self.done = {tuple(t) for t in old.get("done", [])}
+            for other in _process_manifests(path):  # the processes of earlier runs
+                found = _read_json(other)
+                self.done |= {tuple(t) for t in (found or {}).get("done", [])}
+            self.manifest["done"] = sorted(list(t) for t in self.done)
+
+    def _sync(self, name: str) -> None:
+        if self.barrier is not None:
+            self.barrier(f"ntk_core out= {name}: {self.path}")
+
+    def _check_new(self, shape, dtype, overwrite) -> None:
+        fn, path = self.fn, self.path
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise ValueError(
@@ -184,9 +230,6 @@ class NpyStore:
                 f"{fn}: out={path!r}: the folder {folder!r} cannot be written. Fix: give a "
                 f"path in a writable folder."
             )
-        if os.path.exists(path) and resume:
-            self._resume(old, fingerprint, shape, dtype)
-            return
         if os.path.exists(path) and not overwrite:
             raise ValueError(
                 f"{fn}: out={path!r} exists, and is not the finished result of this same "
@@ -203,13 +246,8 @@ class NpyStore:
                 f"{free} bytes ({free / 2**30:.2f} GiB) free. Fix: free disk space, write "
                 f"to another disk, or compute a smaller kernel (fewer samples, trace_axes)."
             )
-        if os.path.exists(manifest_path(path)):
-            os.unlink(manifest_path(path))  # the old file's: no longer true
-        self.memmap = open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape))
-        self.memmap.flush()
-        _write_json_atomically(manifest_path(path), self.manifest)
 
-    def _resume(self, old, fingerprint, shape, dtype) -> None:
+    def _check_resume(self, old, fingerprint, shape, dtype) -> None:
         fn, path = self.fn, self.path
         if old is None:
             raise ValueError(
@@ -225,15 +263,22 @@ class NpyStore:
                 f"parameters and options, or pass overwrite=True (or another path) to "
                 f"compute this call."
             )
-        self.memmap = open_memmap(path, mode="r+")
-        if self.memmap.shape != tuple(shape) or self.memmap.dtype != np.dtype(dtype):
+        header = np.load(path, mmap_mode="r")
+        if header.shape != tuple(shape) or header.dtype != np.dtype(dtype):
             raise ValueError(
-                f"{fn}: resume=True, but {path!r} has shape {self.memmap.shape} and dtype "
-                f"{self.memmap.dtype}, not {tuple(shape)} {np.dtype(dtype)}. Fix: pass "
+                f"{fn}: resume=True, but {path!r} has shape {header.shape} and dtype "
+                f"{header.dtype}, not {tuple(shape)} {np.dtype(dtype)}. Fix: pass "
                 f"overwrite=True."
             )
-        self.done = {tuple(t) for t in old.get("done", [])}
-        self.manifest["done"] = sorted(list(t) for t in self.done)
+        del header
+
+    def share(self, tiles: list) -> set:
+        """This process's share of ``tiles`` (each ``(r0, c0)``, in the same order in
+        every process): of those not done, every P-th from the process index, P
+        processes (all of them with one process)."""
+        index, count = self.process
+        remaining = [t for t in tiles if not self.is_done(*t)]
+        return set(remaining[index::count])
 
     def is_done(self, r0: int, c0: int) -> bool:
         return self.finished or (r0, c0) in self.done
@@ -252,18 +297,59 @@ class NpyStore:
                 self.memmap[c0:c1, r0:r1] = np.transpose(a, self.perms[0])
         self.memmap.flush()  # the bytes are in the file before the manifest says so
         self.done.add((r0, c0))
-        self.manifest["done"].append([r0, c0])
-        _write_json_atomically(manifest_path(self.path), self.manifest)
+        if self.process[1] == 1:
+            self.manifest["done"].append([r0, c0])
+            _write_json_atomically(manifest_path(self.path), self.manifest)
+        else:  # each process lists its own tiles, in its own file
+            self.mine.append([r0, c0])
+            own = {"version": MANIFEST_VERSION, "done": self.mine}
+            _write_json_atomically(_process_manifest(self.path, self.process), own)
 
     def result(self):
         """The finished file, read-only and memory-mapped (``np.load(path,
-        mmap_mode="r")``); the manifest marked complete."""
+        mmap_mode="r")``); the manifest marked complete (by the first process, once
+        every process has written its share)."""
         if not self.finished:
             self.memmap.flush()
-            del self.memmap
-            self.manifest["complete"] = True
-            _write_json_atomically(manifest_path(self.path), self.manifest)
+            self.memmap = None
+            self._sync("written")
+            if self.process[0] == 0:
+                done = {tuple(t) for t in self.manifest["done"]} | self.done
+                others = _process_manifests(self.path)
+                for other in others:
+                    done |= {tuple(t) for t in (_read_json(other) or {}).get("done", [])}
+                self.manifest["done"] = sorted(list(t) for t in done)
+                self.manifest["complete"] = True
+                _write_json_atomically(manifest_path(self.path), self.manifest)
+                for other in others:
+                    os.unlink(other)
+            self._sync("complete")
         return np.load(self.path, mmap_mode="r")
+
+
+def _process_manifest(path: str, process) -> str:
+    """Process ``index`` of ``count``'s own list of tiles done (several processes)."""
+    index, count = process
+    return f"{path}.manifest.p{index}of{count}.json"
+
+
+def _process_manifests(path: str) -> list[str]:
+    """Every process's own list beside ``path`` (of any earlier run)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    prefix = os.path.basename(path) + ".manifest.p"
+    return sorted(
+        os.path.join(folder, name)
+        for name in os.listdir(folder)
+        if name.startswith(prefix) and name.endswith(".json")
+    )
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def model_digest(closed) -> str:
@@ -317,4 +403,13 @@ def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
         fingerprint(params, x1, x2, aux, described, shape, one.dtype, (cut.b1, cut.b2)),
         options.resume,
         options.overwrite,
+        (jax.process_index(), jax.process_count()),
+        _barrier() if jax.process_count() > 1 else None,
     )
+
+
+def _barrier():
+    """Every process waits for all (``jax.experimental.multihost_utils``)."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.sync_global_devices

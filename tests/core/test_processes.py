@@ -1,0 +1,104 @@
+"""Issue 19: several processes under ``jax.distributed`` (two local CPU processes on
+127.0.0.1) share one out= file: each computes a disjoint share of the tiles and lists
+them in its own manifest; the file equals a single-process run's bit for bit; after
+one process is killed (SIGKILL) any set of processes, here a single one, resumes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+
+_CHILD = textwrap.dedent(
+    """
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    index, count, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    if count > 1:
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                                   num_processes=count, process_id=index,
+                                   initialization_timeout=120)
+    import ntk_core
+    x = jax.random.normal(jax.random.PRNGKey(2), (120, 5))
+    p = {"w": jax.random.normal(jax.random.PRNGKey(0), (5, 64)),
+         "v": jax.random.normal(jax.random.PRNGKey(1), (64, 3))}
+    f = lambda p, x: jnp.tanh(x @ p["w"]) @ p["v"]
+    k = ntk_core.ntk_fn(f, trace_axes=(), batch_size=6, out=path, resume=True,
+                        progress=False)(p, x)
+    assert k.shape == (120, 120, 3, 3)
+    print("finished", index, flush=True)
+    if count > 1:
+        jax.distributed.shutdown()
+    """
+)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(path, count, port):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(i), str(count), str(port), str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(count)
+    ]
+
+
+def _listed(path) -> int:
+    found = json.loads(open(f"{path}.manifest.p1of2.json").read())
+    return len(found["done"])
+
+
+def test_two_processes_share_the_tiles_and_equal_one_process(tmp_path):
+    single = tmp_path / "single.npy"
+    (one,) = _start(single, 1, 0)
+    assert one.wait(timeout=300) == 0, one.stderr.read()[-2000:]
+    shared = tmp_path / "shared.npy"
+    both = _start(shared, 2, _port())
+    for process in both:
+        assert process.wait(timeout=300) == 0, process.stderr.read()[-3000:]
+    assert np.load(shared).tobytes() == np.load(single).tobytes()
+    manifest = json.loads(open(f"{shared}.manifest.json").read())
+    assert manifest["complete"] and len(manifest["done"]) == 210  # 20 blocks: 20·21/2
+    assert not [n for n in os.listdir(tmp_path) if ".manifest.p" in n]  # merged
+
+
+def test_a_killed_process_group_is_resumed_by_one_process(tmp_path):
+    single = tmp_path / "single.npy"
+    (one,) = _start(single, 1, 0)
+    assert one.wait(timeout=300) == 0
+    shared = tmp_path / "shared.npy"
+    both = _start(shared, 2, _port())
+    start = time.monotonic()
+    while True:  # until process 1 has listed a few tiles of its share
+        assert time.monotonic() - start < 300 and all(p.poll() is None for p in both)
+        try:
+            if _listed(shared) >= 5:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.005)
+    for process in both:  # SIGKILL: no cleanup runs (process 0 would wait for 1)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    listed = _listed(shared)
+    assert 5 <= listed < 105  # its share of 210 tiles was not finished
+    (resumed,) = _start(shared, 1, 0)
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()[-2000:]
+    assert np.load(shared).tobytes() == np.load(single).tobytes()
