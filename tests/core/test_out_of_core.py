@@ -231,3 +231,36 @@ def test_killed_at_any_tile_and_resumed_equals_an_uninterrupted_run(tmp_path, ki
     assert _done(path) == (210, True)
     assert np.array_equal(np.load(path), np.load(whole))
     assert np.load(path).tobytes() == np.load(whole).tobytes()
+
+
+def test_an_unwritable_folder_is_refused(tmp_path, monkeypatch):
+    # Tests run as root here, for whom every folder is writable: ask os.access instead.
+    monkeypatch.setattr(_store.os, "access", lambda path, mode: False)
+    with pytest.raises(ValueError, match=r"^ntk_fn: out=.*: the folder .* cannot be written"):
+        _kernel(tmp_path / "k.npy")(P, X1)
+
+
+def test_progress_counts_the_tiles_of_earlier_runs(tmp_path, monkeypatch):
+    """The tile bar of a resumed run starts at the tiles already in the file."""
+    from ntk_core import _blocked
+
+    class Bar:
+        def __init__(self):
+            self.steps = []
+
+        def update(self, k=1):
+            self.steps.append(k)
+
+        def close(self):
+            pass
+
+    bars = []
+    monkeypatch.setattr(_blocked, "progress_bar", lambda *a, **kw: bars.append(Bar()) or bars[-1])
+    path = str(tmp_path / "k.npy")
+    ntk_core.ntk_fn(f, batch_size=8, out=path, progress=True)(P, X1)  # 5 blocks: 15 tiles
+    manifest = json.loads(open(_store.manifest_path(path)).read())
+    manifest["done"], manifest["complete"] = manifest["done"][:6], False
+    open(_store.manifest_path(path), "w").write(json.dumps(manifest))
+    ntk_core.ntk_fn(f, batch_size=8, out=path, progress=True, resume=True)(P, X1)
+    assert bars[0].steps == [1] * 15
+    assert bars[1].steps == [6] + [1] * 9  # 6 done before, 9 computed now
