@@ -273,13 +273,24 @@ class Rates:
     ``conv_weight_grad_slowdown``: how much slower than ``flops_per_s`` per-sample
     gradients of convolution kernels run under ``vmap`` (XLA lowers them to grouped
     convolutions); ``conv_channel_slowdown``: the few-channel slowdown of convolutions
-    (:func:`conv_channel_weight`).
+    (:func:`conv_channel_weight`); ``conv_weight_grad_loop_slowdown``: a whole
+    batch's convolution kernel gradients inside an XLA loop;
+    ``explicit_jacobian_slowdown``: the explicit per-sample Jacobians of
+    ``"structured"``.
     """
 
     flops_per_s: float
     bytes_per_s: float
     conv_weight_grad_slowdown: float
     conv_channel_slowdown: float = 0.0
+    #: How much slower than ``flops_per_s`` a whole batch's reverse pass runs the
+    #: gradient of a convolution's kernel inside an XLA loop (``lax.map``: the column
+    #: loop of ``"ntvp"`` with ``vmap_axes=None``).
+    conv_weight_grad_loop_slowdown: float = 1.0
+    #: How much slower than ``flops_per_s`` the explicit per-sample Jacobians of
+    #: ``"structured"`` (recorded inputs times cotangents, contracted over the A
+    #: positions: small batched products) run.
+    explicit_jacobian_slowdown: float = 1.0
 
 
 #: CPU: float32 matrix products measured at 115-125 GFLOP/s on the 2-core CI CPU (jax
@@ -287,17 +298,37 @@ class Rates:
 #: so feature bytes are if anything undercounted). Per-sample convolution kernel
 #: gradients: 30-150x slower per FLOP than matrix products, derived from the measured
 #: feature-phase times of ``"jacobian"`` and ``"structured"`` on the ResNet-style CNN and
-#: LeNet (load 1-4) and their counted FLOPs; 20 is the conservative end. GPU: nominal
+#: LeNet (load 1-4) and their counted FLOPs; the whole batch's reverse passes vmapped
+#: over 64 cotangents (``"jacobian"``, ``vmap_axes=None``, the issue-17 conv net) ran
+#: their kernel gradients at 1/41 of the 2000x2000 matrix product's rate in the same
+#: run (14.1 ms per cotangent against 4.1 ms for one reverse pass alone, load 2); 40
+#: (was 20, the conservative end, which put that case at 1.9-3.2x). GPU: nominal
 #: figures of a data-centre GPU (not measured by this project; only their ratios matter
-#: to the choice).
+#: to the choice; no loop penalty assumed). A whole batch's reverse pass inside an XLA
+#: loop: the issue-17 conv net (Conv 64 3x3 on 32 inputs 28x28x1, one output cotangent,
+#: 29 MFLOP of kernel gradient) took 2.6 ms alone and 27.8 ms per step of ``lax.map``
+#: (load 0.2-0.7; its JVP 1.4 and 1.3 ms: forward mode is not slowed), 1/115 of the
+#: matrix-product rate; the blocked whole-batch Jacobian measured 8x in a loop against
+#: alone earlier (README, ``vmap_axes=None``). 100: the conservative end. Explicit
+#: per-sample Jacobians (``"ca,oak->cok"`` per sample, in batches of a few MiB of
+#: patches): the nine convolutions of the ResNet-style CNN at N = 128, O = 10 (32 GFLOP,
+#: A = 64-1024, C = 16-576, K = 16-64) ran at 36 GFLOP/s against 84 for the 2000x2000
+#: matrix product in the same run (load 2.5-3.3; 8-70 GFLOP/s by shape): 2.4x slower.
 RATES = {
     "cpu": Rates(
         flops_per_s=1.2e11,
         bytes_per_s=1.0e10,
-        conv_weight_grad_slowdown=20.0,
+        conv_weight_grad_slowdown=40.0,
         conv_channel_slowdown=550.0,
+        conv_weight_grad_loop_slowdown=100.0,
+        explicit_jacobian_slowdown=2.4,
     ),
-    "gpu": Rates(flops_per_s=5.0e13, bytes_per_s=3.0e12, conv_weight_grad_slowdown=2.0),
+    "gpu": Rates(
+        flops_per_s=5.0e13,
+        bytes_per_s=3.0e12,
+        conv_weight_grad_slowdown=2.0,
+        conv_weight_grad_loop_slowdown=2.0,
+    ),
 }
 
 
@@ -335,6 +366,7 @@ def estimate(
     triangle=None,
     whole_batch=None,
     jaxpr=None,
+    kernel_sizes=None,
 ):
     """Cost estimates of ``"jacobian"``, ``"ntvp"`` and ``"structured"`` for one call.
 
@@ -345,14 +377,18 @@ def estimate(
 
     * ``"jacobian"``: n·(F + O·(G_a + G_w + G_e)) + 2·pairs·O'·P FLOPs;
     * ``"ntvp"``: N2·(F + O·(G_a + G_w + G_e)) + pairs·O·(G_a + G_w + G_e) (each pair's
-      JVP: its tangent costs about one reverse pass; XLA hoists the primal);
+      JVP: its tangent costs about one reverse pass; XLA hoists the primal; with
+      ``whole_batch``, the reverse passes' convolution kernel gradients run in the
+      column loop at ``conv_weight_grad_loop_slowdown``);
     * ``"structured"``: n·(F + O·(G_a + G_e + G_w·P_fb/P)) + the per-sample work of each
       leaf's form + pairs·(2·O'·P_fb + Σ leaf pair costs).
 
     Seconds: FLOPs / ``flops_per_s``, with per-sample convolution kernel gradients
-    ``conv_weight_grad_slowdown`` times slower and ``_jacobian.EINSUM_PASS_FLOPS`` per
-    kernel value and separate contraction einsum (narrow Jacobians are merged into one),
-    plus the feature bytes written and read / ``bytes_per_s`` (:func:`rates_for`).
+    ``conv_weight_grad_slowdown`` times slower, the explicit Jacobians' products of
+    ``"structured"`` ``explicit_jacobian_slowdown`` times slower and
+    ``_jacobian.EINSUM_PASS_FLOPS`` per kernel value and separate contraction einsum
+    (narrow Jacobians are merged into one), plus the feature bytes written and read /
+    ``bytes_per_s`` (:func:`rates_for`).
 
     Args:
       single_fn: ``f(params, x_i, aux)`` on one sample.
@@ -367,6 +403,9 @@ def estimate(
         contraction of a symmetric Gram matrix (None: not symmetric): ``"jacobian"``
         and ``"structured"`` contract (k + 1) / 2k of the pairs; ``"ntvp"`` (no
         features) all of them.
+      kernel_sizes: kernel values per pair of samples, per output leaf (None: taken
+        as ``pair_sizes``, which counts a traced output axis's entries as it sums
+        them: O' = O for ``trace_axes=(-1,)`` where the kernel holds 1 value per pair).
       jaxpr: ``single_fn``'s closed jaxpr on ``x_one``, when the caller has it (None:
         traced here).
       whole_batch: the :class:`WholeBatch` of ``vmap_axes=None`` (None: per sample).
@@ -407,19 +446,30 @@ def estimate(
     reversed_jac = n_jac if whole_batch is None else n1 * n1 + (0 if symmetric else n2 * n2)
     reversed_ntvp = n2 if whole_batch is None else n2 * n2
     batch_bytes_jac = 0 if whole_batch is None else whole_batch.peak_bytes
-    batch_bytes_ntvp = (
-        0 if whole_batch is None else (whole_batch.residual_bytes + whole_batch.cotangent_bytes)
-    )
 
     # Memory beside the features: the kernel (twice for a Gram matrix: its
-    # symmetrisation writes a second copy) and the per-sample passes in flight
-    # (vmapped forward and reverse passes: about (O + 1)·V/2 live values per sample;
-    # "structured" computes its features FEATURE_CHUNK_BYTES at a time). Calibrated on
-    # the benchmark cases (benchmarks/plan_accuracy.py: within 2x of the warm call's
-    # measured peak).
+    # symmetrisation writes a second copy; its values per pair are ``kernel_sizes``,
+    # not O', which counts a traced axis's products) and the per-sample passes in
+    # flight (vmapped forward and reverse passes: about (O + 1)·V/2 live values per
+    # sample; "structured" computes its features one chunk of samples at a time,
+    # :func:`feature_chunk`). Calibrated on the benchmark cases
+    # (benchmarks/plan_accuracy.py: within 2x of the execution's measured peak, the
+    # first call's with its programs loaded from the compilation cache).
     values = values_written(closed.jaxpr)
-    kernel_bytes = all_pairs * o_pair * itemsize * (2 if symmetric else 1)
+    entries_pair = o_pair if kernel_sizes is None else sum(kernel_sizes)
+    kernel_bytes = all_pairs * entries_pair * itemsize * (2 if symmetric else 1)
     passes_bytes = (out_total + 1) * values * itemsize // 2
+    # "ntvp": each column's JVP over x1 (per sample, vmapped: the forward values of the
+    # x1 batch). Over the whole batch: the residuals of x2's forward pass, then per
+    # column one cotangent's reverse pass and one JVP over x1, one after the other in
+    # the loop's body; forward mode keeps a value only to its last use, about as many
+    # live as the reverse pass's cotangents (WholeBatch: half the batch's values), so
+    # the peak holds one of the two transients, not both.
+    batch_bytes_ntvp = (
+        n1 * values * itemsize
+        if whole_batch is None
+        else whole_batch.residual_bytes + whole_batch.cotangent_bytes
+    )
     fwd_x = rates.conv_channel_slowdown * pc.conv_forward_extra
     act_x = rates.conv_channel_slowdown * pc.conv_activation_extra
 
@@ -455,6 +505,17 @@ def estimate(
     # Per pair and output: one JVP over x1's sample, whose primal XLA hoists out of the
     # loop over columns; its tangent costs about one reverse pass (each product with a
     # parameter-dependent operand once).
+    # Per sample (vmap_axes=0), the reverse passes and the JVPs (vmapped over the O
+    # tangents) take kernel gradients of convolutions as grouped convolutions. Over the
+    # whole batch, the JVP's tangent convolves with one kernel (no grouping) and each
+    # cotangent's reverse pass runs inside the column loop (lax.map), where XLA CPU
+    # runs the kernel gradient conv_weight_grad_loop_slowdown times slower.
+    if whole_batch is None:
+        ntvp_grouped, ntvp_loop = reversed_ntvp + all_pairs, 0.0
+    else:
+        loop_slow = rates.conv_weight_grad_loop_slowdown - 1.0
+        ntvp_grouped = 0
+        ntvp_loop = loop_slow * reversed_ntvp * out_total * pc.grad_weights_conv
     ntvp_flops = (
         n2 * forward + reversed_ntvp * out_total * reverse + all_pairs * out_total * reverse
     )
@@ -466,15 +527,14 @@ def estimate(
             + n1 * out_total * max(out_sizes) * itemsize
             + batch_bytes_ntvp
             + kernel_bytes
-            + n1 * values * itemsize  # each column's JVP over x1
         ),
         seconds(
             ntvp_flops,
-            (reversed_ntvp + all_pairs) * out_total * pc.grad_weights_conv,
+            ntvp_grouped * out_total * pc.grad_weights_conv,
             0.0,
             out_total,
             all_pairs,
-            n2 * fwd_x + (reversed_ntvp * act_x + all_pairs * fwd_x) * out_total,
+            n2 * fwd_x + (reversed_ntvp * act_x + all_pairs * fwd_x) * out_total + ntvp_loop,
         ),
     )
     p_fallback = sum(leaf_sizes[i] for i in analysis.fallback)
@@ -482,6 +542,7 @@ def estimate(
     per_pair = 2.0 * o_pair * p_fallback
     per_sample = out_total * p_fallback  # values stored per sample
     per_sample_flops = 0.0  # beyond the reverse pass
+    explicit_flops = 0.0  # of it, the explicit Jacobians' products
     widths = [leaf_sizes[i] for i in analysis.fallback]  # Jacobian-type features
     gram_terms = 0
     for group, mode in zip(analysis.groups, choose_modes(analysis, o_pair, out_total), strict=True):
@@ -492,6 +553,7 @@ def estimate(
             per_sample_flops += use.rule.input_flops(a, c)  # e.g. convolution patches
             if mode == "explicit":
                 per_sample_flops += 2.0 * out_total * a * c * k
+                explicit_flops += 2.0 * out_total * a * c * k
         if mode == "explicit":
             use = analysis.uses[group[0]]
             per_sample += out_total * analysis.input_size(group[0]) * use.w_free_size
@@ -517,7 +579,7 @@ def estimate(
         float(
             structured_bytes
             + kernel_bytes
-            + min(n_jac * passes_bytes, _structured.FEATURE_CHUNK_BYTES)
+            + feature_chunk(n_jac, out_total, values, per_sample, itemsize) * passes_bytes
         ),
         seconds(
             structured_flops,
@@ -525,10 +587,22 @@ def estimate(
             2 * structured_bytes,
             _jacobian.einsum_count(widths, limit) + gram_terms,
             structured_pairs,
-            n_jac * (fwd_x + out_total * act_x),
+            n_jac * (fwd_x + out_total * act_x)
+            + n_jac * (rates.explicit_jacobian_slowdown - 1.0) * explicit_flops,
         ),
     )
     return jac, ntvp, structured
+
+
+def feature_chunk(n: int, out_total: int, values: int, feature_values: int, itemsize: int) -> int:
+    """Samples whose structured features are computed together, as
+    ``_structured.chunk_size`` picks them: B = FEATURE_CHUNK_BYTES // (itemsize ·
+    ((O + 2)·V + F)), 1 ≤ B ≤ n, evened out to ⌈n / ⌈n / B⌉⌉ (V values of one
+    sample's forward pass, F feature values per sample)."""
+    per = itemsize * ((out_total + 2) * values + feature_values)
+    most = int(min(n, max(1, _structured.FEATURE_CHUNK_BYTES // max(per, 1))))
+    pieces = -(-n // most)
+    return -(-n // pieces)
 
 
 def choose(estimates) -> str:

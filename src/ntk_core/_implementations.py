@@ -240,12 +240,7 @@ def merge_limits(config: Config) -> tuple[int, ...] | None:
     n = max(config.shapes1[0].shape[0], config.n2)
     limits = []
     for s, layout in zip(config.shapes1, config.layouts, strict=True):
-        pair = 1
-        for a in range(1, layout.ndim):
-            if a in layout.diag:
-                pair *= s.shape[a]
-            elif a not in layout.trace:
-                pair *= s.shape[a] ** 2
+        pair = layout.values_per_pair(s.shape)
         limit = _jacobian.merge_limit(n, math.prod(s.shape[1:]), pair)
         # Snapped down to a width that occurs (every merged matrix is one parameter
         # leaf's Jacobian): the same grouping, and the same static argument for every N

@@ -57,6 +57,17 @@ class LeafLayout:
     def trace_size(self, shape: tuple[int, ...]) -> int:
         return math.prod(shape[a] for a in self.trace)
 
+    def values_per_pair(self, shape: tuple[int, ...]) -> int:
+        """Kernel values of one pair of samples for an output leaf of ``shape``: s² per
+        kept output axis of size s, s per diagonal one, 1 per traced one."""
+        size = 1
+        for a in range(1, self.ndim):
+            if a in self.diag:
+                size *= shape[a]
+            elif a not in self.trace:
+                size *= shape[a] ** 2
+        return size
+
     @property
     def batch_diagonal(self) -> bool:
         return 0 in self.diag

@@ -38,6 +38,13 @@ def pair_sizes(shapes1, layouts) -> list[int]:
     return sizes
 
 
+def kernel_sizes(shapes1, layouts) -> list[int]:
+    """Kernel values stored per pair of samples, per output leaf
+    (:meth:`~ntk_core._layout.LeafLayout.values_per_pair`; :func:`pair_sizes` counts
+    the traced axes' work too)."""
+    return [layout.values_per_pair(s.shape) for s, layout in zip(shapes1, layouts, strict=True)]
+
+
 def structured_modes(analysis, shapes1, layouts) -> tuple[str, ...]:
     """Per leaf group, ``"gram"`` or ``"explicit"``: the cheaper form for these outputs."""
     o_pair = sum(pair_sizes(shapes1, layouts))
@@ -158,7 +165,7 @@ def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
     out_total = sum(math.prod(s.shape[1:]) for s in shapes1)
     jac_bytes = (n1 if symmetric else n1 + n2) * out_total * n_params * itemsize
     pairs = n1 if layouts[0].batch_diagonal else n1 * n2
-    kernel_bytes = pairs * sum(pair_sizes(shapes1, layouts)) * itemsize * (1 + symmetric)
+    kernel_bytes = pairs * sum(kernel_sizes(shapes1, layouts)) * itemsize * (1 + symmetric)
     held = int(1.5 * jac_bytes) + kernel_bytes  # as _cost.estimate counts them
     budget = opts.memory_budget or _blocked.default_memory_budget()
     model = _cost.whole_batch(  # values of the forward pass grow with the batch
@@ -199,6 +206,7 @@ def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, who
         triangle=(None if batch_diag or not checked.symmetric or traced_batch else triangle_blocks),
         out_sizes=[math.prod(s.shape[1:]) for s in shapes1],
         pair_sizes=pair_sizes(shapes1, layouts),
+        kernel_sizes=kernel_sizes(shapes1, layouts),
         symmetric=checked.symmetric,
         analysis=analysis(spec, analyses, params, x1, aux),
         whole_batch=whole,

@@ -1,0 +1,195 @@
+"""The cost model's terms (``_cost.estimate``, issue 17 item 7) against closed forms
+counted by hand from the shapes of small models, and against what the computation
+itself does (the structured features' chunk size, the kernel's bytes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ntk_core
+from ntk_core import _cost, _structured
+from ntk_core._jaxpr_walk import values_written
+from ntk_core._model import per_sample
+
+
+def _mlp(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"]) @ p["v"] + p["c"]
+
+
+def _mlp_params():
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {
+        "w": jax.random.normal(k[0], (4, 8)),
+        "b": jnp.zeros(8),
+        "v": jax.random.normal(k[1], (8, 3)),
+        "c": jnp.zeros(3),
+    }
+    return params, jax.random.normal(k[2], (20, 4))
+
+
+def _conv(p, x):
+    """Conv 1 -> 4, 3x3 SAME on 6x6x1 (A = 36 positions, C = 9, K = 4), mean, Dense 4 -> 2."""
+    y = jax.lax.conv_general_dilated(
+        x, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    return jnp.tanh(y).mean(axis=(1, 2)) @ p["w"]
+
+
+def _conv_params(n=3):
+    k = jax.random.split(jax.random.PRNGKey(1), 3)
+    params = {"k": jax.random.normal(k[0], (3, 3, 1, 4)), "w": jax.random.normal(k[1], (4, 2))}
+    return params, jax.random.normal(k[2], (n, 6, 6, 1))
+
+
+#: Kernel gradient FLOPs of the convolution per sample and output cotangent:
+#: 2 · (36 positions · 4 channels) · (3·3·1 window).
+CONV_GRAD_FLOPS = 2 * 36 * 4 * 9
+
+
+def _with_rates(monkeypatch, **changes):
+    monkeypatch.setitem(_cost.RATES, "cpu", dataclasses.replace(_cost.RATES["cpu"], **changes))
+
+
+def _estimates(apply, params, x, **options):
+    plan = ntk_core.ntk_fn(apply, **options).plan(params, x)
+    return {e.implementation: e for e in plan.estimates}
+
+
+def test_feature_chunk_is_the_structured_chunk_size(monkeypatch):
+    """The passes in flight of "structured" are one chunk's: the chunk is the one
+    ``_structured.chunk_size`` gives the features phase, here 7 of 20 samples."""
+    params, x = _mlp_params()
+    x_one = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    analysis, closed = _structured.analysis_for(lambda p, v, a: _mlp(p, v), params, x_one, None)
+    out = 3
+    # Gram-form features per sample: each layer's input (with the fused bias's 1) and
+    # its O cotangents of K outputs: (4 + 1 + 3·8) + (8 + 1 + 3·3).
+    features = (4 + 1 + out * 8) + (8 + 1 + out * 3)
+    assert features == sum(
+        use.a_size * (analysis.input_size(u) + out * use.w_free_size)
+        for u, use in enumerate(analysis.uses)
+    )
+    values = values_written(closed.jaxpr)
+    per_sample_bytes = 4 * ((out + 2) * values + features)
+    monkeypatch.setattr(_structured, "FEATURE_CHUNK_BYTES", 7 * per_sample_bytes + 3)
+    modes = ("gram",) * len(analysis.groups)
+    out_tree = jax.tree.structure(0)
+    reference = _structured.chunk_size(
+        lambda p, v, a: _mlp(p, v), params, x, None, out_tree, True, modes
+    )
+    assert reference == 7  # 20 samples: 3 chunks of 7 (the last overlapping)
+    assert _cost.feature_chunk(20, out, values, features, 4) == reference
+    assert _cost.feature_chunk(5, out, values, features, 4) == 5  # all of a small batch
+
+
+def test_kernel_bytes_count_kernel_values_not_traced_products():
+    """With ``trace_axes=(-1,)`` a pair of samples has one kernel value but O' = O
+    products; given ``kernel_sizes``, each estimate's memory holds the kernel's real
+    bytes (twice: the Gram matrix and its symmetrised copy)."""
+    params, x = _mlp_params()
+    n, out = x.shape[0], 3
+    kernel = ntk_core.ntk_fn(_mlp, trace_axes=(-1,))(params, x)
+    assert kernel.shape == (n, n)
+    x_one = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    apply3 = lambda p, v, a: _mlp(p, v)  # noqa: E731
+    analysis, closed = _structured.analysis_for(apply3, params, x_one, None)
+
+    def run(kernel_sizes):
+        return _cost.estimate(
+            per_sample(apply3),
+            params,
+            x_one,
+            None,
+            n1=n,
+            n2=n,
+            pairs=n * n,
+            out_sizes=[out],
+            pair_sizes=[out],
+            symmetric=True,
+            analysis=analysis,
+            jaxpr=closed,
+            kernel_sizes=kernel_sizes,
+        )
+
+    for old, new in zip(run(None), run([1]), strict=True):
+        assert old.memory_bytes - new.memory_bytes == 2 * (out - 1) * kernel.nbytes
+        assert old.seconds == new.seconds  # the work is O' per pair either way
+
+
+def test_whole_batch_ntvp_memory_closed_form():
+    """``f(x) = x @ W`` (N = 4, 3 -> 2) with ``vmap_axes=None``: NTK-vector products hold
+    the parameter cotangents of the O basis vectors (O·P), the columns (N·O·O), the
+    forward residuals of the batch (its one product: N·O values), one cotangent's
+    transient (half of those, and a gradient of the P parameters), and the kernel and
+    its symmetrised copy ((N·O)² values each); the JVP over x1 runs after the reverse
+    pass in the loop's body, not beside it."""
+    w = jax.random.normal(jax.random.PRNGKey(2), (3, 2))
+    x = jax.random.normal(jax.random.PRNGKey(3), (4, 3))
+    n, out, p = 4, 2, 6
+    found = _estimates(lambda w, x: x @ w, w, x, trace_axes=(), vmap_axes=None)
+    residual = n * out
+    cotangent = residual // 2 + p
+    kernel = 2 * (n * out) ** 2
+    expected = 4 * (out * p + n * out * out + residual + cotangent + kernel)
+    assert found["ntvp"].memory_bytes == expected
+
+
+def test_whole_batch_ntvp_conv_gradients_in_the_loop(monkeypatch):
+    """With ``vmap_axes=None`` the N·O cotangents' reverse passes over the batch run in
+    the column loop, each taking the convolution's kernel gradient (N samples of
+    CONV_GRAD_FLOPS) ``conv_weight_grad_loop_slowdown`` times slower; the JVPs' tangent
+    convolutions are not grouped (``conv_weight_grad_slowdown`` does not apply)."""
+    params, x = _conv_params()
+    n, out = x.shape[0], 2
+    options = dict(trace_axes=(), vmap_axes=None)
+    rate = _cost.RATES["cpu"].flops_per_s
+    _with_rates(monkeypatch, conv_weight_grad_loop_slowdown=1.0)
+    base = _estimates(_conv, params, x, **options)["ntvp"].seconds
+    _with_rates(monkeypatch, conv_weight_grad_loop_slowdown=51.0)
+    slow = _estimates(_conv, params, x, **options)["ntvp"].seconds
+    assert slow - base == pytest.approx(50.0 * n * out * n * CONV_GRAD_FLOPS / rate, rel=1e-9)
+    _with_rates(monkeypatch, conv_weight_grad_loop_slowdown=1.0, conv_weight_grad_slowdown=41.0)
+    assert _estimates(_conv, params, x, **options)["ntvp"].seconds == pytest.approx(base)
+
+
+def test_per_sample_ntvp_conv_gradients_are_grouped(monkeypatch):
+    """Per sample (``vmap_axes=0``): N2 reverse passes and N1·N2 JVPs per output, each
+    with one sample's kernel gradient as a grouped convolution; the loop slowdown of
+    the whole batch does not apply."""
+    params, x = _conv_params()
+    n, out = x.shape[0], 2
+    rate = _cost.RATES["cpu"].flops_per_s
+    _with_rates(monkeypatch, conv_weight_grad_slowdown=1.0)
+    base = _estimates(_conv, params, x, trace_axes=())["ntvp"].seconds
+    _with_rates(monkeypatch, conv_weight_grad_slowdown=41.0, conv_weight_grad_loop_slowdown=1e6)
+    slow = _estimates(_conv, params, x, trace_axes=())["ntvp"].seconds
+    expected = 40.0 * (n + n * n) * out * CONV_GRAD_FLOPS / rate
+    assert slow - base == pytest.approx(expected, rel=1e-9)
+
+
+def test_explicit_jacobian_products_at_their_rate(monkeypatch):
+    """The convolution takes the explicit form (its Gram form would compare 36 x 36
+    positions): per sample, patches (C = 9, A = 36) times O = 2 cotangents of K = 4
+    channels, 2·O·A·C·K FLOPs, ``explicit_jacobian_slowdown`` times slower; the Dense
+    layer's Gram form does not change."""
+    params, x = _conv_params(n=5)
+    n, out = x.shape[0], 2
+    plan = ntk_core.ntk_fn(_conv, trace_axes=(), implementation="structured").plan(params, x)
+    methods = {leaf.path: leaf.method for leaf in plan.leaves}
+    assert "per-sample Jacobian" in methods["['k']"]
+    assert "per-sample Jacobian" not in methods["['w']"]
+    rate = _cost.RATES["cpu"].flops_per_s
+    _with_rates(monkeypatch, explicit_jacobian_slowdown=1.0)
+    base = _estimates(_conv, params, x, trace_axes=())
+    _with_rates(monkeypatch, explicit_jacobian_slowdown=3.0)
+    slow = _estimates(_conv, params, x, trace_axes=())
+    expected = 2.0 * n * (2 * out * 36 * 9 * 4) / rate
+    assert slow["structured"].seconds - base["structured"].seconds == pytest.approx(
+        expected, rel=1e-9
+    )
+    for other in ("jacobian", "ntvp"):
+        assert slow[other].seconds == base[other].seconds
