@@ -236,6 +236,16 @@ def leaked_tracer_error(fn_name: str, error: Exception) -> ValueError:
     )
 
 
+def model_call_error(fn_name: str, doing: str, error: Exception, fix: str) -> ValueError:
+    """The ValueError for the model's own failure while ``doing`` (e.g. "calling the
+    model on x1 (shapes ...)"): its type and message on one line, then ``fix``; a
+    leaked tracer gets :func:`leaked_tracer_error`."""
+    if isinstance(error, jax.errors.UnexpectedTracerError):
+        return leaked_tracer_error(fn_name, error)
+    text = " ".join(str(error).split()).rstrip(".")
+    return ValueError(f"{fn_name}: {doing} failed with {type(error).__name__}: {text}. Fix: {fix}.")
+
+
 def order_hint(caller: Caller) -> str:
     """ "the argument order is ...", with neural-tangents' order where it applies (the
     core functions, whose (params, x1, x2) users of neural-tangents' (x1, x2, params)

@@ -140,15 +140,14 @@ def _outputs(fn: str, apply_fn, params, x, n: int):
     """The model's outputs as ``jax.ShapeDtypeStruct`` leaves and their tree."""
     try:
         out = jax.eval_shape(apply_fn, params, x)
-    except jax.errors.UnexpectedTracerError as e:
-        raise _checks.leaked_tracer_error(fn, e) from e
     except Exception as e:  # the model's own error, with context
-        raise ValueError(
-            f"{fn}: calling apply_fn(params, x) on x of shapes {_describe(x)} failed with "
-            f"{type(e).__name__}: {' '.join(str(e).split()).rstrip('.')}. Fix: check that "
-            f"params belong to this model and that x has the per-sample shape it expects; "
-            f"the argument order is (apply_fn, params, x), not neural-tangents' "
-            f"(f, x_train, params)."
+        raise _checks.model_call_error(
+            fn,
+            f"calling apply_fn(params, x) on x of shapes {_describe(x)}",
+            e,
+            "check that params belong to this model and that x has the per-sample shape "
+            "it expects; the argument order is (apply_fn, params, x), not "
+            "neural-tangents' (f, x_train, params)",
         ) from e
     leaves, tree = jax.tree.flatten(out)
     if not leaves:

@@ -186,13 +186,12 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
                 closed, out = jax.make_jaxpr(spec.apply3, return_shape=True)(
                     params, x_abstract, aux
                 )
-        except jax.errors.UnexpectedTracerError as e:
-            raise _checks.leaked_tracer_error(fn, e) from e
         except Exception as e:  # the model's own error, with context
-            raise ValueError(
-                f"{fn}: calling the model on x1 (shapes {describe(x1)}) failed with "
-                f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}. "
-                f"Fix: {_checks.model_call_fix(params, e, caller)}."
+            raise _checks.model_call_error(
+                fn,
+                f"calling the model on x1 (shapes {describe(x1)})",
+                e,
+                _checks.model_call_fix(params, e, caller),
             ) from e
         out_leaves, out_tree = jax.tree.flatten(out)
     if not out_leaves:
