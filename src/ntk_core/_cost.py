@@ -605,8 +605,18 @@ def feature_chunk(n: int, out_total: int, values: int, feature_values: int, item
     return -(-n // pieces)
 
 
-def choose(estimates) -> str:
-    """The fastest estimate in seconds whose memory fits the budget (else ``"ntvp"``)."""
+def choose(estimates, blocked: bool = False) -> str:
+    """The fastest estimate in seconds whose memory fits the budget (else ``"ntvp"``).
+
+    ``blocked``: the call runs in the blocked engine (``batch_size``), which keeps the
+    device memory of every implementation within ``memory_budget`` by its tile size
+    (the kernel goes to the host or a file), so the fastest is chosen whatever the
+    one-call memory estimate says: at N = 30 000 that estimate (the 3.6 GB kernel and
+    its symmetrised copy) fits no implementation, and falling back to NTK-vector
+    products, N²·O forward passes, would take days.
+    """
+    if blocked:
+        return min(estimates, key=lambda e: e.seconds).implementation
     fitting = [e for e in estimates if e.memory_bytes <= JACOBIAN_MEMORY_BUDGET]
     if not fitting:
         return "ntvp"

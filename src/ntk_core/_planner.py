@@ -82,13 +82,15 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
     implementation = "nngp" if spec.kind == "nngp" else opts.implementation
     if implementation == "auto":  # per-leaf: among those that separate the leaves
         found = estimates(spec, checked, analyses, params, x1, aux, whole)
-        implementation = _cost.choose(found)
+        blocked = opts.batch_size is not None  # device memory bounded by the tiles
+        implementation = _cost.choose(found, blocked)
         if implementation == "ntvp" and (
             ntvp_failure(spec, checked, params, x1, x2, aux) is not None
         ):
             others = [e for e in found if e.implementation != "ntvp"]
-            fitting = [e for e in others if e.memory_bytes <= _cost.JACOBIAN_MEMORY_BUDGET]
-            implementation = min(fitting or others, key=lambda e: e.seconds).implementation
+            implementation = _cost.choose(others, blocked)
+            if implementation == "ntvp":  # none of the others fits: the fastest of them
+                implementation = min(others, key=lambda e: e.seconds).implementation
     elif implementation == "ntvp":
         error = ntvp_failure(spec, checked, params, x1, x2, aux)
         if error is not None:
