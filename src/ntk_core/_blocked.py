@@ -219,6 +219,7 @@ class _Output:
     batch_diagonal: bool
     on_device: bool
     perms: list
+    device: object = None  # with on_device: where (None: the default device)
     leaves: list | None = None
     treedef: object = None
 
@@ -232,7 +233,7 @@ class _Output:
                 lead = (self.n1,) if self.batch_diagonal else (self.n1, self.n2)
                 shape = lead + t.shape[len(lead) :]
                 if self.on_device:
-                    self.leaves.append(jnp.zeros(shape, t.dtype))
+                    self.leaves.append(jnp.zeros(shape, t.dtype, device=self.device))
                 else:
                     self.leaves.append(np.empty(shape, t.dtype))
         for k, (t, perm) in enumerate(zip(leaves, self.perms, strict=True)):
@@ -396,8 +397,9 @@ def tiling(implementation, config, options, params, x1, x2, aux) -> Tiling:
     tiles = k1 if batch_diagonal else (k1 * (k1 + 1) // 2 if same else k1 * k2)
     pair_kernels = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in kernel_leaves)
     devices = options.devices
-    if devices is None:  # every local device; one when the result stays on a device
-        devices = (None,) if options.store_on_device else tuple(jax.local_devices())
+    if devices is None:  # every local device; the default one for a result kept there
+        local = tuple(jax.local_devices())
+        devices = (None,) if options.store_on_device or len(local) == 1 else local
     return Tiling(
         b1,
         b2,
@@ -452,8 +454,8 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
     placed: dict = {}
 
     def on(d, value):
-        """``value`` on device ``d`` (as given with one device)."""
-        return value if n_dev == 1 else jax.device_put(value, devices[d])
+        """``value`` on device ``d`` (as given on the default device)."""
+        return value if devices == (None,) else jax.device_put(value, devices[d])
 
     def model(d):
         """(params, aux) on device ``d``."""
@@ -479,6 +481,7 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
         batch_diagonal,
         options.store_on_device,
         [swap_perm(layout) for layout in leaf_layouts(config)],
+        devices[0],
     )
 
     share = None  # with a store: the tiles this process computes (not done, its share)

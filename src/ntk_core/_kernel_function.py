@@ -79,54 +79,61 @@ class KernelFunction:
         return self._engine.spec.options
 
     def __call__(self, *args, **kwargs):
-        first, x1, x2, keywords = self._arguments(args, kwargs)
+        first, x1, x2, keywords = self._arguments(args, kwargs, "")
         params, aux = self._bind(first, x1, keywords)
         return self._engine(params, x1, x2, aux)
 
     def plan(self, *args, **kwargs) -> Plan:
         """What a call with these arguments does; see the class docstring."""
-        first, x1, x2, keywords = self._arguments(args, kwargs)
+        first, x1, x2, keywords = self._arguments(args, kwargs, ".plan")
         params, aux = self._bind(first, x1, keywords)
         return self._engine.plan(params, x1, x2, aux)
 
     def implementation_for(self, *args, **kwargs) -> str:
         """The implementation a call with these arguments uses; see the class docstring."""
-        first, x1, x2, keywords = self._arguments(args, kwargs)
+        first, x1, x2, keywords = self._arguments(args, kwargs, ".implementation_for")
         params, aux = self._bind(first, x1, keywords)
         return self._engine.implementation_for(params, x1, x2, aux)
 
-    def _arguments(self, args: tuple, kwargs: dict):
+    def _arguments(self, args: tuple, kwargs: dict, method: str):
         """``(first, x1, x2, other keywords)`` from a call's arguments, given by position
         or by name (``params=``, ``x1=``, ...), as the signature says."""
         names = list(self.__signature__.parameters)[:3]  # e.g. params, x1, x2
+        where = f"{self.name}(...){method}(...)"
         expected = f"(expected positional arguments {', '.join(names)})"
-        fix = f"Fix: call it as kernel({names[0]}, x1, x2=None)."
+        fix = f"Fix: call it as kernel{method}({names[0]}, x1, x2=None)."
         if len(args) > 3:
-            raise TypeError(
-                f"{self.name}(...)(...): {len(args)} positional arguments {expected}. {fix}"
-            )
+            raise TypeError(f"{where}: {len(args)} positional arguments {expected}. {fix}")
         values = dict(zip(names, args, strict=False))
         for name in names:
             if name in kwargs:
                 if name in values:
                     raise TypeError(
-                        f"{self.name}(...)(...): got multiple values for argument {name!r} "
-                        f"{expected}. {fix}"
+                        f"{where}: got multiple values for argument {name!r} {expected}. {fix}"
                     )
                 values[name] = kwargs.pop(name)
         for name in names[:2]:
             if name not in values:
+                other = (
+                    f"; got the keyword argument(s) {', '.join(map(repr, sorted(kwargs)))}"
+                    if kwargs
+                    else ""
+                )
                 raise TypeError(
-                    f"{self.name}(...)(...): missing a required argument: {name!r} "
-                    f"{expected}. {fix}"
+                    f"{where}: missing a required argument: {name!r}{other} {expected}. {fix}"
                 )
         return values[names[0]], values[names[1]], values.get(names[2]), kwargs
 
     def __repr__(self) -> str:
         o = self.options
+        extra = "".join(
+            f", {name}={getattr(o, name)!r}"
+            for name in ("out", "resume", "overwrite", "devices")
+            if getattr(o, name) not in (None, False)
+        )
         return (
             f"KernelFunction({self.name}, kind={self.kind!r}, "
             f"implementation={o.implementation!r}, trace_axes={o.trace_axes!r}, "
             f"diagonal_axes={o.diagonal_axes!r}, vmap_axes={o.vmap_axes!r}, "
-            f"batch_size={o.batch_size!r})"
+            f"batch_size={o.batch_size!r}{extra})"
         )

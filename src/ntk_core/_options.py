@@ -234,7 +234,7 @@ def make_options(
     if memory_budget is not None:
         memory_budget = int(memory_budget)
     out = _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device)
-    devices = _devices_option(fn_name, devices, store_on_device)
+    devices = _devices_option(fn_name, devices, store_on_device, batch_size)
     return KernelOptions(
         trace,
         diag,
@@ -252,10 +252,17 @@ def make_options(
     )
 
 
-def _devices_option(fn_name, devices, store_on_device) -> tuple | None:
+def _devices_option(fn_name, devices, store_on_device, batch_size) -> tuple | None:
     """Validates ``devices`` (see the module docstring); returns a tuple or None."""
     if devices is None:
         return None
+    if batch_size is None:
+        raise ValueError(
+            f"{fn_name}: devices= spreads the blocked engine's tiles over devices, but "
+            f"batch_size is None (one call, on the device of its inputs). Fix: pass a "
+            f"batch_size (e.g. batch_size='auto'), or put params and inputs on the device "
+            f"you want (jax.device_put) and drop devices=."
+        )
     import jax  # the options module itself needs no JAX
 
     given = tuple(devices) if isinstance(devices, (list, tuple)) else None

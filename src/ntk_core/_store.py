@@ -14,12 +14,13 @@ Beside it, ``<path>.manifest.json`` says what the file is and how far it got:
   x2=None a tile and its mirror are one entry);
 * ``complete``: every tile written.
 
-Crash safety: a tile is written into the memory map and flushed to the file
-(``msync``) before the manifest lists it, and the manifest is replaced atomically
-(written to a temporary file, flushed and synced, then ``os.replace``d), so after a
-SIGKILL at any moment the manifest lists only tiles whose bytes are on disk; a resumed
-call computes the others, with the same compiled programs on the same blocks, so the
-finished file equals an uninterrupted run's bit for bit.
+Crash safety: tiles are written into the file (``os.pwrite``) and, at most every
+:data:`COMMIT_SECONDS`, synced to the disk (``fsync``) before the manifest lists them,
+and the manifest is replaced atomically (written to a temporary file, flushed and
+synced, then ``os.replace``d), so after a SIGKILL at any moment the manifest lists only
+tiles whose bytes are on disk; a resumed call computes the others (at most the last
+second's), with the same compiled programs on the same blocks, so the finished file
+equals an uninterrupted run's bit for bit.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -37,6 +39,8 @@ from numpy.lib.format import open_memmap
 
 #: Version of the manifest's layout.
 MANIFEST_VERSION = 1
+#: Seconds between two commits of written tiles to the manifest (:meth:`NpyStore.commit`).
+COMMIT_SECONDS = 1.0
 
 
 def manifest_path(path: str) -> str:
@@ -178,7 +182,10 @@ class NpyStore:
         }
         self.done: set[tuple[int, int]] = set()
         self.mine: list = []  # this process's tiles done in this run (several processes)
-        self.memmap = None
+        self.pending: list = []  # tiles written since the last commit
+        self.committed = time.monotonic()
+        self.fd = None  # the file, open for writing (os.pwrite)
+        self.shape, self.itemsize = tuple(shape), np.dtype(dtype).itemsize
         # Every process makes the same checks on the same file (so all refuse alike),
         # then the first creates the file, then all open it.
         old = _read_manifest(path) if os.path.exists(path) else None
@@ -195,15 +202,22 @@ class NpyStore:
         self._sync("checked")
         first = process[0] == 0
         if create and first:
+            try:  # the new file first: an old file that cannot be replaced stays known
+                created = open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape))
+                created.flush()  # the header; the data stays a hole until written
+                del created
+            except OSError as e:
+                raise self._os_error("create", e) from e
             for stale in (manifest_path(path), *_process_manifests(path)):
                 if os.path.exists(stale):
                     os.unlink(stale)  # the old file's: no longer true
-            self.memmap = open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape))
-            self.memmap.flush()
-            _write_json_atomically(manifest_path(path), self.manifest)
+            self._write(manifest_path(path), self.manifest)
         self._sync("created")
-        if self.memmap is None:
-            self.memmap = open_memmap(path, mode="r+")
+        try:
+            self.offset = np.load(path, mmap_mode="r").offset  # the header's length
+            self.fd = os.open(path, os.O_RDWR)
+        except (OSError, ValueError) as e:
+            raise self._os_error("open", e) from e
         if not create:
             self.done = {tuple(t) for t in old.get("done", [])}
             for other in _process_manifests(path):  # the processes of earlier runs
@@ -211,9 +225,39 @@ class NpyStore:
                 self.done |= {tuple(t) for t in (found or {}).get("done", [])}
             self.manifest["done"] = sorted(list(t) for t in self.done)
 
+    def __del__(self):  # a call that failed midway: its file descriptor closed
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+
     def _sync(self, name: str) -> None:
-        if self.barrier is not None:
+        if self.barrier is None:
+            return
+        try:
             self.barrier(f"ntk_core out= {name}: {self.path}")
+        except Exception as e:  # a process of the run stopped (killed, failed)
+            raise ValueError(
+                f"{self.fn}: waiting for the other processes of this run at '{name}' "
+                f"failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}): one of "
+                f"them has stopped. The tiles written so far are kept in {self.path!r}. "
+                f"Fix: start every process again with resume=True."
+            ) from e
+
+    def _os_error(self, doing: str, error: Exception) -> ValueError:
+        return ValueError(
+            f"{self.fn}: could not {doing} out={self.path!r}: {type(error).__name__}: "
+            f"{error}. Fix: check that the file and its folder can be written (not "
+            f"read-only, not immutable), or give another path."
+        )
+
+    def _write(self, path: str, data: dict) -> None:
+        try:
+            _write_json_atomically(path, data)
+        except OSError as e:
+            raise ValueError(
+                f"{self.fn}: could not write the manifest {path!r}: {type(e).__name__}: "
+                f"{e}. Fix: check that the folder and the manifest can be written, or "
+                f"give another path."
+            ) from e
 
     def _check_new(self, shape, dtype, overwrite) -> None:
         fn, path = self.fn, self.path
@@ -229,6 +273,11 @@ class NpyStore:
             raise ValueError(
                 f"{fn}: out={path!r}: the folder {folder!r} cannot be written. Fix: give a "
                 f"path in a writable folder."
+            )
+        if os.path.isdir(path):
+            raise ValueError(
+                f"{fn}: out={path!r} is a folder, not a file. Fix: give a file path ending "
+                f"in .npy, e.g. {os.path.join(path, 'kernel.npy')!r}."
             )
         if os.path.exists(path) and not overwrite:
             raise ValueError(
@@ -263,7 +312,10 @@ class NpyStore:
                 f"parameters and options, or pass overwrite=True (or another path) to "
                 f"compute this call."
             )
-        header = np.load(path, mmap_mode="r")
+        try:
+            header = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise self._damaged(e) from e
         if header.shape != tuple(shape) or header.dtype != np.dtype(dtype):
             raise ValueError(
                 f"{fn}: resume=True, but {path!r} has shape {header.shape} and dtype "
@@ -271,6 +323,13 @@ class NpyStore:
                 f"overwrite=True."
             )
         del header
+
+    def _damaged(self, error: Exception) -> ValueError:
+        return ValueError(
+            f"{self.fn}: {self.path!r} cannot be read as the .npy its manifest describes "
+            f"({type(error).__name__}: {error}): the file is damaged or was changed. Fix: "
+            f"pass overwrite=True to compute it again, or another path."
+        )
 
     def share(self, tiles: list) -> set:
         """This process's share of ``tiles`` (each ``(r0, c0)``, in the same order in
@@ -284,34 +343,68 @@ class NpyStore:
         return self.finished or (r0, c0) in self.done
 
     def put(self, tile, r0, r1, c0, c1, mirror: bool) -> None:
-        """Writes one tile (and its mirror), flushes it, then lists it as done."""
+        """Writes one tile (and its mirror) into the file; :meth:`commit` lists it.
+
+        Written row by row with ``os.pwrite``, not through a memory map: the pages of
+        a map written by the process count as its resident memory until the system
+        evicts them (a 30 000 x 30 000 kernel written through a map read 4.3 GB of peak
+        RSS), the page cache's do not."""
         (leaf,) = jax.tree.leaves(tile)
         a = np.asarray(leaf)
         rows = r1 - r0
         if self.batch_diagonal:
-            self.memmap[r0:r1] = a[:rows]
+            self._rows(np.ascontiguousarray(a[:rows]), r0, 0)
         else:
             a = a[:rows, : c1 - c0]
-            self.memmap[r0:r1, c0:c1] = a
+            self._rows(a, r0, c0)
             if mirror:
-                self.memmap[c0:c1, r0:r1] = np.transpose(a, self.perms[0])
-        self.memmap.flush()  # the bytes are in the file before the manifest says so
+                self._rows(np.transpose(a, self.perms[0]), c0, r0)
         self.done.add((r0, c0))
+        self.pending.append([r0, c0])
+        if time.monotonic() - self.committed >= COMMIT_SECONDS:
+            self.commit()
+
+    def _rows(self, block, r0: int, c0: int) -> None:
+        """``block`` (rows x columns x ...) written at row ``r0``, column ``c0``."""
+        if self.batch_diagonal:  # (N, ...): consecutive rows are one run of bytes
+            os.pwrite(self.fd, block.tobytes(), self.offset + r0 * block[0].nbytes)
+            return
+        entry = int(np.prod(self.shape[2:], dtype=np.int64)) * self.itemsize
+        row_bytes = self.shape[1] * entry
+        for i, row in enumerate(block):
+            os.pwrite(
+                self.fd,
+                np.ascontiguousarray(row).tobytes(),
+                self.offset + (r0 + i) * row_bytes + c0 * entry,
+            )
+
+    def commit(self) -> None:
+        """Flushes the tiles written since the last commit to the file, then lists them
+        in the manifest (replaced atomically). At most every :data:`COMMIT_SECONDS`:
+        flushing the map and rewriting the manifest after each tile cost 26 ms per tile
+        at 1830 tiles (the manifest grows with the tiles). A kill loses at most the
+        tiles of the last seconds, which a resume computes again."""
+        self.committed = time.monotonic()
+        if not self.pending:
+            return
+        os.fsync(self.fd)  # the bytes are in the file before the manifest says so
         if self.process[1] == 1:
-            self.manifest["done"].append([r0, c0])
-            _write_json_atomically(manifest_path(self.path), self.manifest)
+            self.manifest["done"] += self.pending
+            self._write(manifest_path(self.path), self.manifest)
         else:  # each process lists its own tiles, in its own file
-            self.mine.append([r0, c0])
+            self.mine += self.pending
             own = {"version": MANIFEST_VERSION, "done": self.mine}
-            _write_json_atomically(_process_manifest(self.path, self.process), own)
+            self._write(_process_manifest(self.path, self.process), own)
+        self.pending = []
 
     def result(self):
         """The finished file, read-only and memory-mapped (``np.load(path,
         mmap_mode="r")``); the manifest marked complete (by the first process, once
         every process has written its share)."""
         if not self.finished:
-            self.memmap.flush()
-            self.memmap = None
+            self.commit()
+            os.close(self.fd)
+            self.fd = None
             self._sync("written")
             if self.process[0] == 0:
                 done = {tuple(t) for t in self.manifest["done"]} | self.done
@@ -320,11 +413,14 @@ class NpyStore:
                     done |= {tuple(t) for t in (_read_json(other) or {}).get("done", [])}
                 self.manifest["done"] = sorted(list(t) for t in done)
                 self.manifest["complete"] = True
-                _write_json_atomically(manifest_path(self.path), self.manifest)
+                self._write(manifest_path(self.path), self.manifest)
                 for other in others:
                     os.unlink(other)
             self._sync("complete")
-        return np.load(self.path, mmap_mode="r")
+        try:
+            return np.load(self.path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise self._damaged(e) from e
 
 
 def _process_manifest(path: str, process) -> str:

@@ -66,6 +66,10 @@ _CHILD = textwrap.dedent(
     path = os.path.join(sys.argv[1], "k.npy")
     written = ntk_core.ntk_fn(f, out=path, **many)(P, X1)
     assert np.array_equal(written, ntk_core.ntk_fn(f, **one)(P, X1))
+    kept = ntk_core.ntk_fn(f, batch_size=8, store_on_device=True, devices=jax.devices()[2:3])
+    kept = kept(P, X1)
+    assert kept.devices() == {jax.devices()[2]}, kept.devices()  # where it was asked
+    assert np.array_equal(kept, ntk_core.ntk_fn(f, **one)(P, X1))
     print("checked", checked)
     """
 )
@@ -94,3 +98,9 @@ def test_devices_option_is_checked():
     device = jax.devices()[0]
     with pytest.raises(ValueError, match=r"^ntk_fn: devices lists a device twice"):
         ntk_core.ntk_fn(lambda w, x: x @ w, batch_size=4, devices=[device, device])
+    with pytest.raises(
+        ValueError,
+        match=r"^ntk_fn: devices= spreads the blocked engine's "
+        r"tiles over devices, but batch_size is None.*Fix: pass a batch_size",
+    ):
+        ntk_core.ntk_fn(lambda w, x: x @ w, devices=[device])

@@ -288,3 +288,24 @@ def test_argument_order_from_the_caller_not_its_name():
     assert _checks.order_hint(one_input) == (
         "the argument order is (params, x), not neural-tangents' (f, x_train, params)"
     )
+
+
+def test_kernel_function_argument_errors_name_the_method_and_unknown_keywords():
+    """After a new-user trial (helper-19): a misnamed keyword is named beside the missing
+    argument, and errors of .plan say .plan."""
+    kernel = ntk_core.ntk_fn(lambda w, x: x @ w)
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    with pytest.raises(
+        TypeError,
+        match=r"^ntk_fn\(\.\.\.\)\(\.\.\.\): missing a required "
+        r"argument: 'x1'; got the keyword argument\(s\) 'x' .*Fix: call it as "
+        r"kernel\(params, x1, x2=None\)",
+    ):
+        kernel(w, x=x)
+    with pytest.raises(
+        TypeError,
+        match=r"^ntk_fn\(\.\.\.\)\.plan\(\.\.\.\): 4 positional "
+        r"arguments.*Fix: call it as kernel\.plan\(params, x1, x2=None\)",
+    ):
+        kernel.plan(w, x, x, x)
+    assert "out='k.npy'" in repr(ntk_core.ntk_fn(lambda w, x: x @ w, batch_size=2, out="k.npy"))

@@ -179,6 +179,7 @@ _CHILD = textwrap.dedent(
     import sys
     import jax, jax.numpy as jnp, ntk_core
     path, n, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    ntk_core._store.COMMIT_SECONDS = float(sys.argv[4])  # how often tiles are listed
     x = jax.random.normal(jax.random.PRNGKey(2), (n, 5))
     p = {"w": jax.random.normal(jax.random.PRNGKey(0), (5, 64)),
          "v": jax.random.normal(jax.random.PRNGKey(1), (64, 3))}
@@ -189,9 +190,9 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _run_child(path, n, b):
+def _run_child(path, n, b, commit=0.0):
     return subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(path), str(n), str(b)],
+        [sys.executable, "-c", _CHILD, str(path), str(n), str(b), str(commit)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -205,17 +206,19 @@ def _done(path) -> tuple[int, bool]:
     return len(manifest["done"]), manifest["complete"]
 
 
-@pytest.mark.parametrize("kill_after", [1, 40, 150])
-def test_killed_at_any_tile_and_resumed_equals_an_uninterrupted_run(tmp_path, kill_after):
+@pytest.mark.parametrize("kill_after, commit", [(1, 0.0), (40, 0.0), (150, 0.0), (1, 0.05)])
+def test_killed_at_any_tile_and_resumed_equals_an_uninterrupted_run(tmp_path, kill_after, commit):
     """SIGKILL (no cleanup runs) once the manifest lists ``kill_after`` of the 210
     tiles (120 samples in tiles of 6: 20 blocks, 20·21/2 tiles), then the same call
-    with resume=True finishes it: the file equals an uninterrupted run's bit for bit."""
+    with resume=True finishes it: the file equals an uninterrupted run's bit for bit.
+    The manifest lists the tiles after every tile (``commit`` 0 s: kills between any
+    two tiles) or every 0.05 s (tiles written but not yet listed are computed again)."""
     n, b = 120, 6
     whole = tmp_path / "whole.npy"
     assert _run_child(whole, n, b).wait(timeout=300) == 0
     assert _done(whole) == (210, True)
     path = tmp_path / "killed.npy"
-    child = _run_child(path, n, b)
+    child = _run_child(path, n, b, commit)
     start = time.monotonic()
     while _done(path)[0] < kill_after and child.poll() is None:
         assert time.monotonic() - start < 300
@@ -264,3 +267,38 @@ def test_progress_counts_the_tiles_of_earlier_runs(tmp_path, monkeypatch):
     ntk_core.ntk_fn(f, batch_size=8, out=path, progress=True, resume=True)(P, X1)
     assert bars[0].steps == [1] * 15
     assert bars[1].steps == [6] + [1] * 9  # 6 done before, 9 computed now
+
+
+def test_files_that_cannot_be_used_are_refused_with_the_fix(tmp_path, monkeypatch):
+    """After a new-user trial (helper-19): a folder named like a .npy file, an existing
+    file that cannot be replaced (its manifest is kept: the file stays known), and a
+    finished file that was damaged each get a ValueError with the fix, not a bare
+    OSError from numpy."""
+    folder = tmp_path / "folder.npy"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"^ntk_fn: out=.*folder\.npy' is a folder, not a file"):
+        _kernel(folder, overwrite=True)(P, X1)
+    path = tmp_path / "k.npy"
+    _kernel(path)(P, X1)
+    manifest = open(_store.manifest_path(str(path))).read()
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    with monkeypatch.context() as m:
+        m.setattr(_store, "open_memmap", refuse)
+        with pytest.raises(
+            ValueError,
+            match=r"^ntk_fn: could not create out=.*Operation not "
+            r"permitted.*Fix: check that the file and its folder can be written",
+        ):
+            _kernel(path, overwrite=True)(P, X1 * 2.0)
+    assert open(_store.manifest_path(str(path))).read() == manifest  # still known
+    with open(path, "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(
+        ValueError,
+        match=r"^ntk_fn: .*k\.npy' cannot be read as the \.npy its "
+        r"manifest describes .*Fix: pass overwrite=True",
+    ):
+        _kernel(path, resume=True)(P, X1)
