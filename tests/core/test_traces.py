@@ -30,15 +30,17 @@ PARAMS = {
 }
 
 
-@pytest.mark.parametrize("kind", ["ntk", "nngp", "ntk_per_leaf"])
-@pytest.mark.parametrize("implementation", ["jacobian", "structured", "ntvp", "auto"])
+@pytest.mark.parametrize(
+    "kind, implementation",
+    [("ntk", i) for i in ("jacobian", "structured", "ntvp", "auto")]
+    + [("ntk_per_leaf", i) for i in ("jacobian", "structured", "auto")]  # no ntvp per leaf
+    + [("nngp", None)],  # one forward pass: no implementation to choose
+)
 def test_a_first_call_traces_the_model_twice_and_a_new_n_not_at_all(implementation, kind):
     """Issue 17: at most 2 traces of the model on a first call (the per-sample jaxpr
     that validation, the analysis, the cost model and every implementation's features
     replay, and the independence probe's batch of three), none on a call with a new N
     (its per-sample signature is known), none on a repeat."""
-    if kind != "ntk" and implementation == "ntvp":
-        pytest.skip("NNGP has no implementation; per-leaf kernels refuse ntvp")
     apply_fn, traces = _counted()
     build = {
         "ntk": ntk_core.ntk_fn,
