@@ -379,11 +379,11 @@ class NpyStore:
             )
 
     def commit(self) -> None:
-        """Flushes the tiles written since the last commit to the file, then lists them
-        in the manifest (replaced atomically). At most every :data:`COMMIT_SECONDS`:
-        flushing the map and rewriting the manifest after each tile cost 26 ms per tile
-        at 1830 tiles (the manifest grows with the tiles). A kill loses at most the
-        tiles of the last seconds, which a resume computes again."""
+        """Syncs the tiles written since the last commit to the disk (``fsync``), then
+        lists them in the manifest (replaced atomically). At most every
+        :data:`COMMIT_SECONDS`: syncing and rewriting the manifest after each tile cost
+        26 ms per tile at 1830 tiles (the manifest grows with the tiles). A kill loses
+        at most the tiles of the last second, which a resume computes again."""
         self.committed = time.monotonic()
         if not self.pending:
             return
