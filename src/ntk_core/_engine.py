@@ -14,10 +14,9 @@ them. The parts receive what they read as arguments (docs/architecture.md).
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from . import _blocked, _checks, _executor, _implementations, _planner, _store, _validate
-from ._model import per_sample_jaxpr
+from ._model import one_sample, per_sample_jaxpr
 from ._pipeline import Checked, Config, Implementation, Spec
 
 
@@ -111,7 +110,7 @@ class Engine:
         """The model's jaxpr that validation traced (per sample with vmap_axes=0)."""
         if self.spec.options.vmap_axes is None:
             return checked.closed
-        x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
+        x_one = one_sample(x1)
         return per_sample_jaxpr(
             self.spec.apply3, params, x_one, aux, precision=self.spec.options.precision
         )

@@ -14,6 +14,12 @@ from jax.extend import core as jex
 from . import _caches
 
 
+def one_sample(x):
+    """The abstract shapes of one sample of the batch ``x`` (axis 0 dropped): what
+    :func:`per_sample_jaxpr` is traced on."""
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x)
+
+
 class NotPerSample(ValueError):
     """The model, given a batch of one sample, returned an output without that batch
     axis (a 0-d output, or a leading axis other than 1): ``x.squeeze()``, a mean over

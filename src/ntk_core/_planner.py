@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _blocked, _cost, _ntvp, _structured
 from ._implementations import triangle_blocks
-from ._model import per_sample, per_sample_jaxpr, replay
+from ._model import one_sample, per_sample, per_sample_jaxpr, replay
 from ._pipeline import Checked, Config, Implementation, Spec
 from ._validate import sample_signature, signature
 
@@ -58,7 +58,7 @@ def analysis(spec: Spec, analyses: dict, params, x1, aux):
     key = (signature(params), sample_signature(x1), signature(aux))  # not N
     found = analyses.get(key)
     if found is None:
-        x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
+        x_one = one_sample(x1)
         found = _structured.analysis_for(
             spec.apply3, params, x_one, aux, spec.fuse_bias, precision=spec.options.precision
         )[0]
@@ -192,7 +192,7 @@ def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
 
 def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, whole=None):
     """The :class:`_cost.CostEstimate` of each implementation that can compute the call."""
-    x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
+    x_one = one_sample(x1)
     shapes1, layouts = checked.shapes1, checked.layouts
     n1, n2 = checked.n1, checked.n2
     batch_diag = any(layout.batch_diagonal for layout in layouts)

@@ -82,7 +82,7 @@ from jax.extend import core as jex
 from . import _jacobian, _rules
 from ._batches import map_in_batches as map_in_batches
 from ._jaxpr_walk import bind, call_body, inlined, is_literal, values_written
-from ._model import per_sample_jaxpr
+from ._model import one_sample, per_sample_jaxpr
 from ._rules import Subscripts, View
 from ._rules import Use as Use  # the record of one use (read by _cost and _engine)
 from ._rules._base import view_index
@@ -665,7 +665,7 @@ def chunk_size(
     fallback leaves and explicit groups, inputs and cotangents of Gram-form uses).
     :func:`features_in_chunks` loops over them inside one compiled call.
     """
-    x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x)
+    x_one = one_sample(x)
     analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias, precision=precision)
     n = np.shape(jax.tree.leaves(x)[0])[0]
     outs = closed.out_avals  # the outputs' leaves, in out_tree's order
@@ -736,7 +736,7 @@ def features(
     layer inputs ``(N, A, C)`` (tokens ``(N, A)``; None for explicit groups); ``"g"``:
     per output leaf, per use, cotangents ``(N, *O, A, K)`` (None for explicit groups).
     """
-    x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), x)
+    x_one = one_sample(x)
     analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias, precision=precision)
     if modes is None:
         modes = ("gram",) * len(analysis.groups)

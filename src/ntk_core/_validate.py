@@ -18,7 +18,7 @@ import numpy as np
 from . import _checks, _probe
 from ._caller import Caller, core
 from ._layout import resolve_layout
-from ._model import per_sample_trace
+from ._model import one_sample, per_sample_trace
 from ._pipeline import Checked, Spec
 
 
@@ -167,7 +167,7 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
         out_tree, sample_outputs = known
         out_leaves = [jax.ShapeDtypeStruct((n1,) + s, d) for s, d in sample_outputs]
     elif opts.vmap_axes is not None:
-        x_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x1)
+        x_one = one_sample(x1)
         try:
             closed, out = per_sample_trace(
                 spec.apply3, params, x_one, aux, precision=opts.precision
