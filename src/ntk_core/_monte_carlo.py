@@ -16,6 +16,7 @@ from . import _progress
 from ._api import _checked_arguments, _make
 from ._caller import Caller
 from ._checks import all_finite, check_finite_input, is_non_finite_error, non_finite_error
+from ._monte_carlo_files import MonteCarloFiles, kind_options
 from ._options import make_options
 from ._predict import Kernels
 
@@ -142,15 +143,20 @@ def average(
     progress,
     x1=None,
     x2=None,
+    files=None,
 ) -> Kernels:
     """Mean over ``keys = jax.random.split(key, n_samples)`` of ``sample(keys[i])``,
     which returns ``(nngp, ntk)`` pytrees; sums in float32 or wider (half-precision
     kernels lose digits and overflow in a running sum), then divides and returns the
     kernels' dtype. With ``batch_size_samples`` b > 1, ``sample`` is vmapped over b keys
     at a time, where the kernel functions cannot check their inputs and results: ``x1``
-    and ``x2`` are checked for NaN/Inf first, and the mean afterwards."""
+    and ``x2`` are checked for NaN/Inf first, and the mean afterwards. With ``files``
+    (``out=``), the kernel functions write into them and the sum is kept on disk
+    (:func:`average_into`)."""
     # the callers ran check_samples (with their options) before building anything
     n_samples, batch_size_samples = operator.index(n_samples), operator.index(batch_size_samples)
+    if files is not None:
+        return average_into(files, fn_name, sample, key, n_samples, progress)
     for name, x in (("x1", x1), ("x2", x2)):
         if x is not None:
             check_finite_input(fn_name, name, x)
@@ -197,6 +203,27 @@ def average(
     mean = jax.tree.map(lambda s, d: (s / n_samples).astype(d), total, dtypes["kernels"])
     _check_finite_sum(fn_name, mean, "the mean, cast back to the kernels' dtype")
     nngp, ntk = mean
+    return Kernels(nngp=nngp, ntk=ntk)
+
+
+def average_into(files, fn_name: str, sample: Callable, key, n_samples: int, progress) -> Kernels:
+    """:func:`average` with ``out=``: sample s's kernel functions add their tiles to
+    the running sums in ``files`` (:mod:`ntk_core._monte_carlo_files`), one sample
+    after another from the first not yet summed; the last writes the means, returned
+    as read-only memory maps. Each tile is checked for NaN/Inf by the blocked engine."""
+    keys = jax.random.split(key, n_samples)
+    first = min(files.first, n_samples - 1)  # the finished means: checked, then returned
+    bar = progress_bar(fn_name, progress, n_samples, fn_name)
+    if bar is not None and first:
+        bar.update(first)
+    for s in range(first, n_samples):
+        files.begin(s)
+        nngp, ntk = sample(keys[s])
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    files.finish()
     return Kernels(nngp=nngp, ntk=ntk)
 
 
@@ -250,6 +277,10 @@ def monte_carlo_kernels(
     batch_size=None,
     store_on_device=False,
     memory_budget=None,
+    out=None,
+    resume=False,
+    overwrite=False,
+    devices=None,
 ) -> Kernels:
     """Monte Carlo NNGP and NTK: empirical kernels averaged over random initialisations.
 
@@ -281,15 +312,24 @@ def monte_carlo_kernels(
         (needs tqdm), ``False`` never.
       trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
         :mod:`ntk_core._options` (the NNGP ignores ``implementation``).
-      batch_size, store_on_device, memory_budget: the blocked engine for each sample's
-        kernels, as in :func:`ntk_fn` (only with ``batch_size_samples=1``); with
-        ``batch_size`` the kernels and their running sum are host numpy arrays unless
-        ``store_on_device=True``.
+      batch_size, store_on_device, memory_budget, devices: the blocked engine for each
+        sample's kernels, as in :func:`ntk_fn` (only with ``batch_size_samples=1``);
+        with ``batch_size`` the kernels and their running sum are host numpy arrays
+        unless ``store_on_device=True``.
+      out, resume, overwrite: with a ``batch_size``, the means written to files:
+        ``out="mc.npy"`` writes the NNGP's to ``mc.nngp.npy`` and the NTK's to
+        ``mc.ntk.npy``, keeping the running sum on disk (host memory holds the tiles
+        in flight), and an interrupted run (killed at any moment) is finished with
+        ``resume=True`` from the sample it was in, bit for bit equal to an
+        uninterrupted run; see :mod:`ntk_core._monte_carlo_files`. Disk: two files of
+        each kernel's size per kind (three for half-precision kernels).
 
     Returns:
       ``Kernels(nngp, ntk)``, each in the layout of :func:`empirical_ntk` (``(N1, N2)``
       for ``(N, O)`` outputs by default; ``(N1, N2, O, O)`` with ``trace_axes=()``),
-      dtype of the outputs. Feed it to :func:`ntk_core.predict.gp_inference`.
+      dtype of the outputs. Feed it to :func:`ntk_core.predict.gp_inference`. With
+      ``out``, each a read-only memory map of its file (``np.load(path,
+      mmap_mode="r")``).
 
     Raises:
       TypeError: ``init_fn`` or ``apply_fn`` not callable, ``key`` not one PRNG key,
@@ -297,7 +337,9 @@ def monte_carlo_kernels(
       ValueError: ``n_samples`` or ``batch_size_samples`` not a positive int;
         ``batch_size`` with ``batch_size_samples`` > 1; ``init_fn(key)`` failing (it
         runs under ``jax.jit``); NaN/Inf in x1 or x2; a non-finite mean (some
-        initialisation gave a non-finite kernel); and the errors of :func:`ntk_fn`.
+        initialisation gave a non-finite kernel); with ``out``, files of the run that
+        exist without ``resume``/``overwrite``, a resume of a different call (naming
+        what differs), too little disk space; and the errors of :func:`ntk_fn`.
       ImportError: ``progress=True`` without tqdm.
 
     Cost: S initialisations, and S times the cost of :func:`ntk_fn` plus one forward
@@ -336,26 +378,42 @@ def monte_carlo_kernels(
     blocked = dict(batch_size=batch_size, store_on_device=store_on_device)
     check_samples(_MONTE_CARLO_KERNELS, key, n_samples, batch_size_samples, blocked)
     check_inputs(fn, x1, x2, "init_fn, apply_fn")
-    common = dict(
+    options = dict(
+        implementation=implementation,
         trace_axes=trace_axes,
         diagonal_axes=diagonal_axes,
         vmap_axes=vmap_axes,
         precision=precision,
         memory_budget=memory_budget,
         progress=False,  # the samples have their own bar
+        out=out,
+        resume=resume,
+        overwrite=overwrite,
+        devices=devices,
         **blocked,
     )
-    ntk = _make(
-        "ntk", _MONTE_CARLO_KERNELS, apply_fn, dict(implementation=implementation, **common)
-    )
-    nngp = _make("nngp", _MONTE_CARLO_KERNELS, apply_fn, common)
     init = initialiser(fn, jax.jit(init_fn), "init_fn(key)", "init_fn(key) -> params")
+    files = files_for(fn, options, key, n_samples, x1, x2, init)
+    ntk = _make("ntk", _MONTE_CARLO_KERNELS, apply_fn, kind_options("ntk", options, files))
+    nngp = _make("nngp", _MONTE_CARLO_KERNELS, apply_fn, kind_options("nngp", options, files))
 
     def sample(k):
         params = init(k)
         return nngp(params, x1, x2), ntk(params, x1, x2)
 
-    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2)
+    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2, files)
+
+
+def files_for(fn_name: str, options: dict, key, n_samples, x1, x2, init):
+    """The :class:`~ntk_core._monte_carlo_files.MonteCarloFiles` of a call whose kernel
+    ``options`` have ``out``, or None; the options are checked first (as the kernel
+    functions would: out without batch_size, resume without out, ...)."""
+    checked = make_options(fn_name, **options)
+    if checked.out is None:
+        return None
+    return MonteCarloFiles(
+        fn_name, checked.out, checked.resume, checked.overwrite, key, n_samples, x1, x2, init
+    )
 
 
 def initialiser(

@@ -148,7 +148,7 @@ class KernelOptions:
     store_on_device: bool = False
     progress: bool | None = None
     memory_budget: int | None = None
-    out: str | None = None
+    out: str | None = None  # or a _store.Sink (Monte Carlo kernels, internal)
     resume: bool = False
     overwrite: bool = False
     devices: tuple | None = None
@@ -303,6 +303,10 @@ def _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device) -
                 f"pass out='kernel.npy' (with a batch_size), or drop {given}."
             )
         return None
+    from ._store import Sink
+
+    if isinstance(out, Sink):  # the Monte Carlo kernels' running sums (internal)
+        return out
     if not isinstance(out, (str, os.PathLike)) or not os.fspath(out).endswith(".npy"):
         raise ValueError(
             f"{fn_name}: out must be a path ending in '.npy', got {out!r}. Fix: pass e.g. "

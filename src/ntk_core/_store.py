@@ -25,6 +25,7 @@ equals an uninterrupted run's bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -55,6 +56,8 @@ def _digest_tree(tree) -> str:
     h.update(str(treedef).encode())
     for leaf in leaves:
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                leaf = jax.random.key_data(leaf)  # typed keys: their key data
             a = np.ascontiguousarray(np.asarray(leaf))
             h.update(f"{a.shape}{a.dtype}".encode())
             h.update(a.tobytes())
@@ -63,14 +66,17 @@ def _digest_tree(tree) -> str:
     return h.hexdigest()
 
 
-def fingerprint(params, x1, x2, aux, options: dict, shape, dtype, grid) -> dict:
-    """What a file holds, as a JSON-ready dict of plain values (see the module
-    docstring): digests of the arrays, and the options, shape, dtype and tile grid."""
+def inputs(x1, x2) -> dict:
+    """The digests of x1 and x2 in a fingerprint."""
     return {
         "x1": _digest_tree(x1),
         "x2": "x2=None (the Gram matrix of x1)" if x2 is None else _digest_tree(x2),
-        "params": _digest_tree(params),
-        "model state (aux)": _digest_tree(aux),
+    }
+
+
+def described(options: dict, shape, dtype, grid) -> dict:
+    """The options, shape, dtype and tile grid in a fingerprint."""
+    return {
         "options": {k: repr(v) for k, v in sorted(options.items())},
         "shape": list(shape),
         "dtype": str(np.dtype(dtype)),
@@ -78,7 +84,23 @@ def fingerprint(params, x1, x2, aux, options: dict, shape, dtype, grid) -> dict:
     }
 
 
-def _differences(old: dict, new: dict) -> list[str]:
+def fingerprint(params, x1, x2, aux, options: dict, shape, dtype, grid) -> dict:
+    """What a file holds, as a JSON-ready dict of plain values (see the module
+    docstring): digests of the arrays, and the options, shape, dtype and tile grid."""
+    return {
+        **inputs(x1, x2),
+        "params": _digest_tree(params),
+        "model state (aux)": _digest_tree(aux),
+        **described(options, shape, dtype, grid),
+    }
+
+
+#: Fingerprint entries whose values a refusal shows (the others are digests).
+SHOWN = ("shape", "dtype", "tile grid", "n_samples", "sample")
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """What differs between two fingerprints, in words for a refusal."""
     names = []
     for key in new:
         if old.get(key) == new[key]:
@@ -95,7 +117,7 @@ def _differences(old: dict, new: dict) -> list[str]:
                 )
                 + ")"
             )
-        elif key in ("shape", "dtype", "tile grid"):
+        elif key in SHOWN:
             names.append(f"{key} ({old.get(key)} -> {new[key]})")
         else:
             names.append(key)
@@ -104,7 +126,7 @@ def _differences(old: dict, new: dict) -> list[str]:
 
 def _write_json_atomically(path: str, data: dict) -> None:
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=folder)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
@@ -149,6 +171,11 @@ class NpyStore:
       batch_diagonal: a kernel of the per-sample diagonal ``(N, ...)``.
       fingerprint: :func:`fingerprint` of the call.
       resume, overwrite: the options.
+      process: (index, count) of this process among the run's processes.
+      barrier: ``barrier(name)`` waits for every process (None: one process).
+      transform: ``transform(tile, r0, r1, c0, c1) -> array`` applied to each computed
+        tile (cut to its rows and columns) before it is written, e.g. a running sum
+        (:mod:`ntk_core._monte_carlo_files`); None: the tile as computed.
 
     Raises:
       ValueError: an existing file without ``resume`` or ``overwrite``; a resume whose
@@ -170,8 +197,10 @@ class NpyStore:
         overwrite,
         process=(0, 1),
         barrier=None,
+        transform=None,
     ):
         self.fn, self.path = fn, path
+        self.transform = transform
         self.perms, self.batch_diagonal = perms, batch_diagonal
         self.process, self.barrier = process, barrier
         self.manifest = {
@@ -212,6 +241,8 @@ class NpyStore:
                 if os.path.exists(stale):
                     os.unlink(stale)  # the old file's: no longer true
             self._write(manifest_path(path), self.manifest)
+        if first:  # no process writes a manifest between these two barriers
+            _remove_temporaries(path)
         self._sync("created")
         try:
             self.offset = np.load(path, mmap_mode="r").offset  # the header's length
@@ -304,7 +335,7 @@ class NpyStore:
                 f"so what {path!r} holds is unknown. Fix: pass overwrite=True to compute "
                 f"it again, or another path."
             )
-        differs = _differences(old.get("fingerprint", {}), fingerprint)
+        differs = differences(old.get("fingerprint", {}), fingerprint)
         if differs:
             raise ValueError(
                 f"{fn}: resume=True, but {path!r} was started by a different call: "
@@ -352,10 +383,12 @@ class NpyStore:
         (leaf,) = jax.tree.leaves(tile)
         a = np.asarray(leaf)
         rows = r1 - r0
+        a = a[:rows] if self.batch_diagonal else a[:rows, : c1 - c0]
+        if self.transform is not None:
+            a = self.transform(a, r0, r1, c0, c1)
         if self.batch_diagonal:
-            self._rows(np.ascontiguousarray(a[:rows]), r0, 0)
+            self._rows(np.ascontiguousarray(a), r0, 0)
         else:
-            a = a[:rows, : c1 - c0]
             self._rows(a, r0, c0)
             if mirror:
                 self._rows(np.transpose(a, self.perms[0]), c0, r0)
@@ -366,17 +399,13 @@ class NpyStore:
 
     def _rows(self, block, r0: int, c0: int) -> None:
         """``block`` (rows x columns x ...) written at row ``r0``, column ``c0``."""
+        runs = _runs(self.shape, self.itemsize, self.batch_diagonal, r0, r0 + len(block), c0)
         if self.batch_diagonal:  # (N, ...): consecutive rows are one run of bytes
-            os.pwrite(self.fd, block.tobytes(), self.offset + r0 * block[0].nbytes)
+            ((start, _),) = runs
+            os.pwrite(self.fd, np.ascontiguousarray(block).tobytes(), self.offset + start)
             return
-        entry = int(np.prod(self.shape[2:], dtype=np.int64)) * self.itemsize
-        row_bytes = self.shape[1] * entry
-        for i, row in enumerate(block):
-            os.pwrite(
-                self.fd,
-                np.ascontiguousarray(row).tobytes(),
-                self.offset + (r0 + i) * row_bytes + c0 * entry,
-            )
+        for (start, _), row in zip(runs, block, strict=True):
+            os.pwrite(self.fd, np.ascontiguousarray(row).tobytes(), self.offset + start)
 
     def commit(self) -> None:
         """Syncs the tiles written since the last commit to the disk (``fsync``), then
@@ -423,6 +452,44 @@ class NpyStore:
             raise self._damaged(e) from e
 
 
+def _runs(shape, itemsize: int, batch_diagonal: bool, r0: int, r1: int, c0: int, c1=None):
+    """The byte runs ``(start, length)`` (from the end of the header) that rows
+    ``r0:r1``, columns ``c0:c1`` (default: to the end of a tile written there, only the
+    start matters for writing) of a C-ordered array of ``shape`` occupy; one run for a
+    kernel of the per-sample diagonal ``(N, ...)``."""
+    entry = int(np.prod(shape[1 if batch_diagonal else 2 :], dtype=np.int64)) * itemsize
+    if batch_diagonal:
+        return [(r0 * entry, (r1 - r0) * entry)]
+    row_bytes = shape[1] * entry
+    width = (shape[1] if c1 is None else c1) - c0
+    return [(r * row_bytes + c0 * entry, width * entry) for r in range(r0, r1)]
+
+
+def read_region(path: str, r0: int, r1: int, c0: int, c1: int, batch_diagonal: bool):
+    """Rows ``r0:r1`` and columns ``c0:c1`` (rows only for a kernel of the per-sample
+    diagonal) of the ``.npy`` file ``path``, read with ``os.pread`` into a new array
+    (not through a memory map, whose pages would count as the process's memory)."""
+    header = np.load(path, mmap_mode="r")
+    shape, dtype, offset = header.shape, header.dtype, header.offset
+    del header
+    runs = _runs(shape, dtype.itemsize, batch_diagonal, r0, r1, c0, c1)
+    tail = shape[1:] if batch_diagonal else (c1 - c0, *shape[2:])
+    out = np.empty((r1 - r0, *tail), dtype)
+    flat = out.reshape(-1).view(np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        at = 0
+        for start, length in runs:
+            got = os.pread(fd, length, offset + start)
+            if len(got) != length:
+                raise OSError(f"{path!r} ends before byte {offset + start + length}")
+            flat[at : at + length] = np.frombuffer(got, np.uint8)
+            at += length
+    finally:
+        os.close(fd)
+    return out
+
+
 def _process_manifest(path: str, process) -> str:
     """Process ``index`` of ``count``'s own list of tiles done (several processes)."""
     index, count = process
@@ -438,6 +505,19 @@ def _process_manifests(path: str) -> list[str]:
         for name in os.listdir(folder)
         if name.startswith(prefix) and name.endswith(".json")
     )
+
+
+def _remove_temporaries(path: str) -> None:
+    """Removes the temporary manifests of ``path`` that a killed process left (written
+    by :func:`_write_json_atomically`, killed before their ``os.replace``)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    prefix = f".{os.path.basename(manifest_path(path))[: -len('.json')]}"
+    for name in os.listdir(folder):
+        if name.startswith(prefix) and ".tmp-" in name:
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
 
 
 def _read_json(path: str):
@@ -456,10 +536,43 @@ def model_digest(closed) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a blocked call's file holds: its ``shape`` and ``dtype``, ``perms`` (the
+    axis permutation of a mirror tile, x2=None), ``batch_diagonal`` (a kernel of the
+    per-sample diagonal ``(N, ...)``), ``described`` (the options and the model's
+    digest, as the fingerprint names them) and the tile ``grid`` (rows, columns)."""
+
+    shape: tuple
+    dtype: np.dtype
+    perms: list
+    batch_diagonal: bool
+    described: dict
+    grid: tuple
+
+
+class Sink:
+    """Where a blocked call with ``out=`` writes when ``out`` is not a path: an object
+    that opens the store of each call (the Monte Carlo kernels' running sums,
+    :mod:`ntk_core._monte_carlo_files`). ``path`` names it in messages."""
+
+    path: str
+
+    def open(self, fn: str, layout: Layout, x1, x2, params, aux) -> NpyStore:
+        raise NotImplementedError
+
+
+def processes():
+    """``((index, count), barrier)`` of this process among ``jax.distributed``'s (the
+    barrier None with one process)."""
+    count = jax.process_count()
+    return (jax.process_index(), count), (_barrier() if count > 1 else None)
+
+
 def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
     """The :class:`NpyStore` of a blocked call with ``out=`` (``spec``: the kernel
     function, ``config``: the plan, ``cut``: the tiling, ``model``:
-    :func:`model_digest`).
+    :func:`model_digest`): a path's, or the one a :class:`Sink` opens.
 
     Raises:
       ValueError: a kernel that is a pytree of several arrays (several outputs, or
@@ -468,11 +581,12 @@ def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
     from ._blocked import leaf_layouts, swap_perm
 
     options = spec.options
+    out = options.out
     if len(cut.pair_kernels) != 1:
         raise ValueError(
-            f"{spec.fn_name}: out={options.out!r} writes one kernel array, but this call's "
-            f"kernel is a pytree of {len(cut.pair_kernels)} arrays (a model with several "
-            f"outputs, or per-leaf kernels). Fix: compute one output at a time (an "
+            f"{spec.fn_name}: out={getattr(out, 'path', out)!r} writes one kernel array, but "
+            f"this call's kernel is a pytree of {len(cut.pair_kernels)} arrays (a model with "
+            f"several outputs, or per-leaf kernels). Fix: compute one output at a time (an "
             f"apply_fn returning that output), or drop out= to get the pytree in memory."
         )
     (one,) = cut.pair_kernels
@@ -489,18 +603,29 @@ def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
         "precision": options.precision,
         "model (its jaxpr)": model,
     }
-    return NpyStore(
-        spec.fn_name,
-        options.out,
+    layout = Layout(
         shape,
-        one.dtype,
+        np.dtype(one.dtype),
         [swap_perm(layout) for layout in leaf_layouts(config)],
         batch_diagonal,
-        fingerprint(params, x1, x2, aux, described, shape, one.dtype, (cut.b1, cut.b2)),
+        described,
+        (cut.b1, cut.b2),
+    )
+    if isinstance(out, Sink):
+        return out.open(spec.fn_name, layout, x1, x2, params, aux)
+    process, barrier = processes()
+    return NpyStore(
+        spec.fn_name,
+        out,
+        shape,
+        layout.dtype,
+        layout.perms,
+        batch_diagonal,
+        fingerprint(params, x1, x2, aux, described, shape, layout.dtype, layout.grid),
         options.resume,
         options.overwrite,
-        (jax.process_index(), jax.process_count()),
-        _barrier() if jax.process_count() > 1 else None,
+        process,
+        barrier,
     )
 
 

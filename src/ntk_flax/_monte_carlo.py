@@ -17,8 +17,10 @@ from ntk_core._monte_carlo import (
     check_init_kwargs,
     check_inputs,
     check_samples,
+    files_for,
     initialiser,
 )
+from ntk_core._monte_carlo_files import kind_options
 from ntk_core._predict import Kernels
 
 from ._kernel import ADAPTER, _make
@@ -85,11 +87,15 @@ def monte_carlo_kernels(
       **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
         ``precision`` as in :func:`ntk_core.ntk_fn` (the NNGP ignores
         ``implementation``), and the blocked engine's ``batch_size`` etc. for each
-        sample (only with ``batch_size_samples=1``).
+        sample (only with ``batch_size_samples=1``); ``out="mc.npy"``, ``resume``,
+        ``overwrite``: the means written to ``mc.nngp.npy`` and ``mc.ntk.npy`` with
+        the running sum on disk, resumable after a kill (as
+        :func:`ntk_core.monte_carlo_kernels`).
 
     Returns:
       ``ntk_core.predict.Kernels(nngp, ntk)``, each ``(N1, N2)`` for ``(N, O)`` outputs
-      by default (``(N1, N2, O, O)`` with ``trace_axes=()``).
+      by default (``(N1, N2, O, O)`` with ``trace_axes=()``); with ``out``, read-only
+      memory maps of the files.
 
     Raises:
       TypeError, ValueError: as :func:`ntk_flax.kernel_fn` and
@@ -149,13 +155,8 @@ def monte_carlo_kernels(
             fn, model, x1, x2, key, n_samples, batch_size_samples, method, apply_kwargs,
             progress, options,
         )  # fmt: skip
-    nngp_options = {k: v for k, v in options.items() if k != "implementation"}
-    model_keywords = dict(method=method, apply_kwargs=apply_kwargs)
-    ntk = _make(MONTE_CARLO_NTK, model, options, **model_keywords)  # errors name fn
-    nngp = _make(MONTE_CARLO_NNGP, model, nngp_options, **model_keywords)
     x_init = jax.tree.map(lambda a: a[:1], x1)
     init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
-
     init = initialiser(
         fn,
         jax.jit(lambda k: model.init(k, x_init, method=method, **init_kwargs)),
@@ -164,12 +165,17 @@ def monte_carlo_kernels(
         "check that x1 has the per-sample shape the model expects (batch axis first); "
         "init_kwargs={...} gives model.init other keyword arguments than apply_kwargs",
     )
+    model_keywords = dict(method=method, apply_kwargs=apply_kwargs)
+    files = files_for(fn, options, key, n_samples, x1, x2, init)
+    # errors name fn
+    ntk = _make(MONTE_CARLO_NTK, model, kind_options("ntk", options, files), **model_keywords)
+    nngp = _make(MONTE_CARLO_NNGP, model, kind_options("nngp", options, files), **model_keywords)
 
     def sample(k):
         variables = init(k)
         return nngp(variables, x1, x2), ntk(variables, x1, x2)
 
-    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2)
+    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2, files)
 
 
 def _comparable(leaf):
@@ -219,9 +225,6 @@ def _nnx_monte_carlo(
             f"initialisation. Fix: build the module with its trainable layers (nnx.Linear, "
             f"nnx.Conv, ...), which hold nnx.Param variables."
         )
-    nngp_options = {k: v for k, v in options.items() if k != "implementation"}
-    ntk = _make_nnx(_CALLER, "ntk", template, method, apply_kwargs, options)
-    nngp = _make_nnx(_CALLER, "nngp", template, method, apply_kwargs, nngp_options)
     # Each sample's whole state: its parameters, and its other state (statistics,
     # buffers drawn from rngs, RNG state) as that initialisation made them.
     state_of = initialiser(
@@ -230,6 +233,10 @@ def _nnx_monte_carlo(
         "model(nnx.Rngs(key))",
         "the function building the module, traced under jax.jit",
     )
+    files = files_for(fn, options, key, n_samples, x1, x2, state_of)
+    ntk_options, nngp_options = (kind_options(k, options, files) for k in ("ntk", "nngp"))
+    ntk = _make_nnx(_CALLER, "ntk", template, method, apply_kwargs, ntk_options)
+    nngp = _make_nnx(_CALLER, "nngp", template, method, apply_kwargs, nngp_options)
 
     if n_samples >= 2:  # a builder that ignores its rngs makes every sample the same
         keys = jax.random.split(key, 2)
@@ -248,7 +255,7 @@ def _nnx_monte_carlo(
         params, rest = state_of(k)
         return nngp.of_state(params, rest, x1, x2), ntk.of_state(params, rest, x1, x2)
 
-    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2)
+    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2, files)
 
 
 monte_carlo_kernels = _checked_arguments(monte_carlo_kernels, "ntk_flax.monte_carlo_kernels")

@@ -12,8 +12,10 @@ from ntk_core._monte_carlo import (
     check_init_kwargs,
     check_inputs,
     check_samples,
+    files_for,
     initialiser,
 )
+from ntk_core._monte_carlo_files import kind_options
 from ntk_core._predict import Kernels
 
 from ._kernel import ADAPTER, _make
@@ -69,11 +71,14 @@ def monte_carlo_kernels(
         ``implementation``), and the blocked engine's ``batch_size``,
         ``store_on_device``, ``memory_budget`` for each sample (only with
         ``batch_size_samples=1``; the kernels and their running sum are then host numpy
-        arrays unless ``store_on_device=True``).
+        arrays unless ``store_on_device=True``); ``out="mc.npy"``, ``resume``,
+        ``overwrite``: the means written to ``mc.nngp.npy`` and ``mc.ntk.npy`` with
+        the running sum on disk, resumable after a kill (as
+        :func:`ntk_core.monte_carlo_kernels`).
 
     Returns:
       ``ntk_core.predict.Kernels(nngp, ntk)``, each ``(N1, N2)`` for ``(N, O)`` outputs
-      by default.
+      by default; with ``out``, read-only memory maps of the files.
 
     Raises:
       TypeError, ValueError: as :func:`ntk_haiku.kernel_fn` and
@@ -106,9 +111,6 @@ def monte_carlo_kernels(
     check_inputs(fn, x1, x2)
     init_kwargs = check_init_kwargs(fn, init_kwargs)
     with_state = isinstance(transformed, hk.TransformedWithState)
-    nngp_options = {k: v for k, v in options.items() if k != "implementation"}
-    ntk = _make(MONTE_CARLO_NTK, transformed, options, apply_kwargs=apply_kwargs)  # errors name fn
-    nngp = _make(MONTE_CARLO_NNGP, transformed, nngp_options, apply_kwargs=apply_kwargs)
     x_init = x1 if with_state else jax.tree.map(lambda a: a[:1], x1)  # state from all of x1
     init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
 
@@ -121,6 +123,11 @@ def monte_carlo_kernels(
         "model that initialises only in training mode (hk.BatchNorm) needs "
         "init_kwargs={'is_training': True} with apply_kwargs={'is_training': False}",
     )
+    files = files_for(fn, options, key, n_samples, x1, x2, init)
+    ntk_options, nngp_options = (kind_options(k, options, files) for k in ("ntk", "nngp"))
+    # errors name fn
+    ntk = _make(MONTE_CARLO_NTK, transformed, ntk_options, apply_kwargs=apply_kwargs)
+    nngp = _make(MONTE_CARLO_NNGP, transformed, nngp_options, apply_kwargs=apply_kwargs)
 
     def sample(k):
         out = init(k)
@@ -130,7 +137,7 @@ def monte_carlo_kernels(
             ntk(params, x1, x2, state=state, rng=rng),
         )
 
-    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2)
+    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2, files)
 
 
 monte_carlo_kernels = _checked_arguments(monte_carlo_kernels, "ntk_haiku.monte_carlo_kernels")

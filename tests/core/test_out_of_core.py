@@ -234,6 +234,7 @@ def test_killed_at_any_tile_and_resumed_equals_an_uninterrupted_run(tmp_path, ki
     assert _done(path) == (210, True)
     assert np.array_equal(np.load(path), np.load(whole))
     assert np.load(path).tobytes() == np.load(whole).tobytes()
+    assert [name for name in os.listdir(tmp_path) if ".tmp-" in name] == []  # no leftovers
 
 
 def test_an_unwritable_folder_is_refused(tmp_path, monkeypatch):

@@ -31,9 +31,16 @@ _CHILD = textwrap.dedent(
     p = {"w": jax.random.normal(jax.random.PRNGKey(0), (5, 64)),
          "v": jax.random.normal(jax.random.PRNGKey(1), (64, 3))}
     f = lambda p, x: jnp.tanh(x @ p["w"]) @ p["v"]
-    k = ntk_core.ntk_fn(f, trace_axes=(), batch_size=6, out=path, resume=True,
-                        progress=False)(p, x)
-    assert k.shape == (120, 120, 3, 3)
+    if sys.argv[5] == "kernel":
+        k = ntk_core.ntk_fn(f, trace_axes=(), batch_size=6, out=path, resume=True,
+                            progress=False)(p, x)
+        assert k.shape == (120, 120, 3, 3)
+    else:  # Monte Carlo: 3 initialisations of the same network, 60 samples
+        init = lambda k: {"w": jax.random.normal(k, (5, 64)), "v": p["v"]}
+        k = ntk_core.monte_carlo_kernels(init, f, x[:60], key=jax.random.PRNGKey(4),
+                                         n_samples=3, batch_size=6, out=path,
+                                         resume=True, progress=False)
+        assert k.ntk.shape == (60, 60)
     print("finished", index, flush=True)
     if count > 1:
         jax.distributed.shutdown()
@@ -47,11 +54,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _start(path, count, port):
+def _start(path, count, port, what="kernel"):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return [
         subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(i), str(count), str(port), str(path)],
+            [sys.executable, "-c", _CHILD, str(i), str(count), str(port), str(path), what],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -103,3 +110,20 @@ def test_a_killed_process_group_is_resumed_by_one_process(tmp_path):
     (resumed,) = _start(shared, 1, 0)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()[-2000:]
     assert np.load(shared).tobytes() == np.load(single).tobytes()
+
+
+def test_two_processes_share_the_monte_carlo_sums_and_equal_one_process(tmp_path):
+    """Monte Carlo kernels to files under jax.distributed: each sample's tiles are
+    shared between the processes, which wait for each other between samples (the next
+    sample reads the sum the previous one finished); the means equal one process's."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    (one,) = _start(tmp_path / "one" / "mc.npy", 1, 0, "mc")
+    assert one.wait(timeout=300) == 0, one.stderr.read()[-2000:]
+    both = _start(tmp_path / "two" / "mc.npy", 2, _port(), "mc")
+    for process in both:
+        assert process.wait(timeout=300) == 0, process.stderr.read()[-3000:]
+    for kind in ("nngp", "ntk"):
+        a, b = (np.load(tmp_path / run / f"mc.{kind}.npy") for run in ("one", "two"))
+        assert a.tobytes() == b.tobytes(), kind
+    assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))

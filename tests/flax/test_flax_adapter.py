@@ -455,3 +455,20 @@ def test_out_of_core_kernel_equals_the_in_memory_one(tmp_path):
         r"by a different call: model state \(aux\) differ",
     ):
         ntk_flax.kernel(entry.model, other, x1, x2, out=path, resume=True, **kw)
+
+
+def test_monte_carlo_kernels_to_files_equal_the_in_memory_average(tmp_path):
+    """Issue 19: out= on the linen Monte Carlo kernels: both files equal the in-memory
+    average bit for bit (x2 given, trace_axes=()), and the mean of separate kernels."""
+    model = nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(2)])
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (11, 3))
+    x2 = jax.random.normal(jax.random.PRNGKey(2), (5, 3))
+    kw = dict(key=jax.random.PRNGKey(3), n_samples=2, trace_axes=(), batch_size=4)
+    in_memory = ntk_flax.monte_carlo_kernels(model, x1, x2, **kw)
+    got = ntk_flax.monte_carlo_kernels(model, x1, x2, out=str(tmp_path / "mc.npy"), **kw)
+    assert isinstance(got.ntk, np.memmap) and got.ntk.shape == (11, 5, 2, 2)
+    assert got.ntk.tobytes() == np.asarray(in_memory.ntk).tobytes()
+    assert got.nngp.tobytes() == np.asarray(in_memory.nngp).tobytes()
+    variables = [model.init(k, x1[:1]) for k in jax.random.split(kw["key"], 2)]
+    ntk = np.mean([ntk_flax.kernel(model, v, x1, x2, trace_axes=()) for v in variables], 0)
+    np.testing.assert_allclose(np.asarray(got.ntk), ntk, atol=1e-6 * np.abs(ntk).max())

@@ -473,3 +473,21 @@ ERRORS = [
 def test_error(call, exc, pattern):
     with pytest.raises(exc, match=pattern):
         call()
+
+
+def test_monte_carlo_kernels_to_files_equal_the_in_memory_average(tmp_path):
+    """Issue 19: out= with an nnx builder: each sample's random features are part of
+    its running sum; both files equal the in-memory average bit for bit and the
+    float64 reference within tolerance, and a resume with another key is refused."""
+    key = jax.random.PRNGKey(5)
+    kw = dict(key=key, n_samples=3, batch_size=4)
+    in_memory = ntk_flax.monte_carlo_kernels(RandomFeatures, X1, **kw)
+    path = str(tmp_path / "mc.npy")
+    got = ntk_flax.monte_carlo_kernels(RandomFeatures, X1, out=path, **kw)
+    assert isinstance(got.ntk, np.memmap)
+    assert got.ntk.tobytes() == np.asarray(in_memory.ntk).tobytes()
+    assert got.nngp.tobytes() == np.asarray(in_memory.nngp).tobytes()
+    modules = [_pure(RandomFeatures(nnx.Rngs(k))) for k in jax.random.split(key, 3)]
+    reference.assert_close(got.ntk, np.mean([reference.ntk(*m, X1, None)[0] for m in modules], 0))
+    with pytest.raises(ValueError, match=r"^ntk_flax.monte_carlo_kernels: out=.* exists"):
+        ntk_flax.monte_carlo_kernels(RandomFeatures, X1, out=path, **{**kw, "key": key + 1})

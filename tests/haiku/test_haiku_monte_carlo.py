@@ -6,6 +6,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import ntk_haiku
 
@@ -47,3 +48,49 @@ def test_batchnorm_initialised_in_training_mode_evaluated_in_eval_mode():
         [ntk_haiku.kernel(net, p, x, state=s, apply_kwargs=evaluate) for p, s in inits], axis=0
     )
     np.testing.assert_allclose(np.asarray(k.ntk), ntk, atol=1e-6 * np.abs(ntk).max())
+
+
+def test_monte_carlo_kernels_to_files_equal_the_in_memory_average(tmp_path):
+    """Issue 19: out= with a stateful Haiku model (each initialisation's BatchNorm
+    state held fixed): both files equal the in-memory average bit for bit and the mean
+    of separate kernels; resumed with other init_kwargs (another initialisation) it is
+    refused naming the initialisation."""
+
+    def transformed(scale):
+        def forward(x, is_training):
+            linear = hk.Linear(6, w_init=hk.initializers.TruncatedNormal(scale))
+            h = hk.BatchNorm(True, True, 0.9)(linear(x), is_training=is_training)
+            return hk.Linear(2)(jnp.tanh(h))
+
+        return hk.without_apply_rng(hk.transform_with_state(forward))
+
+    net = transformed(1.0)
+    x = jax.random.normal(jax.random.PRNGKey(1), (9, 3))
+    kw = dict(
+        key=jax.random.PRNGKey(2),
+        n_samples=3,
+        apply_kwargs={"is_training": False},
+        init_kwargs={"is_training": True},
+        batch_size=4,
+    )
+    in_memory = ntk_haiku.monte_carlo_kernels(net, x, **kw)
+    path = str(tmp_path / "mc.npy")
+    got = ntk_haiku.monte_carlo_kernels(net, x, out=path, **kw)
+    assert isinstance(got.nngp, np.memmap)
+    assert got.ntk.tobytes() == np.asarray(in_memory.ntk).tobytes()
+    assert got.nngp.tobytes() == np.asarray(in_memory.nngp).tobytes()
+    inits = [net.init(k, x, is_training=True) for k in jax.random.split(kw["key"], 3)]
+    evaluate = {"is_training": False}
+    ntk = np.mean(
+        [ntk_haiku.kernel(net, p, x, state=s, apply_kwargs=evaluate) for p, s in inits], axis=0
+    )
+    np.testing.assert_allclose(np.asarray(got.ntk), ntk, atol=1e-6 * np.abs(ntk).max())
+    manifest = path[:-4] + ".ntk.npy.manifest.json"
+    text = open(manifest).read().replace('"complete": true', '"complete": false')
+    open(manifest, "w").write(text)
+    with pytest.raises(
+        ValueError,
+        match=r"^ntk_haiku.monte_carlo_kernels: resume=True, but .* different call: "
+        r"initialisation \(sample 0\) differ",
+    ):
+        ntk_haiku.monte_carlo_kernels(transformed(2.0), x, out=path, resume=True, **kw)
