@@ -6,7 +6,6 @@ jax and numpy (never flax or haiku).
 
 from ntk_core import metrics as metrics
 from ntk_core import predict as predict
-from ntk_core import spectrum as spectrum
 from ntk_core._api import empirical_nngp as empirical_nngp
 from ntk_core._api import empirical_ntk as empirical_ntk
 from ntk_core._api import empirical_ntk_per_leaf as empirical_ntk_per_leaf
@@ -59,3 +58,13 @@ __all__ = (
     "spectrum",
     "taylor_expand",
 )
+
+
+def __getattr__(name: str):
+    """``ntk_core.spectrum`` is imported when first used (PEP 562): it needs
+    ``scipy.sparse.linalg``, a third of a second of every ``import ntk_core``."""
+    if name == "spectrum":
+        import importlib
+
+        return importlib.import_module("ntk_core.spectrum")
+    raise AttributeError(f"module 'ntk_core' has no attribute {name!r}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import scipy.linalg
 
 from ._predict_linalg import as_host_array, unit_roundoff
 
@@ -127,6 +126,8 @@ def eigenvalues_of(fn_name: str, kernel, eigenvalues) -> np.ndarray:
             )
         k = HostKernel(fn_name, "kernel", kernel)
         k.check_symmetric()
+        import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`
+
         return scipy.linalg.eigvalsh(k.dense(), overwrite_a=True, check_finite=False)
     w = np.asarray(eigenvalues)
     if w.ndim != 1 or w.size == 0 or not np.issubdtype(w.dtype, np.number):

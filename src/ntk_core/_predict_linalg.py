@@ -22,7 +22,6 @@ import numbers
 
 import jax
 import numpy as np
-import scipy.linalg
 
 #: A solve is accepted when max|last correction| <= ACCEPT * max|x| per right-hand side.
 ACCEPT = 1e-6
@@ -296,6 +295,8 @@ def numerical_rank(k2: np.ndarray, dtype, probes: int = RANK_PROBES) -> tuple[in
     about (√c ± √r)·λ_i; Halko, Martinsson & Tropp 2011) and returns about ``c`` for
     larger ranks. Cost: 2·M²·c flops streamed in row chunks (M³ for the small case).
     """
+    import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`
+
     m = k2.shape[0]
     if m <= probes:
         s = np.abs(scipy.linalg.eigvalsh(np.asarray(k2, np.float64), check_finite=False))
@@ -341,6 +342,8 @@ class Solver:
             try:
                 # a is C-ordered and symmetric: a.T is the same matrix in Fortran order, so
                 # LAPACK factors it in place (upper of a.T = lower of a), no second copy.
+                import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`
+
                 self._chol = scipy.linalg.cho_factor(
                     a.T, lower=False, overwrite_a=True, check_finite=False
                 )
@@ -362,6 +365,8 @@ class Solver:
 
     def _eigh(self) -> None:
         a = self._regularised_copy()
+        import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`
+
         w, v = scipy.linalg.eigh(a, overwrite_a=True, check_finite=False)
         del a
         w = w.astype(np.float64)
@@ -384,6 +389,8 @@ class Solver:
         """The factorisation's approximate ``A⁻¹ b`` (compute dtype in, float64 out)."""
         b = np.asarray(b, self.dtype)
         if self.method == "cholesky":
+            import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`
+
             x = scipy.linalg.cho_solve(self._chol, b, check_finite=False)
         else:
             w, v = self._eigs
