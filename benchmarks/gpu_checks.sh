@@ -35,7 +35,7 @@ step doctor 60 python -m ntk_core._cli doctor
 step reference_grid 180 python -m pytest -q -x -p no:cacheprovider \
   tests/core/test_reference_grid.py -k "x2_given and (mlp or lenet)"
 step first_call 150 python benchmarks/first_call.py --repeats 1 --out "$OUT/first_call.json"
-step out_of_core 240 python benchmarks/bench_out_of_core.py --n 30000 --n-memory 10000 \
+step out_of_core 240 python benchmarks/bench_out_of_core.py --n 30000 --n-memory 10000 --repeat 1 \
   --folder "$OUT" --out "$OUT/out_of_core.json"
 rm -f "$OUT"/ntk_bench_*.npy "$OUT"/ntk_bench_*.manifest.json
 echo "== done; results in $OUT"
