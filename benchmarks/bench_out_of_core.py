@@ -6,6 +6,8 @@ Cases, each in its own Python process (peak resident memory ``ru_maxrss`` is its
   (``batch_size="auto"``), N = ``--n-memory`` (10 000): the reference rate;
 * ``out``: the same MLP, N x N written to a ``.npy`` file (``out=``), N = ``--n``
   (30 000: a 3.6 GB file);
+* ``mc_in_memory``, ``mc_out``: Monte Carlo kernels of 3 initialisations at N =
+  ``--n-memory``, in memory and to files (``out=``: the running sums on disk);
 * ``resume``: the ``out`` case killed (SIGKILL) once its manifest lists half the tiles,
   then the same call with ``resume=True``; the total (both processes) against the
   uninterrupted ``out`` run, ``--repeat`` times interleaved (median reported).
@@ -53,12 +55,20 @@ def apply(params, x):
 
 x = rng.standard_normal((n, 784), np.float32)
 options = dict(trace_axes=(), batch_size="auto", progress=False)
-if mode != "in_memory":
+if mode in ("out", "mc_out"):
     options.update(out=path, resume=True)
 kernel = ntk_core.ntk_fn(apply, **options)
 plan = kernel.plan(params, x)
 start = time.perf_counter()
-k = kernel(params, x)
+if mode.startswith("mc_"):  # Monte Carlo: 3 initialisations, the running sums
+    def init(key):
+        k0, k1 = jax.random.split(key)
+        return [{"w": jax.random.normal(k0, (784, 1000)) / 28.0, "b": jnp.zeros(1000)},
+                {"w": jax.random.normal(k1, (1000, 1)) / 31.6, "b": jnp.zeros(1)}]
+    k = ntk_core.monte_carlo_kernels(init, apply, x, key=jax.random.PRNGKey(0),
+                                     n_samples=3, **options).ntk
+else:
+    k = kernel(params, x)
 seconds = time.perf_counter() - start
 check = float(np.asarray(k[n - 1, n - 2]).ravel()[0])  # touches the file's last rows
 print(json.dumps({
@@ -151,9 +161,17 @@ def main() -> None:
                     "ratio": ratio,
                 }  # fmt: skip
             )
+        clean()
+        mc_memory = _run(args.n_memory, path, "mc_in_memory")
+        mc_out = _run(args.n_memory, path, "mc_out")
         results["load_after"] = os.getloadavg()[0]
     finally:
         clean()
+        stem = path[:-4]
+        for kind in ("nngp", "ntk"):
+            for name in (f"{stem}.{kind}.npy", f"{stem}.{kind}.npy.manifest.json"):
+                if os.path.exists(name):
+                    os.unlink(name)
     run = sorted(runs, key=lambda r: r["ratio"])[len(runs) // 2]  # the median
     out, resumed = run["out"], run["resumed"]
     killed_s, done = run["killed_after_s"], run["tiles_done"]
@@ -168,12 +186,19 @@ def main() -> None:
         resume_total_over_uninterrupted=run["ratio"],
         resume_ratios=[r["ratio"] for r in runs],
         projected_100k_s=per_entry_out * 1e10,
+        monte_carlo={"in_memory": mc_memory, "out": mc_out},
     )
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print("| case | N | tiles (tile) | seconds | s per 1e6 entries | peak RSS MB |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for name, r in (("in memory", memory), ("out= file", out)):
+    cases = (
+        ("in memory", memory),
+        ("out= file", out),
+        ("Monte Carlo (3 samples) in memory", mc_memory),
+        ("Monte Carlo (3 samples) to files", mc_out),
+    )
+    for name, r in cases:
         print(
             f"| {name} | {r['n']} | {r['tiles']} ({r['tile'][0]}) | {r['seconds']:.1f} | "
             f"{r['seconds'] / r['n'] ** 2 * 1e6:.4f} | {r['peak_rss_mb']:.0f} |"
