@@ -75,14 +75,30 @@ class MonteCarloFiles:
         self.fn, self.out, self.n_samples = fn, out, n_samples
         self.resume, self.overwrite = resume, overwrite
         self.process, self.barrier = _store.processes()
+        stem = out[: -len(".npy")]
+        if not os.path.basename(stem):
+            raise ValueError(
+                f"{fn}: out={out!r} has no name before '.npy', so the files would be the "
+                f"hidden {os.path.join(os.path.dirname(stem), '.nngp.npy')!r} and "
+                f"'.ntk.npy'. Fix: name it, e.g. out="
+                f"{os.path.join(os.path.dirname(stem), 'mc.npy')!r}."
+            )
         first_key = jax.random.split(key, n_samples)[0]
         self.common = {
             **_store.inputs(x1, x2),
             "key": _store._digest_tree(key),
+            # the initialisation's code and captured values, and what it gives sample 0
+            "initialisation (its jaxpr)": _store.model_digest(jax.make_jaxpr(init)(first_key)),
             "initialisation (sample 0)": _store._digest_tree(init(first_key)),
             "n_samples": n_samples,
         }
-        self.sums = {kind: RunningSum(self, kind, f"{out[:-4]}.{kind}.npy") for kind in KINDS}
+        self.sums = {kind: RunningSum(self, kind, f"{stem}.{kind}.npy") for kind in KINDS}
+        for path in (p for rs in self.sums.values() for p in rs.buffers):
+            if os.path.isdir(path):
+                raise ValueError(
+                    f"{fn}: out={out!r} writes {path!r}, which is a folder. Fix: give "
+                    f"another path for out=, or move the folder."
+                )
         if overwrite:
             self._remove([p for rs in self.sums.values() for p in rs.buffers])
         self.first = min(rs.first() for rs in self.sums.values())
@@ -203,6 +219,7 @@ class RunningSum(_store.Sink):
                     f"with the same inputs, key, n_samples, model and options, or pass "
                     f"overwrite=True (or another path) to compute this call."
                 )
+            self._check_readable(fn, previous, layout.shape, wide)
         last = s == n - 1
         into = dtype if last else wide
         manifest = _store._read_manifest(path) if os.path.exists(path) else None
@@ -220,11 +237,13 @@ class RunningSum(_store.Sink):
             if last:
                 total = (total / n).astype(dtype)
             if not np.isfinite(total).all():
+                earlier = "" if previous is None else f" or {previous!r} was changed"
                 raise non_finite_error(
                     f"{fn}: the {self.kind.upper()} came out non-finite (NaN or Inf) in the "
                     f"{'mean' if last else f'sum of samples 0..{s}'}, rows {r0}..{r1 - 1}, "
-                    f"from finite kernels: the sum overflows {np.dtype(into).name}. Fix: "
-                    f"compute in float32 (or float64) against overflow."
+                    f"from finite kernels: the sum overflows {np.dtype(into).name}{earlier}. "
+                    f"Fix: compute the model in float64 against overflow (a kernel near "
+                    f"{np.finfo(into).max:.3g}); a changed file: pass overwrite=True."
                 )
             return total
 
@@ -245,6 +264,23 @@ class RunningSum(_store.Sink):
             self.files.barrier,
             transform,
         )
+
+    def _check_readable(self, fn, path, shape, dtype) -> None:
+        """The earlier sum must be a whole ``.npy`` of its shape and dtype."""
+        try:
+            header = np.load(path, mmap_mode="r")
+            ok = header.shape == tuple(shape) and header.dtype == dtype
+            del header
+        except (OSError, ValueError) as e:
+            ok, why = False, f"{type(e).__name__}: {e}"
+        else:
+            why = f"shape or dtype not {tuple(shape)} {np.dtype(dtype).name}"
+        if not ok:
+            raise ValueError(
+                f"{fn}: {path!r} cannot be read as the running sum its manifest describes "
+                f"({why}): the file is damaged or was changed. Fix: pass overwrite=True to "
+                f"compute it again, or another path."
+            )
 
     def _check_space(self, fn, layout, same) -> None:
         """Free disk space for the buffers not yet created, before anything runs."""

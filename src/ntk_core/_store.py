@@ -530,10 +530,13 @@ def _read_json(path: str):
 
 def model_digest(closed) -> str:
     """SHA-256 of the model's jaxpr as printed, without the memory addresses that the
-    printout of some equations (custom derivatives) carries: the same model gives the
-    same digest in another process."""
+    printout of some equations (custom derivatives) carries, and of the values of the
+    constants it captured (arrays the function closes over, which the printout shows
+    only as variables): the same model gives the same digest in another process, and a
+    model whose captured array changed gives another."""
     text = re.sub(r"0x[0-9a-fA-F]+", "0x", str(closed.jaxpr))
-    return hashlib.sha256(text.encode()).hexdigest()
+    consts = _digest_tree(list(getattr(closed, "consts", [])))
+    return hashlib.sha256(text.encode() + consts.encode()).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)

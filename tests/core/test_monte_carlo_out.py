@@ -41,9 +41,9 @@ X2 = jax.random.normal(jax.random.PRNGKey(3), (9, 5))
 KEY = jax.random.PRNGKey(0)
 
 
-def _mc(apply_fn=f, x2=None, **options):
+def _mc(apply_fn=f, x2=None, init_fn=init, **options):
     options = {"key": KEY, "n_samples": 3, "batch_size": 7, **options}
-    return ntk_core.monte_carlo_kernels(init, apply_fn, X1, x2, **options)
+    return ntk_core.monte_carlo_kernels(init_fn, apply_fn, X1, x2, **options)
 
 
 def _files(folder) -> list[str]:
@@ -133,6 +133,7 @@ def test_existing_files_are_never_overwritten_silently(tmp_path):
         ({"x2": X2}, r"x2"),
         ({"apply_fn": lambda p, x: 2 * f(p, x)}, r"options \(model \(its jaxpr\)"),
         ({"trace_axes": ()}, r"options \(trace_axes: \(-1,\) -> \(\)\); shape"),
+        ({"init_fn": lambda k: {**init(k), "v": init(k)["v"] * 1.0}}, r"initialisation \(its"),
     ],
 )
 def test_resuming_another_computation_is_refused_naming_what_differs(tmp_path, change, names):
@@ -172,6 +173,22 @@ def _interrupted(path):
         _store.NpyStore.put = original
 
 
+def test_a_damaged_running_sum_is_refused_with_the_fix(tmp_path):
+    """The earlier sample's sum cut short (a full disk, a copy interrupted): refused
+    naming the file, not numpy's error from inside."""
+    path = str(tmp_path / "mc.npy")
+    _interrupted(path)  # sample 0's sums finished in mc.K.npy (3 samples: the odd ones)
+    summed = tmp_path / "mc.ntk.npy"
+    os.truncate(summed, os.path.getsize(summed) // 2)
+    with pytest.raises(
+        ValueError,
+        match=r"^monte_carlo_kernels: .*mc\.ntk\.npy'? cannot be read as the running sum its "
+        r"manifest describes \(ValueError: .*\): the file is damaged or was changed\. Fix: "
+        r"pass overwrite=True",
+    ):
+        _mc(out=path, resume=True)
+
+
 def test_an_interrupted_run_resumes_from_the_sample_it_was_in(tmp_path, monkeypatch):
     """Resumed, sample 0 is not computed again and sample 1's NTK computes only the
     tiles its manifest does not list (10 tiles of 7 samples: 4 blocks, 4·5/2)."""
@@ -207,6 +224,14 @@ def test_refusals_before_anything_is_computed(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"^monte_carlo_kernels: resume=True, but .*sum-a"):
         _mc(out=path, resume=True)
     os.unlink(path[:-4] + ".ntk.sum-a.npy")
+    os.mkdir(path[:-4] + ".ntk.sum-a.npy")
+    with pytest.raises(
+        ValueError, match=r"^monte_carlo_kernels: out=.* writes .*sum-a.npy'?, which is a folder"
+    ):
+        _mc(out=path, overwrite=True)
+    os.rmdir(path[:-4] + ".ntk.sum-a.npy")
+    with pytest.raises(ValueError, match=r"^monte_carlo_kernels: out=.*/\.npy' has no name before"):
+        _mc(out=str(tmp_path / ".npy"))
     usage = _store.shutil.disk_usage(tmp_path)
     monkeypatch.setattr(
         _monte_carlo_files.shutil, "disk_usage", lambda folder: usage._replace(free=3000)
@@ -261,6 +286,20 @@ def _progress(folder) -> set:
     return found
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """``uninterrupted(dtype)``: the folder of an uninterrupted run (one per dtype)."""
+    runs = {}
+
+    def folder(dtype):
+        if dtype not in runs:
+            runs[dtype] = tmp_path_factory.mktemp(f"whole_{dtype}")
+            assert _child(runs[dtype] / "mc.npy", dtype).wait(timeout=300) == 0
+        return runs[dtype]
+
+    return folder
+
+
 @pytest.mark.parametrize(
     "dtype, kind, sample, tiles",
     [
@@ -271,15 +310,13 @@ def _progress(folder) -> set:
     ],
 )
 def test_killed_at_any_moment_and_resumed_equals_an_uninterrupted_run(
-    tmp_path, dtype, kind, sample, tiles
+    tmp_path, uninterrupted, dtype, kind, sample, tiles
 ):
     """SIGKILL (no cleanup runs) once ``kind``'s buffer of ``sample`` lists ``tiles``
     of its 55 tiles (60 samples in tiles of 6), then the same call with resume=True
     finishes it: both files equal an uninterrupted run's bit for bit."""
-    (tmp_path / "whole").mkdir()
     (tmp_path / "killed").mkdir()
-    whole = tmp_path / "whole" / "mc.npy"
-    assert _child(whole, dtype).wait(timeout=300) == 0
+    whole = uninterrupted(dtype) / "mc.npy"
     path = tmp_path / "killed" / "mc.npy"
     child = _child(path, dtype)
     start = time.monotonic()
@@ -297,7 +334,7 @@ def test_killed_at_any_moment_and_resumed_equals_an_uninterrupted_run(
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
     for k in ("nngp", "ntk"):
         a = np.load(tmp_path / "killed" / f"mc.{k}.npy")
-        b = np.load(tmp_path / "whole" / f"mc.{k}.npy")
+        b = np.load(whole.parent / f"mc.{k}.npy")
         assert a.dtype == np.dtype(dtype if k == "nngp" else "float32")
         assert a.tobytes() == b.tobytes(), k
     assert _files(path.parent) == _files(whole.parent)

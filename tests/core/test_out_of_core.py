@@ -124,6 +124,25 @@ def test_resuming_another_computation_is_refused_naming_what_differs(tmp_path, c
         kernel(change.get("params", P), change.get("x1", X1), change.get("x2"))
 
 
+def test_a_model_whose_captured_array_changed_is_not_the_finished_file(tmp_path):
+    """A model closing over an array (a scale, a fixed embedding) is the same jaxpr with
+    another constant: the finished file of the old value is not returned for the new
+    one (a new-user trial found it returned silently), and a resume names the model."""
+    path = str(tmp_path / "k.npy")
+
+    def scaled(c):
+        scale = jnp.full(3, c)
+        return lambda p, x: f(p, x) * scale
+
+    old = np.array(ntk_core.ntk_fn(scaled(1.0), batch_size=8, out=path, progress=False)(P, X1))
+    with pytest.raises(ValueError, match=r"^ntk_fn: out=.*k\.npy' exists, and is not"):
+        ntk_core.ntk_fn(scaled(2.0), batch_size=8, out=path, progress=False)(P, X1)
+    with pytest.raises(ValueError, match=r"different call: options \(model \(its jaxpr\)"):
+        ntk_core.ntk_fn(scaled(2.0), batch_size=8, out=path, progress=False, resume=True)(P, X1)
+    new = ntk_core.ntk_fn(scaled(2.0), batch_size=8, out=path, progress=False, overwrite=True)
+    np.testing.assert_allclose(new(P, X1), 4.0 * np.asarray(old), rtol=1e-6)
+
+
 def test_refusals_before_anything_is_computed(tmp_path, monkeypatch):
     with pytest.raises(
         ValueError,
