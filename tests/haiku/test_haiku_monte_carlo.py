@@ -91,6 +91,6 @@ def test_monte_carlo_kernels_to_files_equal_the_in_memory_average(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"^ntk_haiku.monte_carlo_kernels: resume=True, but .* different call: "
-        r"initialisation \(sample 0\) differ",
+        r"initialisation \(its jaxpr\); initialisation \(sample 0\) differ",
     ):
         ntk_haiku.monte_carlo_kernels(transformed(2.0), x, out=path, resume=True, **kw)
