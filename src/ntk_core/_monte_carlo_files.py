@@ -133,7 +133,6 @@ class RunningSum(_store.Sink):
         #: every file this kind may use, the result first
         self.buffers = [path, f"{stem}.sum-a.npy", f"{stem}.sum-b.npy"]
         self.checked_space = False
-        self.done = 0  # samples summed into a finished buffer (first())
 
     def buffer(self, sample: int, same_dtype: bool) -> str:
         """The file that sample ``sample``'s sum (the mean, for the last) goes to."""
@@ -160,7 +159,7 @@ class RunningSum(_store.Sink):
                 other = (path, _store.differences(common, files.common))
             elif manifest.get("complete"):
                 found.append(int(fp.get("sample", -1)))
-        first = self.done = max(found) + 1 if found else 0
+        first = max(found) + 1 if found else 0
         if not existing or first == files.n_samples:
             return first  # nothing yet; or the finished mean, checked when it is opened
         if not files.resume:
@@ -200,13 +199,11 @@ class RunningSum(_store.Sink):
         wide = np.promote_types(dtype, np.float32)
         same = wide == dtype
         path = self.buffer(s, same)
-        if s < self.done - 1 and files.first < n:
-            return _Summed()  # this kind is ahead of the other (killed between them)
         if files.first == n:  # the finished mean: returned if it is this call's
             return self._store(fn, layout, path, s, dtype, files.resume, False)
         if not self.checked_space:
             self._check_space(fn, layout, same)
-        previous = None
+        earlier_sum = None  # the sum of the samples before s, read tile by tile
         if s > 0:
             previous = self.buffer(s - 1, same)
             manifest = _store._read_manifest(previous) or {}
@@ -219,7 +216,7 @@ class RunningSum(_store.Sink):
                     f"with the same inputs, key, n_samples, model and options, or pass "
                     f"overwrite=True (or another path) to compute this call."
                 )
-            self._check_readable(fn, previous, layout.shape, wide)
+            earlier_sum = _store.NpyReader(fn, previous, layout.shape, wide, "the running sum")
         last = s == n - 1
         into = dtype if last else wide
         manifest = _store._read_manifest(path) if os.path.exists(path) else None
@@ -231,17 +228,17 @@ class RunningSum(_store.Sink):
             """The tile added to the sum of the samples before (in ``wide``); divided
             by S and cast for the last sample (as the in-memory average)."""
             total = tile.astype(wide)
-            if previous is not None:
-                earlier = _store.read_region(previous, r0, r1, c0, c1, layout.batch_diagonal)
+            if earlier_sum is not None:
+                earlier = earlier_sum.read(r0, r1, c0, c1, layout.batch_diagonal)
                 total = np.add(earlier, total)
             if last:
                 total = (total / n).astype(dtype)
             if not np.isfinite(total).all():
-                earlier = "" if previous is None else f" or {previous!r} was changed"
+                changed = "" if earlier_sum is None else f" or {earlier_sum.path!r} was changed"
                 raise non_finite_error(
                     f"{fn}: the {self.kind.upper()} came out non-finite (NaN or Inf) in the "
                     f"{'mean' if last else f'sum of samples 0..{s}'}, rows {r0}..{r1 - 1}, "
-                    f"from finite kernels: the sum overflows {np.dtype(into).name}{earlier}. "
+                    f"from finite kernels: the sum overflows {np.dtype(into).name}{changed}. "
                     f"Fix: compute the model in float64 against overflow (a kernel near "
                     f"{np.finfo(into).max:.3g}); a changed file: pass overwrite=True."
                 )
@@ -264,23 +261,6 @@ class RunningSum(_store.Sink):
             self.files.barrier,
             transform,
         )
-
-    def _check_readable(self, fn, path, shape, dtype) -> None:
-        """The earlier sum must be a whole ``.npy`` of its shape and dtype."""
-        try:
-            header = np.load(path, mmap_mode="r")
-            ok = header.shape == tuple(shape) and header.dtype == dtype
-            del header
-        except (OSError, ValueError) as e:
-            ok, why = False, f"{type(e).__name__}: {e}"
-        else:
-            why = f"shape or dtype not {tuple(shape)} {np.dtype(dtype).name}"
-        if not ok:
-            raise ValueError(
-                f"{fn}: {path!r} cannot be read as the running sum its manifest describes "
-                f"({why}): the file is damaged or was changed. Fix: pass overwrite=True to "
-                f"compute it again, or another path."
-            )
 
     def _check_space(self, fn, layout, same) -> None:
         """Free disk space for the buffers not yet created, before anything runs."""
@@ -307,12 +287,3 @@ class RunningSum(_store.Sink):
                 f"({free / 2**30:.2f} GiB) free. Fix: free disk space, write to another "
                 f"disk, or compute a smaller kernel (fewer samples per file, trace_axes)."
             )
-
-
-class _Summed:
-    """The store of a sample this kind has already summed: nothing to compute."""
-
-    finished = True
-
-    def result(self):
-        return None

@@ -399,7 +399,8 @@ class NpyStore:
 
     def _rows(self, block, r0: int, c0: int) -> None:
         """``block`` (rows x columns x ...) written at row ``r0``, column ``c0``."""
-        runs = _runs(self.shape, self.itemsize, self.batch_diagonal, r0, r0 + len(block), c0)
+        c1 = c0 + (0 if self.batch_diagonal else block.shape[1])
+        runs = _runs(self.shape, self.itemsize, self.batch_diagonal, r0, r0 + len(block), c0, c1)
         if self.batch_diagonal:  # (N, ...): consecutive rows are one run of bytes
             ((start, _),) = runs
             os.pwrite(self.fd, np.ascontiguousarray(block).tobytes(), self.offset + start)
@@ -452,42 +453,65 @@ class NpyStore:
             raise self._damaged(e) from e
 
 
-def _runs(shape, itemsize: int, batch_diagonal: bool, r0: int, r1: int, c0: int, c1=None):
+def _runs(shape, itemsize: int, batch_diagonal: bool, r0: int, r1: int, c0: int, c1: int):
     """The byte runs ``(start, length)`` (from the end of the header) that rows
-    ``r0:r1``, columns ``c0:c1`` (default: to the end of a tile written there, only the
-    start matters for writing) of a C-ordered array of ``shape`` occupy; one run for a
-    kernel of the per-sample diagonal ``(N, ...)``."""
+    ``r0:r1``, columns ``c0:c1`` of a C-ordered array of ``shape`` occupy; one run for
+    a kernel of the per-sample diagonal ``(N, ...)`` (rows only)."""
     entry = int(np.prod(shape[1 if batch_diagonal else 2 :], dtype=np.int64)) * itemsize
     if batch_diagonal:
         return [(r0 * entry, (r1 - r0) * entry)]
     row_bytes = shape[1] * entry
-    width = (shape[1] if c1 is None else c1) - c0
-    return [(r * row_bytes + c0 * entry, width * entry) for r in range(r0, r1)]
+    return [(r * row_bytes + c0 * entry, (c1 - c0) * entry) for r in range(r0, r1)]
 
 
-def read_region(path: str, r0: int, r1: int, c0: int, c1: int, batch_diagonal: bool):
-    """Rows ``r0:r1`` and columns ``c0:c1`` (rows only for a kernel of the per-sample
-    diagonal) of the ``.npy`` file ``path``, read with ``os.pread`` into a new array
-    (not through a memory map, whose pages would count as the process's memory)."""
-    header = np.load(path, mmap_mode="r")
-    shape, dtype, offset = header.shape, header.dtype, header.offset
-    del header
-    runs = _runs(shape, dtype.itemsize, batch_diagonal, r0, r1, c0, c1)
-    tail = shape[1:] if batch_diagonal else (c1 - c0, *shape[2:])
-    out = np.empty((r1 - r0, *tail), dtype)
-    flat = out.reshape(-1).view(np.uint8)
-    fd = os.open(path, os.O_RDONLY)
-    try:
+class NpyReader:
+    """Regions of a ``.npy`` file read with ``os.pread`` (not through a memory map,
+    whose pages would count as the process's memory); the header read once.
+
+    Raises:
+      ValueError: the file cannot be read as a ``.npy`` of ``shape`` and ``dtype``
+        (damaged, cut short, changed), naming ``fn`` and the fix.
+    """
+
+    def __init__(self, fn: str, path: str, shape, dtype, what: str):
+        self.path, self.fd = path, None
+        try:
+            header = np.load(path, mmap_mode="r")
+            self.shape, self.dtype, self.offset = header.shape, header.dtype, header.offset
+            del header
+            why = None
+            if self.shape != tuple(shape) or self.dtype != np.dtype(dtype):
+                why = f"shape or dtype not {tuple(shape)} {np.dtype(dtype).name}"
+            else:
+                self.fd = os.open(path, os.O_RDONLY)
+        except (OSError, ValueError) as e:
+            why = f"{type(e).__name__}: {e}"
+        if why is not None:
+            raise ValueError(
+                f"{fn}: {path!r} cannot be read as {what} its manifest describes ({why}): "
+                f"the file is damaged or was changed. Fix: pass overwrite=True to compute "
+                f"it again, or another path."
+            )
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+
+    def read(self, r0: int, r1: int, c0: int, c1: int, batch_diagonal: bool):
+        """Rows ``r0:r1`` and columns ``c0:c1`` (rows only for a kernel of the
+        per-sample diagonal), a new array."""
+        runs = _runs(self.shape, self.dtype.itemsize, batch_diagonal, r0, r1, c0, c1)
+        tail = self.shape[1:] if batch_diagonal else (c1 - c0, *self.shape[2:])
+        out = np.empty((r1 - r0, *tail), self.dtype)
+        flat = out.reshape(-1).view(np.uint8)
         at = 0
         for start, length in runs:
-            got = os.pread(fd, length, offset + start)
+            got = os.pread(self.fd, length, self.offset + start)
             if len(got) != length:
-                raise OSError(f"{path!r} ends before byte {offset + start + length}")
+                raise OSError(f"{self.path!r} ends before byte {self.offset + start + length}")
             flat[at : at + length] = np.frombuffer(got, np.uint8)
             at += length
-    finally:
-        os.close(fd)
-    return out
+        return out
 
 
 def _process_manifest(path: str, process) -> str:
@@ -535,7 +559,7 @@ def model_digest(closed) -> str:
     only as variables): the same model gives the same digest in another process, and a
     model whose captured array changed gives another."""
     text = re.sub(r"0x[0-9a-fA-F]+", "0x", str(closed.jaxpr))
-    consts = _digest_tree(list(getattr(closed, "consts", [])))
+    consts = _digest_tree(list(closed.consts))
     return hashlib.sha256(text.encode() + consts.encode()).hexdigest()
 
 
