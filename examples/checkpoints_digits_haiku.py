@@ -19,7 +19,7 @@ The LeNet has no Haiku state; for an ``hk.transform_with_state`` model save
 restored["params"], state=restored["state"])`` (keyword arguments go to the kernel
 function; build it with ``apply_kwargs={"is_training": False}`` for BatchNorm).
 Writes ``ntk_track.png`` and ``summary.json`` to --out (the figure and summary of ``ntk
-track``, from ``ntk_flax._track``).
+track``, from ``ntk_cli.track``).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import orbax.checkpoint as ocp
 
 import ntk_core
 import ntk_haiku
-from ntk_core._progress import progress_bar
-from ntk_flax import _track
+from ntk_cli import track as _track
+from ntk_core._blocked.progress import progress_bar
 
 FN = "checkpoints_digits_haiku"
 

@@ -3,7 +3,7 @@
     python examples/track_digits_linen.py [--steps 1000] [--every 10] [--probe 200]
         [--batch 64] [--seed 0] [--out ./ntk-track-linen]
 
-The same run as ``ntk track`` (the code is ``src/ntk_flax/_track.py``, installed with the
+The same run as ``ntk track`` (the code is ``src/ntk_cli/track.py``, installed with the
 package so that the command works from any folder). The loop, in short::
 
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(lr))
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-from ntk_flax import _track
+from ntk_cli import track as _track
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ state at each call, so the tracker sees every update without being handed parame
 traced, ``(P, P)``) of a fixed probe set of P training samples and records the kernel
 distance from the initial NTK, the (centred) alignment with the one-hot labels and the
 top eigenvalues. Writes ``ntk_track.png`` and ``summary.json`` to --out (the figure and
-summary of ``ntk track``, from ``ntk_flax._track``).
+summary of ``ntk track``, from ``ntk_cli.track``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from flax import nnx
 
 import ntk_core
 import ntk_flax
-from ntk_core._progress import progress_bar
-from ntk_flax import _track
+from ntk_cli import track as _track
+from ntk_core._blocked.progress import progress_bar
 
 #: flax >= 0.11: ``optimizer.update(model, grads)``; flax 0.10: ``optimizer.update(grads)``.
 _UPDATE_TAKES_MODEL = "model" in inspect.signature(nnx.Optimizer.update).parameters

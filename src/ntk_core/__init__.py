@@ -6,6 +6,8 @@ jax and numpy (never flax or haiku).
 
 from ntk_core import metrics as metrics
 from ntk_core import predict as predict
+from ntk_core._analysis.tracking import KernelRecord as KernelRecord
+from ntk_core._analysis.tracking import KernelTracker as KernelTracker
 from ntk_core._api import empirical_nngp as empirical_nngp
 from ntk_core._api import empirical_ntk as empirical_ntk
 from ntk_core._api import empirical_ntk_per_leaf as empirical_ntk_per_leaf
@@ -13,21 +15,19 @@ from ntk_core._api import nngp_fn as nngp_fn
 from ntk_core._api import ntk_fn as ntk_fn
 from ntk_core._api import ntk_per_leaf_fn as ntk_per_leaf_fn
 from ntk_core._api import plan as plan
-from ntk_core._caches import clear_caches as clear_caches
 from ntk_core._doctor import DoctorReport as DoctorReport
 from ntk_core._doctor import doctor as doctor
-from ntk_core._environment import BackendWarning as BackendWarning
-from ntk_core._environment import PrecisionWarning as PrecisionWarning
-from ntk_core._environment import UnsupportedBackendError as UnsupportedBackendError
-from ntk_core._kernel_function import KernelFunction as KernelFunction
-from ntk_core._linearize import linearize as linearize
-from ntk_core._linearize import taylor_expand as taylor_expand
-from ntk_core._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
-from ntk_core._ntk_vp import ntk_vp_fn as ntk_vp_fn
-from ntk_core._options import IMPLEMENTATIONS as IMPLEMENTATIONS
-from ntk_core._options import PRECISIONS as PRECISIONS
-from ntk_core._tracking import KernelRecord as KernelRecord
-from ntk_core._tracking import KernelTracker as KernelTracker
+from ntk_core._functional.linearize import linearize as linearize
+from ntk_core._functional.linearize import taylor_expand as taylor_expand
+from ntk_core._functional.ntk_vp import ntk_vp_fn as ntk_vp_fn
+from ntk_core._jax.caches import clear_caches as clear_caches
+from ntk_core._jax.environment import BackendWarning as BackendWarning
+from ntk_core._jax.environment import PrecisionWarning as PrecisionWarning
+from ntk_core._jax.environment import UnsupportedBackendError as UnsupportedBackendError
+from ntk_core._kernel.function import KernelFunction as KernelFunction
+from ntk_core._kernel.options import IMPLEMENTATIONS as IMPLEMENTATIONS
+from ntk_core._kernel.options import PRECISIONS as PRECISIONS
+from ntk_core._monte_carlo.kernels import monte_carlo_kernels as monte_carlo_kernels
 from ntk_core._version import __version__ as __version__
 
 __all__ = (

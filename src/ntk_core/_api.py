@@ -2,7 +2,7 @@
 
 The options (``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
 ``precision``, and the blocked engine's ``batch_size``, ``store_on_device``,
-``progress``, ``memory_budget``) are described once in :mod:`ntk_core._options`; every
+``progress``, ``memory_budget``) are described once in :mod:`ntk_core._kernel.options`; every
 docstring here points there.
 """
 
@@ -13,16 +13,16 @@ import functools
 import inspect
 from collections.abc import Callable
 
-from . import _caches
-from ._caller import Caller, core
-from ._checks import check_apply_fn, params_check
-from ._engine import Engine
-from ._kernel_function import KernelFunction
-from ._model import from_apply_fn
-from ._options import NTK_OPTION_NAMES, make_options
-from ._pipeline import Spec
+from ntk_core._jax import caches as _caches
+from ntk_core._kernel.caller import Caller, core
+from ntk_core._kernel.checks import check_apply_fn, params_check
+from ntk_core._kernel.engine import Engine
+from ntk_core._kernel.function import KernelFunction
+from ntk_core._kernel.model import from_apply_fn
+from ntk_core._kernel.options import NTK_OPTION_NAMES, make_options
+from ntk_core._kernel.pipeline import Spec
 
-# The public functions of this module, as their messages name them (ntk_core._caller).
+# The public functions of this module, as their messages name them (ntk_core._kernel.caller).
 _NTK_FN = core("ntk_fn", built=True)
 _NNGP_FN = core("nngp_fn", built=True)
 _NTK_PER_LEAF_FN = core("ntk_per_leaf_fn", built=True)
@@ -88,20 +88,20 @@ def ntk_fn(
           apply_fn: ``apply_fn(params, x) -> outputs``; ``x`` is a pytree of arrays with
             batch axis 0 of size N, outputs a pytree of floating arrays ``(N, O...)``.
           trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
-            :mod:`ntk_core._options` (defaults ``(-1,)``, ``()``, ``0``, ``"auto"``,
+            :mod:`ntk_core._kernel.options` (defaults ``(-1,)``, ``()``, ``0``, ``"auto"``,
             ``"highest"``).
           batch_size, store_on_device, progress, memory_budget: the blocked engine, see
-            :mod:`ntk_core._options` (defaults ``None``: one call, ``False``, ``None``,
+            :mod:`ntk_core._kernel.options` (defaults ``None``: one call, ``False``, ``None``,
             ``None``). ``batch_size=B`` computes the Gram matrix in tiles of B x B samples
-            with features computed once per block (:mod:`ntk_core._blocked`);
+            with features computed once per block (:mod:`ntk_core._blocked.tiles`);
             ``batch_size="auto"`` sizes B from ``memory_budget`` bytes.
           out, resume, overwrite: with a ``batch_size``, the Gram matrix written tile by
             tile into the ``.npy`` file ``out`` (returned memory-mapped, read-only), and
             an interrupted run finished with ``resume=True``; see
-            :mod:`ntk_core._options` and :mod:`ntk_core._store` (defaults ``None``,
+            :mod:`ntk_core._kernel.options` and :mod:`ntk_core._blocked.store` (defaults ``None``,
             ``False``, ``False``).
           devices: with a ``batch_size``, the devices whose tiles are computed side by
-            side (default ``None``: all local devices; see :mod:`ntk_core._options`).
+            side (default ``None``: all local devices; see :mod:`ntk_core._kernel.options`).
 
         Returns:
           a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)`` (with
@@ -126,9 +126,9 @@ def ntk_fn(
 
         Cost: ``"jacobian"``: (N1 + N2)·O reverse passes, memory (N1 + N2)·O·P, and
         N1·N2·O'·P multiply-adds; ``"ntvp"``: N1·N2·O forward-mode passes, memory O·P
-        (see :mod:`ntk_core._cost`). Batched: the same work (about half the pairs when
+        (see :mod:`ntk_core._impl.cost`). Batched: the same work (about half the pairs when
         x2 is None), device memory F·(B1 + B2) + F·B2·c + 2·W·B1·B2 for features of
-        the blocks in use and kept, and one tile (:mod:`ntk_core._blocked`), and the
+        the blocks in use and kept, and one tile (:mod:`ntk_core._blocked.tiles`), and the
         N1·N2·O'-entry result on the host. Checks: one reduction per input leaf and per
         result tile for NaN/Inf.
 
@@ -205,7 +205,7 @@ def nngp_fn(
 
         Args:
           apply_fn: ``apply_fn(params, x) -> outputs`` as in :func:`ntk_fn`.
-          trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._options`.
+          trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._kernel.options`.
             One forward pass on each batch is enough whatever ``vmap_axes`` says.
           batch_size, store_on_device, progress, memory_budget, out, resume, overwrite,
             devices: the blocked engine, as in :func:`ntk_fn` (the features of a block are its
@@ -292,7 +292,7 @@ def empirical_ntk(
       x1: pytree of arrays with batch axis 0 of size N1.
       x2: ``None`` (x2 is x1) or a pytree like x1 with N2 samples.
       trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
-        :mod:`ntk_core._options`.
+        :mod:`ntk_core._kernel.options`.
       batch_size, store_on_device, progress, memory_budget, out, resume, overwrite,
         devices: the blocked engine, as in :func:`ntk_fn`.
 
@@ -394,7 +394,7 @@ def ntk_per_leaf_fn(
 
     Args:
       apply_fn: ``apply_fn(params, x)``, as in :func:`ntk_fn`.
-      trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._options`.
+      trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._kernel.options`.
       implementation: ``"auto"``, ``"jacobian"`` or ``"structured"`` (NTK-vector
         products do not separate the leaves).
       batch_size, store_on_device, progress, memory_budget: the blocked engine, as in
@@ -502,7 +502,7 @@ def plan(
 
     Returns a ``Plan`` with ``implementation`` (what ``"auto"`` chose, or the one asked
     for), ``estimates`` (analytic FLOPs and feature memory in bytes of each
-    implementation considered, from the shapes; see :mod:`ntk_core._cost`) and
+    implementation considered, from the shapes; see :mod:`ntk_core._impl.cost`) and
     ``leaves``: for each parameter leaf its path, size P_l and method: ``"structured
     (k matrix products)"``, ``"structured (k convolutions)"``, ``"structured (embedding
     gather)"``, ``"structured (bias fused with its matrix product)"`` (or ``... its

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _environment
-from ._version import __version__
+from ntk_core._api import empirical_ntk
+from ntk_core._jax import environment as _environment
+from ntk_core._version import __version__
 
 #: Distributions whose versions the report lists (``None`` when not installed).
 PACKAGES = (
@@ -317,47 +318,13 @@ def _plain_cnn(x, out_features, model):
             x = jax.nn.relu(x) if i < len(sizes) - 2 else x
         return x
 
-    what = "plain-JAX LeNet (flax not installed)" if model == "lenet" else "small plain-JAX CNN"
+    what = "plain-JAX LeNet" if model == "lenet" else "small plain-JAX CNN"
     return apply, params, what
 
 
 def _network(x, out_features, model):
-    """``(apply_fn, params, description)`` of the self-test network."""
-    if model == "lenet" and _installed("flax"):
-        import ntk_flax
-
-        net = ntk_flax.LeNet(out_features=out_features)
-        params = jax.jit(net.init)(jax.random.PRNGKey(0), x)["params"]  # one compilation
-        return (lambda p, x: net.apply({"params": p}, x)), params, "ntk_flax.LeNet"
+    """``(apply_fn, params, description)`` of the self-test network (plain JAX)."""
     return _plain_cnn(x, out_features, model)
-
-
-def _twins(out_features, model):
-    """A Flax module and the Haiku forward function of the same network."""
-    import functools
-
-    import flax.linen as nn
-    import haiku as hk
-
-    import ntk_flax
-    import ntk_haiku
-
-    if model == "lenet":
-        return ntk_flax.LeNet(out_features), functools.partial(
-            ntk_haiku.lenet, out_features=out_features
-        )
-
-    class Small(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = nn.relu(nn.Conv(2, (5, 5), padding="SAME", name="Conv_0")(x))
-            return nn.Dense(out_features, name="Dense_0")(x.reshape((x.shape[0], -1)))
-
-    def small(x):
-        x = jax.nn.relu(hk.Conv2D(2, 5, padding="SAME", name="Conv_0")(x))
-        return hk.Linear(out_features, name="Dense_0")(x.reshape((x.shape[0], -1)))
-
-    return Small(), small
 
 
 def _inputs(samples, image_size):
@@ -371,12 +338,10 @@ def implementations_check(samples: int = 4, image_size: int = 16, model: str = "
     """Jacobian contraction, NTK-vector products and structured derivatives agree."""
 
     def run() -> CheckResult:
-        import ntk_core
-
         x1, x2 = _inputs(samples, image_size)
         apply, params, what = _network(x1, 2, model)
         kernels = {
-            impl: ntk_core.empirical_ntk(apply, params, x1, x2, trace_axes=(), implementation=impl)
+            impl: empirical_ntk(apply, params, x1, x2, trace_axes=(), implementation=impl)
             for impl in ("jacobian", "ntvp", "structured")
         }
         ref = kernels["jacobian"]
@@ -393,44 +358,17 @@ def implementations_check(samples: int = 4, image_size: int = 16, model: str = "
     return Check("implementations agree (jacobian, ntvp, structured)", run)
 
 
-def frameworks_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
-    """The Flax network and its Haiku twin with transplanted weights give the same NTK."""
-
-    def run() -> CheckResult:
-        missing = [m for m in ("flax", "haiku") if not _installed(m)]
-        if missing:
-            return CheckResult("", "skip", f"{' and '.join(missing)} not installed")
-        import haiku as hk
-
-        import ntk_flax
-        import ntk_haiku
-
-        x1, x2 = _inputs(samples, image_size)
-        flax_model, haiku_fn = _twins(2, model)
-        variables = jax.jit(flax_model.init)(jax.random.PRNGKey(0), x1)
-        net = hk.without_apply_rng(hk.transform(haiku_fn))
-        params = ntk_haiku.params_from_flax(variables["params"])
-        k_flax = ntk_flax.kernel(flax_model, variables, x1, x2, trace_axes=())
-        k_haiku = ntk_haiku.kernel(net, params, x1, x2, trace_axes=())
-        result = _compare({"haiku vs flax": (k_haiku, k_flax)}, str(k_flax.dtype))
-        return dataclasses.replace(result, detail=f"{model}, full kernel; " + result.detail)
-
-    return Check("Flax equals Haiku (same weights)", run)
-
-
 def batched_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
     """The Gram matrix computed in ragged tiles equals the one-call Gram (case C1)."""
 
     def run() -> CheckResult:
-        import ntk_core
-
         x1, x2 = _inputs(samples, image_size)
         apply, params, what = _network(x1, 2, model)
         tile = max(1, samples - 1)  # a ragged last tile in both directions
         pairs = {}
         for label, second in (("x2 given", x2), ("x2=None", None)):
-            one = ntk_core.empirical_ntk(apply, params, x1, second, trace_axes=())
-            tiled = ntk_core.empirical_ntk(
+            one = empirical_ntk(apply, params, x1, second, trace_axes=())
+            tiled = empirical_ntk(
                 apply, params, x1, second, trace_axes=(), batch_size=tile, progress=False
             )
             pairs[f"batch_size={tile} vs one call, {label}"] = (tiled, one)
@@ -469,7 +407,6 @@ def default_checks(samples: int = 4, image_size: int = 16, model: str = "lenet")
     return [
         backend_check(),
         implementations_check(samples, image_size, model),
-        frameworks_check(samples, image_size, model),
         batched_check(samples, image_size, model),
     ]
 
@@ -493,7 +430,7 @@ def doctor(checks: Sequence[Check] | None = None, *, self_test: bool = True) -> 
 
     The self-test (:func:`default_checks`, a few seconds) computes the full NTK of a
     small LeNet with every implementation on the default device and compares them
-    (and Flax with Haiku when both are installed): on a healthy device they agree to
+    (``ntk doctor`` also compares Flax with Haiku): on a healthy device they agree to
     float round-off, max |ΔK| / max |K| ≤ 1e-4 in float32.
 
     Args:

@@ -6,10 +6,10 @@ or read-only memory-mapped ``.npy``), computes in float64 on the host and return
 Python float.
 """
 
-from ntk_core._metrics import centered_kernel_alignment as centered_kernel_alignment
-from ntk_core._metrics import effective_rank as effective_rank
-from ntk_core._metrics import kernel_alignment as kernel_alignment
-from ntk_core._metrics import kernel_distance as kernel_distance
+from ntk_core._analysis.metrics import centered_kernel_alignment as centered_kernel_alignment
+from ntk_core._analysis.metrics import effective_rank as effective_rank
+from ntk_core._analysis.metrics import kernel_alignment as kernel_alignment
+from ntk_core._analysis.metrics import kernel_distance as kernel_distance
 
 __all__ = (
     "centered_kernel_alignment",

@@ -5,14 +5,14 @@ regulariser and output layout; the linear algebra runs on the host (numpy/LAPACK
 refined solves that never return a silent NaN.
 """
 
-from ntk_core._predict import DegenerateKernelWarning as DegenerateKernelWarning
-from ntk_core._predict import Gaussian as Gaussian
-from ntk_core._predict import GPInference as GPInference
-from ntk_core._predict import GradientDescentMSE as GradientDescentMSE
-from ntk_core._predict import Kernels as Kernels
-from ntk_core._predict import Outputs as Outputs
-from ntk_core._predict import gp_inference as gp_inference
-from ntk_core._predict import gradient_descent_mse as gradient_descent_mse
+from ntk_core._predict.inference import DegenerateKernelWarning as DegenerateKernelWarning
+from ntk_core._predict.inference import Gaussian as Gaussian
+from ntk_core._predict.inference import GPInference as GPInference
+from ntk_core._predict.inference import GradientDescentMSE as GradientDescentMSE
+from ntk_core._predict.inference import Kernels as Kernels
+from ntk_core._predict.inference import Outputs as Outputs
+from ntk_core._predict.inference import gp_inference as gp_inference
+from ntk_core._predict.inference import gradient_descent_mse as gradient_descent_mse
 
 __all__ = (
     "DegenerateKernelWarning",

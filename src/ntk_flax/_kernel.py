@@ -4,7 +4,7 @@ The adapter turns ``(model, variables)`` into a pure ``apply3(params, x, aux)`` 
 ``params = variables["params"]`` is differentiated and every other collection
 (``batch_stats``, ...) travels in ``aux``, held fixed; then it hands it to ``ntk_core``.
 ``variables`` may also be a bare params dict or a train state (``_variables``). The
-entry points and their docstrings are made by ``ntk_core._adapter.entry_point`` from
+entry points and their docstrings are made by ``ntk_core._kernel.adapter.entry_point`` from
 :data:`ADAPTER`, this framework's words.
 """
 
@@ -17,8 +17,8 @@ import flax.errors
 import flax.linen as nn
 import jax
 
-from ntk_core import _adapter
-from ntk_core._adapter import (
+from ntk_core._kernel import adapter as _adapter
+from ntk_core._kernel.adapter import (
     Adapter,
     Entry,
     Form,
@@ -29,7 +29,7 @@ from ntk_core._adapter import (
     entry_point,
     input_shape_mismatch,
 )
-from ntk_core._checks import adapter_model_failure, is_nnx_module
+from ntk_core._kernel.checks import adapter_model_failure, is_nnx_module
 from ntk_flax import _nnx
 from ntk_flax._variables import VariablesReader
 
@@ -232,7 +232,7 @@ def _make(entry: Entry, model, options: dict, *, method=None, apply_kwargs=None)
     return build_kernel(caller, entry.kind, pure, options)
 
 
-#: Flax's words for the entry points (see ``ntk_core._adapter.Adapter``).
+#: Flax's words for the entry points (see ``ntk_core._kernel.adapter.Adapter``).
 ADAPTER = Adapter(
     package="ntk_flax",
     module=__name__,

@@ -3,7 +3,7 @@
 Builds the pure apply the kernels use (``_kernel._model_apply`` for linen,
 ``_nnx.model_apply`` for nnx) with every collection but the parameters held fixed at
 its values at the expansion point, and hands it to ``ntk_core``'s expansion
-(:func:`ntk_core._linearize.expansion`); no maths here.
+(:func:`ntk_core._functional.linearize.expansion`); no maths here.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from ntk_core._adapter import check_apply_kwargs
-from ntk_core._checks import is_nnx_module
-from ntk_core._linearize import _Point, check_degree, expansion
+from ntk_core._functional.linearize import _Point, check_degree, expansion
+from ntk_core._kernel.adapter import check_apply_kwargs
+from ntk_core._kernel.checks import is_nnx_module
 from ntk_flax import _nnx
 from ntk_flax._kernel import _model_apply
 

@@ -9,10 +9,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ntk_core._adapter import MONTE_CARLO_NNGP, MONTE_CARLO_NTK
 from ntk_core._api import _checked_arguments
-from ntk_core._checks import is_nnx_module
-from ntk_core._monte_carlo import (
+from ntk_core._kernel.adapter import MONTE_CARLO_NNGP, MONTE_CARLO_NTK
+from ntk_core._kernel.checks import is_nnx_module
+from ntk_core._monte_carlo.files import kind_options
+from ntk_core._monte_carlo.kernels import (
     average,
     check_init_kwargs,
     check_inputs,
@@ -20,13 +21,12 @@ from ntk_core._monte_carlo import (
     files_for,
     initialiser,
 )
-from ntk_core._monte_carlo_files import kind_options
-from ntk_core._predict import Kernels
+from ntk_core._predict.inference import Kernels
 
 from ._kernel import ADAPTER, _make
 from ._nnx import make as _make_nnx
 
-#: :func:`monte_carlo_kernels` as its messages name it (ntk_core._caller).
+#: :func:`monte_carlo_kernels` as its messages name it (ntk_core._kernel.caller).
 _CALLER = ADAPTER.caller(MONTE_CARLO_NTK)
 
 

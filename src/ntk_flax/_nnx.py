@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ntk_core._adapter import bound_kernel, check_apply_kwargs, kernel_function
-from ntk_core._caller import Caller
-from ntk_core._checks import adapter_model_failure
+from ntk_core._kernel.adapter import bound_kernel, check_apply_kwargs, kernel_function
+from ntk_core._kernel.caller import Caller
+from ntk_core._kernel.checks import adapter_model_failure
 
 
 def _method(fn_name: str, model, method) -> str:

@@ -3,7 +3,7 @@
 The adapter turns a transformed function into a pure ``apply3(params, x, aux)`` with
 ``aux = (state, rng)`` held fixed (the state the model returns is discarded), then
 hands it to ``ntk_core``. The entry points and their docstrings are made by
-``ntk_core._adapter.entry_point`` from :data:`ADAPTER`, this framework's words.
+``ntk_core._kernel.adapter.entry_point`` from :data:`ADAPTER`, this framework's words.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Mapping
 import haiku as hk
 import jax
 
-from ntk_core import _adapter
-from ntk_core._adapter import (
+from ntk_core._kernel import adapter as _adapter
+from ntk_core._kernel.adapter import (
     Adapter,
     Entry,
     Keyword,
@@ -26,7 +26,7 @@ from ntk_core._adapter import (
     entry_point,
     input_shape_mismatch,
 )
-from ntk_core._checks import adapter_model_failure
+from ntk_core._kernel.checks import adapter_model_failure
 
 
 def _model_apply(transformed, apply_kwargs):
@@ -283,7 +283,7 @@ def check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call) -> Non
         )
 
 
-#: Haiku's words for the entry points (see ``ntk_core._adapter.Adapter``).
+#: Haiku's words for the entry points (see ``ntk_core._kernel.adapter.Adapter``).
 ADAPTER = Adapter(
     package="ntk_haiku",
     module=__name__,

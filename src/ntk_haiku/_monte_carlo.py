@@ -5,9 +5,10 @@ from __future__ import annotations
 import haiku as hk
 import jax
 
-from ntk_core._adapter import MONTE_CARLO_NNGP, MONTE_CARLO_NTK
 from ntk_core._api import _checked_arguments
-from ntk_core._monte_carlo import (
+from ntk_core._kernel.adapter import MONTE_CARLO_NNGP, MONTE_CARLO_NTK
+from ntk_core._monte_carlo.files import kind_options
+from ntk_core._monte_carlo.kernels import (
     average,
     check_init_kwargs,
     check_inputs,
@@ -15,12 +16,11 @@ from ntk_core._monte_carlo import (
     files_for,
     initialiser,
 )
-from ntk_core._monte_carlo_files import kind_options
-from ntk_core._predict import Kernels
+from ntk_core._predict.inference import Kernels
 
 from ._kernel import ADAPTER, _make
 
-#: :func:`monte_carlo_kernels` as its messages name it (ntk_core._caller).
+#: :func:`monte_carlo_kernels` as its messages name it (ntk_core._kernel.caller).
 _CALLER = ADAPTER.caller(MONTE_CARLO_NTK)
 
 

@@ -639,7 +639,7 @@ def test_bad_input(row):
         pytest.skip(f"needs {missing}")
     namespace = _namespace(tuple(row.needs))
     if issubclass(row.raises, Warning):
-        from ntk_core import _environment
+        from ntk_core._jax import environment as _environment
 
         _environment._WARNED.clear()  # warnings fire once per process per cause
         with pytest.warns(row.raises, match=row.match):

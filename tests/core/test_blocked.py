@@ -23,7 +23,8 @@ import core_zoo
 import frameworks
 import ntk_core
 import reference
-from ntk_core import _blocked, _progress
+from ntk_core._blocked import progress as _progress
+from ntk_core._blocked import tiles as _blocked
 
 AXES = {
     "trace": dict(trace_axes=(-1,)),
@@ -117,7 +118,7 @@ def test_symmetric_gram_in_triangular_blocks(monkeypatch, axes):
     """x2=None contracts only the sample blocks on and above the diagonal (k = 4 here,
     blocks of 9, 9, 9 and 10 samples) and mirrors the rest: equal to the float64
     reference, and exactly symmetric, one call and blocked (one diagonal tile)."""
-    from ntk_core import _implementations
+    from ntk_core._impl import phases as _implementations
 
     monkeypatch.setattr(_implementations, "TRIANGLE_MIN_BLOCK", 9)
     ref = reference.ntk(F, PARAMS, X1, None, **AXES[axes])[0]
@@ -627,7 +628,7 @@ def test_auto_in_the_blocked_engine_ignores_the_one_call_memory(monkeypatch):
     its copy) fits no implementation; in one call it falls back to NTK-vector products.
     (At N = 30 000 the one-call estimate of the MLP's 3.6 GB kernel fitted nothing, and
     auto chose NTK-vector products for a blocked call.)"""
-    from ntk_core import _cost
+    from ntk_core._impl import cost as _cost
 
     monkeypatch.setattr(_cost, "JACOBIAN_MEMORY_BUDGET", 1000)  # bytes: nothing fits
     one_call = ntk_core.ntk_fn(F)

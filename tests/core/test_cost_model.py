@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 import ntk_core
-from ntk_core import _cost, _structured
-from ntk_core._jaxpr_walk import values_written
-from ntk_core._model import per_sample
+from ntk_core._impl import cost as _cost
+from ntk_core._jax.jaxpr_walk import values_written
+from ntk_core._kernel.model import per_sample
+from ntk_core._structured import analysis as _structured
 
 
 def _mlp(p, x):

@@ -16,7 +16,9 @@ import pytest
 
 import frameworks
 import ntk_core
-from ntk_core import _cli, _doctor
+from ntk_cli import cli as _cli
+from ntk_cli import doctor as _cli_doctor
+from ntk_core import _doctor
 from ntk_core._doctor import Check, CheckResult
 
 
@@ -94,7 +96,7 @@ def test_cli_crashing_check_is_an_error(capsys):
 
 def test_default_self_test_passes_on_this_device(capsys):
     """The real self-test on a small CNN (``ntk doctor`` runs it on a LeNet)."""
-    checks = _doctor.default_checks(samples=3, image_size=8, model="small")
+    checks = _cli_doctor.all_checks(samples=3, image_size=8, model="small")
     assert _cli.main(["doctor", "--json"], checks=checks) == 0
     out = json.loads(capsys.readouterr().out)
     statuses = {c["name"]: c["status"] for c in out["checks"]}

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import ntk_core
-from ntk_core import _environment
-from ntk_core._environment import parse_platform_version, refusal, unverified
+from ntk_core._jax import environment as _environment
+from ntk_core._jax.environment import parse_platform_version, refusal, unverified
 
 TPU = "PJRT C API\nTFRT TPU v5 lite\nBuilt on Jan 22 2025 12:00:00 (1737547200) cl/718000000"
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ntk_core
-from ntk_core import _checks
+from ntk_core._kernel import checks as _checks
 
 W = jnp.ones((3, 2))
 X = jnp.ones((4, 3))
@@ -259,11 +259,11 @@ def test_argument_order_from_the_caller_not_its_name():
     """A core function and an adapter's each get their own argument order and model
     noun in a message from the Caller made where they are defined, not from their
     names: here both have the same made-up name."""
-    from ntk_core._caller import Caller, core
-    from ntk_core._engine import Engine
-    from ntk_core._model import from_apply_fn
-    from ntk_core._options import make_options
-    from ntk_core._pipeline import Spec
+    from ntk_core._kernel.caller import Caller, core
+    from ntk_core._kernel.engine import Engine
+    from ntk_core._kernel.model import from_apply_fn
+    from ntk_core._kernel.options import make_options
+    from ntk_core._kernel.pipeline import Spec
 
     name = "made_up.kernel_fn"  # neither a core name nor an adapter's
     in_core = core(name)

@@ -1,12 +1,14 @@
-"""The shared jaxpr walker (ntk_core._jaxpr_walk) and the structured analysis's typed
-Structure (ntk_core._structured.Structure)."""
+"""The shared jaxpr walker (ntk_core._jax.jaxpr_walk) and the structured analysis's typed
+Structure (ntk_core._structured.analysis.Structure)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from ntk_core import _cost, _jaxpr_walk, _structured
+from ntk_core._impl import cost as _cost
+from ntk_core._jax import jaxpr_walk as _jaxpr_walk
+from ntk_core._structured import analysis as _structured
 
 
 def _only(closed, name):

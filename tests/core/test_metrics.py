@@ -110,7 +110,7 @@ def test_centered_alignment_matches_explicit_centring_and_is_shift_invariant():
 
 
 def test_centered_alignment_full_layout_and_row_chunks(monkeypatch):
-    from ntk_core import _host_kernel
+    from ntk_core._analysis import host_kernel as _host_kernel
 
     n, o = 5, 3
     flat = _psd(9, n * o, p=6)

@@ -20,7 +20,8 @@ import pytest
 
 import ntk_core
 import reference
-from ntk_core import _monte_carlo_files, _store
+from ntk_core._blocked import store as _store
+from ntk_core._monte_carlo import files as _monte_carlo_files
 
 
 def init(k):
@@ -251,7 +252,7 @@ _CHILD = textwrap.dedent(
     import sys
     import jax, jax.numpy as jnp, ntk_core
     path, dtype = sys.argv[1], sys.argv[2]
-    ntk_core._store.COMMIT_SECONDS = 0.0  # tiles listed after every tile
+    ntk_core._blocked.store.COMMIT_SECONDS = 0.0  # tiles listed after every tile
     def init(k):
         k1, k2 = jax.random.split(k)
         return {"w": jax.random.normal(k1, (5, 64)), "v": jax.random.normal(k2, (64, 3))}

@@ -19,7 +19,7 @@ import pytest
 
 import ntk_core
 import reference
-from ntk_core import _store
+from ntk_core._blocked import store as _store
 
 
 def f(p, x):
@@ -70,7 +70,7 @@ def test_a_finished_file_is_returned_without_computing(tmp_path, monkeypatch):
     kernel = ntk_core.ntk_fn(f, batch_size=8, out=path, progress=False)
     first = np.array(kernel(P, X1))
     stamp = os.stat(path).st_mtime_ns
-    from ntk_core import _blocked
+    from ntk_core._blocked import tiles as _blocked
 
     def refuse(*args, **kwargs):
         raise AssertionError("a tile was computed")
@@ -198,7 +198,7 @@ _CHILD = textwrap.dedent(
     import sys
     import jax, jax.numpy as jnp, ntk_core
     path, n, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    ntk_core._store.COMMIT_SECONDS = float(sys.argv[4])  # how often tiles are listed
+    ntk_core._blocked.store.COMMIT_SECONDS = float(sys.argv[4])  # how often tiles are listed
     x = jax.random.normal(jax.random.PRNGKey(2), (n, 5))
     p = {"w": jax.random.normal(jax.random.PRNGKey(0), (5, 64)),
          "v": jax.random.normal(jax.random.PRNGKey(1), (64, 3))}
@@ -265,7 +265,7 @@ def test_an_unwritable_folder_is_refused(tmp_path, monkeypatch):
 
 def test_progress_counts_the_tiles_of_earlier_runs(tmp_path, monkeypatch):
     """The tile bar of a resumed run starts at the tiles already in the file."""
-    from ntk_core import _blocked
+    from ntk_core._blocked import tiles as _blocked
 
     class Bar:
         def __init__(self):

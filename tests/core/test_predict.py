@@ -10,7 +10,7 @@ import pytest
 import scipy.linalg
 
 from ntk_core import predict
-from ntk_core._predict_linalg import Solver
+from ntk_core._predict.linalg import Solver
 
 N, T, OUT = 12, 5, 3
 

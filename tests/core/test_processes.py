@@ -26,7 +26,7 @@ _CHILD = textwrap.dedent(
                                    num_processes=count, process_id=index,
                                    initialization_timeout=120)
     import ntk_core
-    ntk_core._store.COMMIT_SECONDS = 0.0  # tiles listed as they are written
+    ntk_core._blocked.store.COMMIT_SECONDS = 0.0  # tiles listed as they are written
     x = jax.random.normal(jax.random.PRNGKey(2), (120, 5))
     p = {"w": jax.random.normal(jax.random.PRNGKey(0), (5, 64)),
          "v": jax.random.normal(jax.random.PRNGKey(1), (64, 3))}

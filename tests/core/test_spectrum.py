@@ -16,7 +16,8 @@ import pytest
 import scipy.sparse.linalg
 
 import ntk_core
-from ntk_core import _host_kernel, spectrum
+from ntk_core import spectrum
+from ntk_core._analysis import host_kernel as _host_kernel
 
 D, H, OUT = 5, 16, 3
 

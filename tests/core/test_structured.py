@@ -17,7 +17,7 @@ import pytest
 import frameworks
 import ntk_core
 import reference
-from ntk_core._jaxpr_walk import values_written
+from ntk_core._jax.jaxpr_walk import values_written
 
 DN = ("NHWC", "HWIO", "NHWC")
 
@@ -330,7 +330,7 @@ def test_plan_counts_the_triangular_contraction(monkeypatch):
     pairs are contracted by the feature methods, while NTK-vector products, which have
     no features, still compute all of them; and all of them again where the features
     pass TRIANGLE_MAX_FEATURE_BYTES (the blocks would copy them)."""
-    from ntk_core import _implementations
+    from ntk_core._impl import phases as _implementations
 
     p = _params((6, 5), (5,), (5, 2))
     k = _implementations.triangle_blocks(256)
@@ -380,7 +380,7 @@ def test_pass_cost_splits_the_reverse_pass_by_closed_form():
     """x (d) -> Dense h -> relu -> Dense o, and a conv: each product's FLOPs land in the
     right bucket (weights alone: weight gradient; activations: activation gradient; the
     input alone: nothing)."""
-    from ntk_core import _cost
+    from ntk_core._impl import cost as _cost
 
     d, h, o = 7, 5, 3
 
@@ -409,7 +409,7 @@ def test_auto_prefers_structured_where_per_sample_conv_gradients_are_slow():
     """On CPU per-sample convolution kernel gradients run far below the matrix-product
     rate: a CNN's "jacobian" is estimated slower than "structured", which forms the same
     Jacobians from patches and cotangents."""
-    from ntk_core import _cost
+    from ntk_core._impl import cost as _cost
 
     def cnn(p, x):
         y = jax.lax.conv_general_dilated(x, p[0], (1, 1), "SAME", dimension_numbers=DN)
@@ -627,7 +627,7 @@ def test_convolution_rule_matches_reference_and_plan(name):
 def test_patches_follow_the_kernel_layout():
     """conv(x, W) equals the patches times the kernel in (C_in, window) order, for
     NHWC and NCHW layouts, strides, padding and both dilations."""
-    from ntk_core import _structured
+    from ntk_core._structured import analysis as _structured
 
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 7, 6, 3))
     w = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 3, 4))  # HWIO
@@ -1104,7 +1104,7 @@ def test_narrow_jacobians_merged_into_one_contraction():
     """The kernel (not split per leaf) contracts the narrow per-leaf Jacobians as one
     concatenated matrix and keeps a wide one apart, per dtype; the merged kernel
     matches the reference (and the per-leaf sums, see the per-leaf test above)."""
-    from ntk_core import _jacobian
+    from ntk_core._impl import jacobian as _jacobian
 
     assert _jacobian.merge_groups([3, 5000, 4, 2], ["float32"] * 3 + ["bfloat16"], 100) == [
         [0, 2],
@@ -1139,7 +1139,7 @@ def test_narrow_jacobians_merged_into_one_contraction():
 def test_pair_einsum_equals_einsum(a_spec, b_spec, out, sizes):
     """The two-operand contraction every Gram and Jacobian term goes through, as one
     2-D matrix product, equals numpy's float64 einsum for each kind of axis."""
-    from ntk_core import _jacobian
+    from ntk_core._impl import jacobian as _jacobian
 
     sizes = {"n": 5, "m": 4, "k": 7, "c": 3} | sizes
     rng = np.random.default_rng(0)
@@ -1157,7 +1157,7 @@ def test_features_in_chunks_match_reference_directly_and_under_jit(monkeypatch):
     multiple of the chunk), directly and under an outer ``jax.jit``; the convolutions'
     reverse passes run through the canonical-kernel transpose. Both match the float64
     reference, for x2=None and a second input."""
-    from ntk_core import _structured
+    from ntk_core._structured import analysis as _structured
 
     f, x_shape, shapes, _ = CONV_MODELS["twice"]
     p = _params(*shapes, seed=3)
@@ -1182,7 +1182,7 @@ def test_kernel_differentiable_through_structured_convolutions(monkeypatch):
     and forward mode, in chunks: the gradient of a weighted sum of the NTK equals that
     of the Jacobian contraction (plain JAX autodiff through no custom rule), and the
     forward-mode derivative along a direction equals the gradient's projection."""
-    from ntk_core import _structured
+    from ntk_core._structured import analysis as _structured
 
     f, x_shape, shapes, _ = CONV_MODELS["nchw_dilated"]
     p = _params(*shapes, seed=3)
@@ -1211,12 +1211,13 @@ def test_kernel_differentiable_through_structured_convolutions(monkeypatch):
     np.testing.assert_allclose(float(tangent), expected, rtol=2e-4)
 
 
-# -- the rule registry (ntk_core._rules) -----------------------------------------------------
+# -- the rule registry (ntk_core._structured.rules) -----------------------------------------------------
 def test_every_registered_rule_has_the_interface():
     """Each rule of the registry is a Rule with its own primitives (no two rules claim
     one: the later would never be asked), plan() names for its kinds, and the rule
     methods the analysis, the features and the pairwise part call."""
-    from ntk_core import _rules, _structured
+    from ntk_core._structured import analysis as _structured
+    from ntk_core._structured import rules as _rules
 
     claimed: dict[str, object] = {}
     for rule in _rules.REGISTRY:
@@ -1257,8 +1258,9 @@ def test_toy_rule_in_a_temporary_registry_is_picked_up(monkeypatch):
     """A rule placed first in a temporary registry takes the uses of its primitive:
     the analysis records it on each use, the features and the pairwise part call it,
     its label names the leaf, and the kernel still matches the reference."""
-    from ntk_core import _rules, _structured
-    from ntk_core._rules.dot import DotRule
+    from ntk_core._structured import analysis as _structured
+    from ntk_core._structured import rules as _rules
+    from ntk_core._structured.rules.dot import DotRule
 
     calls = {"match": 0, "gram_term": 0}
 
@@ -1309,7 +1311,7 @@ def test_toy_rule_in_a_temporary_registry_is_picked_up(monkeypatch):
 )
 def test_method_labels_are_the_plan_labels(f, shapes, d):
     """The rules' labels (``_structured.method_labels``) are what plan() shows."""
-    from ntk_core import _structured
+    from ntk_core._structured import analysis as _structured
 
     p = _params(*shapes, seed=2)
     x = jax.random.normal(jax.random.PRNGKey(1), (3, d))

@@ -1,7 +1,7 @@
 """How often a kernel call traces the user's model (issue 17: the first call is the
 common case). With vmap_axes=0 the model is traced once on one sample, and validation,
 the analysis, the cost model and every implementation's features replay that jaxpr
-(ntk_core._model.per_sample_trace / replay); the independence probe runs it once on a
+(ntk_core._kernel.model.per_sample_trace / replay); the independence probe runs it once on a
 batch of three. A call with a new N of the same per-sample signature, or a repeat,
 traces nothing."""
 

@@ -13,8 +13,9 @@ import pytest
 
 import ntk_core
 import reference
-from ntk_core import _cost, _jacobian
-from ntk_core._jaxpr_walk import values_written
+from ntk_core._impl import cost as _cost
+from ntk_core._impl import jacobian as _jacobian
+from ntk_core._jax.jaxpr_walk import values_written
 
 
 def _apply(p, x):

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import ntk_core
-from ntk_core import _checks
 from ntk_core._api import _first_missing
-from ntk_core._caller import Caller
+from ntk_core._kernel import checks as _checks
+from ntk_core._kernel.caller import Caller
 
 
 def _error(call) -> BaseException:

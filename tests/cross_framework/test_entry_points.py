@@ -1,4 +1,4 @@
-"""The adapters' entry points are made once, from ``ntk_core._adapter``: the Flax and
+"""The adapters' entry points are made once, from ``ntk_core._kernel.adapter``: the Flax and
 Haiku versions of each take the same arguments apart from the model's own, document the
 same sections, and differ only in the framework's words."""
 
@@ -11,8 +11,8 @@ import pytest
 
 import ntk_flax
 import ntk_haiku
-from ntk_core import _adapter
-from ntk_core._adapter import ENTRIES, Form, fill
+from ntk_core._kernel import adapter as _adapter
+from ntk_core._kernel.adapter import ENTRIES, Form, fill
 
 #: Each framework's own arguments: the model, its parameters, its keywords.
 OWN = {

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from ntk_core._cli import main
+from ntk_cli.cli import main
 
 
 def test_demo_small_split(tmp_path, capsys):
@@ -35,7 +35,7 @@ def test_demo_rejects_bad_split(tmp_path, capsys):
 
 def test_console_script_help():
     result = subprocess.run(
-        [sys.executable, "-m", "ntk_core._cli", "demo", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "ntk_cli.cli", "demo", "--help"], capture_output=True, text=True
     )
     assert result.returncode == 0
     assert "--n-train" in result.stdout
@@ -46,7 +46,7 @@ def test_compilation_cache_option_fills_the_folder_and_is_reused(tmp_path):
     into DIR; a second process with the same DIR writes nothing new (it loads them)."""
     script = (
         "import sys, jax, jax.numpy as jnp, ntk_core\n"
-        "from ntk_flax._demo import use_compilation_cache\n"
+        "from ntk_cli.demo import use_compilation_cache\n"
         "use_compilation_cache(sys.argv[1])\n"
         "f = lambda p, x: jnp.tanh(x @ p) @ p.T\n"
         "k = ntk_core.ntk_fn(f, trace_axes=())(jnp.ones((3, 3)) / 3, jnp.ones((5, 3)))\n"
@@ -65,7 +65,7 @@ def test_compilation_cache_option_fills_the_folder_and_is_reused(tmp_path):
     assert (
         "--compilation-cache"
         in subprocess.run(
-            [sys.executable, "-m", "ntk_core._cli", "demo", "--help"],
+            [sys.executable, "-m", "ntk_cli.cli", "demo", "--help"],
             capture_output=True,
             text=True,
         ).stdout

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from ntk_core._cli import main as cli_main
+from ntk_cli.cli import main as cli_main
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 TINY = ["--steps", "4", "--every", "2", "--probe", "8", "--batch", "8", "--top-k", "3"]
@@ -75,7 +75,7 @@ def test_ntk_track_rejects_bad_sizes(tmp_path, capsys):
 
 def test_ntk_track_help_from_the_installed_command(tmp_path):
     script = pathlib.Path(sys.executable).with_name("ntk")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "ntk_core._cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "ntk_cli.cli"]
     result = subprocess.run(
         [*command, "track", "--help"], capture_output=True, text=True, cwd=tmp_path
     )

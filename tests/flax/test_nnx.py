@@ -332,7 +332,7 @@ FLAX_VERSION = tuple(int(v) for v in flax.__version__.split(".")[:2])
 def test_models_with_their_own_transformations(model_class, x):
     """An RNN's unused RNG draw is no state change; every implementation equals the
     reference, NTK-vector products included: they replay the model's one per-sample
-    jaxpr (ntk_core._model.replay), in which nnx.scan is already traced, instead of
+    jaxpr (ntk_core._kernel.model.replay), in which nnx.scan is already traced, instead of
     nesting the model's own transformations inside theirs (which failed, so "ntvp" was
     refused for these models before)."""
     model = model_class(nnx.Rngs(0))

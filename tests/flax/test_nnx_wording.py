@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import ntk_flax
-from ntk_core import _checks
+from ntk_core._kernel import checks as _checks
 from ntk_flax import _nnx
 
 

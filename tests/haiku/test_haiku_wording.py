@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import ntk_haiku
-from ntk_core import _checks
+from ntk_core._kernel import checks as _checks
 from ntk_haiku._kernel import haiku_missing_parameter, haiku_missing_state
 
 X = jnp.ones((4, 3))

@@ -1,0 +1,104 @@
+"""The ``ntk`` command line: ``ntk demo``, ``ntk track`` and ``ntk doctor``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _demo(args) -> int:
+    try:
+        from ntk_cli import demo as _demo
+    except ImportError as e:
+        print(
+            f"ntk demo needs the optional dependencies ({e}). Fix: "
+            f"python -m pip install 'ntk-jax[all]'",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return _demo.run(
+            args.out,
+            args.n_train,
+            args.seed,
+            args.implementation,
+            args.progress,
+            args.compilation_cache,
+        )
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+
+
+def _track(args) -> int:
+    try:
+        from ntk_cli import track as tracking
+
+        tracking.run_args(args)  # imports optax, scikit-learn and matplotlib when needed
+    except ImportError as e:
+        print(
+            f"ntk track needs the optional dependencies ({e}). Fix: "
+            f"python -m pip install 'ntk-jax[all]'",
+            file=sys.stderr,
+        )
+        return 2
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    return 0
+
+
+def _doctor(args, checks=None) -> int:
+    from ntk_cli.doctor import all_checks
+    from ntk_core._doctor import doctor
+
+    if checks is None and not args.no_self_test:
+        checks = all_checks()
+    report = doctor(checks, self_test=not args.no_self_test)
+    print(report.to_json() if args.json else report)
+    return 0 if report.ok else 1
+
+
+def main(argv=None, *, checks=None) -> int:
+    """Runs ``ntk``; ``checks`` replaces the self-test of ``ntk doctor`` (for tests)."""
+    parser = argparse.ArgumentParser(
+        prog="ntk", description="Empirical NTK and NNGP kernels for JAX, Flax and Haiku."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="NTK of a LeNet on handwritten digits: Flax vs Haiku check, kernel regression",
+    )
+    try:
+        from ntk_cli.demo import add_arguments
+    except ImportError:
+        demo.add_argument("rest", nargs=argparse.REMAINDER)
+    else:
+        add_arguments(demo)
+    demo.set_defaults(run=_demo)
+    track = sub.add_parser(
+        "track",
+        help="NTK of a LeNet tracked through training on handwritten digits: kernel "
+        "distance, label alignment, top eigenvalues (PNG and JSON)",
+    )
+    try:
+        from ntk_cli.track import add_arguments as add_track_arguments
+    except ImportError:
+        track.add_argument("rest", nargs=argparse.REMAINDER)
+    else:
+        add_track_arguments(track)
+    track.set_defaults(run=_track)
+    doctor = sub.add_parser(
+        "doctor",
+        help="versions, devices, precision settings, and a self-test of kernel exactness; "
+        "exit status 1 when a check fails",
+    )
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--no-self-test", action="store_true", help="report the environment only")
+    doctor.set_defaults(run=lambda a: _doctor(a, checks))
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""``ntk demo``: the empirical NTK of a LeNet on scikit-learn's handwritten digits.
+
+Builds the LeNet of case C1 in Flax and its twin in Haiku with the same weights,
+computes the train-train and test-train NTK, checks that Flax and Haiku agree, runs
+NTK kernel regression on one-hot labels, and writes the Gram matrix and a picture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+import ntk_flax
+
+#: Relative regulariser of the kernel regression: λ = DIAG_REG · mean(diag K_train).
+DIAG_REG = 1e-4
+#: Largest max|K_haiku − K_flax| / max|K_flax| accepted by the twin check.
+TWIN_TOLERANCE = 1e-4
+
+
+def load_digits_32(seed: int):
+    """scikit-learn's 1797 8x8 digits, upsampled to the LeNet's 32x32x3 and shuffled."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = digits.images.astype(np.float32) / 16.0
+    images = np.kron(images, np.ones((1, 4, 4), np.float32))  # 8x8 -> 32x32, nearest
+    images = np.repeat(images[..., None], 3, axis=-1)  # grey -> 3 channels
+    images = (images - images.mean()) / images.std()
+    order = np.random.default_rng(seed).permutation(len(images))
+    return images[order], digits.target[order]
+
+
+def kernel_regression(k_train, k_test_train, labels, n_classes, diag_reg):
+    """Mean prediction K_st (K_tt + λI)⁻¹ Y with λ = diag_reg · mean(diag K_tt), float64."""
+    k_train = np.asarray(k_train, np.float64)
+    targets = np.eye(n_classes)[labels]
+    lam = diag_reg * np.mean(np.diag(k_train))
+    alpha = np.linalg.solve(k_train + lam * np.eye(len(k_train)), targets)
+    return np.asarray(k_test_train, np.float64) @ alpha, lam
+
+
+def _figure(path, k_train, labels):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = np.argsort(labels, kind="stable")
+    k_sorted = np.asarray(k_train)[np.ix_(order, order)]
+    eig = np.sort(np.linalg.eigvalsh(np.asarray(k_train, np.float64)))[::-1]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
+    im = ax1.imshow(k_sorted, cmap="viridis")
+    bounds = np.flatnonzero(np.diff(labels[order])) + 0.5
+    for b in bounds:
+        ax1.axhline(b, color="white", lw=0.4)
+        ax1.axvline(b, color="white", lw=0.4)
+    ticks = [np.mean(np.flatnonzero(labels[order] == c)) for c in np.unique(labels)]
+    ax1.set_xticks(ticks, [str(c) for c in np.unique(labels)])
+    ax1.set_yticks(ticks, [str(c) for c in np.unique(labels)])
+    ax1.set_title("Empirical NTK, train x train, sorted by class")
+    fig.colorbar(im, ax=ax1, fraction=0.046)
+    ax2.semilogy(np.arange(1, len(eig) + 1), np.clip(eig, 1e-12, None))
+    ax2.set_xlabel("index")
+    ax2.set_ylabel("eigenvalue")
+    ax2.set_title("NTK eigenvalue spectrum (train x train)")
+    ax2.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def use_compilation_cache(folder: str) -> None:
+    """JAX's persistent compilation cache in ``folder`` (created), for every program
+    however quickly it compiled (JAX's default keeps only those above one second)."""
+    os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def run(
+    out: str,
+    n_train: int,
+    seed: int,
+    implementation: str,
+    progress: bool | None,
+    compilation_cache: str | None = None,
+) -> int:
+    """Runs the demo; returns the process exit status (0 success, 1 failed check)."""
+    import haiku as hk
+
+    import ntk_haiku
+    from ntk_core._blocked.progress import progress_bar
+
+    t_start = time.perf_counter()
+    if compilation_cache:
+        use_compilation_cache(compilation_cache)
+    images, labels = load_digits_32(seed)
+    if not 0 < n_train < len(images):
+        raise ValueError(f"ntk demo: --n-train must be in [1, {len(images) - 1}], got {n_train}.")
+    x_train, y_train = images[:n_train], labels[:n_train]
+    x_test, y_test = images[n_train:], labels[n_train:]
+
+    os.makedirs(out, exist_ok=True)  # fail before computing, not after
+    model = ntk_flax.LeNet(out_features=1)
+    variables = jax.jit(model.init)(jax.random.PRNGKey(seed), x_train[:1])
+    twin = hk.without_apply_rng(hk.transform(ntk_haiku.lenet))
+    twin_params = ntk_haiku.params_from_flax(variables["params"])
+    kernel = ntk_flax.kernel_fn(model, implementation=implementation)
+    chosen = kernel.implementation_for(variables, x_test, x_train)
+
+    print(
+        f"ntk demo: LeNet (C1) on {len(images)} handwritten digits (8x8 -> 32x32x3), "
+        f"{n_train} train / {len(x_test)} test, jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}"
+    )
+    print(f"implementation: {implementation!r} -> {chosen}")
+    n_check = min(128, n_train)
+    steps = ["train x train NTK", "test x train NTK", "Haiku twin check", "kernel regression"]
+    timings = {}
+    bar = progress_bar("ntk demo", progress, len(steps), unit="step")
+
+    def step(name):
+        if bar is not None:
+            bar.set_description(name)
+        timings[name] = time.perf_counter()
+
+    def done(name):
+        timings[name] = time.perf_counter() - timings[name]
+        if bar is not None:
+            bar.update()
+
+    step(steps[0])
+    k_train = np.asarray(jax.block_until_ready(kernel(variables, x_train)))
+    done(steps[0])
+    step(steps[1])
+    k_test_train = np.asarray(jax.block_until_ready(kernel(variables, x_test, x_train)))
+    done(steps[1])
+    step(steps[2])
+    k_haiku = np.asarray(
+        ntk_haiku.kernel(twin, twin_params, x_train[:n_check], implementation=implementation)
+    )
+    twin_diff = float(np.abs(k_haiku - k_train[:n_check, :n_check]).max())
+    twin_rel = twin_diff / float(np.abs(k_train[:n_check, :n_check]).max())
+    done(steps[2])
+    step(steps[3])
+    mean, lam = kernel_regression(k_train, k_test_train, y_train, 10, DIAG_REG)
+    accuracy = float(np.mean(np.argmax(mean, axis=1) == y_test))
+    done(steps[3])
+    if bar is not None:
+        bar.close()
+
+    np.save(os.path.join(out, "ntk_train_train.npy"), k_train)
+    np.save(os.path.join(out, "ntk_test_train.npy"), k_test_train)
+    picture = os.path.join(out, "ntk_demo.png")
+    _figure(picture, k_train, y_train)
+    total = time.perf_counter() - t_start
+    summary = {
+        "n_train": n_train,
+        "n_test": len(x_test),
+        "implementation": chosen,
+        "diag_reg": DIAG_REG,
+        "lambda": lam,
+        "test_accuracy": accuracy,
+        "flax_vs_haiku_max_relative_difference": twin_rel,
+        "seconds": {**timings, "total": total},
+        "jax": jax.__version__,
+        "device": str(jax.devices()[0]),
+    }
+    with open(os.path.join(out, "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+
+    for name in steps:
+        print(f"  {name:<20} {timings[name]:7.2f} s")
+    print(
+        f"Flax vs Haiku (first {n_check} train samples): max relative difference "
+        f"{twin_rel:.2e} (tolerance {TWIN_TOLERANCE:.0e})"
+    )
+    print(
+        f"kernel regression on one-hot labels, regulariser λ = {DIAG_REG:g} x mean(diag K) "
+        f"= {lam:.3e}: test accuracy {accuracy:.4f}"
+    )
+    print(f"wrote {out}/ntk_train_train.npy, ntk_test_train.npy, ntk_demo.png, summary.json")
+    print(f"total time {total:.1f} s")
+    if not twin_rel <= TWIN_TOLERANCE:
+        print("FAILED: the Flax and Haiku kernels of the same network differ.")
+        return 1
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="./ntk-demo", help="output folder (default ./ntk-demo)")
+    parser.add_argument("--n-train", type=int, default=1000, help="training samples (1000)")
+    parser.add_argument("--seed", type=int, default=0, help="shuffle and init seed (0)")
+    parser.add_argument(
+        "--implementation",
+        default="auto",
+        choices=["auto", "structured", "jacobian", "ntvp"],
+        help="NTK implementation (auto)",
+    )
+    parser.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        help="keep the compiled XLA programs in DIR (JAX's persistent compilation cache), "
+        "so that the next run with the same DIR skips compiling them",
+    )
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--progress", dest="progress", action="store_true", default=None)
+    group.add_argument("--no-progress", dest="progress", action="store_false")

@@ -1,0 +1,273 @@
+"""``ntk track``: the NTK of a LeNet tracked through training on handwritten digits.
+
+A ``flax.linen`` LeNet (``ntk_flax.LeNet``, 10 outputs) trained with optax (adam,
+softmax cross-entropy) on scikit-learn's digits brought to 32x32x3
+(:func:`ntk_cli.demo.load_digits_32`); every ``every`` steps a
+:class:`ntk_core.KernelTracker` computes the NTK (outputs traced, ``(P, P)``) of a fixed
+probe set of P training samples from the current ``TrainState`` and records the kernel
+distance from the initial NTK, the (centred) alignment with the one-hot labels and the
+top eigenvalues. Writes ``ntk_track.png`` (three panels) and ``summary.json``.
+
+The helpers here (data split, argument parser, figure, summary) are shared with
+``examples/track_digits_nnx.py`` and ``examples/checkpoints_digits_haiku.py``;
+``examples/track_digits_linen.py`` and ``ntk track`` run :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ntk_core
+
+#: Number of classes of the digits.
+N_CLASSES = 10
+#: Samples held out for the test accuracy (the rest is the training set).
+N_TEST = 297
+#: Name of the figure and of the summary in ``--out``.
+FIGURE, SUMMARY = "ntk_track.png", "summary.json"
+
+
+class Digits(NamedTuple):
+    """The split: training set, held-out test set and the probe set (the first P
+    training samples) with its one-hot labels ``(P, 10)``."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    x_probe: np.ndarray
+    y_probe: np.ndarray
+
+
+def digits(seed: int, probe: int, fn: str = "ntk track") -> Digits:
+    """The digits at 32x32x3, shuffled by ``seed``: 1500 training, 297 test samples."""
+    from ntk_cli.demo import load_digits_32
+
+    images, labels = load_digits_32(seed)
+    n_train = len(images) - N_TEST
+    if not 2 <= probe <= n_train:
+        raise ValueError(f"{fn}: --probe must be in [2, {n_train}], got {probe}.")
+    x_train, y_train = images[:n_train], labels[:n_train]
+    one_hot = np.eye(N_CLASSES, dtype=np.float32)[y_train[:probe]]
+    return Digits(x_train, y_train, images[n_train:], labels[n_train:], x_train[:probe], one_hot)
+
+
+def check_sizes(fn: str, steps: int, every: int, batch: int) -> None:
+    for name, value, low in (("--steps", steps, 0), ("--every", every, 1), ("--batch", batch, 1)):
+        if value < low:
+            raise ValueError(f"{fn}: {name} must be >= {low}, got {value}.")
+
+
+def add_arguments(parser: argparse.ArgumentParser, default_out: str = "./ntk-track") -> None:
+    """The options shared by ``ntk track`` and the tracking examples."""
+    parser.add_argument("--out", default=default_out, help="output folder (%(default)s)")
+    parser.add_argument("--steps", type=int, default=1000, help="training steps (%(default)s)")
+    parser.add_argument(
+        "--every", type=int, default=10, help="track the NTK every k steps (%(default)s)"
+    )
+    parser.add_argument("--probe", type=int, default=200, help="probe samples P (%(default)s)")
+    parser.add_argument("--batch", type=int, default=64, help="training batch size (%(default)s)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="adam learning rate (%(default)s)")
+    parser.add_argument("--top-k", type=int, default=5, help="eigenvalues to track (%(default)s)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="shuffle, init, batch seed (%(default)s)"
+    )
+    parser.add_argument(
+        "--implementation",
+        default="auto",
+        choices=list(ntk_core.IMPLEMENTATIONS),
+        help="NTK implementation (%(default)s)",
+    )
+    parser.add_argument(
+        "--save-kernels", action="store_true", help="also save each NTK as .npy in OUT/kernels"
+    )
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="a progress bar over training steps (default: where a person watches a terminal)",
+    )
+    group.add_argument("--no-progress", dest="progress", action="store_false", help="no bar")
+
+
+def plot_history(history: dict, path: str, title: str) -> None:
+    """Three panels over training steps: kernel distance from the initial NTK, centred
+    (and plain) alignment with the one-hot labels, the top eigenvalues (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = history["step"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    axes[0].plot(steps, history["kernel_distance"], "o-", ms=3)
+    axes[0].set_title("kernel distance from the initial NTK")
+    axes[0].set_ylabel("1 - cos(K_0, K_t)")
+    axes[1].plot(steps, history["centered_alignment"], "o-", ms=3, label="centred")
+    axes[1].plot(steps, history["alignment"], "--", color="grey", label="plain")
+    axes[1].set_title("kernel-target alignment (one-hot labels)")
+    axes[1].legend()
+    top = history["top_eigenvalues"]
+    for i in range(top.shape[1]):
+        axes[2].semilogy(steps, top[:, i], "o-", ms=3, label=f"λ_{i + 1}")
+    axes[2].set_title("top eigenvalues of the probe NTK")
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("training step")
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def finish(out: str, tracker, title: str, summary: dict, t_start: float) -> dict:
+    """Writes the figure and ``summary.json`` (settings, timings and the tracker's
+    :meth:`~ntk_core.KernelTracker.to_dict`), prints a short table; returns the summary."""
+    history = tracker.history
+    picture = os.path.join(out, FIGURE)
+    plot_history(history, picture, title)
+    tracking = float(history["seconds"].sum())
+    total = time.perf_counter() - t_start
+    summary = {
+        **summary,
+        "seconds": {"total": total, "tracking": tracking, "other": total - tracking},
+        "jax": jax.__version__,
+        "device": str(jax.devices()[0]),
+        **tracker.to_dict(),
+    }
+    with open(os.path.join(out, SUMMARY), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    rows = np.unique(np.linspace(0, len(history["step"]) - 1, min(11, len(history["step"]))))
+    print(f"{'step':>7} {'distance':>9} {'c.align':>8} {'eff.rank':>9} {'λ_1':>10}")
+    for i in rows.astype(int):
+        print(
+            f"{history['step'][i]:>7} {history['kernel_distance'][i]:9.4f} "
+            f"{history['centered_alignment'][i]:8.4f} {history['effective_rank'][i]:9.2f} "
+            f"{history['top_eigenvalues'][i, 0]:10.4g}"
+        )
+    if "test_accuracy" in summary:
+        print(f"test accuracy after {summary['steps']} steps: {summary['test_accuracy']:.4f}")
+    print(
+        f"{len(history['step'])} kernels of {tracker.n_probe} probe samples in "
+        f"{tracking:.1f} s; total {total:.1f} s"
+    )
+    print(f"wrote {picture} and {os.path.join(out, SUMMARY)}")
+    return summary
+
+
+def run(
+    out: str,
+    steps: int,
+    every: int,
+    probe: int,
+    batch: int,
+    seed: int,
+    lr: float = 1e-3,
+    top_k: int = 5,
+    implementation: str = "auto",
+    save_kernels: bool = False,
+    progress: bool | None = None,
+) -> dict:
+    """Trains the linen LeNet ``steps`` adam steps, tracking the probe NTK at steps 0,
+    ``every``, 2·``every``, ... up to ``steps`` (a multiple of ``every`` ends with the
+    trained network); returns the summary written to ``summary.json``."""
+    import optax
+    from flax.training import train_state
+
+    import ntk_flax
+    from ntk_core._blocked.progress import progress_bar
+
+    t_start = time.perf_counter()
+    check_sizes("ntk track", steps, every, batch)
+    data = digits(seed, probe)
+    os.makedirs(out, exist_ok=True)  # fail before training, not after
+    model = ntk_flax.LeNet(out_features=N_CLASSES)
+    key_init, key_batches = jax.random.split(jax.random.PRNGKey(seed))
+    params = jax.jit(model.init)(key_init, data.x_train[:1])["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(lr))
+    x_train, y_train = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
+
+    @jax.jit
+    def train_step(state, idx):
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, x_train[idx])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y_train[idx]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    kernel = ntk_flax.kernel_fn(model, implementation=implementation)  # (P, P), compiled once
+    tracker = ntk_core.KernelTracker(
+        kernel,
+        data.x_probe,
+        data.y_probe,
+        every=every,
+        top_k=top_k,
+        out=os.path.join(out, "kernels") if save_kernels else None,
+    )
+    chosen = kernel.implementation_for(state, data.x_probe)
+    print(
+        f"ntk track: LeNet (flax.linen) on {len(data.x_train)} handwritten digits, {steps} "
+        f"adam steps (batch {batch}, lr {lr:g}); NTK of {probe} probe samples every {every} "
+        f"steps ({chosen}); jax {jax.__version__} on {jax.devices()[0].platform}"
+    )
+    batches = np.random.default_rng(seed).integers(0, len(data.x_train), (steps, batch))
+    losses = {}
+    loss = None
+    bar = progress_bar("ntk track", progress, steps, unit="step")
+    for step in range(steps + 1):
+        if tracker.is_due(step) and loss is not None:
+            losses[step] = float(loss)  # waits for the queued steps: timings stay apart
+        record = tracker.update(step, state)  # None at once unless step % every == 0
+        if record is not None and bar is not None:
+            bar.set_postfix(distance=f"{record.kernel_distance:.3f}", refresh=False)
+        if step < steps:
+            state, loss = train_step(state, batches[step])
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    logits = jax.jit(model.apply)({"params": state.params}, jnp.asarray(data.x_test))
+    accuracy = float(np.mean(np.argmax(np.asarray(logits), axis=1) == data.y_test))
+    summary = {
+        "framework": "flax.linen",
+        "steps": steps,
+        "every": every,
+        "probe": probe,
+        "batch": batch,
+        "learning_rate": lr,
+        "seed": seed,
+        "implementation": chosen,
+        "test_accuracy": accuracy,
+        "train_loss": {str(k): v for k, v in losses.items()},
+    }
+    title = f"NTK of a LeNet (flax.linen) on digits through {steps} adam steps, P = {probe}"
+    return finish(out, tracker, title, summary, t_start)
+
+
+def run_args(args) -> dict:
+    """:func:`run` with the options of :func:`add_arguments`."""
+    return run(
+        args.out,
+        args.steps,
+        args.every,
+        args.probe,
+        args.batch,
+        args.seed,
+        lr=args.lr,
+        top_k=args.top_k,
+        implementation=args.implementation,
+        save_kernels=args.save_kernels,
+        progress=args.progress,
+    )

@@ -1,0 +1,1 @@
+"""Kernel analysis: spectra, metrics, tracking through training."""

@@ -1,0 +1,1 @@
+"""The blocked Gram engine: tiles, devices and processes, .npy output, progress."""

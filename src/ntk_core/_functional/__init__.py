@@ -1,0 +1,2 @@
+"""Functions of the model around the kernel: linearization, Taylor expansion, NTK-vector
+products."""

@@ -1,0 +1,2 @@
+"""The implementations (Jacobian contraction, NTK-vector products, structured
+derivatives) and their cost."""

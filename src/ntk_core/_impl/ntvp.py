@@ -1,0 +1,134 @@
+"""NTK-vector products: Θ v = J(x1) (J(x2)^T v) by one VJP and one JVP per basis vector.
+
+No per-sample Jacobian is ever stored: for each x2 sample (or each x2 output when
+samples interact) the VJP of every output basis vector gives a parameter cotangent,
+which one JVP through the x1 batch turns into a column of the kernel. Cost: N2·O VJPs
+and N2·O JVPs over the x1 batch (N1·N2·O single-sample forward-mode passes); memory
+O·P + O·N1·O. The full O x O blocks are formed, then traced or diagonalised, so this is
+the implementation for models whose Jacobians do not fit in memory, not the fastest.
+Reference: Novak et al., "Fast Finite Width Neural Tangent Kernel", ICML 2022, 3.2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ntk_core._kernel.model import per_sample
+
+
+def _leaf_basis(out_shapes, k):
+    """Cotangents selecting each entry of output leaf ``k`` (others zero): leading axis."""
+    size = math.prod(out_shapes[k].shape)
+    basis = []
+    for i, s in enumerate(out_shapes):
+        if i == k:
+            eye = jnp.eye(size, dtype=s.dtype).reshape((size,) + s.shape)
+            basis.append(eye)
+        else:
+            basis.append(jnp.zeros((size,) + s.shape, s.dtype))
+    return basis
+
+
+def reduce(layouts, fulls, batch_diagonal):
+    """Applies each leaf's layout to its full kernel from :func:`full_kernels`."""
+    result = []
+    for layout, full in zip(layouts, fulls, strict=True):
+        lhs, rhs, out = layout.specs()
+        operand = lhs + (rhs[1:] if batch_diagonal else rhs)
+        shape = full.shape[: len(lhs)]
+        result.append(jnp.einsum(f"{operand}->{out}", full) / layout.trace_size(shape))
+    return result
+
+
+def full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal, single=None):
+    """Full NTK per output leaf (list) by NTK-vector products.
+
+    ``single``: the model on one sample (with ``vmap_axes=0``), by default
+    ``per_sample(apply3)``; the engine passes :func:`ntk_core._kernel.model.replay`, which
+    evaluates the one per-sample jaxpr instead of tracing the model again.
+
+    Each is laid out ``(N1, *O, N2, *O)``, or ``(N, *O, *O)`` (pairs x1_i, x2_i only)
+    when ``batch_diagonal`` (only with ``vmap_axes=0``; otherwise the batch diagonal is
+    taken from the full form by :func:`reduce`). In the parameters' (promoted) dtype,
+    that of their Jacobians, as the other implementations give it: the JVPs run in the
+    outputs' dtype, which float64 inputs make float64 for float32 parameters.
+    """
+    dtype = jnp.result_type(*jax.tree.leaves(params))
+    fulls = _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal, single)
+    return [full.astype(dtype) for full in fulls]
+
+
+def _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal, single):
+    n_out = out_tree.num_leaves
+    single = per_sample(apply3) if single is None else single
+    batch = apply3 if vmap_axes is None else jax.vmap(single, in_axes=(None, 0, None))
+    shapes1 = [
+        jax.ShapeDtypeStruct(o.shape, o.dtype)
+        for o in out_tree.flatten_up_to(jax.eval_shape(batch, params, x1, aux))
+    ]
+
+    if vmap_axes is None:
+
+        def f2(p):
+            return out_tree.flatten_up_to(apply3(p, x2, aux))
+
+        def f1(p):
+            return out_tree.flatten_up_to(apply3(p, x1, aux))
+
+        out2, vjp_fn = jax.vjp(f2, params)
+        results = []
+        for k in range(n_out):
+            shapes2 = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out2]
+
+            def column(ct, k=k):
+                (tangent,) = vjp_fn(ct)
+                return jax.jvp(f1, (params,), (tangent,))[1][k]
+
+            cols = jax.lax.map(column, _leaf_basis(shapes2, k))
+            full = cols.reshape(shapes2[k].shape + shapes1[k].shape)
+            n2_ndim = len(shapes2[k].shape)
+            results.append(jnp.moveaxis(full, tuple(range(n2_ndim)), tuple(range(-n2_ndim, 0))))
+        return results
+
+    def f_one(p, x_i):
+        return out_tree.flatten_up_to(single(p, x_i, aux))
+
+    def f_batch(p, x):
+        return jax.vmap(lambda x_i: f_one(p, x_i))(x)
+
+    results = []
+    for k in range(n_out):
+        if batch_diagonal:
+
+            def pair(x1_i, x2_i, k=k):
+                out2, vjp_fn = jax.vjp(lambda p: f_one(p, x2_i), params)
+                shapes2 = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out2]
+                tangents = jax.vmap(lambda ct: vjp_fn(ct)[0])(_leaf_basis(shapes2, k))
+                cols = jax.vmap(lambda t: jax.jvp(lambda p: f_one(p, x1_i), (params,), (t,))[1][k])(
+                    tangents
+                )
+                # cols: (O2..., O1...) flattened over O2 -> put x1's axes first.
+                o = shapes2[k].shape
+                cols = cols.reshape(o + o)
+                return jnp.moveaxis(cols, tuple(range(len(o))), tuple(range(-len(o), 0)))
+
+            results.append(jax.vmap(pair)(x1, x2))
+        else:
+
+            def column(x2_j, k=k):
+                out2, vjp_fn = jax.vjp(lambda p: f_one(p, x2_j), params)
+                shapes2 = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out2]
+                tangents = jax.vmap(lambda ct: vjp_fn(ct)[0])(_leaf_basis(shapes2, k))
+                cols = jax.vmap(lambda t: jax.jvp(lambda p: f_batch(p, x1), (params,), (t,))[1][k])(
+                    tangents
+                )
+                # cols: (prod O2, N1, O1...)
+                return cols.reshape(shapes2[k].shape + cols.shape[1:])
+
+            full = jax.lax.map(column, x2)  # (N2, O2..., N1, O1...)
+            n2_ndim = len(shapes1[k].shape)
+            results.append(jnp.moveaxis(full, tuple(range(n2_ndim)), tuple(range(-n2_ndim, 0))))
+    return results

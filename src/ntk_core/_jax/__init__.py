@@ -1,0 +1,1 @@
+"""Small tools over JAX: jaxpr walks, loops over batches, caches, the backend."""

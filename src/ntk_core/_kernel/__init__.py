@@ -1,0 +1,1 @@
+"""One kernel call: options, validation, planning, the engine and its executors."""

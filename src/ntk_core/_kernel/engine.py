@@ -1,0 +1,122 @@
+"""The engine: one kernel call through the pipeline's parts, with their caches.
+
+    validate (_validate) ─▶ plan (_planner) ─▶ implementation (_implementations)
+        ─▶ executor: one call (_executor) or tiles (_blocked)
+
+An :class:`Engine` holds one kernel function's :class:`~ntk_core._kernel.pipeline.Spec` and
+what its parts found for the inputs seen so far: per input signature (tree
+structures, shapes, dtypes) the checked inputs and the plan, so a second call with the
+same shapes neither re-validates the model nor recompiles; per *per-sample* signature
+(``vmap_axes=0``) the outputs, checks and structured analysis, so a new N reuses
+them. The parts receive what they read as arguments (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from ntk_core._blocked import store as _store
+from ntk_core._blocked import tiles as _blocked
+from ntk_core._impl import phases as _implementations
+from ntk_core._kernel import checks as _checks
+from ntk_core._kernel import executor as _executor
+from ntk_core._kernel import planner as _planner
+from ntk_core._kernel import validate as _validate
+from ntk_core._kernel.model import one_sample, per_sample_jaxpr
+from ntk_core._kernel.pipeline import Checked, Config, Implementation, Spec
+
+
+class Engine:
+    """One kernel function's pipeline: ``engine(params, x1, x2, aux) -> kernel``.
+
+    Args:
+      spec: the kernel function (:class:`~ntk_core._kernel.pipeline.Spec`).
+
+    Raises:
+      ValueError: per-leaf kernels with ``implementation="ntvp"``.
+    """
+
+    def __init__(self, spec: Spec):
+        if spec.kind == "ntk_per_leaf" and spec.options.implementation == "ntvp":
+            raise ValueError(
+                f"{spec.fn_name}: per-leaf kernels need implementation 'jacobian', "
+                f"'structured' or 'auto', got 'ntvp' (NTK-vector products do not separate "
+                f"the leaves). Fix: pass implementation='auto'."
+            )
+        self.spec = spec
+        self._prepared: dict = {}  # input signature -> (Checked, Config)
+        self._samples: dict = {}  # per-sample signature -> outputs (_validate)
+        self._analyses: dict = {}  # per-sample signature -> structured analysis
+        self._chunks: dict = {}  # (config, x signature) -> structured features chunk
+
+    def prepare(self, params, x1, x2=None, aux=None) -> tuple[Checked, Config]:
+        """Validation and planning of a call (cached per input signature)."""
+        key = tuple(_validate.signature(t) for t in (params, x1, x2, aux))
+        found = self._prepared.get(key)
+        if found is None:
+            spec = self.spec
+            try:
+                checked = _validate.validate(spec, self._samples, params, x1, x2, aux)
+                config = _planner.configure(spec, checked, self._analyses, params, x1, x2, aux)
+            except (TypeError, ValueError) as e:
+                reordered = _validate.in_neural_tangents_order(spec, params, x1, x2, aux)
+                if reordered is None:
+                    raise
+                raise reordered from e
+            found = self._prepared[key] = (checked, config)
+        return found
+
+    def implementation(self, config: Config) -> Implementation:
+        """The compiled phases of ``config``'s implementation."""
+        return _implementations.build(self.spec.apply3, config, self._chunks)
+
+    def plan(self, params, x1, x2=None, aux=None):
+        """What a call with these inputs does (:func:`_planner.describe`)."""
+        params, x1, x2 = (_validate.as_arrays(t) for t in (params, x1, x2))
+        checked, config = self.prepare(params, x1, x2, aux)
+        implementation = self.implementation(config)
+        return _planner.describe(
+            self.spec, checked, config, implementation, self._analyses, params, x1, x2, aux
+        )
+
+    def implementation_for(self, params, x1, x2=None, aux=None) -> str:
+        """The implementation a call with these inputs uses (what ``"auto"`` chose)."""
+        params, x1, x2 = (_validate.as_arrays(t) for t in (params, x1, x2))
+        return self.prepare(params, x1, x2, aux)[1].implementation
+
+    def __call__(self, params, x1, x2=None, aux=None):
+        try:
+            return self._call(params, x1, x2, aux)
+        except jax.errors.UnexpectedTracerError as e:  # found when the phases trace
+            raise _checks.leaked_tracer_error(self.spec.fn_name, e) from e
+
+    def _call(self, params, x1, x2, aux):
+        spec, options = self.spec, self.spec.options
+        params, x1, x2 = (_validate.as_arrays(t) for t in (params, x1, x2))
+        checked, config = self.prepare(params, x1, x2, aux)
+        implementation = self.implementation(config)
+        if options.batch_size is None:
+            result, finite = _executor.one_call(implementation, params, x1, x2, aux)
+            _executor.check_finite_result(spec.fn_name, result, config, finite, x1, x2)
+            return result
+        _validate.check_untraced(spec, params, x1, x2)
+        cut = _blocked.tiling(implementation, config, options, params, x1, x2, aux)
+        _validate.check_blocks_independent(spec, checked, cut, params, x1, x2, aux)
+        store = None
+        if options.out is not None:  # written to a .npy file, resumable (_store)
+            model = _store.model_digest(self._model_jaxpr(checked, params, x1, aux))
+            store = _store.for_call(spec, config, cut, model, params, x1, x2, aux)
+            if store.finished:
+                return store.result()
+        return _blocked.compute(
+            implementation, config, cut, options, spec.fn_name, params, x1, x2, aux, store
+        )
+
+    def _model_jaxpr(self, checked: Checked, params, x1, aux):
+        """The model's jaxpr that validation traced (per sample with vmap_axes=0)."""
+        if self.spec.options.vmap_axes is None:
+            return checked.closed
+        x_one = one_sample(x1)
+        return per_sample_jaxpr(
+            self.spec.apply3, params, x_one, aux, precision=self.spec.options.precision
+        )

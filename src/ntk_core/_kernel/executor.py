@@ -1,0 +1,43 @@
+"""The one-call executor: a whole kernel in one call (``batch_size=None``), on the device.
+
+The last part of a kernel call (docs/architecture.md), beside the tiled executor of
+:mod:`ntk_core._blocked.tiles`. It calls the same two compiled phases as one tile of the
+blocked engine (so a ``batch_size`` of at least N reuses its compilations): the
+features of x1 and of x2, then the contraction and its all-finite flag.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from ntk_core._blocked import tiles as _blocked
+from ntk_core._kernel import checks as _checks
+from ntk_core._kernel.pipeline import Config, Implementation
+
+
+def one_call(implementation: Implementation, params, x1, x2, aux):
+    """``(kernel, finite)``: the kernel of x1 and x2 (x2 None: x1's Gram matrix, exactly
+    symmetric) and its all-finite flag, both on the device."""
+    same = x2 is None
+    features = implementation.features
+    if features is None:  # "ntvp": pairwise, from the inputs
+        return implementation.tile(params, None, None, aux, x1, x2, same)
+    f1 = features(params, x1, aux)
+    f2 = None if same else features(params, x2, aux)
+    return implementation.tile(params, f1, f2, aux, None, None, same)
+
+
+def check_finite_result(fn_name: str, result, config: Config, finite, x1, x2) -> None:
+    """Raises ValueError when a one-call kernel has NaN or Inf: naming the first
+    non-finite input sample when there is one, the first non-finite entry otherwise.
+    Nothing under an outer ``jax.jit`` (the flag is abstract there)."""
+    ok = _checks.concrete_bool(finite)
+    if ok is None or ok:
+        return
+    _checks.check_finite_inputs(fn_name, x1, x2)
+    leaf = jax.tree.leaves(result)[0]
+    n1 = leaf.shape[0]
+    n2 = n1 if config.layouts[0].batch_diagonal else leaf.shape[1]
+    raise _blocked.nonfinite_tile_error(
+        fn_name, result, 0, n1, 0, n2, config.layouts[0].batch_diagonal
+    )

@@ -1,0 +1,153 @@
+"""Output layout of kernels (neural-tangents 0.6 conventions) as einsum specifications.
+
+For an output leaf of shape ``(N, O_1, ..., O_k)`` each axis ``a`` of the output is
+
+* traced: contracted between the two operands, then divided by its size (absent);
+* diagonal: shared by the two operands and kept once;
+* free: kept twice, the x1 axis immediately followed by the x2 axis ("zipped").
+
+Axes of the result follow the order of the output axes. ``(N, 10)`` outputs give
+``(N1, N2)`` with ``trace_axes=(-1,)``, ``(N1, N2, 10, 10)`` with ``trace_axes=()`` and
+``(N1, N2, 10)`` with ``trace_axes=(), diagonal_axes=(-1,)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import string
+
+import jax
+
+#: A tuple of output axes (trace_axes, diagonal_axes).
+Axes = tuple[int, ...]
+
+_LETTERS = string.ascii_letters
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """Resolved axes of one output leaf: non-negative, sorted."""
+
+    ndim: int
+    trace: Axes
+    diag: Axes
+
+    def specs(self, n_contracted: int = 0) -> tuple[str, str, str]:
+        """Einsum subscripts ``(lhs, rhs, out)`` for two per-sample operands.
+
+        ``lhs`` indexes an array of shape ``(N1, O_1, ..., O_k, *C)`` and ``rhs`` one of
+        shape ``(N2, O_1, ..., O_k, *C)`` where the ``n_contracted`` trailing axes ``C``
+        (e.g. flattened parameters) are summed over.
+        """
+        letters = iter(_LETTERS)
+        lhs, rhs, out = [], [], []
+        for a in range(self.ndim):
+            if a in self.trace or a in self.diag:
+                s = next(letters)
+                lhs.append(s)
+                rhs.append(s)
+                if a in self.diag:
+                    out.append(s)
+            else:
+                left, right = next(letters), next(letters)
+                lhs.append(left)
+                rhs.append(right)
+                out += [left, right]
+        extra = [next(letters) for _ in range(n_contracted)]
+        return "".join(lhs + extra), "".join(rhs + extra), "".join(out)
+
+    def trace_size(self, shape: tuple[int, ...]) -> int:
+        return math.prod(shape[a] for a in self.trace)
+
+    def values_per_pair(self, shape: tuple[int, ...]) -> int:
+        """Kernel values of one pair of samples for an output leaf of ``shape``: s² per
+        kept output axis of size s, s per diagonal one, 1 per traced one."""
+        size = 1
+        for a in range(1, self.ndim):
+            if a in self.diag:
+                size *= shape[a]
+            elif a not in self.trace:
+                size *= shape[a] ** 2
+        return size
+
+    @property
+    def batch_diagonal(self) -> bool:
+        return 0 in self.diag
+
+
+def resolve_layout(fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, where: str):
+    """Normalises the axes for one output leaf of shape ``shape`` (batch axis first).
+
+    Raises:
+      ValueError: an axis out of range, an axis named twice, traced and diagonal at once,
+        or the batch axis 0 traced.
+    """
+    ndim = len(shape)
+
+    def norm(name, axes):
+        out = []
+        for a in axes:
+            if not -ndim <= a < ndim:
+                raise ValueError(
+                    f"{fn_name}: {name} contains {a}, out of range for {where} of shape "
+                    f"{tuple(shape)} ({ndim} axes, the batch axis first); expected axes in "
+                    f"[{-ndim}, {ndim - 1}]. Fix: name existing output axes, e.g. "
+                    f"{name}=(-1,) for the last one or {name}=() for none."
+                )
+            out.append(a % ndim)
+        if len(set(out)) != len(out):
+            raise ValueError(
+                f"{fn_name}: {name}={tuple(axes)!r} names the same axis twice for {where} "
+                f"of shape {tuple(shape)}. Fix: list each axis once."
+            )
+        return tuple(sorted(out))
+
+    trace = norm("trace_axes", trace_axes)
+    diag = norm("diagonal_axes", diagonal_axes)
+    both = sorted(set(trace) & set(diag))
+    if both:
+        raise ValueError(
+            f"{fn_name}: axis {both[0]} of {where} (shape {tuple(shape)}) is in both "
+            f"trace_axes={tuple(trace_axes)!r} and diagonal_axes={tuple(diagonal_axes)!r}; "
+            f"an axis is either traced or diagonal. Fix: remove it from one of them."
+        )
+    if 0 in trace:
+        if ndim == 1:  # an output (N,) with no output axis: default trace_axes=(-1,) hits 0
+            raise ValueError(
+                f"{fn_name}: {where} has shape {tuple(shape)} (one value per sample, no "
+                f"output axis), so trace_axes={tuple(trace_axes)!r} would trace the batch "
+                f"axis 0. Fix: pass trace_axes=() for the (N1, N2) Gram matrix of a scalar "
+                f"output (or return shape (N, 1) from the model)."
+            )
+        raise ValueError(
+            f"{fn_name}: trace_axes={tuple(trace_axes)!r} traces the batch axis 0 of {where} "
+            f"(shape {tuple(shape)}), which is not supported. Fix: use diagonal_axes=(0,) "
+            f"for the per-sample diagonal K(x1_i, x2_i) and average it yourself."
+        )
+    return LeafLayout(ndim, trace, diag)
+
+
+def swap_perm(layout) -> tuple[int, ...]:
+    """Axis permutation of a kernel leaf that swaps the x1 and x2 axis of each pair."""
+    perm: list[int] = []
+    pos = 0
+    for a in range(layout.ndim):
+        if a in layout.trace:
+            continue
+        if a in layout.diag:
+            perm.append(pos)
+            pos += 1
+        else:
+            perm += [pos + 1, pos]
+            pos += 2
+    return tuple(perm)
+
+
+def leaf_layouts(config) -> list:
+    """The layout of each kernel leaf of a result, in ``jax.tree.leaves`` order."""
+    n_out = config.out_tree.num_leaves
+    ids = jax.tree.unflatten(config.out_tree, list(range(n_out)))
+    if config.kind == "ntk_per_leaf":
+        ids = jax.tree.unflatten(config.params_tree, [ids] * config.params_tree.num_leaves)
+    return [config.layouts[i] for i in jax.tree.leaves(ids)]

@@ -1,0 +1,125 @@
+"""Helpers around the pure ``apply3(params, x, aux)`` that every implementation uses.
+
+``aux`` is a pytree passed through untouched and never differentiated (the adapters
+carry Flax's non-``params`` collections and Haiku's state and rng in it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+
+from ntk_core._jax import caches as _caches
+
+
+def one_sample(x):
+    """The abstract shapes of one sample of the batch ``x`` (axis 0 dropped): what
+    :func:`per_sample_jaxpr` is traced on."""
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x)
+
+
+class NotPerSample(ValueError):
+    """The model, given a batch of one sample, returned an output without that batch
+    axis (a 0-d output, or a leading axis other than 1): ``x.squeeze()``, a mean over
+    the batch, a fixed batch size. Raised while tracing :func:`per_sample`."""
+
+
+def per_sample(apply3):
+    """``apply3`` on one sample: adds batch axis 0 to the inputs, removes it from outputs.
+
+    Raises :class:`NotPerSample` (when traced) for an output that has no batch axis of
+    size 1 on the batch of one sample, rather than indexing whatever axis is first.
+    """
+
+    def single(params, x_i, aux):
+        x_b = jax.tree.map(lambda leaf: jnp.expand_dims(leaf, 0), x_i)
+        out = apply3(params, x_b, aux)
+        for leaf in jax.tree.leaves(out):
+            if np.ndim(leaf) == 0 or np.shape(leaf)[0] != 1:
+                raise NotPerSample(
+                    f"on a batch of one sample the model returned an output of shape "
+                    f"{tuple(np.shape(leaf))}, not (1, ...)"
+                )
+        return jax.tree.map(lambda leaf: leaf[0], out)
+
+    return single
+
+
+@_caches.lru_cache(maxsize=64)
+def from_apply_fn(apply_fn):
+    """Wraps a public ``apply_fn(params, x)`` as ``apply3(params, x, aux)``.
+
+    Cached, so kernel functions of the same ``apply_fn`` share compiled Jacobians.
+    """
+
+    def apply3(params, x, aux):
+        del aux
+        return apply_fn(params, x)
+
+    return apply3
+
+
+def _abstract(leaf):
+    """A leaf's hashable signature for :func:`per_sample_jaxpr`'s cache."""
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        weak = getattr(getattr(leaf, "aval", None), "weak_type", False)
+        # The dtype as JAX traces it (a float64 numpy array is float32 without x64).
+        try:
+            dtype = jax.dtypes.canonicalize_dtype(leaf.dtype)
+        except (TypeError, ValueError):  # extended dtypes (random keys) stay as they are
+            dtype = leaf.dtype
+        return (tuple(leaf.shape), str(dtype), weak)
+    return (type(leaf).__name__, np.shape(leaf), str(np.result_type(leaf)))
+
+
+def per_sample_jaxpr(apply3, params, x_one, aux, *, precision: str):
+    """``jax.make_jaxpr(per_sample(apply3))(params, x_one, aux)`` under
+    ``jax.default_matmul_precision(precision)``, traced once per model, per-sample
+    signature (tree structures, shapes, dtypes as traced) and precision: validation,
+    the structured analysis and features, the cost model, the chunk size, and the
+    Jacobian, NNGP and NTK-vector-product phases (:func:`replay`) all read this one
+    jaxpr, so the model is traced once for all of them. The precision is part of the
+    jaxpr (JAX writes the default matmul precision into each dot and convolution when
+    it traces them; an equation traced without it lowers at the backend's default,
+    TF32 on recent NVIDIA GPUs).
+
+    Raises the model's own error, or :class:`NotPerSample`.
+    """
+    return per_sample_trace(apply3, params, x_one, aux, precision=precision)[0]
+
+
+def per_sample_trace(apply3, params, x_one, aux, *, precision: str):
+    """``(closed jaxpr, output shapes)`` of :func:`per_sample_jaxpr` (the outputs as a
+    pytree of ``jax.ShapeDtypeStruct``, one sample's)."""
+    leaves, treedef = jax.tree.flatten((params, x_one, aux))
+    key = (apply3, precision, treedef, tuple(_abstract(v) for v in leaves))
+    found = _JAXPRS.pop(key, None)
+    if found is None:
+        with jax.default_matmul_precision(precision):
+            found = jax.make_jaxpr(per_sample(apply3), return_shape=True)(params, x_one, aux)
+        while len(_JAXPRS) >= _MAX_JAXPRS:  # bounded: the oldest goes first
+            _JAXPRS.pop(next(iter(_JAXPRS)))
+    _JAXPRS[key] = found  # most recently used last
+    return found
+
+
+def replay(apply3, precision: str):
+    """``per_sample(apply3)`` evaluated from its one cached jaxpr
+    (:func:`per_sample_trace`): tracing the returned function (in a jitted phase, under
+    ``jax.vmap`` and derivatives) replays the jaxpr's equations and does not call the
+    model again, unless its signature is new. Same equations, same results."""
+
+    def single(params, x_i, aux):
+        closed, out = per_sample_trace(apply3, params, x_i, aux, precision=precision)
+        flat = jax.tree.leaves((params, x_i, aux))
+        outs = jex.jaxpr_as_fun(closed)(*flat)
+        return jax.tree.unflatten(jax.tree.structure(out), outs)
+
+    return single
+
+
+_JAXPRS: dict = {}
+_caches.register(_JAXPRS.clear)
+_MAX_JAXPRS = 32

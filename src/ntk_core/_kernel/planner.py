@@ -1,0 +1,277 @@
+"""Planning: which implementation computes a call, and what it will cost.
+
+The second part of a kernel call (docs/architecture.md). From the checked inputs
+(:class:`~ntk_core._kernel.pipeline.Checked`) it decides the implementation (``"auto"``: the
+cheapest by the analytic cost model of :mod:`ntk_core._impl.cost`, on the structured
+analysis of :mod:`ntk_core._structured.analysis`), the per-leaf modes of structured
+derivatives, and with ``vmap_axes=None`` the whole-batch memory model (refusing, before
+anything runs, a batch whose reverse pass cannot fit ``memory_budget``). The result is
+a :class:`~ntk_core._kernel.pipeline.Config`. :func:`describe` is what ``plan()`` returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ntk_core._blocked import tiles as _blocked
+from ntk_core._impl import cost as _cost
+from ntk_core._impl import ntvp as _ntvp
+from ntk_core._impl.phases import triangle_blocks
+from ntk_core._kernel.model import one_sample, per_sample, per_sample_jaxpr, replay
+from ntk_core._kernel.pipeline import Checked, Config, Implementation, Spec
+from ntk_core._kernel.validate import sample_signature, signature
+from ntk_core._structured import analysis as _structured
+
+
+def pair_sizes(shapes1, layouts) -> list[int]:
+    """Kernel entries per pair of samples (O'), per output leaf."""
+    sizes = []
+    for s, layout in zip(shapes1, layouts, strict=True):
+        size = 1
+        for a in range(1, layout.ndim):
+            if a not in layout.trace and a not in layout.diag:
+                size *= s.shape[a]
+            size *= s.shape[a]
+        sizes.append(size)
+    return sizes
+
+
+def kernel_sizes(shapes1, layouts) -> list[int]:
+    """Kernel values stored per pair of samples, per output leaf
+    (:meth:`~ntk_core._kernel.layout.LeafLayout.values_per_pair`; :func:`pair_sizes` counts
+    the traced axes' work too)."""
+    return [layout.values_per_pair(s.shape) for s, layout in zip(shapes1, layouts, strict=True)]
+
+
+def structured_modes(analysis, shapes1, layouts) -> tuple[str, ...]:
+    """Per leaf group, ``"gram"`` or ``"explicit"``: the cheaper form for these outputs."""
+    o_pair = sum(pair_sizes(shapes1, layouts))
+    o_out = sum(math.prod(s.shape[1:]) for s in shapes1)
+    return _structured.choose_modes(analysis, o_pair, o_out)
+
+
+def analysis(spec: Spec, analyses: dict, params, x1, aux):
+    """The structured analysis of ``spec``'s model (:func:`_structured.analysis_for`,
+    on the one per-sample jaxpr), cached in ``analyses`` per per-sample signature."""
+    key = (signature(params), sample_signature(x1), signature(aux))  # not N
+    found = analyses.get(key)
+    if found is None:
+        x_one = one_sample(x1)
+        found = _structured.analysis_for(
+            spec.apply3, params, x_one, aux, spec.fuse_bias, precision=spec.options.precision
+        )[0]
+        analyses[key] = found
+    return found
+
+
+def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux) -> Config:
+    """The :class:`~ntk_core._kernel.pipeline.Config` of a checked call.
+
+    Raises:
+      ValueError: ``implementation="ntvp"`` for a model that cannot run inside its
+        nested transformations; with ``vmap_axes=None``, a batch whose forward pass
+        and one reverse pass exceed ``memory_budget`` (:func:`whole_batch`).
+    """
+    opts = spec.options
+    shapes1, layouts = checked.shapes1, checked.layouts
+    whole = None
+    if opts.vmap_axes is None and spec.kind != "nngp":
+        whole = whole_batch(spec, checked, params)
+    implementation = "nngp" if spec.kind == "nngp" else opts.implementation
+    if implementation == "auto":  # per-leaf: among those that separate the leaves
+        found = estimates(spec, checked, analyses, params, x1, aux, whole)
+        blocked = opts.batch_size is not None  # device memory bounded by the tiles
+        implementation = _cost.choose(found, blocked)
+        if implementation == "ntvp" and (
+            ntvp_failure(spec, checked, params, x1, x2, aux) is not None
+        ):
+            others = [e for e in found if e.implementation != "ntvp"]
+            implementation = _cost.choose(others, blocked)
+            if implementation == "ntvp":  # none of the others fits: the fastest of them
+                implementation = min(others, key=lambda e: e.seconds).implementation
+    elif implementation == "ntvp":
+        error = ntvp_failure(spec, checked, params, x1, x2, aux)
+        if error is not None:
+            raise ValueError(
+                f"{spec.fn_name}: the model cannot run inside NTK-vector products' nested "
+                f"transformations (a vmap of JVPs of a vmap over samples): "
+                f"{type(error).__name__}: {str(error).splitlines()[0][:200]}. This "
+                f"happens with models that apply their own transformations, e.g. "
+                f"flax.nnx.scan or nnx.RNN. Fix: pass implementation='auto' (which "
+                f"avoids them for such models), 'structured' or 'jacobian'."
+            ) from error
+    structure, found_analysis = (), None
+    if implementation == "structured":
+        if opts.vmap_axes is None:
+            implementation = "jacobian"  # no per-sample structure to exploit
+        else:
+            n_leaves = len(jax.tree.leaves(params))
+            found_analysis = analysis(spec, analyses, params, x1, aux)
+            modes = structured_modes(found_analysis, shapes1, layouts)
+            structure = found_analysis.leaves(n_leaves, modes)
+    return Config(
+        kind=spec.kind,
+        implementation=implementation,
+        vmap_axes=opts.vmap_axes,
+        precision=opts.precision,
+        out_tree=checked.out_tree,
+        layouts=layouts,
+        shapes1=shapes1,
+        symmetric=checked.symmetric,
+        params_tree=jax.tree.structure(params),
+        structure=structure,
+        analysis=found_analysis,
+        n2=checked.n2,
+        param_sizes=tuple(math.prod(np.shape(v)) for v in jax.tree.leaves(params)),
+        whole_batch=whole,
+    )
+
+
+def ntvp_failure(spec: Spec, checked: Checked, params, x1, x2, aux) -> Exception | None:
+    """The error NTK-vector products raise on one sample of x1 and x2 when traced
+    (``jax.eval_shape``, nothing runs), or None: models that apply their own
+    transformations (``flax.nnx.scan``) can fail inside ntvp's nesting alone."""
+    one = functools.partial(jax.tree.map, lambda a: a[:1])
+    xb = x1 if x2 is None else x2
+    vmap_axes = spec.options.vmap_axes
+    pairwise = vmap_axes is not None and checked.layouts[0].batch_diagonal
+
+    def trace(p, a, b, aux):
+        single = replay(spec.apply3, spec.options.precision)
+        return _ntvp.full_kernels(
+            spec.apply3, p, a, b, aux, vmap_axes, checked.out_tree, pairwise, single
+        )
+
+    try:
+        jax.eval_shape(trace, params, one(x1), one(xb), aux)
+    except Exception as e:  # the model's own error, found by the first trace
+        return e
+    return None
+
+
+def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
+    """The :class:`_cost.WholeBatch` of ``vmap_axes=None`` (from the abstract trace
+    of x1's batch, scaled to the larger of x1's and x2's, or to one block of
+    ``batch_size``); refuses, before anything runs, a batch whose forward pass and
+    one output cotangent's reverse pass alone exceed ``memory_budget``."""
+    opts = spec.options
+    n1, n2, symmetric = checked.n1, checked.n2, checked.symmetric
+    shapes1, layouts = checked.shapes1, checked.layouts
+    n_max = max(n1, n2)
+    n = min(n_max, opts.batch_size) if isinstance(opts.batch_size, int) else n_max
+    leaves = jax.tree.leaves(params)
+    n_params = sum(math.prod(np.shape(v)) for v in leaves)
+    itemsize = max(np.dtype(jnp.result_type(v)).itemsize for v in leaves)
+    out_total = sum(math.prod(s.shape[1:]) for s in shapes1)
+    jac_bytes = (n1 if symmetric else n1 + n2) * out_total * n_params * itemsize
+    pairs = n1 if layouts[0].batch_diagonal else n1 * n2
+    kernel_bytes = pairs * sum(kernel_sizes(shapes1, layouts)) * itemsize * (1 + symmetric)
+    held = int(1.5 * jac_bytes) + kernel_bytes  # as _cost.estimate counts them
+    budget = opts.memory_budget or _blocked.default_memory_budget()
+    model = _cost.whole_batch(  # values of the forward pass grow with the batch
+        checked.closed.jaxpr, n_params, n * out_total, itemsize, budget, held, n / n1
+    )
+    one = model.residual_bytes + model.cotangent_bytes
+    if one > budget and opts.batch_size != "auto":
+        given = "memory_budget" if opts.memory_budget else "the default memory_budget"
+        human = _cost.human_bytes
+        raise ValueError(
+            f"{spec.fn_name}: with vmap_axes=None the whole batch of {n} samples is "
+            f"differentiated at once: its forward pass keeps {human(model.residual_bytes)} "
+            f"and the reverse pass of each of its {n * out_total} output cotangents "
+            f"needs {human(model.cotangent_bytes)} more, {human(one)} for one at a time, "
+            f"beyond {given} of {human(budget)}. Fix: pass vmap_axes=0 if each sample's "
+            f"output depends on that sample alone (BatchNorm in evaluation mode), pass "
+            f"fewer samples per call, or raise memory_budget to at least {one} bytes "
+            f"if the device has the memory."
+        )
+    return model
+
+
+def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, whole=None):
+    """The :class:`_cost.CostEstimate` of each implementation that can compute the call."""
+    x_one = one_sample(x1)
+    shapes1, layouts = checked.shapes1, checked.layouts
+    n1, n2 = checked.n1, checked.n2
+    batch_diag = any(layout.batch_diagonal for layout in layouts)
+    traced_batch = any(0 in layout.trace for layout in layouts)
+    found = _cost.estimate(
+        per_sample(spec.apply3),
+        params,
+        x_one,
+        aux,
+        n1=n1,
+        n2=checked.n2,
+        pairs=n1 if batch_diag else n1 * n2,
+        triangle=(None if batch_diag or not checked.symmetric or traced_batch else triangle_blocks),
+        out_sizes=[math.prod(s.shape[1:]) for s in shapes1],
+        pair_sizes=pair_sizes(shapes1, layouts),
+        kernel_sizes=kernel_sizes(shapes1, layouts),
+        symmetric=checked.symmetric,
+        analysis=analysis(spec, analyses, params, x1, aux),
+        whole_batch=whole,
+        jaxpr=per_sample_jaxpr(spec.apply3, params, x_one, aux, precision=spec.options.precision),
+    )
+    if spec.options.vmap_axes is None:  # "structured" needs per-sample independence
+        found = tuple(e for e in found if e.implementation != "structured")
+    if spec.kind == "ntk_per_leaf":  # NTK-vector products do not separate the leaves
+        found = tuple(e for e in found if e.implementation != "ntvp")
+    return found
+
+
+def describe(
+    spec: Spec,
+    checked: Checked,
+    config: Config,
+    implementation: Implementation,
+    analyses: dict,
+    params,
+    x1,
+    x2,
+    aux,
+) -> _cost.Plan:
+    """What a call does (``plan()``): the implementation, every implementation's
+    estimates, the method of each parameter leaf, the blocked engine's tiles and the
+    whole-batch chunks."""
+    if config.kind == "nngp":
+        raise ValueError(
+            f"{spec.fn_name}: plan() describes NTK computations; an NNGP kernel has no "
+            f"implementation to choose (one forward pass per sample, then the outputs' "
+            f"N1·N2 contraction). Fix: call plan on the NTK kernel function of the same "
+            f"model (ntk_core.ntk_fn, ntk_flax.kernel_fn or ntk_haiku.kernel_fn)."
+        )
+    found = estimates(spec, checked, analyses, params, x1, aux, config.whole_batch)
+    paths = [
+        jax.tree_util.keystr(k) or "(root)"  # params that are one array
+        for k, _ in jax.tree_util.tree_leaves_with_path(params)
+    ]
+    structured = config.implementation == "structured"
+    leaf_analysis, modes = config.analysis, config.structure.modes if structured else None
+    if not structured and any(e.implementation == "structured" for e in found):
+        # Another implementation runs: say what "structured" would do, leaf by leaf.
+        leaf_analysis = analysis(spec, analyses, params, x1, aux)
+        modes = structured_modes(leaf_analysis, config.shapes1, config.layouts)
+    methods = {} if leaf_analysis is None else _structured.method_labels(leaf_analysis, modes)
+    leaves = []
+    for i, (path, size) in enumerate(zip(paths, config.param_sizes, strict=True)):
+        method = methods.get(i, "jacobian (fallback)") if methods else ""
+        if structured:
+            leaves.append(_cost.LeafPlan(path, size, method))
+        else:
+            leaves.append(_cost.LeafPlan(path, size, config.implementation, method))
+    tiling = None
+    if spec.options.batch_size is not None:
+        tiling = _blocked.tiling(implementation, config, spec.options, params, x1, x2, aux)
+    return _cost.Plan(
+        config.implementation,
+        tuple(found),
+        tuple(leaves),
+        spec.options.implementation,
+        tiling,
+        config.whole_batch if config.implementation == "jacobian" else None,
+    )

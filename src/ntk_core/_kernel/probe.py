@@ -1,0 +1,117 @@
+"""The per-sample independence probe behind ``vmap_axes=0``.
+
+``vmap_axes=0`` differentiates the model one sample at a time; that is the Jacobian of
+the batched model only if each sample's output ignores the other samples. The probe
+runs the model on two batches of three samples that share the first sample and differ
+in the others (same shapes, so random keys give the same masks), and compares the
+first sample's outputs. It catches BatchNorm in training mode, batch means or softmax
+over the batch, at the cost of two small forward passes once per input signature.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ntk_core._kernel import checks as _checks
+
+
+def _head(leaf, k: int) -> np.ndarray:
+    """The first ``k`` samples of a concrete array, on the host: numpy indexing (free
+    for numpy inputs and CPU arrays; one small copy from an accelerator), not eager
+    JAX slicing, which compiles a program per shape."""
+    if (
+        isinstance(leaf, jax.Array)
+        and not isinstance(leaf, jax.core.Tracer)  # np.asarray refuses it: no probe
+        and any(d.platform != "cpu" for d in leaf.devices())
+    ):
+        leaf = leaf[:k]  # only k samples cross to the host
+    return np.asarray(leaf)[:k]
+
+
+def _sample(x, i):
+    return jax.tree.map(lambda leaf: leaf[i : i + 1], x)
+
+
+def _floating(sample) -> bool:
+    return all(jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in jax.tree.leaves(sample))
+
+
+def _batches(x1, x2):
+    """Two batches that share their first sample and differ in the others, or None.
+
+    Three samples per batch: with two, a standardisation over the batch (BatchNorm in
+    training mode) gives the first sample ±1 whatever the other is, and goes unseen.
+    Floating inputs: ``(s0, s1, s2)`` against ``(s0, t(s1), t(s2))`` with an affine
+    ``t`` (transformed copies of s0 stand in for missing samples); other inputs
+    (integer tokens) need three or, better, four samples.
+    """
+    x1 = jax.tree.map(lambda leaf: _head(leaf, 4), x1)
+    n1 = jax.tree.leaves(x1)[0].shape[0]
+    samples = [_sample(x1, i) for i in range(n1)]
+    if x2 is not None and n1 < 4:
+        x2 = jax.tree.map(lambda leaf: _head(leaf, 4 - n1), x2)
+        n2 = jax.tree.leaves(x2)[0].shape[0]
+        samples += [_sample(x2, i) for i in range(n2)]
+
+    def affine(v, a, b):
+        return jax.tree.map(lambda leaf: (a * leaf + b).astype(leaf.dtype), v)
+
+    if _floating(samples[0]):
+        s0 = samples[0]
+        others = samples[1:3]  # padded with transformed copies of s0 when N < 3
+        others += [affine(s0, a, b) for a, b in ((0.7, -0.3), (1.3, 0.2))[len(others) :]]
+        s1, s2 = others
+        return (s0, s1, s2), (s0, affine(s1, -1.5, 0.5), affine(s2, -1.5, 0.5))
+    if len(samples) >= 4:
+        s0, s1, s2, s3 = samples[:4]
+        return (s0, s1, s2), (s0, s3, s2)
+    if len(samples) == 3:  # integer inputs, three samples: two-sample batches
+        s0, s1, s2 = samples
+        return (s0, s1), (s0, s2)
+    return None
+
+
+def samples_interact(
+    apply3, params, x1, x2, aux, rtol: float = 1e-4, fn_name: str = "ntk_core"
+) -> bool:
+    """True when sample 0's output changes with the other samples of its batch.
+
+    Returns False when the inputs are abstract (under an outer ``jax.jit``) or too few
+    samples are given to form two batches (see :func:`_batches`).
+    """
+    try:
+        batches = _batches(x1, x2)
+        if batches is None:
+            return False
+
+        def stack(samples):
+            return jax.tree.map(lambda *leaves: np.concatenate(leaves), *samples)
+
+        run = jax.jit(apply3)
+        try:
+            out_b = jax.tree.leaves(run(params, stack(batches[0]), aux))
+            out_c = jax.tree.leaves(run(params, stack(batches[1]), aux))
+        except jax.errors.UnexpectedTracerError as error:
+            raise _checks.leaked_tracer_error(fn_name, error) from error
+        except (TypeError, ValueError, IndexError) as error:
+            k = len(batches[0])
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise ValueError(
+                f"{fn_name}: the model fails on a batch of {k} samples, which the check of "
+                f"per-sample independence (vmap_axes=0) runs it on: "
+                f"{type(error).__name__}: {first} Fix: make the model accept any batch "
+                f"size (e.g. x.reshape(x.shape[0], -1), not a fixed batch), or pass "
+                f"vmap_axes=None to differentiate the whole batch as given."
+            ) from error
+        for b, c in zip(out_b, out_c, strict=True):
+            b0, c0 = np.asarray(b, np.float64)[:1], np.asarray(c, np.float64)[:1]
+            scale = max(np.abs(b0).max(initial=0.0), np.abs(c0).max(initial=0.0), 1e-30)
+            if not np.all(np.isfinite(b0)) or not np.all(np.isfinite(c0)):
+                return False  # non-finite inputs are reported elsewhere
+            if np.abs(b0 - c0).max(initial=0.0) > rtol * scale:
+                return True
+        return False
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return False

@@ -1,0 +1,1 @@
+"""Monte Carlo averages of empirical kernels over initialisations."""

@@ -1,0 +1,1 @@
+"""Predictions: GP posterior, NTK ensemble, gradient-flow MSE dynamics."""

@@ -1,0 +1,1 @@
+"""Structured derivatives: the jaxpr analysis, its interpreter and the per-primitive rules."""

@@ -1,0 +1,924 @@
+"""Structured derivatives: the NTK of weights used in matrix products, convolutions,
+embedding lookups and elementwise scales and shifts, without their Jacobians (or with
+Jacobians formed cheaply).
+
+Every rule writes the per-sample Jacobian of a weight use as a product of two
+recorded quantities: the use's input ``x[a, c]`` and the cotangent ``g_o[a, k] =
+∂f_o/∂y[a, k]`` at the use's output ``y``, for every output entry ``o``, where ``a``
+runs over the output positions of the use (the sample's batch axis of size 1, a
+sequence axis, the spatial positions of a convolution), ``c`` over the weight's input
+coordinates and ``k`` over its output units:
+
+    ∂f_o/∂W[c, k] = Σ_a x[a, c] g_o[a, k]
+
+Each primitive family is one rule in :mod:`ntk_core._structured.rules` (what it matches, its
+features, its pairwise term, its explicit Jacobian, its ``plan()`` label):
+``dot_general`` (``_rules/dot.py``: Dense, einsum projections), ``conv_general_dilated``
+on its kernel (``_rules/conv.py``: input patches), ``gather`` of table rows
+(``_rules/gather.py``: token matches) and elementwise scales and shifts
+(``_rules/elementwise.py``: LayerNorm / BatchNorm, unfused biases). This module walks
+the jaxpr once, asks the registry about each use of a parameter, and runs the two
+phases.
+
+* A bias added right after a product or convolution, with one entry per output unit
+  ``k`` broadcast over the positions ``a`` in any order, joins the use as a constant
+  input column: Σ_ab (x1a·x2b + 1)(g1a·g2b) = K_W + (Σ_a g1a)·(Σ_b g2b).
+
+A use's NTK contribution is, per pair of uses (u, v) of one leaf,
+
+    Σ_{a,b} (Σ_c x1[a, c] x2[b, c]) (Σ_k g1_o[a, k] g2_o'[b, k]),
+
+either in this Gram form (``"gram"`` mode: features ``x`` and ``g``, the four-operand
+contraction done pairwise by ``jnp.einsum(optimize="optimal")``) or from the per-sample
+Jacobian ``J = Σ_a x[a, :]ᵀ g_o[a, :]`` formed once per sample (``"explicit"`` mode:
+features ``J``, then a Jacobian contraction). :func:`choose_modes` picks per leaf from
+the shapes: the Gram form costs about A_u·A_v·(C + O'·K) per pair of samples (less
+when the einsum contracts one side's cotangents first), the explicit one O'·C·K (O'
+kernel entries per pair). A Dense layer on vectors (A = 1) takes the Gram
+form, (x1·x2)(g1·g2); a convolution over many positions the explicit one, which is
+still much cheaper than differentiating the kernel through the convolution under
+``vmap`` (a grouped convolution, slow on CPU). Elementwise scales and shifts are always
+in the explicit mode (C = 1).
+
+Phase one (features, per sample, O(N)): the model's jaxpr (``jax.make_jaxpr``) is
+evaluated by a small interpreter over public ``jax.extend.core`` objects that adds a
+zero probe δ_u to the output of every structured use u and records its input; one
+reverse pass per output entry gives ∂f/∂δ_u = g_u and, jointly, the explicit Jacobians
+of the *fallback* leaves. Phase two (contract, O(N1·N2)): the contraction above per
+pair of uses of the same leaf (weight tying sums its per-use Jacobians, so cross terms
+between uses count), plus the Jacobian contraction of the fallback and explicit leaves.
+
+Fallback (explicit per-leaf Jacobian from the joint reverse pass, the ``"jacobian"``
+method) for every leaf used in any other way: a parameter inside a nonlinearity or
+sliced (``b[:1]``), a view that repeats a leaf entry within a row of units, grouped
+convolutions, a table used both in a lookup and a product (tied input/output
+embeddings), the same leaf seen through different views by products, a leaf used both
+elementwise and by a product, products of two parameters, or anything inside scan /
+cond / while / custom_vjp. Sub-jaxprs of ``jit``, ``closed_call`` and ``checkpoint``
+are inlined; ``custom_jvp`` functions (``jax.nn.relu``, ``gelu``) are evaluated with
+their own rules.
+
+Reference: Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent
+Kernel", ICML 2022, section 3.3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import os
+import string
+import sys
+import sysconfig
+import typing
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+
+from ntk_core._impl import jacobian as _jacobian
+from ntk_core._jax.batches import map_in_batches as map_in_batches
+from ntk_core._jax.jaxpr_walk import bind, call_body, inlined, is_literal, values_written
+from ntk_core._kernel.model import one_sample, per_sample_jaxpr
+from ntk_core._structured import rules as _rules
+from ntk_core._structured.rules import Subscripts, View
+from ntk_core._structured.rules import Use as Use
+from ntk_core._structured.rules._base import view_index
+from ntk_core._structured.rules.conv import patches as patches
+
+#: Primitives through which a parameter stays "the same numbers in another order".
+_VIEW_PRIMITIVES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p"})
+
+#: What each kind of use is called in ``plan()`` labels (from the rules' ``kind_names``;
+#: read by ``_engine``, which may ask ``Use.name`` / :func:`method_labels` instead).
+KIND_NAMES = {kind: name for rule in _rules.REGISTRY for kind, name in rule.kind_names.items()}
+#: Kinds of use with no Gram form (elementwise scales and shifts): always explicit.
+ELEMENTWISE_KINDS = frozenset(
+    kind for rule in _rules.REGISTRY if not rule.has_gram_form for kind in rule.kind_names
+)
+
+
+class Structure(typing.NamedTuple):
+    """How :func:`contract` splits the kernel by parameter leaf (:meth:`Analysis.leaves`).
+
+    A tuple, so that it hashes into the engine's jit-static configuration.
+    """
+
+    #: Parameter leaves of the model.
+    n_leaves: int
+    #: Leaves differentiated explicitly (no rule covers them), in leaf order.
+    fallback: tuple[int, ...]
+    #: Per structured leaf (group), the indices of its uses in ``Analysis.uses``.
+    groups: tuple[tuple[int, ...], ...]
+    #: Per group, its parameter leaf.
+    group_leaves: tuple[int, ...]
+    #: Per group, ``"gram"`` or ``"explicit"`` (:func:`choose_modes`).
+    modes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    uses: tuple[Use, ...]
+    fallback: tuple[int, ...]  # parameter leaves differentiated explicitly
+    groups: tuple[tuple[int, ...], ...]  # use indices of each structured leaf
+    biased: tuple[bool, ...] = ()  # per use: a bias added to its output is fused in
+    bias_leaves: tuple[int, ...] = ()  # per use: the fused bias leaf, or -1
+    fallback_reasons: tuple[str, ...] = ()  # per fallback leaf: why no rule covers it
+    leaf_dtypes: tuple[str, ...] = ()  # per parameter leaf (its Jacobian's dtype)
+
+    def leaves(self, n_leaves: int, modes: tuple[str, ...] | None = None) -> Structure:
+        """The :class:`Structure` of ``n_leaves`` parameter leaves for :func:`contract`
+        (all modes ``"gram"`` unless given)."""
+        return Structure(
+            n_leaves=n_leaves,
+            fallback=self.fallback,
+            groups=self.groups,
+            group_leaves=tuple(self.uses[g[0]].leaf for g in self.groups),
+            modes=("gram",) * len(self.groups) if modes is None else tuple(modes),
+        )
+
+    def input_size(self, u: int) -> int:
+        """C of use ``u`` with its fused bias column."""
+        use = self.uses[u]
+        return use.x_contract_size + int(bool(self.biased) and self.biased[u])
+
+
+#: FLOP-equivalents of writing and reading back one value of an intermediate or output
+#: array of the Gram form's einsums: the input Gram matrix (the token match of a
+#: gather), the cotangent Gram matrix or the input Gram times one side's cotangents,
+#: and each use pair's output. Those einsums contract a few values per output value
+#: (A, K, a match's single 0/1), so they run at memory speed, not matmul speed: the
+#: token model's embedding (A = 5, K = 8, O = 15, O' = 75) took 0.48 s for N = 256 in
+#: the Gram form (0.8 GFLOP, 46 M intermediate values: ~10 ns per value) against 0.1 s
+#: for the whole explicit-form kernel (XLA CPU, 2 cores). The same per-value cost as a
+#: separate Jacobian einsum's output pass (``_jacobian.EINSUM_PASS_FLOPS``).
+GRAM_VALUE_FLOPS = _jacobian.EINSUM_PASS_FLOPS
+
+
+def pair_costs(analysis: Analysis, group, o_pair: int, o_out: int) -> tuple[float, float]:
+    """Cost per pair of samples of one leaf, in FLOPs: (Gram form, explicit form).
+
+    Gram, per pair of uses (u, v): 2·A_u·A_v·C for the input Gram matrix (C = 1 for a
+    gather's token match: the rule's ``gram_input_width``), then the order with fewer
+    FLOPs (the one ``jnp.einsum(optimize="optimal")`` takes) of 2·A_u·A_v·O'·K (the
+    cotangent Gram matrix, A_u·A_v·O' values) and 2·(A_u·A_v·O·K + O'·min(A_u, A_v)·K)
+    (the input Gram times one side's cotangents first, max(A_u, A_v)·O·K values), plus,
+    when the uses have several positions (A_u·A_v > 1), :data:`GRAM_VALUE_FLOPS` per
+    value of the input Gram matrix, that intermediate and the O' outputs (with one
+    position each, the Gram form is two matrix products and a product of their
+    outputs, values of the order of the explicit form's own output); explicit:
+    2·O'·C·K, the Jacobian contraction (merged with the other Jacobians into one
+    einsum, so no output pass of its own). O' is the kernel entries per pair (traced
+    axes included), O the output entries per sample. Rules with no Gram form
+    (elementwise scales and shifts, C = 1) cost it as infinite: it would cost
+    2·A_u·A_v·O'·K, never less than the explicit 2·O'·K.
+    """
+    use = analysis.uses[group[0]]
+    explicit = 2.0 * o_pair * analysis.input_size(group[0]) * use.w_free_size
+    if not use.rule.has_gram_form:
+        return math.inf, explicit
+    gram = 0.0
+    for u, v in itertools.product(group, group):
+        use_u, use_v = analysis.uses[u], analysis.uses[v]
+        c = use_u.rule.gram_input_width(analysis.input_size(u))
+        a_u, a_v, k = use_u.a_size, use_v.a_size, use_u.w_free_size
+        first = (2.0 * a_u * a_v * o_pair * k, a_u * a_v * o_pair)
+        second = (
+            2.0 * (a_u * a_v * o_out * k + o_pair * min(a_u, a_v) * k),
+            max(a_u, a_v) * o_out * k,
+        )
+        flops, values = min(first, second)
+        gram += 2.0 * a_u * a_v * c + flops
+        if a_u * a_v > 1:  # one position each: two matrix products, no intermediate
+            gram += GRAM_VALUE_FLOPS * (a_u * a_v + values + o_pair)
+    return gram, explicit
+
+
+def choose_modes(analysis: Analysis, o_pair: int, o_out: int) -> tuple[str, ...]:
+    """Per group (structured leaf): ``"gram"`` or ``"explicit"``, the cheaper per pair
+    (see :func:`pair_costs`); always ``"explicit"`` for elementwise scales and shifts."""
+    modes = []
+    for group in analysis.groups:
+        gram, explicit = pair_costs(analysis, group, o_pair, o_out)
+        modes.append("explicit" if explicit < gram else "gram")
+    return tuple(modes)
+
+
+def method_labels(analysis: Analysis, modes) -> dict[int, str]:
+    """``plan()`` method of each parameter leaf the analysis covers, e.g. ``"structured
+    (1 convolution, per-sample Jacobian)"``, ``"structured (bias fused with its matrix
+    product)"``, ``"jacobian (fallback: <reason>)"``, from each group's rule
+    (:meth:`ntk_core._structured.rules.Rule.label`)."""
+    methods = {}
+    for group, mode in zip(analysis.groups, modes, strict=True):
+        uses = [analysis.uses[u] for u in group]
+        label = uses[0].rule.label(uses)
+        if mode == "explicit":
+            label += ", per-sample Jacobian"
+        methods[uses[0].leaf] = f"structured ({label})"
+    for u, leaf in enumerate(analysis.bias_leaves):
+        if leaf >= 0:
+            methods[leaf] = f"structured (bias fused with its {analysis.uses[u].name})"
+    for leaf, reason in zip(analysis.fallback, analysis.fallback_reasons, strict=True):
+        methods[leaf] = f"jacobian (fallback: {reason})"
+    return methods
+
+
+def _bias_fusable(eqns, leaf_shape, use: Use) -> bool:
+    """Whether the bias view (the leaf through ``eqns``, then broadcast to ``y``) puts,
+    at every output position, entry ``σ(k)`` of the leaf on unit ``k`` for one
+    bijection σ: then its Jacobian is Σ_a g[a, k] up to a permutation of the entries.
+
+    Decided exactly by replaying the view on the entry indices.
+    """
+    size = math.prod(leaf_shape)
+    if size != use.w_free_size:
+        return False
+    try:
+        idx = np.broadcast_to(view_index(eqns, leaf_shape), use.y_shape)
+    except Exception:  # an unexpected view: do not fuse
+        return False
+    mat = np.transpose(idx, use.y_perm).reshape(use.a_size, use.w_free_size)
+    return bool((mat == mat[:1]).all() and np.array_equal(np.sort(mat[0]), np.arange(size)))
+
+
+#: Why a parameter used by one of these primitives falls back, for ``plan()``.
+_PRIMITIVE_REASONS = {
+    "custom_jvp_call": "passed through a function with a custom derivative (custom_jvp)",
+    "custom_vjp_call": "passed through a function with a custom derivative (custom_vjp)",
+    "custom_vjp_call_jaxpr": "passed through a function with a custom derivative (custom_vjp)",
+    "scan": "used inside a loop (scan), which is not analysed",
+    "while": "used inside a loop (while_loop), which is not analysed",
+    "cond": "used inside a branch (cond), which is not analysed",
+}
+
+
+def _scalar(v, known: dict) -> float | None:
+    """The value of a scalar literal or of a known scalar constant, else None."""
+    if is_literal(v):
+        value = np.asarray(v.val)
+        if value.ndim == 0 and np.isrealobj(value):
+            return float(value)
+        return None
+    return known.get(v)
+
+
+def _scalar_constants(constvars, consts) -> dict:
+    """``{var: value}`` of the real scalar constants among a jaxpr's constants."""
+    return {
+        v: float(np.asarray(c))
+        for v, c in zip(constvars, consts, strict=True)
+        if np.ndim(c) == 0 and np.isrealobj(c) and not isinstance(c, jax.core.Tracer)
+    }
+
+
+def _constant_factor(eqn, ins, known: dict) -> float | None:
+    """``f`` when ``eqn`` multiplies the one parameter view among its operands by a
+    constant scalar: ``neg`` (-1), ``mul`` by a scalar (c), ``div`` by one (1 / c)."""
+    name = eqn.primitive.name
+    if name == "neg":
+        return -1.0
+    if name not in ("mul", "div") or len(ins) != 2 or (ins[0] is None) == (ins[1] is None):
+        return None
+    w_side = 0 if ins[0] is not None else 1
+    if eqn.invars[w_side].aval.shape != eqn.outvars[0].aval.shape:
+        return None  # the scalar broadcasts the view: not the same entries
+    c = _scalar(eqn.invars[1 - w_side], known)
+    if c is None:
+        return None
+    if name == "mul":
+        return c
+    return 1.0 / c if w_side == 0 and c != 0.0 else None
+
+
+def _float_cast(eqn) -> bool:
+    """A ``convert_element_type`` from a floating dtype to one that holds all its
+    values (float32 → float64, bfloat16 → float32): the same numbers. A cast to a lower
+    precision (a Flax ``dtype=jnp.bfloat16`` layer of float32 parameters) is not one:
+    the Gram form would take the products of its inputs and cotangents exactly, where
+    autodiff's Jacobian (and so ``"jacobian"``) rounds them to that precision, and the
+    kernels would differ by ~1e-3."""
+    a, b = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+    return bool(
+        jnp.issubdtype(a, jnp.floating)
+        and jnp.issubdtype(b, jnp.floating)
+        and jnp.promote_types(a, b) == b
+    )
+
+
+def _function_name(eqn) -> str:
+    """The name of the function a call-like equation wraps (``relu`` for
+    ``jax.nn.relu``'s custom_jvp call), or "" where JAX does not record it."""
+    for key in ("call_jaxpr", "fun_jaxpr", "jaxpr"):
+        sub = eqn.params.get(key)
+        info = getattr(getattr(sub, "jaxpr", sub), "debug_info", None)
+        name = getattr(info, "func_name", None)
+        if not isinstance(name, str):  # older JAX: only "relu at /path/file.py:12"
+            where = getattr(info, "func_src_info", None)
+            name = where.split(" at ")[0] if isinstance(where, str) else ""
+        if name and not name.startswith("<"):
+            return name
+    return ""
+
+
+#: Packages whose frames are not the user's code in a source location.
+_LIBRARIES = ("jax", "jaxlib", "ntk_core", "ntk_flax", "ntk_haiku", "flax", "haiku", "numpy")
+
+
+def _library_roots() -> tuple[str, ...]:
+    """The folders of the standard library and of :data:`_LIBRARIES` already imported
+    (nothing is imported here)."""
+    files = tuple(getattr(sys.modules.get(name), "__file__", None) for name in _LIBRARIES)
+    return _roots(files)
+
+
+@functools.lru_cache(maxsize=8)
+def _roots(files: tuple) -> tuple[str, ...]:
+    roots = [sysconfig.get_paths()["stdlib"]]
+    roots += [os.path.dirname(os.path.abspath(f)) for f in files if f]
+    return tuple(root + os.sep for root in roots)
+
+
+def _source_location(eqn) -> str:
+    """Where the user's code created ``eqn``: ``"model.py:12, in MLP.__call__"``, the
+    innermost frame of its traceback outside JAX, the Python standard library, Flax,
+    Haiku and this library; "" where JAX recorded none."""
+    try:
+        frames = eqn.source_info.traceback.frames
+    except AttributeError:
+        return ""
+    roots = _library_roots()
+    for frame in frames:
+        path = os.path.abspath(frame.file_name)
+        if not path.startswith(roots):
+            return f"{os.path.basename(path)}:{frame.line_num}, in {frame.function_name}"
+    return ""
+
+
+def _unpaired_reason(uses: list[Use], sites: list, indices: list[int]) -> str:
+    """Why a leaf used several times (weight tying) falls back: its uses ``indices``
+    have Jacobians of different views or operations, e.g. ``a matrix product (at
+    model.py:4, in f) and a matrix product of another view of it (at model.py:6, in
+    f)``; ``sites``: each use's equation (its source location is looked up here)."""
+    parts, keys, kinds = [], set(), set()
+    for u in indices:
+        use = uses[u]
+        if use.key in keys:
+            continue
+        keys.add(use.key)
+        name, kind = use.name, use.kind
+        other = " of another view of it" if kind in kinds else ""
+        kinds.add(kind)
+        location = _source_location(sites[u])
+        where = f" (at {location})" if location else ""
+        article = "an" if name[0] in "aeiou" else "a"
+        parts.append(f"{article} {name}{other}{where}")
+    return (
+        f"used by {' and '.join(parts)}, whose Jacobians do not pair up entry by entry "
+        f"(weight tying through different views)"
+    )
+
+
+def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True) -> Analysis:
+    """Finds the structured uses of the first ``n_param_leaves`` inputs of ``closed``.
+
+    One walk over the equations (inlining ``jit`` / ``closed_call`` / ``checkpoint``
+    bodies) follows each parameter through its views (reshapes, transposes, widening
+    casts, constant scalings); an equation with one parameter view among its operands
+    goes to the first rule of :data:`ntk_core._structured.rules.REGISTRY` for its primitive
+    (``match``); anything else makes the leaf fall back, with a reason for ``plan()``.
+
+    With ``fuse_bias``, a bias added to the output of a product or convolution, one
+    entry per output unit, joins that use as a constant input column; any other sum
+    or product of a parameter view with a non-parameter is an elementwise shift or
+    scale (``_rules/elementwise.py``) when its view allows.
+    """
+    uses: list[Use] = []
+    use_sites: list = []  # per use: the equation whose source line names it (if tied)
+    bad: dict[int, str] = {}  # leaf -> the first reason it falls back
+
+    def fall_back(leaf: int, reason: str, eqn=None) -> None:
+        """Records the first reason ``leaf`` falls back, with the user's line of
+        ``eqn`` where JAX recorded it."""
+        if leaf not in bad:
+            where = "" if eqn is None else _source_location(eqn)
+            bad[leaf] = f"{reason}; at {where}" if where else reason
+
+    use_of_output: dict = {}  # output var of a use that takes a bias -> use index
+    bias_candidates: list[tuple[int, int, int, tuple]] = []  # (use, shift use, leaf, eqns)
+    leaf_shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars[:n_param_leaves]]
+
+    def walk(jaxpr, origins: dict, path: tuple, inside: str = "", call=None):
+        # origins: var -> its View (leaf, view chain as hashable steps, view
+        # equations); call: the outermost inlined call (jit) around ``jaxpr``, whose
+        # source location is the user's (a jitted function's own trace may come from
+        # its cache).
+        def origin(v):
+            return None if is_literal(v) else origins.get(v)
+
+        readers: dict = {}  # var -> how many equations (or the outputs) read it
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if not is_literal(v):
+                    readers[v] = readers.get(v, 0) + 1
+        for v in jaxpr.outvars:
+            if not is_literal(v):
+                readers[v] = readers.get(v, 0) + 1
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            here = path + (i,)
+            ins = [origin(v) for v in eqn.invars]
+            name = eqn.primitive.name
+            if inlined(eqn):  # scalar constants passed in stay known inside
+                sub, consts = call_body(eqn)
+                for outer, inner in zip(eqn.invars, sub.invars, strict=False):
+                    value = _scalar(outer, known)
+                    if value is None:  # a jaxpr JAX reuses for another call: forget
+                        known.pop(inner, None)
+                    else:
+                        known[inner] = value
+                known.update(_scalar_constants(sub.constvars, consts))
+            if not any(o is not None for o in ins):
+                if name == "convert_element_type":  # of a scalar constant: still known
+                    value = _scalar(eqn.invars[0], known)
+                    if value is not None:
+                        known[eqn.outvars[0]] = value
+                continue
+            factor = _constant_factor(eqn, ins, known)
+            if factor is not None:  # W / 8, -W, c * W: a view with a factor
+                view = next(o for o in ins if o is not None)
+                origins[eqn.outvars[0]] = view._replace(chain=view.chain + (("scale_by", factor),))
+                continue
+            if inlined(eqn):
+                sub, _ = call_body(eqn)
+                sub_origins = {v: o for v, o in zip(sub.invars, ins, strict=True) if o is not None}
+                name_here = eqn.params.get("name")
+                within = f" inside {name_here}" if isinstance(name_here, str) else inside
+                walk(sub, sub_origins, here, within, call or eqn)  # returned views: marked there
+                continue
+            if name in _VIEW_PRIMITIVES or name == "broadcast_in_dim":
+                if len(eqn.invars) != 1:
+                    for o in ins:
+                        if o is not None:
+                            fall_back(o.leaf, f"a {name} with several operands", call or eqn)
+                    continue
+                view = ins[0]
+                step = (name, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
+                origins[eqn.outvars[0]] = View(view.leaf, view.chain + (step,), view.eqns + (eqn,))
+                continue
+            if name == "convert_element_type" and _float_cast(eqn):
+                # A widening cast (float32 parameters meeting float64 inputs): the same
+                # entries, so a view; not replayed on entry indices (``eqns``), whose
+                # order it keeps.
+                view = ins[0]
+                step = (name, str(eqn.outvars[0].aval.dtype))
+                origins[eqn.outvars[0]] = view._replace(chain=view.chain + (step,))
+                continue
+            rule = _rules.rule_for(name)
+            n_params = sum(o is not None for o in ins)
+            if rule is not None and n_params == 1:
+                use = rule.match(eqn, ins, here, leaf_shapes)
+                if use is not None:
+                    uses.append(use)
+                    use_sites.append(call or eqn)
+                    if rule.takes_bias:
+                        use_of_output[eqn.outvars[0]] = len(uses) - 1
+                    y = rule.bias_target(eqn, use)
+                    # A bias fuses with its product only when the product's output
+                    # feeds this add alone (so the cotangent at the product equals the
+                    # one at the bias) and the sum has the product's shape.
+                    if (
+                        y is not None
+                        and y in use_of_output
+                        and readers.get(y) == 1
+                        and tuple(eqn.outvars[0].aval.shape) == tuple(y.aval.shape)
+                    ):
+                        view = next(o for o in ins if o is not None)
+                        bias_candidates.append(
+                            (use_of_output[y], len(uses) - 1, use.leaf, view.eqns)
+                        )
+                    continue
+                reason = rule.miss_reason(eqn, ins)
+            elif n_params > 1 and rule is not None:
+                reason = f"a {name} of two parameter views (e.g. W @ W or s * s)"
+            elif name == "convert_element_type":
+                a, b = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+                reason = (
+                    f"cast to a lower precision ({a} -> {b}, convert_element_type), e.g. "
+                    f"a Flax layer with dtype=jnp.{b}: autodiff's rounded Jacobian is used"
+                    if jnp.issubdtype(b, jnp.floating)
+                    else f"cast from {a} to {b} (convert_element_type)"
+                )
+            elif name in _PRIMITIVE_REASONS:
+                reason = _PRIMITIVE_REASONS[name]
+                function = _function_name(eqn)
+                if function:  # e.g. "passed through relu, a function with ..."
+                    reason = reason.replace("a function", f"{function}{inside}, a function")
+            else:
+                reason = f"used by {name}{inside}, which no rule covers"
+            for o in ins:  # any other use of a parameter view
+                if o is not None:
+                    fall_back(o.leaf, reason, call or eqn)
+        for v in jaxpr.outvars:
+            o = None if is_literal(v) else origins.get(v)
+            if o is not None:
+                fall_back(o.leaf, "returned by the model itself (a parameter view as output)")
+
+    invars = closed.jaxpr.invars[:n_param_leaves]
+    # The model's scalar constants (e.g. jnp.sqrt(2.0) closed over), and inside inlined
+    # calls those passed in or closed over there.
+    known = _scalar_constants(closed.jaxpr.constvars, closed.consts)
+    walk(closed.jaxpr, {v: View(i, (), ()) for i, v in enumerate(invars)}, ())
+    by_leaf: dict[int, list[int]] = {}
+    for u, use in enumerate(uses):
+        by_leaf.setdefault(use.leaf, []).append(u)
+    for leaf, members in by_leaf.items():
+        if len({uses[u].key for u in members}) > 1:  # different views: no pairing
+            fall_back(leaf, _unpaired_reason(uses, use_sites, members))
+    uses_per_leaf = {leaf: len(m) for leaf, m in by_leaf.items()}
+    fused: dict[int, int] = {}  # use index (in ``uses``) -> bias leaf
+    absorbed_uses: set[int] = set()  # shift uses replaced by a fused bias
+    for u, s, leaf, eqns in bias_candidates:
+        use = uses[u]
+        ok = (
+            fuse_bias
+            and leaf not in bad
+            and uses_per_leaf[leaf] == 1  # this add is the bias's only use
+            and uses[s].factor == 1.0  # a scaled bias stays an elementwise shift
+            and use.leaf not in bad
+            and uses_per_leaf[use.leaf] == 1
+            and use.rule.takes_bias
+            and _bias_fusable(eqns, leaf_shapes[leaf], use)
+        )
+        if ok:  # otherwise the add stays an elementwise shift
+            fused[u] = leaf
+            absorbed_uses.add(s)
+            absorbed_uses.add(s)
+    kept_index = [u for u, use in enumerate(uses) if use.leaf not in bad and u not in absorbed_uses]
+    kept = [uses[u] for u in kept_index]
+    biased = tuple(u in fused for u in kept_index)
+    bias_leaves = tuple(fused.get(u, -1) for u in kept_index)
+    groups: dict[int, list[int]] = {}
+    for u, use in enumerate(kept):
+        groups.setdefault(use.leaf, []).append(u)
+    absorbed = set(fused.values())
+    structured = set(groups) | absorbed
+    fallback = tuple(i for i in range(n_param_leaves) if i not in structured)
+    reasons = tuple(bad.get(i, "not used by the model: its kernel is zero") for i in fallback)
+    return Analysis(
+        tuple(kept),
+        fallback,
+        tuple(tuple(g) for g in groups.values()),
+        biased,
+        bias_leaves,
+        reasons,
+        tuple(str(v.aval.dtype) for v in invars),
+    )
+
+
+def _conv_use(eqn, ins, here):
+    """The convolution rule's use of ``eqn`` (``ins``: per operand, a :class:`View` or
+    its ``(leaf, chain, eqns)`` tuple, or None)."""
+    ins = [None if o is None else View(*o) for o in ins]
+    return _rules.conv.CONV.match(eqn, ins, here, None)
+
+
+def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
+    """The outputs of ``jaxpr`` with the probes (:class:`ntk_core._structured.rules.Probe`, keyed
+    by their use's path) added and the recorded operands written into ``records``;
+    each primitive a rule claims is evaluated by its rule (``Rule.evaluate``)."""
+    env = {}
+
+    def read(v):
+        return v.val if is_literal(v) else env[v]
+
+    for v, val in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = val
+    for v, val in zip(jaxpr.invars, args, strict=True):
+        env[v] = val
+    for i, eqn in enumerate(jaxpr.eqns):
+        here = path + (i,)
+        invals = [read(v) for v in eqn.invars]
+        if inlined(eqn):
+            sub, sub_consts = call_body(eqn)
+            outs = _evaluate(sub, sub_consts, invals, probes, records, here)
+        else:
+            probe = probes.get(here)
+            if probe is not None:
+                records[here] = invals[probe.record]
+                if probe.operand is not None:  # the delta on a parameter operand
+                    invals[probe.operand] = invals[probe.operand] + probe.delta
+            rule = _rules.rule_for(eqn.primitive.name)
+            outs = bind(eqn, invals) if rule is None else rule.evaluate(eqn, invals)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            if probe is not None and probe.operand is None:
+                outs = [outs[0] + probe.delta]
+        for v, val in zip(eqn.outvars, outs, strict=True):
+            env[v] = val  # a dropped output (DropVar) is never read
+    return [read(v) for v in jaxpr.outvars]
+
+
+def analysis_for(
+    apply3, params, x_one, aux, fuse_bias: bool = True, *, precision: str = "highest"
+) -> tuple[Analysis, jex.ClosedJaxpr]:
+    """The structured analysis of ``apply3`` on one sample (shapes suffice), and the
+    per-sample jaxpr (traced under ``precision``, which the features' interpreter
+    replays) it was made from."""
+    closed = per_sample_jaxpr(apply3, params, x_one, aux, precision=precision)
+    return analyse(closed, len(jax.tree.leaves(params)), fuse_bias), closed
+
+
+def _bias_in_gram(analysis: Analysis, modes, u: int) -> bool:
+    """Whether use ``u`` has a fused bias in the Gram form that its rule adds as 1 to
+    the input Gram matrix (a Dense layer: (x·x' + 1)(g·g'), see
+    ``_rules/dot.py``) instead of a column of ones to the inputs (:func:`features`)."""
+    use = analysis.uses[u]
+    return (
+        bool(analysis.biased)
+        and analysis.biased[u]
+        and use.rule.bias_in_gram(use)
+        and _gram(analysis, modes, u)
+    )
+
+
+#: Bytes of per-sample intermediates that the features phase may hold at once: the
+#: samples of a block are processed :func:`chunk_size` at a time, so that the forward
+#: values, residuals and cotangents of the reverse passes (and the recorded inputs and
+#: the cotangents at every use) of a whole block never coexist.
+FEATURE_CHUNK_BYTES = 2**28
+
+
+def chunk_size(
+    apply3, params, x, aux, out_tree, fuse_bias: bool, modes, *, precision: str = "highest"
+) -> int:
+    """Samples of ``x`` whose structured features are computed together:
+
+        B = FEATURE_CHUNK_BYTES // (itemsize · ((O + 2)·V + F)),  1 ≤ B ≤ N,
+
+    then evened out to ⌈N / ⌈N / B⌉⌉ so that the chunks are about equal,
+    with V the values one sample's forward pass writes, O the output entries per
+    sample (the reverse passes keep the forward values, their residuals and O
+    cotangents of each alive) and F the feature values of one sample (Jacobians of
+    fallback leaves and explicit groups, inputs and cotangents of Gram-form uses).
+    :func:`features_in_chunks` loops over them inside one compiled call.
+    """
+    x_one = one_sample(x)
+    analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias, precision=precision)
+    n = np.shape(jax.tree.leaves(x)[0])[0]
+    outs = closed.out_avals  # the outputs' leaves, in out_tree's order
+    out_size = sum(math.prod(o.shape) for o in outs)
+    leaves = jax.tree.leaves(params)
+    width = sum(math.prod(np.shape(leaves[i])) for i in analysis.fallback)
+    for group, mode in zip(analysis.groups, modes, strict=True):
+        if mode == "explicit":
+            width += analysis.input_size(group[0]) * analysis.uses[group[0]].w_free_size
+    gram_values = sum(
+        use.a_size * (analysis.input_size(u) + out_size * use.w_free_size)
+        for u, use in enumerate(analysis.uses)
+        if _gram(analysis, modes, u)
+    )
+    itemsize = max((np.dtype(o.dtype).itemsize for o in outs), default=4)
+    values = (out_size + 2) * values_written(closed.jaxpr) + out_size * width + gram_values
+    most = int(min(n, max(1, FEATURE_CHUNK_BYTES // max(itemsize * values, 1))))
+    pieces = -(-n // most)
+    return -(-n // pieces)  # balanced: the overlapping last chunk repeats < pieces samples
+
+
+def features_in_chunks(
+    apply3,
+    params,
+    x,
+    aux,
+    out_tree,
+    fuse_bias: bool,
+    modes,
+    merge_limits,
+    chunk: int,
+    *,
+    precision: str = "highest",
+):
+    """:func:`features` of ``x`` computed ``chunk`` samples at a time in an XLA loop,
+    written into the outputs in place: the transient memory of the forward and reverse
+    passes is that of one chunk. The last chunk overlaps its predecessor (every step
+    has the same shapes); the rows they share are written twice with equal values."""
+    return map_in_batches(
+        lambda xb: features(
+            apply3, params, xb, aux, out_tree, fuse_bias, modes, merge_limits, precision=precision
+        ),
+        x,
+        chunk,
+    )
+
+
+def features(
+    apply3,
+    params,
+    x,
+    aux,
+    out_tree,
+    fuse_bias: bool = True,
+    modes=None,
+    merge_limits=None,
+    *,
+    precision: str = "highest",
+):
+    """Per-sample structured features of a batch.
+
+    Returns a dict with ``"fallback"``: per output leaf, a list of explicit Jacobians
+    ``(N, *O, P_l)``; ``"explicit"``: per output leaf, per ``"explicit"`` group, the
+    Jacobian ``(N, *O, C·K)`` from the recorded inputs and cotangents; ``"merged"``: per
+    output leaf, an empty list, or with ``merge_limits`` (per output leaf) the fallback
+    and explicit Jacobians merged by :func:`ntk_core._impl.jacobian.merge` (the narrow ones
+    concatenated; ``"fallback"`` and ``"explicit"`` are then empty); ``"x"``: per use,
+    layer inputs ``(N, A, C)`` (tokens ``(N, A)``; None for explicit groups); ``"g"``:
+    per output leaf, per use, cotangents ``(N, *O, A, K)`` (None for explicit groups).
+    """
+    x_one = one_sample(x)
+    analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias, precision=precision)
+    if modes is None:
+        modes = ("gram",) * len(analysis.groups)
+    param_leaves = jax.tree.leaves(params)
+    param_leaves = jax.tree.leaves(params)
+
+    def one(x_i):
+        leaves_x = jax.tree.leaves(x_i)
+        leaves_aux = jax.tree.leaves(aux)
+
+        def run(fb, deltas):
+            leaves = list(param_leaves)
+            for i, v in zip(analysis.fallback, fb, strict=True):
+                leaves[i] = v
+            probes = {
+                use.path: use.rule.probe(use, d)
+                for use, d in zip(analysis.uses, deltas, strict=True)
+            }
+            records: dict = {}
+            outs = _evaluate(
+                closed.jaxpr, closed.consts, leaves + leaves_x + leaves_aux, probes, records
+            )
+            return outs, [records[use.path] for use in analysis.uses]
+
+        fb0 = [param_leaves[i] for i in analysis.fallback]
+        d0 = [jnp.zeros(use.y_shape, use.y_dtype) for use in analysis.uses]
+        # Per output leaf: (Jacobians of the fallback leaves, cotangents at each use).
+        jac, xs = jax.jacrev(run, argnums=(0, 1), has_aux=True)(fb0, d0)
+        return jac, xs
+
+    n = jax.tree.leaves(x)[0].shape[0]  # the batch's outputs, from one sample's
+    out_shapes = [jax.ShapeDtypeStruct((n, *o.shape), o.dtype) for o in closed.out_avals]
+    biased = analysis.biased or (False,) * len(analysis.uses)
+
+    # Inputs and cotangents of a use whose weights were widened (float32 parameters
+    # meeting float64 inputs) are contracted in the promoted dtype, and each leaf's
+    # kernel comes out in its own dtype, as its Jacobian would.
+    leaf_dtypes = analysis.leaf_dtypes
+    work = [jnp.promote_types(leaf_dtypes[use.leaf], use.y_dtype) for use in analysis.uses]
+
+    # A constant factor of the weights (Use.factor) scales the recorded input of a
+    # product or convolution (``Rule.scales_input``; not a fused bias's ones, added
+    # later), else the cotangent.
+    x_factors = [use.factor if use.rule.scales_input else 1.0 for use in analysis.uses]
+    g_factors = [1.0 if use.rule.scales_input else use.factor for use in analysis.uses]
+
+    def prepared(v, dtype, factor):
+        if jnp.issubdtype(v.dtype, jnp.floating):  # not a gather's tokens
+            v = v.astype(dtype)
+        return v if factor == 1.0 else v * factor
+
+    def batch(xb):
+        jac, xs = jax.vmap(one)(xb)
+        j_fb = [pair[0] for pair in jac]
+        j_d = [
+            [prepared(g, w, f) for g, w, f in zip(pair[1], work, g_factors, strict=True)]
+            for pair in jac
+        ]
+        xs = [prepared(v, w, f) for v, w, f in zip(xs, work, x_factors, strict=True)]
+        # Per use: its Gram-form inputs, or what its explicit Jacobian reads of them.
+        x_mats = []
+        for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True)):
+            bias_column = b and not _bias_in_gram(analysis, modes, u)
+            if _gram(analysis, modes, u):
+                x_mats.append(use.rule.input_features(use, xu, bias_column))
+            else:
+                x_mats.append(use.rule.jacobian_input(use, xu, bias_column))
+        fallback, explicit, merged, g = [], [], [], []
+        for k, o in enumerate(out_shapes):
+            o_ndim = len(o.shape)  # (N, *O)
+            fb_k = [j.reshape(j.shape[:o_ndim] + (-1,)) for j in j_fb[k]]
+            per_use = []
+            for use, gu in zip(analysis.uses, j_d[k], strict=True):
+                # gu: (N, *O, *y) -> (N, *O, A, K)
+                lead = gu.shape[:o_ndim]
+                perm = tuple(range(o_ndim)) + tuple(o_ndim + a for a in use.y_perm)
+                gu = jnp.transpose(gu, perm).reshape(lead + (use.a_size, use.w_free_size))
+                per_use.append(gu)
+            per_group = []
+            for group, mode in zip(analysis.groups, modes, strict=True):
+                if mode != "explicit":
+                    continue
+                total = None
+                for u in group:
+                    use = analysis.uses[u]
+                    j = use.rule.jacobian(use, x_mats[u], per_use[u], biased[u])
+                    total = j if total is None else total + j
+                leaf_dtype = leaf_dtypes[analysis.uses[group[0]].leaf]
+                per_group.append(total.reshape(total.shape[:o_ndim] + (-1,)).astype(leaf_dtype))
+            if merge_limits is None:
+                fallback.append(fb_k)
+                explicit.append(per_group)
+                merged.append([])
+            else:
+                fallback.append([])
+                explicit.append([])
+                merged.append(_jacobian.merge(fb_k + per_group, merge_limits[k]))
+            g.append([gu if _gram(analysis, modes, u) else None for u, gu in enumerate(per_use)])
+        x_out = [xm if _gram(analysis, modes, u) else None for u, xm in enumerate(x_mats)]
+        return {"fallback": fallback, "explicit": explicit, "merged": merged, "x": x_out, "g": g}
+
+    return batch(x)
+
+
+def _gram(analysis: Analysis, modes, u: int) -> bool:
+    for group, mode in zip(analysis.groups, modes, strict=True):
+        if u in group:
+            return mode == "gram"
+    return True
+
+
+def _fresh_letters(used: str, n: int) -> list[str]:
+    free = [c for c in string.ascii_letters if c not in used]
+    return free[:n]
+
+
+def contract(layouts, structure: Structure, analysis, f1, f2, precision):
+    """Per output leaf, the list of each parameter leaf's kernel (they sum to the NTK);
+    with merged features (``f1["merged"]``, see :func:`features`) the list starts with
+    the kernels of the merged Jacobians instead of their leaves' own.
+
+    ``structure`` is :meth:`Analysis.leaves` of ``analysis``.
+    """
+    kernels = []
+    for k, layout in enumerate(layouts):
+        lhs, rhs, out = layout.specs(n_contracted=1)
+        n1_shape = next(
+            a.shape[: layout.ndim]
+            for a in (
+                list(f1["fallback"][k])
+                + list(f1["explicit"][k])
+                + list(f1["merged"][k])
+                + [gu for gu in f1["g"][k] if gu is not None]
+            )
+        )
+        size = layout.trace_size(n1_shape)
+        per_leaf = [None] * structure.n_leaves
+
+        def jacobian_term(a, b, specs=(lhs, rhs, out), size=size):
+            return _jacobian.pair_einsum(*specs, a, b, precision) / size
+
+        # Merged Jacobians (fallback leaves and explicit groups, not split per leaf).
+        merged = [
+            jacobian_term(a, b) for a, b in zip(f1["merged"][k], f2["merged"][k], strict=True)
+        ]
+        if not merged:
+            for leaf, a, b in zip(
+                structure.fallback, f1["fallback"][k], f2["fallback"][k], strict=True
+            ):
+                per_leaf[leaf] = jacobian_term(a, b)
+        lo, ro, _ = layout.specs()
+        ia, ib, c, kk = _fresh_letters(lo + ro + out, 4)
+        letters = Subscripts(lo, ro, out, ia, ib, c, kk)
+        explicit_index = 0
+        for leaf, group, mode in zip(
+            structure.group_leaves, structure.groups, structure.modes, strict=True
+        ):
+            if mode == "explicit":
+                if merged:
+                    continue
+                a = f1["explicit"][k][explicit_index]
+                b = f2["explicit"][k][explicit_index]
+                explicit_index += 1
+                per_leaf[leaf] = jacobian_term(a, b)
+                continue
+            total = None
+            for u, v in itertools.product(group, group):
+                use, use_v = analysis.uses[u], analysis.uses[v]
+                term = use.rule.gram_term(
+                    use,
+                    use_v,
+                    f1["x"][u],
+                    f2["x"][v],
+                    f1["g"][k][u],
+                    f2["g"][k][v],
+                    letters,
+                    precision,
+                    _bias_in_gram(analysis, structure.modes, u),
+                )
+                total = term if total is None else total + term
+            per_leaf[leaf] = (total / size).astype(analysis.leaf_dtypes[leaf])
+        # None: fused biases, and leaves in the merged Jacobians.
+        kernels.append(merged + [term for term in per_leaf if term is not None])
+    return kernels

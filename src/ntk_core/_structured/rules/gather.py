@@ -1,0 +1,160 @@
+"""Embedding lookups: ``y = view(W)[tokens]``, a ``gather`` of rows of a ``(V, D)``
+table (``nn.Embed``, ``hk.Embed``, ``table[tokens]``, ``jnp.take``).
+
+Matches a row lookup of a parameter table (not broadcast) with non-parameter integer
+indices, in the ``clip``, ``fill`` or promise-in-bounds mode. The input is one-hot,
+``x[a, c] = [token_a = c]`` (C = V, a the A looked-up positions, k the D units), so
+
+    ∂f_o/∂W[v, d] = Σ_a [t_a = v] g_o[a, d]
+
+and the Gram factor of two uses is the token match ``[t1_a = t2_b]``, computed from the
+tokens without the one-hot: Σ_ab [t1_a = t2_b] (g1_a·g2_b). Out-of-range tokens follow
+the lookup's mode (``clip`` clamps; ``fill`` and promise-in-bounds drop them, as the
+lookup's transpose does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ntk_core._structured.rules._base import (
+    Rule,
+    Use,
+    broadcast_reason,
+    broadcasts,
+    scaled,
+)
+
+#: Lookup modes of ``gather`` handled by the embedding rule.
+GATHER_MODES = frozenset({"CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """How the lookup treats out-of-range tokens: ``"CLIP"``, ``"FILL_OR_DROP"`` or
+    ``"PROMISE_IN_BOUNDS"``."""
+
+    mode: str
+
+
+class GatherRule(Rule):
+    """``gather`` of table rows: tokens ``(N, A)``; the Gram factor is a token match."""
+
+    primitives = frozenset({"gather"})
+    kind_names = {"gather": "embedding gather"}
+
+    def match(self, eqn, ins, here, leaf_shapes):
+        if ins[0] is None or ins[1] is not None:
+            return None  # a parameter table looked up with non-parameter indices
+        chain, factor = scaled(ins[0].chain)
+        if broadcasts(chain):
+            return None
+        p = eqn.params
+        dn = p["dimension_numbers"]
+        table = tuple(eqn.invars[0].aval.shape)
+        idx_shape = tuple(eqn.invars[1].aval.shape)
+        y_shape = tuple(eqn.outvars[0].aval.shape)
+        mode = getattr(p["mode"], "name", str(p["mode"]).rsplit(".", 1)[-1])
+        ok = (
+            len(table) == 2
+            and tuple(dn.collapsed_slice_dims) == (0,)
+            and tuple(dn.start_index_map) == (0,)
+            and tuple(getattr(dn, "operand_batching_dims", ())) == ()
+            and tuple(dn.offset_dims) == (len(y_shape) - 1,)
+            and tuple(p["slice_sizes"]) == (1, table[1])
+            and idx_shape[-1:] == (1,)
+            and y_shape == idx_shape[:-1] + (table[1],)
+            and mode in GATHER_MODES
+        )
+        if not ok:
+            return None
+        return Use(
+            rule=self,
+            kind="gather",
+            path=here,
+            leaf=ins[0].leaf,
+            x_side=1,
+            key=("gather", chain, table),
+            y_shape=y_shape,
+            y_dtype=str(eqn.outvars[0].aval.dtype),
+            y_perm=tuple(range(len(y_shape))),
+            a_size=math.prod(idx_shape[:-1]),
+            w_free_size=table[1],
+            x_contract_size=table[0],
+            info=Lookup(mode),
+            factor=factor,
+        )
+
+    def miss_reason(self, eqn, ins):
+        reason = broadcast_reason(eqn, ins)
+        if reason is not None:
+            return reason
+        return "a gather other than a row lookup table[tokens] with integer tokens"
+
+    def input_features(self, use, x, bias_column):
+        """The tokens ``(N, A)``."""
+        return x.reshape((x.shape[0], use.a_size))
+
+    def jacobian(self, use, xj, g, biased):
+        """``J[v, d] = Σ_a [t_a = v] g[a, d]``: ``(N, *O, V, D)``."""
+        vocab = use.x_contract_size
+        tokens = xj
+        if use.info.mode == "CLIP":
+            tokens = jnp.clip(tokens, 0, vocab - 1)
+        hot = jax.nn.one_hot(tokens, vocab, dtype=g.dtype)  # out of range: all zero
+        return jnp.einsum("nav,n...ad->n...vd", hot, g)
+
+    def gram_input_width(self, c):
+        """One comparison per entry of the token match."""
+        return 1
+
+    def input_values(self, c):
+        """The token id alone, not its one-hot row of C values."""
+        return 1
+
+    def gram_term(self, u, v, x1, x2, g1, g2, s, precision, plus_one):
+        """Σ_ab [t1_a = t2_b] (g1_a·g2_b)."""
+        diagonal = s.left[0] == s.right[0]
+        match = token_match(u, x1, x2, diagonal)
+        n1, n2 = s.left[0], s.right[0]
+        m_spec = f"{n1}{s.a}{s.b}" if diagonal else f"{n1}{s.a}{n2}{s.b}"
+        return jnp.einsum(
+            f"{m_spec},{s.left}{s.a}{s.k},{s.right}{s.b}{s.k}->{s.out}",
+            match,
+            g1,
+            g2,
+            precision=precision,
+            optimize="optimal",
+        )
+
+    def label(self, uses):
+        n, name = len(uses), uses[0].name
+        return name if n == 1 else f"{n} {name}s"
+
+
+def token_match(use: Use, t1, t2, batch_diagonal: bool):
+    """``[t1_a = t2_b]`` for valid tokens, float: ``(N1, A, N2, B)``, or ``(N, A, B)`` on
+    the batch diagonal. Out-of-range tokens are clamped (``clip``) or match nothing."""
+    vocab = use.x_contract_size
+    mode = use.info.mode
+
+    def norm(t):
+        if mode == "CLIP":
+            return jnp.clip(t, 0, vocab - 1)
+        return jnp.where((t >= 0) & (t < vocab), t, -1)
+
+    t1, t2 = norm(t1), norm(t2)
+    if batch_diagonal:
+        eq = t1[:, :, None] == t2[:, None, :]
+        valid = (t1 >= 0)[:, :, None]
+    else:
+        eq = t1[:, :, None, None] == t2[None, None, :, :]
+        valid = (t1 >= 0)[:, :, None, None]
+    return (eq & valid).astype(use.y_dtype)
+
+
+GATHER = GatherRule()
