@@ -17,6 +17,7 @@ from ntk_core._api import ntk_per_leaf_fn as ntk_per_leaf_fn
 from ntk_core._api import plan as plan
 from ntk_core._doctor import DoctorReport as DoctorReport
 from ntk_core._doctor import doctor as doctor
+from ntk_core._errors import NonFiniteError as NonFiniteError
 from ntk_core._functional.linearize import linearize as linearize
 from ntk_core._functional.linearize import taylor_expand as taylor_expand
 from ntk_core._functional.ntk_vp import ntk_vp_fn as ntk_vp_fn
@@ -38,6 +39,7 @@ __all__ = (
     "KernelFunction",
     "KernelRecord",
     "KernelTracker",
+    "NonFiniteError",
     "PrecisionWarning",
     "UnsupportedBackendError",
     "__version__",

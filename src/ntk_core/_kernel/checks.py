@@ -18,24 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ntk_core._errors import NonFiniteError
 from ntk_core._jax import environment as _environment
 from ntk_core._kernel.caller import Caller
 
 
-def non_finite_error(message: str) -> ValueError:
-    """The ValueError for NaN or Inf in an input, a kernel, one of its tiles or a Monte
-    Carlo sum, marked so that callers (the Monte Carlo kernels) tell it from other
-    failures with :func:`is_non_finite_error`, not by reading its message. Users get a
-    plain ValueError, as for every documented error (``docs/errors.md``; the bad-input
-    table accepts no subclass)."""
-    error = ValueError(message)
-    error.ntk_non_finite = True
-    return error
+def non_finite_error(message: str) -> NonFiniteError:
+    """The :class:`NonFiniteError` carrying ``message``."""
+    return NonFiniteError(message)
 
 
 def is_non_finite_error(error: BaseException) -> bool:
-    """Whether ``error`` was made by :func:`non_finite_error`."""
-    return getattr(error, "ntk_non_finite", False) is True
+    """Whether ``error`` is a :class:`NonFiniteError`."""
+    return isinstance(error, NonFiniteError)
 
 
 def _classes(obj) -> list[tuple[str, str]]:

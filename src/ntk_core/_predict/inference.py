@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ntk_core._errors import NonFiniteError
 from ntk_core._jax.environment import _user_stacklevel
 from ntk_core._predict.linalg import (
     ACCEPT,
@@ -700,7 +701,7 @@ def _initial_outputs(fn, name, value, shape, which) -> np.ndarray:
             f"pass the network's outputs on the {which} inputs, or 0.0."
         ) from None
     if not np.isfinite(arr).all():
-        raise ValueError(
+        raise NonFiniteError(
             f"{fn}: {name} contains NaN or inf. Fix: pass the network's (finite) outputs "
             f"on the {which} inputs at t = 0."
         )

@@ -23,6 +23,8 @@ import numbers
 import jax
 import numpy as np
 
+from ntk_core._errors import NonFiniteError
+
 #: A solve is accepted when max|last correction| <= ACCEPT * max|x| per right-hand side.
 ACCEPT = 1e-6
 #: Refinement stops once max|correction| <= TARGET * max|x| (below float32 output rounding
@@ -114,7 +116,7 @@ def check_finite(fn_name: str, name: str, arr: np.ndarray) -> None:
                 if name.startswith("k")
                 else "drop or impute the samples with missing targets"
             )
-            raise ValueError(
+            raise NonFiniteError(
                 f"{fn_name}: {name} contains NaN or inf (first in rows "
                 f"{rows.start}..{rows.stop - 1}). Fix: recompute it; {what}."
             )
@@ -249,7 +251,7 @@ def scan_train_kernel(fn_name: str, name: str, k2: np.ndarray, dtype) -> tuple[f
     for rows in row_chunks(m, m):
         block = np.asarray(k2[rows], np.float64)
         if not np.isfinite(block).all():
-            raise ValueError(
+            raise NonFiniteError(
                 f"{fn_name}: {name} contains NaN or inf (first in rows "
                 f"{rows.start}..{rows.stop - 1}). Fix: recompute it; a NaN kernel usually "
                 f"comes from NaN parameters or inputs, or from float32 overflow."
