@@ -1,10 +1,11 @@
-"""Measures the figures of the top-level README.md and rewrites them in place.
+"""Measures the figures of README.md and the guides in docs/ and rewrites them in place.
 
     python benchmarks/readme_figures.py                        # every part, then rewrite
     python benchmarks/readme_figures.py --only demo,doctor     # a subset
     python benchmarks/readme_figures.py --only demo --dry-run  # print, write nothing
 
-Each figure lives in README.md between marker comments (invisible on GitHub)::
+Each figure lives in one file (``FILES``: README.md or a guide in docs/) between marker
+comments (invisible on GitHub)::
 
     <!-- figures:NAME -->
     Measured DATE UTC on MACHINE ...: the figures.
@@ -22,7 +23,7 @@ Parts (``--only``, comma-separated; default all, in this order):
   compilation cache: the whole command's wall time (Python start-up included) and the
   demo's own ``seconds.total`` from its ``summary.json``, with its implementation, test
   accuracy and Flax-vs-Haiku difference.
-* ``cache``: JAX's persistent compilation cache as the README enables it
+* ``cache``: JAX's persistent compilation cache as docs/environment.md enables it
   (``JAX_COMPILATION_CACHE_DIR`` set to a new empty folder): one ``ntk demo`` without
   it, the run that fills it (and the bytes it wrote), then ``--cache-runs-after`` runs.
 * ``doctor``: ``ntk doctor`` in a fresh process: wall time, the checks' statuses and
@@ -59,6 +60,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+#: The file that holds each part's block.
+FILES = {
+    "demo": README,
+    "cache": DOCS / "environment.md",
+    "doctor": DOCS / "environment.md",
+    "half": DOCS / "options.md",
+    "c3": DOCS / "predictions.md",
+    "track": DOCS / "spectra-and-tracking.md",
+    "tests": README,
+}
 RESULTS = ROOT / "benchmarks" / "results_readme_figures.json"
 PARTS = ("demo", "cache", "doctor", "half", "c3", "track", "tests")
 TEST_COMMAND = ("-m", "pytest", "-n", "2", "--dist", "loadfile")
@@ -599,13 +611,15 @@ def _block(name: str) -> re.Pattern:
     )
 
 
-def replace_block(readme: str, name: str, body: str) -> str:
-    """README text with the block ``name`` holding ``body``; the block must exist once."""
+def replace_block(text: str, name: str, body: str) -> str:
+    """``text`` (of ``FILES[name]``) with the block ``name`` holding ``body``; the block
+    must exist once."""
     pattern = _block(name)
-    found = len(pattern.findall(readme))
+    found = len(pattern.findall(text))
     if found != 1:
-        raise ValueError(f"README.md: expected one block figures:{name}, found {found}")
-    return pattern.sub(lambda m: m.group(1) + body + m.group(3), readme)
+        where = FILES[name].relative_to(ROOT)
+        raise ValueError(f"{where}: expected one block figures:{name}, found {found}")
+    return pattern.sub(lambda m: m.group(1) + body + m.group(3), text)
 
 
 # ---------------------------------------------------------------- main
@@ -619,7 +633,7 @@ def main(argv=None) -> int:
         help=f"comma-separated parts to measure, of {','.join(PARTS)} (default: all)",
     )
     parser.add_argument(
-        "--dry-run", action="store_true", help="print the blocks; write neither README nor JSON"
+        "--dry-run", action="store_true", help="print the blocks; write neither the files nor JSON"
     )
     parser.add_argument("--repeat", type=int, default=1, help="runs of demo and doctor (1)")
     parser.add_argument(
@@ -631,9 +645,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
         parser.error(f"--only: unknown part(s) {unknown}; choose from {','.join(PARTS)}")
-    readme = README.read_text()
+    texts = {path: path.read_text() for path in {FILES[name] for name in parts}}
     for name in parts:  # fail before measuring, not after
-        replace_block(readme, name, "")
+        replace_block(texts[FILES[name]], name, "")
 
     m = machine()
     measure = {
@@ -656,20 +670,22 @@ def main(argv=None) -> int:
         results[name] = result
         body = wrap(TEXT[name](result))
         result["text"] = body
-        readme = replace_block(readme, name, body)
+        texts[FILES[name]] = replace_block(texts[FILES[name]], name, body)
         print(f"<!-- figures:{name} -->\n{body}\n<!-- /figures:{name} -->\n", flush=True)
 
     if args.dry_run:
-        print("--dry-run: README.md and the JSON left unchanged.", file=sys.stderr)
+        print("--dry-run: the files and the JSON left unchanged.", file=sys.stderr)
         return 0
-    README.write_text(readme)
+    for path, text in texts.items():
+        path.write_text(text)
     stored = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     for result in results.values():
         for run in result.get("runs", []):
             run.pop("stdout", None)
     stored.update(results)
     RESULTS.write_text(json.dumps(stored, indent=2, ensure_ascii=False) + "\n")
-    print(f"wrote {README} and {RESULTS}", file=sys.stderr)
+    written = ", ".join(str(path) for path in texts)
+    print(f"wrote {written} and {RESULTS}", file=sys.stderr)
     return 0
 
 

@@ -446,8 +446,8 @@ def doctor(checks: Sequence[Check] | None = None, *, self_test: bool = True) -> 
 
     Cost: the full NTK (N1 = 4, N2 = 3, O = 2) of a LeNet on 16x16x3 inputs with three
     implementations, and with Flax and Haiku: a few dozen small compilations, which
-    dominate (the whole ``ntk doctor`` command: see the README's figure, written by
-    ``benchmarks/readme_figures.py``); the kernels themselves take milliseconds.
+    dominate (the whole ``ntk doctor`` command: see the figure in docs/environment.md,
+    written by ``benchmarks/readme_figures.py``); the kernels themselves take milliseconds.
 
     Example:
       >>> import ntk_core

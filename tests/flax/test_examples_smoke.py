@@ -1,6 +1,7 @@
 """The tracking examples (examples/track_digits_linen.py, examples/track_digits_nnx.py)
 and ``ntk track`` at a tiny size: they run, and write a figure and a summary whose
-metrics are finite, with kernel distance 0 at step 0. Full sizes: README."""
+metrics are finite, with kernel distance 0 at step 0. Full sizes:
+docs/spectra-and-tracking.md."""
 
 from __future__ import annotations
 

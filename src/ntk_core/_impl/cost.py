@@ -310,7 +310,7 @@ class Rates:
 #: 29 MFLOP of kernel gradient) took 2.6 ms alone and 27.8 ms per step of ``lax.map``
 #: (load 0.2-0.7; its JVP 1.4 and 1.3 ms: forward mode is not slowed), 1/115 of the
 #: matrix-product rate; the blocked whole-batch Jacobian measured 8x in a loop against
-#: alone earlier (README, ``vmap_axes=None``). 100: the conservative end. Explicit
+#: alone earlier (benchmarks/README.md, ``vmap_axes=None``). 100: the conservative end. Explicit
 #: per-sample Jacobians (``"ca,oak->cok"`` per sample, in batches of a few MiB of
 #: patches): the nine convolutions of the ResNet-style CNN at N = 128, O = 10 (32 GFLOP,
 #: A = 64-1024, C = 16-576, K = 16-64) ran at 36 GFLOP/s against 84 for the 2000x2000
