@@ -137,21 +137,30 @@ DEFAULT_MEMORY_BUDGET = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
-    """Validated, hashable options of one kernel function."""
+    """Validated, hashable options of one kernel function, with their defaults: the one
+    place the defaults are written (public signatures read them from :data:`DEFAULTS`).
 
-    trace_axes: Axes
-    diagonal_axes: Axes
-    vmap_axes: int | None
-    implementation: str
-    precision: str
+    The first five say what is computed (the kernel options), the rest how (the blocked
+    engine's execution options); :func:`make_options` validates both.
+    """
+
+    trace_axes: Axes = (-1,)
+    diagonal_axes: Axes = ()
+    vmap_axes: int | None = 0
+    implementation: str = "auto"
+    precision: str = "highest"
     batch_size: int | str | None = None
     store_on_device: bool = False
     progress: bool | None = None
     memory_budget: int | None = None
-    out: str | None = None  # or a _store.Sink (Monte Carlo kernels, internal)
+    out: str | None = None  # or a _blocked.store.Sink (Monte Carlo kernels, internal)
     resume: bool = False
     overwrite: bool = False
     devices: tuple | None = None
+
+
+#: Every option at its default value; public signatures take their defaults from here.
+DEFAULTS = KernelOptions()
 
 
 def _axes(fn_name: str, name: str, value) -> Axes:
@@ -186,19 +195,19 @@ def _axes(fn_name: str, name: str, value) -> Axes:
 def make_options(
     fn_name: str,
     *,
-    trace_axes=(-1,),
-    diagonal_axes=(),
-    vmap_axes=0,
-    implementation="auto",
-    precision="highest",
-    batch_size=None,
-    store_on_device=False,
-    progress=None,
-    memory_budget=None,
-    out=None,
-    resume=False,
-    overwrite=False,
-    devices=None,
+    trace_axes=DEFAULTS.trace_axes,
+    diagonal_axes=DEFAULTS.diagonal_axes,
+    vmap_axes=DEFAULTS.vmap_axes,
+    implementation=DEFAULTS.implementation,
+    precision=DEFAULTS.precision,
+    batch_size=DEFAULTS.batch_size,
+    store_on_device=DEFAULTS.store_on_device,
+    progress=DEFAULTS.progress,
+    memory_budget=DEFAULTS.memory_budget,
+    out=DEFAULTS.out,
+    resume=DEFAULTS.resume,
+    overwrite=DEFAULTS.overwrite,
+    devices=DEFAULTS.devices,
 ) -> KernelOptions:
     """Validates the shared options; raises TypeError/ValueError naming ``fn_name``."""
     trace = _axes(fn_name, "trace_axes", trace_axes)

@@ -21,7 +21,7 @@ from ntk_core._kernel.checks import (
     is_non_finite_error,
     non_finite_error,
 )
-from ntk_core._kernel.options import make_options
+from ntk_core._kernel.options import DEFAULTS, make_options
 from ntk_core._monte_carlo.files import MonteCarloFiles, kind_options
 from ntk_core._predict.inference import Kernels
 
@@ -274,18 +274,18 @@ def monte_carlo_kernels(
     n_samples: int,
     batch_size_samples: int = 1,
     progress: bool | None = None,
-    trace_axes=(-1,),
-    diagonal_axes=(),
-    vmap_axes=0,
-    implementation="auto",
-    precision="highest",
-    batch_size=None,
-    store_on_device=False,
-    memory_budget=None,
-    out=None,
-    resume=False,
-    overwrite=False,
-    devices=None,
+    trace_axes=DEFAULTS.trace_axes,
+    diagonal_axes=DEFAULTS.diagonal_axes,
+    vmap_axes=DEFAULTS.vmap_axes,
+    implementation=DEFAULTS.implementation,
+    precision=DEFAULTS.precision,
+    batch_size=DEFAULTS.batch_size,
+    store_on_device=DEFAULTS.store_on_device,
+    memory_budget=DEFAULTS.memory_budget,
+    out=DEFAULTS.out,
+    resume=DEFAULTS.resume,
+    overwrite=DEFAULTS.overwrite,
+    devices=DEFAULTS.devices,
 ) -> Kernels:
     """Monte Carlo NNGP and NTK: empirical kernels averaged over random initialisations.
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from ntk_core._errors import NonFiniteError
 from ntk_core._jax.environment import _user_stacklevel
+from ntk_core._kernel.options import DEFAULTS
 from ntk_core._predict.linalg import (
     ACCEPT,
     Layout,
@@ -535,7 +536,7 @@ def gp_inference(
     *,
     diag_reg: float = 0.0,
     diag_reg_absolute_scale: bool = False,
-    trace_axes=(-1,),
+    trace_axes=DEFAULTS.trace_axes,
     fit_amplitude: bool = False,
     dtype=None,
     test_batch_size: int | None = None,
@@ -986,7 +987,7 @@ def gradient_descent_mse(
     learning_rate: float = 1.0,
     diag_reg: float = 0.0,
     diag_reg_absolute_scale: bool = False,
-    trace_axes=(-1,),
+    trace_axes=DEFAULTS.trace_axes,
     dtype=None,
     test_batch_size: int | None = None,
 ) -> GradientDescentMSE:
