@@ -1,6 +1,7 @@
 """Which optional frameworks this environment has, for tests of ``tests/core`` that also
-exercise Flax or Haiku: they run where the framework is installed and are skipped, with
-the reason, where only the core is (CI's core-only step installs ``.[test]`` alone)."""
+exercise Flax or Haiku, and for ``tests/equinox`` (Equinox): they run where the framework
+is installed and are skipped, with the reason, where only the core is (CI's core-only
+step installs ``.[test]`` alone)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,12 @@ def requires(*names: str):
     return pytest.mark.skipif(
         bool(missing), reason=f"needs {', '.join(missing)} (not installed: core-only run)"
     )
+
+
+def skip_module_unless(*names: str) -> None:
+    """Skips the calling test module, with the reason, where one of ``names`` is not
+    installed. Call it before importing them: where a package is missing, ``import
+    equinox`` would otherwise find ``tests/equinox`` as a namespace package."""
+    missing = [name for name in names if not installed(name)]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (not installed)", allow_module_level=True)

@@ -1,0 +1,14 @@
+"""ntk_equinox: empirical NTK and NNGP kernels of Equinox models via ``ntk_core``'s
+public API."""
+
+from ntk_equinox._kernel import kernel as kernel
+from ntk_equinox._kernel import kernel_fn as kernel_fn
+from ntk_equinox._kernel import nngp as nngp
+from ntk_equinox._kernel import plan as plan
+
+__all__ = (
+    "kernel",
+    "kernel_fn",
+    "nngp",
+    "plan",
+)

@@ -1,0 +1,150 @@
+"""Empirical NTK / NNGP of Equinox models, through ``ntk_core``'s public API only.
+
+``eqx.partition(model, eqx.is_inexact_array)`` splits a model into ``params`` (floating
+arrays, differentiated) and ``rest`` (functions, numbers, integer arrays: held fixed);
+the core gets ``apply(params, x) = jax.vmap(eqx.combine(params, rest))(x)``. The core
+caches compiled kernels per ``(apply_fn, options)`` compared with ``==``, and equal
+structures and ``rest`` give equal :class:`_Apply`: new weights do not recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+
+import equinox as eqx
+import jax
+
+import ntk_core
+
+
+@dataclasses.dataclass(frozen=True)
+class _Apply:
+    """``apply(params, x)`` of one model structure and fixed part, equal by ``key``:
+    the tree structure and the leaves (hashable ones by value, arrays by identity)."""
+
+    rest: object = dataclasses.field(compare=False)
+    key: tuple
+
+    def __call__(self, params, x):
+        return jax.vmap(eqx.combine(params, self.rest))(x)
+
+
+def _leaf_key(leaf):  # arrays (unhashable) by identity: the cached _Apply keeps them alive
+    return (type(leaf), leaf) if isinstance(leaf, Hashable) else (type(leaf), id(leaf))
+
+
+def _split(fn_name: str, model) -> tuple:
+    """``(params, apply)`` of ``model``, or the TypeError / ValueError of bad input."""
+    if not isinstance(model, eqx.Module) or not callable(model):
+        got = type(model).__name__ + (" (no __call__)" if isinstance(model, eqx.Module) else "")
+        raise TypeError(
+            f"{fn_name}: model must be a callable equinox.Module, model(x) on one sample; "
+            f"got {got}. Fix: pass the module first, {fn_name}(model, x1, x2=None) (give it "
+            f"a __call__); for a function apply_fn(params, x) use ntk_core.empirical_ntk."
+        )
+    params, rest = eqx.partition(model, eqx.is_inexact_array)
+    if not jax.tree.leaves(params):
+        raise ValueError(
+            f"{fn_name}: the model {type(model).__name__} has no floating-point array leaves "
+            f"(eqx.is_inexact_array) to differentiate; its leaves are "
+            f"{[type(v).__name__ for v in jax.tree.leaves(model)]}. Fix: hold the "
+            f"parameters as float arrays (jnp.asarray(w, jnp.float32)), not Python floats "
+            f"or integer arrays."
+        )
+    leaves, treedef = jax.tree.flatten(rest)
+    return params, _Apply(rest, (treedef, tuple(map(_leaf_key, leaves))))
+
+
+def _call(fn_name: str, core_fn, *args, **options):
+    """``core_fn(*args, **options)``, its errors prefixed with ``fn_name``."""
+    try:
+        return core_fn(*args, **options)
+    except (TypeError, ValueError) as e:
+        raise (TypeError if isinstance(e, TypeError) else ValueError)(f"{fn_name}: {e}") from e
+
+
+def kernel(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **options):
+    """Empirical NTK of an ``eqx.Module`` w.r.t. its floating-point array leaves.
+
+    Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p, f = ``model`` on one
+    sample, θ its ``eqx.is_inexact_array`` leaves; other leaves (functions, Python
+    numbers, integer arrays) are held fixed.
+
+    Args:
+      model: a callable ``eqx.Module``, ``model(x_i)`` on ONE sample.
+      x1: pytree of arrays, axis 0 of each leaf indexing N1 samples: ``jax.vmap(model)``.
+      x2: ``None`` (x2 is x1: exactly symmetric) or a batch like x1 of N2 samples.
+      trace_axes, implementation, **options (``diagonal_axes``, ``precision``,
+        ``batch_size``, ...): passed unchanged to ``ntk_core.empirical_ntk``; their
+        meaning is in ``ntk_core.ntk_fn``'s docstring.
+
+    Returns:
+      The output's dtype, ``(N1, N2)`` for outputs ``(O,)`` (traced axes averaged);
+      ``trace_axes=()``: ``(N1, N2, O, O)``; other options: ``ntk_core.ntk_fn``'s layout.
+
+    Raises:
+      TypeError: ``model`` not a callable ``eqx.Module``; unknown options.
+      ValueError: no floating-point array leaves; the core's (bad option values, shapes,
+        NaN), with ``ntk_equinox.kernel: `` prefixed.
+
+    Cost: as ``ntk_core.ntk_fn`` (``"jacobian"``: (N1 + N2)·O reverse passes, memory
+    (N1 + N2)·O·P); new weights of the same model reuse the compiled programs.
+
+    Example:
+      >>> import equinox as eqx, jax, ntk_equinox
+      >>> mlp = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.PRNGKey(0))
+      >>> ntk_equinox.kernel(mlp, jax.numpy.ones((4, 3)), trace_axes=()).shape
+      (4, 4, 2, 2)
+
+    References:
+      Jacot, Gabriel, Hongler, NeurIPS 2018; Novak, Sohl-Dickstein, Schoenholz, ICML 2022.
+    """
+    params, apply = _split("ntk_equinox.kernel", model)
+    o = dict(trace_axes=trace_axes, implementation=implementation, **options)
+    return _call("ntk_equinox.kernel", ntk_core.empirical_ntk, apply, params, x1, x2, **o)
+
+
+def kernel_fn(model, *, trace_axes=(-1,), implementation="auto", **options):
+    """``kernel(model, x1, x2=None)``: :func:`kernel` built once for models shaped like
+    ``model``, called with each training step's model. Args:, Returns:, Raises: (also a
+    ValueError for a model of another structure or fixed leaves), Cost: as :func:`kernel`
+    (x1: N1 samples). Example: ``ntk_equinox.kernel_fn(mlp)(mlp, x)``. References:
+    Jacot et al. 2018, Novak et al. 2022."""
+    name = "ntk_equinox.kernel_fn"
+    built = _split(name, model)[1]
+    o = dict(trace_axes=trace_axes, implementation=implementation, **options)
+    fn = _call(name, ntk_core.ntk_fn, built, **o)
+
+    def kernel(model, x1, x2=None):
+        params, apply = _split(f"{name}(...)", model)
+        if apply != built:
+            raise ValueError(
+                f"{name}(...)(model, x1, x2): got a model whose structure or fixed leaves "
+                f"(non-float fields) differ from those of the model it was built for. Fix: "
+                f"build ntk_equinox.kernel_fn(model) for it, or call ntk_equinox.kernel."
+            )
+        return _call(f"{name}(...)", fn, params, x1, x2)
+
+    return kernel
+
+
+def nngp(model, x1, x2=None, *, trace_axes=(-1,), **options):
+    """Empirical NNGP K(x1, x2)[i, j, a, b] = f_a(x1_i) · f_b(x2_j) of an ``eqx.Module``.
+    Args:, Returns: (``(N1, N2)`` by default), Raises: as :func:`kernel`; options as
+    ``ntk_core.empirical_nngp`` (no ``implementation``). Cost: one forward pass per
+    batch, N1·N2·O multiply-adds. Example: ``ntk_equinox.nngp(mlp, x)``. References:
+    Lee et al., ICLR 2018."""
+    params, apply = _split("ntk_equinox.nngp", model)
+    o = dict(trace_axes=trace_axes, **options)
+    return _call("ntk_equinox.nngp", ntk_core.empirical_nngp, apply, params, x1, x2, **o)
+
+
+def plan(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **options):
+    """What :func:`kernel` with these arguments (x1: N1 samples, x2: N2) would do, not
+    computed: ``ntk_core.plan``'s ``Plan`` (implementation, estimates, each leaf's
+    method). Args:, Raises: as :func:`kernel`. Returns: a ``Plan``. Cost: one abstract
+    trace. Example: ``print(ntk_equinox.plan(mlp, x))``. References: Novak et al. 2022."""
+    params, apply = _split("ntk_equinox.plan", model)
+    o = dict(trace_axes=trace_axes, implementation=implementation, **options)
+    return _call("ntk_equinox.plan", ntk_core.plan, apply, params, x1, x2, **o)

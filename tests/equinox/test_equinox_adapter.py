@@ -1,0 +1,311 @@
+"""ntk_equinox against the float64 reference and against ntk_flax with transplanted
+weights; non-array and integer fields held fixed; its errors; no retrace for new
+weights; and that it reaches ntk_core through public names only."""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import functools
+import importlib
+import pathlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import frameworks
+import reference
+
+frameworks.skip_module_unless("equinox")
+
+import equinox as eqx  # noqa: E402
+
+import ntk_equinox  # noqa: E402
+
+IMPLEMENTATIONS = ("jacobian", "structured", "ntvp", "auto")
+AXES = {"traced": (-1,), "full": ()}
+
+
+class CNN(eqx.Module):
+    conv: eqx.nn.Conv2d
+    linear: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(2, 3, 3, padding=1, key=k1)
+        self.linear = eqx.nn.Linear(3 * 5 * 5, 2, key=k2)
+
+    def __call__(self, x):  # one sample (C, H, W)
+        return self.linear(jnp.tanh(self.conv(x)).reshape(-1))
+
+
+MODELS = {
+    "mlp": (lambda key: eqx.nn.MLP(4, 3, 8, 2, activation=jnp.tanh, key=key), (4,)),
+    "cnn": (CNN, (2, 5, 5)),
+}
+
+
+@functools.cache
+def _setup(name):
+    make, shape = MODELS[name]
+    model = make(jax.random.PRNGKey(0))
+    x1 = jax.random.normal(jax.random.PRNGKey(1), (5, *shape))
+    x2 = jax.random.normal(jax.random.PRNGKey(2), (3, *shape))
+    return model, x1, x2
+
+
+@functools.cache
+def _reference(name, kind, axes, given):
+    """The float64 reference kernel of model ``name`` (once for every implementation)."""
+    model, x1, x2 = _setup(name)
+    f, params = _apply(model)
+    fn = reference.ntk if kind == "ntk" else reference.nngp
+    return fn(f, params, x1, x2 if given else None, trace_axes=AXES[axes])[0]
+
+
+def _apply(model):
+    """(f, params): the model as a batched function of its floating-point leaves."""
+    params, rest = eqx.partition(model, eqx.is_inexact_array)
+    return (lambda p, x: jax.vmap(eqx.combine(p, rest))(x)), params
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_kernel_matches_the_float64_reference(name, implementation):
+    model, x1, x2 = _setup(name)
+    for axes, trace_axes in AXES.items():
+        for given in (False, True):
+            k = ntk_equinox.kernel(
+                model,
+                x1,
+                x2 if given else None,
+                trace_axes=trace_axes,
+                implementation=implementation,
+            )
+            reference.assert_close(k, _reference(name, "ntk", axes, given))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_nngp_matches_the_outputs_products(name):
+    model, x1, x2 = _setup(name)
+    for axes, trace_axes in AXES.items():
+        for given in (False, True):
+            k = ntk_equinox.nngp(model, x1, x2 if given else None, trace_axes=trace_axes)
+            reference.assert_close(k, _reference(name, "nngp", axes, given))
+
+
+@frameworks.requires("flax")
+def test_the_same_mlp_in_flax_gives_the_same_kernels():
+    """eqx.nn.Linear holds weight (out, in); flax.linen.Dense holds kernel (in, out)."""
+    import flax.linen as nn
+
+    import ntk_flax
+
+    class FlaxMLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for width in (8, 8):
+                x = jnp.tanh(nn.Dense(width)(x))
+            return nn.Dense(3)(x)
+
+    model, x1, x2 = _setup("mlp")
+    params = {
+        f"Dense_{i}": {"kernel": layer.weight.T, "bias": layer.bias}
+        for i, layer in enumerate(model.layers)
+    }
+    variables = {"params": params}
+    np.testing.assert_allclose(FlaxMLP().apply(variables, x1), jax.vmap(model)(x1), rtol=1e-5)
+    for trace_axes in AXES.values():
+        for second in (None, x2):
+            kw = dict(trace_axes=trace_axes)
+            expected = np.asarray(ntk_flax.kernel(FlaxMLP(), variables, x1, second, **kw))
+            reference.assert_close(ntk_equinox.kernel(model, x1, second, **kw), expected)
+            expected = np.asarray(ntk_flax.nngp(FlaxMLP(), variables, x1, second, **kw))
+            reference.assert_close(ntk_equinox.nngp(model, x1, second, **kw), expected)
+
+
+class Picky(eqx.Module):
+    """Fields that are not differentiated: a function, a Python int and float, and an
+    integer array (which input features the first layer reads)."""
+
+    first: eqx.nn.Linear
+    last: eqx.nn.Linear
+    index: jax.Array
+    power: int
+    scale: float
+    activation: Callable
+
+    def __init__(self, index, power=2):
+        k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+        self.first = eqx.nn.Linear(len(index), 6, key=k1)
+        self.last = eqx.nn.Linear(6, 2, key=k2)
+        self.index, self.power, self.scale, self.activation = index, power, 0.5, jnp.tanh
+
+    def __call__(self, x):
+        h = self.activation(self.first(x[self.index]))
+        return self.last(self.scale * h**self.power)
+
+
+def test_non_array_and_integer_fields_are_held_fixed():
+    x = jax.random.normal(jax.random.PRNGKey(4), (4, 5))
+    leaves = [leaf.path for leaf in ntk_equinox.plan(Picky(jnp.array([0, 2, 4])), x).leaves]
+    assert len(leaves) == 4 and not any("index" in str(p) for p in leaves), leaves
+    # A new integer array or int of the same shapes is a new model, not a stale program.
+    for model in (
+        Picky(jnp.array([0, 2, 4])),
+        Picky(jnp.array([1, 3, 3])),
+        Picky(jnp.array([4, 4, 1]), 3),
+    ):
+        f, params = _apply(model)
+        assert [v.dtype for v in jax.tree.leaves(params)] == [jnp.float32] * 4
+        reference.assert_close(
+            ntk_equinox.kernel(model, x, trace_axes=()), reference.ntk(f, params, x, None, ())[0]
+        )
+
+
+class NoCall(eqx.Module):
+    weight: jax.Array
+
+
+class NoFloat(eqx.Module):
+    index: jax.Array
+    scale: float = 1.0
+
+    def __call__(self, x):
+        return x[self.index] * self.scale
+
+
+X = jnp.ones((4, 4))
+MLP = _setup("mlp")[0]
+BAD = [
+    (
+        lambda: ntk_equinox.kernel(lambda x: x, X),
+        TypeError,
+        r"^ntk_equinox.kernel: model must be a callable equinox.Module.*got function",
+    ),
+    (lambda: ntk_equinox.kernel(X, MLP), TypeError, r"got ArrayImpl. Fix: pass the module first"),
+    (lambda: ntk_equinox.kernel(NoCall(X), X), TypeError, r"got NoCall \(no __call__\)"),
+    (
+        lambda: ntk_equinox.nngp(NoFloat(jnp.arange(2)), X),
+        ValueError,
+        r"^ntk_equinox.nngp: the model NoFloat has no floating-point array leaves",
+    ),
+    (lambda: ntk_equinox.plan("mlp", X), TypeError, r"^ntk_equinox.plan: model must be"),
+    (
+        lambda: ntk_equinox.kernel(MLP, X, implementation="fast"),
+        ValueError,
+        r"^ntk_equinox.kernel: .*implementation must be one of",
+    ),
+    (
+        lambda: ntk_equinox.kernel(MLP, X, trace_axis=()),
+        TypeError,
+        r"^ntk_equinox.kernel: .*Did you mean 'trace_axes'",
+    ),
+    (
+        lambda: ntk_equinox.nngp(MLP, X, implementation="jacobian"),
+        TypeError,
+        r"^ntk_equinox.nngp: .*unknown keyword argument",
+    ),
+    (
+        lambda: ntk_equinox.kernel(MLP, jnp.ones((4, 5))),
+        ValueError,
+        r"^ntk_equinox.kernel: .*calling the model on x1",
+    ),
+    (
+        lambda: ntk_equinox.kernel(MLP, X.at[1, 0].set(jnp.nan)),
+        ValueError,
+        r"^ntk_equinox.kernel: .*NaN",
+    ),
+    (
+        lambda: ntk_equinox.kernel_fn(MLP, batch_size=-1),
+        ValueError,
+        r"^ntk_equinox.kernel_fn: .*batch_size",
+    ),
+    (
+        lambda: ntk_equinox.kernel_fn(MLP)(CNN(jax.random.PRNGKey(0)), X),
+        ValueError,
+        r"^ntk_equinox.kernel_fn\(...\)\(model, x1, x2\): .*differ from those",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, error, message", BAD)
+def test_bad_input_is_refused_with_its_fix(call, error, message):
+    with pytest.raises(error, match=message) as info:
+        call()
+    assert "Fix:" in str(info.value)
+
+
+TRACES: list[int] = []
+
+
+class Counting(eqx.Module):
+    hidden: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.hidden, self.out = eqx.nn.Linear(4, 6, key=k1), eqx.nn.Linear(6, 2, key=k2)
+
+    def __call__(self, x):
+        TRACES.append(1)  # runs only while JAX traces
+        return self.out(jnp.tanh(self.hidden(x)))
+
+
+def _compiles():
+    seen: list[str] = []
+
+    def listener(name, secs, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            seen.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    return seen
+
+
+COMPILES = _compiles()
+
+
+@pytest.mark.parametrize("build", ["kernel", "kernel_fn"])
+def test_new_weights_of_the_same_model_neither_retrace_nor_recompile(build):
+    """A training loop: each step's model (eqx.apply_updates, or a fresh init of the
+    same architecture) gives new kernels from the programs of the first call."""
+    x = jax.random.normal(jax.random.PRNGKey(5), (6, 4))
+    model = Counting(jax.random.PRNGKey(6))
+    kernel = ntk_equinox.kernel if build == "kernel" else ntk_equinox.kernel_fn(model)
+    models = [Counting(jax.random.PRNGKey(7))]  # a fresh init of the same architecture
+    for _ in range(3):  # made before counting: eager updates compile programs of their own
+        grads = jax.tree.map(lambda p: 0.1 * p, eqx.filter(model, eqx.is_inexact_array))
+        models.append(eqx.apply_updates(models[-1], grads))
+    first = kernel(model, x)
+    traces, compiles = len(TRACES), len(COMPILES)
+    kernels = [kernel(m, x) for m in models]
+    assert (len(TRACES), len(COMPILES)) == (traces, compiles)
+    assert len(COMPILES) > 0 and traces > 0  # the counters see this model's compilations
+    assert not any(np.allclose(first, k) for k in kernels)
+    f, params = _apply(models[-1])
+    reference.assert_close(kernels[-1], reference.ntk(f, params, x, None)[0])
+
+
+def test_docstrings_and_public_seam():
+    """Every public function documents shapes, errors, cost, example and source; the
+    adapter imports no private name of ntk_core."""
+    for name in ntk_equinox.__all__:
+        doc = getattr(ntk_equinox, name).__doc__
+        for part in ("N1", "Args:", "Returns:", "Raises:", "Cost", "Example", "Reference"):
+            assert part in doc, (name, part)
+    module = importlib.import_module("ntk_equinox._kernel")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
+    source = pathlib.Path(module.__file__)
+    tree = ast.parse(source.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.module is None or not node.module.startswith("ntk_core"), node.module
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "ntk_core":
+                assert not node.attr.startswith("_"), node.attr
+    assert len(source.read_text().splitlines()) <= 150
