@@ -566,7 +566,7 @@ def model_digest(closed) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class FileLayout:
     """What a blocked call's file holds: its ``shape`` and ``dtype``, ``perms`` (the
     axis permutation of a mirror tile, x2=None), ``batch_diagonal`` (a kernel of the
     per-sample diagonal ``(N, ...)``), ``described`` (the options and the model's
@@ -587,7 +587,7 @@ class Sink:
 
     path: str
 
-    def open(self, fn: str, layout: Layout, x1, x2, params, aux) -> NpyStore:
+    def open(self, fn: str, layout: FileLayout, x1, x2, params, aux) -> NpyStore:
         raise NotImplementedError
 
 
@@ -631,7 +631,7 @@ def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
         "precision": options.precision,
         "model (its jaxpr)": model,
     }
-    layout = Layout(
+    layout = FileLayout(
         shape,
         np.dtype(one.dtype),
         [swap_perm(layout) for layout in leaf_layouts(config)],

@@ -185,7 +185,7 @@ class RunningSum(_store.Sink):
             )
         return first
 
-    def fingerprint(self, layout: _store.Layout, sample: int, dtype) -> dict:
+    def fingerprint(self, layout: _store.FileLayout, sample: int, dtype) -> dict:
         return {
             **self.files.common,
             "sample": sample,

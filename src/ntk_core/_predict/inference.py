@@ -20,7 +20,7 @@ from ntk_core._jax.environment import _user_stacklevel
 from ntk_core._kernel.options import DEFAULTS
 from ntk_core._predict.linalg import (
     ACCEPT,
-    Layout,
+    FlatLayout,
     Solver,
     as_host_array,
     check_diag_reg,
@@ -121,7 +121,7 @@ class _Train:
     """One train-train kernel: validated, flattened, regularised and factored."""
 
     def __init__(
-        self, fn_name, name, k, layout: Layout, diag_reg, absolute, dtype, method, factor=None
+        self, fn_name, name, k, layout: FlatLayout, diag_reg, absolute, dtype, method, factor=None
     ):
         k = as_host_array(fn_name, name, k)
         layout.check_pair(name, k, layout.n, layout.n)
@@ -258,7 +258,7 @@ class GPInference(_TestSide):
     def __init__(self, fn_name, k_train_train, y_train, opts):
         self._fn = fn_name
         y = as_host_array(fn_name, "y_train", y_train)
-        self._layout = Layout(fn_name, y.shape, opts["trace_axes"])
+        self._layout = FlatLayout(fn_name, y.shape, opts["trace_axes"])
         check_finite(fn_name, "y_train", y)
         self._y = np.asarray(self._layout.flat_y(y), np.float64)
         self._y_size = y.size
@@ -715,7 +715,7 @@ class GradientDescentMSE(_TestSide):
     def __init__(self, fn_name, k_train_train, y_train, learning_rate, opts):
         self._fn = fn_name
         y = as_host_array(fn_name, "y_train", y_train)
-        self._layout = lay = Layout(fn_name, y.shape, opts["trace_axes"])
+        self._layout = lay = FlatLayout(fn_name, y.shape, opts["trace_axes"])
         check_finite(fn_name, "y_train", y)
         self._y_shape, self._y_size = y.shape, y.size
         self._y = np.asarray(lay.flat_y(y), np.float64)

@@ -122,7 +122,7 @@ def check_finite(fn_name: str, name: str, arr: np.ndarray) -> None:
             )
 
 
-class Layout:
+class FlatLayout:
     """Maps the neural-tangents kernel layout to flat matrices and back.
 
     ``y_train`` has shape ``(N, *O)``; ``trace_axes`` name axes of ``y_train`` that the
