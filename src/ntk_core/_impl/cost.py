@@ -32,12 +32,16 @@ import math
 import jax
 
 from ntk_core._impl import jacobian as _jacobian
+from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._jax.jaxpr_walk import entries, is_literal, sub_jaxprs, sub_operands, values_written
 from ntk_core._structured import analysis as _structured
 from ntk_core._structured.analysis import choose_modes, pair_costs
 
 #: Bytes of per-sample Jacobians above which ``"auto"`` avoids ``"jacobian"``.
 JACOBIAN_MEMORY_BUDGET = 4 * 2**30
+#: What ``"auto"`` takes when no estimate fits :data:`JACOBIAN_MEMORY_BUDGET`: the
+#: implementation without features (``"ntvp"``).
+NO_FEATURES = next(name for name, impl in REGISTRY.items() if impl.features is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +72,12 @@ class Plan:
     whole_batch: object = None
 
     def __str__(self) -> str:
-        how = " (chosen by implementation='auto')" if self.requested == "auto" else ""
-        if self.requested == "structured" and self.implementation == "jacobian":
-            how = (
-                " (implementation='structured' with vmap_axes=None: the whole batch is "
-                "differentiated, there is no per-sample structure to use)"
+        how = f" (chosen by implementation={AUTO!r})" if self.requested == AUTO else ""
+        requested = REGISTRY.get(self.requested)  # None: "auto"
+        if requested is not None and self.implementation != requested.name:
+            how = (  # it needs per-sample independence (Impl.whole_batch_as)
+                f" (implementation={requested.name!r} with vmap_axes=None: the whole batch "
+                f"is differentiated, there is no per-sample structure to use)"
             )
         lines = [
             f"implementation: {self.implementation}{how}",
@@ -620,5 +625,5 @@ def choose(estimates, blocked: bool = False) -> str:
         return min(estimates, key=lambda e: e.seconds).implementation
     fitting = [e for e in estimates if e.memory_bytes <= JACOBIAN_MEMORY_BUDGET]
     if not fitting:
-        return "ntvp"
+        return NO_FEATURES
     return min(fitting, key=lambda e: e.seconds).implementation
