@@ -16,8 +16,9 @@ How to add an implementation:
    pair_terms=...)``.
 2. Add one line ``"<name>": <NAME>,`` to :data:`REGISTRY` below: the option accepts it
    (``IMPLEMENTATIONS``), ``plan()`` and ``"auto"`` consider it, the executors run it.
-3. Give it a cost in :func:`ntk_core._impl.cost.estimate` (estimates are keyed by
-   name, in the registry's order), and tests (tests/core/test_reference_grid.py).
+3. Add its cost formula ``<name>_estimate(call) -> CostEstimate`` and one line to
+   ``ntk_core._impl.cost.ESTIMATES`` (``estimate`` returns them in the registry's
+   order), and tests (tests/core/test_reference_grid.py, tests/core/test_cost_model.py).
 """
 
 from __future__ import annotations
