@@ -67,9 +67,10 @@ from jax import lax
 from ntk_core._blocked.barrier import barrier
 from ntk_core._blocked.progress import progress_bar
 from ntk_core._impl.cost import human_bytes
+from ntk_core._impl.registry import PHASES
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel.layout import leaf_layouts, swap_perm
-from ntk_core._kernel.options import DEFAULT_MEMORY_BUDGET
+from ntk_core._kernel.options import AUTO_BATCH_SIZE, DEFAULT_MEMORY_BUDGET
 
 
 def default_memory_budget() -> int:
@@ -280,23 +281,12 @@ class _Progress:
 
 
 def _pair_bytes(config, kernel_bytes: float, out_sizes, itemsize) -> float:
-    """W: working bytes per pair of samples (the tile and its temporaries, estimated)."""
+    """W: working bytes per pair of samples (the tile and its temporaries, estimated):
+    the implementation's kernel-sized terms per pair (``Impl.pair_terms``)."""
     n_out = config.out_tree.num_leaves
-    if config.implementation == "ntvp":
+    terms = PHASES[config.implementation].pair_terms(config)
+    if terms is None:  # no features: the tile and the outputs' O x O products
         return kernel_bytes + itemsize * sum(o * o for o in out_sizes)
-    if config.implementation == "structured":
-        structure = config.structure
-        fallback, groups, modes = structure.fallback, structure.groups, structure.modes
-        # A Gram-form group holds an input and a cotangent Gram matrix per pair of its
-        # uses; a per-sample-Jacobian group ("explicit") one contraction, as a fallback.
-        terms = len(fallback) + sum(
-            1 if mode == "explicit" else 2 * len(g) ** 2
-            for g, mode in zip(groups, modes, strict=True)
-        )
-    elif config.implementation == "jacobian":
-        terms = config.params_tree.num_leaves
-    else:
-        terms = 1
     return kernel_bytes * (2 + terms * n_out) / n_out if n_out else kernel_bytes
 
 
@@ -362,7 +352,7 @@ def tiling(implementation, config, options, params, x1, x2, aux) -> Tiling:
     # left for features and tiles (a result larger than the budget is the caller's call).
     available = max(budget - (out_bytes if options.store_on_device else 0), budget // 4)
     b = options.batch_size
-    if b == "auto":
+    if b == AUTO_BATCH_SIZE:
         b = auto_batch_size(
             n1, n2, feature_bytes, pair_bytes, available, batch_diagonal, symmetric=same
         )

@@ -32,12 +32,16 @@ import math
 import jax
 
 from ntk_core._impl import jacobian as _jacobian
+from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._jax.jaxpr_walk import entries, is_literal, sub_jaxprs, sub_operands, values_written
 from ntk_core._structured import analysis as _structured
 from ntk_core._structured.analysis import choose_modes, pair_costs
 
 #: Bytes of per-sample Jacobians above which ``"auto"`` avoids ``"jacobian"``.
 JACOBIAN_MEMORY_BUDGET = 4 * 2**30
+#: What ``"auto"`` takes when no estimate fits :data:`JACOBIAN_MEMORY_BUDGET`: the
+#: implementation without features (``"ntvp"``).
+NO_FEATURES = next(name for name, impl in REGISTRY.items() if impl.features is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +72,12 @@ class Plan:
     whole_batch: object = None
 
     def __str__(self) -> str:
-        how = " (chosen by implementation='auto')" if self.requested == "auto" else ""
-        if self.requested == "structured" and self.implementation == "jacobian":
-            how = (
-                " (implementation='structured' with vmap_axes=None: the whole batch is "
-                "differentiated, there is no per-sample structure to use)"
+        how = f" (chosen by implementation={AUTO!r})" if self.requested == AUTO else ""
+        requested = REGISTRY.get(self.requested)  # None: "auto"
+        if requested is not None and self.implementation != requested.name:
+            how = (  # it needs per-sample independence (Impl.whole_batch_as)
+                f" (implementation={requested.name!r} with vmap_axes=None: the whole batch "
+                f"is differentiated, there is no per-sample structure to use)"
             )
         lines = [
             f"implementation: {self.implementation}{how}",
@@ -419,35 +424,16 @@ def estimate(
       Estimates for ``"jacobian"``, ``"ntvp"`` and ``"structured"``.
     """
     closed = jaxpr if jaxpr is not None else jax.make_jaxpr(single_fn)(params, x_one, aux)
-    all_pairs = pairs
-
-    def contracted(feature_bytes):
-        """Pairs the feature methods contract (the triangle, where it applies)."""
-        k = 1 if triangle is None else triangle(n1, feature_bytes)
-        return all_pairs * (k + 1) / (2 * k)
-
     param_leaves = jax.tree.leaves(params)
     n_p, n_x = len(param_leaves), len(jax.tree.leaves(x_one))
     depends = [(True, False)] * n_p + [(False, True)] * n_x
     depends += [(False, False)] * (len(closed.jaxpr.invars) - len(depends))
     pc = pass_cost(closed.jaxpr, depends)
-    forward = max(pc.forward, 1.0)
     rates = rates_for()
-    slow = rates.conv_weight_grad_slowdown - 1.0
     leaf_sizes = [math.prod(p.shape) for p in param_leaves]
-    n_params = sum(leaf_sizes)
     itemsize = max((jax.numpy.dtype(p.dtype).itemsize for p in param_leaves), default=4)
     out_total = sum(out_sizes)
     o_pair = sum(pair_sizes)
-    n_jac = n1 if symmetric else n1 + n2
-    grad_w = pc.grad_weights_dot + pc.grad_weights_conv
-    reverse = pc.grad_activations + grad_w + pc.grad_elementwise
-    # Samples each output cotangent's reverse pass traverses, summed over the samples
-    # whose Jacobians are formed: one each per sample, the whole batch with vmap_axes=None.
-    reversed_jac = n_jac if whole_batch is None else n1 * n1 + (0 if symmetric else n2 * n2)
-    reversed_ntvp = n2 if whole_batch is None else n2 * n2
-    batch_bytes_jac = 0 if whole_batch is None else whole_batch.peak_bytes
-
     # Memory beside the features: the kernel (twice for a Gram matrix: its
     # symmetrisation writes a second copy; its values per pair are ``kernel_sizes``,
     # not O', which counts a traced axis's products) and the per-sample passes in
@@ -458,50 +444,137 @@ def estimate(
     # first call's with its programs loaded from the compilation cache).
     values = values_written(closed.jaxpr)
     entries_pair = o_pair if kernel_sizes is None else sum(kernel_sizes)
-    kernel_bytes = all_pairs * entries_pair * itemsize * (2 if symmetric else 1)
-    passes_bytes = (out_total + 1) * values * itemsize // 2
-    # "ntvp": each column's JVP over x1 (per sample, vmapped: the forward values of the
-    # x1 batch). Over the whole batch: the residuals of x2's forward pass, then per
+    call = Call(
+        n1=n1,
+        n2=n2,
+        all_pairs=pairs,
+        symmetric=symmetric,
+        triangle=triangle,
+        whole_batch=whole_batch,
+        analysis=analysis,
+        pc=pc,
+        forward=max(pc.forward, 1.0),
+        rates=rates,
+        leaf_sizes=leaf_sizes,
+        n_params=sum(leaf_sizes),
+        itemsize=itemsize,
+        out_sizes=out_sizes,
+        out_total=out_total,
+        o_pair=o_pair,
+        n_jac=n1 if symmetric else n1 + n2,
+        grad_w=pc.grad_weights_dot + pc.grad_weights_conv,
+        values=values,
+        kernel_bytes=pairs * entries_pair * itemsize * (2 if symmetric else 1),
+        passes_bytes=(out_total + 1) * values * itemsize // 2,
+        fwd_x=rates.conv_channel_slowdown * pc.conv_forward_extra,
+        act_x=rates.conv_channel_slowdown * pc.conv_activation_extra,
+        # Separate contraction einsums: narrow Jacobians are merged into one
+        # (_jacobian.merge).
+        merge_limit=_jacobian.merge_limit(max(n1, n2), out_total, o_pair),
+    )
+    return tuple(ESTIMATES[name](call) for name in REGISTRY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What every implementation's estimate reads (:func:`estimate`): the call's sizes,
+    the single-sample :class:`PassCost` ``pc`` and the backend's :class:`Rates`."""
+
+    n1: int
+    n2: int
+    all_pairs: int
+    symmetric: bool
+    triangle: object
+    whole_batch: object
+    analysis: object
+    pc: PassCost
+    forward: float  # F, at least 1
+    rates: Rates
+    leaf_sizes: list
+    n_params: int
+    itemsize: int
+    out_sizes: list
+    out_total: int  # O
+    o_pair: int  # O'
+    n_jac: int  # samples whose features are formed: N1 (+ N2 unless symmetric)
+    grad_w: float
+    values: int  # values written by one sample's forward pass
+    kernel_bytes: float
+    passes_bytes: int
+    fwd_x: float
+    act_x: float
+    merge_limit: int
+
+    @property
+    def reverse(self) -> float:
+        pc = self.pc
+        return pc.grad_activations + self.grad_w + pc.grad_elementwise
+
+    def contracted(self, feature_bytes) -> float:
+        """Pairs the feature methods contract (the triangle, where it applies)."""
+        k = 1 if self.triangle is None else self.triangle(self.n1, feature_bytes)
+        return self.all_pairs * (k + 1) / (2 * k)
+
+    def seconds(self, flops, slow_flops, nbytes, passes, passed_pairs, channel_flops=0.0):
+        """Time: FLOPs at the matrix-product rate, plus the slow ones, the einsum
+        passes and the bytes (see :func:`estimate`)."""
+        rates = self.rates
+        slow = rates.conv_weight_grad_slowdown - 1.0
+        extra = (
+            slow * slow_flops + passes * passed_pairs * self.o_pair * _jacobian.EINSUM_PASS_FLOPS
+        )
+        extra += channel_flops
+        return (flops + extra) / rates.flops_per_s + nbytes / rates.bytes_per_s
+
+
+def jacobian_estimate(c: Call) -> CostEstimate:
+    """``"jacobian"``: n·(F + O·(G_a + G_w + G_e)) + 2·pairs·O'·P FLOPs."""
+    # Samples each output cotangent's reverse pass traverses, summed over the samples
+    # whose Jacobians are formed: one each per sample, the whole batch with vmap_axes=None.
+    n1, n2, whole_batch = c.n1, c.n2, c.whole_batch
+    reversed_jac = c.n_jac if whole_batch is None else n1 * n1 + (0 if c.symmetric else n2 * n2)
+    batch_bytes_jac = 0 if whole_batch is None else whole_batch.peak_bytes
+    jac_bytes = c.n_jac * c.out_total * c.n_params * c.itemsize
+    jac_pairs = c.contracted(jac_bytes)
+    jac_flops = (
+        c.n_jac * c.forward
+        + reversed_jac * c.out_total * c.reverse
+        + 2.0 * jac_pairs * c.o_pair * c.n_params
+    )
+    return CostEstimate(
+        "jacobian",
+        jac_flops,
+        float(
+            1.5 * jac_bytes  # the Jacobians, and (wide leaves) the contraction's copy
+            + c.kernel_bytes
+            + (c.n_jac * c.passes_bytes if whole_batch is None else batch_bytes_jac)
+        ),
+        c.seconds(
+            jac_flops,
+            reversed_jac * c.out_total * c.pc.grad_weights_conv,
+            2 * jac_bytes,
+            _jacobian.einsum_count(c.leaf_sizes, c.merge_limit),
+            jac_pairs,
+            c.n_jac * c.fwd_x + reversed_jac * c.out_total * c.act_x,
+        ),
+    )
+
+
+def ntvp_estimate(c: Call) -> CostEstimate:
+    """``"ntvp"``: N2·(F + O·(G_a + G_w + G_e)) + pairs·O·(G_a + G_w + G_e)."""
+    n1, n2, whole_batch, pc = c.n1, c.n2, c.whole_batch, c.pc
+    out_total, all_pairs, itemsize = c.out_total, c.all_pairs, c.itemsize
+    reversed_ntvp = n2 if whole_batch is None else n2 * n2
+    # Each column's JVP over x1 (per sample, vmapped: the forward values of the x1
+    # batch). Over the whole batch: the residuals of x2's forward pass, then per
     # column one cotangent's reverse pass and one JVP over x1, one after the other in
     # the loop's body; forward mode keeps a value only to its last use, about as many
     # live as the reverse pass's cotangents (WholeBatch: half the batch's values), so
     # the peak holds one of the two transients, not both.
     batch_bytes_ntvp = (
-        n1 * values * itemsize
+        n1 * c.values * itemsize
         if whole_batch is None
         else whole_batch.residual_bytes + whole_batch.cotangent_bytes
-    )
-    fwd_x = rates.conv_channel_slowdown * pc.conv_forward_extra
-    act_x = rates.conv_channel_slowdown * pc.conv_activation_extra
-
-    def seconds(flops, slow_flops, nbytes, passes, passed_pairs, channel_flops=0.0):
-        extra = slow * slow_flops + passes * passed_pairs * o_pair * _jacobian.EINSUM_PASS_FLOPS
-        extra += channel_flops
-        return (flops + extra) / rates.flops_per_s + nbytes / rates.bytes_per_s
-
-    # Separate contraction einsums: narrow Jacobians are merged into one (_jacobian.merge).
-    limit = _jacobian.merge_limit(max(n1, n2), out_total, o_pair)
-    jac_bytes = n_jac * out_total * n_params * itemsize
-    jac_pairs = contracted(jac_bytes)
-    jac_flops = (
-        n_jac * forward + reversed_jac * out_total * reverse + 2.0 * jac_pairs * o_pair * n_params
-    )
-    jac = CostEstimate(
-        "jacobian",
-        jac_flops,
-        float(
-            1.5 * jac_bytes  # the Jacobians, and (wide leaves) the contraction's copy
-            + kernel_bytes
-            + (n_jac * passes_bytes if whole_batch is None else batch_bytes_jac)
-        ),
-        seconds(
-            jac_flops,
-            reversed_jac * out_total * pc.grad_weights_conv,
-            2 * jac_bytes,
-            _jacobian.einsum_count(leaf_sizes, limit),
-            jac_pairs,
-            n_jac * fwd_x + reversed_jac * out_total * act_x,
-        ),
     )
     # Per pair and output: one JVP over x1's sample, whose primal XLA hoists out of the
     # loop over columns; its tangent costs about one reverse pass (each product with a
@@ -514,32 +587,40 @@ def estimate(
     if whole_batch is None:
         ntvp_grouped, ntvp_loop = reversed_ntvp + all_pairs, 0.0
     else:
-        loop_slow = rates.conv_weight_grad_loop_slowdown - 1.0
+        loop_slow = c.rates.conv_weight_grad_loop_slowdown - 1.0
         ntvp_grouped = 0
         ntvp_loop = loop_slow * reversed_ntvp * out_total * pc.grad_weights_conv
+    reverse = c.reverse
     ntvp_flops = (
-        n2 * forward + reversed_ntvp * out_total * reverse + all_pairs * out_total * reverse
+        n2 * c.forward + reversed_ntvp * out_total * reverse + all_pairs * out_total * reverse
     )
-    ntvp = CostEstimate(
+    return CostEstimate(
         "ntvp",
         ntvp_flops,
         float(
-            out_total * n_params * itemsize
-            + n1 * out_total * max(out_sizes) * itemsize
+            out_total * c.n_params * itemsize
+            + n1 * out_total * max(c.out_sizes) * itemsize
             + batch_bytes_ntvp
-            + kernel_bytes
+            + c.kernel_bytes
         ),
-        seconds(
+        c.seconds(
             ntvp_flops,
             ntvp_grouped * out_total * pc.grad_weights_conv,
             0.0,
             out_total,
             all_pairs,
-            n2 * fwd_x + (reversed_ntvp * act_x + all_pairs * fwd_x) * out_total + ntvp_loop,
+            n2 * c.fwd_x + (reversed_ntvp * c.act_x + all_pairs * c.fwd_x) * out_total + ntvp_loop,
         ),
     )
+
+
+def structured_estimate(call: Call) -> CostEstimate:
+    """``"structured"``: n·(F + O·(G_a + G_e + G_w·P_fb/P)) + the per-sample work of
+    each leaf's form + pairs·(2·O'·P_fb + Σ leaf pair costs)."""
+    analysis, leaf_sizes, pc = call.analysis, call.leaf_sizes, call.pc
+    o_pair, out_total, n_jac, itemsize = call.o_pair, call.out_total, call.n_jac, call.itemsize
     p_fallback = sum(leaf_sizes[i] for i in analysis.fallback)
-    share = p_fallback / max(n_params, 1)
+    share = p_fallback / max(call.n_params, 1)
     per_pair = 2.0 * o_pair * p_fallback
     per_sample = out_total * p_fallback  # values stored per sample
     per_sample_flops = 0.0  # beyond the reverse pass
@@ -567,32 +648,31 @@ def estimate(
                 per_sample += use.a_size * (c + out_total * use.w_free_size)
             per_pair += gram
             gram_terms += len(group) ** 2
-    reverse_structured = pc.grad_activations + pc.grad_elementwise + share * grad_w
+    reverse_structured = pc.grad_activations + pc.grad_elementwise + share * call.grad_w
     structured_bytes = n_jac * per_sample * itemsize
-    structured_pairs = contracted(structured_bytes)
+    structured_pairs = call.contracted(structured_bytes)
     structured_flops = (
-        n_jac * (forward + out_total * reverse_structured + per_sample_flops)
+        n_jac * (call.forward + out_total * reverse_structured + per_sample_flops)
         + structured_pairs * per_pair
     )
-    structured = CostEstimate(
+    return CostEstimate(
         "structured",
         structured_flops,
         float(
             structured_bytes
-            + kernel_bytes
-            + feature_chunk(n_jac, out_total, values, per_sample, itemsize) * passes_bytes
+            + call.kernel_bytes
+            + feature_chunk(n_jac, out_total, call.values, per_sample, itemsize) * call.passes_bytes
         ),
-        seconds(
+        call.seconds(
             structured_flops,
             n_jac * out_total * share * pc.grad_weights_conv,
             2 * structured_bytes,
-            _jacobian.einsum_count(widths, limit) + gram_terms,
+            _jacobian.einsum_count(widths, call.merge_limit) + gram_terms,
             structured_pairs,
-            n_jac * (fwd_x + out_total * act_x)
-            + n_jac * (rates.explicit_jacobian_slowdown - 1.0) * explicit_flops,
+            n_jac * (call.fwd_x + out_total * call.act_x)
+            + n_jac * (call.rates.explicit_jacobian_slowdown - 1.0) * explicit_flops,
         ),
     )
-    return jac, ntvp, structured
 
 
 def feature_chunk(n: int, out_total: int, values: int, feature_values: int, itemsize: int) -> int:
@@ -604,6 +684,15 @@ def feature_chunk(n: int, out_total: int, values: int, feature_values: int, item
     most = int(min(n, max(1, _structured.FEATURE_CHUNK_BYTES // max(per, 1))))
     pieces = -(-n // most)
     return -(-n // pieces)
+
+
+#: Each implementation's estimate (:func:`estimate` returns them in the registry's
+#: order): a new implementation adds its formula here.
+ESTIMATES = {
+    "jacobian": jacobian_estimate,
+    "ntvp": ntvp_estimate,
+    "structured": structured_estimate,
+}
 
 
 def choose(estimates, blocked: bool = False) -> str:
@@ -620,5 +709,5 @@ def choose(estimates, blocked: bool = False) -> str:
         return min(estimates, key=lambda e: e.seconds).implementation
     fitting = [e for e in estimates if e.memory_bytes <= JACOBIAN_MEMORY_BUDGET]
     if not fitting:
-        return "ntvp"
+        return NO_FEATURES
     return min(fitting, key=lambda e: e.seconds).implementation

@@ -18,6 +18,7 @@ import jax
 from ntk_core._blocked import store as _store
 from ntk_core._blocked import tiles as _blocked
 from ntk_core._impl import phases as _implementations
+from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel import executor as _executor
 from ntk_core._kernel import planner as _planner
@@ -33,15 +34,18 @@ class Engine:
       spec: the kernel function (:class:`~ntk_core._kernel.pipeline.Spec`).
 
     Raises:
-      ValueError: per-leaf kernels with ``implementation="ntvp"``.
+      ValueError: per-leaf kernels with an implementation that does not separate
+        the parameter leaves (``"ntvp"``).
     """
 
     def __init__(self, spec: Spec):
-        if spec.kind == "ntk_per_leaf" and spec.options.implementation == "ntvp":
+        impl = REGISTRY.get(spec.options.implementation)  # None: "auto"
+        if spec.kind == "ntk_per_leaf" and impl is not None and not impl.separates_leaves:
+            separating = [repr(name) for name, i in REGISTRY.items() if i.separates_leaves]
             raise ValueError(
-                f"{spec.fn_name}: per-leaf kernels need implementation 'jacobian', "
-                f"'structured' or 'auto', got 'ntvp' (NTK-vector products do not separate "
-                f"the leaves). Fix: pass implementation='auto'."
+                f"{spec.fn_name}: per-leaf kernels need implementation "
+                f"{', '.join(separating)} or {AUTO!r}, got {impl.name!r} ({impl.title} do "
+                f"not separate the leaves). Fix: pass implementation={AUTO!r}."
             )
         self.spec = spec
         self._prepared: dict = {}  # input signature -> (Checked, Config)

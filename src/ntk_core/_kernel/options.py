@@ -97,10 +97,13 @@ import numbers
 import os
 from collections.abc import Sequence
 
+from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._kernel.layout import Axes
 
-#: Valid values of ``implementation``.
-IMPLEMENTATIONS = ("auto", "jacobian", "ntvp", "structured")
+#: Valid values of ``implementation``: ``"auto"`` and the registry's names.
+IMPLEMENTATIONS = (AUTO, *REGISTRY)
+#: ``batch_size="auto"``: the blocked engine sizes its tiles from ``memory_budget``.
+AUTO_BATCH_SIZE = "auto"
 #: neural-tangents' ``NtkImplementation`` values and their names here (refused with the
 #: name to use, so that ported code says what it computes).
 NT_IMPLEMENTATIONS = {
@@ -344,7 +347,7 @@ def _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device) -
 def _block_options(fn_name, batch_size, store_on_device, progress, memory_budget) -> None:
     """Validates the options of the blocked engine (see the module docstring)."""
     if isinstance(batch_size, str):
-        if batch_size != "auto":
+        if batch_size != AUTO_BATCH_SIZE:
             raise ValueError(
                 f"{fn_name}: batch_size must be None, a positive int or 'auto', got the "
                 f"string {batch_size!r}. Fix: pass e.g. batch_size=256, or "

@@ -11,7 +11,6 @@ a :class:`~ntk_core._kernel.pipeline.Config`. :func:`describe` is what ``plan()`
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -20,9 +19,10 @@ import numpy as np
 
 from ntk_core._blocked import tiles as _blocked
 from ntk_core._impl import cost as _cost
-from ntk_core._impl import ntvp as _ntvp
 from ntk_core._impl.phases import triangle_blocks
-from ntk_core._kernel.model import one_sample, per_sample, per_sample_jaxpr, replay
+from ntk_core._impl.registry import AUTO, NNGP, PHASES, REGISTRY
+from ntk_core._kernel.model import one_sample, per_sample, per_sample_jaxpr
+from ntk_core._kernel.options import AUTO_BATCH_SIZE
 from ntk_core._kernel.pipeline import Checked, Config, Implementation, Spec
 from ntk_core._kernel.validate import sample_signature, signature
 from ntk_core._structured import analysis as _structured
@@ -82,38 +82,30 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
     whole = None
     if opts.vmap_axes is None and spec.kind != "nngp":
         whole = whole_batch(spec, checked, params)
-    implementation = "nngp" if spec.kind == "nngp" else opts.implementation
-    if implementation == "auto":  # per-leaf: among those that separate the leaves
+    implementation = NNGP.name if spec.kind == "nngp" else opts.implementation
+    if implementation == AUTO:  # per-leaf: among those that separate the leaves
         found = estimates(spec, checked, analyses, params, x1, aux, whole)
         blocked = opts.batch_size is not None  # device memory bounded by the tiles
         implementation = _cost.choose(found, blocked)
-        if implementation == "ntvp" and (
-            ntvp_failure(spec, checked, params, x1, x2, aux) is not None
-        ):
-            others = [e for e in found if e.implementation != "ntvp"]
+        if model_failure(implementation, spec, checked, params, x1, x2, aux) is not None:
+            others = [e for e in found if e.implementation != implementation]
             implementation = _cost.choose(others, blocked)
-            if implementation == "ntvp":  # none of the others fits: the fastest of them
+            if all(e.implementation != implementation for e in others):
+                # none of the others fits: the fastest of them
                 implementation = min(others, key=lambda e: e.seconds).implementation
-    elif implementation == "ntvp":
-        error = ntvp_failure(spec, checked, params, x1, x2, aux)
+    elif implementation in REGISTRY:
+        error = model_failure(implementation, spec, checked, params, x1, x2, aux)
         if error is not None:
-            raise ValueError(
-                f"{spec.fn_name}: the model cannot run inside NTK-vector products' nested "
-                f"transformations (a vmap of JVPs of a vmap over samples): "
-                f"{type(error).__name__}: {str(error).splitlines()[0][:200]}. This "
-                f"happens with models that apply their own transformations, e.g. "
-                f"flax.nnx.scan or nnx.RNN. Fix: pass implementation='auto' (which "
-                f"avoids them for such models), 'structured' or 'jacobian'."
-            ) from error
+            message = REGISTRY[implementation].failure_message(spec.fn_name, error)
+            raise ValueError(message) from error
     structure, found_analysis = (), None
-    if implementation == "structured":
-        if opts.vmap_axes is None:
-            implementation = "jacobian"  # no per-sample structure to exploit
-        else:
-            n_leaves = len(jax.tree.leaves(params))
-            found_analysis = analysis(spec, analyses, params, x1, aux)
-            modes = structured_modes(found_analysis, shapes1, layouts)
-            structure = found_analysis.leaves(n_leaves, modes)
+    if opts.vmap_axes is None:  # "structured": no per-sample structure to exploit
+        implementation = PHASES[implementation].whole_batch_as
+    if PHASES[implementation].uses_analysis:
+        n_leaves = len(jax.tree.leaves(params))
+        found_analysis = analysis(spec, analyses, params, x1, aux)
+        modes = structured_modes(found_analysis, shapes1, layouts)
+        structure = found_analysis.leaves(n_leaves, modes)
     return Config(
         kind=spec.kind,
         implementation=implementation,
@@ -132,26 +124,15 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
     )
 
 
-def ntvp_failure(spec: Spec, checked: Checked, params, x1, x2, aux) -> Exception | None:
-    """The error NTK-vector products raise on one sample of x1 and x2 when traced
-    (``jax.eval_shape``, nothing runs), or None: models that apply their own
-    transformations (``flax.nnx.scan``) can fail inside ntvp's nesting alone."""
-    one = functools.partial(jax.tree.map, lambda a: a[:1])
-    xb = x1 if x2 is None else x2
-    vmap_axes = spec.options.vmap_axes
-    pairwise = vmap_axes is not None and checked.layouts[0].batch_diagonal
-
-    def trace(p, a, b, aux):
-        single = replay(spec.apply3, spec.options.precision)
-        return _ntvp.full_kernels(
-            spec.apply3, p, a, b, aux, vmap_axes, checked.out_tree, pairwise, single
-        )
-
-    try:
-        jax.eval_shape(trace, params, one(x1), one(xb), aux)
-    except Exception as e:  # the model's own error, found by the first trace
-        return e
-    return None
+def model_failure(
+    implementation: str, spec: Spec, checked: Checked, params, x1, x2, aux
+) -> Exception | None:
+    """The error the model raises inside ``implementation``'s transformations, traced
+    on one sample (nothing runs; ``Impl.model_failure``), or None: models that apply
+    their own transformations (``flax.nnx.scan``) can fail inside NTK-vector
+    products' nesting alone."""
+    check = REGISTRY[implementation].model_failure
+    return None if check is None else check(spec, checked, params, x1, x2, aux)
 
 
 def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
@@ -177,7 +158,7 @@ def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
         checked.closed.jaxpr, n_params, n * out_total, itemsize, budget, held, n / n1
     )
     one = model.residual_bytes + model.cotangent_bytes
-    if one > budget and opts.batch_size != "auto":
+    if one > budget and opts.batch_size != AUTO_BATCH_SIZE:
         given = "memory_budget" if opts.memory_budget else "the default memory_budget"
         human = _cost.human_bytes
         raise ValueError(
@@ -217,10 +198,10 @@ def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, who
         whole_batch=whole,
         jaxpr=per_sample_jaxpr(spec.apply3, params, x_one, aux, precision=spec.options.precision),
     )
-    if spec.options.vmap_axes is None:  # "structured" needs per-sample independence
-        found = tuple(e for e in found if e.implementation != "structured")
-    if spec.kind == "ntk_per_leaf":  # NTK-vector products do not separate the leaves
-        found = tuple(e for e in found if e.implementation != "ntvp")
+    if spec.options.vmap_axes is None:  # some need per-sample independence
+        found = tuple(e for e in found if not REGISTRY[e.implementation].needs_independence)
+    if spec.kind == "ntk_per_leaf":  # some do not separate the leaves
+        found = tuple(e for e in found if REGISTRY[e.implementation].separates_leaves)
     return found
 
 
@@ -250,9 +231,9 @@ def describe(
         jax.tree_util.keystr(k) or "(root)"  # params that are one array
         for k, _ in jax.tree_util.tree_leaves_with_path(params)
     ]
-    structured = config.implementation == "structured"
+    structured = REGISTRY[config.implementation].uses_analysis
     leaf_analysis, modes = config.analysis, config.structure.modes if structured else None
-    if not structured and any(e.implementation == "structured" for e in found):
+    if not structured and any(REGISTRY[e.implementation].uses_analysis for e in found):
         # Another implementation runs: say what "structured" would do, leaf by leaf.
         leaf_analysis = analysis(spec, analyses, params, x1, aux)
         modes = structured_modes(leaf_analysis, config.shapes1, config.layouts)
@@ -273,5 +254,5 @@ def describe(
         tuple(leaves),
         spec.options.implementation,
         tiling,
-        config.whole_batch if config.implementation == "jacobian" else None,
+        config.whole_batch if REGISTRY[config.implementation].cotangent_chunks else None,
     )

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ntk_core._jax.signatures import sample_signature as sample_signature
+from ntk_core._jax.signatures import signature as signature
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel import probe as _probe
 from ntk_core._kernel.caller import Caller, core
@@ -28,23 +30,6 @@ def caller_of(spec: Spec) -> Caller:
     that function is defined (a Spec built without one is a core kernel function of
     ``(params, x1, x2)``)."""
     return spec.caller if spec.caller is not None else core(spec.fn_name)
-
-
-def signature(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    sig = []
-    for leaf in leaves:
-        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            sig.append((tuple(leaf.shape), str(leaf.dtype)))
-        else:
-            sig.append((type(leaf).__name__, repr(leaf)))
-    return treedef, tuple(sig)
-
-
-def sample_signature(tree) -> tuple:
-    """:func:`signature` without the batch axis: what one sample looks like."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(np.shape(v)[1:]), str(jnp.result_type(v))) for v in leaves)
 
 
 def as_arrays(tree):

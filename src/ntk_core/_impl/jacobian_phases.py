@@ -1,0 +1,159 @@
+"""``"jacobian"``, the Jacobian contraction: per-sample Jacobians
+(:mod:`ntk_core._impl.jacobian`; with ``vmap_axes=None`` the whole batch's, cotangents
+in chunks), then their contraction (:data:`JACOBIAN`)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ntk_core._impl import jacobian as _jacobian
+from ntk_core._impl.base import PRECISION, Impl, finish
+from ntk_core._jax import caches as _caches
+from ntk_core._jax.batches import even_batches
+from ntk_core._kernel.model import replay
+
+
+def features(apply3, config, chunks):
+    """``features(params, x_block, aux)``, jitted (``chunks`` unused)."""
+    jac = _jacobian_features(apply3, config.vmap_axes, config.precision)
+    chunk = None if config.whole_batch is None else config.whole_batch.chunk
+    jac = functools.partial(
+        jac,
+        out_tree=config.out_tree,
+        merge_limits=merge_limits(config),
+        cotangent_chunk=chunk,
+    )
+    if chunk is None or chunk >= config.whole_batch.cotangents:
+        return jac
+    return functools.partial(_whole_batch_features, apply3, jac, config)
+
+
+@_caches.lru_cache(maxsize=64)
+def _jacobian_features(apply3, vmap_axes, precision):
+    """The jitted first phase of ``"jacobian"``: per-sample Jacobians of one batch.
+
+    Shared by every kernel function of the same ``apply3`` and the same
+    ``merge_limits`` (:func:`merge_limits`), so changing ``trace_axes`` or
+    ``diagonal_axes`` recompiles the contraction, and the features only where the
+    kernel values per pair change.
+    """
+
+    def features(params, x, aux, *, out_tree, merge_limits, cotangent_chunk):
+        with jax.default_matmul_precision(precision):
+            return _jacobian.jacobians(
+                apply3,
+                params,
+                x,
+                aux,
+                vmap_axes,
+                out_tree,
+                merge_limits,
+                cotangent_chunk,
+                single=replay(apply3, precision),
+            )
+
+    return jax.jit(features, static_argnames=("out_tree", "merge_limits", "cotangent_chunk"))
+
+
+@_caches.lru_cache(maxsize=64)
+def _whole_batch_phases(apply3, precision):
+    """The jitted phases of ``"jacobian"`` with ``vmap_axes=None`` in cotangent chunks
+    driven from Python (:func:`_whole_batch_features`): ``rows`` (one chunk of
+    Jacobian rows from ``start``) and ``assemble`` (the chunks, their overlap dropped,
+    as :func:`_jacobian.jacobians` returns the Jacobians)."""
+
+    def rows(params, x, aux, start, *, size):
+        with jax.default_matmul_precision(precision):
+            index = start + jnp.arange(size)
+            return _jacobian.whole_batch_rows(lambda p: apply3(p, x, aux), params, index)
+
+    def assemble(params, x, aux, parts, *, skip, out_tree, merge_limits):
+        last = jax.tree.map(lambda v: v[skip:], parts[-1])
+        flat = jax.tree.map(lambda *v: jnp.concatenate(v), *parts[:-1], last)
+        out_shapes = jax.eval_shape(apply3, params, x, aux)
+        jac = _jacobian.rows_as_jacobian(flat, out_shapes)
+        return _jacobian.matrices(jac, params, out_tree, merge_limits)
+
+    return (
+        jax.jit(rows, static_argnames=("size",)),
+        jax.jit(assemble, static_argnames=("skip", "out_tree", "merge_limits")),
+    )
+
+
+def _whole_batch_features(apply3, in_program, config, params, x, aux):
+    """``"jacobian"`` features of a whole batch (``vmap_axes=None``), the output
+    cotangents pulled back ``config.whole_batch.chunk`` at a time by a loop in
+    Python over one compiled chunk, so that memory stays within the budget at the
+    speed of one pass (XLA CPU runs convolutions' reverse passes about 8x slower
+    inside an XLA loop). Under an outer ``jax.jit`` the chunks loop inside the
+    program instead (``in_program``)."""
+    if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, x, aux))):
+        return in_program(params, x, aux)
+    rows, assemble = _whole_batch_phases(apply3, config.precision)
+    n = jax.tree.leaves(x)[0].shape[0]
+    total = n * sum(math.prod(s.shape[1:]) for s in config.shapes1)
+    size, starts = even_batches(total, config.whole_batch.chunk)
+    parts = [rows(params, x, aux, np.int32(start), size=size) for start in starts]
+    skip = (starts[-2] + size - starts[-1]) if len(starts) > 1 else 0
+    return assemble(
+        params,
+        x,
+        aux,
+        parts,
+        skip=skip,
+        out_tree=config.out_tree,
+        merge_limits=merge_limits(config),
+    )
+
+
+def merge_limits(config) -> tuple[int, ...] | None:
+    """Per output leaf, the widest per-leaf Jacobian merged into one contraction
+    (:func:`ntk_core._impl.jacobian.merge_limit` with O' the kept output axes squared and
+    the diagonal ones once); None where each leaf's kernel is needed apart
+    (``"ntk_per_leaf"``) or on the batch diagonal (N kernel values, too few to pay
+    for a copy)."""
+    if config.kind != "ntk" or config.layouts[0].batch_diagonal:
+        return None
+    # The larger N: a test-train call (N_test < N_train) then groups like the train
+    # Gram matrix before it, and reuses its compiled features.
+    n = max(config.shapes1[0].shape[0], config.n2)
+    limits = []
+    for s, layout in zip(config.shapes1, config.layouts, strict=True):
+        pair = layout.values_per_pair(s.shape)
+        limit = _jacobian.merge_limit(n, math.prod(s.shape[1:]), pair)
+        # Snapped down to a width that occurs (every merged matrix is one parameter
+        # leaf's Jacobian): the same grouping, and the same static argument for every N
+        # that groups alike, so a new N reuses the compiled features.
+        limits.append(max((w for w in config.param_sizes if w <= limit), default=0))
+    return tuple(limits)
+
+
+def contract(j1, j2, *, config):
+    """The Jacobians' contraction, per output leaf and parameter leaf."""
+    with jax.default_matmul_precision(config.precision):
+        per_leaf = _jacobian.contract(
+            config.layouts, j1, j1 if j2 is None else j2, PRECISION[config.precision]
+        )
+    return finish(per_leaf, config)
+
+
+def pair_terms(config) -> int:
+    """One contraction per parameter leaf."""
+    return config.params_tree.num_leaves
+
+
+JACOBIAN = Impl(
+    name="jacobian",
+    title="Jacobian contraction",
+    features=features,
+    contract=contract,
+    separates_leaves=True,
+    whole_batch_as="jacobian",
+    cotangent_chunks=True,
+    pair_terms=pair_terms,
+)

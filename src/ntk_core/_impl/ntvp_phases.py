@@ -1,0 +1,84 @@
+"""``"ntvp"``, NTK-vector products: no features; each tile from the two blocks' inputs
+(:mod:`ntk_core._impl.ntvp`, :data:`NTVP`). It does not separate the parameter leaves, and
+models that apply their own transformations can fail inside its nesting
+(:func:`model_failure`)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from ntk_core._impl import ntvp as _ntvp
+from ntk_core._impl.base import Impl
+from ntk_core._kernel.model import replay
+
+
+def _pairwise(config) -> bool:
+    """NTK-vector products on pairs (x1_i, x2_i) only: the O(N) batch diagonal."""
+    return config.vmap_axes is not None and config.layouts[0].batch_diagonal
+
+
+def contract(params, xa, xb, aux, *, apply3, config):
+    """The kernel of the inputs ``xa`` and ``xb`` (None: of ``xa`` with itself)."""
+    with jax.default_matmul_precision(config.precision):
+        fulls = _ntvp.full_kernels(
+            apply3,
+            params,
+            xa,
+            xa if xb is None else xb,
+            aux,
+            config.vmap_axes,
+            config.out_tree,
+            _pairwise(config),
+            single=replay(apply3, config.precision),
+        )
+    kernels = _ntvp.reduce(config.layouts, fulls, _pairwise(config))
+    return jax.tree.unflatten(config.out_tree, kernels)
+
+
+def model_failure(spec, checked, params, x1, x2, aux) -> Exception | None:
+    """The error NTK-vector products raise on one sample of x1 and x2 when traced
+    (``jax.eval_shape``, nothing runs), or None: models that apply their own
+    transformations (``flax.nnx.scan``) can fail inside ntvp's nesting alone."""
+    one = functools.partial(jax.tree.map, lambda a: a[:1])
+    xb = x1 if x2 is None else x2
+    vmap_axes = spec.options.vmap_axes
+    pairwise = vmap_axes is not None and checked.layouts[0].batch_diagonal
+
+    def trace(p, a, b, aux):
+        single = replay(spec.apply3, spec.options.precision)
+        return _ntvp.full_kernels(
+            spec.apply3, p, a, b, aux, vmap_axes, checked.out_tree, pairwise, single
+        )
+
+    try:
+        jax.eval_shape(trace, params, one(x1), one(xb), aux)
+    except Exception as e:  # the model's own error, found by the first trace
+        return e
+    return None
+
+
+def failure_message(fn_name: str, error: Exception) -> str:
+    """Why ``implementation="ntvp"`` is refused for a model that fails inside it."""
+    return (
+        f"{fn_name}: the model cannot run inside NTK-vector products' nested "
+        f"transformations (a vmap of JVPs of a vmap over samples): "
+        f"{type(error).__name__}: {str(error).splitlines()[0][:200]}. This "
+        f"happens with models that apply their own transformations, e.g. "
+        f"flax.nnx.scan or nnx.RNN. Fix: pass implementation='auto' (which "
+        f"avoids them for such models), 'structured' or 'jacobian'."
+    )
+
+
+NTVP = Impl(
+    name="ntvp",
+    title="NTK-vector products",
+    features=None,
+    contract=contract,
+    separates_leaves=False,
+    whole_batch_as="ntvp",
+    pair_terms=lambda config: None,
+    model_failure=model_failure,
+    failure_message=failure_message,
+)
