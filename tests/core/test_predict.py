@@ -603,7 +603,10 @@ def test_gradient_descent_mse_uses_both_initial_outputs():
             dict(fx_test_0=-2.0),
             r"fx_test_0 is given .* but fx_train_0 is left at its default 0.0.*Fix: pass fx_train_0 too",
         ),
-        (dict(fx_train_0=0.0, fx_test_0=None), r"fx_test_0=None with k_test_train.*Fix: pass fx_test_0"),
+        (
+            dict(fx_train_0=0.0, fx_test_0=None),
+            r"fx_test_0=None with k_test_train.*Fix: pass fx_test_0",
+        ),
         (dict(fx_train_0=0.0, fx_test_0=np.nan), r"fx_test_0 contains NaN or Inf"),
         (dict(fx_train_0=0.0, fx_test_0="zero"), r"fx_test_0 must be a number or an array"),
         (dict(fx_test_0="zero"), r"fx_test_0 must be a number or an array"),
