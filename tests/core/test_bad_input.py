@@ -593,7 +593,7 @@ def _rows():
             TypeError, r"^KernelTracker: every must be a positive int, got 2.5 \(float\)" + fix),
         Row("tracker-not-callable", "a KernelTracker given params instead of a kernel function",
             "ntk_core.KernelTracker(W, X, every=1)",
-            TypeError, r"^KernelTracker: kernel_fn must be a callable kernel\(params_like, x\), got ArrayImpl" + fix + r"pass a kernel function, e.g. ntk_core.ntk_fn\(apply_fn\)"),
+            TypeError, r"^KernelTracker: kernel_fn must be a callable kernel\(params_like, x\), got ArrayImpl" + fix + r"pass a kernel function kernel\(params, x\) such as ntk_core.ntk_fn\(apply_fn\)"),
         Row("tracker-probe-no-batch-axis", "a KernelTracker probe set without a batch axis",
             "ntk_core.KernelTracker(ntk_core.ntk_fn(f), jnp.float32(1.0), every=1)",
             ValueError, r"^KernelTracker: x_probe has a scalar leaf \(shape \(\)\), so no batch axis" + fix),
