@@ -124,24 +124,18 @@ def _doc(fn):
 class _Train:
     """One train-train kernel: validated, flattened, regularised and factored."""
 
-    def __init__(
-        self, fn_name, name, k, layout: FlatLayout, diag_reg, absolute, dtype, method, factor=None
-    ):
+    def __init__(self, fn_name, name, k, layout: FlatLayout, opts: _Options, factor=None):
         k = as_host_array(fn_name, name, k)
         layout.check_pair(name, k, layout.n, layout.n)
         self.k_dtype = k.dtype
         self.k2 = layout.flat(k)
         self.mean_diag, self.kmax = scan_train_kernel(fn_name, name, self.k2, k.dtype)
-        self.dtype = compute_dtype(fn_name, dtype, k.dtype)  # the results' dtype
-        self.reg_scale = 1.0 if absolute else self.mean_diag
-        self.lam = diag_reg * self.reg_scale
+        self.dtype = compute_dtype(fn_name, opts.dtype, k.dtype)  # the results' dtype
+        self.reg_scale = 1.0 if opts.diag_reg_absolute_scale else self.mean_diag
+        self.lam = opts.diag_reg * self.reg_scale
+        factor = self.dtype if factor is None else factor
         self.solver = Solver(
-            fn_name,
-            self.k2,
-            self.lam,
-            self.dtype if factor is None else factor,
-            reg_scale=self.reg_scale,
-            method=method,
+            fn_name, self.k2, self.lam, factor, reg_scale=self.reg_scale, method=opts.method
         )
 
 
@@ -226,7 +220,7 @@ class _TestSide:
         return t, out, kind, ktt, u
 
     def _chunks(self, t):
-        b = self._opts["test_batch_size"] or t
+        b = self._opts.test_batch_size or t
         ko = self._layout.ko
         for start in range(0, t, b):
             stop = min(t, start + b)
@@ -249,7 +243,7 @@ class GPInference(_TestSide):
     def __init__(self, fn_name, k_train_train, y_train, opts):
         self._fn = fn_name
         y = as_host_array(fn_name, "y_train", y_train)
-        self._layout = FlatLayout(fn_name, y.shape, opts["trace_axes"])
+        self._layout = FlatLayout(fn_name, y.shape, opts.trace_axes)
         check_rows_finite(fn_name, "y_train", y, _Y_NAN_FIX)
         self._y = np.asarray(self._layout.flat_y(y), np.float64)
         self._y_size = y.size
@@ -269,7 +263,7 @@ class GPInference(_TestSide):
             self._alpha_of(field)
         for field, tr in self._train.items():
             _warn_if_low_rank(fn_name, field if isinstance(k_train_train, Kernels) else None, tr)
-        self.amplitude = self._amplitude() if opts["fit_amplitude"] else 1.0
+        self.amplitude = self._amplitude() if opts.fit_amplitude else 1.0
 
     def _get_train(self, field) -> _Train:
         if not isinstance(self._k, Kernels):
@@ -277,17 +271,7 @@ class GPInference(_TestSide):
         if field not in self._train:
             name = f"k_train_train.{field}" if isinstance(self._k, Kernels) else "k_train_train"
             k = _pick(self._fn, "k_train_train", self._k, field)
-            o = self._opts
-            self._train[field] = _Train(
-                self._fn,
-                name,
-                k,
-                self._layout,
-                o["diag_reg"],
-                o["diag_reg_absolute_scale"],
-                o["dtype"],
-                o["method"],
-            )
+            self._train[field] = _Train(self._fn, name, k, self._layout, self._opts)
         return self._train[field]
 
     def _alpha_of(self, field) -> np.ndarray:
@@ -497,20 +481,26 @@ def _needs_both(fn, public) -> ValueError:
     return bad(ValueError, fn, what, fix)
 
 
+class _Options(NamedTuple):
+    """The validated options shared by the predictors."""
+
+    diag_reg: float
+    diag_reg_absolute_scale: bool
+    trace_axes: Any
+    dtype: Any
+    test_batch_size: int | None
+    fit_amplitude: bool = False
+    method: str = "cholesky"
+
+
 def _options(fn_name, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size):
     diag_reg = check_diag_reg(fn_name, diag_reg)
     fix = "pass e.g. test_batch_size=1000"
-    check_int(
+    test_batch_size = check_int(
         fn_name, "test_batch_size", test_batch_size, fix, optional=True, type_error=ValueError
     )
     compute_dtype(fn_name, dtype, np.float32)  # validates the value early
-    return dict(
-        diag_reg=diag_reg,
-        diag_reg_absolute_scale=bool(diag_reg_absolute_scale),
-        trace_axes=trace_axes,
-        dtype=dtype,
-        test_batch_size=test_batch_size,
-    )
+    return _Options(diag_reg, bool(diag_reg_absolute_scale), trace_axes, dtype, test_batch_size)
 
 
 @_doc
@@ -597,8 +587,7 @@ def gp_inference(
     """
     fn = "gp_inference"
     opts = _options(fn, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size)
-    opts["fit_amplitude"] = bool(fit_amplitude)
-    opts["method"] = "cholesky"
+    opts = opts._replace(fit_amplitude=bool(fit_amplitude))
     return GPInference(fn, k_train_train, y_train, opts)
 
 
@@ -684,7 +673,7 @@ class GradientDescentMSE(_TestSide):
     def __init__(self, fn_name, k_train_train, y_train, learning_rate, opts):
         self._fn = fn_name
         y = as_host_array(fn_name, "y_train", y_train)
-        self._layout = lay = FlatLayout(fn_name, y.shape, opts["trace_axes"])
+        self._layout = lay = FlatLayout(fn_name, y.shape, opts.trace_axes)
         check_rows_finite(fn_name, "y_train", y, _Y_NAN_FIX)
         self._y_shape, self._y_size = y.shape, y.size
         self._y = np.asarray(lay.flat_y(y), np.float64)
@@ -694,17 +683,9 @@ class GradientDescentMSE(_TestSide):
         )
         self._lr = lr
         k = _pick(fn_name, "k_train_train", k_train_train, "ntk")
-        self._train = _Train(
-            fn_name,
-            "k_train_train",
-            k,
-            lay,
-            opts["diag_reg"],
-            opts["diag_reg_absolute_scale"],
-            opts["dtype"],
-            "eigh",
-            factor=np.float64,  # a float32 eigendecomposition lost 1e-3 at t = 1e5
-        )
+        # a float32 eigendecomposition lost 1e-3 at t = 1e5: always float64
+        eigh = opts._replace(method="eigh")
+        self._train = _Train(fn_name, "k_train_train", k, lay, eigh, factor=np.float64)
         w, v = self._train.solver._eigs
         self._w = np.maximum(w, 0.0)
         self._v = np.asarray(v, np.float64)
@@ -913,7 +894,7 @@ class GradientDescentMSE(_TestSide):
 
     def _matmul_chunked(self, kt, b, t):
         out = np.empty((kt.shape[0], b.shape[1]))
-        bs = self._opts["test_batch_size"] or t
+        bs = self._opts.test_batch_size or t
         ko = self._layout.ko
         for start in range(0, t, bs):
             rs = slice(start * ko, min(t, start + bs) * ko)
