@@ -177,7 +177,7 @@ BAD = [
     (
         lambda: metrics.kernel_distance(np.ones((2, 2, 3, 4)), np.ones((2, 2, 3, 4))),
         ValueError,
-        "expected a square kernel (N, N), or (N, N, O, O)",
+        "expected a square kernel (N, N) / (N, N, O, O)",
     ),
     (
         lambda: metrics.kernel_distance(K3, np.diag([1.0, np.nan, 1.0])),
@@ -248,12 +248,12 @@ BAD = [
     (
         lambda: metrics.effective_rank(eigenvalues=np.array([1j, 1.0])),
         ValueError,
-        "effective_rank: eigenvalues are complex",
+        "effective_rank: eigenvalues must be a non-empty 1-D array of real numbers, got dtype complex128",
     ),
     (
         lambda: metrics.effective_rank(eigenvalues=[1.0, np.nan]),
         ValueError,
-        "effective_rank: eigenvalues contain NaN or Inf (first at index 1)",
+        "effective_rank: eigenvalues contains NaN or Inf (first at index 1)",
     ),
     (
         lambda: metrics.effective_rank(eigenvalues=[0.0, 0.0]),

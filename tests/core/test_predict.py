@@ -297,7 +297,7 @@ ERRORS = [
     ),
     (
         lambda: predict.gp_inference(M, Y, diag_reg=-1e-3),
-        r"^gp_inference: diag_reg must be finite and >= 0, got -0.001.*Fix",
+        r"^gp_inference: diag_reg must be a real number in \[0, inf\), got -0.001.*Fix",
     ),
     (
         lambda: predict.gp_inference(M, Y, diag_reg="1e-3"),
@@ -305,11 +305,11 @@ ERRORS = [
     ),
     (
         lambda: predict.gp_inference(np.where(M > 0, np.nan, M), Y),
-        r"^gp_inference: k_train_train contains NaN or inf.*Fix",
+        r"^gp_inference: k_train_train contains NaN or Inf.*Fix",
     ),
     (
         lambda: predict.gp_inference(M, np.full((4, 2), np.inf)),
-        r"^gp_inference: y_train contains NaN or inf",
+        r"^gp_inference: y_train contains NaN or Inf",
     ),
     (
         lambda: predict.gp_inference(M, np.ones(4)),
@@ -326,7 +326,7 @@ ERRORS = [
     ),
     (
         lambda: predict.gp_inference(M, Y, trace_axes=(0,)),
-        r"^gp_inference: trace_axes=\(0,\) must name output axes",
+        r"^gp_inference: trace_axes=\(0,\) must name distinct output axes",
     ),
     (
         lambda: predict.gp_inference(M, Y).nngp(np.ones((2, 3))),
@@ -338,7 +338,7 @@ ERRORS = [
     ),
     (
         lambda: predict.gp_inference(M, Y).ntk(np.ones((2, 4)), np.ones((2, 2))),
-        r"^gp_inference\(\.\.\.\)\.ntk: the NTK ensemble covariance needs both",
+        r"^gp_inference\(\.\.\.\)\.ntk: the ensemble covariance needs both",
     ),
     (
         lambda: predict.gp_inference(predict.Kernels(ntk=M), Y).nngp(
@@ -348,7 +348,7 @@ ERRORS = [
     ),
     (
         lambda: predict.gradient_descent_mse(M, Y, learning_rate=0.0),
-        r"^gradient_descent_mse: learning_rate must be > 0",
+        r"^gradient_descent_mse: learning_rate must be a real number in \(0, inf\)",
     ),
     (
         lambda: predict.gradient_descent_mse(M, Y)(-1.0),
@@ -603,12 +603,15 @@ def test_gradient_descent_mse_uses_both_initial_outputs():
             dict(fx_test_0=-2.0),
             r"fx_test_0 is given .* but fx_train_0 is left at its default 0.0.*Fix: pass fx_train_0 too",
         ),
-        (dict(fx_train_0=0.0, fx_test_0=None), r"fx_test_0=None with k_test_train.*Fix: pass them"),
-        (dict(fx_train_0=0.0, fx_test_0=np.nan), r"fx_test_0 contains NaN or inf"),
+        (
+            dict(fx_train_0=0.0, fx_test_0=None),
+            r"fx_test_0=None with k_test_train.*Fix: pass fx_test_0",
+        ),
+        (dict(fx_train_0=0.0, fx_test_0=np.nan), r"fx_test_0 contains NaN or Inf"),
         (dict(fx_train_0=0.0, fx_test_0="zero"), r"fx_test_0 must be a number or an array"),
         (dict(fx_test_0="zero"), r"fx_test_0 must be a number or an array"),
         (dict(fx_train_0="zero"), r"fx_train_0 must be a number or an array"),
-        (dict(fx_test_0=np.array([[np.nan]])), r"fx_test_0 contains NaN or inf"),
+        (dict(fx_test_0=np.array([[np.nan]])), r"fx_test_0 contains NaN or Inf"),
         (dict(fx_train_0=np.ones((5, 1))), r"fx_train_0 of shape \(5, 1\) does not broadcast"),
     ],
 )

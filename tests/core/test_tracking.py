@@ -207,7 +207,9 @@ def test_update_errors():
         match=r"^KernelTracker.update: the kernel has shape \(8, 8, 2, 2\) .*y must have shape \(N, O\) = \(8, 2\), got \(8,\).*Fix:",
     ):
         ntk_core.KernelTracker(full, X, Y[:, 0], every=1).update(0, params)
-    with pytest.raises(ValueError, match=r"^KernelTracker.update: top_k=9 exceeds the M = N·O = 8"):
+    with pytest.raises(
+        ValueError, match=r"^KernelTracker.update: top_k must be an int in \[1, 8\], got 9"
+    ):
         ntk_core.KernelTracker(KERNEL, X, every=1, top_k=9).update(0, params)
     with pytest.raises(
         ValueError, match=r"^KernelTracker.update: the kernel function returned shape \(8, 2\)"

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from ntk_core._predict.linalg import as_host_array, unit_roundoff
+from ntk_core._predict.linalg import as_host_array, bad, check_finite, check_symmetric
 
 #: float64 entries per row chunk (64 MiB).
 CHUNK_ENTRIES = 1 << 23
@@ -36,22 +36,15 @@ def _flat(block: np.ndarray, m_out: int) -> np.ndarray:
 class HostKernel:
     """A validated square kernel; ``m`` = N·O rows of its flat form."""
 
-    def __init__(self, fn_name: str, name: str, k, hint: str = ""):
+    def __init__(self, fn_name: str, name: str, k):
         arr = as_host_array(fn_name, name, k)
         shape = tuple(arr.shape)
-        if (
-            arr.ndim < 2
-            or arr.ndim % 2
-            or shape[0] != shape[1]
-            or shape[2::2] != shape[3::2]
-            or shape[0] == 0
-        ):
-            raise ValueError(
-                f"{fn_name}: {name} has shape {shape}; expected a square kernel (N, N), or "
-                f"(N, N, O, O) with the output axes zipped as ntk_core lays them out "
-                f"(trace_axes=()), N >= 1. Fix: pass the kernel of x with itself "
-                f"(x2=None){hint}."
+        square = arr.ndim >= 2 and shape[0] == shape[1] and shape[2::2] == shape[3::2]
+        if not square or arr.ndim % 2 or shape[0] == 0:
+            what = (
+                f"{name} has shape {shape}; expected a square kernel (N, N) / (N, N, O, O), N >= 1"
             )
+            raise bad(ValueError, fn_name, what, "pass the kernel of x with itself (x2=None)")
         self.fn_name, self.name, self.arr = fn_name, name, arr
         self.n = shape[0]
         self.out_shape = shape[2::2]
@@ -65,14 +58,9 @@ class HostKernel:
         rows = max(1, CHUNK_ENTRIES // (self.m * self.o))
         for start in range(0, self.n, rows):
             s = slice(start, min(self.n, start + rows))
-            block = _flat(self.arr[s], self.o)
-            if not np.isfinite(block).all():
-                raise ValueError(
-                    f"{self.fn_name}: {self.name} contains NaN or Inf (first in samples "
-                    f"{s.start}..{s.stop - 1}). Fix: recompute it; a NaN kernel usually comes "
-                    f"from NaN parameters or inputs, or from float32 overflow."
-                )
-            yield slice(s.start * self.o, s.stop * self.o), block
+            block = self.arr[s]
+            check_finite(self.fn_name, self.name, block, cls=ValueError, first=s.start)
+            yield slice(s.start * self.o, s.stop * self.o), _flat(block, self.o)
 
     def check_symmetric(self) -> None:
         """Raises unless max |K - Kᵀ| <= 100·u·max |K| (u of the kernel's dtype); one
@@ -83,13 +71,7 @@ class HostKernel:
             columns = _flat(self.arr[:, s], self.o)
             kmax = max(kmax, float(np.abs(block).max()))
             asym = max(asym, float(np.abs(block - columns.T).max()))
-        if asym > 100 * unit_roundoff(self.dtype) * kmax:
-            transpose = "" if not self.out_shape else " (axes (1, 0, 3, 2) for (N, N, O, O))"
-            raise ValueError(
-                f"{self.fn_name}: {self.name} is not symmetric: max |K - K^T| = {asym:.3e} "
-                f"for max |K| = {kmax:.3e}. Fix: pass a kernel of x with itself (x2=None), "
-                f"or symmetrise it with (K + K^T) / 2{transpose}."
-            )
+        check_symmetric(self.fn_name, self.name, asym, kmax, self.dtype)
 
     def matvec(self, v: np.ndarray) -> np.ndarray:
         """``K v`` in float64 for ``v`` of shape ``(M,)`` or ``(M, R)``."""
@@ -111,41 +93,33 @@ def eigenvalues_of(fn_name: str, kernel, eigenvalues) -> np.ndarray:
     """float64 eigenvalues from exactly one of ``kernel`` (all of them, dense) or
     ``eigenvalues`` (validated: 1-D, real, finite, non-empty)."""
     if (kernel is None) == (eigenvalues is None):
-        raise TypeError(
-            f"{fn_name}: pass exactly one of kernel (positional) and eigenvalues=..., got "
-            f"{'both' if kernel is not None else 'neither'}. Fix: {fn_name}(k) for a formed "
-            f"kernel, or {fn_name}(eigenvalues=w) for eigenvalues you computed."
-        )
+        got = "neither" if kernel is None else "both"
+        what = f"pass exactly one of kernel (positional) and eigenvalues=..., got {got}"
+        fix = f"{fn_name}(k) for a formed kernel, or {fn_name}(eigenvalues=w)"
+        raise bad(TypeError, fn_name, what, fix)
     if kernel is not None:
         if np.ndim(kernel) == 1:
-            raise ValueError(
-                f"{fn_name}: kernel has shape {np.shape(kernel)}, one value per sample; "
-                f"expected a square kernel (N, N) or (N, N, O, O). Fix: pass eigenvalues=w "
-                f"if these are eigenvalues; a per-sample diagonal (diagonal_axes=(0,)) "
-                f"does not determine the spectrum."
-            )
+            what = f"kernel has shape {np.shape(kernel)}, one value per sample; expected (N, N)"
+            fix = "pass eigenvalues=w if these are eigenvalues (a diagonal gives no spectrum)"
+            raise bad(ValueError, fn_name, what, fix)
         k = HostKernel(fn_name, "kernel", kernel)
         k.check_symmetric()
         import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`
 
         return scipy.linalg.eigvalsh(k.dense(), overwrite_a=True, check_finite=False)
     w = np.asarray(eigenvalues)
-    if w.ndim != 1 or w.size == 0 or not np.issubdtype(w.dtype, np.number):
-        raise ValueError(
-            f"{fn_name}: eigenvalues must be a non-empty 1-D array of real numbers, got "
-            f"{'dtype ' + str(w.dtype) if w.ndim == 1 and w.size else 'shape ' + str(w.shape)}."
-            f" Fix: pass e.g. spectrum.kernel_eigsh(k, k=20).eigenvalues, or the kernel "
-            f"itself (positional)."
-        )
-    if np.iscomplexobj(w):
-        raise ValueError(
-            f"{fn_name}: eigenvalues are complex ({w.dtype}); a symmetric kernel has real "
-            f"eigenvalues. Fix: compute them with a symmetric solver (numpy.linalg.eigvalsh)."
-        )
+    if w.ndim != 1 or w.size == 0 or not np.issubdtype(w.dtype, np.number) or np.iscomplexobj(w):
+        got = f"dtype {w.dtype}" if w.ndim == 1 and w.size else f"shape {w.shape}"
+        what = f"eigenvalues must be a non-empty 1-D array of real numbers, got {got}"
+        fix = "pass e.g. numpy.linalg.eigvalsh(k) or kernel_eigsh(k).eigenvalues, or the kernel"
+        raise bad(ValueError, fn_name, what, fix)
     w = w.astype(np.float64)
-    if not np.isfinite(w).all():
-        raise ValueError(
-            f"{fn_name}: eigenvalues contain NaN or Inf (first at index "
-            f"{int(np.argmin(np.isfinite(w)))}). Fix: recompute them from a finite kernel."
-        )
+    check_finite(
+        fn_name,
+        "eigenvalues",
+        w,
+        "recompute them from a finite kernel",
+        cls=ValueError,
+        unit="index",
+    )
     return w

@@ -13,6 +13,9 @@ import math
 import numpy as np
 
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
+from ntk_core._predict.linalg import bad, check_finite
+
+_TARGETS_FIX = "pass the targets of the kernel's N samples"
 
 _SHAPES_DOC = """Kernels are ``(N, N)`` (``trace_axes=(-1,)``, or one output) or
     ``(N, N, O, O)`` (``trace_axes=()``; more output axes zipped, ``(N, N, O1, O1, O2,
@@ -79,10 +82,8 @@ def kernel_distance(k1, k2) -> float:
     fn = "kernel_distance"
     a, b = HostKernel(fn, "k1", k1), HostKernel(fn, "k2", k2)
     if a.arr.shape != b.arr.shape:
-        raise ValueError(
-            f"{fn}: k1 has shape {a.arr.shape} and k2 {b.arr.shape}; expected the same shape. "
-            f"Fix: compute both kernels on the same inputs with the same trace_axes."
-        )
+        what = f"k1 has shape {a.arr.shape} and k2 {b.arr.shape}; expected the same shape"
+        raise bad(ValueError, fn, what, "compute both on the same inputs with the same trace_axes")
     dot = n1 = n2 = 0.0
     for (_, x), (_, y) in zip(a.chunks(), b.chunks(), strict=True):
         dot += float(np.vdot(x, y))
@@ -90,44 +91,29 @@ def kernel_distance(k1, k2) -> float:
         n2 += float(np.vdot(y, y))
     for name, norm in (("k1", n1), ("k2", n2)):
         if norm == 0.0:
-            raise ValueError(
-                f"{fn}: {name} is all zeros, so the cosine between the kernels is undefined. "
-                f"Fix: pass a non-zero kernel."
-            )
+            raise _undefined(fn, f"{name} is all zeros", "the cosine", "a non-zero kernel")
     return max(0.0, 1.0 - dot / math.sqrt(n1 * n2))
+
+
+def _undefined(fn, what, quantity, fix) -> ValueError:
+    return bad(ValueError, fn, f"{what}, so {quantity} is undefined", f"pass {fix}")
 
 
 def _targets(fn: str, k: HostKernel, y) -> np.ndarray:
     """Targets as the float64 ``(M, R)`` matrix Y with target kernel Y Yᵀ."""
     arr = np.asarray(y)
     if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-        raise TypeError(
-            f"{fn}: y must be real numbers (floating or integer labels), got dtype "
-            f"{arr.dtype}. Fix: encode the targets as numbers, e.g. one-hot or ±1."
-        )
-    if k.out_shape:  # (N, N, O, O): y is (N, O), one target per row of the flat kernel
-        if arr.shape != (k.n,) + k.out_shape:
-            raise ValueError(
-                f"{fn}: k has shape {k.arr.shape}, so y must have shape "
-                f"{(k.n,) + k.out_shape} (one target per sample and output), got "
-                f"{arr.shape}. Fix: pass the targets of the kernel's N samples."
-            )
-        flat = arr.reshape(k.m, 1)
-    else:
-        if arr.ndim == 0 or arr.shape[0] != k.n:
-            raise ValueError(
-                f"{fn}: k has N = {k.n} samples, so y must have shape (N,) or (N, O) = "
-                f"({k.n},) or ({k.n}, O), got {arr.shape}. Fix: pass the targets of the "
-                f"kernel's N samples."
-            )
-        flat = arr.reshape(k.n, -1)
-    flat = flat.astype(np.float64)
-    if not np.isfinite(flat).all():
-        raise ValueError(
-            f"{fn}: y contains NaN or Inf. Fix: drop or impute the samples with missing "
-            f"targets (and their kernel rows and columns)."
-        )
-    return flat
+        what = f"y must be real numbers (floating or integer labels), got dtype {arr.dtype}"
+        raise bad(TypeError, fn, what, "encode the targets as numbers, e.g. one-hot or ±1")
+    if k.out_shape and arr.shape != (k.n,) + k.out_shape:  # one target per flat row
+        what = f"k has shape {k.arr.shape}, so y must have shape {(k.n,) + k.out_shape}"
+        raise bad(ValueError, fn, f"{what}, got {arr.shape}", _TARGETS_FIX)
+    if arr.ndim == 0 or arr.shape[0] != k.n:
+        what = f"k has N = {k.n} samples, so y must have shape (N,) or (N, O), got {arr.shape}"
+        raise bad(ValueError, fn, what, _TARGETS_FIX)
+    fix = "drop or impute the samples with missing targets (and their kernel rows and columns)"
+    check_finite(fn, "y", arr, fix, cls=ValueError)
+    return (arr.reshape(k.m, 1) if k.out_shape else arr.reshape(k.n, -1)).astype(np.float64)
 
 
 def _alignment(fn: str, k, y, centered: bool) -> float:
@@ -160,17 +146,13 @@ def _alignment(fn: str, k, y, centered: bool) -> float:
     tnorm = float(np.linalg.norm(t.T @ t))  # ‖Y Yᵀ‖_F = ‖Yᵀ Y‖_F
     what = "centred " if centered else ""
     if knorm2 == 0.0:
-        raise ValueError(
-            f"{fn}: the {what}kernel is all zeros, so the alignment is undefined. Fix: "
-            f"pass a non-zero kernel"
-            + (" that is not constant over the samples." if centered else ".")
-        )
+        fix = "a non-zero kernel" + (" that is not constant over the samples" if centered else "")
+        raise _undefined(fn, f"the {what}kernel is all zeros", "the alignment", fix)
     if tnorm == 0.0:
-        raise ValueError(
-            f"{fn}: the {what}targets are all zeros, so the alignment is undefined. Fix: "
-            f"pass targets that vary"
-            + (" over the samples (centring removes their mean)." if centered else ".")
+        fix = "targets that vary" + (
+            " over the samples (centring removes the mean)" if centered else ""
         )
+        raise _undefined(fn, f"the {what}targets are all zeros", "the alignment", fix)
     return num / (math.sqrt(knorm2) * tnorm)
 
 
@@ -312,9 +294,7 @@ def effective_rank(kernel=None, *, eigenvalues=None) -> float:
     s = np.abs(eigenvalues_of(fn, kernel, eigenvalues))
     total = float(s.sum())
     if total == 0.0:
-        raise ValueError(
-            f"{fn}: every eigenvalue is 0 (a zero kernel), so the normalised spectrum p_i "
-            f"is undefined. Fix: pass a non-zero kernel."
-        )
+        what = "every eigenvalue is 0 (a zero kernel)"
+        raise _undefined(fn, what, "the normalised spectrum p_i", "a non-zero kernel")
     p = s[s > 0] / total
     return float(math.exp(-float(np.sum(p * np.log(p)))))

@@ -11,7 +11,6 @@ a memory-mapped ``.npy`` file (:mod:`ntk_core._analysis.host_kernel`).
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -20,11 +19,12 @@ import scipy.linalg
 import scipy.sparse.linalg
 
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
-from ntk_core._api import _checked_arguments, _get
+from ntk_core._api import _check_callable, _checked_arguments, _get
 from ntk_core._functional.ntk_vp import make_ntk_vp
 from ntk_core._jax import caches as _caches
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import check_apply_fn
+from ntk_core._predict.linalg import bad, check_int, check_real
 
 # The public functions of this module of (apply_fn, params, x), as their messages
 # name them (ntk_core._kernel.caller).
@@ -36,6 +36,9 @@ _NTK_TRACE = core("ntk_trace", one_input=True)
 WHICH = ("LA", "SA")
 #: Seed of the fixed Gaussian starting vector v0 of ARPACK.
 SEED = 0
+#: The fix of a ``which="SA"`` run that did not converge.
+_SA_HINT = "; the smallest eigenvalues cluster near 0 and converge slowly: for a formed kernel, "
+_SA_HINT += "condition_number(kernel) is exact"
 
 
 class Eigenpairs(NamedTuple):
@@ -77,11 +80,9 @@ class _Operator(scipy.sparse.linalg.LinearOperator):
         self.matvecs += 1
         out = self.product(np.asarray(v, np.float64).reshape(-1))
         if not np.isfinite(out).all():
-            raise ValueError(
-                f"{self.fn_name}: a kernel-vector product came out NaN or Inf from a finite "
-                f"vector (max |v| = {np.abs(v).max():.3e}). Fix: check for float32 overflow "
-                f"in the model (scale the inputs or parameters), or compute in float64."
-            )
+            what = f"a kernel-vector product came out NaN or Inf (max |v| = {np.abs(v).max():.3e})"
+            fix = "look for float32 overflow in the model (scale inputs or parameters), or float64"
+            raise bad(ValueError, self.fn_name, what, fix)
         return out
 
     def _rmatvec(self, v):
@@ -195,38 +196,16 @@ def _kernel_operator(fn_name, kernel):
 
 
 def _check_solver_options(fn, k, which, tol, maxiter, ncv, m) -> None:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise TypeError(
-            f"{fn}: k must be an int number of eigenpairs, got {type(k).__name__} {k!r}. "
-            f"Fix: pass e.g. k=20."
-        )
-    if not 1 <= k <= m:
-        raise ValueError(
-            f"{fn}: k must be between 1 and the kernel's size M = N·O = {m}, got {k}. Fix: "
-            f"pass a smaller k."
-        )
+    check_int(fn, "k", k, f"pass k <= M = N·O = {m}, the kernel's size", high=m)
     if not isinstance(which, str) or which not in WHICH:
-        raise ValueError(
-            f"{fn}: which must be one of {', '.join(map(repr, WHICH))}, got {which!r}. Fix: "
-            f"which='LA' for the largest eigenvalues, 'SA' for the smallest."
-        )
-    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not 0 <= tol < 1:
-        raise ValueError(
-            f"{fn}: tol must be a real number in [0, 1), got {tol!r}. Fix: pass e.g. "
-            f"tol=1e-6, or tol=0 for machine precision."
-        )
-    for name, value, low in (("maxiter", maxiter, 1), ("ncv", ncv, k + 1)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-            raise ValueError(
-                f"{fn}: {name} must be None or an int >= {low}, got {value!r}. Fix: leave "
-                f"it None (scipy's default) or pass a larger int."
-            )
-    if ncv is not None and ncv > m:
-        raise ValueError(
-            f"{fn}: ncv={ncv} exceeds the kernel's size M = {m}. Fix: pass ncv <= {m} or None."
-        )
+        what = f"which must be one of {', '.join(map(repr, WHICH))}, got {which!r}"
+        raise bad(ValueError, fn, what, "which='LA' for the largest eigenvalues, 'SA' the smallest")
+    fix = "pass e.g. tol=1e-6, or 0 for machine precision"
+    check_real(fn, "tol", tol, fix, high=1.0, type_error=ValueError)
+    fix = "leave it None (scipy's default) or pass a larger int"
+    check_int(fn, "maxiter", maxiter, fix, optional=True, type_error=ValueError)
+    fix = f"leave it None (scipy's default), or k < ncv <= M = N·O = {m}"
+    check_int(fn, "ncv", ncv, fix, k + 1, m, optional=True, type_error=ValueError)
 
 
 def _solve(fn, op: _Operator, dense, k, which, tol, maxiter, ncv):
@@ -241,20 +220,14 @@ def _solve(fn, op: _Operator, dense, k, which, tol, maxiter, ncv):
                 op, k=k, which=which, tol=tol, maxiter=maxiter, ncv=ncv, v0=v0
             )
         except scipy.sparse.linalg.ArpackNoConvergence as e:
-            raise NoConvergence(
-                f"{fn}: ARPACK did not converge: {len(e.eigenvalues)} of the k={k} "
-                f"eigenpairs met tol={tol} after {op.matvecs} products (maxiter={maxiter}). "
-                f"Fix: raise maxiter, loosen tol, or raise ncv (more Lanczos vectors, "
-                f"default max(2k + 1, 20))"
-                + (
-                    "; the smallest eigenvalues of a kernel cluster near 0 and converge "
-                    "slowly: for a formed kernel, condition_number(kernel) is exact."
-                    if which == "SA"
-                    else "."
-                ),
-                e.eigenvalues,
-                e.eigenvectors,
-            ) from None
+            what = f"ARPACK did not converge: {len(e.eigenvalues)} of the k={k} eigenpairs met "
+            what += f"tol={tol} after {op.matvecs} products (maxiter={maxiter})"
+            fix = (
+                "raise maxiter, loosen tol, or raise ncv (Lanczos vectors, default max(2k + 1, 20))"
+            )
+            fix += _SA_HINT if which == "SA" else ""
+            msg = f"{fn}: {what}. Fix: {fix}."
+            raise NoConvergence(msg, e.eigenvalues, e.eigenvectors) from None
     order = np.argsort(w)
     order = order[::-1][:k] if which == "LA" else order[:k]
     w, v = w[order], v[:, order]
@@ -477,12 +450,7 @@ def ntk_trace(
     """
     fn = _NTK_TRACE.name
     check_apply_fn(fn, apply_fn)
-    if not callable(apply_fn):
-        raise TypeError(
-            f"{fn}: apply_fn must be a callable apply_fn(params, x), got "
-            f"{type(apply_fn).__name__}. Fix: pass e.g. model.apply or a function of "
-            f"(params, x)."
-        )
+    _check_callable(fn, apply_fn)
     try:
         flat = _flattened(apply_fn)
     except TypeError:  # unhashable callable

@@ -26,8 +26,14 @@ import numpy as np
 
 from ntk_core._analysis import metrics as _metrics
 from ntk_core._analysis.host_kernel import HostKernel
+from ntk_core._predict.linalg import bad, check_finite, check_int
 
 _NAME = "KernelTracker"
+_UPDATE = f"{_NAME}.update"
+_KERNEL_FN_FIX = (
+    "pass a kernel function kernel(params, x) such as ntk_core.ntk_fn(apply_fn), "
+    "ntk_flax.kernel_fn(model) or ntk_haiku.kernel_fn(transformed)"
+)
 
 #: File of the metrics in ``out`` (rewritten, atomically, after each tracked step).
 METRICS_FILE = "metrics.json"
@@ -65,45 +71,29 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _positive_int(name: str, value, fix: str) -> int:
-    if not _is_int(value):
-        raise TypeError(
-            f"{_NAME}: {name} must be a positive int, got {value!r} "
-            f"({type(value).__name__}). Fix: {fix}"
-        )
-    if value < 1:
-        raise ValueError(f"{_NAME}: {name} must be a positive int, got {value}. Fix: {fix}")
-    return int(value)
+#: The fix of a malformed probe set.
+_PROBE_FIX = "pass one array (N, ...) or a pytree of arrays with N on axis 0, e.g. x_train[:256]"
 
 
 def _probe_inputs(x_probe) -> tuple[Any, int]:
     """``x_probe`` as device arrays (one transfer, reused at every tracked step) and N."""
-    leaves, _ = jax.tree.flatten(x_probe)
-    fix = (
-        "pass the probe inputs as one array (N, ...) or a pytree of arrays that all have "
-        "the N probe samples on axis 0, e.g. x_train[:256]."
-    )
+    leaves = jax.tree.leaves(x_probe)
     if not leaves:
-        raise ValueError(f"{_NAME}: x_probe has no arrays (got {x_probe!r}). Fix: {fix}")
-    sizes = []
+        raise bad(ValueError, _NAME, f"x_probe has no arrays (got {x_probe!r})", _PROBE_FIX)
     for leaf in leaves:
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            raise TypeError(
-                f"{_NAME}: x_probe must be an array or a pytree of arrays, got a leaf of "
-                f"type {type(leaf).__name__}. Fix: {fix}"
-            )
+            what = "x_probe must be an array or a pytree of arrays, got a leaf of type "
+            what += type(leaf).__name__
+            raise bad(TypeError, _NAME, what, _PROBE_FIX)
         if len(leaf.shape) == 0:
-            raise ValueError(
-                f"{_NAME}: x_probe has a scalar leaf (shape ()), so no batch axis. Fix: {fix}"
-            )
-        sizes.append(leaf.shape[0])
+            what = "x_probe has a scalar leaf (shape ()), so no batch axis"
+            raise bad(ValueError, _NAME, what, _PROBE_FIX)
+    sizes = [leaf.shape[0] for leaf in leaves]
     if len(set(sizes)) > 1:
-        raise ValueError(
-            f"{_NAME}: the leaves of x_probe have different sizes on the batch axis 0: "
-            f"{sizes}. Fix: {fix}"
-        )
+        what = f"the leaves of x_probe have different sizes on the batch axis 0: {sizes}"
+        raise bad(ValueError, _NAME, what, _PROBE_FIX)
     if sizes[0] == 0:
-        raise ValueError(f"{_NAME}: x_probe has no samples (N = 0). Fix: {fix}")
+        raise bad(ValueError, _NAME, "x_probe has no samples (N = 0)", _PROBE_FIX)
     return jax.tree.map(jnp.asarray, x_probe), int(sizes[0])
 
 
@@ -112,25 +102,21 @@ def _labels(y, n: int) -> np.ndarray | None:
         return None
     arr = np.asarray(y)
     if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-        raise TypeError(
-            f"{_NAME}: y must be numbers (floating or integer), got dtype {arr.dtype}. Fix: "
-            f"encode the labels as numbers, e.g. one-hot: np.eye(n_classes)[labels]."
-        )
+        what = f"y must be numbers (floating or integer), got dtype {arr.dtype}"
+        raise bad(TypeError, _NAME, what, "encode the labels as numbers, e.g. one-hot")
     if arr.ndim not in (1, 2) or arr.shape[0] != n:
-        raise ValueError(
-            f"{_NAME}: y has shape {arr.shape}; expected (N,) or (N, O) for the N = {n} "
-            f"probe samples. Fix: pass the labels of the probe samples, in the same order, "
-            f"e.g. y_train[:{n}] for x_train[:{n}]."
+        what = f"y has shape {arr.shape}; expected (N,) or (N, O) for the N = {n} probe samples"
+        raise bad(
+            ValueError, _NAME, what, f"pass the labels of the probe samples, e.g. y_train[:{n}]"
         )
-    if not np.isfinite(arr).all():
-        raise ValueError(f"{_NAME}: y contains NaN or Inf. Fix: pass finite labels.")
-    if arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer) and len(np.unique(arr)) > 2:
-        raise ValueError(
-            f"{_NAME}: y is a vector of {len(np.unique(arr))} distinct integers (class ids?); "
-            f"as one target column, y yᵀ would make classes 2 and 3 more alike than 0 and "
-            f"3, and the alignment meaningless. Fix: pass one-hot labels "
-            f"(np.eye(n_classes)[y], shape (N, O)), or y.astype(float) for numeric targets."
+    check_finite(_NAME, "y", arr, "pass finite labels", cls=ValueError)
+    classes = len(np.unique(arr)) if arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer) else 0
+    if classes > 2:
+        what = (
+            f"y is a vector of {classes} distinct integers (class ids?), meaningless as one target"
         )
+        fix = "pass one-hot labels np.eye(n_classes)[y], or y.astype(float) for numeric targets"
+        raise bad(ValueError, _NAME, what, fix)
     return arr.astype(np.float64)
 
 
@@ -285,23 +271,14 @@ class KernelTracker:
         out: str | os.PathLike | None = None,
     ):
         if not callable(kernel_fn):
-            raise TypeError(
-                f"{_NAME}: kernel_fn must be a callable kernel(params_like, x), got "
-                f"{type(kernel_fn).__name__}. Fix: pass a kernel function, e.g. "
-                f"ntk_core.ntk_fn(apply_fn), ntk_flax.kernel_fn(model) or "
-                f"ntk_haiku.kernel_fn(transformed)."
-            )
-        self.every = _positive_int(
-            "every", every, "pass every=k to compute the kernel at steps 0, k, 2k, ..."
-        )
-        self.top_k = _positive_int(
-            "top_k", top_k, "pass the number of largest eigenvalues to record, e.g. top_k=5."
-        )
+            got = type(kernel_fn).__name__
+            what = f"kernel_fn must be a callable kernel(params_like, x), got {got}"
+            raise bad(TypeError, _NAME, what, _KERNEL_FN_FIX)
+        self.every = check_int(_NAME, "every", every, "pass every=k for steps 0, k, 2k, ...")
+        self.top_k = check_int(_NAME, "top_k", top_k, "pass e.g. top_k=5 (largest eigenvalues)")
         if not isinstance(keep_kernels, (bool, np.bool_)):
-            raise TypeError(
-                f"{_NAME}: keep_kernels must be True or False, got {keep_kernels!r}. Fix: "
-                f"pass keep_kernels=True to keep every kernel in memory."
-            )
+            what = f"keep_kernels must be True or False, got {keep_kernels!r}"
+            raise bad(TypeError, _NAME, what, "pass keep_kernels=True to keep every kernel")
         self._kernel_fn = kernel_fn
         self._x, self.n_probe = _probe_inputs(x_probe)
         self._y = _labels(y, self.n_probe)
@@ -334,42 +311,34 @@ class KernelTracker:
         return self._track(int(step), params_like, kernel_kwargs)
 
     def _bad_step(self, step) -> None:
-        if isinstance(step, jax.Array):
-            raise TypeError(
-                f"{_NAME}.update: step is a jax.Array (shape {step.shape}, dtype "
-                f"{step.dtype}), e.g. state.step; deciding whether it is due would wait for "
-                f"the device at every step. Fix: pass the Python loop counter "
-                f"(for step in range(n): ... tracker.update(step, state))."
+        fix = "pass the Python loop counter (for step in range(n): ...)"
+        if isinstance(step, jax.Array):  # deciding whether it is due would sync every step
+            what = (
+                f"step is a jax.Array (shape {step.shape}, dtype {step.dtype}), e.g. state.step; "
             )
+            what += "deciding whether it is due would wait for the device at every step"
+            raise bad(TypeError, _UPDATE, what, fix)
         if _is_int(step):  # negative
-            raise ValueError(
-                f"{_NAME}.update: step must be >= 0, got {step}. Fix: pass the training "
-                f"step, e.g. the loop counter (for step in range(n): ...)."
-            )
-        raise TypeError(
-            f"{_NAME}.update: step must be an int, got {step!r} ({type(step).__name__}). "
-            f"Fix: pass the training step as an int, e.g. the loop counter."
+            raise bad(ValueError, _UPDATE, f"step must be >= 0, got {step}", fix)
+        raise bad(
+            TypeError, _UPDATE, f"step must be an int, got {step!r} ({type(step).__name__})", fix
         )
 
     def _track(self, step: int, params_like, kernel_kwargs) -> KernelRecord:
         if self.records and step <= self.records[-1].step:
-            raise ValueError(
-                f"{_NAME}.update: step {step} is not after the last tracked step "
-                f"{self.records[-1].step}; steps must increase. Fix: pass the training "
-                f"step (the loop counter), not a counter that restarts."
+            what = f"step {step} is not after the last tracked step {self.records[-1].step}"
+            raise bad(
+                ValueError, _UPDATE, what, "pass the training step, not a counter that restarts"
             )
         t0 = time.perf_counter()
         k = self._kernel_fn(params_like, self._x, **kernel_kwargs)
         kernel = self._host(k)
         if kernel.ndim < 2 or kernel.shape[:2] != (self.n_probe, self.n_probe):
-            raise ValueError(
-                f"{_NAME}.update: the kernel function returned shape {kernel.shape}; expected "
-                f"the kernel of the N = {self.n_probe} probe samples with themselves, (N, N) "
-                f"or (N, N, O, O). Fix: pass a kernel function kernel(params, x) such as "
-                f"ntk_core.ntk_fn(apply_fn), not the model's apply function, and no "
-                f"diagonal_axes."
-            )
-        flat = HostKernel(f"{_NAME}.update", "the kernel", kernel)
+            what = f"the kernel function returned shape {kernel.shape}; expected the kernel of the "
+            what += f"N = {self.n_probe} probe samples, (N, N) or (N, N, O, O)"
+            fix = _KERNEL_FN_FIX + ", not the model's apply function, and no diagonal_axes"
+            raise bad(ValueError, _UPDATE, what, fix)
+        flat = HostKernel(_UPDATE, "the kernel", kernel)
         flat.check_symmetric()
         if self.initial_kernel is None:
             self._check_first(flat)
@@ -400,32 +369,24 @@ class KernelTracker:
 
     def _host(self, k) -> np.ndarray:
         if not hasattr(k, "shape") or not hasattr(k, "dtype"):
-            raise TypeError(
-                f"{_NAME}.update: the kernel function returned {type(k).__name__}; expected "
-                f"one array, the (N, N) or (N, N, O, O) kernel of the probe set. Fix: for a "
-                f"model with several outputs (a pytree), build a kernel function of one "
-                f"output, e.g. ntk_core.ntk_fn(lambda p, x: apply_fn(p, x)['logits'])."
+            what = f"the kernel function returned {type(k).__name__}; expected one array"
+            fix = (
+                "for pytree outputs, a kernel of one, ntk_fn(lambda p, x: apply_fn(p, x)['logits'])"
             )
+            raise bad(TypeError, _UPDATE, what, fix)
         return np.asarray(k)
 
     def _check_first(self, flat: HostKernel) -> None:
         """Checks of the first kernel: the probe set's size, labels and top_k."""
         kernel = flat.arr
-        if self._y is not None and flat.out_shape:
-            expected = (self.n_probe, flat.o)
-            if self._y.shape != expected:
-                raise ValueError(
-                    f"{_NAME}.update: the kernel has shape {kernel.shape} (outputs not "
-                    f"traced), so y must have shape (N, O) = {expected}, got "
-                    f"{self._y.shape}. Fix: pass one label per sample and output (one-hot), "
-                    f"or build the kernel function with the default trace_axes=(-1,)."
-                )
-        if self.top_k > flat.m:
-            raise ValueError(
-                f"{_NAME}.update: top_k={self.top_k} exceeds the M = N·O = {flat.m} "
-                f"eigenvalues of the probe kernel (shape {kernel.shape}). Fix: pass "
-                f"top_k <= {flat.m}, or more probe samples."
-            )
+        expected = (self.n_probe, flat.o)
+        if self._y is not None and flat.out_shape and self._y.shape != expected:
+            what = f"the kernel has shape {kernel.shape} (outputs not traced), so y must have "
+            what += f"shape (N, O) = {expected}"
+            fix = "pass one-hot labels, or a kernel function with the default trace_axes=(-1,)"
+            raise bad(ValueError, _UPDATE, f"{what}, got {self._y.shape}", fix)
+        fix = f"pass top_k <= M = N·O = {flat.m} (kernel {kernel.shape}), or more probe samples"
+        check_int(_UPDATE, "top_k", self.top_k, fix, high=flat.m)
         self._shape, self._dtype = tuple(kernel.shape), str(kernel.dtype)
 
     @property

@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ntk_core._errors import NonFiniteError
 from ntk_core._jax.environment import _user_stacklevel
 from ntk_core._kernel.options import DEFAULTS
 from ntk_core._predict.linalg import (
@@ -23,9 +22,14 @@ from ntk_core._predict.linalg import (
     FlatLayout,
     Solver,
     as_host_array,
+    bad,
     check_diag_reg,
     check_finite,
+    check_int,
+    check_real,
+    check_rows_finite,
     compute_dtype,
+    is_real,
     matmul64,
     numerical_rank,
     scan_train_kernel,
@@ -120,29 +124,31 @@ def _doc(fn):
 class _Train:
     """One train-train kernel: validated, flattened, regularised and factored."""
 
-    def __init__(
-        self, fn_name, name, k, layout: FlatLayout, diag_reg, absolute, dtype, method, factor=None
-    ):
+    def __init__(self, fn_name, name, k, layout: FlatLayout, opts: _Options, factor=None):
         k = as_host_array(fn_name, name, k)
         layout.check_pair(name, k, layout.n, layout.n)
         self.k_dtype = k.dtype
         self.k2 = layout.flat(k)
         self.mean_diag, self.kmax = scan_train_kernel(fn_name, name, self.k2, k.dtype)
-        self.dtype = compute_dtype(fn_name, dtype, k.dtype)  # the results' dtype
-        self.reg_scale = 1.0 if absolute else self.mean_diag
-        self.lam = diag_reg * self.reg_scale
+        self.dtype = compute_dtype(fn_name, opts.dtype, k.dtype)  # the results' dtype
+        self.reg_scale = 1.0 if opts.diag_reg_absolute_scale else self.mean_diag
+        self.lam = opts.diag_reg * self.reg_scale
+        factor = self.dtype if factor is None else factor
         self.solver = Solver(
-            fn_name,
-            self.k2,
-            self.lam,
-            self.dtype if factor is None else factor,
-            reg_scale=self.reg_scale,
-            method=method,
+            fn_name, self.k2, self.lam, factor, reg_scale=self.reg_scale, method=opts.method
         )
 
 
 #: A rank counts as structural (warned) when its last eigenvalue is this many times the next.
 _RANK_DROP = 1e3
+_DOCS = "docs/errors.md"
+_Y_NAN_FIX = "drop or impute the samples with missing targets"
+#: Why a kernel has low rank, per field of :class:`Kernels` (both for a plain array).
+_LOW_RANK_WHY = {
+    "nngp": "an empirical NNGP of one network with O outputs has rank <= O: for a GP prior, "
+    "average initialisations (ntk_core.monte_carlo_kernels(..., n_samples=...))",
+    "ntk": "an empirical NTK has rank <= the number of parameters",
+}
 
 
 def _warn_if_low_rank(fn_name, field, tr: _Train) -> None:
@@ -152,24 +158,12 @@ def _warn_if_low_rank(fn_name, field, tr: _Train) -> None:
     r, c, drop = numerical_rank(tr.k2, tr.k_dtype)
     if 2 * r > c or drop < _RANK_DROP:
         return
-    m = tr.k2.shape[0]
     name = "k_train_train" + (f".{field}" if field else "")
-    nngp = (
-        "an empirical NNGP of one network with O outputs has rank at most O (one sample of "
-        "the prior): for a GP prior, average many initialisations "
-        "(ntk_core.monte_carlo_kernels(..., n_samples=...))"
-    )
-    ntk = "an empirical NTK has rank at most the number of parameters"
-    why = {"nngp": nngp, "ntk": ntk}.get(field, f"{nngp}; {ntk}")
-    warnings.warn(
-        f"{fn_name}: {name} has numerical rank {r} of {m} (eigenvalues above M·u·λ_max, "
-        f"u the round-off of its dtype {np.dtype(tr.k_dtype).name}). As a GP prior it "
-        f"holds only {r} functions of the inputs: the posterior mean and every posterior "
-        f"sample are combinations of them, however many training points there are. "
-        f"{why[0].upper()}{why[1:]}.",
-        DegenerateKernelWarning,
-        stacklevel=_user_stacklevel(),
-    )
+    what = f"{name} has numerical rank {r} of {tr.k2.shape[0]} ({np.dtype(tr.k_dtype).name})"
+    why = _LOW_RANK_WHY.get(field, "; ".join(_LOW_RANK_WHY.values()))
+    msg = f"{fn_name}: {what}: as a prior it holds only {r} functions; {why}."
+    msg += f" See {_DOCS}#low-rank-kernel."
+    warnings.warn(msg, DegenerateKernelWarning, stacklevel=_user_stacklevel())
 
 
 def _pick(fn_name, name, k, field):
@@ -177,11 +171,8 @@ def _pick(fn_name, name, k, field):
     if isinstance(k, Kernels):
         v = getattr(k, field)
         if v is None:
-            raise ValueError(
-                f"{fn_name}: {name}.{field} is None but this prediction needs the "
-                f"{field.upper()}. Fix: pass Kernels(nngp=..., ntk=...) with both kernels "
-                f"(as ntk_core.monte_carlo_kernels returns), or an array."
-            )
+            what = f"{name}.{field} is None but this prediction needs the {field.upper()}"
+            raise bad(ValueError, fn_name, what, "pass Kernels(nngp=..., ntk=...), or an array")
         return v
     return k
 
@@ -189,16 +180,13 @@ def _pick(fn_name, name, k, field):
 def _clip_variances(fn_name, var, s, m, u):
     """Sets round-off negatives (>= −m·u·s) to 0; raises below."""
     tol = m * u * s
-    bad = var < -tol
-    if bad.any():
-        i = int(np.flatnonzero(bad.reshape(-1))[0])
-        raise ValueError(
-            f"{fn_name}: a posterior variance came out {var.reshape(-1)[i]:.3e}, below the "
-            f"round-off level −{tol.reshape(-1)[i]:.3e}: the train-train, test-train and "
-            f"test-test kernels are not jointly positive semi-definite. Fix: compute all "
-            f"three with the same network, parameters and options (trace_axes), e.g. from "
-            f"one ntk_core.monte_carlo_kernels call on the concatenated inputs."
-        )
+    below = var < -tol
+    if below.any():
+        i = int(np.flatnonzero(below.reshape(-1))[0])
+        what = f"a posterior variance came out {var.reshape(-1)[i]:.3e}, below round-off "
+        what += f"−{tol.reshape(-1)[i]:.3e}: the kernels are not jointly positive semi-definite"
+        fix = "compute all three kernels with the same network, parameters and trace_axes"
+        raise bad(ValueError, fn_name, what, fix, see="negative-variance")
     return np.maximum(var, 0.0)
 
 
@@ -213,7 +201,7 @@ class _TestSide:
         for f in fields:
             k = as_host_array(fn, "k_test_train", _pick(fn, "k_test_train", k_test_train, f))
             t = lay.check_pair("k_test_train", k, t, lay.n, fn)
-            check_finite(fn, "k_test_train", k)
+            check_rows_finite(fn, "k_test_train", k)
             out[f] = lay.flat(k)
         kind, ktt = None, None
         if k_test_test is not None:
@@ -223,19 +211,16 @@ class _TestSide:
             elif k.shape == lay.diag_shape(t):
                 kind, ktt = "diag", lay.flat_diag(k)
             else:
-                raise ValueError(
-                    f"{fn}: k_test_test has shape {k.shape}, expected the full test-test "
-                    f"kernel {lay.pair_shape(t, t)} (gives the covariance) or its per-sample "
-                    f"diagonal {lay.diag_shape(t)} (diagonal_axes=(0,); gives the "
-                    f"variances). Fix: compute it on the same test inputs with the same "
-                    f"trace_axes."
-                )
-            check_finite(fn, "k_test_test", k)
+                what = f"k_test_test has shape {k.shape}, expected the full {lay.pair_shape(t, t)}"
+                what += f" or its per-sample diagonal {lay.diag_shape(t)} (diagonal_axes=(0,))"
+                fix = "compute it on the same test inputs with the same trace_axes"
+                raise bad(ValueError, fn, what, fix)
+            check_rows_finite(fn, "k_test_test", k)
         u = max(unit_roundoff(a.dtype) for a in [*out.values()] + ([ktt] if kind else []))
         return t, out, kind, ktt, u
 
     def _chunks(self, t):
-        b = self._opts["test_batch_size"] or t
+        b = self._opts.test_batch_size or t
         ko = self._layout.ko
         for start in range(0, t, b):
             stop = min(t, start + b)
@@ -258,8 +243,8 @@ class GPInference(_TestSide):
     def __init__(self, fn_name, k_train_train, y_train, opts):
         self._fn = fn_name
         y = as_host_array(fn_name, "y_train", y_train)
-        self._layout = FlatLayout(fn_name, y.shape, opts["trace_axes"])
-        check_finite(fn_name, "y_train", y)
+        self._layout = FlatLayout(fn_name, y.shape, opts.trace_axes)
+        check_rows_finite(fn_name, "y_train", y, _Y_NAN_FIX)
         self._y = np.asarray(self._layout.flat_y(y), np.float64)
         self._y_size = y.size
         self._opts = opts
@@ -272,15 +257,13 @@ class GPInference(_TestSide):
             if not isinstance(k_train_train, Kernels) or getattr(k_train_train, f) is not None:
                 self._get_train(f)
         if not self._train:
-            raise ValueError(
-                f"{fn_name}: k_train_train is Kernels(nngp=None, ntk=None). Fix: pass an "
-                f"array or Kernels with at least one kernel."
-            )
+            what = "k_train_train is Kernels(nngp=None, ntk=None)"
+            raise bad(ValueError, fn_name, what, "pass an array or Kernels with a kernel")
         for field in list(self._train):  # solve for y now: an unsolvable kernel fails here
             self._alpha_of(field)
         for field, tr in self._train.items():
             _warn_if_low_rank(fn_name, field if isinstance(k_train_train, Kernels) else None, tr)
-        self.amplitude = self._amplitude() if opts["fit_amplitude"] else 1.0
+        self.amplitude = self._amplitude() if opts.fit_amplitude else 1.0
 
     def _get_train(self, field) -> _Train:
         if not isinstance(self._k, Kernels):
@@ -288,17 +271,7 @@ class GPInference(_TestSide):
         if field not in self._train:
             name = f"k_train_train.{field}" if isinstance(self._k, Kernels) else "k_train_train"
             k = _pick(self._fn, "k_train_train", self._k, field)
-            o = self._opts
-            self._train[field] = _Train(
-                self._fn,
-                name,
-                k,
-                self._layout,
-                o["diag_reg"],
-                o["diag_reg_absolute_scale"],
-                o["dtype"],
-                o["method"],
-            )
+            self._train[field] = _Train(self._fn, name, k, self._layout, self._opts)
         return self._train[field]
 
     def _alpha_of(self, field) -> np.ndarray:
@@ -423,18 +396,8 @@ class GPInference(_TestSide):
         """
         fn = f"{self._fn}(...).ntk"
         needs_cov = k_test_test is not None
-        if needs_cov and not (
-            isinstance(self._k, Kernels)
-            and isinstance(k_test_train, Kernels)
-            and self._k.nngp is not None
-            and self._k.ntk is not None
-        ):
-            raise ValueError(
-                f"{fn}: the NTK ensemble covariance needs both the NTK and the NNGP of the "
-                f"train-train and test-train pairs. Fix: pass Kernels(nngp=..., ntk=...) to "
-                f"gp_inference and as k_test_train (ntk_core.monte_carlo_kernels returns "
-                f"them), or drop k_test_test for the mean only."
-            )
+        if needs_cov and not (_has_both(self._k) and isinstance(k_test_train, Kernels)):
+            raise _needs_both(fn, "gp_inference")
         fields = ["ntk", "nngp"] if needs_cov else ["ntk"]
         t, kts, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, fields)
         tr = self._get_train("ntk")
@@ -508,25 +471,36 @@ def _ntk_ensemble(fn, chunks, ko, kts, kind, ktt, k_xx, alpha, apply_h, u):
     return mean, cov
 
 
+def _has_both(k) -> bool:
+    return isinstance(k, Kernels) and k.nngp is not None and k.ntk is not None
+
+
+def _needs_both(fn, public) -> ValueError:
+    what = "the ensemble covariance needs both the NTK and the NNGP of train and test-train"
+    fix = f"pass Kernels(nngp=..., ntk=...) to {public} and as k_test_train, or no k_test_test"
+    return bad(ValueError, fn, what, fix)
+
+
+class _Options(NamedTuple):
+    """The validated options shared by the predictors."""
+
+    diag_reg: float
+    diag_reg_absolute_scale: bool
+    trace_axes: Any
+    dtype: Any
+    test_batch_size: int | None
+    fit_amplitude: bool = False
+    method: str = "cholesky"
+
+
 def _options(fn_name, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size):
     diag_reg = check_diag_reg(fn_name, diag_reg)
-    if test_batch_size is not None and (
-        isinstance(test_batch_size, bool)
-        or not isinstance(test_batch_size, int)
-        or test_batch_size < 1
-    ):
-        raise ValueError(
-            f"{fn_name}: test_batch_size must be None or a positive int, got "
-            f"{test_batch_size!r}. Fix: pass e.g. test_batch_size=1000."
-        )
-    compute_dtype(fn_name, dtype, np.float32)  # validates the value early
-    return dict(
-        diag_reg=diag_reg,
-        diag_reg_absolute_scale=bool(diag_reg_absolute_scale),
-        trace_axes=trace_axes,
-        dtype=dtype,
-        test_batch_size=test_batch_size,
+    fix = "pass e.g. test_batch_size=1000"
+    test_batch_size = check_int(
+        fn_name, "test_batch_size", test_batch_size, fix, optional=True, type_error=ValueError
     )
+    compute_dtype(fn_name, dtype, np.float32)  # validates the value early
+    return _Options(diag_reg, bool(diag_reg_absolute_scale), trace_axes, dtype, test_batch_size)
 
 
 @_doc
@@ -613,8 +587,7 @@ def gp_inference(
     """
     fn = "gp_inference"
     opts = _options(fn, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size)
-    opts["fit_amplitude"] = bool(fit_amplitude)
-    opts["method"] = "cholesky"
+    opts = opts._replace(fit_amplitude=bool(fit_amplitude))
     return GPInference(fn, k_train_train, y_train, opts)
 
 
@@ -632,33 +605,19 @@ _DEFAULT_ZERO = _DefaultZero(0.0)
 def _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train) -> None:
     """Refuses ``None`` outputs at t = 0 where a formula needs them, and test outputs at
     t = 0 without a test kernel (one-sided outputs: :func:`_check_one_sided`)."""
-    if fx_test_0 is None and k_test_train is not None:
-        raise ValueError(
-            f"{fn}: fx_test_0=None with k_test_train: the test predictions start from the "
-            f"network's outputs on the test inputs at t = 0. Fix: pass them, or leave "
-            f"fx_test_0 and fx_train_0 at their default 0.0 (outputs 0 at t = 0)."
+    if k_test_train is not None and (fx_train_0 is None or fx_test_0 is None):
+        name = "fx_test_0" if fx_test_0 is None else "fx_train_0"
+        what = (
+            f"{name}=None with k_test_train: the test predictions start from the outputs at t = 0"
         )
-    if k_test_train is None:
-        if fx_train_0 is None:
-            raise ValueError(
-                f"{fn}: fx_train_0=None and k_test_train=None: nothing to predict. Fix: "
-                f"pass fx_train_0 (e.g. 0.0) and/or k_test_train."
-            )
-        if fx_test_0 is not _DEFAULT_ZERO and fx_test_0 is not None:
-            raise ValueError(
-                f"{fn}: fx_test_0 is given but k_test_train=None, so there are no test "
-                f"predictions to start from it. Fix: pass k_test_train (the test-train "
-                f"NTK), or drop fx_test_0."
-            )
-        return
-    if fx_train_0 is None:
-        raise ValueError(
-            f"{fn}: fx_train_0=None with k_test_train: the test predictions f_test(t) = "
-            f"f_test(0) + Θ_tx H(t) (y − f_train(0)) need the outputs on the training "
-            f"inputs at t = 0, and None would silently take them as 0. Fix: pass "
-            f"fx_train_0 (the network's outputs on the training inputs at t = 0), or "
-            f"leave both fx_train_0 and fx_test_0 at their default 0.0."
-        )
+        fix = f"pass {name}, or leave fx_train_0 and fx_test_0 at their default 0.0"
+        raise bad(ValueError, fn, what, fix, see="initial-outputs")
+    if k_test_train is None and fx_train_0 is None:
+        what = "fx_train_0=None and k_test_train=None: nothing to predict"
+        raise bad(ValueError, fn, what, "pass fx_train_0 (e.g. 0.0) and/or k_test_train")
+    if k_test_train is None and fx_test_0 is not _DEFAULT_ZERO and fx_test_0 is not None:
+        what = "fx_test_0 is given but k_test_train=None (no test predictions)"
+        raise bad(ValueError, fn, what, "pass k_test_train (the test-train NTK), or drop fx_test_0")
 
 
 def _check_one_sided(fn, given, values) -> None:
@@ -666,47 +625,46 @@ def _check_one_sided(fn, given, values) -> None:
 
     ``given``: the names of the outputs the caller passed; ``values``: name -> the
     validated (finite, broadcast) array."""
-    if len(given) != 1:
+    if len(given) != 1 or not np.any(values[given[0]] != 0):
         return
-    name = given[0]
-    other = "fx_test_0" if name == "fx_train_0" else "fx_train_0"
-    which = {"fx_train_0": "training", "fx_test_0": "test"}
-    value = values[name]
-    if value.size and np.any(value != 0):
-        raise ValueError(
-            f"{fn}: {name} is given (max |value| {np.abs(value).max():.3g}) but {other} is "
-            f"left at its default 0.0, so the test predictions would assume the network "
-            f"outputs 0 on the {which[other]} inputs at t = 0 while it does not on the "
-            f"{which[name]} inputs. Fix: pass {other} too (the network's outputs on the "
-            f"{which[other]} inputs at t = 0), or {other}=0.0 explicitly if they are 0."
-        )
+    name, other = given[0], ({"fx_train_0", "fx_test_0"} - set(given)).pop()
+    what = f"{name} is given (max |value| {np.abs(values[name]).max():.3g}) but {other} is left"
+    what += " at its default 0.0 (outputs 0 at t = 0)"
+    fix = f"pass {other} too, or {other}=0.0 explicitly if the outputs are 0"
+    raise bad(ValueError, fn, what, fix, see="initial-outputs")
 
 
 def _initial_outputs(fn, name, value, shape, which) -> np.ndarray:
     """``value`` as float64 broadcast to ``shape``, finite."""
+    fix = f"pass the network's outputs on the {which} inputs at t = 0, or 0.0"
     try:
         arr = np.asarray(value)
     except Exception:  # noqa: BLE001 - any conversion failure is reported
         arr = np.asarray(None)
     if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-        raise TypeError(
-            f"{fn}: {name} must be a number or an array of the network's outputs, got "
-            f"{type(value).__name__}. Fix: pass the network's outputs on the {which} "
-            f"inputs at t = 0 as an array, or 0.0."
-        )
+        what = f"{name} must be a number or an array of outputs, got {type(value).__name__}"
+        raise bad(TypeError, fn, what, fix)
     try:
         arr = np.broadcast_to(np.asarray(arr, np.float64), shape)
     except ValueError:
-        raise ValueError(
-            f"{fn}: {name} of shape {np.shape(value)} does not broadcast to {shape}. Fix: "
-            f"pass the network's outputs on the {which} inputs, or 0.0."
-        ) from None
-    if not np.isfinite(arr).all():
-        raise NonFiniteError(
-            f"{fn}: {name} contains NaN or inf. Fix: pass the network's (finite) outputs "
-            f"on the {which} inputs at t = 0."
-        )
+        what = f"{name} of shape {np.shape(value)} does not broadcast to {shape}"
+        raise bad(ValueError, fn, what, fix) from None
+    check_finite(fn, name, arr, fix)
     return arr
+
+
+def _check_times(fn, t) -> np.ndarray:
+    """``t`` (``None``: convergence) as float64 times, all >= 0 (``inf`` allowed)."""
+    ts = np.asarray(np.inf if t is None else t, np.float64)
+    if np.isnan(ts).any() or (ts < 0).any():
+        what = f"t must be >= 0 (or None / inf for convergence), got {t!r}"
+        raise bad(ValueError, fn, what, "pass training times in steps")
+    return ts
+
+
+def _finite(value) -> bool:
+    """A finite Python int or float (``learning_rate``'s type; else TypeError)."""
+    return isinstance(value, (int, float)) and is_real(value) and math.isfinite(value)
 
 
 class GradientDescentMSE(_TestSide):
@@ -715,35 +673,19 @@ class GradientDescentMSE(_TestSide):
     def __init__(self, fn_name, k_train_train, y_train, learning_rate, opts):
         self._fn = fn_name
         y = as_host_array(fn_name, "y_train", y_train)
-        self._layout = lay = FlatLayout(fn_name, y.shape, opts["trace_axes"])
-        check_finite(fn_name, "y_train", y)
+        self._layout = lay = FlatLayout(fn_name, y.shape, opts.trace_axes)
+        check_rows_finite(fn_name, "y_train", y, _Y_NAN_FIX)
         self._y_shape, self._y_size = y.shape, y.size
         self._y = np.asarray(lay.flat_y(y), np.float64)
-        if isinstance(learning_rate, bool) or not (
-            isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate)
-        ):
-            raise TypeError(
-                f"{fn_name}: learning_rate must be a finite float, got {learning_rate!r}. "
-                f"Fix: pass e.g. learning_rate=1.0."
-            )
-        if learning_rate <= 0:
-            raise ValueError(
-                f"{fn_name}: learning_rate must be > 0, got {learning_rate}. Fix: pass the "
-                f"positive step size of the training run."
-            )
-        self._lr = float(learning_rate)
-        k = _pick(fn_name, "k_train_train", k_train_train, "ntk")
-        self._train = _Train(
-            fn_name,
-            "k_train_train",
-            k,
-            lay,
-            opts["diag_reg"],
-            opts["diag_reg_absolute_scale"],
-            opts["dtype"],
-            "eigh",
-            factor=np.float64,  # a float32 eigendecomposition lost 1e-3 at t = 1e5
+        fix = "pass the step size, e.g. learning_rate=1.0"
+        lr = check_real(
+            fn_name, "learning_rate", learning_rate, fix, open_low=True, is_type=_finite
         )
+        self._lr = lr
+        k = _pick(fn_name, "k_train_train", k_train_train, "ntk")
+        # a float32 eigendecomposition lost 1e-3 at t = 1e5: always float64
+        eigh = opts._replace(method="eigh")
+        self._train = _Train(fn_name, "k_train_train", k, lay, eigh, factor=np.float64)
         w, v = self._train.solver._eigs
         self._w = np.maximum(w, 0.0)
         self._v = np.asarray(v, np.float64)
@@ -814,15 +756,7 @@ class GradientDescentMSE(_TestSide):
         """
         fn = f"{self._fn}(...)"
         lay = self._layout
-        inf = t is None
-        if not inf:
-            ts = np.asarray(t, np.float64)
-            if np.isnan(ts).any() or (ts < 0).any():
-                raise ValueError(
-                    f"{fn}: t must be >= 0 (or None / inf for convergence), got {t!r}. "
-                    f"Fix: pass training times in steps."
-                )
-            inf = ts.ndim == 0 and np.isinf(ts)
+        ts = _check_times(fn, t)
         _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train)
         f0 = 0.0 if fx_train_0 is None else fx_train_0
         f0 = _initial_outputs(fn, "fx_train_0", f0, self._y_shape, "training")
@@ -831,7 +765,7 @@ class GradientDescentMSE(_TestSide):
         if k_test_train is not None:
             k = as_host_array(fn, "k_test_train", _pick(fn, "k_test_train", k_test_train, "ntk"))
             t_test = lay.check_pair("k_test_train", k, None, lay.n, fn)
-            check_finite(fn, "k_test_train", k)
+            check_rows_finite(fn, "k_test_train", k)
             kt = lay.flat(k)
             out_shape = (t_test,) + self._y_shape[1:]
             ft0 = _initial_outputs(fn, "fx_test_0", fx_test_0, out_shape, "test")
@@ -886,15 +820,13 @@ class GradientDescentMSE(_TestSide):
             tr = self._train
             need = unit_roundoff(np.float64) * w_max / ACCEPT
             suggest = 10 ** math.ceil(math.log10(max(need / tr.reg_scale, 1e-300)))
+            w_min = float(self._w[keep].min(initial=w_max))
             when = "at convergence (t = inf)" if np.isinf(tau) else f"at t = {t!r}"
-            raise ValueError(
-                f"{fn}: the test predictions {when} are too ill-conditioned to compute: "
-                f"the regularised train-train kernel (λ = {tr.lam:.3e}) has eigenvalues "
-                f"from {float(self._w[keep].min(initial=w_max)):.3e} to {w_max:.3e}, so "
-                f"float64 round-off alone can change them by up to {bound:.1e} relative "
-                f"(u·λ_max·max h, above {ACCEPT:.0e}). Fix: raise diag_reg (about "
-                f"{suggest:.0e} or more in the units used here), or predict at smaller t."
-            )
+            what = f"the test predictions {when} are too ill-conditioned: K + λI (λ = "
+            what += f"{tr.lam:.3e}) has eigenvalues {w_min:.3e} .. {w_max:.3e}, round-off bound "
+            what += f"{bound:.1e} > {ACCEPT:.0e}"
+            fix = f"raise diag_reg to about {suggest:.0e} or more, or predict at smaller t"
+            raise bad(ValueError, fn, what, fix, see="ill-conditioned-kernel")
         return h
 
     @_doc
@@ -926,20 +858,11 @@ class GradientDescentMSE(_TestSide):
         """
         fn = f"{self._fn}(...).ntk_ensemble"
         if k_test_train is None:
-            raise ValueError(f"{fn}: k_test_train is required. Fix: pass the test-train kernels.")
+            raise bad(ValueError, fn, "k_test_train is required", "pass the test-train kernels")
         needs_cov = k_test_test is not None
         if needs_cov and not (self._nngp2 is not None and isinstance(k_test_train, Kernels)):
-            raise ValueError(
-                f"{fn}: the ensemble covariance needs both the NTK and the NNGP of the "
-                f"train-train and test-train pairs. Fix: pass Kernels(nngp=..., ntk=...) to "
-                f"gradient_descent_mse and as k_test_train, or drop k_test_test."
-            )
-        times = np.asarray(np.inf if t is None else t, np.float64)
-        if np.isnan(times).any() or (times < 0).any():
-            raise ValueError(
-                f"{fn}: t must be >= 0 (or None / inf for convergence), got {t!r}. Fix: "
-                f"pass training times in steps."
-            )
+            raise _needs_both(fn, "gradient_descent_mse")
+        times = _check_times(fn, t)
         fields = ["ntk", "nngp"] if needs_cov else ["ntk"]
         n_test, kts, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, fields)
         chunks = list(self._chunks(n_test))
@@ -971,7 +894,7 @@ class GradientDescentMSE(_TestSide):
 
     def _matmul_chunked(self, kt, b, t):
         out = np.empty((kt.shape[0], b.shape[1]))
-        bs = self._opts["test_batch_size"] or t
+        bs = self._opts.test_batch_size or t
         ko = self._layout.ko
         for start in range(0, t, bs):
             rs = slice(start * ko, min(t, start + bs) * ko)

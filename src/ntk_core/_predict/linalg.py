@@ -49,6 +49,83 @@ def row_chunks(n_rows: int, n_cols: int, rows: int | None = None):
         yield slice(start, min(n_rows, start + rows))
 
 
+#: The fix of a NaN/Inf kernel, shared by every kernel check of predict, metrics, spectrum.
+NAN_KERNEL_FIX = (
+    "recompute it; NaN usually comes from NaN parameters or inputs, or float32 overflow"
+)
+
+
+def bad(cls: type[Exception], fn: str, what: str, fix: str, see: str = "") -> Exception:
+    """``cls("{fn}: {what}. Fix: {fix}.")``, the one shape of the messages of
+    :mod:`ntk_core.predict`, :mod:`~ntk_core.spectrum` and :mod:`~ntk_core.metrics`;
+    ``see`` names the section of ``docs/errors.md`` that explains more."""
+    return cls(f"{fn}: {what}. Fix: {fix}." + (f" See docs/errors.md#{see}." if see else ""))
+
+
+def _out_of_range(fn, name, value, expect, fix, type_ok, type_error) -> Exception:
+    got = f"{value!r}" if type_ok else f"{value!r} ({type(value).__name__})"
+    cls = ValueError if type_ok else type_error
+    return bad(cls, fn, f"{name} must be {expect}, got {got}", fix)
+
+
+def check_int(fn, name, value, fix, low=1, high=None, *, optional=False, type_error=TypeError):
+    """``value`` as an int in ``[low, high]`` (``None`` passes if ``optional``); raises
+    ``type_error`` for a non-int (bools included), ValueError out of range."""
+    if optional and value is None:
+        return None
+    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if is_int and low <= value and (high is None or value <= high):
+        return int(value)
+    expect = f"an int in [{low}, {high}]" if high is not None else f"an int >= {low}"
+    expect = ("None or " if optional else "") + (
+        "a positive int" if expect == "an int >= 1" else expect
+    )
+    raise _out_of_range(fn, name, value, expect, fix, is_int, type_error)
+
+
+def is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_real(
+    fn,
+    name,
+    value,
+    fix,
+    low=0.0,
+    high=math.inf,
+    *,
+    open_low=False,
+    is_type=is_real,
+    type_error=TypeError,
+):
+    """``value`` as a float in ``[low, high)`` (``(low, high)`` if ``open_low``; NaN and
+    inf never pass); raises ``type_error`` unless ``is_type(value)``, ValueError out of range."""
+    type_ok = is_type(value)
+    if type_ok and (low < value if open_low else low <= value) and value < high:
+        return float(value)
+    expect = f"a real number in {'(' if open_low else '['}{low:g}, {high:g})"
+    raise _out_of_range(fn, name, value, expect, fix, type_ok, type_error)
+
+
+def check_finite(fn, name, arr, fix=NAN_KERNEL_FIX, *, cls=NonFiniteError, first=0, unit="sample"):
+    """Raises ``cls`` naming the first non-finite entry of ``arr`` along axis 0 (its index
+    plus ``first``, counted in ``unit``s)."""
+    bad_entries = ~np.isfinite(arr)
+    if bad_entries.any():
+        at = first + (int(np.argwhere(bad_entries)[0][0]) if bad_entries.ndim else 0)
+        raise bad(cls, fn, f"{name} contains NaN or Inf (first at {unit} {at})", fix)
+
+
+def check_symmetric(fn, name, asym: float, kmax: float, dtype) -> None:
+    """Raises unless max |K - Kᵀ| (``asym``) <= 100·u·max |K| (u of the kernel's dtype)."""
+    if asym > 100 * unit_roundoff(dtype) * kmax:
+        what = f"{name} is not symmetric: max |K - K^T| = {asym:.3e} for max |K| = {kmax:.3e}"
+        fix = "pass the kernel of x with itself (x2=None), or (K + K^T) / 2"
+        fix += " (for (N, N, O, O) kernels transpose axes (1, 0, 3, 2))"
+        raise bad(ValueError, fn, what, fix)
+
+
 def compute_dtype(fn_name: str, dtype, kernel_dtype) -> np.dtype:
     """The dtype of the factorisation: ``dtype`` if given, else the kernel's."""
     if dtype is None:
@@ -58,68 +135,40 @@ def compute_dtype(fn_name: str, dtype, kernel_dtype) -> np.dtype:
     except TypeError:
         d = None
     if d not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise ValueError(
-            f"{fn_name}: dtype must be None (the kernel's dtype), 'float32' or 'float64', "
-            f"got {dtype!r}. Fix: pass dtype='float64' for a float64 solve on the host "
-            f"(works whether or not jax_enable_x64 is on)."
-        )
+        what = f"dtype must be None (the kernel's), 'float32' or 'float64', got {dtype!r}"
+        raise bad(ValueError, fn_name, what, "pass dtype='float64' (works without jax_enable_x64)")
     return d
 
 
 def check_diag_reg(fn_name: str, diag_reg) -> float:
     if (
-        not isinstance(diag_reg, (bool, numbers.Real))
+        not is_real(diag_reg)
         and getattr(diag_reg, "shape", None) == ()
         and np.issubdtype(getattr(diag_reg, "dtype", np.dtype(object)), np.number)
         and not isinstance(diag_reg, jax.core.Tracer)
     ):
         diag_reg = np.asarray(diag_reg).item()  # a 0-d numpy or JAX array
-    if isinstance(diag_reg, bool) or not isinstance(diag_reg, numbers.Real):
-        raise TypeError(
-            f"{fn_name}: diag_reg must be a real number >= 0, got {type(diag_reg).__name__} "
-            f"{diag_reg!r}. Fix: pass e.g. diag_reg=1e-4."
-        )
-    if not math.isfinite(diag_reg) or diag_reg < 0:
-        raise ValueError(
-            f"{fn_name}: diag_reg must be finite and >= 0, got {diag_reg!r}. Fix: pass "
-            f"diag_reg=0.0 or a small positive value such as 1e-4."
-        )
-    return float(diag_reg)
+    return check_real(fn_name, "diag_reg", diag_reg, "pass e.g. diag_reg=1e-4 (or 0.0)")
 
 
 def as_host_array(fn_name: str, name: str, x) -> np.ndarray:
     """A floating numpy view of ``x`` (no copy for numpy arrays and memmaps)."""
-    if isinstance(x, np.ndarray):
-        arr = x
-    else:
-        try:
-            arr = np.asarray(x)
-        except Exception as e:  # noqa: BLE001 - any conversion failure is reported
-            raise TypeError(
-                f"{fn_name}: {name} must be an array, got {type(x).__name__}. Fix: pass a "
-                f"numpy array, a jax array or np.load(path, mmap_mode='r')."
-            ) from e
+    try:
+        arr = x if isinstance(x, np.ndarray) else np.asarray(x)
+    except Exception as e:  # noqa: BLE001 - any conversion failure is reported
+        what = f"{name} must be an array, got {type(x).__name__}"
+        raise bad(TypeError, fn_name, what, "pass a numpy or jax array, or a memmap") from e
     if not np.issubdtype(arr.dtype, np.floating):
-        raise TypeError(
-            f"{fn_name}: {name} must be a floating array, got dtype {arr.dtype}. Fix: "
-            f"convert it, e.g. {name}.astype(np.float32)."
-        )
+        what = f"{name} must be a floating array, got dtype {arr.dtype}"
+        raise bad(TypeError, fn_name, what, f"convert it, e.g. {name}.astype(np.float32)")
     return arr
 
 
-def check_finite(fn_name: str, name: str, arr: np.ndarray) -> None:
+def check_rows_finite(fn_name: str, name: str, arr: np.ndarray, fix=NAN_KERNEL_FIX) -> None:
+    """:func:`check_finite` of ``arr`` read in row chunks (memmaps are never loaded whole)."""
     flat = arr.reshape(arr.shape[0], -1) if arr.ndim > 1 else arr.reshape(-1, 1)
     for rows in row_chunks(flat.shape[0], flat.shape[1]):
-        if not np.isfinite(flat[rows]).all():
-            what = (
-                "a NaN kernel usually comes from NaN parameters or inputs, or from float32 overflow"
-                if name.startswith("k")
-                else "drop or impute the samples with missing targets"
-            )
-            raise NonFiniteError(
-                f"{fn_name}: {name} contains NaN or inf (first in rows "
-                f"{rows.start}..{rows.stop - 1}). Fix: recompute it; {what}."
-            )
+        check_finite(fn_name, name, flat[rows], fix, first=rows.start)
 
 
 class FlatLayout:
@@ -136,35 +185,23 @@ class FlatLayout:
 
     def __init__(self, fn_name: str, y_shape: tuple[int, ...], trace_axes):
         if len(y_shape) < 2:
-            raise ValueError(
-                f"{fn_name}: y_train must have shape (N, O...) with at least one output "
-                f"axis, got shape {y_shape}. Fix: pass y_train[:, None] for one output."
-            )
+            what = f"y_train must have shape (N, O...), got {y_shape}"
+            raise bad(ValueError, fn_name, what, "pass y_train[:, None] for one output")
         if isinstance(trace_axes, numbers.Integral) and not isinstance(trace_axes, bool):
             trace_axes = (trace_axes,)
+        fix = "pass the trace_axes the kernels were computed with, e.g. (-1,) or ()"
         try:
             axes = tuple(int(a) for a in trace_axes)
         except TypeError:
-            raise TypeError(
-                f"{fn_name}: trace_axes must be an int or a sequence of ints, got "
-                f"{trace_axes!r}. Fix: pass the trace_axes the kernels were computed with, "
-                f"e.g. (-1,) or ()."
-            ) from None
+            what = f"trace_axes must be an int or a sequence of ints, got {trace_axes!r}"
+            raise bad(TypeError, fn_name, what, fix) from None
         nd = len(y_shape)
-        canon = []
-        for a in axes:
-            if not -nd <= a < nd or a % nd == 0:
-                raise ValueError(
-                    f"{fn_name}: trace_axes={tuple(axes)} must name output axes 1..{nd - 1} of "
-                    f"y_train (shape {y_shape}), not the batch axis 0. Fix: pass the "
-                    f"trace_axes the kernels were computed with."
-                )
-            canon.append(a % nd)
-        if len(set(canon)) != len(canon):
-            raise ValueError(
-                f"{fn_name}: trace_axes={tuple(axes)} names an axis twice. Fix: list each "
-                f"traced axis once, as when computing the kernels."
+        canon = [a % nd for a in axes if -nd <= a < nd]
+        if len(canon) < len(axes) or 0 in canon or len(set(canon)) < len(canon):
+            what = (
+                f"trace_axes={axes} must name distinct output axes 1..{nd - 1} of y_train {y_shape}"
             )
+            raise bad(ValueError, fn_name, what, fix)
         self.fn_name = fn_name
         self.n = y_shape[0]
         self.traced = tuple(sorted(canon))
@@ -187,12 +224,10 @@ class FlatLayout:
         n1 = k.shape[0] if (n1 is None and k.ndim) else n1
         expected = self.pair_shape(n1, n2)
         if k.shape != expected:
-            raise ValueError(
-                f"{fn_name or self.fn_name}: {name} has shape {k.shape}, expected {expected} for "
-                f"y_train of shape {self.y_shape} with traced axes {self.traced} (the layout "
-                f"of ntk_core kernels computed with the same trace_axes). Fix: compute "
-                f"{name} with the trace_axes passed here, on the same training inputs."
-            )
+            what = f"{name} has shape {k.shape}, expected {expected}"
+            what += f" for y_train of shape {self.y_shape} (traced axes {self.traced})"
+            fix = "compute it on the same inputs with the trace_axes passed here"
+            raise bad(ValueError, fn_name or self.fn_name, what, fix)
         return n1
 
     def flat(self, k: np.ndarray) -> np.ndarray:
@@ -250,22 +285,11 @@ def scan_train_kernel(fn_name: str, name: str, k2: np.ndarray, dtype) -> tuple[f
     diag_sum, kmax, asym = 0.0, 0.0, 0.0
     for rows in row_chunks(m, m):
         block = np.asarray(k2[rows], np.float64)
-        if not np.isfinite(block).all():
-            raise NonFiniteError(
-                f"{fn_name}: {name} contains NaN or inf (first in rows "
-                f"{rows.start}..{rows.stop - 1}). Fix: recompute it; a NaN kernel usually "
-                f"comes from NaN parameters or inputs, or from float32 overflow."
-            )
+        check_finite(fn_name, name, block, first=rows.start, unit="row")
         diag_sum += float(np.trace(block[:, rows]))
         kmax = max(kmax, float(np.abs(block).max()))
         asym = max(asym, float(np.abs(block - np.asarray(k2[:, rows], np.float64).T).max()))
-    if asym > 100 * unit_roundoff(dtype) * kmax:
-        raise ValueError(
-            f"{fn_name}: {name} is not symmetric: max |K - K^T| = {asym:.3e} for max |K| = "
-            f"{kmax:.3e}. Fix: pass the train-train kernel K(x_train, x_train) (x2=None), or "
-            f"symmetrise it with (K + K.T) / 2 (for (N, N, O, O) kernels transpose axes "
-            f"(1, 0, 3, 2))."
-        )
+    check_symmetric(fn_name, name, asym, kmax, dtype)
     return diag_sum / m, kmax
 
 
@@ -373,16 +397,14 @@ class Solver:
         del a
         w = w.astype(np.float64)
         wmax = max(float(np.abs(w).max()), np.finfo(np.float64).tiny)
-        if w.min() < -self.m * self.u_in * wmax:
-            raise ValueError(
-                f"{self.fn_name}: the regularised train-train kernel K + λI (λ = "
-                f"{self.lam:.3e}) is not positive semi-definite: smallest eigenvalue "
-                f"{w.min():.3e}, largest {w.max():.3e}, beyond the kernel's round-off "
-                f"({self.m}·u·λ_max = {self.m * self.u_in * wmax:.3e}). Fix: pass a kernel "
-                f"(NTK or NNGP of one network, or an average of them) rather than a "
-                f"difference of kernels, or raise diag_reg above "
-                f"{-w.min() / self.reg_scale:.1e}."
-            )
+        tol = self.m * self.u_in * wmax
+        if w.min() < -tol:
+            what = f"train-train K + λI (λ = {self.lam:.3e}) is not positive semi-definite: "
+            what += f"eigenvalues {w.min():.3e} .. {w.max():.3e}, beyond round-off "
+            what += f"{self.m}·u·λ_max = {tol:.3e}"
+            fix = "pass a kernel (not a difference of kernels), or raise diag_reg above "
+            fix += f"{-w.min() / self.reg_scale:.1e}"
+            raise bad(ValueError, self.fn_name, what, fix)
         self.method = "eigh"
         self._eigs = (w, v)
         self._w_floored = np.maximum(w, self.u * wmax)
@@ -474,22 +496,10 @@ class Solver:
         w_min = float(self._eigs[0].min()) if self._eigs is not None else 0.0
         need = 100 * self.u * lam_max + 2 * max(-w_min, 0.0)
         suggest = 10 ** math.ceil(math.log10(max(need / self.reg_scale, 1e-300)))
-        if math.isfinite(kappa):
-            cond = f"condition number ≈ {kappa:.2e}"
-        else:
-            cond = (
-                f"condition number ≈ inf (smallest eigenvalue {self._eigs[0].min():.2e} <= 0 "
-                f"next to the largest {lam_max:.2e}: singular at {self.dtype.name} precision)"
-            )
-        raise ValueError(
-            f"{self.fn_name}: the regularised train-train kernel K + λI (λ = {self.lam:.3e}, "
-            f"{self.m} x {self.m}) is too ill-conditioned to solve in {self.dtype.name}: "
-            f"{cond}, u = {self.u:.1e}; iterative refinement left a relative correction of "
-            f"{rel:.1e} > {ACCEPT:.0e}. Fix: raise diag_reg (about {suggest:.0e} or more in "
-            f"the units used here)"
-            + (
-                "."
-                if self.dtype == np.float64
-                else ", or solve in float64 (dtype='float64', which works without jax_enable_x64)."
-            )
-        )
+        cond = f"{kappa:.2e}" if math.isfinite(kappa) else f"inf ({w_min:.2e} .. {lam_max:.2e})"
+        what = f"train-train K + λI (λ = {self.lam:.3e}, {self.m} x {self.m}) is too "
+        what += f"ill-conditioned to solve in {self.dtype.name}: condition number ≈ {cond}, "
+        what += f"u = {self.u:.1e}, refinement left {rel:.1e} > {ACCEPT:.0e}"
+        fix = f"raise diag_reg to about {suggest:.0e} or more"
+        fix += "" if self.dtype == np.float64 else ", or pass dtype='float64'"
+        raise bad(ValueError, self.fn_name, what, fix, see="ill-conditioned-kernel")
