@@ -39,6 +39,7 @@ import numpy as np
 from numpy.lib.format import open_memmap
 
 from ntk_core._kernel.layout import leaf_layouts, swap_perm
+from ntk_core._units import human_bytes
 
 #: Version of the manifest's layout.
 MANIFEST_VERSION = 1
@@ -323,10 +324,9 @@ class NpyStore:
             free += os.path.getsize(path)  # replaced
         if nbytes > free:
             raise ValueError(
-                f"{fn}: out={path!r} needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) for a "
-                f"{np.dtype(dtype).name} kernel of shape {tuple(shape)}, but the disk has "
-                f"{free} bytes ({free / 2**30:.2f} GiB) free. Fix: free disk space, write "
-                f"to another disk, or compute a smaller kernel (fewer samples, trace_axes)."
+                f"{fn}: out={path!r} needs {human_bytes(nbytes)} for a {np.dtype(dtype).name} "
+                f"kernel of shape {tuple(shape)}; the disk has {human_bytes(free)} free. Fix: "
+                f"free disk space, write to another disk, or compute a smaller kernel."
             )
 
     def _check_resume(self, old, fingerprint, shape, dtype) -> None:

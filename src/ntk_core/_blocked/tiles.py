@@ -66,11 +66,11 @@ from jax import lax
 
 from ntk_core._blocked.barrier import barrier
 from ntk_core._blocked.progress import progress_bar
-from ntk_core._impl.cost import human_bytes
 from ntk_core._impl.registry import PHASES
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel.layout import leaf_layouts, swap_perm
 from ntk_core._kernel.options import AUTO_BATCH_SIZE, DEFAULT_MEMORY_BUDGET
+from ntk_core._units import human_bytes
 
 
 def default_memory_budget() -> int:

@@ -36,6 +36,7 @@ from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._jax.jaxpr_walk import entries, is_literal, sub_jaxprs, sub_operands, values_written
 from ntk_core._structured import analysis as _structured
 from ntk_core._structured.analysis import choose_modes, pair_costs
+from ntk_core._units import human_bytes as human_bytes
 
 #: Bytes of per-sample Jacobians above which ``"auto"`` avoids ``"jacobian"``.
 JACOBIAN_MEMORY_BUDGET = 4 * 2**30
@@ -215,16 +216,6 @@ def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
         for v in eqn.outvars:
             flags[v] = (on_p, on_x)
     return cost
-
-
-def human_bytes(nbytes: float) -> str:
-    """``nbytes`` for a message: GiB, MiB or KiB (whichever reads best), with the
-    exact count below 1 MiB."""
-    if nbytes >= 2**30:
-        return f"{nbytes / 2**30:.2f} GiB"
-    if nbytes >= 2**20:
-        return f"{nbytes / 2**20:.1f} MiB"
-    return f"{int(nbytes)} bytes"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from ntk_core._impl.cost import Plan
-from ntk_core._kernel.engine import Engine
 from ntk_core._kernel.options import KernelOptions
 
 
@@ -58,7 +56,7 @@ class KernelFunction:
       KernelFunction(ntk_fn, kind='ntk', implementation='auto', trace_axes=(-1,), ...)
     """
 
-    def __init__(self, engine: Engine, bind: Callable, signature: inspect.Signature):
+    def __init__(self, engine, bind: Callable, signature: inspect.Signature):
         """``bind(first, x1, keywords) -> (params, aux)`` turns the caller's arguments
         into the core's (raising TypeError for unknown keywords); ``signature`` is what
         ``inspect.signature`` shows."""
@@ -83,7 +81,7 @@ class KernelFunction:
         params, aux = self._bind(first, x1, keywords)
         return self._engine(params, x1, x2, aux)
 
-    def plan(self, *args, **kwargs) -> Plan:
+    def plan(self, *args, **kwargs):
         """What a call with these arguments does; see the class docstring."""
         first, x1, x2, keywords = self._arguments(args, kwargs, ".plan")
         params, aux = self._bind(first, x1, keywords)

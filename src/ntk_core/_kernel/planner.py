@@ -26,6 +26,7 @@ from ntk_core._kernel.options import AUTO_BATCH_SIZE
 from ntk_core._kernel.pipeline import Checked, Config, Implementation, Spec
 from ntk_core._kernel.validate import sample_signature, signature
 from ntk_core._structured import analysis as _structured
+from ntk_core._units import human_bytes
 
 
 def pair_sizes(shapes1, layouts) -> list[int]:
@@ -160,7 +161,7 @@ def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
     one = model.residual_bytes + model.cotangent_bytes
     if one > budget and opts.batch_size != AUTO_BATCH_SIZE:
         given = "memory_budget" if opts.memory_budget else "the default memory_budget"
-        human = _cost.human_bytes
+        human = human_bytes
         raise ValueError(
             f"{spec.fn_name}: with vmap_axes=None the whole batch of {n} samples is "
             f"differentiated at once: its forward pass keeps {human(model.residual_bytes)} "

@@ -39,6 +39,7 @@ import numpy as np
 
 from ntk_core._blocked import store as _store
 from ntk_core._kernel.checks import non_finite_error
+from ntk_core._units import human_bytes
 
 #: The Monte Carlo kernels, in the order of ``Kernels``.
 KINDS = ("nngp", "ntk")
@@ -280,10 +281,8 @@ class RunningSum(_store.Sink):
         free = shutil.disk_usage(folder).free
         if missing > free:
             raise ValueError(
-                f"{fn}: out={files.out!r} needs {missing} bytes ({missing / 2**30:.2f} GiB) "
-                f"more for the {self.kind.upper()}'s mean and running sums "
-                f"({', '.join(os.path.basename(p) for p in needed)}) of shape "
-                f"{tuple(layout.shape)}, but the disk has {free} bytes "
-                f"({free / 2**30:.2f} GiB) free. Fix: free disk space, write to another "
-                f"disk, or compute a smaller kernel (fewer samples per file, trace_axes)."
+                f"{fn}: out={files.out!r} needs {human_bytes(missing)} more for the "
+                f"{self.kind.upper()}'s mean and running sums of shape {tuple(layout.shape)}; "
+                f"the disk has {human_bytes(free)} free. Fix: free disk space, write to "
+                f"another disk, or compute a smaller kernel."
             )
