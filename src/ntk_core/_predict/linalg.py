@@ -23,7 +23,7 @@ import numbers
 import jax
 import numpy as np
 
-from ntk_core._errors import NonFiniteError
+from ntk_core._errors import NonFiniteError, bad, check_int, check_real, is_real  # noqa: F401
 
 #: A solve is accepted when max|last correction| <= ACCEPT * max|x| per right-hand side.
 ACCEPT = 1e-6
@@ -53,59 +53,6 @@ def row_chunks(n_rows: int, n_cols: int, rows: int | None = None):
 NAN_KERNEL_FIX = (
     "recompute it; NaN usually comes from NaN parameters or inputs, or float32 overflow"
 )
-
-
-def bad(cls: type[Exception], fn: str, what: str, fix: str, see: str = "") -> Exception:
-    """``cls("{fn}: {what}. Fix: {fix}.")``, the one shape of the messages of
-    :mod:`ntk_core.predict`, :mod:`~ntk_core.spectrum` and :mod:`~ntk_core.metrics`;
-    ``see`` names the section of ``docs/errors.md`` that explains more."""
-    return cls(f"{fn}: {what}. Fix: {fix}." + (f" See docs/errors.md#{see}." if see else ""))
-
-
-def _out_of_range(fn, name, value, expect, fix, type_ok, type_error) -> Exception:
-    got = f"{value!r}" if type_ok else f"{value!r} ({type(value).__name__})"
-    cls = ValueError if type_ok else type_error
-    return bad(cls, fn, f"{name} must be {expect}, got {got}", fix)
-
-
-def check_int(fn, name, value, fix, low=1, high=None, *, optional=False, type_error=TypeError):
-    """``value`` as an int in ``[low, high]`` (``None`` passes if ``optional``); raises
-    ``type_error`` for a non-int (bools included), ValueError out of range."""
-    if optional and value is None:
-        return None
-    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if is_int and low <= value and (high is None or value <= high):
-        return int(value)
-    expect = f"an int in [{low}, {high}]" if high is not None else f"an int >= {low}"
-    expect = ("None or " if optional else "") + (
-        "a positive int" if expect == "an int >= 1" else expect
-    )
-    raise _out_of_range(fn, name, value, expect, fix, is_int, type_error)
-
-
-def is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def check_real(
-    fn,
-    name,
-    value,
-    fix,
-    low=0.0,
-    high=math.inf,
-    *,
-    open_low=False,
-    is_type=is_real,
-    type_error=TypeError,
-):
-    """``value`` as a float in ``[low, high)`` (``(low, high)`` if ``open_low``; NaN and
-    inf never pass); raises ``type_error`` unless ``is_type(value)``, ValueError out of range."""
-    type_ok = is_type(value)
-    if type_ok and (low < value if open_low else low <= value) and value < high:
-        return float(value)
-    expect = f"a real number in {'(' if open_low else '['}{low:g}, {high:g})"
-    raise _out_of_range(fn, name, value, expect, fix, type_ok, type_error)
 
 
 def check_finite(fn, name, arr, fix=NAN_KERNEL_FIX, *, cls=NonFiniteError, first=0, unit="sample"):
