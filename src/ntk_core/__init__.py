@@ -1,7 +1,7 @@
 """ntk_core: empirical Neural Tangent Kernels and NNGP kernels of any JAX function.
 
 Framework-agnostic: takes any pure ``apply_fn(params, x)`` over pytrees. Imports only
-jax and numpy (never flax or haiku).
+jax and numpy (never flax or haiku). Adapter authors: see :mod:`ntk_core.adapters`.
 """
 
 from ntk_core import metrics as metrics

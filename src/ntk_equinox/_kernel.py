@@ -2,9 +2,10 @@
 
 ``eqx.partition(model, eqx.is_inexact_array)`` splits a model into ``params`` (floating
 arrays, differentiated) and ``rest`` (functions, numbers, integer arrays: held fixed);
-the core gets ``apply(params, x) = jax.vmap(eqx.combine(params, rest))(x)``. The core
-caches compiled kernels per ``(apply_fn, options)`` compared with ``==``, and equal
-structures and ``rest`` give equal :class:`_Apply`: new weights do not recompile.
+the core gets ``apply(params, x) = jax.vmap(eqx.combine(params, rest))(x)`` as a
+:class:`ntk_core.adapters.PureModel`. Kernel functions are cached per ``(name, apply,
+options)`` (:func:`ntk_core.adapters.cached`), and equal structures and ``rest`` give
+equal :class:`_Apply`: new weights do not recompile.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Hashable
 import equinox as eqx
 import jax
 
-import ntk_core
+from ntk_core.adapters import Caller, PureModel, build_kernel, cached
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,7 @@ class _Apply:
     rest: object = dataclasses.field(compare=False)
     key: tuple
 
-    def __call__(self, params, x):
+    def __call__(self, params, x, aux=None):  # aux: nothing else is held fixed
         return jax.vmap(eqx.combine(params, self.rest))(x)
 
 
@@ -56,12 +57,25 @@ def _split(fn_name: str, model) -> tuple:
     return params, _Apply(rest, (treedef, tuple(map(_leaf_key, leaves))))
 
 
-def _call(fn_name: str, core_fn, *args, **options):
-    """``core_fn(*args, **options)``, its errors prefixed with ``fn_name``."""
-    try:
-        return core_fn(*args, **options)
-    except (TypeError, ValueError) as e:
-        raise (TypeError if isinstance(e, TypeError) else ValueError)(f"{fn_name}: {e}") from e
+def _kernel_fn(name: str, kind: str, model, options: dict, built: bool = False):
+    """The core's kernel function ``kernel(model, x1, x2=None)`` of models shaped like
+    ``model`` (same structure and fixed leaves), its messages naming ``name``."""
+    apply = _split(name, model)[1]
+
+    def to_core(model):
+        params, other = _split(f"{name}(...)" if built else name, model)
+        if other != apply:
+            raise ValueError(
+                f"{name}(...)(model, x1, x2): got a model whose structure or fixed leaves "
+                f"(non-float fields) differ from those of the model it was built for. Fix: "
+                f"build {name}(model) for it, or call ntk_equinox.kernel."
+            )
+        return params, None
+
+    caller = Caller(name, "(model, x1, x2)", model="the model", package="ntk_equinox", built=built)
+    pure = PureModel(apply, to_core, (), model_kwargs="")
+    build = lambda: build_kernel(caller, kind, pure, options)  # noqa: E731
+    return build() if built else cached((name, apply, options), build)
 
 
 def kernel(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **options):
@@ -76,7 +90,7 @@ def kernel(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **opt
       x1: pytree of arrays, axis 0 of each leaf indexing N1 samples: ``jax.vmap(model)``.
       x2: ``None`` (x2 is x1: exactly symmetric) or a batch like x1 of N2 samples.
       trace_axes, implementation, **options (``diagonal_axes``, ``precision``,
-        ``batch_size``, ...): passed unchanged to ``ntk_core.empirical_ntk``; their
+        ``batch_size``, ...): the core's kernel options, passed unchanged; their
         meaning is in ``ntk_core.ntk_fn``'s docstring.
 
     Returns:
@@ -100,9 +114,8 @@ def kernel(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **opt
     References:
       Jacot, Gabriel, Hongler, NeurIPS 2018; Novak, Sohl-Dickstein, Schoenholz, ICML 2022.
     """
-    params, apply = _split("ntk_equinox.kernel", model)
     o = dict(trace_axes=trace_axes, implementation=implementation, **options)
-    return _call("ntk_equinox.kernel", ntk_core.empirical_ntk, apply, params, x1, x2, **o)
+    return _kernel_fn("ntk_equinox.kernel", "ntk", model, o)(model, x1, x2)
 
 
 def kernel_fn(model, *, trace_axes=(-1,), implementation="auto", **options):
@@ -111,33 +124,18 @@ def kernel_fn(model, *, trace_axes=(-1,), implementation="auto", **options):
     ValueError for a model of another structure or fixed leaves), Cost: as :func:`kernel`
     (x1: N1 samples). Example: ``ntk_equinox.kernel_fn(mlp)(mlp, x)``. References:
     Jacot et al. 2018, Novak et al. 2022."""
-    name = "ntk_equinox.kernel_fn"
-    built = _split(name, model)[1]
     o = dict(trace_axes=trace_axes, implementation=implementation, **options)
-    fn = _call(name, ntk_core.ntk_fn, built, **o)
-
-    def kernel(model, x1, x2=None):
-        params, apply = _split(f"{name}(...)", model)
-        if apply != built:
-            raise ValueError(
-                f"{name}(...)(model, x1, x2): got a model whose structure or fixed leaves "
-                f"(non-float fields) differ from those of the model it was built for. Fix: "
-                f"build ntk_equinox.kernel_fn(model) for it, or call ntk_equinox.kernel."
-            )
-        return _call(f"{name}(...)", fn, params, x1, x2)
-
-    return kernel
+    return _kernel_fn("ntk_equinox.kernel_fn", "ntk", model, o, built=True)
 
 
 def nngp(model, x1, x2=None, *, trace_axes=(-1,), **options):
     """Empirical NNGP K(x1, x2)[i, j, a, b] = f_a(x1_i) · f_b(x2_j) of an ``eqx.Module``.
     Args:, Returns: (``(N1, N2)`` by default), Raises: as :func:`kernel`; options as
-    ``ntk_core.empirical_nngp`` (no ``implementation``). Cost: one forward pass per
+    ``ntk_core.nngp_fn`` (no ``implementation``). Cost: one forward pass per
     batch, N1·N2·O multiply-adds. Example: ``ntk_equinox.nngp(mlp, x)``. References:
     Lee et al., ICLR 2018."""
-    params, apply = _split("ntk_equinox.nngp", model)
     o = dict(trace_axes=trace_axes, **options)
-    return _call("ntk_equinox.nngp", ntk_core.empirical_nngp, apply, params, x1, x2, **o)
+    return _kernel_fn("ntk_equinox.nngp", "nngp", model, o)(model, x1, x2)
 
 
 def plan(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **options):
@@ -145,6 +143,5 @@ def plan(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **optio
     computed: ``ntk_core.plan``'s ``Plan`` (implementation, estimates, each leaf's
     method). Args:, Raises: as :func:`kernel`. Returns: a ``Plan``. Cost: one abstract
     trace. Example: ``print(ntk_equinox.plan(mlp, x))``. References: Novak et al. 2022."""
-    params, apply = _split("ntk_equinox.plan", model)
     o = dict(trace_axes=trace_axes, implementation=implementation, **options)
-    return _call("ntk_equinox.plan", ntk_core.plan, apply, params, x1, x2, **o)
+    return _kernel_fn("ntk_equinox.plan", "ntk", model, o).plan(model, x1, x2)

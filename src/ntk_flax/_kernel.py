@@ -2,44 +2,44 @@
 
 The adapter turns ``(model, variables)`` into a pure ``apply3(params, x, aux)`` where
 ``params = variables["params"]`` is differentiated and every other collection
-(``batch_stats``, ...) travels in ``aux``, held fixed; then it hands it to ``ntk_core``.
-``variables`` may also be a bare params dict or a train state (``_variables``). The
-entry points and their docstrings are made by ``ntk_core._kernel.adapter.entry_point`` from
-:data:`ADAPTER`, this framework's words.
+(``batch_stats``, ...) travels in ``aux`` with the ``rngs``, held fixed; then it hands
+it to ``ntk_core`` through :mod:`ntk_core.adapters`. ``variables`` is what a Flax
+training loop holds: the dict ``model.init`` returns, a bare params dict
+(``variables["params"]``, ``state.params``) or a train state (``.params`` plus
+collections such as ``.batch_stats``; see ``_variables``). A ``flax.nnx`` module holds
+its own state: ``variables=None`` uses its ``nnx.Param`` state as it is at each call.
 """
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Callable
 
 import flax.core
 import flax.errors
 import flax.linen as nn
 import jax
 
-from ntk_core._kernel import adapter as _adapter
-from ntk_core._kernel.adapter import (
-    Adapter,
-    Entry,
-    Form,
-    Keyword,
+from ntk_core.adapters import (
+    Caller,
     PureModel,
+    adapter_model_failure,
     build_kernel,
+    cached,
     check_apply_kwargs,
-    entry_point,
+    checked_arguments,
     input_shape_mismatch,
+    is_nnx_module,
 )
-from ntk_core._kernel.checks import adapter_model_failure, is_nnx_module
 from ntk_flax import _nnx
 from ntk_flax._variables import VariablesReader
 
 _MUTABLE = flax.core.DenyList(["params"])
 
 
-def _refuse_apply_arguments(fn_name: str, entry: Entry, apply_kwargs: dict) -> None:
+def _refuse_apply_arguments(caller: Caller, apply_kwargs: dict) -> None:
     """``model.apply``'s own keywords (``mutable``, ``rngs``, ``method``) in
     ``apply_kwargs``: the adapter passes those itself."""
-    monte_carlo = entry.form is Form.MONTE_CARLO
+    fn_name, monte_carlo = caller.name, caller.monte_carlo
     source = "as model.init makes them" if monte_carlo else "as given in variables"
     if "mutable" in apply_kwargs:
         raise TypeError(
@@ -55,9 +55,7 @@ def _refuse_apply_arguments(fn_name: str, entry: Entry, apply_kwargs: dict) -> N
             f"vmap_axes=None; the updated statistics are discarded)."
         )
     if "rngs" in apply_kwargs:
-        call = (
-            "kernel(variables, x" if entry.form is Form.BUILD else f"{fn_name}(model, variables, x"
-        )
+        call = "kernel(variables, x" if caller.built else f"{fn_name}(model, variables, x"
         fix = (
             "run the model deterministically (e.g. apply_kwargs={'train': False}); the "
             "Monte Carlo kernels take no rngs"
@@ -136,13 +134,25 @@ def _model_apply(model, method, apply_kwargs):
     return apply3
 
 
-def _make(entry: Entry, model, options: dict, *, method=None, apply_kwargs=None):
-    """The kernel function of a linen or nnx ``model`` for ``entry`` (``make`` of
-    :data:`ADAPTER`)."""
-    caller = ADAPTER.caller(entry)
+def caller(name: str, *, built: bool = False, monte_carlo: bool = False) -> Caller:
+    """``ntk_flax.<name>`` as the core's messages name it, with its argument order."""
+    order = "(model, x1, x2)" if monte_carlo else "(variables, x1, x2)" if built else None
+    return Caller(
+        f"ntk_flax.{name}",
+        order or "(model, variables, x1, x2)",
+        model="the model",
+        package="ntk_flax",
+        monte_carlo=monte_carlo,
+        built=built,
+    )
+
+
+def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwargs=None):
+    """The kernel function ``kernel(variables, x1, x2=None, *, rngs=None)`` of a linen
+    or nnx ``model`` for the public function ``caller``."""
     fn_name = caller.name
     if is_nnx_module(model):  # flax.nnx: the module's own state, split per call
-        return _nnx.make(caller, entry.kind, model, method, apply_kwargs, options)
+        return _nnx.make(caller, kind, model, method, apply_kwargs, options)
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"{fn_name}: model must be a flax.linen.Module or a flax.nnx.Module, got "
@@ -151,7 +161,7 @@ def _make(entry: Entry, model, options: dict, *, method=None, apply_kwargs=None)
             f"ntk_core.empirical_ntk."
         )
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
-    _refuse_apply_arguments(fn_name, entry, apply_kwargs)
+    _refuse_apply_arguments(caller, apply_kwargs)
     apply3 = _model_apply(model, method, apply_kwargs)
     vmap_axes = options.get("vmap_axes", 0)
     read = VariablesReader(
@@ -172,7 +182,7 @@ def _make(entry: Entry, model, options: dict, *, method=None, apply_kwargs=None)
         except flax.errors.InvalidRngError as e:
             rngs = (
                 ""  # Monte Carlo kernels take no rngs
-                if entry.form is Form.MONTE_CARLO
+                if caller.monte_carlo
                 else ", or pass rngs={'dropout': key}; with rngs every sample sees the same key"
             )
             raise ValueError(
@@ -229,130 +239,255 @@ def _make(entry: Entry, model, options: dict, *, method=None, apply_kwargs=None)
         eval_hint="use_running_average=True / apply_kwargs={'train': False}",
         to_core_reads_x1=True,
     )
-    return build_kernel(caller, entry.kind, pure, options)
+    return build_kernel(caller, kind, pure, options)
 
 
-#: Flax's words for the entry points (see ``ntk_core._kernel.adapter.Adapter``).
-ADAPTER = Adapter(
-    package="ntk_flax",
-    module=__name__,
-    model="model",
-    model_annotation="nn.Module",
-    params="variables",
-    keywords=(
-        Keyword(
-            "method",
-            "passed to ``model.apply`` (a method name or function; for nnx, a method "
-            "name); default ``__call__``.",
-            annotation="str | Callable | None",
-        ),
-        Keyword("apply_kwargs", 'extra keyword arguments of the model, e.g. ``{"train": False}``.'),
-        Keyword(
-            "rngs",
-            'random keys for ``model.apply`` (e.g. ``{"dropout": key}``), the same for every '
-            "sample.",
-            per_call=True,
-        ),
-    ),
-    make=_make,
-    words={
-        "a_model": "a Flax model",
-        "model_doc": "a ``flax.linen.Module`` or a ``flax.nnx.Module``.",
-        "params_doc": inspect.cleandoc(
-            """
-            what a Flax training loop holds, one of
+def _cached(name: str, kind: str, model, method, apply_kwargs, options: dict):
+    """The kernel function of ``ntk_flax.<name>``, built once per model, model keywords
+    and options (:func:`ntk_core.adapters.cached`)."""
+    key = (f"ntk_flax.{name}", model, method, apply_kwargs, options)
+    return cached(key, lambda: make(caller(name), kind, model, options, method, apply_kwargs))
 
-              * the variables dict returned by ``model.init``, ``{"params": ...,
-                "batch_stats": ...}`` (any mapping with a ``"params"`` key): ``params`` is
-                differentiated, the other collections are held fixed;
-              * a bare params dict, the ``params`` collection alone (``variables["params"]``,
-                ``state.params``; a mapping without a ``"params"`` key), used as
-                ``{"params": params}``. It must hold every parameter that ``model.init``
-                makes on one sample of x1 (checked with an abstract init, nothing
-                computed); parameters of another model are refused, and so is a bare params
-                dict of a model that also reads another collection (BatchNorm's
-                ``batch_stats``): pass the variables dict or a train state carrying it;
-              * a train state: any object with ``.params`` and ``.apply_fn``, e.g.
-                ``flax.training.train_state.TrainState`` or a subclass. Read:
-                ``state.params`` (a bare params dict, or a variables dict), and for each
-                other collection that ``model.init`` makes and ``state.params`` lacks, the
-                state's attribute of that name if it is not ``None`` (``state.batch_stats``
-                of a subclass with a ``batch_stats`` field). Nothing else is read: not
-                ``step``, ``tx`` or ``opt_state``, and not ``apply_fn`` (``model`` is
-                applied).
 
-              For an nnx module: ``None`` (its own ``nnx.Param`` state) or such a state.
-            """
-        ),
-        "held_fixed": inspect.cleandoc(
-            """
-            ``variables`` is what a Flax training loop holds (see ``variables`` in
-            :func:`kernel`): the dict returned by ``model.init``, a bare params dict
-            (``variables["params"]``, ``state.params``) or a ``TrainState``. Only the
-            ``params`` collection is differentiated, the others (``batch_stats``, ...) are
-            held fixed and never mutated. New variables of the same shapes (each training
-            step) do not recompile.
+@checked_arguments("ntk_flax.kernel_fn")
+def kernel_fn(
+    model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
+) -> Callable:
+    """Jitted empirical NTK of a Flax model, reusable across training steps.
 
-            A ``flax.nnx`` module holds its own state: pass ``variables=None`` to use its
-            ``nnx.Param`` variables as they are at each call (after in-place optimizer
-            updates), or a state of the same structure (``nnx.state(model, nnx.Param)``,
-            e.g. of another step); its other state (BatchNorm statistics, RNG state) is
-            held fixed. Call ``model.eval()`` first for BatchNorm and Dropout in evaluation
-            mode; switching the mode recompiles once.
-            """
-        ),
-        "differentiated": "the ``params`` collection",
-        "per_leaf_tree": (
-            'the ``params`` collection\n(``{"Dense_0": {"kernel": K, "bias": K}, ...}``; for an '
-            "nnx module, an\n``nnx.State`` shaped like its ``nnx.Param`` state)"
-        ),
-        "leaf_path": "['Dense_0']['kernel']",
-        "raises": inspect.cleandoc(
-            """
-            TypeError: ``model`` not a linen or nnx Module; an unknown option; ``variables``
-              neither a dict nor a train state (or a train state whose ``.params`` is not a
-              dict); ``rngs`` for an nnx module; an nnx ``method`` it does not have.
-            ValueError: ``variables`` a dict without ``params`` that does not hold this
-              model's parameters (for nnx: not of its ``nnx.Param`` state's structure); a
-              bare params dict or train state without a collection the model reads
-              (``batch_stats``), or a variables dict without it; a bare params dict whose
-              top-level layer is named ``params`` (Flax cannot apply such a model); a model
-              needing an rng (dropout) without ``rngs``; a model whose samples interact
-              (BatchNorm in training mode) with ``vmap_axes=0``; the model failing on x1;
-              and every error of :func:`ntk_core.ntk_fn`.
-            """
-        ),
-        "extra_cost": (
-            "; for a bare params dict or a train state,\none abstract ``model.init`` (no "
-            "computation) per per-sample input shape"
-        ),
-        "example_setup": inspect.cleandoc(
-            """
-            >>> import flax.linen as nn, jax, jax.numpy as jnp
-            >>> import ntk_flax
-            >>> model = nn.Dense(3)
-            >>> x = jnp.ones((4, 2))
-            """
-        ),
-        "example_model": "model",
-        "example_init": "model.init(jax.random.PRNGKey(0), x)",
-        "example_layer": "",
-        "example_w": "kernel",
-        "example_b": "bias",
-        "more_kernel_examples": inspect.cleandoc(
-            """
-            >>> k = ntk_flax.kernel(model, variables["params"], x)  # or state.params, or state
-            >>> bool((k == ntk_flax.kernel(model, variables, x)).all())
-            True
-            """
-        ),
-    },
-)
+    Args:
+      model: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
+      method: passed to ``model.apply`` (a name or function; nnx: a name); default
+        ``__call__``.
+      apply_kwargs: extra keyword arguments of the model, e.g. ``{"train": False}``.
+      **options: the kernel options of :func:`ntk_core.ntk_fn`.
 
-kernel_fn = entry_point(ADAPTER, _adapter.KERNEL_FN)
-nngp_fn = entry_point(ADAPTER, _adapter.NNGP_FN)
-kernel = entry_point(ADAPTER, _adapter.KERNEL)
-nngp = entry_point(ADAPTER, _adapter.NNGP)
-kernel_per_leaf_fn = entry_point(ADAPTER, _adapter.KERNEL_PER_LEAF_FN)
-kernel_per_leaf = entry_point(ADAPTER, _adapter.KERNEL_PER_LEAF)
-plan = entry_point(ADAPTER, _adapter.PLAN)
+    Returns:
+      ``kernel(variables, x1, x2=None, *, rngs=None)`` -> the NTK of x1 (N1 samples)
+      and x2 (N2; ``None``: x1), ``(N1, N2)`` for ``(N, O)`` outputs by default. Only
+      ``params`` is differentiated; other collections and ``rngs`` are held fixed.
+    Raises:
+      TypeError, ValueError: ``model`` not a linen or nnx module; ``variables`` not this
+        model's (or lacking a collection it reads); a model that needs an rng, or whose
+        samples interact (BatchNorm in training mode) with ``vmap_axes=0``; the model
+        failing on x1; and the errors of :func:`ntk_core.ntk_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
+      >>> model, x = nn.Dense(3), jnp.ones((4, 2))
+      >>> ntk_flax.kernel_fn(model, trace_axes=())(model.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4, 3, 3)
+    """
+    return make(caller("kernel_fn", built=True), "ntk", model, options, method, apply_kwargs)
+
+
+@checked_arguments("ntk_flax.nngp_fn")
+def nngp_fn(
+    model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
+) -> Callable:
+    """Jitted empirical NNGP kernel f(x1)·f(x2) of a Flax model; see :func:`kernel_fn`.
+
+    Args:
+      model, method, apply_kwargs: as :func:`kernel_fn`.
+      **options: those of :func:`ntk_core.nngp_fn` (no ``implementation``).
+
+    Returns:
+      ``kernel(variables, x1, x2=None, *, rngs=None)`` -> ``(N1, N2)`` for ``(N, O)``
+      outputs by default, in the outputs' dtype.
+    Raises:
+      As :func:`kernel_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
+      >>> model, x = nn.Dense(3), jnp.ones((4, 2))
+      >>> ntk_flax.nngp_fn(model)(model.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4)
+    """
+    return make(caller("nngp_fn", built=True), "nngp", model, options, method, apply_kwargs)
+
+
+@checked_arguments("ntk_flax.kernel")
+def kernel(
+    model: nn.Module,
+    variables,
+    x1,
+    x2=None,
+    *,
+    method: str | Callable | None = None,
+    apply_kwargs=None,
+    rngs=None,
+    **options,
+):
+    """Empirical NTK of a Flax model between x1 and x2 (x1 if None).
+
+    Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p over the ``params``
+    collection; the built kernel function is cached.
+
+    Args:
+      model, method, apply_kwargs: as :func:`kernel_fn`.
+      variables: ``model.init``'s dict, a bare params dict or a train state; for nnx
+        ``None`` (the module's own ``nnx.Param`` state) or such a state.
+      x1: array or pytree of arrays, batch axis 0 of size N1.
+      x2: ``None`` (x2 is x1) or like x1 with N2 samples.
+      rngs: random keys for ``model.apply`` (e.g. ``{"dropout": key}``), the same for
+        every sample.
+
+    Returns:
+      ``(N1, N2)`` for ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with
+      ``trace_axes=()``.
+    Raises:
+      As :func:`kernel_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
+      >>> model, x = nn.Dense(3), jnp.ones((4, 2))
+      >>> ntk_flax.kernel(model, model.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4)
+    """
+    fn = _cached("kernel", "ntk", model, method, apply_kwargs, options)
+    return fn(variables, x1, x2, rngs=rngs)
+
+
+@checked_arguments("ntk_flax.nngp")
+def nngp(
+    model: nn.Module,
+    variables,
+    x1,
+    x2=None,
+    *,
+    method: str | Callable | None = None,
+    apply_kwargs=None,
+    rngs=None,
+    **options,
+):
+    """Empirical NNGP kernel f(x1)·f(x2) of a Flax model; see :func:`kernel`.
+
+    Args:
+      model, variables, x1 (N1 samples), x2 (N2 or ``None``), method, apply_kwargs,
+        rngs: as :func:`kernel`.
+      **options: those of :func:`ntk_core.nngp_fn`.
+
+    Returns:
+      ``(N1, N2)`` for ``(N, O)`` outputs by default, in the outputs' dtype.
+    Raises:
+      As :func:`kernel_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
+      >>> model, x = nn.Dense(3), jnp.ones((4, 2))
+      >>> ntk_flax.nngp(model, model.init(jax.random.PRNGKey(0), x), x, trace_axes=()).shape
+      (4, 4, 3, 3)
+    """
+    fn = _cached("nngp", "nngp", model, method, apply_kwargs, options)
+    return fn(variables, x1, x2, rngs=rngs)
+
+
+@checked_arguments("ntk_flax.kernel_per_leaf_fn")
+def kernel_per_leaf_fn(
+    model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
+) -> Callable:
+    """Jitted empirical NTK of a Flax model split by parameter leaf (Σ_l Θ_l = Θ).
+
+    Args:
+      model, method, apply_kwargs, **options: as :func:`kernel_fn` (``implementation``
+        not ``"ntvp"``).
+
+    Returns:
+      ``kernel(variables, x1, x2=None, *, rngs=None)`` -> a tree like ``params`` of
+      ``(N1, N2)`` kernels (by default), one per leaf.
+    Raises:
+      As :func:`kernel_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
+      >>> model, x = nn.Dense(3), jnp.ones((4, 2))
+      >>> k = ntk_flax.kernel_per_leaf_fn(model)(model.init(jax.random.PRNGKey(0), x), x)
+      >>> k["kernel"].shape
+      (4, 4)
+    """
+    built = caller("kernel_per_leaf_fn", built=True)
+    return make(built, "ntk_per_leaf", model, options, method, apply_kwargs)
+
+
+@checked_arguments("ntk_flax.kernel_per_leaf")
+def kernel_per_leaf(
+    model: nn.Module,
+    variables,
+    x1,
+    x2=None,
+    *,
+    method: str | Callable | None = None,
+    apply_kwargs=None,
+    rngs=None,
+    **options,
+):
+    """Empirical NTK of a Flax model split by parameter leaf; the leaves sum to :func:`kernel`.
+
+    Args:
+      model, variables, x1 (N1 samples), x2 (N2 or ``None``), method, apply_kwargs,
+        rngs: as :func:`kernel`.
+      **options: as :func:`kernel_per_leaf_fn`.
+
+    Returns:
+      A tree like ``params`` (nnx: an ``nnx.State``) of ``(N1, N2)`` kernels by default.
+    Raises:
+      As :func:`kernel_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
+      >>> model, x = nn.Dense(3), jnp.ones((4, 2))
+      >>> k = ntk_flax.kernel_per_leaf(model, model.init(jax.random.PRNGKey(0), x), x)
+      >>> sorted(k), float(k["bias"][0, 0])  # the bias's kernel: 1 for every pair
+      (['bias', 'kernel'], 1.0)
+    """
+    fn = _cached("kernel_per_leaf", "ntk_per_leaf", model, method, apply_kwargs, options)
+    return fn(variables, x1, x2, rngs=rngs)
+
+
+@checked_arguments("ntk_flax.plan")
+def plan(
+    model: nn.Module,
+    variables,
+    x1,
+    x2=None,
+    *,
+    method: str | Callable | None = None,
+    apply_kwargs=None,
+    rngs=None,
+    **options,
+):
+    """What :func:`kernel` with these arguments would do, without computing it.
+
+    Args:
+      model, variables, x1 (N1 samples), x2 (N2 or ``None``), method, apply_kwargs,
+        rngs, **options: as :func:`kernel`.
+
+    Returns:
+      The ``Plan`` of :func:`ntk_core.plan`: the implementation chosen, estimates, and
+      each parameter leaf's path, size and method.
+    Raises:
+      As :func:`kernel_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
+      >>> model, x = nn.Dense(3), jnp.ones((4, 2))
+      >>> p = ntk_flax.plan(model, model.init(jax.random.PRNGKey(0), x), x)
+      >>> [(leaf.path, leaf.size) for leaf in p.leaves]
+      [("['bias']", 3), ("['kernel']", 6)]
+    """
+    fn = _cached("plan", "ntk", model, method, apply_kwargs, options)
+    return fn.plan(variables, x1, x2, rngs=rngs)

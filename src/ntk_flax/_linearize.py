@@ -3,7 +3,7 @@
 Builds the pure apply the kernels use (``_kernel._model_apply`` for linen,
 ``_nnx.model_apply`` for nnx) with every collection but the parameters held fixed at
 its values at the expansion point, and hands it to ``ntk_core``'s expansion
-(:func:`ntk_core._functional.linearize.expansion`); no maths here.
+(:func:`ntk_core.adapters.expansion`); no maths here.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from ntk_core._functional.linearize import _Point, check_degree, expansion
-from ntk_core._kernel.adapter import check_apply_kwargs
-from ntk_core._kernel.checks import is_nnx_module
+from ntk_core.adapters import check_apply_kwargs, check_degree, check_like, expansion, is_nnx_module
 from ntk_flax import _nnx
 from ntk_flax._kernel import _model_apply
 
@@ -92,9 +90,7 @@ def _nnx_parts(fn_name: str, model, variables, method, apply_kwargs):
     if variables is not None:  # another expansion point of the same structure
         if is_nnx_module(variables):
             variables = nnx.state(variables, nnx.Param)
-        _Point(fn_name, params0, "nnx.Param state", "the module's nnx.Param state").tangent(
-            variables, "variables"
-        )
+        check_like(fn_name, variables, params0, "variables", "the module's nnx.Param state")
         params0 = variables
         point_name = f"the variables given to {fn_name}"
 

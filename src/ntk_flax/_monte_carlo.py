@@ -9,27 +9,24 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ntk_core._api import _checked_arguments
-from ntk_core._kernel.adapter import MONTE_CARLO_NNGP, MONTE_CARLO_NTK
-from ntk_core._kernel.checks import is_nnx_module
-from ntk_core._monte_carlo.files import kind_options
-from ntk_core._monte_carlo.kernels import (
-    average,
-    check_init_kwargs,
-    check_inputs,
-    check_samples,
-    files_for,
-    initialiser,
+from ntk_core.adapters import (
+    check_monte_carlo,
+    checked_arguments,
+    checked_init,
+    is_nnx_module,
+    monte_carlo_mean,
 )
-from ntk_core._predict.inference import Kernels
+from ntk_core.predict import Kernels
 
-from ._kernel import ADAPTER, _make
-from ._nnx import make as _make_nnx
+from . import _nnx
+from ._kernel import caller, make
 
-#: :func:`monte_carlo_kernels` as its messages name it (ntk_core._kernel.caller).
-_CALLER = ADAPTER.caller(MONTE_CARLO_NTK)
+#: :func:`monte_carlo_kernels` as its messages name it.
+_CALLER = caller("monte_carlo_kernels", monte_carlo=True)
+_OWN = ("key", "n_samples", "batch_size_samples", "method", "apply_kwargs", "init_kwargs")
 
 
+@checked_arguments("ntk_flax.monte_carlo_kernels")
 def monte_carlo_kernels(
     model: nn.Module | Callable,
     x1,
@@ -147,9 +144,9 @@ def monte_carlo_kernels(
                 f"builder runs. Fix: drop init_kwargs and pass the arguments inside the "
                 f"builder, lambda rngs: Model(..., rngs=rngs)."
             )
-    check_samples(_CALLER, key, n_samples, batch_size_samples, options)  # before building
-    check_inputs(fn, x1, x2)
-    init_kwargs = check_init_kwargs(fn, init_kwargs)
+    init_kwargs = check_monte_carlo(
+        _CALLER, x1, x2, key, n_samples, batch_size_samples, options, _OWN, init_kwargs
+    )  # before building
     if not isinstance(model, nn.Module):
         return _nnx_monte_carlo(
             fn, model, x1, x2, key, n_samples, batch_size_samples, method, apply_kwargs,
@@ -157,7 +154,7 @@ def monte_carlo_kernels(
         )  # fmt: skip
     x_init = jax.tree.map(lambda a: a[:1], x1)
     init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
-    init = initialiser(
+    init = checked_init(
         fn,
         jax.jit(lambda k: model.init(k, x_init, method=method, **init_kwargs)),
         "model.init(key, x1[:1])",
@@ -165,17 +162,12 @@ def monte_carlo_kernels(
         "check that x1 has the per-sample shape the model expects (batch axis first); "
         "init_kwargs={...} gives model.init other keyword arguments than apply_kwargs",
     )
-    model_keywords = dict(method=method, apply_kwargs=apply_kwargs)
-    files = files_for(fn, options, key, n_samples, x1, x2, init)
-    # errors name fn
-    ntk = _make(MONTE_CARLO_NTK, model, kind_options("ntk", options, files), **model_keywords)
-    nngp = _make(MONTE_CARLO_NNGP, model, kind_options("nngp", options, files), **model_keywords)
 
-    def sample(k):
-        variables = init(k)
-        return nngp(variables, x1, x2), ntk(variables, x1, x2)
+    def kernels(kind, kind_options):  # errors name fn
+        return make(_CALLER, kind, model, kind_options, method, apply_kwargs)
 
-    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2, files)
+    mean = monte_carlo_mean
+    return mean(fn, init, kernels, x1, x2, key, n_samples, batch_size_samples, progress, options)
 
 
 def _comparable(leaf):
@@ -227,17 +219,12 @@ def _nnx_monte_carlo(
         )
     # Each sample's whole state: its parameters, and its other state (statistics,
     # buffers drawn from rngs, RNG state) as that initialisation made them.
-    state_of = initialiser(
+    state_of = checked_init(
         fn,
         jax.jit(lambda k: nnx.split(build(nnx.Rngs(k)), nnx.Param, ...)[1:]),
         "model(nnx.Rngs(key))",
         "the function building the module, traced under jax.jit",
     )
-    files = files_for(fn, options, key, n_samples, x1, x2, state_of)
-    ntk_options, nngp_options = (kind_options(k, options, files) for k in ("ntk", "nngp"))
-    ntk = _make_nnx(_CALLER, "ntk", template, method, apply_kwargs, ntk_options)
-    nngp = _make_nnx(_CALLER, "nngp", template, method, apply_kwargs, nngp_options)
-
     if n_samples >= 2:  # a builder that ignores its rngs makes every sample the same
         keys = jax.random.split(key, 2)
         first, second = (map(_comparable, jax.tree.leaves(state_of(k))) for k in keys)
@@ -251,11 +238,10 @@ def _nnx_monte_carlo(
                 f"random initialisation use ntk_flax.kernel once."
             )
 
-    def sample(k):
-        params, rest = state_of(k)
-        return nngp.of_state(params, rest, x1, x2), ntk.of_state(params, rest, x1, x2)
+    def kernels(kind, kind_options):  # of one initialisation's (params, rest)
+        return _nnx.make(_CALLER, kind, template, method, apply_kwargs, kind_options)
 
-    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2, files)
-
-
-monte_carlo_kernels = _checked_arguments(monte_carlo_kernels, "ntk_flax.monte_carlo_kernels")
+    mean = monte_carlo_mean
+    return mean(
+        fn, state_of, kernels, x1, x2, key, n_samples, batch_size_samples, progress, options
+    )

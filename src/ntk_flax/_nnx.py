@@ -19,9 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ntk_core._kernel.adapter import bound_kernel, check_apply_kwargs, kernel_function
-from ntk_core._kernel.caller import Caller
-from ntk_core._kernel.checks import adapter_model_failure
+from ntk_core.adapters import (
+    Caller,
+    PureModel,
+    adapter_model_failure,
+    build_kernel,
+    check_apply_kwargs,
+)
 
 
 def _method(fn_name: str, model, method) -> str:
@@ -266,9 +270,10 @@ def model_apply(name: str, apply_kwargs: dict) -> Callable:
 
 def make(caller: Caller, kind: str, model, method, apply_kwargs, options) -> Callable:
     """The kernel function ``call(variables, x1, x2=None, *, rngs=None)`` of an nnx
-    module for the public function ``caller`` (``caller.monte_carlo``: made for the
-    Monte Carlo kernels); ``variables`` is ``None`` (the module's own ``nnx.Param``
-    state now) or a state of the same structure."""
+    module for the public function ``caller``; ``variables`` is ``None`` (the module's
+    own ``nnx.Param`` state now) or a state of the same structure. For the Monte Carlo
+    kernels (``caller.monte_carlo``) it is ``call(state, x1, x2=None)`` of one
+    initialisation's ``state = (params, rest)``, ``model`` its template."""
     fn_name, monte_carlo = caller.name, caller.monte_carlo
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'deterministic': True}")
     name = _method(fn_name, model, method)
@@ -285,8 +290,6 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options) -> Cal
         if changed:
             module = nnx.merge(graphdef, params, rest)
             _refuse_state_changes(fn_name, changed, module, monte_carlo=monte_carlo)
-
-    kernel = kernel_function(caller, kind, apply3, options, check, hint="model.eval()")
 
     def to_core(variables, rngs=None):
         if rngs is not None:
@@ -330,12 +333,12 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options) -> Cal
             params = variables
         return params, (graphdef, rest)
 
-    call = bound_kernel(fn_name, kernel, to_core, ("rngs",))
+    def of_state(state):
+        """``(params, (graphdef, rest))`` of one initialisation ``state = (params, rest)``
+        of a module built like ``model`` (the Monte Carlo kernels)."""
+        params, rest = state
+        return params, (nnx.split(model, nnx.Param, ...)[0], rest)
 
-    def of_state(params, rest, x1, x2=None):
-        """The kernel of the module with ``params`` and other state ``rest`` (states
-        of a module built like this one), for the Monte Carlo kernels."""
-        return kernel(params, x1, x2, (nnx.split(model, nnx.Param, ...)[0], rest))
-
-    call.of_state = of_state
-    return call
+    keywords = () if monte_carlo else ("rngs",)
+    pure = PureModel(apply3, of_state if monte_carlo else to_core, keywords, check, "model.eval()")
+    return build_kernel(caller, kind, pure, options)

@@ -39,7 +39,7 @@ import flax.errors
 import jax
 import numpy as np
 
-from ntk_core._kernel.caller import Caller
+from ntk_core.adapters import Caller
 
 
 def _paths(tree) -> frozenset[str]:

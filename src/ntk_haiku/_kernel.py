@@ -2,31 +2,28 @@
 
 The adapter turns a transformed function into a pure ``apply3(params, x, aux)`` with
 ``aux = (state, rng)`` held fixed (the state the model returns is discarded), then
-hands it to ``ntk_core``. The entry points and their docstrings are made by
-``ntk_core._kernel.adapter.entry_point`` from :data:`ADAPTER`, this framework's words.
+hands it to ``ntk_core`` through :mod:`ntk_core.adapters`.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import haiku as hk
 import jax
 
-from ntk_core._kernel import adapter as _adapter
-from ntk_core._kernel.adapter import (
-    Adapter,
-    Entry,
-    Keyword,
+from ntk_core.adapters import (
+    Caller,
     PureModel,
+    adapter_model_failure,
     build_kernel,
+    cached,
     check_apply_kwargs,
-    entry_point,
+    checked_arguments,
     input_shape_mismatch,
 )
-from ntk_core._kernel.checks import adapter_model_failure
 
 
 def _model_apply(transformed, apply_kwargs):
@@ -162,10 +159,22 @@ def _shown(names: list[str]) -> list[str]:
     return names if len(names) <= 6 else names[:6] + [f"... ({len(names)} in all)"]
 
 
-def _make(entry: Entry, transformed, options: dict, *, apply_kwargs=None):
-    """The kernel function of ``transformed`` for ``entry`` (``make`` of
-    :data:`ADAPTER`)."""
-    caller = ADAPTER.caller(entry)
+def caller(name: str, *, built: bool = False, monte_carlo: bool = False) -> Caller:
+    """``ntk_haiku.<name>`` as the core's messages name it, with its argument order."""
+    order = "(model, x1, x2)" if monte_carlo else "(params, x1, x2)" if built else None
+    return Caller(
+        f"ntk_haiku.{name}",
+        order or "(transformed, params, x1, x2)",
+        model="the model",
+        package="ntk_haiku",
+        monte_carlo=monte_carlo,
+        built=built,
+    )
+
+
+def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=None):
+    """The kernel function ``kernel(params, x1, x2=None, *, state=None, rng=None)`` of
+    ``transformed`` for the public function ``caller``."""
     fn_name = caller.name
     if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
         raise TypeError(
@@ -254,7 +263,7 @@ def _make(entry: Entry, transformed, options: dict, *, apply_kwargs=None):
         check=check,
         eval_hint="apply_kwargs={'is_training': False}",
     )
-    return build_kernel(caller, entry.kind, pure, options)
+    return build_kernel(caller, kind, pure, options)
 
 
 def check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call) -> None:
@@ -283,74 +292,215 @@ def check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call) -> Non
         )
 
 
-#: Haiku's words for the entry points (see ``ntk_core._kernel.adapter.Adapter``).
-ADAPTER = Adapter(
-    package="ntk_haiku",
-    module=__name__,
-    model="transformed",
-    params="params",
-    keywords=(
-        Keyword(
-            "state",
-            "the state of an ``hk.TransformedWithState`` (required there).",
-            per_call=True,
-        ),
-        Keyword(
-            "rng", "a PRNG key for models that need one, the same for every sample.", per_call=True
-        ),
-        Keyword(
-            "apply_kwargs",
-            'extra keyword arguments of the forward function, e.g. ``{"is_training": False}``.',
-        ),
-    ),
-    make=_make,
-    words={
-        "a_model": "a Haiku model",
-        "model_doc": (
-            "``hk.Transformed`` (with or without apply rng) or\n  ``hk.TransformedWithState``."
-        ),
-        "params_doc": "the params returned by ``transformed.init``.",
-        "held_fixed": inspect.cleandoc(
-            """
-            Only ``params`` is differentiated; ``state`` (required for
-            ``hk.TransformedWithState``) and ``rng`` are held fixed, and the state the model
-            returns is discarded. New params and state of the same shapes do not recompile.
-            """
-        ),
-        "differentiated": "``params``",
-        "per_leaf_tree": '``params`` (``{"linear": {"w": K, "b": K}, ...}``)',
-        "leaf_path": "['linear']['w']",
-        "raises": inspect.cleandoc(
-            """
-            TypeError: not a transformed function; an unknown option; params not a dict.
-            ValueError: missing or unexpected state; rng given to a transform that takes none;
-              a model needing an rng without one; a model whose samples interact (BatchNorm
-              with ``is_training=True``) with ``vmap_axes=0``; the model failing on x1; and
-              every error of :func:`ntk_core.ntk_fn`.
-            """
-        ),
-        "extra_cost": "",
-        "example_setup": inspect.cleandoc(
-            """
-            >>> import haiku as hk, jax, jax.numpy as jnp
-            >>> import ntk_haiku
-            >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
-            >>> x = jnp.ones((4, 2))
-            """
-        ),
-        "example_model": "net",
-        "example_init": "net.init(jax.random.PRNGKey(0), x)",
-        "example_layer": "['linear']",
-        "example_w": "w",
-        "example_b": "b",
-        "more_kernel_examples": "",
-    },
-)
+def _cached(name: str, kind: str, transformed, apply_kwargs, options: dict):
+    """The kernel function of ``ntk_haiku.<name>``, built once per model, apply_kwargs
+    and options (:func:`ntk_core.adapters.cached`)."""
+    key = (f"ntk_haiku.{name}", transformed, apply_kwargs, options)
+    return cached(key, lambda: make(caller(name), kind, transformed, options, apply_kwargs))
 
-kernel_fn = entry_point(ADAPTER, _adapter.KERNEL_FN)
-nngp_fn = entry_point(ADAPTER, _adapter.NNGP_FN)
-kernel = entry_point(ADAPTER, _adapter.KERNEL)
-nngp = entry_point(ADAPTER, _adapter.NNGP)
-kernel_per_leaf_fn = entry_point(ADAPTER, _adapter.KERNEL_PER_LEAF_FN)
-kernel_per_leaf = entry_point(ADAPTER, _adapter.KERNEL_PER_LEAF)
-plan = entry_point(ADAPTER, _adapter.PLAN)
+
+@checked_arguments("ntk_haiku.kernel_fn")
+def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
+    """Jitted empirical NTK of a Haiku model, reusable across training steps.
+
+    Args:
+      transformed: ``hk.Transformed`` (with or without apply rng) or
+        ``hk.TransformedWithState``.
+      apply_kwargs: extra keyword arguments of the forward function, e.g.
+        ``{"is_training": False}``.
+      **options: the kernel options of :func:`ntk_core.ntk_fn`.
+
+    Returns:
+      ``kernel(params, x1, x2=None, *, state=None, rng=None)`` -> the NTK of x1 (N1
+      samples) and x2 (N2; ``None``: x1), ``(N1, N2)`` for ``(N, O)`` outputs by
+      default. Only ``params`` is differentiated; ``state`` (required for
+      ``hk.TransformedWithState``) and ``rng`` are held fixed.
+
+    Raises:
+      TypeError, ValueError: not a transformed function; params not this model's;
+        missing or unexpected state; ``rng`` missing or not taken; a model whose samples
+        interact (BatchNorm with ``is_training=True``) with ``vmap_axes=0``; the model
+        failing on x1; and the errors of :func:`ntk_core.ntk_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
+      >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
+      >>> ntk_haiku.kernel_fn(net, trace_axes=())(net.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4, 3, 3)
+    """
+    return make(caller("kernel_fn", built=True), "ntk", transformed, options, apply_kwargs)
+
+
+@checked_arguments("ntk_haiku.nngp_fn")
+def nngp_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
+    """Jitted empirical NNGP kernel f(x1)·f(x2) of a Haiku model; see :func:`kernel_fn`.
+
+    Args:
+      transformed, apply_kwargs: as :func:`kernel_fn`.
+      **options: those of :func:`ntk_core.nngp_fn` (no ``implementation``).
+
+    Returns:
+      ``kernel(params, x1, x2=None, *, state=None, rng=None)`` -> ``(N1, N2)`` for
+      ``(N, O)`` outputs by default, in the outputs' dtype.
+
+    Raises:
+      As :func:`kernel_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
+      >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
+      >>> ntk_haiku.nngp_fn(net)(net.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4)
+    """
+    return make(caller("nngp_fn", built=True), "nngp", transformed, options, apply_kwargs)
+
+
+@checked_arguments("ntk_haiku.kernel")
+def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
+    """Empirical NTK of a Haiku model between x1 and x2 (x1 if None).
+
+    Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p over ``params``; the
+    built kernel function is cached.
+
+    Args:
+      transformed, apply_kwargs: as :func:`kernel_fn`.
+      params: the params returned by ``transformed.init``.
+      x1: array or pytree of arrays, batch axis 0 of size N1.
+      x2: ``None`` (x2 is x1) or like x1 with N2 samples.
+      state: the state of an ``hk.TransformedWithState`` (required there).
+      rng: a PRNG key for models that need one, the same for every sample.
+
+    Returns:
+      ``(N1, N2)`` for ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with
+      ``trace_axes=()``.
+
+    Raises:
+      As :func:`kernel_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
+      >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
+      >>> ntk_haiku.kernel(net, net.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4)
+    """
+    fn = _cached("kernel", "ntk", transformed, apply_kwargs, options)
+    return fn(params, x1, x2, state=state, rng=rng)
+
+
+@checked_arguments("ntk_haiku.nngp")
+def nngp(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
+    """Empirical NNGP kernel f(x1)·f(x2) of a Haiku model; see :func:`kernel`.
+
+    Args:
+      transformed, params, x1 (N1 samples), x2 (N2 or ``None``), state, rng,
+        apply_kwargs: as :func:`kernel`.
+      **options: those of :func:`ntk_core.nngp_fn`.
+
+    Returns:
+      ``(N1, N2)`` for ``(N, O)`` outputs by default, in the outputs' dtype.
+
+    Raises:
+      As :func:`kernel_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
+      >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
+      >>> ntk_haiku.nngp(net, net.init(jax.random.PRNGKey(0), x), x, trace_axes=()).shape
+      (4, 4, 3, 3)
+    """
+    fn = _cached("nngp", "nngp", transformed, apply_kwargs, options)
+    return fn(params, x1, x2, state=state, rng=rng)
+
+
+@checked_arguments("ntk_haiku.kernel_per_leaf_fn")
+def kernel_per_leaf_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
+    """Jitted empirical NTK of a Haiku model split by parameter leaf (Σ_l Θ_l = Θ).
+
+    Args:
+      transformed, apply_kwargs, **options: as :func:`kernel_fn` (``implementation``
+        not ``"ntvp"``).
+
+    Returns:
+      ``kernel(params, x1, x2=None, *, state=None, rng=None)`` -> a dict like
+      ``params`` of ``(N1, N2)`` kernels (by default), one per leaf.
+
+    Raises:
+      As :func:`kernel_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
+      >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
+      >>> k = ntk_haiku.kernel_per_leaf_fn(net)(net.init(jax.random.PRNGKey(0), x), x)
+      >>> k["linear"]["w"].shape
+      (4, 4)
+    """
+    built = caller("kernel_per_leaf_fn", built=True)
+    return make(built, "ntk_per_leaf", transformed, options, apply_kwargs)
+
+
+@checked_arguments("ntk_haiku.kernel_per_leaf")
+def kernel_per_leaf(
+    transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options
+):
+    """Empirical NTK of a Haiku model split by parameter leaf; the leaves sum to :func:`kernel`.
+
+    Args:
+      transformed, params, x1 (N1 samples), x2 (N2 or ``None``), state, rng,
+        apply_kwargs: as :func:`kernel`.
+      **options: as :func:`kernel_per_leaf_fn`.
+
+    Returns:
+      A dict like ``params`` of ``(N1, N2)`` kernels by default.
+
+    Raises:
+      As :func:`kernel_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
+      >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
+      >>> k = ntk_haiku.kernel_per_leaf(net, net.init(jax.random.PRNGKey(0), x), x)
+      >>> sorted(k["linear"]), float(k["linear"]["b"][0, 0])  # the bias's kernel: 1
+      (['b', 'w'], 1.0)
+    """
+    fn = _cached("kernel_per_leaf", "ntk_per_leaf", transformed, apply_kwargs, options)
+    return fn(params, x1, x2, state=state, rng=rng)
+
+
+@checked_arguments("ntk_haiku.plan")
+def plan(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
+    """What :func:`kernel` with these arguments would do, without computing it.
+
+    Args:
+      transformed, params, x1 (N1 samples), x2 (N2 or ``None``), state, rng,
+        apply_kwargs, **options: as :func:`kernel`.
+
+    Returns:
+      The ``Plan`` of :func:`ntk_core.plan`: the implementation chosen, estimates, and
+      each parameter leaf's path, size and method.
+
+    Raises:
+      As :func:`kernel_fn`.
+
+    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
+
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
+      >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
+      >>> p = ntk_haiku.plan(net, net.init(jax.random.PRNGKey(0), x), x)
+      >>> [(leaf.path, leaf.size) for leaf in p.leaves]
+      [("['linear']['b']", 3), ("['linear']['w']", 6)]
+    """
+    fn = _cached("plan", "ntk", transformed, apply_kwargs, options)
+    return fn.plan(params, x1, x2, state=state, rng=rng)

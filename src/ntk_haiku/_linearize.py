@@ -3,7 +3,7 @@
 
 Builds the pure apply the kernels use (``_kernel._model_apply``) with ``state`` and
 ``rng`` held fixed, and hands it to ``ntk_core``'s expansion
-(:func:`ntk_core._functional.linearize.expansion`); no maths here.
+(:func:`ntk_core.adapters.expansion`); no maths here.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from collections.abc import Callable, Mapping
 
 import haiku as hk
 
-from ntk_core._functional.linearize import check_degree, expansion
-from ntk_core._kernel.adapter import check_apply_kwargs
+from ntk_core.adapters import check_apply_kwargs, check_degree, expansion
 from ntk_haiku._kernel import _model_apply, check_state_and_rng
 
 

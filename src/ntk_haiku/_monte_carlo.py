@@ -5,25 +5,17 @@ from __future__ import annotations
 import haiku as hk
 import jax
 
-from ntk_core._api import _checked_arguments
-from ntk_core._kernel.adapter import MONTE_CARLO_NNGP, MONTE_CARLO_NTK
-from ntk_core._monte_carlo.files import kind_options
-from ntk_core._monte_carlo.kernels import (
-    average,
-    check_init_kwargs,
-    check_inputs,
-    check_samples,
-    files_for,
-    initialiser,
-)
-from ntk_core._predict.inference import Kernels
+from ntk_core.adapters import check_monte_carlo, checked_arguments, checked_init, monte_carlo_mean
+from ntk_core.predict import Kernels
 
-from ._kernel import ADAPTER, _make
+from ._kernel import caller, make
 
-#: :func:`monte_carlo_kernels` as its messages name it (ntk_core._kernel.caller).
-_CALLER = ADAPTER.caller(MONTE_CARLO_NTK)
+#: :func:`monte_carlo_kernels` as its messages name it.
+_CALLER = caller("monte_carlo_kernels", monte_carlo=True)
+_OWN = ("key", "n_samples", "batch_size_samples", "rng", "apply_kwargs", "init_kwargs")
 
 
+@checked_arguments("ntk_haiku.monte_carlo_kernels")
 def monte_carlo_kernels(
     transformed,
     x1,
@@ -107,14 +99,14 @@ def monte_carlo_kernels(
             f"{type(transformed).__name__}. Fix: wrap your forward function with "
             f"hk.transform(f)."
         )
-    check_samples(_CALLER, key, n_samples, batch_size_samples, options)
-    check_inputs(fn, x1, x2)
-    init_kwargs = check_init_kwargs(fn, init_kwargs)
+    init_kwargs = check_monte_carlo(
+        _CALLER, x1, x2, key, n_samples, batch_size_samples, options, _OWN, init_kwargs
+    )
     with_state = isinstance(transformed, hk.TransformedWithState)
     x_init = x1 if with_state else jax.tree.map(lambda a: a[:1], x1)  # state from all of x1
     init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
 
-    init = initialiser(
+    init = checked_init(
         fn,
         jax.jit(lambda k: transformed.init(k, x_init, **init_kwargs)),
         "transformed.init(key, x1)" if with_state else "transformed.init(key, x1[:1])",
@@ -123,21 +115,15 @@ def monte_carlo_kernels(
         "model that initialises only in training mode (hk.BatchNorm) needs "
         "init_kwargs={'is_training': True} with apply_kwargs={'is_training': False}",
     )
-    files = files_for(fn, options, key, n_samples, x1, x2, init)
-    ntk_options, nngp_options = (kind_options(k, options, files) for k in ("ntk", "nngp"))
-    # errors name fn
-    ntk = _make(MONTE_CARLO_NTK, transformed, ntk_options, apply_kwargs=apply_kwargs)
-    nngp = _make(MONTE_CARLO_NNGP, transformed, nngp_options, apply_kwargs=apply_kwargs)
 
-    def sample(k):
-        out = init(k)
-        params, state = out if with_state else (out, None)
-        return (
-            nngp(params, x1, x2, state=state, rng=rng),
-            ntk(params, x1, x2, state=state, rng=rng),
-        )
+    def kernels(kind, kind_options):  # of one initialisation, init(k); errors name fn
+        built = make(_CALLER, kind, transformed, kind_options, apply_kwargs)
 
-    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2, files)
+        def of(out, x1, x2):
+            params, state = out if with_state else (out, None)
+            return built(params, x1, x2, state=state, rng=rng)
 
+        return of
 
-monte_carlo_kernels = _checked_arguments(monte_carlo_kernels, "ntk_haiku.monte_carlo_kernels")
+    mean = monte_carlo_mean
+    return mean(fn, init, kernels, x1, x2, key, n_samples, batch_size_samples, progress, options)

@@ -1,6 +1,6 @@
-"""The adapters' entry points are made once, from ``ntk_core._kernel.adapter``: the Flax and
-Haiku versions of each take the same arguments apart from the model's own, document the
-same sections, and differ only in the framework's words."""
+"""The adapters' entry points are plain functions on ``ntk_core.adapters``: the Flax
+and Haiku versions of each take the same arguments apart from the model's own, document
+the same sections, and point to the core's docstring for the options."""
 
 from __future__ import annotations
 
@@ -11,15 +11,14 @@ import pytest
 
 import ntk_flax
 import ntk_haiku
-from ntk_core._kernel import adapter as _adapter
-from ntk_core._kernel.adapter import ENTRIES, Form, fill
 
 #: Each framework's own arguments: the model, its parameters, its keywords.
 OWN = {
     "ntk_flax": {"model", "variables", "method", "rngs"},
     "ntk_haiku": {"transformed", "params", "state", "rng"},
 }
-NAMES = [entry.name for entry in ENTRIES]
+BUILD = ("kernel_fn", "nngp_fn", "kernel_per_leaf_fn")
+NAMES = [*BUILD, "kernel", "nngp", "kernel_per_leaf", "plan"]
 
 
 def _shared(package, name):
@@ -39,36 +38,29 @@ def test_flax_and_haiku_entry_points_take_the_same_arguments_apart_from_the_mode
 @pytest.mark.parametrize("name", NAMES)
 def test_flax_and_haiku_docstrings_have_the_same_sections_in_the_same_order(name):
     def sections(doc):
-        return re.findall(r"^(Args:|Returns:|Raises:|Cost:|Example:|References:)", doc, re.M)
+        return re.findall(r"^ *(Args:|Returns:|Raises:|Example:)", doc, re.M)
 
     flax, haiku = (getattr(p, name).__doc__ for p in (ntk_flax, ntk_haiku))
-    assert sections(flax) == sections(haiku)
-    assert sections(flax) == ["Args:", "Returns:", "Raises:", "Cost:", "Example:", "References:"]
+    assert sections(flax) == sections(haiku) == ["Args:", "Returns:", "Raises:", "Example:"]
     assert "ntk_haiku" not in flax and "ntk_flax" not in haiku
-    assert "{" + "example_" not in flax + haiku  # every template field filled
+    for doc in (flax, haiku):  # the options, cost and references are written once
+        assert "Options, Cost and References: see :func:`ntk_core.ntk_fn`." in doc
 
 
-def test_every_entry_point_is_exported_and_made_from_its_entry():
+def test_every_entry_point_is_exported_with_its_signature():
     for package in (ntk_flax, ntk_haiku):
-        for entry in ENTRIES:
-            fn = getattr(package, entry.name)
-            assert entry.name in package.__all__
+        for name in NAMES:
+            fn = getattr(package, name)
+            assert name in package.__all__
             assert fn.__module__ == f"{package.__name__}._kernel"
-            assert fn.__name__ == entry.name
-            built = entry.form is Form.BUILD
-            assert (inspect.signature(fn).return_annotation == "Callable") == built
+            assert fn.__name__ == name
+            assert (inspect.signature(fn).return_annotation == "Callable") == (name in BUILD)
+            options = list(inspect.signature(fn).parameters.values())[-1]
+            assert options.kind is options.VAR_KEYWORD
 
 
-def test_the_monte_carlo_kernels_name_their_kernel_functions_by_form_not_by_name():
-    assert _adapter.MONTE_CARLO_NTK.form is Form.MONTE_CARLO
-    assert _adapter.MONTE_CARLO_NNGP.kind == "nngp"
-    assert all(entry.form is not Form.MONTE_CARLO for entry in ENTRIES)
-
-
-def test_fill_indents_multi_line_fields_and_drops_empty_lines():
-    template = "Title {a}.\n\nArgs:\n  {items}\n  {empty}\n  last\n"
-    filled = fill(template, {"a": "one", "items": "x: 1\ny: 2", "empty": ""})
-    assert filled == "Title one.\n\nArgs:\n  x: 1\n  y: 2\n  last\n"
-    with pytest.raises(KeyError):
-        fill("{missing}", {})
-    assert fill('{"train": False}', {}) == '{"train": False}\n'  # not a field
+def test_binding_errors_name_the_adapters_function():
+    with pytest.raises(TypeError, match=r"^ntk_flax\.kernel: .*missing"):
+        ntk_flax.kernel(None)
+    with pytest.raises(TypeError, match=r"^ntk_haiku\.plan: .*missing"):
+        ntk_haiku.plan(None)

@@ -202,12 +202,12 @@ BAD = [
     (
         lambda: ntk_equinox.kernel(MLP, X, trace_axis=()),
         TypeError,
-        r"^ntk_equinox.kernel: .*Did you mean 'trace_axes'",
+        r"^ntk_equinox.kernel: .*write trace_axes= \(not trace_axis=\)",
     ),
     (
         lambda: ntk_equinox.nngp(MLP, X, implementation="jacobian"),
         TypeError,
-        r"^ntk_equinox.nngp: .*unknown keyword argument",
+        r"^ntk_equinox.nngp: unknown option\(s\) 'implementation'",
     ),
     (
         lambda: ntk_equinox.kernel(MLP, jnp.ones((4, 5))),
@@ -292,7 +292,7 @@ def test_new_weights_of_the_same_model_neither_retrace_nor_recompile(build):
 
 def test_docstrings_and_public_seam():
     """Every public function documents shapes, errors, cost, example and source; the
-    adapter imports no private name of ntk_core."""
+    adapter imports no private name of ntk_core (ntk_core.adapters is the public seam)."""
     for name in ntk_equinox.__all__:
         doc = getattr(ntk_equinox, name).__doc__
         for part in ("N1", "Args:", "Returns:", "Raises:", "Cost", "Example", "Reference"):
@@ -304,7 +304,8 @@ def test_docstrings_and_public_seam():
     tree = ast.parse(source.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            assert node.module is None or not node.module.startswith("ntk_core"), node.module
+            private = any(part.startswith("_") for part in (node.module or "").split("."))
+            assert not (node.module or "").startswith("ntk_core") or not private, node.module
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             if node.value.id == "ntk_core":
                 assert not node.attr.startswith("_"), node.attr

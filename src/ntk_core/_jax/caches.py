@@ -1,8 +1,8 @@
 """The library's caches, and one switch to empty them: :func:`clear_caches`.
 
 Every cache here is bounded: built kernel functions and wrapped ``apply_fn``\\ s in LRU
-caches of 64 entries (:func:`lru_cache`), the adapters' one-call kernel functions in
-FIFO caches of 32 (``ntk_core._kernel.adapter.BuildCache``). They hold users' functions (and
+caches of 64 entries (:func:`lru_cache`), the adapters' one-call kernel functions in a
+FIFO cache of 64 (:func:`ntk_core.adapters.cached`). They hold users' functions (and
 through them closed-over arrays) until evicted; :func:`clear_caches` drops them all,
 together with JAX's own compiled programs, so that a long session can free a model it
 no longer uses.
@@ -40,7 +40,7 @@ def clear_caches() -> None:
     The library caches built kernel functions (keyed by the ``apply_fn`` or model and
     the options), so that repeated one-call functions such as
     :func:`ntk_core.empirical_ntk` reuse compiled programs; each cache is bounded (64
-    or 32 entries) and holds the functions it was given strongly until evicted. This
+    entries) and holds the functions it was given strongly until evicted. This
     drops them all and calls :func:`jax.clear_caches` (JAX's compiled programs and
     traces), so nothing of this library keeps a model, its closed-over arrays or its
     programs alive. The next call of each kernel function traces and compiles again.

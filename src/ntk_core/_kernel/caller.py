@@ -1,10 +1,9 @@
 """The public entry point behind a kernel function or a check, as its messages need it.
 
 A :class:`Caller` is made once where each public function is defined: by the core's
-entry points (:func:`core`; the Monte Carlo kernels write theirs out) and, for the
-adapters' entry points, by :meth:`ntk_core._kernel.adapter.Adapter.caller` from the adapter's
-argument names and the :class:`~ntk_core._kernel.adapter.Entry`. The checks read its fields;
-nothing reads meaning from the function's name.
+entry points (:func:`core`; the Monte Carlo kernels write theirs out) and by the
+adapters, through :mod:`ntk_core.adapters`. The checks read its fields; nothing reads
+meaning from the function's name.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ def _is_linen_module(obj) -> bool:
 
 
 def is_nnx_module(obj) -> bool:
+    """Whether ``obj`` is a ``flax.nnx.Module`` (by its classes: flax is not imported)."""
     return any(m.startswith("flax.nnx") and n == "Module" for m, n in _classes(obj))
 
 

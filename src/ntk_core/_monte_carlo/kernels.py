@@ -39,10 +39,6 @@ def progress_bar(fn_name: str, progress, total: int, desc: str):
 
 
 _KERNEL_OPTIONS = [n for n in inspect.signature(make_options).parameters if n != "fn_name"]
-_OWN_ARGUMENTS = {
-    "ntk_flax": ["key", "n_samples", "batch_size_samples", "method", "apply_kwargs", "init_kwargs"],
-    "ntk_haiku": ["key", "n_samples", "batch_size_samples", "rng", "apply_kwargs", "init_kwargs"],
-}
 
 
 def check_inputs(fn_name: str, x1, x2, models: str = "model") -> None:
@@ -93,10 +89,11 @@ def check_init_kwargs(fn_name: str, init_kwargs) -> dict | None:
     return dict(init_kwargs)
 
 
-def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=None) -> None:
-    """Validates the sampling arguments (numpy integers count as ints) and, for the
-    adapters' ``**options`` (their own arguments named by ``caller.package``), refuses
-    the blocked engine's ``batch_size`` when samples are vmapped together."""
+def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=None, own=()) -> None:
+    """Validates the sampling arguments (numpy integers count as ints) and ``options``
+    (unknown names are refused, naming the kernel options and ``own``, the function's
+    other keyword arguments); refuses the blocked engine's ``batch_size`` when samples
+    are vmapped together."""
     fn_name = caller.name
     for name, v in (("n_samples", n_samples), ("batch_size_samples", batch_size_samples)):
         try:
@@ -118,9 +115,8 @@ def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=No
             f"key=jax.random.PRNGKey(seed)."
         )
     unknown = sorted(set(options or {}) - set(_KERNEL_OPTIONS))
-    own = _OWN_ARGUMENTS.get(caller.package, [])
     if unknown:
-        names = _KERNEL_OPTIONS + own
+        names = _KERNEL_OPTIONS + list(own)
         close = {u: difflib.get_close_matches(u, names, 1) for u in unknown}
         guess = "".join(f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c)
         raise TypeError(
@@ -398,15 +394,41 @@ def monte_carlo_kernels(
         **blocked,
     )
     init = initialiser(fn, jax.jit(init_fn), "init_fn(key)", "init_fn(key) -> params")
-    files = files_for(fn, options, key, n_samples, x1, x2, init)
-    ntk = _make("ntk", _MONTE_CARLO_KERNELS, apply_fn, kind_options("ntk", options, files))
-    nngp = _make("nngp", _MONTE_CARLO_KERNELS, apply_fn, kind_options("nngp", options, files))
+
+    def kernels(kind, kind_options):
+        return _make(kind, _MONTE_CARLO_KERNELS, apply_fn, kind_options)
+
+    return sample_mean(
+        fn, init, kernels, x1, x2, key, n_samples, batch_size_samples, progress, options
+    )
+
+
+def sample_mean(
+    fn_name: str,
+    init: Callable,
+    kernels: Callable,
+    x1,
+    x2,
+    key,
+    n_samples: int,
+    batch_size_samples: int,
+    progress,
+    options: dict,
+) -> Kernels:
+    """The Monte Carlo kernels' mean over ``n_samples`` keys (after their checks):
+    ``init(k)`` makes one initialisation (wrap it with :func:`initialiser`),
+    ``kernels(kind, kind_options)`` (``kind`` ``"ntk"`` or ``"nngp"``) returns
+    ``f(init(k), x1, x2)`` -> that initialisation's kernel; ``options`` with ``out``
+    keep the running sums on disk (resumable)."""
+    files = files_for(fn_name, options, key, n_samples, x1, x2, init)
+    ntk = kernels("ntk", kind_options("ntk", options, files))
+    nngp = kernels("nngp", kind_options("nngp", options, files))
 
     def sample(k):
-        params = init(k)
-        return nngp(params, x1, x2), ntk(params, x1, x2)
+        state = init(k)
+        return nngp(state, x1, x2), ntk(state, x1, x2)
 
-    return average(fn, sample, key, n_samples, batch_size_samples, progress, x1, x2, files)
+    return average(fn_name, sample, key, n_samples, batch_size_samples, progress, x1, x2, files)
 
 
 def files_for(fn_name: str, options: dict, key, n_samples, x1, x2, init):
