@@ -8,12 +8,11 @@ docstring here points there.
 
 from __future__ import annotations
 
-import difflib
-import functools
 import inspect
 from collections.abc import Callable
 
 from ntk_core._jax import caches as _caches
+from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import check_apply_fn, params_check
 from ntk_core._kernel.engine import Engine
@@ -556,91 +555,6 @@ def plan(
       ICML 2022 (the implementations and their costs).
     """
     return _get("ntk", _PLAN, apply_fn, _options(locals())).plan(params, x1, x2)
-
-
-def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> str | None:
-    """The parameter ``signature.bind(*args, **kwargs)`` reports missing: the first
-    required one (in signature order) that neither a positional argument nor a keyword
-    gives; ``None`` when none is missing or bind fails on something else first (a
-    positional argument also given by keyword, too many positional arguments, a
-    positional-only one given by keyword), as ``Signature.bind`` checks in that order."""
-    params = list(signature.parameters.values())
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    taken = positional[: len(args)]
-    if any(p.name in kwargs and p.kind is not p.POSITIONAL_ONLY for p in taken):
-        return None  # multiple values for an argument
-    if len(args) > len(positional) and not any(p.kind is p.VAR_POSITIONAL for p in params):
-        return None  # too many positional arguments
-    for p in params[len(taken) :]:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if p.name in kwargs:
-            if p.kind is p.POSITIONAL_ONLY:
-                return None  # a positional-only argument given by keyword
-            continue
-        if p.default is p.empty:
-            return p.name
-    return None
-
-
-def _checked_arguments(fn, name: str | None = None):
-    """Turns Python's binding errors (an unknown or misspelt option, too many positional
-    arguments, a missing one) into a TypeError naming the valid options and the fix;
-    ``name`` is the public name in messages (default ``fn.__name__``).
-
-    Costs nothing on a correct call: the signature is consulted only after a TypeError.
-    """
-    signature = inspect.signature(fn)
-    name = name or fn.__name__
-    options = [n for n, p in signature.parameters.items() if p.kind is p.KEYWORD_ONLY]
-    positional = [
-        n
-        for n, p in signature.parameters.items()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-
-    @functools.wraps(fn)
-    def checked(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except TypeError:
-            try:
-                signature.bind(*args, **kwargs)
-            except TypeError as e:
-                unknown = sorted(set(kwargs) - set(signature.parameters))
-                if unknown:
-                    close = {u: difflib.get_close_matches(u, options, 1) for u in unknown}
-                    guess = "".join(
-                        f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c
-                    )
-                    reason = (
-                        f"unknown keyword argument(s) {', '.join(map(repr, unknown))}; valid "
-                        f"options are {', '.join(options)}.{guess}"
-                    )
-                    if "apply_kwargs" in signature.parameters:  # the adapters
-                        reason = reason.replace(
-                            "valid options are", "valid options are the kernel options and"
-                        )
-                        fix = (
-                            "use those option names; keyword arguments of the model go in "
-                            "apply_kwargs={...}."
-                        )
-                    else:
-                        fix = (
-                            "use those option names; keyword arguments of the model go into "
-                            "apply_fn, e.g. functools.partial(model.apply, train=False)."
-                        )
-                else:
-                    reason = f"{e} (expected positional arguments {', '.join(positional)})."
-                    fix = f"call {name}({', '.join(positional)}, *, option=...); options are "
-                    fix += "keyword-only."
-                    missing = _first_missing(signature, args, kwargs)
-                    if missing in options:
-                        fix = f"pass {missing}=... by keyword (it is keyword-only)."
-                raise TypeError(f"{name}: {reason} Fix: {fix}") from None
-            raise
-
-    return checked
 
 
 empirical_ntk = _checked_arguments(empirical_ntk)

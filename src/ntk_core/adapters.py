@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ntk_core._api import _checked_arguments
 from ntk_core._functional.linearize import _Point
 from ntk_core._functional.linearize import check_degree as check_degree
 from ntk_core._functional.linearize import expansion as expansion
@@ -29,6 +28,7 @@ from ntk_core._kernel.adapter import build_kernel as build_kernel
 from ntk_core._kernel.adapter import cached as cached
 from ntk_core._kernel.adapter import check_apply_kwargs as check_apply_kwargs
 from ntk_core._kernel.adapter import input_shape_mismatch as input_shape_mismatch
+from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller as Caller
 from ntk_core._kernel.checks import adapter_model_failure as adapter_model_failure
 from ntk_core._kernel.checks import is_nnx_module as is_nnx_module

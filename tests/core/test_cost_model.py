@@ -12,6 +12,7 @@ import pytest
 
 import ntk_core
 from ntk_core._impl import cost as _cost
+from ntk_core._impl import structured_phases
 from ntk_core._jax.jaxpr_walk import values_written
 from ntk_core._kernel.model import per_sample
 from ntk_core._structured import analysis as _structured
@@ -83,8 +84,8 @@ def test_feature_chunk_is_the_structured_chunk_size(monkeypatch):
         lambda p, v, a: _mlp(p, v), params, x, None, out_tree, True, modes
     )
     assert reference == 7  # 20 samples: 3 chunks of 7 (the last overlapping)
-    assert _cost.feature_chunk(20, out, values, features, 4) == reference
-    assert _cost.feature_chunk(5, out, values, features, 4) == 5  # all of a small batch
+    assert structured_phases.feature_chunk(20, out, values, features, 4) == reference
+    assert structured_phases.feature_chunk(5, out, values, features, 4) == 5  # all of a small batch
 
 
 def test_kernel_bytes_count_kernel_values_not_traced_products():

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import ntk_core
-from ntk_core._api import _first_missing
 from ntk_core._kernel import checks as _checks
+from ntk_core._kernel.arguments import _first_missing
 from ntk_core._kernel.caller import Caller
 
 

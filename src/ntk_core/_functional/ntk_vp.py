@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_core._api import _checked_arguments
 from ntk_core._jax import caches as _caches
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel import probe as _probe
+from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import all_finite, check_finite_input
 from ntk_core._kernel.model import from_apply_fn

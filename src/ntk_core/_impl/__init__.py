@@ -1,2 +1,12 @@
 """The implementations (Jacobian contraction, NTK-vector products, structured
-derivatives) and their cost."""
+derivatives) and their cost: the registry's entries, in the order ``plan()`` lists them
+(see :mod:`ntk_core._impl.registry` for how to add one)."""
+
+from ntk_core._impl.jacobian_phases import JACOBIAN
+from ntk_core._impl.nngp_phases import NNGP
+from ntk_core._impl.ntvp_phases import NTVP
+from ntk_core._impl.registry import PHASES, REGISTRY
+from ntk_core._impl.structured_phases import STRUCTURED
+
+REGISTRY.update({"jacobian": JACOBIAN, "ntvp": NTVP, "structured": STRUCTURED})
+PHASES.update(REGISTRY, nngp=NNGP)

@@ -20,6 +20,18 @@ PRECISION = {
 }
 
 
+class StructureHooks(NamedTuple):
+    """What the planner asks of the structured analysis, given by the implementation
+    that runs on it: ``analyse(apply3, params, x_one, aux, fuse_bias, precision=)``
+    (:func:`ntk_core._structured.analysis.analysis_for`), ``modes(analysis, o_pair,
+    o_out)`` (Gram or explicit per leaf group) and ``labels(analysis, modes)`` (each
+    leaf's method, for ``plan()``)."""
+
+    analyse: Callable
+    modes: Callable
+    labels: Callable
+
+
 class Impl(NamedTuple):
     """One implementation of the kernel: its two phases and its capabilities.
 
@@ -44,7 +56,10 @@ class Impl(NamedTuple):
         own name, or another's when it needs samples to be independent.
       cotangent_chunks: with ``vmap_axes=None`` it pulls the output cotangents back in
         chunks of the whole-batch memory model (``plan()`` shows them).
-      uses_analysis: runs on the structured analysis (its per-leaf modes are planned).
+      estimate: ``estimate(call) -> CostEstimate`` (:class:`ntk_core._impl.cost.Call`):
+        its analytic cost, for ``"auto"`` and ``plan()``.
+      analysis: the :class:`StructureHooks` of an implementation that runs on the
+        structured analysis (its per-leaf modes are planned), else None.
       pair_terms: ``pair_terms(config)`` -> the kernel-sized temporaries a tile holds
         per pair of samples (the blocked engine's working bytes), or None for one
         without features (the tile and the outputs' O x O products).
@@ -63,10 +78,16 @@ class Impl(NamedTuple):
     separates_leaves: bool
     whole_batch_as: str
     cotangent_chunks: bool = False
-    uses_analysis: bool = False
+    estimate: Callable | None = None
+    analysis: StructureHooks | None = None
     pair_terms: Callable = lambda config: 1
     model_failure: Callable | None = None
     failure_message: Callable | None = None
+
+    @property
+    def uses_analysis(self) -> bool:
+        """Runs on the structured analysis (its per-leaf modes are planned)."""
+        return self.analysis is not None
 
     @property
     def needs_independence(self) -> bool:

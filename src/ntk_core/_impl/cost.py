@@ -34,15 +34,12 @@ import jax
 from ntk_core._impl import jacobian as _jacobian
 from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._jax.jaxpr_walk import entries, is_literal, sub_jaxprs, sub_operands, values_written
-from ntk_core._structured import analysis as _structured
-from ntk_core._structured.analysis import choose_modes, pair_costs
 from ntk_core._units import human_bytes as human_bytes
 
 #: Bytes of per-sample Jacobians above which ``"auto"`` avoids ``"jacobian"``.
 JACOBIAN_MEMORY_BUDGET = 4 * 2**30
 #: What ``"auto"`` takes when no estimate fits :data:`JACOBIAN_MEMORY_BUDGET`: the
 #: implementation without features (``"ntvp"``).
-NO_FEATURES = next(name for name, impl in REGISTRY.items() if impl.features is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,7 +460,7 @@ def estimate(
         # (_jacobian.merge).
         merge_limit=_jacobian.merge_limit(max(n1, n2), out_total, o_pair),
     )
-    return tuple(ESTIMATES[name](call) for name in REGISTRY)
+    return tuple(impl.estimate(call) for impl in REGISTRY.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -605,87 +602,6 @@ def ntvp_estimate(c: Call) -> CostEstimate:
     )
 
 
-def structured_estimate(call: Call) -> CostEstimate:
-    """``"structured"``: n·(F + O·(G_a + G_e + G_w·P_fb/P)) + the per-sample work of
-    each leaf's form + pairs·(2·O'·P_fb + Σ leaf pair costs)."""
-    analysis, leaf_sizes, pc = call.analysis, call.leaf_sizes, call.pc
-    o_pair, out_total, n_jac, itemsize = call.o_pair, call.out_total, call.n_jac, call.itemsize
-    p_fallback = sum(leaf_sizes[i] for i in analysis.fallback)
-    share = p_fallback / max(call.n_params, 1)
-    per_pair = 2.0 * o_pair * p_fallback
-    per_sample = out_total * p_fallback  # values stored per sample
-    per_sample_flops = 0.0  # beyond the reverse pass
-    explicit_flops = 0.0  # of it, the explicit Jacobians' products
-    widths = [leaf_sizes[i] for i in analysis.fallback]  # Jacobian-type features
-    gram_terms = 0
-    for group, mode in zip(analysis.groups, choose_modes(analysis, o_pair, out_total), strict=True):
-        gram, explicit = pair_costs(analysis, group, o_pair, out_total)
-        for u in group:
-            use = analysis.uses[u]
-            a, c, k = use.a_size, analysis.input_size(u), use.w_free_size
-            per_sample_flops += use.rule.input_flops(a, c)  # e.g. convolution patches
-            if mode == "explicit":
-                per_sample_flops += 2.0 * out_total * a * c * k
-                explicit_flops += 2.0 * out_total * a * c * k
-        if mode == "explicit":
-            use = analysis.uses[group[0]]
-            per_sample += out_total * analysis.input_size(group[0]) * use.w_free_size
-            per_pair += explicit
-            widths.append(analysis.input_size(group[0]) * use.w_free_size)
-        else:
-            for u in group:
-                use = analysis.uses[u]
-                c = use.rule.input_values(analysis.input_size(u))
-                per_sample += use.a_size * (c + out_total * use.w_free_size)
-            per_pair += gram
-            gram_terms += len(group) ** 2
-    reverse_structured = pc.grad_activations + pc.grad_elementwise + share * call.grad_w
-    structured_bytes = n_jac * per_sample * itemsize
-    structured_pairs = call.contracted(structured_bytes)
-    structured_flops = (
-        n_jac * (call.forward + out_total * reverse_structured + per_sample_flops)
-        + structured_pairs * per_pair
-    )
-    return CostEstimate(
-        "structured",
-        structured_flops,
-        float(
-            structured_bytes
-            + call.kernel_bytes
-            + feature_chunk(n_jac, out_total, call.values, per_sample, itemsize) * call.passes_bytes
-        ),
-        call.seconds(
-            structured_flops,
-            n_jac * out_total * share * pc.grad_weights_conv,
-            2 * structured_bytes,
-            _jacobian.einsum_count(widths, call.merge_limit) + gram_terms,
-            structured_pairs,
-            n_jac * (call.fwd_x + out_total * call.act_x)
-            + n_jac * (call.rates.explicit_jacobian_slowdown - 1.0) * explicit_flops,
-        ),
-    )
-
-
-def feature_chunk(n: int, out_total: int, values: int, feature_values: int, itemsize: int) -> int:
-    """Samples whose structured features are computed together, as
-    ``_structured.chunk_size`` picks them: B = FEATURE_CHUNK_BYTES // (itemsize ·
-    ((O + 2)·V + F)), 1 ≤ B ≤ n, evened out to ⌈n / ⌈n / B⌉⌉ (V values of one
-    sample's forward pass, F feature values per sample)."""
-    per = itemsize * ((out_total + 2) * values + feature_values)
-    most = int(min(n, max(1, _structured.FEATURE_CHUNK_BYTES // max(per, 1))))
-    pieces = -(-n // most)
-    return -(-n // pieces)
-
-
-#: Each implementation's estimate (:func:`estimate` returns them in the registry's
-#: order): a new implementation adds its formula here.
-ESTIMATES = {
-    "jacobian": jacobian_estimate,
-    "ntvp": ntvp_estimate,
-    "structured": structured_estimate,
-}
-
-
 def choose(estimates, blocked: bool = False) -> str:
     """The fastest estimate in seconds whose memory fits the budget (else ``"ntvp"``).
 
@@ -700,5 +616,5 @@ def choose(estimates, blocked: bool = False) -> str:
         return min(estimates, key=lambda e: e.seconds).implementation
     fitting = [e for e in estimates if e.memory_bytes <= JACOBIAN_MEMORY_BUDGET]
     if not fitting:
-        return NO_FEATURES
+        return next(name for name, impl in REGISTRY.items() if impl.features is None)
     return min(fitting, key=lambda e: e.seconds).implementation

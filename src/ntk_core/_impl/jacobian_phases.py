@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ntk_core._impl import cost as _cost
 from ntk_core._impl import jacobian as _jacobian
 from ntk_core._impl.base import PRECISION, Impl, finish
 from ntk_core._jax import caches as _caches
@@ -148,6 +149,7 @@ def pair_terms(config) -> int:
 
 
 JACOBIAN = Impl(
+    estimate=_cost.jacobian_estimate,
     name="jacobian",
     title="Jacobian contraction",
     features=features,

@@ -9,6 +9,7 @@ import functools
 
 import jax
 
+from ntk_core._impl import cost as _cost
 from ntk_core._impl import ntvp as _ntvp
 from ntk_core._impl.base import Impl
 from ntk_core._kernel.model import replay
@@ -72,6 +73,7 @@ def failure_message(fn_name: str, error: Exception) -> str:
 
 
 NTVP = Impl(
+    estimate=_cost.ntvp_estimate,
     name="ntvp",
     title="NTK-vector products",
     features=None,

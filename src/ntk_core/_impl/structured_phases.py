@@ -9,7 +9,9 @@ import functools
 
 import jax
 
-from ntk_core._impl.base import PRECISION, Impl, finish
+from ntk_core._impl import jacobian as _jacobian
+from ntk_core._impl.base import PRECISION, Impl, StructureHooks, finish
+from ntk_core._impl.cost import Call, CostEstimate
 from ntk_core._impl.jacobian_phases import merge_limits
 from ntk_core._jax import caches as _caches
 from ntk_core._jax.signatures import signature
@@ -97,6 +99,80 @@ def pair_terms(config) -> int:
     )
 
 
+def structured_estimate(call: Call) -> CostEstimate:
+    """``"structured"``: n·(F + O·(G_a + G_e + G_w·P_fb/P)) + the per-sample work of
+    each leaf's form + pairs·(2·O'·P_fb + Σ leaf pair costs)."""
+    analysis, leaf_sizes, pc = call.analysis, call.leaf_sizes, call.pc
+    o_pair, out_total, n_jac, itemsize = call.o_pair, call.out_total, call.n_jac, call.itemsize
+    p_fallback = sum(leaf_sizes[i] for i in analysis.fallback)
+    share = p_fallback / max(call.n_params, 1)
+    per_pair = 2.0 * o_pair * p_fallback
+    per_sample = out_total * p_fallback  # values stored per sample
+    per_sample_flops = 0.0  # beyond the reverse pass
+    explicit_flops = 0.0  # of it, the explicit Jacobians' products
+    widths = [leaf_sizes[i] for i in analysis.fallback]  # Jacobian-type features
+    gram_terms = 0
+    for group, mode in zip(
+        analysis.groups, _structured.choose_modes(analysis, o_pair, out_total), strict=True
+    ):
+        gram, explicit = _structured.pair_costs(analysis, group, o_pair, out_total)
+        for u in group:
+            use = analysis.uses[u]
+            a, c, k = use.a_size, analysis.input_size(u), use.w_free_size
+            per_sample_flops += use.rule.input_flops(a, c)  # e.g. convolution patches
+            if mode == "explicit":
+                per_sample_flops += 2.0 * out_total * a * c * k
+                explicit_flops += 2.0 * out_total * a * c * k
+        if mode == "explicit":
+            use = analysis.uses[group[0]]
+            per_sample += out_total * analysis.input_size(group[0]) * use.w_free_size
+            per_pair += explicit
+            widths.append(analysis.input_size(group[0]) * use.w_free_size)
+        else:
+            for u in group:
+                use = analysis.uses[u]
+                c = use.rule.input_values(analysis.input_size(u))
+                per_sample += use.a_size * (c + out_total * use.w_free_size)
+            per_pair += gram
+            gram_terms += len(group) ** 2
+    reverse_structured = pc.grad_activations + pc.grad_elementwise + share * call.grad_w
+    structured_bytes = n_jac * per_sample * itemsize
+    structured_pairs = call.contracted(structured_bytes)
+    structured_flops = (
+        n_jac * (call.forward + out_total * reverse_structured + per_sample_flops)
+        + structured_pairs * per_pair
+    )
+    return CostEstimate(
+        "structured",
+        structured_flops,
+        float(
+            structured_bytes
+            + call.kernel_bytes
+            + feature_chunk(n_jac, out_total, call.values, per_sample, itemsize) * call.passes_bytes
+        ),
+        call.seconds(
+            structured_flops,
+            n_jac * out_total * share * pc.grad_weights_conv,
+            2 * structured_bytes,
+            _jacobian.einsum_count(widths, call.merge_limit) + gram_terms,
+            structured_pairs,
+            n_jac * (call.fwd_x + out_total * call.act_x)
+            + n_jac * (call.rates.explicit_jacobian_slowdown - 1.0) * explicit_flops,
+        ),
+    )
+
+
+def feature_chunk(n: int, out_total: int, values: int, feature_values: int, itemsize: int) -> int:
+    """Samples whose structured features are computed together, as
+    ``_structured.chunk_size`` picks them: B = FEATURE_CHUNK_BYTES // (itemsize ·
+    ((O + 2)·V + F)), 1 ≤ B ≤ n, evened out to ⌈n / ⌈n / B⌉⌉ (V values of one
+    sample's forward pass, F feature values per sample)."""
+    per = itemsize * ((out_total + 2) * values + feature_values)
+    most = int(min(n, max(1, _structured.FEATURE_CHUNK_BYTES // max(per, 1))))
+    pieces = -(-n // most)
+    return -(-n // pieces)
+
+
 STRUCTURED = Impl(
     name="structured",
     title="structured derivatives",
@@ -104,6 +180,9 @@ STRUCTURED = Impl(
     contract=contract,
     separates_leaves=True,
     whole_batch_as="jacobian",
-    uses_analysis=True,
+    estimate=structured_estimate,
+    analysis=StructureHooks(
+        _structured.analysis_for, _structured.choose_modes, _structured.method_labels
+    ),
     pair_terms=pair_terms,
 )

@@ -25,7 +25,6 @@ from ntk_core._kernel.model import one_sample, per_sample, per_sample_jaxpr
 from ntk_core._kernel.options import AUTO_BATCH_SIZE
 from ntk_core._kernel.pipeline import Checked, Config, Implementation, Spec
 from ntk_core._kernel.validate import sample_signature, signature
-from ntk_core._structured import analysis as _structured
 from ntk_core._units import human_bytes
 
 
@@ -49,21 +48,28 @@ def kernel_sizes(shapes1, layouts) -> list[int]:
     return [layout.values_per_pair(s.shape) for s, layout in zip(shapes1, layouts, strict=True)]
 
 
+def _hooks():
+    """The :class:`~ntk_core._impl.base.StructureHooks` of the implementation that runs
+    on the structured analysis (structured derivatives)."""
+    return next(impl.analysis for impl in REGISTRY.values() if impl.uses_analysis)
+
+
 def structured_modes(analysis, shapes1, layouts) -> tuple[str, ...]:
     """Per leaf group, ``"gram"`` or ``"explicit"``: the cheaper form for these outputs."""
     o_pair = sum(pair_sizes(shapes1, layouts))
     o_out = sum(math.prod(s.shape[1:]) for s in shapes1)
-    return _structured.choose_modes(analysis, o_pair, o_out)
+    return _hooks().modes(analysis, o_pair, o_out)
 
 
 def analysis(spec: Spec, analyses: dict, params, x1, aux):
-    """The structured analysis of ``spec``'s model (:func:`_structured.analysis_for`,
-    on the one per-sample jaxpr), cached in ``analyses`` per per-sample signature."""
+    """The structured analysis of ``spec``'s model (``analysis_for`` of
+    :mod:`ntk_core._structured.analysis`, on the one per-sample jaxpr), cached in
+    ``analyses`` per per-sample signature."""
     key = (signature(params), sample_signature(x1), signature(aux))  # not N
     found = analyses.get(key)
     if found is None:
         x_one = one_sample(x1)
-        found = _structured.analysis_for(
+        found = _hooks().analyse(
             spec.apply3, params, x_one, aux, spec.fuse_bias, precision=spec.options.precision
         )[0]
         analyses[key] = found
@@ -83,7 +89,7 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
     whole = None
     if opts.vmap_axes is None and spec.kind != "nngp":
         whole = whole_batch(spec, checked, params)
-    implementation = NNGP.name if spec.kind == "nngp" else opts.implementation
+    implementation = NNGP if spec.kind == "nngp" else opts.implementation
     if implementation == AUTO:  # per-leaf: among those that separate the leaves
         found = estimates(spec, checked, analyses, params, x1, aux, whole)
         blocked = opts.batch_size is not None  # device memory bounded by the tiles
@@ -238,7 +244,7 @@ def describe(
         # Another implementation runs: say what "structured" would do, leaf by leaf.
         leaf_analysis = analysis(spec, analyses, params, x1, aux)
         modes = structured_modes(leaf_analysis, config.shapes1, config.layouts)
-    methods = {} if leaf_analysis is None else _structured.method_labels(leaf_analysis, modes)
+    methods = {} if leaf_analysis is None else _hooks().labels(leaf_analysis, modes)
     leaves = []
     for i, (path, size) in enumerate(zip(paths, config.param_sizes, strict=True)):
         method = methods.get(i, "jacobian (fallback)") if methods else ""

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_core._api import _checked_arguments, _make
+from ntk_core._api import _make
 from ntk_core._blocked import progress as _progress
+from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.checks import (
     all_finite,
