@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import select
 import struct
@@ -319,35 +320,47 @@ def test_progress_bar_on_and_off(capsys):
     assert capsys.readouterr().err == ""
 
 
-# A blocked kernel of 4 x 4 tiles with the default progress=None; "done" on stdout.
+# A blocked kernel of 4 x 4 tiles with the default progress=None, once per environment
+# of argv[1] (a JSON list of {name: value or None (unset)}, applied on top of the last;
+# the rule reads the environment at each call): "done" on stdout after each, and a
+# marker line on stderr between them.
 _PROGRESS_SCRIPT = """
-import sys
+import json, os, sys
 import jax.numpy as jnp
 import ntk_core
-k = ntk_core.empirical_ntk(lambda w, x: jnp.tanh(x @ w), jnp.ones((3, 2)), jnp.ones((16, 3)),
-                           jnp.ones((16, 3)), batch_size=4)
-print("done", k.shape, file=sys.stdout, flush=True)
-"""
-
-
-def _stderr_of_default_progress(terminal_size, **environ):
-    """What the blocked engine with ``progress=None`` writes to stderr, in a subprocess
-    whose stderr is a pipe (``terminal_size=None``) or a pseudo-terminal (``os.openpty``)
-    of ``terminal_size`` (rows, columns); (0, 0) is a window size never set, as
-    harnesses and some container runtimes leave it. ``environ`` (None: unset) on top of
-    this environment without ``CI`` and tqdm settings, with ``TERM=xterm``."""
-    env = {k: v for k, v in os.environ.items() if k != "CI" and not k.startswith("TQDM_")}
-    env["TERM"] = "xterm"
+for i, environ in enumerate(json.loads(sys.argv[1])):
     for name, value in environ.items():
         if value is None:
-            env.pop(name, None)
+            os.environ.pop(name, None)
         else:
-            env[name] = value
-    command = [sys.executable, "-c", _PROGRESS_SCRIPT]
+            os.environ[name] = value
+    if i:
+        print(MARKER, file=sys.stderr, flush=True)
+    k = ntk_core.empirical_ntk(lambda w, x: jnp.tanh(x @ w), jnp.ones((3, 2)),
+                               jnp.ones((16, 3)), jnp.ones((16, 3)), batch_size=4)
+    print("done", k.shape, file=sys.stdout, flush=True)
+"""
+_MARKER = "@@ next environment @@"
+_PROGRESS_SCRIPT = f"MARKER = {_MARKER!r}\n" + _PROGRESS_SCRIPT
+
+
+def _stderr_of_default_progress(terminal_size, *environs):
+    """What the blocked engine with ``progress=None`` writes to stderr, one string per
+    environment of ``environs`` (default: one, unchanged), in one subprocess whose
+    stderr is a pipe (``terminal_size=None``) or a pseudo-terminal (``os.openpty``) of
+    ``terminal_size`` (rows, columns); (0, 0) is a window size never set, as harnesses
+    and some container runtimes leave it. Each environment (None: unset) is applied on
+    top of the one before, starting from this environment without ``CI`` and tqdm
+    settings, with ``TERM=xterm``."""
+    env = {k: v for k, v in os.environ.items() if k != "CI" and not k.startswith("TQDM_")}
+    env["TERM"] = "xterm"
+    environs = list(environs) or [{}]
+    command = [sys.executable, "-c", _PROGRESS_SCRIPT, json.dumps(environs)]
+    done = "done (16, 16)\n" * len(environs)
     if terminal_size is None:
         result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
-        assert result.returncode == 0 and "done (16, 16)" in result.stdout, result.stderr
-        return result.stderr
+        assert result.returncode == 0 and result.stdout == done, result.stderr
+        return _split(result.stderr, len(environs))
     import fcntl  # POSIX only
     import termios
 
@@ -377,29 +390,38 @@ def _stderr_of_default_progress(terminal_size, **environ):
             process.kill()
             process.wait()
         os.close(parent)
-    assert process.returncode == 0 and "done (16, 16)" in stdout, written[-3000:]
-    return written.decode(errors="replace")
+    assert process.returncode == 0 and stdout.replace("\r", "") == done, written[-3000:]
+    return _split(written.decode(errors="replace"), len(environs))
+
+
+def _split(stderr: str, count: int) -> list[str]:
+    parts = stderr.split(_MARKER)
+    assert len(parts) == count, stderr[-3000:]
+    return parts
 
 
 _NEEDS_PTY = pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
 
 
 @_NEEDS_PTY
-@pytest.mark.parametrize("size", [(24, 80), (0, 0)])
-def test_default_progress_bar_in_a_terminal(size):
-    err = _stderr_of_default_progress(size)
+def test_default_progress_bar_in_a_terminal_of_unknown_size():
+    (err,) = _stderr_of_default_progress((0, 0))
     assert "empirical_ntk" in err and "16/16" in err and "tile" in err, err  # 4 x 4 tiles
 
 
 @_NEEDS_PTY
-@pytest.mark.parametrize("environ", [{"CI": "true"}, {"CI": "1"}, {"TERM": "dumb"}])
-def test_no_default_progress_bar_in_ci_or_a_dumb_terminal(environ):
-    err = _stderr_of_default_progress((24, 80), **environ)
-    assert "tile" not in err and "empirical_ntk" not in err, err
+def test_default_progress_bar_in_a_terminal_but_not_in_ci_or_a_dumb_terminal():
+    """In a 24 x 80 terminal, one process: CI=true, CI=1 and TERM=dumb each turn the
+    bar off; with CI unset and TERM=xterm it is drawn (16 tiles: 4 x 4)."""
+    environs = [{"CI": "true"}, {"CI": "1"}, {"CI": None, "TERM": "dumb"}, {"TERM": "xterm"}]
+    *off, on = _stderr_of_default_progress((24, 80), *environs)
+    for environ, err in zip(environs[:-1], off, strict=True):
+        assert "tile" not in err and "empirical_ntk" not in err, (environ, err)
+    assert "empirical_ntk" in on and "16/16" in on and "tile" in on, on
 
 
 def test_no_default_progress_bar_into_a_pipe():
-    err = _stderr_of_default_progress(None)
+    (err,) = _stderr_of_default_progress(None)
     assert "tile" not in err and "empirical_ntk" not in err, err
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 BLOCK_FRAMEWORKS = """
 import sys
 class _Block:
@@ -60,9 +62,7 @@ print("ok")
     assert "adapter refused as expected" in out
 
 
-def test_float64_matches_reference_to_1e12():
-    out = _run_x64(
-        """
+FLOAT64 = """
 import jax, numpy as np
 import jax.numpy as jnp
 import ntk_core
@@ -83,20 +83,14 @@ for axes in [dict(trace_axes=(-1,)), dict(trace_axes=()), dict(trace_axes=(), di
     reference.assert_close(
         ntk_core.empirical_nngp(f, params, x1, x2, **axes), reference.nngp(f, params, x1, x2, **axes)[0],
         dtype="float64")
-print("ok")
-""",
-    )
-    assert "ok" in out
+"""
 
-
-def test_float32_parameters_with_float64_inputs_stay_structured():
-    """Under x64, float32 parameters (Flax's default param_dtype) meeting float64 inputs
-    are widened before each product: the Gram form still applies (no leaf falls back),
-    each leaf's kernel keeps its parameters' dtype as its Jacobian would (so does every
-    implementation's kernel), and the kernel equals the float64 reference of those
-    float32 Jacobians, the Jacobian contraction and the NTK-vector products."""
-    out = _run_x64(
-        """
+#: Under x64, float32 parameters (Flax's default param_dtype) meeting float64 inputs are
+#: widened before each product: the Gram form still applies (no leaf falls back), each
+#: leaf's kernel keeps its parameters' dtype as its Jacobian would (so does every
+#: implementation's kernel), and the kernel equals the float64 reference of those
+#: float32 Jacobians, the Jacobian contraction and the NTK-vector products.
+MIXED = """
 import jax, numpy as np
 import jax.numpy as jnp
 import ntk_core
@@ -119,7 +113,40 @@ for impl in ("jacobian", "ntvp"):  # the same dtype from every implementation
     reference.assert_close(k, np.asarray(kj, np.float64))
 per_leaf = ntk_core.empirical_ntk_per_leaf(f, params, x1, x2, trace_axes=())
 assert {str(v.dtype) for v in jax.tree.leaves(per_leaf)} == {"float32"}
-print("ok")
-""",
-    )
-    assert "ok" in out
+"""
+
+#: The x64 checks share one process (one Python and JAX start-up): each runs in its own
+#: namespace and prints its name and "ok", or its name and the traceback.
+_X64_RUNNER = """
+import sys, traceback
+for name, code in CHECKS.items():
+    try:
+        exec(code, {"__name__": name})
+        print(name, "ok", flush=True)
+    except BaseException:
+        print(name, "FAILED", traceback.format_exc(), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def x64_output():
+    checks = {"float64": FLOAT64, "mixed": MIXED}
+    return _run_x64(f"CHECKS = {checks!r}\n" + _X64_RUNNER)
+
+
+def _check_passed(output: str, name: str):
+    lines = [line for line in output.splitlines() if line.startswith(f"{name} ")]
+    assert lines == [f"{name} ok"], output
+
+
+def test_float64_matches_reference_to_1e12(x64_output):
+    _check_passed(x64_output, "float64")
+
+
+def test_float32_parameters_with_float64_inputs_stay_structured(x64_output):
+    """Under x64, float32 parameters (Flax's default param_dtype) meeting float64 inputs
+    are widened before each product: the Gram form still applies (no leaf falls back),
+    each leaf's kernel keeps its parameters' dtype as its Jacobian would (so does every
+    implementation's kernel), and the kernel equals the float64 reference of those
+    float32 Jacobians, the Jacobian contraction and the NTK-vector products."""
+    _check_passed(x64_output, "mixed")

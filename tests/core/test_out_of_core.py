@@ -224,17 +224,26 @@ def _done(path) -> tuple[int, bool]:
     return len(manifest["done"]), manifest["complete"]
 
 
-@pytest.mark.parametrize("kill_after, commit", [(1, 0.0), (40, 0.0), (150, 0.0), (1, 0.05)])
-def test_killed_at_any_tile_and_resumed_equals_an_uninterrupted_run(tmp_path, kill_after, commit):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The file of an uninterrupted run (the same call every kill case resumes)."""
+    whole = tmp_path_factory.mktemp("whole") / "whole.npy"
+    assert _run_child(whole, 120, 6).wait(timeout=300) == 0
+    assert _done(whole) == (210, True)
+    return whole
+
+
+@pytest.mark.parametrize("kill_after, commit", [(40, 0.0), (1, 0.05)])
+def test_killed_at_any_tile_and_resumed_equals_an_uninterrupted_run(
+    tmp_path, uninterrupted, kill_after, commit
+):
     """SIGKILL (no cleanup runs) once the manifest lists ``kill_after`` of the 210
     tiles (120 samples in tiles of 6: 20 blocks, 20·21/2 tiles), then the same call
     with resume=True finishes it: the file equals an uninterrupted run's bit for bit.
     The manifest lists the tiles after every tile (``commit`` 0 s: kills between any
     two tiles) or every 0.05 s (tiles written but not yet listed are computed again)."""
     n, b = 120, 6
-    whole = tmp_path / "whole.npy"
-    assert _run_child(whole, n, b).wait(timeout=300) == 0
-    assert _done(whole) == (210, True)
+    whole = uninterrupted
     path = tmp_path / "killed.npy"
     child = _run_child(path, n, b, commit)
     start = time.monotonic()

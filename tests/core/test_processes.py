@@ -15,6 +15,7 @@ import textwrap
 import time
 
 import numpy as np
+import pytest
 
 _CHILD = textwrap.dedent(
     """
@@ -73,10 +74,16 @@ def _listed(path) -> int:
     return len(found["done"])
 
 
-def test_two_processes_share_the_tiles_and_equal_one_process(tmp_path):
-    single = tmp_path / "single.npy"
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The kernel file of a single-process run (what the process groups must equal)."""
+    single = tmp_path_factory.mktemp("single") / "single.npy"
     (one,) = _start(single, 1, 0)
     assert one.wait(timeout=300) == 0, one.stderr.read()[-2000:]
+    return single
+
+
+def test_two_processes_share_the_tiles_and_equal_one_process(tmp_path, single):
     shared = tmp_path / "shared.npy"
     both = _start(shared, 2, _port())
     for process in both:
@@ -87,10 +94,7 @@ def test_two_processes_share_the_tiles_and_equal_one_process(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if ".manifest.p" in n]  # merged
 
 
-def test_a_killed_process_group_is_resumed_by_one_process(tmp_path):
-    single = tmp_path / "single.npy"
-    (one,) = _start(single, 1, 0)
-    assert one.wait(timeout=300) == 0
+def test_a_killed_process_group_is_resumed_by_one_process(tmp_path, single):
     shared = tmp_path / "shared.npy"
     both = _start(shared, 2, _port())
     start = time.monotonic()

@@ -413,21 +413,3 @@ def test_no_convergence_is_scipys_error_with_the_fix():
     assert isinstance(info.value, spectrum.NoConvergence) and "Fix: raise maxiter" in str(
         info.value
     )
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        "ntk_eigsh",
-        "kernel_eigsh",
-        "ntk_trace",
-        "condition_number",
-        "ntk_operator",
-        "kernel_operator",
-    ],
-)
-def test_spectrum_docstrings_give_shapes_errors_cost_example(name):
-    doc = getattr(spectrum, name).__doc__
-    assert "(N, N" in doc or "N·O" in doc
-    for part in ("Raises:", "Cost:", "Example:"):
-        assert part in doc, part

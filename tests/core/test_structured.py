@@ -450,15 +450,21 @@ def test_per_leaf_kernels_sum_to_total_and_match_reference(name, implementation)
         reference.assert_close(summed, np.asarray(jax.tree.leaves(total)[k], np.float64))
     # Each leaf's kernel against the reference restricted to that leaf.
     for i in (0, len(leaves) - 1):
-
-        def f_leaf(leaf, x, i=i):
-            new = list(leaves)
-            new[i] = leaf
-            return f(jax.tree.unflatten(jax.tree.structure(p), new), x)
-
-        expected = reference.ntk(f_leaf, leaves[i], x1, x2, trace_axes=())
+        expected = _leaf_reference(name, i)
         for k in range(n_out):
             reference.assert_close(kernels[i * n_out + k], expected[k])
+
+
+@functools.cache
+def _leaf_reference(name, i):
+    """The float64 reference NTK (``trace_axes=()``) of zoo model ``name`` restricted to
+    its parameter leaf ``i``: one per model and leaf, shared by the implementations."""
+    import core_zoo
+
+    entry = core_zoo.ZOO[name]
+    x1, x2 = core_zoo.inputs(entry)
+    f_leaf, leaf = reference.leaf_alone(core_zoo.apply_fn(entry), entry.params, i)
+    return reference.ntk(f_leaf, leaf, x1, x2, trace_axes=())
 
 
 def test_bias_fusion_reported_and_exact():

@@ -55,10 +55,7 @@ def test_python_missing_arguments(call, names):
 
 def test_model_argument_fix_names_the_argument():
     fix = _checks._model_argument_fix(_error(lambda: one(1)))
-    assert fix == (
-        "the model's own argument(s) 'train' are missing: pass them with "
-        "apply_kwargs={'train': False} (for example)"
-    )
+    assert "apply_kwargs={'train': False}" in fix
     assert _checks._model_argument_fix(ValueError("something else")) == ""
 
 
