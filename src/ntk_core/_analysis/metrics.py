@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
+from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._predict.linalg import bad, check_finite
 
 _TARGETS_FIX = "pass the targets of the kernel's N samples"
@@ -298,3 +299,9 @@ def effective_rank(kernel=None, *, eigenvalues=None) -> float:
         raise _undefined(fn, what, "the normalised spectrum p_i", "a non-zero kernel")
     p = s[s > 0] / total
     return float(math.exp(-float(np.sum(p * np.log(p)))))
+
+
+kernel_distance = _checked_arguments(kernel_distance)
+kernel_alignment = _checked_arguments(kernel_alignment)
+centered_kernel_alignment = _checked_arguments(centered_kernel_alignment)
+effective_rank = _checked_arguments(effective_rank)

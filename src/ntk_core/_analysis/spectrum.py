@@ -514,3 +514,6 @@ def condition_number(kernel=None, *, eigenvalues=None) -> float:
 ntk_operator = _checked_arguments(ntk_operator)
 ntk_eigsh = _checked_arguments(ntk_eigsh)
 ntk_trace = _checked_arguments(ntk_trace)
+kernel_operator = _checked_arguments(kernel_operator)
+kernel_eigsh = _checked_arguments(kernel_eigsh)
+condition_number = _checked_arguments(condition_number)

@@ -75,11 +75,13 @@ def _checked_arguments(fn, name: str | None = None):
                             "use those option names; keyword arguments of the model go in "
                             "apply_kwargs={...}."
                         )
-                    else:
+                    elif "apply_fn" in signature.parameters:
                         fix = (
                             "use those option names; keyword arguments of the model go into "
                             "apply_fn, e.g. functools.partial(model.apply, train=False)."
                         )
+                    else:
+                        fix = "use those option names."
                 else:
                     reason = f"{e} (expected positional arguments {', '.join(positional)})."
                     fix = f"call {name}({', '.join(positional)}, *, option=...); options are "

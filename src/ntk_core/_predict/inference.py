@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ntk_core._jax.environment import _user_stacklevel
+from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.options import DEFAULTS
 from ntk_core._predict.linalg import (
     ACCEPT,
@@ -981,3 +982,7 @@ def gradient_descent_mse(
     fn = "gradient_descent_mse"
     opts = _options(fn, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size)
     return GradientDescentMSE(fn, k_train_train, y_train, learning_rate, opts)
+
+
+gp_inference = _checked_arguments(gp_inference)
+gradient_descent_mse = _checked_arguments(gradient_descent_mse)
