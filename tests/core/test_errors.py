@@ -60,7 +60,7 @@ CASES = [
         "trace_axes out of range",
         lambda: ntk_core.empirical_ntk(f, W, X, trace_axes=(2,)),
         ValueError,
-        r"trace_axes contains 2, out of range for the output of shape \(4, 2\) .* expected axes in \[-2, 1\]",
+        r"trace_axes contains 2, out of range for the output of shape \(4, 2\); expected axes in \[-2, 1\]",
     ),
     (
         "diagonal_axes out of range",
@@ -84,7 +84,7 @@ CASES = [
         "vmap_axes 1",
         lambda: ntk_core.empirical_ntk(f, W, X, vmap_axes=1),
         ValueError,
-        r"vmap_axes must be 0 .* or None .* got 1",
+        r"vmap_axes must be 0 .* or None, got 1",
     ),
     (
         "vmap_axes True",
@@ -102,7 +102,7 @@ CASES = [
         "implementation int",
         lambda: ntk_core.empirical_ntk(f, W, X, implementation=1),
         ValueError,
-        r"implementation=1 is neural-tangents' NtkImplementation.JACOBIAN_CONTRACTION; .*"
+        r"implementation=1 is neural-tangents' NtkImplementation.JACOBIAN_CONTRACTION.*"
         r"Fix: pass implementation='jacobian'",
     ),
     (
@@ -121,21 +121,21 @@ CASES = [
         "integer params",
         lambda: ntk_core.empirical_ntk(f, jnp.ones((3, 2), jnp.int32), X),
         TypeError,
-        r"params contains an array of dtype int32",
+        r"params has dtype int32",
     ),
     (
         "empty x1",
         lambda: ntk_core.empirical_ntk(f, W, jnp.ones((0, 3))),
         ValueError,
-        r"x1 is empty \(0 samples",
+        r"x1 is empty \(shapes",
     ),
     (
         "empty x2",
         lambda: ntk_core.empirical_ntk(f, W, X, jnp.ones((0, 3))),
         ValueError,
-        r"x2 is empty \(0 samples",
+        r"x2 is empty \(shapes",
     ),
-    ("scalar x1", lambda: ntk_core.empirical_ntk(f, W, 1.0), ValueError, r"x1 contains a scalar"),
+    ("scalar x1", lambda: ntk_core.empirical_ntk(f, W, 1.0), ValueError, r"x1 holds a scalar"),
     ("x1 no arrays", lambda: ntk_core.empirical_ntk(f, W, {}), ValueError, r"x1 has no arrays"),
     (
         "ragged batch",
@@ -159,7 +159,7 @@ CASES = [
         "params do not fit the model",
         lambda: ntk_core.empirical_ntk(f, jnp.ones((5, 2)), X),
         ValueError,
-        r"calling the model on x1 \(shapes \(4, 3\)\) failed with TypeError.*Fix: check that params belong to this model",
+        r"calling the model on x1 \(shapes \(4, 3\)\) failed with TypeError.*Fix: check params",
     ),
     (
         "output without batch axis",
@@ -171,13 +171,13 @@ CASES = [
         "integer output",
         lambda: ntk_core.empirical_ntk(lambda w, x: jnp.argmax(x @ w, -1), W, X),
         TypeError,
-        r"the output has dtype int32; kernels need floating-point outputs",
+        r"the output has dtype int32; expected floating point",
     ),
     (
         "batch diagonal with different N",
         lambda: ntk_core.empirical_ntk(f, W, X, jnp.ones((2, 3)), diagonal_axes=(0,)),
         ValueError,
-        r"needs x1 and x2 of the same size, got N1=4 and N2=2",
+        r"needs N1 == N2, got N1=4 and N2=2",
     ),
     (
         "nngp with implementation",
@@ -204,7 +204,7 @@ CASES += [
         "samples interact under vmap_axes=0",
         lambda: ntk_core.empirical_ntk(batch_centred, W, X + jnp.arange(4.0)[:, None]),
         ValueError,
-        r"empirical_ntk: the model's output for one sample depends on the other samples of its batch .* or pass vmap_axes=None",
+        r"empirical_ntk: the model's output for one sample depends on the other samples of its batch.* or pass vmap_axes=None",
     ),
     (
         "softmax over the batch",
@@ -218,13 +218,13 @@ CASES += [
         "x2 integer where x1 float",
         lambda: ntk_core.empirical_ntk(f, W, X, jnp.ones((2, 3), jnp.int32)),
         TypeError,
-        r"x1 has dtype float32 where x2 has int32; one is integer and the other floating point",
+        r"x1 has dtype float32 where x2 has int32",
     ),
     (
         "nested list input",
         lambda: ntk_core.empirical_ntk(f, W, [[1.0, 2.0, 3.0]]),
         ValueError,
-        r"x1 contains a scalar .*np.asarray\(x\) for a nested Python list",
+        r"x1 holds a scalar .*np.asarray\(x\)",
     ),
     (
         "params and x swapped",
