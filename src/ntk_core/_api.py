@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+from ntk_core._errors import bad
 from ntk_core._jax import caches as _caches
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
@@ -45,15 +46,6 @@ def _with_layout(fn):
     if fn.__doc__:  # None under python -OO
         fn.__doc__ = fn.__doc__.replace("{layout}", _LAYOUT_DOC.strip())
     return fn
-
-
-def _check_callable(fn_name: str, apply_fn) -> None:
-    if not callable(apply_fn):
-        raise TypeError(
-            f"{fn_name}: apply_fn must be a callable apply_fn(params, x), got "
-            f"{type(apply_fn).__name__}. Fix: pass e.g. model.apply or a function of "
-            f"(params, x)."
-        )
 
 
 @_with_layout
@@ -154,20 +146,15 @@ def _make(kind: str, caller: Caller, apply_fn, options: dict) -> KernelFunction:
     """The kernel function of ``apply_fn`` for the public function ``caller``."""
     fn_name = caller.name
     check_apply_fn(fn_name, apply_fn)
-    _check_callable(fn_name, apply_fn)
     opts = make_options(fn_name, **{k: v for k, v in options.items() if k != "apply_fn"})
     check = params_check(fn_name, apply_fn)
     engine = Engine(Spec(fn_name, kind, from_apply_fn(apply_fn), opts, check, caller=caller))
 
     def bind(params, x1, unexpected):
         if unexpected:
-            raise TypeError(
-                f"{fn_name}(...)(params, x1, x2): got the keyword argument(s) "
-                f"{', '.join(map(repr, sorted(unexpected)))}; the returned kernel function "
-                f"takes only (params, x1, x2). Fix: give kernel options to {fn_name}(apply_fn, "
-                f"...) when building it, and model arguments through apply_fn, e.g. "
-                f"functools.partial(model.apply, train=False)."
-            )
+            what = f"got the keyword argument(s) {', '.join(map(repr, sorted(unexpected)))}"
+            fix = f"give options to {fn_name}(apply_fn, ...), model arguments through apply_fn"
+            raise bad(TypeError, f"{fn_name}(...)(params, x1, x2)", what, fix)
         return params, None
 
     return KernelFunction(engine, bind, _CORE_SIGNATURE)

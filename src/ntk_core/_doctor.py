@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._api import empirical_ntk
+from ntk_core._errors import bad
 from ntk_core._jax import environment as _environment
 from ntk_core._version import __version__
 
@@ -403,7 +404,8 @@ def default_checks(samples: int = 4, image_size: int = 16, model: str = "lenet")
       model: one of :data:`MODELS`.
     """
     if model not in MODELS:
-        raise ValueError(f"default_checks: model must be one of {MODELS}, got {model!r}.")
+        what = f"model must be one of {MODELS}, got {model!r}"
+        raise bad(ValueError, "default_checks", what, f"pass model={MODELS[0]!r}")
     return [
         backend_check(),
         implementations_check(samples, image_size, model),

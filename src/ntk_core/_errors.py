@@ -21,6 +21,11 @@ def bad(cls: type[Exception], fn: str, what: str, fix: str, see: str = "") -> Ex
     return cls(f"{fn}: {what}. Fix: {fix}." + (f" See docs/errors.md#{see}." if see else ""))
 
 
+def one_line(error: BaseException) -> str:
+    """``"{type}: {message}"`` of ``error`` on one line, without a final full stop."""
+    return f"{type(error).__name__}: {' '.join(str(error).split()).rstrip('.')}"
+
+
 def _out_of_range(fn, name, value, expect, fix, type_ok, type_error) -> Exception:
     got = f"{value!r}" if type_ok else f"{value!r} ({type(value).__name__})"
     cls = ValueError if type_ok else type_error
@@ -36,9 +41,8 @@ def check_int(fn, name, value, fix, low=1, high=None, *, optional=False, type_er
     if is_int and low <= value and (high is None or value <= high):
         return int(value)
     expect = f"an int in [{low}, {high}]" if high is not None else f"an int >= {low}"
-    expect = ("None or " if optional else "") + (
-        "a positive int" if expect == "an int >= 1" else expect
-    )
+    named = {"an int >= 1": "a positive int", "an int >= 0": "a non-negative int"}
+    expect = ("None or " if optional else "") + named.get(expect, expect)
     raise _out_of_range(fn, name, value, expect, fix, is_int, type_error)
 
 

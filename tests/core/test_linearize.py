@@ -384,7 +384,7 @@ P0 = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
 F_LIN = ntk_core.linearize(affine, P0)
 
 ERRORS = [
-    (lambda: ntk_core.linearize(3, P0), TypeError, r"^linearize: apply_fn must be a callable apply_fn\(params, x, \.\.\.\), got int\. Fix:"),
+    (lambda: ntk_core.linearize(3, P0), TypeError, r"^linearize: apply_fn must be a callable apply_fn\(params, x\), got int\. Fix:"),
     (lambda: ntk_core.taylor_expand(affine, P0, 1.5), TypeError, r"^taylor_expand: degree must be a non-negative int, got 1\.5 \(float\)\. Fix:"),
     (lambda: ntk_core.taylor_expand(affine, P0, True), TypeError, r"^taylor_expand: degree must be a non-negative int, got True \(bool\)"),
     (lambda: ntk_core.taylor_expand(affine, P0, -1), ValueError, r"^taylor_expand: degree must be a non-negative int, got -1\. Fix:"),

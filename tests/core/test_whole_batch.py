@@ -97,7 +97,7 @@ def test_a_batch_beyond_the_budget_is_refused_before_running():
 
     params, x = _data()
     kernel = ntk_core.ntk_fn(apply_fn, vmap_axes=None, memory_budget=1000)
-    with pytest.raises(ValueError, match=r"vmap_axes=None the whole batch of 9 samples") as e:
+    with pytest.raises(ValueError, match=r"vmap_axes=None differentiates 9 samples") as e:
         kernel(params, x)
     assert "memory_budget" in str(e.value) and "Fix: pass vmap_axes=0" in str(e.value)
     assert "beyond memory_budget of 1000 bytes" in str(e.value)

@@ -145,19 +145,17 @@ def test_wrong_input_shape_names_the_layer_and_the_shape_the_model_was_made_for(
     assert re.match(
         r"ntk_flax.kernel: applying the model to x1 failed: x1 has per-sample shape "
         r"\(8, 8, 3\), but variables were made by model.init for inputs of per-sample shape "
-        r"\(8, 8, 1\): parameter \['Conv_0'\]\['kernel'\] has shape \(3, 3, 1, \d+\), "
-        r"but inputs like x1 need \(3, 3, 3, \d+\)\. Fix: pass inputs of shape "
-        r"\(N, 8, 8, 1\)",
+        r"\(8, 8, 1\) \(parameter \['Conv_0'\]\['kernel'\] has shape \(3, 3, 1, \d+\)\)\. "
+        r"Fix: pass inputs of shape \(N, 8, 8, 1\)",
         str(info.value),
     ), str(info.value)
     assert ntk_flax.kernel(entry.model, entry.variables, jnp.ones((2, 8, 8, 1))).shape == (2, 2)
     with pytest.raises(ValueError) as info:
         ntk_flax.kernel(entry.model, entry.variables, jnp.ones((2, 6, 6, 1)))
     assert re.match(
-        r"ntk_flax.kernel: applying the model to x1 failed: variables do not fit inputs of "
-        r"x1's per-sample shape \(6, 6, 1\): parameter \['Dense_\d+'\]\['kernel'\] has shape "
-        r"\(\d+, \d+\), but the model's init on x1 makes \(\d+, \d+\)\. Fix: pass inputs of the "
-        r"per-sample shape the model was initialised with",
+        r"ntk_flax.kernel: applying the model to x1 failed: variables do not fit x1's "
+        r"per-sample shape \(6, 6, 1\) \(parameter \['Dense_\d+'\]\['kernel'\] has shape "
+        r"\(\d+, \d+\), init on x1 makes \(\d+, \d+\)\)\. Fix: pass matching inputs",
         str(info.value),
     ), str(info.value)
 
@@ -200,7 +198,7 @@ def test_interacting_samples_refused_with_vmap_axes_0():
     variables = model.init(jax.random.PRNGKey(1), x)
     with pytest.raises(
         ValueError,
-        match=r"ntk_flax.kernel: the model.s output for one sample depends on the other samples .* or pass vmap_axes=None",
+        match=r"ntk_flax.kernel: the model.s output for one sample depends on the other samples.* or pass vmap_axes=None",
     ):
         ntk_flax.kernel(model, variables, x)
     assert ntk_flax.kernel(model, variables, x, vmap_axes=None).shape == (4, 4)
@@ -270,8 +268,7 @@ ERRORS = [
         lambda: ntk_flax.kernel(MODEL, VARIABLES, jnp.ones((3, 5))),
         ValueError,
         r"^ntk_flax.kernel: applying the model to x1 failed: x1 has per-sample shape \(5,\), "
-        r"but variables were made by model.init for inputs of per-sample shape \(4,\): "
-        r"parameter \['kernel'\] has shape \(4, 2\), but inputs like x1 need \(5, 2\)\. "
+        r"but variables were made by model.init for inputs of per-sample shape \(4,\).*"
         r"Fix: pass inputs of shape \(N, 4\)",
     ),
     (

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import pytest
 
 import ntk_haiku
-from ntk_core._kernel import checks as _checks
 from ntk_haiku._kernel import haiku_missing_parameter, haiku_missing_state
 
 X = jnp.ones((4, 3))
@@ -36,15 +35,6 @@ def test_missing_state_wording():
         stateful.apply({}, {}, X)
     assert haiku_missing_state(info.value) == ("count", "~")
     assert haiku_missing_parameter(info.value) is None
-
-
-def test_apply_without_rng_wording():
-    """``transformed.apply(params, x)`` of an apply that takes an rng: x in its place."""
-    with_rng = hk.transform(lambda x: hk.Linear(2)(x))
-    with pytest.raises(ValueError) as info:
-        with_rng.apply(PARAMS, X)
-    assert _checks.haiku_apply_without_rng(info.value)
-    assert not _checks.haiku_apply_without_rng(ValueError("an rng of another kind"))
 
 
 def test_rng_needed_is_told_by_running_with_a_key():

@@ -99,7 +99,7 @@ ERRORS = [
     (lambda: ntk_haiku.taylor_expand(NET, PARAMS, "2"), TypeError, r"^ntk_haiku.taylor_expand: degree must be a non-negative int, got '2' \(str\)"),
     (lambda: F_LIN({"linear": PARAMS["linear"]}, X), ValueError, r"^ntk_haiku.linearize: params does not have the tree structure of the expansion point \(params0\) .*missing \[\['linear_1'\]\['b'\]"),
     (lambda: F_LIN({**PARAMS, "linear_1": {"w": jnp.ones((5, 8)), "b": jnp.zeros(8)}}, X), ValueError, r"^ntk_haiku.linearize: params\['linear_1'\]\['w'\] has shape \(5, 8\), but the expansion point \(params0\) has shape \(3, 8\) there"),
-    (lambda: ntk_core.linearize(MLP, PARAMS), TypeError, r"^linearize: apply_fn is the Haiku Transformed itself.* Fix: use ntk_haiku.linearize\(transformed, params0\)"),
+    (lambda: ntk_core.linearize(MLP, PARAMS), TypeError, r"^linearize: apply_fn is the model Transformed.* Fix: use ntk_haiku.linearize"),
 ]  # fmt: skip
 
 

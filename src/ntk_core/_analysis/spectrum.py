@@ -19,7 +19,7 @@ import scipy.linalg
 import scipy.sparse.linalg
 
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
-from ntk_core._api import _check_callable, _get
+from ntk_core._api import _get
 from ntk_core._functional.ntk_vp import make_ntk_vp
 from ntk_core._jax import caches as _caches
 from ntk_core._kernel.arguments import _checked_arguments
@@ -451,7 +451,6 @@ def ntk_trace(
     """
     fn = _NTK_TRACE.name
     check_apply_fn(fn, apply_fn)
-    _check_callable(fn, apply_fn)
     try:
         flat = _flattened(apply_fn)
     except TypeError:  # unhashable callable

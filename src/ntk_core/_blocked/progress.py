@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+from ntk_core._errors import bad
+
 #: Values of the environment variable ``CI`` that do not mean "running in CI" (any case).
 _NOT_CI = ("", "0", "false", "no", "off")
 
@@ -80,9 +82,7 @@ def progress_bar(fn_name: str, progress: bool | None, total: int, unit: str = "i
         from tqdm.auto import tqdm
     except ImportError:
         if progress:
-            raise ImportError(
-                f"{fn_name}: progress=True needs tqdm, which is not installed. Fix: "
-                f"pip install tqdm, or pass progress=False."
-            ) from None
+            what = "progress=True needs tqdm, which is not installed"
+            raise bad(ImportError, fn_name, what, "pip install tqdm") from None
         return None
     return tqdm(total=total, desc=fn_name, unit=unit, **_unknown_size_fallback(sys.stderr))

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from numpy.lib.format import open_memmap
 
+from ntk_core._errors import bad, one_line
 from ntk_core._kernel.layout import leaf_layouts, swap_perm
 from ntk_core._units import human_bytes
 
@@ -269,100 +270,64 @@ class NpyStore:
         try:
             self.barrier(f"ntk_core out= {name}: {self.path}")
         except Exception as e:  # a process of the run stopped (killed, failed)
-            raise ValueError(
-                f"{self.fn}: waiting for the other processes of this run at '{name}' "
-                f"failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}): one of "
-                f"them has stopped. The tiles written so far are kept in {self.path!r}. "
-                f"Fix: start every process again with resume=True."
+            what = f"a process of this run stopped at '{name}' ({one_line(e)[:200]})"
+            raise bad(
+                ValueError, self.fn, what, "start every process again with resume=True"
             ) from e
 
     def _os_error(self, doing: str, error: Exception) -> ValueError:
-        return ValueError(
-            f"{self.fn}: could not {doing} out={self.path!r}: {type(error).__name__}: "
-            f"{error}. Fix: check that the file and its folder can be written (not "
-            f"read-only, not immutable), or give another path."
+        what = f"could not {doing} out={self.path!r}: {one_line(error)}"
+        return bad(
+            ValueError, self.fn, what, "make the file and its folder writable, or give another path"
         )
 
     def _write(self, path: str, data: dict) -> None:
         try:
             _write_json_atomically(path, data)
         except OSError as e:
-            raise ValueError(
-                f"{self.fn}: could not write the manifest {path!r}: {type(e).__name__}: "
-                f"{e}. Fix: check that the folder and the manifest can be written, or "
-                f"give another path."
-            ) from e
+            raise self._os_error(f"write the manifest {path!r} of", e) from e
 
     def _check_new(self, shape, dtype, overwrite) -> None:
         fn, path = self.fn, self.path
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise ValueError(
-                f"{fn}: out={path!r} is in the folder {folder!r}, which does not exist. "
-                f"Fix: create it first (os.makedirs(folder, exist_ok=True)), or give "
-                f"another path."
-            )
-        if not os.access(folder, os.W_OK):
-            raise ValueError(
-                f"{fn}: out={path!r}: the folder {folder!r} cannot be written. Fix: give a "
-                f"path in a writable folder."
-            )
+        where = f"out={path!r}"
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            what = f"{where}: the folder {folder!r} does not exist or cannot be written"
+            raise bad(ValueError, fn, what, "create it (os.makedirs), or give another path")
         if os.path.isdir(path):
-            raise ValueError(
-                f"{fn}: out={path!r} is a folder, not a file. Fix: give a file path ending "
-                f"in .npy, e.g. {os.path.join(path, 'kernel.npy')!r}."
+            raise bad(
+                ValueError,
+                fn,
+                f"{where} is a folder, not a file",
+                "give a file path ending in .npy",
             )
         if os.path.exists(path) and not overwrite:
-            raise ValueError(
-                f"{fn}: out={path!r} exists, and is not the finished result of this same "
-                f"call. Fix: pass resume=True to finish an interrupted run of the same "
-                f"call, overwrite=True to replace the file, or another path."
-            )
+            raise exists_error(fn, where)
         free = shutil.disk_usage(folder).free
         if os.path.exists(path):
             free += os.path.getsize(path)  # replaced
         if nbytes > free:
-            raise ValueError(
-                f"{fn}: out={path!r} needs {human_bytes(nbytes)} for a {np.dtype(dtype).name} "
-                f"kernel of shape {tuple(shape)}; the disk has {human_bytes(free)} free. Fix: "
-                f"free disk space, write to another disk, or compute a smaller kernel."
-            )
+            raise no_space_error(fn, where, nbytes, free)
 
     def _check_resume(self, old, fingerprint, shape, dtype) -> None:
         fn, path = self.fn, self.path
         if old is None:
-            raise ValueError(
-                f"{fn}: resume=True, but {manifest_path(path)!r} is missing or unreadable, "
-                f"so what {path!r} holds is unknown. Fix: pass overwrite=True to compute "
-                f"it again, or another path."
-            )
+            raise resume_error(fn, f"{manifest_path(path)!r} is missing or unreadable")
         differs = differences(old.get("fingerprint", {}), fingerprint)
         if differs:
-            raise ValueError(
-                f"{fn}: resume=True, but {path!r} was started by a different call: "
-                f"{'; '.join(differs)} differ. Fix: resume with the same inputs, "
-                f"parameters and options, or pass overwrite=True (or another path) to "
-                f"compute this call."
-            )
+            raise resume_error(fn, f"{path!r} was started by a different call", differs)
         try:
             header = np.load(path, mmap_mode="r")
         except (OSError, ValueError) as e:
             raise self._damaged(e) from e
         if header.shape != tuple(shape) or header.dtype != np.dtype(dtype):
-            raise ValueError(
-                f"{fn}: resume=True, but {path!r} has shape {header.shape} and dtype "
-                f"{header.dtype}, not {tuple(shape)} {np.dtype(dtype)}. Fix: pass "
-                f"overwrite=True."
-            )
+            got = f"{header.shape} {header.dtype}, not {tuple(shape)} {np.dtype(dtype)}"
+            raise self._damaged(ValueError(got))
         del header
 
     def _damaged(self, error: Exception) -> ValueError:
-        return ValueError(
-            f"{self.fn}: {self.path!r} cannot be read as the .npy its manifest describes "
-            f"({type(error).__name__}: {error}): the file is damaged or was changed. Fix: "
-            f"pass overwrite=True to compute it again, or another path."
-        )
+        return damaged(self.fn, self.path, one_line(error))
 
     def share(self, tiles: list) -> set:
         """This process's share of ``tiles`` (each ``(r0, c0)``, in the same order in
@@ -466,6 +431,31 @@ def _runs(shape, itemsize: int, batch_diagonal: bool, r0: int, r1: int, c0: int,
     return [(r * row_bytes + c0 * entry, (c1 - c0) * entry) for r in range(r0, r1)]
 
 
+def exists_error(fn: str, where: str) -> ValueError:
+    """An out= file that exists and is not this call's finished result."""
+    what = f"{where} exists, and is not the finished result of this call"
+    return bad(
+        ValueError, fn, what, "pass resume=True (same call), overwrite=True, or another path"
+    )
+
+
+def no_space_error(fn: str, where: str, needed: int, free: int) -> ValueError:
+    what = f"{where} needs {human_bytes(needed)}, the disk has {human_bytes(free)} free"
+    return bad(ValueError, fn, what, "free disk space, or write to another disk")
+
+
+def resume_error(fn: str, why: str, differs=()) -> ValueError:
+    """resume=True refused: ``why``, with what ``differs`` from the earlier call."""
+    what = f"resume=True, but {why}" + (f": {'; '.join(differs)} differ" if differs else "")
+    return bad(ValueError, fn, what, "resume the same call, or pass overwrite=True")
+
+
+def damaged(fn: str, path: str, why: str, what: str = "the .npy") -> ValueError:
+    """The ValueError for an out= file that is not what its manifest describes."""
+    what = f"{path!r} cannot be read as {what} its manifest describes ({why})"
+    return bad(ValueError, fn, what, "pass overwrite=True, or another path")
+
+
 class NpyReader:
     """Regions of a ``.npy`` file read with ``os.pread`` (not through a memory map,
     whose pages would count as the process's memory); the header read once.
@@ -489,11 +479,7 @@ class NpyReader:
         except (OSError, ValueError) as e:
             why = f"{type(e).__name__}: {e}"
         if why is not None:
-            raise ValueError(
-                f"{fn}: {path!r} cannot be read as {what} its manifest describes ({why}): "
-                f"the file is damaged or was changed. Fix: pass overwrite=True to compute "
-                f"it again, or another path."
-            )
+            raise damaged(fn, path, why, what)
 
     def __del__(self):
         if getattr(self, "fd", None) is not None:
@@ -611,12 +597,9 @@ def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
     options = spec.options
     out = options.out
     if len(cut.pair_kernels) != 1:
-        raise ValueError(
-            f"{spec.fn_name}: out={getattr(out, 'path', out)!r} writes one kernel array, but "
-            f"this call's kernel is a pytree of {len(cut.pair_kernels)} arrays (a model with "
-            f"several outputs, or per-leaf kernels). Fix: compute one output at a time (an "
-            f"apply_fn returning that output), or drop out= to get the pytree in memory."
-        )
+        what = f"out={getattr(out, 'path', out)!r} writes one kernel array, but this kernel is "
+        what += f"a pytree of {len(cut.pair_kernels)}"
+        raise bad(ValueError, spec.fn_name, what, "compute one output at a time, or drop out=")
     (one,) = cut.pair_kernels
     n1 = int(np.shape(jax.tree.leaves(x1)[0])[0])
     n2 = n1 if x2 is None else int(np.shape(jax.tree.leaves(x2)[0])[0])

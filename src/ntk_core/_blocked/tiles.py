@@ -66,6 +66,7 @@ from jax import lax
 
 from ntk_core._blocked.barrier import barrier
 from ntk_core._blocked.progress import progress_bar
+from ntk_core._errors import NonFiniteError, bad
 from ntk_core._impl.registry import PHASES
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel.layout import leaf_layouts, swap_perm
@@ -238,30 +239,16 @@ def nonfinite_tile_error(fn, tile, r0, r1, c0, c1, batch_diagonal):
     for leaf in jax.tree.leaves(tile):
         a = np.asarray(leaf)
         a = a[: r1 - r0] if batch_diagonal else a[: r1 - r0, : c1 - c0]
-        bad = np.argwhere(~np.isfinite(a))
-        if len(bad):
-            i = r0 + int(bad[0][0])
-            j = i if batch_diagonal else c0 + int(bad[0][1])
+        found = np.argwhere(~np.isfinite(a))
+        if len(found):
+            i = r0 + int(found[0][0])
+            j = i if batch_diagonal else c0 + int(found[0][1])
             where = f", first at x1 sample {i} and x2 sample {j}"
             break
     cols = "" if batch_diagonal else f" and x2 samples {c0}..{c1 - 1}"
-    dtype = np.dtype(jax.tree.leaves(tile)[0].dtype)
-    limit = f"{float(np.finfo(dtype).max):.3g}" if dtype.kind == "f" else "its range"
-    wider = (
-        "compute in float32 (half-precision params cast to float32)"
-        if dtype.itemsize < 4
-        else "compute in float64 (jax.config.update('jax_enable_x64', True) with float64 "
-        "params and inputs)"
-    )
-    return _checks.non_finite_error(
-        f"{fn}: the kernel came out non-finite (NaN or Inf) in the tile of x1 samples "
-        f"{r0}..{r1 - 1}{cols}{where}, although x1 and x2 are finite. Likely causes: the "
-        f"model produces NaN/Inf for these samples (log or sqrt of a negative number, a "
-        f"division by zero, non-finite parameters), or {dtype.name} overflow (entries "
-        f"beyond {limit} from very large inputs, weights or depth). Fix: check that the "
-        f"model's output and gradients are finite on these samples, rescale the inputs or "
-        f"parameters, or {wider}."
-    )
+    what = f"the kernel came out non-finite (NaN or Inf) in the tile of x1 samples {r0}..{r1 - 1}"
+    fix = "check the model's outputs and gradients there, rescale, or compute in float64"
+    return bad(NonFiniteError, fn, what + cols + where, fix, see="non-finite-kernel")
 
 
 class _Progress:

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_core._kernel.checks import _is_haiku_transformed, _is_linen_module, is_nnx_module
+from ntk_core._errors import bad, check_int
+from ntk_core._kernel.checks import check_apply_fn
 
 _REFERENCE = (
     "Lee, Xiao, Schoenholz, Bahri, Novak, Sohl-Dickstein, Pennington, "
@@ -27,46 +28,9 @@ _REFERENCE = (
 )
 
 
-def _check_apply_fn(fn_name: str, apply_fn, *, takes_degree: bool) -> None:
-    """Refuses a Flax or Haiku model object, or anything not callable, in place of
-    ``apply_fn``; the fix names the adapter's function ``fn_name`` (with its ``degree``
-    argument when ``takes_degree``: :func:`taylor_expand`)."""
-    degree = ", degree" if takes_degree else ""
-    if _is_linen_module(apply_fn) or is_nnx_module(apply_fn):
-        nnx = f"ntk_flax.{fn_name}(model, None{degree})" if degree else "ntk_flax.linearize(model)"
-        raise TypeError(
-            f"{fn_name}: apply_fn is the Flax module {type(apply_fn).__name__} itself; "
-            f"expected a function apply_fn(params, x). Fix: use ntk_flax.{fn_name}(model, "
-            f"variables{degree}) (linen) or {nnx} (nnx)."
-        )
-    if _is_haiku_transformed(apply_fn):
-        raise TypeError(
-            f"{fn_name}: apply_fn is the Haiku {type(apply_fn).__name__} itself; expected a "
-            f"function apply_fn(params, x). Fix: use ntk_haiku.{fn_name}(transformed, "
-            f"params0{degree}), or pass hk.without_apply_rng(transformed).apply."
-        )
-    if not callable(apply_fn):
-        raise TypeError(
-            f"{fn_name}: apply_fn must be a callable apply_fn(params, x, ...), got "
-            f"{type(apply_fn).__name__}. Fix: pass e.g. model.apply or a function of "
-            f"(params, x)."
-        )
-
-
 def check_degree(fn_name: str, degree) -> int:
     """``degree`` as an int; TypeError for a non-int (bool included), ValueError below 0."""
-    if isinstance(degree, bool) or not isinstance(degree, int | np.integer):
-        raise TypeError(
-            f"{fn_name}: degree must be a non-negative int, got {degree!r} "
-            f"({type(degree).__name__}). Fix: pass e.g. degree=2 (0 gives f(params0, x), 1 "
-            f"the linearisation)."
-        )
-    if degree < 0:
-        raise ValueError(
-            f"{fn_name}: degree must be a non-negative int, got {degree}. Fix: pass e.g. "
-            f"degree=2 (0 gives f(params0, x), 1 the linearisation)."
-        )
-    return int(degree)
+    return check_int(fn_name, "degree", degree, "pass e.g. degree=2 (1: the linearisation)", low=0)
 
 
 def _dtype(leaf):
@@ -118,12 +82,9 @@ class _Point:
             except TypeError:
                 array = None
             if array is None or not _numeric(array.dtype):
-                raise TypeError(
-                    f"{fn_name}: {point_arg}{path} is {type(leaf).__name__} "
-                    f"{_short(leaf)}, not a numeric array; every leaf of {point_arg} is a "
-                    f"parameter. Fix: keep only arrays in {point_arg} and close over other "
-                    f"values in the model function."
-                )
+                got = f"{type(leaf).__name__} {_short(leaf)}"
+                what = f"{point_arg}{path} is {got}, not a numeric array"
+                raise bad(TypeError, fn_name, what, f"keep only arrays in {point_arg}")
             self.leaves.append(array)
         self.differentiable = [_differentiable(a.dtype) for a in self.leaves]
         self.tree = jax.tree_util.tree_unflatten(self.treedef, self.leaves)
@@ -135,47 +96,40 @@ class _Point:
         fn, point = self.fn_name, f"the expansion point ({self.point_name})"
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         if treedef != self.treedef:
-            raise ValueError(self._structure_error(params_name, flat, treedef))
+            raise self._structure_error(params_name, flat, treedef)
         deltas = []
         for (_, leaf), path, ref, diff in zip(
             flat, self.paths, self.leaves, self.differentiable, strict=True
         ):
             shape = tuple(np.shape(leaf))
             if shape != ref.shape:
-                raise ValueError(
-                    f"{fn}: {params_name}{path} has shape {shape}, but {point} has shape "
-                    f"{ref.shape} there; the parameters must have the expansion point's "
-                    f"shapes. Fix: pass parameters of the same model (the same layer sizes), "
-                    f"e.g. the expansion point's after training updates."
-                )
+                what = f"{params_name}{path} has shape {shape}, but {point} has shape "
+                what += f"{ref.shape} there"
+                raise bad(ValueError, fn, what, "pass parameters of the same model")
             try:
                 dtype = _dtype(leaf)
             except TypeError:
                 dtype = None
             if dtype != ref.dtype:
-                raise TypeError(
-                    f"{fn}: {params_name}{path} has dtype "
-                    f"{dtype if dtype is not None else type(leaf).__name__}, but {point} has "
-                    f"dtype {ref.dtype} there. Fix: cast the parameters to the expansion "
-                    f"point's dtypes, e.g. jax.tree.map(lambda p, p0: p.astype(p0.dtype), "
-                    f"params, params0), or expand around parameters of the dtype you train in."
+                got = dtype if dtype is not None else type(leaf).__name__
+                what = (
+                    f"{params_name}{path} has dtype {got}, but {point} has dtype {ref.dtype} there"
+                )
+                raise bad(
+                    TypeError, fn, what, "cast the parameters to the expansion point's dtypes"
                 )
             if diff:
                 deltas.append(jnp.asarray(leaf) - ref)
                 continue
             given, held = _concrete(leaf), _concrete(ref)
             if given is not None and held is not None and not np.array_equal(given, held):
-                raise ValueError(
-                    f"{fn}: {params_name}{path}, of dtype {ref.dtype}, has no derivative, and "
-                    f"its value differs from that of {point}; the expansion holds such leaves "
-                    f"at their values there. Fix: pass the expansion point's value for that "
-                    f"leaf, or, if the model should use the new value, make it an argument of "
-                    f"the model function instead of a parameter."
-                )
+                what = f"{params_name}{path}, of dtype {ref.dtype}, has no derivative, and its "
+                what += f"value differs from that of {point}"
+                raise bad(ValueError, fn, what, "pass its value at the expansion point")
             deltas.append(np.zeros(ref.shape, jax.dtypes.float0))
         return jax.tree_util.tree_unflatten(self.treedef, deltas)
 
-    def _structure_error(self, params_name: str, flat, treedef) -> str:
+    def _structure_error(self, params_name: str, flat, treedef) -> ValueError:
         fn, point = self.fn_name, f"the expansion point ({self.point_name})"
         paths = [jax.tree_util.keystr(path) for path, _ in flat]
         missing = [p for p in self.paths if p not in set(paths)]
@@ -192,12 +146,8 @@ class _Point:
                 f"the same leaves in other containers: {_short(treedef, 160)} against "
                 f"{_short(self.treedef, 160)}"
             )
-        return (
-            f"{fn}: {params_name} does not have the tree structure of {point} ({detail}). "
-            f"Fix: pass parameters structured like the expansion point (e.g. the expansion "
-            f"point after optimizer updates, with the same container types), not a part of "
-            f"them."
-        )
+        what = f"{params_name} does not have the tree structure of {point} ({detail})"
+        return bad(ValueError, fn, what, "pass parameters structured like the expansion point")
 
 
 def _numeric(dtype) -> bool:
@@ -359,7 +309,7 @@ def linearize(apply_fn: Callable, params0) -> Callable:
     References:
       {reference}
     """
-    _check_apply_fn("linearize", apply_fn, takes_degree=False)
+    check_apply_fn("linearize", apply_fn, "linearize")
     return expansion("linearize", apply_fn, params0, 1)
 
 
@@ -417,7 +367,7 @@ def taylor_expand(apply_fn: Callable, params0, degree: int) -> Callable:
     References:
       {reference}
     """
-    _check_apply_fn("taylor_expand", apply_fn, takes_degree=True)
+    check_apply_fn("taylor_expand", apply_fn, "taylor_expand")
     degree = check_degree("taylor_expand", degree)
     return expansion("taylor_expand", apply_fn, params0, degree)
 

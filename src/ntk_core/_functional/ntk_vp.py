@@ -12,13 +12,13 @@ it to ARPACK.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ntk_core._errors import bad, check_int
 from ntk_core._jax import caches as _caches
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel import probe as _probe
@@ -100,76 +100,40 @@ def _product(apply_fn, precision, batch_size) -> Callable:
 
 
 def _check_batch_size(fn: str, batch_size) -> int | None:
-    if batch_size is None:
-        return None
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
-        raise TypeError(
-            f"{fn}: batch_size must be None or a positive int, got "
-            f"{type(batch_size).__name__} {batch_size!r}. Fix: pass e.g. batch_size=1000 "
-            f"(samples per VJP and JVP), or None for one pass over all samples."
-        )
-    if batch_size <= 0:
-        raise ValueError(
-            f"{fn}: batch_size must be a positive number of samples, got {batch_size!r}. "
-            f"Fix: pass e.g. batch_size=1000, or None for one pass over all samples."
-        )
-    return int(batch_size)
+    fix = "pass e.g. batch_size=1000, or None"
+    return check_int(fn, "batch_size", batch_size, fix, optional=True)
 
 
 def _check_params(fn: str, params) -> None:
     if not jax.tree.leaves(params):
-        raise ValueError(
-            f"{fn}: params has no arrays (got {type(params).__name__}). Fix: pass the "
-            f"model's parameters, e.g. the pytree returned by its init function."
-        )
+        what = f"params has no arrays (got {type(params).__name__})"
+        raise bad(ValueError, fn, what, "pass the model's parameters (from its init)")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                f"{fn}: params{jax.tree_util.keystr(path)} has dtype {dtype}; the NTK "
-                f"differentiates every parameter, so all must be real floating point. Fix: "
-                f"cast them, or close over other values in apply_fn."
-            )
         if all_finite(leaf) is False:
-            raise ValueError(
-                f"{fn}: params{jax.tree_util.keystr(path)} contains NaN or Inf; every "
-                f"product would be NaN. Fix: check the initialisation or the training step "
-                f"that produced these parameters."
-            )
+            what = f"params{jax.tree_util.keystr(path)} contains NaN or Inf"
+            raise bad(ValueError, fn, what, "check the initialisation or training step")
 
 
-def _outputs(fn: str, apply_fn, params, x, n: int):
+def _outputs(caller: Caller, apply_fn, params, x, n: int):
     """The model's outputs as ``jax.ShapeDtypeStruct`` leaves and their tree."""
+    fn = caller.name
     try:
         out = jax.eval_shape(apply_fn, params, x)
     except Exception as e:  # the model's own error, with context
-        raise _checks.model_call_error(
-            fn,
-            f"calling apply_fn(params, x) on x of shapes {_describe(x)}",
-            e,
-            "check that params belong to this model and that x has the per-sample shape "
-            "it expects; the argument order is (apply_fn, params, x), not "
-            "neural-tangents' (f, x_train, params)",
-        ) from e
+        doing = f"calling apply_fn(params, x) on x of shapes {_describe(x)}"
+        fix = f"check params and x's per-sample shape ({_checks.order_hint(caller)})"
+        raise _checks.model_call_error(fn, doing, e, fix) from e
     leaves, tree = jax.tree.flatten(out)
     if not leaves:
-        raise ValueError(
-            f"{fn}: apply_fn returned no arrays ({out!r}); expected its outputs, e.g. "
-            f"logits (N, O). Fix: make apply_fn return the network's output."
-        )
+        raise bad(ValueError, fn, f"apply_fn returned no arrays ({out!r})", "return the outputs")
     for i, leaf in enumerate(leaves):
         where = "the output" if len(leaves) == 1 else f"output leaf {i}"
         if not leaf.shape or leaf.shape[0] != n:
-            raise ValueError(
-                f"{fn}: {where} has shape {leaf.shape} but x has {n} samples; outputs "
-                f"must keep the batch axis 0. Fix: make apply_fn return one row per sample "
-                f"(x[None] for a single sample)."
-            )
+            what = f"{where} has shape {leaf.shape} but x has {n} samples"
+            raise bad(ValueError, fn, what, "return one row per sample (x[None] for one sample)")
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
-            raise TypeError(
-                f"{fn}: {where} has dtype {leaf.dtype}; NTK-vector products need real "
-                f"floating-point outputs. Fix: return the model's float logits."
-            )
+            what = f"{where} has dtype {leaf.dtype}; expected real floating point"
+            raise bad(TypeError, fn, what, "return the model's float outputs")
     return [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in leaves], tree
 
 
@@ -178,12 +142,8 @@ def _check_v(call: str, outputs, tree, v):
     dtype, or NaN/Inf."""
     leaves, v_tree = jax.tree.flatten(v)
     if v_tree != tree:
-        expected = jax.tree.unflatten(tree, [o.shape for o in outputs])
-        raise TypeError(
-            f"{call}: v has the pytree structure {v_tree} ({type(v).__name__}); expected "
-            f"that of apply_fn's outputs, {tree}, with shapes {expected}. Fix: pass v shaped "
-            f"like apply_fn(params, x) (ntk_vp.outputs describes it)."
-        )
+        what = f"v has the pytree structure {v_tree}; expected the outputs' {tree}"
+        raise bad(TypeError, call, what, "pass v shaped like ntk_vp.outputs")
     checked = []
     for i, (leaf, o) in enumerate(zip(leaves, outputs, strict=True)):
         where = "v" if len(outputs) == 1 else f"leaf {i} of v"
@@ -191,23 +151,15 @@ def _check_v(call: str, outputs, tree, v):
         if shape != tuple(o.shape):
             size = int(np.prod(o.shape))
             hint = f" (v.reshape({', '.join(map(str, o.shape))}))" if np.size(leaf) == size else ""
-            raise ValueError(
-                f"{call}: {where} has shape {shape}; expected the outputs' shape (N, O...) "
-                f"= {tuple(o.shape)}, one cotangent per output entry. Fix: pass an array "
-                f"shaped like apply_fn(params, x){hint}."
-            )
+            what = f"{where} has shape {shape}; expected the outputs' {tuple(o.shape)}"
+            raise bad(ValueError, call, what, f"pass v shaped like ntk_vp.outputs{hint}")
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                f"{call}: {where} has dtype {dtype}; expected real floating point (it is "
-                f"cast to the outputs' dtype {o.dtype}). Fix: pass e.g. "
-                f"v.astype(np.float32)."
-            )
+            what = f"{where} has dtype {dtype}; expected real floating point"
+            raise bad(TypeError, call, what, "pass e.g. v.astype(np.float32)")
         leaf = leaf if dtype == o.dtype else leaf.astype(o.dtype)
         if all_finite(leaf) is False:
-            raise ValueError(
-                f"{call}: {where} contains NaN or Inf, so Θ v would too. Fix: pass a finite v."
-            )
+            raise bad(ValueError, call, f"{where} contains NaN or Inf", "pass a finite v")
         checked.append(leaf)
     return jax.tree.unflatten(tree, checked)
 
@@ -294,12 +246,6 @@ def make_ntk_vp(caller: Caller, apply_fn, params, x, batch_size, precision) -> C
     """:func:`ntk_vp_fn` with errors naming the public function ``caller``."""
     fn = caller.name
     _checks.check_apply_fn(fn, apply_fn)
-    if not callable(apply_fn):
-        raise TypeError(
-            f"{fn}: apply_fn must be a callable apply_fn(params, x), got "
-            f"{type(apply_fn).__name__}. Fix: pass e.g. model.apply or a function of "
-            f"(params, x)."
-        )
     options = make_options(fn, precision=precision)
     batch_size = _check_batch_size(fn, batch_size)
     _checks.before_trace(fn, params, x, None, options)
@@ -308,7 +254,7 @@ def make_ntk_vp(caller: Caller, apply_fn, params, x, batch_size, precision) -> C
     check_finite_input(fn, "x", x)
     params = jax.tree.map(jnp.asarray, params)
     x = jax.tree.map(jnp.asarray, x)
-    outputs, tree = _outputs(fn, apply_fn, params, x, n)
+    outputs, tree = _outputs(caller, apply_fn, params, x, n)
     apply3 = from_apply_fn(apply_fn)
     _checks.after_trace(fn, apply3, params, x, None, None, outputs, options)
     if (
@@ -316,13 +262,7 @@ def make_ntk_vp(caller: Caller, apply_fn, params, x, batch_size, precision) -> C
         and batch_size < n
         and _probe.samples_interact(apply3, params, x, None, None, fn_name=fn)
     ):
-        raise ValueError(
-            f"{fn}: the model's output for one sample depends on the other samples of its "
-            f"batch (batch statistics such as BatchNorm in training mode, a mean over the "
-            f"batch), so batch_size={batch_size} would change the function whose NTK is "
-            f"taken. Fix: pass batch_size=None (one pass over all samples), or run the "
-            f"model in evaluation mode."
-        )
+        raise _checks.samples_interact_error(fn, "pass batch_size=None, or use evaluation mode")
     product = _product(apply_fn, precision, batch_size)
     call = f"{fn}(...)(v)"
 

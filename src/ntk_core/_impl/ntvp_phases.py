@@ -9,6 +9,7 @@ import functools
 
 import jax
 
+from ntk_core._errors import bad, one_line
 from ntk_core._impl import cost as _cost
 from ntk_core._impl import ntvp as _ntvp
 from ntk_core._impl.base import Impl
@@ -62,14 +63,8 @@ def model_failure(spec, checked, params, x1, x2, aux) -> Exception | None:
 
 def failure_message(fn_name: str, error: Exception) -> str:
     """Why ``implementation="ntvp"`` is refused for a model that fails inside it."""
-    return (
-        f"{fn_name}: the model cannot run inside NTK-vector products' nested "
-        f"transformations (a vmap of JVPs of a vmap over samples): "
-        f"{type(error).__name__}: {str(error).splitlines()[0][:200]}. This "
-        f"happens with models that apply their own transformations, e.g. "
-        f"flax.nnx.scan or nnx.RNN. Fix: pass implementation='auto' (which "
-        f"avoids them for such models), 'structured' or 'jacobian'."
-    )
+    what = f"the model cannot run inside NTK-vector products ({one_line(error)[:200]})"
+    return str(bad(ValueError, fn_name, what, "pass implementation='auto' or 'jacobian'"))
 
 
 NTVP = Impl(

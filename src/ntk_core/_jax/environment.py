@@ -42,17 +42,14 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from ntk_core._errors import bad
 from ntk_core._jax.jaxpr_walk import equations, is_literal, sub_jaxprs
 
 #: The oldest CUDA runtime the library accepts.
 MIN_CUDA = (11, 0)
 
 #: The fix printed with every CUDA refusal.
-CUDA_FIX = (
-    'python -m pip install -U "jax[cuda12]" (CUDA 12 wheels bundle their own CUDA '
-    "runtime and cuDNN; an NVIDIA driver >= 525 is needed), or run on the CPU with "
-    "JAX_PLATFORMS=cpu"
-)
+CUDA_FIX = 'python -m pip install -U "jax[cuda12]", or run with JAX_PLATFORMS=cpu'
 
 
 class PrecisionWarning(UserWarning):
@@ -143,23 +140,17 @@ def refusal(info: BackendVersion, fn_name: str = "ntk_core") -> str | None:
     CPU, unreadable strings) is accepted here (see :func:`unverified`).
     """
     if info.kind == "cuda" and info.version is not None and info.version < MIN_CUDA:
-        return (
-            f"{fn_name}: the GPU backend runs CUDA {info.version[0]}.{info.version[1]} "
-            f"(platform_version {info.raw!r}); CUDA {MIN_CUDA[0]} or newer is required "
-            f"because older toolchains gave batched and one-block kernels that differ far "
-            f"beyond float32 round-off. Fix: {CUDA_FIX}."
-        )
+        found = f"CUDA {info.version[0]}.{info.version[1]} (platform_version {info.raw!r})"
+        what = f"the GPU backend runs {found}; CUDA {MIN_CUDA[0]} or newer is required"
+        return str(bad(RuntimeError, fn_name, what, CUDA_FIX, see="environment-guard"))
     return None
 
 
 def unverified(info: BackendVersion, platform: str) -> str | None:
     """The warning for a GPU whose CUDA/ROCm version could not be read, else ``None``."""
     if platform == "gpu" and info.version is None:
-        return (
-            f"the GPU backend reported platform_version {info.raw!r}, from which no CUDA "
-            f"or ROCm version could be read, so CUDA >= {MIN_CUDA[0]} was not verified. "
-            f"Run `ntk doctor` to check that kernels are exact on this device."
-        )
+        what = f"the GPU backend reports platform_version {info.raw!r}, with no CUDA version"
+        return f"{what}. Fix: run `ntk doctor` to check the kernels on this device."
     return None
 
 
@@ -221,10 +212,8 @@ def check_precision_option(fn_name: str, precision: str) -> None:
     if precision != "highest":
         warn_once(
             f"precision option {precision}",
-            f"{fn_name}: precision={precision!r} lets GPUs and TPUs run the kernel's "
-            f"matmuls with TF32 or bf16 passes, whose kernels differ from the exact ones "
-            f"by about 1e-3 relative. Fix: keep the default precision='highest' for exact "
-            f"kernels.",
+            f"{fn_name}: precision={precision!r} lets GPUs and TPUs use TF32 or bf16 passes "
+            f"(about 1e-3 relative error). Fix: keep precision='highest'.",
         )
 
 
@@ -315,21 +304,14 @@ def _check_half_precision(fn_name: str, params, jaxpr, kernel: str = "NTK") -> N
         found += sorted(set(_half_precision_casts(jaxpr)))
     if found:
         dtype = "bfloat16" if any("bfloat16" in f for f in found) else "float16"
+        how = "autodiff rounds every product" if kernel == "NTK" else "every product of "
+        how += "" if kernel == "NTK" else "the forward pass is rounded"
+        error = HALF_PRECISION_ERROR[kernel, dtype]
         warn_once(
             f"half precision {kernel} {dtype}",
-            f"{fn_name}: the model computes in half precision ({', '.join(found[:3])}"
-            f"{', ...' if len(found) > 3 else ''}), where "
-            + (
-                "autodiff rounds every product of its Jacobian"
-                if kernel == "NTK"
-                else "every product of the forward pass is rounded"
-            )
-            + f", so the {kernel} differs from the float32 model's by about "
-            f"{HALF_PRECISION_ERROR[kernel, dtype]} relative in {dtype}, not by float32 "
-            f"round-off. Fix: compute kernels with the model in float32 (params cast with "
-            f"jax.tree.map(lambda p: p.astype(jnp.float32), params), a Flax layer's "
-            f"dtype=jnp.float32); ignore this if the half-precision kernel is what you "
-            f"want.",
+            f"{fn_name}: the model computes in half precision ({', '.join(found[:3])}), where "
+            f"{how}, so the {kernel} differs by about {error} relative in {dtype}. Fix: "
+            f"compute kernels with the model in float32.",
         )
 
 
@@ -360,8 +342,6 @@ def check_model_precision(
         warn_once(
             "model precision",
             f"{fn_name}: the model itself asks for matmul precision below 'highest' "
-            f"({', '.join(sorted(set(found))[:3])}), which precision='highest' cannot "
-            f"override; on GPUs and TPUs its kernel differs from the exact one by about "
-            f"1e-3 relative. Fix: drop the precision argument of those layers or pass "
-            f'precision="highest" to them.',
+            f"({', '.join(sorted(set(found))[:3])}), which precision= cannot override. "
+            f"Fix: pass precision='highest' to those layers.",
         )

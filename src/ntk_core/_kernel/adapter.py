@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 import jax
 import numpy as np
 
+from ntk_core._errors import bad
 from ntk_core._jax import caches as _caches
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.engine import Engine
@@ -34,11 +35,9 @@ def check_apply_kwargs(fn_name: str, apply_kwargs, example: str) -> dict:
     """``apply_kwargs`` as a dict (``None`` -> ``{}``); a TypeError naming ``example``
     (e.g. ``"{'train': False}"``) for anything that is not a mapping."""
     if apply_kwargs is not None and not isinstance(apply_kwargs, Mapping):
-        raise TypeError(
-            f"{fn_name}: apply_kwargs must be a dict of the model's keyword arguments, got "
-            f"{type(apply_kwargs).__name__} {apply_kwargs!r}. Fix: pass e.g. "
-            f"apply_kwargs={example}."
-        )
+        got = type(apply_kwargs).__name__
+        what = f"apply_kwargs must be a dict of the model's keyword arguments, got {got}"
+        raise bad(TypeError, fn_name, what, f"pass e.g. apply_kwargs={example}")
     return dict(apply_kwargs or {})
 
 
@@ -103,24 +102,17 @@ def input_shape_mismatch(
     found = original_shape()
     if found is not None:
         name, sample, original = found
-        return ValueError(
-            f"{fn_name}: applying the model to x1 failed: {name} has per-sample shape "
-            f"{sample}, but {params_name} were made by {init_name} for inputs of per-sample "
-            f"shape {original}: parameter {path} has shape {has}, but inputs like x1 need "
-            f"{needs}{more}. Fix: pass {'inputs' if name == 'x1' else name} of "
-            f"shape (N, {', '.join(map(str, original))}), the shape the model was initialised "
-            f"with, or re-initialise it for these inputs ({init_call})."
-        )
-    samples = [tuple(np.shape(v))[1:] for v in jax.tree.leaves(x1)]
-    return ValueError(
-        f"{fn_name}: applying the model to x1 failed: {params_name} do not fit inputs of "
-        f"x1's per-sample shape{'s' if len(samples) > 1 else ''} "
-        f"{', '.join(map(str, samples))}: parameter {path} has shape {has}, but the "
-        f"model's init on x1 makes {needs}{more}. Fix: pass inputs of the per-sample "
-        f"shape the model was initialised with, and {params_name} made by this model's "
-        f"init (the same model built with other sizes makes other shapes), or "
-        f"re-initialise it for these inputs ({init_call})."
-    )
+        what = f"applying the model to x1 failed: {name} has per-sample shape {sample}, but "
+        what += f"{params_name} were made by {init_name} for inputs of per-sample shape "
+        what += f"{original} (parameter {path} has shape {has}){more}"
+        shape = f"(N, {', '.join(map(str, original))})"
+        inputs = "inputs" if name == "x1" else name
+        fix = f"pass {inputs} of shape {shape}, or re-initialise ({init_call})"
+        return bad(ValueError, fn_name, what, fix)
+    samples = ", ".join(str(tuple(np.shape(v))[1:]) for v in jax.tree.leaves(x1))
+    what = f"applying the model to x1 failed: {params_name} do not fit x1's per-sample shape "
+    what += f"{samples} (parameter {path} has shape {has}, init on x1 makes {needs}){more}"
+    return bad(ValueError, fn_name, what, f"pass matching inputs, or re-initialise ({init_call})")
 
 
 def _engine(caller: Caller, kind: str, model: PureModel, options: dict) -> Engine:
@@ -143,10 +135,8 @@ def _engine(caller: Caller, kind: str, model: PureModel, options: dict) -> Engin
             fixes.append(f"pass model keyword arguments through {model.model_kwargs}")
         elif model_kwargs:
             fixes.append("drop the others")
-        raise TypeError(
-            f"{fn_name}: unknown option(s) {', '.join(map(repr, unknown))}; valid options are "
-            f"{', '.join(valid)}. Fix: {'; '.join(fixes)}."
-        )
+        what = f"unknown option(s) {', '.join(map(repr, unknown))}; valid are {', '.join(valid)}"
+        raise bad(TypeError, fn_name, what, "; ".join(fixes))
     opts = make_options(fn_name, **options)
     spec = Spec(fn_name, kind, model.apply3, opts, model.check, model.eval_hint, caller)
     return Engine(spec)
@@ -236,12 +226,9 @@ def build_kernel(caller: Caller, kind: str, model: PureModel, options: dict) -> 
     def bind(first, x1, given):
         unknown = sorted(set(given) - set(keywords))
         if unknown:
-            raise TypeError(
-                f"{caller.name}(...)(...): unknown keyword argument(s) "
-                f"{', '.join(map(repr, unknown))}; the kernel function takes "
-                f"{', '.join(f'{k}=' for k in keywords)}. Fix: give kernel options when "
-                f"building it, and model arguments through apply_kwargs={{...}}."
-            )
+            what = f"unknown keyword argument(s) {', '.join(map(repr, unknown))}"
+            fix = f"pass only {', '.join(f'{k}=' for k in keywords)}; options go to the builder"
+            raise bad(TypeError, f"{caller.name}(...)(...)", what, fix)
         if model.to_core_reads_x1:
             return model.to_core(first, x1, **given)
         return model.to_core(first, **given)

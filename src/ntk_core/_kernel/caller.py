@@ -25,8 +25,8 @@ class Caller:
         ``"the model"`` (the adapters).
       neural_tangents_order: neural-tangents' order of the same arguments, which users
         of neural-tangents pass by habit (``"(x1, x2, params)"``,
-        ``"(f, x_train, params)"``): named in the argument-order hints, and a failed
-        call with ``x2`` is tried in that order (``_validate.in_neural_tangents_order``).
+        ``"(f, x_train, params)"``): named in the argument-order hints, and recognised
+        without a trace (``_checks.in_neural_tangents_order``).
         ``""`` where neural-tangents' order does not apply (the adapters, the Monte
         Carlo kernels).
       package: ``"ntk_core"``, ``"ntk_flax"`` or ``"ntk_haiku"``.

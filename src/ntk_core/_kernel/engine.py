@@ -59,14 +59,8 @@ class Engine:
         found = self._prepared.get(key)
         if found is None:
             spec = self.spec
-            try:
-                checked = _validate.validate(spec, self._samples, params, x1, x2, aux)
-                config = _planner.configure(spec, checked, self._analyses, params, x1, x2, aux)
-            except (TypeError, ValueError) as e:
-                reordered = _validate.in_neural_tangents_order(spec, params, x1, x2, aux)
-                if reordered is None:
-                    raise
-                raise reordered from e
+            checked = _validate.validate(spec, self._samples, params, x1, x2, aux)
+            config = _planner.configure(spec, checked, self._analyses, params, x1, x2, aux)
             found = self._prepared[key] = (checked, config)
         return found
 

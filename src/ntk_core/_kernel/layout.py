@@ -19,6 +19,8 @@ import string
 
 import jax
 
+from ntk_core._errors import bad
+
 #: A tuple of output axes (trace_axes, diagonal_axes).
 Axes = tuple[int, ...]
 
@@ -83,48 +85,34 @@ def resolve_layout(fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, w
       ValueError: an axis out of range, an axis named twice, traced and diagonal at once,
         or the batch axis 0 traced.
     """
-    ndim = len(shape)
+    ndim, shape = len(shape), tuple(shape)
+    of = f"{where} of shape {shape}"
 
     def norm(name, axes):
-        out = []
         for a in axes:
             if not -ndim <= a < ndim:
-                raise ValueError(
-                    f"{fn_name}: {name} contains {a}, out of range for {where} of shape "
-                    f"{tuple(shape)} ({ndim} axes, the batch axis first); expected axes in "
-                    f"[{-ndim}, {ndim - 1}]. Fix: name existing output axes, e.g. "
-                    f"{name}=(-1,) for the last one or {name}=() for none."
-                )
-            out.append(a % ndim)
+                what = f"{name} contains {a}, out of range for {of}; expected axes in "
+                what += f"[{-ndim}, {ndim - 1}]"
+                raise bad(ValueError, fn_name, what, f"pass e.g. {name}=(-1,) or {name}=()")
+        out = [a % ndim for a in axes]
         if len(set(out)) != len(out):
-            raise ValueError(
-                f"{fn_name}: {name}={tuple(axes)!r} names the same axis twice for {where} "
-                f"of shape {tuple(shape)}. Fix: list each axis once."
-            )
+            what = f"{name}={tuple(axes)!r} names the same axis twice for {of}"
+            raise bad(ValueError, fn_name, what, "list each axis once")
         return tuple(sorted(out))
 
     trace = norm("trace_axes", trace_axes)
     diag = norm("diagonal_axes", diagonal_axes)
     both = sorted(set(trace) & set(diag))
     if both:
-        raise ValueError(
-            f"{fn_name}: axis {both[0]} of {where} (shape {tuple(shape)}) is in both "
-            f"trace_axes={tuple(trace_axes)!r} and diagonal_axes={tuple(diagonal_axes)!r}; "
-            f"an axis is either traced or diagonal. Fix: remove it from one of them."
-        )
+        what = f"axis {both[0]} of {of} is in both trace_axes={tuple(trace_axes)!r} and "
+        what += f"diagonal_axes={tuple(diagonal_axes)!r}"
+        raise bad(ValueError, fn_name, what, "remove it from one of them")
+    if 0 in trace and ndim == 1:  # an output (N,): the default trace_axes=(-1,) hits 0
+        what = f"{of} (one value per sample, no output axis) has no axis for trace_axes"
+        raise bad(ValueError, fn_name, what, "pass trace_axes=(), or return shape (N, 1)")
     if 0 in trace:
-        if ndim == 1:  # an output (N,) with no output axis: default trace_axes=(-1,) hits 0
-            raise ValueError(
-                f"{fn_name}: {where} has shape {tuple(shape)} (one value per sample, no "
-                f"output axis), so trace_axes={tuple(trace_axes)!r} would trace the batch "
-                f"axis 0. Fix: pass trace_axes=() for the (N1, N2) Gram matrix of a scalar "
-                f"output (or return shape (N, 1) from the model)."
-            )
-        raise ValueError(
-            f"{fn_name}: trace_axes={tuple(trace_axes)!r} traces the batch axis 0 of {where} "
-            f"(shape {tuple(shape)}), which is not supported. Fix: use diagonal_axes=(0,) "
-            f"for the per-sample diagonal K(x1_i, x2_i) and average it yourself."
-        )
+        what = f"trace_axes={tuple(trace_axes)!r} traces the batch axis 0 of {of}"
+        raise bad(ValueError, fn_name, what, "use diagonal_axes=(0,) for the per-sample diagonal")
     return LeafLayout(ndim, trace, diag)
 
 

@@ -97,6 +97,7 @@ import numbers
 import os
 from collections.abc import Sequence
 
+from ntk_core._errors import bad
 from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._kernel.layout import Axes
 
@@ -166,33 +167,49 @@ class KernelOptions:
 DEFAULTS = KernelOptions()
 
 
+def _got(value) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _one_of(fn_name: str, name: str, value, allowed, fix: str) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        what = f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+        raise bad(ValueError, fn_name, what, fix)
+
+
+def _flag(fn_name: str, name: str, value, allowed="True or False") -> None:
+    if not isinstance(value, bool) and not (value is None and "None" in allowed):
+        raise bad(
+            TypeError, fn_name, f"{name} must be {allowed}, got {_got(value)}", f"pass {name}=True"
+        )
+
+
 def _axes(fn_name: str, name: str, value) -> Axes:
+    fix = f"pass e.g. {name}=(-1,) or {name}=()"
     if isinstance(value, bool):
-        raise TypeError(
-            f"{fn_name}: {name} must be an int or a sequence of ints, got the bool "
-            f"{value!r}. Fix: pass e.g. {name}=(-1,) or {name}=()."
+        raise bad(
+            TypeError,
+            fn_name,
+            f"{name} must be an int or a sequence of ints, got the bool {value!r}",
+            fix,
         )
     if isinstance(value, numbers.Integral):
         return (int(value),)
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        out = []
-        for v in value:
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise TypeError(
-                    f"{fn_name}: {name} must contain only ints, got {value!r}. "
-                    f"Fix: pass axis indices such as {name}=(-1,)."
-                )
-            out.append(int(v))
-        if len(set(out)) != len(out):
-            raise ValueError(
-                f"{fn_name}: {name}={tuple(value)!r} names the same axis twice. "
-                f"Fix: list each axis once."
-            )
-        return tuple(out)
-    raise TypeError(
-        f"{fn_name}: {name} must be an int or a sequence of ints, got "
-        f"{type(value).__name__} {value!r}. Fix: pass e.g. {name}=(-1,) or {name}=()."
-    )
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise bad(
+            TypeError,
+            fn_name,
+            f"{name} must be an int or a sequence of ints, got {_got(value)}",
+            fix,
+        )
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in value):
+        raise bad(TypeError, fn_name, f"{name} must contain only ints, got {value!r}", fix)
+    out = tuple(int(v) for v in value)
+    if len(set(out)) != len(out):
+        raise bad(
+            ValueError, fn_name, f"{name}={out!r} names the same axis twice", "list each axis once"
+        )
+    return out
 
 
 def make_options(
@@ -216,30 +233,16 @@ def make_options(
     trace = _axes(fn_name, "trace_axes", trace_axes)
     diag = _axes(fn_name, "diagonal_axes", diagonal_axes)
     if vmap_axes is not None and (isinstance(vmap_axes, bool) or vmap_axes != 0):
-        raise ValueError(
-            f"{fn_name}: vmap_axes must be 0 (samples along axis 0 are independent) or "
-            f"None (samples interact, e.g. BatchNorm in training mode), got {vmap_axes!r}. "
-            f"Fix: move the batch axis of your inputs to 0 and use vmap_axes=0, or pass "
-            f"vmap_axes=None."
-        )
+        what = f"vmap_axes must be 0 (independent samples) or None, got {vmap_axes!r}"
+        raise bad(ValueError, fn_name, what, "move the batch axis to 0, or pass vmap_axes=None")
     if not isinstance(implementation, (str, bool)) and implementation in NT_IMPLEMENTATIONS:
-        name = NT_IMPLEMENTATIONS[implementation]
-        raise ValueError(
-            f"{fn_name}: implementation={implementation!r} is neural-tangents' "
-            f"NtkImplementation.{name[0]}; this library names its implementations. Fix: "
-            f"pass implementation={name[1]!r}."
-        )
-    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"{fn_name}: implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
-            f"got {implementation!r}. Fix: pass implementation='auto' (chooses per call), or "
-            f"one of the names above."
-        )
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(
-            f"{fn_name}: precision must be one of {', '.join(map(repr, PRECISIONS))}, "
-            f"got {precision!r}. Fix: keep the default precision='highest' for exact kernels."
-        )
+        nt, name = NT_IMPLEMENTATIONS[implementation]
+        what = f"implementation={implementation!r} is neural-tangents' NtkImplementation.{nt}"
+        raise bad(ValueError, fn_name, what, f"pass implementation={name!r}")
+    _one_of(
+        fn_name, "implementation", implementation, IMPLEMENTATIONS, "pass implementation='auto'"
+    )
+    _one_of(fn_name, "precision", precision, PRECISIONS, "keep precision='highest'")
     _block_options(fn_name, batch_size, store_on_device, progress, memory_budget)
     if isinstance(batch_size, numbers.Integral):
         batch_size = int(batch_size)
@@ -269,123 +272,76 @@ def _devices_option(fn_name, devices, store_on_device, batch_size) -> tuple | No
     if devices is None:
         return None
     if batch_size is None:
-        raise ValueError(
-            f"{fn_name}: devices= spreads the blocked engine's tiles over devices, but "
-            f"batch_size is None (one call, on the device of its inputs). Fix: pass a "
-            f"batch_size (e.g. batch_size='auto'), or put params and inputs on the device "
-            f"you want (jax.device_put) and drop devices=."
-        )
+        what = "devices= spreads the blocked engine's tiles, but batch_size is None"
+        raise bad(ValueError, fn_name, what, "pass a batch_size (e.g. 'auto'), or drop devices=")
     import jax  # the options module itself needs no JAX
 
     given = tuple(devices) if isinstance(devices, (list, tuple)) else None
     if not given or not all(isinstance(d, jax.Device) for d in given):
-        raise TypeError(
-            f"{fn_name}: devices must be None (all devices of the default backend) or a "
-            f"non-empty list of jax devices, got {devices!r}. Fix: pass e.g. "
-            f"devices=jax.local_devices()[:2]."
-        )
+        what = f"devices must be None or a non-empty list of jax devices, got {devices!r}"
+        raise bad(TypeError, fn_name, what, "pass e.g. devices=jax.local_devices()[:2]")
     if len(set(given)) != len(given):
-        raise ValueError(
-            f"{fn_name}: devices lists a device twice ({list(given)!r}). Fix: list each "
-            f"device once."
+        raise bad(
+            ValueError, fn_name, f"devices lists a device twice ({list(given)!r})", "list each once"
         )
     if store_on_device and len(given) > 1:
-        raise ValueError(
-            f"{fn_name}: store_on_device=True assembles the result on one device, but "
-            f"devices= names {len(given)}. Fix: drop store_on_device=True (the result is "
-            f"assembled on the host), or pass one device."
-        )
+        what = f"store_on_device=True assembles on one device, but devices= names {len(given)}"
+        raise bad(ValueError, fn_name, what, "drop store_on_device=True, or pass one device")
     return given
 
 
 def _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device) -> str | None:
     """Validates ``out``, ``resume`` and ``overwrite`` (see the module docstring);
     returns the path as a string."""
-    for name, value in (("resume", resume), ("overwrite", overwrite)):
-        if not isinstance(value, bool):
-            raise TypeError(
-                f"{fn_name}: {name} must be True or False, got {type(value).__name__} "
-                f"{value!r}. Fix: pass {name}=True or {name}=False."
-            )
+    _flag(fn_name, "resume", resume)
+    _flag(fn_name, "overwrite", overwrite)
     if out is None:
         if resume or overwrite:
             given = "resume=True" if resume else "overwrite=True"
-            raise ValueError(
-                f"{fn_name}: {given} applies to the file of out=, but out is None. Fix: "
-                f"pass out='kernel.npy' (with a batch_size), or drop {given}."
-            )
+            what = f"{given} applies to the file of out=, but out is None"
+            raise bad(ValueError, fn_name, what, f"pass out='kernel.npy', or drop {given}")
         return None
     from ntk_core._blocked.store import Sink
 
     if isinstance(out, Sink):  # the Monte Carlo kernels' running sums (internal)
         return out
     if not isinstance(out, (str, os.PathLike)) or not os.fspath(out).endswith(".npy"):
-        raise ValueError(
-            f"{fn_name}: out must be a path ending in '.npy', got {out!r}. Fix: pass e.g. "
-            f"out='kernel.npy' (a standard .npy file, read with np.load(path, "
-            f"mmap_mode='r'))."
-        )
+        what = f"out must be a path ending in '.npy', got {out!r}"
+        raise bad(ValueError, fn_name, what, "pass e.g. out='kernel.npy'")
+    given = f"out={os.fspath(out)!r}"
     if batch_size is None:
-        raise ValueError(
-            f"{fn_name}: out={os.fspath(out)!r} writes the blocked engine's tiles to the "
-            f"file, but batch_size is None (one call in memory). Fix: pass a batch_size, "
-            f"e.g. batch_size='auto' or batch_size=2048."
-        )
+        what = f"{given} writes tiles to a file, but batch_size is None"
+        raise bad(ValueError, fn_name, what, "pass a batch_size, e.g. batch_size='auto'")
     if store_on_device:
-        raise ValueError(
-            f"{fn_name}: out={os.fspath(out)!r} writes the kernel to a file on the host, "
-            f"which store_on_device=True contradicts. Fix: drop store_on_device=True."
-        )
+        what = f"{given} writes to the host, which store_on_device=True contradicts"
+        raise bad(ValueError, fn_name, what, "drop store_on_device=True")
     if resume and overwrite:
-        raise ValueError(
-            f"{fn_name}: resume=True keeps the tiles already in out={os.fspath(out)!r} and "
-            f"overwrite=True discards them; both were given. Fix: pass one of them."
-        )
+        what = f"resume=True and overwrite=True were both given for {given}"
+        raise bad(ValueError, fn_name, what, "pass one of them")
     return os.fspath(out)
 
 
 def _block_options(fn_name, batch_size, store_on_device, progress, memory_budget) -> None:
     """Validates the options of the blocked engine (see the module docstring)."""
+    expect, fix = "batch_size must be None, a positive int or 'auto'", "pass e.g. batch_size=256"
     if isinstance(batch_size, str):
         if batch_size != AUTO_BATCH_SIZE:
-            raise ValueError(
-                f"{fn_name}: batch_size must be None, a positive int or 'auto', got the "
-                f"string {batch_size!r}. Fix: pass e.g. batch_size=256, or "
-                f"batch_size='auto' to size the tiles from memory_budget."
-            )
+            raise bad(ValueError, fn_name, f"{expect}, got the string {batch_size!r}", fix)
     elif batch_size is not None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
-            raise TypeError(
-                f"{fn_name}: batch_size must be None, a positive int or 'auto', got "
-                f"{type(batch_size).__name__} {batch_size!r}. Fix: pass an int number of "
-                f"samples per tile, e.g. batch_size=256."
-            )
+            raise bad(TypeError, fn_name, f"{expect}, got {_got(batch_size)}", fix)
         if batch_size <= 0:
-            raise ValueError(
-                f"{fn_name}: batch_size must be a positive number of samples per tile, got "
-                f"{batch_size!r}. Fix: pass e.g. batch_size=256, or batch_size=None for "
-                f"one call."
-            )
-    for name, value, allowed in (
-        ("store_on_device", store_on_device, "True or False"),
-        ("progress", progress, "None, True or False"),
-    ):
-        if not isinstance(value, bool) and not (name == "progress" and value is None):
-            raise TypeError(
-                f"{fn_name}: {name} must be {allowed}, got {type(value).__name__} "
-                f"{value!r}. Fix: pass {name}=True or {name}=False."
-            )
+            what = f"batch_size must be a positive number of samples per tile, got {batch_size!r}"
+            raise bad(ValueError, fn_name, what, fix)
+    _flag(fn_name, "store_on_device", store_on_device)
+    _flag(fn_name, "progress", progress, "None, True or False")
     if memory_budget is None:
         return
+    fix = "pass e.g. memory_budget=2 * 2**30 (2 GiB)"
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral):
-        raise TypeError(
-            f"{fn_name}: memory_budget must be None or a positive int number of bytes, got "
-            f"{type(memory_budget).__name__} {memory_budget!r}. Fix: pass e.g. "
-            f"memory_budget=2 * 2**30 for 2 GiB."
-        )
+        what = "memory_budget must be None or a positive int number of bytes, got "
+        what += _got(memory_budget)
+        raise bad(TypeError, fn_name, what, fix)
     if memory_budget <= 0:
-        raise ValueError(
-            f"{fn_name}: memory_budget must be a positive int number of bytes, got "
-            f"{memory_budget!r}. Fix: pass e.g. memory_budget=2 * 2**30 for 2 GiB, or None "
-            f"for the default."
-        )
+        what = f"memory_budget must be a positive int number of bytes, got {memory_budget!r}"
+        raise bad(ValueError, fn_name, what, fix)

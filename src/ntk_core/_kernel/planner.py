@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._blocked import tiles as _blocked
+from ntk_core._errors import bad
 from ntk_core._impl import cost as _cost
 from ntk_core._impl.phases import triangle_blocks
 from ntk_core._impl.registry import AUTO, NNGP, PHASES, REGISTRY
@@ -167,17 +168,10 @@ def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
     one = model.residual_bytes + model.cotangent_bytes
     if one > budget and opts.batch_size != AUTO_BATCH_SIZE:
         given = "memory_budget" if opts.memory_budget else "the default memory_budget"
-        human = human_bytes
-        raise ValueError(
-            f"{spec.fn_name}: with vmap_axes=None the whole batch of {n} samples is "
-            f"differentiated at once: its forward pass keeps {human(model.residual_bytes)} "
-            f"and the reverse pass of each of its {n * out_total} output cotangents "
-            f"needs {human(model.cotangent_bytes)} more, {human(one)} for one at a time, "
-            f"beyond {given} of {human(budget)}. Fix: pass vmap_axes=0 if each sample's "
-            f"output depends on that sample alone (BatchNorm in evaluation mode), pass "
-            f"fewer samples per call, or raise memory_budget to at least {one} bytes "
-            f"if the device has the memory."
-        )
+        what = f"vmap_axes=None differentiates {n} samples at once, needing {human_bytes(one)}, "
+        what += f"beyond {given} of {human_bytes(budget)}"
+        fix = f"pass vmap_axes=0, fewer samples, or raise memory_budget to at least {one} bytes"
+        raise bad(ValueError, spec.fn_name, what, fix)
     return model
 
 
@@ -227,12 +221,8 @@ def describe(
     estimates, the method of each parameter leaf, the blocked engine's tiles and the
     whole-batch chunks."""
     if config.kind == "nngp":
-        raise ValueError(
-            f"{spec.fn_name}: plan() describes NTK computations; an NNGP kernel has no "
-            f"implementation to choose (one forward pass per sample, then the outputs' "
-            f"N1·N2 contraction). Fix: call plan on the NTK kernel function of the same "
-            f"model (ntk_core.ntk_fn, ntk_flax.kernel_fn or ntk_haiku.kernel_fn)."
-        )
+        what = "plan() describes NTK computations, not an NNGP"
+        raise bad(ValueError, spec.fn_name, what, "call plan on the NTK kernel function")
     found = estimates(spec, checked, analyses, params, x1, aux, config.whole_batch)
     paths = [
         jax.tree_util.keystr(k) or "(root)"  # params that are one array

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ntk_core._errors import bad, one_line
 from ntk_core._kernel import checks as _checks
 
 
@@ -96,15 +97,10 @@ def samples_interact(
         except jax.errors.UnexpectedTracerError as error:
             raise _checks.leaked_tracer_error(fn_name, error) from error
         except (TypeError, ValueError, IndexError) as error:
-            k = len(batches[0])
-            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            raise ValueError(
-                f"{fn_name}: the model fails on a batch of {k} samples, which the check of "
-                f"per-sample independence (vmap_axes=0) runs it on: "
-                f"{type(error).__name__}: {first} Fix: make the model accept any batch "
-                f"size (e.g. x.reshape(x.shape[0], -1), not a fixed batch), or pass "
-                f"vmap_axes=None to differentiate the whole batch as given."
-            ) from error
+            what = f"the model fails on a batch of {len(batches[0])} samples (the independence "
+            what += f"check of vmap_axes=0): {one_line(error)}"
+            fix = "keep the batch axis for any N, or pass vmap_axes=None"
+            raise bad(ValueError, fn_name, what, fix) from error
         for b, c in zip(out_b, out_c, strict=True):
             b0, c0 = np.asarray(b, np.float64)[:1], np.asarray(c, np.float64)[:1]
             scale = max(np.abs(b0).max(initial=0.0), np.abs(c0).max(initial=0.0), 1e-30)

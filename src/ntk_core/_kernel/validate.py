@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ntk_core._errors import bad, one_line
 from ntk_core._jax.signatures import sample_signature as sample_signature
 from ntk_core._jax.signatures import signature as signature
 from ntk_core._kernel import checks as _checks
@@ -48,34 +49,22 @@ def describe(tree) -> str:
 def batch_size(caller: Caller, name: str, x) -> int:
     """The number of samples of ``x`` (axis 0 of every leaf), or a ValueError naming
     ``caller``, with its argument order."""
-    fn_name = caller.name
+    fn_name, hint = caller.name, _checks.order_hint(caller)
     leaves = jax.tree.leaves(x)
     if not leaves:
-        raise ValueError(
-            f"{fn_name}: {name} has no arrays (got {x!r}). Fix: pass an array, or a pytree "
-            f"of arrays, whose axis 0 indexes samples; {_checks.order_hint(caller)}."
+        raise bad(ValueError, fn_name, f"{name} has no arrays (got {x!r})", f"pass arrays; {hint}")
+    sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+    if None in sizes:
+        what = f"{name} holds a scalar (shapes {describe(x)}); expected a batch axis 0"
+        raise bad(
+            ValueError, fn_name, what, "pass an array (np.asarray(x)), x[None] for one sample"
         )
-    sizes = set()
-    for leaf in leaves:
-        if np.ndim(leaf) == 0:
-            raise ValueError(
-                f"{fn_name}: {name} contains a scalar (shapes {describe(x)}); every input "
-                f"array needs a batch axis 0. Fix: pass an array (np.asarray(x) for a nested "
-                f"Python list), or add a batch axis, e.g. x[None] for a single sample."
-            )
-        sizes.add(np.shape(leaf)[0])
     if len(sizes) != 1:
-        raise ValueError(
-            f"{fn_name}: the arrays of {name} disagree on the batch size (axis 0): shapes "
-            f"{describe(x)}. Fix: give every input array the same number of samples; "
-            f"{_checks.order_hint(caller)}."
-        )
+        what = f"the arrays of {name} disagree on the batch size (axis 0): {describe(x)}"
+        raise bad(ValueError, fn_name, what, f"give every array the same N; {hint}")
     (n,) = sizes
     if n == 0:
-        raise ValueError(
-            f"{fn_name}: {name} is empty (0 samples, shapes {describe(x)}). Fix: pass at "
-            f"least one sample."
-        )
+        raise bad(ValueError, fn_name, f"{name} is empty (shapes {describe(x)})", "pass samples")
     return n
 
 
@@ -103,41 +92,29 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     opts = spec.options
     _checks.before_trace(fn, params, x1, x2, opts)  # backend guard, dtypes
     if not jax.tree.leaves(params):
-        raise ValueError(
-            f"{fn}: params has no arrays (got {type(params).__name__}). Fix: pass the "
-            f"model's parameters, e.g. the pytree returned by its init function."
-        )
-    for leaf in jax.tree.leaves(params):
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-            raise TypeError(
-                f"{fn}: params contains an array of dtype {jnp.result_type(leaf)}; the NTK "
-                f"differentiates every parameter, so all must be floating point. Fix: "
-                f"cast them, or close over integer constants in apply_fn instead."
-            )
+        what = f"params has no arrays (got {type(params).__name__})"
+        raise bad(ValueError, fn, what, "pass the model's parameters (from its init)")
     n1 = batch_size(caller, "x1", x1)
     n2 = n1
     if x2 is not None:
+        if _checks.in_neural_tangents_order(caller, params, x1, x2):
+            what = f"the arguments look in neural-tangents' order {caller.neural_tangents_order}"
+            raise bad(ValueError, fn, what, f"pass {caller.order}")
         n2 = batch_size(caller, "x2", x2)
         s1, s2 = jax.tree.structure(x1), jax.tree.structure(x2)
         if s1 != s2:
-            raise ValueError(
-                f"{fn}: x1 and x2 have different pytree structures ({s1} vs {s2}). "
-                f"Fix: pass inputs of the same structure."
-            )
+            what = f"x1 and x2 have different pytree structures ({s1} vs {s2})"
+            raise bad(ValueError, fn, what, "give x2 the structure of x1")
         for a, b in zip(jax.tree.leaves(x1), jax.tree.leaves(x2), strict=True):
-            kind_a = jnp.issubdtype(jnp.result_type(a), jnp.inexact)
-            if kind_a != jnp.issubdtype(jnp.result_type(b), jnp.inexact):
-                raise TypeError(
-                    f"{fn}: x1 has dtype {jnp.result_type(a)} where x2 has "
-                    f"{jnp.result_type(b)}; one is integer and the other floating point. "
-                    f"Fix: give x2 the dtype of x1 (e.g. integer tokens for both)."
-                )
             if np.shape(a)[1:] != np.shape(b)[1:]:
-                raise ValueError(
-                    f"{fn}: x1 and x2 differ in their non-batch shapes: x1 {describe(x1)} "
-                    f"vs x2 {describe(x2)}. Fix: give both the per-sample shape the model "
-                    f"expects."
+                what = (
+                    f"x1 and x2 differ in their non-batch shapes: {describe(x1)} vs {describe(x2)}"
                 )
+                raise bad(ValueError, fn, what, "give x2 the per-sample shape of x1")
+            ta, tb = jnp.result_type(a), jnp.result_type(b)
+            if jnp.issubdtype(ta, jnp.inexact) != jnp.issubdtype(tb, jnp.inexact):
+                what = f"x1 has dtype {ta} where x2 has {tb}"
+                raise bad(TypeError, fn, what, "give x2 the dtype of x1")
     if spec.check is not None:
         spec.check(params, x1, x2, aux)
     # One abstract trace of the model gives its outputs and the jaxpr the precision
@@ -173,53 +150,34 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
                     params, x_abstract, aux
                 )
         except Exception as e:  # the model's own error, with context
-            raise _checks.model_call_error(
-                fn,
-                f"calling the model on x1 (shapes {describe(x1)})",
-                e,
-                _checks.model_call_fix(params, e, caller),
-            ) from e
+            doing = f"calling the model on x1 (shapes {describe(x1)})"
+            fix = _checks.model_call_fix(params, caller)
+            raise _checks.model_call_error(fn, doing, e, fix) from e
         out_leaves, out_tree = jax.tree.flatten(out)
     if not out_leaves:
-        raise ValueError(
-            f"{fn}: the model returned no arrays ({out!r}); expected its outputs, e.g. "
-            f"logits (N, O). Fix: make {caller.model} return the network's "
-            f"output."
-        )
+        what = f"the model returned no arrays ({out!r})"
+        raise bad(ValueError, fn, what, f"make {caller.model} return its outputs, e.g. (N, O)")
     layouts = []
     for i, leaf in enumerate(out_leaves):
         where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
         if not leaf.shape or leaf.shape[0] != n1:
-            raise ValueError(
-                f"{fn}: {where} has shape {leaf.shape} but x1 has {n1} samples (x1 shapes "
-                f"{describe(x1)}); outputs must keep the batch axis 0. Fix: if x1 is a "
-                f"single sample, add a batch axis (x1[None]); otherwise make "
-                f"{caller.model} return one row per sample."
-            )
+            what = f"{where} has shape {leaf.shape} but x1 has {n1} samples ({describe(x1)})"
+            fix = f"add a batch axis (x1[None]), or make {caller.model} return one row per sample"
+            raise bad(ValueError, fn, what, fix)
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-            raise TypeError(
-                f"{fn}: {where} has dtype {leaf.dtype}; kernels need floating-point "
-                f"outputs. Fix: return the model's float logits, not integer labels."
-            )
+            what = f"{where} has dtype {leaf.dtype}; expected floating point"
+            raise bad(TypeError, fn, what, "return the model's float outputs (logits)")
         layout = resolve_layout(fn, opts.trace_axes, opts.diagonal_axes, leaf.shape, where)
         if layout.batch_diagonal and x2 is not None and n2 != n1:
-            raise ValueError(
-                f"{fn}: diagonal_axes={opts.diagonal_axes!r} asks for the per-sample "
-                f"diagonal K(x1_i, x2_i), which needs x1 and x2 of the same size, got "
-                f"N1={n1} and N2={n2}. Fix: pass x2 with N1 samples, or x2=None."
-            )
+            what = f"diagonal_axes={opts.diagonal_axes!r} needs N1 == N2, got N1={n1} and N2={n2}"
+            raise bad(ValueError, fn, what, "pass x2 with N1 samples, or x2=None")
         layouts.append(layout)
     if one_sample_error is not None:  # the batch of N runs; one sample does not
         e = one_sample_error
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ValueError(
-            f"{fn}: the model runs on x1's batch of {n1} samples but not on a batch of one "
-            f"sample, which per-sample derivatives (vmap_axes=0) run it on: "
-            f"{type(e).__name__}: {first.rstrip('.')}. Fix: make the model keep the batch "
-            f"axis for any batch size (e.g. x.reshape(x.shape[0], -1), not x.squeeze() "
-            f"or a fixed batch size), or pass vmap_axes=None to differentiate the whole "
-            f"batch as given."
-        ) from e
+        what = f"the model runs on x1's batch of {n1} samples but not on one (vmap_axes=0)"
+        what += f": {one_line(e)}"
+        fix = "keep the batch axis for any N (no squeeze, no fixed N), or pass vmap_axes=None"
+        raise bad(ValueError, fn, what, fix) from e
     kernel = "NNGP" if spec.kind == "nngp" else "NTK"
     if known is None:
         _checks.after_trace(fn, spec.apply3, params, x1, x2, aux, out_leaves, opts, kernel, closed)
@@ -227,45 +185,22 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
         spec.apply3, params, x1, x2, aux, fn_name=fn
     ):
         how = f" (e.g. {spec.hint})" if spec.hint else ""
-        raise ValueError(
-            f"{fn}: the model's output for one sample depends on the other samples of "
-            f"its batch (batch statistics such as BatchNorm in training mode, a mean or "
-            f"softmax over the batch), so per-sample independence (vmap_axes=0) would "
-            f"give a wrong kernel. Fix: run the model in evaluation mode{how}, or pass "
-            f"vmap_axes=None to differentiate the whole batch."
-        )
+        fix = f"run the model in evaluation mode{how}, or pass vmap_axes=None"
+        raise _checks.samples_interact_error(fn, fix)
     if sample_key is not None and known is None:
         samples[sample_key] = (out_tree, [(o.shape[1:], o.dtype) for o in out_leaves])
     shapes1 = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
     return Checked(n1, n2, x2 is None, out_tree, tuple(layouts), shapes1, closed)
 
 
-def in_neural_tangents_order(spec: Spec, params, x1, x2, aux) -> ValueError | None:
-    """The error to raise instead of a failed validation when the arguments are in
-    neural-tangents' order ``(x1, x2, params)`` (where ``spec.caller`` says that order
-    applies: the core's kernels; the adapters check their own arguments), else None."""
-    if (
-        not caller_of(spec).neural_tangents_order
-        or x2 is None
-        or not _checks.runs_in_neural_tangents_order(spec.apply3, params, x1, x2, aux)
-    ):
-        return None
-    return ValueError(
-        f"{spec.fn_name}: the arguments are in neural-tangents' order (x1, x2, "
-        f"params): the model runs with the third one as its parameters and the "
-        f"first as its inputs. Fix: pass params first, (params, x1, x2)."
-    )
-
-
 def check_untraced(spec: Spec, params, x1, x2) -> None:
     """The blocked engine writes tiles to a host array: refuses traced arguments."""
     if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, x1, x2))):
-        raise ValueError(
-            f"{spec.fn_name}: batch_size={spec.options.batch_size!r} was used inside "
-            f"jax.jit (or another transformation), but the blocked engine writes its "
-            f"tiles to a host array and cannot run on traced values. Fix: call the "
-            f"kernel function outside jax.jit (it is jitted internally), or pass "
-            f"batch_size=None to compute the whole kernel in one traced call."
+        what = (
+            f"batch_size={spec.options.batch_size!r} was used inside jax.jit (tiles go to the host)"
+        )
+        raise bad(
+            ValueError, spec.fn_name, what, "call it outside jax.jit, or pass batch_size=None"
         )
 
 
@@ -276,11 +211,8 @@ def check_blocks_independent(spec: Spec, checked: Checked, cut, params, x1, x2, 
     if spec.options.vmap_axes is not None or max(cut.b1, cut.b2) >= max(checked.n1, checked.n2):
         return
     if _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn_name=spec.fn_name):
-        raise ValueError(
-            f"{spec.fn_name}: batch_size={spec.options.batch_size!r} with vmap_axes=None "
-            f"would differentiate each block of {cut.b1} samples as its own batch, but the "
-            f"model's samples interact (batch statistics such as BatchNorm in training "
-            f"mode), so the blocked kernel would differ from the one-call kernel. Fix: "
-            f"pass batch_size=None, or run the model in evaluation mode with "
-            f"vmap_axes=0."
+        what = (
+            f"batch_size={spec.options.batch_size!r} with vmap_axes=None splits interacting samples"
         )
+        fix = "pass batch_size=None, or vmap_axes=0 with the model in evaluation mode"
+        raise bad(ValueError, spec.fn_name, what, fix, see="samples-interact")

@@ -38,8 +38,7 @@ import jax
 import numpy as np
 
 from ntk_core._blocked import store as _store
-from ntk_core._kernel.checks import non_finite_error
-from ntk_core._units import human_bytes
+from ntk_core._errors import NonFiniteError, bad
 
 #: The Monte Carlo kernels, in the order of ``Kernels``.
 KINDS = ("nngp", "ntk")
@@ -78,12 +77,8 @@ class MonteCarloFiles:
         self.process, self.barrier = _store.processes()
         stem = out[: -len(".npy")]
         if not os.path.basename(stem):
-            raise ValueError(
-                f"{fn}: out={out!r} has no name before '.npy', so the files would be the "
-                f"hidden {os.path.join(os.path.dirname(stem), '.nngp.npy')!r} and "
-                f"'.ntk.npy'. Fix: name it, e.g. out="
-                f"{os.path.join(os.path.dirname(stem), 'mc.npy')!r}."
-            )
+            what = f"out={out!r} has no name before '.npy'"
+            raise bad(ValueError, fn, what, "name it, e.g. out='mc.npy'")
         first_key = jax.random.split(key, n_samples)[0]
         self.common = {
             **_store.inputs(x1, x2),
@@ -96,9 +91,11 @@ class MonteCarloFiles:
         self.sums = {kind: RunningSum(self, kind, f"{stem}.{kind}.npy") for kind in KINDS}
         for path in (p for rs in self.sums.values() for p in rs.buffers):
             if os.path.isdir(path):
-                raise ValueError(
-                    f"{fn}: out={out!r} writes {path!r}, which is a folder. Fix: give "
-                    f"another path for out=, or move the folder."
+                raise bad(
+                    ValueError,
+                    fn,
+                    f"out={out!r} writes {path!r}, which is a folder",
+                    "give another path",
                 )
         if overwrite:
             self._remove([p for rs in self.sums.values() for p in rs.buffers])
@@ -164,26 +161,13 @@ class RunningSum(_store.Sink):
         if not existing or first == files.n_samples:
             return first  # nothing yet; or the finished mean, checked when it is opened
         if not files.resume:
-            raise ValueError(
-                f"{fn}: out={files.out!r}: {existing[0]!r} exists, and is not the finished "
-                f"{self.kind.upper()} of this same call. Fix: pass resume=True to finish an "
-                f"interrupted run of the same call, overwrite=True to replace its files, or "
-                f"another path."
-            )
+            raise _store.exists_error(fn, f"out={files.out!r}: {existing[0]!r}")
         if unknown is not None and other is None and not found:
-            raise ValueError(
-                f"{fn}: resume=True, but {_store.manifest_path(unknown)!r} is missing or "
-                f"unreadable, so what {unknown!r} holds is unknown. Fix: pass overwrite=True "
-                f"to compute it again, or another path."
-            )
+            why = f"{_store.manifest_path(unknown)!r} is missing or unreadable"
+            raise _store.resume_error(fn, why)
         if other is not None and not found:
             path, differs = other
-            raise ValueError(
-                f"{fn}: resume=True, but {path!r} was started by a different call: "
-                f"{'; '.join(differs)} differ. Fix: resume with the same inputs, key, "
-                f"n_samples and model, or pass overwrite=True (or another path) to compute "
-                f"this call."
-            )
+            raise _store.resume_error(fn, f"{path!r} was started by a different call", differs)
         return first
 
     def fingerprint(self, layout: _store.FileLayout, sample: int, dtype) -> dict:
@@ -211,12 +195,10 @@ class RunningSum(_store.Sink):
             expected = self.fingerprint(layout, s - 1, wide)
             if not manifest.get("complete") or manifest.get("fingerprint") != expected:
                 differs = _store.differences(manifest.get("fingerprint", {}), expected)
-                raise ValueError(
-                    f"{fn}: resume=True, but the sum of samples 0..{s - 1} in {previous!r} "
-                    f"was made by a different call: {'; '.join(differs)} differ. Fix: resume "
-                    f"with the same inputs, key, n_samples, model and options, or pass "
-                    f"overwrite=True (or another path) to compute this call."
+                why = (
+                    f"the sum of samples 0..{s - 1} in {previous!r} was started by a different call"
                 )
+                raise _store.resume_error(fn, why, differs)
             earlier_sum = _store.NpyReader(fn, previous, layout.shape, wide, "the running sum")
         last = s == n - 1
         into = dtype if last else wide
@@ -235,14 +217,9 @@ class RunningSum(_store.Sink):
             if last:
                 total = (total / n).astype(dtype)
             if not np.isfinite(total).all():
-                changed = "" if earlier_sum is None else f" or {earlier_sum.path!r} was changed"
-                raise non_finite_error(
-                    f"{fn}: the {self.kind.upper()} came out non-finite (NaN or Inf) in the "
-                    f"{'mean' if last else f'sum of samples 0..{s}'}, rows {r0}..{r1 - 1}, "
-                    f"from finite kernels: the sum overflows {np.dtype(into).name}{changed}. "
-                    f"Fix: compute the model in float64 against overflow (a kernel near "
-                    f"{np.finfo(into).max:.3g}); a changed file: pass overwrite=True."
-                )
+                what = f"the {self.kind.upper()} came out non-finite in rows {r0}..{r1 - 1}"
+                fix = "compute in float64, or pass overwrite=True if the file was changed"
+                raise bad(NonFiniteError, fn, what, fix, see="non-finite-kernel")
             return total
 
         return self._store(fn, layout, path, s, into, started, not started, add)
@@ -280,9 +257,4 @@ class RunningSum(_store.Sink):
             return  # NpyStore says so
         free = shutil.disk_usage(folder).free
         if missing > free:
-            raise ValueError(
-                f"{fn}: out={files.out!r} needs {human_bytes(missing)} more for the "
-                f"{self.kind.upper()}'s mean and running sums of shape {tuple(layout.shape)}; "
-                f"the disk has {human_bytes(free)} free. Fix: free disk space, write to "
-                f"another disk, or compute a smaller kernel."
-            )
+            raise _store.no_space_error(fn, f"out={files.out!r}", missing, free)

@@ -14,14 +14,10 @@ import numpy as np
 
 from ntk_core._api import _make
 from ntk_core._blocked import progress as _progress
+from ntk_core._errors import NonFiniteError, bad, one_line
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller
-from ntk_core._kernel.checks import (
-    all_finite,
-    check_finite_input,
-    is_non_finite_error,
-    non_finite_error,
-)
+from ntk_core._kernel.checks import all_finite, check_finite_input
 from ntk_core._kernel.options import DEFAULTS, make_options
 from ntk_core._monte_carlo.files import MonteCarloFiles, kind_options
 from ntk_core._predict.inference import Kernels
@@ -32,9 +28,11 @@ def progress_bar(fn_name: str, progress, total: int, desc: str):
     :func:`ntk_core._blocked.progress.show_progress` decides whether it is shown (``None``: only
     when stderr is a terminal, outside CI and not with ``TERM=dumb``)."""
     if progress is not None and not isinstance(progress, bool):
-        raise TypeError(
-            f"{fn_name}: progress must be None (a bar in a terminal only), True or False, "
-            f"got {progress!r}. Fix: pass progress=True, progress=False or leave it None."
+        raise bad(
+            TypeError,
+            fn_name,
+            f"progress must be None, True or False, got {progress!r}",
+            "pass progress=True",
         )
     return _progress.progress_bar(desc, progress, total)
 
@@ -51,11 +49,8 @@ def check_inputs(fn_name: str, x1, x2, models: str = "model") -> None:
             continue
         leaves = jax.tree.leaves(x)
         if not leaves or any(np.ndim(leaf) == 0 for leaf in leaves):
-            raise TypeError(
-                f"{fn_name}: {name} must be an array (or pytree of arrays) with batch axis "
-                f"0, got {type(x).__name__} with {len(leaves)} scalar or missing leaves. "
-                f"Fix: pass np.asarray({name}), shape (N, ...)."
-            )
+            what = f"{name} must be arrays with a batch axis 0, got {type(x).__name__}"
+            raise bad(TypeError, fn_name, what, f"pass np.asarray({name}), shape (N, ...)")
     nested = isinstance(x1, Mapping) and all(isinstance(v, Mapping) for v in x1.values())
     flax_variables = nested and "params" in x1
     mismatched = x2 is not None and jax.tree.structure(x2) != jax.tree.structure(x1)
@@ -70,11 +65,9 @@ def check_inputs(fn_name: str, x1, x2, models: str = "model") -> None:
             else f"a {type(x1).__name__} of {len(x1)} "
             f"{'entry' if len(x1) == 1 else 'entries'} where x2 is one array"
         )
-        raise TypeError(
-            f"{fn_name}: x1 is {what}, which looks like a model's "
-            f"parameters; Monte Carlo kernels draw their own initialisations. Fix: call "
-            f"{fn_name}({models}, x1, x2=None, *, key=key, n_samples=S) without parameters."
-        )
+        what = f"x1 is {what}, which looks like a model's parameters"
+        fix = f"call {fn_name}({models}, x1, x2=None, *, key=key, n_samples=S): no parameters"
+        raise bad(TypeError, fn_name, what, fix)
 
 
 def check_init_kwargs(fn_name: str, init_kwargs) -> dict | None:
@@ -82,11 +75,8 @@ def check_init_kwargs(fn_name: str, init_kwargs) -> dict | None:
     if init_kwargs is None:
         return None
     if not isinstance(init_kwargs, Mapping):
-        raise TypeError(
-            f"{fn_name}: init_kwargs must be a dict of keyword arguments for the model's "
-            f"init, got {type(init_kwargs).__name__}. Fix: pass e.g. "
-            f"init_kwargs={{'is_training': True}}."
-        )
+        what = f"init_kwargs must be a dict, got {type(init_kwargs).__name__}"
+        raise bad(TypeError, fn_name, what, "pass e.g. init_kwargs={'is_training': True}")
     return dict(init_kwargs)
 
 
@@ -102,38 +92,30 @@ def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=No
         except TypeError:
             ok = False
         if not ok:
-            raise ValueError(
-                f"{fn_name}: {name} must be a positive int, got {v!r}. Fix: pass e.g. "
-                f"{name}={16 if name == 'n_samples' else 4}."
+            raise bad(
+                ValueError,
+                fn_name,
+                f"{name} must be a positive int, got {v!r}",
+                f"pass e.g. {name}=4",
             )
     if not isinstance(key, jax.Array) or not (
         jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,)
     ):
         shape = f" of shape {key.shape}" if isinstance(key, jax.Array) else ""
-        raise TypeError(
-            f"{fn_name}: key must be one PRNG key (jax.random.PRNGKey(0) or "
-            f"jax.random.key(0)), got {type(key).__name__}{shape}. Fix: pass "
-            f"key=jax.random.PRNGKey(seed)."
-        )
+        what = f"key must be one PRNG key, got {type(key).__name__}{shape}"
+        raise bad(TypeError, fn_name, what, "pass key=jax.random.PRNGKey(seed)")
     unknown = sorted(set(options or {}) - set(_KERNEL_OPTIONS))
     if unknown:
         names = _KERNEL_OPTIONS + list(own)
         close = {u: difflib.get_close_matches(u, names, 1) for u in unknown}
         guess = "".join(f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c)
-        raise TypeError(
-            f"{fn_name}: unknown option(s) {', '.join(map(repr, unknown))}; it takes "
-            f"{', '.join(own)} and the kernel options "
-            f"{', '.join(_KERNEL_OPTIONS)}.{guess} Fix: use those names; keyword arguments "
-            f"of the model go in apply_kwargs={{...}}."
-        )
+        what = f"unknown option(s) {', '.join(map(repr, unknown))}.{guess}"
+        fix = f"use {', '.join(own)} or the options of ntk_fn; model arguments go in apply_kwargs"
+        raise bad(TypeError, fn_name, what, fix)
     if (options or {}).get("batch_size") is not None and operator.index(batch_size_samples) > 1:
         make_options(fn_name, batch_size=options["batch_size"])  # an invalid value first
-        raise ValueError(
-            f"{fn_name}: batch_size={options['batch_size']!r} (the blocked engine, one "
-            f"sample's kernel in tiles) cannot run inside batch_size_samples="
-            f"{batch_size_samples!r} (samples vmapped together). Fix: pass "
-            f"batch_size_samples=1 with batch_size, or drop batch_size."
-        )
+        what = f"batch_size cannot run inside batch_size_samples={batch_size_samples!r}"
+        raise bad(ValueError, fn_name, what, "pass batch_size_samples=1 with batch_size")
 
 
 def average(
@@ -188,10 +170,10 @@ def average(
             try:
                 k = sample(keys[start])
             except ValueError as e:
-                if not is_non_finite_error(e):
+                if not isinstance(e, NonFiniteError):
                     raise
                 inner = str(e).removeprefix(f"{fn_name}: ")
-                raise non_finite_error(f"{fn_name}: in {where}: {inner}") from e
+                raise NonFiniteError(f"{fn_name}: in {where}: {inner}") from e
             dtypes["kernels"] = jax.tree.map(lambda a: a.dtype, k)
             k = jax.tree.map(wide, k)
         else:
@@ -238,20 +220,15 @@ def _add(total, k):
 
 
 def _check_finite_sum(fn_name: str, kernels, where: str) -> None:
-    """Raises the ValueError of ``non_finite_error`` when the (NNGP, NTK) sums of
+    """Raises a :class:`NonFiniteError` when the (NNGP, NTK) sums of
     ``where`` hold NaN or Inf; under an outer jax.jit (abstract values) nothing is
     checked."""
     for name, kernel in zip(("NNGP", "NTK"), kernels, strict=True):
         for a in jax.tree.leaves(kernel):
             if all_finite(a) is False:
-                raise non_finite_error(
-                    f"{fn_name}: the {name} came out non-finite (NaN or Inf) in {where}, "
-                    f"from finite inputs: the model computes NaN or Inf for that "
-                    f"initialisation (a log or sqrt of a negative number, a division by "
-                    f"zero), or its kernel overflows the model's dtype (float16 ends at "
-                    f"65504). Fix: check the model on that initialisation's "
-                    f"parameters; compute in float32 (or float64) against overflow."
-                )
+                what = f"the {name} came out non-finite (NaN or Inf) in {where}"
+                fix = "check the model on that initialisation, or compute in float64"
+                raise bad(NonFiniteError, fn_name, what, fix, see="non-finite-kernel")
 
 
 #: :func:`monte_carlo_kernels` as its messages name it (ntk_core._kernel.caller): the
@@ -366,17 +343,11 @@ def monte_carlo_kernels(
     fn = _MONTE_CARLO_KERNELS.name
     for name, f in (("init_fn", init_fn), ("apply_fn", apply_fn)):
         if not callable(f):
-            raise TypeError(
-                f"{fn}: {name} must be callable, got {type(f).__name__}. Fix: pass "
-                f"init_fn(key) -> params and apply_fn(params, x) -> outputs."
-            )
+            what = f"{name} must be callable, got {type(f).__name__}"
+            raise bad(TypeError, fn, what, "pass init_fn(key) -> params, apply_fn(params, x)")
     if _takes_shape(init_fn):
-        raise TypeError(
-            f"{fn}: init_fn takes (key, shape), like neural-tangents' stax init_fn, but "
-            f"here init_fn(key) -> params. Fix: pass lambda k: init_fn(k, x1.shape)[1] (stax "
-            f"returns (output_shape, params)); if init_fn is your apply_fn(params, x), the "
-            f"two are swapped: the order is (init_fn, apply_fn, x1, ...)."
-        )
+        what = "init_fn takes (key, shape), like neural-tangents' stax; here init_fn(key)"
+        raise bad(TypeError, fn, what, "pass lambda k: init_fn(k, x1.shape)[1]")
     blocked = dict(batch_size=batch_size, store_on_device=store_on_device)
     check_samples(_MONTE_CARLO_KERNELS, key, n_samples, batch_size_samples, blocked)
     check_inputs(fn, x1, x2, "init_fn, apply_fn")
@@ -460,16 +431,10 @@ def initialiser(
             )
             fix = f"make {call} a pure JAX function of the key ({expected})"
             if traced:
-                fix += (
-                    ", without Python conversions such as float(...) or if on array values: "
-                    "it runs under jax.jit"
-                )
+                fix += ", no float() or if on arrays: it runs under jax.jit"
             elif otherwise:
                 fix = otherwise
-            raise ValueError(
-                f"{fn_name}: {call} failed with {type(e).__name__}: "
-                f"{str(e).strip().splitlines()[0].rstrip('.')}. Fix: {fix}."
-            ) from e
+            raise bad(ValueError, fn_name, f"{call} failed with {one_line(e)}", fix) from e
 
     return checked
 
@@ -501,14 +466,13 @@ def _nt_style_hint(fn):
         except TypeError as e:
             if len(args) >= 4 and isinstance(args[3], int) and not isinstance(args[3], bool):
                 init = "lambda k: init_fn(k, x1.shape)[1]" if _takes_shape(args[0]) else "init_fn"
-                raise TypeError(
-                    f"monte_carlo_kernels: got (init_fn, apply_fn, {type(args[2]).__name__}, "
-                    f"{args[3]!r}), which looks like neural-tangents' "
-                    f"monte_carlo_kernel_fn(init_fn, apply_fn, key, n_samples); here the "
-                    f"inputs come third, key and n_samples are keywords, and init_fn takes "
-                    f"only a key. Fix: monte_carlo_kernels({init}, apply_fn, x1, x2, key=key, "
-                    f"n_samples={args[3]!r})."
-                ) from e
+                what = (
+                    "the arguments look like neural-tangents' (init_fn, apply_fn, key, n_samples)"
+                )
+                fix = (
+                    f"monte_carlo_kernels({init}, apply_fn, x1, x2, key=key, n_samples={args[3]!r})"
+                )
+                raise bad(TypeError, "monte_carlo_kernels", what, fix) from e
             raise
 
     return call
