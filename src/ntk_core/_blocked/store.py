@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from numpy.lib.format import open_memmap
 
+from ntk_core._blocked.sink import Sink as Sink
 from ntk_core._errors import bad, one_line
 from ntk_core._kernel.layout import leaf_layouts, swap_perm
 from ntk_core._units import human_bytes
@@ -564,17 +565,6 @@ class FileLayout:
     batch_diagonal: bool
     described: dict
     grid: tuple
-
-
-class Sink:
-    """Where a blocked call with ``out=`` writes when ``out`` is not a path: an object
-    that opens the store of each call (the Monte Carlo kernels' running sums,
-    :mod:`ntk_core._monte_carlo.files`). ``path`` names it in messages."""
-
-    path: str
-
-    def open(self, fn: str, layout: FileLayout, x1, x2, params, aux) -> NpyStore:
-        raise NotImplementedError
 
 
 def processes():

@@ -97,6 +97,7 @@ import numbers
 import os
 from collections.abc import Sequence
 
+from ntk_core._blocked.sink import Sink
 from ntk_core._errors import bad
 from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._kernel.layout import Axes
@@ -157,7 +158,7 @@ class KernelOptions:
     store_on_device: bool = False
     progress: bool | None = None
     memory_budget: int | None = None
-    out: str | None = None  # or a _blocked.store.Sink (Monte Carlo kernels, internal)
+    out: str | None = None  # or a _blocked.sink.Sink (Monte Carlo kernels, internal)
     resume: bool = False
     overwrite: bool = False
     devices: tuple | None = None
@@ -301,8 +302,6 @@ def _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device) -
             what = f"{given} applies to the file of out=, but out is None"
             raise bad(ValueError, fn_name, what, f"pass out='kernel.npy', or drop {given}")
         return None
-    from ntk_core._blocked.store import Sink
-
     if isinstance(out, Sink):  # the Monte Carlo kernels' running sums (internal)
         return out
     if not isinstance(out, (str, os.PathLike)) or not os.fspath(out).endswith(".npy"):
