@@ -8,7 +8,7 @@ import jax
 from ntk_core.adapters import check_monte_carlo, checked_arguments, checked_init, monte_carlo_mean
 from ntk_core.predict import Kernels
 
-from ._kernel import caller, make
+from ._kernel import caller, check_transformed, make
 
 #: :func:`monte_carlo_kernels` as its messages name it.
 _CALLER = caller("monte_carlo_kernels", monte_carlo=True)
@@ -93,12 +93,7 @@ def monte_carlo_kernels(
       Gaussian Processes", ICLR 2019.
     """
     fn = _CALLER.name
-    if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
-        raise TypeError(
-            f"{fn}: expected an hk.Transformed or hk.TransformedWithState, got "
-            f"{type(transformed).__name__}. Fix: wrap your forward function with "
-            f"hk.transform(f)."
-        )
+    check_transformed(fn, transformed)
     init_kwargs = check_monte_carlo(
         _CALLER, x1, x2, key, n_samples, batch_size_samples, options, _OWN, init_kwargs
     )

@@ -220,6 +220,14 @@ ERRORS = [
         r"^ntk_haiku.kernel_fn: state was given but the model is a plain hk.Transformed",
     ),
     (
+        "params of another model (a leaf missing), told by comparing with init",
+        lambda: ntk_haiku.kernel(
+            hk.transform(dropout_net), {"linear": {"w": PARAMS["linear"]["w"]}}, X
+        ),
+        ValueError,
+        r"^ntk_haiku.kernel: params \(modules \['linear'\]\) lack \['linear'\]\['b'\], \['linear_1'\]",
+    ),
+    (
         "per-leaf kernel with ntvp",
         lambda: ntk_haiku.kernel_per_leaf(NET, PARAMS, X, implementation="ntvp"),
         ValueError,
@@ -275,3 +283,14 @@ def test_out_of_core_kernel_equals_the_in_memory_one(tmp_path):
     reference.assert_close(written, reference.ntk(net.apply, params, x1, None, trace_axes=())[0])
     again = ntk_haiku.kernel(net, params, x1, trace_axes=(), batch_size=4, out=path, resume=True)
     assert np.array_equal(again, in_memory)  # finished: returned as it is
+
+
+def test_apply_without_rng_wording():
+    """The core's reading of Haiku's error for ``transformed.apply(params, x)`` of an
+    apply that takes an rng (x in its place), against Haiku itself."""
+    from ntk_core._kernel import checks
+
+    with pytest.raises(ValueError) as info:
+        NET.apply(PARAMS, X)
+    assert checks.haiku_apply_without_rng(info.value)
+    assert not checks.haiku_apply_without_rng(ValueError("an rng of another kind"))
