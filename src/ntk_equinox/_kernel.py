@@ -40,18 +40,14 @@ def _split(fn_name: str, model) -> tuple:
     if not isinstance(model, eqx.Module) or not callable(model):
         got = type(model).__name__ + (" (no __call__)" if isinstance(model, eqx.Module) else "")
         raise TypeError(
-            f"{fn_name}: model must be a callable equinox.Module, model(x) on one sample; "
-            f"got {got}. Fix: pass the module first, {fn_name}(model, x1, x2=None) (give it "
-            f"a __call__); for a function apply_fn(params, x) use ntk_core.empirical_ntk."
+            f"{fn_name}: model must be a callable equinox.Module, got {got}. Fix: pass the "
+            f"module first, {fn_name}(model, x1, x2=None)."
         )
     params, rest = eqx.partition(model, eqx.is_inexact_array)
     if not jax.tree.leaves(params):
         raise ValueError(
-            f"{fn_name}: the model {type(model).__name__} has no floating-point array leaves "
-            f"(eqx.is_inexact_array) to differentiate; its leaves are "
-            f"{[type(v).__name__ for v in jax.tree.leaves(model)]}. Fix: hold the "
-            f"parameters as float arrays (jnp.asarray(w, jnp.float32)), not Python floats "
-            f"or integer arrays."
+            f"{fn_name}: the model {type(model).__name__} has no floating-point array leaves. "
+            f"Fix: hold its parameters as float arrays."
         )
     leaves, treedef = jax.tree.flatten(rest)
     return params, _Apply(rest, (treedef, tuple(map(_leaf_key, leaves))))
@@ -66,9 +62,8 @@ def _kernel_fn(name: str, kind: str, model, options: dict, built: bool = False):
         params, other = _split(f"{name}(...)" if built else name, model)
         if other != apply:
             raise ValueError(
-                f"{name}(...)(model, x1, x2): got a model whose structure or fixed leaves "
-                f"(non-float fields) differ from those of the model it was built for. Fix: "
-                f"build {name}(model) for it, or call ntk_equinox.kernel."
+                f"{name}(...)(model, x1, x2): the model's structure or fixed leaves differ from "
+                f"those of the model it was built for. Fix: build {name}(model) for it."
             )
         return params, None
 
