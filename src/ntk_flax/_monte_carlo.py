@@ -59,10 +59,6 @@ def monte_carlo_kernels(
     BatchNorm must be built in evaluation mode (call ``.eval()`` on the module in that
     function before returning it).
 
-    Half-precision kernels are summed in float32 and the mean returned in their dtype.
-    With ``batch_size_samples`` > 1 the samples run vmapped in one jitted call: x1 and
-    x2 are checked for NaN/Inf before, and the means for non-finite values after.
-
     Args:
       model: a ``flax.linen.Module``, or for ``flax.nnx`` a function
         ``model(rngs: nnx.Rngs) -> nnx.Module``.
@@ -78,16 +74,9 @@ def monte_carlo_kernels(
       init_kwargs: linen only: keyword arguments for ``model.init`` instead of
         ``apply_kwargs`` (e.g. ``{"train": True}`` with ``apply_kwargs={"train":
         False}``).
-      progress: tqdm bar over the samples on stderr; ``None`` (default): only when
-        stderr is a terminal, ``CI`` is not set to a true-ish value and ``TERM`` is not
-        ``dumb``; ``True`` / ``False``: always / never.
-      **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
-        ``precision`` as in :func:`ntk_core.ntk_fn` (the NNGP ignores
-        ``implementation``), and the blocked engine's ``batch_size`` etc. for each
-        sample (only with ``batch_size_samples=1``); ``out="mc.npy"``, ``resume``,
-        ``overwrite``: the means written to ``mc.nngp.npy`` and ``mc.ntk.npy`` with
-        the running sum on disk, resumable after a kill (as
-        :func:`ntk_core.monte_carlo_kernels`).
+      progress, **options: as :func:`ntk_core.monte_carlo_kernels` (the kernel options
+        of :func:`ntk_core.ntk_fn`, ``batch_size`` only with ``batch_size_samples=1``;
+        ``out="mc.npy"``, ``resume``, ``overwrite``: the means on disk, resumable).
 
     Returns:
       ``ntk_core.predict.Kernels(nngp, ntk)``, each ``(N1, N2)`` for ``(N, O)`` outputs
