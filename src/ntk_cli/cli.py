@@ -6,16 +6,19 @@ import argparse
 import sys
 
 
+def _needs(command: str, e: ImportError) -> int:
+    print(
+        f"{command} needs the optional dependencies ({e}). Fix: pip install 'ntk-jax[all]'",
+        file=sys.stderr,
+    )
+    return 2
+
+
 def _demo(args) -> int:
     try:
         from ntk_cli import demo as _demo
     except ImportError as e:
-        print(
-            f"ntk demo needs the optional dependencies ({e}). Fix: "
-            f"python -m pip install 'ntk-jax[all]'",
-            file=sys.stderr,
-        )
-        return 2
+        return _needs("ntk demo", e)
     try:
         return _demo.run(
             args.out,
@@ -36,12 +39,7 @@ def _track(args) -> int:
 
         tracking.run_args(args)  # imports optax, scikit-learn and matplotlib when needed
     except ImportError as e:
-        print(
-            f"ntk track needs the optional dependencies ({e}). Fix: "
-            f"python -m pip install 'ntk-jax[all]'",
-            file=sys.stderr,
-        )
-        return 2
+        return _needs("ntk track", e)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
@@ -65,10 +63,7 @@ def main(argv=None, *, checks=None) -> int:
         prog="ntk", description="Empirical NTK and NNGP kernels for JAX, Flax and Haiku."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo",
-        help="NTK of a LeNet on handwritten digits: Flax vs Haiku check, kernel regression",
-    )
+    demo = sub.add_parser("demo", help="LeNet NTK on digits: Flax = Haiku, kernel regression")
     try:
         from ntk_cli.demo import add_arguments
     except ImportError:
@@ -76,11 +71,7 @@ def main(argv=None, *, checks=None) -> int:
     else:
         add_arguments(demo)
     demo.set_defaults(run=_demo)
-    track = sub.add_parser(
-        "track",
-        help="NTK of a LeNet tracked through training on handwritten digits: kernel "
-        "distance, label alignment, top eigenvalues (PNG and JSON)",
-    )
+    track = sub.add_parser("track", help="LeNet NTK tracked through training on digits")
     try:
         from ntk_cli.track import add_arguments as add_track_arguments
     except ImportError:
@@ -88,11 +79,7 @@ def main(argv=None, *, checks=None) -> int:
     else:
         add_track_arguments(track)
     track.set_defaults(run=_track)
-    doctor = sub.add_parser(
-        "doctor",
-        help="versions, devices, precision settings, and a self-test of kernel exactness; "
-        "exit status 1 when a check fails",
-    )
+    doctor = sub.add_parser("doctor", help="environment and self-test (exit 1 on failure)")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--no-self-test", action="store_true", help="report the environment only")
     doctor.set_defaults(run=lambda a: _doctor(a, checks))

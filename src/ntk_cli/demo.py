@@ -205,10 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="NTK implementation (auto)",
     )
     parser.add_argument(
-        "--compilation-cache",
-        metavar="DIR",
-        help="keep the compiled XLA programs in DIR (JAX's persistent compilation cache), "
-        "so that the next run with the same DIR skips compiling them",
+        "--compilation-cache", metavar="DIR", help="JAX's persistent compilation cache folder"
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--progress", dest="progress", action="store_true", default=None)

@@ -86,16 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser, default_out: str = "./ntk-tra
         choices=list(ntk_core.IMPLEMENTATIONS),
         help="NTK implementation (%(default)s)",
     )
-    parser.add_argument(
-        "--save-kernels", action="store_true", help="also save each NTK as .npy in OUT/kernels"
-    )
+    parser.add_argument("--save-kernels", action="store_true", help="save each NTK in OUT/kernels")
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
-        "--progress",
-        dest="progress",
-        action="store_true",
-        default=None,
-        help="a progress bar over training steps (default: where a person watches a terminal)",
+        "--progress", dest="progress", action="store_true", default=None, help="progress bar"
     )
     group.add_argument("--no-progress", dest="progress", action="store_false", help="no bar")
 

@@ -35,23 +35,26 @@ def _leaf_key(leaf):  # arrays (unhashable) by identity: the cached _Apply keeps
     return (type(leaf), leaf) if isinstance(leaf, Hashable) else (type(leaf), id(leaf))
 
 
+def _stateful(m) -> bool:  # BatchNorm, SpectralNorm; a Sequential only passes state on
+    stateful = isinstance(m, eqx.nn.StatefulLayer) and m.is_stateful()
+    return stateful and not isinstance(m, eqx.nn.Sequential)
+
+
 def _split(fn_name: str, model) -> tuple:
     """``(params, apply)`` of ``model``, or the TypeError / ValueError of bad input."""
     if not isinstance(model, eqx.Module) or not callable(model):
         got = type(model).__name__ + (" (no __call__)" if isinstance(model, eqx.Module) else "")
-        raise TypeError(
-            f"{fn_name}: model must be a callable equinox.Module, model(x) on one sample; "
-            f"got {got}. Fix: pass the module first, {fn_name}(model, x1, x2=None) (give it "
-            f"a __call__); for a function apply_fn(params, x) use ntk_core.empirical_ntk."
-        )
+        fix = f"pass the module first, {fn_name}(model, x1, x2=None)"
+        raise TypeError(f"{fn_name}: model must be an equinox.Module, got {got}. Fix: {fix}.")
+    held = [type(m).__name__ for m in jax.tree.leaves(model, is_leaf=_stateful) if _stateful(m)]
+    if held:  # called as layer(x, state): the model is not a function of x alone
+        what = f"the model holds the stateful layer {held[0]}, which needs an eqx.nn.State"
+        raise ValueError(f"{fn_name}: {what}. Fix: pass a model of x alone.")
     params, rest = eqx.partition(model, eqx.is_inexact_array)
     if not jax.tree.leaves(params):
         raise ValueError(
-            f"{fn_name}: the model {type(model).__name__} has no floating-point array leaves "
-            f"(eqx.is_inexact_array) to differentiate; its leaves are "
-            f"{[type(v).__name__ for v in jax.tree.leaves(model)]}. Fix: hold the "
-            f"parameters as float arrays (jnp.asarray(w, jnp.float32)), not Python floats "
-            f"or integer arrays."
+            f"{fn_name}: the model {type(model).__name__} has no floating-point array leaves. "
+            f"Fix: hold its parameters as float arrays."
         )
     leaves, treedef = jax.tree.flatten(rest)
     return params, _Apply(rest, (treedef, tuple(map(_leaf_key, leaves))))
@@ -66,9 +69,8 @@ def _kernel_fn(name: str, kind: str, model, options: dict, built: bool = False):
         params, other = _split(f"{name}(...)" if built else name, model)
         if other != apply:
             raise ValueError(
-                f"{name}(...)(model, x1, x2): got a model whose structure or fixed leaves "
-                f"(non-float fields) differ from those of the model it was built for. Fix: "
-                f"build {name}(model) for it, or call ntk_equinox.kernel."
+                f"{name}(...)(model, x1, x2): the model's structure or fixed leaves differ from "
+                f"those of the model it was built for. Fix: build {name}(model) for it."
             )
         return params, None
 

@@ -36,43 +36,23 @@ from ntk_flax._variables import VariablesReader
 _MUTABLE = flax.core.DenyList(["params"])
 
 
-def _refuse_apply_arguments(caller: Caller, apply_kwargs: dict) -> None:
+def refuse_apply_arguments(fn_name: str, apply_kwargs: dict, kernel: bool, rngs: bool) -> None:
     """``model.apply``'s own keywords (``mutable``, ``rngs``, ``method``) in
     ``apply_kwargs``: the adapter passes those itself."""
-    fn_name, monte_carlo = caller.name, caller.monte_carlo
-    source = "as model.init makes them" if monte_carlo else "as given in variables"
-    if "mutable" in apply_kwargs:
-        raise TypeError(
-            f"{fn_name}: apply_kwargs['mutable'] = {apply_kwargs['mutable']!r} is not "
-            f"supported: the kernel applies the model itself as a pure function of its "
-            f"'params' collection, with the other collections (batch_stats, ...) held fixed "
-            f"{source} and never updated. Fix: drop 'mutable' from apply_kwargs and apply "
-            f"the model in evaluation mode (e.g. apply_kwargs={{'train': False}}, or "
-            f"BatchNorm(use_running_average=True)), which uses those fixed statistics; "
-            f"for the kernel of training mode, "
-            f"where each batch is normalised by its own statistics, pass the model's "
-            f"training switch with vmap_axes=None (e.g. apply_kwargs={{'train': True}}, "
-            f"vmap_axes=None; the updated statistics are discarded)."
-        )
-    if "rngs" in apply_kwargs:
-        call = "kernel(variables, x" if caller.built else f"{fn_name}(model, variables, x"
-        fix = (
-            "run the model deterministically (e.g. apply_kwargs={'train': False}); the "
-            "Monte Carlo kernels take no rngs"
-            if monte_carlo
-            else f"pass rngs= to the kernel call itself, e.g. {call}, rngs={{'dropout': key}}) "
-            f"(the same key for every sample)"
-        )
-        raise TypeError(
-            f"{fn_name}: apply_kwargs holds 'rngs', an argument of model.apply that the "
-            f"kernel passes itself. Fix: drop it from apply_kwargs and {fix}."
-        )
-    if "method" in apply_kwargs:
-        raise TypeError(
-            f"{fn_name}: apply_kwargs holds 'method', an argument of model.apply that the "
-            f"kernel passes itself. Fix: pass method={apply_kwargs['method']!r} to {fn_name} "
-            f"instead of inside apply_kwargs."
-        )
+    fixes = {
+        "mutable": "apply the model in evaluation mode (e.g. apply_kwargs={'train': False})"
+        + (", or apply_kwargs={'train': True}, vmap_axes=None for training mode" if kernel else ""),
+        "rngs": f"pass rngs={{'dropout': key}} to the {'kernel call' if kernel else 'call'}"
+        if rngs
+        else "run the model deterministically",
+        "method": f"pass method= to {fn_name} itself",
+    }
+    for key, fix in fixes.items():
+        if key in apply_kwargs:
+            raise TypeError(
+                f"{fn_name}: apply_kwargs holds {key!r}, an argument of model.apply that "
+                f"{fn_name} passes itself. Fix: drop it and {fix}."
+            )
 
 
 def _init_fn(model, method, apply_kwargs, rngs):
@@ -89,32 +69,16 @@ def _init_fn(model, method, apply_kwargs, rngs):
 
 def _missing_collections(fn_name: str, variables, init, x1) -> ValueError:
     """The ValueError for variables lacking a collection the model reads (Flax's
-    ``ScopeCollectionNotFound``), naming the collections ``model.init`` makes that
-    variables lacks."""
-    held = sorted(variables)
+    ``ScopeCollectionNotFound``), naming those ``model.init`` makes that it lacks."""
     try:
         made = sorted(jax.eval_shape(init, x1))
     except Exception:  # the model cannot be initialised on x1: say what is known
         made = []
     missing = [c for c in made if c not in variables and c != "intermediates"]
-    if not missing:
-        return ValueError(
-            f"{fn_name}: the model reads a variable collection that variables lacks (Flax's "
-            f"ScopeCollectionNotFound); variables holds {held}. Fix: pass the whole "
-            f"variables dict returned by model.init(key, x) (every collection, not only "
-            f"'params')."
-        )
-    names = ", ".join(map(repr, missing))
-    plural = "s" if len(missing) > 1 else ""
-    what = " (BatchNorm's running statistics)" if missing == ["batch_stats"] else ""
-    example = ", ".join(f"'{c}': state.{c}" for c in missing)
     return ValueError(
-        f"{fn_name}: variables lacks the collection{plural} {names}{what}, which the model "
-        f"reads; variables holds {held}, model.init makes {made}. Fix: pass the whole "
-        f"variables dict returned by model.init(key, x), or add the collection{plural}: "
-        f"{{'params': ..., {', '.join(f'{c!r}: ...' for c in missing)}}} (e.g. "
-        f"{{'params': state.params, {example}}} from a TrainState that carries them); the "
-        f"kernel holds {names} fixed."
+        f"{fn_name}: variables (holding {sorted(variables)}) lacks the collection(s) "
+        f"{missing or '?'}, which the model reads. Fix: pass the whole dict model.init(key, "
+        f"x) returns, or add them: {{'params': ..., {', '.join(f'{c!r}: ...' for c in missing)}}}."
     )
 
 
@@ -156,12 +120,11 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"{fn_name}: model must be a flax.linen.Module or a flax.nnx.Module, got "
-            f"{type(model).__name__}. Fix: pass the module instance (e.g. MyModel()); the "
-            f"argument order is (model, variables, x1, x2); for a plain function use "
-            f"ntk_core.empirical_ntk."
+            f"{type(model).__name__}. Fix: pass the module instance; the argument order is "
+            f"(model, variables, x1, x2)."
         )
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
-    _refuse_apply_arguments(caller, apply_kwargs)
+    refuse_apply_arguments(fn_name, apply_kwargs, True, not caller.monte_carlo)
     apply3 = _model_apply(model, method, apply_kwargs)
     vmap_axes = options.get("vmap_axes", 0)
     read = VariablesReader(
@@ -180,25 +143,17 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
                 x1,
             )
         except flax.errors.InvalidRngError as e:
-            rngs = (
-                ""  # Monte Carlo kernels take no rngs
-                if caller.monte_carlo
-                else ", or pass rngs={'dropout': key}; with rngs every sample sees the same key"
-            )
+            rngs = "" if caller.monte_carlo else ", or pass rngs={'dropout': key}"
             raise ValueError(
                 f"{fn_name}: the model needs a random key ({e}). Fix: run it "
-                f"deterministically (e.g. apply_kwargs={{'train': False}} or "
-                f"deterministic=True){rngs}."
+                f"deterministically (e.g. apply_kwargs={{'train': False}}){rngs}."
             ) from None
         except flax.errors.ModifyScopeVariableError as e:
             if vmap_axes is not None:
                 raise ValueError(
-                    f"{fn_name}: the model updates its variables when applied ({e}), e.g. "
-                    f"BatchNorm in training mode, whose samples interact; per-sample "
-                    f"independence (vmap_axes=0) would be wrong. Fix: apply it in evaluation "
-                    f"mode (e.g. apply_kwargs={{'train': False}} or "
-                    f"use_running_average=True), or pass vmap_axes=None to differentiate "
-                    f"the whole batch (updated statistics are discarded)."
+                    f"{fn_name}: the model updates its variables when applied ({e}), as "
+                    f"BatchNorm in training mode does. Fix: apply it in evaluation mode (e.g. "
+                    f"apply_kwargs={{'train': False}}), or pass vmap_axes=None."
                 ) from None
         except flax.errors.ScopeCollectionNotFound as e:
             raise (

@@ -16,52 +16,27 @@ from flax import nnx
 
 from ntk_core.adapters import check_apply_kwargs, check_degree, check_like, expansion, is_nnx_module
 from ntk_flax import _nnx
-from ntk_flax._kernel import _model_apply
-
-_FIXES = {
-    "mutable": (
-        "drop it: the expansion applies the model as a pure function of its 'params', the "
-        "other collections held fixed at their values in variables; apply the model in "
-        "evaluation mode (e.g. apply_kwargs={'train': False})"
-    ),
-    "rngs": (
-        "drop it and run the model deterministically (e.g. apply_kwargs={'train': False}); "
-        "the expansion passes no random keys"
-    ),
-}
+from ntk_flax._kernel import _model_apply, refuse_apply_arguments
 
 
 def _linen_params(fn_name: str, name: str, variables):
     """``variables["params"]``, after checking that ``variables`` is a Flax variables dict."""
-    if not isinstance(variables, Mapping):
-        raise TypeError(
-            f"{fn_name}: {name} must be the variables dict returned by model.init(...), got "
-            f"{type(variables).__name__}. Fix: pass model.init(key, x), or {{'params': "
-            f"params}} for a bare parameter dict (e.g. state.params of a train state)."
-        )
-    if "params" not in variables:
-        raise ValueError(
-            f"{fn_name}: {name} has no 'params' collection (its keys: {sorted(variables)}). "
-            f"Fix: pass the whole dict returned by model.init(...), or wrap a bare parameter "
-            f"dict as {{'params': params}}."
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
+        raise (ValueError if isinstance(variables, Mapping) else TypeError)(
+            f"{fn_name}: {name} must be the dict model.init returns, with a 'params' "
+            f"collection, got {got}. Fix: pass model.init(key, x), or {{'params': params}}."
         )
     return variables["params"]
 
 
 def _linen_parts(fn_name: str, model, variables, method, apply_kwargs):
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
-    for key in ("mutable", "rngs", "method"):
-        if key in apply_kwargs:
-            fix = _FIXES.get(key) or f"pass method={apply_kwargs[key]!r} to {fn_name} itself"
-            raise TypeError(
-                f"{fn_name}: apply_kwargs holds {key!r}, an argument of model.apply that the "
-                f"expansion passes itself. Fix: {fix}."
-            )
+    refuse_apply_arguments(fn_name, apply_kwargs, False, False)
     if variables is None:
         raise ValueError(
-            f"{fn_name}: variables is None, but the flax.linen module "
-            f"{type(model).__name__} holds no parameters itself. Fix: pass the expansion "
-            f"point, variables = model.init(key, x) (None is for flax.nnx modules only)."
+            f"{fn_name}: variables is None, but a flax.linen module holds no parameters. "
+            f"Fix: pass the expansion point, variables = model.init(key, x)."
         )
     params0 = _linen_params(fn_name, "variables", variables)
     rest0 = {k: v for k, v in variables.items() if k != "params"}  # held fixed
@@ -112,8 +87,8 @@ def _expanded(fn_name: str, degree: int, model, variables, method, apply_kwargs)
     else:
         raise TypeError(
             f"{fn_name}: model must be a flax.linen.Module or a flax.nnx.Module, got "
-            f"{type(model).__name__}. Fix: pass the module instance (e.g. MyModel()); for a "
-            f"plain function apply_fn(params, x) use ntk_core.{fn_name.split('.')[-1]}."
+            f"{type(model).__name__}. Fix: pass the module instance (a plain apply_fn(params, "
+            f"x) goes to ntk_core.{fn_name.split('.')[-1]})."
         )
     apply, params0, params_of, names = parts
     expanded = expansion(fn_name, apply, params0, degree, **names)

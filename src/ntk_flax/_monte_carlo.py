@@ -59,10 +59,6 @@ def monte_carlo_kernels(
     BatchNorm must be built in evaluation mode (call ``.eval()`` on the module in that
     function before returning it).
 
-    Half-precision kernels are summed in float32 and the mean returned in their dtype.
-    With ``batch_size_samples`` > 1 the samples run vmapped in one jitted call: x1 and
-    x2 are checked for NaN/Inf before, and the means for non-finite values after.
-
     Args:
       model: a ``flax.linen.Module``, or for ``flax.nnx`` a function
         ``model(rngs: nnx.Rngs) -> nnx.Module``.
@@ -78,16 +74,9 @@ def monte_carlo_kernels(
       init_kwargs: linen only: keyword arguments for ``model.init`` instead of
         ``apply_kwargs`` (e.g. ``{"train": True}`` with ``apply_kwargs={"train":
         False}``).
-      progress: tqdm bar over the samples on stderr; ``None`` (default): only when
-        stderr is a terminal, ``CI`` is not set to a true-ish value and ``TERM`` is not
-        ``dumb``; ``True`` / ``False``: always / never.
-      **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
-        ``precision`` as in :func:`ntk_core.ntk_fn` (the NNGP ignores
-        ``implementation``), and the blocked engine's ``batch_size`` etc. for each
-        sample (only with ``batch_size_samples=1``); ``out="mc.npy"``, ``resume``,
-        ``overwrite``: the means written to ``mc.nngp.npy`` and ``mc.ntk.npy`` with
-        the running sum on disk, resumable after a kill (as
-        :func:`ntk_core.monte_carlo_kernels`).
+      progress, **options: as :func:`ntk_core.monte_carlo_kernels` (the kernel options
+        of :func:`ntk_core.ntk_fn`, ``batch_size`` only with ``batch_size_samples=1``;
+        ``out="mc.npy"``, ``resume``, ``overwrite``: the means on disk, resumable).
 
     Returns:
       ``ntk_core.predict.Kernels(nngp, ntk)``, each ``(N1, N2)`` for ``(N, O)`` outputs
@@ -121,28 +110,21 @@ def monte_carlo_kernels(
     if isinstance(model, type) and issubclass(model, nn.Module):
         raise TypeError(
             f"{fn}: model is the linen class {model.__name__}, not an instance. Fix: pass "
-            f"{model.__name__}(...) with its attributes, e.g. nn.Dense(10)."
+            f"{model.__name__}(...)."
         )
     if not isinstance(model, nn.Module):
-        if is_nnx_module(model):
+        name = type(model).__name__
+        if is_nnx_module(model) or not callable(model):
             raise TypeError(
-                f"{fn}: model is the nnx module {type(model).__name__} itself, which is "
-                f"already initialised; Monte Carlo kernels need fresh initialisations. Fix: "
-                f"pass the function that builds it from an nnx.Rngs, e.g. lambda rngs: "
-                f"{type(model).__name__}(..., rngs=rngs)."
-            )
-        if not callable(model):
-            raise TypeError(
-                f"{fn}: model must be a flax.linen.Module or a function building an nnx "
-                f"module from an nnx.Rngs, got {type(model).__name__}. Fix: pass the module "
-                f"instance (linen) or lambda rngs: Model(..., rngs=rngs) (nnx); for "
-                f"init/apply functions use ntk_core.monte_carlo_kernels."
+                f"{fn}: model must be a linen module or a function building an nnx module, got "
+                f"{'the nnx module ' if is_nnx_module(model) else ''}{name}. Fix: pass the "
+                f"function that builds it from an nnx.Rngs, e.g. lambda rngs: "
+                f"{name if is_nnx_module(model) else 'Model'}(..., rngs=rngs)."
             )
         if init_kwargs is not None:
             raise TypeError(
-                f"{fn}: init_kwargs was given for an nnx model, which initialises when its "
-                f"builder runs. Fix: drop init_kwargs and pass the arguments inside the "
-                f"builder, lambda rngs: Model(..., rngs=rngs)."
+                f"{fn}: init_kwargs was given for an nnx model. Fix: drop it and pass the "
+                f"arguments inside the builder."
             )
     init_kwargs = check_monte_carlo(
         _CALLER, x1, x2, key, n_samples, batch_size_samples, options, _OWN, init_kwargs
@@ -199,23 +181,19 @@ def _nnx_monte_carlo(
         template = build(nnx.Rngs(key))
     except Exception as e:
         raise (TypeError if isinstance(e, TypeError) else ValueError)(
-            f"{fn}: building the nnx module with model(nnx.Rngs(key)) failed with "
-            f"{type(e).__name__}: {str(e).strip().splitlines()[0].rstrip('.')}. Fix: pass a "
-            f"function of "
-            f"one nnx.Rngs that returns the module, e.g. lambda rngs: Model(..., rngs=rngs)."
+            f"{fn}: model(nnx.Rngs(key)) failed with {type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0].rstrip('.')}. Fix: pass a function of one "
+            f"nnx.Rngs that returns the module, e.g. lambda rngs: Model(..., rngs=rngs)."
         ) from e
     if not is_nnx_module(template):
         raise TypeError(
             f"{fn}: model(nnx.Rngs(key)) returned {type(template).__name__}, not an nnx "
-            f"module. Fix: return the module from the function (after calling .eval() on "
-            f"it, if it has Dropout or BatchNorm)."
+            f"module. Fix: return the module from the function."
         )
     if not jax.tree.leaves(nnx.state(template, nnx.Param)):
         raise ValueError(
             f"{fn}: the module model(nnx.Rngs(key)) builds, {type(template).__name__}, has "
-            f"no nnx.Param variables, so its NTK is zero and its NNGP the same for every "
-            f"initialisation. Fix: build the module with its trainable layers (nnx.Linear, "
-            f"nnx.Conv, ...), which hold nnx.Param variables."
+            f"no nnx.Param variables. Fix: build it with its trainable layers."
         )
     # Each sample's whole state: its parameters, and its other state (statistics,
     # buffers drawn from rngs, RNG state) as that initialisation made them.
@@ -230,12 +208,8 @@ def _nnx_monte_carlo(
         first, second = (map(_comparable, jax.tree.leaves(state_of(k))) for k in keys)
         if all(bool(jnp.array_equal(a, b)) for a, b in zip(first, second, strict=True)):
             raise ValueError(
-                f"{fn}: model(nnx.Rngs(k)) built the same module (parameters and other "
-                f"state) for two different keys, so every sample would be the same network: "
-                f"the function does not pass its rngs argument on (e.g. it builds with "
-                f"nnx.Rngs(0) inside), or nothing in it is random. Fix: build with the rngs "
-                f"it is given, lambda rngs: Model(..., rngs=rngs); for a network without "
-                f"random initialisation use ntk_flax.kernel once."
+                f"{fn}: model(nnx.Rngs(k)) built the same module for two different keys. "
+                f"Fix: build with the rngs it is given, lambda rngs: Model(..., rngs=rngs)."
             )
 
     def kernels(kind, kind_options):  # of one initialisation's (params, rest)

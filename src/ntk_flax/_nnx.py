@@ -33,9 +33,8 @@ def _method(fn_name: str, model, method) -> str:
         return "__call__"
     if not isinstance(method, str) or not callable(getattr(model, method, None)):
         raise TypeError(
-            f"{fn_name}: method must name a method of the nnx module "
-            f"{type(model).__name__}, got {method!r}. Fix: pass its name, e.g. "
-            f"method='features', or leave method=None for __call__."
+            f"{fn_name}: method must name a method of the nnx module {type(model).__name__}, "
+            f"got {method!r}. Fix: pass its name, or method=None for __call__."
         )
     return method
 
@@ -51,16 +50,6 @@ def _paths(state) -> str:
 _VARIABLE_CLASSES = (nnx.Variable,) + tuple(
     c for c in (vars(nnx).get("VariableState"),) if isinstance(c, type)
 )
-
-
-def _is_trace_context_error(error: BaseException) -> bool:
-    """Whether ``error`` is flax's for writing, inside a transformation, the state of an
-    nnx object made outside it: ``flax.errors.TraceContextError`` (flax 0.12.8), or by
-    its class name for a flax that does not export it there."""
-    cls = getattr(flax.errors, "TraceContextError", None)
-    if isinstance(cls, type):
-        return isinstance(error, cls)
-    return type(error).__name__ == "TraceContextError"
 
 
 def _variables(rest) -> list[tuple[str, str]]:
@@ -172,85 +161,32 @@ def _refuse_state_changes(
     :func:`_state_changes`); ``monte_carlo``: for the Monte Carlo kernels, whose module
     is built by the caller's function (the fix says where to call ``.eval()``)."""
     random = any("Rng" in c for c in changed)
-    parameters = any(c.startswith("Param") for c in changed)
-    statistics = any("BatchStat" in c for c in changed)
-    why = (
-        "it draws random numbers from its RNG state (Dropout in training mode, or noise), "
-        "a different draw for each sample"
-        if random
-        else "it updates its BatchNorm statistics (training mode) and normalises by the batch's own"
-        if statistics
-        else "it writes its own parameters, so the function differs from call to call"
-        if parameters
-        else "it writes state that later calls would read"
-    )
-    if (random or statistics) and module is not None and _in_eval_mode(module):
-        what, cause, switch = (
-            ("draws random numbers from its RNG state, a different draw for each sample",
-             "deterministic=False passed inside __call__, or noise drawn from its rngs",
-             "apply_kwargs={'deterministic': True}")
-            if random
-            else ("updates its BatchNorm statistics and normalises by the batch's own",
-                  "use_running_average=False passed inside __call__",
-                  "apply_kwargs={'train': False}")
-        )  # fmt: skip
-        raise ValueError(
-            f"{fn_name}: the nnx module changes its own state when called "
-            f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): it {what}, "
-            f"although its layers are in evaluation mode, so the call itself asks for it "
-            f"({cause}); a kernel needs a fixed function of params and x. Fix: let "
-            f"__call__ take the switch as an argument and pass it, e.g. {switch}, or take "
-            f"the {'random draw' if random else 'statistics update'} out of the forward pass."
-        )
-    if monte_carlo:
+    mode = random or any("BatchStat" in c for c in changed)  # Dropout, BatchNorm
+    switch = f"apply_kwargs={{'{'deterministic' if random else 'train'}': {random}}}"
+    if not mode:
+        fix = "keep state writes out of the forward pass"
+    elif module is not None and _in_eval_mode(module):
         fix = (
-            "call .eval() on the module in the function that builds it (m = Model("
-            "rngs=rngs); m.eval(); return m)"
+            f"its layers are in evaluation mode, so let __call__ take the switch and pass {switch}"
         )
     else:
-        fix = "put the module in evaluation mode (e.g. model.eval())"
-    if random:
-        fix += ", or pass the call's own switch, e.g. apply_kwargs={'deterministic': True}"
-    elif statistics:
-        fix += (
-            ", or pass the call's own switch (e.g. apply_kwargs={'train': False} for a "
-            "__call__ that sets use_running_average from it)"
-        )
-    else:
-        fix += ", and keep the state the call writes out of the forward pass"
+        fix = "call .eval() on the module where it is built" if monte_carlo else "model.eval()"
+        fix += f", or pass {switch}"
+    shown = ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "")
     raise ValueError(
-        f"{fn_name}: the nnx module changes its own state when called "
-        f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): {why}; a kernel "
-        f"needs a fixed function of params and x. Fix: {fix}."
+        f"{fn_name}: the nnx module changes its own state when called ({shown}). Fix: {fix}. "
+        f"See docs/errors.md#nnx-state."
     )
 
 
-def _refuse_stateful_arguments(
-    fn_name: str, apply_kwargs: dict, error: Exception, *, monte_carlo: bool = False
-) -> None:
+def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exception) -> None:
     """A call that failed writing the state of an nnx object given in ``apply_kwargs``
-    (an external ``nnx.Rngs`` drawing dropout masks: flax's ``TraceContextError``) gets
-    its own ValueError; ``monte_carlo`` as in :func:`_refuse_state_changes`."""
-    if not _is_trace_context_error(error):
-        return
-    stateful = [
-        f"{name} ({type(v).__name__})"
-        for name, v in apply_kwargs.items()
-        if isinstance(v, nnx.Rngs | nnx.Variable | nnx.Module)
-    ]
-    if stateful:
-        evaluation = (
-            "call .eval() on the module in the function that builds it"
-            if monte_carlo
-            else "model.eval()"
-        )
+    (an external ``nnx.Rngs`` drawing dropout masks: flax's ``TraceContextError``)."""
+    stateful = [k for k, v in apply_kwargs.items() if isinstance(v, nnx.Rngs | nnx.Variable)]
+    if stateful and isinstance(error, flax.errors.TraceContextError):
         raise ValueError(
-            f"{fn_name}: the call writes the state of {', '.join(stateful)} given in "
-            f"apply_kwargs (e.g. an nnx.Rngs drawing a dropout mask), which a kernel cannot "
-            f"do: the function of params and x must be fixed, and nnx objects from outside "
-            f"cannot be changed inside its transformations. Fix: make the call "
-            f"deterministic ({evaluation}, or apply_kwargs={{'deterministic': True}}) and "
-            f"drop the nnx object from apply_kwargs."
+            f"{fn_name}: the call writes the state of {stateful} given in apply_kwargs. Fix: "
+            f"make the call deterministic (.eval()) and drop them. See docs/errors.md#nnx-state."
         ) from error
 
 
@@ -283,7 +219,7 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options) -> Cal
         try:
             jax.eval_shape(apply3, params, x1, aux)
         except Exception as e:
-            _refuse_stateful_arguments(fn_name, apply_kwargs, e, monte_carlo=monte_carlo)
+            _refuse_stateful_arguments(fn_name, apply_kwargs, e)
             raise adapter_model_failure(caller, "variables", e) from e
         graphdef, rest = aux
         changed = _state_changes(graphdef, params, rest, x1, name, apply_kwargs)
@@ -295,40 +231,30 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options) -> Cal
         if rngs is not None:
             raise TypeError(
                 f"{fn_name}: rngs was given, but an nnx module carries its own nnx.Rngs. "
-                f"Fix: drop rngs= (call model.eval() for deterministic dropout)."
+                f"Fix: drop rngs= (model.eval() for deterministic dropout)."
             )
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if variables is not None:
+            fix = "pass nnx.state(model, nnx.Param) of this model, or None for its own"
             if jax.tree.structure(variables) != jax.tree.structure(params):
-                pure = (
-                    "; a plain dict (e.g. from a checkpoint) goes back into a state with "
-                    "state = nnx.state(model, nnx.Param); nnx.replace_by_pure_dict(state, d)"
-                    if isinstance(variables, dict) and hasattr(nnx, "replace_by_pure_dict")
-                    else ""
-                )
                 raise ValueError(
-                    f"{fn_name}: variables do not have the structure of the module's "
-                    f"nnx.Param state (got {type(variables).__name__} with "
-                    f"{len(jax.tree.leaves(variables))} leaves, against "
-                    f"{len(jax.tree.leaves(params))} in {type(params).__name__} "
-                    f"{_paths(params)}). Fix: pass variables=None for the module's own "
-                    f"parameters, or nnx.state(model, nnx.Param) (e.g. of another step of the "
-                    f"same model){pure}."
+                    f"{fn_name}: variables do not have the structure of the module's nnx.Param "
+                    f"state {_paths(params)}. Fix: {fix} (a dict goes in with "
+                    f"nnx.replace_by_pure_dict)."
                 )
-            shapes = [np.shape(v) for v in jax.tree.leaves(variables)]
-            if shapes != [np.shape(v) for v in jax.tree.leaves(params)]:
-                wrong = [  # paths only for the message
-                    f"{jax.tree_util.keystr(path)} {got} (expected {np.shape(want)})"
-                    for (path, want), got in zip(
-                        jax.tree_util.tree_leaves_with_path(params), shapes, strict=True
-                    )
-                    if got != np.shape(want)
-                ]
+            wrong = [
+                f"{jax.tree_util.keystr(path)} {np.shape(got)} (expected {np.shape(want)})"
+                for (path, want), got in zip(
+                    jax.tree_util.tree_leaves_with_path(params),
+                    jax.tree.leaves(variables),
+                    strict=True,
+                )
+                if np.shape(got) != np.shape(want)
+            ]
+            if wrong:
                 raise ValueError(
                     f"{fn_name}: variables do not have the shapes of the module's nnx.Param "
-                    f"state: {', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''}. Fix: "
-                    f"pass nnx.state(model, nnx.Param) of this model (e.g. of another "
-                    f"training step), or variables=None for the module's own parameters."
+                    f"state: {', '.join(wrong[:3])}. Fix: {fix}."
                 )
             params = variables
         return params, (graphdef, rest)

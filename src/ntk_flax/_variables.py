@@ -1,32 +1,15 @@
 """What the ``variables`` argument of the ``flax.linen`` entry points may be.
 
-``ntk_flax.kernel(model, variables, x1)`` and the other linen entry points take what a
-Flax training loop holds:
+(a) the dict ``model.init`` returns (a mapping with a ``"params"`` key), used as it is;
+(b) a bare params dict (``variables["params"]``, ``state.params``): a mapping holding
+    every parameter path ``model.init`` makes (``jax.eval_shape`` on one abstract
+    sample of x1, once per per-sample signature), used as ``{"params": params}``;
+(c) a train state (``.params`` and ``.apply_fn``, e.g. ``TrainState``): its params as
+    in (a) or (b), plus each other collection ``model.init`` makes from the attribute of
+    that name (``state.batch_stats``). Nothing else is read.
 
-(a) the variables dict returned by ``model.init`` (``{"params": ..., "batch_stats":
-    ...}``), used as it is;
-(b) a bare params dict, the ``params`` collection alone (``variables["params"]``,
-    ``state.params``), used as ``{"params": params}``;
-(c) a train state: an object with ``.params`` and ``.apply_fn``, such as
-    ``flax.training.train_state.TrainState`` or a subclass of it. ``state.params`` is
-    read as in (a) or (b), and for each other collection that ``model.init`` makes
-    (e.g. ``batch_stats``) and ``state.params`` lacks, the attribute of that name
-    (``state.batch_stats``) if the state has one and it is not ``None``. Nothing else is
-    read: not ``step``, ``tx``, ``opt_state``, nor ``apply_fn`` (the kernel applies
-    ``model``).
-
-A mapping with a ``"params"`` key is a variables dict and is used as it is, with no
-extra work (every training step's call). Any other mapping is a bare params dict when it
-holds every parameter path that ``model.init`` makes, found with
-``jax.eval_shape(model.init, x)`` on one abstract sample of x1 (one abstract trace per
-per-sample signature, nothing computed), and is refused otherwise (parameters of another
-model). A train state needs the same abstract init, for the names of the collections it
-may carry. A bare params dict whose top-level layer is itself named ``params`` looks
-like a variables dict; the model then fails, and :meth:`VariablesReader.misread` turns
-that failure into a refusal that says so (Flax's ``model.apply`` refuses such a model's
-variables dict too, so the fix is to rename the layer). When the
-model cannot be initialised abstractly on x1, a bare mapping is used as params and the
-model's own error on x1 is reported.
+A model that cannot be initialised abstractly on x1 gets the mapping as params, and its
+own error on x1 is reported. See docs/errors.md#flax-variables.
 """
 
 from __future__ import annotations
@@ -87,16 +70,6 @@ def _hashable(key):
     return key
 
 
-def _collections_phrase(missing: list[str]) -> tuple[str, str, str]:
-    """(``"collection 'batch_stats' (BatchNorm's running statistics)"``, the names, the
-    ``'batch_stats': ...`` entries) for messages."""
-    names = ", ".join(map(repr, missing))
-    plural = "s" if len(missing) > 1 else ""
-    what = " (BatchNorm's running statistics)" if missing == ["batch_stats"] else ""
-    entries = ", ".join(f"{c!r}: ..." for c in missing)
-    return f"collection{plural} {names}{what}", names, entries
-
-
 #: Fields of ``flax.training.train_state.TrainState`` that no Flax collection is called: a
 #: dict holding ``params`` and one of these is a train state saved as a dict.
 _TRAIN_STATE_FIELDS = frozenset({"step", "opt_state", "tx", "apply_fn"})
@@ -154,27 +127,16 @@ class VariablesReader:
             state, given = variables, variables.params
             if not isinstance(given, Mapping):
                 raise TypeError(
-                    f"{fn}: variables is a {type(state).__name__} (a train state) whose "
-                    f".params is {type(given).__name__}, not a dict of parameters. Fix: pass "
-                    f"a train state whose params are the model's 'params' collection "
-                    f"(TrainState.create(apply_fn=model.apply, params=variables['params'], "
-                    f"tx=tx)), or the variables dict returned by model.init(key, x)."
+                    f"{fn}: variables is a {type(state).__name__} whose .params is "
+                    f"{type(given).__name__}, not a dict. Fix: create the train state with "
+                    f"params=variables['params']."
                 )
         else:
-            has_params = hasattr(variables, "params")
-            hint = (
-                f" ({type(variables).__name__} has .params but no .apply_fn, so it is not "
-                f"read as a train state: pass variables.params)"
-                if has_params
-                else ""
-            )
+            hint = " (it has .params but no .apply_fn)" if hasattr(variables, "params") else ""
             raise TypeError(
-                f"{fn}: variables must be the dict returned by model.init(...), got "
-                f"{type(variables).__name__}; also accepted: its 'params' entry (a bare "
-                f"params dict, e.g. state.params) or a train state (an object with .params "
-                f"and .apply_fn, e.g. flax.training.train_state.TrainState){hint}. Fix: pass "
-                f"model.init(key, x), its ['params'] entry, or the TrainState; the argument "
-                f"order is {self._order}."
+                f"{fn}: variables must be the dict returned by model.init(...), its ['params'] "
+                f"or a train state, got {type(variables).__name__}{hint}. Fix: pass one of "
+                f"those; the argument order is {self._order}."
             )
         if state is None and "params" in given and _TRAIN_STATE_FIELDS & set(given):
             # a train state as a dict (e.g. restored by orbax without a target): read it as
@@ -193,7 +155,7 @@ class VariablesReader:
                     read[c] = getattr(state, c)
         lacking = [c for c in made if c not in read]
         if lacking:
-            self._refuse_lacking(read, x1, rngs, lacking, made, made_key, state)
+            self._refuse_lacking(read, x1, rngs, lacking, made_key, state)
         return read
 
     def _bare(self, given: Mapping, made, made_key) -> str:
@@ -228,43 +190,22 @@ class VariablesReader:
             return None
         if isinstance(inner, Mapping) and want <= _paths(inner):
             return None  # a variables dict after all: another failure
-        fn = self._fn_name
-        reason = " ".join(str(error).split()).rstrip(".")
         return ValueError(
-            f"{fn}: variables has a top-level 'params' key, so it was read as a variables "
-            f"dict whose 'params' collection is variables['params'], but the model failed "
-            f"with it ({type(error).__name__}: {reason}); it is this model's bare params "
-            f"dict instead, whose top-level layer is named 'params' (it holds every "
-            f"parameter model.init makes: {_shown(want)}). Flax's model.apply refuses the "
-            f"variables of such a model ({{'params': {{'params': ...}}}} raises "
-            f"ApplyScopeInvalidVariablesStructureError), so it cannot be applied as it is. "
-            f"Fix: rename that layer (e.g. nn.Dense(..., name='dense_in')) and initialise "
-            f"the model again."
+            f"{self._fn_name}: variables is this model's bare params dict, whose top-level "
+            f"layer is named 'params' (the model failed with {type(error).__name__}). Fix: "
+            f"rename that layer (e.g. name='dense_in'). See docs/errors.md#flax-variables."
         )
 
     def _foreign(self, given: Mapping, want: frozenset) -> ValueError:
-        fn = self._fn_name
-        keys = _keys(given)
-        if not want:
-            return ValueError(
-                f"{fn}: variables has no 'params' collection (its keys: {keys}), and the "
-                f"model's init makes no parameters to compare it with. Fix: pass the whole "
-                f"variables dict returned by model.init(key, x), or wrap a bare parameter "
-                f"dict as {{'params': params}}."
-            )
-        have = _paths(given)
-        lacking = want - have
+        lacking = sorted(want - _paths(given))
         return ValueError(
-            f"{fn}: variables has no 'params' collection (its keys: {keys}) and is not this "
-            f"model's params dict either: model.init(key, x1) makes {len(want)} parameter(s), "
-            f"{len(lacking)} of which it lacks ({_shown(lacking)}); it holds "
-            f"{_shown(have) or 'no arrays'}. Fix: pass this model's parameters: the variables "
-            f"dict returned by model.init(key, x), its ['params'] entry (state.params), or "
-            f"the TrainState; parameters of another model, or of this one with other layer "
-            f"names, do not fit."
+            f"{self._fn_name}: variables has no 'params' collection (keys {_keys(given)}) and "
+            f"lacks {len(lacking)} of the {len(want)} parameters model.init makes "
+            f"({_shown(lacking) or 'none: init makes no parameters'}). Fix: pass this model's "
+            f"model.init(key, x), its ['params'] entry or its TrainState."
         )
 
-    def _refuse_lacking(self, read, x1, rngs, lacking, made, made_key, state) -> None:
+    def _refuse_lacking(self, read, x1, rngs, lacking, made_key, state) -> None:
         """Raises if the model reads one of the collections ``lacking`` (an abstract apply
         without them fails with Flax's ``ScopeCollectionNotFound``); a collection that
         ``model.init`` makes but the model does not read in this mode is not needed."""
@@ -283,27 +224,10 @@ class VariablesReader:
                 self._reads[key] = reads
         if not reads:
             return
-        fn = self._fn_name
-        phrase, names, entries = _collections_phrase(lacking)
-        held = _keys(made)
-        if state is None:
-            raise ValueError(
-                f"{fn}: variables is a bare params dict (the 'params' collection alone, as "
-                f"variables['params'] or state.params hold it), but the model also reads the "
-                f"{phrase}, which it lacks; model.init makes {held}. Fix: pass the whole "
-                f"variables dict ({{'params': params, {entries}}}, e.g. from model.init(key, "
-                f"x) and the training loop's updates), or the TrainState itself if it carries "
-                f"them (a TrainState subclass with a field for each); the kernel holds "
-                f"{names} fixed."
-            )
-        attrs = ", ".join(f".{c}" for c in lacking)
-        fields = "; ".join(f"{c}: Any = None" for c in lacking)
-        example = ", ".join(f"{c}=variables[{c!r}]" for c in lacking)
+        what = "a bare params dict" if state is None else f"a {type(state).__name__}"
+        entries = ", ".join(f"{c!r}: ..." for c in lacking)
         raise ValueError(
-            f"{fn}: variables is a {type(state).__name__} (a train state: its .params are "
-            f"read), but the model also reads the {phrase}, which the state does not carry "
-            f"(no attribute {attrs}, or None); model.init makes {held}. Fix: keep it in the "
-            f"train state, e.g. class TrainState(train_state.TrainState): {fields}, created "
-            f"with {example} and updated by the training step, or pass "
-            f"{{'params': state.params, {entries}}}; the kernel holds {names} fixed."
+            f"{self._fn_name}: variables is {what} without the collection(s) {lacking}, which "
+            f"the model reads. Fix: pass {{'params': ..., {entries}}} or a TrainState that "
+            f"carries them. See docs/errors.md#flax-variables."
         )

@@ -8,11 +8,11 @@ hands it to ``ntk_core`` through :mod:`ntk_core.adapters`.
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Callable, Mapping
 
 import haiku as hk
 import jax
+import jax.numpy as jnp
 
 from ntk_core.adapters import (
     Caller,
@@ -43,120 +43,31 @@ def _model_apply(transformed, apply_kwargs):
     return apply3, with_state, takes_rng
 
 
-_FLAX_COLLECTIONS = {"params", "batch_stats", "cache", "intermediates", "constants"}
-_FLAX_LEAF_NAMES = {"kernel", "embedding"}  # Haiku's are w and embeddings
+def _paths(tree) -> set[str]:
+    return {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def _leaf_names(tree) -> set[str]:
-    return {
-        str(getattr(path[-1], "key", path[-1]))
-        for path, _ in jax.tree_util.tree_leaves_with_path(tree)
-        if path
-    }
-
-
-# Haiku raises a plain ValueError, with no attribute naming the entry, when apply asks
-# for a parameter or a state entry it was not given. Comparing params and state with
-# the trees of an abstract transformed.init does not replace reading the message: init
-# often runs only with other model arguments (BatchNorm initialises in training mode
-# only, while the kernel applies it in evaluation mode), and the message names the
-# first entry the model asks for, an order no tree records. So the two wordings are
-# read here, one function each, tested against Haiku (tests/haiku/test_wording.py).
-
-
-def _haiku_wording(error: BaseException, pattern: str) -> tuple[str, str] | None:
-    if not isinstance(error, ValueError):  # Haiku raises both as a ValueError
-        return None
-    m = re.search(pattern, str(error))
-    return None if m is None else (m.group(1), m.group(2))
-
-
-def haiku_missing_parameter(error: BaseException) -> tuple[str, str] | None:
-    """``(name, module)`` of the parameter Haiku's ``get_parameter`` could not find in
-    the params given to apply, from its ValueError ``"Unable to retrieve parameter 'w'
-    for module 'linear' All parameters must be created as part of `init`."`` (dm-haiku
-    0.0.17, ``haiku/_src/base.py``), else ``None``."""
-    return _haiku_wording(error, r"Unable to retrieve parameter '([^']+)' for module '([^']+)'")
-
-
-def haiku_missing_state(error: BaseException) -> tuple[str, str] | None:
-    """``(name, module)`` of the state entry Haiku's ``get_state`` could not find in the
-    state given to apply (an entry without an init function), from its ValueError
-    ``"No value for 'average' in 'batch_norm/~/mean_ema', perhaps set an init
-    function?"`` (dm-haiku 0.0.17, ``haiku/_src/base.py``), else ``None``."""
-    return _haiku_wording(error, r"No value for '([^']+)' in '([^']+)'")
-
-
-def _foreign_params(fn_name, params, state, error) -> ValueError | None:
-    """The ValueError for params or state that are not this transform's (Haiku cannot
-    find a parameter or state entry the model asks for), naming what they hold;
-    ``None`` for other errors. Flax variables get the ntk_flax fix."""
-    wanted = haiku_missing_parameter(error)
-    if wanted is None:
-        wanted_state = haiku_missing_state(error)
-        if wanted_state is None or not isinstance(state, Mapping):
-            return None
-        name, module = wanted_state
-        held = sorted(map(str, state))
+def _foreign(fn_name: str, params, state, made) -> ValueError | None:
+    """A ValueError for params (or state) whose entries differ from those
+    ``transformed.init`` makes (``made``: its abstract output), else ``None``."""
+    made_params, made_state = made if isinstance(made, tuple) else (made, None)
+    fix = f"pass {'params, state' if made_state else 'params'} = transformed.init(key, x)"
+    if (
+        _paths(params) != _paths(made_params)
+        and made_state
+        and _paths(params) == _paths(made_state)
+    ):
+        return ValueError(f"{fn_name}: params holds the model's state. Fix: {fix}.")
+    lacking = sorted(_paths(made_params) - _paths(params))
+    if lacking:
+        got = sorted(map(str, params))
         return ValueError(
-            f"{fn_name}: the model asks for state {name!r} of module {module!r}, which "
-            f"state does not hold (its modules: {_shown(held)}). Fix: pass the state "
-            f"returned together with these params, params, state = transformed.init(key, "
-            f"x) (state of another model, or an empty one, does not fit)."
+            f"{fn_name}: params (modules {got}) lack {', '.join(lacking[:3])}, which "
+            f"transformed.init makes. Fix: {fix} (for Flax models use ntk_flax.kernel)."
         )
-    if not isinstance(params, Mapping):
-        return None
-    name, module = wanted
-    held = sorted(map(str, params))
-    subject = f"params does not hold (its modules: {_shown(held)})"
-    in_state = isinstance(state, Mapping) and isinstance(state.get(module), Mapping)
-    if (in_state and name in state[module]) or (params is state and state is not None):
-        fix = (
-            "state holds it, so params and state look swapped (or state was passed as "
-            "params): pass params, state = transformed.init(key, x) as (transformed, params, "
-            "x, state=state)"
-        )
-    elif module in params and isinstance(params[module], Mapping):
-        inside = sorted(map(str, params[module]))
-        subject = f"params does not hold (module {module!r} holds only {inside})"
-        fix = (
-            "pass the params returned by transformed.init(key, x) unchanged; a parameter "
-            "of this module was removed or renamed"
-        )
-    elif "params" in params and set(map(str, params)) <= _FLAX_COLLECTIONS:
-        fix = (
-            "params looks like a Flax variables dict ({'params': ...}): use "
-            "ntk_flax.kernel(model, variables, x) for a Flax model, or pass the params "
-            "returned by transformed.init(key, x) for this Haiku model"
-        )
-    elif not all(isinstance(v, Mapping) for v in params.values()):
-        fix = (
-            "Haiku params map module names to dicts of arrays ({'linear': {'w': ..., "
-            "'b': ...}}), and these map names straight to arrays (Flax's "
-            "variables['params'] of a single layer?): pass the params returned by "
-            "transformed.init(key, x), or use ntk_flax.kernel for a Flax model"
-        )
-    elif _leaf_names(params) & _FLAX_LEAF_NAMES and not _leaf_names(params) & {"w", "b"}:
-        fix = (
-            f"params look like Flax parameters (leaves named "
-            f"{sorted(_leaf_names(params) & _FLAX_LEAF_NAMES)}; Haiku names them w, b, "
-            f"...): use ntk_flax.kernel(model, variables, x) for a Flax model, or pass the "
-            f"params returned by transformed.init(key, x) for this Haiku model"
-        )
-    else:
-        fix = (
-            "pass the params returned by this transform's init, params = "
-            "transformed.init(key, x) (params of another model, or of this model under "
-            "another hk.transform with different module names, do not fit)"
-        )
-    return ValueError(
-        f"{fn_name}: the model asks for parameter {name!r} of module {module!r}, which "
-        f"{subject}. Fix: {fix}."
-    )
-
-
-def _shown(names: list[str]) -> list[str]:
-    return names if len(names) <= 6 else names[:6] + [f"... ({len(names)} in all)"]
+    if made_state and state is not None and _paths(made_state) - _paths(state):
+        return ValueError(f"{fn_name}: state lacks entries transformed.init makes. Fix: {fix}.")
+    return None
 
 
 def caller(name: str, *, built: bool = False, monte_carlo: bool = False) -> Caller:
@@ -172,27 +83,29 @@ def caller(name: str, *, built: bool = False, monte_carlo: bool = False) -> Call
     )
 
 
+def check_transformed(fn_name: str, transformed) -> None:
+    if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
+        raise TypeError(
+            f"{fn_name}: expected an hk.Transformed or hk.TransformedWithState, got "
+            f"{type(transformed).__name__}. Fix: wrap the forward function: hk.transform(f)."
+        )
+
+
 def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=None):
     """The kernel function ``kernel(params, x1, x2=None, *, state=None, rng=None)`` of
     ``transformed`` for the public function ``caller``."""
     fn_name = caller.name
-    if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
-        raise TypeError(
-            f"{fn_name}: expected an hk.Transformed or hk.TransformedWithState (the result of "
-            f"hk.transform / hk.transform_with_state), got {type(transformed).__name__}. "
-            f"Fix: wrap your forward function with hk.transform(f)."
-        )
+    check_transformed(fn_name, transformed)
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
     apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs)
 
-    def init_params(x):
-        out = transformed.init(jax.random.PRNGKey(0), x, **apply_kwargs)
-        return out[0] if with_state else out
+    def init(x):
+        return transformed.init(jax.random.PRNGKey(0), x, **apply_kwargs)
 
     def failure(params, x1, aux) -> Exception | None:
         """The model's error on x1 (one abstract trace), ``None`` if it runs."""
         try:
-            jax.eval_shape(lambda p, x, a: apply3(p, x, a), params, x1, aux)
+            jax.eval_shape(apply3, params, x1, aux)
         except Exception as e:
             return e
         return None
@@ -202,29 +115,26 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
         if error is None:
             return
         state, rng = aux
-        if takes_rng and rng is None:  # does it fail for want of a key? run it with one
-            error = failure(params, x1, (state, jax.random.PRNGKey(0)))
-            if error is None:
-                raise ValueError(
-                    f"{fn_name}: the model needs a random key (e.g. dropout) but rng=None. "
-                    f"Fix: pass rng=jax.random.PRNGKey(0) (the same key for every sample), "
-                    f"or make the model deterministic."
-                ) from None
-        if isinstance(error, ValueError):
-            raise (
-                _foreign_params(fn_name, params, state, error)
-                or input_shape_mismatch(
-                    fn_name,
-                    "params",
-                    params,
-                    init_params,
-                    x1,
-                    "params = transformed.init(key, x1)",
-                )
-                or adapter_model_failure(caller, "params", error)
-            ) from error
-        raise _foreign_params(fn_name, params, state, error) or adapter_model_failure(
-            caller, "params", error
+        if takes_rng and rng is None and not failure(params, x1, (state, jax.random.PRNGKey(0))):
+            raise ValueError(
+                f"{fn_name}: the model needs a random key (e.g. dropout) but rng=None. Fix: "
+                f"pass rng=jax.random.PRNGKey(0), the same key for every sample."
+            ) from None
+        try:  # what init makes, to compare with params and state (error path only)
+            made = jax.eval_shape(init, x1)
+        except Exception:  # init needs other model arguments (BatchNorm in eval mode)
+            made = None
+        raise (
+            input_shape_mismatch(
+                fn_name,
+                "params",
+                params,
+                lambda x: init(x)[0] if with_state else init(x),
+                x1,
+                "params = transformed.init(key, x1)",
+            )
+            or (made is not None and _foreign(fn_name, params, state, made))
+            or adapter_model_failure(caller, "params and state" if with_state else "params", error)
         ) from error
 
     def to_core(params, state=None, rng=None):
@@ -235,24 +145,15 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
         if not isinstance(params, Mapping):
             raise TypeError(
                 f"{fn_name}: params must be the dict returned by transformed.init, got "
-                f"{type(params).__name__}. Fix: pass params = transformed.init(key, x); the "
-                f"argument order is (transformed, params, x1, x2)."
+                f"{type(params).__name__}. Fix: pass it; the argument order is {caller.order}."
             )
-
-        def is_integer(leaf) -> bool:
-            return hasattr(leaf, "dtype") and jax.numpy.issubdtype(leaf.dtype, jax.numpy.integer)
-
-        if any(map(is_integer, jax.tree.leaves(params))):  # paths only for the message
-            integer = [
-                jax.tree_util.keystr(path)
-                for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-                if is_integer(leaf)
-            ]
+        if any(
+            hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.integer)
+            for v in jax.tree.leaves(params)
+        ):
             raise TypeError(
-                f"{fn_name}: params holds integer arrays ({', '.join(integer[:3])}), as Haiku "
-                f"state does (e.g. a BatchNorm or EMA counter), and params are differentiated. "
-                f"Fix: pass both values of params, state = transformed.init(key, x) in their "
-                f"places: (transformed, params, x, state=state)."
+                f"{fn_name}: params holds integer arrays, as Haiku state does (a counter). "
+                f"Fix: pass params, state = transformed.init(key, x) in their places."
             )
         return params, (state, rng)
 
@@ -272,18 +173,17 @@ def check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call) -> Non
     if with_state and state is None:
         raise ValueError(
             f"{fn_name}: this hk.TransformedWithState needs its state. Fix: pass "
-            f"state=state, the second value returned by transformed.init(key, x)."
+            f"state=state from params, state = transformed.init(key, x)."
         )
     if with_state and not isinstance(state, Mapping):
         raise TypeError(
             f"{fn_name}: state must be the mapping returned by transformed.init(key, x) "
-            f"(its second value), got {type(state).__name__}. Fix: pass params, state = "
-            f"transformed.init(key, x) as {call}."
+            f"(its second value), got {type(state).__name__}. Fix: pass it as {call}."
         )
     if not with_state and state is not None:
         raise ValueError(
-            f"{fn_name}: state was given but the model is a plain hk.Transformed without "
-            f"state. Fix: drop state=, or use hk.transform_with_state."
+            f"{fn_name}: state was given but the model is a plain hk.Transformed. Fix: drop "
+            f"state=, or use hk.transform_with_state."
         )
     if rng is not None and not takes_rng:
         raise ValueError(

@@ -10,20 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-import haiku as hk
-
 from ntk_core.adapters import check_apply_kwargs, check_degree, expansion
-from ntk_haiku._kernel import _model_apply, check_state_and_rng
+from ntk_haiku._kernel import _model_apply, check_state_and_rng, check_transformed
 
 
 def _expanded(fn_name: str, degree: int, transformed, params0, state, rng, apply_kwargs):
-    if not isinstance(transformed, hk.Transformed | hk.TransformedWithState):
-        raise TypeError(
-            f"{fn_name}: expected an hk.Transformed or hk.TransformedWithState (the result "
-            f"of hk.transform / hk.transform_with_state), got {type(transformed).__name__}. "
-            f"Fix: wrap your forward function with hk.transform(f); for a plain function "
-            f"apply_fn(params, x) use ntk_core.{fn_name.split('.')[-1]}."
-        )
+    check_transformed(fn_name, transformed)
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
     apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs)
     call = f"{fn_name}(transformed, params, state=state)"
@@ -31,8 +23,7 @@ def _expanded(fn_name: str, degree: int, transformed, params0, state, rng, apply
     if not isinstance(params0, Mapping):
         raise TypeError(
             f"{fn_name}: params0 must be the dict returned by transformed.init, got "
-            f"{type(params0).__name__}. Fix: pass params0 = transformed.init(key, x) (for "
-            f"hk.transform_with_state its first value, the second as state=)."
+            f"{type(params0).__name__}. Fix: pass params0 = transformed.init(key, x)."
         )
 
     def apply(params, x):

@@ -149,11 +149,8 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
     if {r: len(n) for r, n in flax_kinds.items()} != {r: len(n) for r, n in haiku_kinds.items()}:
         raise ValueError(
             f"params_from_flax: got {len(layers)} Flax layers ({_listed(flax_kinds)}) but "
-            f"{len(modules)} Haiku modules ({_listed(haiku_kinds)}); expected as many "
-            f"Haiku modules as Flax layers of each kernel rank (2: Dense/Linear, N + 2: "
-            f"N-D Conv), paired in order. Fix: build the Haiku model from the same layers "
-            f"as the Flax one (one hk.Linear per nn.Dense, e.g. hk.nets.MLP with the "
-            f"Flax widths, and one hk.ConvND per nn.Conv)."
+            f"{len(modules)} Haiku modules ({_listed(haiku_kinds)}). Fix: build the Haiku model "
+            f"from the same layers (one hk.Linear per nn.Dense, one hk.ConvND per nn.Conv)."
         )
     pairs = {}
     for rank, flax_names in flax_kinds.items():
@@ -176,10 +173,8 @@ def _flax_layers(flax_params, require_kernel: bool) -> Mapping:
     """``flax_params`` after checking it is a flat collection of Dense/Conv layers."""
     if not isinstance(flax_params, Mapping):
         raise TypeError(
-            f"params_from_flax: flax_params must be a Flax params collection, a mapping "
-            f"of layer names to {{'kernel': ..., 'bias': ...}}; got "
-            f"{type(flax_params).__name__}. Fix: pass variables['params'] with variables "
-            f"= model.init(key, x)."
+            f"params_from_flax: flax_params must be a Flax params collection, got "
+            f"{type(flax_params).__name__}. Fix: pass variables['params']."
         )
     inner = flax_params.get("params")
     if isinstance(inner, Mapping) and any(isinstance(v, Mapping) for v in inner.values()):
@@ -191,32 +186,26 @@ def _flax_layers(flax_params, require_kernel: bool) -> Mapping:
     for layer, leaves in flax_params.items():
         if not isinstance(leaves, Mapping):
             raise ValueError(
-                f"params_from_flax: Flax layer {layer!r} holds a {type(leaves).__name__}; "
-                f"expected a mapping {{'kernel': ..., 'bias': ...}} per layer. Fix: pass "
-                f"the model's variables['params'] (for a model that is a lone nn.Dense or "
-                f"nn.Conv, wrap its params: {{'Dense_0': variables['params']}})."
+                f"params_from_flax: Flax layer {layer!r} holds a {type(leaves).__name__}, not "
+                f"a mapping. Fix: pass variables['params'] (a lone layer's as "
+                f"{{'Dense_0': variables['params']}})."
             )
         nested = sorted(str(k) for k, v in leaves.items() if isinstance(v, Mapping))
         if nested:
             raise ValueError(
-                f"params_from_flax: Flax module {layer!r} holds submodules {nested}; "
-                f"expected a flat collection of Dense/Conv layers (nested Flax modules are "
-                f"not mapped). Fix: create the layers in the top module (@nn.compact or "
-                f"nn.Sequential), or map each submodule's params by hand."
+                f"params_from_flax: Flax module {layer!r} holds submodules {nested}. Fix: "
+                f"create the Dense/Conv layers in the top module, or map their params by hand."
             )
         others = set(leaves) - set(_FLAX_TO_HAIKU)
         if others or (require_kernel and "kernel" not in leaves):
             haiku_like = leaves and set(leaves) <= set(_HAIKU_TO_FLAX)
             raise ValueError(
-                f"params_from_flax: Flax layer {layer!r} holds {sorted(map(str, leaves))}; "
-                f"expected 'kernel' and optionally 'bias': only Dense and Conv stacks are "
-                f"mapped. Fix: "
+                f"params_from_flax: Flax layer {layer!r} holds {sorted(map(str, leaves))}, not "
+                f"'kernel' and 'bias' (Dense, Conv). Fix: "
                 + (
-                    "these look like Haiku params: pass the Flax params first and the "
-                    "Haiku params second."
+                    "these look like Haiku params: pass the Flax params first."
                     if haiku_like
-                    else "transplant the other layers' params by hand (Haiku names them "
-                    "differently, e.g. hk.BatchNorm's scale/offset, hk.Embed's embeddings)."
+                    else "transplant the other layers' params by hand."
                 )
             )
     return flax_params
@@ -226,10 +215,8 @@ def _haiku_modules(haiku_params) -> Mapping:
     """``haiku_params`` after checking it holds only ``hk.Linear``/``hk.ConvND``."""
     if not isinstance(haiku_params, Mapping):
         raise TypeError(
-            f"params_from_flax: haiku_params must be the params dict of the Haiku model, "
-            f"mapping module names to {{'w': ..., 'b': ...}}; got "
-            f"{type(haiku_params).__name__}. Fix: pass transformed.init(key, x) (for "
-            f"hk.transform_with_state, the params of params, state = init(key, x))."
+            f"params_from_flax: haiku_params must be the Haiku model's params dict, got "
+            f"{type(haiku_params).__name__}. Fix: pass params from transformed.init(key, x)."
         )
     for module, leaves in haiku_params.items():
         held = sorted(map(str, leaves)) if isinstance(leaves, Mapping) else None
@@ -237,15 +224,12 @@ def _haiku_modules(haiku_params) -> Mapping:
             flax_like = held is not None and set(held) <= set(_FLAX_TO_HAIKU)
             raise ValueError(
                 f"params_from_flax: Haiku module {module!r} holds "
-                f"{held if held is not None else type(leaves).__name__}; expected 'w' and "
-                f"optionally 'b' (hk.Linear, hk.ConvND): only Dense and Conv stacks are "
-                f"mapped. Fix: "
+                f"{held if held is not None else type(leaves).__name__}, not 'w' and 'b' "
+                f"(hk.Linear, hk.ConvND). Fix: "
                 + (
-                    "these look like Flax params: pass the Flax params first and the Haiku "
-                    "params second."
+                    "these look like Flax params: pass the Flax params first."
                     if flax_like
-                    else "pass the params of a Haiku model built from hk.Linear and "
-                    "hk.ConvND only, or transplant the other modules' params by hand."
+                    else "transplant the other modules' params by hand."
                 )
             )
     return haiku_params
@@ -288,9 +272,8 @@ def _check_pair(layer, flax_leaves, module, haiku_leaves, index, count) -> None:
     if ("bias" in flax_leaves) != ("b" in haiku_leaves):
         with_bias, without = (layer, module) if "bias" in flax_leaves else (module, layer)
         raise ValueError(
-            f"params_from_flax: {where}: {with_bias!r} has a bias and {without!r} has "
-            f"none; expected a bias on both or on neither. Fix: match use_bias= of the "
-            f"Flax layer and with_bias= of the Haiku module."
+            f"params_from_flax: {where}: {with_bias!r} has a bias and {without!r} has none. "
+            f"Fix: match use_bias= of the Flax layer and with_bias= of the Haiku module."
         )
     for flax_name, haiku_name in _FLAX_TO_HAIKU.items():
         if flax_name not in flax_leaves:
@@ -298,8 +281,6 @@ def _check_pair(layer, flax_leaves, module, haiku_leaves, index, count) -> None:
         got, want = _shape(flax_leaves[flax_name]), _shape(haiku_leaves[haiku_name])
         if got != want:
             raise ValueError(
-                f"params_from_flax: {where}: {flax_name} has shape {got} but "
-                f"{haiku_name} has shape {want}; expected equal shapes. Fix: give the "
-                f"Haiku module the Flax layer's output size and kernel size, in the order "
-                f"of the Flax layers (both store kernels as (..., in, out))."
+                f"params_from_flax: {where}: {flax_name} has shape {got} but {haiku_name} has "
+                f"shape {want}. Fix: give the Haiku modules the Flax layers' sizes, in order."
             )

@@ -8,7 +8,7 @@ import jax
 from ntk_core.adapters import check_monte_carlo, checked_arguments, checked_init, monte_carlo_mean
 from ntk_core.predict import Kernels
 
-from ._kernel import caller, make
+from ._kernel import caller, check_transformed, make
 
 #: :func:`monte_carlo_kernels` as its messages name it.
 _CALLER = caller("monte_carlo_kernels", monte_carlo=True)
@@ -55,18 +55,9 @@ def monte_carlo_kernels(
       init_kwargs: keyword arguments for ``transformed.init`` instead of
         ``apply_kwargs``, e.g. ``{"is_training": True}`` for ``hk.BatchNorm``, which
         initialises only in training mode, with ``apply_kwargs={"is_training": False}``.
-      progress: tqdm bar over the samples on stderr; ``None`` (default): only when
-        stderr is a terminal, ``CI`` is not set to a true-ish value and ``TERM`` is not
-        ``dumb``; ``True`` / ``False``: always / never.
-      **options: ``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
-        ``precision`` as in :func:`ntk_core.ntk_fn` (the NNGP ignores
-        ``implementation``), and the blocked engine's ``batch_size``,
-        ``store_on_device``, ``memory_budget`` for each sample (only with
-        ``batch_size_samples=1``; the kernels and their running sum are then host numpy
-        arrays unless ``store_on_device=True``); ``out="mc.npy"``, ``resume``,
-        ``overwrite``: the means written to ``mc.nngp.npy`` and ``mc.ntk.npy`` with
-        the running sum on disk, resumable after a kill (as
-        :func:`ntk_core.monte_carlo_kernels`).
+      progress, **options: as :func:`ntk_core.monte_carlo_kernels` (the kernel options
+        of :func:`ntk_core.ntk_fn`, ``batch_size`` only with ``batch_size_samples=1``;
+        ``out="mc.npy"``, ``resume``, ``overwrite``: the means on disk, resumable).
 
     Returns:
       ``ntk_core.predict.Kernels(nngp, ntk)``, each ``(N1, N2)`` for ``(N, O)`` outputs
@@ -93,12 +84,7 @@ def monte_carlo_kernels(
       Gaussian Processes", ICLR 2019.
     """
     fn = _CALLER.name
-    if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
-        raise TypeError(
-            f"{fn}: expected an hk.Transformed or hk.TransformedWithState, got "
-            f"{type(transformed).__name__}. Fix: wrap your forward function with "
-            f"hk.transform(f)."
-        )
+    check_transformed(fn, transformed)
     init_kwargs = check_monte_carlo(
         _CALLER, x1, x2, key, n_samples, batch_size_samples, options, _OWN, init_kwargs
     )

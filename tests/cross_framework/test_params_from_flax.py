@@ -72,8 +72,8 @@ ERRORS = [
         lambda: ntk_haiku.params_from_flax(MLP_PARAMS, _haiku(_mlp([16, 3]))),
         ValueError,
         r"^params_from_flax: got 3 Flax layers \(rank 2: \['Dense_0', 'Dense_1', 'Dense_2'\]\) "
-        r"but 2 Haiku modules \(rank 2: \['mlp/~/linear_0', 'mlp/~/linear_1'\]\); expected as "
-        r"many Haiku modules as Flax layers of each kernel rank .* Fix: build the Haiku model",
+        r"but 2 Haiku modules \(rank 2: \['mlp/~/linear_0', 'mlp/~/linear_1'\]\)\. Fix: "
+        r"build the Haiku model",
     ),
     (
         "conv where haiku has a linear",
@@ -87,8 +87,8 @@ ERRORS = [
         lambda: ntk_haiku.params_from_flax(MLP_PARAMS, _haiku(_mlp([16, 8, 3]))),
         ValueError,
         r"^params_from_flax: Flax layer 'Dense_1' and Haiku module 'mlp/~/linear_1' \(pair 2 "
-        r"of 3 with rank-2 kernels\): kernel has shape \(16, 16\) but w has shape \(16, 8\); "
-        r"expected equal shapes\. Fix: give the Haiku module",
+        r"of 3 with rank-2 kernels\): kernel has shape \(16, 16\) but w has shape \(16, 8\)\. "
+        r"Fix: give the Haiku modules",
     ),
     (
         "flax layer without bias",
@@ -97,8 +97,8 @@ ERRORS = [
         ),
         ValueError,
         r"^params_from_flax: Flax layer 'Dense_0' and Haiku module 'mlp/~/linear_0' .*: "
-        r"'mlp/~/linear_0' has a bias and 'Dense_0' has none; expected a bias on both or on "
-        r"neither\. Fix: match use_bias=",
+        r"'mlp/~/linear_0' has a bias and 'Dense_0' has none\. Fix: "
+        r"match use_bias=",
     ),
     (
         "haiku module without bias",
@@ -112,9 +112,8 @@ ERRORS = [
             _flax(FlaxWithBatchNorm())["params"], _haiku(_mlp([16, 3]))
         ),
         ValueError,
-        r"^params_from_flax: Flax layer 'BatchNorm_0' holds \['bias', 'scale'\]; expected "
-        r"'kernel' and optionally 'bias': only Dense and Conv stacks are mapped\. Fix: "
-        r"transplant the other layers' params by hand",
+        r"^params_from_flax: Flax layer 'BatchNorm_0' holds \['bias', 'scale'\], not "
+        r"'kernel' and 'bias' \(Dense, Conv\)\. Fix: transplant the other layers' params by hand",
     ),
     (
         "batchnorm params, flax names kept",
@@ -139,8 +138,7 @@ ERRORS = [
         "nested flax modules",
         lambda: ntk_haiku.params_from_flax(_flax(FlaxNested())["params"], _haiku(_mlp([16, 3]))),
         ValueError,
-        r"^params_from_flax: Flax module 'Block_0' holds submodules \['Dense_0'\]; expected a "
-        r"flat collection of Dense/Conv layers \(nested Flax modules are not mapped\)\. Fix:",
+        r"^params_from_flax: Flax module 'Block_0' holds submodules \['Dense_0'\]\. Fix:",
     ),
     (
         "a lone layer's params",
@@ -148,22 +146,22 @@ ERRORS = [
             _flax(nn.Dense(3))["params"], _haiku(lambda x: hk.Linear(3)(x))
         ),
         ValueError,
-        r"^params_from_flax: Flax layer 'kernel' holds a \w+; expected a mapping .* wrap its "
-        r"params: \{'Dense_0': variables\['params'\]\}",
+        r"^params_from_flax: Flax layer 'kernel' holds a \w+, not a mapping\. .* "
+        r"\{'Dense_0': variables\['params'\]\}",
     ),
     (
         "arguments swapped",
         lambda: ntk_haiku.params_from_flax(_haiku(_mlp([16, 16, 3])), MLP_PARAMS),
         ValueError,
-        r"^params_from_flax: Flax layer 'mlp/~/linear_0' holds \['b', 'w'\]; .* Fix: these "
+        r"^params_from_flax: Flax layer 'mlp/~/linear_0' holds \['b', 'w'\], .* Fix: these "
         r"look like Haiku params: pass the Flax params first",
     ),
     (
         "flax params as the haiku params",
         lambda: ntk_haiku.params_from_flax(MLP_PARAMS, MLP_PARAMS),
         ValueError,
-        r"^params_from_flax: Haiku module 'Dense_0' holds \['bias', 'kernel'\]; expected 'w' "
-        r"and optionally 'b' .* Fix: these look like Flax params",
+        r"^params_from_flax: Haiku module 'Dense_0' holds \['bias', 'kernel'\], not 'w' "
+        r"and 'b' .* Fix: these look like Flax params",
     ),
     (
         "haiku layer norm",
@@ -172,23 +170,21 @@ ERRORS = [
             _haiku(lambda x: hk.LayerNorm(-1, True, True)(_mlp([16, 16, 3])(x))),
         ),
         ValueError,
-        r"^params_from_flax: Haiku module 'layer_norm' holds \['offset', 'scale'\]; expected "
-        r"'w' and optionally 'b' \(hk.Linear, hk.ConvND\): only Dense and Conv stacks are "
-        r"mapped\. Fix: pass the params of a Haiku model built from hk.Linear",
+        r"^params_from_flax: Haiku module 'layer_norm' holds \['offset', 'scale'\], not "
+        r"'w' and 'b' \(hk.Linear, hk.ConvND\)\. Fix: transplant the other modules' params",
     ),
     (
         "haiku params and state",
         lambda: ntk_haiku.params_from_flax(MLP_PARAMS, _haiku(_mlp([16, 16, 3]), with_state=True)),
         TypeError,
-        r"^params_from_flax: haiku_params must be the params dict of the Haiku model, .*; got "
-        r"tuple\. Fix: pass transformed.init\(key, x\) \(for hk.transform_with_state, the "
-        r"params of params, state = init\(key, x\)\)",
+        r"^params_from_flax: haiku_params must be the Haiku model's params dict, got "
+        r"tuple\. Fix: pass params from transformed.init\(key, x\)",
     ),
     (
         "flax params not a mapping",
         lambda: ntk_haiku.params_from_flax(list(MLP_PARAMS.values())),
         TypeError,
-        r"^params_from_flax: flax_params must be a Flax params collection, .*; got list\. "
+        r"^params_from_flax: flax_params must be a Flax params collection, got list\. "
         r"Fix: pass variables\['params'\]",
     ),
 ]

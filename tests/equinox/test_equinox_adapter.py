@@ -184,7 +184,7 @@ BAD = [
     (
         lambda: ntk_equinox.kernel(lambda x: x, X),
         TypeError,
-        r"^ntk_equinox.kernel: model must be a callable equinox.Module.*got function",
+        r"^ntk_equinox.kernel: model must be an equinox.Module.*got function",
     ),
     (lambda: ntk_equinox.kernel(X, MLP), TypeError, r"got ArrayImpl. Fix: pass the module first"),
     (lambda: ntk_equinox.kernel(NoCall(X), X), TypeError, r"got NoCall \(no __call__\)"),
@@ -194,6 +194,13 @@ BAD = [
         r"^ntk_equinox.nngp: the model NoFloat has no floating-point array leaves",
     ),
     (lambda: ntk_equinox.plan("mlp", X), TypeError, r"^ntk_equinox.plan: model must be"),
+    (  # BatchNorm is called as layer(x, state): the model is not a function of x alone
+        lambda: ntk_equinox.kernel(
+            eqx.nn.Sequential([MLP, eqx.nn.BatchNorm(3, "batch", mode="batch")]), X
+        ),
+        ValueError,
+        r"^ntk_equinox.kernel: the model holds the stateful layer BatchNorm",
+    ),
     (
         lambda: ntk_equinox.kernel(MLP, X, implementation="fast"),
         ValueError,

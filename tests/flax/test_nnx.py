@@ -87,7 +87,7 @@ def test_kernel_and_nngp_match_reference_and_the_linen_twin(implementation):
 def test_training_mode_refused_with_the_eval_fix():
     model = _net()
     model.train()  # BatchNorm with batch statistics: samples interact
-    with pytest.raises(ValueError, match=r"^ntk_flax.kernel: .* \(e\.g\. model\.eval\(\)\)"):
+    with pytest.raises(ValueError, match=r"^ntk_flax.kernel: .*Fix: model\.eval\(\)"):
         ntk_flax.kernel(model, None, X1)
 
 
@@ -201,14 +201,13 @@ def test_dropout_in_training_mode_refused():
     with pytest.raises(
         ValueError,
         match=r"^ntk_flax.nngp: the nnx module changes its own state when called \(RngCount at "
-        r"drop/\S*count\): it draws random numbers .*Fix: put the module in evaluation mode "
-        r"\(e.g. model.eval\(\)\)",
+        r"drop/\S*count\)\. Fix: model.eval\(\), or pass apply_kwargs=\{'deterministic': True\}",
     ):
         ntk_flax.nngp(model, None, X1)
     with pytest.raises(
         ValueError,
         match=r"^ntk_flax.monte_carlo_kernels: the nnx module changes its own state when called"
-        r".*Fix: call .eval\(\) on the module in the function that builds it",
+        r".*Fix: call .eval\(\) on the module where it is built",
     ):
         ntk_flax.monte_carlo_kernels(Small, X1, key=jax.random.PRNGKey(0), n_samples=2)
     model.eval()
@@ -259,8 +258,8 @@ def test_randomness_forced_by_the_call_in_evaluation_mode_gets_the_argument_fix(
     model.eval()
     with pytest.raises(
         ValueError,
-        match=r"^ntk_flax.kernel: .*\(RngCount at drop/\S*count\): .*although its layers are in "
-        r"evaluation mode.*Fix: let __call__ take the switch as an argument and pass it, e.g. "
+        match=r"^ntk_flax.kernel: .*\(RngCount at drop/\S*count\)\. Fix: its layers are in "
+        r"evaluation mode, so let __call__ take the switch and pass "
         r"apply_kwargs=\{'deterministic': True\}",
     ):
         ntk_flax.kernel(model, None, X1)
@@ -283,7 +282,7 @@ def test_external_rngs_in_apply_kwargs():
     model = ExternalRngs(nnx.Rngs(0))
     with pytest.raises(
         ValueError,
-        match=r"^ntk_flax.kernel: the call writes the state of rngs \(Rngs\) given in "
+        match=r"^ntk_flax.kernel: the call writes the state of \['rngs'\] given in "
         r"apply_kwargs.*Fix: make the call deterministic",
     ):
         ntk_flax.kernel(model, None, X1, apply_kwargs={"rngs": nnx.Rngs(1)})
@@ -387,9 +386,7 @@ def test_outputs_and_constants_accepted_parameter_writes_refused():
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     expected = reference.ntk(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, X1, None)[0]
     reference.assert_close(ntk_flax.kernel(model, None, X1), expected)
-    with pytest.raises(
-        ValueError, match=r"\(Param at dense/kernel\): it writes its own parameters"
-    ):
+    with pytest.raises(ValueError, match=r"\(Param at dense/kernel\)\. Fix: keep state writes out"):
         ntk_flax.kernel(WritesParam(nnx.Rngs(0)), None, X1)
 
 
@@ -423,8 +420,8 @@ ERRORS = [
         "Monte Carlo of a built module",
         lambda: ntk_flax.monte_carlo_kernels(_net(), X1, key=jax.random.PRNGKey(0), n_samples=2),
         TypeError,
-        r"^ntk_flax.monte_carlo_kernels: model is the nnx module Net itself, which is already "
-        r"initialised; .*Fix: pass the function that builds it from an nnx.Rngs",
+        r"^ntk_flax.monte_carlo_kernels: model must be a linen module or a function building an "
+        r"nnx module, got the nnx module Net\. Fix: pass the function that builds it",
     ),
     (
         "Monte Carlo builder without an rngs argument",
@@ -432,8 +429,7 @@ ERRORS = [
             lambda: _small(nnx.Rngs(0)), X1, key=jax.random.PRNGKey(0), n_samples=2
         ),
         TypeError,
-        r"^ntk_flax.monte_carlo_kernels: building the nnx module with model\(nnx.Rngs\(key\)\) "
-        r"failed with TypeError",
+        r"^ntk_flax.monte_carlo_kernels: model\(nnx.Rngs\(key\)\) failed with TypeError",
     ),
     (
         "Monte Carlo builder returning None",
@@ -450,8 +446,8 @@ ERRORS = [
             lambda rngs: _small(nnx.Rngs(0)), X1, key=jax.random.PRNGKey(0), n_samples=2
         ),
         ValueError,
-        r"^ntk_flax.monte_carlo_kernels: model\(nnx.Rngs\(k\)\) built the same module \(parameters "
-        r"and other state\) for two different keys.*Fix: build with the rngs it is given",
+        r"^ntk_flax.monte_carlo_kernels: model\(nnx.Rngs\(k\)\) built the same module for two "
+        r"different keys.*Fix: build with the rngs it is given",
     ),
     (
         "Monte Carlo without its key",
@@ -491,3 +487,10 @@ def test_monte_carlo_kernels_to_files_equal_the_in_memory_average(tmp_path):
     reference.assert_close(got.ntk, np.mean([reference.ntk(*m, X1, None)[0] for m in modules], 0))
     with pytest.raises(ValueError, match=r"^ntk_flax.monte_carlo_kernels: out=.* exists"):
         ntk_flax.monte_carlo_kernels(RandomFeatures, X1, out=path, **{**kw, "key": key + 1})
+
+
+def test_variable_classes():
+    from ntk_flax import _nnx
+
+    found = _nnx._variables(nnx.state(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), nnx.Param))
+    assert [kind for _, kind in found] == ["Param", "Param"]

@@ -220,6 +220,14 @@ ERRORS = [
         r"^ntk_haiku.kernel_fn: state was given but the model is a plain hk.Transformed",
     ),
     (
+        "params of another model (a leaf missing), told by comparing with init",
+        lambda: ntk_haiku.kernel(
+            hk.transform(dropout_net), {"linear": {"w": PARAMS["linear"]["w"]}}, X
+        ),
+        ValueError,
+        r"^ntk_haiku.kernel: params \(modules \['linear'\]\) lack \['linear'\]\['b'\], \['linear_1'\]",
+    ),
+    (
         "per-leaf kernel with ntvp",
         lambda: ntk_haiku.kernel_per_leaf(NET, PARAMS, X, implementation="ntvp"),
         ValueError,

@@ -89,7 +89,7 @@ STATEFUL = hk.transform_with_state(bn_net)
 F_LIN = ntk_haiku.linearize(NET, PARAMS)
 
 ERRORS = [
-    (lambda: ntk_haiku.linearize(mlp, PARAMS), TypeError, r"^ntk_haiku.linearize: expected an hk.Transformed or hk.TransformedWithState .* got function\. Fix:.*ntk_core.linearize"),
+    (lambda: ntk_haiku.linearize(mlp, PARAMS), TypeError, r"^ntk_haiku.linearize: expected an hk.Transformed or hk.TransformedWithState, got function\. Fix: wrap"),
     (lambda: ntk_haiku.linearize(STATEFUL, PARAMS), ValueError, r"^ntk_haiku.linearize: this hk.TransformedWithState needs its state\. Fix: pass state=state"),
     (lambda: ntk_haiku.linearize(STATEFUL, PARAMS, state=[1]), TypeError, r"^ntk_haiku.linearize: state must be the mapping returned by transformed.init\(key, x\) .* got list"),
     (lambda: ntk_haiku.linearize(NET, PARAMS, state={}), ValueError, r"^ntk_haiku.linearize: state was given but the model is a plain hk.Transformed"),
