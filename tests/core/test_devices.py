@@ -91,8 +91,7 @@ def test_tiles_on_four_devices_equal_one_device(tmp_path):
 def test_devices_option_is_checked():
     with pytest.raises(
         TypeError,
-        match=r"^ntk_fn: devices must be None .* or a non-empty "
-        r"list of jax devices, got \['gpu:0'\]",
+        match=r"^ntk_fn: devices must be None or a non-empty list of jax devices, got \['gpu:0'\]",
     ):
         ntk_core.ntk_fn(lambda w, x: x @ w, batch_size=4, devices=["gpu:0"])
     device = jax.devices()[0]
@@ -100,7 +99,6 @@ def test_devices_option_is_checked():
         ntk_core.ntk_fn(lambda w, x: x @ w, batch_size=4, devices=[device, device])
     with pytest.raises(
         ValueError,
-        match=r"^ntk_fn: devices= spreads the blocked engine's "
-        r"tiles over devices, but batch_size is None.*Fix: pass a batch_size",
+        match=r"^ntk_fn: devices= spreads the blocked engine's tiles, but batch_size is None",
     ):
         ntk_core.ntk_fn(lambda w, x: x @ w, devices=[device])
