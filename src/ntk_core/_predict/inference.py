@@ -326,49 +326,10 @@ class GPInference(_TestSide):
         """
         fn = f"{self._fn}(...).nngp"
         t, kt, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, ["nngp"])
-        tr = self._get_train("nngp")
-        alpha = self._alpha_of("nngp")
-        ko, m = self._layout.ko, tr.k2.shape[0]
-        kt = kt["nngp"]
-        mean = np.empty((t * ko, alpha.shape[1]))
-        cov = None
-        if kind == "diag":
-            cov = np.empty((t, ko, ko))
-        zs = []
-        for ts, rs in self._chunks(t):
-            block = np.asarray(kt[rs], np.float64)
-            mean[rs] = block @ alpha
-            if kind is None:
-                continue
-            z = tr.solver.solve(block.T)  # (M, c·Ko)
-            if kind == "full":
-                zs.append(z)
-                continue
-            c = ts.stop - ts.start
-            kb, zb = block.reshape(c, ko, m), z.T.reshape(c, ko, m)
-            q = np.einsum("iam,ibm->iab", kb, zb)
-            qd = np.maximum(np.einsum("iaa->ia", q), 0.0)  # xᵀA⁻¹x >= 0
-            sd = np.einsum("iam,iam->ia", np.abs(kb), np.abs(zb))
-            prior = np.asarray(ktt[ts], np.float64)
-            v = prior - q
-            d = np.einsum("iaa->ia", prior) - qd
-            s = np.abs(np.einsum("iaa->ia", prior)) + sd
-            idx = np.arange(ko)
-            v[:, idx, idx] = _clip_variances(fn, d, s, m, u)
-            cov[ts] = v
-        if kind == "full":
-            z = np.concatenate(zs, axis=1)
-            kt64 = np.asarray(kt, np.float64)
-            q = kt64 @ z
-            q = (q + q.T) / 2
-            dq = np.maximum(np.diagonal(q), 0.0)
-            s = np.abs(np.diagonal(np.asarray(ktt, np.float64))) + np.einsum(
-                "jm,mj->j", np.abs(kt64), np.abs(z)
-            )
-            cov = np.asarray(ktt, np.float64) - q
-            cov = (cov + cov.T) / 2
-            d = np.diagonal(np.asarray(ktt, np.float64)) - dq
-            cov[np.diag_indices_from(cov)] = _clip_variances(fn, d, s, m, u)
+        tr, kt = self._get_train("nngp"), kt["nngp"]
+        chunks, ko = list(self._chunks(t)), self._layout.ko
+        kts, alpha = {"ntk": kt, "nngp": kt}, self._alpha_of("nngp")
+        mean, cov = _posterior(fn, chunks, ko, kts, kind, ktt, None, alpha, tr.solver.solve, u)
         return self._finish(t, mean, kind, cov)
 
     @_doc
@@ -403,7 +364,7 @@ class GPInference(_TestSide):
         t, kts, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, fields)
         tr = self._get_train("ntk")
         k_xx = self._get_train("nngp").k2 if needs_cov else None
-        mean, cov = _ntk_ensemble(
+        mean, cov = _posterior(
             fn,
             list(self._chunks(t)),
             self._layout.ko,
@@ -418,11 +379,13 @@ class GPInference(_TestSide):
         return self._finish(t, mean, kind, cov)
 
 
-def _ntk_ensemble(fn, chunks, ko, kts, kind, ktt, k_xx, alpha, apply_h, u):
+def _posterior(fn, chunks, ko, kts, kind, ktt, k_xx, alpha, apply_h, u):
     """Mean and covariance of the NTK ensemble with the train operator H (A⁻¹ at t = ∞):
     mean = Θ_tx H y (``alpha`` = H y), cov = K_tt + Θ_tx H K_xx H Θ_xt − Θ_tx H K_xt − K_tx H Θ_xt.
+    With ``k_xx`` None and ``kts["nngp"]`` = Θ_tx it is the GP posterior K_tt − Θ_tx H Θ_xt:
+    no quadratic term and half of Θ_tx H Θ_xt as the cross term on each side.
     Returns the flat mean ``(T·Ko, R)`` and the covariance (None, ``(T, Ko, Ko)`` or flat
-    ``(T·Ko, T·Ko)``); variances clipped by :func:`_clip_variances`."""
+    ``(T·Ko, T·Ko)``) of :func:`_covariance`."""
     th = kts["ntk"]
     m = alpha.shape[0]
     t = chunks[-1][0].stop if chunks else 0
@@ -435,41 +398,48 @@ def _ntk_ensemble(fn, chunks, ko, kts, kind, ktt, k_xx, alpha, apply_h, u):
         mean[rs] = tb @ alpha
         if kind is None:
             continue
-        kb = np.asarray(kts["nngp"][rs], np.float64)
-        w1 = apply_h(tb.T)  # H Θ_xt
-        w2 = apply_h(kb.T)  # H K_xt
+        kb = tb if kts["nngp"] is th else np.asarray(kts["nngp"][rs], np.float64)
+        w1 = None if k_xx is None else apply_h(tb.T)  # H Θ_xt
+        w2 = apply_h(kb.T) / (2 if k_xx is None else 1)  # H K_xt (GP: half of it)
         if kind == "full":
             w1s.append(w1)
             w2s.append(w2)
             continue
         c = ts.stop - ts.start
-        kw1 = matmul64(k_xx, w1)
-        quad = np.einsum("mia,mib->iab", w1.reshape(m, c, ko), kw1.reshape(m, c, ko))
-        cross = np.einsum("iam,mib->iab", tb.reshape(c, ko, m), w2.reshape(m, c, ko))
+        tb3, w2_3, quad = tb.reshape(c, ko, m), w2.reshape(m, c, ko), None
+        if k_xx is not None:
+            kw1 = matmul64(k_xx, w1)
+            quad = np.einsum("mia,mib->iab", w1.reshape(m, c, ko), kw1.reshape(m, c, ko))
+        cross = np.einsum("iam,mib->iab", tb3, w2_3)
+        abs_cross = np.einsum("iam,mia->ia", np.abs(tb3), np.abs(w2_3))
         prior = np.asarray(ktt[ts], np.float64)
-        v = prior + quad - cross - np.swapaxes(cross, 1, 2)
-        idx = np.arange(ko)
-        abs_cross = np.einsum(
-            "iam,mia->ia", np.abs(tb.reshape(c, ko, m)), np.abs(w2.reshape(m, c, ko))
-        )
-        s = np.abs(prior[:, idx, idx]) + np.abs(quad[:, idx, idx]) + 2 * abs_cross
-        v[:, idx, idx] = _clip_variances(fn, v[:, idx, idx], s, m, u)
-        cov[ts] = v
+        cov[ts] = _covariance(fn, prior, quad, cross, abs_cross, m, u)
     if kind == "full":
-        w1, w2 = np.concatenate(w1s, 1), np.concatenate(w2s, 1)
-        th64 = np.asarray(th, np.float64)
-        quad = w1.T @ matmul64(k_xx, w1)
-        cross = th64 @ w2
-        ktt64 = np.asarray(ktt, np.float64)
-        cov = ktt64 + quad - cross - cross.T
-        cov = (cov + cov.T) / 2
-        s = (
-            np.abs(np.diagonal(ktt64))
-            + np.abs(np.diagonal(quad))
-            + 2 * np.einsum("jm,mj->j", np.abs(th64), np.abs(w2))
-        )
-        cov[np.diag_indices_from(cov)] = _clip_variances(fn, np.diagonal(cov).copy(), s, m, u)
+        th64, w2 = np.asarray(th, np.float64), np.concatenate(w2s, 1)
+        quad = None if k_xx is None else (w1 := np.concatenate(w1s, 1)).T @ matmul64(k_xx, w1)
+        abs_cross = np.einsum("jm,mj->j", np.abs(th64), np.abs(w2))
+        cov = _covariance(fn, np.asarray(ktt, np.float64), quad, th64 @ w2, abs_cross, m, u)
     return mean, cov
+
+
+def _covariance(fn, prior, quad, cross, abs_cross, m, u):
+    """prior + quad − cross − crossᵀ over the last two axes: ``(c, Ko, Ko)`` blocks of a
+    per-sample diagonal, or the full flat ``(T·Ko, T·Ko)`` matrix (then symmetrised).
+    Variances clipped by :func:`_clip_variances` with s = |prior| + |quad| + 2·``abs_cross``
+    (Σ |a|·|b| over the products forming cross's diagonal). ``quad`` None: the GP
+    posterior (cross = ½ K_tx A⁻¹ K_xt), variances prior − max(2·cross, 0): at most the
+    prior's, as xᵀA⁻¹x >= 0."""
+    idx = np.arange(prior.shape[-1])
+    cov = (prior if quad is None else prior + quad) - cross - np.swapaxes(cross, -1, -2)
+    if cov.ndim == 2:
+        cov = (cov + cov.T) / 2
+    p = prior[..., idx, idx]
+    if quad is None:
+        var, s = p - np.maximum(2 * cross[..., idx, idx], 0.0), np.abs(p)
+    else:
+        var, s = cov[..., idx, idx], np.abs(p) + np.abs(quad[..., idx, idx])
+    cov[..., idx, idx] = _clip_variances(fn, var, s + 2 * abs_cross, m, u)
+    return cov
 
 
 def _has_both(k) -> bool:
@@ -874,7 +844,7 @@ class GradientDescentMSE(_TestSide):
             def apply_h(b, h=h):
                 return self._v @ (h[:, None] * (self._v.T @ b))
 
-            mean, cov = _ntk_ensemble(
+            mean, cov = _posterior(
                 fn,
                 chunks,
                 self._layout.ko,
