@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ntk_core._errors import bad as bad
 from ntk_core._functional.linearize import _Point
 from ntk_core._functional.linearize import check_degree as check_degree
 from ntk_core._functional.linearize import expansion as expansion
@@ -40,6 +41,7 @@ __all__ = (
     "Caller",
     "PureModel",
     "adapter_model_failure",
+    "bad",
     "build_kernel",
     "cached",
     "check_apply_kwargs",

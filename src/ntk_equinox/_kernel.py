@@ -16,7 +16,7 @@ from collections.abc import Hashable
 import equinox as eqx
 import jax
 
-from ntk_core.adapters import Caller, PureModel, build_kernel, cached
+from ntk_core.adapters import Caller, PureModel, bad, build_kernel, cached
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,17 +45,15 @@ def _split(fn_name: str, model) -> tuple:
     if not isinstance(model, eqx.Module) or not callable(model):
         got = type(model).__name__ + (" (no __call__)" if isinstance(model, eqx.Module) else "")
         fix = f"pass the module first, {fn_name}(model, x1, x2=None)"
-        raise TypeError(f"{fn_name}: model must be an equinox.Module, got {got}. Fix: {fix}.")
+        raise bad(TypeError, fn_name, f"model must be an equinox.Module, got {got}", fix)
     held = [type(m).__name__ for m in jax.tree.leaves(model, is_leaf=_stateful) if _stateful(m)]
     if held:  # called as layer(x, state): the model is not a function of x alone
         what = f"the model holds the stateful layer {held[0]}, which needs an eqx.nn.State"
-        raise ValueError(f"{fn_name}: {what}. Fix: pass a model of x alone.")
+        raise bad(ValueError, fn_name, what, "pass a model of x alone")
     params, rest = eqx.partition(model, eqx.is_inexact_array)
     if not jax.tree.leaves(params):
-        raise ValueError(
-            f"{fn_name}: the model {type(model).__name__} has no floating-point array leaves. "
-            f"Fix: hold its parameters as float arrays."
-        )
+        what = f"the model {type(model).__name__} has no floating-point array leaves"
+        raise bad(ValueError, fn_name, what, "hold its parameters as float arrays")
     leaves, treedef = jax.tree.flatten(rest)
     return params, _Apply(rest, (treedef, tuple(map(_leaf_key, leaves))))
 
@@ -68,10 +66,10 @@ def _kernel_fn(name: str, kind: str, model, options: dict, built: bool = False):
     def to_core(model):
         params, other = _split(f"{name}(...)" if built else name, model)
         if other != apply:
-            raise ValueError(
-                f"{name}(...)(model, x1, x2): the model's structure or fixed leaves differ from "
-                f"those of the model it was built for. Fix: build {name}(model) for it."
-            )
+            where = f"{name}(...)(model, x1, x2)"
+            what = "the model's structure or fixed leaves differ from those of the model it "
+            what += "was built for"
+            raise bad(ValueError, where, what, f"build {name}(model) for it")
         return params, None
 
     caller = Caller(name, "(model, x1, x2)", model="the model", package="ntk_equinox", built=built)

@@ -49,10 +49,11 @@ def refuse_apply_arguments(fn_name: str, apply_kwargs: dict, kernel: bool, rngs:
     }
     for key, fix in fixes.items():
         if key in apply_kwargs:
-            raise TypeError(
+            message = (
                 f"{fn_name}: apply_kwargs holds {key!r}, an argument of model.apply that "
                 f"{fn_name} passes itself. Fix: drop it and {fix}."
             )
+            raise TypeError(message)
 
 
 def _init_fn(model, method, apply_kwargs, rngs):
@@ -118,11 +119,12 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
     if is_nnx_module(model):  # flax.nnx: the module's own state, split per call
         return _nnx.make(caller, kind, model, method, apply_kwargs, options)
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        message = (
             f"{fn_name}: model must be a flax.linen.Module or a flax.nnx.Module, got "
             f"{type(model).__name__}. Fix: pass the module instance; the argument order is "
             f"(model, variables, x1, x2)."
         )
+        raise TypeError(message)
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
     refuse_apply_arguments(fn_name, apply_kwargs, True, not caller.monte_carlo)
     apply3 = _model_apply(model, method, apply_kwargs)
@@ -144,24 +146,24 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
             )
         except flax.errors.InvalidRngError as e:
             rngs = "" if caller.monte_carlo else ", or pass rngs={'dropout': key}"
-            raise ValueError(
+            message = (
                 f"{fn_name}: the model needs a random key ({e}). Fix: run it "
                 f"deterministically (e.g. apply_kwargs={{'train': False}}){rngs}."
-            ) from None
+            )
+            raise ValueError(message) from None
         except flax.errors.ModifyScopeVariableError as e:
             if vmap_axes is not None:
-                raise ValueError(
+                message = (
                     f"{fn_name}: the model updates its variables when applied ({e}), as "
                     f"BatchNorm in training mode does. Fix: apply it in evaluation mode (e.g. "
                     f"apply_kwargs={{'train': False}}), or pass vmap_axes=None."
-                ) from None
-        except flax.errors.ScopeCollectionNotFound as e:
-            raise (
-                read.misread(variables, x1, rngs, e)
-                or _missing_collections(
-                    fn_name, variables, _init_fn(model, method, apply_kwargs, rngs), x1
                 )
-            ) from None
+                raise ValueError(message) from None
+        except flax.errors.ScopeCollectionNotFound as e:
+            failure = read.misread(variables, x1, rngs, e) or _missing_collections(
+                fn_name, variables, _init_fn(model, method, apply_kwargs, rngs), x1
+            )
+            raise failure from None
         except flax.errors.ScopeParamShapeError as e:
             init = _init_fn(model, method, apply_kwargs, rngs)
             mismatch = input_shape_mismatch(
@@ -174,10 +176,8 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
             )
             raise (mismatch or adapter_model_failure(caller, "variables", e)) from None
         except Exception as e:
-            raise (
-                read.misread(variables, x1, rngs, e)
-                or adapter_model_failure(caller, "variables", e)
-            ) from e
+            failure = read.misread(variables, x1, rngs, e)
+            raise failure or adapter_model_failure(caller, "variables", e) from e
 
     def to_core(variables, x1, rngs=None):
         """``(params, (other collections, rngs))`` for the core from what ``variables``

@@ -23,10 +23,11 @@ def _linen_params(fn_name: str, name: str, variables):
     """``variables["params"]``, after checking that ``variables`` is a Flax variables dict."""
     if not isinstance(variables, Mapping) or "params" not in variables:
         got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
-        raise (ValueError if isinstance(variables, Mapping) else TypeError)(
+        message = (
             f"{fn_name}: {name} must be the dict model.init returns, with a 'params' "
             f"collection, got {got}. Fix: pass model.init(key, x), or {{'params': params}}."
         )
+        raise (ValueError if isinstance(variables, Mapping) else TypeError)(message)
     return variables["params"]
 
 
@@ -34,10 +35,11 @@ def _linen_parts(fn_name: str, model, variables, method, apply_kwargs):
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
     refuse_apply_arguments(fn_name, apply_kwargs, False, False)
     if variables is None:
-        raise ValueError(
+        message = (
             f"{fn_name}: variables is None, but a flax.linen module holds no parameters. "
             f"Fix: pass the expansion point, variables = model.init(key, x)."
         )
+        raise ValueError(message)
     params0 = _linen_params(fn_name, "variables", variables)
     rest0 = {k: v for k, v in variables.items() if k != "params"}  # held fixed
     apply3 = _model_apply(model, method, apply_kwargs)
@@ -85,11 +87,12 @@ def _expanded(fn_name: str, degree: int, model, variables, method, apply_kwargs)
     elif isinstance(model, nn.Module):
         parts = _linen_parts(fn_name, model, variables, method, apply_kwargs)
     else:
-        raise TypeError(
+        message = (
             f"{fn_name}: model must be a flax.linen.Module or a flax.nnx.Module, got "
             f"{type(model).__name__}. Fix: pass the module instance (a plain apply_fn(params, "
             f"x) goes to ntk_core.{fn_name.split('.')[-1]})."
         )
+        raise TypeError(message)
     apply, params0, params_of, names = parts
     expanded = expansion(fn_name, apply, params0, degree, **names)
 

@@ -108,24 +108,27 @@ def monte_carlo_kernels(
     """
     fn = _CALLER.name
     if isinstance(model, type) and issubclass(model, nn.Module):
-        raise TypeError(
+        message = (
             f"{fn}: model is the linen class {model.__name__}, not an instance. Fix: pass "
             f"{model.__name__}(...)."
         )
+        raise TypeError(message)
     if not isinstance(model, nn.Module):
         name = type(model).__name__
         if is_nnx_module(model) or not callable(model):
-            raise TypeError(
+            message = (
                 f"{fn}: model must be a linen module or a function building an nnx module, got "
                 f"{'the nnx module ' if is_nnx_module(model) else ''}{name}. Fix: pass the "
                 f"function that builds it from an nnx.Rngs, e.g. lambda rngs: "
                 f"{name if is_nnx_module(model) else 'Model'}(..., rngs=rngs)."
             )
+            raise TypeError(message)
         if init_kwargs is not None:
-            raise TypeError(
+            message = (
                 f"{fn}: init_kwargs was given for an nnx model. Fix: drop it and pass the "
                 f"arguments inside the builder."
             )
+            raise TypeError(message)
     init_kwargs = check_monte_carlo(
         _CALLER, x1, x2, key, n_samples, batch_size_samples, options, _OWN, init_kwargs
     )  # before building
@@ -180,21 +183,24 @@ def _nnx_monte_carlo(
     try:
         template = build(nnx.Rngs(key))
     except Exception as e:
-        raise (TypeError if isinstance(e, TypeError) else ValueError)(
+        message = (
             f"{fn}: model(nnx.Rngs(key)) failed with {type(e).__name__}: "
             f"{str(e).strip().splitlines()[0].rstrip('.')}. Fix: pass a function of one "
             f"nnx.Rngs that returns the module, e.g. lambda rngs: Model(..., rngs=rngs)."
-        ) from e
+        )
+        raise (TypeError if isinstance(e, TypeError) else ValueError)(message) from e
     if not is_nnx_module(template):
-        raise TypeError(
+        message = (
             f"{fn}: model(nnx.Rngs(key)) returned {type(template).__name__}, not an nnx "
             f"module. Fix: return the module from the function."
         )
+        raise TypeError(message)
     if not jax.tree.leaves(nnx.state(template, nnx.Param)):
-        raise ValueError(
+        message = (
             f"{fn}: the module model(nnx.Rngs(key)) builds, {type(template).__name__}, has "
             f"no nnx.Param variables. Fix: build it with its trainable layers."
         )
+        raise ValueError(message)
     # Each sample's whole state: its parameters, and its other state (statistics,
     # buffers drawn from rngs, RNG state) as that initialisation made them.
     state_of = checked_init(
@@ -207,10 +213,11 @@ def _nnx_monte_carlo(
         keys = jax.random.split(key, 2)
         first, second = (map(_comparable, jax.tree.leaves(state_of(k))) for k in keys)
         if all(bool(jnp.array_equal(a, b)) for a, b in zip(first, second, strict=True)):
-            raise ValueError(
+            message = (
                 f"{fn}: model(nnx.Rngs(k)) built the same module for two different keys. "
                 f"Fix: build with the rngs it is given, lambda rngs: Model(..., rngs=rngs)."
             )
+            raise ValueError(message)
 
     def kernels(kind, kind_options):  # of one initialisation's (params, rest)
         return _nnx.make(_CALLER, kind, template, method, apply_kwargs, kind_options)

@@ -32,10 +32,11 @@ def _method(fn_name: str, model, method) -> str:
     if method is None:
         return "__call__"
     if not isinstance(method, str) or not callable(getattr(model, method, None)):
-        raise TypeError(
+        message = (
             f"{fn_name}: method must name a method of the nnx module {type(model).__name__}, "
             f"got {method!r}. Fix: pass its name, or method=None for __call__."
         )
+        raise TypeError(message)
     return method
 
 
@@ -173,10 +174,11 @@ def _refuse_state_changes(
         fix = "call .eval() on the module where it is built" if monte_carlo else "model.eval()"
         fix += f", or pass {switch}"
     shown = ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "")
-    raise ValueError(
+    message = (
         f"{fn_name}: the nnx module changes its own state when called ({shown}). Fix: {fix}. "
         f"See docs/errors.md#nnx-state."
     )
+    raise ValueError(message)
 
 
 def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exception) -> None:
@@ -184,10 +186,11 @@ def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exceptio
     (an external ``nnx.Rngs`` drawing dropout masks: flax's ``TraceContextError``)."""
     stateful = [k for k, v in apply_kwargs.items() if isinstance(v, nnx.Rngs | nnx.Variable)]
     if stateful and isinstance(error, flax.errors.TraceContextError):
-        raise ValueError(
+        message = (
             f"{fn_name}: the call writes the state of {stateful} given in apply_kwargs. Fix: "
             f"make the call deterministic (.eval()) and drop them. See docs/errors.md#nnx-state."
-        ) from error
+        )
+        raise ValueError(message) from error
 
 
 def model_apply(name: str, apply_kwargs: dict) -> Callable:
@@ -229,19 +232,21 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options) -> Cal
 
     def to_core(variables, rngs=None):
         if rngs is not None:
-            raise TypeError(
+            message = (
                 f"{fn_name}: rngs was given, but an nnx module carries its own nnx.Rngs. "
                 f"Fix: drop rngs= (model.eval() for deterministic dropout)."
             )
+            raise TypeError(message)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if variables is not None:
             fix = "pass nnx.state(model, nnx.Param) of this model, or None for its own"
             if jax.tree.structure(variables) != jax.tree.structure(params):
-                raise ValueError(
+                message = (
                     f"{fn_name}: variables do not have the structure of the module's nnx.Param "
                     f"state {_paths(params)}. Fix: {fix} (a dict goes in with "
                     f"nnx.replace_by_pure_dict)."
                 )
+                raise ValueError(message)
             wrong = [
                 f"{jax.tree_util.keystr(path)} {np.shape(got)} (expected {np.shape(want)})"
                 for (path, want), got in zip(
@@ -252,10 +257,11 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options) -> Cal
                 if np.shape(got) != np.shape(want)
             ]
             if wrong:
-                raise ValueError(
+                message = (
                     f"{fn_name}: variables do not have the shapes of the module's nnx.Param "
                     f"state: {', '.join(wrong[:3])}. Fix: {fix}."
                 )
+                raise ValueError(message)
             params = variables
         return params, (graphdef, rest)
 

@@ -126,18 +126,20 @@ class VariablesReader:
         elif hasattr(variables, "params") and hasattr(variables, "apply_fn"):
             state, given = variables, variables.params
             if not isinstance(given, Mapping):
-                raise TypeError(
+                message = (
                     f"{fn}: variables is a {type(state).__name__} whose .params is "
                     f"{type(given).__name__}, not a dict. Fix: create the train state with "
                     f"params=variables['params']."
                 )
+                raise TypeError(message)
         else:
             hint = " (it has .params but no .apply_fn)" if hasattr(variables, "params") else ""
-            raise TypeError(
+            message = (
                 f"{fn}: variables must be the dict returned by model.init(...), its ['params'] "
                 f"or a train state, got {type(variables).__name__}{hint}. Fix: pass one of "
                 f"those; the argument order is {self._order}."
             )
+            raise TypeError(message)
         if state is None and "params" in given and _TRAIN_STATE_FIELDS & set(given):
             # a train state as a dict (e.g. restored by orbax without a target): read it as
             # the train state it was, its params and the collections it carries
@@ -226,8 +228,9 @@ class VariablesReader:
             return
         what = "a bare params dict" if state is None else f"a {type(state).__name__}"
         entries = ", ".join(f"{c!r}: ..." for c in lacking)
-        raise ValueError(
+        message = (
             f"{self._fn_name}: variables is {what} without the collection(s) {lacking}, which "
             f"the model reads. Fix: pass {{'params': ..., {entries}}} or a TrainState that "
             f"carries them. See docs/errors.md#flax-variables."
         )
+        raise ValueError(message)

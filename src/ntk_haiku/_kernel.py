@@ -85,10 +85,11 @@ def caller(name: str, *, built: bool = False, monte_carlo: bool = False) -> Call
 
 def check_transformed(fn_name: str, transformed) -> None:
     if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
-        raise TypeError(
+        message = (
             f"{fn_name}: expected an hk.Transformed or hk.TransformedWithState, got "
             f"{type(transformed).__name__}. Fix: wrap the forward function: hk.transform(f)."
         )
+        raise TypeError(message)
 
 
 def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=None):
@@ -116,15 +117,16 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
             return
         state, rng = aux
         if takes_rng and rng is None and not failure(params, x1, (state, jax.random.PRNGKey(0))):
-            raise ValueError(
+            message = (
                 f"{fn_name}: the model needs a random key (e.g. dropout) but rng=None. Fix: "
                 f"pass rng=jax.random.PRNGKey(0), the same key for every sample."
-            ) from None
+            )
+            raise ValueError(message) from None
         try:  # what init makes, to compare with params and state (error path only)
             made = jax.eval_shape(init, x1)
         except Exception:  # init needs other model arguments (BatchNorm in eval mode)
             made = None
-        raise (
+        problem = (
             input_shape_mismatch(
                 fn_name,
                 "params",
@@ -135,7 +137,8 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
             )
             or (made is not None and _foreign(fn_name, params, state, made))
             or adapter_model_failure(caller, "params and state" if with_state else "params", error)
-        ) from error
+        )
+        raise problem from error
 
     def to_core(params, state=None, rng=None):
         """``(params, (state, rng))`` for the core, after checking them against the
@@ -143,18 +146,20 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
         call = "params=params, state=state"
         check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call)
         if not isinstance(params, Mapping):
-            raise TypeError(
+            message = (
                 f"{fn_name}: params must be the dict returned by transformed.init, got "
                 f"{type(params).__name__}. Fix: pass it; the argument order is {caller.order}."
             )
+            raise TypeError(message)
         if any(
             hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.integer)
             for v in jax.tree.leaves(params)
         ):
-            raise TypeError(
+            message = (
                 f"{fn_name}: params holds integer arrays, as Haiku state does (a counter). "
                 f"Fix: pass params, state = transformed.init(key, x) in their places."
             )
+            raise TypeError(message)
         return params, (state, rng)
 
     pure = PureModel(
@@ -171,25 +176,29 @@ def check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call) -> Non
     """Refuses a ``state`` / ``rng`` the transform does not take, or a missing state;
     ``call`` shows how the caller passes params and state in the fix."""
     if with_state and state is None:
-        raise ValueError(
+        message = (
             f"{fn_name}: this hk.TransformedWithState needs its state. Fix: pass "
             f"state=state from params, state = transformed.init(key, x)."
         )
+        raise ValueError(message)
     if with_state and not isinstance(state, Mapping):
-        raise TypeError(
+        message = (
             f"{fn_name}: state must be the mapping returned by transformed.init(key, x) "
             f"(its second value), got {type(state).__name__}. Fix: pass it as {call}."
         )
+        raise TypeError(message)
     if not with_state and state is not None:
-        raise ValueError(
+        message = (
             f"{fn_name}: state was given but the model is a plain hk.Transformed. Fix: drop "
             f"state=, or use hk.transform_with_state."
         )
+        raise ValueError(message)
     if rng is not None and not takes_rng:
-        raise ValueError(
+        message = (
             f"{fn_name}: rng was given but the model was built with hk.without_apply_rng "
             f"and takes none. Fix: drop rng=."
         )
+        raise ValueError(message)
 
 
 def _cached(name: str, kind: str, transformed, apply_kwargs, options: dict):

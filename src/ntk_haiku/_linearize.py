@@ -21,10 +21,11 @@ def _expanded(fn_name: str, degree: int, transformed, params0, state, rng, apply
     call = f"{fn_name}(transformed, params, state=state)"
     check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call)
     if not isinstance(params0, Mapping):
-        raise TypeError(
+        message = (
             f"{fn_name}: params0 must be the dict returned by transformed.init, got "
             f"{type(params0).__name__}. Fix: pass params0 = transformed.init(key, x)."
         )
+        raise TypeError(message)
 
     def apply(params, x):
         return apply3(params, x, (state, rng))

@@ -147,11 +147,12 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
     flax_kinds = _by_kind(layers, "kernel")
     haiku_kinds = _by_kind(modules, "w")
     if {r: len(n) for r, n in flax_kinds.items()} != {r: len(n) for r, n in haiku_kinds.items()}:
-        raise ValueError(
+        message = (
             f"params_from_flax: got {len(layers)} Flax layers ({_listed(flax_kinds)}) but "
             f"{len(modules)} Haiku modules ({_listed(haiku_kinds)}). Fix: build the Haiku model "
             f"from the same layers (one hk.Linear per nn.Dense, one hk.ConvND per nn.Conv)."
         )
+        raise ValueError(message)
     pairs = {}
     for rank, flax_names in flax_kinds.items():
         haiku_names = haiku_kinds[rank]
@@ -172,34 +173,38 @@ _NUMBERED = re.compile(r"^(.*)_(\d+)$")
 def _flax_layers(flax_params, require_kernel: bool) -> Mapping:
     """``flax_params`` after checking it is a flat collection of Dense/Conv layers."""
     if not isinstance(flax_params, Mapping):
-        raise TypeError(
+        message = (
             f"params_from_flax: flax_params must be a Flax params collection, got "
             f"{type(flax_params).__name__}. Fix: pass variables['params']."
         )
+        raise TypeError(message)
     inner = flax_params.get("params")
     if isinstance(inner, Mapping) and any(isinstance(v, Mapping) for v in inner.values()):
-        raise ValueError(
+        message = (
             f"params_from_flax: got a Flax variables dict (collections "
             f"{sorted(map(str, flax_params))}); expected its 'params' collection. Fix: pass "
             f"variables['params']."
         )
+        raise ValueError(message)
     for layer, leaves in flax_params.items():
         if not isinstance(leaves, Mapping):
-            raise ValueError(
+            message = (
                 f"params_from_flax: Flax layer {layer!r} holds a {type(leaves).__name__}, not "
                 f"a mapping. Fix: pass variables['params'] (a lone layer's as "
                 f"{{'Dense_0': variables['params']}})."
             )
+            raise ValueError(message)
         nested = sorted(str(k) for k, v in leaves.items() if isinstance(v, Mapping))
         if nested:
-            raise ValueError(
+            message = (
                 f"params_from_flax: Flax module {layer!r} holds submodules {nested}. Fix: "
                 f"create the Dense/Conv layers in the top module, or map their params by hand."
             )
+            raise ValueError(message)
         others = set(leaves) - set(_FLAX_TO_HAIKU)
         if others or (require_kernel and "kernel" not in leaves):
             haiku_like = leaves and set(leaves) <= set(_HAIKU_TO_FLAX)
-            raise ValueError(
+            message = (
                 f"params_from_flax: Flax layer {layer!r} holds {sorted(map(str, leaves))}, not "
                 f"'kernel' and 'bias' (Dense, Conv). Fix: "
                 + (
@@ -208,21 +213,23 @@ def _flax_layers(flax_params, require_kernel: bool) -> Mapping:
                     else "transplant the other layers' params by hand."
                 )
             )
+            raise ValueError(message)
     return flax_params
 
 
 def _haiku_modules(haiku_params) -> Mapping:
     """``haiku_params`` after checking it holds only ``hk.Linear``/``hk.ConvND``."""
     if not isinstance(haiku_params, Mapping):
-        raise TypeError(
+        message = (
             f"params_from_flax: haiku_params must be the Haiku model's params dict, got "
             f"{type(haiku_params).__name__}. Fix: pass params from transformed.init(key, x)."
         )
+        raise TypeError(message)
     for module, leaves in haiku_params.items():
         held = sorted(map(str, leaves)) if isinstance(leaves, Mapping) else None
         if held is None or set(held) - set(_HAIKU_TO_FLAX) or "w" not in held:
             flax_like = held is not None and set(held) <= set(_FLAX_TO_HAIKU)
-            raise ValueError(
+            message = (
                 f"params_from_flax: Haiku module {module!r} holds "
                 f"{held if held is not None else type(leaves).__name__}, not 'w' and 'b' "
                 f"(hk.Linear, hk.ConvND). Fix: "
@@ -232,6 +239,7 @@ def _haiku_modules(haiku_params) -> Mapping:
                     else "transplant the other modules' params by hand."
                 )
             )
+            raise ValueError(message)
     return haiku_params
 
 
@@ -271,16 +279,18 @@ def _check_pair(layer, flax_leaves, module, haiku_leaves, index, count) -> None:
     )
     if ("bias" in flax_leaves) != ("b" in haiku_leaves):
         with_bias, without = (layer, module) if "bias" in flax_leaves else (module, layer)
-        raise ValueError(
+        message = (
             f"params_from_flax: {where}: {with_bias!r} has a bias and {without!r} has none. "
             f"Fix: match use_bias= of the Flax layer and with_bias= of the Haiku module."
         )
+        raise ValueError(message)
     for flax_name, haiku_name in _FLAX_TO_HAIKU.items():
         if flax_name not in flax_leaves:
             continue
         got, want = _shape(flax_leaves[flax_name]), _shape(haiku_leaves[haiku_name])
         if got != want:
-            raise ValueError(
+            message = (
                 f"params_from_flax: {where}: {flax_name} has shape {got} but {haiku_name} has "
                 f"shape {want}. Fix: give the Haiku modules the Flax layers' sizes, in order."
             )
+            raise ValueError(message)
