@@ -106,9 +106,8 @@ def _labels(y, n: int) -> np.ndarray | None:
         raise bad(TypeError, _NAME, what, "encode the labels as numbers, e.g. one-hot")
     if arr.ndim not in (1, 2) or arr.shape[0] != n:
         what = f"y has shape {arr.shape}; expected (N,) or (N, O) for the N = {n} probe samples"
-        raise bad(
-            ValueError, _NAME, what, f"pass the labels of the probe samples, e.g. y_train[:{n}]"
-        )
+        fix = f"pass the labels of the probe samples, e.g. y_train[:{n}]"
+        raise bad(ValueError, _NAME, what, fix)
     check_finite(_NAME, "y", arr, "pass finite labels", cls=ValueError)
     classes = len(np.unique(arr)) if arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer) else 0
     if classes > 2:
@@ -320,16 +319,14 @@ class KernelTracker:
             raise bad(TypeError, _UPDATE, what, fix)
         if _is_int(step):  # negative
             raise bad(ValueError, _UPDATE, f"step must be >= 0, got {step}", fix)
-        raise bad(
-            TypeError, _UPDATE, f"step must be an int, got {step!r} ({type(step).__name__})", fix
-        )
+        what = f"step must be an int, got {step!r} ({type(step).__name__})"
+        raise bad(TypeError, _UPDATE, what, fix)
 
     def _track(self, step: int, params_like, kernel_kwargs) -> KernelRecord:
         if self.records and step <= self.records[-1].step:
             what = f"step {step} is not after the last tracked step {self.records[-1].step}"
-            raise bad(
-                ValueError, _UPDATE, what, "pass the training step, not a counter that restarts"
-            )
+            fix = "pass the training step, not a counter that restarts"
+            raise bad(ValueError, _UPDATE, what, fix)
         t0 = time.perf_counter()
         k = self._kernel_fn(params_like, self._x, **kernel_kwargs)
         kernel = self._host(k)

@@ -272,9 +272,8 @@ class NpyStore:
             self.barrier(f"ntk_core out= {name}: {self.path}")
         except Exception as e:  # a process of the run stopped (killed, failed)
             what = f"a process of this run stopped at '{name}' ({one_line(e)[:200]})"
-            raise bad(
-                ValueError, self.fn, what, "start every process again with resume=True"
-            ) from e
+            fix = "start every process again with resume=True"
+            raise bad(ValueError, self.fn, what, fix) from e
 
     def _os_error(self, doing: str, error: Exception) -> ValueError:
         what = f"could not {doing} out={self.path!r}: {one_line(error)}"
@@ -297,12 +296,8 @@ class NpyStore:
             what = f"{where}: the folder {folder!r} does not exist or cannot be written"
             raise bad(ValueError, fn, what, "create it (os.makedirs), or give another path")
         if os.path.isdir(path):
-            raise bad(
-                ValueError,
-                fn,
-                f"{where} is a folder, not a file",
-                "give a file path ending in .npy",
-            )
+            what = f"{where} is a folder, not a file"
+            raise bad(ValueError, fn, what, "give a file path ending in .npy")
         if os.path.exists(path) and not overwrite:
             raise exists_error(fn, where)
         free = shutil.disk_usage(folder).free

@@ -115,9 +115,8 @@ class _Point:
                 what = (
                     f"{params_name}{path} has dtype {got}, but {point} has dtype {ref.dtype} there"
                 )
-                raise bad(
-                    TypeError, fn, what, "cast the parameters to the expansion point's dtypes"
-                )
+                fix = "cast the parameters to the expansion point's dtypes"
+                raise bad(TypeError, fn, what, fix)
             if diff:
                 deltas.append(jnp.asarray(leaf) - ref)
                 continue

@@ -68,12 +68,9 @@ def params_check(fn_name: str, apply_fn):
     def check(params, x1, x2, aux):
         keys = sorted(params) if isinstance(params, Mapping) else type(params).__name__
         if keys != ["params"]:
-            raise bad(
-                ValueError,
-                fn_name,
-                f"model.apply needs the variables {{'params': ...}} alone, got {keys!r}",
-                "use ntk_flax.kernel(model, variables, x), which holds other collections fixed",
-            )
+            what = f"model.apply needs the variables {{'params': ...}} alone, got {keys!r}"
+            fix = "use ntk_flax.kernel(model, variables, x), which holds other collections fixed"
+            raise bad(ValueError, fn_name, what, fix)
 
     return check
 

@@ -17,6 +17,7 @@ import jax
 
 from ntk_core._blocked import store as _store
 from ntk_core._blocked import tiles as _blocked
+from ntk_core._errors import bad
 from ntk_core._impl import phases as _implementations
 from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._kernel import checks as _checks
@@ -42,11 +43,9 @@ class Engine:
         impl = REGISTRY.get(spec.options.implementation)  # None: "auto"
         if spec.kind == "ntk_per_leaf" and impl is not None and not impl.separates_leaves:
             separating = [repr(name) for name, i in REGISTRY.items() if i.separates_leaves]
-            raise ValueError(
-                f"{spec.fn_name}: per-leaf kernels need implementation "
-                f"{', '.join(separating)} or {AUTO!r}, got {impl.name!r} ({impl.title} do "
-                f"not separate the leaves). Fix: pass implementation={AUTO!r}."
-            )
+            what = f"per-leaf kernels need implementation {', '.join(separating)} or {AUTO!r}"
+            what += f", got {impl.name!r} ({impl.title} do not separate the leaves)"
+            raise bad(ValueError, spec.fn_name, what, f"pass implementation={AUTO!r}")
         self.spec = spec
         self._prepared: dict = {}  # input signature -> (Checked, Config)
         self._samples: dict = {}  # per-sample signature -> outputs (_validate)

@@ -38,6 +38,5 @@ def check_finite_result(fn_name: str, result, config: Config, finite, x1, x2) ->
     leaf = jax.tree.leaves(result)[0]
     n1 = leaf.shape[0]
     n2 = n1 if config.layouts[0].batch_diagonal else leaf.shape[1]
-    raise _blocked.nonfinite_tile_error(
-        fn_name, result, 0, n1, 0, n2, config.layouts[0].batch_diagonal
-    )
+    diagonal = config.layouts[0].batch_diagonal
+    raise _blocked.nonfinite_tile_error(fn_name, result, 0, n1, 0, n2, diagonal)

@@ -106,9 +106,8 @@ class KernelFunction:
         for name in names:
             if name in kwargs:
                 if name in values:
-                    raise TypeError(
-                        f"{where}: got multiple values for argument {name!r} {expected}. {fix}"
-                    )
+                    message = f"got multiple values for argument {name!r} {expected}. {fix}"
+                    raise TypeError(f"{where}: {message}")
                 values[name] = kwargs.pop(name)
         for name in names[:2]:
             if name not in values:
@@ -117,9 +116,8 @@ class KernelFunction:
                     if kwargs
                     else ""
                 )
-                raise TypeError(
-                    f"{where}: missing a required argument: {name!r}{other} {expected}. {fix}"
-                )
+                message = f"{where}: missing a required argument: {name!r}{other} {expected}. {fix}"
+                raise TypeError(message)
         return values[names[0]], values[names[1]], values.get(names[2]), kwargs
 
     def __repr__(self) -> str:

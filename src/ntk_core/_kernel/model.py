@@ -38,10 +38,9 @@ def per_sample(apply3):
         out = apply3(params, x_b, aux)
         for leaf in jax.tree.leaves(out):
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] != 1:
-                raise NotPerSample(
-                    f"on a batch of one sample the model returned an output of shape "
-                    f"{tuple(np.shape(leaf))}, not (1, ...)"
-                )
+                shape = tuple(np.shape(leaf))
+                message = f"on a batch of one sample the model returned an output of shape {shape}"
+                raise NotPerSample(f"{message}, not (1, ...)")
         return jax.tree.map(lambda leaf: leaf[0], out)
 
     return single

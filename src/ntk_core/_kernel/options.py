@@ -180,36 +180,26 @@ def _one_of(fn_name: str, name: str, value, allowed, fix: str) -> None:
 
 def _flag(fn_name: str, name: str, value, allowed="True or False") -> None:
     if not isinstance(value, bool) and not (value is None and "None" in allowed):
-        raise bad(
-            TypeError, fn_name, f"{name} must be {allowed}, got {_got(value)}", f"pass {name}=True"
-        )
+        what = f"{name} must be {allowed}, got {_got(value)}"
+        raise bad(TypeError, fn_name, what, f"pass {name}=True")
 
 
 def _axes(fn_name: str, name: str, value) -> Axes:
     fix = f"pass e.g. {name}=(-1,) or {name}=()"
     if isinstance(value, bool):
-        raise bad(
-            TypeError,
-            fn_name,
-            f"{name} must be an int or a sequence of ints, got the bool {value!r}",
-            fix,
-        )
+        what = f"{name} must be an int or a sequence of ints, got the bool {value!r}"
+        raise bad(TypeError, fn_name, what, fix)
     if isinstance(value, numbers.Integral):
         return (int(value),)
     if not isinstance(value, Sequence) or isinstance(value, str):
-        raise bad(
-            TypeError,
-            fn_name,
-            f"{name} must be an int or a sequence of ints, got {_got(value)}",
-            fix,
-        )
+        what = f"{name} must be an int or a sequence of ints, got {_got(value)}"
+        raise bad(TypeError, fn_name, what, fix)
     if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in value):
         raise bad(TypeError, fn_name, f"{name} must contain only ints, got {value!r}", fix)
     out = tuple(int(v) for v in value)
     if len(set(out)) != len(out):
-        raise bad(
-            ValueError, fn_name, f"{name}={out!r} names the same axis twice", "list each axis once"
-        )
+        what = f"{name}={out!r} names the same axis twice"
+        raise bad(ValueError, fn_name, what, "list each axis once")
     return out
 
 
@@ -282,9 +272,8 @@ def _devices_option(fn_name, devices, store_on_device, batch_size) -> tuple | No
         what = f"devices must be None or a non-empty list of jax devices, got {devices!r}"
         raise bad(TypeError, fn_name, what, "pass e.g. devices=jax.local_devices()[:2]")
     if len(set(given)) != len(given):
-        raise bad(
-            ValueError, fn_name, f"devices lists a device twice ({list(given)!r})", "list each once"
-        )
+        what = f"devices lists a device twice ({list(given)!r})"
+        raise bad(ValueError, fn_name, what, "list each once")
     if store_on_device and len(given) > 1:
         what = f"store_on_device=True assembles on one device, but devices= names {len(given)}"
         raise bad(ValueError, fn_name, what, "drop store_on_device=True, or pass one device")

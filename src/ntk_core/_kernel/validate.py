@@ -56,9 +56,8 @@ def batch_size(caller: Caller, name: str, x) -> int:
     sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
     if None in sizes:
         what = f"{name} holds a scalar (shapes {describe(x)}); expected a batch axis 0"
-        raise bad(
-            ValueError, fn_name, what, "pass an array (np.asarray(x)), x[None] for one sample"
-        )
+        fix = "pass an array (np.asarray(x)), x[None] for one sample"
+        raise bad(ValueError, fn_name, what, fix)
     if len(sizes) != 1:
         what = f"the arrays of {name} disagree on the batch size (axis 0): {describe(x)}"
         raise bad(ValueError, fn_name, what, f"give every array the same N; {hint}")
@@ -199,9 +198,8 @@ def check_untraced(spec: Spec, params, x1, x2) -> None:
         what = (
             f"batch_size={spec.options.batch_size!r} was used inside jax.jit (tiles go to the host)"
         )
-        raise bad(
-            ValueError, spec.fn_name, what, "call it outside jax.jit, or pass batch_size=None"
-        )
+        fix = "call it outside jax.jit, or pass batch_size=None"
+        raise bad(ValueError, spec.fn_name, what, fix)
 
 
 def check_blocks_independent(spec: Spec, checked: Checked, cut, params, x1, x2, aux) -> None:

@@ -91,12 +91,8 @@ class MonteCarloFiles:
         self.sums = {kind: RunningSum(self, kind, f"{stem}.{kind}.npy") for kind in KINDS}
         for path in (p for rs in self.sums.values() for p in rs.buffers):
             if os.path.isdir(path):
-                raise bad(
-                    ValueError,
-                    fn,
-                    f"out={out!r} writes {path!r}, which is a folder",
-                    "give another path",
-                )
+                what = f"out={out!r} writes {path!r}, which is a folder"
+                raise bad(ValueError, fn, what, "give another path")
         if overwrite:
             self._remove([p for rs in self.sums.values() for p in rs.buffers])
         self.first = min(rs.first() for rs in self.sums.values())

@@ -28,12 +28,8 @@ def progress_bar(fn_name: str, progress, total: int, desc: str):
     :func:`ntk_core._blocked.progress.show_progress` decides whether it is shown (``None``: only
     when stderr is a terminal, outside CI and not with ``TERM=dumb``)."""
     if progress is not None and not isinstance(progress, bool):
-        raise bad(
-            TypeError,
-            fn_name,
-            f"progress must be None, True or False, got {progress!r}",
-            "pass progress=True",
-        )
+        what = f"progress must be None, True or False, got {progress!r}"
+        raise bad(TypeError, fn_name, what, "pass progress=True")
     return _progress.progress_bar(desc, progress, total)
 
 
@@ -92,12 +88,8 @@ def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=No
         except TypeError:
             ok = False
         if not ok:
-            raise bad(
-                ValueError,
-                fn_name,
-                f"{name} must be a positive int, got {v!r}",
-                f"pass e.g. {name}=4",
-            )
+            what = f"{name} must be a positive int, got {v!r}"
+            raise bad(ValueError, fn_name, what, f"pass e.g. {name}=4")
     if not isinstance(key, jax.Array) or not (
         jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,)
     ):
