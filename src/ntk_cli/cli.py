@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -63,22 +64,23 @@ def main(argv=None, *, checks=None) -> int:
         prog="ntk", description="Empirical NTK and NNGP kernels for JAX, Flax and Haiku."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="LeNet NTK on digits: Flax = Haiku, kernel regression")
-    try:
-        from ntk_cli.demo import add_arguments
-    except ImportError:
-        demo.add_argument("rest", nargs=argparse.REMAINDER)
-    else:
-        add_arguments(demo)
-    demo.set_defaults(run=_demo)
-    track = sub.add_parser("track", help="LeNet NTK tracked through training on digits")
-    try:
-        from ntk_cli.track import add_arguments as add_track_arguments
-    except ImportError:
-        track.add_argument("rest", nargs=argparse.REMAINDER)
-    else:
-        add_track_arguments(track)
-    track.set_defaults(run=_track)
+    given = sys.argv[1:] if argv is None else list(argv)
+    # A subcommand's options are defined (importing jax, flax and haiku) only when that
+    # subcommand is called: `ntk --help` and `ntk doctor` import none of them.
+    for name, text, run in (
+        ("demo", "LeNet NTK on digits: Flax = Haiku, kernel regression", _demo),
+        ("track", "LeNet NTK tracked through training on digits", _track),
+    ):
+        command = sub.add_parser(name, help=text)
+        command.set_defaults(run=run)
+        try:
+            if name not in given[:1]:
+                raise ImportError
+            module = importlib.import_module(f"ntk_cli.{name}")
+        except ImportError:
+            command.add_argument("rest", nargs=argparse.REMAINDER)
+        else:
+            module.add_arguments(command)
     doctor = sub.add_parser("doctor", help="environment and self-test (exit 1 on failure)")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--no-self-test", action="store_true", help="report the environment only")
