@@ -21,6 +21,7 @@ MODULES = [
     "ntk_core._predict.inference",
     "ntk_core._analysis.spectrum",
     "ntk_core._analysis.tracking",
+    "ntk_core.testing",
     pytest.param("ntk_flax._kernel", marks=frameworks.requires("flax")),
     pytest.param("ntk_flax._linearize", marks=frameworks.requires("flax")),
     pytest.param("ntk_flax._monte_carlo", marks=frameworks.requires("flax")),
