@@ -21,6 +21,7 @@ import pytest
 import ntk_flax
 import ntk_haiku
 import reference
+from ntk_core.testing import assert_kernels_close, assert_same_ntk
 
 
 class FlaxMLP(nn.Module):
@@ -85,10 +86,10 @@ def test_same_ntk_and_nngp(name, axes):
     x2 = _x2(name, axes)
     k_flax = ntk_flax.kernel(flax_model, variables, x1, x2, **AXES[axes])
     k_haiku = ntk_haiku.kernel(net, params, x1, x2, **AXES[axes])
-    reference.assert_close(k_haiku, np.asarray(k_flax, np.float64))
+    assert_kernels_close(k_haiku, k_flax)  # the helper users get (ntk_core.testing)
     g_flax = ntk_flax.nngp(flax_model, variables, x1, x2, **AXES[axes])
     g_haiku = ntk_haiku.nngp(net, params, x1, x2, **AXES[axes])
-    reference.assert_close(g_haiku, np.asarray(g_flax, np.float64))
+    assert_kernels_close(g_haiku, g_flax)
 
 
 @pytest.mark.parametrize("name, axes", [("mlp", "trace"), ("lenet", "full")])
@@ -257,3 +258,10 @@ def test_mapped_same_outputs_and_ntk(name):
     k_haiku = ntk_haiku.kernel(net, params, x1, x2, trace_axes=())
     assert k_haiku.shape == (3, 2, *net.apply(params, x1).shape[1:] * 2)
     _assert_relative(k_haiku, k_flax, rtol=1e-5)
+    # The user-facing check: every implementation, core kernels of both apply functions.
+    rest = {k: v for k, v in variables.items() if k != "params"}
+
+    def flax_fn(p, x):
+        return flax_model.apply({"params": p, **rest}, x)
+
+    assert_same_ntk(flax_fn, variables["params"], net.apply, params, x1, x2, trace_axes=())
