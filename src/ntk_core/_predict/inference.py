@@ -1,10 +1,7 @@
-"""Predictions from kernels: GP posterior, NTK ensemble and gradient-descent MSE dynamics.
+"""Predictions from kernels: GP posterior, NTK ensemble, gradient-flow MSE dynamics.
 
-Public through :mod:`ntk_core.predict`. Formulas and output layout follow
-neural-tangents 0.6 (``nt.predict.gp_inference``, ``nt.predict.gradient_descent_mse``),
-so ported code gives the same numbers where neural-tangents' were finite; the linear
-algebra is that of :mod:`ntk_core._predict.linalg` (host numpy/LAPACK, refined solves,
-no silent NaN).
+Formulas, λ and layout of neural-tangents 0.6 (``nt.predict``); host linear algebra of
+:mod:`ntk_core._predict.linalg`.
 """
 
 from __future__ import annotations
@@ -41,27 +38,21 @@ from ntk_core._predict.linalg import (
 class DegenerateKernelWarning(UserWarning):
     """A train-train kernel given to :func:`~ntk_core.predict.gp_inference` has low rank.
 
-    The posterior then lives in a low-dimensional space of functions: an empirical NNGP
-    of one network with O outputs has rank at most O (one Monte Carlo sample of the
-    prior), an empirical NTK rank at most the number of parameters.
+    An empirical NNGP of one network with O outputs has rank <= O, an empirical NTK <= P.
     """
 
 
 class Gaussian(NamedTuple):
-    """A posterior: ``mean`` and ``covariance`` (``None`` when no test-test kernel was given).
-
-    Unpacks like neural-tangents' ``Gaussian``: ``mean, cov = predictor.nngp(...)``.
-    """
+    """A posterior ``(mean, covariance)``; covariance None without a test-test kernel."""
 
     mean: Any
     covariance: Any
 
 
 class Kernels(NamedTuple):
-    """An NNGP kernel and an NTK on the same inputs, in the same layout (either may be None).
+    """An NNGP and an NTK on the same inputs and layout (either may be None).
 
-    Returned by :func:`ntk_core.monte_carlo_kernels`; accepted by every function of
-    :mod:`ntk_core.predict` wherever a kernel is.
+    Returned by :func:`ntk_core.monte_carlo_kernels`; accepted wherever a kernel is.
     """
 
     nngp: Any = None
@@ -75,55 +66,8 @@ class Outputs(NamedTuple):
     test: Any
 
 
-_SHARED_DOC = """
-    Shared arguments:
-      y_train: targets ``(N, O...)``, float; at least one output axis (``y[:, None]`` for
-        one output).
-      diag_reg: the regulariser strength, >= 0. The solves use ``K + λ I`` with
-        λ = ``diag_reg`` · mean(diag K) (relative scale, the default), or
-        λ = ``diag_reg`` when ``diag_reg_absolute_scale=True``. For ``(N, N, O, O)``
-        kernels the diagonal is that of the ``(N·O, N·O)`` matrix. (The same λ as
-        neural-tangents: trace / dimension is the mean of the diagonal.)
-      diag_reg_absolute_scale: see ``diag_reg``.
-      trace_axes: output axes of ``y_train`` that the kernels lack, as passed to the
-        kernel function (default ``(-1,)``: ``(N, N)`` kernels applied to each output
-        column, Θ ⊗ I). With ``trace_axes=()`` kernels are ``(N1, N2, O, O)``.
-      dtype: dtype of the factorisation: ``None`` (the kernel's: float32, or float64 for
-        float64 kernels), ``"float32"`` or ``"float64"``. All linear algebra runs on the
-        host in numpy/LAPACK, so ``"float64"`` is a true float64 solve whether or not
-        ``jax_enable_x64`` is on (never a silent float32). Results are numpy arrays of
-        this dtype.
-      test_batch_size: test points per chunk (``None``: all at once). Chunked and
-        unchunked results agree to round-off; memory per chunk is O(B·N·O²).
-
-    Solver: Cholesky of ``K + λI`` in ``dtype``, falling back to a symmetric
-    eigendecomposition (eigenvalues floored at u·λ_max) when Cholesky fails; every solve
-    is refined with float64 residuals and accepted only if the last correction is at
-    most 1e-6 of the solution (max norm, per right-hand side). Otherwise a ValueError
-    names the condition number and the fix (raise ``diag_reg``, or ``dtype="float64"``).
-    Kernels may be numpy arrays, read-only memory-mapped ``.npy`` files
-    (``np.load(path, mmap_mode="r")``) or jax arrays (copied to the host once); they are
-    read in row chunks and only the factor (one ``(N·O, N·O)`` array of ``dtype``) is
-    allocated whole.
-
-    Variances: posterior variances (the diagonal of the covariance) are formed in
-    float64. Negative values down to −M·u·s are round-off and are set to 0, where M is
-    the number of training rows (N times the kept output size), u the unit round-off of
-    the kernels' dtype (float32: 6e-8) and s the sum of the magnitudes of the terms
-    whose cancellation forms the variance; below that a ValueError says the kernels are
-    not jointly positive semi-definite. GP variances are also capped at the prior
-    variance (the subtracted quadratic form is >= 0 in exact arithmetic).
-"""
-
-
-def _doc(fn):
-    if fn.__doc__:
-        fn.__doc__ = fn.__doc__.replace("{shared}", _SHARED_DOC.strip("\n"))
-    return fn
-
-
 class _Train:
-    """One train-train kernel: validated, flattened, regularised and factored."""
+    """One train-train kernel: validated, flattened, regularised, factored."""
 
     def __init__(self, fn_name, name, k, layout: FlatLayout, opts: _Options, factor=None):
         k = as_host_array(fn_name, name, k)
@@ -153,9 +97,7 @@ _LOW_RANK_WHY = {
 
 
 def _warn_if_low_rank(fn_name, field, tr: _Train) -> None:
-    """Warns when the kernel's numerical rank is at most half of what the probes see
-    (all of M for M <= 64, else 64 probes) and ends in a drop of 1000x or more: a kernel
-    built from few feature vectors, not a smooth one whose spectrum fades gradually."""
+    """Warns when the numerical rank is <= half the probes and ends in a >= 1000x drop."""
     r, c, drop = numerical_rank(tr.k2, tr.k_dtype)
     if 2 * r > c or drop < _RANK_DROP:
         return
@@ -192,8 +134,7 @@ def _clip_variances(fn_name, var, s, m, u):
 
 
 class _TestSide:
-    """Test-kernel parsing, chunking and output shaping shared by the predictors
-    (needs ``_layout``, ``_opts``, ``dtype`` and ``amplitude``)."""
+    """Test-kernel parsing, chunking and output shaping of the predictors."""
 
     # -- test inputs -----------------------------------------------------------------
     def _test_kernels(self, fn, k_test_train, k_test_test, fields):
@@ -220,6 +161,45 @@ class _TestSide:
         u = max(unit_roundoff(a.dtype) for a in [*out.values()] + ([ktt] if kind else []))
         return t, out, kind, ktt, u
 
+    def _predict(self, fn, t, kts, kind, ktt, k_xx, alpha, apply_h, u):
+        """The ensemble posterior with train operator H (``alpha`` = H y).
+
+        cov = K_tt + Θ_tx H K_xx H Θ_xt − Θ_tx H K_xt − K_tx H Θ_xt; with ``k_xx`` None the GP
+        posterior K_tt − Θ_tx H Θ_xt.
+        """
+        th, m, ko = kts["ntk"], alpha.shape[0], self._layout.ko
+        mean = np.empty((t * ko, alpha.shape[1]))
+        w1s, w2s, cov = [], [], None
+        if kind == "diag":
+            cov = np.empty((t, ko, ko))
+        for ts, rs in self._chunks(t):
+            tb = np.asarray(th[rs], np.float64)
+            mean[rs] = tb @ alpha
+            if kind is None:
+                continue
+            kb = tb if kts["nngp"] is th else np.asarray(kts["nngp"][rs], np.float64)
+            w1 = None if k_xx is None else apply_h(tb.T)  # H Θ_xt
+            w2 = apply_h(kb.T) / (2 if k_xx is None else 1)  # H K_xt (GP: half of it)
+            if kind == "full":
+                w1s.append(w1)
+                w2s.append(w2)
+                continue
+            c = ts.stop - ts.start
+            tb3, w2_3, quad = tb.reshape(c, ko, m), w2.reshape(m, c, ko), None
+            if k_xx is not None:
+                kw1 = matmul64(k_xx, w1)
+                quad = np.einsum("mia,mib->iab", w1.reshape(m, c, ko), kw1.reshape(m, c, ko))
+            cross = np.einsum("iam,mib->iab", tb3, w2_3)
+            abs_cross = np.einsum("iam,mia->ia", np.abs(tb3), np.abs(w2_3))
+            prior = np.asarray(ktt[ts], np.float64)
+            cov[ts] = _covariance(fn, prior, quad, cross, abs_cross, m, u)
+        if kind == "full":
+            th64, w2 = np.asarray(th, np.float64), np.concatenate(w2s, 1)
+            quad = None if k_xx is None else (w1 := np.concatenate(w1s, 1)).T @ matmul64(k_xx, w1)
+            abs_cross = np.einsum("jm,mj->j", np.abs(th64), np.abs(w2))
+            cov = _covariance(fn, np.asarray(ktt, np.float64), quad, th64 @ w2, abs_cross, m, u)
+        return self._finish(t, mean, kind, cov)
+
     def _chunks(self, t):
         b = self._opts.test_batch_size or t
         ko = self._layout.ko
@@ -239,7 +219,7 @@ class _TestSide:
 
 
 class GPInference(_TestSide):
-    """Predictor returned by :func:`gp_inference`; see there."""
+    """Predictor returned by :func:`gp_inference`."""
 
     def __init__(self, fn_name, k_train_train, y_train, opts):
         self._fn = fn_name
@@ -292,7 +272,7 @@ class GPInference(_TestSide):
 
     @property
     def method(self) -> str:
-        """``"cholesky"``, or ``"eigh"`` where Cholesky failed and the fallback ran."""
+        """``"cholesky"``, or ``"eigh"`` where Cholesky failed."""
         return next(iter(self._train.values())).solver.method
 
     @property
@@ -300,61 +280,41 @@ class GPInference(_TestSide):
         """λ added to the diagonal of the (GP, else NTK) train-train kernel."""
         return next(iter(self._train.values())).lam
 
-    @_doc
     def nngp(self, k_test_train, k_test_test=None) -> Gaussian:
-        """GP posterior on the test inputs with the train kernel as the prior covariance.
+        """GP posterior, the train kernel as prior: mean K_tx A⁻¹ y, cov σ² (K_tt − K_tx A⁻¹ K_xt).
 
-        mean = K_tx (K_xx + λI)⁻¹ y;  covariance = σ² (K_tt − K_tx (K_xx + λI)⁻¹ K_xt),
-        σ² = 1 unless ``fit_amplitude``. The kernel is the array given to
-        :func:`gp_inference` or the ``nngp`` of its :class:`Kernels` (neural-tangents'
-        ``get="nngp"``; with an NTK array it is the "NTKGP" posterior).
+        A = K_xx + λI; σ² = 1 unless ``fit_amplitude``. K is the array given to
+        :func:`gp_inference` or its ``Kernels.nngp`` (neural-tangents' ``get="nngp"``).
 
         Args:
-          k_test_train: ``(T, N)`` (or ``(T, N, O, O)`` with ``trace_axes=()``), or
-            :class:`Kernels` (its ``nngp`` is used).
-          k_test_test: ``None`` (mean only), the full test-test kernel ``(T, T)`` /
-            ``(T, T, O, O)`` (gives the covariance) or its per-sample diagonal ``(T,)`` /
-            ``(T, O, O)`` (``diagonal_axes=(0,)``; gives the variances at O(T) memory).
+          k_test_train: ``(T, N)`` / ``(T, N, O, O)``, or :class:`Kernels` (``nngp`` used).
+          k_test_test: None (mean only), full ``(T, T)`` / ``(T, T, O, O)``, or per-sample
+            diagonal ``(T,)`` / ``(T, O, O)`` (variances at O(T) memory).
 
         Returns:
-          ``Gaussian(mean, covariance)``: mean ``(T, O...)`` like ``y_train``; covariance
-          in the layout of ``k_test_test`` (``None`` without it); numpy, compute dtype.
+          ``Gaussian``: mean ``(T, O...)``; covariance in the layout of ``k_test_test``.
 
         Raises:
-          ValueError, TypeError: shapes not matching ``y_train`` and the train kernel,
-            non-finite kernels, a negative variance beyond round-off.
+          ValueError, TypeError: shapes not matching, non-finite kernels, a negative variance.
         """
         fn = f"{self._fn}(...).nngp"
         t, kt, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, ["nngp"])
-        tr, kt = self._get_train("nngp"), kt["nngp"]
-        chunks, ko = list(self._chunks(t)), self._layout.ko
-        kts, alpha = {"ntk": kt, "nngp": kt}, self._alpha_of("nngp")
-        mean, cov = _posterior(fn, chunks, ko, kts, kind, ktt, None, alpha, tr.solver.solve, u)
-        return self._finish(t, mean, kind, cov)
+        kts, solve = {"ntk": kt["nngp"], "nngp": kt["nngp"]}, self._get_train("nngp").solver.solve
+        return self._predict(fn, t, kts, kind, ktt, None, self._alpha_of("nngp"), solve, u)
 
-    @_doc
     def ntk(self, k_test_train, k_test_test=None) -> Gaussian:
-        """Outputs of an infinite ensemble of wide networks trained to convergence (t → ∞)
-        by gradient flow on the MSE (Lee et al. 2019), neural-tangents' ``get="ntk"``.
+        """Infinite ensemble of wide networks trained to convergence (neural-tangents' ``"ntk"``).
 
-        With Θ the NTK, K the NNGP and A = Θ_xx + λI:
-        mean = Θ_tx A⁻¹ y;
-        covariance = σ² (K_tt + Θ_tx A⁻¹ K_xx A⁻¹ Θ_xt − Θ_tx A⁻¹ K_xt − K_tx A⁻¹ Θ_xt).
+        With Θ the NTK, K the NNGP, A = Θ_xx + λI: mean Θ_tx A⁻¹ y, covariance
+        σ² (K_tt + Θ_tx A⁻¹ K_xx A⁻¹ Θ_xt − Θ_tx A⁻¹ K_xt − K_tx A⁻¹ Θ_xt) (Lee et al. 2019).
 
         Args:
-          k_test_train: :class:`Kernels` with ``ntk`` (and ``nngp`` for the covariance),
-            each ``(T, N)`` / ``(T, N, O, O)``; an array is taken as the NTK (mean only).
-          k_test_test: ``None`` (mean only), or the NNGP test-test kernel (an array or
-            :class:`Kernels`), full ``(T, T)`` / ``(T, T, O, O)`` or per-sample diagonal
-            ``(T,)`` / ``(T, O, O)``. Needs :class:`Kernels` train and test-train kernels
-            with both ``nngp`` and ``ntk``.
+          k_test_train: :class:`Kernels` with ``ntk`` (and ``nngp`` for the covariance);
+            an array is taken as the NTK.
+          k_test_test: as :meth:`nngp`, the NNGP's; needs ``Kernels`` with both kernels
+            here and in :func:`gp_inference`.
 
-        Returns:
-          ``Gaussian(mean, covariance)`` as :meth:`nngp`.
-
-        Raises:
-          ValueError, TypeError: as :meth:`nngp`, and a covariance request without both
-            the NTK and the NNGP.
+        Returns, Raises: as :meth:`nngp`.
         """
         fn = f"{self._fn}(...).ntk"
         needs_cov = k_test_test is not None
@@ -362,73 +322,13 @@ class GPInference(_TestSide):
             raise _needs_both(fn, "gp_inference")
         fields = ["ntk", "nngp"] if needs_cov else ["ntk"]
         t, kts, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, fields)
-        tr = self._get_train("ntk")
+        solve, alpha = self._get_train("ntk").solver.solve, self._alpha_of("ntk")
         k_xx = self._get_train("nngp").k2 if needs_cov else None
-        mean, cov = _posterior(
-            fn,
-            list(self._chunks(t)),
-            self._layout.ko,
-            kts,
-            kind,
-            ktt,
-            k_xx,
-            self._alpha_of("ntk"),
-            tr.solver.solve,
-            u,
-        )
-        return self._finish(t, mean, kind, cov)
-
-
-def _posterior(fn, chunks, ko, kts, kind, ktt, k_xx, alpha, apply_h, u):
-    """Mean and covariance of the NTK ensemble with the train operator H (A⁻¹ at t = ∞):
-    mean = Θ_tx H y (``alpha`` = H y), cov = K_tt + Θ_tx H K_xx H Θ_xt − Θ_tx H K_xt − K_tx H Θ_xt.
-    With ``k_xx`` None and ``kts["nngp"]`` = Θ_tx it is the GP posterior K_tt − Θ_tx H Θ_xt:
-    no quadratic term and half of Θ_tx H Θ_xt as the cross term on each side.
-    Returns the flat mean ``(T·Ko, R)`` and the covariance (None, ``(T, Ko, Ko)`` or flat
-    ``(T·Ko, T·Ko)``) of :func:`_covariance`."""
-    th = kts["ntk"]
-    m = alpha.shape[0]
-    t = chunks[-1][0].stop if chunks else 0
-    mean = np.empty((t * ko, alpha.shape[1]))
-    w1s, w2s, cov = [], [], None
-    if kind == "diag":
-        cov = np.empty((t, ko, ko))
-    for ts, rs in chunks:
-        tb = np.asarray(th[rs], np.float64)
-        mean[rs] = tb @ alpha
-        if kind is None:
-            continue
-        kb = tb if kts["nngp"] is th else np.asarray(kts["nngp"][rs], np.float64)
-        w1 = None if k_xx is None else apply_h(tb.T)  # H Θ_xt
-        w2 = apply_h(kb.T) / (2 if k_xx is None else 1)  # H K_xt (GP: half of it)
-        if kind == "full":
-            w1s.append(w1)
-            w2s.append(w2)
-            continue
-        c = ts.stop - ts.start
-        tb3, w2_3, quad = tb.reshape(c, ko, m), w2.reshape(m, c, ko), None
-        if k_xx is not None:
-            kw1 = matmul64(k_xx, w1)
-            quad = np.einsum("mia,mib->iab", w1.reshape(m, c, ko), kw1.reshape(m, c, ko))
-        cross = np.einsum("iam,mib->iab", tb3, w2_3)
-        abs_cross = np.einsum("iam,mia->ia", np.abs(tb3), np.abs(w2_3))
-        prior = np.asarray(ktt[ts], np.float64)
-        cov[ts] = _covariance(fn, prior, quad, cross, abs_cross, m, u)
-    if kind == "full":
-        th64, w2 = np.asarray(th, np.float64), np.concatenate(w2s, 1)
-        quad = None if k_xx is None else (w1 := np.concatenate(w1s, 1)).T @ matmul64(k_xx, w1)
-        abs_cross = np.einsum("jm,mj->j", np.abs(th64), np.abs(w2))
-        cov = _covariance(fn, np.asarray(ktt, np.float64), quad, th64 @ w2, abs_cross, m, u)
-    return mean, cov
+        return self._predict(fn, t, kts, kind, ktt, k_xx, alpha, solve, u)
 
 
 def _covariance(fn, prior, quad, cross, abs_cross, m, u):
-    """prior + quad − cross − crossᵀ over the last two axes: ``(c, Ko, Ko)`` blocks of a
-    per-sample diagonal, or the full flat ``(T·Ko, T·Ko)`` matrix (then symmetrised).
-    Variances clipped by :func:`_clip_variances` with s = |prior| + |quad| + 2·``abs_cross``
-    (Σ |a|·|b| over the products forming cross's diagonal). ``quad`` None: the GP
-    posterior (cross = ½ K_tx A⁻¹ K_xt), variances prior − max(2·cross, 0): at most the
-    prior's, as xᵀA⁻¹x >= 0."""
+    """prior + quad − cross − crossᵀ, variances clipped (``quad`` None: GP, capped at prior)."""
     idx = np.arange(prior.shape[-1])
     cov = (prior if quad is None else prior + quad) - cross - np.swapaxes(cross, -1, -2)
     if cov.ndim == 2:
@@ -453,8 +353,6 @@ def _needs_both(fn, public) -> ValueError:
 
 
 class _Options(NamedTuple):
-    """The validated options shared by the predictors."""
-
     diag_reg: float
     diag_reg_absolute_scale: bool
     trace_axes: Any
@@ -474,7 +372,6 @@ def _options(fn_name, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test
     return _Options(diag_reg, bool(diag_reg_absolute_scale), trace_axes, dtype, test_batch_size)
 
 
-@_doc
 def gp_inference(
     k_train_train,
     y_train,
@@ -486,56 +383,45 @@ def gp_inference(
     dtype=None,
     test_batch_size: int | None = None,
 ) -> GPInference:
-    """Kernel regression / GP posterior and the NTK ensemble posterior from kernels.
+    """GP posterior and NTK-ensemble posterior from kernels (neural-tangents' ``gp_inference``).
 
-    With A = K_xx + λI (train-train, regularised): the GP posterior with prior kernel K
-    (NNGP, or any kernel such as the NTK) has mean K_tx A⁻¹ y and covariance
-    K_tt − K_tx A⁻¹ K_xt (Rasmussen & Williams 2006, eq. 2.25-2.26); an infinite
-    ensemble of wide networks trained to convergence by gradient flow on the MSE has
-    mean Θ_tx (Θ_xx + λI)⁻¹ y and the covariance of :meth:`GPInference.ntk` (Lee et al.
-    2019). Same formulas, λ and layout as neural-tangents' ``predict.gp_inference``.
+    With A = K_xx + λI: GP mean K_tx A⁻¹ y, covariance K_tt − K_tx A⁻¹ K_xt (Rasmussen &
+    Williams eq. 2.25-2.26); the ensemble of :meth:`GPInference.ntk` (Lee et al. 2019).
 
     Args:
-      k_train_train: the train-train kernel ``(N, N)`` (``trace_axes=(-1,)``) or
-        ``(N, N, O, O)`` (``trace_axes=()``), symmetric, finite; or
-        ``Kernels(nngp=..., ntk=...)`` (needed for the NTK ensemble covariance).
-      fit_amplitude: if True, covariances are multiplied by the maximum-likelihood output
-        scale σ² = yᵀ A⁻¹ y / (N·O) (A from the NNGP, or the array given; N·O =
-        ``y_train.size``), so that predicted spreads are on the targets' scale. The value
-        is ``predictor.amplitude`` (1.0 otherwise).
-    {shared}
+      k_train_train: ``(N, N)`` (``trace_axes=(-1,)``) or ``(N, N, O, O)`` (``trace_axes=()``),
+        symmetric, finite; or ``Kernels(nngp=..., ntk=...)``. numpy, read-only memmap or
+        jax array, read in row chunks.
+      y_train: targets ``(N, O...)``, float, at least one output axis.
+      diag_reg: >= 0; λ = ``diag_reg``·mean(diag K) (of the ``(N·O, N·O)`` matrix), or
+        λ = ``diag_reg`` with ``diag_reg_absolute_scale=True``.
+      trace_axes: output axes the kernels lack, as given to the kernel function.
+      fit_amplitude: scale covariances by σ² = yᵀ A⁻¹ y / ``y_train.size``
+        (``predictor.amplitude``; else 1.0).
+      dtype: of the factorisation and results: None (the kernel's), "float32", "float64"
+        (true float64 on the host, without ``jax_enable_x64``).
+      test_batch_size: test points per chunk (None: all); memory O(B·N·O²) per chunk.
+
+    Solver: Cholesky of A in ``dtype``, else eigendecomposition (eigenvalues floored at
+    u·λ_max); solves refined in float64 until the last correction is <= 1e-6 of the
+    solution, else ValueError. Variances are formed in float64; negatives down to −M·u·s
+    (s the magnitudes summed) are set to 0, below raise; GP variances are capped at the prior.
 
     Returns:
-      A :class:`GPInference` with ``.nngp(k_test_train, k_test_test=None)`` and
-      ``.ntk(k_test_train, k_test_test=None)``, each giving ``Gaussian(mean,
-      covariance)``: mean ``(T, O...)``, covariance ``(T, T)`` / ``(T, T, O, O)`` for a
-      full ``k_test_test``, ``(T,)`` / ``(T, O, O)`` for a per-sample diagonal one, None
-      without it. The kernels are checked and factored here, once.
+      :class:`GPInference` with ``.nngp`` and ``.ntk(k_test_train, k_test_test=None) ->
+      Gaussian``; kernels are checked and factored here, once.
 
     Warns:
-      DegenerateKernelWarning: a train-train kernel of low numerical rank r (eigenvalues
-        above M·u·λ_max, u of its dtype), r at most half of min(M, 64) and followed by
-        a drop of 1000x or more (found from all eigenvalues for M <= 64, else from a
-        64-probe random sketch at 2·M²·64 flops): as a prior it holds only r functions,
-        and the posterior mean and samples are combinations of them. An empirical NNGP
-        of one network with O outputs has rank <= O; average initialisations
-        (:func:`ntk_core.monte_carlo_kernels`) for a GP prior. Smooth kernels whose
-        spectrum fades gradually (e.g. on 1-D inputs) do not warn.
+      DegenerateKernelWarning: numerical rank r (eigenvalues above M·u·λ_max) at most half
+        of min(M, 64) followed by a >= 1000x drop (64-probe sketch for M > 64).
 
     Raises:
-      ValueError: ``y_train`` without an output axis or non-finite; a kernel whose shape
-        does not match ``y_train`` and ``trace_axes``, non-square, non-symmetric or
-        non-finite; negative or non-finite ``diag_reg``; a kernel too ill-conditioned
-        to solve in ``dtype`` (message gives the condition number and the fix) or not
-        positive semi-definite.
+      ValueError: bad ``y_train``; a kernel of the wrong shape, non-symmetric, non-finite,
+        not PSD or too ill-conditioned for ``dtype``; bad ``diag_reg``.
       TypeError: non-floating arrays, ``diag_reg`` not a number.
 
-    Cost: one factorisation per train-train kernel given (two for ``Kernels`` with both)
-    of the ``M x M`` matrix, M = N·O_kept: M³/3 flops (Cholesky) or about 9·M³
-    (eigendecomposition fallback), M² memory of ``dtype`` each;
-    then each refinement step (typically 2-3) costs 2·M²·R flops for R right-hand
-    sides; a mean over T test points costs 2·T·M·R, variances 2·T·M² (one solve per
-    test row), a full covariance also T² memory.
+    Cost: per train kernel M³/3 flops (Cholesky; 9·M³ eigh), M² memory, M = N·O_kept;
+    2·M²·R per refinement step; means 2·T·M·R, variances 2·T·M².
 
     Example:
       >>> import numpy as np
@@ -551,10 +437,9 @@ def gp_inference(
       True
 
     References:
-      Rasmussen, Williams, "Gaussian Processes for Machine Learning", MIT Press 2006,
-      ch. 2 and 5.4 (σ² by maximum likelihood); Lee, Xiao, Schoenholz, Bahri, Novak,
-      Sohl-Dickstein, Pennington, "Wide Neural Networks of Any Depth Evolve as Linear
-      Models Under Gradient Descent", NeurIPS 2019.
+      Rasmussen, Williams, "Gaussian Processes for Machine Learning", 2006, ch. 2, 5.4;
+      Lee et al., "Wide Neural Networks of Any Depth Evolve as Linear Models Under
+      Gradient Descent", NeurIPS 2019.
     """
     fn = "gp_inference"
     opts = _options(fn, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size)
@@ -563,8 +448,7 @@ def gp_inference(
 
 
 class _DefaultZero(float):
-    """The default 0.0 of ``fx_train_0`` / ``fx_test_0``: equal to 0.0, but told apart
-    from a 0.0 the caller passed (``is``), so that one-sided outputs can be refused."""
+    """The default 0.0 of ``fx_train_0`` / ``fx_test_0``, told apart by ``is``."""
 
     def __repr__(self) -> str:
         return "0.0"
@@ -574,8 +458,6 @@ _DEFAULT_ZERO = _DefaultZero(0.0)
 
 
 def _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train) -> None:
-    """Refuses ``None`` outputs at t = 0 where a formula needs them, and test outputs at
-    t = 0 without a test kernel (one-sided outputs: :func:`_check_one_sided`)."""
     if k_test_train is not None and (fx_train_0 is None or fx_test_0 is None):
         name = "fx_test_0" if fx_test_0 is None else "fx_train_0"
         what = (
@@ -592,21 +474,18 @@ def _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train) -> None:
 
 
 def _check_one_sided(fn, given, values) -> None:
-    """Refuses a non-zero output at t = 0 on one side beside the other's default.
-
-    ``given``: the names of the outputs the caller passed; ``values``: name -> the
-    validated (finite, broadcast) array."""
-    if len(given) != 1 or not np.any(values[given[0]] != 0):
+    """Refuses a non-zero output at t = 0 on one side (``given``) beside the other's default."""
+    if sum(given) != 1 or not np.any(values[given.index(True)] != 0):
         return
-    name, other = given[0], ({"fx_train_0", "fx_test_0"} - set(given)).pop()
-    what = f"{name} is given (max |value| {np.abs(values[name]).max():.3g}) but {other} is left"
+    i = given.index(True)
+    name, other = ("fx_train_0", "fx_test_0")[i], ("fx_test_0", "fx_train_0")[i]
+    what = f"{name} is given (max |value| {np.abs(values[i]).max():.3g}) but {other} is left"
     what += " at its default 0.0 (outputs 0 at t = 0)"
     fix = f"pass {other} too, or {other}=0.0 explicitly if the outputs are 0"
     raise bad(ValueError, fn, what, fix, see="initial-outputs")
 
 
 def _initial_outputs(fn, name, value, shape, which) -> np.ndarray:
-    """``value`` as float64 broadcast to ``shape``, finite."""
     fix = f"pass the network's outputs on the {which} inputs at t = 0, or 0.0"
     try:
         arr = np.asarray(value)
@@ -625,7 +504,6 @@ def _initial_outputs(fn, name, value, shape, which) -> np.ndarray:
 
 
 def _check_times(fn, t) -> np.ndarray:
-    """``t`` (``None``: convergence) as float64 times, all >= 0 (``inf`` allowed)."""
     ts = np.asarray(np.inf if t is None else t, np.float64)
     if np.isnan(ts).any() or (ts < 0).any():
         what = f"t must be >= 0 (or None / inf for convergence), got {t!r}"
@@ -634,12 +512,11 @@ def _check_times(fn, t) -> np.ndarray:
 
 
 def _finite(value) -> bool:
-    """A finite Python int or float (``learning_rate``'s type; else TypeError)."""
     return isinstance(value, (int, float)) and is_real(value) and math.isfinite(value)
 
 
 class GradientDescentMSE(_TestSide):
-    """Predictor returned by :func:`gradient_descent_mse`; see there."""
+    """Predictor returned by :func:`gradient_descent_mse`."""
 
     def __init__(self, fn_name, k_train_train, y_train, learning_rate, opts):
         self._fn = fn_name
@@ -648,30 +525,19 @@ class GradientDescentMSE(_TestSide):
         check_rows_finite(fn_name, "y_train", y, _Y_NAN_FIX)
         self._y_shape, self._y_size = y.shape, y.size
         self._y = np.asarray(lay.flat_y(y), np.float64)
-        fix = "pass the step size, e.g. learning_rate=1.0"
-        lr = check_real(
-            fn_name, "learning_rate", learning_rate, fix, open_low=True, is_type=_finite
-        )
-        self._lr = lr
+        fix, lr = "pass the step size, e.g. learning_rate=1.0", learning_rate
+        self._lr = check_real(fn_name, "learning_rate", lr, fix, open_low=True, is_type=_finite)
         k = _pick(fn_name, "k_train_train", k_train_train, "ntk")
         # a float32 eigendecomposition lost 1e-3 at t = 1e5: always float64
         eigh = opts._replace(method="eigh")
         self._train = _Train(fn_name, "k_train_train", k, lay, eigh, factor=np.float64)
         w, v = self._train.solver._eigs
-        self._w = np.maximum(w, 0.0)
-        self._v = np.asarray(v, np.float64)
-        # Directions the kernel does not move (an empirical NTK has rank <= P): eigenvalues
-        # at the kernel's own round-off, w <= √M·u·w_max with u of the kernel's dtype (the
-        # float64 eigendecomposition resolves float32 round-off as eigenvalues of about
-        # u·w_max; M·eps, 8√M times more, froze a real direction at 2.8e-6·w_max of a
-        # full-rank float32 NTK with M = 40), keep their t = 0 value at every t and add
-        # nothing to test outputs.
+        self._w, self._v = np.maximum(w, 0.0), np.asarray(v, np.float64)
+        # directions at the kernel's own round-off (w <= √M·u·w_max) do not move
         u = max(unit_roundoff(self._train.k_dtype), unit_roundoff(self._train.dtype))
         w_max = max(float(self._w.max(initial=0.0)), 0.0)
         self._null = self._w <= math.sqrt(self._w.size) * u * w_max
-        self._opts = opts
-        self._k = k_train_train
-        self._nngp2 = None
+        self._opts, self._k, self._nngp2 = opts, k_train_train, None
         if isinstance(k_train_train, Kernels) and k_train_train.nngp is not None:
             k = as_host_array(fn_name, "k_train_train.nngp", k_train_train.nngp)
             lay.check_pair("k_train_train.nngp", k, lay.n, lay.n)
@@ -686,44 +552,29 @@ class GradientDescentMSE(_TestSide):
 
     @property
     def eigenvalues(self) -> np.ndarray:
-        """Eigenvalues of the regularised train-train kernel, ascending, clipped at 0."""
+        """Eigenvalues of the regularised train kernel, ascending, clipped at 0."""
         return self._w
 
-    @_doc
     def __call__(
         self, t=None, fx_train_0=_DEFAULT_ZERO, fx_test_0=_DEFAULT_ZERO, k_test_train=None
     ) -> Outputs:
-        """Outputs at training time(s) ``t`` (``None`` or ``np.inf``: convergence).
+        """Outputs at training time(s) ``t`` (None or inf: convergence).
 
-        The test formula needs the network's outputs at t = 0 on both the training and
-        the test inputs (f_test(t) = f_test(0) + Θ_tx H(t) (y − f_train(0))). Either
-        pass both (the outputs of the network you train), or leave both at their
-        default 0.0: the outputs of a network whose initial outputs are 0, which is also
-        the mean over an ensemble of initialisations (neural-tangents' defaults). Giving
-        one of them non-zero while the other is left at its default, or
-        ``fx_train_0=None`` with ``k_test_train``, is refused: the prediction would
-        silently assume outputs you did not give.
+        Test outputs need the outputs at t = 0 on both sides, or neither (both 0.0: the
+        ensemble mean); one side alone, or ``fx_train_0=None`` with ``k_test_train``, raises.
 
         Args:
-          t: ``None``/``inf`` or a float or array of times of any shape, in steps
-            (continuous time ``learning_rate·t``).
-          fx_train_0: outputs on the training inputs at t = 0, broadcastable to
-            ``y_train.shape`` (default 0.0, see above); ``None`` skips the train
-            predictions (allowed only without ``k_test_train``).
-          fx_test_0: outputs on the test inputs at t = 0, broadcastable to ``(T, O...)``
-            (default 0.0, see above); needs ``k_test_train``.
-          k_test_train: the test-train kernel ``(T, N)`` / ``(T, N, O, O)`` (or
-            :class:`Kernels`, whose ``ntk`` is used); ``None`` skips test predictions.
+          t: None/inf, or times in steps of any shape.
+          fx_train_0: outputs at t = 0 broadcastable to ``y_train.shape``; None skips train.
+          fx_test_0: broadcastable to ``(T, O...)``; needs ``k_test_train``.
+          k_test_train: ``(T, N)`` / ``(T, N, O, O)`` or :class:`Kernels` (``ntk`` used).
 
         Returns:
-          ``Outputs(train, test)``: train ``t.shape + (N, O...)``, test
-          ``t.shape + (T, O...)`` (``None`` when skipped); numpy, compute dtype.
+          ``Outputs(train, test)``: ``t.shape + (N, O...)``, ``t.shape + (T, O...)``.
 
         Raises:
-          ValueError, TypeError: negative or non-finite times, shapes not matching,
-            non-finite kernels or outputs, outputs at t = 0 given for one side only (see
-            above); test predictions more ill-conditioned than float64 can compute to
-            1e-6 (see :func:`gradient_descent_mse`).
+          ValueError, TypeError: bad times, shapes, non-finite values, one-sided outputs, test
+            predictions too ill-conditioned (see :func:`gradient_descent_mse`).
         """
         fn = f"{self._fn}(...)"
         lay = self._layout
@@ -740,12 +591,8 @@ class GradientDescentMSE(_TestSide):
             kt = lay.flat(k)
             out_shape = (t_test,) + self._y_shape[1:]
             ft0 = _initial_outputs(fn, "fx_test_0", fx_test_0, out_shape, "test")
-            given = [
-                n
-                for n, v in (("fx_train_0", fx_train_0), ("fx_test_0", fx_test_0))
-                if v is not _DEFAULT_ZERO
-            ]
-            _check_one_sided(fn, given, {"fx_train_0": f0, "fx_test_0": ft0})
+            given = [v is not _DEFAULT_ZERO for v in (fx_train_0, fx_test_0)]
+            _check_one_sided(fn, given, (f0, ft0))
             ft0 = lay.flat_y(ft0)
         dt = self._train.dtype
         shape = () if t is None else ts.shape
@@ -767,15 +614,13 @@ class GradientDescentMSE(_TestSide):
         return Outputs(train, test)
 
     def _decay(self, tau):
-        """expm1(−w τ) per eigenvalue (τ = η t / n; −1 at τ = ∞); 0 on null directions."""
+        """expm1(−w τ) per eigenvalue (−1 at τ = ∞); 0 on null directions."""
         if np.isinf(tau):
             return np.where(self._null, 0.0, -1.0)
         return np.where(self._null, 0.0, np.expm1(-self._w * tau))
 
     def _weights(self, fn, tau, t):
-        """h = (1 − exp(−w τ)) / w per eigenvalue (τ = η t / n; 1/w at τ = ∞; the limit
-        τ at w = 0); 0 on null directions. Refuses weights whose float64 round-off
-        bound u·w_max·max h exceeds :data:`ACCEPT` (see :func:`gradient_descent_mse`)."""
+        """(1 − exp(−w τ)) / w per eigenvalue; raises past :data:`ACCEPT`."""
         keep = ~self._null
         if np.isinf(tau):
             h = np.zeros_like(self._w)
@@ -793,39 +638,30 @@ class GradientDescentMSE(_TestSide):
             suggest = 10 ** math.ceil(math.log10(max(need / tr.reg_scale, 1e-300)))
             w_min = float(self._w[keep].min(initial=w_max))
             when = "at convergence (t = inf)" if np.isinf(tau) else f"at t = {t!r}"
-            what = f"the test predictions {when} are too ill-conditioned: K + λI (λ = "
-            what += f"{tr.lam:.3e}) has eigenvalues {w_min:.3e} .. {w_max:.3e}, round-off bound "
-            what += f"{bound:.1e} > {ACCEPT:.0e}"
+            what = f"the test predictions {when} are too ill-conditioned: eigenvalues {w_min:.3e}"
+            what += (
+                f" .. {w_max:.3e} (λ = {tr.lam:.3e}), round-off bound {bound:.1e} > {ACCEPT:.0e}"
+            )
             fix = f"raise diag_reg to about {suggest:.0e} or more, or predict at smaller t"
             raise bad(ValueError, fn, what, fix, see="ill-conditioned-kernel")
         return h
 
-    @_doc
     def ntk_ensemble(self, t=None, k_test_train=None, k_test_test=None) -> Gaussian:
-        """Mean and covariance over an infinite ensemble of wide networks (initialised from
-        the prior, mean 0) after training time(s) ``t`` (``None``/``inf``: convergence).
+        """Mean and covariance of an infinite ensemble of wide networks after time(s) ``t``.
 
-        With Θ the NTK, K the NNGP, A = Θ_xx + λI and H(t) = A⁻¹ (I − exp(−A τ / n)),
-        τ = ``learning_rate``·t (Lee et al. 2019; neural-tangents'
-        ``gradient_descent_mse_ensemble(..., get="ntk")``):
-        mean = Θ_tx H y;  covariance = K_tt + Θ_tx H K_xx H Θ_xt − Θ_tx H K_xt − K_tx H Θ_xt.
-        At t = ∞, H = A⁻¹ and the result is :meth:`GPInference.ntk`.
+        H(t) = A⁻¹ (I − exp(−A τ / n)), τ = ``learning_rate``·t: the formulas of
+        :meth:`GPInference.ntk` with H for A⁻¹ (neural-tangents'
+        ``gradient_descent_mse_ensemble``).
 
         Args:
-          t: ``None``/``inf`` or a float or array of times (steps), any shape.
-          k_test_train: :class:`Kernels` with ``ntk`` (and ``nngp`` for the covariance),
-            each ``(T, N)`` / ``(T, N, O, O)``; an array is taken as the NTK (mean only).
-          k_test_test: ``None`` (mean only) or the NNGP test-test kernel, full ``(T, T)``
-            / ``(T, T, O, O)`` or per-sample diagonal ``(T,)`` / ``(T, O, O)``. Needs
-            ``Kernels(nngp=..., ntk=...)`` given to :func:`gradient_descent_mse`.
+          t: None/inf or times (steps), any shape.
+          k_test_train, k_test_test: as :meth:`GPInference.ntk`.
 
         Returns:
-          ``Gaussian(mean, covariance)``: mean ``t.shape + (T, O...)``, covariance
-          ``t.shape +`` the layout of ``k_test_test`` (``None`` without it).
+          ``Gaussian``: mean ``t.shape + (T, O...)``, covariance ``t.shape +`` its layout.
 
         Raises:
-          ValueError, TypeError: as :meth:`GPInference.ntk`; negative times; at t = ∞ a
-            kernel too ill-conditioned to solve.
+          ValueError, TypeError: as :meth:`GPInference.ntk`; negative times.
         """
         fn = f"{self._fn}(...).ntk_ensemble"
         if k_test_train is None:
@@ -836,7 +672,6 @@ class GradientDescentMSE(_TestSide):
         times = _check_times(fn, t)
         fields = ["ntk", "nngp"] if needs_cov else ["ntk"]
         n_test, kts, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, fields)
-        chunks = list(self._chunks(n_test))
         means, covs = [], []
         for tk in times.reshape(-1):
             h = self._weights(fn, tk * self._lr / self._y_size, float(tk))
@@ -844,19 +679,7 @@ class GradientDescentMSE(_TestSide):
             def apply_h(b, h=h):
                 return self._v @ (h[:, None] * (self._v.T @ b))
 
-            mean, cov = _posterior(
-                fn,
-                chunks,
-                self._layout.ko,
-                kts,
-                kind,
-                ktt,
-                self._nngp2,
-                apply_h(self._y),
-                apply_h,
-                u,
-            )
-            g = self._finish(n_test, mean, kind, cov)
+            g = self._predict(fn, n_test, kts, kind, ktt, self._nngp2, apply_h(self._y), apply_h, u)
             means.append(g.mean)
             covs.append(g.covariance)
         mean = np.stack(means).reshape(times.shape + means[0].shape)
@@ -865,15 +688,11 @@ class GradientDescentMSE(_TestSide):
 
     def _matmul_chunked(self, kt, b, t):
         out = np.empty((kt.shape[0], b.shape[1]))
-        bs = self._opts.test_batch_size or t
-        ko = self._layout.ko
-        for start in range(0, t, bs):
-            rs = slice(start * ko, min(t, start + bs) * ko)
+        for _, rs in self._chunks(t):
             out[rs] = np.asarray(kt[rs], np.float64) @ b
         return out
 
 
-@_doc
 def gradient_descent_mse(
     k_train_train,
     y_train,
@@ -887,51 +706,30 @@ def gradient_descent_mse(
 ) -> GradientDescentMSE:
     """Outputs of a network trained by gradient flow on the MSE, at any training time.
 
-    In the linearised (NTK) regime with loss ½·|f(x) − y|² / (N·O) and continuous time
-    τ = ``learning_rate``·t, with A = Θ_xx + λI = V diag(w) Vᵀ and n = ``y_train.size``:
+    Linearised regime, loss ½·|f − y|² / n, n = ``y_train.size``, τ = ``learning_rate``·t,
+    A = Θ_xx + λI = V diag(w) Vᵀ (neural-tangents' ``gradient_descent_mse``):
 
         f_train(t) = y + V diag(exp(−w τ / n)) Vᵀ (f_train(0) − y)
         f_test(t)  = f_test(0) + Θ_tx V diag((1 − exp(−w τ / n)) / w) Vᵀ (y − f_train(0))
 
-    (Jacot et al. 2018; Lee et al. 2019), neural-tangents' ``gradient_descent_mse``. The
-    eigendecomposition is computed once, here, and always in float64 on the host
-    (whatever ``dtype``, which sets the results' dtype): a float32 one lost up to 1.3e-3
-    relative against float64 at t = 1e5, where small eigenvalues dominate; each call
-    costs matrix products only. At t = ∞ the weight is 1/w (f_test(∞) = f_test(0) +
-    Θ_tx A⁻¹ (y − f_train(0))); finite times never divide by w (the weight
-    (1 − exp(−w τ/n))/w tends to τ/n as w → 0). Eigenvalues that are negative at
-    round-off level are set to 0. Directions the kernel does not move (eigenvalues of
-    A at most √M·u·w_max, u of the kernel's dtype: an empirical NTK has rank <= P, so
-    with ``diag_reg=0`` these exist whenever N·O > P) keep their t = 0 value in the
-    train outputs at every t, t = ∞ included, and add nothing to the test outputs
-    (gradient flow never moves them). Test predictions whose float64 round-off bound
-    u·λ_max·max_w h exceeds 1e-6 (h the weight above; at t = ∞ this is u times the
-    condition number of the moving directions) raise a ValueError with the fix (raise
-    ``diag_reg``), at finite and infinite t alike.
+    The float64 eigendecomposition is computed once, here. Directions with
+    w <= √M·u·w_max do not move. Test predictions with round-off bound u·w_max·max h above
+    1e-6 raise ValueError.
 
     Args:
-      k_train_train: the train-train NTK ``(N, N)`` / ``(N, N, O, O)``, or
-        :class:`Kernels` (its ``ntk`` is used).
-      learning_rate: step size η > 0 of the training run.
-    {shared}
+      k_train_train: the NTK ``(N, N)`` / ``(N, N, O, O)`` or :class:`Kernels` (``ntk``).
+      learning_rate: step size η > 0.
+      y_train, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size:
+        as :func:`gp_inference`.
 
     Returns:
-      A :class:`GradientDescentMSE`: ``predictor(t=None, fx_train_0=0.0, fx_test_0=0.0,
-      k_test_train=None) -> Outputs(train, test)``, train ``t.shape + (N, O...)``, test
-      ``t.shape + (T, O...)`` (``Outputs`` unpacks like neural-tangents' ``(fx_train_t,
-      fx_test_t)``; test predictions take the outputs at t = 0 on both sides or on
-      neither, see :meth:`GradientDescentMSE.__call__`); and
-      ``predictor.ntk_ensemble(t, k_test_train, k_test_test=None) ->
-      Gaussian``, the mean and covariance over an infinite ensemble at time t (needs
-      ``Kernels(nngp=..., ntk=...)`` for the covariance).
+      :class:`GradientDescentMSE`: ``predictor(t, fx_train_0, fx_test_0, k_test_train) ->
+      Outputs`` and ``predictor.ntk_ensemble(t, k_test_train, k_test_test) -> Gaussian``.
 
     Raises:
-      ValueError, TypeError: as :func:`gp_inference`, and a non-positive
-        ``learning_rate``.
+      ValueError, TypeError: as :func:`gp_inference`; ``learning_rate`` <= 0.
 
-    Cost: one float64 eigendecomposition of the ``M x M`` matrix (M = N·O_kept, about
-    9·M³ flops, 2·M² float64 memory: the matrix it overwrites and the eigenvectors);
-    each call 2·M²·R·K for K times and 2·T·M·R·K for T test points.
+    Cost: 9·M³ flops and 2·M² float64 memory once; per call 2·M²·R·K + 2·T·M·R·K for K times.
 
     Example:
       >>> import numpy as np
@@ -945,9 +743,7 @@ def gradient_descent_mse(
       ((2, 4, 1), True, True)
 
     References:
-      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Lee et al.,
-      "Wide Neural Networks of Any Depth Evolve as Linear Models Under Gradient
-      Descent", NeurIPS 2019.
+      Jacot et al., "Neural Tangent Kernel", NeurIPS 2018; Lee et al., NeurIPS 2019.
     """
     fn = "gradient_descent_mse"
     opts = _options(fn, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size)
