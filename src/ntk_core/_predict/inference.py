@@ -66,46 +66,40 @@ class Outputs(NamedTuple):
     test: Any
 
 
+def _flat_train(fn_name, name, k, layout: FlatLayout):
+    """(dtype, flat kernel, mean diagonal) of a checked train-train kernel."""
+    k = as_host_array(fn_name, name, k)
+    layout.check_pair(name, k, layout.n, layout.n)
+    k2 = layout.flat(k)
+    return k.dtype, k2, scan_train_kernel(fn_name, name, k2, k.dtype)[0]
+
+
 class _Train:
     """One train-train kernel: validated, flattened, regularised, factored."""
 
     def __init__(self, fn_name, name, k, layout: FlatLayout, opts: _Options, factor=None):
-        k = as_host_array(fn_name, name, k)
-        layout.check_pair(name, k, layout.n, layout.n)
-        self.k_dtype = k.dtype
-        self.k2 = layout.flat(k)
-        self.mean_diag, self.kmax = scan_train_kernel(fn_name, name, self.k2, k.dtype)
-        self.dtype = compute_dtype(fn_name, opts.dtype, k.dtype)  # the results' dtype
-        self.reg_scale = 1.0 if opts.diag_reg_absolute_scale else self.mean_diag
+        self.name = name
+        self.k_dtype, self.k2, mean_diag = _flat_train(fn_name, name, k, layout)
+        self.dtype = compute_dtype(fn_name, opts.dtype, self.k_dtype)  # the results' dtype
+        self.reg_scale = 1.0 if opts.diag_reg_absolute_scale else mean_diag
         self.lam = opts.diag_reg * self.reg_scale
         factor = self.dtype if factor is None else factor
-        self.solver = Solver(
-            fn_name, self.k2, self.lam, factor, reg_scale=self.reg_scale, method=opts.method
-        )
+        reg, method = self.reg_scale, opts.method
+        self.solver = Solver(fn_name, self.k2, self.lam, factor, reg_scale=reg, method=method)
 
 
 #: A rank counts as structural (warned) when its last eigenvalue is this many times the next.
 _RANK_DROP = 1e3
-_DOCS = "docs/errors.md"
-_Y_NAN_FIX = "drop or impute the samples with missing targets"
-#: Why a kernel has low rank, per field of :class:`Kernels` (both for a plain array).
-_LOW_RANK_WHY = {
-    "nngp": "an empirical NNGP of one network with O outputs has rank <= O: for a GP prior, "
-    "average initialisations (ntk_core.monte_carlo_kernels(..., n_samples=...))",
-    "ntk": "an empirical NTK has rank <= the number of parameters",
-}
 
 
-def _warn_if_low_rank(fn_name, field, tr: _Train) -> None:
+def _warn_if_low_rank(fn_name, tr: _Train) -> None:
     """Warns when the numerical rank is <= half the probes and ends in a >= 1000x drop."""
     r, c, drop = numerical_rank(tr.k2, tr.k_dtype)
     if 2 * r > c or drop < _RANK_DROP:
         return
-    name = "k_train_train" + (f".{field}" if field else "")
-    what = f"{name} has numerical rank {r} of {tr.k2.shape[0]} ({np.dtype(tr.k_dtype).name})"
-    why = _LOW_RANK_WHY.get(field, "; ".join(_LOW_RANK_WHY.values()))
-    msg = f"{fn_name}: {what}: as a prior it holds only {r} functions; {why}."
-    msg += f" See {_DOCS}#low-rank-kernel."
+    what = f"{tr.name} has numerical rank {r} of {tr.k2.shape[0]} ({np.dtype(tr.k_dtype).name})"
+    msg = f"{fn_name}: {what}: as a prior it holds only {r} functions; for a GP prior average"
+    msg += " initialisations: ntk_core.monte_carlo_kernels. See docs/errors.md#low-rank-kernel."
     warnings.warn(msg, DegenerateKernelWarning, stacklevel=_user_stacklevel())
 
 
@@ -136,15 +130,26 @@ def _clip_variances(fn_name, var, s, m, u):
 class _TestSide:
     """Test-kernel parsing, chunking and output shaping of the predictors."""
 
-    # -- test inputs -----------------------------------------------------------------
+    def _set_y(self, fn_name, y_train, opts) -> FlatLayout:
+        self._fn, self._opts, y = fn_name, opts, as_host_array(fn_name, "y_train", y_train)
+        self._layout = lay = FlatLayout(fn_name, y.shape, opts.trace_axes)
+        check_rows_finite(fn_name, "y_train", y, "drop or impute the samples with missing targets")
+        self._y_shape, self._y_size = y.shape, y.size
+        self._y = np.asarray(lay.flat_y(y), np.float64)
+        return lay
+
+    def _test_train(self, fn, k, field, t=None):
+        """(T, flat kernel) of a checked test-train kernel (``t``: the expected T)."""
+        k = as_host_array(fn, "k_test_train", _pick(fn, "k_test_train", k, field))
+        t = self._layout.check_pair("k_test_train", k, t, self._layout.n, fn)
+        check_rows_finite(fn, "k_test_train", k)
+        return t, self._layout.flat(k)
+
     def _test_kernels(self, fn, k_test_train, k_test_test, fields):
         lay = self._layout
         out, t = {}, None
         for f in fields:
-            k = as_host_array(fn, "k_test_train", _pick(fn, "k_test_train", k_test_train, f))
-            t = lay.check_pair("k_test_train", k, t, lay.n, fn)
-            check_rows_finite(fn, "k_test_train", k)
-            out[f] = lay.flat(k)
+            t, out[f] = self._test_train(fn, k_test_train, f, t)
         kind, ktt = None, None
         if k_test_test is not None:
             k = as_host_array(fn, "k_test_test", _pick(fn, "k_test_test", k_test_test, "nngp"))
@@ -222,13 +227,7 @@ class GPInference(_TestSide):
     """Predictor returned by :func:`gp_inference`."""
 
     def __init__(self, fn_name, k_train_train, y_train, opts):
-        self._fn = fn_name
-        y = as_host_array(fn_name, "y_train", y_train)
-        self._layout = FlatLayout(fn_name, y.shape, opts.trace_axes)
-        check_rows_finite(fn_name, "y_train", y, _Y_NAN_FIX)
-        self._y = np.asarray(self._layout.flat_y(y), np.float64)
-        self._y_size = y.size
-        self._opts = opts
+        self._set_y(fn_name, y_train, opts)
         self._k = k_train_train
         self._train: dict[str, _Train] = {}
         self._alpha: dict[str, np.ndarray] = {}
@@ -242,8 +241,8 @@ class GPInference(_TestSide):
             raise bad(ValueError, fn_name, what, "pass an array or Kernels with a kernel")
         for field in list(self._train):  # solve for y now: an unsolvable kernel fails here
             self._alpha_of(field)
-        for field, tr in self._train.items():
-            _warn_if_low_rank(fn_name, field if isinstance(k_train_train, Kernels) else None, tr)
+        for tr in self._train.values():
+            _warn_if_low_rank(fn_name, tr)
         self.amplitude = self._amplitude() if opts.fit_amplitude else 1.0
 
     def _get_train(self, field) -> _Train:
@@ -460,9 +459,7 @@ _DEFAULT_ZERO = _DefaultZero(0.0)
 def _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train) -> None:
     if k_test_train is not None and (fx_train_0 is None or fx_test_0 is None):
         name = "fx_test_0" if fx_test_0 is None else "fx_train_0"
-        what = (
-            f"{name}=None with k_test_train: the test predictions start from the outputs at t = 0"
-        )
+        what = f"{name}=None with k_test_train: test predictions start from the outputs at t = 0"
         fix = f"pass {name}, or leave fx_train_0 and fx_test_0 at their default 0.0"
         raise bad(ValueError, fn, what, fix, see="initial-outputs")
     if k_test_train is None and fx_train_0 is None:
@@ -519,12 +516,7 @@ class GradientDescentMSE(_TestSide):
     """Predictor returned by :func:`gradient_descent_mse`."""
 
     def __init__(self, fn_name, k_train_train, y_train, learning_rate, opts):
-        self._fn = fn_name
-        y = as_host_array(fn_name, "y_train", y_train)
-        self._layout = lay = FlatLayout(fn_name, y.shape, opts.trace_axes)
-        check_rows_finite(fn_name, "y_train", y, _Y_NAN_FIX)
-        self._y_shape, self._y_size = y.shape, y.size
-        self._y = np.asarray(lay.flat_y(y), np.float64)
+        lay = self._set_y(fn_name, y_train, opts)
         fix, lr = "pass the step size, e.g. learning_rate=1.0", learning_rate
         self._lr = check_real(fn_name, "learning_rate", lr, fix, open_low=True, is_type=_finite)
         k = _pick(fn_name, "k_train_train", k_train_train, "ntk")
@@ -537,12 +529,9 @@ class GradientDescentMSE(_TestSide):
         u = max(unit_roundoff(self._train.k_dtype), unit_roundoff(self._train.dtype))
         w_max = max(float(self._w.max(initial=0.0)), 0.0)
         self._null = self._w <= math.sqrt(self._w.size) * u * w_max
-        self._opts, self._k, self._nngp2 = opts, k_train_train, None
+        self._k, self._nngp2 = k_train_train, None
         if isinstance(k_train_train, Kernels) and k_train_train.nngp is not None:
-            k = as_host_array(fn_name, "k_train_train.nngp", k_train_train.nngp)
-            lay.check_pair("k_train_train.nngp", k, lay.n, lay.n)
-            self._nngp2 = lay.flat(k)
-            scan_train_kernel(fn_name, "k_train_train.nngp", self._nngp2, k.dtype)
+            self._nngp2 = _flat_train(fn_name, "k_train_train.nngp", k_train_train.nngp, lay)[1]
         self.amplitude = 1.0
 
     @property
@@ -585,10 +574,7 @@ class GradientDescentMSE(_TestSide):
         rhs = lay.flat_y(f0) - self._y  # (M, R): fx_train_0 − y
         kt, t_test = None, None
         if k_test_train is not None:
-            k = as_host_array(fn, "k_test_train", _pick(fn, "k_test_train", k_test_train, "ntk"))
-            t_test = lay.check_pair("k_test_train", k, None, lay.n, fn)
-            check_rows_finite(fn, "k_test_train", k)
-            kt = lay.flat(k)
+            t_test, kt = self._test_train(fn, k_test_train, "ntk")
             out_shape = (t_test,) + self._y_shape[1:]
             ft0 = _initial_outputs(fn, "fx_test_0", fx_test_0, out_shape, "test")
             given = [v is not _DEFAULT_ZERO for v in (fx_train_0, fx_test_0)]
@@ -638,10 +624,8 @@ class GradientDescentMSE(_TestSide):
             suggest = 10 ** math.ceil(math.log10(max(need / tr.reg_scale, 1e-300)))
             w_min = float(self._w[keep].min(initial=w_max))
             when = "at convergence (t = inf)" if np.isinf(tau) else f"at t = {t!r}"
-            what = f"the test predictions {when} are too ill-conditioned: eigenvalues {w_min:.3e}"
-            what += (
-                f" .. {w_max:.3e} (λ = {tr.lam:.3e}), round-off bound {bound:.1e} > {ACCEPT:.0e}"
-            )
+            what = f"the test predictions {when} are too ill-conditioned: eigenvalues {w_min:.3e} "
+            what += f"..{w_max:.3e} (λ = {tr.lam:.3e}), round-off bound {bound:.1e} > {ACCEPT:.0e}"
             fix = f"raise diag_reg to about {suggest:.0e} or more, or predict at smaller t"
             raise bad(ValueError, fn, what, fix, see="ill-conditioned-kernel")
         return h
