@@ -1,7 +1,5 @@
-"""Kernel distance, kernel-target alignment (plain, centred), effective rank.
-
-Kernels (numpy, jax or read-only memmap) are read in row chunks of float64
-(:mod:`ntk_core._analysis.host_kernel`); results are Python floats.
+"""Kernel distance, kernel-target alignment (plain, centred), effective rank: float64 on the
+host, kernels read in row chunks (:mod:`ntk_core._analysis.host_kernel`), Python floats.
 """
 
 from __future__ import annotations
@@ -22,15 +20,12 @@ def kernel_distance(k1, k2) -> float:
 
         d(K1, K2) = 1 − ⟨K1, K2⟩_F / (‖K1‖_F ‖K2‖_F)
 
-    0 for kernels equal up to a positive scale; in ``[0, 1]`` for PSD kernels.
+    0 for kernels equal up to a positive scale; in ``[0, 1]`` for PSD kernels (round-off clipped).
 
     Args:
       k1: ``(N, N)`` or ``(N, N, O, O)`` kernel (more output axes zipped, ``(N, N, O1,
         O1, ...)``): the flat ``(N·O, N·O)`` matrix, ``K[i·O + a, j·O + b] = K[i, j, a, b]``.
       k2: a kernel of the same shape.
-
-    Returns:
-      ``d`` as a Python float (round-off below 0 clipped to 0).
 
     Raises:
       ValueError: shapes that differ or are not square kernels; NaN or Inf; an all-zero kernel.
@@ -47,10 +42,7 @@ def kernel_distance(k1, k2) -> float:
       >>> metrics.kernel_distance(np.diag([1.0, 0.0]), np.diag([0.0, 1.0]))  # orthogonal
       1.0
 
-    References:
-      Fort, Dziugaite, Paul, Kharaghani, Roy, Ganguli, "Deep learning versus kernel
-      learning: an empirical study of loss landscape geometry and the time evolution of
-      the Neural Tangent Kernel", NeurIPS 2020, section 4.
+    References: Fort et al., "Deep learning versus kernel learning", NeurIPS 2020, section 4.
     """
     fn = "kernel_distance"
     a, b = HostKernel(fn, "k1", k1), HostKernel(fn, "k2", k2)
@@ -125,7 +117,7 @@ def _alignment(fn: str, k, y, centered: bool) -> float:
 
 
 def kernel_alignment(k, y) -> float:
-    """Kernel-target alignment of Cristianini et al.: the cosine between K and Y Yᵀ.
+    """Kernel-target alignment of Cristianini et al.: the cosine of K and Y Yᵀ, in [0, 1] for PSD K.
 
         A(K, Y) = ⟨K, Y Yᵀ⟩_F / (‖K‖_F ‖Y Yᵀ‖_F) = tr(Yᵀ K Y) / (‖K‖_F ‖Yᵀ Y‖_F)
 
@@ -133,9 +125,6 @@ def kernel_alignment(k, y) -> float:
       k: the kernel, as :func:`kernel_distance`.
       y: targets, floating or integer: ``(N,)`` or ``(N, O)`` for an ``(N, N)`` kernel
         (target kernel Y Yᵀ); ``(N, O)`` for ``(N, N, O, O)`` (target kernel vec(y) vec(y)ᵀ).
-
-    Returns:
-      ``A`` as a Python float, in ``[0, 1]`` for PSD K.
 
     Raises:
       ValueError: k not a square kernel; y's shape not matching; NaN or Inf; all zeros.
@@ -152,8 +141,7 @@ def kernel_alignment(k, y) -> float:
       >>> round(metrics.kernel_alignment(np.eye(3), y), 6)     # tr(yᵀy)/(√3·‖y‖²)
       0.57735
 
-    References:
-      Cristianini, Shawe-Taylor, Elisseeff, Kandola, "On Kernel-Target Alignment", NIPS 2001.
+    References: Cristianini et al., "On Kernel-Target Alignment", NIPS 2001.
     """
     return _alignment("kernel_alignment", k, y, centered=False)
 
@@ -163,14 +151,11 @@ def centered_kernel_alignment(k, y) -> float:
 
         A_c(K, Y) = ⟨H K H, H Y Yᵀ H⟩_F / (‖H K H‖_F ‖H Y Yᵀ H‖_F),  H = I − 11ᵀ/N
 
-    Invariant to constant offsets of K or y. For ``(N, N, O, O)`` kernels H acts on the
-    samples per output entry (H ⊗ I_O).
+    In [-1, 1] ([0, 1] for PSD K); invariant to constant offsets of K or y. For
+    ``(N, N, O, O)`` kernels H acts on the samples per output entry (H ⊗ I_O).
 
     Args:
       k, y: as :func:`kernel_alignment`.
-
-    Returns:
-      ``A_c`` as a Python float, in ``[-1, 1]`` (``[0, 1]`` for PSD K).
 
     Raises:
       ValueError, TypeError: as :func:`kernel_alignment`; a kernel or targets constant
@@ -188,9 +173,8 @@ def centered_kernel_alignment(k, y) -> float:
       >>> metrics.kernel_alignment(k, y) < 0.5
       True
 
-    References:
-      Cortes, Mohri, Rostamizadeh, "Algorithms for Learning Kernels Based on Centered
-      Alignment", JMLR 13, 2012.
+    References: Cortes, Mohri, Rostamizadeh, "Algorithms for Learning Kernels Based on
+    Centered Alignment", JMLR 13, 2012.
     """
     return _alignment("centered_kernel_alignment", k, y, centered=True)
 
@@ -206,9 +190,6 @@ def effective_rank(kernel=None, *, eigenvalues=None) -> float:
       kernel: a symmetric kernel, as :func:`kernel_distance` (all eigenvalues, dense).
       eigenvalues: instead (keyword-only), a 1-D array, e.g. a top k (the result is then
         at most k).
-
-    Returns:
-      A Python float.
 
     Raises:
       TypeError: both or neither given; a non-floating kernel.
@@ -227,9 +208,7 @@ def effective_rank(kernel=None, *, eigenvalues=None) -> float:
       >>> round(metrics.effective_rank(eigenvalues=[1.0, 1.0, 0.0]), 12)
       2.0
 
-    References:
-      Roy, Vetterli, "The effective rank: A measure of effective dimensionality",
-      EUSIPCO 2007.
+    References: Roy, Vetterli, "The effective rank", EUSIPCO 2007.
     """
     fn = "effective_rank"
     s = np.abs(eigenvalues_of(fn, kernel, eigenvalues))

@@ -34,11 +34,9 @@ _SA_HINT = "; the smallest converge slowly: condition_number(kernel) of a formed
 
 
 class Eigenpairs(NamedTuple):
-    """Extreme eigenpairs of a kernel (see :func:`ntk_eigsh`).
-
-    ``eigenvalues``: float64 ``(k,)``, in the order of ``which``. ``eigenvectors``: float64,
-    unit norm, ``(N, O..., k)`` (``(N, k)`` for ``(N, N)`` kernels; pytree for pytree
-    outputs), largest entry positive. ``matvecs``: operator products used.
+    """Extreme eigenpairs (:func:`ntk_eigsh`): float64 ``eigenvalues (k,)`` in ``which``'s order;
+    unit ``eigenvectors (N, O..., k)`` (``(N, k)`` for ``(N, N)``; pytrees for pytree outputs),
+    largest entry positive; ``matvecs``, the products used.
     """
 
     eigenvalues: np.ndarray
@@ -47,10 +45,7 @@ class Eigenpairs(NamedTuple):
 
 
 class NoConvergence(scipy.sparse.linalg.ArpackNoConvergence):
-    """ARPACK stopped before k pairs converged (a scipy ``ArpackNoConvergence``).
-
-    ``eigenvalues`` and ``eigenvectors`` hold the converged pairs (flat).
-    """
+    """ARPACK stopped early (an ``ArpackNoConvergence``; holds the converged pairs)."""
 
     def __init__(self, msg, eigenvalues, eigenvectors):
         super().__init__(msg, eigenvalues, eigenvectors)
@@ -102,15 +97,11 @@ def _ntk_operator(caller: Caller, apply_fn, params, x, batch_size, precision):
 def ntk_operator(apply_fn, params, x, *, batch_size=None, precision="highest"):
     """The NTK Θ(x, x) as a float64 ``scipy.sparse.linalg.LinearOperator``, never formed.
 
-    ``op @ v``, v of length M = N·O (outputs flattened row-major, pytree leaves
-    concatenated in ``jax.tree.leaves`` order), is Θ v from :func:`ntk_core.ntk_vp_fn`.
-    Symmetric (``op.H`` is ``op``); ``op.matvecs`` counts products.
+    ``op @ v`` (v of length M = N·O: outputs flattened row-major, pytree leaves concatenated)
+    is Θ v from :func:`ntk_core.ntk_vp_fn`. Symmetric; ``op.matvecs`` counts products.
 
     Args:
       apply_fn, params, x, batch_size, precision: as :func:`ntk_core.ntk_vp_fn`.
-
-    Returns:
-      A ``LinearOperator`` of shape ``(M, M)``, float64.
 
     Raises:
       TypeError, ValueError: as :func:`ntk_core.ntk_vp_fn`; a NaN or Inf product.
@@ -125,27 +116,22 @@ def ntk_operator(apply_fn, params, x, *, batch_size=None, precision="highest"):
       ((6, 6), [1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
 
     References:
-      Lehoucq, Sorensen, Yang, "ARPACK Users' Guide", SIAM 1998; Novak, Sohl-Dickstein,
-      Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
+      Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     return _ntk_operator(_NTK_OPERATOR, apply_fn, params, x, batch_size, precision)[0]
 
 
 def kernel_operator(kernel):
-    """A formed kernel as a float64 ``LinearOperator``, read in row chunks of about 64 MiB.
+    """A formed kernel as a float64 ``LinearOperator`` ``(M, M)``, read in 64 MiB row chunks.
 
     Args:
-      kernel: ``(N, N)`` or ``(N, N, O, O)``, numpy, memory map or jax array; finite,
-        symmetric. Flat order as :func:`ntk_operator`.
-
-    Returns:
-      A ``LinearOperator`` ``(M, M)``, M = N·O, float64, with ``matvecs``.
+      kernel: ``(N, N)`` or ``(N, N, O, O)`` (numpy, memmap or jax), finite, symmetric.
 
     Raises:
       ValueError: not square, not symmetric (to 100·u·max|K|) or not finite.
       TypeError: a non-floating kernel.
 
-    Cost: one validation pass; per product 2·M² flops and one read of the kernel.
+    Cost: per product 2·M² flops, one read of the kernel.
 
     Example:
       >>> import numpy as np
@@ -232,18 +218,15 @@ def ntk_eigsh(
       maxiter: most Arnoldi restarts (None: scipy's 10·M).
       ncv: Lanczos vectors (None: scipy's min(M, max(2k + 1, 20))).
 
-    Accuracy: products in the parameters' dtype: absolute error about u·λ_max.
-
-    Returns:
-      :class:`Eigenpairs` ``(eigenvalues (k,), eigenvectors (N, O..., k), matvecs)``.
+    Returns :class:`Eigenpairs`; eigenvalues accurate to about u·λ_max (parameters' dtype).
 
     Raises:
       TypeError, ValueError: as :func:`ntk_core.ntk_vp_fn`; k, which, tol, maxiter or ncv
         out of range; a NaN or Inf product.
       NoConvergence: no convergence within maxiter.
 
-    Cost: ``matvecs`` products (e.g. 125 for the top 20 of an MLP 784-1000-1 at N = 500),
-    each one VJP and one JVP; memory ncv·M float64, never the kernel.
+    Cost: ``matvecs`` products (125 for the top 20 of an MLP 784-1000-1 at N = 500), each a
+    VJP and a JVP; memory ncv·M float64.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -261,8 +244,7 @@ def ntk_eigsh(
       >>> bool(np.allclose(top.eigenvalues, exact, rtol=1e-5))
       True
 
-    References:
-      Lehoucq, Sorensen, Yang, "ARPACK Users' Guide", SIAM 1998.
+    References: Lehoucq, Sorensen, Yang, "ARPACK Users' Guide", SIAM 1998.
     """
     fn = _NTK_EIGSH.name
     check_apply_fn(fn, apply_fn)
@@ -287,18 +269,8 @@ def kernel_eigsh(
 ) -> Eigenpairs:
     """Top-k eigenpairs of a formed kernel read in row chunks (memory maps welcome).
 
-    Args:
-      kernel: as :func:`kernel_operator`.
-      k, which, tol, maxiter, ncv: as :func:`ntk_eigsh`.
-
-    Returns:
-      :class:`Eigenpairs`, eigenvectors ``(N, k)`` or ``(N, O..., k)``, float64.
-
-    Raises:
-      ValueError, TypeError: as :func:`kernel_operator` and :func:`ntk_eigsh`.
-      NoConvergence: as :func:`ntk_eigsh`.
-
-    Cost: ``matvecs`` products of 2·M² flops, each a read of the kernel.
+    ``kernel`` as :func:`kernel_operator`; ``k, which, tol, maxiter, ncv``, the result and
+    the errors as :func:`ntk_eigsh`. Cost: ``matvecs`` products of 2·M² flops.
 
     Example:
       >>> import numpy as np
@@ -332,22 +304,10 @@ def _flattened(apply_fn):
 def ntk_trace(
     apply_fn, params, x, *, batch_size=None, implementation="auto", precision="highest"
 ) -> float:
-    """tr Θ(x, x) = Σ_i Σ_a ‖∂f_a(x_i)/∂θ‖², the sum of the eigenvalues, at O(N) cost.
+    """tr Θ(x, x) = Σ_i Σ_a ‖∂f_a(x_i)/∂θ‖² (the eigenvalue sum), a Python float, at O(N) cost.
 
-    The per-sample, per-output diagonal from :func:`ntk_core.empirical_ntk`
-    (``trace_axes=()``, ``diagonal_axes=(0, 1)``), summed in float64.
-
-    Args:
-      apply_fn, params, x: as :func:`ntk_core.ntk_vp_fn`.
-      batch_size, implementation, precision: as :func:`ntk_core.empirical_ntk`.
-
-    Returns:
-      tr Θ as a Python float.
-
-    Raises:
-      TypeError, ValueError: as :func:`ntk_core.empirical_ntk`.
-
-    Cost: the per-sample derivatives of each sample once; no pairs.
+    The diagonal of :func:`ntk_core.empirical_ntk` (``trace_axes=()``, ``diagonal_axes=(0,
+    1)``) summed in float64; arguments and errors as there (``apply_fn, params, x``).
 
     Example:
       >>> import jax.numpy as jnp
@@ -355,8 +315,7 @@ def ntk_trace(
       >>> spectrum.ntk_trace(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3))  # Σ ‖x_i‖²·O
       6.0
 
-    References:
-      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018.
+    References: Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018.
     """
     fn = _NTK_TRACE.name
     check_apply_fn(fn, apply_fn)
@@ -371,24 +330,15 @@ def ntk_trace(
 
 
 def condition_number(kernel=None, *, eigenvalues=None) -> float:
-    """λ_max / λ_min of a symmetric kernel (``inf`` when λ_min <= 0).
-
-    From all eigenvalues of ``kernel`` (dense, float64) or from ``eigenvalues``. Values
-    above about 1/u of the kernel's dtype are round-off.
+    """λ_max / λ_min of a symmetric kernel (``inf`` when λ_min <= 0), a Python float.
 
     Args:
-      kernel: ``(N, N)`` or ``(N, N, O, O)``, finite and symmetric.
+      kernel: ``(N, N)`` or ``(N, N, O, O)``; all eigenvalues, dense float64 (4/3·M³ flops).
       eigenvalues: instead of ``kernel`` (keyword-only): a 1-D array.
-
-    Returns:
-      A Python float.
 
     Raises:
       TypeError: both or neither given; non-floating kernel.
-      ValueError: kernel not square, not symmetric or 1-D; NaN or Inf; eigenvalues not
-        1-D or complex.
-
-    Cost: with ``kernel``, 4/3·M³ flops and 8·M² bytes (M = N·O).
+      ValueError: kernel not square, symmetric, finite, or 1-D; eigenvalues not real 1-D.
 
     Example:
       >>> import numpy as np
@@ -398,8 +348,7 @@ def condition_number(kernel=None, *, eigenvalues=None) -> float:
       >>> spectrum.condition_number(eigenvalues=[3.0, 0.0])
       inf
 
-    References:
-      Golub, Van Loan, "Matrix Computations", 4th ed., 2013, section 2.6.
+    References: Golub, Van Loan, "Matrix Computations", 4th ed., 2013, section 2.6.
     """
     w = eigenvalues_of("condition_number", kernel, eigenvalues)
     lo, hi = float(w.min()), float(w.max())
