@@ -23,9 +23,7 @@ from ntk_core._predict.linalg import bad, check_finite, check_int
 
 _NAME = "KernelTracker"
 _UPDATE = f"{_NAME}.update"
-_KERNEL_FN_FIX = (
-    "pass a kernel function such as ntk_core.ntk_fn(apply_fn) or ntk_flax.kernel_fn(model)"
-)
+_KERNEL_FN_FIX = "pass a kernel function such as ntk_core.ntk_fn(f) or ntk_flax.kernel_fn(model)"
 
 
 class KernelRecord(NamedTuple):
@@ -96,8 +94,7 @@ def _labels(y, n: int) -> np.ndarray | None:
 
 def _json_value(value):
     """JSON-ready: numpy to lists, NaN to null."""
-    if isinstance(value, np.ndarray):
-        return [_json_value(v) for v in value.tolist()]
+    value = value.tolist() if isinstance(value, np.ndarray) else value
     if isinstance(value, list):
         return [_json_value(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):

@@ -282,19 +282,13 @@ class GPInference(_TestSide):
     def nngp(self, k_test_train, k_test_test=None) -> Gaussian:
         """GP posterior, the train kernel as prior: mean K_tx A⁻¹ y, cov σ² (K_tt − K_tx A⁻¹ K_xt).
 
-        A = K_xx + λI; σ² = 1 unless ``fit_amplitude``. K is the array given to
-        :func:`gp_inference` or its ``Kernels.nngp`` (neural-tangents' ``get="nngp"``).
-
         Args:
           k_test_train: ``(T, N)`` / ``(T, N, O, O)``, or :class:`Kernels` (``nngp`` used).
           k_test_test: None (mean only), full ``(T, T)`` / ``(T, T, O, O)``, or per-sample
             diagonal ``(T,)`` / ``(T, O, O)`` (variances at O(T) memory).
 
-        Returns:
-          ``Gaussian``: mean ``(T, O...)``; covariance in the layout of ``k_test_test``.
-
-        Raises:
-          ValueError, TypeError: shapes not matching, non-finite kernels, a negative variance.
+        Returns ``Gaussian``: mean ``(T, O...)``, covariance in the layout of ``k_test_test``.
+        Raises ValueError, TypeError: shapes not matching, non-finite kernels, negative variances.
         """
         fn = f"{self._fn}(...).nngp"
         t, kt, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, ["nngp"])
@@ -306,14 +300,8 @@ class GPInference(_TestSide):
 
         With Θ the NTK, K the NNGP, A = Θ_xx + λI: mean Θ_tx A⁻¹ y, covariance
         σ² (K_tt + Θ_tx A⁻¹ K_xx A⁻¹ Θ_xt − Θ_tx A⁻¹ K_xt − K_tx A⁻¹ Θ_xt) (Lee et al. 2019).
-
-        Args:
-          k_test_train: :class:`Kernels` with ``ntk`` (and ``nngp`` for the covariance);
-            an array is taken as the NTK.
-          k_test_test: as :meth:`nngp`, the NNGP's; needs ``Kernels`` with both kernels
-            here and in :func:`gp_inference`.
-
-        Returns, Raises: as :meth:`nngp`.
+        ``k_test_train``: :class:`Kernels` (an array is the NTK); ``k_test_test``: the NNGP's, as
+        :meth:`nngp`, needing ``Kernels`` with both here and in :func:`gp_inference`.
         """
         fn = f"{self._fn}(...).ntk"
         needs_cov = k_test_test is not None
@@ -363,12 +351,10 @@ class _Options(NamedTuple):
 
 def _options(fn_name, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size):
     diag_reg = check_diag_reg(fn_name, diag_reg)
-    fix = "pass e.g. test_batch_size=1000"
-    test_batch_size = check_int(
-        fn_name, "test_batch_size", test_batch_size, fix, optional=True, type_error=ValueError
-    )
+    fix, tbs = "pass e.g. test_batch_size=1000", test_batch_size
+    tbs = check_int(fn_name, "test_batch_size", tbs, fix, optional=True, type_error=ValueError)
     compute_dtype(fn_name, dtype, np.float32)  # validates the value early
-    return _Options(diag_reg, bool(diag_reg_absolute_scale), trace_axes, dtype, test_batch_size)
+    return _Options(diag_reg, bool(diag_reg_absolute_scale), trace_axes, dtype, tbs)
 
 
 def gp_inference(
@@ -382,45 +368,40 @@ def gp_inference(
     dtype=None,
     test_batch_size: int | None = None,
 ) -> GPInference:
-    """GP posterior and NTK-ensemble posterior from kernels (neural-tangents' ``gp_inference``).
+    """GP and NTK-ensemble posteriors from kernels (neural-tangents' ``gp_inference``).
 
     With A = K_xx + λI: GP mean K_tx A⁻¹ y, covariance K_tt − K_tx A⁻¹ K_xt (Rasmussen &
     Williams eq. 2.25-2.26); the ensemble of :meth:`GPInference.ntk` (Lee et al. 2019).
 
     Args:
       k_train_train: ``(N, N)`` (``trace_axes=(-1,)``) or ``(N, N, O, O)`` (``trace_axes=()``),
-        symmetric, finite; or ``Kernels(nngp=..., ntk=...)``. numpy, read-only memmap or
-        jax array, read in row chunks.
+        symmetric, finite, or ``Kernels(nngp=..., ntk=...)``; numpy, memmap or jax array.
       y_train: targets ``(N, O...)``, float, at least one output axis.
-      diag_reg: >= 0; λ = ``diag_reg``·mean(diag K) (of the ``(N·O, N·O)`` matrix), or
+      diag_reg: >= 0; λ = ``diag_reg``·mean(diag K) of the ``(N·O, N·O)`` matrix, or
         λ = ``diag_reg`` with ``diag_reg_absolute_scale=True``.
       trace_axes: output axes the kernels lack, as given to the kernel function.
-      fit_amplitude: scale covariances by σ² = yᵀ A⁻¹ y / ``y_train.size``
-        (``predictor.amplitude``; else 1.0).
-      dtype: of the factorisation and results: None (the kernel's), "float32", "float64"
-        (true float64 on the host, without ``jax_enable_x64``).
+      fit_amplitude: scale covariances by σ² = yᵀ A⁻¹ y / ``y_train.size`` (``.amplitude``).
+      dtype: of the factorisation and results: None (the kernel's), "float32" or "float64"
+        (host float64, without ``jax_enable_x64``).
       test_batch_size: test points per chunk (None: all); memory O(B·N·O²) per chunk.
 
-    Solver: Cholesky of A in ``dtype``, else eigendecomposition (eigenvalues floored at
-    u·λ_max); solves refined in float64 until the last correction is <= 1e-6 of the
-    solution, else ValueError. Variances are formed in float64; negatives down to −M·u·s
-    (s the magnitudes summed) are set to 0, below raise; GP variances are capped at the prior.
+    Solver: Cholesky of A in ``dtype``, else eigendecomposition (floored at u·λ_max); solves
+    refined in float64 until the last correction is <= 1e-6 of the solution. Variances in
+    float64; negatives down to −M·u·s are set to 0; GP variances capped at the prior.
 
     Returns:
-      :class:`GPInference` with ``.nngp`` and ``.ntk(k_test_train, k_test_test=None) ->
-      Gaussian``; kernels are checked and factored here, once.
+      :class:`GPInference`: ``.nngp`` / ``.ntk(k_test_train, k_test_test=None) -> Gaussian``.
 
     Warns:
-      DegenerateKernelWarning: numerical rank r (eigenvalues above M·u·λ_max) at most half
-        of min(M, 64) followed by a >= 1000x drop (64-probe sketch for M > 64).
+      DegenerateKernelWarning: numerical rank <= half of min(M, 64), then a >= 1000x drop.
 
     Raises:
-      ValueError: bad ``y_train``; a kernel of the wrong shape, non-symmetric, non-finite,
-        not PSD or too ill-conditioned for ``dtype``; bad ``diag_reg``.
+      ValueError: bad ``y_train``, ``diag_reg``; a kernel of the wrong shape, non-symmetric,
+        non-finite, not PSD or too ill-conditioned for ``dtype``.
       TypeError: non-floating arrays, ``diag_reg`` not a number.
 
-    Cost: per train kernel M³/3 flops (Cholesky; 9·M³ eigh), M² memory, M = N·O_kept;
-    2·M²·R per refinement step; means 2·T·M·R, variances 2·T·M².
+    Cost: per train kernel M³/3 flops (9·M³ eigh), M² memory, M = N·O_kept; 2·M²·R per
+    refinement step; means 2·T·M·R, variances 2·T·M².
 
     Example:
       >>> import numpy as np
@@ -435,10 +416,9 @@ def gp_inference(
       >>> bool(np.allclose(mean, y[:2], atol=1e-4))
       True
 
-    References:
-      Rasmussen, Williams, "Gaussian Processes for Machine Learning", 2006, ch. 2, 5.4;
-      Lee et al., "Wide Neural Networks of Any Depth Evolve as Linear Models Under
-      Gradient Descent", NeurIPS 2019.
+    References: Rasmussen, Williams, "Gaussian Processes for Machine Learning", 2006, ch. 2,
+    5.4; Lee et al., "Wide Neural Networks of Any Depth Evolve as Linear Models Under
+    Gradient Descent", NeurIPS 2019.
     """
     fn = "gp_inference"
     opts = _options(fn, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size)
@@ -547,23 +527,17 @@ class GradientDescentMSE(_TestSide):
     def __call__(
         self, t=None, fx_train_0=_DEFAULT_ZERO, fx_test_0=_DEFAULT_ZERO, k_test_train=None
     ) -> Outputs:
-        """Outputs at training time(s) ``t`` (None or inf: convergence).
-
-        Test outputs need the outputs at t = 0 on both sides, or neither (both 0.0: the
-        ensemble mean); one side alone, or ``fx_train_0=None`` with ``k_test_train``, raises.
+        """``Outputs(train t.shape + (N, O...), test t.shape + (T, O...))`` at time(s) ``t``.
 
         Args:
-          t: None/inf, or times in steps of any shape.
+          t: None/inf (convergence), or times in steps of any shape.
           fx_train_0: outputs at t = 0 broadcastable to ``y_train.shape``; None skips train.
           fx_test_0: broadcastable to ``(T, O...)``; needs ``k_test_train``.
           k_test_train: ``(T, N)`` / ``(T, N, O, O)`` or :class:`Kernels` (``ntk`` used).
 
-        Returns:
-          ``Outputs(train, test)``: ``t.shape + (N, O...)``, ``t.shape + (T, O...)``.
-
-        Raises:
-          ValueError, TypeError: bad times, shapes, non-finite values, one-sided outputs, test
-            predictions too ill-conditioned (see :func:`gradient_descent_mse`).
+        Test outputs need the outputs at t = 0 on both sides or neither (0.0: the ensemble
+        mean). Raises ValueError, TypeError: bad times, shapes or values, one-sided outputs,
+        ill-conditioned test predictions (see :func:`gradient_descent_mse`).
         """
         fn = f"{self._fn}(...)"
         lay = self._layout
@@ -633,19 +607,9 @@ class GradientDescentMSE(_TestSide):
     def ntk_ensemble(self, t=None, k_test_train=None, k_test_test=None) -> Gaussian:
         """Mean and covariance of an infinite ensemble of wide networks after time(s) ``t``.
 
-        H(t) = A⁻¹ (I − exp(−A τ / n)), τ = ``learning_rate``·t: the formulas of
-        :meth:`GPInference.ntk` with H for A⁻¹ (neural-tangents'
-        ``gradient_descent_mse_ensemble``).
-
-        Args:
-          t: None/inf or times (steps), any shape.
-          k_test_train, k_test_test: as :meth:`GPInference.ntk`.
-
-        Returns:
-          ``Gaussian``: mean ``t.shape + (T, O...)``, covariance ``t.shape +`` its layout.
-
-        Raises:
-          ValueError, TypeError: as :meth:`GPInference.ntk`; negative times.
+        The formulas of :meth:`GPInference.ntk` with H(t) = A⁻¹ (I − exp(−A τ / n)) for A⁻¹,
+        τ = ``learning_rate``·t (``gradient_descent_mse_ensemble``); arguments and errors as
+        there. Returns ``Gaussian``, ``t.shape +`` the layouts of :meth:`GPInference.ntk`.
         """
         fn = f"{self._fn}(...).ntk_ensemble"
         if k_test_train is None:
@@ -706,12 +670,8 @@ def gradient_descent_mse(
       y_train, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size:
         as :func:`gp_inference`.
 
-    Returns:
-      :class:`GradientDescentMSE`: ``predictor(t, fx_train_0, fx_test_0, k_test_train) ->
-      Outputs`` and ``predictor.ntk_ensemble(t, k_test_train, k_test_test) -> Gaussian``.
-
-    Raises:
-      ValueError, TypeError: as :func:`gp_inference`; ``learning_rate`` <= 0.
+    Returns :class:`GradientDescentMSE` (``predictor(t, ...) -> Outputs``, ``.ntk_ensemble``).
+    Raises ValueError, TypeError: as :func:`gp_inference`; ``learning_rate`` <= 0.
 
     Cost: 9·M³ flops and 2·M² float64 memory once; per call 2·M²·R·K + 2·T·M·R·K for K times.
 
@@ -726,8 +686,7 @@ def gradient_descent_mse(
       >>> out.train.shape, bool(np.allclose(out.train[0], 0)), bool(np.allclose(out.train[1], y))
       ((2, 4, 1), True, True)
 
-    References:
-      Jacot et al., "Neural Tangent Kernel", NeurIPS 2018; Lee et al., NeurIPS 2019.
+    References: Jacot et al., "Neural Tangent Kernel", NeurIPS 2018; Lee et al. 2019.
     """
     fn = "gradient_descent_mse"
     opts = _options(fn, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size)
