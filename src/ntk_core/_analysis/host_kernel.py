@@ -8,20 +8,10 @@ import math
 
 import numpy as np
 
-from ntk_core._predict.linalg import as_host_array, bad, check_finite, check_symmetric
+from ntk_core._predict.linalg import as_host_array, bad, check_finite, check_symmetric, flat_pairs
 
 #: float64 entries per row chunk (64 MiB).
 CHUNK_ENTRIES = 1 << 23
-
-
-def _flat(block: np.ndarray, m_out: int) -> np.ndarray:
-    block = np.asarray(block, np.float64)
-    if block.ndim == 2:
-        return block
-    k = (block.ndim - 2) // 2
-    order = [0] + [2 + 2 * i for i in range(k)] + [1] + [3 + 2 * i for i in range(k)]
-    b1, b2 = block.shape[:2]
-    return np.transpose(block, order).reshape(b1 * m_out, b2 * m_out)
 
 
 class HostKernel:
@@ -48,14 +38,17 @@ class HostKernel:
             s = slice(start, min(self.n, start + rows))
             block = self.arr[s]
             check_finite(self.fn_name, self.name, block, cls=ValueError, first=s.start)
-            yield slice(s.start * self.o, s.stop * self.o), _flat(block, self.o)
+            yield (
+                slice(s.start * self.o, s.stop * self.o),
+                flat_pairs(np.asarray(block, np.float64), self.o),
+            )
 
     def check_symmetric(self) -> None:
         """Raises unless max |K - Kᵀ| <= 100·u·max |K|, chunk by chunk."""
         kmax, asym = 0.0, 0.0
         for rows, block in self.chunks():
             s = slice(rows.start // self.o, rows.stop // self.o)
-            columns = _flat(self.arr[:, s], self.o)
+            columns = flat_pairs(np.asarray(self.arr[:, s], np.float64), self.o)
             kmax = max(kmax, float(np.abs(block).max()))
             asym = max(asym, float(np.abs(block - columns.T).max()))
         check_symmetric(self.fn_name, self.name, asym, kmax, self.dtype)

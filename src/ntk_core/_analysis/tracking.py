@@ -120,44 +120,33 @@ class KernelTracker:
     """The empirical NTK of a fixed probe set, tracked every ``every`` training steps.
 
     At a due step (``step % every == 0``) :meth:`update` computes K_s =
-    ``kernel_fn(params_like, x_probe)`` (``(N, N)`` or ``(N, N, O, O)``) and records:
-
-        kernel_distance      metrics.kernel_distance(K_0, K_s)   (K_0: the first tracked)
-        alignment            metrics.kernel_alignment(K_s, y)
-        centered_alignment   metrics.centered_kernel_alignment(K_s, y)
-        effective_rank       metrics.effective_rank(eigenvalues=λ)
-        trace                Σ_i λ_i
-        top_eigenvalues      λ_1 >= ... >= λ_top_k
-
-    λ: all eigenvalues of the flat ``(N·O, N·O)`` kernel (float64 ``eigvalsh``). Other steps
-    cost one integer modulo. Any kernel function of ``(params_like, x, **kwargs)`` works
-    (``ntk_core.ntk_fn``, ``ntk_flax.kernel_fn``, ``ntk_haiku.kernel_fn``); it compiles once.
+    ``kernel_fn(params_like, x_probe)`` and records a :class:`KernelRecord`:
+    ``kernel_distance(K_0, K_s)`` (K_0 the first tracked), ``kernel_alignment`` and
+    ``centered_kernel_alignment`` with y, ``effective_rank``, the trace and the ``top_k``
+    largest of all eigenvalues λ of the flat ``(N·O, N·O)`` kernel (float64, see
+    :mod:`ntk_core.metrics`). Other steps cost one integer modulo. ``kernel_fn`` is any
+    kernel function (``ntk_core.ntk_fn``, ``ntk_flax.kernel_fn``, ``ntk_haiku.kernel_fn``).
 
     Args:
-      kernel_fn: returns one kernel array of x with itself.
+      kernel_fn: ``(params_like, x, **kwargs) ->`` one kernel ``(N, N)`` / ``(N, N, O, O)``.
       x_probe: N probe inputs, an array ``(N, ...)`` or a pytree with batch axis 0.
-      y: optional labels ``(N,)`` or ``(N, O)`` (``(N, O)`` for an ``(N, N, O, O)`` kernel).
-      every: positive int, keyword-only.
-      top_k: largest eigenvalues recorded (<= N·O).
-      keep_kernels: keep every kernel in :attr:`kernels` (the first is kept anyway).
-      out: optional folder: ``kernel_step_{step:08d}.npy`` and ``metrics.json``
-        (:meth:`to_dict`), written atomically after each tracked step.
+      y: optional labels ``(N,)`` or ``(N, O)`` (``(N, O)`` for ``(N, N, O, O)`` kernels).
+      every: positive int. top_k: eigenvalues recorded (<= N·O).
+      keep_kernels: keep every kernel in :attr:`kernels` (K_0 is kept anyway).
+      out: optional folder for ``kernel_step_{step:08d}.npy`` and ``metrics.json``
+        (:meth:`to_dict`), written atomically at each tracked step.
 
     Attributes:
-      records: the :class:`KernelRecord` of each tracked step.
-      history: dict of arrays per field over T steps (``step`` int64, ``top_eigenvalues``
-        ``(T, top_k)``).
-      kernels: the kept kernels. initial_kernel: K_0, or None before it.
+      records, history (arrays per field over T steps; ``step`` int64, ``top_eigenvalues``
+      ``(T, top_k)``), kernels, initial_kernel (K_0 or None).
 
     Raises:
       TypeError: ``kernel_fn`` not callable, ``every``/``top_k`` not int, bad ``x_probe`` or
         ``y``; in :meth:`update`, a non-int step (a ``jax.Array`` would sync), a non-array kernel.
-      ValueError: ``every``/``top_k`` < 1; bad ``x_probe`` or ``y`` shapes; in
-        :meth:`update`, a step not after the last, a kernel not of the probe set, not
-        symmetric or not finite, ``top_k`` above N·O.
+      ValueError: ``every``/``top_k`` < 1, bad shapes; in :meth:`update`, a step not after
+        the last, a kernel not of the probe set, not symmetric or finite, ``top_k`` > N·O.
 
-    Cost: per tracked step one kernel call, a host copy, an M³ float64 eigendecomposition
-    (M = N·O); with ``out`` 4·M² bytes written.
+    Cost: per tracked step a kernel call, a host copy, an M³ eigendecomposition (M = N·O).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -174,12 +163,9 @@ class KernelTracker:
       [0 2 4] (3, 3)
       >>> float(tracker.history["kernel_distance"][0])             # K_0 against itself
       0.0
-      >>> bool(tracker.history["kernel_distance"][2] > 0)
-      True
 
-    References:
-      Fort et al., "Deep learning versus kernel learning", NeurIPS 2020; Baratin et al.,
-      "Implicit Regularization via Neural Feature Alignment", AISTATS 2021.
+    References: Fort et al., "Deep learning versus kernel learning", NeurIPS 2020; Baratin
+    et al., "Implicit Regularization via Neural Feature Alignment", AISTATS 2021.
     """
 
     def __init__(
@@ -217,7 +203,7 @@ class KernelTracker:
         self._dtype: str | None = None
 
     def is_due(self, step: int) -> bool:
-        """Whether :meth:`update` computes the kernel at ``step`` (``step % every == 0``)."""
+        """Whether :meth:`update` computes the kernel at ``step``."""
         return step % self.every == 0
 
     def update(self, step: int, params_like, **kernel_kwargs) -> KernelRecord | None:

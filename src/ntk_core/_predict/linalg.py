@@ -102,6 +102,15 @@ def check_rows_finite(fn_name: str, name: str, arr: np.ndarray, fix=NAN_KERNEL_F
         check_finite(fn_name, name, flat[rows], fix, first=rows.start)
 
 
+def flat_pairs(k: np.ndarray, o: int) -> np.ndarray:
+    """``(n1, n2, O1, O1, ...)`` → ``(n1·O, n2·O)`` (``k`` itself when 2-D)."""
+    if k.ndim == 2:
+        return k
+    m = (k.ndim - 2) // 2
+    order = [0] + [2 + 2 * i for i in range(m)] + [1] + [3 + 2 * i for i in range(m)]
+    return np.transpose(k, order).reshape(k.shape[0] * o, k.shape[1] * o)
+
+
 class FlatLayout:
     """Maps the neural-tangents kernel layout to flat matrices and back.
 
@@ -125,26 +134,20 @@ class FlatLayout:
         nd = len(y_shape)
         canon = [a % nd for a in axes if -nd <= a < nd]
         if len(canon) < len(axes) or 0 in canon or len(set(canon)) < len(canon):
-            what = (
-                f"trace_axes={axes} must name distinct output axes 1..{nd - 1} of y_train {y_shape}"
-            )
+            what = f"trace_axes={axes} must name distinct output axes 1..{nd - 1} of y {y_shape}"
             raise bad(ValueError, fn_name, what, fix)
-        self.fn_name = fn_name
-        self.n = y_shape[0]
-        self.traced = tuple(sorted(canon))
+        self.fn_name, self.n, self.traced = fn_name, y_shape[0], tuple(sorted(canon))
         self.kept = tuple(a for a in range(1, nd) if a not in self.traced)
         self.kept_shape = tuple(y_shape[a] for a in self.kept)
         self.traced_shape = tuple(y_shape[a] for a in self.traced)
-        self.ko = math.prod(self.kept_shape)
-        self.r = math.prod(self.traced_shape)
-        self.y_shape = y_shape
+        self.ko, self.r = math.prod(self.kept_shape), math.prod(self.traced_shape)
+        self.y_shape, self._zipped = y_shape, tuple(s for k in self.kept_shape for s in (k, k))
 
-    # -- kernels ---------------------------------------------------------------------
     def pair_shape(self, n1: int, n2: int) -> tuple[int, ...]:
-        return (n1, n2) + tuple(s for k in self.kept_shape for s in (k, k))
+        return (n1, n2) + self._zipped
 
     def diag_shape(self, n1: int) -> tuple[int, ...]:
-        return (n1,) + tuple(s for k in self.kept_shape for s in (k, k))
+        return (n1,) + self._zipped
 
     def check_pair(self, name, k, n1, n2, fn_name=None) -> int:
         """Checks a kernel of shape pair_shape(n1, n2) (n1 None: any); returns n1."""
@@ -158,11 +161,7 @@ class FlatLayout:
         return n1
 
     def flat(self, k: np.ndarray) -> np.ndarray:
-        if not self.kept:
-            return k
-        m = len(self.kept)
-        order = [0] + [2 + 2 * i for i in range(m)] + [1] + [3 + 2 * i for i in range(m)]
-        return np.transpose(k, order).reshape(k.shape[0] * self.ko, k.shape[1] * self.ko)
+        return flat_pairs(k, self.ko)
 
     def flat_diag(self, k: np.ndarray) -> np.ndarray:
         m = len(self.kept)
@@ -186,7 +185,6 @@ class FlatLayout:
         order = [0] + [i for j in range(m) for i in (1 + j, 1 + m + j)]
         return np.transpose(v, order)
 
-    # -- targets ---------------------------------------------------------------------
     def flat_y(self, y: np.ndarray) -> np.ndarray:
         y = np.moveaxis(y, self.kept + self.traced, range(1, len(self.y_shape)))
         return y.reshape(y.shape[0] * self.ko, self.r)
