@@ -180,8 +180,7 @@ def _solve(fn, op: _Operator, dense, k, which, tol, maxiter, ncv):
             what = f"ARPACK did not converge: {len(e.eigenvalues)} of the k={k} eigenpairs met "
             what += f"tol={tol} after {op.matvecs} products (maxiter={maxiter})"
             fix = "raise maxiter, loosen tol, or raise ncv (default max(2k + 1, 20))"
-            fix += _SA_HINT if which == "SA" else ""
-            msg = f"{fn}: {what}. Fix: {fix}."
+            msg = f"{fn}: {what}. Fix: {fix}{_SA_HINT if which == 'SA' else ''}."
             raise NoConvergence(msg, e.eigenvalues, e.eigenvectors) from None
     order = np.argsort(w)
     order = order[::-1][:k] if which == "LA" else order[:k]

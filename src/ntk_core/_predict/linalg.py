@@ -54,8 +54,7 @@ def check_symmetric(fn, name, asym: float, kmax: float, dtype) -> None:
     """Raises unless ``asym`` = max |K - Kᵀ| <= 100·u·``kmax``."""
     if asym > 100 * unit_roundoff(dtype) * kmax:
         what = f"{name} is not symmetric: max |K - K^T| = {asym:.3e} for max |K| = {kmax:.3e}"
-        fix = "pass the kernel of x with itself (x2=None), or (K + K^T) / 2"
-        fix += " (for (N, N, O, O) kernels transpose axes (1, 0, 3, 2))"
+        fix = "pass the kernel of x with itself, or (K + K^T) / 2 (K^T: axes (1, 0, 3, 2) if 4-D)"
         raise bad(ValueError, fn, what, fix)
 
 
@@ -381,9 +380,9 @@ class Solver:
         need = 100 * self.u * lam_max + 2 * max(-w_min, 0.0)
         suggest = 10 ** math.ceil(math.log10(max(need / self.reg_scale, 1e-300)))
         cond = f"{kappa:.2e}" if math.isfinite(kappa) else f"inf ({w_min:.2e} .. {lam_max:.2e})"
-        what = f"train-train K + λI (λ = {self.lam:.3e}, {self.m} x {self.m}) is too "
-        what += f"ill-conditioned to solve in {self.dtype.name}: condition number ≈ {cond}, "
-        what += f"u = {self.u:.1e}, refinement left {rel:.1e} > {ACCEPT:.0e}"
+        what = f"train-train K + λI (λ = {self.lam:.3e}, M = {self.m}) is too ill-conditioned for "
+        what += f"{self.dtype.name}: condition number ≈ {cond}, u = {self.u:.1e}, refinement left "
+        what += f"{rel:.1e} > {ACCEPT:.0e}"
         fix = f"raise diag_reg to about {suggest:.0e} or more"
         fix += "" if self.dtype == np.float64 else ", or pass dtype='float64'"
         raise bad(ValueError, self.fn_name, what, fix, see="ill-conditioned-kernel")
