@@ -16,22 +16,14 @@ _TARGETS_FIX = "pass the targets of the kernel's N samples"
 
 
 def kernel_distance(k1, k2) -> float:
-    """Kernel distance of Fort et al. (2020): one minus the cosine of two kernels.
+    """Kernel distance of Fort et al. (2020), in ``[0, 1]`` for PSD kernels (round-off clipped).
 
         d(K1, K2) = 1 − ⟨K1, K2⟩_F / (‖K1‖_F ‖K2‖_F)
 
-    0 for kernels equal up to a positive scale; in ``[0, 1]`` for PSD kernels (round-off clipped).
-
-    Args:
-      k1: ``(N, N)`` or ``(N, N, O, O)`` kernel (more output axes zipped, ``(N, N, O1,
-        O1, ...)``): the flat ``(N·O, N·O)`` matrix, ``K[i·O + a, j·O + b] = K[i, j, a, b]``.
-      k2: a kernel of the same shape.
-
-    Raises:
-      ValueError: shapes that differ or are not square kernels; NaN or Inf; an all-zero kernel.
-      TypeError: non-floating arrays.
-
-    Cost: one pass over both kernels, 3·M² multiply-adds (M = N·O), one 64 MiB row chunk each.
+    ``k1``, ``k2``: kernels of one shape, ``(N, N)`` or ``(N, N, O, O)`` (more output axes
+    zipped), i.e. the flat ``(N·O, N·O)`` matrix ``K[i·O + a, j·O + b] = K[i, j, a, b]``.
+    Raises ValueError (shapes differ or not square, NaN or Inf, an all-zero kernel),
+    TypeError (non-floating). Cost: one pass, 3·M² multiply-adds (M = N·O), 64 MiB chunks.
 
     Example:
       >>> import numpy as np
@@ -117,20 +109,14 @@ def _alignment(fn: str, k, y, centered: bool) -> float:
 
 
 def kernel_alignment(k, y) -> float:
-    """Kernel-target alignment of Cristianini et al.: the cosine of K and Y Yᵀ, in [0, 1] for PSD K.
+    """Kernel-target alignment of Cristianini et al., in [0, 1] for PSD K.
 
         A(K, Y) = ⟨K, Y Yᵀ⟩_F / (‖K‖_F ‖Y Yᵀ‖_F) = tr(Yᵀ K Y) / (‖K‖_F ‖Yᵀ Y‖_F)
 
-    Args:
-      k: the kernel, as :func:`kernel_distance`.
-      y: targets, floating or integer: ``(N,)`` or ``(N, O)`` for an ``(N, N)`` kernel
-        (target kernel Y Yᵀ); ``(N, O)`` for ``(N, N, O, O)`` (target kernel vec(y) vec(y)ᵀ).
-
-    Raises:
-      ValueError: k not a square kernel; y's shape not matching; NaN or Inf; all zeros.
-      TypeError: non-floating k, non-numeric y.
-
-    Cost: one pass over K, 2·M²·R multiply-adds (R target columns); memory one row chunk.
+    ``k`` as :func:`kernel_distance`; ``y``: floating or integer targets, ``(N,)`` or ``(N,
+    O)`` for an ``(N, N)`` kernel, ``(N, O)`` for ``(N, N, O, O)`` (target kernel vec(y)
+    vec(y)ᵀ). Raises ValueError (k not square, y's shape, NaN or Inf, all zeros), TypeError
+    (non-floating k, non-numeric y). Cost: one pass, 2·M²·R multiply-adds (R columns of y).
 
     Example:
       >>> import numpy as np
@@ -147,21 +133,13 @@ def kernel_alignment(k, y) -> float:
 
 
 def centered_kernel_alignment(k, y) -> float:
-    """Centred kernel-target alignment of Cortes, Mohri & Rostamizadeh (2012).
+    """Centred kernel-target alignment of Cortes, Mohri & Rostamizadeh (2012), in [-1, 1].
 
         A_c(K, Y) = ⟨H K H, H Y Yᵀ H⟩_F / (‖H K H‖_F ‖H Y Yᵀ H‖_F),  H = I − 11ᵀ/N
 
-    In [-1, 1] ([0, 1] for PSD K); invariant to constant offsets of K or y. For
-    ``(N, N, O, O)`` kernels H acts on the samples per output entry (H ⊗ I_O).
-
-    Args:
-      k, y: as :func:`kernel_alignment`.
-
-    Raises:
-      ValueError, TypeError: as :func:`kernel_alignment`; a kernel or targets constant
-        over the samples.
-
-    Cost: two passes over K, about 4·M² + 2·M²·R flops; memory one row chunk and N·O².
+    Invariant to constant offsets; H acts on the samples per output entry (H ⊗ I_O).
+    ``k``, ``y`` and errors as :func:`kernel_alignment`, plus ValueError for a kernel or
+    targets constant over the samples. Cost: two passes, 4·M² + 2·M²·R flops, N·O² memory.
 
     Example:
       >>> import numpy as np
@@ -180,23 +158,14 @@ def centered_kernel_alignment(k, y) -> float:
 
 
 def effective_rank(kernel=None, *, eigenvalues=None) -> float:
-    """Effective rank of Roy & Vetterli (2007): exp of the entropy of the spectrum.
+    """Effective rank of Roy & Vetterli (2007), between 1 and M: exp of the spectrum's entropy.
 
         erank = exp(−Σ_i p_i log p_i),  p_i = |λ_i| / Σ_j |λ_j|   (0·log 0 = 0)
 
-    Between 1 (rank one) and M (all eigenvalues equal).
-
-    Args:
-      kernel: a symmetric kernel, as :func:`kernel_distance` (all eigenvalues, dense).
-      eigenvalues: instead (keyword-only), a 1-D array, e.g. a top k (the result is then
-        at most k).
-
-    Raises:
-      TypeError: both or neither given; a non-floating kernel.
-      ValueError: kernel not square, not symmetric or 1-D; NaN or Inf; eigenvalues not
-        1-D, complex, or all zero.
-
-    Cost: with ``kernel``, 4/3·M³ flops and 8·M² bytes; with ``eigenvalues``, O(M).
+    ``kernel``: symmetric, as :func:`kernel_distance` (all eigenvalues, 4/3·M³ flops), or
+    keyword-only ``eigenvalues``, a 1-D array (a top k gives at most k). Raises TypeError
+    (both or neither, non-floating kernel), ValueError (kernel not square, symmetric or 2-D+;
+    NaN or Inf; eigenvalues not real 1-D or all zero).
 
     Example:
       >>> import numpy as np

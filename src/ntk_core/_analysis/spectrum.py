@@ -98,15 +98,8 @@ def ntk_operator(apply_fn, params, x, *, batch_size=None, precision="highest"):
     """The NTK Θ(x, x) as a float64 ``scipy.sparse.linalg.LinearOperator``, never formed.
 
     ``op @ v`` (v of length M = N·O: outputs flattened row-major, pytree leaves concatenated)
-    is Θ v from :func:`ntk_core.ntk_vp_fn`. Symmetric; ``op.matvecs`` counts products.
-
-    Args:
-      apply_fn, params, x, batch_size, precision: as :func:`ntk_core.ntk_vp_fn`.
-
-    Raises:
-      TypeError, ValueError: as :func:`ntk_core.ntk_vp_fn`; a NaN or Inf product.
-
-    Cost: per product one VJP and one JVP over the N samples.
+    is Θ v by :func:`ntk_core.ntk_vp_fn` (arguments and errors as there; also ValueError for
+    a NaN or Inf product), one VJP and one JVP per product. Symmetric; ``op.matvecs``.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np
@@ -115,8 +108,7 @@ def ntk_operator(apply_fn, params, x, *, batch_size=None, precision="highest"):
       >>> op.shape, (op @ np.ones(6)).round(4).tolist()   # Θ = I_N ⊗ I_O here
       ((6, 6), [1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
 
-    References:
-      Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
+    References: Novak et al., "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     return _ntk_operator(_NTK_OPERATOR, apply_fn, params, x, batch_size, precision)[0]
 
@@ -124,14 +116,9 @@ def ntk_operator(apply_fn, params, x, *, batch_size=None, precision="highest"):
 def kernel_operator(kernel):
     """A formed kernel as a float64 ``LinearOperator`` ``(M, M)``, read in 64 MiB row chunks.
 
-    Args:
-      kernel: ``(N, N)`` or ``(N, N, O, O)`` (numpy, memmap or jax), finite, symmetric.
-
-    Raises:
-      ValueError: not square, not symmetric (to 100·u·max|K|) or not finite.
-      TypeError: a non-floating kernel.
-
-    Cost: per product 2·M² flops, one read of the kernel.
+    ``kernel``: ``(N, N)`` or ``(N, N, O, O)`` (numpy, memmap or jax). Raises ValueError (not
+    square, symmetric to 100·u·max|K|, or finite), TypeError (non-floating). Cost: 2·M²
+    flops and one read of the kernel per product.
 
     Example:
       >>> import numpy as np
@@ -331,13 +318,8 @@ def ntk_trace(
 def condition_number(kernel=None, *, eigenvalues=None) -> float:
     """λ_max / λ_min of a symmetric kernel (``inf`` when λ_min <= 0), a Python float.
 
-    Args:
-      kernel: ``(N, N)`` or ``(N, N, O, O)``; all eigenvalues, dense float64 (4/3·M³ flops).
-      eigenvalues: instead of ``kernel`` (keyword-only): a 1-D array.
-
-    Raises:
-      TypeError: both or neither given; non-floating kernel.
-      ValueError: kernel not square, symmetric, finite, or 1-D; eigenvalues not real 1-D.
+    ``kernel``: ``(N, N)`` or ``(N, N, O, O)`` (all eigenvalues, dense float64, 4/3·M³ flops),
+    or keyword-only ``eigenvalues``, a 1-D array. Errors as :func:`ntk_core.metrics.effective_rank`.
 
     Example:
       >>> import numpy as np
