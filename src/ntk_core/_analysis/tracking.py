@@ -136,15 +136,13 @@ class KernelTracker:
       out: optional folder for ``kernel_step_{step:08d}.npy`` and ``metrics.json``
         (:meth:`to_dict`), written atomically at each tracked step.
 
-    Attributes:
-      records, history (arrays per field over T steps; ``step`` int64, ``top_eigenvalues``
-      ``(T, top_k)``), kernels, initial_kernel (K_0 or None).
+    Attributes: records, history (arrays per field over T steps; ``step`` int64,
+    ``top_eigenvalues`` ``(T, top_k)``), kernels, initial_kernel (K_0 or None).
 
-    Raises:
-      TypeError: ``kernel_fn`` not callable, ``every``/``top_k`` not int, bad ``x_probe`` or
-        ``y``; in :meth:`update`, a non-int step (a ``jax.Array`` would sync), a non-array kernel.
-      ValueError: ``every``/``top_k`` < 1, bad shapes; in :meth:`update`, a step not after
-        the last, a kernel not of the probe set, not symmetric or finite, ``top_k`` > N·O.
+    Raises TypeError: ``kernel_fn`` not callable, ``every``/``top_k`` not int, bad ``x_probe``
+    or ``y``; in :meth:`update`, a non-int step (a ``jax.Array`` would sync), a non-array
+    kernel. ValueError: ``every``/``top_k`` < 1, bad shapes; in :meth:`update`, a step not
+    after the last, a kernel not of the probe set, not symmetric or finite, ``top_k`` > N·O.
 
     Cost: per tracked step a kernel call, a host copy, an M³ eigendecomposition (M = N·O).
 

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ntk_core._errors import bad, check_int, check_real, is_real
 from ntk_core._jax.environment import _user_stacklevel
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.options import DEFAULTS
@@ -20,14 +21,10 @@ from ntk_core._predict.linalg import (
     FlatLayout,
     Solver,
     as_host_array,
-    bad,
     check_diag_reg,
     check_finite,
-    check_int,
-    check_real,
     check_rows_finite,
     compute_dtype,
-    is_real,
     matmul64,
     numerical_rank,
     scan_train_kernel,
@@ -389,16 +386,11 @@ def gp_inference(
     refined in float64 until the last correction is <= 1e-6 of the solution. Variances in
     float64; negatives down to −M·u·s are set to 0; GP variances capped at the prior.
 
-    Returns:
-      :class:`GPInference`: ``.nngp`` / ``.ntk(k_test_train, k_test_test=None) -> Gaussian``.
-
-    Warns:
-      DegenerateKernelWarning: numerical rank <= half of min(M, 64), then a >= 1000x drop.
-
-    Raises:
-      ValueError: bad ``y_train``, ``diag_reg``; a kernel of the wrong shape, non-symmetric,
-        non-finite, not PSD or too ill-conditioned for ``dtype``.
-      TypeError: non-floating arrays, ``diag_reg`` not a number.
+    Returns :class:`GPInference`: ``.nngp`` / ``.ntk(k_test_train, k_test_test=None) ->
+    Gaussian``. Warns DegenerateKernelWarning: numerical rank <= half of min(M, 64), then a
+    >= 1000x drop. Raises ValueError: bad ``y_train`` or ``diag_reg``; a kernel of the wrong
+    shape, non-symmetric, non-finite, not PSD or too ill-conditioned for ``dtype``;
+    TypeError: non-floating arrays, ``diag_reg`` not a number.
 
     Cost: per train kernel M³/3 flops (9·M³ eigh), M² memory, M = N·O_kept; 2·M²·R per
     refinement step; means 2·T·M·R, variances 2·T·M².
@@ -416,9 +408,8 @@ def gp_inference(
       >>> bool(np.allclose(mean, y[:2], atol=1e-4))
       True
 
-    References: Rasmussen, Williams, "Gaussian Processes for Machine Learning", 2006, ch. 2,
-    5.4; Lee et al., "Wide Neural Networks of Any Depth Evolve as Linear Models Under
-    Gradient Descent", NeurIPS 2019.
+    References: Rasmussen, Williams, "Gaussian Processes for Machine Learning", 2006, ch. 2;
+    Lee et al., "Wide Neural Networks of Any Depth Evolve as Linear Models", NeurIPS 2019.
     """
     fn = "gp_inference"
     opts = _options(fn, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size)
@@ -567,7 +558,9 @@ class GradientDescentMSE(_TestSide):
         if kt is not None:
             h = -np.stack([self._weights(fn, tk, t) for tk in tv])  # (K, M)
             b = np.einsum("mi,ki,ir->mkr", self._v, h, c).reshape(self._v.shape[0], -1)
-            d = self._matmul_chunked(kt, b, t_test)  # (T·Ko, K·R)
+            d = np.empty((kt.shape[0], b.shape[1]))  # (T·Ko, K·R)
+            for _, rs in self._chunks(t_test):
+                d[rs] = np.asarray(kt[rs], np.float64) @ b
             d = d.reshape(d.shape[0], len(tv), -1)
             test = np.stack([lay.unflat_y(ft0 + d[:, k], t_test) for k in range(len(tv))])
             test = test.reshape(shape + (t_test,) + self._y_shape[1:]).astype(dt)
@@ -633,12 +626,6 @@ class GradientDescentMSE(_TestSide):
         mean = np.stack(means).reshape(times.shape + means[0].shape)
         cov = None if kind is None else np.stack(covs).reshape(times.shape + covs[0].shape)
         return Gaussian(mean, cov)
-
-    def _matmul_chunked(self, kt, b, t):
-        out = np.empty((kt.shape[0], b.shape[1]))
-        for _, rs in self._chunks(t):
-            out[rs] = np.asarray(kt[rs], np.float64) @ b
-        return out
 
 
 def gradient_descent_mse(

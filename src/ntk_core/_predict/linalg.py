@@ -72,12 +72,9 @@ def compute_dtype(fn_name: str, dtype, kernel_dtype) -> np.dtype:
 
 
 def check_diag_reg(fn_name: str, diag_reg) -> float:
-    if (
-        not is_real(diag_reg)
-        and getattr(diag_reg, "shape", None) == ()
-        and np.issubdtype(getattr(diag_reg, "dtype", np.dtype(object)), np.number)
-        and not isinstance(diag_reg, jax.core.Tracer)
-    ):
+    dt = getattr(diag_reg, "dtype", np.dtype(object))
+    scalar = getattr(diag_reg, "shape", None) == () and not isinstance(diag_reg, jax.core.Tracer)
+    if scalar and not is_real(diag_reg) and np.issubdtype(dt, np.number):
         diag_reg = np.asarray(diag_reg).item()  # a 0-d numpy or JAX array
     return check_real(fn_name, "diag_reg", diag_reg, "pass e.g. diag_reg=1e-4 (or 0.0)")
 
@@ -256,7 +253,6 @@ class Solver:
         # the kernel's entries carry the round-off of their own dtype
         self.u_in = max(self.u, unit_roundoff(k2.dtype))
         self.method = None
-        self.steps = 0  # refinement steps of the last solve (a diagnostic)
         self._eigs: tuple[np.ndarray, np.ndarray] | None = None
         if method == "cholesky":
             a = self._regularised_copy()
@@ -265,9 +261,7 @@ class Solver:
                 # LAPACK factors it in place (upper of a.T = lower of a), no second copy.
                 import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
 
-                self._chol = scipy.linalg.cho_factor(
-                    a.T, lower=False, overwrite_a=True, check_finite=False
-                )
+                self._chol = scipy.linalg.cho_factor(a.T, overwrite_a=True, check_finite=False)
                 if not np.isfinite(np.diagonal(self._chol[0])).all():
                     raise np.linalg.LinAlgError("non-finite Cholesky factor")
                 self.method = "cholesky"
@@ -324,11 +318,9 @@ class Solver:
         active = np.ones(b.shape[1], bool)
         prev = None
         rel = np.zeros(b.shape[1])
-        self.steps = 0
         for _ in range(MAX_REFINE):
             if not active.any():
                 break
-            self.steps += 1
             xa = x[:, active]
             r = b[:, active] - self.matvec(xa)
             d = self._apply_inverse(r)
