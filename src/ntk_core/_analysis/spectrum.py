@@ -206,10 +206,8 @@ def ntk_eigsh(
 
     Returns :class:`Eigenpairs`; eigenvalues accurate to about u·λ_max (parameters' dtype).
 
-    Raises:
-      TypeError, ValueError: as :func:`ntk_core.ntk_vp_fn`; k, which, tol, maxiter or ncv
-        out of range; a NaN or Inf product.
-      NoConvergence: no convergence within maxiter.
+    Raises TypeError, ValueError (as :func:`ntk_core.ntk_vp_fn`; k, which, tol, maxiter or
+    ncv out of range; a NaN or Inf product), NoConvergence (not converged within maxiter).
 
     Cost: ``matvecs`` products (125 for the top 20 of an MLP 784-1000-1 at N = 500), each a
     VJP and a JVP; memory ncv·M float64.

@@ -27,10 +27,8 @@ _KERNEL_FN_FIX = "pass a kernel function such as ntk_core.ntk_fn(f) or ntk_flax.
 
 
 class KernelRecord(NamedTuple):
-    """The metrics of the probe kernel at one tracked step (see :class:`KernelTracker`).
-
-    Python floats, except ``step`` (int) and ``top_eigenvalues`` (float64 ``(top_k,)``,
-    largest first); alignments are NaN without labels; ``seconds``: wall time of the step.
+    """One tracked step's metrics (see :class:`KernelTracker`): floats (NaN alignments without
+    labels), ``step`` int, ``top_eigenvalues`` float64 ``(top_k,)``, ``seconds`` wall time.
     """
 
     step: int

@@ -1,8 +1,4 @@
-"""Predictions from kernels: GP posterior, NTK ensemble, gradient-flow MSE dynamics.
-
-Formulas, λ and layout of neural-tangents 0.6 (``nt.predict``); host linear algebra of
-:mod:`ntk_core._predict.linalg`.
-"""
+"""Predictions from kernels: GP posterior, NTK ensemble, gradient-flow MSE (neural-tangents 0.6)."""
 
 from __future__ import annotations
 
@@ -33,10 +29,7 @@ from ntk_core._predict.linalg import (
 
 
 class DegenerateKernelWarning(UserWarning):
-    """A train-train kernel given to :func:`~ntk_core.predict.gp_inference` has low rank.
-
-    An empirical NNGP of one network with O outputs has rank <= O, an empirical NTK <= P.
-    """
+    """A train-train kernel of low numerical rank (see docs/errors.md#low-rank-kernel)."""
 
 
 class Gaussian(NamedTuple):
@@ -47,10 +40,7 @@ class Gaussian(NamedTuple):
 
 
 class Kernels(NamedTuple):
-    """An NNGP and an NTK on the same inputs and layout (either may be None).
-
-    Returned by :func:`ntk_core.monte_carlo_kernels`; accepted wherever a kernel is.
-    """
+    """An NNGP and an NTK of the same inputs (either None), accepted wherever a kernel is."""
 
     nngp: Any = None
     ntk: Any = None
@@ -164,11 +154,7 @@ class _TestSide:
         return t, out, kind, ktt, u
 
     def _predict(self, fn, t, kts, kind, ktt, k_xx, alpha, apply_h, u):
-        """The ensemble posterior with train operator H (``alpha`` = H y).
-
-        cov = K_tt + Θ_tx H K_xx H Θ_xt − Θ_tx H K_xt − K_tx H Θ_xt; with ``k_xx`` None the GP
-        posterior K_tt − Θ_tx H Θ_xt.
-        """
+        """Ensemble posterior with train operator H (``alpha`` = H y; ``k_xx`` None: the GP's)."""
         th, m, ko = kts["ntk"], alpha.shape[0], self._layout.ko
         mean = np.empty((t * ko, alpha.shape[1]))
         w1s, w2s, cov = [], [], None

@@ -1,8 +1,5 @@
-"""Host linear algebra of :mod:`ntk_core.predict`: kernel layouts, checks and the solver.
-
-``K + λI`` is factored by Cholesky in the compute dtype (else a floored eigendecomposition);
-solves are refined with float64 residuals and accepted when the last correction is at most
-:data:`ACCEPT` of the solution, else ValueError with the condition number and the fix.
+"""Host linear algebra of :mod:`ntk_core.predict`: layouts, checks, and a solver of K + λI
+(Cholesky, else floored eigh) refined in float64 until corrections are <= :data:`ACCEPT`.
 """
 
 from __future__ import annotations
@@ -108,11 +105,8 @@ def flat_pairs(k: np.ndarray, o: int) -> np.ndarray:
 
 
 class FlatLayout:
-    """Maps the neural-tangents kernel layout to flat matrices and back.
-
-    ``y_train`` ``(N, *O)``; the ``trace_axes`` are absent from kernels (Θ ⊗ I), the other
-    ("kept", product K_o) zipped: ``(N1, N2, k1, k1, ...)``. Flat: kernels
-    ``(N1·K_o, N2·K_o)``, targets ``(N·K_o, R)``, R the product of the traced sizes.
+    """Neural-tangents kernel layout ``(N1, N2, k1, k1, ...)`` (kept output axes zipped, traced
+    ones absent) to flat ``(N1·K_o, N2·K_o)`` kernels and ``(N·K_o, R)`` targets, and back.
     """
 
     def __init__(self, fn_name: str, y_shape: tuple[int, ...], trace_axes):
@@ -218,11 +212,8 @@ RANK_PROBES = 64
 
 
 def numerical_rank(k2: np.ndarray, dtype, probes: int = RANK_PROBES) -> tuple[int, int, float]:
-    """``(r, c, drop)``: rank r (eigenvalues above M·u·λ_max) of a flat PSD kernel seen by c
-    probes, and σ_r / σ_{r+1}.
-
-    M <= probes: exact eigenvalues; else singular values of K Ω (Ω Gaussian ``(M, probes)``),
-    which finds every r <= c/2 w.h.p. (Halko, Martinsson, Tropp 2011). Cost 2·M²·c.
+    """``(r, c, drop)``: rank r (eigenvalues > M·u·λ_max) of a flat PSD kernel seen by c probes
+    (exact for M <= c, else a K Ω sketch: Halko et al. 2011; 2·M²·c flops) and σ_r / σ_{r+1}.
     """
     import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
 
