@@ -79,14 +79,12 @@ def _labels(y, n: int) -> np.ndarray | None:
         raise bad(TypeError, _NAME, what, "encode the labels as numbers, e.g. one-hot")
     if arr.ndim not in (1, 2) or arr.shape[0] != n:
         what = f"y has shape {arr.shape}; expected (N,) or (N, O) for the N = {n} probe samples"
-        fix = f"pass the labels of the probe samples, e.g. y_train[:{n}]"
-        raise bad(ValueError, _NAME, what, fix)
+        raise bad(ValueError, _NAME, what, f"pass the probe samples' labels, y_train[:{n}]")
     check_finite(_NAME, "y", arr, "pass finite labels", cls=ValueError)
     classes = len(np.unique(arr)) if arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer) else 0
     if classes > 2:
         what = f"y is a vector of {classes} distinct integers (class ids?), not one target"
-        fix = "pass one-hot labels np.eye(n_classes)[y], or y.astype(float)"
-        raise bad(ValueError, _NAME, what, fix)
+        raise bad(ValueError, _NAME, what, "pass one-hot np.eye(n_classes)[y], or y.astype(float)")
     return arr.astype(np.float64)
 
 
@@ -227,8 +225,7 @@ class KernelTracker:
     def _track(self, step: int, params_like, kernel_kwargs) -> KernelRecord:
         if self.records and step <= self.records[-1].step:
             what = f"step {step} is not after the last tracked step {self.records[-1].step}"
-            fix = "pass the training step, not a counter that restarts"
-            raise bad(ValueError, _UPDATE, what, fix)
+            raise bad(ValueError, _UPDATE, what, "pass the training step, not a restarting counter")
         t0 = time.perf_counter()
         k = self._kernel_fn(params_like, self._x, **kernel_kwargs)
         kernel = self._host(k)
@@ -289,13 +286,9 @@ class KernelTracker:
     def history(self) -> dict[str, np.ndarray]:
         """The records as numpy arrays over the T tracked steps (see Attributes)."""
         cols = zip(*self.records, strict=True) if self.records else [()] * len(KernelRecord._fields)
-        out = {
-            f: np.asarray(c, np.float64) for f, c in zip(KernelRecord._fields, cols, strict=True)
-        }
-        out["step"] = out["step"].astype(np.int64)
-        top = out["top_eigenvalues"]
-        out["top_eigenvalues"] = top if self.records else np.zeros((0, self.top_k), np.float64)
-        return out
+        r = KernelRecord(*(np.asarray(c, np.float64) for c in cols))
+        top = r.top_eigenvalues if self.records else np.zeros((0, self.top_k), np.float64)
+        return r._replace(step=r.step.astype(np.int64), top_eigenvalues=top)._asdict()
 
     def to_dict(self) -> dict:
         """What ``metrics.json`` holds: the settings and :attr:`history` as lists."""
