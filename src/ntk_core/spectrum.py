@@ -1,11 +1,5 @@
-"""NTK spectra without forming the kernel: top-k eigenpairs, trace, condition number.
-
-``ntk_eigsh`` runs ARPACK (``scipy.sparse.linalg.eigsh``) on NTK-vector products
-(:func:`ntk_core.ntk_vp_fn`: one VJP and one JVP per product, memory O(N·O + P));
-``kernel_eigsh`` on a formed kernel read in row chunks (memory maps welcome);
-``ntk_trace`` sums the per-sample diagonal at O(N) cost. Kernels are the full
-``(N·O, N·O)`` NTK, rows ordered (sample, output entry).
-"""
+"""NTK spectra without forming the kernel: ARPACK top-k eigenpairs on NTK-vector products or
+a stored kernel read in row chunks, the trace at O(N) cost, condition number."""
 
 from ntk_core._analysis.metrics import effective_rank as effective_rank
 from ntk_core._analysis.spectrum import SEED as SEED
@@ -19,16 +13,5 @@ from ntk_core._analysis.spectrum import ntk_eigsh as ntk_eigsh
 from ntk_core._analysis.spectrum import ntk_operator as ntk_operator
 from ntk_core._analysis.spectrum import ntk_trace as ntk_trace
 
-__all__ = (
-    "SEED",
-    "WHICH",
-    "Eigenpairs",
-    "NoConvergence",
-    "condition_number",
-    "effective_rank",
-    "kernel_eigsh",
-    "kernel_operator",
-    "ntk_eigsh",
-    "ntk_operator",
-    "ntk_trace",
-)
+__all__ = ("SEED", "WHICH", "Eigenpairs", "NoConvergence", "condition_number", "effective_rank",
+    "kernel_eigsh", "kernel_operator", "ntk_eigsh", "ntk_operator", "ntk_trace")  # fmt: skip

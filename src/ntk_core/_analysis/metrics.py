@@ -1,9 +1,5 @@
-"""Kernel comparisons: kernel distance, kernel-target alignment (plain and centred),
-effective rank. Public through :mod:`ntk_core.metrics`.
-
-Everything runs on the host in float64 numpy, whatever the kernels' dtype, reading
-kernels in row chunks (:mod:`ntk_core._analysis.host_kernel`), so read-only memory-mapped
-``.npy`` kernels are never loaded whole. Results are Python floats.
+"""Kernel distance, kernel-target alignment (plain, centred), effective rank: float64 on the
+host, kernels read in row chunks (:mod:`ntk_core._analysis.host_kernel`), Python floats.
 """
 
 from __future__ import annotations
@@ -18,53 +14,16 @@ from ntk_core._predict.linalg import bad, check_finite
 
 _TARGETS_FIX = "pass the targets of the kernel's N samples"
 
-_SHAPES_DOC = """Kernels are ``(N, N)`` (``trace_axes=(-1,)``, or one output) or
-    ``(N, N, O, O)`` (``trace_axes=()``; more output axes zipped, ``(N, N, O1, O1, O2,
-    O2)``), numpy arrays, read-only memory maps (``np.load(path, mmap_mode="r")``) or
-    jax arrays (copied to the host once); an ``(N, N, O, O)`` kernel is the ``(N·O,
-    N·O)`` matrix with rows ordered (sample, output), ``K[i·O + a, j·O + b] = K[i, j, a,
-    b]``. All sums run in float64 on the host."""
 
-
-_TARGETS_DOC = """y: targets. For an ``(N, N)`` kernel ``(N,)`` or ``(N, O)`` (any
-        number of target columns: the target kernel is Y Yᵀ, ``(N, N)``, summing
-        over them); for an ``(N, N, O, O)`` kernel ``(N, O)``, one target per row of
-        the flat ``(N·O, N·O)`` kernel (the target kernel is vec(y) vec(y)ᵀ).
-        Floating or integer labels (e.g. ±1 or one-hot)."""
-
-
-def _doc(fn):
-    if fn.__doc__:
-        fn.__doc__ = fn.__doc__.replace("{shapes}", _SHAPES_DOC).replace("{targets}", _TARGETS_DOC)
-    return fn
-
-
-@_doc
 def kernel_distance(k1, k2) -> float:
-    """Kernel distance of Fort et al. (2020): one minus the cosine of two kernels.
+    """Kernel distance of Fort et al. (2020), in ``[0, 1]`` for PSD kernels (round-off clipped).
 
-        d(K1, K2) = 1 − ⟨K1, K2⟩_F / (‖K1‖_F ‖K2‖_F),  ⟨A, B⟩_F = Σ A_ij B_ij
+        d(K1, K2) = 1 − ⟨K1, K2⟩_F / (‖K1‖_F ‖K2‖_F)
 
-    0 for kernels equal up to a positive scale, 1 for orthogonal ones (``[0, 1]`` for
-    positive semi-definite kernels, whose inner product is >= 0; ``[0, 2]`` in
-    general). Fort et al. track it between the NTKs at two times of training.
-
-    Args:
-      k1: ``(N, N)`` or ``(N, N, O, O)`` kernel.
-      k2: a kernel of the same shape.
-
-    {shapes}
-
-    Returns:
-      ``d`` as a Python float (round-off below 0 clipped to 0).
-
-    Raises:
-      ValueError: shapes that differ or are not square kernels; NaN or Inf; an all-zero
-        kernel (no direction).
-      TypeError: non-floating arrays.
-
-    Cost: one pass over both kernels, 3·M² multiply-adds (M = N·O); memory one row chunk
-    (64 MiB) of each.
+    ``k1``, ``k2``: kernels of one shape, ``(N, N)`` or ``(N, N, O, O)`` (more output axes
+    zipped), i.e. the flat ``(N·O, N·O)`` matrix ``K[i·O + a, j·O + b] = K[i, j, a, b]``.
+    Raises ValueError (shapes differ or not square, NaN or Inf, an all-zero kernel),
+    TypeError (non-floating). Cost: one pass, 3·M² multiply-adds (M = N·O), 64 MiB chunks.
 
     Example:
       >>> import numpy as np
@@ -75,10 +34,7 @@ def kernel_distance(k1, k2) -> float:
       >>> metrics.kernel_distance(np.diag([1.0, 0.0]), np.diag([0.0, 1.0]))  # orthogonal
       1.0
 
-    References:
-      Fort, Dziugaite, Paul, Kharaghani, Roy, Ganguli, "Deep learning versus kernel
-      learning: an empirical study of loss landscape geometry and the time evolution of
-      the Neural Tangent Kernel", NeurIPS 2020 (kernel distance, section 4).
+    References: Fort et al., "Deep learning versus kernel learning", NeurIPS 2020, section 4.
     """
     fn = "kernel_distance"
     a, b = HostKernel(fn, "k1", k1), HostKernel(fn, "k2", k2)
@@ -112,8 +68,7 @@ def _targets(fn: str, k: HostKernel, y) -> np.ndarray:
     if arr.ndim == 0 or arr.shape[0] != k.n:
         what = f"k has N = {k.n} samples, so y must have shape (N,) or (N, O), got {arr.shape}"
         raise bad(ValueError, fn, what, _TARGETS_FIX)
-    fix = "drop or impute the samples with missing targets (and their kernel rows and columns)"
-    check_finite(fn, "y", arr, fix, cls=ValueError)
+    check_finite(fn, "y", arr, "drop or impute the samples with missing targets", cls=ValueError)
     return (arr.reshape(k.m, 1) if k.out_shape else arr.reshape(k.n, -1)).astype(np.float64)
 
 
@@ -145,43 +100,23 @@ def _alignment(fn: str, k, y, centered: bool) -> float:
             c += grand[None, :, None, :]
             knorm2 += float(np.vdot(c, c))
     tnorm = float(np.linalg.norm(t.T @ t))  # ‖Y Yᵀ‖_F = ‖Yᵀ Y‖_F
-    what = "centred " if centered else ""
-    if knorm2 == 0.0:
-        fix = "a non-zero kernel" + (" that is not constant over the samples" if centered else "")
-        raise _undefined(fn, f"the {what}kernel is all zeros", "the alignment", fix)
-    if tnorm == 0.0:
-        fix = "targets that vary" + (
-            " over the samples (centring removes the mean)" if centered else ""
-        )
-        raise _undefined(fn, f"the {what}targets are all zeros", "the alignment", fix)
+    c = "centred " if centered else ""
+    for name, norm in (("kernel is", knorm2), ("targets are", tnorm)):
+        if norm == 0.0:
+            fix = f"{name.split()[0]} not all zero" + (" nor constant over the samples" * centered)
+            raise _undefined(fn, f"the {c}{name} all zeros", "the alignment", fix)
     return num / (math.sqrt(knorm2) * tnorm)
 
 
-@_doc
 def kernel_alignment(k, y) -> float:
-    """Kernel-target alignment of Cristianini et al.: the cosine between K and Y Yᵀ.
+    """Kernel-target alignment of Cristianini et al., in [0, 1] for PSD K.
 
         A(K, Y) = ⟨K, Y Yᵀ⟩_F / (‖K‖_F ‖Y Yᵀ‖_F) = tr(Yᵀ K Y) / (‖K‖_F ‖Yᵀ Y‖_F)
 
-    1 when K is a positive multiple of Y Yᵀ; in ``[0, 1]`` for positive semi-definite
-    K; higher means the kernel's leading directions fit the targets.
-
-    Args:
-      k: the kernel.
-      {targets}
-
-    {shapes}
-
-    Returns:
-      ``A`` as a Python float.
-
-    Raises:
-      ValueError: k not a square kernel; y's shape not matching k; NaN or Inf in either;
-        an all-zero kernel or targets.
-      TypeError: non-floating k, non-numeric y.
-
-    Cost: one pass over K, 2·M²·R multiply-adds for K Y (M = N·O, R target columns);
-    memory one row chunk (64 MiB) and M·R.
+    ``k`` as :func:`kernel_distance`; ``y``: floating or integer targets, ``(N,)`` or ``(N,
+    O)`` for an ``(N, N)`` kernel, ``(N, O)`` for ``(N, N, O, O)`` (target kernel vec(y)
+    vec(y)ᵀ). Raises ValueError (k not square, y's shape, NaN or Inf, all zeros), TypeError
+    (non-floating k, non-numeric y). Cost: one pass, 2·M²·R multiply-adds (R columns of y).
 
     Example:
       >>> import numpy as np
@@ -192,43 +127,19 @@ def kernel_alignment(k, y) -> float:
       >>> round(metrics.kernel_alignment(np.eye(3), y), 6)     # tr(yᵀy)/(√3·‖y‖²)
       0.57735
 
-    References:
-      Cristianini, Shawe-Taylor, Elisseeff, Kandola, "On Kernel-Target Alignment",
-      Advances in Neural Information Processing Systems 14 (NIPS 2001), MIT Press 2002.
+    References: Cristianini et al., "On Kernel-Target Alignment", NIPS 2001.
     """
     return _alignment("kernel_alignment", k, y, centered=False)
 
 
-@_doc
 def centered_kernel_alignment(k, y) -> float:
-    """Centred kernel-target alignment of Cortes, Mohri & Rostamizadeh (2012).
+    """Centred kernel-target alignment of Cortes, Mohri & Rostamizadeh (2012), in [-1, 1].
 
-        A_c(K, Y) = ⟨K_c, L_c⟩_F / (‖K_c‖_F ‖L_c‖_F),  K_c = H K H,  L_c = H Y Yᵀ H,
-        H = I − 11ᵀ/N
+        A_c(K, Y) = ⟨H K H, H Y Yᵀ H⟩_F / (‖H K H‖_F ‖H Y Yᵀ H‖_F),  H = I − 11ᵀ/N
 
-    Centring removes the samples' mean in feature space, so a constant offset of the
-    kernel (K + c·11ᵀ) or of the targets does not change it, unlike
-    :func:`kernel_alignment`. For an ``(N, N, O, O)`` kernel H acts on the samples
-    only, for each output entry (H ⊗ I_O on the flat kernel). Computed as
-    tr(Y_cᵀ K Y_c) / (‖K_c‖_F ‖Y_cᵀ Y_c‖_F) with Y_c = H Y (H is idempotent).
-
-    Args:
-      k: the kernel.
-      {targets}
-
-    {shapes}
-
-    Returns:
-      ``A_c`` as a Python float, in ``[-1, 1]`` (``[0, 1]`` for positive semi-definite
-      K).
-
-    Raises:
-      ValueError: as :func:`kernel_alignment`, and a kernel or targets that centring
-        makes zero (constant over the samples).
-      TypeError: as :func:`kernel_alignment`.
-
-    Cost: two passes over K (the second forms K_c chunk by chunk), about 4·M² + 2·M²·R
-    flops; memory one row chunk, M·R and N·O² row sums.
+    Invariant to constant offsets; H acts on the samples per output entry (H ⊗ I_O).
+    ``k``, ``y`` and errors as :func:`kernel_alignment`, plus ValueError for a kernel or
+    targets constant over the samples. Cost: two passes, 4·M² + 2·M²·R flops, N·O² memory.
 
     Example:
       >>> import numpy as np
@@ -240,42 +151,21 @@ def centered_kernel_alignment(k, y) -> float:
       >>> metrics.kernel_alignment(k, y) < 0.5
       True
 
-    References:
-      Cortes, Mohri, Rostamizadeh, "Algorithms for Learning Kernels Based on Centered
-      Alignment", Journal of Machine Learning Research 13, 2012 (definition 1, 2).
+    References: Cortes, Mohri, Rostamizadeh, "Algorithms for Learning Kernels Based on
+    Centered Alignment", JMLR 13, 2012.
     """
     return _alignment("centered_kernel_alignment", k, y, centered=True)
 
 
-@_doc
 def effective_rank(kernel=None, *, eigenvalues=None) -> float:
-    """Effective rank of Roy & Vetterli (2007): exp of the entropy of the spectrum.
+    """Effective rank of Roy & Vetterli (2007), between 1 and M: exp of the spectrum's entropy.
 
-        erank = exp(−Σ_i p_i log p_i),  p_i = σ_i / Σ_j σ_j,
+        erank = exp(−Σ_i p_i log p_i),  p_i = |λ_i| / Σ_j |λ_j|   (0·log 0 = 0)
 
-    σ_i = |λ_i| the singular values of the (symmetric) kernel, its eigenvalues when it
-    is positive semi-definite (round-off below 0 counts by magnitude); 0·log 0 = 0.
-    Between 1 (rank one) and M (all eigenvalues equal); N for the identity.
-
-    Args:
-      kernel: a symmetric kernel; all its eigenvalues are computed (dense).
-      eigenvalues: instead of ``kernel`` (keyword-only), a 1-D array of eigenvalues,
-        e.g. from :func:`ntk_core.spectrum.kernel_eigsh`. Given only the top k, the
-        result is the effective rank of that truncated spectrum (at most k).
-
-    {shapes}
-
-    Returns:
-      The effective rank as a Python float.
-
-    Raises:
-      TypeError: both or neither of kernel and eigenvalues given; a non-floating kernel.
-      ValueError: kernel not square, not symmetric (to 100·u·max|K|) or 1-D (a
-        per-sample diagonal, or eigenvalues passed positionally); NaN or Inf;
-        eigenvalues not 1-D, complex, or all zero.
-
-    Cost: with ``kernel``, one float64 eigenvalue decomposition of the ``(M, M)``
-    matrix (M = N·O): about 4/3·M³ flops and 8·M² bytes; with ``eigenvalues``, O(M).
+    ``kernel``: symmetric, as :func:`kernel_distance` (all eigenvalues, 4/3·M³ flops), or
+    keyword-only ``eigenvalues``, a 1-D array (a top k gives at most k). Raises TypeError
+    (both or neither, non-floating kernel), ValueError (kernel not square, symmetric or 2-D+;
+    NaN or Inf; eigenvalues not real 1-D or all zero).
 
     Example:
       >>> import numpy as np
@@ -287,16 +177,15 @@ def effective_rank(kernel=None, *, eigenvalues=None) -> float:
       >>> round(metrics.effective_rank(eigenvalues=[1.0, 1.0, 0.0]), 12)
       2.0
 
-    References:
-      Roy, Vetterli, "The effective rank: A measure of effective dimensionality",
-      15th European Signal Processing Conference (EUSIPCO), 2007.
+    References: Roy, Vetterli, "The effective rank", EUSIPCO 2007.
     """
     fn = "effective_rank"
     s = np.abs(eigenvalues_of(fn, kernel, eigenvalues))
     total = float(s.sum())
     if total == 0.0:
-        what = "every eigenvalue is 0 (a zero kernel)"
-        raise _undefined(fn, what, "the normalised spectrum p_i", "a non-zero kernel")
+        raise _undefined(
+            fn, "every eigenvalue is 0", "the normalised spectrum", "a non-zero kernel"
+        )
     p = s[s > 0] / total
     return float(math.exp(-float(np.sum(p * np.log(p)))))
 

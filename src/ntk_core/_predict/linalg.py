@@ -1,18 +1,5 @@
-"""Host linear algebra of :mod:`ntk_core.predict`: kernel layouts, checks and the solver.
-
-Everything here runs on the host in numpy / scipy (LAPACK). Kernels arrive as numpy
-arrays, read-only memory-mapped ``.npy`` files or jax arrays (copied to the host once);
-the only ``M x M`` buffer this module allocates (M = N·O_kept, the flattened train size)
-is the one the factorisation overwrites, plus bounded row chunks.
-
-Solver: ``A = K + λ I`` is factored by Cholesky in the compute dtype; if Cholesky fails,
-by a symmetric eigendecomposition whose eigenvalues are floored at ``u·λ_max``. Every
-solve is then refined with residuals ``b - A x`` computed in float64 from the kernel's
-own entries (mixed-precision iterative refinement), and accepted only when the last
-correction is at most :data:`ACCEPT` of the solution in the max norm, column by column.
-This is an a-posteriori certificate: an accepted float32 solve agrees with a float64
-solve of the same kernel to about 1e-6, and a kernel too ill-conditioned for the
-compute dtype raises :class:`ValueError` naming its condition number and the fix.
+"""Host linear algebra of :mod:`ntk_core.predict`: layouts, checks, and a solver of K + λI
+(Cholesky, else floored eigh) refined in float64 until corrections are <= :data:`ACCEPT`.
 """
 
 from __future__ import annotations
@@ -49,15 +36,11 @@ def row_chunks(n_rows: int, n_cols: int, rows: int | None = None):
         yield slice(start, min(n_rows, start + rows))
 
 
-#: The fix of a NaN/Inf kernel, shared by every kernel check of predict, metrics, spectrum.
-NAN_KERNEL_FIX = (
-    "recompute it; NaN usually comes from NaN parameters or inputs, or float32 overflow"
-)
+NAN_KERNEL_FIX = "recompute it; NaN comes from NaN parameters or inputs, or float32 overflow"
 
 
 def check_finite(fn, name, arr, fix=NAN_KERNEL_FIX, *, cls=NonFiniteError, first=0, unit="sample"):
-    """Raises ``cls`` naming the first non-finite entry of ``arr`` along axis 0 (its index
-    plus ``first``, counted in ``unit``s)."""
+    """Raises ``cls`` naming the first non-finite entry along axis 0 (plus ``first``)."""
     bad_entries = ~np.isfinite(arr)
     if bad_entries.any():
         at = first + (int(np.argwhere(bad_entries)[0][0]) if bad_entries.ndim else 0)
@@ -65,16 +48,14 @@ def check_finite(fn, name, arr, fix=NAN_KERNEL_FIX, *, cls=NonFiniteError, first
 
 
 def check_symmetric(fn, name, asym: float, kmax: float, dtype) -> None:
-    """Raises unless max |K - Kᵀ| (``asym``) <= 100·u·max |K| (u of the kernel's dtype)."""
+    """Raises unless ``asym`` = max |K - Kᵀ| <= 100·u·``kmax``."""
     if asym > 100 * unit_roundoff(dtype) * kmax:
         what = f"{name} is not symmetric: max |K - K^T| = {asym:.3e} for max |K| = {kmax:.3e}"
-        fix = "pass the kernel of x with itself (x2=None), or (K + K^T) / 2"
-        fix += " (for (N, N, O, O) kernels transpose axes (1, 0, 3, 2))"
+        fix = "pass the kernel of x with itself, or (K + K^T) / 2 (K^T: axes (1, 0, 3, 2) if 4-D)"
         raise bad(ValueError, fn, what, fix)
 
 
 def compute_dtype(fn_name: str, dtype, kernel_dtype) -> np.dtype:
-    """The dtype of the factorisation: ``dtype`` if given, else the kernel's."""
     if dtype is None:
         return np.dtype(np.float64 if np.dtype(kernel_dtype) == np.float64 else np.float32)
     try:
@@ -88,18 +69,14 @@ def compute_dtype(fn_name: str, dtype, kernel_dtype) -> np.dtype:
 
 
 def check_diag_reg(fn_name: str, diag_reg) -> float:
-    if (
-        not is_real(diag_reg)
-        and getattr(diag_reg, "shape", None) == ()
-        and np.issubdtype(getattr(diag_reg, "dtype", np.dtype(object)), np.number)
-        and not isinstance(diag_reg, jax.core.Tracer)
-    ):
+    dt = getattr(diag_reg, "dtype", np.dtype(object))
+    scalar = getattr(diag_reg, "shape", None) == () and not isinstance(diag_reg, jax.core.Tracer)
+    if scalar and not is_real(diag_reg) and np.issubdtype(dt, np.number):
         diag_reg = np.asarray(diag_reg).item()  # a 0-d numpy or JAX array
     return check_real(fn_name, "diag_reg", diag_reg, "pass e.g. diag_reg=1e-4 (or 0.0)")
 
 
 def as_host_array(fn_name: str, name: str, x) -> np.ndarray:
-    """A floating numpy view of ``x`` (no copy for numpy arrays and memmaps)."""
     try:
         arr = x if isinstance(x, np.ndarray) else np.asarray(x)
     except Exception as e:  # noqa: BLE001 - any conversion failure is reported
@@ -112,22 +89,24 @@ def as_host_array(fn_name: str, name: str, x) -> np.ndarray:
 
 
 def check_rows_finite(fn_name: str, name: str, arr: np.ndarray, fix=NAN_KERNEL_FIX) -> None:
-    """:func:`check_finite` of ``arr`` read in row chunks (memmaps are never loaded whole)."""
+    """:func:`check_finite` in row chunks."""
     flat = arr.reshape(arr.shape[0], -1) if arr.ndim > 1 else arr.reshape(-1, 1)
     for rows in row_chunks(flat.shape[0], flat.shape[1]):
         check_finite(fn_name, name, flat[rows], fix, first=rows.start)
 
 
-class FlatLayout:
-    """Maps the neural-tangents kernel layout to flat matrices and back.
+def flat_pairs(k: np.ndarray, o: int) -> np.ndarray:
+    """``(n1, n2, O1, O1, ...)`` → ``(n1·O, n2·O)`` (``k`` itself when 2-D)."""
+    if k.ndim == 2:
+        return k
+    m = (k.ndim - 2) // 2
+    order = [0] + [2 + 2 * i for i in range(m)] + [1] + [3 + 2 * i for i in range(m)]
+    return np.transpose(k, order).reshape(k.shape[0] * o, k.shape[1] * o)
 
-    ``y_train`` has shape ``(N, *O)``; ``trace_axes`` name axes of ``y_train`` that the
-    kernels lack (traced: the kernel applies to each of their entries, Θ ⊗ I). The other
-    output axes ("kept", sizes k_1..k_m, product K_o) appear twice, zipped, in every
-    kernel: train-train ``(N, N, k_1, k_1, ...)``, test-train ``(T, N, k_1, k_1, ...)``,
-    test-test ``(T, T, k_1, k_1, ...)`` or its per-sample diagonal ``(T, k_1, k_1, ...)``.
-    Flat forms: kernels ``(T·K_o, N·K_o)``, targets ``(N·K_o, R)`` with R the product of
-    the traced sizes.
+
+class FlatLayout:
+    """Neural-tangents kernel layout ``(N1, N2, k1, k1, ...)`` (kept output axes zipped, traced
+    ones absent) to flat ``(N1·K_o, N2·K_o)`` kernels and ``(N·K_o, R)`` targets, and back.
     """
 
     def __init__(self, fn_name: str, y_shape: tuple[int, ...], trace_axes):
@@ -145,26 +124,20 @@ class FlatLayout:
         nd = len(y_shape)
         canon = [a % nd for a in axes if -nd <= a < nd]
         if len(canon) < len(axes) or 0 in canon or len(set(canon)) < len(canon):
-            what = (
-                f"trace_axes={axes} must name distinct output axes 1..{nd - 1} of y_train {y_shape}"
-            )
+            what = f"trace_axes={axes} must name distinct output axes 1..{nd - 1} of y {y_shape}"
             raise bad(ValueError, fn_name, what, fix)
-        self.fn_name = fn_name
-        self.n = y_shape[0]
-        self.traced = tuple(sorted(canon))
+        self.fn_name, self.n, self.traced = fn_name, y_shape[0], tuple(sorted(canon))
         self.kept = tuple(a for a in range(1, nd) if a not in self.traced)
         self.kept_shape = tuple(y_shape[a] for a in self.kept)
         self.traced_shape = tuple(y_shape[a] for a in self.traced)
-        self.ko = math.prod(self.kept_shape)
-        self.r = math.prod(self.traced_shape)
-        self.y_shape = y_shape
+        self.ko, self.r = math.prod(self.kept_shape), math.prod(self.traced_shape)
+        self.y_shape, self._zipped = y_shape, tuple(s for k in self.kept_shape for s in (k, k))
 
-    # -- kernels ---------------------------------------------------------------------
     def pair_shape(self, n1: int, n2: int) -> tuple[int, ...]:
-        return (n1, n2) + tuple(s for k in self.kept_shape for s in (k, k))
+        return (n1, n2) + self._zipped
 
     def diag_shape(self, n1: int) -> tuple[int, ...]:
-        return (n1,) + tuple(s for k in self.kept_shape for s in (k, k))
+        return (n1,) + self._zipped
 
     def check_pair(self, name, k, n1, n2, fn_name=None) -> int:
         """Checks a kernel of shape pair_shape(n1, n2) (n1 None: any); returns n1."""
@@ -178,21 +151,14 @@ class FlatLayout:
         return n1
 
     def flat(self, k: np.ndarray) -> np.ndarray:
-        """``(n1, n2, k1, k1, ...)`` → ``(n1·K_o, n2·K_o)`` (a view when K_o = 1)."""
-        if not self.kept:
-            return k
-        m = len(self.kept)
-        order = [0] + [2 + 2 * i for i in range(m)] + [1] + [3 + 2 * i for i in range(m)]
-        return np.transpose(k, order).reshape(k.shape[0] * self.ko, k.shape[1] * self.ko)
+        return flat_pairs(k, self.ko)
 
     def flat_diag(self, k: np.ndarray) -> np.ndarray:
-        """``(t, k1, k1, ...)`` → ``(t, K_o, K_o)``."""
         m = len(self.kept)
         order = [0] + [1 + 2 * i for i in range(m)] + [2 + 2 * i for i in range(m)]
         return np.transpose(k, order).reshape(k.shape[0], self.ko, self.ko)
 
     def unflat_cov(self, c: np.ndarray, t: int) -> np.ndarray:
-        """``(t·K_o, t·K_o)`` → ``(t, t, k1, k1, ...)`` (zipped)."""
         if not self.kept:
             return c
         m = len(self.kept)
@@ -201,7 +167,6 @@ class FlatLayout:
         return np.transpose(c, order)
 
     def unflat_diag(self, v: np.ndarray) -> np.ndarray:
-        """``(t, K_o, K_o)`` → ``(t, k1, k1, ...)`` (zipped)."""
         t = v.shape[0]
         if not self.kept:
             return v.reshape(t)
@@ -210,24 +175,17 @@ class FlatLayout:
         order = [0] + [i for j in range(m) for i in (1 + j, 1 + m + j)]
         return np.transpose(v, order)
 
-    # -- targets ---------------------------------------------------------------------
     def flat_y(self, y: np.ndarray) -> np.ndarray:
-        """``(n, *O)`` → ``(n·K_o, R)``."""
         y = np.moveaxis(y, self.kept + self.traced, range(1, len(self.y_shape)))
         return y.reshape(y.shape[0] * self.ko, self.r)
 
     def unflat_y(self, f: np.ndarray, n: int) -> np.ndarray:
-        """``(n·K_o, R)`` → ``(n, *O)`` (with the test n)."""
         f = f.reshape((n,) + self.kept_shape + self.traced_shape)
         return np.moveaxis(f, range(1, len(self.y_shape)), self.kept + self.traced)
 
 
 def scan_train_kernel(fn_name: str, name: str, k2: np.ndarray, dtype) -> tuple[float, float]:
-    """Checks a flat train-train kernel (finite, symmetric); returns (mean diag, max |K|).
-
-    Symmetric means max |K - Kᵀ| <= 100·u·max |K| (u of the kernel's dtype); read in row
-    chunks, so a memory-mapped kernel is never loaded whole.
-    """
+    """Checks a flat train kernel is finite and symmetric; returns (mean diag, max |K|)."""
     m = k2.shape[0]
     diag_sum, kmax, asym = 0.0, 0.0, 0.0
     for rows in row_chunks(m, m):
@@ -241,7 +199,7 @@ def scan_train_kernel(fn_name: str, name: str, k2: np.ndarray, dtype) -> tuple[f
 
 
 def matmul64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a @ b`` in float64, ``a`` (any dtype, maybe a memmap) streamed in row chunks."""
+    """``a @ b`` in float64, ``a`` streamed in row chunks."""
     out = np.empty((a.shape[0],) + b.shape[1:], np.float64)
     b64 = np.asarray(b, np.float64)
     for rows in row_chunks(a.shape[0], a.shape[1]):
@@ -254,21 +212,10 @@ RANK_PROBES = 64
 
 
 def numerical_rank(k2: np.ndarray, dtype, probes: int = RANK_PROBES) -> tuple[int, int, float]:
-    """``(r, c, drop)``: the numerical rank ``r`` of a flat PSD kernel as ``c`` probes see
-    it, and the drop ``σ_r / σ_{r+1}`` from the last eigenvalue counted to the next.
-
-    Eigenvalues count when above ``M·u·λ_max`` (u of the kernel's ``dtype``: below that
-    they are round-off of the kernel's own entries; numpy's ``matrix_rank`` convention).
-    A structurally low rank (a kernel built from r feature vectors) shows a large drop
-    (to round-off); a smooth kernel whose spectrum decays gradually below round-off
-    (e.g. on 1-D inputs) a drop of a few times. For ``M <= probes`` the eigenvalues are
-    computed (``c = M``); otherwise the singular values of the sketch ``K Ω`` (Ω Gaussian
-    ``(M, probes)``, fixed seed) stand in for them, which finds every rank
-    ``r <= c / 2`` with overwhelming probability (the sketch's singular values are
-    about (√c ± √r)·λ_i; Halko, Martinsson & Tropp 2011) and returns about ``c`` for
-    larger ranks. Cost: 2·M²·c flops streamed in row chunks (M³ for the small case).
+    """``(r, c, drop)``: rank r (eigenvalues > M·u·λ_max) of a flat PSD kernel seen by c probes
+    (exact for M <= c, else a K Ω sketch: Halko et al. 2011; 2·M²·c flops) and σ_r / σ_{r+1}.
     """
-    import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`
+    import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
 
     m = k2.shape[0]
     if m <= probes:
@@ -287,39 +234,25 @@ def numerical_rank(k2: np.ndarray, dtype, probes: int = RANK_PROBES) -> tuple[in
 
 
 class Solver:
-    """Solves ``(K + λ I) x = b`` for a flat symmetric ``K`` (``(M, M)``), refined in float64.
-
-    Args:
-      fn_name: public name for messages.
-      k2: the flat train-train kernel (numpy, maybe a read-only memmap); kept, not copied.
-      lam: the absolute regulariser λ.
-      dtype: compute dtype of the factorisation.
-      reg_scale: converts an absolute λ into the caller's ``diag_reg`` units (the mean
-        of K's diagonal for a relative ``diag_reg``, else 1), for the suggested fix.
-      method: ``"cholesky"`` (with the eigendecomposition fallback) or ``"eigh"``.
-    """
+    """Solves ``(K + λ I) x = b`` for a flat symmetric ``K``, refined in float64."""
 
     def __init__(self, fn_name, k2, lam, dtype, *, reg_scale=1.0, method="cholesky"):
         self.fn_name, self.k2, self.lam, self.dtype = fn_name, k2, lam, np.dtype(dtype)
         self.m = k2.shape[0]
         self.reg_scale = reg_scale
         self.u = unit_roundoff(self.dtype)
-        # the kernel's entries carry the round-off of their own dtype (a float32 kernel
-        # solved in float64 is PSD only up to float32 round-off)
+        # the kernel's entries carry the round-off of their own dtype
         self.u_in = max(self.u, unit_roundoff(k2.dtype))
         self.method = None
-        self.steps = 0  # refinement steps of the last solve (a diagnostic)
         self._eigs: tuple[np.ndarray, np.ndarray] | None = None
         if method == "cholesky":
             a = self._regularised_copy()
             try:
                 # a is C-ordered and symmetric: a.T is the same matrix in Fortran order, so
                 # LAPACK factors it in place (upper of a.T = lower of a), no second copy.
-                import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`
+                import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
 
-                self._chol = scipy.linalg.cho_factor(
-                    a.T, lower=False, overwrite_a=True, check_finite=False
-                )
+                self._chol = scipy.linalg.cho_factor(a.T, overwrite_a=True, check_finite=False)
                 if not np.isfinite(np.diagonal(self._chol[0])).all():
                     raise np.linalg.LinAlgError("non-finite Cholesky factor")
                 self.method = "cholesky"
@@ -338,7 +271,7 @@ class Solver:
 
     def _eigh(self) -> None:
         a = self._regularised_copy()
-        import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`
+        import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
 
         w, v = scipy.linalg.eigh(a, overwrite_a=True, check_finite=False)
         del a
@@ -346,21 +279,19 @@ class Solver:
         wmax = max(float(np.abs(w).max()), np.finfo(np.float64).tiny)
         tol = self.m * self.u_in * wmax
         if w.min() < -tol:
-            what = f"train-train K + λI (λ = {self.lam:.3e}) is not positive semi-definite: "
-            what += f"eigenvalues {w.min():.3e} .. {w.max():.3e}, beyond round-off "
-            what += f"{self.m}·u·λ_max = {tol:.3e}"
-            fix = "pass a kernel (not a difference of kernels), or raise diag_reg above "
-            fix += f"{-w.min() / self.reg_scale:.1e}"
+            what = f"train-train K + λI (λ = {self.lam:.3e}) is not positive semi-definite: eigvals"
+            what += f" {w.min():.3e} .. {w.max():.3e}, beyond round-off M·u·λ_max = {tol:.3e}"
+            above = -w.min() / self.reg_scale
+            fix = f"pass a kernel, not a difference of kernels, or raise diag_reg above {above:.1e}"
             raise bad(ValueError, self.fn_name, what, fix)
         self.method = "eigh"
         self._eigs = (w, v)
         self._w_floored = np.maximum(w, self.u * wmax)
 
     def _apply_inverse(self, b: np.ndarray) -> np.ndarray:
-        """The factorisation's approximate ``A⁻¹ b`` (compute dtype in, float64 out)."""
         b = np.asarray(b, self.dtype)
         if self.method == "cholesky":
-            import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`
+            import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
 
             x = scipy.linalg.cho_solve(self._chol, b, check_finite=False)
         else:
@@ -369,21 +300,18 @@ class Solver:
         return np.asarray(x, np.float64)
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
-        """``(K + λ I) x`` in float64 from the kernel's entries."""
         return matmul64(self.k2, x) + self.lam * x
 
     def solve(self, b: np.ndarray) -> np.ndarray:
-        """``(K + λ I)⁻¹ b`` for ``b`` of shape ``(M, R)``, float64, refined and checked."""
+        """``(K + λ I)⁻¹ b`` for ``b`` ``(M, R)``, float64, refined and checked."""
         b = np.asarray(b, np.float64)
         x = self._apply_inverse(b)
         active = np.ones(b.shape[1], bool)
         prev = None
         rel = np.zeros(b.shape[1])
-        self.steps = 0
         for _ in range(MAX_REFINE):
             if not active.any():
                 break
-            self.steps += 1
             xa = x[:, active]
             r = b[:, active] - self.matvec(xa)
             d = self._apply_inverse(r)
@@ -403,37 +331,28 @@ class Solver:
         return x
 
     def condition_number(self) -> float:
-        """2-norm condition number of ``K + λI``: exact from an eigendecomposition, else
-        estimated by 30 steps of power and inverse iteration."""
+        """2-norm condition number: exact after eigh, else 30 power/inverse steps."""
         if self._eigs is not None:
             w = self._eigs[0]
             return float(w.max() / w.min()) if w.min() > 0 else math.inf
         rng = np.random.default_rng(0)
-        v = rng.standard_normal((self.m, 1))
-        hi = lo = 1.0
-        for _ in range(30):
-            v /= np.linalg.norm(v)
-            w = self.matvec(v)
-            hi = float(np.linalg.norm(w))
-            v = w
-        v = rng.standard_normal((self.m, 1))
-        for _ in range(30):
-            v /= np.linalg.norm(v)
-            w = self._apply_inverse(v)
-            lo = 1.0 / max(float(np.linalg.norm(w)), np.finfo(np.float64).tiny)
-            v = w
-        return hi / lo
+        v1, v2 = rng.standard_normal((self.m, 1)), rng.standard_normal((self.m, 1))
+        lo = 1.0 / max(self._power(self._apply_inverse, v2), np.finfo(np.float64).tiny)
+        return self._power(self.matvec, v1) / lo
 
     def largest_eigenvalue(self) -> float:
         if self._eigs is not None:
             return float(self._eigs[0].max())
-        v = np.random.default_rng(1).standard_normal((self.m, 1))
-        hi = 1.0
+        return self._power(self.matvec, np.random.default_rng(1).standard_normal((self.m, 1)))
+
+    @staticmethod
+    def _power(op, v) -> float:
+        """‖op(v)‖ after 30 power steps from ``v``."""
+        norm = 1.0
         for _ in range(30):
-            v /= np.linalg.norm(v)
-            v = self.matvec(v)
-            hi = float(np.linalg.norm(v))
-        return hi
+            v = op(v / np.linalg.norm(v))
+            norm = float(np.linalg.norm(v))
+        return norm
 
     def _raise_ill_conditioned(self, rel: float) -> None:
         kappa = self.condition_number()
@@ -444,9 +363,9 @@ class Solver:
         need = 100 * self.u * lam_max + 2 * max(-w_min, 0.0)
         suggest = 10 ** math.ceil(math.log10(max(need / self.reg_scale, 1e-300)))
         cond = f"{kappa:.2e}" if math.isfinite(kappa) else f"inf ({w_min:.2e} .. {lam_max:.2e})"
-        what = f"train-train K + λI (λ = {self.lam:.3e}, {self.m} x {self.m}) is too "
-        what += f"ill-conditioned to solve in {self.dtype.name}: condition number ≈ {cond}, "
-        what += f"u = {self.u:.1e}, refinement left {rel:.1e} > {ACCEPT:.0e}"
+        what = f"train-train K + λI (λ = {self.lam:.3e}, M = {self.m}) is too ill-conditioned for "
+        what += f"{self.dtype.name}: condition number ≈ {cond}, u = {self.u:.1e}, refinement left "
+        what += f"{rel:.1e} > {ACCEPT:.0e}"
         fix = f"raise diag_reg to about {suggest:.0e} or more"
         fix += "" if self.dtype == np.float64 else ", or pass dtype='float64'"
         raise bad(ValueError, self.fn_name, what, fix, see="ill-conditioned-kernel")
