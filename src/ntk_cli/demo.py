@@ -52,23 +52,20 @@ def _figure(path, k_train, labels):
     import matplotlib.pyplot as plt
 
     order = np.argsort(labels, kind="stable")
-    k_sorted = np.asarray(k_train)[np.ix_(order, order)]
     eig = np.sort(np.linalg.eigvalsh(np.asarray(k_train, np.float64)))[::-1]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
-    im = ax1.imshow(k_sorted, cmap="viridis")
-    bounds = np.flatnonzero(np.diff(labels[order])) + 0.5
-    for b in bounds:
+    im = ax1.imshow(np.asarray(k_train)[np.ix_(order, order)], cmap="viridis")
+    for b in np.flatnonzero(np.diff(labels[order])) + 0.5:
         ax1.axhline(b, color="white", lw=0.4)
         ax1.axvline(b, color="white", lw=0.4)
-    ticks = [np.mean(np.flatnonzero(labels[order] == c)) for c in np.unique(labels)]
-    ax1.set_xticks(ticks, [str(c) for c in np.unique(labels)])
-    ax1.set_yticks(ticks, [str(c) for c in np.unique(labels)])
+    classes = np.unique(labels)
+    ticks = [np.mean(np.flatnonzero(labels[order] == c)) for c in classes]
+    ax1.set_xticks(ticks, [str(c) for c in classes])
+    ax1.set_yticks(ticks, [str(c) for c in classes])
     ax1.set_title("Empirical NTK, train x train, sorted by class")
     fig.colorbar(im, ax=ax1, fraction=0.046)
     ax2.semilogy(np.arange(1, len(eig) + 1), np.clip(eig, 1e-12, None))
-    ax2.set_xlabel("index")
-    ax2.set_ylabel("eigenvalue")
-    ax2.set_title("NTK eigenvalue spectrum (train x train)")
+    ax2.set(xlabel="index", ylabel="eigenvalue", title="NTK eigenvalue spectrum (train x train)")
     ax2.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -126,66 +123,51 @@ def run(
     timings = {}
     bar = progress_bar("ntk demo", progress, len(steps), unit="step")
 
-    def step(name):
+    def timed(name, compute):
         if bar is not None:
             bar.set_description(name)
-        timings[name] = time.perf_counter()
-
-    def done(name):
-        timings[name] = time.perf_counter() - timings[name]
+        start = time.perf_counter()
+        result = compute()
+        timings[name] = time.perf_counter() - start
         if bar is not None:
             bar.update()
+        return result
 
-    step(steps[0])
-    k_train = np.asarray(jax.block_until_ready(kernel(variables, x_train)))
-    done(steps[0])
-    step(steps[1])
-    k_test_train = np.asarray(jax.block_until_ready(kernel(variables, x_test, x_train)))
-    done(steps[1])
-    step(steps[2])
-    k_haiku = np.asarray(
-        ntk_haiku.kernel(twin, twin_params, x_train[:n_check], implementation=implementation)
+    def twin_check():
+        k = ntk_haiku.kernel(twin, twin_params, x_train[:n_check], implementation=implementation)
+        k_flax = k_train[:n_check, :n_check]
+        return float(np.abs(np.asarray(k) - k_flax).max()) / float(np.abs(k_flax).max())
+
+    k_train = timed(steps[0], lambda: np.asarray(jax.block_until_ready(kernel(variables, x_train))))
+    k_test_train = timed(
+        steps[1], lambda: np.asarray(jax.block_until_ready(kernel(variables, x_test, x_train)))
     )
-    twin_diff = float(np.abs(k_haiku - k_train[:n_check, :n_check]).max())
-    twin_rel = twin_diff / float(np.abs(k_train[:n_check, :n_check]).max())
-    done(steps[2])
-    step(steps[3])
-    mean, lam = kernel_regression(k_train, k_test_train, y_train, 10, DIAG_REG)
+    twin_rel = timed(steps[2], twin_check)
+    mean, lam = timed(
+        steps[3], lambda: kernel_regression(k_train, k_test_train, y_train, 10, DIAG_REG)
+    )
     accuracy = float(np.mean(np.argmax(mean, axis=1) == y_test))
-    done(steps[3])
     if bar is not None:
         bar.close()
 
     np.save(os.path.join(out, "ntk_train_train.npy"), k_train)
     np.save(os.path.join(out, "ntk_test_train.npy"), k_test_train)
-    picture = os.path.join(out, "ntk_demo.png")
-    _figure(picture, k_train, y_train)
+    _figure(os.path.join(out, "ntk_demo.png"), k_train, y_train)
     total = time.perf_counter() - t_start
-    summary = {
-        "n_train": n_train,
-        "n_test": len(x_test),
-        "implementation": chosen,
-        "diag_reg": DIAG_REG,
-        "lambda": lam,
-        "test_accuracy": accuracy,
-        "flax_vs_haiku_max_relative_difference": twin_rel,
-        "seconds": {**timings, "total": total},
-        "jax": jax.__version__,
-        "device": str(jax.devices()[0]),
-    }
+    summary = dict(n_train=n_train, n_test=len(x_test), implementation=chosen, diag_reg=DIAG_REG)
+    summary.update({"lambda": lam, "test_accuracy": accuracy})
+    summary.update(flax_vs_haiku_max_relative_difference=twin_rel)
+    summary.update(seconds={**timings, "total": total}, jax=jax.__version__)
+    summary.update(device=str(jax.devices()[0]))
     with open(os.path.join(out, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=2)
 
     for name in steps:
         print(f"  {name:<20} {timings[name]:7.2f} s")
-    print(
-        f"Flax vs Haiku (first {n_check} train samples): max relative difference "
-        f"{twin_rel:.2e} (tolerance {TWIN_TOLERANCE:.0e})"
-    )
-    print(
-        f"kernel regression on one-hot labels, regulariser λ = {DIAG_REG:g} x mean(diag K) "
-        f"= {lam:.3e}: test accuracy {accuracy:.4f}"
-    )
+    twin = f"{twin_rel:.2e} (tolerance {TWIN_TOLERANCE:.0e})"
+    print(f"Flax vs Haiku (first {n_check} train samples): max relative difference {twin}")
+    regression = f"kernel regression on one-hot labels, regulariser λ = {DIAG_REG:g} x mean(diag K)"
+    print(f"{regression} = {lam:.3e}: test accuracy {accuracy:.4f}")
     print(f"wrote {out}/ntk_train_train.npy, ntk_test_train.npy, ntk_demo.png, summary.json")
     print(f"total time {total:.1f} s")
     if not twin_rel <= TWIN_TOLERANCE:
@@ -195,18 +177,13 @@ def run(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="./ntk-demo", help="output folder (default ./ntk-demo)")
-    parser.add_argument("--n-train", type=int, default=1000, help="training samples (1000)")
-    parser.add_argument("--seed", type=int, default=0, help="shuffle and init seed (0)")
-    parser.add_argument(
-        "--implementation",
-        default="auto",
-        choices=["auto", "structured", "jacobian", "ntvp"],
-        help="NTK implementation (auto)",
-    )
-    parser.add_argument(
-        "--compilation-cache", metavar="DIR", help="JAX's persistent compilation cache folder"
-    )
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--progress", dest="progress", action="store_true", default=None)
-    group.add_argument("--no-progress", dest="progress", action="store_false")
+    from ntk_cli.track import progress_options
+
+    add = parser.add_argument
+    add("--out", default="./ntk-demo", help="output folder (default ./ntk-demo)")
+    add("--n-train", type=int, default=1000, help="training samples (1000)")
+    add("--seed", type=int, default=0, help="shuffle and init seed (0)")
+    choices = ["auto", "structured", "jacobian", "ntvp"]
+    add("--implementation", default="auto", choices=choices, help="NTK implementation (auto)")
+    add("--compilation-cache", metavar="DIR", help="JAX's persistent compilation cache folder")
+    progress_options(parser, None, None)

@@ -3,7 +3,6 @@ with transplanted weights, gives the same NTK."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -12,7 +11,7 @@ from ntk_core._doctor import Check, CheckResult, _compare, _inputs, _installed, 
 
 
 def _twins(out_features: int, model: str):
-    """A Flax module and the Haiku forward function of the same network."""
+    """A Flax module and the Haiku function of the same network."""
     import flax.linen as nn
     import haiku as hk
 
@@ -56,14 +55,13 @@ def frameworks_check(samples: int = 4, image_size: int = 16, model: str = "lenet
         params = ntk_haiku.params_from_flax(variables["params"])
         k_flax = ntk_flax.kernel(flax_model, variables, x1, x2, trace_axes=())
         k_haiku = ntk_haiku.kernel(net, params, x1, x2, trace_axes=())
-        result = _compare({"haiku vs flax": (k_haiku, k_flax)}, str(k_flax.dtype))
-        return dataclasses.replace(result, detail=f"{model}, full kernel; " + result.detail)
+        pairs = {"haiku vs flax": (k_haiku, k_flax)}
+        return _compare(pairs, str(k_flax.dtype), f"{model}, full kernel; ")
 
     return Check("Flax equals Haiku (same weights)", run)
 
 
 def all_checks(samples: int = 4, image_size: int = 16, model: str = "lenet") -> list[Check]:
-    """The core's self-test (:func:`ntk_core._doctor.default_checks`) and the Flax =
-    Haiku check, in the order ``ntk doctor`` prints them."""
+    """:func:`ntk_core._doctor.default_checks` with the Flax = Haiku check third."""
     checks = default_checks(samples, image_size, model)
     return [*checks[:2], frameworks_check(samples, image_size, model), *checks[2:]]
