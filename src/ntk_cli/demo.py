@@ -112,22 +112,20 @@ def run(
     kernel = ntk_flax.kernel_fn(model, implementation=implementation)
     chosen = kernel.implementation_for(variables, x_test, x_train)
 
-    print(
-        f"ntk demo: LeNet (C1) on {len(images)} handwritten digits (8x8 -> 32x32x3), "
-        f"{n_train} train / {len(x_test)} test, jax {jax.__version__} on "
-        f"{jax.devices()[0].platform}"
-    )
+    split = f"{n_train} train / {len(x_test)} test"
+    device = f"jax {jax.__version__} on {jax.devices()[0].platform}"
+    print(f"ntk demo: LeNet (C1) on {len(images)} digits (8x8 -> 32x32x3), {split}, {device}")
     print(f"implementation: {implementation!r} -> {chosen}")
     n_check = min(128, n_train)
     steps = ["train x train NTK", "test x train NTK", "Haiku twin check", "kernel regression"]
     timings = {}
     bar = progress_bar("ntk demo", progress, len(steps), unit="step")
 
-    def timed(name, compute):
+    def timed(name, compute, *args):
         if bar is not None:
             bar.set_description(name)
         start = time.perf_counter()
-        result = compute()
+        result = compute(*args)
         timings[name] = time.perf_counter() - start
         if bar is not None:
             bar.update()
@@ -138,14 +136,13 @@ def run(
         k_flax = k_train[:n_check, :n_check]
         return float(np.abs(np.asarray(k) - k_flax).max()) / float(np.abs(k_flax).max())
 
-    k_train = timed(steps[0], lambda: np.asarray(jax.block_until_ready(kernel(variables, x_train))))
-    k_test_train = timed(
-        steps[1], lambda: np.asarray(jax.block_until_ready(kernel(variables, x_test, x_train)))
-    )
+    def ntk(*x):
+        return np.asarray(jax.block_until_ready(kernel(variables, *x)))
+
+    k_train = timed(steps[0], ntk, x_train)
+    k_test_train = timed(steps[1], ntk, x_test, x_train)
     twin_rel = timed(steps[2], twin_check)
-    mean, lam = timed(
-        steps[3], lambda: kernel_regression(k_train, k_test_train, y_train, 10, DIAG_REG)
-    )
+    mean, lam = timed(steps[3], kernel_regression, k_train, k_test_train, y_train, 10, DIAG_REG)
     accuracy = float(np.mean(np.argmax(mean, axis=1) == y_test))
     if bar is not None:
         bar.close()
@@ -155,10 +152,10 @@ def run(
     _figure(os.path.join(out, "ntk_demo.png"), k_train, y_train)
     total = time.perf_counter() - t_start
     summary = dict(n_train=n_train, n_test=len(x_test), implementation=chosen, diag_reg=DIAG_REG)
-    summary.update({"lambda": lam, "test_accuracy": accuracy})
-    summary.update(flax_vs_haiku_max_relative_difference=twin_rel)
-    summary.update(seconds={**timings, "total": total}, jax=jax.__version__)
-    summary.update(device=str(jax.devices()[0]))
+    summary.update({"lambda": lam}, test_accuracy=accuracy)
+    summary.update(flax_vs_haiku_max_relative_difference=twin_rel, seconds=timings)
+    summary.update(jax=jax.__version__, device=str(jax.devices()[0]))
+    timings["total"] = total
     with open(os.path.join(out, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=2)
 

@@ -21,13 +21,14 @@ import ntk_core
 
 #: Classes, held-out test samples, and the figure and summary written in ``--out``.
 N_CLASSES, N_TEST, FIGURE, SUMMARY = 10, 297, "ntk_track.png", "summary.json"
+FN = "ntk track"
 
 
 #: Training, test and probe sets (the first P training samples, one-hot labels (P, 10)).
 Digits = collections.namedtuple("Digits", "x_train y_train x_test y_test x_probe y_probe")
 
 
-def digits(seed: int, probe: int, fn: str = "ntk track") -> Digits:
+def digits(seed: int, probe: int, fn: str = FN) -> Digits:
     """The digits at 32x32x3, shuffled by ``seed``: 1500 training, 297 test samples."""
     from ntk_cli.demo import load_digits_32
 
@@ -144,8 +145,7 @@ def run(
     progress: bool | None = None,
 ) -> dict:
     """Trains the linen LeNet ``steps`` adam steps, tracking the probe NTK at steps 0,
-    ``every``, 2·``every``, ... up to ``steps`` (a multiple of ``every`` ends with the
-    trained network); returns the summary written to ``summary.json``."""
+    ``every``, 2·``every``, ... up to ``steps``; returns the summary written."""
     import optax
     from flax.training import train_state
 
@@ -153,7 +153,7 @@ def run(
     from ntk_core._blocked.progress import progress_bar
 
     t_start = time.perf_counter()
-    check_sizes("ntk track", steps, every, batch)
+    check_sizes(FN, steps, every, batch)
     data = digits(seed, probe)
     os.makedirs(out, exist_ok=True)  # fail before training, not after
     model = ntk_flax.LeNet(out_features=N_CLASSES)
@@ -172,24 +172,15 @@ def run(
         return state.apply_gradients(grads=grads), loss
 
     kernel = ntk_flax.kernel_fn(model, implementation=implementation)  # (P, P), compiled once
-    tracker = ntk_core.KernelTracker(
-        kernel,
-        data.x_probe,
-        data.y_probe,
-        every=every,
-        top_k=top_k,
-        out=os.path.join(out, "kernels") if save_kernels else None,
-    )
+    kernels = os.path.join(out, "kernels") if save_kernels else None  # data[4:]: the probe set
+    tracker = ntk_core.KernelTracker(kernel, *data[4:], every=every, top_k=top_k, out=kernels)
     chosen = kernel.implementation_for(state, data.x_probe)
-    print(
-        f"ntk track: LeNet (flax.linen) on {len(data.x_train)} handwritten digits, {steps} "
-        f"adam steps (batch {batch}, lr {lr:g}); NTK of {probe} probe samples every {every} "
-        f"steps ({chosen}); jax {jax.__version__} on {jax.devices()[0].platform}"
-    )
-    batches = np.random.default_rng(seed).integers(0, len(data.x_train), (steps, batch))
-    losses = {}
-    loss = None
-    bar = progress_bar("ntk track", progress, steps, unit="step")
+    n, device = len(data.x_train), f"jax {jax.__version__} on {jax.devices()[0].platform}"
+    print(f"{FN}: LeNet (flax.linen) on {n} handwritten digits, {steps} adam steps (batch {batch},")
+    print(f"  lr {lr:g}); NTK of {probe} probe samples every {every} steps ({chosen}); {device}")
+    batches = np.random.default_rng(seed).integers(0, n, (steps, batch))
+    losses, loss = {}, None
+    bar = progress_bar(FN, progress, steps, unit="step")
     for step in range(steps + 1):
         if tracker.is_due(step) and loss is not None:
             losses[step] = float(loss)  # waits for the queued steps: timings stay apart

@@ -39,6 +39,7 @@ ENV_VARS = tuple(
 TOLERANCE = dict(float32=1e-4, float64=1e-10)
 #: Self-test networks: ``"lenet"`` (case C1, ``ntk doctor``), ``"small"`` (fast tests).
 MODELS = ("lenet", "small")
+_IMPLS = ("jacobian", "ntvp", "structured")
 _FIX = "report this with the output of `ntk doctor --json`."
 
 
@@ -227,40 +228,46 @@ def _inputs(samples, image_size):
     return jnp.asarray(x1), jnp.asarray(rng.standard_normal((samples - 1, *shape)), jnp.float32)
 
 
-def implementations_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
-    """Jacobian contraction, NTK-vector products and structured derivatives agree."""
+def _kernel_check(name, pairs, samples, image_size, model) -> Check:
+    """A :class:`Check` comparing the kernels ``pairs(apply, params, x1, x2)`` returns."""
 
     def run() -> CheckResult:
         x1, x2 = _inputs(samples, image_size)
         apply, params, what = _plain_cnn(x1, 2, model)
-        k = {
-            impl: empirical_ntk(apply, params, x1, x2, trace_axes=(), implementation=impl)
-            for impl in ("jacobian", "ntvp", "structured")
-        }
-        pairs = {f"{i} vs jacobian": (k[i], k["jacobian"]) for i in ("ntvp", "structured")}
-        what = f"{what}, x {tuple(x1.shape)} vs {tuple(x2.shape)}, full kernel; "
-        return _compare(pairs, str(k["jacobian"].dtype), what)
+        compared = pairs(apply, params, x1, x2)
+        dtype = str(next(iter(compared.values()))[1].dtype)
+        return _compare(compared, dtype, f"{what}, x {x1.shape} vs {x2.shape}, full kernel; ")
 
-    return Check("implementations agree (jacobian, ntvp, structured)", run)
+    return Check(name, run)
+
+
+def implementations_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
+    """Jacobian contraction, NTK-vector products and structured derivatives agree."""
+
+    def pairs(apply, params, x1, x2):
+        k = {
+            i: empirical_ntk(apply, params, x1, x2, trace_axes=(), implementation=i) for i in _IMPLS
+        }
+        return {f"{i} vs jacobian": (k[i], k["jacobian"]) for i in _IMPLS[1:]}
+
+    name = "implementations agree (jacobian, ntvp, structured)"
+    return _kernel_check(name, pairs, samples, image_size, model)
 
 
 def batched_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
     """The Gram matrix computed in ragged tiles equals the one-call Gram (case C1)."""
+    tile = max(1, samples - 1)  # a ragged last tile in both directions
 
-    def run() -> CheckResult:
-        x1, x2 = _inputs(samples, image_size)
-        apply, params, what = _plain_cnn(x1, 2, model)
-        tile = max(1, samples - 1)  # a ragged last tile in both directions
-        pairs = {}
+    def pairs(apply, params, x1, x2):
+        out = {}
         for label, second in (("x2 given", x2), ("x2=None", None)):
             one = empirical_ntk(apply, params, x1, second, trace_axes=())
             kw = {"batch_size": tile, "progress": False}
             tiled = empirical_ntk(apply, params, x1, second, trace_axes=(), **kw)
-            pairs[f"batch_size={tile} vs one call, {label}"] = (tiled, one)
-        what = f"{what}, x {tuple(x1.shape)} vs {tuple(x2.shape)}, full kernel; "
-        return _compare(pairs, str(one.dtype), what)
+            out[f"batch_size={tile} vs one call, {label}"] = (tiled, one)
+        return out
 
-    return Check("batched equals unbatched", run)
+    return _kernel_check("batched equals unbatched", pairs, samples, image_size, model)
 
 
 def backend_check() -> Check:
@@ -332,12 +339,15 @@ def doctor(checks: Sequence[Check] | None = None, *, self_test: bool = True) -> 
     raw = str(device.client.platform_version)
     info = _environment.parse_platform_version(raw, device.platform)
     env = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
-    x64 = bool(jax.config.jax_enable_x64)
-    matmul = jax.config.jax_default_matmul_precision
+    x64, matmul = bool(jax.config.jax_enable_x64), jax.config.jax_default_matmul_precision
     matmul = None if matmul is None else str(matmul)
     packages = {name: _version(name) for name in PACKAGES}
     if checks is None or not self_test:
         checks = default_checks() if checks is None and self_test else []
+    devices = [
+        dict(id=d.id, platform=d.platform, kind=d.device_kind, memory=_memory(d))
+        for d in jax.devices()
+    ]
     return DoctorReport(
         python=platform.python_version(),
         system=f"{platform.system()} {platform.release()} {platform.machine()}",
@@ -348,10 +358,7 @@ def doctor(checks: Sequence[Check] | None = None, *, self_test: bool = True) -> 
         accelerator=info.text,
         cuda=".".join(map(str, info.version)) if info.kind == "cuda" and info.version else None,
         cudnn=packages["nvidia-cudnn-cu12"] or packages["nvidia-cudnn-cu13"],
-        devices=[
-            {"id": d.id, "platform": d.platform, "kind": d.device_kind, "memory": _memory(d)}
-            for d in jax.devices()
-        ],
+        devices=devices,
         x64=x64,
         default_matmul_precision=matmul,
         env=env,

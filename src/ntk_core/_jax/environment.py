@@ -19,10 +19,8 @@ import numpy as np
 from ntk_core._errors import bad
 from ntk_core._jax.jaxpr_walk import equations, is_literal, sub_jaxprs
 
-#: The oldest CUDA runtime the library accepts.
+#: The oldest CUDA runtime accepted, and the fix printed with every CUDA refusal.
 MIN_CUDA = (11, 0)
-
-#: The fix printed with every CUDA refusal.
 CUDA_FIX = 'python -m pip install -U "jax[cuda12]", or run with JAX_PLATFORMS=cpu'
 
 
@@ -113,11 +111,9 @@ def _backend_info() -> tuple[BackendVersion, str]:
 def check_backend(fn_name: str) -> BackendVersion:
     """Raises UnsupportedBackendError for a GPU with CUDA older than 11 (read once)."""
     info, platform = _backend_info()
-    message = refusal(info, fn_name)
-    if message is not None:
+    if (message := refusal(info, fn_name)) is not None:
         raise UnsupportedBackendError(message)
-    note = unverified(info, platform)
-    if note is not None:
+    if (note := unverified(info, platform)) is not None:
         warn_once("backend version", f"{fn_name}: {note}", BackendWarning)
     return info
 
@@ -129,14 +125,11 @@ _OWN = ("ntk_core", "ntk_flax", "ntk_haiku")
 
 def _user_stacklevel() -> int:
     """The ``stacklevel`` of the first frame outside this library."""
-    frame = sys._getframe(1)
-    level = 1
+    frame, level = sys._getframe(1), 1
     while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if name.split(".")[0] not in _OWN:
+        if frame.f_globals.get("__name__", "").split(".")[0] not in _OWN:
             return level
-        frame = frame.f_back
-        level += 1
+        frame, level = frame.f_back, level + 1
     return 2
 
 
@@ -151,12 +144,10 @@ def warn_once(cause: str, message: str, category=PrecisionWarning) -> None:
 
 def check_precision_option(fn_name: str, precision: str) -> None:
     """Warns once when ``precision`` is below ``"highest"``."""
+    what = f"precision={precision!r} lets GPUs and TPUs use TF32 or bf16 passes (about 1e-3"
     if precision != "highest":
-        warn_once(
-            f"precision option {precision}",
-            f"{fn_name}: precision={precision!r} lets GPUs and TPUs use TF32 or bf16 passes "
-            f"(about 1e-3 relative error). Fix: keep precision='highest'.",
-        )
+        message = f"{fn_name}: {what} relative error). Fix: keep precision='highest'."
+        warn_once(f"precision option {precision}", message)
 
 
 _LOW_ALGORITHMS = ("TF32", "BF16", "F16", "F8")
@@ -233,10 +224,8 @@ def _check_half_precision(fn_name: str, params, jaxpr, kernel: str = "NTK") -> N
         what = f"the model computes in half precision ({', '.join(found[:3])}), where {how}"
         what += f", so the {kernel} differs by about {HALF_PRECISION_ERROR[kernel, dtype]}"
         fix = "compute kernels with the model in float32"
-        warn_once(
-            f"half precision {kernel} {dtype}",
-            f"{fn_name}: {what} relative in {dtype}. Fix: {fix}.",
-        )
+        message = f"{fn_name}: {what} relative in {dtype}. Fix: {fix}."
+        warn_once(f"half precision {kernel} {dtype}", message)
 
 
 def check_model_precision(
@@ -255,11 +244,8 @@ def check_model_precision(
     _check_half_precision(fn_name, params, None if closed is None else closed.jaxpr, kernel)
     if precision != "highest" or closed is None:
         return  # the option itself was warned about
-    found = _low_precision_ops(closed.jaxpr)
+    found = ", ".join(sorted(set(_low_precision_ops(closed.jaxpr)))[:3])
+    what = f"the model itself asks for matmul precision below 'highest' ({found}), which"
+    fix = "Fix: pass precision='highest' to those layers."
     if found:
-        warn_once(
-            "model precision",
-            f"{fn_name}: the model itself asks for matmul precision below 'highest' "
-            f"({', '.join(sorted(set(found))[:3])}), which precision= cannot override. "
-            f"Fix: pass precision='highest' to those layers.",
-        )
+        warn_once("model precision", f"{fn_name}: {what} precision= cannot override. {fix}")
