@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 
+import ntk_core
 import ntk_flax
 
 #: Relative regulariser of the kernel regression: λ = DIAG_REG · mean(diag K_train).
@@ -45,12 +46,18 @@ def kernel_regression(k_train, k_test_train, labels, n_classes, diag_reg):
     return np.asarray(k_test_train, np.float64) @ alpha, lam
 
 
-def _figure(path, k_train, labels):
+def pyplot():
+    """``matplotlib.pyplot`` drawing to files (the Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _figure(path, k_train, labels):
+    plt = pyplot()
     order = np.argsort(labels, kind="stable")
     eig = np.sort(np.linalg.eigvalsh(np.asarray(k_train, np.float64)))[::-1]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
@@ -180,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--out", default="./ntk-demo", help="output folder (default ./ntk-demo)")
     add("--n-train", type=int, default=1000, help="training samples (1000)")
     add("--seed", type=int, default=0, help="shuffle and init seed (0)")
-    choices = ["auto", "structured", "jacobian", "ntvp"]
+    choices = list(ntk_core.IMPLEMENTATIONS)
     add("--implementation", default="auto", choices=choices, help="NTK implementation (auto)")
     add("--compilation-cache", metavar="DIR", help="JAX's persistent compilation cache folder")
     progress_options(parser, None, None)

@@ -7,7 +7,15 @@ import functools
 
 import jax
 
-from ntk_core._doctor import Check, CheckResult, _compare, _inputs, _installed, default_checks
+from ntk_core._doctor import (
+    MODELS,
+    Check,
+    CheckResult,
+    _compare,
+    _inputs,
+    _installed,
+    default_checks,
+)
 
 
 def _twins(out_features: int, model: str):
@@ -18,7 +26,7 @@ def _twins(out_features: int, model: str):
     import ntk_flax
     import ntk_haiku
 
-    if model == "lenet":
+    if model == MODELS[0]:
         return ntk_flax.LeNet(out_features), functools.partial(
             ntk_haiku.lenet, out_features=out_features
         )
@@ -36,7 +44,7 @@ def _twins(out_features: int, model: str):
     return Small(), small
 
 
-def frameworks_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
+def frameworks_check(samples: int = 4, image_size: int = 16, model: str = MODELS[0]) -> Check:
     """The Flax network and its Haiku twin with transplanted weights give the same NTK."""
 
     def run() -> CheckResult:
@@ -61,7 +69,7 @@ def frameworks_check(samples: int = 4, image_size: int = 16, model: str = "lenet
     return Check("Flax equals Haiku (same weights)", run)
 
 
-def all_checks(samples: int = 4, image_size: int = 16, model: str = "lenet") -> list[Check]:
+def all_checks(samples: int = 4, image_size: int = 16, model: str = MODELS[0]) -> list[Check]:
     """:func:`ntk_core._doctor.default_checks` with the Flax = Haiku check third."""
     checks = default_checks(samples, image_size, model)
     return [*checks[:2], frameworks_check(samples, image_size, model), *checks[2:]]

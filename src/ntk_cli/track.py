@@ -76,11 +76,9 @@ def progress_options(parser: argparse.ArgumentParser, *helps: str) -> None:
 def plot_history(history: dict, path: str, title: str) -> None:
     """Three panels over training steps: kernel distance from the initial NTK, centred
     (and plain) alignment with the one-hot labels, the top eigenvalues (log scale)."""
-    import matplotlib
+    from ntk_cli.demo import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     h, steps = history, history["step"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     axes[0].plot(steps, h["kernel_distance"], "o-", ms=3)

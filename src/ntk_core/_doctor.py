@@ -163,9 +163,7 @@ def _notes(backend, info, env, x64, matmul) -> list[str]:
             notes.append("XLA_PYTHON_CLIENT_ALLOCATOR=platform: exact memory, slow kernels.")
         notes.append(_environment.refusal(info, "ntk_core"))
     if not x64:
-        notes.append(
-            "x64 is off: kernels are float32 (1e-6 relative). For float64: JAX_ENABLE_X64=1."
-        )
+        notes.append("x64 is off: float32 kernels (1e-6 relative); JAX_ENABLE_X64=1: float64.")
     if matmul not in (None, "highest", "float32"):
         notes.append(f"jax_default_matmul_precision={matmul!r} lowers your matmuls, not kernels'.")
     return [n for n in notes if n is not None]
@@ -241,7 +239,7 @@ def _kernel_check(name, pairs, samples, image_size, model) -> Check:
     return Check(name, run)
 
 
-def implementations_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
+def implementations_check(samples: int = 4, image_size: int = 16, model: str = MODELS[0]) -> Check:
     """Jacobian contraction, NTK-vector products and structured derivatives agree."""
 
     def pairs(apply, params, x1, x2):
@@ -254,7 +252,7 @@ def implementations_check(samples: int = 4, image_size: int = 16, model: str = "
     return _kernel_check(name, pairs, samples, image_size, model)
 
 
-def batched_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
+def batched_check(samples: int = 4, image_size: int = 16, model: str = MODELS[0]) -> Check:
     """The Gram matrix computed in ragged tiles equals the one-call Gram (case C1)."""
     tile = max(1, samples - 1)  # a ragged last tile in both directions
 
@@ -284,7 +282,7 @@ def backend_check() -> Check:
     return Check("backend supported", run)
 
 
-def default_checks(samples: int = 4, image_size: int = 16, model: str = "lenet") -> list[Check]:
+def default_checks(samples: int = 4, image_size: int = 16, model: str = MODELS[0]) -> list[Check]:
     """The self-test of ``ntk doctor``, in order: ``samples`` = N1 (N2 = N1 - 1, at least 2),
     RGB inputs of ``image_size`` (a multiple of 4), ``model`` one of :data:`MODELS`."""
     if model not in MODELS:

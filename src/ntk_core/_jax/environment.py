@@ -78,11 +78,9 @@ def parse_platform_version(raw: str, platform: str | None = None) -> BackendVers
         if re.search(rf"\b{kind}\b", text, re.IGNORECASE):
             m = re.search(rf"\b{kind}\s+(\d+)\b", text, re.IGNORECASE)
             return BackendVersion(kind, digits(int(m.group(1))) if m else None, text)
-    if re.search(r"\btpu\b", text, re.IGNORECASE):
-        return BackendVersion("tpu", None, text)
-    if text.strip().lower() in ("cpu", "host"):
-        return BackendVersion("cpu", None, text)
-    return BackendVersion(platform if platform in ("cpu", "tpu") else "unknown", None, text)
+    kind = platform if platform in ("cpu", "tpu") else "unknown"
+    kind = "cpu" if text.strip().lower() in ("cpu", "host") else kind
+    return BackendVersion("tpu" if re.search(r"\btpu\b", text, re.I) else kind, None, text)
 
 
 def refusal(info: BackendVersion, fn_name: str = "ntk_core") -> str | None:
@@ -199,9 +197,7 @@ _HOW = ("every product of the forward pass is rounded", "autodiff rounds every p
 def _half_precision_casts(jaxpr) -> list[str]:
     """Casts of a wider float down to bfloat16 / float16, sub-jaxprs included."""
     found = []
-    for eqn in equations(jaxpr):
-        if eqn.primitive.name != "convert_element_type":
-            continue
+    for eqn in (e for e in equations(jaxpr) if e.primitive.name == "convert_element_type"):
         src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
         floating = jax.numpy.issubdtype(src, jax.numpy.floating)
         if dst.name in _HALF and floating and src.itemsize > dst.itemsize:
@@ -219,9 +215,9 @@ def _check_half_precision(fn_name: str, params, jaxpr, kernel: str = "NTK") -> N
     if jaxpr is not None:
         found += sorted(set(_half_precision_casts(jaxpr)))
     if found:
-        dtype = "bfloat16" if any("bfloat16" in f for f in found) else "float16"
-        how = _HOW[kernel == "NTK"]
-        what = f"the model computes in half precision ({', '.join(found[:3])}), where {how}"
+        dtype = _HALF[0] if any(_HALF[0] in f for f in found) else _HALF[1]
+        what = f"the model computes in half precision ({', '.join(found[:3])}), where"
+        what += f" {_HOW[kernel == 'NTK']}"
         what += f", so the {kernel} differs by about {HALF_PRECISION_ERROR[kernel, dtype]}"
         fix = "compute kernels with the model in float32"
         message = f"{fn_name}: {what} relative in {dtype}. Fix: {fix}."
