@@ -288,10 +288,8 @@ def default_checks(samples: int = 4, image_size: int = 16, model: str = MODELS[0
     if model not in MODELS:
         what = f"model must be one of {MODELS}, got {model!r}"
         raise bad(ValueError, "default_checks", what, f"pass model={MODELS[0]!r}")
-    return [
-        backend_check(),
-        *(c(samples, image_size, model) for c in (implementations_check, batched_check)),
-    ]
+    kernel_checks = (implementations_check, batched_check)
+    return [backend_check(), *(check(samples, image_size, model) for check in kernel_checks)]
 
 
 def _run(check: Check) -> CheckResult:

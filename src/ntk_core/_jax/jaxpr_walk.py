@@ -67,10 +67,8 @@ def bind(eqn, invals):
     """The equation's primitive applied to ``invals`` with the equation's parameters."""
     bound = eqn.primitive.get_bind_params(eqn.params)
     # Older JAX returns (sub-functions, params), newer JAX the params alone.
-    if isinstance(bound, tuple) and len(bound) == 2 and isinstance(bound[1], dict):
-        subfuns, params = bound
-    else:
-        subfuns, params = (), bound
+    old = isinstance(bound, tuple) and len(bound) == 2 and isinstance(bound[1], dict)
+    subfuns, params = bound if old else ((), bound)
     return eqn.primitive.bind(*subfuns, *invals, **params)
 
 
