@@ -4,47 +4,25 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 
+_FIX = "Fix: pip install 'ntk-jax[all]'"
 
-def _needs(command: str, e: ImportError) -> int:
-    print(
-        f"{command} needs the optional dependencies ({e}). Fix: pip install 'ntk-jax[all]'",
-        file=sys.stderr,
-    )
+
+def _subcommand(name: str, args) -> int:
+    """Runs ``ntk_cli.{name}.run`` with the parsed options; 2 on a missing extra or bad option."""
+    try:
+        module = importlib.import_module(f"ntk_cli.{name}")
+        if name == "track":
+            module.run_args(args)  # imports optax, scikit-learn and matplotlib when needed
+            return 0
+        return module.run(**{k: getattr(args, k) for k in inspect.signature(module.run).parameters})
+    except ImportError as e:
+        print(f"ntk {name} needs the optional dependencies ({e}). {_FIX}", file=sys.stderr)
+    except ValueError as e:
+        print(e, file=sys.stderr)
     return 2
-
-
-def _demo(args) -> int:
-    try:
-        from ntk_cli import demo as _demo
-    except ImportError as e:
-        return _needs("ntk demo", e)
-    try:
-        return _demo.run(
-            args.out,
-            args.n_train,
-            args.seed,
-            args.implementation,
-            args.progress,
-            args.compilation_cache,
-        )
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
-
-
-def _track(args) -> int:
-    try:
-        from ntk_cli import track as tracking
-
-        tracking.run_args(args)  # imports optax, scikit-learn and matplotlib when needed
-    except ImportError as e:
-        return _needs("ntk track", e)
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
-    return 0
 
 
 def _doctor(args, checks=None) -> int:
@@ -60,19 +38,18 @@ def _doctor(args, checks=None) -> int:
 
 def main(argv=None, *, checks=None) -> int:
     """Runs ``ntk``; ``checks`` replaces the self-test of ``ntk doctor`` (for tests)."""
-    parser = argparse.ArgumentParser(
-        prog="ntk", description="Empirical NTK and NNGP kernels for JAX, Flax and Haiku."
-    )
+    about = "Empirical NTK and NNGP kernels for JAX, Flax and Haiku."
+    parser = argparse.ArgumentParser(prog="ntk", description=about)
     sub = parser.add_subparsers(dest="command", required=True)
     given = sys.argv[1:] if argv is None else list(argv)
     # A subcommand's options are defined (importing jax, flax and haiku) only when that
     # subcommand is called: `ntk --help` and `ntk doctor` import none of them.
-    for name, text, run in (
-        ("demo", "LeNet NTK on digits: Flax = Haiku, kernel regression", _demo),
-        ("track", "LeNet NTK tracked through training on digits", _track),
+    for name, text in (
+        ("demo", "LeNet NTK on digits: Flax = Haiku, kernel regression"),
+        ("track", "LeNet NTK tracked through training on digits"),
     ):
         command = sub.add_parser(name, help=text)
-        command.set_defaults(run=run)
+        command.set_defaults(run=lambda a, name=name: _subcommand(name, a))
         try:
             if name not in given[:1]:
                 raise ImportError

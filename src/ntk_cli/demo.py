@@ -1,9 +1,6 @@
-"""``ntk demo``: the empirical NTK of a LeNet on scikit-learn's handwritten digits.
-
-Builds the LeNet of case C1 in Flax and its twin in Haiku with the same weights,
-computes the train-train and test-train NTK, checks that Flax and Haiku agree, runs
-NTK kernel regression on one-hot labels, and writes the Gram matrix and a picture.
-"""
+"""``ntk demo``: the train-train and test-train NTK of the LeNet of case C1 on scikit-learn's
+digits, in Flax and in its Haiku twin (same weights, kernels must agree), NTK kernel
+regression on one-hot labels; writes the Gram matrices, a picture and ``summary.json``."""
 
 from __future__ import annotations
 
@@ -15,12 +12,12 @@ import time
 import jax
 import numpy as np
 
+import ntk_core
 import ntk_flax
 
-#: Relative regulariser of the kernel regression: λ = DIAG_REG · mean(diag K_train).
-DIAG_REG = 1e-4
-#: Largest max|K_haiku − K_flax| / max|K_flax| accepted by the twin check.
-TWIN_TOLERANCE = 1e-4
+#: The regression's λ = DIAG_REG · mean(diag K_train); the largest max|K_haiku − K_flax| /
+#: max|K_flax| accepted by the twin check.
+DIAG_REG, TWIN_TOLERANCE = 1e-4, 1e-4
 
 
 def load_digits_32(seed: int):
@@ -45,30 +42,33 @@ def kernel_regression(k_train, k_test_train, labels, n_classes, diag_reg):
     return np.asarray(k_test_train, np.float64) @ alpha, lam
 
 
-def _figure(path, k_train, labels):
+def pyplot():
+    """``matplotlib.pyplot`` drawing to files (the Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _figure(path, k_train, labels):
+    plt = pyplot()
     order = np.argsort(labels, kind="stable")
-    k_sorted = np.asarray(k_train)[np.ix_(order, order)]
     eig = np.sort(np.linalg.eigvalsh(np.asarray(k_train, np.float64)))[::-1]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
-    im = ax1.imshow(k_sorted, cmap="viridis")
-    bounds = np.flatnonzero(np.diff(labels[order])) + 0.5
-    for b in bounds:
+    im = ax1.imshow(np.asarray(k_train)[np.ix_(order, order)], cmap="viridis")
+    for b in np.flatnonzero(np.diff(labels[order])) + 0.5:
         ax1.axhline(b, color="white", lw=0.4)
         ax1.axvline(b, color="white", lw=0.4)
-    ticks = [np.mean(np.flatnonzero(labels[order] == c)) for c in np.unique(labels)]
-    ax1.set_xticks(ticks, [str(c) for c in np.unique(labels)])
-    ax1.set_yticks(ticks, [str(c) for c in np.unique(labels)])
+    classes = np.unique(labels)
+    ticks = [np.mean(np.flatnonzero(labels[order] == c)) for c in classes]
+    ax1.set_xticks(ticks, [str(c) for c in classes])
+    ax1.set_yticks(ticks, [str(c) for c in classes])
     ax1.set_title("Empirical NTK, train x train, sorted by class")
     fig.colorbar(im, ax=ax1, fraction=0.046)
     ax2.semilogy(np.arange(1, len(eig) + 1), np.clip(eig, 1e-12, None))
-    ax2.set_xlabel("index")
-    ax2.set_ylabel("eigenvalue")
-    ax2.set_title("NTK eigenvalue spectrum (train x train)")
+    ax2.set(xlabel="index", ylabel="eigenvalue", title="NTK eigenvalue spectrum (train x train)")
     ax2.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -115,77 +115,59 @@ def run(
     kernel = ntk_flax.kernel_fn(model, implementation=implementation)
     chosen = kernel.implementation_for(variables, x_test, x_train)
 
-    print(
-        f"ntk demo: LeNet (C1) on {len(images)} handwritten digits (8x8 -> 32x32x3), "
-        f"{n_train} train / {len(x_test)} test, jax {jax.__version__} on "
-        f"{jax.devices()[0].platform}"
-    )
+    split = f"{n_train} train / {len(x_test)} test"
+    device = f"jax {jax.__version__} on {jax.devices()[0].platform}"
+    print(f"ntk demo: LeNet (C1) on {len(images)} digits (8x8 -> 32x32x3), {split}, {device}")
     print(f"implementation: {implementation!r} -> {chosen}")
     n_check = min(128, n_train)
     steps = ["train x train NTK", "test x train NTK", "Haiku twin check", "kernel regression"]
     timings = {}
     bar = progress_bar("ntk demo", progress, len(steps), unit="step")
 
-    def step(name):
+    def timed(name, compute, *args):
         if bar is not None:
             bar.set_description(name)
-        timings[name] = time.perf_counter()
-
-    def done(name):
-        timings[name] = time.perf_counter() - timings[name]
+        start = time.perf_counter()
+        result = compute(*args)
+        timings[name] = time.perf_counter() - start
         if bar is not None:
             bar.update()
+        return result
 
-    step(steps[0])
-    k_train = np.asarray(jax.block_until_ready(kernel(variables, x_train)))
-    done(steps[0])
-    step(steps[1])
-    k_test_train = np.asarray(jax.block_until_ready(kernel(variables, x_test, x_train)))
-    done(steps[1])
-    step(steps[2])
-    k_haiku = np.asarray(
-        ntk_haiku.kernel(twin, twin_params, x_train[:n_check], implementation=implementation)
-    )
-    twin_diff = float(np.abs(k_haiku - k_train[:n_check, :n_check]).max())
-    twin_rel = twin_diff / float(np.abs(k_train[:n_check, :n_check]).max())
-    done(steps[2])
-    step(steps[3])
-    mean, lam = kernel_regression(k_train, k_test_train, y_train, 10, DIAG_REG)
+    def twin_check():
+        k = ntk_haiku.kernel(twin, twin_params, x_train[:n_check], implementation=implementation)
+        k_flax = k_train[:n_check, :n_check]
+        return float(np.abs(np.asarray(k) - k_flax).max()) / float(np.abs(k_flax).max())
+
+    def ntk(*x):
+        return np.asarray(jax.block_until_ready(kernel(variables, *x)))
+
+    k_train = timed(steps[0], ntk, x_train)
+    k_test_train = timed(steps[1], ntk, x_test, x_train)
+    twin_rel = timed(steps[2], twin_check)
+    mean, lam = timed(steps[3], kernel_regression, k_train, k_test_train, y_train, 10, DIAG_REG)
     accuracy = float(np.mean(np.argmax(mean, axis=1) == y_test))
-    done(steps[3])
     if bar is not None:
         bar.close()
 
     np.save(os.path.join(out, "ntk_train_train.npy"), k_train)
     np.save(os.path.join(out, "ntk_test_train.npy"), k_test_train)
-    picture = os.path.join(out, "ntk_demo.png")
-    _figure(picture, k_train, y_train)
+    _figure(os.path.join(out, "ntk_demo.png"), k_train, y_train)
     total = time.perf_counter() - t_start
-    summary = {
-        "n_train": n_train,
-        "n_test": len(x_test),
-        "implementation": chosen,
-        "diag_reg": DIAG_REG,
-        "lambda": lam,
-        "test_accuracy": accuracy,
-        "flax_vs_haiku_max_relative_difference": twin_rel,
-        "seconds": {**timings, "total": total},
-        "jax": jax.__version__,
-        "device": str(jax.devices()[0]),
-    }
+    summary = dict(n_train=n_train, n_test=len(x_test), implementation=chosen, diag_reg=DIAG_REG)
+    summary.update({"lambda": lam}, test_accuracy=accuracy)
+    summary.update(flax_vs_haiku_max_relative_difference=twin_rel, seconds=timings)
+    summary.update(jax=jax.__version__, device=str(jax.devices()[0]))
+    timings["total"] = total
     with open(os.path.join(out, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=2)
 
     for name in steps:
         print(f"  {name:<20} {timings[name]:7.2f} s")
-    print(
-        f"Flax vs Haiku (first {n_check} train samples): max relative difference "
-        f"{twin_rel:.2e} (tolerance {TWIN_TOLERANCE:.0e})"
-    )
-    print(
-        f"kernel regression on one-hot labels, regulariser λ = {DIAG_REG:g} x mean(diag K) "
-        f"= {lam:.3e}: test accuracy {accuracy:.4f}"
-    )
+    twin = f"{twin_rel:.2e} (tolerance {TWIN_TOLERANCE:.0e})"
+    print(f"Flax vs Haiku (first {n_check} train samples): max relative difference {twin}")
+    regression = f"kernel regression on one-hot labels, regulariser λ = {DIAG_REG:g} x mean(diag K)"
+    print(f"{regression} = {lam:.3e}: test accuracy {accuracy:.4f}")
     print(f"wrote {out}/ntk_train_train.npy, ntk_test_train.npy, ntk_demo.png, summary.json")
     print(f"total time {total:.1f} s")
     if not twin_rel <= TWIN_TOLERANCE:
@@ -195,18 +177,13 @@ def run(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="./ntk-demo", help="output folder (default ./ntk-demo)")
-    parser.add_argument("--n-train", type=int, default=1000, help="training samples (1000)")
-    parser.add_argument("--seed", type=int, default=0, help="shuffle and init seed (0)")
-    parser.add_argument(
-        "--implementation",
-        default="auto",
-        choices=["auto", "structured", "jacobian", "ntvp"],
-        help="NTK implementation (auto)",
-    )
-    parser.add_argument(
-        "--compilation-cache", metavar="DIR", help="JAX's persistent compilation cache folder"
-    )
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--progress", dest="progress", action="store_true", default=None)
-    group.add_argument("--no-progress", dest="progress", action="store_false")
+    from ntk_cli.track import progress_options
+
+    add = parser.add_argument
+    add("--out", default="./ntk-demo", help="output folder (default ./ntk-demo)")
+    add("--n-train", type=int, default=1000, help="training samples (1000)")
+    add("--seed", type=int, default=0, help="shuffle and init seed (0)")
+    choices = list(ntk_core.IMPLEMENTATIONS)
+    add("--implementation", default="auto", choices=choices, help="NTK implementation (auto)")
+    add("--compilation-cache", metavar="DIR", help="JAX's persistent compilation cache folder")
+    progress_options(parser, None, None)

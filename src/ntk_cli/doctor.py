@@ -3,26 +3,25 @@ with transplanted weights, gives the same NTK."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 
-from ntk_core._doctor import Check, CheckResult, _compare, _inputs, _installed, default_checks
+from ntk_core import _doctor as core
+from ntk_core._doctor import MODELS, Check, CheckResult
 
 
 def _twins(out_features: int, model: str):
-    """A Flax module and the Haiku forward function of the same network."""
+    """A Flax module and the Haiku function of the same network."""
     import flax.linen as nn
     import haiku as hk
 
     import ntk_flax
     import ntk_haiku
 
-    if model == "lenet":
-        return ntk_flax.LeNet(out_features), functools.partial(
-            ntk_haiku.lenet, out_features=out_features
-        )
+    if model == MODELS[0]:
+        haiku_lenet = functools.partial(ntk_haiku.lenet, out_features=out_features)
+        return ntk_flax.LeNet(out_features), haiku_lenet
 
     class Small(nn.Module):
         @nn.compact
@@ -37,11 +36,11 @@ def _twins(out_features: int, model: str):
     return Small(), small
 
 
-def frameworks_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
+def frameworks_check(samples: int = 4, image_size: int = 16, model: str = MODELS[0]) -> Check:
     """The Flax network and its Haiku twin with transplanted weights give the same NTK."""
 
     def run() -> CheckResult:
-        missing = [m for m in ("flax", "haiku") if not _installed(m)]
+        missing = [m for m in ("flax", "haiku") if not core._installed(m)]
         if missing:
             return CheckResult("", "skip", f"{' and '.join(missing)} not installed")
         import haiku as hk
@@ -49,21 +48,20 @@ def frameworks_check(samples: int = 4, image_size: int = 16, model: str = "lenet
         import ntk_flax
         import ntk_haiku
 
-        x1, x2 = _inputs(samples, image_size)
+        x1, x2 = core._inputs(samples, image_size)
         flax_model, haiku_fn = _twins(2, model)
         variables = jax.jit(flax_model.init)(jax.random.PRNGKey(0), x1)
         net = hk.without_apply_rng(hk.transform(haiku_fn))
         params = ntk_haiku.params_from_flax(variables["params"])
         k_flax = ntk_flax.kernel(flax_model, variables, x1, x2, trace_axes=())
         k_haiku = ntk_haiku.kernel(net, params, x1, x2, trace_axes=())
-        result = _compare({"haiku vs flax": (k_haiku, k_flax)}, str(k_flax.dtype))
-        return dataclasses.replace(result, detail=f"{model}, full kernel; " + result.detail)
+        pairs = {"haiku vs flax": (k_haiku, k_flax)}
+        return core._compare(pairs, str(k_flax.dtype), f"{model}, full kernel; ")
 
     return Check("Flax equals Haiku (same weights)", run)
 
 
-def all_checks(samples: int = 4, image_size: int = 16, model: str = "lenet") -> list[Check]:
-    """The core's self-test (:func:`ntk_core._doctor.default_checks`) and the Flax =
-    Haiku check, in the order ``ntk doctor`` prints them."""
-    checks = default_checks(samples, image_size, model)
+def all_checks(samples: int = 4, image_size: int = 16, model: str = MODELS[0]) -> list[Check]:
+    """:func:`ntk_core._doctor.default_checks` with the Flax = Haiku check third."""
+    checks = core.default_checks(samples, image_size, model)
     return [*checks[:2], frameworks_check(samples, image_size, model), *checks[2:]]

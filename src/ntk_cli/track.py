@@ -1,25 +1,17 @@
-"""``ntk track``: the NTK of a LeNet tracked through training on handwritten digits.
-
-A ``flax.linen`` LeNet (``ntk_flax.LeNet``, 10 outputs) trained with optax (adam,
-softmax cross-entropy) on scikit-learn's digits brought to 32x32x3
-(:func:`ntk_cli.demo.load_digits_32`); every ``every`` steps a
-:class:`ntk_core.KernelTracker` computes the NTK (outputs traced, ``(P, P)``) of a fixed
-probe set of P training samples from the current ``TrainState`` and records the kernel
-distance from the initial NTK, the (centred) alignment with the one-hot labels and the
-top eigenvalues. Writes ``ntk_track.png`` (three panels) and ``summary.json``.
-
-The helpers here (data split, argument parser, figure, summary) are shared with
-``examples/track_digits_nnx.py`` and ``examples/checkpoints_digits_haiku.py``;
-``examples/track_digits_linen.py`` and ``ntk track`` run :func:`run`.
+"""``ntk track``: a flax.linen LeNet trained with adam on the digits, its probe NTK tracked by
+:class:`ntk_core.KernelTracker` (distance from the initial NTK, label alignment, top
+eigenvalues); writes ``ntk_track.png`` and ``summary.json``. The helpers are shared with
+``examples/track_digits_nnx.py`` and ``examples/checkpoints_digits_haiku.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import inspect
 import json
 import os
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,27 +19,16 @@ import numpy as np
 
 import ntk_core
 
-#: Number of classes of the digits.
-N_CLASSES = 10
-#: Samples held out for the test accuracy (the rest is the training set).
-N_TEST = 297
-#: Name of the figure and of the summary in ``--out``.
-FIGURE, SUMMARY = "ntk_track.png", "summary.json"
+#: Classes, held-out test samples, and the figure and summary written in ``--out``.
+N_CLASSES, N_TEST, FIGURE, SUMMARY = 10, 297, "ntk_track.png", "summary.json"
+FN = "ntk track"
 
 
-class Digits(NamedTuple):
-    """The split: training set, held-out test set and the probe set (the first P
-    training samples) with its one-hot labels ``(P, 10)``."""
-
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
-    x_probe: np.ndarray
-    y_probe: np.ndarray
+#: Training, test and probe sets (the first P training samples, one-hot labels (P, 10)).
+Digits = collections.namedtuple("Digits", "x_train y_train x_test y_test x_probe y_probe")
 
 
-def digits(seed: int, probe: int, fn: str = "ntk track") -> Digits:
+def digits(seed: int, probe: int, fn: str = FN) -> Digits:
     """The digits at 32x32x3, shuffled by ``seed``: 1500 training, 297 test samples."""
     from ntk_cli.demo import load_digits_32
 
@@ -68,56 +49,50 @@ def check_sizes(fn: str, steps: int, every: int, batch: int) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser, default_out: str = "./ntk-track") -> None:
     """The options shared by ``ntk track`` and the tracking examples."""
-    parser.add_argument("--out", default=default_out, help="output folder (%(default)s)")
-    parser.add_argument("--steps", type=int, default=1000, help="training steps (%(default)s)")
-    parser.add_argument(
-        "--every", type=int, default=10, help="track the NTK every k steps (%(default)s)"
+    add = parser.add_argument
+    add("--out", default=default_out, help="output folder (%(default)s)")
+    add("--steps", type=int, default=1000, help="training steps (%(default)s)")
+    add("--every", type=int, default=10, help="track the NTK every k steps (%(default)s)")
+    add("--probe", type=int, default=200, help="probe samples P (%(default)s)")
+    add("--batch", type=int, default=64, help="training batch size (%(default)s)")
+    add("--lr", type=float, default=1e-3, help="adam learning rate (%(default)s)")
+    add("--top-k", type=int, default=5, help="eigenvalues to track (%(default)s)")
+    add("--seed", type=int, default=0, help="shuffle, init, batch seed (%(default)s)")
+    choices = list(ntk_core.IMPLEMENTATIONS)
+    add(
+        "--implementation", default="auto", choices=choices, help="NTK implementation (%(default)s)"
     )
-    parser.add_argument("--probe", type=int, default=200, help="probe samples P (%(default)s)")
-    parser.add_argument("--batch", type=int, default=64, help="training batch size (%(default)s)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="adam learning rate (%(default)s)")
-    parser.add_argument("--top-k", type=int, default=5, help="eigenvalues to track (%(default)s)")
-    parser.add_argument(
-        "--seed", type=int, default=0, help="shuffle, init, batch seed (%(default)s)"
-    )
-    parser.add_argument(
-        "--implementation",
-        default="auto",
-        choices=list(ntk_core.IMPLEMENTATIONS),
-        help="NTK implementation (%(default)s)",
-    )
-    parser.add_argument("--save-kernels", action="store_true", help="save each NTK in OUT/kernels")
+    add("--save-kernels", action="store_true", help="save each NTK in OUT/kernels")
+    progress_options(parser, "progress bar", "no bar")
+
+
+def progress_options(parser: argparse.ArgumentParser, *helps: str) -> None:
+    """``--progress`` / ``--no-progress`` (default None: a bar on a terminal)."""
     group = parser.add_mutually_exclusive_group()
-    group.add_argument(
-        "--progress", dest="progress", action="store_true", default=None, help="progress bar"
-    )
-    group.add_argument("--no-progress", dest="progress", action="store_false", help="no bar")
+    group.add_argument("--progress", action="store_true", default=None, help=helps[0])
+    group.add_argument("--no-progress", dest="progress", action="store_false", help=helps[1])
 
 
 def plot_history(history: dict, path: str, title: str) -> None:
     """Three panels over training steps: kernel distance from the initial NTK, centred
     (and plain) alignment with the one-hot labels, the top eigenvalues (log scale)."""
-    import matplotlib
+    from ntk_cli.demo import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = history["step"]
+    plt = pyplot()
+    h, steps = history, history["step"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    axes[0].plot(steps, history["kernel_distance"], "o-", ms=3)
-    axes[0].set_title("kernel distance from the initial NTK")
-    axes[0].set_ylabel("1 - cos(K_0, K_t)")
-    axes[1].plot(steps, history["centered_alignment"], "o-", ms=3, label="centred")
-    axes[1].plot(steps, history["alignment"], "--", color="grey", label="plain")
-    axes[1].set_title("kernel-target alignment (one-hot labels)")
+    axes[0].plot(steps, h["kernel_distance"], "o-", ms=3)
+    axes[0].set(title="kernel distance from the initial NTK", ylabel="1 - cos(K_0, K_t)")
+    axes[1].plot(steps, h["centered_alignment"], "o-", ms=3, label="centred")
+    axes[1].plot(steps, h["alignment"], "--", color="grey", label="plain")
+    axes[1].set(title="kernel-target alignment (one-hot labels)")
+    for i, eigenvalue in enumerate(h["top_eigenvalues"].T):
+        axes[2].semilogy(steps, eigenvalue, "o-", ms=3, label=f"λ_{i + 1}")
+    axes[2].set(title="top eigenvalues of the probe NTK")
     axes[1].legend()
-    top = history["top_eigenvalues"]
-    for i in range(top.shape[1]):
-        axes[2].semilogy(steps, top[:, i], "o-", ms=3, label=f"λ_{i + 1}")
-    axes[2].set_title("top eigenvalues of the probe NTK")
     axes[2].legend(fontsize=8)
     for ax in axes:
-        ax.set_xlabel("training step")
+        ax.set(xlabel="training step")
         ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
@@ -128,33 +103,27 @@ def plot_history(history: dict, path: str, title: str) -> None:
 def finish(out: str, tracker, title: str, summary: dict, t_start: float) -> dict:
     """Writes the figure and ``summary.json`` (settings, timings and the tracker's
     :meth:`~ntk_core.KernelTracker.to_dict`), prints a short table; returns the summary."""
-    history = tracker.history
+    h = tracker.history
     picture = os.path.join(out, FIGURE)
-    plot_history(history, picture, title)
-    tracking = float(history["seconds"].sum())
+    plot_history(h, picture, title)
+    tracking = float(h["seconds"].sum())
     total = time.perf_counter() - t_start
-    summary = {
-        **summary,
-        "seconds": {"total": total, "tracking": tracking, "other": total - tracking},
-        "jax": jax.__version__,
-        "device": str(jax.devices()[0]),
-        **tracker.to_dict(),
-    }
+    seconds = dict(total=total, tracking=tracking, other=total - tracking)
+    device = str(jax.devices()[0])
+    summary = dict(summary, seconds=seconds, jax=jax.__version__, device=device)
+    summary.update(tracker.to_dict())
     with open(os.path.join(out, SUMMARY), "w") as fh:
         json.dump(summary, fh, indent=1)
-    rows = np.unique(np.linspace(0, len(history["step"]) - 1, min(11, len(history["step"]))))
+    n = len(h["step"])
+    rows = np.unique(np.linspace(0, n - 1, min(11, n))).astype(int)
     print(f"{'step':>7} {'distance':>9} {'c.align':>8} {'eff.rank':>9} {'λ_1':>10}")
-    for i in rows.astype(int):
-        print(
-            f"{history['step'][i]:>7} {history['kernel_distance'][i]:9.4f} "
-            f"{history['centered_alignment'][i]:8.4f} {history['effective_rank'][i]:9.2f} "
-            f"{history['top_eigenvalues'][i, 0]:10.4g}"
-        )
+    columns = "step kernel_distance centered_alignment effective_rank".split()
+    for row in zip(*[h[c][rows] for c in columns], h["top_eigenvalues"][rows, 0], strict=True):
+        print("{:>7} {:9.4f} {:8.4f} {:9.2f} {:10.4g}".format(*row))
     if "test_accuracy" in summary:
         print(f"test accuracy after {summary['steps']} steps: {summary['test_accuracy']:.4f}")
     print(
-        f"{len(history['step'])} kernels of {tracker.n_probe} probe samples in "
-        f"{tracking:.1f} s; total {total:.1f} s"
+        f"{n} kernels of {tracker.n_probe} probe samples in {tracking:.1f} s; total {total:.1f} s"
     )
     print(f"wrote {picture} and {os.path.join(out, SUMMARY)}")
     return summary
@@ -174,8 +143,7 @@ def run(
     progress: bool | None = None,
 ) -> dict:
     """Trains the linen LeNet ``steps`` adam steps, tracking the probe NTK at steps 0,
-    ``every``, 2·``every``, ... up to ``steps`` (a multiple of ``every`` ends with the
-    trained network); returns the summary written to ``summary.json``."""
+    ``every``, 2·``every``, ... up to ``steps``; returns the summary written."""
     import optax
     from flax.training import train_state
 
@@ -183,7 +151,7 @@ def run(
     from ntk_core._blocked.progress import progress_bar
 
     t_start = time.perf_counter()
-    check_sizes("ntk track", steps, every, batch)
+    check_sizes(FN, steps, every, batch)
     data = digits(seed, probe)
     os.makedirs(out, exist_ok=True)  # fail before training, not after
     model = ntk_flax.LeNet(out_features=N_CLASSES)
@@ -202,24 +170,15 @@ def run(
         return state.apply_gradients(grads=grads), loss
 
     kernel = ntk_flax.kernel_fn(model, implementation=implementation)  # (P, P), compiled once
-    tracker = ntk_core.KernelTracker(
-        kernel,
-        data.x_probe,
-        data.y_probe,
-        every=every,
-        top_k=top_k,
-        out=os.path.join(out, "kernels") if save_kernels else None,
-    )
+    kernels = os.path.join(out, "kernels") if save_kernels else None  # data[4:]: the probe set
+    tracker = ntk_core.KernelTracker(kernel, *data[4:], every=every, top_k=top_k, out=kernels)
     chosen = kernel.implementation_for(state, data.x_probe)
-    print(
-        f"ntk track: LeNet (flax.linen) on {len(data.x_train)} handwritten digits, {steps} "
-        f"adam steps (batch {batch}, lr {lr:g}); NTK of {probe} probe samples every {every} "
-        f"steps ({chosen}); jax {jax.__version__} on {jax.devices()[0].platform}"
-    )
-    batches = np.random.default_rng(seed).integers(0, len(data.x_train), (steps, batch))
-    losses = {}
-    loss = None
-    bar = progress_bar("ntk track", progress, steps, unit="step")
+    n, device = len(data.x_train), f"jax {jax.__version__} on {jax.devices()[0].platform}"
+    print(f"{FN}: LeNet (flax.linen) on {n} handwritten digits, {steps} adam steps (batch {batch},")
+    print(f"  lr {lr:g}); NTK of {probe} probe samples every {every} steps ({chosen}); {device}")
+    batches = np.random.default_rng(seed).integers(0, n, (steps, batch))
+    losses, loss = {}, None
+    bar = progress_bar(FN, progress, steps, unit="step")
     for step in range(steps + 1):
         if tracker.is_due(step) and loss is not None:
             losses[step] = float(loss)  # waits for the queued steps: timings stay apart
@@ -234,34 +193,14 @@ def run(
         bar.close()
     logits = jax.jit(model.apply)({"params": state.params}, jnp.asarray(data.x_test))
     accuracy = float(np.mean(np.argmax(np.asarray(logits), axis=1) == data.y_test))
-    summary = {
-        "framework": "flax.linen",
-        "steps": steps,
-        "every": every,
-        "probe": probe,
-        "batch": batch,
-        "learning_rate": lr,
-        "seed": seed,
-        "implementation": chosen,
-        "test_accuracy": accuracy,
-        "train_loss": {str(k): v for k, v in losses.items()},
-    }
+    losses = {str(k): v for k, v in losses.items()}
+    summary = dict(framework="flax.linen", steps=steps, every=every, probe=probe, batch=batch)
+    summary.update(learning_rate=lr, seed=seed, implementation=chosen, test_accuracy=accuracy)
+    summary.update(train_loss=losses)
     title = f"NTK of a LeNet (flax.linen) on digits through {steps} adam steps, P = {probe}"
     return finish(out, tracker, title, summary, t_start)
 
 
 def run_args(args) -> dict:
     """:func:`run` with the options of :func:`add_arguments`."""
-    return run(
-        args.out,
-        args.steps,
-        args.every,
-        args.probe,
-        args.batch,
-        args.seed,
-        lr=args.lr,
-        top_k=args.top_k,
-        implementation=args.implementation,
-        save_kernels=args.save_kernels,
-        progress=args.progress,
-    )
+    return run(**{k: getattr(args, k) for k in inspect.signature(run).parameters})

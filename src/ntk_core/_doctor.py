@@ -1,9 +1,6 @@
-"""``ntk doctor``: what this environment is, and whether it computes exact kernels.
+"""``ntk doctor``: versions, devices, precision settings and a self-test of this environment.
 
-:func:`doctor` gathers versions, devices and precision settings, then runs a list of
-self-test checks on the default device, each a :class:`Check` whose function returns a
-:class:`CheckResult`. The list is built by :func:`default_checks`; add a check by
-appending one ``Check`` there.
+The self-test is the list of :class:`Check` built by :func:`default_checks`.
 """
 
 from __future__ import annotations
@@ -27,53 +24,29 @@ from ntk_core._jax import environment as _environment
 from ntk_core._version import __version__
 
 #: Distributions whose versions the report lists (``None`` when not installed).
-PACKAGES = (
-    "jax",
-    "jaxlib",
-    "flax",
-    "dm-haiku",
-    "optax",
-    "numpy",
-    "jax-cuda12-plugin",
-    "jax-cuda12-pjrt",
-    "jax-cuda13-plugin",
-    "jax-cuda13-pjrt",
-    "jax-rocm-plugin",
-    "libtpu",
-    "nvidia-cuda-runtime-cu12",
-    "nvidia-cudnn-cu12",
-    "nvidia-cuda-runtime",
-    "nvidia-cudnn-cu13",
+PACKAGES = tuple(
+    """jax jaxlib flax dm-haiku optax numpy jax-cuda12-plugin jax-cuda12-pjrt jax-cuda13-plugin
+    jax-cuda13-pjrt jax-rocm-plugin libtpu nvidia-cuda-runtime-cu12 nvidia-cudnn-cu12
+    nvidia-cuda-runtime nvidia-cudnn-cu13""".split()
 )
-#: Environment variables that change how much device memory JAX reserves or reports,
-#: or which device and precision it uses.
-ENV_VARS = (
-    "XLA_PYTHON_CLIENT_PREALLOCATE",
-    "XLA_PYTHON_CLIENT_MEM_FRACTION",
-    "XLA_PYTHON_CLIENT_ALLOCATOR",
-    "TF_GPU_ALLOCATOR",
-    "XLA_FLAGS",
-    "JAX_PLATFORMS",
-    "CUDA_VISIBLE_DEVICES",
-    "JAX_ENABLE_X64",
-    "JAX_DEFAULT_MATMUL_PRECISION",
+#: Environment variables that change JAX's device memory, device or precision.
+ENV_VARS = tuple(
+    """XLA_PYTHON_CLIENT_PREALLOCATE XLA_PYTHON_CLIENT_MEM_FRACTION XLA_PYTHON_CLIENT_ALLOCATOR
+    TF_GPU_ALLOCATOR XLA_FLAGS JAX_PLATFORMS CUDA_VISIBLE_DEVICES JAX_ENABLE_X64
+    JAX_DEFAULT_MATMUL_PRECISION""".split()
 )
 #: Largest max|K_a − K_b| / max|K_a| accepted between two ways of computing one kernel.
-TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
+TOLERANCE = dict(float32=1e-4, float64=1e-10)
+#: Self-test networks: ``"lenet"`` (case C1, ``ntk doctor``), ``"small"`` (fast tests).
+MODELS = ("lenet", "small")
+_IMPLS = ("jacobian", "ntvp", "structured")
+_FIX = "report this with the output of `ntk doctor --json`."
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
-    """The outcome of one self-test check.
-
-    Attributes:
-      name: what was checked.
-      status: ``"pass"``, ``"fail"``, ``"skip"`` (not applicable here) or ``"error"``
-        (the check itself raised).
-      detail: what was measured, e.g. ``"max |ΔK|/max|K| = 3.1e-07 (tolerance 1e-04)"``.
-      fix: what to do when it did not pass (empty otherwise).
-      seconds: wall time of the check.
-    """
+    """One check's outcome: ``status`` is ``"pass"``, ``"fail"``, ``"skip"`` or ``"error"``
+    (the check raised); ``detail`` what was measured; ``fix`` what to do when it did not pass."""
 
     name: str
     status: str
@@ -84,8 +57,7 @@ class CheckResult:
 
 @dataclasses.dataclass(frozen=True)
 class Check:
-    """A named self-test: ``run()`` returns a :class:`CheckResult` (its ``name`` and
-    ``seconds`` are filled in by :func:`doctor`)."""
+    """A named self-test; ``run()`` returns a :class:`CheckResult` (name, seconds filled in)."""
 
     name: str
     run: Callable[[], CheckResult]
@@ -95,24 +67,12 @@ class Check:
 class DoctorReport:
     """What :func:`doctor` found; JSON-serialisable with :meth:`to_dict`.
 
-    Attributes:
-      python: Python version.
-      system: operating system and machine.
-      ntk_jax: this library's version.
-      packages: distribution name -> version, ``None`` when not installed.
-      backend: the default backend (``"cpu"``, ``"gpu"``, ``"tpu"``).
-      platform_version: the backend's version string as reported.
-      accelerator: parsed, e.g. ``"CUDA 12.3"``, ``"ROCm 6.2.0"``, ``"TPU"``, ``"CPU"``.
-      cuda: CUDA runtime version ``"12.3"`` on CUDA backends, else ``None``.
-      cudnn: cuDNN version from the installed ``nvidia-cudnn-cu*`` wheel, else ``None``.
-      devices: one dict per device: ``id``, ``platform``, ``kind`` and ``memory``
-        (``device.memory_stats()``: bytes in use, limit, peak; ``None`` on the CPU).
-      x64: whether ``jax_enable_x64`` is on (float64 kernels possible).
-      default_matmul_precision: ``jax_default_matmul_precision`` (``None``: JAX's
-        default). Kernels override it with their ``precision=`` option.
-      env: the variables of :data:`ENV_VARS` that are set.
-      notes: what in this environment distorts kernels or memory readings.
-      checks: the self-test results, in order.
+    Fields: versions (``python``, ``system``, ``ntk_jax``, ``packages``: name -> version or
+    ``None``); the backend (``backend``, its raw ``platform_version``, ``accelerator`` such
+    as ``"CUDA 12.3"``, ``cuda``, ``cudnn``); ``devices`` (dicts of ``id``, ``platform``,
+    ``kind``, ``memory``: ``device.memory_stats()`` bytes, ``None`` on the CPU); ``x64``,
+    ``default_matmul_precision``; ``env`` (the set :data:`ENV_VARS`); ``notes`` (what
+    distorts kernels or memory readings); ``checks`` (the self-test results, in order).
     """
 
     python: str
@@ -137,56 +97,35 @@ class DoctorReport:
         return all(c.status in ("pass", "skip") for c in self.checks)
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["ok"] = self.ok
-        return out
+        return dict(dataclasses.asdict(self), ok=self.ok)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
-        lines = [
-            f"ntk-jax {self.ntk_jax} on Python {self.python} ({self.system})",
-            "",
-            "Packages:",
-        ]
+        lines = [f"ntk-jax {self.ntk_jax} on Python {self.python} ({self.system})\n\nPackages:"]
         for name, version in self.packages.items():
             if version is not None or name in PACKAGES[:6]:
                 lines.append(f"  {name:26s} {version or 'not installed'}")
-        lines += [
-            "",
-            f"Backend: {self.backend} ({self.accelerator}; platform_version "
-            f"{self.platform_version!r})",
-            f"  CUDA: {self.cuda or '-'}   cuDNN: {self.cudnn or '-'}",
-        ]
+        lines.append(f"\nBackend: {self.backend} ({self.accelerator}; {self.platform_version!r})")
+        lines.append(f"  CUDA: {self.cuda or '-'}   cuDNN: {self.cudnn or '-'}")
         for d in self.devices:
-            memory = d["memory"]
-            if memory:
-                used = memory.get("bytes_in_use", 0) / 2**30
-                limit = memory.get("bytes_limit", 0) / 2**30
-                mem = f"{used:.2f} GiB in use of {limit:.2f} GiB"
-            else:
-                mem = "memory statistics not available"
+            m = d["memory"]
+            mem = "no memory statistics"
+            if m:
+                mem = f"{m.get('bytes_in_use', 0) / 2**30:.2f} GiB in use of "
+                mem += f"{m.get('bytes_limit', 0) / 2**30:.2f} GiB"
             lines.append(f"  device {d['id']}: {d['kind']} ({d['platform']}), {mem}")
-        lines += [
-            "",
-            f"x64 (float64 kernels): {'on' if self.x64 else 'off'}",
-            f"jax_default_matmul_precision: {self.default_matmul_precision or 'not set'} "
-            f"(kernels run at their precision= option, 'highest' by default)",
-        ]
-        for key, value in self.env.items():
-            lines.append(f"  {key}={value}")
-        if self.notes:
-            lines += ["", "Notes:"] + [f"  - {n}" for n in self.notes]
-        lines += ["", "Self-test:"]
-        if not self.checks:
-            lines.append("  (skipped)")
+        lines.append(f"\nx64 (float64 kernels): {'on' if self.x64 else 'off'}")
+        matmul = self.default_matmul_precision or "not set"
+        lines.append(f"jax_default_matmul_precision: {matmul} (kernels use their precision=)")
+        lines += [f"  {key}={value}" for key, value in self.env.items()]
+        lines += ["\nNotes:"] + [f"  - {n}" for n in self.notes] if self.notes else []
+        lines += ["\nSelf-test:"] + ([] if self.checks else ["  (skipped)"])
         for c in self.checks:
             lines.append(f"  [{c.status.upper():5s}] {c.name}: {c.detail} ({c.seconds:.1f} s)")
-            if c.fix:
-                lines.append(f"          Fix: {c.fix}")
-        lines += ["", "OK" if self.ok else "FAILED: see the checks above"]
-        return "\n".join(lines)
+            lines += [f"          Fix: {c.fix}"] if c.fix else []
+        return "\n".join([*lines, "", "OK" if self.ok else "FAILED: see the checks above"])
 
 
 def _version(name: str) -> str | None:
@@ -197,9 +136,8 @@ def _version(name: str) -> str | None:
 
 
 def _installed(name: str) -> bool:
-    """Whether the package ``name`` can be imported, checked without importing it. A bare
-    directory of that name on ``sys.path`` (a namespace package: no origin), such as a
-    project's ``tests/flax`` folder, is not the framework."""
+    """Importable, checked without importing; a bare namespace directory (``tests/flax``)
+    does not count."""
     spec = importlib.util.find_spec(name)
     return spec is not None and spec.origin is not None
 
@@ -209,10 +147,8 @@ def _memory(device) -> dict | None:
         stats = device.memory_stats()
     except Exception:  # not implemented on some backends
         return None
-    if not stats:
-        return None
     keys = ("bytes_in_use", "bytes_limit", "peak_bytes_in_use", "bytes_reserved")
-    return {k: int(stats[k]) for k in keys if k in stats}
+    return {k: int(stats[k]) for k in keys if k in stats} if stats else None
 
 
 def _notes(backend, info, env, x64, matmul) -> list[str]:
@@ -220,32 +156,17 @@ def _notes(backend, info, env, x64, matmul) -> list[str]:
     if backend == "gpu":
         if env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() not in ("false", "0"):
             notes.append(
-                "JAX preallocates 75% of GPU memory (or XLA_PYTHON_CLIENT_MEM_FRACTION) at "
-                "start-up, so nvidia-smi and memory_stats show the pool, not what a kernel "
-                "uses. To measure memory: XLA_PYTHON_CLIENT_PREALLOCATE=false."
+                "JAX preallocates 75% of GPU memory (or XLA_PYTHON_CLIENT_MEM_FRACTION): "
+                "memory readings show the pool. To measure: XLA_PYTHON_CLIENT_PREALLOCATE=false."
             )
         if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
-            notes.append(
-                "XLA_PYTHON_CLIENT_ALLOCATOR=platform frees memory eagerly: exact "
-                "readings, slow kernels."
-            )
-        message = _environment.refusal(info, "ntk_core")
-        if message is not None:
-            notes.append(message)
+            notes.append("XLA_PYTHON_CLIENT_ALLOCATOR=platform: exact memory, slow kernels.")
+        notes.append(_environment.refusal(info, "ntk_core"))
     if not x64:
-        notes.append(
-            "x64 is off: kernels are float32 (round-off about 1e-6 relative). For float64 "
-            'kernels: jax.config.update("jax_enable_x64", True) or JAX_ENABLE_X64=1.'
-        )
+        notes.append("x64 is off: float32 kernels (1e-6 relative); JAX_ENABLE_X64=1: float64.")
     if matmul not in (None, "highest", "float32"):
-        notes.append(
-            f"jax_default_matmul_precision={matmul!r} lowers your own matmuls; kernels of "
-            f"this library still run at their precision= option ('highest' by default)."
-        )
-    return notes
-
-
-# -- self-test checks -----------------------------------------------------------------
+        notes.append(f"jax_default_matmul_precision={matmul!r} lowers your matmuls, not kernels'.")
+    return [n for n in notes if n is not None]
 
 
 def _relative(a, b) -> float:
@@ -253,79 +174,49 @@ def _relative(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def _compare(pairs: dict, dtype: str) -> CheckResult:
-    """``pairs``: label -> (kernel, reference kernel); passes within TOLERANCE."""
+def _compare(pairs: dict, dtype: str, what: str = "") -> CheckResult:
+    """``pairs``: label -> (kernel, reference); passes within TOLERANCE."""
     tol = TOLERANCE.get(dtype, TOLERANCE["float32"])
     errors = {label: _relative(k, ref) for label, (k, ref) in pairs.items()}
     worst = max(errors, key=errors.get)
     detail = ", ".join(f"{label} {e:.1e}" for label, e in errors.items())
-    detail = f"max |ΔK|/max|K|: {detail} (tolerance {tol:.0e})"
+    detail = f"{what}max |ΔK|/max|K|: {detail} (tolerance {tol:.0e})"
     if errors[worst] <= tol and all(np.isfinite(list(errors.values()))):
         return CheckResult("", "pass", detail)
-    return CheckResult(
-        "",
-        "fail",
-        detail + f"; worst: {worst}",
-        "the same kernel computed two ways differs beyond float round-off on this device: "
-        'update jax/jaxlib and the CUDA wheels (pip install -U "jax[cuda12]"), make sure '
-        "nothing lowers matmul precision (precision='highest', no precision= in the model), "
-        "and compare with JAX_PLATFORMS=cpu.",
-    )
-
-
-#: Self-test architectures: ``"lenet"`` (case C1, used by ``ntk doctor``) and
-#: ``"small"`` (one convolution and one dense layer, for fast tests of the checks).
-MODELS = ("lenet", "small")
+    fix = 'update jax, jaxlib and CUDA (pip install -U "jax[cuda12]"), keep precision="highest"'
+    return CheckResult("", "fail", f"{detail}; worst: {worst}", f"{fix}; try JAX_PLATFORMS=cpu.")
 
 
 def _plain_cnn(x, out_features, model):
-    """The self-test CNN in plain JAX (used when Flax is not installed, and for "small")."""
+    """``(apply, params, description)`` of the self-test CNN in plain JAX."""
     rng = np.random.default_rng(0)  # NumPy: no compilation per parameter shape
-
-    def normal(shape):
-        return rng.standard_normal(shape).astype(np.float32)
-
-    convs, denses = ((6, 16), (120, 84)) if model == "lenet" else ((2,), ())
-    params = {}
-    c_in = x.shape[-1]
-    for i, c in enumerate(convs):
-        params[f"conv{i}"] = {
-            "w": normal((5, 5, c_in, c)) / np.sqrt(25 * c_in),
-            "b": 0.1 * normal((c,)),
-        }
-        c_in = c
-    pool = 2 ** len(convs) if model == "lenet" else 1
-    sizes = ((x.shape[1] // pool) * (x.shape[2] // pool) * c_in, *denses, out_features)
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-        params[f"dense{i}"] = {
-            "w": normal((a, b)) / np.sqrt(a),
-            "b": 0.1 * normal((b,)),
-        }
-
+    lenet = model == MODELS[0]
+    convs, denses = ((6, 16), (120, 84)) if lenet else ((2,), ())
+    pool = 2 ** len(convs) if lenet else 1
+    c_in = (x.shape[-1], *convs)
+    sizes = ((x.shape[1] // pool) * (x.shape[2] // pool) * convs[-1], *denses, out_features)
+    shapes = [((5, 5, a, b), 25 * a) for a, b in zip(c_in, convs, strict=False)]
+    shapes += [((a, b), a) for a, b in zip(sizes[:-1], sizes[1:], strict=False)]
+    params = []  # (b, w) per layer: the leaf order of the former {"conv0": {"b", "w"}, ...}
+    for shape, fan_in in shapes:
+        w = rng.standard_normal(shape).astype(np.float32) / np.sqrt(fan_in)
+        params.append((0.1 * rng.standard_normal(shape[-1:]).astype(np.float32), w))
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+    window, dims = (1, 2, 2, 1), ("NHWC", "HWIO", "NHWC")
 
     def apply(p, x):
-        for i in range(len(convs)):
-            x = jax.lax.conv_general_dilated(
-                x, p[f"conv{i}"]["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-            )
-            x = jax.nn.relu(x + p[f"conv{i}"]["b"])
-            if model == "lenet":
-                window = (1, 2, 2, 1)
+        for b, w in p[: len(convs)]:
+            x = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", None, None, dims)
+            x = jax.nn.relu(x + b)
+            if lenet:
                 x = jax.lax.reduce_window(x, 0.0, jax.lax.add, window, window, "VALID") / 4.0
         x = x.reshape((x.shape[0], -1))
-        for i in range(len(sizes) - 1):
-            x = x @ p[f"dense{i}"]["w"] + p[f"dense{i}"]["b"]
-            x = jax.nn.relu(x) if i < len(sizes) - 2 else x
+        for i, (b, w) in enumerate(p[len(convs) :]):
+            x = x @ w + b
+            x = jax.nn.relu(x) if i < len(denses) else x
         return x
 
-    what = "plain-JAX LeNet" if model == "lenet" else "small plain-JAX CNN"
-    return apply, params, what
-
-
-def _network(x, out_features, model):
-    """``(apply_fn, params, description)`` of the self-test network (plain JAX)."""
-    return _plain_cnn(x, out_features, model)
+    return apply, params, "plain-JAX LeNet" if lenet else "small plain-JAX CNN"
 
 
 def _inputs(samples, image_size):
@@ -335,49 +226,46 @@ def _inputs(samples, image_size):
     return jnp.asarray(x1), jnp.asarray(rng.standard_normal((samples - 1, *shape)), jnp.float32)
 
 
-def implementations_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
+def _kernel_check(name, pairs, samples, image_size, model) -> Check:
+    """A :class:`Check` comparing the kernels ``pairs(apply, params, x1, x2)`` returns."""
+
+    def run() -> CheckResult:
+        x1, x2 = _inputs(samples, image_size)
+        apply, params, what = _plain_cnn(x1, 2, model)
+        compared = pairs(apply, params, x1, x2)
+        dtype = str(next(iter(compared.values()))[1].dtype)
+        return _compare(compared, dtype, f"{what}, x {x1.shape} vs {x2.shape}, full kernel; ")
+
+    return Check(name, run)
+
+
+def implementations_check(samples: int = 4, image_size: int = 16, model: str = MODELS[0]) -> Check:
     """Jacobian contraction, NTK-vector products and structured derivatives agree."""
 
-    def run() -> CheckResult:
-        x1, x2 = _inputs(samples, image_size)
-        apply, params, what = _network(x1, 2, model)
-        kernels = {
-            impl: empirical_ntk(apply, params, x1, x2, trace_axes=(), implementation=impl)
-            for impl in ("jacobian", "ntvp", "structured")
+    def pairs(apply, params, x1, x2):
+        k = {
+            i: empirical_ntk(apply, params, x1, x2, trace_axes=(), implementation=i) for i in _IMPLS
         }
-        ref = kernels["jacobian"]
-        result = _compare(
-            {
-                "ntvp vs jacobian": (kernels["ntvp"], ref),
-                "structured vs jacobian": (kernels["structured"], ref),
-            },
-            str(ref.dtype),
-        )
-        detail = f"{what}, x {tuple(x1.shape)} vs {tuple(x2.shape)}, full kernel; "
-        return dataclasses.replace(result, detail=detail + result.detail)
+        return {f"{i} vs jacobian": (k[i], k["jacobian"]) for i in _IMPLS[1:]}
 
-    return Check("implementations agree (jacobian, ntvp, structured)", run)
+    name = "implementations agree (jacobian, ntvp, structured)"
+    return _kernel_check(name, pairs, samples, image_size, model)
 
 
-def batched_check(samples: int = 4, image_size: int = 16, model: str = "lenet") -> Check:
+def batched_check(samples: int = 4, image_size: int = 16, model: str = MODELS[0]) -> Check:
     """The Gram matrix computed in ragged tiles equals the one-call Gram (case C1)."""
+    tile = max(1, samples - 1)  # a ragged last tile in both directions
 
-    def run() -> CheckResult:
-        x1, x2 = _inputs(samples, image_size)
-        apply, params, what = _network(x1, 2, model)
-        tile = max(1, samples - 1)  # a ragged last tile in both directions
-        pairs = {}
+    def pairs(apply, params, x1, x2):
+        out = {}
         for label, second in (("x2 given", x2), ("x2=None", None)):
             one = empirical_ntk(apply, params, x1, second, trace_axes=())
-            tiled = empirical_ntk(
-                apply, params, x1, second, trace_axes=(), batch_size=tile, progress=False
-            )
-            pairs[f"batch_size={tile} vs one call, {label}"] = (tiled, one)
-        result = _compare(pairs, str(one.dtype))
-        detail = f"{what}, x {tuple(x1.shape)} vs {tuple(x2.shape)}, full kernel; "
-        return dataclasses.replace(result, detail=detail + result.detail)
+            kw = {"batch_size": tile, "progress": False}
+            tiled = empirical_ntk(apply, params, x1, second, trace_axes=(), **kw)
+            out[f"batch_size={tile} vs one call, {label}"] = (tiled, one)
+        return out
 
-    return Check("batched equals unbatched", run)
+    return _kernel_check("batched equals unbatched", pairs, samples, image_size, model)
 
 
 def backend_check() -> Check:
@@ -386,31 +274,22 @@ def backend_check() -> Check:
     def run() -> CheckResult:
         device = jax.devices()[0]
         info = _environment.parse_platform_version(device.client.platform_version, device.platform)
-        message = _environment.refusal(info, "ntk doctor")
-        if message is not None:
+        if _environment.refusal(info, "ntk doctor") is not None:
             return CheckResult("", "fail", f"{info.text} found", _environment.CUDA_FIX)
         note = _environment.unverified(info, device.platform)
-        return CheckResult("", "pass", f"{info.text}" + (f"; {note}" if note else ""))
+        return CheckResult("", "pass", info.text + (f"; {note}" if note else ""))
 
     return Check("backend supported", run)
 
 
-def default_checks(samples: int = 4, image_size: int = 16, model: str = "lenet") -> list[Check]:
-    """The self-test of ``ntk doctor``, in order; sizes kept small (seconds on a CPU).
-
-    Args:
-      samples: N1 of the test inputs (N2 = samples - 1), at least 2.
-      image_size: height and width of the RGB inputs, a multiple of 4.
-      model: one of :data:`MODELS`.
-    """
+def default_checks(samples: int = 4, image_size: int = 16, model: str = MODELS[0]) -> list[Check]:
+    """The self-test of ``ntk doctor``, in order: ``samples`` = N1 (N2 = N1 - 1, at least 2),
+    RGB inputs of ``image_size`` (a multiple of 4), ``model`` one of :data:`MODELS`."""
     if model not in MODELS:
         what = f"model must be one of {MODELS}, got {model!r}"
         raise bad(ValueError, "default_checks", what, f"pass model={MODELS[0]!r}")
-    return [
-        backend_check(),
-        implementations_check(samples, image_size, model),
-        batched_check(samples, image_size, model),
-    ]
+    kernel_checks = (implementations_check, batched_check)
+    return [backend_check(), *(check(samples, image_size, model) for check in kernel_checks)]
 
 
 def _run(check: Check) -> CheckResult:
@@ -418,38 +297,30 @@ def _run(check: Check) -> CheckResult:
     try:
         result = check.run()
     except Exception as e:  # a crash is a failed check, with its reason
-        result = CheckResult(
-            "",
-            "error",
-            f"{type(e).__name__}: {e}",
-            "report this with the output of `ntk doctor --json`.",
-        )
+        result = CheckResult("", "error", f"{type(e).__name__}: {e}", _FIX)
     return dataclasses.replace(result, name=check.name, seconds=time.perf_counter() - start)
 
 
 def doctor(checks: Sequence[Check] | None = None, *, self_test: bool = True) -> DoctorReport:
     """Versions, devices and precision settings of this environment, and a self-test.
 
-    The self-test (:func:`default_checks`, a few seconds) computes the full NTK of a
-    small LeNet with every implementation on the default device and compares them
-    (``ntk doctor`` also compares Flax with Haiku): on a healthy device they agree to
-    float round-off, max |ΔK| / max |K| ≤ 1e-4 in float32.
+    The self-test (:func:`default_checks`) computes the full NTK of a small LeNet with every
+    implementation on the default device (``ntk doctor`` adds Flax vs Haiku): a healthy
+    device agrees to max |ΔK| / max |K| ≤ 1e-4 in float32.
 
     Args:
-      checks: the self-test checks to run (default: :func:`default_checks`).
+      checks: the checks to run (default: :func:`default_checks`).
       self_test: ``False`` reports the environment only.
 
     Returns:
-      A :class:`DoctorReport`; ``report.ok`` is False when a check failed, ``str(report)``
-      is the human-readable text of ``ntk doctor``, ``report.to_json()`` its ``--json``.
+      A :class:`DoctorReport`: ``report.ok`` False when a check failed; ``str(report)`` the
+      text of ``ntk doctor``, ``report.to_json()`` its ``--json``.
 
     Raises:
-      Nothing for a broken environment: failures are reported in ``report.checks``.
+      Nothing for a broken environment: failures are in ``report.checks``.
 
-    Cost: the full NTK (N1 = 4, N2 = 3, O = 2) of a LeNet on 16x16x3 inputs with three
-    implementations, and with Flax and Haiku: a few dozen small compilations, which
-    dominate (the whole ``ntk doctor`` command: see the figure in docs/environment.md,
-    written by ``benchmarks/readme_figures.py``); the kernels themselves take milliseconds.
+    Cost: the full NTK (N1 = 4, N2 = 3, O = 2) of a LeNet on 16x16x3 inputs, three ways;
+    compilation dominates (figure in docs/environment.md).
 
     Example:
       >>> import ntk_core
@@ -458,29 +329,21 @@ def doctor(checks: Sequence[Check] | None = None, *, self_test: bool = True) -> 
       (True, True)
 
     References:
-      The users' case C1: CUDA 10 toolchains gave blocked and one-block Gram matrices
-      1e-1 apart, which this self-test catches.
+      Case C1: CUDA 10 gave blocked and one-block Gram matrices 1e-1 apart.
     """
     device = jax.devices()[0]
     raw = str(device.client.platform_version)
     info = _environment.parse_platform_version(raw, device.platform)
     env = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
-    x64 = bool(jax.config.jax_enable_x64)
-    matmul = jax.config.jax_default_matmul_precision
+    x64, matmul = bool(jax.config.jax_enable_x64), jax.config.jax_default_matmul_precision
     matmul = None if matmul is None else str(matmul)
     packages = {name: _version(name) for name in PACKAGES}
-    cudnn = next(
-        (packages[n] for n in ("nvidia-cudnn-cu12", "nvidia-cudnn-cu13") if packages[n]), None
-    )
+    if checks is None or not self_test:
+        checks = default_checks() if checks is None and self_test else []
     devices = [
-        {"id": d.id, "platform": d.platform, "kind": d.device_kind, "memory": _memory(d)}
+        dict(id=d.id, platform=d.platform, kind=d.device_kind, memory=_memory(d))
         for d in jax.devices()
     ]
-    if checks is None:
-        checks = default_checks() if self_test else []
-    elif not self_test:
-        checks = []
-    results = [_run(c) for c in checks]
     return DoctorReport(
         python=platform.python_version(),
         system=f"{platform.system()} {platform.release()} {platform.machine()}",
@@ -490,11 +353,11 @@ def doctor(checks: Sequence[Check] | None = None, *, self_test: bool = True) -> 
         platform_version=raw,
         accelerator=info.text,
         cuda=".".join(map(str, info.version)) if info.kind == "cuda" and info.version else None,
-        cudnn=cudnn,
+        cudnn=packages["nvidia-cudnn-cu12"] or packages["nvidia-cudnn-cu13"],
         devices=devices,
         x64=x64,
         default_matmul_precision=matmul,
         env=env,
         notes=_notes(jax.default_backend(), info, env, x64, matmul),
-        checks=results,
+        checks=[_run(c) for c in checks],
     )

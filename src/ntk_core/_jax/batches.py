@@ -1,11 +1,6 @@
-"""Loops over equal, overlapping batches: one body in the program whatever N.
-
-N items are cut into ⌈N / ⌈N / most⌉⌉-sized batches; the last one starts at N - size
-and overlaps its predecessor (its shared rows are computed twice, equal), so every
-step has the same shapes and XLA compiles the body once (``lax.map(...,
-batch_size=)`` compiles it a second time for the remainder: 1.9 s instead of 1.1 s
-for the LeNet's features).
-"""
+"""Loops over equal, overlapping batches: the last batch starts at N - size, so every step
+has the same shapes and XLA compiles the body once (``lax.map(batch_size=)`` compiles a
+second body for the remainder)."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ def even_batches(n: int, most: int) -> tuple[int, list[int]]:
 
 
 def map_in_batches(fn, args, most: int):
-    """``fn(args)`` for a batched ``fn`` (leading axis N), at most ``most`` items at a
-    time in one XLA loop (:func:`even_batches`)."""
+    """``fn(args)`` (leading axis N), ``most`` items at a time in one XLA loop."""
     n = jax.tree.leaves(args)[0].shape[0]
     if most >= n:
         return fn(args)

@@ -1,12 +1,5 @@
-"""The library's caches, and one switch to empty them: :func:`clear_caches`.
-
-Every cache here is bounded: built kernel functions and wrapped ``apply_fn``\\ s in LRU
-caches of 64 entries (:func:`lru_cache`), the adapters' one-call kernel functions in a
-FIFO cache of 64 (:func:`ntk_core.adapters.cached`). They hold users' functions (and
-through them closed-over arrays) until evicted; :func:`clear_caches` drops them all,
-together with JAX's own compiled programs, so that a long session can free a model it
-no longer uses.
-"""
+"""The library's caches (each bounded: LRU or FIFO of 64 entries), registered so that
+:func:`clear_caches` empties them all."""
 
 from __future__ import annotations
 
@@ -19,7 +12,7 @@ _CLEARERS: list[Callable[[], None]] = []
 
 
 def register(clear: Callable[[], None]) -> None:
-    """Adds ``clear`` (a function of no arguments) to what :func:`clear_caches` calls."""
+    """Adds ``clear()`` to what :func:`clear_caches` calls."""
     _CLEARERS.append(clear)
 
 
@@ -35,27 +28,11 @@ def lru_cache(maxsize: int):
 
 
 def clear_caches() -> None:
-    """Empties every cache of ``ntk_core``, ``ntk_flax`` and ``ntk_haiku`` and JAX's.
+    """Empties every cache of ``ntk_core``, ``ntk_flax`` and ``ntk_haiku`` (built kernel
+    functions, held strongly until evicted) and calls :func:`jax.clear_caches`, so nothing
+    of this library keeps a model, its closed-over arrays or its programs alive.
 
-    The library caches built kernel functions (keyed by the ``apply_fn`` or model and
-    the options), so that repeated one-call functions such as
-    :func:`ntk_core.empirical_ntk` reuse compiled programs; each cache is bounded (64
-    entries) and holds the functions it was given strongly until evicted. This
-    drops them all and calls :func:`jax.clear_caches` (JAX's compiled programs and
-    traces), so nothing of this library keeps a model, its closed-over arrays or its
-    programs alive. The next call of each kernel function traces and compiles again.
-
-    Args:
-      none.
-
-    Returns:
-      ``None``.
-
-    Raises:
-      nothing.
-
-    Cost: O(number of cached entries); later first calls pay tracing and compilation
-    again (N1-independent).
+    Cost: O(cached entries); later first calls trace and compile again.
 
     Example:
       >>> import gc, weakref
@@ -69,9 +46,6 @@ def clear_caches() -> None:
       >>> _ = gc.collect()
       >>> alive() is None
       True
-
-    References:
-      JAX's ``jax.clear_caches`` documentation.
     """
     for clear in list(_CLEARERS):
         clear()

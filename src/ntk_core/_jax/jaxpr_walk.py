@@ -1,20 +1,6 @@
-"""Walking jaxprs: the equations of a jaxpr and of the sub-jaxprs inside them.
-
-Shared by the structured analysis and interpreter (:mod:`ntk_core._structured.analysis`), the
-precision checks (:mod:`ntk_core._jax.environment`) and the cost model
-(:mod:`ntk_core._impl.cost`). Built on public ``jax.extend.core`` objects only.
-
-Two views of a sub-jaxpr:
-
-* :func:`sub_jaxprs` / :func:`equations`: every jaxpr in an equation's parameters
-  (``jit``, ``custom_jvp``, ``scan``, both branches of ``cond``, ...), for checks that
-  look at every equation wherever it runs (:func:`sub_operands`: which of the
-  equation's operands a sub-jaxpr's inputs receive, for walks that follow values into
-  it, such as the cost model's);
-* :func:`call_body` / :func:`inlined`: the one body of a call-like equation (``jit``,
-  ``closed_call``, ``checkpoint``) whose inputs and outputs are the equation's own, so
-  that an interpreter can evaluate it in place.
-"""
+"""Walking jaxprs (public ``jax.extend.core`` only): :func:`sub_jaxprs` / :func:`equations`
+visit every jaxpr inside an equation's parameters; :func:`call_body` / :func:`inlined` give
+the one body of a call-like equation, evaluated in place by an interpreter."""
 
 from __future__ import annotations
 
@@ -29,7 +15,7 @@ INLINE_PRIMITIVES = frozenset(
 
 
 def is_literal(v) -> bool:
-    """Whether an equation operand is a literal (a constant written into the jaxpr)."""
+    """Whether an equation operand is a literal."""
     return isinstance(v, jex.Literal)
 
 
@@ -44,10 +30,8 @@ def sub_jaxprs(eqn):
 
 
 def sub_operands(eqn, sub):
-    """The operands of ``eqn`` that the inputs of its sub-jaxpr ``sub`` receive, told by
-    their count: all of them (``jit``, ``scan``, ``custom_jvp``), all but the first
-    (a ``cond`` branch: the index comes first), or None when the counts match neither
-    (a ``while`` loop's condition and body, which take their own constants)."""
+    """The operands of ``eqn`` that ``sub``'s inputs receive: all (``jit``, ``scan``), all but
+    the first (a ``cond`` branch), or None (a ``while`` loop's own constants)."""
     if len(sub.invars) == len(eqn.invars):
         return list(eqn.invars)
     if len(sub.invars) == len(eqn.invars) - 1:
@@ -64,9 +48,7 @@ def equations(jaxpr):
 
 
 def call_body(eqn):
-    """``(jaxpr, consts)`` of an equation's ``jaxpr`` or ``call_jaxpr`` parameter (the
-    body of ``jit``, ``closed_call``, ``checkpoint``, ``custom_jvp_call``, ``scan``),
-    or None."""
+    """``(jaxpr, consts)`` of an equation's ``jaxpr`` or ``call_jaxpr`` parameter, or None."""
     for name in ("jaxpr", "call_jaxpr"):
         sub = eqn.params.get(name)
         if isinstance(sub, jex.ClosedJaxpr):
@@ -77,8 +59,7 @@ def call_body(eqn):
 
 
 def inlined(eqn) -> bool:
-    """Whether ``eqn`` is a call (:data:`INLINE_PRIMITIVES`) whose body is evaluated in
-    place: its operands are the body's inputs, its outputs the body's."""
+    """Whether ``eqn`` is a call (:data:`INLINE_PRIMITIVES`) evaluated in place."""
     return eqn.primitive.name in INLINE_PRIMITIVES and call_body(eqn) is not None
 
 
@@ -86,10 +67,8 @@ def bind(eqn, invals):
     """The equation's primitive applied to ``invals`` with the equation's parameters."""
     bound = eqn.primitive.get_bind_params(eqn.params)
     # Older JAX returns (sub-functions, params), newer JAX the params alone.
-    if isinstance(bound, tuple) and len(bound) == 2 and isinstance(bound[1], dict):
-        subfuns, params = bound
-    else:
-        subfuns, params = (), bound
+    old = isinstance(bound, tuple) and len(bound) == 2 and isinstance(bound[1], dict)
+    subfuns, params = bound if old else ((), bound)
     return eqn.primitive.bind(*subfuns, *invals, **params)
 
 
@@ -100,9 +79,8 @@ def entries(v) -> int:
 
 
 def values_written(jaxpr) -> int:
-    """Values one evaluation of ``jaxpr`` writes: its equations' outputs, each
-    sub-jaxpr counted once (the forward pass's residuals; a reverse pass writes about
-    as many cotangents). Read by the cost model and the features' chunk size."""
+    """Values one evaluation of ``jaxpr`` writes (its equations' outputs, each sub-jaxpr
+    once): the forward pass's residuals, read by the cost model."""
     total = 0
     for eqn in jaxpr.eqns:
         total += sum(entries(v) for v in eqn.outvars)

@@ -9,8 +9,7 @@ import numpy as np
 
 
 def signature(tree) -> tuple:
-    """The tree structure and each leaf's shape and dtype (type and repr of a leaf
-    that is not an array)."""
+    """The tree structure and each leaf's shape and dtype (else type and repr)."""
     leaves, treedef = jax.tree.flatten(tree)
     sig = []
     for leaf in leaves:
