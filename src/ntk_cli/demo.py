@@ -42,6 +42,13 @@ def kernel_regression(k_train, k_test_train, labels, n_classes, diag_reg):
     return np.asarray(k_test_train, np.float64) @ alpha, lam
 
 
+def progress_options(parser: argparse.ArgumentParser, *helps: str) -> None:
+    """``--progress`` / ``--no-progress`` (default None: a bar on a terminal)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--progress", action="store_true", default=None, help=helps[0])
+    group.add_argument("--no-progress", dest="progress", action="store_false", help=helps[1])
+
+
 def pyplot():
     """``matplotlib.pyplot`` drawing to files (the Agg backend)."""
     import matplotlib
@@ -177,7 +184,6 @@ def run(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ntk_cli.track import progress_options
 
     add = parser.add_argument
     add("--out", default="./ntk-demo", help="output folder (default ./ntk-demo)")

@@ -63,14 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser, default_out: str = "./ntk-tra
         "--implementation", default="auto", choices=choices, help="NTK implementation (%(default)s)"
     )
     add("--save-kernels", action="store_true", help="save each NTK in OUT/kernels")
+    from ntk_cli.demo import progress_options
+
     progress_options(parser, "progress bar", "no bar")
-
-
-def progress_options(parser: argparse.ArgumentParser, *helps: str) -> None:
-    """``--progress`` / ``--no-progress`` (default None: a bar on a terminal)."""
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--progress", action="store_true", default=None, help=helps[0])
-    group.add_argument("--no-progress", dest="progress", action="store_false", help=helps[1])
 
 
 def plot_history(history: dict, path: str, title: str) -> None:

@@ -134,13 +134,13 @@ def assert_kernels_close(k_a, k_b, *, rtol: float | None = None, atol: float | N
 
 
 def _implementations(implementation) -> list[str]:
-    import ntk_core
+    from ntk_core._kernel.options import IMPLEMENTATIONS  # ("auto", *the registry)
 
-    known = [name for name in ntk_core.IMPLEMENTATIONS if name != "auto"]
+    known = list(IMPLEMENTATIONS[1:])
     if implementation is None:
         return known
     names = [implementation] if isinstance(implementation, str) else list(implementation)
-    unknown = [n for n in names if n not in ntk_core.IMPLEMENTATIONS]
+    unknown = [n for n in names if n not in IMPLEMENTATIONS]
     if unknown or not names:
         what = f"implementation={implementation!r}"
         raise ValueError(f"assert_same_ntk: {what}; expected None or names from {known}")
@@ -240,16 +240,16 @@ def assert_same_ntk(
       The kernel is that of Jacot, Gabriel, Hongler, "Neural Tangent Kernel" (NeurIPS
       2018); the layout that of neural-tangents' ``empirical_ntk_fn``.
     """
-    import ntk_core
+    from ntk_core._api import empirical_ntk, empirical_ntk_per_leaf
 
     for name in _implementations(implementation):
         opts = dict(options, implementation=name)
-        k_a = ntk_core.empirical_ntk(fn_a, params_a, x1, x2, **opts)
-        k_b = ntk_core.empirical_ntk(fn_b, params_b, x1, x2, **opts)
+        k_a = empirical_ntk(fn_a, params_a, x1, x2, **opts)
+        k_b = empirical_ntk(fn_b, params_b, x1, x2, **opts)
         try:
             assert_kernels_close(k_a, k_b, rtol=rtol, atol=atol)
         except AssertionError as error:
-            per_a = ntk_core.empirical_ntk_per_leaf(fn_a, params_a, x1, x2, **opts)
-            per_b = ntk_core.empirical_ntk_per_leaf(fn_b, params_b, x1, x2, **opts)
+            per_a = empirical_ntk_per_leaf(fn_a, params_a, x1, x2, **opts)
+            per_b = empirical_ntk_per_leaf(fn_b, params_b, x1, x2, **opts)
             table = _leaf_table(per_a, per_b, rtol, atol)
             raise AssertionError(f"implementation={name!r}: {error}\n{table}") from None
