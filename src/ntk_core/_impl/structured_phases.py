@@ -1,7 +1,5 @@
-"""``"structured"``, structured derivatives: layer inputs and cotangents
-(:mod:`ntk_core._structured.analysis` and its rules), then Gram identities per group of
-leaves (:data:`STRUCTURED`). With ``vmap_axes=None`` there is no per-sample structure:
-the Jacobian contraction computes it."""
+"""``"structured"``: the phases of :mod:`ntk_core._structured.analysis` (with
+``vmap_axes=None``, the Jacobian contraction computes it)."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ from ntk_core._structured import analysis as _structured
 
 
 def features(apply3, config, chunks: dict):
-    """``features(params, x_block, aux)``, jitted, in chunks of samples whose size is
-    cached in ``chunks``."""
+    """Jitted ``features(params, x_block, aux)`` in chunks (sizes cached in ``chunks``)."""
     feat = _structured_features(apply3, config.precision, config.fuse_bias)
     feat = functools.partial(
         feat,
@@ -33,65 +30,33 @@ def features(apply3, config, chunks: dict):
 
 @_caches.lru_cache(maxsize=64)
 def _structured_features(apply3, precision, fuse_bias):
-    """The jitted first phase of ``"structured"``: layer inputs, cotangents, fallbacks,
-    ``chunk`` samples at a time."""
-
     def features(params, x, aux, *, out_tree, modes, merge_limits, chunk):
         with jax.default_matmul_precision(precision):
-            return _structured.features_in_chunks(
-                apply3,
-                params,
-                x,
-                aux,
-                out_tree,
-                fuse_bias,
-                modes,
-                merge_limits,
-                chunk,
-                precision=precision,
-            )
+            args = (apply3, params, x, aux, out_tree, fuse_bias, modes, merge_limits, chunk)
+            return _structured.features_in_chunks(*args, precision=precision)
 
     return jax.jit(features, static_argnames=("out_tree", "modes", "merge_limits", "chunk"))
 
 
 def _structured_in_chunks(apply3, features, config, chunks: dict, params, x, aux):
-    """``features(params, x, aux)`` computed :func:`_structured.chunk_size` samples
-    at a time (:func:`_structured.features_in_chunks`); the chunk size is cached in
-    ``chunks`` per configuration and input shapes."""
     key = (config, signature(x))
     chunk = chunks.get(key)
     if chunk is None:
-        chunk = _structured.chunk_size(
-            apply3,
-            params,
-            x,
-            aux,
-            config.out_tree,
-            config.fuse_bias,
-            config.structure.modes,
-            precision=config.precision,
-        )
+        args = (config.out_tree, config.fuse_bias, config.structure.modes)
+        chunk = _structured.chunk_size(apply3, params, x, aux, *args, precision=config.precision)
         chunks[key] = chunk
     return features(params, x, aux, chunk=chunk)
 
 
 def contract(f1, f2, *, config):
-    """The Gram identities of each group of leaves, and the fallbacks' contraction."""
     with jax.default_matmul_precision(config.precision):
-        per_leaf = _structured.contract(
-            config.layouts,
-            config.structure,
-            config.analysis,
-            f1,
-            f1 if f2 is None else f2,
-            PRECISION[config.precision],
-        )
+        args = (config.layouts, config.structure, config.analysis, f1, f1 if f2 is None else f2)
+        per_leaf = _structured.contract(*args, PRECISION[config.precision])
     return finish(per_leaf, config)
 
 
 def pair_terms(config) -> int:
-    """A Gram-form group holds an input and a cotangent Gram matrix per pair of its
-    uses; a per-sample-Jacobian group ("explicit") one contraction, as a fallback."""
+    """Kernel-sized temporaries: 2 per use pair of a Gram group, 1 per Jacobian."""
     structure = config.structure
     fallback, groups, modes = structure.fallback, structure.groups, structure.modes
     return len(fallback) + sum(
@@ -163,10 +128,7 @@ def structured_estimate(call: Call) -> CostEstimate:
 
 
 def feature_chunk(n: int, out_total: int, values: int, feature_values: int, itemsize: int) -> int:
-    """Samples whose structured features are computed together, as
-    ``_structured.chunk_size`` picks them: B = FEATURE_CHUNK_BYTES // (itemsize ·
-    ((O + 2)·V + F)), 1 ≤ B ≤ n, evened out to ⌈n / ⌈n / B⌉⌉ (V values of one
-    sample's forward pass, F feature values per sample)."""
+    """Samples per features chunk, as ``_structured.chunk_size`` picks them."""
     per = itemsize * ((out_total + 2) * values + feature_values)
     most = int(min(n, max(1, _structured.FEATURE_CHUNK_BYTES // max(per, 1))))
     pieces = -(-n // most)
