@@ -396,23 +396,14 @@ def jacobian_estimate(c: Call) -> CostEstimate:
         + reversed_jac * c.out_total * c.reverse
         + 2.0 * jac_pairs * c.o_pair * c.n_params
     )
-    return CostEstimate(
-        "jacobian",
-        jac_flops,
-        float(
-            1.5 * jac_bytes  # the Jacobians, and (wide leaves) the contraction's copy
-            + c.kernel_bytes
-            + (c.n_jac * c.passes_bytes if whole_batch is None else batch_bytes_jac)
-        ),
-        c.seconds(
-            jac_flops,
-            reversed_jac * c.out_total * c.pc.grad_weights_conv,
-            2 * jac_bytes,
-            _jacobian.einsum_count(c.leaf_sizes, c.merge_limit),
-            jac_pairs,
-            c.n_jac * c.fwd_x + reversed_jac * c.out_total * c.act_x,
-        ),
-    )
+    passes = c.n_jac * c.passes_bytes if whole_batch is None else batch_bytes_jac
+    # The Jacobians, and (wide leaves) the contraction's copy.
+    memory = float(1.5 * jac_bytes + c.kernel_bytes + passes)
+    slow = reversed_jac * c.out_total * c.pc.grad_weights_conv
+    einsums = _jacobian.einsum_count(c.leaf_sizes, c.merge_limit)
+    channel = c.n_jac * c.fwd_x + reversed_jac * c.out_total * c.act_x
+    seconds = c.seconds(jac_flops, slow, 2 * jac_bytes, einsums, jac_pairs, channel)
+    return CostEstimate("jacobian", jac_flops, memory, seconds)
 
 
 def ntvp_estimate(c: Call) -> CostEstimate:
@@ -438,24 +429,14 @@ def ntvp_estimate(c: Call) -> CostEstimate:
     ntvp_flops = (
         n2 * c.forward + reversed_ntvp * out_total * reverse + all_pairs * out_total * reverse
     )
-    return CostEstimate(
-        "ntvp",
-        ntvp_flops,
-        float(
-            out_total * c.n_params * itemsize
-            + n1 * out_total * max(c.out_sizes) * itemsize
-            + batch_bytes_ntvp
-            + c.kernel_bytes
-        ),
-        c.seconds(
-            ntvp_flops,
-            ntvp_grouped * out_total * pc.grad_weights_conv,
-            0.0,
-            out_total,
-            all_pairs,
-            n2 * c.fwd_x + (reversed_ntvp * c.act_x + all_pairs * c.fwd_x) * out_total + ntvp_loop,
-        ),
+    outs_bytes = n1 * out_total * max(c.out_sizes) * itemsize
+    memory = float(
+        out_total * c.n_params * itemsize + outs_bytes + batch_bytes_ntvp + c.kernel_bytes
     )
+    slow = ntvp_grouped * out_total * pc.grad_weights_conv
+    channel = n2 * c.fwd_x + (reversed_ntvp * c.act_x + all_pairs * c.fwd_x) * out_total + ntvp_loop
+    seconds = c.seconds(ntvp_flops, slow, 0.0, out_total, all_pairs, channel)
+    return CostEstimate("ntvp", ntvp_flops, memory, seconds)
 
 
 def choose(estimates, blocked: bool = False) -> str:

@@ -124,14 +124,14 @@ def matrices(jac, params, out_tree, merge_limits=None):
     """``jax.jacrev``-layout Jacobians as :func:`jacobians` returns them."""
     param_leaves = jax.tree.leaves(params)
     per_out = out_tree.flatten_up_to(jac)
-    result = []
-    for leaf_jac in per_out:
-        flat = jax.tree.leaves(leaf_jac)
-        mats = []
-        for j, p in zip(flat, param_leaves, strict=True):
-            out_ndim = j.ndim - jnp.ndim(p)
-            mats.append(j.reshape(j.shape[:out_ndim] + (-1,)))
-        result.append(mats)
+
+    def flat(j, p):
+        return j.reshape(j.shape[: j.ndim - jnp.ndim(p)] + (-1,))
+
+    result = [
+        [flat(j, p) for j, p in zip(jax.tree.leaves(lj), param_leaves, strict=True)]
+        for lj in per_out
+    ]
     if merge_limits is not None:
         result = [merge(mats, lim) for mats, lim in zip(result, merge_limits, strict=True)]
     return result
@@ -178,10 +178,6 @@ def contract(layouts, jac1, jac2, precision):
     for layout, m1, m2 in zip(layouts, jac1, jac2, strict=True):
         lhs, rhs, out = layout.specs(n_contracted=1)
         size = layout.trace_size(m1[0].shape)
-        kernels.append(
-            [
-                pair_einsum(lhs, rhs, out, a, b, precision) / size
-                for a, b in zip(m1, m2, strict=True)
-            ]
-        )
+        pairs = zip(m1, m2, strict=True)
+        kernels.append([pair_einsum(lhs, rhs, out, a, b, precision) / size for a, b in pairs])
     return kernels

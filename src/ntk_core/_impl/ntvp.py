@@ -82,17 +82,20 @@ def _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagon
     def f_batch(p, x):
         return jax.vmap(lambda x_i: f_one(p, x_i))(x)
 
+    def tangents(x2_j, k):
+        """Output leaf ``k``'s shapes at ``x2_j``, and its basis pulled back to the params."""
+        out2, vjp_fn = jax.vjp(lambda p: f_one(p, x2_j), params)
+        shapes2 = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out2]
+        return shapes2, jax.vmap(lambda ct: vjp_fn(ct)[0])(_leaf_basis(shapes2, k))
+
     results = []
     for k in range(n_out):
         if batch_diagonal:
 
             def pair(x1_i, x2_i, k=k):
-                out2, vjp_fn = jax.vjp(lambda p: f_one(p, x2_i), params)
-                shapes2 = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out2]
-                tangents = jax.vmap(lambda ct: vjp_fn(ct)[0])(_leaf_basis(shapes2, k))
-                cols = jax.vmap(lambda t: jax.jvp(lambda p: f_one(p, x1_i), (params,), (t,))[1][k])(
-                    tangents
-                )
+                shapes2, tangents_k = tangents(x2_i, k)
+                jvp = lambda t: jax.jvp(lambda p: f_one(p, x1_i), (params,), (t,))[1][k]  # noqa: E731
+                cols = jax.vmap(jvp)(tangents_k)
                 # cols: (O2..., O1...) flattened over O2 -> put x1's axes first.
                 o = shapes2[k].shape
                 cols = cols.reshape(o + o)
@@ -102,12 +105,9 @@ def _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagon
         else:
 
             def column(x2_j, k=k):
-                out2, vjp_fn = jax.vjp(lambda p: f_one(p, x2_j), params)
-                shapes2 = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out2]
-                tangents = jax.vmap(lambda ct: vjp_fn(ct)[0])(_leaf_basis(shapes2, k))
-                cols = jax.vmap(lambda t: jax.jvp(lambda p: f_batch(p, x1), (params,), (t,))[1][k])(
-                    tangents
-                )
+                shapes2, tangents_k = tangents(x2_j, k)
+                jvp = lambda t: jax.jvp(lambda p: f_batch(p, x1), (params,), (t,))[1][k]  # noqa: E731
+                cols = jax.vmap(jvp)(tangents_k)
                 # cols: (prod O2, N1, O1...)
                 return cols.reshape(shapes2[k].shape + cols.shape[1:])
 

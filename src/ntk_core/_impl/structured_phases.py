@@ -107,24 +107,16 @@ def structured_estimate(call: Call) -> CostEstimate:
         n_jac * (call.forward + out_total * reverse_structured + per_sample_flops)
         + structured_pairs * per_pair
     )
-    return CostEstimate(
-        "structured",
-        structured_flops,
-        float(
-            structured_bytes
-            + call.kernel_bytes
-            + feature_chunk(n_jac, out_total, call.values, per_sample, itemsize) * call.passes_bytes
-        ),
-        call.seconds(
-            structured_flops,
-            n_jac * out_total * share * pc.grad_weights_conv,
-            2 * structured_bytes,
-            _jacobian.einsum_count(widths, call.merge_limit) + gram_terms,
-            structured_pairs,
-            n_jac * (call.fwd_x + out_total * call.act_x)
-            + n_jac * (call.rates.explicit_jacobian_slowdown - 1.0) * explicit_flops,
-        ),
+    chunk = feature_chunk(n_jac, out_total, call.values, per_sample, itemsize)
+    memory = float(structured_bytes + call.kernel_bytes + chunk * call.passes_bytes)
+    slow = n_jac * out_total * share * pc.grad_weights_conv
+    einsums = _jacobian.einsum_count(widths, call.merge_limit) + gram_terms
+    explicit_slow = call.rates.explicit_jacobian_slowdown - 1.0
+    channel = n_jac * (call.fwd_x + out_total * call.act_x) + n_jac * explicit_slow * explicit_flops
+    seconds = call.seconds(
+        structured_flops, slow, 2 * structured_bytes, einsums, structured_pairs, channel
     )
+    return CostEstimate("structured", structured_flops, memory, seconds)
 
 
 def feature_chunk(n: int, out_total: int, values: int, feature_values: int, itemsize: int) -> int:

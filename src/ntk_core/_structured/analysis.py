@@ -108,11 +108,8 @@ def pair_costs(analysis: Analysis, group, o_pair: int, o_out: int) -> tuple[floa
 
 def choose_modes(analysis: Analysis, o_pair: int, o_out: int) -> tuple[str, ...]:
     """Per group, ``"gram"`` or ``"explicit"``: the cheaper by :func:`pair_costs`."""
-    modes = []
-    for group in analysis.groups:
-        gram, explicit = pair_costs(analysis, group, o_pair, o_out)
-        modes.append("explicit" if explicit < gram else "gram")
-    return tuple(modes)
+    costs = (pair_costs(analysis, group, o_pair, o_out) for group in analysis.groups)
+    return tuple("explicit" if explicit < gram else "gram" for gram, explicit in costs)
 
 
 def method_labels(analysis: Analysis, modes) -> dict[int, str]:
@@ -147,25 +144,24 @@ def _bias_fusable(eqns, leaf_shape, use: Use) -> bool:
     return bool((mat == mat[:1]).all() and np.array_equal(np.sort(mat[0]), np.arange(size)))
 
 
-_CUSTOM = "passed through a function with a custom derivative ({})"
-_UNANALYSED = "used inside a {} ({}), which is not analysed"
 _PRIMITIVE_REASONS = {
-    "custom_jvp_call": _CUSTOM.format("custom_jvp"),
-    "custom_vjp_call": _CUSTOM.format("custom_vjp"),
-    "custom_vjp_call_jaxpr": _CUSTOM.format("custom_vjp"),
-    "scan": _UNANALYSED.format("loop", "scan"),
-    "while": _UNANALYSED.format("loop", "while_loop"),
-    "cond": _UNANALYSED.format("branch", "cond"),
+    p: f"passed through a function with a custom derivative ({p[:10]})"
+    for p in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+} | {
+    p: f"used inside a {kind} ({name}), which is not analysed"
+    for p, kind, name in (
+        ("scan", "loop", "scan"),
+        ("while", "loop", "while_loop"),
+        ("cond", "branch", "cond"),
+    )
 }
 
 
 def _scalar(v, known: dict) -> float | None:
-    if is_literal(v):
-        value = np.asarray(v.val)
-        if value.ndim == 0 and np.isrealobj(value):
-            return float(value)
-        return None
-    return known.get(v)
+    if not is_literal(v):
+        return known.get(v)
+    value = np.asarray(v.val)
+    return float(value) if value.ndim == 0 and np.isrealobj(value) else None
 
 
 def _scalar_constants(constvars, consts) -> dict:
@@ -187,9 +183,7 @@ def _constant_factor(eqn, ins, known: dict) -> float | None:
     if eqn.invars[w_side].aval.shape != eqn.outvars[0].aval.shape:
         return None  # the scalar broadcasts the view: not the same entries
     c = _scalar(eqn.invars[1 - w_side], known)
-    if c is None:
-        return None
-    if name == "mul":
+    if c is None or name == "mul":
         return c
     return 1.0 / c if w_side == 0 and c != 0.0 else None
 
@@ -311,10 +305,9 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                         known[inner] = value
                 known.update(_scalar_constants(sub.constvars, consts))
             if not any(o is not None for o in ins):
-                if name == "convert_element_type":  # of a scalar constant: still known
-                    value = _scalar(eqn.invars[0], known)
-                    if value is not None:
-                        known[eqn.outvars[0]] = value
+                value = _scalar(eqn.invars[0], known)
+                if name == "convert_element_type" and value is not None:  # still known
+                    known[eqn.outvars[0]] = value
                 continue
             factor = _constant_factor(eqn, ins, known)
             if factor is not None:  # W / 8, -W, c * W: a view with a factor
@@ -407,17 +400,10 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     absorbed_uses: set[int] = set()  # shift uses replaced by a fused bias
     for u, s, leaf, eqns in bias_candidates:
         use = uses[u]
-        ok = (
-            fuse_bias
-            and leaf not in bad
-            and uses_per_leaf[leaf] == 1  # this add is the bias's only use
-            and uses[s].factor == 1.0  # a scaled bias stays an elementwise shift
-            and use.leaf not in bad
-            and uses_per_leaf[use.leaf] == 1
-            and use.rule.takes_bias
-            and _bias_fusable(eqns, leaf_shapes[leaf], use)
-        )
-        if ok:  # otherwise the add stays an elementwise shift
+        alone = uses_per_leaf[leaf] == 1 and uses_per_leaf[use.leaf] == 1  # their only uses
+        # A scaled bias, or one that does not fuse, stays an elementwise shift.
+        ok = fuse_bias and alone and uses[s].factor == 1.0 and not {leaf, use.leaf} & set(bad)
+        if ok and use.rule.takes_bias and _bias_fusable(eqns, leaf_shapes[leaf], use):
             fused[u] = leaf
             absorbed_uses.add(s)
     kept_index = [u for u, use in enumerate(uses) if use.leaf not in bad and u not in absorbed_uses]
@@ -427,19 +413,12 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     groups: dict[int, list[int]] = {}
     for u, use in enumerate(kept):
         groups.setdefault(use.leaf, []).append(u)
-    absorbed = set(fused.values())
-    structured = set(groups) | absorbed
+    structured = set(groups) | set(fused.values())
     fallback = tuple(i for i in range(n_param_leaves) if i not in structured)
     reasons = tuple(bad.get(i, "not used by the model: its kernel is zero") for i in fallback)
-    return Analysis(
-        tuple(kept),
-        fallback,
-        tuple(tuple(g) for g in groups.values()),
-        biased,
-        bias_leaves,
-        reasons,
-        tuple(str(v.aval.dtype) for v in invars),
-    )
+    dtypes = tuple(str(v.aval.dtype) for v in invars)
+    groups_ = tuple(tuple(g) for g in groups.values())
+    return Analysis(tuple(kept), fallback, groups_, biased, bias_leaves, reasons, dtypes)
 
 
 def _conv_use(eqn, ins, here):
@@ -492,12 +471,8 @@ def analysis_for(
 def _bias_in_gram(analysis: Analysis, modes, u: int) -> bool:
     """Whether use ``u``'s fused bias adds 1 to its input Gram matrix (not a column)."""
     use = analysis.uses[u]
-    return (
-        bool(analysis.biased)
-        and analysis.biased[u]
-        and use.rule.bias_in_gram(use)
-        and _gram(analysis, modes, u)
-    )
+    biased = bool(analysis.biased) and analysis.biased[u]
+    return biased and use.rule.bias_in_gram(use) and _gram(analysis, modes, u)
 
 
 #: Bytes of per-sample intermediates the features phase may hold at once (:func:`chunk_size`).
@@ -510,8 +485,9 @@ def chunk_size(
     """Samples whose features are computed together: B = FEATURE_CHUNK_BYTES //
     (itemsize·((O + 2)·V + F)) in [1, N], evened to ⌈N / ⌈N / B⌉⌉ (V: values one forward
     pass writes, O: outputs per sample, F: feature values per sample)."""
-    x_one = one_sample(x)
-    analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias, precision=precision)
+    analysis, closed = analysis_for(
+        apply3, params, one_sample(x), aux, fuse_bias, precision=precision
+    )
     n = np.shape(jax.tree.leaves(x)[0])[0]
     outs = closed.out_avals  # the outputs' leaves, in out_tree's order
     out_size = sum(math.prod(o.shape) for o in outs)
@@ -533,17 +509,7 @@ def chunk_size(
 
 
 def features_in_chunks(
-    apply3,
-    params,
-    x,
-    aux,
-    out_tree,
-    fuse_bias: bool,
-    modes,
-    merge_limits,
-    chunk: int,
-    *,
-    precision: str = "highest",
+    apply3, params, x, aux, out_tree, fuse_bias, modes, merge_limits, chunk, *, precision="highest"
 ):
     """:func:`features` of ``x``, ``chunk`` samples at a time in an XLA loop."""
     return map_in_batches(
@@ -561,38 +527,33 @@ def features(
     x,
     aux,
     out_tree,
-    fuse_bias: bool = True,
+    fuse_bias=True,
     modes=None,
     merge_limits=None,
     *,
-    precision: str = "highest",
+    precision="highest",
 ):
     """Per-sample structured features of a batch, a dict of per-output-leaf lists:
     ``"fallback"`` Jacobians ``(N, *O, P_l)``, ``"explicit"`` group Jacobians ``(N, *O,
     C·K)``, ``"merged"`` (with ``merge_limits``: both merged, the others empty), ``"g"``
     per use cotangents ``(N, *O, A, K)``; ``"x"``: per use, inputs ``(N, A, C)``."""
-    x_one = one_sample(x)
-    analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias, precision=precision)
+    analysis, closed = analysis_for(
+        apply3, params, one_sample(x), aux, fuse_bias, precision=precision
+    )
     if modes is None:
         modes = ("gram",) * len(analysis.groups)
     param_leaves = jax.tree.leaves(params)
 
     def one(x_i):
-        leaves_x = jax.tree.leaves(x_i)
-        leaves_aux = jax.tree.leaves(aux)
-
         def run(fb, deltas):
             leaves = list(param_leaves)
             for i, v in zip(analysis.fallback, fb, strict=True):
                 leaves[i] = v
-            probes = {
-                use.path: use.rule.probe(use, d)
-                for use, d in zip(analysis.uses, deltas, strict=True)
-            }
+            pairs = zip(analysis.uses, deltas, strict=True)
+            probes = {u.path: u.rule.probe(u, d) for u, d in pairs}
             records: dict = {}
-            outs = _evaluate(
-                closed.jaxpr, closed.consts, leaves + leaves_x + leaves_aux, probes, records
-            )
+            args = leaves + jax.tree.leaves(x_i) + jax.tree.leaves(aux)
+            outs = _evaluate(closed.jaxpr, closed.consts, args, probes, records)
             return outs, [records[use.path] for use in analysis.uses]
 
         fb0 = [param_leaves[i] for i in analysis.fallback]
@@ -617,57 +578,52 @@ def features(
             v = v.astype(dtype)
         return v if factor == 1.0 else v * factor
 
-    def batch(xb):
-        jac, xs = jax.vmap(one)(xb)
-        j_fb = [pair[0] for pair in jac]
-        j_d = [
-            [prepared(g, w, f) for g, w, f in zip(pair[1], work, g_factors, strict=True)]
-            for pair in jac
-        ]
-        xs = [prepared(v, w, f) for v, w, f in zip(xs, work, x_factors, strict=True)]
-        # Per use: its Gram-form inputs, or what its explicit Jacobian reads of them.
-        x_mats = []
-        for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True)):
-            bias_column = b and not _bias_in_gram(analysis, modes, u)
-            if _gram(analysis, modes, u):
-                x_mats.append(use.rule.input_features(use, xu, bias_column))
-            else:
-                x_mats.append(use.rule.jacobian_input(use, xu, bias_column))
-        fallback, explicit, merged, g = [], [], [], []
-        for k, o in enumerate(out_shapes):
-            o_ndim = len(o.shape)  # (N, *O)
-            fb_k = [j.reshape(j.shape[:o_ndim] + (-1,)) for j in j_fb[k]]
-            per_use = []
-            for use, gu in zip(analysis.uses, j_d[k], strict=True):
-                # gu: (N, *O, *y) -> (N, *O, A, K)
-                lead = gu.shape[:o_ndim]
-                perm = tuple(range(o_ndim)) + tuple(o_ndim + a for a in use.y_perm)
-                gu = jnp.transpose(gu, perm).reshape(lead + (use.a_size, use.w_free_size))
-                per_use.append(gu)
-            per_group = []
-            for group, mode in zip(analysis.groups, modes, strict=True):
-                if mode != "explicit":
-                    continue
-                total = None
-                for u in group:
-                    use = analysis.uses[u]
-                    j = use.rule.jacobian(use, x_mats[u], per_use[u], biased[u])
-                    total = j if total is None else total + j
-                leaf_dtype = leaf_dtypes[analysis.uses[group[0]].leaf]
-                per_group.append(total.reshape(total.shape[:o_ndim] + (-1,)).astype(leaf_dtype))
-            if merge_limits is None:
-                fallback.append(fb_k)
-                explicit.append(per_group)
-                merged.append([])
-            else:
-                fallback.append([])
-                explicit.append([])
-                merged.append(_jacobian.merge(fb_k + per_group, merge_limits[k]))
-            g.append([gu if _gram(analysis, modes, u) else None for u, gu in enumerate(per_use)])
-        x_out = [xm if _gram(analysis, modes, u) else None for u, xm in enumerate(x_mats)]
-        return {"fallback": fallback, "explicit": explicit, "merged": merged, "x": x_out, "g": g}
-
-    return batch(x)
+    jac, xs = jax.vmap(one)(x)
+    j_fb = [pair[0] for pair in jac]
+    j_d = [
+        [prepared(g, w, f) for g, w, f in zip(pair[1], work, g_factors, strict=True)]
+        for pair in jac
+    ]
+    xs = [prepared(v, w, f) for v, w, f in zip(xs, work, x_factors, strict=True)]
+    # Per use: its Gram-form inputs, or what its explicit Jacobian reads of them.
+    x_mats = []
+    for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True)):
+        bias_column = b and not _bias_in_gram(analysis, modes, u)
+        if _gram(analysis, modes, u):
+            x_mats.append(use.rule.input_features(use, xu, bias_column))
+        else:
+            x_mats.append(use.rule.jacobian_input(use, xu, bias_column))
+    fallback, explicit, merged, g = [], [], [], []  # per output leaf
+    for k, o in enumerate(out_shapes):
+        o_ndim = len(o.shape)  # (N, *O)
+        fb_k = [j.reshape(j.shape[:o_ndim] + (-1,)) for j in j_fb[k]]
+        per_use = []
+        for use, gu in zip(analysis.uses, j_d[k], strict=True):
+            # gu: (N, *O, *y) -> (N, *O, A, K)
+            lead = gu.shape[:o_ndim]
+            perm = tuple(range(o_ndim)) + tuple(o_ndim + a for a in use.y_perm)
+            gu = jnp.transpose(gu, perm).reshape(lead + (use.a_size, use.w_free_size))
+            per_use.append(gu)
+        per_group = []
+        for group, mode in zip(analysis.groups, modes, strict=True):
+            if mode != "explicit":
+                continue
+            total = None
+            for u in group:
+                use = analysis.uses[u]
+                j = use.rule.jacobian(use, x_mats[u], per_use[u], biased[u])
+                total = j if total is None else total + j
+            leaf_dtype = leaf_dtypes[analysis.uses[group[0]].leaf]
+            per_group.append(total.reshape(total.shape[:o_ndim] + (-1,)).astype(leaf_dtype))
+        if merge_limits is None:
+            parts = (fb_k, per_group, [])
+        else:
+            parts = ([], [], _jacobian.merge(fb_k + per_group, merge_limits[k]))
+        for dest, part in zip((fallback, explicit, merged), parts, strict=True):
+            dest.append(part)
+        g.append([gu if _gram(analysis, modes, u) else None for u, gu in enumerate(per_use)])
+    x_out = [xm if _gram(analysis, modes, u) else None for u, xm in enumerate(x_mats)]
+    return {"fallback": fallback, "explicit": explicit, "merged": merged, "x": x_out, "g": g}
 
 
 def _gram(analysis: Analysis, modes, u: int) -> bool:
@@ -678,8 +634,7 @@ def _gram(analysis: Analysis, modes, u: int) -> bool:
 
 
 def _fresh_letters(used: str, n: int) -> list[str]:
-    free = [c for c in string.ascii_letters if c not in used]
-    return free[:n]
+    return [c for c in string.ascii_letters if c not in used][:n]
 
 
 def contract(layouts, structure: Structure, analysis, f1, f2, precision):
@@ -688,59 +643,35 @@ def contract(layouts, structure: Structure, analysis, f1, f2, precision):
     kernels = []
     for k, layout in enumerate(layouts):
         lhs, rhs, out = layout.specs(n_contracted=1)
-        n1_shape = next(
-            a.shape[: layout.ndim]
-            for a in (
-                list(f1["fallback"][k])
-                + list(f1["explicit"][k])
-                + list(f1["merged"][k])
-                + [gu for gu in f1["g"][k] if gu is not None]
-            )
-        )
-        size = layout.trace_size(n1_shape)
+        kinds = ("fallback", "explicit", "merged", "g")
+        first = next(a for kind in kinds for a in f1[kind][k] if a is not None)
+        size = layout.trace_size(first.shape[: layout.ndim])
         per_leaf = [None] * structure.n_leaves
 
         def jacobian_term(a, b, specs=(lhs, rhs, out), size=size):
             return _jacobian.pair_einsum(*specs, a, b, precision) / size
 
         # Merged Jacobians (fallback leaves and explicit groups, not split per leaf).
-        merged = [
-            jacobian_term(a, b) for a, b in zip(f1["merged"][k], f2["merged"][k], strict=True)
-        ]
+        pairs = zip(f1["merged"][k], f2["merged"][k], strict=True)
+        merged = [jacobian_term(a, b) for a, b in pairs]
         if not merged:
-            for leaf, a, b in zip(
-                structure.fallback, f1["fallback"][k], f2["fallback"][k], strict=True
-            ):
+            pairs = zip(f1["fallback"][k], f2["fallback"][k], strict=True)
+            for leaf, (a, b) in zip(structure.fallback, pairs, strict=True):
                 per_leaf[leaf] = jacobian_term(a, b)
         lo, ro, _ = layout.specs()
-        ia, ib, c, kk = _fresh_letters(lo + ro + out, 4)
-        letters = Subscripts(lo, ro, out, ia, ib, c, kk)
-        explicit_index = 0
-        for leaf, group, mode in zip(
-            structure.group_leaves, structure.groups, structure.modes, strict=True
-        ):
+        letters = Subscripts(lo, ro, out, *_fresh_letters(lo + ro + out, 4))
+        explicit = zip(f1["explicit"][k], f2["explicit"][k], strict=True)
+        x1, x2, g1, g2 = f1["x"], f2["x"], f1["g"][k], f2["g"][k]
+        for group, leaf, mode in zip(*structure[2:], strict=True):  # groups, leaves, modes
             if mode == "explicit":
-                if merged:
-                    continue
-                a = f1["explicit"][k][explicit_index]
-                b = f2["explicit"][k][explicit_index]
-                explicit_index += 1
-                per_leaf[leaf] = jacobian_term(a, b)
+                if not merged:
+                    per_leaf[leaf] = jacobian_term(*next(explicit))
                 continue
             total = None
             for u, v in itertools.product(group, group):
-                use, use_v = analysis.uses[u], analysis.uses[v]
-                term = use.rule.gram_term(
-                    use,
-                    use_v,
-                    f1["x"][u],
-                    f2["x"][v],
-                    f1["g"][k][u],
-                    f2["g"][k][v],
-                    letters,
-                    precision,
-                    _bias_in_gram(analysis, structure.modes, u),
-                )
+                use, plus_one = analysis.uses[u], _bias_in_gram(analysis, structure.modes, u)
+                args = (x1[u], x2[v], g1[u], g2[v], letters, precision, plus_one)
+                term = use.rule.gram_term(use, analysis.uses[v], *args)
                 total = term if total is None else total + term
             per_leaf[leaf] = (total / size).astype(analysis.leaf_dtypes[leaf])
         # None: fused biases, and leaves in the merged Jacobians.

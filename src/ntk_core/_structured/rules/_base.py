@@ -96,6 +96,11 @@ class Rule(abc.ABC):
     def miss_reason(self, eqn, ins: list) -> str:
         """Why :meth:`match` returned None (``plan()`` shows it)."""
 
+    def use(self, kind, here, leaf, x_side, key, y, y_perm, sizes, info, factor) -> Use:
+        """The :class:`Use` of probed variable ``y``; ``sizes``: (A, K, C)."""
+        shape, dtype = tuple(y.aval.shape), str(y.aval.dtype)
+        return Use(self, kind, here, leaf, x_side, key, shape, dtype, y_perm, *sizes, info, factor)
+
     def bias_target(self, eqn, use: Use):
         """The variable a bias use adds to, which may fuse with its product, or None."""
         return None

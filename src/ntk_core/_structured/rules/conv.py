@@ -16,7 +16,7 @@ from jax import lax
 from ntk_core._blocked.barrier import barrier
 from ntk_core._jax.batches import map_in_batches
 from ntk_core._jax.jaxpr_walk import bind
-from ntk_core._structured.rules._base import Rule, Use, broadcast_reason, broadcasts, scaled
+from ntk_core._structured.rules._base import Rule, broadcast_reason, broadcasts, scaled
 
 #: Patch values formed at once for per-sample Jacobians (a few MiB: stays in cache).
 PATCH_CHUNK_VALUES = 2**19
@@ -88,31 +88,16 @@ class ConvRule(Rule):
         c_in = w_shape[rhs_spec[1]]
         y_shape = tuple(eqn.outvars[0].aval.shape)
         out_spatial = tuple(y_shape[d] for d in out_spec[2:])
-        geometry = ConvGeometry(
-            lhs_spec=lhs_spec,
-            window=window,
-            strides=tuple(p["window_strides"]),
-            padding=tuple(tuple(int(v) for v in pad) for pad in p["padding"]),
-            lhs_dilation=tuple(p["lhs_dilation"] or (1,) * len(window)),
-            rhs_dilation=tuple(p["rhs_dilation"] or (1,) * len(window)),
-            out_spatial=out_spatial,
-        )
-        return Use(
-            rule=self,
-            kind="conv",
-            path=here,
-            leaf=ins[1].leaf,
-            x_side=0,
-            key=("conv", chain, rhs_spec, w_shape),
-            y_shape=y_shape,
-            y_dtype=str(eqn.outvars[0].aval.dtype),
-            y_perm=(out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],),
-            a_size=y_shape[out_spec[0]] * math.prod(out_spatial),
-            w_free_size=w_shape[rhs_spec[0]],
-            x_contract_size=c_in * math.prod(window),
-            info=geometry,
-            factor=factor,
-        )
+        padding = tuple(tuple(int(v) for v in pad) for pad in p["padding"])
+        dilations = (tuple(p[k] or (1,) * len(window)) for k in ("lhs_dilation", "rhs_dilation"))
+        strides = tuple(p["window_strides"])
+        geometry = ConvGeometry(lhs_spec, window, strides, padding, *dilations, out_spatial)
+        y_perm = (out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],)
+        sizes = (y_shape[out_spec[0]] * math.prod(out_spatial), w_shape[rhs_spec[0]])
+        sizes += (c_in * math.prod(window),)
+        key = ("conv", chain, rhs_spec, w_shape)
+        y = eqn.outvars[0]
+        return self.use("conv", here, ins[1].leaf, 0, key, y, y_perm, sizes, geometry, factor)
 
     def miss_reason(self, eqn, ins):
         reason = broadcast_reason(eqn, ins)

@@ -45,22 +45,12 @@ class DotRule(Rule):
             y_perm = tuple(range(y_ndim))
         else:
             y_perm = tuple(range(len(w_free), y_ndim)) + tuple(range(len(w_free)))
-        return Use(
-            rule=self,
-            kind="dot",
-            path=here,
-            leaf=ins[w_side].leaf,
-            x_side=x_side,
-            key=("dot", chain, w_contract, w_free, x_side),
-            y_shape=tuple(eqn.outvars[0].aval.shape),
-            y_dtype=str(eqn.outvars[0].aval.dtype),
-            y_perm=y_perm,
-            a_size=math.prod(x_var.aval.shape[a] for a in x_free),
-            w_free_size=math.prod(w_var.aval.shape[a] for a in w_free),
-            x_contract_size=math.prod(x_var.aval.shape[a] for a in x_contract),
-            info=DotAxes(x_free, x_contract),
-            factor=factor,
-        )
+        shape = x_var.aval.shape
+        a, c = math.prod(shape[d] for d in x_free), math.prod(shape[d] for d in x_contract)
+        sizes = (a, math.prod(w_var.aval.shape[d] for d in w_free), c)
+        key, info = ("dot", chain, w_contract, w_free, x_side), DotAxes(x_free, x_contract)
+        y = eqn.outvars[0]
+        return self.use("dot", here, ins[w_side].leaf, x_side, key, y, y_perm, sizes, info, factor)
 
     def miss_reason(self, eqn, ins):
         reason = broadcast_reason(eqn, ins)

@@ -6,6 +6,7 @@ operand v, so the reverse pass reduces it; always the explicit form (C = 1), in 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -54,22 +55,11 @@ class ElementwiseRule(Rule):
             return None  # a leaf entry repeated over units (or missing): fall back
         order = np.argsort(row)
         leaf_order = () if np.array_equal(order, np.arange(size)) else tuple(int(i) for i in order)
-        return Use(
-            rule=self,
-            kind="scale" if eqn.primitive.name == "mul" else "shift",
-            path=here,
-            leaf=view.leaf,
-            x_side=1 - w_side,
-            key=("elementwise", tuple(leaf_shape)),
-            y_shape=v_shape,  # the probe's shape: the operand's, not the output's
-            y_dtype=str(eqn.invars[w_side].aval.dtype),
-            y_perm=v_perm,
-            a_size=a_size,
-            w_free_size=size,
-            x_contract_size=1,
-            info=Broadcast(w_side, leaf_order),
-            factor=factor,
-        )
+        kind = "scale" if eqn.primitive.name == "mul" else "shift"
+        key, info = ("elementwise", tuple(leaf_shape)), Broadcast(w_side, leaf_order)
+        y = eqn.invars[w_side]  # the probe sits on the parameter operand
+        sizes = (a_size, size, 1)
+        return self.use(kind, here, view.leaf, 1 - w_side, key, y, v_perm, sizes, info, factor)
 
     def miss_reason(self, eqn, ins):
         name = eqn.primitive.name
@@ -98,9 +88,7 @@ class ElementwiseRule(Rule):
         return j[..., np.asarray(leaf_order)] if leaf_order else j
 
     def label(self, uses):
-        counts: dict[str, int] = {}
-        for use in uses:
-            counts[use.name] = counts.get(use.name, 0) + 1
+        counts = collections.Counter(use.name for use in uses)  # first-seen order
         return " and ".join(n if c == 1 else f"{c} {n}s" for n, c in counts.items())
 
 

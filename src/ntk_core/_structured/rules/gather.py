@@ -53,22 +53,10 @@ class GatherRule(Rule):
         )
         if not ok:
             return None
-        return Use(
-            rule=self,
-            kind="gather",
-            path=here,
-            leaf=ins[0].leaf,
-            x_side=1,
-            key=("gather", chain, table),
-            y_shape=y_shape,
-            y_dtype=str(eqn.outvars[0].aval.dtype),
-            y_perm=tuple(range(len(y_shape))),
-            a_size=math.prod(idx_shape[:-1]),
-            w_free_size=table[1],
-            x_contract_size=table[0],
-            info=Lookup(mode),
-            factor=factor,
-        )
+        sizes = (math.prod(idx_shape[:-1]), table[1], table[0])
+        key, y_perm = ("gather", chain, table), tuple(range(len(y_shape)))
+        y, info = eqn.outvars[0], Lookup(mode)
+        return self.use("gather", here, ins[0].leaf, 1, key, y, y_perm, sizes, info, factor)
 
     def miss_reason(self, eqn, ins):
         reason = broadcast_reason(eqn, ins)
