@@ -189,11 +189,10 @@ class WholeBatch:
 
     def __str__(self) -> str:
         pieces = -(-self.cotangents // self.chunk)
+        res, per = human_bytes(self.residual_bytes), human_bytes(self.cotangent_bytes)
         return (
-            f"whole batch (vmap_axes=None): {self.cotangents} output cotangents pulled "
-            f"back {self.chunk} at a time ({pieces} chunks; residuals "
-            f"{human_bytes(self.residual_bytes)}, {human_bytes(self.cotangent_bytes)} per "
-            f"cotangent)"
+            f"whole batch (vmap_axes=None): {self.cotangents} output cotangents pulled back "
+            f"{self.chunk} at a time ({pieces} chunks; residuals {res}, {per} per cotangent)"
         )
 
 
@@ -246,8 +245,7 @@ RATES = {
 
 
 def rates_for(backend: str | None = None) -> Rates:
-    backend = backend or jax.default_backend()
-    return RATES["cpu"] if backend == "cpu" else RATES["gpu"]
+    return RATES["cpu" if (backend or jax.default_backend()) == "cpu" else "gpu"]
 
 
 @dataclasses.dataclass(frozen=True)

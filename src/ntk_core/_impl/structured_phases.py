@@ -60,7 +60,8 @@ def pair_terms(config) -> int:
     structure = config.structure
     fallback, groups, modes = structure.fallback, structure.groups, structure.modes
     return len(fallback) + sum(
-        1 if mode == "explicit" else 2 * len(g) ** 2 for g, mode in zip(groups, modes, strict=True)
+        1 if mode == _structured.EXPLICIT else 2 * len(g) ** 2
+        for g, mode in zip(groups, modes, strict=True)
     )
 
 
@@ -85,10 +86,10 @@ def structured_estimate(call: Call) -> CostEstimate:
             use = analysis.uses[u]
             a, c, k = use.a_size, analysis.input_size(u), use.w_free_size
             per_sample_flops += use.rule.input_flops(a, c)  # e.g. convolution patches
-            if mode == "explicit":
+            if mode == _structured.EXPLICIT:
                 per_sample_flops += 2.0 * out_total * a * c * k
                 explicit_flops += 2.0 * out_total * a * c * k
-        if mode == "explicit":
+        if mode == _structured.EXPLICIT:
             use = analysis.uses[group[0]]
             per_sample += out_total * analysis.input_size(group[0]) * use.w_free_size
             per_pair += explicit

@@ -7,6 +7,7 @@ to its explicit Jacobian. Per leaf, :func:`choose_modes` picks the Gram or expli
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -33,6 +34,7 @@ from ntk_core._structured.rules.conv import patches as patches
 
 _VIEW_PRIMITIVES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p"})
 
+GRAM, EXPLICIT = "gram", "explicit"  # the two forms of a structured leaf's kernel
 #: ``plan()`` name of each kind of use.
 KIND_NAMES = {kind: name for rule in _rules.REGISTRY for kind, name in rule.kind_names.items()}
 
@@ -64,7 +66,7 @@ class Analysis:
             fallback=self.fallback,
             groups=self.groups,
             group_leaves=tuple(self.uses[g[0]].leaf for g in self.groups),
-            modes=("gram",) * len(self.groups) if modes is None else tuple(modes),
+            modes=(GRAM,) * len(self.groups) if modes is None else tuple(modes),
         )
 
     def input_size(self, u: int) -> int:
@@ -109,7 +111,7 @@ def pair_costs(analysis: Analysis, group, o_pair: int, o_out: int) -> tuple[floa
 def choose_modes(analysis: Analysis, o_pair: int, o_out: int) -> tuple[str, ...]:
     """Per group, ``"gram"`` or ``"explicit"``: the cheaper by :func:`pair_costs`."""
     costs = (pair_costs(analysis, group, o_pair, o_out) for group in analysis.groups)
-    return tuple("explicit" if explicit < gram else "gram" for gram, explicit in costs)
+    return tuple(EXPLICIT if explicit < gram else GRAM for gram, explicit in costs)
 
 
 def method_labels(analysis: Analysis, modes) -> dict[int, str]:
@@ -119,7 +121,7 @@ def method_labels(analysis: Analysis, modes) -> dict[int, str]:
     for group, mode in zip(analysis.groups, modes, strict=True):
         uses = [analysis.uses[u] for u in group]
         label = uses[0].rule.label(uses)
-        if mode == "explicit":
+        if mode == EXPLICIT:
             label += ", per-sample Jacobian"
         methods[uses[0].leaf] = f"structured ({label})"
     for u, leaf in enumerate(analysis.bias_leaves):
@@ -147,13 +149,10 @@ def _bias_fusable(eqns, leaf_shape, use: Use) -> bool:
 _PRIMITIVE_REASONS = {
     p: f"passed through a function with a custom derivative ({p[:10]})"
     for p in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
-} | {
-    p: f"used inside a {kind} ({name}), which is not analysed"
-    for p, kind, name in (
-        ("scan", "loop", "scan"),
-        ("while", "loop", "while_loop"),
-        ("cond", "branch", "cond"),
-    )
+}
+_LOOPS = {"scan": ("loop", "scan"), "while": ("loop", "while_loop"), "cond": ("branch", "cond")}
+_PRIMITIVE_REASONS |= {
+    p: f"used inside a {k} ({n}), which is not analysed" for p, (k, n) in _LOOPS.items()
 }
 
 
@@ -217,8 +216,7 @@ _LIBRARIES = ("jax", "jaxlib", "ntk_core", "ntk_flax", "ntk_haiku", "flax", "hai
 
 
 def _library_roots() -> tuple[str, ...]:
-    files = tuple(getattr(sys.modules.get(name), "__file__", None) for name in _LIBRARIES)
-    return _roots(files)
+    return _roots(tuple(getattr(sys.modules.get(name), "__file__", None) for name in _LIBRARIES))
 
 
 @functools.lru_cache(maxsize=8)
@@ -494,7 +492,7 @@ def chunk_size(
     leaves = jax.tree.leaves(params)
     width = sum(math.prod(np.shape(leaves[i])) for i in analysis.fallback)
     for group, mode in zip(analysis.groups, modes, strict=True):
-        if mode == "explicit":
+        if mode == EXPLICIT:
             width += analysis.input_size(group[0]) * analysis.uses[group[0]].w_free_size
     gram_values = sum(
         use.a_size * (analysis.input_size(u) + out_size * use.w_free_size)
@@ -506,6 +504,12 @@ def chunk_size(
     most = int(min(n, max(1, FEATURE_CHUNK_BYTES // max(itemsize * values, 1))))
     pieces = -(-n // most)
     return -(-n // pieces)  # balanced: the overlapping last chunk repeats < pieces samples
+
+
+#: Per output leaf: fallback Jacobians ``(N, *O, P_l)``, explicit groups' ``(N, *O, C·K)``
+#: (with ``merge_limits``: both in ``merged``), per use cotangents ``g`` ``(N, *O, A, K)``;
+#: per use, inputs ``x`` ``(N, A, C)`` (in ``x`` and ``g``, None for explicit groups).
+Features = collections.namedtuple("Features", "fallback explicit merged x g")
 
 
 def features_in_chunks(
@@ -533,15 +537,12 @@ def features(
     *,
     precision="highest",
 ):
-    """Per-sample structured features of a batch, a dict of per-output-leaf lists:
-    ``"fallback"`` Jacobians ``(N, *O, P_l)``, ``"explicit"`` group Jacobians ``(N, *O,
-    C·K)``, ``"merged"`` (with ``merge_limits``: both merged, the others empty), ``"g"``
-    per use cotangents ``(N, *O, A, K)``; ``"x"``: per use, inputs ``(N, A, C)``."""
+    """Per-sample structured features of a batch (:class:`Features`)."""
     analysis, closed = analysis_for(
         apply3, params, one_sample(x), aux, fuse_bias, precision=precision
     )
     if modes is None:
-        modes = ("gram",) * len(analysis.groups)
+        modes = (GRAM,) * len(analysis.groups)
     param_leaves = jax.tree.leaves(params)
 
     def one(x_i):
@@ -606,7 +607,7 @@ def features(
             per_use.append(gu)
         per_group = []
         for group, mode in zip(analysis.groups, modes, strict=True):
-            if mode != "explicit":
+            if mode != EXPLICIT:
                 continue
             total = None
             for u in group:
@@ -623,13 +624,13 @@ def features(
             dest.append(part)
         g.append([gu if _gram(analysis, modes, u) else None for u, gu in enumerate(per_use)])
     x_out = [xm if _gram(analysis, modes, u) else None for u, xm in enumerate(x_mats)]
-    return {"fallback": fallback, "explicit": explicit, "merged": merged, "x": x_out, "g": g}
+    return Features(fallback, explicit, merged, x_out, g)
 
 
 def _gram(analysis: Analysis, modes, u: int) -> bool:
     for group, mode in zip(analysis.groups, modes, strict=True):
         if u in group:
-            return mode == "gram"
+            return mode == GRAM
     return True
 
 
@@ -639,12 +640,12 @@ def _fresh_letters(used: str, n: int) -> list[str]:
 
 def contract(layouts, structure: Structure, analysis, f1, f2, precision):
     """Per output leaf, each parameter leaf's kernel (they sum to the NTK), led by the
-    merged Jacobians' kernels when ``f1["merged"]`` holds them."""
+    merged Jacobians' kernels when ``f1.merged`` holds them."""
     kernels = []
     for k, layout in enumerate(layouts):
         lhs, rhs, out = layout.specs(n_contracted=1)
-        kinds = ("fallback", "explicit", "merged", "g")
-        first = next(a for kind in kinds for a in f1[kind][k] if a is not None)
+        kinds = (f1.fallback, f1.explicit, f1.merged, f1.g)
+        first = next(a for kind in kinds for a in kind[k] if a is not None)
         size = layout.trace_size(first.shape[: layout.ndim])
         per_leaf = [None] * structure.n_leaves
 
@@ -652,18 +653,18 @@ def contract(layouts, structure: Structure, analysis, f1, f2, precision):
             return _jacobian.pair_einsum(*specs, a, b, precision) / size
 
         # Merged Jacobians (fallback leaves and explicit groups, not split per leaf).
-        pairs = zip(f1["merged"][k], f2["merged"][k], strict=True)
+        pairs = zip(f1.merged[k], f2.merged[k], strict=True)
         merged = [jacobian_term(a, b) for a, b in pairs]
         if not merged:
-            pairs = zip(f1["fallback"][k], f2["fallback"][k], strict=True)
+            pairs = zip(f1.fallback[k], f2.fallback[k], strict=True)
             for leaf, (a, b) in zip(structure.fallback, pairs, strict=True):
                 per_leaf[leaf] = jacobian_term(a, b)
         lo, ro, _ = layout.specs()
         letters = Subscripts(lo, ro, out, *_fresh_letters(lo + ro + out, 4))
-        explicit = zip(f1["explicit"][k], f2["explicit"][k], strict=True)
-        x1, x2, g1, g2 = f1["x"], f2["x"], f1["g"][k], f2["g"][k]
+        explicit = zip(f1.explicit[k], f2.explicit[k], strict=True)
+        x1, x2, g1, g2 = f1.x, f2.x, f1.g[k], f2.g[k]
         for group, leaf, mode in zip(*structure[2:], strict=True):  # groups, leaves, modes
-            if mode == "explicit":
+            if mode == EXPLICIT:
                 if not merged:
                     per_leaf[leaf] = jacobian_term(*next(explicit))
                 continue

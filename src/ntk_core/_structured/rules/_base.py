@@ -5,6 +5,7 @@ parameter views and the Gram term (notation: :mod:`ntk_core._structured.rules`).
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -63,17 +64,9 @@ class Use:
         return self.rule.kind_names[self.kind]
 
 
-class Subscripts(NamedTuple):
-    """Einsum letters of a pairwise term: cotangents' leading axes (sample first), the
-    kernel's, positions of each side, coordinates, units."""
-
-    left: str
-    right: str
-    out: str
-    a: str
-    b: str
-    c: str
-    k: str
+#: Einsum letters of a pairwise term: each side's cotangent leading axes (sample first),
+#: the kernel's, each side's positions, coordinates, units.
+Subscripts = collections.namedtuple("Subscripts", "left right out a b c k")
 
 
 class Rule(abc.ABC):
