@@ -303,9 +303,10 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                         known[inner] = value
                 known.update(_scalar_constants(sub.constvars, consts))
             if not any(o is not None for o in ins):
-                value = _scalar(eqn.invars[0], known)
-                if name == "convert_element_type" and value is not None:  # still known
-                    known[eqn.outvars[0]] = value
+                if name == "convert_element_type":  # of a scalar constant: still known
+                    value = _scalar(eqn.invars[0], known)
+                    if value is not None:
+                        known[eqn.outvars[0]] = value
                 continue
             factor = _constant_factor(eqn, ins, known)
             if factor is not None:  # W / 8, -W, c * W: a view with a factor
