@@ -1,6 +1,4 @@
-"""The implementations (Jacobian contraction, NTK-vector products, structured
-derivatives) and their cost: the registry's entries, in the order ``plan()`` lists them
-(see :mod:`ntk_core._impl.registry` for how to add one)."""
+"""The implementations and their cost; the registry's entries, in ``plan()``'s order."""
 
 from ntk_core._impl.jacobian_phases import JACOBIAN
 from ntk_core._impl.nngp_phases import NNGP

@@ -1,6 +1,4 @@
-"""What an implementation is: :class:`Impl`, a typed bundle of pure functions and of
-what it can do (as optax's ``GradientTransformation``), one per module
-(:mod:`ntk_core._impl.registry` lists them), and the pieces their contractions share."""
+"""What an implementation is (:class:`Impl`) and the pieces their contractions share."""
 
 from __future__ import annotations
 
@@ -14,18 +12,13 @@ from jax import lax
 
 #: The ``precision`` option as ``lax.Precision``, for the contractions' einsums.
 PRECISION = {
-    "highest": lax.Precision.HIGHEST,
-    "high": lax.Precision.HIGH,
-    "default": lax.Precision.DEFAULT,
+    p.name.lower(): p for p in (lax.Precision.HIGHEST, lax.Precision.HIGH, lax.Precision.DEFAULT)
 }
 
 
 class StructureHooks(NamedTuple):
-    """What the planner asks of the structured analysis, given by the implementation
-    that runs on it: ``analyse(apply3, params, x_one, aux, fuse_bias, precision=)``
-    (:func:`ntk_core._structured.analysis.analysis_for`), ``modes(analysis, o_pair,
-    o_out)`` (Gram or explicit per leaf group) and ``labels(analysis, modes)`` (each
-    leaf's method, for ``plan()``)."""
+    """The structured analysis' hooks the planner calls (``analysis_for``,
+    ``choose_modes``, ``method_labels`` of :mod:`ntk_core._structured.analysis`)."""
 
     analyse: Callable
     modes: Callable
@@ -33,71 +26,38 @@ class StructureHooks(NamedTuple):
 
 
 class Impl(NamedTuple):
-    """One implementation of the kernel: its two phases and its capabilities.
+    """One implementation: its two pure, module-level phases and its capabilities
+    (``config``: the call's static :class:`~ntk_core._kernel.pipeline.Config`)."""
 
-    ``config`` below is the call's :class:`~ntk_core._kernel.pipeline.Config` (static,
-    hashable); the functions are pure and module-level, so that their compilations are
-    shared by every kernel function of the same model and configuration.
-
-    Attributes:
-      name: the ``implementation`` option that selects it (``"nngp"``: the NNGP's
-        outputs, selected by the kernel kind).
-      title: what the messages call it, e.g. ``"NTK-vector products"``.
-      features: ``features(apply3, config, chunks)`` -> the jitted first phase
-        ``features(params, x, aux)`` (per-sample features of a block, batch axis 0),
-        or None for an implementation without features; ``chunks``: a dict the phase
-        may cache its chunk sizes in. None: no features, the tiles start from the inputs.
-      contract: the second phase, traced inside the jitted tile. With features:
-        ``contract(fa, fb, *, config)`` -> the kernel pytree of a row block's features
-        ``fa`` and a column block's ``fb`` (None: the Gram matrix of ``fa``). Without:
-        ``contract(params, xa, xb, aux, *, apply3, config)``, from the inputs.
-      separates_leaves: computes per-parameter-leaf kernels (``ntk_per_leaf``).
-      whole_batch_as: the implementation that computes it with ``vmap_axes=None``: its
-        own name, or another's when it needs samples to be independent.
-      cotangent_chunks: with ``vmap_axes=None`` it pulls the output cotangents back in
-        chunks of the whole-batch memory model (``plan()`` shows them).
-      estimate: ``estimate(call) -> CostEstimate`` (:class:`ntk_core._impl.cost.Call`):
-        its analytic cost, for ``"auto"`` and ``plan()``.
-      analysis: the :class:`StructureHooks` of an implementation that runs on the
-        structured analysis (its per-leaf modes are planned), else None.
-      pair_terms: ``pair_terms(config)`` -> the kernel-sized temporaries a tile holds
-        per pair of samples (the blocked engine's working bytes), or None for one
-        without features (the tile and the outputs' O x O products).
-      model_failure: ``model_failure(spec, checked, params, x1, x2, aux)`` -> the
-        exception the model raises when traced inside this implementation's
-        transformations (on one sample; nothing runs), or None; the field is None
-        when every model that validates can run.
-      failure_message: ``failure_message(fn_name, error)`` -> the message refusing
-        the explicit choice of this implementation after ``model_failure``.
-    """
-
-    name: str
-    title: str
+    name: str  # the implementation option ("nngp": selected by the kernel kind)
+    title: str  # what messages call it
+    # features(apply3, config, chunks) -> jitted features(params, x, aux); None: none
     features: Callable | None
+    # contract(fa, fb, *, config) (fb None: Gram matrix of fa), or without features
+    # contract(params, xa, xb, aux, *, apply3, config)
     contract: Callable
-    separates_leaves: bool
-    whole_batch_as: str
-    cotangent_chunks: bool = False
-    estimate: Callable | None = None
-    analysis: StructureHooks | None = None
-    pair_terms: Callable = lambda config: 1
+    separates_leaves: bool  # computes per-leaf kernels (ntk_per_leaf)
+    whole_batch_as: str  # what computes it with vmap_axes=None
+    cotangent_chunks: bool = False  # vmap_axes=None pulls cotangents back in chunks
+    estimate: Callable | None = None  # estimate(cost.Call) -> CostEstimate
+    analysis: StructureHooks | None = None  # runs on the structured analysis
+    pair_terms: Callable = lambda config: 1  # kernel-sized temporaries per pair in a tile
+    # model_failure(spec, checked, params, x1, x2, aux) -> the model's error, or None
     model_failure: Callable | None = None
-    failure_message: Callable | None = None
+    failure_message: Callable | None = None  # (fn_name, error) -> refusal message
 
     @property
     def uses_analysis(self) -> bool:
-        """Runs on the structured analysis (its per-leaf modes are planned)."""
         return self.analysis is not None
 
     @property
     def needs_independence(self) -> bool:
-        """Needs per-sample independence (``vmap_axes=0``) to be itself."""
         return self.whole_batch_as != self.name
 
 
 def finish(per_leaf, config):
-    """Per output leaf lists of per-parameter-leaf kernels -> the result pytree (per
-    parameter leaf for ``"ntk_per_leaf"``, summed otherwise)."""
+    """Per-output-leaf lists of per-leaf kernels -> the result pytree (summed unless
+    ``"ntk_per_leaf"``)."""
     if config.kind == "ntk_per_leaf":
         by_leaf = [
             jax.tree.unflatten(config.out_tree, [terms[i] for terms in per_leaf])

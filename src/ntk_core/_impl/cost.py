@@ -1,27 +1,9 @@
-"""Analytic cost model behind ``implementation="auto"``.
-
-FLOPs are counted from the shapes in the jaxpr of one single-sample forward pass
-(``dot_general`` and ``conv_general_dilated`` exactly, every other primitive as one
-operation per output element), never from XLA's cost analysis, which reports wrong or
--1 FLOPs on CPU and GPU. The reverse pass is split by what it differentiates
-(:class:`PassCost`): activation gradients, per-sample weight gradients of matrix
-products and of convolutions, elementwise work. ``"structured"`` needs the cotangents
-at each use (activation gradients) but not the weight gradients of its structured
-leaves, which is where it saves; per leaf it takes the cheaper of its Gram form
-Σ_{u,v} 2·A_u·A_v·(C + O'·K) (or 2·(A_u·A_v·(C + O·K) + O'·A·K) when that order is
-cheaper; a gather's token match counts C = 1, plus ``_structured.GRAM_VALUE_FLOPS`` per
-value its memory-bound einsums write when A_u·A_v > 1) and its explicit form 2·O'·C·K
-(``_structured.choose_modes``, the choice the computation makes; elementwise scales
-and shifts, C = 1, always take the explicit form). The formulas are in
+"""Analytic cost model behind ``implementation="auto"``: FLOPs counted from the shapes of
+one single-sample jaxpr (never XLA's cost analysis, wrong or -1 on CPU and GPU), split by
+what the reverse pass differentiates (:class:`PassCost`), and seconds at the backend's
+:data:`RATES`. ``"auto"`` takes the fastest estimate that fits
+:data:`JACOBIAN_MEMORY_BUDGET` (else the implementation without features). Formulas:
 :func:`estimate`.
-
-Each estimate also has a time in seconds (:func:`estimate`): FLOPs at the backend's
-matrix-product rate, per-sample convolution kernel gradients (which XLA runs as grouped
-convolutions, far below that rate on CPU) slowed by a measured factor, plus the bytes
-of features written at its memory bandwidth (:data:`RATES`), plus
-``_jacobian.EINSUM_PASS_FLOPS`` per kernel value for each separate contraction einsum.
-``"auto"`` takes the fastest estimate among those whose features fit in
-:data:`JACOBIAN_MEMORY_BUDGET` bytes (``"ntvp"`` if none does).
 """
 
 from __future__ import annotations
@@ -34,12 +16,10 @@ import jax
 from ntk_core._impl import jacobian as _jacobian
 from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._jax.jaxpr_walk import entries, is_literal, sub_jaxprs, sub_operands, values_written
-from ntk_core._units import human_bytes as human_bytes
+from ntk_core._units import human_bytes
 
-#: Bytes of per-sample Jacobians above which ``"auto"`` avoids ``"jacobian"``.
+#: Bytes of an estimate's peak memory above which ``"auto"`` avoids it.
 JACOBIAN_MEMORY_BUDGET = 4 * 2**30
-#: What ``"auto"`` takes when no estimate fits :data:`JACOBIAN_MEMORY_BUDGET`: the
-#: implementation without features (``"ntvp"``).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +29,7 @@ class LeafPlan:
     path: str  # e.g. "['Dense_0']['kernel']"
     size: int
     method: str  # "structured (1 matrix product)", "jacobian (fallback: <reason>)", "ntvp", ...
-    #: When another implementation runs (``method`` "jacobian" or "ntvp"): the method
-    #: ``implementation="structured"`` would use for this leaf ("" when not estimated).
-    structured: str = ""
+    structured: str = ""  # when another one runs: the structured method ("" unknown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +40,8 @@ class Plan:
     estimates: tuple  # CostEstimate for each implementation considered
     leaves: tuple[LeafPlan, ...]
     requested: str = ""  # the implementation option ("auto" when it chose)
-    #: With ``batch_size`` set: the blocked engine's tiles (``_blocked.Tiling``: the
-    #: block sizes ``batch_size="auto"`` picks, the tile count, the budget).
-    tiling: object = None
-    #: With ``vmap_axes=None`` and the Jacobian contraction: its :class:`WholeBatch`
-    #: (output cotangents per chunk, chunks, bytes).
-    whole_batch: object = None
+    tiling: object = None  # with batch_size: the blocked engine's _blocked.Tiling
+    whole_batch: object = None  # with vmap_axes=None and cotangent chunks: WholeBatch
 
     def __str__(self) -> str:
         how = f" (chosen by implementation={AUTO!r})" if self.requested == AUTO else ""
@@ -116,15 +90,9 @@ def _eqn_flops(eqn) -> float:
 
 
 def conv_channel_weight(eqn) -> float:
-    """1 / (C_out^1.5 · C_in^0.6) for a convolution (0 for anything else): the shape
-    of its slowdown per FLOP against a large matrix product,
-    ``Rates.conv_channel_slowdown`` times this, plus one. XLA CPU runs convolutions
-    with few channels far below its matrix-product rate; measured (2 cores, jax
-    0.10.2; NHWC, SAME, batch 32-500; C_in -> C_out, kernel: slowdown): 1 -> 6, 5x5:
-    39x; 6 -> 16, 5x5: 4x; 3 -> 16, 3x3: 8x; 16 -> 16, 3x3: 1.6x; 1 -> 64, 3x3:
-    2.1x; 32 -> 32 and 64 -> 64, 3x3: 1.1-1.2x. The fit 1 + 550 / (C_out^1.5 ·
-    C_in^0.6) is within 1.7x of each (16 -> 16: 2.6x against 1.6x). Measured in one run
-    beside another job, as ratios to that run's matrix-product rate."""
+    """1 / (C_out^1.5 · C_in^0.6) for a convolution, else 0: its slowdown per FLOP is 1 +
+    ``Rates.conv_channel_slowdown`` times this (XLA CPU, 2 cores: within 1.7x of the
+    measured 39x for 1 -> 6 channels 5x5 down to 1.1x for 64 -> 64 3x3)."""
     if eqn.primitive.name != "conv_general_dilated":
         return 0.0
     rhs_shape = eqn.invars[1].aval.shape
@@ -136,24 +104,17 @@ def conv_channel_weight(eqn) -> float:
 
 @dataclasses.dataclass
 class PassCost:
-    """FLOPs of one single-sample forward pass and of one reverse pass (one output
-    cotangent) split by what the reverse pass differentiates.
-
-    A matrix product or convolution operand that depends on the parameters gets a
-    gradient: an *activation* gradient when it depends on the input too, a per-sample
-    *weight* gradient when it depends on the parameters alone (the reverse-pass FLOPs of
-    each equal the forward FLOPs of the product). Every other operation counts one FLOP
-    per output value forward and two in the reverse pass when it depends on the
-    parameters.
-    """
+    """FLOPs of one single-sample forward pass and of one reverse pass (one cotangent):
+    a product's operand on the parameters costs its forward FLOPs as an activation
+    gradient (on the input too) or a weight gradient (on the parameters alone); any
+    other operation 1 FLOP per output value forward, 2 in reverse on the parameters."""
 
     forward: float = 0.0
     grad_activations: float = 0.0
     grad_weights_dot: float = 0.0
     grad_weights_conv: float = 0.0
     grad_elementwise: float = 0.0
-    #: Convolutions' FLOPs weighted by their few-channel slowdown less one
-    #: (:func:`conv_channel_weight`): forward, and in the activation gradient.
+    # Convolution FLOPs times conv_channel_weight: forward, activation gradient.
     conv_forward_extra: float = 0.0
     conv_activation_extra: float = 0.0
 
@@ -163,11 +124,8 @@ class PassCost:
 
 
 def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
-    """:class:`PassCost` of ``jaxpr`` whose inputs depend on (parameters, input) as
-    ``depends`` says. Sub-jaxprs (``_jaxpr_walk.sub_jaxprs``) are followed with their
-    equation's operands (``_jaxpr_walk.sub_operands``; where they do not map one to one,
-    every input depends on what any operand does), the costliest one counted (a
-    ``cond``'s branches), ``length`` times for a ``scan``'s body."""
+    """:class:`PassCost` of ``jaxpr`` with inputs on (parameters, input) per ``depends``;
+    of sub-jaxprs the costliest counts, ``length`` times for a scan."""
     cost = PassCost()
     flags: dict = dict(zip(jaxpr.invars, depends, strict=True))
 
@@ -217,11 +175,8 @@ def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
 
 @dataclasses.dataclass(frozen=True)
 class WholeBatch:
-    """Memory of differentiating the whole batch at once (``vmap_axes=None``): the
-    forward pass's residuals (V_batch values), and what each output cotangent's
-    reverse pass adds (cotangents of the live values, about V_batch / 2, and one
-    gradient of the P parameters). The Jacobian contraction pulls ``chunk``
-    cotangents back at a time."""
+    """Memory of differentiating the whole batch (``vmap_axes=None``): the residuals, and
+    per output cotangent about V_batch / 2 + P values; ``chunk`` pulled back at a time."""
 
     residual_bytes: int
     cotangent_bytes: int
@@ -234,25 +189,21 @@ class WholeBatch:
 
     def __str__(self) -> str:
         pieces = -(-self.cotangents // self.chunk)
+        res, per = human_bytes(self.residual_bytes), human_bytes(self.cotangent_bytes)
         return (
-            f"whole batch (vmap_axes=None): {self.cotangents} output cotangents pulled "
-            f"back {self.chunk} at a time ({pieces} chunks; residuals "
-            f"{human_bytes(self.residual_bytes)}, {human_bytes(self.cotangent_bytes)} per "
-            f"cotangent)"
+            f"whole batch (vmap_axes=None): {self.cotangents} output cotangents pulled back "
+            f"{self.chunk} at a time ({pieces} chunks; residuals {res}, {per} per cotangent)"
         )
 
 
 def whole_batch(
     jaxpr, n_params: int, cotangents: int, itemsize: int, budget: int, jac_bytes: int, scale=1.0
 ):
-    """The :class:`WholeBatch` of a batch's jaxpr (its values times ``scale``, for a
-    batch of another size): ``chunk`` = the cotangents whose reverse passes fit in
-    ``budget`` beside the residuals and the Jacobian (``jac_bytes``), at least 1 and at
-    most all ``cotangents`` (N·O)."""
+    """The :class:`WholeBatch` of a batch's jaxpr (values times ``scale``): ``chunk`` the
+    cotangents that fit ``budget`` beside the residuals and ``jac_bytes``, in [1, N·O]."""
     values = int(values_written(jaxpr) * scale)
     residual = values * itemsize
-    # Half the forward values per cotangent: a reverse pass holds the live ones only
-    # (Conv-64 net, 32 inputs: 401 MB measured at the chunk the full count gave 1013 MB).
+    # Half the forward values per cotangent: only the live ones (Conv-64 net: measured).
     per_cotangent = (values // 2 + n_params) * itemsize
     room = budget - residual - jac_bytes
     chunk = int(min(cotangents, max(1, room // max(per_cotangent, 1))))
@@ -261,53 +212,20 @@ def whole_batch(
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
-    """What the time estimates assume of a backend.
+    """What the time estimates assume of a backend; slowdowns are against ``flops_per_s``."""
 
-    ``flops_per_s``: dense matrix-product rate; ``bytes_per_s``: memory bandwidth;
-    ``conv_weight_grad_slowdown``: how much slower than ``flops_per_s`` per-sample
-    gradients of convolution kernels run under ``vmap`` (XLA lowers them to grouped
-    convolutions); ``conv_channel_slowdown``: the few-channel slowdown of convolutions
-    (:func:`conv_channel_weight`); ``conv_weight_grad_loop_slowdown``: a whole
-    batch's convolution kernel gradients inside an XLA loop;
-    ``explicit_jacobian_slowdown``: the explicit per-sample Jacobians of
-    ``"structured"``.
-    """
-
-    flops_per_s: float
-    bytes_per_s: float
-    conv_weight_grad_slowdown: float
-    conv_channel_slowdown: float = 0.0
-    #: How much slower than ``flops_per_s`` a whole batch's reverse pass runs the
-    #: gradient of a convolution's kernel inside an XLA loop (``lax.map``: the column
-    #: loop of ``"ntvp"`` with ``vmap_axes=None``).
-    conv_weight_grad_loop_slowdown: float = 1.0
-    #: How much slower than ``flops_per_s`` the explicit per-sample Jacobians of
-    #: ``"structured"`` (recorded inputs times cotangents, contracted over the A
-    #: positions: small batched products) run.
-    explicit_jacobian_slowdown: float = 1.0
+    flops_per_s: float  # dense matrix-product rate
+    bytes_per_s: float  # memory bandwidth
+    conv_weight_grad_slowdown: float  # per-sample conv kernel gradients under vmap
+    conv_channel_slowdown: float = 0.0  # few channels (conv_channel_weight)
+    conv_weight_grad_loop_slowdown: float = 1.0  # whole-batch kernel gradients in a loop
+    explicit_jacobian_slowdown: float = 1.0  # explicit Jacobians of "structured"
 
 
-#: CPU: float32 matrix products measured at 115-125 GFLOP/s on the 2-core CI CPU (jax
-#: 0.10.2). 10 GB/s is an assumed bandwidth (host copies of tiles measured 3-6 GB/s,
-#: so feature bytes are if anything undercounted). Per-sample convolution kernel
-#: gradients: 30-150x slower per FLOP than matrix products, derived from the measured
-#: feature-phase times of ``"jacobian"`` and ``"structured"`` on the ResNet-style CNN and
-#: LeNet (load 1-4) and their counted FLOPs; the whole batch's reverse passes vmapped
-#: over 64 cotangents (``"jacobian"``, ``vmap_axes=None``, the issue-17 conv net) ran
-#: their kernel gradients at 1/41 of the 2000x2000 matrix product's rate in the same
-#: run (14.1 ms per cotangent against 4.1 ms for one reverse pass alone, load 2); 40
-#: (was 20, the conservative end, which put that case at 1.9-3.2x). GPU: nominal
-#: figures of a data-centre GPU (not measured by this project; only their ratios matter
-#: to the choice; no loop penalty assumed). A whole batch's reverse pass inside an XLA
-#: loop: the issue-17 conv net (Conv 64 3x3 on 32 inputs 28x28x1, one output cotangent,
-#: 29 MFLOP of kernel gradient) took 2.6 ms alone and 27.8 ms per step of ``lax.map``
-#: (load 0.2-0.7; its JVP 1.4 and 1.3 ms: forward mode is not slowed), 1/115 of the
-#: matrix-product rate; the blocked whole-batch Jacobian measured 8x in a loop against
-#: alone earlier (benchmarks/README.md, ``vmap_axes=None``). 100: the conservative end. Explicit
-#: per-sample Jacobians (``"ca,oak->cok"`` per sample, in batches of a few MiB of
-#: patches): the nine convolutions of the ResNet-style CNN at N = 128, O = 10 (32 GFLOP,
-#: A = 64-1024, C = 16-576, K = 16-64) ran at 36 GFLOP/s against 84 for the 2000x2000
-#: matrix product in the same run (load 2.5-3.3; 8-70 GFLOP/s by shape): 2.4x slower.
+#: CPU: measured on the 2-core CI CPU (jax 0.10.2): matrix products 115-125 GFLOP/s;
+#: bandwidth assumed; per-sample conv kernel gradients 30-150x slower (40: the issue-17
+#: conv net ran them at 1/41); in a loop 1/115 (100); explicit Jacobians 2.4x slower
+#: (ResNet-style CNN). GPU: nominal data-centre figures (only their ratios matter).
 RATES = {
     "cpu": Rates(
         flops_per_s=1.2e11,
@@ -327,16 +245,12 @@ RATES = {
 
 
 def rates_for(backend: str | None = None) -> Rates:
-    """The :data:`RATES` of ``backend`` (default: JAX's default backend)."""
-    backend = backend or jax.default_backend()
-    return RATES["cpu"] if backend == "cpu" else RATES["gpu"]
+    return RATES["cpu" if (backend or jax.default_backend()) == "cpu" else "gpu"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CostEstimate:
-    """Estimated FLOPs, peak memory (bytes: features, the kernel, the passes in
-    flight) and time (seconds) of one implementation for one call; ``seconds`` is what
-    ``"auto"`` minimises (see :func:`estimate`)."""
+    """Estimated FLOPs, peak memory (bytes) and seconds (what ``"auto"`` minimises)."""
 
     implementation: str
     flops: float
@@ -362,54 +276,18 @@ def estimate(
     jaxpr=None,
     kernel_sizes=None,
 ):
-    """Cost estimates of ``"jacobian"``, ``"ntvp"`` and ``"structured"`` for one call.
+    """Each implementation's :class:`CostEstimate` for one call (its ``Impl.estimate``).
 
-    With the single-sample costs of :class:`PassCost` (F forward; per output cotangent
-    G_a activation gradients, G_w = G_wd + G_wc weight gradients of matrix products and
-    convolutions, G_e elementwise), O outputs per sample, O' kernel entries per pair, P
-    parameters (P_fb of them in fallback leaves) and n = N1 (+ N2 unless symmetric):
-
-    * ``"jacobian"``: n·(F + O·(G_a + G_w + G_e)) + 2·pairs·O'·P FLOPs;
-    * ``"ntvp"``: N2·(F + O·(G_a + G_w + G_e)) + pairs·O·(G_a + G_w + G_e) (each pair's
-      JVP: its tangent costs about one reverse pass; XLA hoists the primal; with
-      ``whole_batch``, the reverse passes' convolution kernel gradients run in the
-      column loop at ``conv_weight_grad_loop_slowdown``);
-    * ``"structured"``: n·(F + O·(G_a + G_e + G_w·P_fb/P)) + the per-sample work of each
-      leaf's form + pairs·(2·O'·P_fb + Σ leaf pair costs).
-
-    Seconds: FLOPs / ``flops_per_s``, with per-sample convolution kernel gradients
-    ``conv_weight_grad_slowdown`` times slower, the explicit Jacobians' products of
-    ``"structured"`` ``explicit_jacobian_slowdown`` times slower and
-    ``_jacobian.EINSUM_PASS_FLOPS`` per kernel value and separate contraction einsum
-    (narrow Jacobians are merged into one), plus the feature bytes written and read /
-    ``bytes_per_s`` (:func:`rates_for`).
-
-    Args:
-      single_fn: ``f(params, x_i, aux)`` on one sample.
-      x_one: one sample (ShapeDtypeStructs are fine).
-      pairs: pairs of samples in the kernel (N1·N2, or N on the batch diagonal).
-      out_sizes: output entries per sample, per output leaf.
-      pair_sizes: kernel entries per pair of samples (or per sample on the batch
-        diagonal), per output leaf.
-      symmetric: x2 is x1 (features computed once).
-      analysis: the structured analysis of ``single_fn`` (``_structured.Analysis``).
-      triangle: ``k(n, feature_bytes)``, the blocks of the engine's triangular
-        contraction of a symmetric Gram matrix (None: not symmetric): ``"jacobian"``
-        and ``"structured"`` contract (k + 1) / 2k of the pairs; ``"ntvp"`` (no
-        features) all of them.
-      kernel_sizes: kernel values per pair of samples, per output leaf (None: taken
-        as ``pair_sizes``, which counts a traced output axis's entries as it sums
-        them: O' = O for ``trace_axes=(-1,)`` where the kernel holds 1 value per pair).
-      jaxpr: ``single_fn``'s closed jaxpr on ``x_one``, when the caller has it (None:
-        traced here).
-      whole_batch: the :class:`WholeBatch` of ``vmap_axes=None`` (None: per sample).
-        Each output cotangent's reverse pass then runs over the whole batch, N times
-        the work of one sample's (N·O of them: N²·O per-sample reverse passes), and
-        its memory is added to ``"jacobian"``'s (residuals and the cotangents in
-        flight) and ``"ntvp"``'s (residuals and one cotangent).
-
-    Returns:
-      Estimates for ``"jacobian"``, ``"ntvp"`` and ``"structured"``.
+    With F forward FLOPs, per cotangent G_a activation, G_w weight and G_e elementwise
+    gradient FLOPs (:class:`PassCost`), O outputs per sample, O' kernel entries per pair
+    (``pair_sizes``), P parameters and n = N1 (+ N2 unless ``symmetric``): ``"jacobian"``
+    n·(F + O·G) + 2·pairs·O'·P; ``"ntvp"`` N2·(F + O·G) + pairs·O·G; ``"structured"``
+    n·(F + O·(G_a + G_e + G_w·P_fb/P)) + per-leaf forms. Seconds: FLOPs at
+    :class:`Rates`, slow kinds slowed, ``_jacobian.EINSUM_PASS_FLOPS`` per kernel value
+    and einsum, feature bytes at ``bytes_per_s``. ``triangle(n, bytes)``: the blocks of
+    a Gram matrix's triangular contraction; ``kernel_sizes``: kernel values per pair
+    (default ``pair_sizes``); ``whole_batch``: the :class:`WholeBatch` of
+    ``vmap_axes=None``; ``jaxpr``: ``single_fn``'s, when known.
     """
     closed = jaxpr if jaxpr is not None else jax.make_jaxpr(single_fn)(params, x_one, aux)
     param_leaves = jax.tree.leaves(params)
@@ -422,14 +300,8 @@ def estimate(
     itemsize = max((jax.numpy.dtype(p.dtype).itemsize for p in param_leaves), default=4)
     out_total = sum(out_sizes)
     o_pair = sum(pair_sizes)
-    # Memory beside the features: the kernel (twice for a Gram matrix: its
-    # symmetrisation writes a second copy; its values per pair are ``kernel_sizes``,
-    # not O', which counts a traced axis's products) and the per-sample passes in
-    # flight (vmapped forward and reverse passes: about (O + 1)·V/2 live values per
-    # sample; "structured" computes its features one chunk of samples at a time,
-    # :func:`feature_chunk`). Calibrated on the benchmark cases
-    # (benchmarks/plan_accuracy.py: within 2x of the execution's measured peak, the
-    # first call's with its programs loaded from the compilation cache).
+    # Memory beside the features: the kernel (twice for a Gram matrix) and the passes
+    # in flight, (O + 1)·V/2 values per sample (within 2x, benchmarks/plan_accuracy.py).
     values = values_written(closed.jaxpr)
     entries_pair = o_pair if kernel_sizes is None else sum(kernel_sizes)
     call = Call(
@@ -456,8 +328,6 @@ def estimate(
         passes_bytes=(out_total + 1) * values * itemsize // 2,
         fwd_x=rates.conv_channel_slowdown * pc.conv_forward_extra,
         act_x=rates.conv_channel_slowdown * pc.conv_activation_extra,
-        # Separate contraction einsums: narrow Jacobians are merged into one
-        # (_jacobian.merge).
         merge_limit=_jacobian.merge_limit(max(n1, n2), out_total, o_pair),
     )
     return tuple(impl.estimate(call) for impl in REGISTRY.values())
@@ -465,8 +335,7 @@ def estimate(
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What every implementation's estimate reads (:func:`estimate`): the call's sizes,
-    the single-sample :class:`PassCost` ``pc`` and the backend's :class:`Rates`."""
+    """What every implementation's estimate reads: sizes, :class:`PassCost`, :class:`Rates`."""
 
     n1: int
     n2: int
@@ -499,13 +368,10 @@ class Call:
         return pc.grad_activations + self.grad_w + pc.grad_elementwise
 
     def contracted(self, feature_bytes) -> float:
-        """Pairs the feature methods contract (the triangle, where it applies)."""
         k = 1 if self.triangle is None else self.triangle(self.n1, feature_bytes)
         return self.all_pairs * (k + 1) / (2 * k)
 
     def seconds(self, flops, slow_flops, nbytes, passes, passed_pairs, channel_flops=0.0):
-        """Time: FLOPs at the matrix-product rate, plus the slow ones, the einsum
-        passes and the bytes (see :func:`estimate`)."""
         rates = self.rates
         slow = rates.conv_weight_grad_slowdown - 1.0
         extra = (
@@ -517,8 +383,7 @@ class Call:
 
 def jacobian_estimate(c: Call) -> CostEstimate:
     """``"jacobian"``: n·(F + O·(G_a + G_w + G_e)) + 2·pairs·O'·P FLOPs."""
-    # Samples each output cotangent's reverse pass traverses, summed over the samples
-    # whose Jacobians are formed: one each per sample, the whole batch with vmap_axes=None.
+    # Samples each cotangent's reverse pass traverses (the batch with vmap_axes=None).
     n1, n2, whole_batch = c.n1, c.n2, c.whole_batch
     reversed_jac = c.n_jac if whole_batch is None else n1 * n1 + (0 if c.symmetric else n2 * n2)
     batch_bytes_jac = 0 if whole_batch is None else whole_batch.peak_bytes
@@ -529,23 +394,14 @@ def jacobian_estimate(c: Call) -> CostEstimate:
         + reversed_jac * c.out_total * c.reverse
         + 2.0 * jac_pairs * c.o_pair * c.n_params
     )
-    return CostEstimate(
-        "jacobian",
-        jac_flops,
-        float(
-            1.5 * jac_bytes  # the Jacobians, and (wide leaves) the contraction's copy
-            + c.kernel_bytes
-            + (c.n_jac * c.passes_bytes if whole_batch is None else batch_bytes_jac)
-        ),
-        c.seconds(
-            jac_flops,
-            reversed_jac * c.out_total * c.pc.grad_weights_conv,
-            2 * jac_bytes,
-            _jacobian.einsum_count(c.leaf_sizes, c.merge_limit),
-            jac_pairs,
-            c.n_jac * c.fwd_x + reversed_jac * c.out_total * c.act_x,
-        ),
-    )
+    passes = c.n_jac * c.passes_bytes if whole_batch is None else batch_bytes_jac
+    # The Jacobians, and (wide leaves) the contraction's copy.
+    memory = float(1.5 * jac_bytes + c.kernel_bytes + passes)
+    slow = reversed_jac * c.out_total * c.pc.grad_weights_conv
+    einsums = _jacobian.einsum_count(c.leaf_sizes, c.merge_limit)
+    channel = c.n_jac * c.fwd_x + reversed_jac * c.out_total * c.act_x
+    seconds = c.seconds(jac_flops, slow, 2 * jac_bytes, einsums, jac_pairs, channel)
+    return CostEstimate("jacobian", jac_flops, memory, seconds)
 
 
 def ntvp_estimate(c: Call) -> CostEstimate:
@@ -553,25 +409,14 @@ def ntvp_estimate(c: Call) -> CostEstimate:
     n1, n2, whole_batch, pc = c.n1, c.n2, c.whole_batch, c.pc
     out_total, all_pairs, itemsize = c.out_total, c.all_pairs, c.itemsize
     reversed_ntvp = n2 if whole_batch is None else n2 * n2
-    # Each column's JVP over x1 (per sample, vmapped: the forward values of the x1
-    # batch). Over the whole batch: the residuals of x2's forward pass, then per
-    # column one cotangent's reverse pass and one JVP over x1, one after the other in
-    # the loop's body; forward mode keeps a value only to its last use, about as many
-    # live as the reverse pass's cotangents (WholeBatch: half the batch's values), so
-    # the peak holds one of the two transients, not both.
+    # Per column a JVP over x1; over the whole batch, the residuals plus one transient.
     batch_bytes_ntvp = (
         n1 * c.values * itemsize
         if whole_batch is None
         else whole_batch.residual_bytes + whole_batch.cotangent_bytes
     )
-    # Per pair and output: one JVP over x1's sample, whose primal XLA hoists out of the
-    # loop over columns; its tangent costs about one reverse pass (each product with a
-    # parameter-dependent operand once).
-    # Per sample (vmap_axes=0), the reverse passes and the JVPs (vmapped over the O
-    # tangents) take kernel gradients of convolutions as grouped convolutions. Over the
-    # whole batch, the JVP's tangent convolves with one kernel (no grouping) and each
-    # cotangent's reverse pass runs inside the column loop (lax.map), where XLA CPU
-    # runs the kernel gradient conv_weight_grad_loop_slowdown times slower.
+    # A JVP's tangent costs about one reverse pass. Conv kernel gradients are grouped
+    # per sample; over the whole batch they run in the column loop (loop slowdown).
     if whole_batch is None:
         ntvp_grouped, ntvp_loop = reversed_ntvp + all_pairs, 0.0
     else:
@@ -582,36 +427,19 @@ def ntvp_estimate(c: Call) -> CostEstimate:
     ntvp_flops = (
         n2 * c.forward + reversed_ntvp * out_total * reverse + all_pairs * out_total * reverse
     )
-    return CostEstimate(
-        "ntvp",
-        ntvp_flops,
-        float(
-            out_total * c.n_params * itemsize
-            + n1 * out_total * max(c.out_sizes) * itemsize
-            + batch_bytes_ntvp
-            + c.kernel_bytes
-        ),
-        c.seconds(
-            ntvp_flops,
-            ntvp_grouped * out_total * pc.grad_weights_conv,
-            0.0,
-            out_total,
-            all_pairs,
-            n2 * c.fwd_x + (reversed_ntvp * c.act_x + all_pairs * c.fwd_x) * out_total + ntvp_loop,
-        ),
+    outs_bytes = n1 * out_total * max(c.out_sizes) * itemsize
+    memory = float(
+        out_total * c.n_params * itemsize + outs_bytes + batch_bytes_ntvp + c.kernel_bytes
     )
+    slow = ntvp_grouped * out_total * pc.grad_weights_conv
+    channel = n2 * c.fwd_x + (reversed_ntvp * c.act_x + all_pairs * c.fwd_x) * out_total + ntvp_loop
+    seconds = c.seconds(ntvp_flops, slow, 0.0, out_total, all_pairs, channel)
+    return CostEstimate("ntvp", ntvp_flops, memory, seconds)
 
 
 def choose(estimates, blocked: bool = False) -> str:
-    """The fastest estimate in seconds whose memory fits the budget (else ``"ntvp"``).
-
-    ``blocked``: the call runs in the blocked engine (``batch_size``), which keeps the
-    device memory of every implementation within ``memory_budget`` by its tile size
-    (the kernel goes to the host or a file), so the fastest is chosen whatever the
-    one-call memory estimate says: at N = 30 000 that estimate (the 3.6 GB kernel and
-    its symmetrised copy) fits no implementation, and falling back to NTK-vector
-    products, N²·O forward passes, would take days.
-    """
+    """The fastest estimate whose memory fits the budget (else the one without features);
+    ``blocked`` (tiles bound the memory): the fastest."""
     if blocked:
         return min(estimates, key=lambda e: e.seconds).implementation
     fitting = [e for e in estimates if e.memory_bytes <= JACOBIAN_MEMORY_BUDGET]

@@ -1,6 +1,4 @@
-"""``"jacobian"``, the Jacobian contraction: per-sample Jacobians
-(:mod:`ntk_core._impl.jacobian`; with ``vmap_axes=None`` the whole batch's, cotangents
-in chunks), then their contraction (:data:`JACOBIAN`)."""
+"""``"jacobian"``: the phases of :mod:`ntk_core._impl.jacobian` (:data:`JACOBIAN`)."""
 
 from __future__ import annotations
 
@@ -24,10 +22,7 @@ def features(apply3, config, chunks):
     jac = _jacobian_features(apply3, config.vmap_axes, config.precision)
     chunk = None if config.whole_batch is None else config.whole_batch.chunk
     jac = functools.partial(
-        jac,
-        out_tree=config.out_tree,
-        merge_limits=merge_limits(config),
-        cotangent_chunk=chunk,
+        jac, out_tree=config.out_tree, merge_limits=merge_limits(config), cotangent_chunk=chunk
     )
     if chunk is None or chunk >= config.whole_batch.cotangents:
         return jac
@@ -36,37 +31,17 @@ def features(apply3, config, chunks):
 
 @_caches.lru_cache(maxsize=64)
 def _jacobian_features(apply3, vmap_axes, precision):
-    """The jitted first phase of ``"jacobian"``: per-sample Jacobians of one batch.
-
-    Shared by every kernel function of the same ``apply3`` and the same
-    ``merge_limits`` (:func:`merge_limits`), so changing ``trace_axes`` or
-    ``diagonal_axes`` recompiles the contraction, and the features only where the
-    kernel values per pair change.
-    """
-
     def features(params, x, aux, *, out_tree, merge_limits, cotangent_chunk):
         with jax.default_matmul_precision(precision):
-            return _jacobian.jacobians(
-                apply3,
-                params,
-                x,
-                aux,
-                vmap_axes,
-                out_tree,
-                merge_limits,
-                cotangent_chunk,
-                single=replay(apply3, precision),
-            )
+            args = (apply3, params, x, aux, vmap_axes, out_tree, merge_limits, cotangent_chunk)
+            return _jacobian.jacobians(*args, single=replay(apply3, precision))
 
     return jax.jit(features, static_argnames=("out_tree", "merge_limits", "cotangent_chunk"))
 
 
 @_caches.lru_cache(maxsize=64)
 def _whole_batch_phases(apply3, precision):
-    """The jitted phases of ``"jacobian"`` with ``vmap_axes=None`` in cotangent chunks
-    driven from Python (:func:`_whole_batch_features`): ``rows`` (one chunk of
-    Jacobian rows from ``start``) and ``assemble`` (the chunks, their overlap dropped,
-    as :func:`_jacobian.jacobians` returns the Jacobians)."""
+    """Jitted ``rows`` (one chunk of Jacobian rows) and ``assemble`` (the chunks)."""
 
     def rows(params, x, aux, start, *, size):
         with jax.default_matmul_precision(precision):
@@ -87,12 +62,8 @@ def _whole_batch_phases(apply3, precision):
 
 
 def _whole_batch_features(apply3, in_program, config, params, x, aux):
-    """``"jacobian"`` features of a whole batch (``vmap_axes=None``), the output
-    cotangents pulled back ``config.whole_batch.chunk`` at a time by a loop in
-    Python over one compiled chunk, so that memory stays within the budget at the
-    speed of one pass (XLA CPU runs convolutions' reverse passes about 8x slower
-    inside an XLA loop). Under an outer ``jax.jit`` the chunks loop inside the
-    program instead (``in_program``)."""
+    """Whole-batch features, cotangent chunks looped from Python (XLA CPU runs conv
+    reverse passes ~8x slower in an XLA loop); traced: ``in_program``."""
     if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, x, aux))):
         return in_program(params, x, aux)
     rows, assemble = _whole_batch_phases(apply3, config.precision)
@@ -101,41 +72,26 @@ def _whole_batch_features(apply3, in_program, config, params, x, aux):
     size, starts = even_batches(total, config.whole_batch.chunk)
     parts = [rows(params, x, aux, np.int32(start), size=size) for start in starts]
     skip = (starts[-2] + size - starts[-1]) if len(starts) > 1 else 0
-    return assemble(
-        params,
-        x,
-        aux,
-        parts,
-        skip=skip,
-        out_tree=config.out_tree,
-        merge_limits=merge_limits(config),
-    )
+    limits = merge_limits(config)
+    return assemble(params, x, aux, parts, skip=skip, out_tree=config.out_tree, merge_limits=limits)
 
 
 def merge_limits(config) -> tuple[int, ...] | None:
-    """Per output leaf, the widest per-leaf Jacobian merged into one contraction
-    (:func:`ntk_core._impl.jacobian.merge_limit` with O' the kept output axes squared and
-    the diagonal ones once); None where each leaf's kernel is needed apart
-    (``"ntk_per_leaf"``) or on the batch diagonal (N kernel values, too few to pay
-    for a copy)."""
+    """Per output leaf, :func:`_jacobian.merge_limit`; None for per-leaf kernels or the
+    batch diagonal."""
     if config.kind != "ntk" or config.layouts[0].batch_diagonal:
         return None
-    # The larger N: a test-train call (N_test < N_train) then groups like the train
-    # Gram matrix before it, and reuses its compiled features.
     n = max(config.shapes1[0].shape[0], config.n2)
     limits = []
     for s, layout in zip(config.shapes1, config.layouts, strict=True):
         pair = layout.values_per_pair(s.shape)
         limit = _jacobian.merge_limit(n, math.prod(s.shape[1:]), pair)
-        # Snapped down to a width that occurs (every merged matrix is one parameter
-        # leaf's Jacobian): the same grouping, and the same static argument for every N
-        # that groups alike, so a new N reuses the compiled features.
+        # Snapped to a width that occurs: a new N that groups alike reuses the compilation.
         limits.append(max((w for w in config.param_sizes if w <= limit), default=0))
     return tuple(limits)
 
 
 def contract(j1, j2, *, config):
-    """The Jacobians' contraction, per output leaf and parameter leaf."""
     with jax.default_matmul_precision(config.precision):
         per_leaf = _jacobian.contract(
             config.layouts, j1, j1 if j2 is None else j2, PRECISION[config.precision]
@@ -144,7 +100,6 @@ def contract(j1, j2, *, config):
 
 
 def pair_terms(config) -> int:
-    """One contraction per parameter leaf."""
     return config.params_tree.num_leaves
 
 

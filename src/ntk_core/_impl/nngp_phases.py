@@ -1,5 +1,4 @@
-"""The NNGP's phases: the model's outputs, then their dot products (:data:`NNGP`, its
-own entry beside the registry's NTK implementations)."""
+"""The NNGP's phases (:data:`NNGP`): the model's outputs, then their dot products."""
 
 from __future__ import annotations
 
@@ -13,9 +12,7 @@ from ntk_core._kernel.model import replay
 
 
 def _nngp_outputs(params, x, aux, *, apply3, config):
-    """The first phase of the NNGP: the model's outputs on one block (with
-    ``vmap_axes=0`` one sample at a time from the per-sample jaxpr, which the probe has
-    shown equal to the batch's)."""
+    """The model's outputs on one block (per sample with ``vmap_axes=0``)."""
     with jax.default_matmul_precision(config.precision):
         if config.vmap_axes is None:
             return config.out_tree.flatten_up_to(apply3(params, x, aux))
@@ -28,7 +25,6 @@ _OUTPUTS = jax.jit(_nngp_outputs, static_argnames=("apply3", "config"))
 
 
 def features(apply3, config, chunks):
-    """``features(params, x_block, aux)``: the outputs, jitted (``chunks`` unused)."""
     return functools.partial(_OUTPUTS, apply3=apply3, config=config)
 
 

@@ -1,12 +1,6 @@
-"""NTK-vector products: Θ v = J(x1) (J(x2)^T v) by one VJP and one JVP per basis vector.
-
-No per-sample Jacobian is ever stored: for each x2 sample (or each x2 output when
-samples interact) the VJP of every output basis vector gives a parameter cotangent,
-which one JVP through the x1 batch turns into a column of the kernel. Cost: N2·O VJPs
-and N2·O JVPs over the x1 batch (N1·N2·O single-sample forward-mode passes); memory
-O·P + O·N1·O. The full O x O blocks are formed, then traced or diagonalised, so this is
-the implementation for models whose Jacobians do not fit in memory, not the fastest.
-Reference: Novak et al., "Fast Finite Width Neural Tangent Kernel", ICML 2022, 3.2.
+"""NTK-vector products (Novak et al., ICML 2022, s. 3.2): Θ v = J(x1) (J(x2)^T v), one VJP
+and one JVP per output basis vector, no Jacobian stored. Cost: N2·O VJPs and N2·O JVPs
+over the x1 batch; memory O·P + O·N1·O (full O x O blocks, then traced or diagonalised).
 """
 
 from __future__ import annotations
@@ -22,14 +16,12 @@ from ntk_core._kernel.model import per_sample
 def _leaf_basis(out_shapes, k):
     """Cotangents selecting each entry of output leaf ``k`` (others zero): leading axis."""
     size = math.prod(out_shapes[k].shape)
-    basis = []
-    for i, s in enumerate(out_shapes):
-        if i == k:
-            eye = jnp.eye(size, dtype=s.dtype).reshape((size,) + s.shape)
-            basis.append(eye)
-        else:
-            basis.append(jnp.zeros((size,) + s.shape, s.dtype))
-    return basis
+    return [
+        jnp.eye(size, dtype=s.dtype).reshape((size,) + s.shape)
+        if i == k
+        else jnp.zeros((size,) + s.shape, s.dtype)
+        for i, s in enumerate(out_shapes)
+    ]
 
 
 def reduce(layouts, fulls, batch_diagonal):
@@ -44,18 +36,9 @@ def reduce(layouts, fulls, batch_diagonal):
 
 
 def full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal, single=None):
-    """Full NTK per output leaf (list) by NTK-vector products.
-
-    ``single``: the model on one sample (with ``vmap_axes=0``), by default
-    ``per_sample(apply3)``; the engine passes :func:`ntk_core._kernel.model.replay`, which
-    evaluates the one per-sample jaxpr instead of tracing the model again.
-
-    Each is laid out ``(N1, *O, N2, *O)``, or ``(N, *O, *O)`` (pairs x1_i, x2_i only)
-    when ``batch_diagonal`` (only with ``vmap_axes=0``; otherwise the batch diagonal is
-    taken from the full form by :func:`reduce`). In the parameters' (promoted) dtype,
-    that of their Jacobians, as the other implementations give it: the JVPs run in the
-    outputs' dtype, which float64 inputs make float64 for float32 parameters.
-    """
+    """Full NTK per output leaf, ``(N1, *O, N2, *O)`` or ``(N, *O, *O)`` with
+    ``batch_diagonal`` (``vmap_axes=0`` only), in the parameters' promoted dtype;
+    ``single``: the model on one sample (default ``per_sample(apply3)``)."""
     dtype = jnp.result_type(*jax.tree.leaves(params))
     fulls = _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal, single)
     return [full.astype(dtype) for full in fulls]
@@ -99,17 +82,20 @@ def _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagon
     def f_batch(p, x):
         return jax.vmap(lambda x_i: f_one(p, x_i))(x)
 
+    def tangents(x2_j, k):
+        """Output leaf ``k``'s shapes at ``x2_j``, and its basis pulled back to the params."""
+        out2, vjp_fn = jax.vjp(lambda p: f_one(p, x2_j), params)
+        shapes2 = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out2]
+        return shapes2, jax.vmap(lambda ct: vjp_fn(ct)[0])(_leaf_basis(shapes2, k))
+
     results = []
     for k in range(n_out):
         if batch_diagonal:
 
             def pair(x1_i, x2_i, k=k):
-                out2, vjp_fn = jax.vjp(lambda p: f_one(p, x2_i), params)
-                shapes2 = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out2]
-                tangents = jax.vmap(lambda ct: vjp_fn(ct)[0])(_leaf_basis(shapes2, k))
-                cols = jax.vmap(lambda t: jax.jvp(lambda p: f_one(p, x1_i), (params,), (t,))[1][k])(
-                    tangents
-                )
+                shapes2, tangents_k = tangents(x2_i, k)
+                jvp = lambda t: jax.jvp(lambda p: f_one(p, x1_i), (params,), (t,))[1][k]  # noqa: E731
+                cols = jax.vmap(jvp)(tangents_k)
                 # cols: (O2..., O1...) flattened over O2 -> put x1's axes first.
                 o = shapes2[k].shape
                 cols = cols.reshape(o + o)
@@ -119,12 +105,9 @@ def _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagon
         else:
 
             def column(x2_j, k=k):
-                out2, vjp_fn = jax.vjp(lambda p: f_one(p, x2_j), params)
-                shapes2 = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out2]
-                tangents = jax.vmap(lambda ct: vjp_fn(ct)[0])(_leaf_basis(shapes2, k))
-                cols = jax.vmap(lambda t: jax.jvp(lambda p: f_batch(p, x1), (params,), (t,))[1][k])(
-                    tangents
-                )
+                shapes2, tangents_k = tangents(x2_j, k)
+                jvp = lambda t: jax.jvp(lambda p: f_batch(p, x1), (params,), (t,))[1][k]  # noqa: E731
+                cols = jax.vmap(jvp)(tangents_k)
                 # cols: (prod O2, N1, O1...)
                 return cols.reshape(shapes2[k].shape + cols.shape[1:])
 

@@ -1,7 +1,4 @@
-"""``"ntvp"``, NTK-vector products: no features; each tile from the two blocks' inputs
-(:mod:`ntk_core._impl.ntvp`, :data:`NTVP`). It does not separate the parameter leaves, and
-models that apply their own transformations can fail inside its nesting
-(:func:`model_failure`)."""
+"""``"ntvp"``: :mod:`ntk_core._impl.ntvp` per tile from the blocks' inputs (:data:`NTVP`)."""
 
 from __future__ import annotations
 
@@ -17,32 +14,22 @@ from ntk_core._kernel.model import replay
 
 
 def _pairwise(config) -> bool:
-    """NTK-vector products on pairs (x1_i, x2_i) only: the O(N) batch diagonal."""
     return config.vmap_axes is not None and config.layouts[0].batch_diagonal
 
 
 def contract(params, xa, xb, aux, *, apply3, config):
     """The kernel of the inputs ``xa`` and ``xb`` (None: of ``xa`` with itself)."""
     with jax.default_matmul_precision(config.precision):
-        fulls = _ntvp.full_kernels(
-            apply3,
-            params,
-            xa,
-            xa if xb is None else xb,
-            aux,
-            config.vmap_axes,
-            config.out_tree,
-            _pairwise(config),
-            single=replay(apply3, config.precision),
-        )
+        args = (params, xa, xa if xb is None else xb, aux, config.vmap_axes, config.out_tree)
+        single = replay(apply3, config.precision)
+        fulls = _ntvp.full_kernels(apply3, *args, _pairwise(config), single=single)
     kernels = _ntvp.reduce(config.layouts, fulls, _pairwise(config))
     return jax.tree.unflatten(config.out_tree, kernels)
 
 
 def model_failure(spec, checked, params, x1, x2, aux) -> Exception | None:
-    """The error NTK-vector products raise on one sample of x1 and x2 when traced
-    (``jax.eval_shape``, nothing runs), or None: models that apply their own
-    transformations (``flax.nnx.scan``) can fail inside ntvp's nesting alone."""
+    """The error the model raises traced inside NTK-vector products on one sample (e.g.
+    ``flax.nnx.scan``), or None."""
     one = functools.partial(jax.tree.map, lambda a: a[:1])
     xb = x1 if x2 is None else x2
     vmap_axes = spec.options.vmap_axes
@@ -62,7 +49,6 @@ def model_failure(spec, checked, params, x1, x2, aux) -> Exception | None:
 
 
 def failure_message(fn_name: str, error: Exception) -> str:
-    """Why ``implementation="ntvp"`` is refused for a model that fails inside it."""
     what = f"the model cannot run inside NTK-vector products ({one_line(error)[:200]})"
     return str(bad(ValueError, fn_name, what, "pass implementation='auto' or 'jacobian'"))
 

@@ -1,7 +1,5 @@
-"""``"structured"``, structured derivatives: layer inputs and cotangents
-(:mod:`ntk_core._structured.analysis` and its rules), then Gram identities per group of
-leaves (:data:`STRUCTURED`). With ``vmap_axes=None`` there is no per-sample structure:
-the Jacobian contraction computes it."""
+"""``"structured"``: the phases of :mod:`ntk_core._structured.analysis` (with
+``vmap_axes=None``, the Jacobian contraction computes it)."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ from ntk_core._structured import analysis as _structured
 
 
 def features(apply3, config, chunks: dict):
-    """``features(params, x_block, aux)``, jitted, in chunks of samples whose size is
-    cached in ``chunks``."""
+    """Jitted ``features(params, x_block, aux)`` in chunks (sizes cached in ``chunks``)."""
     feat = _structured_features(apply3, config.precision, config.fuse_bias)
     feat = functools.partial(
         feat,
@@ -33,69 +30,38 @@ def features(apply3, config, chunks: dict):
 
 @_caches.lru_cache(maxsize=64)
 def _structured_features(apply3, precision, fuse_bias):
-    """The jitted first phase of ``"structured"``: layer inputs, cotangents, fallbacks,
-    ``chunk`` samples at a time."""
-
     def features(params, x, aux, *, out_tree, modes, merge_limits, chunk):
         with jax.default_matmul_precision(precision):
-            return _structured.features_in_chunks(
-                apply3,
-                params,
-                x,
-                aux,
-                out_tree,
-                fuse_bias,
-                modes,
-                merge_limits,
-                chunk,
-                precision=precision,
-            )
+            args = (apply3, params, x, aux, out_tree, fuse_bias, modes, merge_limits, chunk)
+            return _structured.features_in_chunks(*args, precision=precision)
 
     return jax.jit(features, static_argnames=("out_tree", "modes", "merge_limits", "chunk"))
 
 
 def _structured_in_chunks(apply3, features, config, chunks: dict, params, x, aux):
-    """``features(params, x, aux)`` computed :func:`_structured.chunk_size` samples
-    at a time (:func:`_structured.features_in_chunks`); the chunk size is cached in
-    ``chunks`` per configuration and input shapes."""
     key = (config, signature(x))
     chunk = chunks.get(key)
     if chunk is None:
-        chunk = _structured.chunk_size(
-            apply3,
-            params,
-            x,
-            aux,
-            config.out_tree,
-            config.fuse_bias,
-            config.structure.modes,
-            precision=config.precision,
-        )
+        args = (config.out_tree, config.fuse_bias, config.structure.modes)
+        chunk = _structured.chunk_size(apply3, params, x, aux, *args, precision=config.precision)
         chunks[key] = chunk
     return features(params, x, aux, chunk=chunk)
 
 
 def contract(f1, f2, *, config):
-    """The Gram identities of each group of leaves, and the fallbacks' contraction."""
     with jax.default_matmul_precision(config.precision):
-        per_leaf = _structured.contract(
-            config.layouts,
-            config.structure,
-            config.analysis,
-            f1,
-            f1 if f2 is None else f2,
-            PRECISION[config.precision],
-        )
+        args = (config.layouts, config.structure, config.analysis, f1, f1 if f2 is None else f2)
+        per_leaf = _structured.contract(*args, PRECISION[config.precision])
     return finish(per_leaf, config)
 
 
 def pair_terms(config) -> int:
-    """A Gram-form group holds an input and a cotangent Gram matrix per pair of its
-    uses; a per-sample-Jacobian group ("explicit") one contraction, as a fallback."""
+    """Kernel-sized temporaries: 2 per use pair of a Gram group, 1 per Jacobian."""
     structure = config.structure
     fallback, groups, modes = structure.fallback, structure.groups, structure.modes
     return len(fallback) + sum(
-        1 if mode == "explicit" else 2 * len(g) ** 2 for g, mode in zip(groups, modes, strict=True)
+        1 if mode == _structured.EXPLICIT else 2 * len(g) ** 2
+        for g, mode in zip(groups, modes, strict=True)
     )
 
 
@@ -120,10 +86,10 @@ def structured_estimate(call: Call) -> CostEstimate:
             use = analysis.uses[u]
             a, c, k = use.a_size, analysis.input_size(u), use.w_free_size
             per_sample_flops += use.rule.input_flops(a, c)  # e.g. convolution patches
-            if mode == "explicit":
+            if mode == _structured.EXPLICIT:
                 per_sample_flops += 2.0 * out_total * a * c * k
                 explicit_flops += 2.0 * out_total * a * c * k
-        if mode == "explicit":
+        if mode == _structured.EXPLICIT:
             use = analysis.uses[group[0]]
             per_sample += out_total * analysis.input_size(group[0]) * use.w_free_size
             per_pair += explicit
@@ -142,31 +108,20 @@ def structured_estimate(call: Call) -> CostEstimate:
         n_jac * (call.forward + out_total * reverse_structured + per_sample_flops)
         + structured_pairs * per_pair
     )
-    return CostEstimate(
-        "structured",
-        structured_flops,
-        float(
-            structured_bytes
-            + call.kernel_bytes
-            + feature_chunk(n_jac, out_total, call.values, per_sample, itemsize) * call.passes_bytes
-        ),
-        call.seconds(
-            structured_flops,
-            n_jac * out_total * share * pc.grad_weights_conv,
-            2 * structured_bytes,
-            _jacobian.einsum_count(widths, call.merge_limit) + gram_terms,
-            structured_pairs,
-            n_jac * (call.fwd_x + out_total * call.act_x)
-            + n_jac * (call.rates.explicit_jacobian_slowdown - 1.0) * explicit_flops,
-        ),
+    chunk = feature_chunk(n_jac, out_total, call.values, per_sample, itemsize)
+    memory = float(structured_bytes + call.kernel_bytes + chunk * call.passes_bytes)
+    slow = n_jac * out_total * share * pc.grad_weights_conv
+    einsums = _jacobian.einsum_count(widths, call.merge_limit) + gram_terms
+    explicit_slow = call.rates.explicit_jacobian_slowdown - 1.0
+    channel = n_jac * (call.fwd_x + out_total * call.act_x) + n_jac * explicit_slow * explicit_flops
+    seconds = call.seconds(
+        structured_flops, slow, 2 * structured_bytes, einsums, structured_pairs, channel
     )
+    return CostEstimate("structured", structured_flops, memory, seconds)
 
 
 def feature_chunk(n: int, out_total: int, values: int, feature_values: int, itemsize: int) -> int:
-    """Samples whose structured features are computed together, as
-    ``_structured.chunk_size`` picks them: B = FEATURE_CHUNK_BYTES // (itemsize ·
-    ((O + 2)·V + F)), 1 ≤ B ≤ n, evened out to ⌈n / ⌈n / B⌉⌉ (V values of one
-    sample's forward pass, F feature values per sample)."""
+    """Samples per features chunk, as ``_structured.chunk_size`` picks them."""
     per = itemsize * ((out_total + 2) * values + feature_values)
     most = int(min(n, max(1, _structured.FEATURE_CHUNK_BYTES // max(per, 1))))
     pieces = -(-n // most)

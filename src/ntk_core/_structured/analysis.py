@@ -1,69 +1,13 @@
-"""Structured derivatives: the NTK of weights used in matrix products, convolutions,
-embedding lookups and elementwise scales and shifts, without their Jacobians (or with
-Jacobians formed cheaply).
-
-Every rule writes the per-sample Jacobian of a weight use as a product of two
-recorded quantities: the use's input ``x[a, c]`` and the cotangent ``g_o[a, k] =
-∂f_o/∂y[a, k]`` at the use's output ``y``, for every output entry ``o``, where ``a``
-runs over the output positions of the use (the sample's batch axis of size 1, a
-sequence axis, the spatial positions of a convolution), ``c`` over the weight's input
-coordinates and ``k`` over its output units:
-
-    ∂f_o/∂W[c, k] = Σ_a x[a, c] g_o[a, k]
-
-Each primitive family is one rule in :mod:`ntk_core._structured.rules` (what it matches, its
-features, its pairwise term, its explicit Jacobian, its ``plan()`` label):
-``dot_general`` (``_rules/dot.py``: Dense, einsum projections), ``conv_general_dilated``
-on its kernel (``_rules/conv.py``: input patches), ``gather`` of table rows
-(``_rules/gather.py``: token matches) and elementwise scales and shifts
-(``_rules/elementwise.py``: LayerNorm / BatchNorm, unfused biases). This module walks
-the jaxpr once, asks the registry about each use of a parameter, and runs the two
-phases.
-
-* A bias added right after a product or convolution, with one entry per output unit
-  ``k`` broadcast over the positions ``a`` in any order, joins the use as a constant
-  input column: Σ_ab (x1a·x2b + 1)(g1a·g2b) = K_W + (Σ_a g1a)·(Σ_b g2b).
-
-A use's NTK contribution is, per pair of uses (u, v) of one leaf,
-
-    Σ_{a,b} (Σ_c x1[a, c] x2[b, c]) (Σ_k g1_o[a, k] g2_o'[b, k]),
-
-either in this Gram form (``"gram"`` mode: features ``x`` and ``g``, the four-operand
-contraction done pairwise by ``jnp.einsum(optimize="optimal")``) or from the per-sample
-Jacobian ``J = Σ_a x[a, :]ᵀ g_o[a, :]`` formed once per sample (``"explicit"`` mode:
-features ``J``, then a Jacobian contraction). :func:`choose_modes` picks per leaf from
-the shapes: the Gram form costs about A_u·A_v·(C + O'·K) per pair of samples (less
-when the einsum contracts one side's cotangents first), the explicit one O'·C·K (O'
-kernel entries per pair). A Dense layer on vectors (A = 1) takes the Gram
-form, (x1·x2)(g1·g2); a convolution over many positions the explicit one, which is
-still much cheaper than differentiating the kernel through the convolution under
-``vmap`` (a grouped convolution, slow on CPU). Elementwise scales and shifts are always
-in the explicit mode (C = 1).
-
-Phase one (features, per sample, O(N)): the model's jaxpr (``jax.make_jaxpr``) is
-evaluated by a small interpreter over public ``jax.extend.core`` objects that adds a
-zero probe δ_u to the output of every structured use u and records its input; one
-reverse pass per output entry gives ∂f/∂δ_u = g_u and, jointly, the explicit Jacobians
-of the *fallback* leaves. Phase two (contract, O(N1·N2)): the contraction above per
-pair of uses of the same leaf (weight tying sums its per-use Jacobians, so cross terms
-between uses count), plus the Jacobian contraction of the fallback and explicit leaves.
-
-Fallback (explicit per-leaf Jacobian from the joint reverse pass, the ``"jacobian"``
-method) for every leaf used in any other way: a parameter inside a nonlinearity or
-sliced (``b[:1]``), a view that repeats a leaf entry within a row of units, grouped
-convolutions, a table used both in a lookup and a product (tied input/output
-embeddings), the same leaf seen through different views by products, a leaf used both
-elementwise and by a product, products of two parameters, or anything inside scan /
-cond / while / custom_vjp. Sub-jaxprs of ``jit``, ``closed_call`` and ``checkpoint``
-are inlined; ``custom_jvp`` functions (``jax.nn.relu``, ``gelu``) are evaluated with
-their own rules.
-
-Reference: Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent
-Kernel", ICML 2022, section 3.3.
+"""Structured derivatives (Novak et al., "Fast Finite Width Neural Tangent Kernel", ICML
+2022, s. 3.3): the jaxpr analysis (:func:`analyse`), the features' interpreter
+(:func:`features`) and the pairwise contraction (:func:`contract`) of the weight uses the
+rules in :mod:`ntk_core._structured.rules` (the formulas) cover; every other leaf falls back
+to its explicit Jacobian. Per leaf, :func:`choose_modes` picks the Gram or explicit form.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -84,39 +28,25 @@ from ntk_core._jax.batches import map_in_batches as map_in_batches
 from ntk_core._jax.jaxpr_walk import bind, call_body, inlined, is_literal, values_written
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._structured import rules as _rules
-from ntk_core._structured.rules import Subscripts, View
-from ntk_core._structured.rules import Use as Use
+from ntk_core._structured.rules import Subscripts, Use, View
 from ntk_core._structured.rules._base import view_index
 from ntk_core._structured.rules.conv import patches as patches
 
-#: Primitives through which a parameter stays "the same numbers in another order".
 _VIEW_PRIMITIVES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p"})
 
-#: What each kind of use is called in ``plan()`` labels (from the rules' ``kind_names``;
-#: read by ``_engine``, which may ask ``Use.name`` / :func:`method_labels` instead).
+GRAM, EXPLICIT = "gram", "explicit"  # the two forms of a structured leaf's kernel
+#: ``plan()`` name of each kind of use.
 KIND_NAMES = {kind: name for rule in _rules.REGISTRY for kind, name in rule.kind_names.items()}
-#: Kinds of use with no Gram form (elementwise scales and shifts): always explicit.
-ELEMENTWISE_KINDS = frozenset(
-    kind for rule in _rules.REGISTRY if not rule.has_gram_form for kind in rule.kind_names
-)
 
 
 class Structure(typing.NamedTuple):
-    """How :func:`contract` splits the kernel by parameter leaf (:meth:`Analysis.leaves`).
+    """How :func:`contract` splits the kernel by leaf (hashable: jit-static)."""
 
-    A tuple, so that it hashes into the engine's jit-static configuration.
-    """
-
-    #: Parameter leaves of the model.
     n_leaves: int
-    #: Leaves differentiated explicitly (no rule covers them), in leaf order.
-    fallback: tuple[int, ...]
-    #: Per structured leaf (group), the indices of its uses in ``Analysis.uses``.
-    groups: tuple[tuple[int, ...], ...]
-    #: Per group, its parameter leaf.
+    fallback: tuple[int, ...]  # leaves differentiated explicitly
+    groups: tuple[tuple[int, ...], ...]  # per structured leaf, its use indices
     group_leaves: tuple[int, ...]
-    #: Per group, ``"gram"`` or ``"explicit"`` (:func:`choose_modes`).
-    modes: tuple[str, ...]
+    modes: tuple[str, ...]  # per group, "gram" or "explicit" (choose_modes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +60,13 @@ class Analysis:
     leaf_dtypes: tuple[str, ...] = ()  # per parameter leaf (its Jacobian's dtype)
 
     def leaves(self, n_leaves: int, modes: tuple[str, ...] | None = None) -> Structure:
-        """The :class:`Structure` of ``n_leaves`` parameter leaves for :func:`contract`
-        (all modes ``"gram"`` unless given)."""
+        """The :class:`Structure` of ``n_leaves`` leaves (modes default to ``"gram"``)."""
         return Structure(
             n_leaves=n_leaves,
             fallback=self.fallback,
             groups=self.groups,
             group_leaves=tuple(self.uses[g[0]].leaf for g in self.groups),
-            modes=("gram",) * len(self.groups) if modes is None else tuple(modes),
+            modes=(GRAM,) * len(self.groups) if modes is None else tuple(modes),
         )
 
     def input_size(self, u: int) -> int:
@@ -146,35 +75,17 @@ class Analysis:
         return use.x_contract_size + int(bool(self.biased) and self.biased[u])
 
 
-#: FLOP-equivalents of writing and reading back one value of an intermediate or output
-#: array of the Gram form's einsums: the input Gram matrix (the token match of a
-#: gather), the cotangent Gram matrix or the input Gram times one side's cotangents,
-#: and each use pair's output. Those einsums contract a few values per output value
-#: (A, K, a match's single 0/1), so they run at memory speed, not matmul speed: the
-#: token model's embedding (A = 5, K = 8, O = 15, O' = 75) took 0.48 s for N = 256 in
-#: the Gram form (0.8 GFLOP, 46 M intermediate values: ~10 ns per value) against 0.1 s
-#: for the whole explicit-form kernel (XLA CPU, 2 cores). The same per-value cost as a
-#: separate Jacobian einsum's output pass (``_jacobian.EINSUM_PASS_FLOPS``).
+#: FLOP-equivalents per value written by the Gram form's memory-bound einsums (token
+#: model embedding, N = 256: 0.48 s Gram vs 0.1 s explicit, ~10 ns per value, XLA CPU).
 GRAM_VALUE_FLOPS = _jacobian.EINSUM_PASS_FLOPS
 
 
 def pair_costs(analysis: Analysis, group, o_pair: int, o_out: int) -> tuple[float, float]:
-    """Cost per pair of samples of one leaf, in FLOPs: (Gram form, explicit form).
+    """FLOPs per pair of samples of one leaf: (Gram form, explicit form).
 
-    Gram, per pair of uses (u, v): 2·A_u·A_v·C for the input Gram matrix (C = 1 for a
-    gather's token match: the rule's ``gram_input_width``), then the order with fewer
-    FLOPs (the one ``jnp.einsum(optimize="optimal")`` takes) of 2·A_u·A_v·O'·K (the
-    cotangent Gram matrix, A_u·A_v·O' values) and 2·(A_u·A_v·O·K + O'·min(A_u, A_v)·K)
-    (the input Gram times one side's cotangents first, max(A_u, A_v)·O·K values), plus,
-    when the uses have several positions (A_u·A_v > 1), :data:`GRAM_VALUE_FLOPS` per
-    value of the input Gram matrix, that intermediate and the O' outputs (with one
-    position each, the Gram form is two matrix products and a product of their
-    outputs, values of the order of the explicit form's own output); explicit:
-    2·O'·C·K, the Jacobian contraction (merged with the other Jacobians into one
-    einsum, so no output pass of its own). O' is the kernel entries per pair (traced
-    axes included), O the output entries per sample. Rules with no Gram form
-    (elementwise scales and shifts, C = 1) cost it as infinite: it would cost
-    2·A_u·A_v·O'·K, never less than the explicit 2·O'·K.
+    Gram, per use pair: 2·A_u·A_v·C (``gram_input_width``) plus the cheaper of
+    2·A_u·A_v·O'·K and 2·(A_u·A_v·O·K + O'·min(A_u, A_v)·K), plus, when A_u·A_v > 1,
+    :data:`GRAM_VALUE_FLOPS` per value written; explicit: 2·O'·C·K. No Gram form: inf.
     """
     use = analysis.uses[group[0]]
     explicit = 2.0 * o_pair * analysis.input_size(group[0]) * use.w_free_size
@@ -198,25 +109,19 @@ def pair_costs(analysis: Analysis, group, o_pair: int, o_out: int) -> tuple[floa
 
 
 def choose_modes(analysis: Analysis, o_pair: int, o_out: int) -> tuple[str, ...]:
-    """Per group (structured leaf): ``"gram"`` or ``"explicit"``, the cheaper per pair
-    (see :func:`pair_costs`); always ``"explicit"`` for elementwise scales and shifts."""
-    modes = []
-    for group in analysis.groups:
-        gram, explicit = pair_costs(analysis, group, o_pair, o_out)
-        modes.append("explicit" if explicit < gram else "gram")
-    return tuple(modes)
+    """Per group, ``"gram"`` or ``"explicit"``: the cheaper by :func:`pair_costs`."""
+    costs = (pair_costs(analysis, group, o_pair, o_out) for group in analysis.groups)
+    return tuple(EXPLICIT if explicit < gram else GRAM for gram, explicit in costs)
 
 
 def method_labels(analysis: Analysis, modes) -> dict[int, str]:
-    """``plan()`` method of each parameter leaf the analysis covers, e.g. ``"structured
-    (1 convolution, per-sample Jacobian)"``, ``"structured (bias fused with its matrix
-    product)"``, ``"jacobian (fallback: <reason>)"``, from each group's rule
-    (:meth:`ntk_core._structured.rules.Rule.label`)."""
+    """``plan()`` method per leaf, e.g. ``"structured (1 convolution, per-sample
+    Jacobian)"`` or ``"jacobian (fallback: <reason>)"``."""
     methods = {}
     for group, mode in zip(analysis.groups, modes, strict=True):
         uses = [analysis.uses[u] for u in group]
         label = uses[0].rule.label(uses)
-        if mode == "explicit":
+        if mode == EXPLICIT:
             label += ", per-sample Jacobian"
         methods[uses[0].leaf] = f"structured ({label})"
     for u, leaf in enumerate(analysis.bias_leaves):
@@ -228,12 +133,8 @@ def method_labels(analysis: Analysis, modes) -> dict[int, str]:
 
 
 def _bias_fusable(eqns, leaf_shape, use: Use) -> bool:
-    """Whether the bias view (the leaf through ``eqns``, then broadcast to ``y``) puts,
-    at every output position, entry ``σ(k)`` of the leaf on unit ``k`` for one
-    bijection σ: then its Jacobian is Σ_a g[a, k] up to a permutation of the entries.
-
-    Decided exactly by replaying the view on the entry indices.
-    """
+    """Whether the bias view puts leaf entry σ(k) on unit k at every position, for one
+    bijection σ (replayed exactly on the entry indices)."""
     size = math.prod(leaf_shape)
     if size != use.w_free_size:
         return False
@@ -245,29 +146,24 @@ def _bias_fusable(eqns, leaf_shape, use: Use) -> bool:
     return bool((mat == mat[:1]).all() and np.array_equal(np.sort(mat[0]), np.arange(size)))
 
 
-#: Why a parameter used by one of these primitives falls back, for ``plan()``.
 _PRIMITIVE_REASONS = {
-    "custom_jvp_call": "passed through a function with a custom derivative (custom_jvp)",
-    "custom_vjp_call": "passed through a function with a custom derivative (custom_vjp)",
-    "custom_vjp_call_jaxpr": "passed through a function with a custom derivative (custom_vjp)",
-    "scan": "used inside a loop (scan), which is not analysed",
-    "while": "used inside a loop (while_loop), which is not analysed",
-    "cond": "used inside a branch (cond), which is not analysed",
+    p: f"passed through a function with a custom derivative ({p[:10]})"
+    for p in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+}
+_LOOPS = {"scan": ("loop", "scan"), "while": ("loop", "while_loop"), "cond": ("branch", "cond")}
+_PRIMITIVE_REASONS |= {
+    p: f"used inside a {k} ({n}), which is not analysed" for p, (k, n) in _LOOPS.items()
 }
 
 
 def _scalar(v, known: dict) -> float | None:
-    """The value of a scalar literal or of a known scalar constant, else None."""
-    if is_literal(v):
-        value = np.asarray(v.val)
-        if value.ndim == 0 and np.isrealobj(value):
-            return float(value)
-        return None
-    return known.get(v)
+    if not is_literal(v):
+        return known.get(v)
+    value = np.asarray(v.val)
+    return float(value) if value.ndim == 0 and np.isrealobj(value) else None
 
 
 def _scalar_constants(constvars, consts) -> dict:
-    """``{var: value}`` of the real scalar constants among a jaxpr's constants."""
     return {
         v: float(np.asarray(c))
         for v, c in zip(constvars, consts, strict=True)
@@ -276,8 +172,7 @@ def _scalar_constants(constvars, consts) -> dict:
 
 
 def _constant_factor(eqn, ins, known: dict) -> float | None:
-    """``f`` when ``eqn`` multiplies the one parameter view among its operands by a
-    constant scalar: ``neg`` (-1), ``mul`` by a scalar (c), ``div`` by one (1 / c)."""
+    """The factor when ``eqn`` scales the parameter view by a constant (neg, mul, div)."""
     name = eqn.primitive.name
     if name == "neg":
         return -1.0
@@ -287,20 +182,14 @@ def _constant_factor(eqn, ins, known: dict) -> float | None:
     if eqn.invars[w_side].aval.shape != eqn.outvars[0].aval.shape:
         return None  # the scalar broadcasts the view: not the same entries
     c = _scalar(eqn.invars[1 - w_side], known)
-    if c is None:
-        return None
-    if name == "mul":
+    if c is None or name == "mul":
         return c
     return 1.0 / c if w_side == 0 and c != 0.0 else None
 
 
 def _float_cast(eqn) -> bool:
-    """A ``convert_element_type`` from a floating dtype to one that holds all its
-    values (float32 → float64, bfloat16 → float32): the same numbers. A cast to a lower
-    precision (a Flax ``dtype=jnp.bfloat16`` layer of float32 parameters) is not one:
-    the Gram form would take the products of its inputs and cotangents exactly, where
-    autodiff's Jacobian (and so ``"jacobian"``) rounds them to that precision, and the
-    kernels would differ by ~1e-3."""
+    """A widening float cast (float32 -> float64): the same numbers. A narrowing one is
+    not: autodiff's Jacobian rounds to it, the Gram form would not (~1e-3 apart)."""
     a, b = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
     return bool(
         jnp.issubdtype(a, jnp.floating)
@@ -310,8 +199,7 @@ def _float_cast(eqn) -> bool:
 
 
 def _function_name(eqn) -> str:
-    """The name of the function a call-like equation wraps (``relu`` for
-    ``jax.nn.relu``'s custom_jvp call), or "" where JAX does not record it."""
+    """The function a call-like equation wraps (``relu``), or ""."""
     for key in ("call_jaxpr", "fun_jaxpr", "jaxpr"):
         sub = eqn.params.get(key)
         info = getattr(getattr(sub, "jaxpr", sub), "debug_info", None)
@@ -324,15 +212,11 @@ def _function_name(eqn) -> str:
     return ""
 
 
-#: Packages whose frames are not the user's code in a source location.
 _LIBRARIES = ("jax", "jaxlib", "ntk_core", "ntk_flax", "ntk_haiku", "flax", "haiku", "numpy")
 
 
 def _library_roots() -> tuple[str, ...]:
-    """The folders of the standard library and of :data:`_LIBRARIES` already imported
-    (nothing is imported here)."""
-    files = tuple(getattr(sys.modules.get(name), "__file__", None) for name in _LIBRARIES)
-    return _roots(files)
+    return _roots(tuple(getattr(sys.modules.get(name), "__file__", None) for name in _LIBRARIES))
 
 
 @functools.lru_cache(maxsize=8)
@@ -343,9 +227,7 @@ def _roots(files: tuple) -> tuple[str, ...]:
 
 
 def _source_location(eqn) -> str:
-    """Where the user's code created ``eqn``: ``"model.py:12, in MLP.__call__"``, the
-    innermost frame of its traceback outside JAX, the Python standard library, Flax,
-    Haiku and this library; "" where JAX recorded none."""
+    """The user's frame that created ``eqn``, ``"model.py:12, in MLP.__call__"``, or ""."""
     try:
         frames = eqn.source_info.traceback.frames
     except AttributeError:
@@ -359,10 +241,7 @@ def _source_location(eqn) -> str:
 
 
 def _unpaired_reason(uses: list[Use], sites: list, indices: list[int]) -> str:
-    """Why a leaf used several times (weight tying) falls back: its uses ``indices``
-    have Jacobians of different views or operations, e.g. ``a matrix product (at
-    model.py:4, in f) and a matrix product of another view of it (at model.py:6, in
-    f)``; ``sites``: each use's equation (its source location is looked up here)."""
+    """Why a tied leaf whose uses see different views falls back (with their lines)."""
     parts, keys, kinds = [], set(), set()
     for u in indices:
         use = uses[u]
@@ -383,26 +262,15 @@ def _unpaired_reason(uses: list[Use], sites: list, indices: list[int]) -> str:
 
 
 def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True) -> Analysis:
-    """Finds the structured uses of the first ``n_param_leaves`` inputs of ``closed``.
-
-    One walk over the equations (inlining ``jit`` / ``closed_call`` / ``checkpoint``
-    bodies) follows each parameter through its views (reshapes, transposes, widening
-    casts, constant scalings); an equation with one parameter view among its operands
-    goes to the first rule of :data:`ntk_core._structured.rules.REGISTRY` for its primitive
-    (``match``); anything else makes the leaf fall back, with a reason for ``plan()``.
-
-    With ``fuse_bias``, a bias added to the output of a product or convolution, one
-    entry per output unit, joins that use as a constant input column; any other sum
-    or product of a parameter view with a non-parameter is an elementwise shift or
-    scale (``_rules/elementwise.py``) when its view allows.
-    """
+    """The structured uses of the first ``n_param_leaves`` inputs of ``closed``: each
+    parameter is followed through its views to the rule that matches its use, else it
+    falls back with a reason; with ``fuse_bias`` a bias right after a product or
+    convolution joins it as a constant input column."""
     uses: list[Use] = []
     use_sites: list = []  # per use: the equation whose source line names it (if tied)
     bad: dict[int, str] = {}  # leaf -> the first reason it falls back
 
     def fall_back(leaf: int, reason: str, eqn=None) -> None:
-        """Records the first reason ``leaf`` falls back, with the user's line of
-        ``eqn`` where JAX recorded it."""
         if leaf not in bad:
             where = "" if eqn is None else _source_location(eqn)
             bad[leaf] = f"{reason}; at {where}" if where else reason
@@ -412,19 +280,12 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     leaf_shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars[:n_param_leaves]]
 
     def walk(jaxpr, origins: dict, path: tuple, inside: str = "", call=None):
-        # origins: var -> its View (leaf, view chain as hashable steps, view
-        # equations); call: the outermost inlined call (jit) around ``jaxpr``, whose
-        # source location is the user's (a jitted function's own trace may come from
-        # its cache).
+        # origins: var -> View; call: the outermost inlined call (its location is the user's).
         def origin(v):
             return None if is_literal(v) else origins.get(v)
 
         readers: dict = {}  # var -> how many equations (or the outputs) read it
-        for eqn in jaxpr.eqns:
-            for v in eqn.invars:
-                if not is_literal(v):
-                    readers[v] = readers.get(v, 0) + 1
-        for v in jaxpr.outvars:
+        for v in [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars):
             if not is_literal(v):
                 readers[v] = readers.get(v, 0) + 1
 
@@ -470,9 +331,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 origins[eqn.outvars[0]] = View(view.leaf, view.chain + (step,), view.eqns + (eqn,))
                 continue
             if name == "convert_element_type" and _float_cast(eqn):
-                # A widening cast (float32 parameters meeting float64 inputs): the same
-                # entries, so a view; not replayed on entry indices (``eqns``), whose
-                # order it keeps.
+                # A widening cast: a view that keeps the entries' order (not in ``eqns``).
                 view = ins[0]
                 step = (name, str(eqn.outvars[0].aval.dtype))
                 origins[eqn.outvars[0]] = view._replace(chain=view.chain + (step,))
@@ -487,9 +346,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                     if rule.takes_bias:
                         use_of_output[eqn.outvars[0]] = len(uses) - 1
                     y = rule.bias_target(eqn, use)
-                    # A bias fuses with its product only when the product's output
-                    # feeds this add alone (so the cotangent at the product equals the
-                    # one at the bias) and the sum has the product's shape.
+                    # A bias fuses only when the product's output feeds this add alone.
                     if (
                         y is not None
                         and y in use_of_output
@@ -528,8 +385,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 fall_back(o.leaf, "returned by the model itself (a parameter view as output)")
 
     invars = closed.jaxpr.invars[:n_param_leaves]
-    # The model's scalar constants (e.g. jnp.sqrt(2.0) closed over), and inside inlined
-    # calls those passed in or closed over there.
+    # The known scalar constants (e.g. jnp.sqrt(2.0) closed over), updated inside calls.
     known = _scalar_constants(closed.jaxpr.constvars, closed.consts)
     walk(closed.jaxpr, {v: View(i, (), ()) for i, v in enumerate(invars)}, ())
     by_leaf: dict[int, list[int]] = {}
@@ -543,19 +399,11 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     absorbed_uses: set[int] = set()  # shift uses replaced by a fused bias
     for u, s, leaf, eqns in bias_candidates:
         use = uses[u]
-        ok = (
-            fuse_bias
-            and leaf not in bad
-            and uses_per_leaf[leaf] == 1  # this add is the bias's only use
-            and uses[s].factor == 1.0  # a scaled bias stays an elementwise shift
-            and use.leaf not in bad
-            and uses_per_leaf[use.leaf] == 1
-            and use.rule.takes_bias
-            and _bias_fusable(eqns, leaf_shapes[leaf], use)
-        )
-        if ok:  # otherwise the add stays an elementwise shift
+        alone = uses_per_leaf[leaf] == 1 and uses_per_leaf[use.leaf] == 1  # their only uses
+        # A scaled bias, or one that does not fuse, stays an elementwise shift.
+        ok = fuse_bias and alone and uses[s].factor == 1.0 and not {leaf, use.leaf} & set(bad)
+        if ok and use.rule.takes_bias and _bias_fusable(eqns, leaf_shapes[leaf], use):
             fused[u] = leaf
-            absorbed_uses.add(s)
             absorbed_uses.add(s)
     kept_index = [u for u, use in enumerate(uses) if use.leaf not in bad and u not in absorbed_uses]
     kept = [uses[u] for u in kept_index]
@@ -564,41 +412,30 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     groups: dict[int, list[int]] = {}
     for u, use in enumerate(kept):
         groups.setdefault(use.leaf, []).append(u)
-    absorbed = set(fused.values())
-    structured = set(groups) | absorbed
+    structured = set(groups) | set(fused.values())
     fallback = tuple(i for i in range(n_param_leaves) if i not in structured)
     reasons = tuple(bad.get(i, "not used by the model: its kernel is zero") for i in fallback)
-    return Analysis(
-        tuple(kept),
-        fallback,
-        tuple(tuple(g) for g in groups.values()),
-        biased,
-        bias_leaves,
-        reasons,
-        tuple(str(v.aval.dtype) for v in invars),
-    )
+    dtypes = tuple(str(v.aval.dtype) for v in invars)
+    groups_ = tuple(tuple(g) for g in groups.values())
+    return Analysis(tuple(kept), fallback, groups_, biased, bias_leaves, reasons, dtypes)
 
 
 def _conv_use(eqn, ins, here):
-    """The convolution rule's use of ``eqn`` (``ins``: per operand, a :class:`View` or
-    its ``(leaf, chain, eqns)`` tuple, or None)."""
+    """The convolution rule's use of ``eqn`` (``ins``: views or ``(leaf, chain, eqns)``)."""
     ins = [None if o is None else View(*o) for o in ins]
     return _rules.conv.CONV.match(eqn, ins, here, None)
 
 
 def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
-    """The outputs of ``jaxpr`` with the probes (:class:`ntk_core._structured.rules.Probe`, keyed
-    by their use's path) added and the recorded operands written into ``records``;
-    each primitive a rule claims is evaluated by its rule (``Rule.evaluate``)."""
+    """The outputs of ``jaxpr`` with the probes (by use path) added, the recorded operands
+    written into ``records``."""
     env = {}
 
     def read(v):
         return v.val if is_literal(v) else env[v]
 
-    for v, val in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = val
-    for v, val in zip(jaxpr.invars, args, strict=True):
-        env[v] = val
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
     for i, eqn in enumerate(jaxpr.eqns):
         here = path + (i,)
         invals = [read(v) for v in eqn.invars]
@@ -625,56 +462,38 @@ def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
 def analysis_for(
     apply3, params, x_one, aux, fuse_bias: bool = True, *, precision: str = "highest"
 ) -> tuple[Analysis, jex.ClosedJaxpr]:
-    """The structured analysis of ``apply3`` on one sample (shapes suffice), and the
-    per-sample jaxpr (traced under ``precision``, which the features' interpreter
-    replays) it was made from."""
+    """The analysis of ``apply3`` on one sample, and the per-sample jaxpr it read."""
     closed = per_sample_jaxpr(apply3, params, x_one, aux, precision=precision)
     return analyse(closed, len(jax.tree.leaves(params)), fuse_bias), closed
 
 
 def _bias_in_gram(analysis: Analysis, modes, u: int) -> bool:
-    """Whether use ``u`` has a fused bias in the Gram form that its rule adds as 1 to
-    the input Gram matrix (a Dense layer: (x·x' + 1)(g·g'), see
-    ``_rules/dot.py``) instead of a column of ones to the inputs (:func:`features`)."""
+    """Whether use ``u``'s fused bias adds 1 to its input Gram matrix (not a column)."""
     use = analysis.uses[u]
-    return (
-        bool(analysis.biased)
-        and analysis.biased[u]
-        and use.rule.bias_in_gram(use)
-        and _gram(analysis, modes, u)
-    )
+    biased = bool(analysis.biased) and analysis.biased[u]
+    return biased and use.rule.bias_in_gram(use) and _gram(analysis, modes, u)
 
 
-#: Bytes of per-sample intermediates that the features phase may hold at once: the
-#: samples of a block are processed :func:`chunk_size` at a time, so that the forward
-#: values, residuals and cotangents of the reverse passes (and the recorded inputs and
-#: the cotangents at every use) of a whole block never coexist.
+#: Bytes of per-sample intermediates the features phase may hold at once (:func:`chunk_size`).
 FEATURE_CHUNK_BYTES = 2**28
 
 
 def chunk_size(
     apply3, params, x, aux, out_tree, fuse_bias: bool, modes, *, precision: str = "highest"
 ) -> int:
-    """Samples of ``x`` whose structured features are computed together:
-
-        B = FEATURE_CHUNK_BYTES // (itemsize · ((O + 2)·V + F)),  1 ≤ B ≤ N,
-
-    then evened out to ⌈N / ⌈N / B⌉⌉ so that the chunks are about equal,
-    with V the values one sample's forward pass writes, O the output entries per
-    sample (the reverse passes keep the forward values, their residuals and O
-    cotangents of each alive) and F the feature values of one sample (Jacobians of
-    fallback leaves and explicit groups, inputs and cotangents of Gram-form uses).
-    :func:`features_in_chunks` loops over them inside one compiled call.
-    """
-    x_one = one_sample(x)
-    analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias, precision=precision)
+    """Samples whose features are computed together: B = FEATURE_CHUNK_BYTES //
+    (itemsize·((O + 2)·V + F)) in [1, N], evened to ⌈N / ⌈N / B⌉⌉ (V: values one forward
+    pass writes, O: outputs per sample, F: feature values per sample)."""
+    analysis, closed = analysis_for(
+        apply3, params, one_sample(x), aux, fuse_bias, precision=precision
+    )
     n = np.shape(jax.tree.leaves(x)[0])[0]
     outs = closed.out_avals  # the outputs' leaves, in out_tree's order
     out_size = sum(math.prod(o.shape) for o in outs)
     leaves = jax.tree.leaves(params)
     width = sum(math.prod(np.shape(leaves[i])) for i in analysis.fallback)
     for group, mode in zip(analysis.groups, modes, strict=True):
-        if mode == "explicit":
+        if mode == EXPLICIT:
             width += analysis.input_size(group[0]) * analysis.uses[group[0]].w_free_size
     gram_values = sum(
         use.a_size * (analysis.input_size(u) + out_size * use.w_free_size)
@@ -688,23 +507,16 @@ def chunk_size(
     return -(-n // pieces)  # balanced: the overlapping last chunk repeats < pieces samples
 
 
+#: Per output leaf: fallback Jacobians ``(N, *O, P_l)``, explicit groups' ``(N, *O, C·K)``
+#: (with ``merge_limits``: both in ``merged``), per use cotangents ``g`` ``(N, *O, A, K)``;
+#: per use, inputs ``x`` ``(N, A, C)`` (in ``x`` and ``g``, None for explicit groups).
+Features = collections.namedtuple("Features", "fallback explicit merged x g")
+
+
 def features_in_chunks(
-    apply3,
-    params,
-    x,
-    aux,
-    out_tree,
-    fuse_bias: bool,
-    modes,
-    merge_limits,
-    chunk: int,
-    *,
-    precision: str = "highest",
+    apply3, params, x, aux, out_tree, fuse_bias, modes, merge_limits, chunk, *, precision="highest"
 ):
-    """:func:`features` of ``x`` computed ``chunk`` samples at a time in an XLA loop,
-    written into the outputs in place: the transient memory of the forward and reverse
-    passes is that of one chunk. The last chunk overlaps its predecessor (every step
-    has the same shapes); the rows they share are written twice with equal values."""
+    """:func:`features` of ``x``, ``chunk`` samples at a time in an XLA loop."""
     return map_in_batches(
         lambda xb: features(
             apply3, params, xb, aux, out_tree, fuse_bias, modes, merge_limits, precision=precision
@@ -720,67 +532,46 @@ def features(
     x,
     aux,
     out_tree,
-    fuse_bias: bool = True,
+    fuse_bias=True,
     modes=None,
     merge_limits=None,
     *,
-    precision: str = "highest",
+    precision="highest",
 ):
-    """Per-sample structured features of a batch.
-
-    Returns a dict with ``"fallback"``: per output leaf, a list of explicit Jacobians
-    ``(N, *O, P_l)``; ``"explicit"``: per output leaf, per ``"explicit"`` group, the
-    Jacobian ``(N, *O, C·K)`` from the recorded inputs and cotangents; ``"merged"``: per
-    output leaf, an empty list, or with ``merge_limits`` (per output leaf) the fallback
-    and explicit Jacobians merged by :func:`ntk_core._impl.jacobian.merge` (the narrow ones
-    concatenated; ``"fallback"`` and ``"explicit"`` are then empty); ``"x"``: per use,
-    layer inputs ``(N, A, C)`` (tokens ``(N, A)``; None for explicit groups); ``"g"``:
-    per output leaf, per use, cotangents ``(N, *O, A, K)`` (None for explicit groups).
-    """
-    x_one = one_sample(x)
-    analysis, closed = analysis_for(apply3, params, x_one, aux, fuse_bias, precision=precision)
+    """Per-sample structured features of a batch (:class:`Features`)."""
+    analysis, closed = analysis_for(
+        apply3, params, one_sample(x), aux, fuse_bias, precision=precision
+    )
     if modes is None:
-        modes = ("gram",) * len(analysis.groups)
-    param_leaves = jax.tree.leaves(params)
+        modes = (GRAM,) * len(analysis.groups)
     param_leaves = jax.tree.leaves(params)
 
     def one(x_i):
-        leaves_x = jax.tree.leaves(x_i)
-        leaves_aux = jax.tree.leaves(aux)
-
         def run(fb, deltas):
             leaves = list(param_leaves)
             for i, v in zip(analysis.fallback, fb, strict=True):
                 leaves[i] = v
-            probes = {
-                use.path: use.rule.probe(use, d)
-                for use, d in zip(analysis.uses, deltas, strict=True)
-            }
+            pairs = zip(analysis.uses, deltas, strict=True)
+            probes = {u.path: u.rule.probe(u, d) for u, d in pairs}
             records: dict = {}
-            outs = _evaluate(
-                closed.jaxpr, closed.consts, leaves + leaves_x + leaves_aux, probes, records
-            )
+            args = leaves + jax.tree.leaves(x_i) + jax.tree.leaves(aux)
+            outs = _evaluate(closed.jaxpr, closed.consts, args, probes, records)
             return outs, [records[use.path] for use in analysis.uses]
 
         fb0 = [param_leaves[i] for i in analysis.fallback]
         d0 = [jnp.zeros(use.y_shape, use.y_dtype) for use in analysis.uses]
         # Per output leaf: (Jacobians of the fallback leaves, cotangents at each use).
-        jac, xs = jax.jacrev(run, argnums=(0, 1), has_aux=True)(fb0, d0)
-        return jac, xs
+        return jax.jacrev(run, argnums=(0, 1), has_aux=True)(fb0, d0)
 
     n = jax.tree.leaves(x)[0].shape[0]  # the batch's outputs, from one sample's
     out_shapes = [jax.ShapeDtypeStruct((n, *o.shape), o.dtype) for o in closed.out_avals]
     biased = analysis.biased or (False,) * len(analysis.uses)
 
-    # Inputs and cotangents of a use whose weights were widened (float32 parameters
-    # meeting float64 inputs) are contracted in the promoted dtype, and each leaf's
-    # kernel comes out in its own dtype, as its Jacobian would.
+    # Widened uses contract in the promoted dtype; each leaf's kernel in its own dtype.
     leaf_dtypes = analysis.leaf_dtypes
     work = [jnp.promote_types(leaf_dtypes[use.leaf], use.y_dtype) for use in analysis.uses]
 
-    # A constant factor of the weights (Use.factor) scales the recorded input of a
-    # product or convolution (``Rule.scales_input``; not a fused bias's ones, added
-    # later), else the cotangent.
+    # Use.factor scales the recorded input (Rule.scales_input) or else the cotangent.
     x_factors = [use.factor if use.rule.scales_input else 1.0 for use in analysis.uses]
     g_factors = [1.0 if use.rule.scales_input else use.factor for use in analysis.uses]
 
@@ -789,134 +580,100 @@ def features(
             v = v.astype(dtype)
         return v if factor == 1.0 else v * factor
 
-    def batch(xb):
-        jac, xs = jax.vmap(one)(xb)
-        j_fb = [pair[0] for pair in jac]
-        j_d = [
-            [prepared(g, w, f) for g, w, f in zip(pair[1], work, g_factors, strict=True)]
-            for pair in jac
-        ]
-        xs = [prepared(v, w, f) for v, w, f in zip(xs, work, x_factors, strict=True)]
-        # Per use: its Gram-form inputs, or what its explicit Jacobian reads of them.
-        x_mats = []
-        for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True)):
-            bias_column = b and not _bias_in_gram(analysis, modes, u)
-            if _gram(analysis, modes, u):
-                x_mats.append(use.rule.input_features(use, xu, bias_column))
-            else:
-                x_mats.append(use.rule.jacobian_input(use, xu, bias_column))
-        fallback, explicit, merged, g = [], [], [], []
-        for k, o in enumerate(out_shapes):
-            o_ndim = len(o.shape)  # (N, *O)
-            fb_k = [j.reshape(j.shape[:o_ndim] + (-1,)) for j in j_fb[k]]
-            per_use = []
-            for use, gu in zip(analysis.uses, j_d[k], strict=True):
-                # gu: (N, *O, *y) -> (N, *O, A, K)
-                lead = gu.shape[:o_ndim]
-                perm = tuple(range(o_ndim)) + tuple(o_ndim + a for a in use.y_perm)
-                gu = jnp.transpose(gu, perm).reshape(lead + (use.a_size, use.w_free_size))
-                per_use.append(gu)
-            per_group = []
-            for group, mode in zip(analysis.groups, modes, strict=True):
-                if mode != "explicit":
-                    continue
-                total = None
-                for u in group:
-                    use = analysis.uses[u]
-                    j = use.rule.jacobian(use, x_mats[u], per_use[u], biased[u])
-                    total = j if total is None else total + j
-                leaf_dtype = leaf_dtypes[analysis.uses[group[0]].leaf]
-                per_group.append(total.reshape(total.shape[:o_ndim] + (-1,)).astype(leaf_dtype))
-            if merge_limits is None:
-                fallback.append(fb_k)
-                explicit.append(per_group)
-                merged.append([])
-            else:
-                fallback.append([])
-                explicit.append([])
-                merged.append(_jacobian.merge(fb_k + per_group, merge_limits[k]))
-            g.append([gu if _gram(analysis, modes, u) else None for u, gu in enumerate(per_use)])
-        x_out = [xm if _gram(analysis, modes, u) else None for u, xm in enumerate(x_mats)]
-        return {"fallback": fallback, "explicit": explicit, "merged": merged, "x": x_out, "g": g}
-
-    return batch(x)
+    jac, xs = jax.vmap(one)(x)
+    j_fb = [pair[0] for pair in jac]
+    j_d = [
+        [prepared(g, w, f) for g, w, f in zip(pair[1], work, g_factors, strict=True)]
+        for pair in jac
+    ]
+    xs = [prepared(v, w, f) for v, w, f in zip(xs, work, x_factors, strict=True)]
+    # Per use: its Gram-form inputs, or what its explicit Jacobian reads of them.
+    x_mats = []
+    for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True)):
+        bias_column = b and not _bias_in_gram(analysis, modes, u)
+        if _gram(analysis, modes, u):
+            x_mats.append(use.rule.input_features(use, xu, bias_column))
+        else:
+            x_mats.append(use.rule.jacobian_input(use, xu, bias_column))
+    fallback, explicit, merged, g = [], [], [], []  # per output leaf
+    for k, o in enumerate(out_shapes):
+        o_ndim = len(o.shape)  # (N, *O)
+        fb_k = [j.reshape(j.shape[:o_ndim] + (-1,)) for j in j_fb[k]]
+        per_use = []
+        for use, gu in zip(analysis.uses, j_d[k], strict=True):
+            # gu: (N, *O, *y) -> (N, *O, A, K)
+            lead = gu.shape[:o_ndim]
+            perm = tuple(range(o_ndim)) + tuple(o_ndim + a for a in use.y_perm)
+            gu = jnp.transpose(gu, perm).reshape(lead + (use.a_size, use.w_free_size))
+            per_use.append(gu)
+        per_group = []
+        for group, mode in zip(analysis.groups, modes, strict=True):
+            if mode != EXPLICIT:
+                continue
+            total = None
+            for u in group:
+                use = analysis.uses[u]
+                j = use.rule.jacobian(use, x_mats[u], per_use[u], biased[u])
+                total = j if total is None else total + j
+            leaf_dtype = leaf_dtypes[analysis.uses[group[0]].leaf]
+            per_group.append(total.reshape(total.shape[:o_ndim] + (-1,)).astype(leaf_dtype))
+        if merge_limits is None:
+            parts = (fb_k, per_group, [])
+        else:
+            parts = ([], [], _jacobian.merge(fb_k + per_group, merge_limits[k]))
+        for dest, part in zip((fallback, explicit, merged), parts, strict=True):
+            dest.append(part)
+        g.append([gu if _gram(analysis, modes, u) else None for u, gu in enumerate(per_use)])
+    x_out = [xm if _gram(analysis, modes, u) else None for u, xm in enumerate(x_mats)]
+    return Features(fallback, explicit, merged, x_out, g)
 
 
 def _gram(analysis: Analysis, modes, u: int) -> bool:
     for group, mode in zip(analysis.groups, modes, strict=True):
         if u in group:
-            return mode == "gram"
+            return mode == GRAM
     return True
 
 
 def _fresh_letters(used: str, n: int) -> list[str]:
-    free = [c for c in string.ascii_letters if c not in used]
-    return free[:n]
+    return [c for c in string.ascii_letters if c not in used][:n]
 
 
 def contract(layouts, structure: Structure, analysis, f1, f2, precision):
-    """Per output leaf, the list of each parameter leaf's kernel (they sum to the NTK);
-    with merged features (``f1["merged"]``, see :func:`features`) the list starts with
-    the kernels of the merged Jacobians instead of their leaves' own.
-
-    ``structure`` is :meth:`Analysis.leaves` of ``analysis``.
-    """
+    """Per output leaf, each parameter leaf's kernel (they sum to the NTK), led by the
+    merged Jacobians' kernels when ``f1.merged`` holds them."""
     kernels = []
     for k, layout in enumerate(layouts):
         lhs, rhs, out = layout.specs(n_contracted=1)
-        n1_shape = next(
-            a.shape[: layout.ndim]
-            for a in (
-                list(f1["fallback"][k])
-                + list(f1["explicit"][k])
-                + list(f1["merged"][k])
-                + [gu for gu in f1["g"][k] if gu is not None]
-            )
-        )
-        size = layout.trace_size(n1_shape)
+        kinds = (f1.fallback, f1.explicit, f1.merged, f1.g)
+        first = next(a for kind in kinds for a in kind[k] if a is not None)
+        size = layout.trace_size(first.shape[: layout.ndim])
         per_leaf = [None] * structure.n_leaves
 
         def jacobian_term(a, b, specs=(lhs, rhs, out), size=size):
             return _jacobian.pair_einsum(*specs, a, b, precision) / size
 
         # Merged Jacobians (fallback leaves and explicit groups, not split per leaf).
-        merged = [
-            jacobian_term(a, b) for a, b in zip(f1["merged"][k], f2["merged"][k], strict=True)
-        ]
+        pairs = zip(f1.merged[k], f2.merged[k], strict=True)
+        merged = [jacobian_term(a, b) for a, b in pairs]
         if not merged:
-            for leaf, a, b in zip(
-                structure.fallback, f1["fallback"][k], f2["fallback"][k], strict=True
-            ):
+            pairs = zip(f1.fallback[k], f2.fallback[k], strict=True)
+            for leaf, (a, b) in zip(structure.fallback, pairs, strict=True):
                 per_leaf[leaf] = jacobian_term(a, b)
         lo, ro, _ = layout.specs()
-        ia, ib, c, kk = _fresh_letters(lo + ro + out, 4)
-        letters = Subscripts(lo, ro, out, ia, ib, c, kk)
-        explicit_index = 0
-        for leaf, group, mode in zip(
-            structure.group_leaves, structure.groups, structure.modes, strict=True
-        ):
-            if mode == "explicit":
-                if merged:
-                    continue
-                a = f1["explicit"][k][explicit_index]
-                b = f2["explicit"][k][explicit_index]
-                explicit_index += 1
-                per_leaf[leaf] = jacobian_term(a, b)
+        letters = Subscripts(lo, ro, out, *_fresh_letters(lo + ro + out, 4))
+        explicit = zip(f1.explicit[k], f2.explicit[k], strict=True)
+        x1, x2, g1, g2 = f1.x, f2.x, f1.g[k], f2.g[k]
+        for group, leaf, mode in zip(*structure[2:], strict=True):  # groups, leaves, modes
+            if mode == EXPLICIT:
+                if not merged:
+                    per_leaf[leaf] = jacobian_term(*next(explicit))
                 continue
             total = None
             for u, v in itertools.product(group, group):
-                use, use_v = analysis.uses[u], analysis.uses[v]
-                term = use.rule.gram_term(
-                    use,
-                    use_v,
-                    f1["x"][u],
-                    f2["x"][v],
-                    f1["g"][k][u],
-                    f2["g"][k][v],
-                    letters,
-                    precision,
-                    _bias_in_gram(analysis, structure.modes, u),
-                )
+                use, plus_one = analysis.uses[u], _bias_in_gram(analysis, structure.modes, u)
+                args = (x1[u], x2[v], g1[u], g2[v], letters, precision, plus_one)
+                term = use.rule.gram_term(use, analysis.uses[v], *args)
                 total = term if total is None else total + term
             per_leaf[leaf] = (total / size).astype(analysis.leaf_dtypes[leaf])
         # None: fused biases, and leaves in the merged Jacobians.

@@ -1,19 +1,6 @@
-"""Convolutions: ``y = conv_general_dilated(x, view(W))`` on the kernel operand.
-
-Matches any strides, padding, lhs/rhs dilation and dimension numbers with
-``feature_group_count = batch_group_count = 1``, the parameter being the kernel (not
-the input) seen through a view that does not broadcast it. The recorded input is the
-layer input; its patches ``x[a, c]`` have ``c = (input channel, window offset)`` in the
-kernel's ``rhs_spec`` order (C = C_in·W) and ``a`` the output positions (batch, then
-the spatial axes: A), extracted by padding and strided slicing (no convolution);
-``k`` runs over the output channels (K). Per sample and output entry ``o``:
-
-    ∂f_o/∂W[c, k] = Σ_a patches[c, a] g_o[a, k]
-
-A convolution over many positions usually takes this explicit form, which is still
-much cheaper than differentiating the kernel through the convolution under ``vmap``
-(a grouped convolution, slow on CPU). A bias added right after it joins the patches
-as a constant row.
+"""Ungrouped convolutions ``y = conv_general_dilated(x, view(W))`` on the kernel: ``c`` =
+(input channel, window offset), ``a`` the output positions, ``k`` the output channels;
+the patches ``x[a, c]`` come from padding and strided slices. A fused bias is a row of ones.
 """
 
 from __future__ import annotations
@@ -27,25 +14,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from ntk_core._blocked.barrier import barrier
+from ntk_core._jax.batches import map_in_batches
 from ntk_core._jax.jaxpr_walk import bind
-from ntk_core._structured.rules._base import (
-    Rule,
-    Use,
-    broadcast_reason,
-    broadcasts,
-    map_in_batches,
-    scaled,
-)
+from ntk_core._structured.rules._base import Rule, broadcast_reason, broadcasts, scaled
 
-#: Values of convolution patches formed at once when building per-sample Jacobians:
-#: a few MiB, so that they stay in cache instead of crossing main memory.
+#: Patch values formed at once for per-sample Jacobians (a few MiB: stays in cache).
 PATCH_CHUNK_VALUES = 2**19
 
 
 @dataclasses.dataclass(frozen=True)
 class ConvGeometry:
-    """What :func:`patches` needs of a convolution (its lhs layout and its window)."""
-
     lhs_spec: tuple[int, ...]
     window: tuple[int, ...]  # the kernel's spatial sizes, in rhs_spec order
     strides: tuple[int, ...]
@@ -56,14 +34,8 @@ class ConvGeometry:
 
 
 def patches(x, geometry: ConvGeometry):
-    """Input patches of a convolution: ``(C_in·W, A)`` for one sample's input ``x``.
-
-    Rows follow the input channel, then the window offsets in the kernel's spatial
-    order; columns the output positions (batch, then the spatial axes in the
-    convolution's order), so that ``y[a, k] = Σ_c patches[c, a] · W'[c, k]`` with ``W'``
-    the kernel transposed to ``(C_in, *window, K)``. Built from padding and strided
-    slices only (exact, no convolution), in the layout that needs no transpose.
-    """
+    """Patches ``(C_in·W, A)`` of one sample's input: ``y[a, k] = Σ_c p[c, a] W'[c, k]``
+    with ``W'`` the kernel as ``(C_in, *window, K)``."""
     g = geometry
     lhs_spec = g.lhs_spec
     x = jnp.transpose(x, (lhs_spec[1], lhs_spec[0]) + tuple(lhs_spec[2:]))  # (C_in, B, *sp)
@@ -98,7 +70,6 @@ class ConvRule(Rule):
     scales_input = True
 
     def input_flops(self, a, c):
-        """The patches: one copy per value, A positions of C values."""
         return float(a * c)
 
     def match(self, eqn, ins, here, leaf_shapes):
@@ -117,31 +88,16 @@ class ConvRule(Rule):
         c_in = w_shape[rhs_spec[1]]
         y_shape = tuple(eqn.outvars[0].aval.shape)
         out_spatial = tuple(y_shape[d] for d in out_spec[2:])
-        geometry = ConvGeometry(
-            lhs_spec=lhs_spec,
-            window=window,
-            strides=tuple(p["window_strides"]),
-            padding=tuple(tuple(int(v) for v in pad) for pad in p["padding"]),
-            lhs_dilation=tuple(p["lhs_dilation"] or (1,) * len(window)),
-            rhs_dilation=tuple(p["rhs_dilation"] or (1,) * len(window)),
-            out_spatial=out_spatial,
-        )
-        return Use(
-            rule=self,
-            kind="conv",
-            path=here,
-            leaf=ins[1].leaf,
-            x_side=0,
-            key=("conv", chain, rhs_spec, w_shape),
-            y_shape=y_shape,
-            y_dtype=str(eqn.outvars[0].aval.dtype),
-            y_perm=(out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],),
-            a_size=y_shape[out_spec[0]] * math.prod(out_spatial),
-            w_free_size=w_shape[rhs_spec[0]],
-            x_contract_size=c_in * math.prod(window),
-            info=geometry,
-            factor=factor,
-        )
+        padding = tuple(tuple(int(v) for v in pad) for pad in p["padding"])
+        dilations = (tuple(p[k] or (1,) * len(window)) for k in ("lhs_dilation", "rhs_dilation"))
+        strides = tuple(p["window_strides"])
+        geometry = ConvGeometry(lhs_spec, window, strides, padding, *dilations, out_spatial)
+        y_perm = (out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],)
+        sizes = (y_shape[out_spec[0]] * math.prod(out_spatial), w_shape[rhs_spec[0]])
+        sizes += (c_in * math.prod(window),)
+        key = ("conv", chain, rhs_spec, w_shape)
+        y = eqn.outvars[0]
+        return self.use("conv", here, ins[1].leaf, 0, key, y, y_perm, sizes, geometry, factor)
 
     def miss_reason(self, eqn, ins):
         reason = broadcast_reason(eqn, ins)
@@ -158,28 +114,21 @@ class ConvRule(Rule):
         return f"a {eqn.primitive.name} that no rule covers"
 
     def evaluate(self, eqn, invals):
-        """Every ungrouped convolution (a use or not) with its canonical-kernel
-        transpose (:func:`conv_with_canonical_transpose`)."""
         if _ungrouped(eqn):
             return conv_with_canonical_transpose(eqn, *invals)
         return bind(eqn, invals)
 
     def input_features(self, use, x, bias_column):
-        """Patches ``(N, C, A)`` (their natural layout), a row of ones for a fused bias."""
         x = jax.vmap(lambda v: patches(v, use.info))(x)
-        if bias_column:  # the fused bias: a constant input row
+        if bias_column:
             x = jnp.concatenate([x, jnp.ones((x.shape[0], 1, x.shape[2]), x.dtype)], axis=1)
         return x
 
     def jacobian_input(self, use, x, bias_column):
-        """The layer inputs themselves: :meth:`jacobian` forms the patches in chunks."""
         return x
 
     def jacobian(self, use, xj, g, biased):
-        """Per-sample kernel Jacobian, ``(N, *O, C, K)``, from the recorded inputs
-        ``(N, *lhs)`` and cotangents ``(N, *O, A, K)``: patches times cotangents, a few
-        samples at a time (:func:`map_in_batches`) so that the patches, C/K times larger
-        than the Jacobian, never exist for the whole batch at once."""
+        """``(N, *O, C, K)`` from inputs ``(N, *lhs)``: patches formed a few samples at a time."""
         lead = g.shape[:-2]
         g3 = g.reshape((g.shape[0], -1) + g.shape[-2:])  # (N, O, A, K)
 
@@ -199,23 +148,13 @@ class ConvRule(Rule):
 
 
 def conv_with_canonical_transpose(eqn, lhs, rhs):
-    """``conv_general_dilated(lhs, rhs)`` as ``eqn`` binds it, with a JVP rule whose
-    transpose (the reverse pass to ``lhs``) convolves with the flipped kernel
-    materialised in the canonical (spatial..., in, out) order.
-
-    Equal in value, and in every derivative, to the plain convolution (the tangent of
-    ``lhs`` goes through the same kernel, laid out differently; that of ``rhs`` through
-    the plain convolution). Without the materialised kernel, XLA on CPU compiles the
-    transposed convolution inside a loop (``fori_loop``, ``lax.map``) as a naive loop
-    nest, about 5x slower than the same convolution outside one; the chunked features
-    run in such a loop.
-    """
+    """``eqn``'s convolution, equal in every derivative, whose transpose reads the kernel
+    materialised as (spatial..., in, out): inside a loop XLA CPU is ~5x slower without."""
     params = eqn.params
     dn = params["dimension_numbers"]
     n_sp = len(dn.rhs_spec) - 2
     spatial = tuple(range(n_sp))
-    # The kernel in physical order (spatial..., O, I): the transpose rule swaps O and I,
-    # so its transposed convolution reads it as (spatial..., in, out).
+    # Physical order (spatial..., O, I): the transpose rule swaps O and I.
     order = tuple(dn.rhs_spec[2:]) + (dn.rhs_spec[0], dn.rhs_spec[1])
     turned = dict(params, dimension_numbers=dn._replace(rhs_spec=(n_sp, n_sp + 1) + spatial))
 
@@ -229,9 +168,7 @@ def conv_with_canonical_transpose(eqn, lhs, rhs):
         y = bind(eqn, [x, w])
         t = None
         if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
-            # The transpose rule reverses this kernel: reverse it here first, behind a
-            # barrier XLA cannot fold through, so that the two reversals cancel and the
-            # transposed convolution reads a materialised, unreversed array.
+            # Reverse behind a barrier, so the transpose's reversal cancels it.
             flipped = barrier(jnp.flip(jnp.transpose(w, order), spatial))
             t = eqn.primitive.bind(dx, jnp.flip(flipped, spatial), **turned)
         if not isinstance(dw, jax.custom_derivatives.SymbolicZero):

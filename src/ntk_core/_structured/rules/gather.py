@@ -1,16 +1,7 @@
-"""Embedding lookups: ``y = view(W)[tokens]``, a ``gather`` of rows of a ``(V, D)``
-table (``nn.Embed``, ``hk.Embed``, ``table[tokens]``, ``jnp.take``).
-
-Matches a row lookup of a parameter table (not broadcast) with non-parameter integer
-indices, in the ``clip``, ``fill`` or promise-in-bounds mode. The input is one-hot,
-``x[a, c] = [token_a = c]`` (C = V, a the A looked-up positions, k the D units), so
-
-    ∂f_o/∂W[v, d] = Σ_a [t_a = v] g_o[a, d]
-
-and the Gram factor of two uses is the token match ``[t1_a = t2_b]``, computed from the
-tokens without the one-hot: Σ_ab [t1_a = t2_b] (g1_a·g2_b). Out-of-range tokens follow
-the lookup's mode (``clip`` clamps; ``fill`` and promise-in-bounds drop them, as the
-lookup's transpose does).
+"""Embedding lookups ``y = view(W)[tokens]`` of a ``(V, D)`` table (clip, fill or
+promise-in-bounds mode): ``x[a, v] = [t_a = v]``, so ∂f_o/∂W[v, d] = Σ_a [t_a = v] g_o[a, d]
+and the Gram factor is the token match [t1_a = t2_b]. Out-of-range tokens are clamped
+(clip) or dropped, as the lookup's transpose does.
 """
 
 from __future__ import annotations
@@ -21,24 +12,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ntk_core._structured.rules._base import (
-    Rule,
-    Use,
-    broadcast_reason,
-    broadcasts,
-    scaled,
-)
+from ntk_core._structured.rules._base import Rule, Use, broadcast_reason, broadcasts, scaled
 
-#: Lookup modes of ``gather`` handled by the embedding rule.
 GATHER_MODES = frozenset({"CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"})
 
 
 @dataclasses.dataclass(frozen=True)
 class Lookup:
-    """How the lookup treats out-of-range tokens: ``"CLIP"``, ``"FILL_OR_DROP"`` or
-    ``"PROMISE_IN_BOUNDS"``."""
-
-    mode: str
+    mode: str  # one of GATHER_MODES
 
 
 class GatherRule(Rule):
@@ -72,22 +53,10 @@ class GatherRule(Rule):
         )
         if not ok:
             return None
-        return Use(
-            rule=self,
-            kind="gather",
-            path=here,
-            leaf=ins[0].leaf,
-            x_side=1,
-            key=("gather", chain, table),
-            y_shape=y_shape,
-            y_dtype=str(eqn.outvars[0].aval.dtype),
-            y_perm=tuple(range(len(y_shape))),
-            a_size=math.prod(idx_shape[:-1]),
-            w_free_size=table[1],
-            x_contract_size=table[0],
-            info=Lookup(mode),
-            factor=factor,
-        )
+        sizes = (math.prod(idx_shape[:-1]), table[1], table[0])
+        key, y_perm = ("gather", chain, table), tuple(range(len(y_shape)))
+        y, info = eqn.outvars[0], Lookup(mode)
+        return self.use("gather", here, ins[0].leaf, 1, key, y, y_perm, sizes, info, factor)
 
     def miss_reason(self, eqn, ins):
         reason = broadcast_reason(eqn, ins)
@@ -109,11 +78,9 @@ class GatherRule(Rule):
         return jnp.einsum("nav,n...ad->n...vd", hot, g)
 
     def gram_input_width(self, c):
-        """One comparison per entry of the token match."""
         return 1
 
     def input_values(self, c):
-        """The token id alone, not its one-hot row of C values."""
         return 1
 
     def gram_term(self, u, v, x1, x2, g1, g2, s, precision, plus_one):
@@ -137,8 +104,7 @@ class GatherRule(Rule):
 
 
 def token_match(use: Use, t1, t2, batch_diagonal: bool):
-    """``[t1_a = t2_b]`` for valid tokens, float: ``(N1, A, N2, B)``, or ``(N, A, B)`` on
-    the batch diagonal. Out-of-range tokens are clamped (``clip``) or match nothing."""
+    """``[t1_a = t2_b]`` as floats: ``(N1, A, N2, B)``, or ``(N, A, B)`` on the diagonal."""
     vocab = use.x_contract_size
     mode = use.info.mode
 
