@@ -23,10 +23,15 @@ def build(apply3, config: Config, chunks: dict) -> Implementation:
     the features' chunk sizes found so far, read and updated)."""
     tile = functools.partial(_TILE, apply3=apply3, config=config)
     features = PHASES[config.implementation].features
+
+    def run(params, fa, fb, aux, xa, xb, same):
+        kernel, finite = tile(params, fa, fb, aux, xa, xb, same=same)
+        return (_MIRROR(kernel, config=config) if same else kernel), finite
+
     return Implementation(
         config.implementation,
         None if features is None else features(apply3, config, chunks),
-        lambda params, fa, fb, aux, xa, xb, same: tile(params, fa, fb, aux, xa, xb, same=same),
+        run,
     )
 
 
@@ -43,12 +48,14 @@ def _tile(params, fa, fb, aux, xa, xb, *, apply3, config: Config, same: bool):
             kernel = _triangular(contract, fa, k, config)
         else:
             kernel = contract(fa, None if same else fb, config=config)
-    if same:  # exactly symmetric (barriers inside: no fusion across the mirror)
-        kernel = _blocked.symmetrize(kernel, config)
     return _blocked.finish_tile(kernel)
 
 
 _TILE = jax.jit(_tile, static_argnames=("apply3", "config", "same"))
+#: (K + Kᵀ)/2 of a Gram tile, in its own program: inside the tile's, XLA may fuse the
+#: contraction into the sum and compute K[i, j] and K[j, i] with different rounding
+#: (ntvp's traced kernel was off by 2e-7 relative); here both read one stored K.
+_MIRROR = jax.jit(_blocked.symmetrize, static_argnames=("config",), donate_argnums=0)
 
 
 #: A Gram matrix of N samples is contracted in k = min(TRIANGLE_MAX_BLOCKS, N //
