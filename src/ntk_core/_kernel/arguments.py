@@ -9,11 +9,9 @@ import inspect
 
 
 def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> str | None:
-    """The parameter ``signature.bind(*args, **kwargs)`` reports missing: the first
-    required one (in signature order) that neither a positional argument nor a keyword
-    gives; ``None`` when none is missing or bind fails on something else first (a
-    positional argument also given by keyword, too many positional arguments, a
-    positional-only one given by keyword), as ``Signature.bind`` checks in that order."""
+    """The first required parameter no argument gives, or None (as ``Signature.bind``
+    checks, in its order).
+    """
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     taken = positional[: len(args)]
@@ -34,11 +32,8 @@ def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> s
 
 
 def _checked_arguments(fn, name: str | None = None):
-    """Turns Python's binding errors (an unknown or misspelt option, too many positional
-    arguments, a missing one) into a TypeError naming the valid options and the fix;
-    ``name`` is the public name in messages (default ``fn.__name__``).
-
-    Costs nothing on a correct call: the signature is consulted only after a TypeError.
+    """Python's binding errors of ``fn`` become a TypeError naming ``name``, the valid
+    options and the fix (consulted only after a TypeError).
     """
     signature = inspect.signature(fn)
     name = name or fn.__name__
