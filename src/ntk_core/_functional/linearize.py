@@ -96,9 +96,8 @@ class _Point:
                 dtype = None
             if dtype != ref.dtype:
                 got = dtype if dtype is not None else type(leaf).__name__
-                what = (
-                    f"{params_name}{path} has dtype {got}, but {point} has dtype {ref.dtype} there"
-                )
+                what = f"{params_name}{path} has dtype {got}, but {point} has dtype "
+                what += f"{ref.dtype} there"
                 fix = "cast the parameters to the expansion point's dtypes"
                 raise bad(TypeError, fn, what, fix)
             if diff:
@@ -144,10 +143,6 @@ def _short(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _is_float0(leaf) -> bool:
-    return getattr(leaf, "dtype", None) == jax.dtypes.float0
-
-
 def _derivatives(g: Callable, primal, tangent, degree: int) -> list:
     """[g(θ0), Dg(θ0)[δ], ..., D^degree g(θ0)[δ, ..., δ]] by nested ``jax.jvp``; ``float0``
     tangents become zeros so that the next level can differentiate them.
@@ -160,8 +155,9 @@ def _derivatives(g: Callable, primal, tangent, degree: int) -> list:
 
         def derivatives(p):
             values, tangents = jax.jvp(lower, (p,), (tangent,))
+            float0 = jax.dtypes.float0
             top = jax.tree.map(
-                lambda t, v: jnp.zeros_like(v) if _is_float0(t) else t, tangents[-1], values[0]
+                lambda t, v: jnp.zeros_like(v) if t.dtype == float0 else t, tangents[-1], values[0]
             )
             return [*values, top]
 

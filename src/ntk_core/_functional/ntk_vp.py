@@ -90,11 +90,6 @@ def _product(apply_fn, precision, batch_size) -> Callable:
     return _cached_product(apply_fn, precision, batch_size)
 
 
-def _check_batch_size(fn: str, batch_size) -> int | None:
-    fix = "pass e.g. batch_size=1000, or None"
-    return check_int(fn, "batch_size", batch_size, fix, optional=True)
-
-
 def _check_params(fn: str, params) -> None:
     if not jax.tree.leaves(params):
         what = f"params has no arrays (got {type(params).__name__})"
@@ -155,12 +150,7 @@ def _check_v(call: str, outputs, tree, v):
 
 
 def ntk_vp_fn(
-    apply_fn: Callable,
-    params,
-    x,
-    *,
-    batch_size: int | None = None,
-    precision: str = "highest",
+    apply_fn: Callable, params, x, *, batch_size: int | None = None, precision: str = "highest"
 ) -> Callable:
     """Returns a jitted function ``ntk_vp(v) = Θ(x, x) v``, never forming Θ or J.
 
@@ -224,7 +214,8 @@ def make_ntk_vp(caller: Caller, apply_fn, params, x, batch_size, precision) -> C
     fn = caller.name
     _checks.check_apply_fn(fn, apply_fn)
     options = make_options(fn, precision=precision)
-    batch_size = _check_batch_size(fn, batch_size)
+    fix = "pass e.g. batch_size=1000, or None"
+    batch_size = check_int(fn, "batch_size", batch_size, fix, optional=True)
     _checks.before_trace(fn, params, x, None, options)
     _check_params(fn, params)
     n = _batch_size(caller, "x", x)

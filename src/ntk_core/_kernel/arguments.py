@@ -37,12 +37,6 @@ def _checked_arguments(fn, name: str | None = None):
     """
     signature = inspect.signature(fn)
     name = name or fn.__name__
-    options = [n for n, p in signature.parameters.items() if p.kind is p.KEYWORD_ONLY]
-    positional = [
-        n
-        for n, p in signature.parameters.items()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
 
     @functools.wraps(fn)
     def checked(*args, **kwargs):
@@ -52,39 +46,34 @@ def _checked_arguments(fn, name: str | None = None):
             try:
                 signature.bind(*args, **kwargs)
             except TypeError as e:
-                unknown = sorted(set(kwargs) - set(signature.parameters))
-                if unknown:
-                    close = {u: difflib.get_close_matches(u, options, 1) for u in unknown}
-                    guess = "".join(
-                        f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c
-                    )
-                    reason = (
-                        f"unknown keyword argument(s) {', '.join(map(repr, unknown))}; valid "
-                        f"options are {', '.join(options)}.{guess}"
-                    )
-                    if "apply_kwargs" in signature.parameters:  # the adapters
-                        reason = reason.replace(
-                            "valid options are", "valid options are the kernel options and"
-                        )
-                        fix = (
-                            "use those option names; keyword arguments of the model go in "
-                            "apply_kwargs={...}."
-                        )
-                    elif "apply_fn" in signature.parameters:
-                        fix = (
-                            "use those option names; keyword arguments of the model go into "
-                            "apply_fn, e.g. functools.partial(model.apply, train=False)."
-                        )
-                    else:
-                        fix = "use those option names."
-                else:
-                    reason = f"{e} (expected positional arguments {', '.join(positional)})."
-                    fix = f"call {name}({', '.join(positional)}, *, option=...); options are "
-                    fix += "keyword-only."
-                    missing = _first_missing(signature, args, kwargs)
-                    if missing in options:
-                        fix = f"pass {missing}=... by keyword (it is keyword-only)."
-                raise TypeError(f"{name}: {reason} Fix: {fix}") from None
+                raise TypeError(_message(name, signature, args, kwargs, e)) from None
             raise
 
     return checked
+
+
+def _message(name: str, signature: inspect.Signature, args, kwargs, error) -> str:
+    params = signature.parameters
+    options = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = ", ".join(n for n, p in params.items() if p.kind in kinds)
+    unknown = sorted(set(kwargs) - set(params))
+    if not unknown:
+        reason = f"{error} (expected positional arguments {positional})."
+        fix = f"call {name}({positional}, *, option=...); options are keyword-only."
+        missing = _first_missing(signature, args, kwargs)
+        if missing in options:
+            fix = f"pass {missing}=... by keyword (it is keyword-only)."
+        return f"{name}: {reason} Fix: {fix}"
+    close = {u: difflib.get_close_matches(u, options, 1) for u in unknown}
+    guess = "".join(f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c)
+    valid = "the kernel options and " if "apply_kwargs" in params else ""  # the adapters
+    reason = f"unknown keyword argument(s) {', '.join(map(repr, unknown))}; valid options are "
+    reason += f"{valid}{', '.join(options)}.{guess}"
+    fix = "use those option names"
+    if "apply_kwargs" in params:
+        fix += "; keyword arguments of the model go in apply_kwargs={...}"
+    elif "apply_fn" in params:
+        fix += "; keyword arguments of the model go into apply_fn, e.g. "
+        fix += "functools.partial(model.apply, train=False)"
+    return f"{name}: {reason} Fix: {fix}."

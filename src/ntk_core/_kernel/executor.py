@@ -12,8 +12,7 @@ from ntk_core._kernel.pipeline import Config, Implementation
 
 
 def one_call(implementation: Implementation, params, x1, x2, aux):
-    """``(kernel, finite)``: the kernel of x1 and x2 (x2 None: x1's Gram matrix, exactly
-    symmetric) and its all-finite flag, both on the device."""
+    """``(kernel, finite)`` of x1 and x2 (None: x1, exactly symmetric), on the device."""
     same = x2 is None
     features = implementation.features
     if features is None:  # "ntvp": pairwise, from the inputs

@@ -94,25 +94,16 @@ class KernelFunction:
                 values[name] = kwargs.pop(name)
         for name in names[:2]:
             if name not in values:
-                other = (
-                    f"; got the keyword argument(s) {', '.join(map(repr, sorted(kwargs)))}"
-                    if kwargs
-                    else ""
-                )
+                unknown = ", ".join(map(repr, sorted(kwargs)))
+                other = f"; got the keyword argument(s) {unknown}" if kwargs else ""
                 message = f"{where}: missing a required argument: {name!r}{other} {expected}. {fix}"
                 raise TypeError(message)
         return values[names[0]], values[names[1]], values.get(names[2]), kwargs
 
     def __repr__(self) -> str:
         o = self.options
-        extra = "".join(
-            f", {name}={getattr(o, name)!r}"
-            for name in ("out", "resume", "overwrite", "devices")
-            if getattr(o, name) not in (None, False)
-        )
-        return (
-            f"KernelFunction({self.name}, kind={self.kind!r}, "
-            f"implementation={o.implementation!r}, trace_axes={o.trace_axes!r}, "
-            f"diagonal_axes={o.diagonal_axes!r}, vmap_axes={o.vmap_axes!r}, "
-            f"batch_size={o.batch_size!r}{extra})"
-        )
+        names = ["implementation", "trace_axes", "diagonal_axes", "vmap_axes", "batch_size"]
+        extra = ("out", "resume", "overwrite", "devices")
+        names += [n for n in extra if getattr(o, n) not in (None, False)]
+        fields = "".join(f", {n}={getattr(o, n)!r}" for n in names)
+        return f"KernelFunction({self.name}, kind={self.kind!r}{fields})"

@@ -11,8 +11,7 @@ from ntk_core._jax import caches as _caches
 
 
 def one_sample(x):
-    """The abstract shapes of one sample of the batch ``x`` (axis 0 dropped): what
-    :func:`per_sample_jaxpr` is traced on."""
+    """The abstract shapes of one sample of ``x`` (axis 0 dropped)."""
     return jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x)
 
 
@@ -29,8 +28,8 @@ def per_sample(apply3):
         for leaf in jax.tree.leaves(out):
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] != 1:
                 shape = tuple(np.shape(leaf))
-                message = f"on a batch of one sample the model returned an output of shape {shape}"
-                raise NotPerSample(f"{message}, not (1, ...)")
+                what = f"on a batch of one sample the model returned an output of shape {shape}"
+                raise NotPerSample(f"{what}, not (1, ...)")
         return jax.tree.map(lambda leaf: leaf[0], out)
 
     return single
@@ -68,8 +67,7 @@ def per_sample_jaxpr(apply3, params, x_one, aux, *, precision: str):
 
 
 def per_sample_trace(apply3, params, x_one, aux, *, precision: str):
-    """``(closed jaxpr, output shapes)`` of :func:`per_sample_jaxpr` (the outputs as a
-    pytree of ``jax.ShapeDtypeStruct``, one sample's)."""
+    """``(closed jaxpr, one sample's output shapes)`` of :func:`per_sample_jaxpr`, cached."""
     leaves, treedef = jax.tree.flatten((params, x_one, aux))
     key = (apply3, precision, treedef, tuple(_abstract(v) for v in leaves))
     found = _JAXPRS.pop(key, None)
