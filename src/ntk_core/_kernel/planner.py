@@ -18,7 +18,7 @@ from ntk_core._impl.phases import triangle_blocks
 from ntk_core._impl.registry import AUTO, NNGP, PHASES, REGISTRY
 from ntk_core._kernel.model import one_sample, per_sample, per_sample_jaxpr
 from ntk_core._kernel.options import AUTO_BATCH_SIZE
-from ntk_core._kernel.pipeline import Checked, Config, Implementation, Spec
+from ntk_core._kernel.pipeline import Checked, Config, Spec
 from ntk_core._kernel.validate import sample_signature, signature
 from ntk_core._units import human_bytes
 
@@ -190,17 +190,7 @@ def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, who
     return found
 
 
-def describe(
-    spec: Spec,
-    checked: Checked,
-    config: Config,
-    implementation: Implementation,
-    analyses: dict,
-    params,
-    x1,
-    x2,
-    aux,
-) -> _cost.Plan:
+def describe(spec, checked, config, implementation, analyses, params, x1, x2, aux) -> _cost.Plan:
     """What a call does, as ``plan()`` returns it."""
     if config.kind == "nngp":
         what = "plan() describes NTK computations, not an NNGP"
