@@ -16,15 +16,6 @@ from ntk_core._kernel.model import from_apply_fn
 from ntk_core._kernel.options import DEFAULTS, NTK_OPTION_NAMES, make_options
 from ntk_core._kernel.pipeline import Spec
 
-# The public functions of this module, as their messages name them (ntk_core._kernel.caller).
-_NTK_FN = core("ntk_fn", built=True)
-_NNGP_FN = core("nngp_fn", built=True)
-_NTK_PER_LEAF_FN = core("ntk_per_leaf_fn", built=True)
-_EMPIRICAL_NTK = core("empirical_ntk")
-_EMPIRICAL_NNGP = core("empirical_nngp")
-_EMPIRICAL_NTK_PER_LEAF = core("empirical_ntk_per_leaf")
-_PLAN = core("plan")
-
 
 def ntk_fn(
     apply_fn: Callable,
@@ -99,7 +90,7 @@ def ntk_fn(
       Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
       Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
-    return _make("ntk", _NTK_FN, apply_fn, locals())
+    return _make("ntk", core("ntk_fn", built=True), apply_fn, locals())
 
 
 def _make(kind: str, caller: Caller, apply_fn, options: dict) -> KernelFunction:
@@ -157,7 +148,7 @@ def nngp_fn(
     References:
       Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
-    return _make("nngp", _NNGP_FN, apply_fn, locals())
+    return _make("nngp", core("nngp_fn", built=True), apply_fn, locals())
 
 
 @_caches.lru_cache(maxsize=64)
@@ -221,7 +212,7 @@ def empirical_ntk(
       >>> k8.shape, float(k8[36, 0])
       ((37, 37), 3.0)
     """
-    return _get("ntk", _EMPIRICAL_NTK, apply_fn, _options(locals()))(params, x1, x2)
+    return _get("ntk", core("empirical_ntk"), apply_fn, _options(locals()))(params, x1, x2)
 
 
 def empirical_nngp(
@@ -252,7 +243,7 @@ def empirical_nngp(
       >>> ntk_core.empirical_nngp(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3)).shape
       (3, 3)
     """
-    return _get("nngp", _EMPIRICAL_NNGP, apply_fn, _options(locals()))(params, x1, x2)
+    return _get("nngp", core("empirical_nngp"), apply_fn, _options(locals()))(params, x1, x2)
 
 
 def ntk_per_leaf_fn(
@@ -294,7 +285,7 @@ def ntk_per_leaf_fn(
       >>> k["b"].shape, float(k["w"][0, 0]), float(k["b"][0, 0])
       ((3, 3), 1.0, 1.0)
     """
-    return _make("ntk_per_leaf", _NTK_PER_LEAF_FN, apply_fn, locals())
+    return _make("ntk_per_leaf", core("ntk_per_leaf_fn", built=True), apply_fn, locals())
 
 
 def empirical_ntk_per_leaf(
@@ -328,7 +319,7 @@ def empirical_ntk_per_leaf(
       (3, 3)
     """
     options = _options(locals())
-    return _get("ntk_per_leaf", _EMPIRICAL_NTK_PER_LEAF, apply_fn, options)(params, x1, x2)
+    return _get("ntk_per_leaf", core("empirical_ntk_per_leaf"), apply_fn, options)(params, x1, x2)
 
 
 def plan(
@@ -373,7 +364,7 @@ def plan(
       ['b'] 2 structured (bias fused with its matrix product)
       ['w'] 6 structured (1 matrix product)
     """
-    return _get("ntk", _PLAN, apply_fn, _options(locals())).plan(params, x1, x2)
+    return _get("ntk", core("plan"), apply_fn, _options(locals())).plan(params, x1, x2)
 
 
 empirical_ntk = _checked_arguments(empirical_ntk)
