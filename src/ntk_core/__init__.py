@@ -32,39 +32,17 @@ from ntk_core._monte_carlo.kernels import monte_carlo_kernels as monte_carlo_ker
 from ntk_core._version import __version__ as __version__
 
 __all__ = (
-    "IMPLEMENTATIONS",
-    "PRECISIONS",
-    "BackendWarning",
-    "DoctorReport",
-    "KernelFunction",
-    "KernelRecord",
-    "KernelTracker",
-    "NonFiniteError",
-    "PrecisionWarning",
-    "UnsupportedBackendError",
-    "__version__",
-    "clear_caches",
-    "doctor",
-    "empirical_nngp",
-    "empirical_ntk",
-    "empirical_ntk_per_leaf",
-    "linearize",
-    "metrics",
-    "monte_carlo_kernels",
-    "nngp_fn",
-    "ntk_fn",
-    "ntk_per_leaf_fn",
-    "ntk_vp_fn",
-    "plan",
-    "predict",
-    "spectrum",
-    "taylor_expand",
-)
+    "IMPLEMENTATIONS", "PRECISIONS", "BackendWarning", "DoctorReport", "KernelFunction",
+    "KernelRecord", "KernelTracker", "NonFiniteError", "PrecisionWarning",
+    "UnsupportedBackendError", "__version__", "clear_caches", "doctor", "empirical_nngp",
+    "empirical_ntk", "empirical_ntk_per_leaf", "linearize", "metrics",
+    "monte_carlo_kernels", "nngp_fn", "ntk_fn", "ntk_per_leaf_fn", "ntk_vp_fn", "plan",
+    "predict", "spectrum", "taylor_expand",
+)  # fmt: skip
 
 
 def __getattr__(name: str):
-    """``ntk_core.spectrum`` is imported when first used (PEP 562): it needs
-    ``scipy.sparse.linalg``, a third of a second of every ``import ntk_core``."""
+    """``ntk_core.spectrum`` is imported when first used (PEP 562): scipy is slow to import."""
     if name == "spectrum":
         import importlib
 

@@ -1,10 +1,4 @@
-"""Public entry points: ``empirical_ntk``, ``empirical_nngp``, ``ntk_fn``, ``nngp_fn``.
-
-The options (``trace_axes``, ``diagonal_axes``, ``vmap_axes``, ``implementation``,
-``precision``, and the blocked engine's ``batch_size``, ``store_on_device``,
-``progress``, ``memory_budget``) are described once in :mod:`ntk_core._kernel.options`; every
-docstring here points there.
-"""
+"""The core's entry points; the options are described in :mod:`ntk_core._kernel.options`."""
 
 from __future__ import annotations
 
@@ -22,33 +16,7 @@ from ntk_core._kernel.model import from_apply_fn
 from ntk_core._kernel.options import DEFAULTS, NTK_OPTION_NAMES, make_options
 from ntk_core._kernel.pipeline import Spec
 
-# The public functions of this module, as their messages name them (ntk_core._kernel.caller).
-_NTK_FN = core("ntk_fn", built=True)
-_NNGP_FN = core("nngp_fn", built=True)
-_NTK_PER_LEAF_FN = core("ntk_per_leaf_fn", built=True)
-_EMPIRICAL_NTK = core("empirical_ntk")
-_EMPIRICAL_NNGP = core("empirical_nngp")
-_EMPIRICAL_NTK_PER_LEAF = core("empirical_ntk_per_leaf")
-_PLAN = core("plan")
 
-_LAYOUT_DOC = """Returns (for each output leaf of shape ``(N, O_1, ..., O_k)``; a pytree of kernels
-    with the output's structure when the output is a pytree) an array of the output's
-    dtype whose axes follow the output axes in order: a traced axis is absent, a
-    diagonal axis appears once, any other axis twice (x1's then x2's). For outputs
-    ``(N, O)``: ``trace_axes=(-1,)`` gives ``(N1, N2)``; ``trace_axes=()`` gives
-    ``(N1, N2, O, O)``; ``trace_axes=(), diagonal_axes=(-1,)`` gives ``(N1, N2, O)``;
-    ``diagonal_axes=(0,)`` gives ``(N,)``. Traced axes are averaged (divided by their
-    size), exactly as neural-tangents 0.6 does.
-"""
-
-
-def _with_layout(fn):
-    if fn.__doc__:  # None under python -OO
-        fn.__doc__ = fn.__doc__.replace("{layout}", _LAYOUT_DOC.strip())
-    return fn
-
-
-@_with_layout
 def ntk_fn(
     apply_fn: Callable,
     *,
@@ -68,78 +36,61 @@ def ntk_fn(
 ) -> KernelFunction:
     """Returns a jitted empirical NTK function ``kernel(params, x1, x2=None)``.
 
-        Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p, with
-        f = ``apply_fn(params, ·)``, reduced over ``trace_axes`` and ``diagonal_axes``.
+    Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p, f = ``apply_fn(params, ·)``.
+    Validated and compiled once per input signature: new params or inputs of the same
+    shapes (a training loop) do not recompile.
 
-        The returned callable validates its inputs once per distinct signature (pytree
-        structures, shapes, dtypes) and compiles once: calling it again with new ``params``
-        or inputs of the same shapes (a training loop) does not recompile.
+    Args:
+      apply_fn: ``apply_fn(params, x) -> outputs``; x a pytree of arrays with batch axis 0
+        of size N, outputs a pytree of floating arrays ``(N, O...)``.
+      trace_axes, diagonal_axes, vmap_axes, implementation, precision, batch_size,
+        store_on_device, progress, memory_budget, out, resume, overwrite, devices: the
+        options, described in :mod:`ntk_core._kernel.options`. ``batch_size=B`` computes
+        the Gram matrix in B x B tiles (``"auto"``: B from ``memory_budget``); ``out``
+        writes it into an ``.npy`` file (returned memory-mapped, read-only).
 
-        Args:
-          apply_fn: ``apply_fn(params, x) -> outputs``; ``x`` is a pytree of arrays with
-            batch axis 0 of size N, outputs a pytree of floating arrays ``(N, O...)``.
-          trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
-            :mod:`ntk_core._kernel.options` (defaults ``(-1,)``, ``()``, ``0``, ``"auto"``,
-            ``"highest"``).
-          batch_size, store_on_device, progress, memory_budget: the blocked engine, see
-            :mod:`ntk_core._kernel.options` (defaults ``None``: one call, ``False``, ``None``,
-            ``None``). ``batch_size=B`` computes the Gram matrix in tiles of B x B samples
-            with features computed once per block (:mod:`ntk_core._blocked.tiles`);
-            ``batch_size="auto"`` sizes B from ``memory_budget`` bytes.
-          out, resume, overwrite: with a ``batch_size``, the Gram matrix written tile by
-            tile into the ``.npy`` file ``out`` (returned memory-mapped, read-only), and
-            an interrupted run finished with ``resume=True``; see
-            :mod:`ntk_core._kernel.options` and :mod:`ntk_core._blocked.store` (defaults ``None``,
-            ``False``, ``False``).
-          devices: with a ``batch_size``, the devices whose tiles are computed side by
-            side (default ``None``: all local devices; see :mod:`ntk_core._kernel.options`).
+    Returns:
+      a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)`` (with
+      ``.plan(...)``, ``.implementation_for(...)``); ``x2=None`` means x1 (Jacobians once,
+      result exactly symmetric). It returns a ``jax.Array``; with a batch size a host
+      ``numpy.ndarray`` (``jax.Array`` with ``store_on_device=True``).
+      Layout, per output leaf ``(N, O_1, ..., O_k)`` (a pytree of kernels for a pytree
+      output), of the output's dtype: a traced axis is absent (averaged: divided by its
+      size, as neural-tangents 0.6), a diagonal axis appears once, any other twice (x1's
+      then x2's). Outputs ``(N, O)``: ``trace_axes=(-1,)`` -> ``(N1, N2)``;
+      ``trace_axes=()`` -> ``(N1, N2, O, O)``; with ``diagonal_axes=(-1,)`` ->
+      ``(N1, N2, O)``; ``diagonal_axes=(0,)`` -> ``(N,)``.
 
-        Returns:
-          a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)`` (with
-          ``kernel.plan(...)`` and ``kernel.implementation_for(...)``); ``x2=None``
-          means x2 is x1 (the Jacobians are computed once, only tiles on and above
-          the diagonal when batched, and the result is exactly symmetric). A
-          ``jax.Array`` with ``batch_size=None``; with a batch size, a
-          ``numpy.ndarray`` on the host (a ``jax.Array`` with
-          ``store_on_device=True``), of the same shape and dtype.
+    Raises:
+      TypeError: ``apply_fn`` not callable, an option of the wrong type, integer params
+        or outputs.
+      ValueError: invalid option values, axes out of range, duplicated or both traced and
+        diagonal; empty inputs, inconsistent batch sizes or per-sample shapes; the model
+        failing on x1; a non-finite kernel (the message names the tile, the entry, causes).
+      NonFiniteError: NaN or Inf in x1 or x2 (naming the first such sample).
 
-    {layout}
+    Cost: ``"jacobian"``: (N1 + N2)·O reverse passes, memory (N1 + N2)·O·P, N1·N2·O'·P
+    multiply-adds; ``"ntvp"``: N1·N2·O forward passes, memory O·P (:mod:`ntk_core._impl.cost`).
+    Batched: the same work (half the pairs with x2=None), device memory
+    F·(B1 + B2) + F·B2·c + 2·W·B1·B2 (:mod:`ntk_core._blocked.tiles`), the result on the host.
 
-        Raises:
-          TypeError: ``apply_fn`` not callable, option of the wrong type, integer params or
-            outputs.
-          ValueError: invalid option values (the message lists the valid ones), axes out of
-            range, duplicated or both traced and diagonal; inputs with no samples, with
-            inconsistent batch sizes or per-sample shapes; the model failing on x1; NaN
-            or Inf in x1 or x2 (the message names the first such sample); a kernel that
-            comes out non-finite from finite inputs (the message names the tile and the
-            first entry, and the likely causes).
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import ntk_core
+      >>> apply_fn = lambda w, x: jnp.tanh(x @ w)
+      >>> kernel = ntk_core.ntk_fn(apply_fn, trace_axes=())
+      >>> kernel(jnp.ones((3, 2)), jnp.ones((4, 3))).shape
+      (4, 4, 2, 2)
+      >>> tiled = ntk_core.ntk_fn(apply_fn, batch_size=2)  # 2 x 2 tiles, any N
+      >>> k = tiled(jnp.ones((3, 2)), jnp.ones((5, 3)))
+      >>> type(k).__name__, k.shape
+      ('ndarray', (5, 5))
 
-        Cost: ``"jacobian"``: (N1 + N2)·O reverse passes, memory (N1 + N2)·O·P, and
-        N1·N2·O'·P multiply-adds; ``"ntvp"``: N1·N2·O forward-mode passes, memory O·P
-        (see :mod:`ntk_core._impl.cost`). Batched: the same work (about half the pairs when
-        x2 is None), device memory F·(B1 + B2) + F·B2·c + 2·W·B1·B2 for features of
-        the blocks in use and kept, and one tile (:mod:`ntk_core._blocked.tiles`), and the
-        N1·N2·O'-entry result on the host. Checks: one reduction per input leaf and per
-        result tile for NaN/Inf.
-
-        Example:
-          >>> import jax.numpy as jnp
-          >>> import ntk_core
-          >>> apply_fn = lambda w, x: jnp.tanh(x @ w)
-          >>> kernel = ntk_core.ntk_fn(apply_fn, trace_axes=())
-          >>> kernel(jnp.ones((3, 2)), jnp.ones((4, 3))).shape
-          (4, 4, 2, 2)
-          >>> tiled = ntk_core.ntk_fn(apply_fn, batch_size=2)  # 2 x 2 tiles, any N
-          >>> k = tiled(jnp.ones((3, 2)), jnp.ones((5, 3)))
-          >>> type(k).__name__, k.shape
-          ('ndarray', (5, 5))
-
-        References:
-          Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
-          Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
+    References:
+      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
+      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
-    return _make("ntk", _NTK_FN, apply_fn, locals())
+    return _make("ntk", core("ntk_fn", built=True), apply_fn, locals())
 
 
 def _make(kind: str, caller: Caller, apply_fn, options: dict) -> KernelFunction:
@@ -160,14 +111,9 @@ def _make(kind: str, caller: Caller, apply_fn, options: dict) -> KernelFunction:
     return KernelFunction(engine, bind, _CORE_SIGNATURE)
 
 
-def _core_kernel(params, x1, x2=None):
-    """The signature of the core's kernel functions."""
+_CORE_SIGNATURE = inspect.signature(lambda params, x1, x2=None: None)  # of the kernel functions
 
 
-_CORE_SIGNATURE = inspect.signature(_core_kernel)
-
-
-@_with_layout
 def nngp_fn(
     apply_fn: Callable,
     *,
@@ -186,39 +132,23 @@ def nngp_fn(
 ) -> KernelFunction:
     """Returns a jitted empirical NNGP function ``kernel(params, x1, x2=None)``.
 
-        K(x1, x2)[i, j, a, b] = f_a(x1_i) · f_b(x2_j), reduced over ``trace_axes`` and
-        ``diagonal_axes`` exactly as the NTK (same layout, same normalisation).
+    K(x1, x2)[i, j, a, b] = f_a(x1_i) · f_b(x2_j), in the layout of :func:`ntk_fn`.
+    Arguments, options (no ``implementation``), return and errors as :func:`ntk_fn`.
 
-        Args:
-          apply_fn: ``apply_fn(params, x) -> outputs`` as in :func:`ntk_fn`.
-          trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._kernel.options`.
-            One forward pass on each batch is enough whatever ``vmap_axes`` says.
-          batch_size, store_on_device, progress, memory_budget, out, resume, overwrite,
-            devices: the blocked engine, as in :func:`ntk_fn` (the features of a block are its
-            outputs).
+    Cost: one forward pass on x1 and on x2, N1·N2·O' multiply-adds; batched, memory as
+    :func:`ntk_fn` with F = O outputs per sample.
 
-        Returns:
-          a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)``.
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import ntk_core
+      >>> kernel = ntk_core.nngp_fn(lambda w, x: x @ w)
+      >>> kernel(jnp.ones((3, 2)), jnp.ones((4, 3)))[0, 0]
+      Array(9., dtype=float32)
 
-    {layout}
-
-        Raises:
-          TypeError, ValueError: as :func:`ntk_fn`.
-
-        Cost: one forward pass on x1 and on x2, and N1·N2·O' multiply-adds; batched,
-        memory as :func:`ntk_fn` with F = O output values per sample.
-
-        Example:
-          >>> import jax.numpy as jnp
-          >>> import ntk_core
-          >>> kernel = ntk_core.nngp_fn(lambda w, x: x @ w)
-          >>> kernel(jnp.ones((3, 2)), jnp.ones((4, 3)))[0, 0]
-          Array(9., dtype=float32)
-
-        References:
-          Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
+    References:
+      Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
-    return _make("nngp", _NNGP_FN, apply_fn, locals())
+    return _make("nngp", core("nngp_fn", built=True), apply_fn, locals())
 
 
 @_caches.lru_cache(maxsize=64)
@@ -245,7 +175,6 @@ def _options(arguments: dict) -> dict:
     }
 
 
-@_with_layout
 def empirical_ntk(
     apply_fn: Callable,
     params,
@@ -266,29 +195,11 @@ def empirical_ntk(
     overwrite=DEFAULTS.overwrite,
     devices=DEFAULTS.devices,
 ):
-    """Empirical NTK of ``apply_fn`` at ``params`` between x1 and x2 (x1 if None).
+    """Empirical NTK of ``apply_fn`` at ``params`` (pytree, total size P) between x1 (N1
+    samples) and x2 (N2 samples; ``None``: x1).
 
-    The one-call form of :func:`ntk_fn`: the compiled function is cached per
-    ``(apply_fn, options)``, so repeated calls with the same ``apply_fn`` object and
-    shapes do not recompile.
-
-    Args:
-      apply_fn: ``apply_fn(params, x)``.
-      params: pytree of floating arrays (total size P).
-      x1: pytree of arrays with batch axis 0 of size N1.
-      x2: ``None`` (x2 is x1) or a pytree like x1 with N2 samples.
-      trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
-        :mod:`ntk_core._kernel.options`.
-      batch_size, store_on_device, progress, memory_budget, out, resume, overwrite,
-        devices: the blocked engine, as in :func:`ntk_fn`.
-
-    {layout}
-
-    Raises:
-      TypeError, ValueError: as :func:`ntk_fn`.
-
-    Cost: as :func:`ntk_fn` (per implementation, in passes over the model and memory in
-    N1, N2, O, P), plus one cache look-up.
+    The one-call form of :func:`ntk_fn` (options, layout, errors, cost there), compiled
+    once per ``(apply_fn, options)``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -300,15 +211,10 @@ def empirical_ntk(
       ...                             batch_size=8)  # tiles of 8 x 8, the last ragged
       >>> k8.shape, float(k8[36, 0])
       ((37, 37), 3.0)
-
-    References:
-      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
-      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
-    return _get("ntk", _EMPIRICAL_NTK, apply_fn, _options(locals()))(params, x1, x2)
+    return _get("ntk", core("empirical_ntk"), apply_fn, _options(locals()))(params, x1, x2)
 
 
-@_with_layout
 def empirical_nngp(
     apply_fn: Callable,
     params,
@@ -328,32 +234,16 @@ def empirical_nngp(
     overwrite=DEFAULTS.overwrite,
     devices=DEFAULTS.devices,
 ):
-    """Empirical NNGP kernel f(x1)·f(x2) of ``apply_fn`` at ``params``.
-
-    The one-call form of :func:`nngp_fn` (compiled function cached per
-    ``(apply_fn, options)``).
-
-    Args:
-      apply_fn, params, x1 (N1 samples), x2 (N2 samples or ``None``), and the options
-      (``batch_size`` etc.): as :func:`empirical_ntk` (no ``implementation``).
-
-    {layout}
-
-    Raises:
-      TypeError, ValueError: as :func:`nngp_fn`.
-
-    Cost: as :func:`nngp_fn`: one forward pass on x1 and on x2, N1·N2·O' multiply-adds.
+    """Empirical NNGP kernel f(x1)·f(x2) of ``apply_fn`` at ``params``: the one-call
+    form of :func:`nngp_fn`, arguments as :func:`empirical_ntk`.
 
     Example:
       >>> import jax.numpy as jnp
       >>> import ntk_core
       >>> ntk_core.empirical_nngp(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3)).shape
       (3, 3)
-
-    References:
-      Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
-    return _get("nngp", _EMPIRICAL_NNGP, apply_fn, _options(locals()))(params, x1, x2)
+    return _get("nngp", core("empirical_nngp"), apply_fn, _options(locals()))(params, x1, x2)
 
 
 def ntk_per_leaf_fn(
@@ -375,29 +265,16 @@ def ntk_per_leaf_fn(
 ) -> KernelFunction:
     """Returns a jitted function ``kernel(params, x1, x2=None)`` of the NTK split by leaf.
 
-    Θ_l(x1, x2)[i, j, a, b] = Σ_{p in leaf l} ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p, so
-    that Σ_l Θ_l = Θ, the NTK of :func:`ntk_fn`. Shows which layers drive the kernel.
-
-    Args:
-      apply_fn: ``apply_fn(params, x)``, as in :func:`ntk_fn`.
-      trace_axes, diagonal_axes, vmap_axes, precision: see :mod:`ntk_core._kernel.options`.
-      implementation: ``"auto"``, ``"jacobian"`` or ``"structured"`` (NTK-vector
-        products do not separate the leaves).
-      batch_size, store_on_device, progress, memory_budget: the blocked engine, as in
-        :func:`ntk_fn` (every leaf's kernel is assembled tile by tile); ``out`` only
-        where the result is one array (params of one leaf).
+    Θ_l(x1, x2)[i, j, a, b] = Σ_{p in leaf l} ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p; Σ_l Θ_l is
+    the NTK of :func:`ntk_fn`, whose arguments, options and errors it takes, except
+    ``implementation="ntvp"`` (ValueError: it does not separate leaves); ``out`` only
+    for params of one leaf.
 
     Returns:
-      a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)`` returning a
-      pytree shaped like ``params`` whose leaves are kernels in the layout of
-      :func:`ntk_fn` (``(N1, N2)`` by default; pytrees of kernels when the output is a
-      pytree).
+      a :class:`~ntk_core.KernelFunction` returning a pytree shaped like ``params`` of
+      kernels in the layout of :func:`ntk_fn`.
 
-    Raises:
-      TypeError, ValueError: as :func:`ntk_fn`, and ``implementation="ntvp"``.
-
-    Cost: as :func:`ntk_fn` with the same implementation (the per-leaf terms are what
-    it sums), plus the memory of L kernels instead of one.
+    Cost: as :func:`ntk_fn` (the per-leaf terms are what it sums), plus memory of L kernels.
 
     Example:
       >>> import jax.numpy as jnp
@@ -407,12 +284,8 @@ def ntk_per_leaf_fn(
       >>> k = ntk_core.ntk_per_leaf_fn(f)(params, jnp.eye(3))
       >>> k["b"].shape, float(k["w"][0, 0]), float(k["b"][0, 0])
       ((3, 3), 1.0, 1.0)
-
-    References:
-      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
-      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
-    return _make("ntk_per_leaf", _NTK_PER_LEAF_FN, apply_fn, locals())
+    return _make("ntk_per_leaf", core("ntk_per_leaf_fn", built=True), apply_fn, locals())
 
 
 def empirical_ntk_per_leaf(
@@ -435,23 +308,8 @@ def empirical_ntk_per_leaf(
     overwrite=DEFAULTS.overwrite,
     devices=DEFAULTS.devices,
 ):
-    """The NTK split by parameter leaf: a pytree shaped like ``params`` of kernels.
-
-    The one-call form of :func:`ntk_per_leaf_fn` (compiled function cached per
-    ``(apply_fn, options)``); its leaves sum to :func:`empirical_ntk`.
-
-    Args:
-      apply_fn, params (total size P), x1 (N1 samples), x2 (N2 samples or ``None``), and
-      the options (``batch_size`` etc.): as :func:`empirical_ntk`.
-
-    Returns:
-      A pytree shaped like ``params`` of kernels in the layout of :func:`empirical_ntk`
-      (``(N1, N2)`` by default).
-
-    Raises:
-      TypeError, ValueError: as :func:`ntk_per_leaf_fn`.
-
-    Cost: as :func:`ntk_per_leaf_fn`.
+    """The NTK split by parameter leaf: the one-call form of :func:`ntk_per_leaf_fn`,
+    arguments as :func:`empirical_ntk`; its leaves sum to :func:`empirical_ntk`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -459,13 +317,9 @@ def empirical_ntk_per_leaf(
       >>> f = lambda p, x: x @ p["w"]
       >>> ntk_core.empirical_ntk_per_leaf(f, {"w": jnp.ones((3, 2))}, jnp.eye(3))["w"].shape
       (3, 3)
-
-    References:
-      Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
-      Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
     options = _options(locals())
-    return _get("ntk_per_leaf", _EMPIRICAL_NTK_PER_LEAF, apply_fn, options)(params, x1, x2)
+    return _get("ntk_per_leaf", core("empirical_ntk_per_leaf"), apply_fn, options)(params, x1, x2)
 
 
 def plan(
@@ -486,44 +340,17 @@ def plan(
 ):
     """What :func:`empirical_ntk` with these arguments would do, without computing it.
 
-    Returns a ``Plan`` with ``implementation`` (what ``"auto"`` chose, or the one asked
-    for), ``estimates`` (analytic FLOPs and feature memory in bytes of each
-    implementation considered, from the shapes; see :mod:`ntk_core._impl.cost`) and
-    ``leaves``: for each parameter leaf its path, size P_l and method: ``"structured
-    (k matrix products)"``, ``"structured (k convolutions)"``, ``"structured (embedding
-    gather)"``, ``"structured (bias fused with its matrix product)"`` (or ``... its
-    convolution``), ``"structured (elementwise scale, per-sample Jacobian)"`` (``x *
-    s``: LayerNorm / BatchNorm scales), ``"structured (elementwise shift, per-sample
-    Jacobian)"`` (``x + b`` not fused with a product: LayerNorm / BatchNorm biases), with
-    ``", per-sample Jacobian"`` when the leaf's Jacobian is formed from its recorded
-    inputs and cotangents because that is cheaper than the Gram form for these shapes;
-    ``"jacobian (fallback: <reason>)"`` for a leaf no rule covers, the reason naming
-    what stopped the rules (e.g. ``used by tanh, which no rule covers`` for a parameter
-    inside a nonlinearity, ``the kernel of a grouped or depthwise convolution``, ``cast
-    to a lower precision (float32 -> bfloat16, ...)``, ``used inside a loop (scan)``,
-    ``not used by the model``) and, where JAX recorded it, the user's line that did
-    (``...; at model.py:12, in MLP.__call__``); ``"jacobian"`` or ``"ntvp"`` when
-    another implementation runs,
-    with ``leaf.structured`` the method ``"structured"`` would use for that leaf (``""``
-    with ``vmap_axes=None``, where it cannot run). ``print(plan)`` shows a table.
-    Arguments as :func:`empirical_ntk` (x1 with N1 samples, x2 with N2 or ``None``); the
-    estimates count N1·N2 pairs (N1 on the batch diagonal).
+    Returns a ``Plan``: ``implementation`` (what ``"auto"`` chose), ``estimates`` (analytic
+    FLOPs and feature bytes per implementation, for N1·N2 pairs; :mod:`ntk_core._impl.cost`),
+    ``tiling`` with a ``batch_size``, and ``leaves``: per parameter leaf its path, size and
+    method, e.g. ``"structured (k matrix products)"`` / ``(k convolutions)`` /
+    ``(embedding gather)`` / ``(bias fused with its matrix product)`` / ``(elementwise
+    scale, per-sample Jacobian)`` / ``(elementwise shift, per-sample Jacobian)``, or
+    ``"jacobian (fallback: <reason>)"`` naming what stopped the rules and, where JAX
+    recorded it, the user's line; ``leaf.structured`` is what ``"structured"`` would use.
+    ``print(plan)`` shows a table. Arguments and errors as :func:`empirical_ntk`.
 
-    Args:
-      apply_fn, params, x1, x2, trace_axes, diagonal_axes, vmap_axes, implementation,
-      precision: as :func:`empirical_ntk`.
-      batch_size, store_on_device, progress, memory_budget: the blocked engine, as
-        :func:`empirical_ntk`; with a ``batch_size`` the plan shows its tiles
-        (``plan.tiling``: block sizes, tile count, memory budget).
-
-    Returns:
-      A ``Plan`` (see above); ``str(plan)`` is its table.
-
-    Raises:
-      TypeError, ValueError: as :func:`ntk_fn`.
-
-    Cost: one abstract trace of the model and the independence probe (two small forward
-    passes); no kernel is computed.
+    Cost: one abstract trace and the independence probe (two small forward passes).
 
     Example:
       >>> import jax.numpy as jnp
@@ -536,12 +363,8 @@ def plan(
       ...     print(leaf.path, leaf.size, leaf.method)
       ['b'] 2 structured (bias fused with its matrix product)
       ['w'] 6 structured (1 matrix product)
-
-    References:
-      Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel",
-      ICML 2022 (the implementations and their costs).
     """
-    return _get("ntk", _PLAN, apply_fn, _options(locals())).plan(params, x1, x2)
+    return _get("ntk", core("plan"), apply_fn, _options(locals())).plan(params, x1, x2)
 
 
 empirical_ntk = _checked_arguments(empirical_ntk)

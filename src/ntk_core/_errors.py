@@ -1,5 +1,4 @@
-"""Errors: the library's own exception type, the one shape of its messages
-(:func:`bad`) and the argument checks every part shares."""
+"""The library's exception type, the one message shape (:func:`bad`), shared checks."""
 
 from __future__ import annotations
 
@@ -8,16 +7,13 @@ import numbers
 
 
 class NonFiniteError(ValueError):
-    """NaN or inf in an input, a kernel, one of its tiles, a Monte Carlo sum or a
-    prediction. A ``ValueError``, so ``except ValueError`` still catches it; its own
-    type lets a caller (the Monte Carlo kernels, a user's retry loop) tell it from other
-    bad input without reading the message."""
+    """NaN or inf in an input, a kernel, a tile, a Monte Carlo sum or a prediction; a
+    ``ValueError`` whose own type tells it from other bad input.
+    """
 
 
 def bad(cls: type[Exception], fn: str, what: str, fix: str, see: str = "") -> Exception:
-    """``cls("{fn}: {what}. Fix: {fix}.")``, the one shape of the messages of
-    :mod:`ntk_core.predict`, :mod:`~ntk_core.spectrum` and :mod:`~ntk_core.metrics`;
-    ``see`` names the section of ``docs/errors.md`` that explains more."""
+    """``cls("{fn}: {what}. Fix: {fix}.")``; ``see``: the section of ``docs/errors.md``."""
     return cls(f"{fn}: {what}. Fix: {fix}." + (f" See docs/errors.md#{see}." if see else ""))
 
 
@@ -33,8 +29,9 @@ def _out_of_range(fn, name, value, expect, fix, type_ok, type_error) -> Exceptio
 
 
 def check_int(fn, name, value, fix, low=1, high=None, *, optional=False, type_error=TypeError):
-    """``value`` as an int in ``[low, high]`` (``None`` passes if ``optional``); raises
-    ``type_error`` for a non-int (bools included), ValueError out of range."""
+    """``value`` as an int in ``[low, high]`` (``None`` if ``optional``); ``type_error`` for a
+    non-int (bools included), ValueError out of range.
+    """
     if optional and value is None:
         return None
     is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -62,8 +59,9 @@ def check_real(
     is_type=is_real,
     type_error=TypeError,
 ):
-    """``value`` as a float in ``[low, high)`` (``(low, high)`` if ``open_low``; NaN and
-    inf never pass); raises ``type_error`` unless ``is_type(value)``, ValueError out of range."""
+    """``value`` as a float in ``[low, high)`` (``(low, high)`` if ``open_low``; never NaN or
+    inf); ``type_error`` unless ``is_type(value)``, ValueError out of range.
+    """
     type_ok = is_type(value)
     if type_ok and (low < value if open_low else low <= value) and value < high:
         return float(value)

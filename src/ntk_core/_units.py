@@ -2,8 +2,7 @@
 
 
 def human_bytes(nbytes: float) -> str:
-    """``nbytes`` for a message: GiB, MiB or KiB (whichever reads best), with the
-    exact count below 1 MiB."""
+    """``nbytes`` in GiB, MiB, or exact bytes below 1 MiB."""
     if nbytes >= 2**30:
         return f"{nbytes / 2**30:.2f} GiB"
     if nbytes >= 2**20:

@@ -1,18 +1,9 @@
 """The public seam for framework adapters (``ntk_flax``, ``ntk_haiku``, ``ntk_equinox``).
 
-An adapter does one thing: it turns a model into a pure ``apply3(params, x, aux)``,
-``params`` differentiated and ``aux`` held fixed (other collections, state, rng keys),
-describes it as a :class:`PureModel` and hands it to :func:`build_kernel`, which
-returns the core's :class:`~ntk_core.KernelFunction`. Every kernel option
-(``trace_axes``, ``implementation``, ``batch_size``, ...) is the core's, documented once
-in :func:`ntk_core.ntk_fn`; an adapter passes its ``**options`` through unread. A
-:class:`Caller` names the adapter's public function and its argument order, so the
-core's messages read ``ntk_flax.kernel: ...`` with the adapter's own argument names.
-
-Also here: :func:`cached` for one-call entry points (its key rule is in its docstring),
-:func:`register_cache` so :func:`ntk_core.clear_caches` empties an adapter's own caches,
-:func:`checked_arguments` for Python's binding errors, the checks adapters share, and
-the pieces of the Monte Carlo kernels and of linearisation an adapter reuses.
+An adapter turns a model into a pure ``apply3(params, x, aux)`` (``aux`` held fixed),
+describes it as a :class:`PureModel` and calls :func:`build_kernel`; its ``**options``
+pass through unread (documented in :func:`ntk_core.ntk_fn`). A :class:`Caller` names its
+public function and argument order for the core's messages.
 """
 
 from __future__ import annotations
@@ -59,19 +50,19 @@ __all__ = (
 
 
 def checked_arguments(name: str) -> Callable:
-    """Decorator: Python's binding errors of the public function ``name`` (an unknown or
-    misspelt option, a missing argument) become a TypeError naming it, the valid
-    options and the fix. ``inspect.signature`` still shows the function's own."""
+    """Decorator: Python's binding errors of the public function ``name`` become a
+    TypeError naming it, the valid options and the fix; the signature is unchanged.
+    """
     return lambda fn: _checked_arguments(fn, name)
 
 
 def check_monte_carlo(
     caller: Caller, x1, x2, key, n_samples, batch_size_samples, options, own=(), init_kwargs=None
 ) -> dict | None:
-    """The Monte Carlo kernels' argument checks, before anything is built: ``key`` one
-    PRNG key, positive ``n_samples`` and ``batch_size_samples``, known ``options`` (the
-    function's ``own`` keyword names are offered as fixes), x1/x2 batches rather than
-    parameters; returns ``init_kwargs`` as a dict (``None`` stays ``None``)."""
+    """The Monte Carlo kernels' argument checks: one PRNG ``key``, positive ``n_samples`` and
+    ``batch_size_samples``, known ``options`` (``own`` names offered as fixes), x1/x2
+    batches; returns ``init_kwargs`` as a dict (``None`` stays ``None``).
+    """
     check_samples(caller, key, n_samples, batch_size_samples, options, own)
     check_inputs(caller.name, x1, x2)
     return check_init_kwargs(caller.name, init_kwargs)
@@ -79,6 +70,6 @@ def check_monte_carlo(
 
 def check_like(fn_name: str, params, reference, name: str, reference_name: str) -> None:
     """Refuses ``params`` whose tree, leaf shapes or dtypes differ from ``reference``'s
-    (TypeError / ValueError starting with ``fn_name``, naming ``name`` and
-    ``reference_name``), as :func:`expansion` checks its parameters at call time."""
+    (TypeError / ValueError naming ``fn_name``, ``name`` and ``reference_name``).
+    """
     _Point(fn_name, reference, reference_name, reference_name).tangent(params, name)

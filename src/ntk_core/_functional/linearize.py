@@ -1,13 +1,6 @@
-"""Linearized and Taylor-expanded networks: ``linearize`` and ``taylor_expand``.
-
-Both expand ``apply_fn`` in its parameters around a fixed point θ0 (``params0``) and
-return a function of new parameters θ; the derivatives are directional derivatives
-along δ = θ − θ0 from ``jax.jvp`` (forward mode), so no Jacobian is ever formed. The
-framework adapters (``ntk_flax``, ``ntk_haiku``) build a pure ``apply(params, x)`` and
-call :func:`expansion` with their own names for messages.
-
-Leaves of θ0 that are not floating point (integers, booleans, PRNG keys) have no tangent
-(JAX's ``float0``): the expansion holds them at their θ0 values.
+"""``linearize`` and ``taylor_expand``: ``apply_fn`` expanded in its parameters around θ0
+by nested ``jax.jvp`` (no Jacobian formed); non-floating leaves of θ0 are held fixed.
+The adapters call :func:`expansion` with their own names for messages.
 """
 
 from __future__ import annotations
@@ -20,12 +13,6 @@ import numpy as np
 
 from ntk_core._errors import bad, check_int
 from ntk_core._kernel.checks import check_apply_fn
-
-_REFERENCE = (
-    "Lee, Xiao, Schoenholz, Bahri, Novak, Sohl-Dickstein, Pennington, "
-    '"Wide Neural Networks of Any Depth Evolve as Linear Models Under Gradient '
-    'Descent", NeurIPS 2019'
-)
 
 
 def check_degree(fn_name: str, degree) -> int:
@@ -50,7 +37,7 @@ def _differentiable(dtype) -> bool:
 
 
 def _concrete(leaf):
-    """``leaf`` as a NumPy array, or ``None`` for a traced value (inside jax.jit)."""
+    """``leaf`` as a NumPy array, or ``None`` when traced."""
     try:
         if jax.dtypes.issubdtype(_dtype(leaf), jax.dtypes.prng_key):
             leaf = jax.random.key_data(leaf)
@@ -64,11 +51,8 @@ def _shown(paths: list[str]) -> str:
 
 
 class _Point:
-    """The expansion point θ0: its leaves (as JAX arrays, a snapshot), tree structure and
-    which leaves get a tangent; checks parameters given at call time against it.
-
-    ``point_arg`` names θ0 as its function received it (``"params0"``,
-    ``"variables['params']"``), ``point_name`` describes it in call-time messages.
+    """The expansion point θ0 (a snapshot of its leaves), checking call-time parameters;
+    ``point_arg`` names θ0 as received, ``point_name`` in call-time messages.
     """
 
     def __init__(self, fn_name: str, params0, point_arg: str, point_name: str):
@@ -90,9 +74,9 @@ class _Point:
         self.tree = jax.tree_util.tree_unflatten(self.treedef, self.leaves)
 
     def tangent(self, params, params_name: str):
-        """δ = params − θ0 as a pytree like θ0 (``float0`` zeros for leaves without a
-        tangent), after checking params' structure, shapes, dtypes and, outside
-        ``jax.jit``, that leaves without a tangent equal θ0's."""
+        """δ = params − θ0 (``float0`` for leaves without a tangent), after checking params'
+        structure, shapes, dtypes and, outside ``jax.jit``, the fixed leaves' values.
+        """
         fn, point = self.fn_name, f"the expansion point ({self.point_name})"
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         if treedef != self.treedef:
@@ -112,9 +96,8 @@ class _Point:
                 dtype = None
             if dtype != ref.dtype:
                 got = dtype if dtype is not None else type(leaf).__name__
-                what = (
-                    f"{params_name}{path} has dtype {got}, but {point} has dtype {ref.dtype} there"
-                )
+                what = f"{params_name}{path} has dtype {got}, but {point} has dtype "
+                what += f"{ref.dtype} there"
                 fix = "cast the parameters to the expansion point's dtypes"
                 raise bad(TypeError, fn, what, fix)
             if diff:
@@ -160,17 +143,9 @@ def _short(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _is_float0(leaf) -> bool:
-    return getattr(leaf, "dtype", None) == jax.dtypes.float0
-
-
 def _derivatives(g: Callable, primal, tangent, degree: int) -> list:
-    """[g(θ0), Dg(θ0)[δ], ..., D^degree g(θ0)[δ, ..., δ]] by ``degree`` nested ``jax.jvp``.
-
-    Level k is the JVP of level k − 1 (which returns the derivatives up to order k − 1):
-    the tangent of its last output is the order-k derivative. Tangents of non-floating
-    outputs (``float0``) become zeros of the output's dtype, so that the next level can
-    differentiate them; the sum skips them.
+    """[g(θ0), Dg(θ0)[δ], ..., D^degree g(θ0)[δ, ..., δ]] by nested ``jax.jvp``; ``float0``
+    tangents become zeros so that the next level can differentiate them.
     """
 
     def level(k: int) -> Callable:
@@ -180,8 +155,9 @@ def _derivatives(g: Callable, primal, tangent, degree: int) -> list:
 
         def derivatives(p):
             values, tangents = jax.jvp(lower, (p,), (tangent,))
+            float0 = jax.dtypes.float0
             top = jax.tree.map(
-                lambda t, v: jnp.zeros_like(v) if _is_float0(t) else t, tangents[-1], values[0]
+                lambda t, v: jnp.zeros_like(v) if t.dtype == float0 else t, tangents[-1], values[0]
             )
             return [*values, top]
 
@@ -191,8 +167,7 @@ def _derivatives(g: Callable, primal, tangent, degree: int) -> list:
 
 
 def _taylor_sum(terms: list):
-    """Σ_k terms[k] / k! in Horner form; output leaves that are not floating point (no
-    derivatives) are those of terms[0]."""
+    """Σ_k terms[k] / k! in Horner form; non-floating leaves are terms[0]'s."""
     total = terms[-1]
     for k in range(len(terms) - 2, -1, -1):
 
@@ -215,10 +190,9 @@ def expansion(
     point_arg: str = "params0",
     point_name: str = "params0",
 ) -> Callable:
-    """The degree-``degree`` expansion of ``apply_fn`` around ``params0`` as a function
-    ``(params, *args, **kwargs)``; messages start with ``fn_name``, call the parameters
-    given at call time ``params_name`` and θ0 ``point_arg`` / ``point_name`` (see
-    :class:`_Point`)."""
+    """The degree-``degree`` expansion of ``apply_fn`` around ``params0``, a function
+    ``(params, *args, **kwargs)``; messages name ``fn_name``, ``params_name``, ``point_arg``.
+    """
     point = _Point(fn_name, params0, point_arg, point_name)
 
     def expanded(params, *args, **kwargs):
@@ -244,46 +218,31 @@ def linearize(apply_fn: Callable, params0) -> Callable:
 
         f_lin(θ, x) = f(θ0, x) + J(θ0, x)·(θ − θ0),   J = ∂f/∂θ at θ0,
 
-    with f = ``apply_fn`` and θ0 = ``params0``: the first-order Taylor polynomial in the
-    parameters (neural-tangents' ``nt.linearize``). ``f_lin`` is linear (affine) in θ;
-    trained by gradient descent on the MSE it follows the NTK dynamics of
-    :func:`ntk_core.predict.gradient_descent_mse` with the NTK of ``apply_fn`` at θ0.
-    J·(θ − θ0) is one forward-mode directional derivative (``jax.jvp``); the Jacobian is
-    never formed. ``f_lin`` is a pure function: it can be called inside ``jax.jit``,
-    ``jax.grad`` (gradients with respect to ``params``: training the linearised model),
-    ``jax.vmap``; wrap it in ``jax.jit`` for speed.
+    f = ``apply_fn``, θ0 = ``params0`` (neural-tangents' ``nt.linearize``). Trained by
+    gradient descent on the MSE it follows :func:`ntk_core.predict.gradient_descent_mse` with
+    the NTK at θ0. J·(θ − θ0) is one ``jax.jvp``. ``f_lin`` is pure: usable under
+    ``jax.jit``, ``jax.grad`` (in ``params``), ``jax.vmap``.
 
     Args:
-      apply_fn: ``apply_fn(params, x, *args, **kwargs) -> outputs``, outputs a pytree
-        of arrays, e.g. ``(N1, O...)`` for a batch x of N1 samples.
-      params0: the expansion point θ0, any pytree (dicts, lists, tuples, ...) of arrays
-        of total size P. Floating leaves (real or complex) are expanded; integer,
-        boolean and PRNG-key leaves have no derivative (JAX's ``float0`` tangent) and are
-        held at their θ0 values. The leaves are copied to JAX arrays once, here.
+      apply_fn: ``apply_fn(params, x, *args, **kwargs) -> outputs`` (a pytree, e.g. ``(N1, O...)``).
+      params0: θ0, any pytree of arrays (total size P), copied once. Floating leaves are
+        expanded; integer, boolean and PRNG-key leaves are held at θ0.
 
     Returns:
-      ``f_lin(params, x, *args, **kwargs)``: the outputs of ``apply_fn`` (same pytree
-      structure, shapes ``(N1, O...)`` and dtypes) of the linearised model at ``params``,
-      which must have θ0's tree structure, leaf shapes and dtypes (float64 NumPy data
-      counts as float32 when ``jax_enable_x64`` is off, as in JAX). ``x``, ``*args`` and
-      ``**kwargs`` go to ``apply_fn`` unchanged and are not differentiated. Output
-      leaves that are not floating point are f(θ0, x)'s.
+      ``f_lin``: outputs of ``apply_fn``'s structure, shapes and dtypes, for ``params`` of
+      θ0's structure, shapes and dtypes (float64 NumPy data is float32 without x64); ``x``,
+      ``*args``, ``**kwargs`` go to ``apply_fn`` undifferentiated; non-floating output
+      leaves are f(θ0, x)'s.
 
     Raises:
-      TypeError: ``apply_fn`` not callable (a Flax module or Haiku transformed gets the
-        adapter to use instead); a leaf of ``params0`` that is not a numeric array;
-        at call time, a leaf of ``params`` whose dtype differs from θ0's.
-      ValueError: at call time, ``params`` with another tree structure (the message
-        names the leaves missing or added) or leaf shape than θ0; outside ``jax.jit``,
-        an integer / boolean / key leaf of ``params`` whose value differs from θ0's
-        (inside ``jax.jit`` their values are not checked, and θ0's are used).
+      TypeError: ``apply_fn`` not callable (a Flax or Haiku model names the adapter); a
+        leaf of ``params0`` not a numeric array; at call time, a leaf dtype differing from θ0's.
+      ValueError: at call time, another tree structure (naming missing or added leaves) or
+        leaf shape; outside ``jax.jit``, a non-floating leaf whose value differs from θ0's.
 
-    Cost: one ``jax.jvp`` per call, about 2–3 forward passes of compute (2.8 in FLOPs
-    for a 4-layer, 256-wide tanh MLP under ``jax.jit``, by XLA's cost analysis) and no
-    per-sample or per-output work; memory of a forward pass with its primal and tangent
-    activations, plus P for θ − θ0 (a Jacobian would take N1·O·P). ``jax.grad`` through
-    ``f_lin`` (training) costs about one backpropagation through f (2.8 forward passes
-    for that MLP) and stores the activations of the forward pass.
+    Cost: one ``jax.jvp`` per call, about 2–3 forward passes (2.8 for a 4-layer, 256-wide
+    tanh MLP under ``jax.jit``); memory of a forward pass with tangents, plus P (a Jacobian
+    would take N1·O·P). ``jax.grad`` through ``f_lin`` costs about one backpropagation.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -306,7 +265,8 @@ def linearize(apply_fn: Callable, params0) -> Callable:
       (3, 4)
 
     References:
-      {reference}
+      Lee, Xiao, Schoenholz, Bahri, Novak, Sohl-Dickstein, Pennington, "Wide Neural Networks
+      of Any Depth Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
     """
     check_apply_fn("linearize", apply_fn, "linearize")
     return expansion("linearize", apply_fn, params0, 1)
@@ -317,39 +277,27 @@ def taylor_expand(apply_fn: Callable, params0, degree: int) -> Callable:
 
     Returns ``f_taylor(params, x, *args, **kwargs)`` computing
 
-        f_taylor(θ, x) = Σ_{k=0..degree} (1/k!) D^k f(θ0, x)[δ, ..., δ],   δ = θ − θ0,
+        f_taylor(θ, x) = Σ_{k=0..degree} (1/k!) D^k f(θ0, x)[δ, ..., δ],   δ = θ − θ0
 
-    with D^k f[δ, ..., δ] the k-th directional derivative of f = ``apply_fn`` along δ
-    (neural-tangents' ``nt.taylor_expand``). ``degree=0`` gives f(θ0, x) for any θ;
-    ``degree=1`` gives :func:`linearize`'s ``f_lin`` (the same computation); for a
-    model polynomial in its parameters of degree ≤ ``degree`` it is the model itself.
-    The derivatives come from ``degree`` nested ``jax.jvp`` calls (forward mode of
-    forward mode), which every differentiable JAX operation supports and which compose
-    with ``jax.jit``, ``jax.grad`` and ``jax.vmap``; no Jacobian or Hessian is formed.
-    The terms are summed in Horner form, f + (D f + (D²f + ...)/2)/1.
+    (neural-tangents' ``nt.taylor_expand``), by ``degree`` nested ``jax.jvp`` summed in Horner
+    form. ``degree=0``: f(θ0, x); ``degree=1``: :func:`linearize`; exact for a model
+    polynomial in its parameters of degree ≤ ``degree``.
 
     Args:
-      apply_fn, params0: as in :func:`linearize` (outputs e.g. ``(N1, O...)`` for a
-        batch of N1 samples; params0 of total size P).
+      apply_fn, params0: as :func:`linearize`.
       degree: a non-negative int.
 
     Returns:
-      ``f_taylor(params, x, *args, **kwargs)``: outputs of ``apply_fn``'s structure,
-      shapes ``(N1, O...)`` and dtypes, for ``params`` of θ0's structure, leaf shapes
-      and dtypes (as :func:`linearize`).
+      ``f_taylor``, as :func:`linearize`'s ``f_lin``.
 
     Raises:
       TypeError: as :func:`linearize`, and ``degree`` not an int (``True`` included).
       ValueError: as :func:`linearize`, and a negative ``degree``.
 
-    Cost: degree 0, one forward pass; degree 1, one JVP (as :func:`linearize`); degree
-    d ≥ 2, d nested JVPs. Each level carries the previous level's primal and tangent
-    computations, 2^d streams in all, but every tangent is the same δ and under
-    ``jax.jit`` XLA merges the identical streams, so compute grows about linearly: for a
-    4-layer, 256-wide tanh MLP (XLA's FLOP count, in forward passes) degree 1: 2.8,
-    2: 4.3, 3: 5.8, 4: 7.4; ``jax.grad`` through it: 2.8, 8.6, 18.8 (degrees 1–3).
-    Called outside ``jax.jit`` nothing is merged: about 2^d. Memory is that of the live
-    streams' activations, independent of N1·O·P (no Jacobian or Hessian is formed).
+    Cost: degree d ≥ 2: d nested JVPs, 2^d streams that ``jax.jit`` merges to about linear
+    growth (4-layer, 256-wide tanh MLP, in forward passes: 2.8, 4.3, 5.8, 7.4 for d = 1–4;
+    ``jax.grad``: 2.8, 8.6, 18.8 for d = 1–3); about 2^d outside ``jax.jit``. Memory: the
+    live streams' activations, no Jacobian or Hessian.
 
     Example:
       >>> import jax.numpy as jnp
@@ -364,14 +312,9 @@ def taylor_expand(apply_fn: Callable, params0, degree: int) -> Callable:
       -18.0
 
     References:
-      {reference}
+      Lee, Xiao, Schoenholz, Bahri, Novak, Sohl-Dickstein, Pennington, "Wide Neural Networks
+      of Any Depth Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
     """
     check_apply_fn("taylor_expand", apply_fn, "taylor_expand")
     degree = check_degree("taylor_expand", degree)
     return expansion("taylor_expand", apply_fn, params0, degree)
-
-
-for _fn in (linearize, taylor_expand):
-    if _fn.__doc__:  # None under python -OO
-        _fn.__doc__ = _fn.__doc__.replace("{reference}", _REFERENCE)
-del _fn

@@ -1,13 +1,6 @@
-"""``ntk_vp_fn``: matrix-free NTK-vector products Θ(X, X)·v, one VJP then one JVP.
-
-Not :mod:`ntk_core._impl.ntvp`, the ``"ntvp"`` implementation that *forms* a kernel column
-by column. Here neither the Jacobian J (``(N·O, P)``) nor Θ = J Jᵀ (``(N·O, N·O)``) is
-ever formed: u = Jᵀ v is one reverse-mode pass over the data (a sum of per-batch VJPs
-when batched) and Θ v = J u one forward-mode pass (per-batch JVPs), so the memory is
-that of the model's passes on one batch plus O(N·O + P). This is neural-tangents'
-``empirical_ntk_vp_fn`` (Novak, Sohl-Dickstein, Schoenholz, ICML 2022, section 3.2)
-with a validated, jitted, optionally batched product; :mod:`ntk_core.spectrum` hands
-it to ARPACK.
+"""``ntk_vp_fn``: matrix-free NTK-vector products Θ(X, X)·v, one VJP then one JVP
+(neural-tangents' ``empirical_ntk_vp_fn``); not the ``"ntvp"`` implementation
+(:mod:`ntk_core._impl.ntvp`), which forms a kernel. :mod:`ntk_core.spectrum` uses it.
 """
 
 from __future__ import annotations
@@ -32,16 +25,14 @@ from ntk_core._kernel.validate import describe as _describe
 
 
 def _whole(apply_fn, params, x, v):
-    """Θ v on the whole batch: one forward pass (linearised), its transpose, then the
-    linear map again (``jax.linearize`` keeps the forward pass's residuals)."""
+    """Θ v on the whole batch: ``jax.linearize``, its transpose, the linear map again."""
     _, f_lin = jax.linearize(lambda p: apply_fn(p, x), params)
     (u,) = jax.linear_transpose(f_lin, params)(v)
     return f_lin(u)
 
 
 def _batched(apply_fn, params, x, v, b: int):
-    """Θ v in batches of ``b`` samples: u = Σ_batches J_bᵀ v_b (a scan of VJPs), then
-    (Θ v)_b = J_b u (a map of JVPs); the last, ragged batch is a separate call."""
+    """Θ v in batches of ``b``: u = Σ_b J_bᵀ v_b (scan of VJPs), then J_b u (map of JVPs)."""
     n = jax.tree.leaves(x)[0].shape[0]
     k, r = divmod(n, b)
 
@@ -91,17 +82,12 @@ _cached_product = _caches.lru_cache(maxsize=64)(_make_product)
 
 
 def _product(apply_fn, precision, batch_size) -> Callable:
-    """The jitted product, shared by every ``ntk_vp_fn`` of the same ``apply_fn``."""
+    """The jitted product, shared per ``(apply_fn, precision, batch_size)``."""
     try:
         hash(apply_fn)
     except TypeError:
         return _make_product(apply_fn, precision, batch_size)
     return _cached_product(apply_fn, precision, batch_size)
-
-
-def _check_batch_size(fn: str, batch_size) -> int | None:
-    fix = "pass e.g. batch_size=1000, or None"
-    return check_int(fn, "batch_size", batch_size, fix, optional=True)
 
 
 def _check_params(fn: str, params) -> None:
@@ -138,8 +124,7 @@ def _outputs(caller: Caller, apply_fn, params, x, n: int):
 
 
 def _check_v(call: str, outputs, tree, v):
-    """``v`` as a tree of arrays in the outputs' dtypes; raises on a wrong tree, shape or
-    dtype, or NaN/Inf."""
+    """``v`` checked and cast to the outputs' dtypes."""
     leaves, v_tree = jax.tree.flatten(v)
     if v_tree != tree:
         what = f"v has the pytree structure {v_tree}; expected the outputs' {tree}"
@@ -165,58 +150,40 @@ def _check_v(call: str, outputs, tree, v):
 
 
 def ntk_vp_fn(
-    apply_fn: Callable,
-    params,
-    x,
-    *,
-    batch_size: int | None = None,
-    precision: str = "highest",
+    apply_fn: Callable, params, x, *, batch_size: int | None = None, precision: str = "highest"
 ) -> Callable:
     """Returns a jitted function ``ntk_vp(v) = Θ(x, x) v``, never forming Θ or J.
 
-    (Θ v)[i, a] = Σ_{j, b} Θ[i, j, a, b] v[j, b],  Θ[i, j, a, b] = Σ_p ∂f_a(x_i)/∂θ_p
-    · ∂f_b(x_j)/∂θ_p, with f = ``apply_fn(params, ·)``: the full, untraced NTK of
-    :func:`ntk_fn` with x1 = x2 = x (N1 = N2 = N, ``trace_axes=()``, so O x O blocks)
-    acting on the output space, computed as u = Jᵀ v (one VJP, u shaped like params)
-    then Θ v = J u (one JVP), J the ``(N·O, P)`` Jacobian. neural-tangents'
-    ``empirical_ntk_vp_fn(f, x_train, params)`` in this library's argument order.
+    (Θ v)[i, a] = Σ_{j, b} Θ[i, j, a, b] v[j, b], Θ the NTK of :func:`ntk_fn` with x1 = x2 = x
+    and ``trace_axes=()``, computed as u = Jᵀ v (one VJP) then Θ v = J u (one JVP), J the
+    ``(N·O, P)`` Jacobian.
 
     Args:
-      apply_fn: ``apply_fn(params, x) -> outputs``, a pytree of floating arrays
-        ``(N, O...)``. Samples may interact (BatchNorm in training mode) when
-        ``batch_size=None``: the model is differentiated on the whole batch.
+      apply_fn: ``apply_fn(params, x) -> outputs``, floating arrays ``(N, O...)``; samples
+        may interact when ``batch_size=None`` (differentiated on the whole batch).
       params: pytree of floating arrays (total size P), held by the returned function.
-      x: pytree of arrays with batch axis 0 of size N, held by the returned function
-        (converted to jax arrays once).
-      batch_size: ``None`` (default): one VJP and one JVP over all N samples.
-        A positive int B: u is summed over per-batch VJPs of B samples (a
-        ``lax.scan``), then the JVPs run batch by batch (``lax.map``); the last batch
-        may be smaller. Needs per-sample independence (checked by a two-batch probe).
-      precision: ``"highest"`` (default), ``"high"`` or ``"default"``, the matmul
-        precision of both passes (see :mod:`ntk_core._kernel.options`).
+      x: pytree of arrays with batch axis 0 of size N, held (as jax arrays).
+      batch_size: ``None`` (default): one VJP and one JVP over all N. An int B: VJPs summed
+        over batches of B (``lax.scan``), then JVPs per batch (``lax.map``), the last
+        smaller; needs independent samples (checked by a probe).
+      precision: the matmul precision of both passes, as in :func:`ntk_fn`.
 
     Returns:
-      ``ntk_vp(v)``: ``v`` a pytree like the outputs, each leaf ``(N, O...)`` of a
-      real floating dtype (cast to the output's dtype), returns ``Θ v`` in the same
-      layout as ``jax.Array`` leaves of the outputs' dtype. ``ntk_vp.outputs`` is the
-      pytree of ``jax.ShapeDtypeStruct`` that v must match. A call with new values of
-      the same shapes does not recompile (the compiled product is shared per
-      ``(apply_fn, batch_size, precision)``).
+      ``ntk_vp(v)``: v a pytree like the outputs (leaves ``(N, O...)``, real floating, cast
+      to the outputs' dtype) -> Θ v, ``jax.Array`` leaves in that layout.
+      ``ntk_vp.outputs``: the ``jax.ShapeDtypeStruct`` pytree v must match. New values of
+      the same shapes do not recompile.
 
     Raises:
-      TypeError: ``apply_fn`` not callable (or a Flax/Haiku model object), non-floating
-        params or outputs, ``batch_size`` not an int; at call time v of another
-        pytree structure, or non-floating.
-      ValueError: params without arrays or with NaN/Inf; x empty, with inconsistent
-        batch sizes or NaN/Inf; the model failing on x; outputs without the batch
-        axis; ``batch_size`` <= 0, or given for a model whose samples interact; an
-        invalid ``precision``; at call time v of the wrong shape or with NaN/Inf.
+      TypeError: ``apply_fn`` not callable (or a Flax/Haiku model), non-floating params or
+        outputs, ``batch_size`` not an int; v of another structure, or non-floating.
+      ValueError: params without arrays or non-finite; x empty, inconsistent or non-finite;
+        the model failing on x; outputs without the batch axis; ``batch_size`` <= 0 or
+        given for interacting samples; an invalid ``precision``; v of the wrong shape or
+        non-finite.
 
-    Cost: per call, one reverse-mode and one forward-mode pass over the N samples
-    (about 4 forward passes of FLOPs; 3 unbatched, where the forward pass is
-    linearised once); memory: the model's activations on one batch (N samples when
-    unbatched, kept between the two passes), u (P values) and v and Θ v (N·O each).
-    Checks: one reduction per leaf of v for NaN/Inf.
+    Cost: per call one reverse and one forward pass over N samples (about 4 forward passes;
+    3 unbatched); memory: the activations of one batch, u (P), v and Θ v (N·O each).
 
     Example:
       >>> import jax.numpy as jnp
@@ -233,7 +200,7 @@ def ntk_vp_fn(
 
     References:
       Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel",
-      ICML 2022 (NTK-vector products, section 3.2).
+      ICML 2022 (section 3.2).
     """
     return make_ntk_vp(_NTK_VP_FN, apply_fn, params, x, batch_size, precision)
 
@@ -243,11 +210,12 @@ _NTK_VP_FN = core("ntk_vp_fn", one_input=True)
 
 
 def make_ntk_vp(caller: Caller, apply_fn, params, x, batch_size, precision) -> Callable:
-    """:func:`ntk_vp_fn` with errors naming the public function ``caller``."""
+    """:func:`ntk_vp_fn` with errors naming ``caller``."""
     fn = caller.name
     _checks.check_apply_fn(fn, apply_fn)
     options = make_options(fn, precision=precision)
-    batch_size = _check_batch_size(fn, batch_size)
+    fix = "pass e.g. batch_size=1000, or None"
+    batch_size = check_int(fn, "batch_size", batch_size, fix, optional=True)
     _checks.before_trace(fn, params, x, None, options)
     _check_params(fn, params)
     n = _batch_size(caller, "x", x)

@@ -1,7 +1,4 @@
-"""The adapters' seam, made public by :mod:`ntk_core.adapters`: a model as the core sees
-it (:class:`PureModel`), its kernel function (:func:`build_kernel`), the one-call cache
-(:func:`cached`) and the checks every adapter shares. No kernel maths lives here.
-"""
+"""The adapters' seam, made public by :mod:`ntk_core.adapters`; no kernel maths."""
 
 from __future__ import annotations
 
@@ -32,8 +29,7 @@ _RENAMED = {
 
 
 def check_apply_kwargs(fn_name: str, apply_kwargs, example: str) -> dict:
-    """``apply_kwargs`` as a dict (``None`` -> ``{}``); a TypeError naming ``example``
-    (e.g. ``"{'train': False}"``) for anything that is not a mapping."""
+    """``apply_kwargs`` as a dict (``None`` -> ``{}``); TypeError naming ``example`` otherwise."""
     if apply_kwargs is not None and not isinstance(apply_kwargs, Mapping):
         got = type(apply_kwargs).__name__
         what = f"apply_kwargs must be a dict of the model's keyword arguments, got {got}"
@@ -51,16 +47,9 @@ def _param_shapes(tree) -> dict[str, tuple[int, ...]]:
 def input_shape_mismatch(
     fn_name: str, params_name: str, params, init_params: Callable, x1, init_call: str
 ) -> ValueError | None:
-    """The ValueError for params made by the model's init for inputs of another shape
-    than x1's (e.g. a Dense layer initialised for 3 features, given 5), else ``None``.
-
-    Compares shapes, not the framework's error text: ``init_params(x)`` returns the
-    parameters the model's init makes for inputs ``x`` (run under ``jax.eval_shape``, so
-    nothing is computed). When params and the parameters made for x1 have the same
-    leaves but some shapes differ, the inputs do not fit; changing one axis of x1 to the
-    size the first differing parameter was made for, and finding that init then makes
-    exactly params' shapes, gives the per-sample shape the model was initialised with.
-    Error path only: a few abstract traces of init.
+    """The ValueError for params the model's init made for inputs of another per-sample
+    shape than x1's (found by comparing ``init_params(x)`` shapes under ``jax.eval_shape``,
+    and naming the shape they were made for when one axis change explains it), else None.
     """
 
     def made_for(x):
@@ -143,7 +132,7 @@ def _engine(caller: Caller, kind: str, model: PureModel, options: dict) -> Engin
 
 
 def freeze(value):
-    """A hashable stand-in for nested dicts, lists and tuples (for cache keys)."""
+    """A hashable stand-in for nested dicts, lists and tuples."""
     if isinstance(value, dict):
         return (dict, tuple(sorted((k, freeze(v)) for k, v in value.items())))
     if isinstance(value, (list, tuple)):
@@ -156,13 +145,9 @@ _caches.register(_BUILT.clear)  # ntk_core.clear_caches() empties it
 
 
 def cached(key, build: Callable, size: int = 64):
-    """``build()``, or what it returned for an equal ``key`` before (a FIFO cache of
-    ``size`` entries, emptied by :func:`ntk_core.clear_caches`).
-
-    Key rule: start with the public function's name, then the model and every argument
-    the build reads (model keywords, options); dicts, lists and tuples are compared by
-    value (:func:`freeze`), everything else with ``==`` and ``hash``. A key that cannot
-    be hashed (an array in it) is not cached: ``build()`` runs each time.
+    """``build()``, or what it returned for an equal ``key`` (FIFO of ``size``, emptied by
+    :func:`ntk_core.clear_caches`). The key: the public function's name, the model and every
+    argument the build reads; dicts, lists, tuples compared by value; unhashable: no cache.
     """
     key = freeze(key)
     try:
@@ -179,29 +164,20 @@ def cached(key, build: Callable, size: int = 64):
 
 @dataclasses.dataclass(frozen=True)
 class PureModel:
-    """One model as the core sees it, for :func:`build_kernel`: its pure ``apply3``, and
-    how the caller's arguments become the core's ``params`` and ``aux``.
+    """One model as the core sees it, for :func:`build_kernel`.
 
     Attributes:
-      apply3: ``apply3(params, x, aux) -> outputs``, the one pure form every part of the
-        core calls: ``params`` differentiated, ``aux`` held fixed (Flax's other
-        collections and rngs, Haiku's state and rng, nnx's graph and other state).
-      to_core: ``to_core(first, **call_keywords) -> (params, aux)``, or with
-        ``to_core_reads_x1`` ``to_core(first, x1, **call_keywords)``: which of the
-        caller's arguments (``variables``, ``rngs``; ``params``, ``state``, ``rng``)
-        are the core's ``params`` and which its ``aux``, after checking them.
-      call_keywords: the keyword arguments of the built kernel function, e.g.
-        ``("rngs",)`` or ``("state", "rng")``.
-      check: ``check(params, x1, x2, aux)``, run once per input signature before
-        tracing: raises the model's own mistakes (a missing rng, parameters of
-        another model, a model that updates its statistics) as ValueError / TypeError
-        starting with the public function's name.
-      eval_hint: how to put the model in evaluation mode (e.g. ``"model.eval()"``), for
-        the message of the sample-independence probe.
-      to_core_reads_x1: ``to_core`` also needs x1 (Flax reads what ``variables`` is
-        from the model's init on x1).
-      model_kwargs: how the caller passes the model's own keyword arguments, for the
-        fix of an unknown option (``""``: it cannot).
+      apply3: pure ``apply3(params, x, aux) -> outputs``, ``params`` differentiated, ``aux``
+        held fixed (Flax's other collections and rngs, Haiku's state and rng, nnx's state).
+      to_core: ``to_core(first, **call_keywords) -> (params, aux)`` (with ``to_core_reads_x1``:
+        ``to_core(first, x1, **call_keywords)``), checking the caller's arguments.
+      call_keywords: the built kernel function's keywords, e.g. ``("state", "rng")``.
+      check: ``check(params, x1, x2, aux)``, once per input signature before tracing, raising
+        the model's own mistakes (ValueError / TypeError naming the public function).
+      eval_hint: how to put the model in evaluation mode (e.g. ``"model.eval()"``).
+      to_core_reads_x1: ``to_core`` also needs x1.
+      model_kwargs: how the caller passes model keywords, for the unknown-option fix
+        (``""``: it cannot).
     """
 
     apply3: Callable
@@ -214,12 +190,11 @@ class PureModel:
 
 
 def build_kernel(caller: Caller, kind: str, model: PureModel, options: dict) -> KernelFunction:
-    """The :class:`~ntk_core.KernelFunction` of ``model`` for the public function
-    ``caller``: ``kernel(first, x1, x2=None, *, call keywords)``, with ``.plan`` and
-    ``.implementation_for``; ``kind`` is ``"ntk"``, ``"nngp"`` or ``"ntk_per_leaf"``, and
-    ``options`` (the core's, see :func:`ntk_core.ntk_fn`) are validated here. The name
-    of ``model.to_core``'s first parameter names the kernel function's first argument;
-    a keyword outside ``model.call_keywords`` gets a TypeError naming the valid ones."""
+    """The :class:`~ntk_core.KernelFunction` ``kernel(first, x1, x2=None, *, call keywords)``
+    of ``model`` for ``caller``; ``kind``: ``"ntk"``, ``"nngp"`` or ``"ntk_per_leaf"``;
+    ``options``: the core's (:func:`ntk_core.ntk_fn`), validated here. ``first`` is named
+    after ``model.to_core``'s first parameter; other keywords get a TypeError.
+    """
     engine = _engine(caller, kind, model, options)
     keywords = model.call_keywords
 

@@ -9,11 +9,9 @@ import inspect
 
 
 def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> str | None:
-    """The parameter ``signature.bind(*args, **kwargs)`` reports missing: the first
-    required one (in signature order) that neither a positional argument nor a keyword
-    gives; ``None`` when none is missing or bind fails on something else first (a
-    positional argument also given by keyword, too many positional arguments, a
-    positional-only one given by keyword), as ``Signature.bind`` checks in that order."""
+    """The first required parameter no argument gives, or None (as ``Signature.bind``
+    checks, in its order).
+    """
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     taken = positional[: len(args)]
@@ -34,20 +32,11 @@ def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> s
 
 
 def _checked_arguments(fn, name: str | None = None):
-    """Turns Python's binding errors (an unknown or misspelt option, too many positional
-    arguments, a missing one) into a TypeError naming the valid options and the fix;
-    ``name`` is the public name in messages (default ``fn.__name__``).
-
-    Costs nothing on a correct call: the signature is consulted only after a TypeError.
+    """Python's binding errors of ``fn`` become a TypeError naming ``name``, the valid
+    options and the fix (consulted only after a TypeError).
     """
     signature = inspect.signature(fn)
     name = name or fn.__name__
-    options = [n for n, p in signature.parameters.items() if p.kind is p.KEYWORD_ONLY]
-    positional = [
-        n
-        for n, p in signature.parameters.items()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
 
     @functools.wraps(fn)
     def checked(*args, **kwargs):
@@ -57,39 +46,34 @@ def _checked_arguments(fn, name: str | None = None):
             try:
                 signature.bind(*args, **kwargs)
             except TypeError as e:
-                unknown = sorted(set(kwargs) - set(signature.parameters))
-                if unknown:
-                    close = {u: difflib.get_close_matches(u, options, 1) for u in unknown}
-                    guess = "".join(
-                        f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c
-                    )
-                    reason = (
-                        f"unknown keyword argument(s) {', '.join(map(repr, unknown))}; valid "
-                        f"options are {', '.join(options)}.{guess}"
-                    )
-                    if "apply_kwargs" in signature.parameters:  # the adapters
-                        reason = reason.replace(
-                            "valid options are", "valid options are the kernel options and"
-                        )
-                        fix = (
-                            "use those option names; keyword arguments of the model go in "
-                            "apply_kwargs={...}."
-                        )
-                    elif "apply_fn" in signature.parameters:
-                        fix = (
-                            "use those option names; keyword arguments of the model go into "
-                            "apply_fn, e.g. functools.partial(model.apply, train=False)."
-                        )
-                    else:
-                        fix = "use those option names."
-                else:
-                    reason = f"{e} (expected positional arguments {', '.join(positional)})."
-                    fix = f"call {name}({', '.join(positional)}, *, option=...); options are "
-                    fix += "keyword-only."
-                    missing = _first_missing(signature, args, kwargs)
-                    if missing in options:
-                        fix = f"pass {missing}=... by keyword (it is keyword-only)."
-                raise TypeError(f"{name}: {reason} Fix: {fix}") from None
+                raise TypeError(_message(name, signature, args, kwargs, e)) from None
             raise
 
     return checked
+
+
+def _message(name: str, signature: inspect.Signature, args, kwargs, error) -> str:
+    params = signature.parameters
+    options = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = ", ".join(n for n, p in params.items() if p.kind in kinds)
+    unknown = sorted(set(kwargs) - set(params))
+    if not unknown:
+        reason = f"{error} (expected positional arguments {positional})."
+        fix = f"call {name}({positional}, *, option=...); options are keyword-only."
+        missing = _first_missing(signature, args, kwargs)
+        if missing in options:
+            fix = f"pass {missing}=... by keyword (it is keyword-only)."
+        return f"{name}: {reason} Fix: {fix}"
+    close = {u: difflib.get_close_matches(u, options, 1) for u in unknown}
+    guess = "".join(f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c)
+    valid = "the kernel options and " if "apply_kwargs" in params else ""  # the adapters
+    reason = f"unknown keyword argument(s) {', '.join(map(repr, unknown))}; valid options are "
+    reason += f"{valid}{', '.join(options)}.{guess}"
+    fix = "use those option names"
+    if "apply_kwargs" in params:
+        fix += "; keyword arguments of the model go in apply_kwargs={...}"
+    elif "apply_fn" in params:
+        fix += "; keyword arguments of the model go into apply_fn, e.g. "
+        fix += "functools.partial(model.apply, train=False)"
+    return f"{name}: {reason} Fix: {fix}."

@@ -1,11 +1,5 @@
-"""Checks of a kernel call beyond shapes: environment, dtypes and common mistakes.
-
-The engine calls :func:`before_trace` at the top of its validation and
-:func:`after_trace` once the model's outputs are known (both once per input signature);
-the core API calls :func:`check_apply_fn` and :func:`params_check`. Each mistake found
-raises a ``TypeError``/``ValueError`` naming the public function, what it received,
-what it expected and the fix (see ``docs/errors.md``). Flax and Haiku objects are
-recognised by their class names and modules, without importing either library.
+"""Checks of a kernel call beyond shapes (environment, dtypes, common mistakes), each
+raising ``bad(...)``; Flax and Haiku objects are recognised by class name, unimported.
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ def _is_linen_module(obj) -> bool:
 
 
 def is_nnx_module(obj) -> bool:
-    """Whether ``obj`` is a ``flax.nnx.Module`` (by its classes: flax is not imported)."""
+    """Whether ``obj`` is a ``flax.nnx.Module`` (by its classes)."""
     return any(m.startswith("flax.nnx") and n == "Module" for m, n in _classes(obj))
 
 
@@ -40,8 +34,7 @@ def _is_haiku_transformed(obj) -> bool:
 
 
 def check_apply_fn(fn_name: str, apply_fn, entry: str = "kernel") -> None:
-    """Refuses a Flax or Haiku model object, or anything not callable, where
-    ``apply_fn(params, x)`` goes; the fix names the adapter's ``entry``."""
+    """Refuses a Flax/Haiku model object (naming the adapter's ``entry``) or a non-callable."""
     name = type(apply_fn).__name__
     for found, package in (
         (_is_linen_module, "ntk_flax"),
@@ -57,7 +50,7 @@ def check_apply_fn(fn_name: str, apply_fn, entry: str = "kernel") -> None:
 
 
 def params_check(fn_name: str, apply_fn):
-    """A per-signature ``check`` catching Flax variables misused with ``model.apply``."""
+    """A per-signature ``check`` refusing Flax variables beyond ``params`` to ``model.apply``."""
     inner = apply_fn
     while isinstance(inner, functools.partial):
         inner = inner.func
@@ -82,8 +75,7 @@ def samples_interact_error(fn_name: str, fix: str) -> ValueError:
 
 
 def adapter_model_failure(caller: Caller, params_name: str, error: Exception) -> ValueError:
-    """An adapter's ValueError for a model that fails on x1: the model's own error, then
-    a short fix (the Monte Carlo kernels' parameters come from their own init)."""
+    """An adapter's ValueError for a model that fails on x1."""
     mine = "" if caller.monte_carlo else f"{params_name} from this model's init, "
     fix = (
         f"check {mine}x1's per-sample shape (batch axis first) and the model's own "
@@ -93,7 +85,7 @@ def adapter_model_failure(caller: Caller, params_name: str, error: Exception) ->
 
 
 def _numeric(dtype, kind=jnp.number) -> bool:
-    """Numbers and booleans (or ``kind``), bfloat16 and the other ml_dtypes included."""
+    """Numbers and booleans (or ``kind``), ml_dtypes included."""
     try:
         if kind is not jnp.number:
             return bool(jnp.issubdtype(dtype, kind))
@@ -103,15 +95,14 @@ def _numeric(dtype, kind=jnp.number) -> bool:
 
 
 def leaked_tracer_error(fn_name: str, error: Exception) -> ValueError:
-    """The ValueError for a model that uses a leaked tracer (JAX's ``UnexpectedTracerError``)."""
+    """The ValueError for JAX's ``UnexpectedTracerError`` in the model."""
     first = str(error).strip().splitlines()[0]
     what = f"the model uses a leaked tracer (a value closed over from a finished jax.jit): {first}"
     return bad(ValueError, fn_name, what, "pass that value through params, x or aux")
 
 
 def model_call_error(fn_name: str, doing: str, error: Exception, fix: str) -> ValueError:
-    """The ValueError for the model's own failure while ``doing`` (e.g. "calling the
-    model on x1 (shapes ...)"), its error on one line, then ``fix``."""
+    """The ValueError for the model's own failure while ``doing``."""
     if isinstance(error, jax.errors.UnexpectedTracerError):
         return leaked_tracer_error(fn_name, error)
     return bad(ValueError, fn_name, f"{doing} failed with {one_line(error)}", fix)
@@ -126,7 +117,7 @@ def order_hint(caller: Caller) -> str:
 
 
 def model_call_fix(params, caller: Caller) -> str:
-    """The fix for "calling the model failed" (a Flax variables dict named)."""
+    """The fix for "calling the model failed"."""
     fix = f"check params and x1's per-sample shape and dtype ({order_hint(caller)})"
     if isinstance(params, Mapping) and "params" in params:
         fix += "; for Flax variables use ntk_flax.kernel(model, variables, x)"
@@ -134,8 +125,7 @@ def model_call_fix(params, caller: Caller) -> str:
 
 
 def in_neural_tangents_order(caller: Caller, params, x1, x2) -> bool:
-    """Whether ``(params, x1, x2)`` look like neural-tangents' ``(x1, x2, params)``:
-    params has x1's structure and per-sample shapes and x2 has not (no trace)."""
+    """Whether ``(params, x1, x2)`` look like neural-tangents' ``(x1, x2, params)``."""
 
     def per_sample(tree):
         return jax.tree.structure(tree), [np.shape(v)[1:] for v in jax.tree.leaves(tree)]
@@ -164,9 +154,9 @@ def before_trace(fn_name: str, params, x1, x2, options) -> None:
 def after_trace(
     fn_name: str, apply3, params, x1, x2, aux, out_leaves, options, kernel: str = "NTK", closed=None
 ) -> None:
-    """Checks that need the model's outputs (already validated), and precision warnings
-    (worded for ``kernel``, "NTK" or "NNGP"); ``closed``: the model's jaxpr when the
-    caller has traced it already (under the kernel's matmul precision)."""
+    """Checks of the (validated) outputs, and precision warnings for ``kernel``; ``closed``:
+    the model's jaxpr when already traced.
+    """
     for i, leaf in enumerate(out_leaves):
         if np.dtype(leaf.dtype).kind == "c":
             where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
@@ -182,15 +172,14 @@ _leaf_all_finite = jax.jit(lambda v: jnp.all(jnp.isfinite(v)))
 
 
 def all_finite(leaf) -> bool | None:
-    """Whether an array has no NaN/Inf: on the host for numpy arrays, one jitted
-    reduction on the device otherwise; None for an abstract value (under jax.jit)."""
+    """Whether an array has no NaN/Inf (host for numpy); None when abstract."""
     if isinstance(leaf, np.ndarray):
         return bool(np.isfinite(leaf).all())
     return concrete_bool(_leaf_all_finite(leaf))
 
 
 def concrete_bool(value) -> bool | None:
-    """``bool(value)``, or None for an abstract value (under an outer ``jax.jit``)."""
+    """``bool(value)``, or None for an abstract value."""
     try:
         return bool(value)
     except (jax.errors.TracerBoolConversionError, jax.errors.ConcretizationTypeError):
@@ -198,12 +187,8 @@ def concrete_bool(value) -> bool | None:
 
 
 def check_finite_input(fn_name: str, name: str, x) -> None:
-    """Raises a :class:`NonFiniteError` naming the first sample of ``x``
-    with a NaN or Inf.
-
-    One reduction per floating input leaf (on the host for numpy arrays). The kernel
-    functions call it only once their result came out non-finite
-    (:func:`check_finite_inputs`): a first call compiles no reduction for it.
+    """A :class:`NonFiniteError` naming the first sample of ``x`` with a NaN or Inf;
+    called only once a result came out non-finite.
     """
     for path, leaf in jax.tree_util.tree_leaves_with_path(x):
         try:
@@ -224,7 +209,7 @@ def check_finite_input(fn_name: str, name: str, x) -> None:
 
 
 def check_finite_inputs(fn_name: str, x1, x2) -> None:
-    """:func:`check_finite_input` of ``x1`` and of ``x2`` (when given)."""
+    """:func:`check_finite_input` of ``x1`` and ``x2`` (when given)."""
     check_finite_input(fn_name, "x1", x1)
     if x2 is not None:
         check_finite_input(fn_name, "x2", x2)

@@ -1,14 +1,6 @@
-"""The engine: one kernel call through the pipeline's parts, with their caches.
-
-    validate (_validate) ─▶ plan (_planner) ─▶ implementation (_implementations)
-        ─▶ executor: one call (_executor) or tiles (_blocked)
-
-An :class:`Engine` holds one kernel function's :class:`~ntk_core._kernel.pipeline.Spec` and
-what its parts found for the inputs seen so far: per input signature (tree
-structures, shapes, dtypes) the checked inputs and the plan, so a second call with the
-same shapes neither re-validates the model nor recompiles; per *per-sample* signature
-(``vmap_axes=0``) the outputs, checks and structured analysis, so a new N reuses
-them. The parts receive what they read as arguments (docs/architecture.md).
+"""The engine: one kernel call through validate, plan, implementation and executor,
+caching per input signature the checks and plan, and per per-sample signature
+(``vmap_axes=0``) the outputs and analysis, so a new N reuses them.
 """
 
 from __future__ import annotations
@@ -29,14 +21,8 @@ from ntk_core._kernel.pipeline import Checked, Config, Implementation, Spec
 
 
 class Engine:
-    """One kernel function's pipeline: ``engine(params, x1, x2, aux) -> kernel``.
-
-    Args:
-      spec: the kernel function (:class:`~ntk_core._kernel.pipeline.Spec`).
-
-    Raises:
-      ValueError: per-leaf kernels with an implementation that does not separate
-        the parameter leaves (``"ntvp"``).
+    """One kernel function's pipeline: ``engine(params, x1, x2, aux) -> kernel``; ValueError
+    for per-leaf kernels with an implementation that does not separate leaves.
     """
 
     def __init__(self, spec: Spec):

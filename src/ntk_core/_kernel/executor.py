@@ -1,9 +1,5 @@
-"""The one-call executor: a whole kernel in one call (``batch_size=None``), on the device.
-
-The last part of a kernel call (docs/architecture.md), beside the tiled executor of
-:mod:`ntk_core._blocked.tiles`. It calls the same two compiled phases as one tile of the
-blocked engine (so a ``batch_size`` of at least N reuses its compilations): the
-features of x1 and of x2, then the contraction and its all-finite flag.
+"""The one-call executor (``batch_size=None``): the features of x1 and x2, then the
+contraction, the same compiled phases as one tile of :mod:`ntk_core._blocked.tiles`.
 """
 
 from __future__ import annotations
@@ -16,8 +12,7 @@ from ntk_core._kernel.pipeline import Config, Implementation
 
 
 def one_call(implementation: Implementation, params, x1, x2, aux):
-    """``(kernel, finite)``: the kernel of x1 and x2 (x2 None: x1's Gram matrix, exactly
-    symmetric) and its all-finite flag, both on the device."""
+    """``(kernel, finite)`` of x1 and x2 (None: x1, exactly symmetric), on the device."""
     same = x2 is None
     features = implementation.features
     if features is None:  # "ntvp": pairwise, from the inputs
@@ -28,9 +23,9 @@ def one_call(implementation: Implementation, params, x1, x2, aux):
 
 
 def check_finite_result(fn_name: str, result, config: Config, finite, x1, x2) -> None:
-    """Raises ValueError when a one-call kernel has NaN or Inf: naming the first
-    non-finite input sample when there is one, the first non-finite entry otherwise.
-    Nothing under an outer ``jax.jit`` (the flag is abstract there)."""
+    """ValueError for a non-finite one-call kernel, naming the first non-finite input
+    sample, else entry; nothing under an outer ``jax.jit``.
+    """
     ok = _checks.concrete_bool(finite)
     if ok is None or ok:
         return

@@ -1,4 +1,4 @@
-"""The public kernel-function object that every ``*_fn`` entry point returns."""
+"""The kernel-function object every ``*_fn`` entry point returns."""
 
 from __future__ import annotations
 
@@ -12,37 +12,23 @@ class KernelFunction:
     """An empirical kernel function: call it for a kernel, ask it what it will do.
 
     Returned by :func:`ntk_core.ntk_fn`, :func:`ntk_core.nngp_fn`,
-    :func:`ntk_core.ntk_per_leaf_fn` and the adapters' ``kernel_fn``, ``nngp_fn`` and
-    ``kernel_per_leaf_fn``; not built directly. Its arguments are its builder's:
-    ``kernel(params, x1, x2=None)`` in the core, ``kernel(variables, x1, x2=None,
-    rngs=None)`` for ``ntk_flax``, ``kernel(params, x1, x2=None, state=None,
-    rng=None)`` for ``ntk_haiku`` (``inspect.signature(kernel)`` shows them).
-
-    Calling it returns the kernel of x1 (N1 samples) and x2 (N2 samples; None: x2 is
-    x1, and the result is exactly symmetric), laid out as the options say (for outputs
-    ``(N, O)`` and the default ``trace_axes=(-1,)``: ``(N1, N2)``), a ``jax.Array``, or
-    with ``batch_size`` a ``numpy.ndarray`` on the host. The inputs are validated and
-    the implementation chosen once per input signature (shapes, dtypes, trees); later
-    calls of the same signature reuse the compiled programs.
+    :func:`ntk_core.ntk_per_leaf_fn` and the adapters' ``*_fn``; its arguments are its
+    builder's (``inspect.signature(kernel)``), e.g. ``kernel(params, x1, x2=None)``.
+    A call returns the kernel of x1 (N1 samples) and x2 (N2; None: x1, exactly symmetric)
+    in the layout of :func:`ntk_core.ntk_fn`. Inputs are validated and the implementation
+    chosen once per input signature; later calls reuse the compiled programs.
 
     Methods:
-      plan(first, x1, x2=None, ...): what a call with these inputs does (the
-        implementation, every implementation's estimated time and memory, the method
-        of each parameter leaf, the blocked engine's tiles), as a printable
-        ``Plan``; nothing is computed.
-      implementation_for(first, x1, x2=None, ...): the implementation that call uses
-        (what ``implementation="auto"`` chose): ``"jacobian"``, ``"ntvp"``,
-        ``"structured"`` or ``"nngp"``.
+      plan(first, x1, x2=None, ...): the printable ``Plan`` of :func:`ntk_core.plan`.
+      implementation_for(first, x1, x2=None, ...): the implementation a call uses
+        (``"jacobian"``, ``"ntvp"``, ``"structured"`` or ``"nngp"``).
 
     Attributes:
-      name: the function that built it (``"ntk_fn"``, ``"ntk_flax.kernel_fn"``, ...).
-      kind: ``"ntk"``, ``"ntk_per_leaf"`` or ``"nngp"``.
-      options: the validated options (``trace_axes``, ``diagonal_axes``,
-        ``vmap_axes``, ``implementation``, ``precision``, ``batch_size``, ...).
+      name: the builder (``"ntk_fn"``, ``"ntk_flax.kernel_fn"``, ...); kind: ``"ntk"``,
+      ``"ntk_per_leaf"`` or ``"nngp"``; options: the validated options.
 
     Raises:
-      the errors of the function that built it (see its docstring), from calls and
-      from ``plan`` / ``implementation_for``.
+      the errors of the function that built it.
 
     Example:
       >>> import jax.numpy as jnp
@@ -57,9 +43,7 @@ class KernelFunction:
     """
 
     def __init__(self, engine, bind: Callable, signature: inspect.Signature):
-        """``bind(first, x1, keywords) -> (params, aux)`` turns the caller's arguments
-        into the core's (raising TypeError for unknown keywords); ``signature`` is what
-        ``inspect.signature`` shows."""
+        """``bind(first, x1, keywords) -> (params, aux)``; ``signature``: what it shows."""
         self._engine = engine
         self._bind = bind
         self.__signature__ = signature
@@ -82,20 +66,19 @@ class KernelFunction:
         return self._engine(params, x1, x2, aux)
 
     def plan(self, *args, **kwargs):
-        """What a call with these arguments does; see the class docstring."""
+        """What a call with these arguments does (a ``Plan``)."""
         first, x1, x2, keywords = self._arguments(args, kwargs, ".plan")
         params, aux = self._bind(first, x1, keywords)
         return self._engine.plan(params, x1, x2, aux)
 
     def implementation_for(self, *args, **kwargs) -> str:
-        """The implementation a call with these arguments uses; see the class docstring."""
+        """The implementation a call with these arguments uses."""
         first, x1, x2, keywords = self._arguments(args, kwargs, ".implementation_for")
         params, aux = self._bind(first, x1, keywords)
         return self._engine.implementation_for(params, x1, x2, aux)
 
     def _arguments(self, args: tuple, kwargs: dict, method: str):
-        """``(first, x1, x2, other keywords)`` from a call's arguments, given by position
-        or by name (``params=``, ``x1=``, ...), as the signature says."""
+        """``(first, x1, x2, other keywords)`` from a call, by position or name."""
         names = list(self.__signature__.parameters)[:3]  # e.g. params, x1, x2
         where = f"{self.name}(...){method}(...)"
         expected = f"(expected positional arguments {', '.join(names)})"
@@ -111,25 +94,16 @@ class KernelFunction:
                 values[name] = kwargs.pop(name)
         for name in names[:2]:
             if name not in values:
-                other = (
-                    f"; got the keyword argument(s) {', '.join(map(repr, sorted(kwargs)))}"
-                    if kwargs
-                    else ""
-                )
+                unknown = ", ".join(map(repr, sorted(kwargs)))
+                other = f"; got the keyword argument(s) {unknown}" if kwargs else ""
                 message = f"{where}: missing a required argument: {name!r}{other} {expected}. {fix}"
                 raise TypeError(message)
         return values[names[0]], values[names[1]], values.get(names[2]), kwargs
 
     def __repr__(self) -> str:
         o = self.options
-        extra = "".join(
-            f", {name}={getattr(o, name)!r}"
-            for name in ("out", "resume", "overwrite", "devices")
-            if getattr(o, name) not in (None, False)
-        )
-        return (
-            f"KernelFunction({self.name}, kind={self.kind!r}, "
-            f"implementation={o.implementation!r}, trace_axes={o.trace_axes!r}, "
-            f"diagonal_axes={o.diagonal_axes!r}, vmap_axes={o.vmap_axes!r}, "
-            f"batch_size={o.batch_size!r}{extra})"
-        )
+        names = ["implementation", "trace_axes", "diagonal_axes", "vmap_axes", "batch_size"]
+        extra = ("out", "resume", "overwrite", "devices")
+        names += [n for n in extra if getattr(o, n) not in (None, False)]
+        fields = "".join(f", {n}={getattr(o, n)!r}" for n in names)
+        return f"KernelFunction({self.name}, kind={self.kind!r}{fields})"

@@ -1,14 +1,6 @@
-"""Output layout of kernels (neural-tangents 0.6 conventions) as einsum specifications.
-
-For an output leaf of shape ``(N, O_1, ..., O_k)`` each axis ``a`` of the output is
-
-* traced: contracted between the two operands, then divided by its size (absent);
-* diagonal: shared by the two operands and kept once;
-* free: kept twice, the x1 axis immediately followed by the x2 axis ("zipped").
-
-Axes of the result follow the order of the output axes. ``(N, 10)`` outputs give
-``(N1, N2)`` with ``trace_axes=(-1,)``, ``(N1, N2, 10, 10)`` with ``trace_axes=()`` and
-``(N1, N2, 10)`` with ``trace_axes=(), diagonal_axes=(-1,)``.
+"""Output layout of kernels (neural-tangents 0.6) as einsum specifications: per output
+axis, traced (contracted, divided by its size), diagonal (kept once) or free (kept twice,
+x1's then x2's), in the output's axis order; see :func:`ntk_core.ntk_fn`.
 """
 
 from __future__ import annotations
@@ -36,11 +28,8 @@ class LeafLayout:
     diag: Axes
 
     def specs(self, n_contracted: int = 0) -> tuple[str, str, str]:
-        """Einsum subscripts ``(lhs, rhs, out)`` for two per-sample operands.
-
-        ``lhs`` indexes an array of shape ``(N1, O_1, ..., O_k, *C)`` and ``rhs`` one of
-        shape ``(N2, O_1, ..., O_k, *C)`` where the ``n_contracted`` trailing axes ``C``
-        (e.g. flattened parameters) are summed over.
+        """Einsum ``(lhs, rhs, out)`` for operands ``(N1, O..., *C)`` and ``(N2, O..., *C)``, the
+        ``n_contracted`` trailing axes C summed.
         """
         letters = iter(_LETTERS)
         lhs, rhs, out = [], [], []
@@ -79,11 +68,8 @@ class LeafLayout:
 
 
 def resolve_layout(fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, where: str):
-    """Normalises the axes for one output leaf of shape ``shape`` (batch axis first).
-
-    Raises:
-      ValueError: an axis out of range, an axis named twice, traced and diagonal at once,
-        or the batch axis 0 traced.
+    """The axes normalised for one output leaf of ``shape``; ValueError for an axis out of
+    range, named twice, traced and diagonal, or the batch axis traced.
     """
     ndim, shape = len(shape), tuple(shape)
     of = f"{where} of shape {shape}"

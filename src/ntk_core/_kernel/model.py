@@ -1,8 +1,4 @@
-"""Helpers around the pure ``apply3(params, x, aux)`` that every implementation uses.
-
-``aux`` is a pytree passed through untouched and never differentiated (the adapters
-carry Flax's non-``params`` collections and Haiku's state and rng in it).
-"""
+"""Helpers around the pure ``apply3(params, x, aux)``; ``aux`` is never differentiated."""
 
 from __future__ import annotations
 
@@ -15,23 +11,16 @@ from ntk_core._jax import caches as _caches
 
 
 def one_sample(x):
-    """The abstract shapes of one sample of the batch ``x`` (axis 0 dropped): what
-    :func:`per_sample_jaxpr` is traced on."""
+    """The abstract shapes of one sample of ``x`` (axis 0 dropped)."""
     return jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), x)
 
 
 class NotPerSample(ValueError):
-    """The model, given a batch of one sample, returned an output without that batch
-    axis (a 0-d output, or a leading axis other than 1): ``x.squeeze()``, a mean over
-    the batch, a fixed batch size. Raised while tracing :func:`per_sample`."""
+    """The model dropped the batch axis of a batch of one (squeeze, batch mean, fixed N)."""
 
 
 def per_sample(apply3):
-    """``apply3`` on one sample: adds batch axis 0 to the inputs, removes it from outputs.
-
-    Raises :class:`NotPerSample` (when traced) for an output that has no batch axis of
-    size 1 on the batch of one sample, rather than indexing whatever axis is first.
-    """
+    """``apply3`` on one sample (batch axis added, then removed); may raise NotPerSample."""
 
     def single(params, x_i, aux):
         x_b = jax.tree.map(lambda leaf: jnp.expand_dims(leaf, 0), x_i)
@@ -39,8 +28,8 @@ def per_sample(apply3):
         for leaf in jax.tree.leaves(out):
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] != 1:
                 shape = tuple(np.shape(leaf))
-                message = f"on a batch of one sample the model returned an output of shape {shape}"
-                raise NotPerSample(f"{message}, not (1, ...)")
+                what = f"on a batch of one sample the model returned an output of shape {shape}"
+                raise NotPerSample(f"{what}, not (1, ...)")
         return jax.tree.map(lambda leaf: leaf[0], out)
 
     return single
@@ -48,10 +37,7 @@ def per_sample(apply3):
 
 @_caches.lru_cache(maxsize=64)
 def from_apply_fn(apply_fn):
-    """Wraps a public ``apply_fn(params, x)`` as ``apply3(params, x, aux)``.
-
-    Cached, so kernel functions of the same ``apply_fn`` share compiled Jacobians.
-    """
+    """``apply_fn(params, x)`` as ``apply3(params, x, aux)``, cached per ``apply_fn``."""
 
     def apply3(params, x, aux):
         del aux
@@ -74,24 +60,14 @@ def _abstract(leaf):
 
 
 def per_sample_jaxpr(apply3, params, x_one, aux, *, precision: str):
-    """``jax.make_jaxpr(per_sample(apply3))(params, x_one, aux)`` under
-    ``jax.default_matmul_precision(precision)``, traced once per model, per-sample
-    signature (tree structures, shapes, dtypes as traced) and precision: validation,
-    the structured analysis and features, the cost model, the chunk size, and the
-    Jacobian, NNGP and NTK-vector-product phases (:func:`replay`) all read this one
-    jaxpr, so the model is traced once for all of them. The precision is part of the
-    jaxpr (JAX writes the default matmul precision into each dot and convolution when
-    it traces them; an equation traced without it lowers at the backend's default,
-    TF32 on recent NVIDIA GPUs).
-
-    Raises the model's own error, or :class:`NotPerSample`.
+    """The jaxpr of ``per_sample(apply3)`` under ``precision`` (written into each dot),
+    traced once per model, per-sample signature and precision, read by every phase.
     """
     return per_sample_trace(apply3, params, x_one, aux, precision=precision)[0]
 
 
 def per_sample_trace(apply3, params, x_one, aux, *, precision: str):
-    """``(closed jaxpr, output shapes)`` of :func:`per_sample_jaxpr` (the outputs as a
-    pytree of ``jax.ShapeDtypeStruct``, one sample's)."""
+    """``(closed jaxpr, one sample's output shapes)`` of :func:`per_sample_jaxpr`, cached."""
     leaves, treedef = jax.tree.flatten((params, x_one, aux))
     key = (apply3, precision, treedef, tuple(_abstract(v) for v in leaves))
     found = _JAXPRS.pop(key, None)
@@ -105,10 +81,7 @@ def per_sample_trace(apply3, params, x_one, aux, *, precision: str):
 
 
 def replay(apply3, precision: str):
-    """``per_sample(apply3)`` evaluated from its one cached jaxpr
-    (:func:`per_sample_trace`): tracing the returned function (in a jitted phase, under
-    ``jax.vmap`` and derivatives) replays the jaxpr's equations and does not call the
-    model again, unless its signature is new. Same equations, same results."""
+    """``per_sample(apply3)`` evaluated from its cached jaxpr, without calling the model."""
 
     def single(params, x_i, aux):
         closed, out = per_sample_trace(apply3, params, x_i, aux, precision=precision)

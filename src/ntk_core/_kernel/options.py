@@ -1,93 +1,62 @@
-"""Validation of the keyword options shared by every kernel entry point.
-
-Shared argument descriptions (referred to by every public docstring):
+"""The keyword options shared by every kernel entry point (referred to by every public
+docstring); :class:`KernelOptions` holds their defaults, :func:`make_options` validates them.
 
 trace_axes:
-    Output axes to trace over: for each traced axis the kernel sums the products of
-    the two outputs along it and divides by its size (an average, as
-    neural-tangents does), and the axis is absent from the result. An int or a
-    sequence of ints, negative values counted from the end of each output leaf.
-    The batch axis 0 cannot be traced. Default ``(-1,)``.
+    Output axes (int or ints, negative from the end; not the batch axis 0) summed over
+    and divided by their size (an average, as neural-tangents), absent from the result.
+    Default ``(-1,)``.
 diagonal_axes:
-    Output axes on which only the diagonal is computed: the axis appears once in
-    the result. May name the batch axis 0, which gives the per-sample diagonal
-    K(x1_i, x2_i) at O(N) cost (x1 and x2 must then have the same N). Must not
-    overlap ``trace_axes``. Default ``()``.
+    Output axes of which only the diagonal is computed, once in the result; the batch
+    axis 0 gives K(x1_i, x2_i) at O(N) cost (N1 == N2). Disjoint from ``trace_axes``.
+    Default ``()``.
 vmap_axes:
-    ``0`` (default): samples are independent, so per-sample derivatives are computed
-    with ``jax.vmap`` over axis 0 of every input leaf (the model is called on
-    batches of one sample, batch axis kept). ``None``: the model is called on the
-    whole batch; required for models whose samples interact (BatchNorm in
-    training mode).
+    ``0`` (default): independent samples, per-sample derivatives by ``jax.vmap`` over axis
+    0 of every input leaf (the model sees batches of one). ``None``: the model sees the
+    whole batch; required when samples interact (BatchNorm in training mode).
 implementation:
-    ``"auto"`` (default), ``"jacobian"`` (Jacobian contraction), ``"ntvp"``
-    (NTK-vector products) or ``"structured"`` (structured derivatives: Gram identities
-    for weights used in matrix products, convolutions and embedding lookups and their
-    biases, explicit Jacobians for the other leaves; with
-    ``vmap_axes=None`` it computes the Jacobian contraction). See
-    :data:`IMPLEMENTATIONS`.
+    ``"auto"`` (default: the cheapest by the cost model), ``"jacobian"`` (Jacobian
+    contraction), ``"ntvp"`` (NTK-vector products) or ``"structured"`` (Gram identities
+    for matrix products, convolutions, embeddings and their biases, Jacobians for the
+    other leaves; the Jacobian contraction with ``vmap_axes=None``). :data:`IMPLEMENTATIONS`.
 precision:
-    ``"highest"`` (default), ``"high"`` or ``"default"``: the matmul precision used
-    for every matmul of the kernel computation, the model's own included.
-    Anything below ``"highest"`` lets GPUs and TPUs use TF32 or bf16 passes.
+    ``"highest"`` (default), ``"high"`` or ``"default"``: the precision of every matmul,
+    the model's included; below ``"highest"`` GPUs and TPUs may use TF32 or bf16.
 batch_size:
-    ``None`` (default): the kernel is computed in one call and returned on the device
-    (a ``jax.Array``). A positive int B: the Gram matrix is computed in tiles of B x B
-    samples (B samples on the batch diagonal) by the blocked engine
-    (:mod:`ntk_core._blocked.tiles`): any N1, N2 and B work (the last tile is ragged),
-    per-sample features are computed once per block of B samples and reused for every
-    tile, and with ``x2=None`` only tiles on and above the diagonal are computed and
-    mirrored, so the result is exactly symmetric. ``"auto"``: B is the largest size
-    whose working memory fits ``memory_budget``, capped at ``max(N1, N2)`` (see
-    :func:`ntk_core._blocked.tiles.auto_batch_size` for the rule). Batched results equal the
-    unbatched ones to float round-off (1e-5 · max|K| in float32). With
-    ``vmap_axes=None`` each block is differentiated as its own batch.
+    ``None`` (default): one call, a ``jax.Array`` on the device. An int B: B x B tiles by
+    the blocked engine (:mod:`ntk_core._blocked.tiles`), any N1, N2 (the last tile ragged),
+    features once per block, with ``x2=None`` only tiles on and above the diagonal
+    (exactly symmetric); equal to the unbatched result to 1e-5·max|K| in float32.
+    ``"auto"``: the largest B whose working memory fits ``memory_budget``, at most
+    ``max(N1, N2)``. With ``vmap_axes=None`` each block is its own batch.
 store_on_device:
-    Only when batched. ``False`` (default): the result is assembled in host memory, a
-    ``numpy.ndarray`` (the device holds only the blocks in use). ``True``: it is
-    assembled on the device, a ``jax.Array``.
+    Batched only. ``False`` (default): assembled in host memory (``numpy.ndarray``);
+    ``True``: on the device (``jax.Array``).
 progress:
-    Only when batched. A tqdm progress bar over tiles (tiles done, rate, time left) on
-    stderr. ``None`` (default): shown only when stderr is a terminal
-    (``sys.stderr.isatty()``), the environment variable ``CI`` is unset or false-ish
-    (``""``, ``0``, ``false``, ``no``, ``off``; CI services set ``CI=true``) and ``TERM``
-    is not ``dumb``; so never in pipes, log files or CI logs. ``True`` /
-    ``False``: always / never (see :func:`ntk_core._blocked.progress.show_progress`).
+    Batched only. A tqdm bar over tiles on stderr. ``None`` (default): when stderr is a
+    terminal, ``CI`` is unset or false-ish (``""``, ``0``, ``false``, ``no``, ``off``) and
+    ``TERM`` is not ``dumb``; ``True`` / ``False``: always / never.
 memory_budget:
-    Bytes of device memory the blocked engine may use for features, tiles and, with
-    ``store_on_device=True``, the output: it sizes ``batch_size="auto"`` and decides
-    how many blocks of features are kept for reuse. With ``vmap_axes=None`` (batched or
-    not) it also bounds the whole-batch reverse passes of the Jacobian contraction:
-    they run as many output cotangents at a time as fit, and a batch whose forward and
-    one reverse pass alone exceed it is refused before anything runs. ``None`` (default):
-    half of the device allocator's limit where JAX reports one
-    (``device.memory_stats()["bytes_limit"]``, GPUs), else
-    :data:`DEFAULT_MEMORY_BUDGET` (1 GiB).
+    Bytes of device memory for the blocked engine's features, tiles and (with
+    ``store_on_device``) output: sizes ``batch_size="auto"`` and the blocks kept. With
+    ``vmap_axes=None`` it also bounds the reverse passes of the Jacobian contraction (as
+    many output cotangents at a time as fit; a batch whose forward and one reverse pass
+    exceed it is refused). ``None`` (default): half the allocator's ``bytes_limit`` where
+    reported (GPUs), else :data:`DEFAULT_MEMORY_BUDGET` (1 GiB).
 out:
-    Only with a ``batch_size``. ``None`` (default): the result is returned in memory.
-    A path ending in ``.npy``: the Gram matrix is written tile by tile into that
-    standard ``.npy`` file, created at its final shape (host memory holds the tiles in
-    flight, not N1 x N2), with a manifest beside it (``<path>.manifest.json``: what the
-    file holds, which tiles are done); the call returns the file read-only and
-    memory-mapped (``np.load(path, mmap_mode="r")``), which :mod:`ntk_core.predict`
-    takes. A finished file of the same call is returned without computing anything.
-    See :mod:`ntk_core._blocked.store`.
+    With a ``batch_size``. A path ending in ``.npy``: the Gram matrix written tile by tile
+    into that file (host memory holds tiles in flight), with ``<path>.manifest.json``
+    beside it; returned read-only memory-mapped, as :mod:`ntk_core.predict` takes. A
+    finished file of the same call is returned as is (:mod:`ntk_core._blocked.store`).
 resume:
-    Only with ``out``. ``True``: an interrupted run's file (killed at any moment) is
-    finished: only the tiles its manifest does not list are computed, and the file
-    equals an uninterrupted run's bit for bit; inputs, parameters or options that
-    differ from the interrupted run's are refused, naming what differs. Default
-    ``False``.
+    With ``out``. ``True``: finish an interrupted run's file (only missing tiles; equal bit
+    for bit to an uninterrupted run); differing inputs or options are refused.
 overwrite:
-    Only with ``out``. ``True``: an existing file is replaced. Default ``False``: an
-    existing file that is not the finished result of the same call is refused.
+    With ``out``. ``True``: replace an existing file; ``False`` (default) refuses one that
+    is not the finished result of the same call.
 devices:
-    Only when batched. The devices that compute tiles: ``None`` (default) all local
-    devices of the default backend (``jax.local_devices()``; one device with
-    ``store_on_device=True``), or a list of ``jax.Device``. The tiles of row block i run
-    on device i mod D, each device computing whole tiles (the features of a column
-    block are computed once, on device j mod D, and copied to the others that need
-    them); results equal the single-device ones.
+    Batched only. ``None`` (default): all local devices (one with ``store_on_device``), or
+    a list of ``jax.Device``; row block i runs on device i mod D; results equal one
+    device's.
 """
 
 from __future__ import annotations
@@ -108,46 +77,25 @@ IMPLEMENTATIONS = (AUTO, *REGISTRY)
 AUTO_BATCH_SIZE = "auto"
 #: neural-tangents' ``NtkImplementation`` values and their names here (refused with the
 #: name to use, so that ported code says what it computes).
-NT_IMPLEMENTATIONS = {
-    0: ("AUTO", "auto"),
-    1: ("JACOBIAN_CONTRACTION", "jacobian"),
-    2: ("NTK_VECTOR_PRODUCTS", "ntvp"),
-    3: ("STRUCTURED_DERIVATIVES", "structured"),
-}
+_NT_NAMES = ("AUTO", "JACOBIAN_CONTRACTION", "NTK_VECTOR_PRODUCTS", "STRUCTURED_DERIVATIVES")
+NT_IMPLEMENTATIONS = dict(
+    enumerate(zip(_NT_NAMES, ("auto", "jacobian", "ntvp", "structured"), strict=True))
+)
 #: Valid values of ``precision``.
 PRECISIONS = ("highest", "high", "default")
-#: Keyword options of the NTK entry points, and of the NNGP ones.
-#: Options of the blocked engine, shared by every entry point.
-BLOCK_OPTION_NAMES = (
-    "batch_size",
-    "store_on_device",
-    "progress",
-    "memory_budget",
-    "out",
-    "resume",
-    "overwrite",
-    "devices",
-)
-NTK_OPTION_NAMES = (
-    "trace_axes",
-    "diagonal_axes",
-    "vmap_axes",
-    "implementation",
-    "precision",
-) + BLOCK_OPTION_NAMES
-NNGP_OPTION_NAMES = ("trace_axes", "diagonal_axes", "vmap_axes", "precision") + BLOCK_OPTION_NAMES
+#: The blocked engine's options, and the NTK and NNGP entry points' keyword options.
+BLOCK_OPTION_NAMES = ("batch_size", "store_on_device", "progress", "memory_budget", "out")
+BLOCK_OPTION_NAMES += ("resume", "overwrite", "devices")
+KERNEL_OPTION_NAMES = ("trace_axes", "diagonal_axes", "vmap_axes", "implementation", "precision")
+NTK_OPTION_NAMES = KERNEL_OPTION_NAMES + BLOCK_OPTION_NAMES
+NNGP_OPTION_NAMES = tuple(n for n in NTK_OPTION_NAMES if n != "implementation")
 #: Bytes the blocked engine may use when the device reports no memory limit (CPU).
 DEFAULT_MEMORY_BUDGET = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
-    """Validated, hashable options of one kernel function, with their defaults: the one
-    place the defaults are written (public signatures read them from :data:`DEFAULTS`).
-
-    The first five say what is computed (the kernel options), the rest how (the blocked
-    engine's execution options); :func:`make_options` validates both.
-    """
+    """Validated, hashable options of one kernel function; the one place of the defaults."""
 
     trace_axes: Axes = (-1,)
     diagonal_axes: Axes = ()
@@ -241,25 +189,12 @@ def make_options(
         memory_budget = int(memory_budget)
     out = _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device)
     devices = _devices_option(fn_name, devices, store_on_device, batch_size)
-    return KernelOptions(
-        trace,
-        diag,
-        vmap_axes,
-        implementation,
-        precision,
-        batch_size,
-        store_on_device,
-        progress,
-        memory_budget,
-        out,
-        resume,
-        overwrite,
-        devices,
-    )
+    kernel = (trace, diag, vmap_axes, implementation, precision)
+    block = (batch_size, store_on_device, progress, memory_budget, out, resume, overwrite)
+    return KernelOptions(*kernel, *block, devices)
 
 
 def _devices_option(fn_name, devices, store_on_device, batch_size) -> tuple | None:
-    """Validates ``devices`` (see the module docstring); returns a tuple or None."""
     if devices is None:
         return None
     if batch_size is None:
@@ -281,8 +216,7 @@ def _devices_option(fn_name, devices, store_on_device, batch_size) -> tuple | No
 
 
 def _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device) -> str | None:
-    """Validates ``out``, ``resume`` and ``overwrite`` (see the module docstring);
-    returns the path as a string."""
+    """Validates ``out``, ``resume`` and ``overwrite``; returns the path as a string."""
     _flag(fn_name, "resume", resume)
     _flag(fn_name, "overwrite", overwrite)
     if out is None:
@@ -310,7 +244,6 @@ def _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device) -
 
 
 def _block_options(fn_name, batch_size, store_on_device, progress, memory_budget) -> None:
-    """Validates the options of the blocked engine (see the module docstring)."""
     expect, fix = "batch_size must be None, a positive int or 'auto'", "pass e.g. batch_size=256"
     if isinstance(batch_size, str):
         if batch_size != AUTO_BATCH_SIZE:

@@ -1,12 +1,6 @@
-"""Planning: which implementation computes a call, and what it will cost.
-
-The second part of a kernel call (docs/architecture.md). From the checked inputs
-(:class:`~ntk_core._kernel.pipeline.Checked`) it decides the implementation (``"auto"``: the
-cheapest by the analytic cost model of :mod:`ntk_core._impl.cost`, on the structured
-analysis of :mod:`ntk_core._structured.analysis`), the per-leaf modes of structured
-derivatives, and with ``vmap_axes=None`` the whole-batch memory model (refusing, before
-anything runs, a batch whose reverse pass cannot fit ``memory_budget``). The result is
-a :class:`~ntk_core._kernel.pipeline.Config`. :func:`describe` is what ``plan()`` returns.
+"""Planning: the implementation of a call (``"auto"``: the cheapest by
+:mod:`ntk_core._impl.cost`), the structured per-leaf modes, the whole-batch memory model;
+returns a ``Config``. :func:`describe` is what ``plan()`` returns.
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ from ntk_core._impl.phases import triangle_blocks
 from ntk_core._impl.registry import AUTO, NNGP, PHASES, REGISTRY
 from ntk_core._kernel.model import one_sample, per_sample, per_sample_jaxpr
 from ntk_core._kernel.options import AUTO_BATCH_SIZE
-from ntk_core._kernel.pipeline import Checked, Config, Implementation, Spec
+from ntk_core._kernel.pipeline import Checked, Config, Spec
 from ntk_core._kernel.validate import sample_signature, signature
 from ntk_core._units import human_bytes
 
@@ -43,9 +37,7 @@ def pair_sizes(shapes1, layouts) -> list[int]:
 
 
 def kernel_sizes(shapes1, layouts) -> list[int]:
-    """Kernel values stored per pair of samples, per output leaf
-    (:meth:`~ntk_core._kernel.layout.LeafLayout.values_per_pair`; :func:`pair_sizes` counts
-    the traced axes' work too)."""
+    """Kernel values stored per pair of samples, per output leaf."""
     return [layout.values_per_pair(s.shape) for s, layout in zip(shapes1, layouts, strict=True)]
 
 
@@ -63,9 +55,7 @@ def structured_modes(analysis, shapes1, layouts) -> tuple[str, ...]:
 
 
 def analysis(spec: Spec, analyses: dict, params, x1, aux):
-    """The structured analysis of ``spec``'s model (``analysis_for`` of
-    :mod:`ntk_core._structured.analysis`, on the one per-sample jaxpr), cached in
-    ``analyses`` per per-sample signature."""
+    """The structured analysis of ``spec``'s model, cached per per-sample signature."""
     key = (signature(params), sample_signature(x1), signature(aux))  # not N
     found = analyses.get(key)
     if found is None:
@@ -78,12 +68,8 @@ def analysis(spec: Spec, analyses: dict, params, x1, aux):
 
 
 def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux) -> Config:
-    """The :class:`~ntk_core._kernel.pipeline.Config` of a checked call.
-
-    Raises:
-      ValueError: ``implementation="ntvp"`` for a model that cannot run inside its
-        nested transformations; with ``vmap_axes=None``, a batch whose forward pass
-        and one reverse pass exceed ``memory_budget`` (:func:`whole_batch`).
+    """The ``Config`` of a checked call; ValueError for ``"ntvp"`` on a model that fails
+    inside its transformations, or a whole batch over ``memory_budget`` (:func:`whole_batch`).
     """
     opts = spec.options
     shapes1, layouts = checked.shapes1, checked.layouts
@@ -135,19 +121,17 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
 def model_failure(
     implementation: str, spec: Spec, checked: Checked, params, x1, x2, aux
 ) -> Exception | None:
-    """The error the model raises inside ``implementation``'s transformations, traced
-    on one sample (nothing runs; ``Impl.model_failure``), or None: models that apply
-    their own transformations (``flax.nnx.scan``) can fail inside NTK-vector
-    products' nesting alone."""
+    """The error the model raises inside ``implementation``'s transformations (traced on
+    one sample), or None.
+    """
     check = REGISTRY[implementation].model_failure
     return None if check is None else check(spec, checked, params, x1, x2, aux)
 
 
 def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
-    """The :class:`_cost.WholeBatch` of ``vmap_axes=None`` (from the abstract trace
-    of x1's batch, scaled to the larger of x1's and x2's, or to one block of
-    ``batch_size``); refuses, before anything runs, a batch whose forward pass and
-    one output cotangent's reverse pass alone exceed ``memory_budget``."""
+    """The ``WholeBatch`` of ``vmap_axes=None``; refuses a batch whose forward pass and one
+    reverse pass exceed ``memory_budget``.
+    """
     opts = spec.options
     n1, n2, symmetric = checked.n1, checked.n2, checked.symmetric
     shapes1, layouts = checked.shapes1, checked.layouts
@@ -206,20 +190,8 @@ def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, who
     return found
 
 
-def describe(
-    spec: Spec,
-    checked: Checked,
-    config: Config,
-    implementation: Implementation,
-    analyses: dict,
-    params,
-    x1,
-    x2,
-    aux,
-) -> _cost.Plan:
-    """What a call does (``plan()``): the implementation, every implementation's
-    estimates, the method of each parameter leaf, the blocked engine's tiles and the
-    whole-batch chunks."""
+def describe(spec, checked, config, implementation, analyses, params, x1, x2, aux) -> _cost.Plan:
+    """What a call does, as ``plan()`` returns it."""
     if config.kind == "nngp":
         what = "plan() describes NTK computations, not an NNGP"
         raise bad(ValueError, spec.fn_name, what, "call plan on the NTK kernel function")

@@ -1,11 +1,6 @@
-"""The per-sample independence probe behind ``vmap_axes=0``.
-
-``vmap_axes=0`` differentiates the model one sample at a time; that is the Jacobian of
-the batched model only if each sample's output ignores the other samples. The probe
-runs the model on two batches of three samples that share the first sample and differ
-in the others (same shapes, so random keys give the same masks), and compares the
-first sample's outputs. It catches BatchNorm in training mode, batch means or softmax
-over the batch, at the cost of two small forward passes once per input signature.
+"""The per-sample independence probe behind ``vmap_axes=0``: the model on two batches
+sharing their first sample; that sample's outputs must agree (catches BatchNorm in
+training mode, batch means). Two small forward passes per input signature.
 """
 
 from __future__ import annotations
@@ -19,9 +14,7 @@ from ntk_core._kernel import checks as _checks
 
 
 def _head(leaf, k: int) -> np.ndarray:
-    """The first ``k`` samples of a concrete array, on the host: numpy indexing (free
-    for numpy inputs and CPU arrays; one small copy from an accelerator), not eager
-    JAX slicing, which compiles a program per shape."""
+    """The first ``k`` samples, indexed on the host (no per-shape compilation)."""
     if (
         isinstance(leaf, jax.Array)
         and not isinstance(leaf, jax.core.Tracer)  # np.asarray refuses it: no probe
@@ -40,13 +33,9 @@ def _floating(sample) -> bool:
 
 
 def _batches(x1, x2):
-    """Two batches that share their first sample and differ in the others, or None.
-
-    Three samples per batch: with two, a standardisation over the batch (BatchNorm in
-    training mode) gives the first sample ±1 whatever the other is, and goes unseen.
-    Floating inputs: ``(s0, s1, s2)`` against ``(s0, t(s1), t(s2))`` with an affine
-    ``t`` (transformed copies of s0 stand in for missing samples); other inputs
-    (integer tokens) need three or, better, four samples.
+    """Two batches of three samples sharing the first (two would hide a batch
+    standardisation), the others transformed affinely (or other samples for integer
+    inputs); None when too few samples.
     """
     x1 = jax.tree.map(lambda leaf: _head(leaf, 4), x1)
     n1 = jax.tree.leaves(x1)[0].shape[0]
@@ -77,11 +66,7 @@ def _batches(x1, x2):
 def samples_interact(
     apply3, params, x1, x2, aux, rtol: float = 1e-4, fn_name: str = "ntk_core"
 ) -> bool:
-    """True when sample 0's output changes with the other samples of its batch.
-
-    Returns False when the inputs are abstract (under an outer ``jax.jit``) or too few
-    samples are given to form two batches (see :func:`_batches`).
-    """
+    """Whether sample 0's output changes with its batch; False when abstract or too few."""
     try:
         batches = _batches(x1, x2)
         if batches is None:

@@ -1,12 +1,5 @@
-"""Validation: one call's inputs checked, before anything is compiled.
-
-The first part of a kernel call (docs/architecture.md): the arguments' types, sizes,
-structures and dtypes; one abstract trace of the model for its outputs and the
-precision checks (:mod:`ntk_core._kernel.checks`, :mod:`ntk_core._jax.environment`); the output
-layouts (:mod:`ntk_core._kernel.layout`); and, with ``vmap_axes=0``, the per-sample
-independence probe (:mod:`ntk_core._kernel.probe`). With ``vmap_axes=0`` the outcome depends
-on the per-sample signature only, so a new N reuses it. Every error names the public
-function, what it got and the fix.
+"""Validation, before anything is compiled: arguments, one abstract trace of one sample,
+output layouts and, with ``vmap_axes=0``, the independence probe (reused for a new N).
 """
 
 from __future__ import annotations
@@ -27,9 +20,7 @@ from ntk_core._kernel.pipeline import Checked, Spec
 
 
 def caller_of(spec: Spec) -> Caller:
-    """The public function whose messages ``spec`` raises: ``spec.caller``, made where
-    that function is defined (a Spec built without one is a core kernel function of
-    ``(params, x1, x2)``)."""
+    """The public function ``spec`` names in messages (a core one by default)."""
     return spec.caller if spec.caller is not None else core(spec.fn_name)
 
 
@@ -47,8 +38,7 @@ def describe(tree) -> str:
 
 
 def batch_size(caller: Caller, name: str, x) -> int:
-    """The number of samples of ``x`` (axis 0 of every leaf), or a ValueError naming
-    ``caller``, with its argument order."""
+    """The number of samples of ``x``, or a ValueError with the caller's argument order."""
     fn_name, hint = caller.name, _checks.order_hint(caller)
     leaves = jax.tree.leaves(x)
     if not leaves:
@@ -68,23 +58,10 @@ def batch_size(caller: Caller, name: str, x) -> int:
 
 
 def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
-    """The checked inputs of one call of ``spec``, or a ValueError / TypeError that
-    names ``spec.fn_name``, what it got and the fix (the bad-input table of
-    ``tests/core/test_bad_input.py``).
-
-    Args:
-      spec: the kernel function.
-      samples: the per-sample signatures already validated (``vmap_axes=0``), read and
-        updated: a new N of a known per-sample signature is checked without tracing
-        or probing the model again.
-      params, x1, x2, aux: the call's arguments (x2 None: x1's Gram matrix).
-
-    Returns:
-      a :class:`~ntk_core._kernel.pipeline.Checked`.
-
-    Cost: with a new (per-sample) signature, one abstract trace of the model on x1
-    (``jax.make_jaxpr``, nothing runs) and the independence probe's two forward
-    passes on three samples (:mod:`ntk_core._kernel.probe`); otherwise O(number of leaves).
+    """The ``Checked`` inputs of one call of ``spec``, or a ValueError / TypeError (the rows
+    of ``tests/core/test_bad_input.py``). ``samples``: the per-sample signatures already
+    validated, updated. Cost: for a new signature one abstract trace and the probe's two
+    forward passes on three samples; otherwise O(leaves).
     """
     fn = spec.fn_name
     caller = caller_of(spec)
@@ -106,9 +83,8 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
             raise bad(ValueError, fn, what, "give x2 the structure of x1")
         for a, b in zip(jax.tree.leaves(x1), jax.tree.leaves(x2), strict=True):
             if np.shape(a)[1:] != np.shape(b)[1:]:
-                what = (
-                    f"x1 and x2 differ in their non-batch shapes: {describe(x1)} vs {describe(x2)}"
-                )
+                shapes = f"{describe(x1)} vs {describe(x2)}"
+                what = f"x1 and x2 differ in their non-batch shapes: {shapes}"
                 raise bad(ValueError, fn, what, "give x2 the per-sample shape of x1")
             ta, tb = jnp.result_type(a), jnp.result_type(b)
             if jnp.issubdtype(ta, jnp.inexact) != jnp.issubdtype(tb, jnp.inexact):
@@ -116,10 +92,8 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
                 raise bad(TypeError, fn, what, "give x2 the dtype of x1")
     if spec.check is not None:
         spec.check(params, x1, x2, aux)
-    # One abstract trace of the model gives its outputs and the jaxpr the precision
-    # checks read. With vmap_axes=0 it is the trace of one sample that the analysis, the
-    # cost model and every implementation's features replay (_model.per_sample_trace),
-    # and a new N of the same per-sample signature reuses its outputs and checks.
+    # One abstract trace (of one sample with vmap_axes=0, replayed by every later phase;
+    # reused for a new N) gives the outputs and the jaxpr the precision checks read.
     sample_key = None
     if opts.vmap_axes is not None:
         sample_key = (signature(params), sample_signature(x1), signature(aux))
@@ -193,24 +167,22 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
 
 
 def check_untraced(spec: Spec, params, x1, x2) -> None:
-    """The blocked engine writes tiles to a host array: refuses traced arguments."""
+    """The blocked engine writes tiles to the host: refuses traced arguments."""
     if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, x1, x2))):
-        what = (
-            f"batch_size={spec.options.batch_size!r} was used inside jax.jit (tiles go to the host)"
-        )
+        given = f"batch_size={spec.options.batch_size!r}"
+        what = f"{given} was used inside jax.jit (tiles go to the host)"
         fix = "call it outside jax.jit, or pass batch_size=None"
         raise bad(ValueError, spec.fn_name, what, fix)
 
 
 def check_blocks_independent(spec: Spec, checked: Checked, cut, params, x1, x2, aux) -> None:
-    """With ``vmap_axes=None``, blocks smaller than the batch differentiate each block
-    as its own batch: refuses a model whose samples interact (``cut``: the
-    :class:`~ntk_core._blocked.tiles.Tiling`)."""
+    """With ``vmap_axes=None``, refuses blocks smaller than the batch when samples
+    interact (``cut``: the ``Tiling``).
+    """
     if spec.options.vmap_axes is not None or max(cut.b1, cut.b2) >= max(checked.n1, checked.n2):
         return
     if _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn_name=spec.fn_name):
-        what = (
-            f"batch_size={spec.options.batch_size!r} with vmap_axes=None splits interacting samples"
-        )
+        given = f"batch_size={spec.options.batch_size!r}"
+        what = f"{given} with vmap_axes=None splits interacting samples"
         fix = "pass batch_size=None, or vmap_axes=0 with the model in evaluation mode"
         raise bad(ValueError, spec.fn_name, what, fix, see="samples-interact")
