@@ -151,13 +151,18 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
     return build_kernel(caller, kind, pure, options)
 
 
+def public(fn: Callable) -> Callable:
+    """``checked_arguments`` naming ``ntk_flax.<fn.__name__>``."""
+    return checked_arguments(f"ntk_flax.{fn.__name__}")(fn)
+
+
 def _cached(name: str, kind: str, model, method, apply_kwargs, options: dict):
     """The kernel function of ``ntk_flax.<name>``, built once per model, keywords, options."""
     key = (f"ntk_flax.{name}", model, method, apply_kwargs, options)
     return cached(key, lambda: make(caller(name), kind, model, options, method, apply_kwargs))
 
 
-@checked_arguments("ntk_flax.kernel_fn")
+@public
 def kernel_fn(
     model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
 ) -> Callable:
@@ -181,7 +186,7 @@ def kernel_fn(
     return make(caller("kernel_fn", built=True), "ntk", model, options, method, apply_kwargs)
 
 
-@checked_arguments("ntk_flax.nngp_fn")
+@public
 def nngp_fn(
     model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
 ) -> Callable:
@@ -201,7 +206,7 @@ def nngp_fn(
     return make(caller("nngp_fn", built=True), "nngp", model, options, method, apply_kwargs)
 
 
-@checked_arguments("ntk_flax.kernel")
+@public
 def kernel(
     model: nn.Module,
     variables,
@@ -236,7 +241,7 @@ def kernel(
     return fn(variables, x1, x2, rngs=rngs)
 
 
-@checked_arguments("ntk_flax.nngp")
+@public
 def nngp(
     model: nn.Module,
     variables,
@@ -265,7 +270,7 @@ def nngp(
     return fn(variables, x1, x2, rngs=rngs)
 
 
-@checked_arguments("ntk_flax.kernel_per_leaf_fn")
+@public
 def kernel_per_leaf_fn(
     model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
 ) -> Callable:
@@ -287,7 +292,7 @@ def kernel_per_leaf_fn(
     return make(built, "ntk_per_leaf", model, options, method, apply_kwargs)
 
 
-@checked_arguments("ntk_flax.kernel_per_leaf")
+@public
 def kernel_per_leaf(
     model: nn.Module,
     variables,
@@ -318,7 +323,7 @@ def kernel_per_leaf(
     return fn(variables, x1, x2, rngs=rngs)
 
 
-@checked_arguments("ntk_flax.plan")
+@public
 def plan(
     model: nn.Module,
     variables,

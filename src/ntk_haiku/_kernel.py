@@ -153,13 +153,18 @@ def check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call) -> Non
         raise bad(ValueError, fn_name, what, "drop rng=")
 
 
+def public(fn: Callable) -> Callable:
+    """``checked_arguments`` naming ``ntk_haiku.<fn.__name__>``."""
+    return checked_arguments(f"ntk_haiku.{fn.__name__}")(fn)
+
+
 def _cached(name: str, kind: str, transformed, apply_kwargs, options: dict):
     """The kernel function of ``ntk_haiku.<name>``, built once per model, keywords, options."""
     key = (f"ntk_haiku.{name}", transformed, apply_kwargs, options)
     return cached(key, lambda: make(caller(name), kind, transformed, options, apply_kwargs))
 
 
-@checked_arguments("ntk_haiku.kernel_fn")
+@public
 def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
     """:func:`kernel` built once: ``kernel(params, x1, x2=None, *, state=None, rng=None)``.
 
@@ -182,7 +187,7 @@ def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
     return make(caller("kernel_fn", built=True), "ntk", transformed, options, apply_kwargs)
 
 
-@checked_arguments("ntk_haiku.nngp_fn")
+@public
 def nngp_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
     """:func:`nngp` built once: ``kernel(params, x1, x2=None, *, state=None, rng=None)``.
 
@@ -200,7 +205,7 @@ def nngp_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
     return make(caller("nngp_fn", built=True), "nngp", transformed, options, apply_kwargs)
 
 
-@checked_arguments("ntk_haiku.kernel")
+@public
 def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
     """Empirical NTK Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p of a
     Haiku model, θ = ``params``; ``state`` and ``rng`` held fixed.
@@ -224,7 +229,7 @@ def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwar
     return fn(params, x1, x2, state=state, rng=rng)
 
 
-@checked_arguments("ntk_haiku.nngp")
+@public
 def nngp(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
     """Empirical NNGP kernel K[i, j, a, b] = f_a(x1_i) · f_b(x2_j) of a Haiku model.
 
@@ -243,7 +248,7 @@ def nngp(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs
     return fn(params, x1, x2, state=state, rng=rng)
 
 
-@checked_arguments("ntk_haiku.kernel_per_leaf_fn")
+@public
 def kernel_per_leaf_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
     """:func:`kernel_per_leaf` built once: ``kernel(params, x1, x2=None, *, state, rng)``.
 
@@ -263,7 +268,7 @@ def kernel_per_leaf_fn(transformed, *, apply_kwargs=None, **options) -> Callable
     return make(built, "ntk_per_leaf", transformed, options, apply_kwargs)
 
 
-@checked_arguments("ntk_haiku.kernel_per_leaf")
+@public
 def kernel_per_leaf(
     transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options
 ):
@@ -285,7 +290,7 @@ def kernel_per_leaf(
     return fn(params, x1, x2, state=state, rng=rng)
 
 
-@checked_arguments("ntk_haiku.plan")
+@public
 def plan(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
     """What :func:`kernel` with these arguments would do, not computed.
 
