@@ -77,9 +77,8 @@ def _state_changes(graphdef, params, rest, x, name, apply_kwargs) -> list[str]:
     """The variables the call writes ("RngCount at drop/rngs/count"), from one abstract
     trace (unchanged ones pass straight through); outputs (``sow``, ``perturb``) and RNG
     state the output does not depend on (``nnx.RNN``'s zero carry) are not reported."""
-    _, params, outputs, other = nnx.split(
-        nnx.merge(graphdef, params, rest), nnx.Param, _OUTPUTS, ...
-    )
+    parts = nnx.split(nnx.merge(graphdef, params, rest), nnx.Param, _OUTPUTS, ...)[1:]
+    params, outputs, other = parts
 
     def call(params, outputs, other, x):
         module = nnx.merge(graphdef, params, outputs, other)
@@ -87,37 +86,21 @@ def _state_changes(graphdef, params, rest, x, name, apply_kwargs) -> list[str]:
         _, params_after, _, other_after = nnx.split(module, nnx.Param, _OUTPUTS, ...)
         return y, params_after, other_after
 
-    closed, shapes = jax.make_jaxpr(call, return_shape=True)(
-        *_abstract((params, outputs, other, x))
-    )
-    jaxpr = closed.jaxpr
-    n_y, n_params = len(jax.tree.leaves(shapes[0])), len(jax.tree.leaves(params))
-    n_outputs = len(jax.tree.leaves(outputs))
-    params_in = jaxpr.invars[:n_params]
-    other_in = jaxpr.invars[
-        n_params + n_outputs : n_params + n_outputs + len(jax.tree.leaves(other))
-    ]
-    y_out = jaxpr.outvars[:n_y]
-    params_out, other_out = jaxpr.outvars[n_y : n_y + n_params], jaxpr.outvars[n_y + n_params :]
-    if len(other_out) != len(other_in):  # the call added or removed state
+    closed, shapes = jax.make_jaxpr(call, return_shape=True)(*_abstract((*parts, x)))
+    jaxpr, n_y = closed.jaxpr, len(jax.tree.leaves(shapes[0]))
+    n_params, n_outputs = len(jax.tree.leaves(params)), len(jax.tree.leaves(outputs))
+    start = n_params + n_outputs
+    inputs = jaxpr.invars[:n_params] + jaxpr.invars[start : start + len(jax.tree.leaves(other))]
+    after = jaxpr.outvars[n_y:]
+    if len(after) != len(inputs):  # the call added or removed state
         return ["the state's structure"]
     variables = _variables(params) + _variables(other)
-    changed = [
-        (f"{kind} at {path}", kind)
-        for (path, kind), before, after in zip(
-            variables, params_in + other_in, params_out + other_out, strict=True
-        )
-        if after is not before
-    ]
+    changed = [(p, k) for (p, k), v, a in zip(variables, inputs, after, strict=True) if a is not v]
     if changed and all(kind.startswith("Rng") for _, kind in changed):
-        rng_in = [
-            v
-            for (_, kind), v in zip(variables, params_in + other_in, strict=True)
-            if kind.startswith("Rng")
-        ]
-        if not _depends_on(jaxpr, y_out, rng_in):
+        rng_in = [v for (_, k), v in zip(variables, inputs, strict=True) if k.startswith("Rng")]
+        if not _depends_on(jaxpr, jaxpr.outvars[:n_y], rng_in):
             return []
-    return [c for c, _ in changed]
+    return [f"{kind} at {path}" for path, kind in changed]
 
 
 def _depends_on(jaxpr, outvars, invars) -> bool:
