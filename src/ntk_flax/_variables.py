@@ -74,7 +74,7 @@ class VariablesReader:
         self._init = init
         self._apply = apply
         self._made: dict = {}  # (x1 per-sample signature, rngs structure) -> abstract variables
-        self._forms: dict = {}  # (that, input structure) -> "variables" | "params"
+        self._bare_ok: set = set()  # (that, input structure) of bare params dicts read
         self._reads: dict = {}  # (that, collections held) -> collections read but lacking
 
     def _made_for(self, x1, rngs):
@@ -123,8 +123,11 @@ class VariablesReader:
         if state is None and "params" in given:
             return dict(given)  # a variables dict: a collection it lacks is named by the check
         made, made_key = self._made_for(x1, rngs)
-        form = "variables" if "params" in given else self._bare(given, made, made_key)
-        read = dict(given) if form == "variables" else {"params": given}
+        if "params" in given:
+            read = dict(given)
+        else:
+            self._check_bare(given, made, made_key)
+            read = {"params": given}
         if made is None:  # not initialisable on x1: the model's check names the failure
             return read
         if state is not None:
@@ -136,22 +139,21 @@ class VariablesReader:
             self._refuse_lacking(read, x1, rngs, lacking, made_key, state)
         return read
 
-    def _bare(self, given: Mapping, made, made_key) -> str:
-        """``"params"`` for a mapping holding every parameter path ``model.init`` makes."""
+    def _check_bare(self, given: Mapping, made, made_key) -> None:
+        """Refuses a bare params dict lacking a parameter path ``model.init`` makes."""
         key = None
         if made_key is not None:
             try:
                 key = _hashable((made_key, jax.tree.structure(given)))
             except Exception:
                 key = None
-        if made is None or (key is not None and key in self._forms):
-            return "params"
+        if made is None or key in self._bare_ok:  # key None is never added
+            return
         want = _paths(made.get("params", {}))
         if not (want and want <= _paths(given)):
             raise self._foreign(given, want)
         if key is not None:
-            self._forms[key] = "params"
-        return "params"
+            self._bare_ok.add(key)
 
     def misread(self, variables: Mapping, x1, rngs, error: Exception) -> ValueError | None:
         """The error for a bare params dict whose top-level layer is named ``params``."""
