@@ -6,9 +6,8 @@ from ntk_equinox._kernel import kernel_fn as kernel_fn
 from ntk_equinox._kernel import nngp as nngp
 from ntk_equinox._kernel import plan as plan
 
+# fmt: off
 __all__ = (
-    "kernel",
-    "kernel_fn",
-    "nngp",
-    "plan",
+    "kernel", "kernel_fn", "nngp", "plan",
 )
+# fmt: on

@@ -1,12 +1,6 @@
-"""Empirical NTK / NNGP of Equinox models, through ``ntk_core``'s public API only.
-
-``eqx.partition(model, eqx.is_inexact_array)`` splits a model into ``params`` (floating
-arrays, differentiated) and ``rest`` (functions, numbers, integer arrays: held fixed);
-the core gets ``apply(params, x) = jax.vmap(eqx.combine(params, rest))(x)`` as a
-:class:`ntk_core.adapters.PureModel`. Kernel functions are cached per ``(name, apply,
-options)`` (:func:`ntk_core.adapters.cached`), and equal structures and ``rest`` give
-equal :class:`_Apply`: new weights do not recompile.
-"""
+"""Empirical NTK / NNGP of Equinox models: ``eqx.partition(model, eqx.is_inexact_array)``
+gives ``params`` (differentiated) and ``rest`` (held fixed, closed over by :class:`_Apply`,
+equal for equal structures: new weights do not recompile)."""
 
 from __future__ import annotations
 
@@ -79,31 +73,16 @@ def _kernel_fn(name: str, kind: str, model, options: dict, built: bool = False):
 
 
 def kernel(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **options):
-    """Empirical NTK of an ``eqx.Module`` w.r.t. its floating-point array leaves.
+    """Empirical NTK Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p of an
+    ``eqx.Module``, θ its ``eqx.is_inexact_array`` leaves; other leaves held fixed.
 
-    Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p, f = ``model`` on one
-    sample, θ its ``eqx.is_inexact_array`` leaves; other leaves (functions, Python
-    numbers, integer arrays) are held fixed.
-
-    Args:
-      model: a callable ``eqx.Module``, ``model(x_i)`` on ONE sample.
-      x1: pytree of arrays, axis 0 of each leaf indexing N1 samples: ``jax.vmap(model)``.
-      x2: ``None`` (x2 is x1: exactly symmetric) or a batch like x1 of N2 samples.
-      trace_axes, implementation, **options (``diagonal_axes``, ``precision``,
-        ``batch_size``, ...): the core's kernel options, passed unchanged; their
-        meaning is in ``ntk_core.ntk_fn``'s docstring.
-
-    Returns:
-      The output's dtype, ``(N1, N2)`` for outputs ``(O,)`` (traced axes averaged);
-      ``trace_axes=()``: ``(N1, N2, O, O)``; other options: ``ntk_core.ntk_fn``'s layout.
-
-    Raises:
-      TypeError: ``model`` not a callable ``eqx.Module``; unknown options.
-      ValueError: no floating-point array leaves; the core's (bad option values, shapes,
-        NaN), with ``ntk_equinox.kernel: `` prefixed.
-
-    Cost: as ``ntk_core.ntk_fn`` (``"jacobian"``: (N1 + N2)·O reverse passes, memory
-    (N1 + N2)·O·P); new weights of the same model reuse the compiled programs.
+    Args: ``model`` a callable ``eqx.Module`` of ONE sample; ``x1`` N1 samples on axis 0
+    (``jax.vmap(model)``); ``x2`` N2 samples, or ``None`` for x1; ``trace_axes``,
+    ``implementation``, ``**options``: :func:`ntk_core.ntk_fn`'s.
+    Returns: ``(N1, N2)`` for outputs ``(O,)``, ``(N1, N2, O, O)`` with ``trace_axes=()``.
+    Raises: TypeError: ``model`` not a callable ``eqx.Module``; ValueError: no floating
+    array leaves, a stateful layer; the core's errors, prefixed ``ntk_equinox.kernel:``.
+    Cost: as :func:`ntk_core.ntk_fn`; new weights reuse the compiled programs.
 
     Example:
       >>> import equinox as eqx, jax, ntk_equinox
@@ -111,8 +90,7 @@ def kernel(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **opt
       >>> ntk_equinox.kernel(mlp, jax.numpy.ones((4, 3)), trace_axes=()).shape
       (4, 4, 2, 2)
 
-    References:
-      Jacot, Gabriel, Hongler, NeurIPS 2018; Novak, Sohl-Dickstein, Schoenholz, ICML 2022.
+    References: Jacot, Gabriel, Hongler, NeurIPS 2018; Novak et al., ICML 2022.
     """
     o = dict(trace_axes=trace_axes, implementation=implementation, **options)
     return _kernel_fn("ntk_equinox.kernel", "ntk", model, o)(model, x1, x2)

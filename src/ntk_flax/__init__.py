@@ -13,16 +13,9 @@ from ntk_flax._linearize import taylor_expand as taylor_expand
 from ntk_flax._models import LeNet as LeNet
 from ntk_flax._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 
+# fmt: off
 __all__ = (
-    "LeNet",
-    "kernel",
-    "kernel_fn",
-    "kernel_per_leaf",
-    "kernel_per_leaf_fn",
-    "linearize",
-    "monte_carlo_kernels",
-    "nngp",
-    "nngp_fn",
-    "plan",
-    "taylor_expand",
+    "LeNet", "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "linearize",
+    "monte_carlo_kernels", "nngp", "nngp_fn", "plan", "taylor_expand",
 )
+# fmt: on

@@ -1,13 +1,7 @@
-"""Empirical NTK / NNGP of ``flax.linen`` models (and ``flax.nnx`` ones, see ``_nnx``).
+"""Empirical NTK / NNGP of ``flax.linen`` models (``flax.nnx`` ones: ``_nnx``).
 
-The adapter turns ``(model, variables)`` into a pure ``apply3(params, x, aux)`` where
-``params = variables["params"]`` is differentiated and every other collection
-(``batch_stats``, ...) travels in ``aux`` with the ``rngs``, held fixed; then it hands
-it to ``ntk_core`` through :mod:`ntk_core.adapters`. ``variables`` is what a Flax
-training loop holds: the dict ``model.init`` returns, a bare params dict
-(``variables["params"]``, ``state.params``) or a train state (``.params`` plus
-collections such as ``.batch_stats``; see ``_variables``). A ``flax.nnx`` module holds
-its own state: ``variables=None`` uses its ``nnx.Param`` state as it is at each call.
+``variables["params"]`` is differentiated; other collections and ``rngs`` travel in
+``aux``, held fixed. What ``variables`` may be: ``_variables``.
 """
 
 from __future__ import annotations
@@ -23,6 +17,7 @@ from ntk_core.adapters import (
     Caller,
     PureModel,
     adapter_model_failure,
+    bad,
     build_kernel,
     cached,
     check_apply_kwargs,
@@ -34,14 +29,14 @@ from ntk_flax import _nnx
 from ntk_flax._variables import VariablesReader
 
 _MUTABLE = flax.core.DenyList(["params"])
+_EVAL = "apply_kwargs={'train': False}"
 
 
 def refuse_apply_arguments(fn_name: str, apply_kwargs: dict, kernel: bool, rngs: bool) -> None:
-    """``model.apply``'s own keywords (``mutable``, ``rngs``, ``method``) in
-    ``apply_kwargs``: the adapter passes those itself."""
+    """Refuses ``model.apply``'s own keywords in ``apply_kwargs``: the adapter passes those."""
+    train = ", or apply_kwargs={'train': True}, vmap_axes=None for training mode"
     fixes = {
-        "mutable": "apply the model in evaluation mode (e.g. apply_kwargs={'train': False})"
-        + (", or apply_kwargs={'train': True}, vmap_axes=None for training mode" if kernel else ""),
+        "mutable": f"apply the model in evaluation mode (e.g. {_EVAL}){train if kernel else ''}",
         "rngs": f"pass rngs={{'dropout': key}} to the {'kernel call' if kernel else 'call'}"
         if rngs
         else "run the model deterministically",
@@ -49,16 +44,12 @@ def refuse_apply_arguments(fn_name: str, apply_kwargs: dict, kernel: bool, rngs:
     }
     for key, fix in fixes.items():
         if key in apply_kwargs:
-            message = (
-                f"{fn_name}: apply_kwargs holds {key!r}, an argument of model.apply that "
-                f"{fn_name} passes itself. Fix: drop it and {fix}."
-            )
-            raise TypeError(message)
+            what = f"apply_kwargs holds {key!r}, an argument of model.apply that {fn_name} passes"
+            raise bad(TypeError, fn_name, what + " itself", f"drop it and {fix}")
 
 
 def _init_fn(model, method, apply_kwargs, rngs):
-    """``x -> model.init(...)`` with the call's model arguments (for diagnoses under
-    ``jax.eval_shape``: nothing is computed)."""
+    """``x -> model.init(...)`` with the call's model arguments (run under eval_shape)."""
 
     def init(x):
         key = jax.random.PRNGKey(0)
@@ -69,32 +60,26 @@ def _init_fn(model, method, apply_kwargs, rngs):
 
 
 def _missing_collections(fn_name: str, variables, init, x1) -> ValueError:
-    """The ValueError for variables lacking a collection the model reads (Flax's
-    ``ScopeCollectionNotFound``), naming those ``model.init`` makes that it lacks."""
+    """Variables lacking a collection the model reads (Flax's ``ScopeCollectionNotFound``)."""
     try:
         made = sorted(jax.eval_shape(init, x1))
     except Exception:  # the model cannot be initialised on x1: say what is known
         made = []
     missing = [c for c in made if c not in variables and c != "intermediates"]
-    return ValueError(
-        f"{fn_name}: variables (holding {sorted(variables)}) lacks the collection(s) "
-        f"{missing or '?'}, which the model reads. Fix: pass the whole dict model.init(key, "
-        f"x) returns, or add them: {{'params': ..., {', '.join(f'{c!r}: ...' for c in missing)}}}."
+    what = f"variables (holding {sorted(variables)}) lacks the collection(s) {missing or '?'}"
+    entries = ", ".join(f"{c!r}: ..." for c in missing)
+    fix = (
+        f"pass the whole dict model.init(key, x) returns, or add them: {{'params': ..., {entries}}}"
     )
+    return bad(ValueError, fn_name, what + ", which the model reads", fix)
 
 
 def _model_apply(model, method, apply_kwargs):
     def apply3(params, x, aux):
         rest, rngs = aux
-        out, _ = model.apply(
-            {"params": params, **rest},
-            x,
-            method=method,
-            rngs=rngs,
-            mutable=_MUTABLE,
-            **apply_kwargs,
-        )
-        return out
+        variables = {"params": params, **rest}
+        kw = dict(method=method, rngs=rngs, mutable=_MUTABLE)
+        return model.apply(variables, x, **kw, **apply_kwargs)[0]
 
     return apply3
 
@@ -102,131 +87,94 @@ def _model_apply(model, method, apply_kwargs):
 def caller(name: str, *, built: bool = False, monte_carlo: bool = False) -> Caller:
     """``ntk_flax.<name>`` as the core's messages name it, with its argument order."""
     order = "(model, x1, x2)" if monte_carlo else "(variables, x1, x2)" if built else None
-    return Caller(
-        f"ntk_flax.{name}",
-        order or "(model, variables, x1, x2)",
-        model="the model",
-        package="ntk_flax",
-        monte_carlo=monte_carlo,
-        built=built,
-    )
+    order = order or "(model, variables, x1, x2)"
+    kw = dict(model="the model", package="ntk_flax", monte_carlo=monte_carlo, built=built)
+    return Caller(f"ntk_flax.{name}", order, **kw)
 
 
 def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwargs=None):
-    """The kernel function ``kernel(variables, x1, x2=None, *, rngs=None)`` of a linen
-    or nnx ``model`` for the public function ``caller``."""
+    """The kernel function ``kernel(variables, x1, x2=None, *, rngs=None)`` of ``model``."""
     fn_name = caller.name
     if is_nnx_module(model):  # flax.nnx: the module's own state, split per call
         return _nnx.make(caller, kind, model, method, apply_kwargs, options)
     if not isinstance(model, nn.Module):
-        message = (
-            f"{fn_name}: model must be a flax.linen.Module or a flax.nnx.Module, got "
-            f"{type(model).__name__}. Fix: pass the module instance; the argument order is "
-            f"(model, variables, x1, x2)."
-        )
-        raise TypeError(message)
+        what = f"model must be a flax.linen.Module or a flax.nnx.Module, got {type(model).__name__}"
+        fix = "pass the module instance; the argument order is (model, variables, x1, x2)"
+        raise bad(TypeError, fn_name, what, fix)
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
     refuse_apply_arguments(fn_name, apply_kwargs, True, not caller.monte_carlo)
     apply3 = _model_apply(model, method, apply_kwargs)
     vmap_axes = options.get("vmap_axes", 0)
-    read = VariablesReader(
-        caller,
-        lambda rngs: _init_fn(model, method, apply_kwargs, rngs),
-        lambda rngs: lambda v, x: model.apply(v, x, method=method, rngs=rngs, **apply_kwargs),
-    )
+
+    def apply_fn(rngs):
+        return lambda v, x: model.apply(v, x, method=method, rngs=rngs, **apply_kwargs)
+
+    def init_fn(rngs):
+        return _init_fn(model, method, apply_kwargs, rngs)
+
+    read = VariablesReader(caller, init_fn, apply_fn)
 
     def check(params, x1, x2, aux):
         rest, rngs = aux
         variables = {"params": params, **rest}
         try:
-            jax.eval_shape(
-                lambda v, x: model.apply(v, x, method=method, rngs=rngs, **apply_kwargs),
-                variables,
-                x1,
-            )
+            jax.eval_shape(apply_fn(rngs), variables, x1)
         except flax.errors.InvalidRngError as e:
-            rngs = "" if caller.monte_carlo else ", or pass rngs={'dropout': key}"
-            message = (
-                f"{fn_name}: the model needs a random key ({e}). Fix: run it "
-                f"deterministically (e.g. apply_kwargs={{'train': False}}){rngs}."
-            )
-            raise ValueError(message) from None
+            fix = f"run it deterministically (e.g. {_EVAL})"
+            fix += "" if caller.monte_carlo else ", or pass rngs={'dropout': key}"
+            raise bad(ValueError, fn_name, f"the model needs a random key ({e})", fix) from None
         except flax.errors.ModifyScopeVariableError as e:
             if vmap_axes is not None:
-                message = (
-                    f"{fn_name}: the model updates its variables when applied ({e}), as "
-                    f"BatchNorm in training mode does. Fix: apply it in evaluation mode (e.g. "
-                    f"apply_kwargs={{'train': False}}), or pass vmap_axes=None."
-                )
-                raise ValueError(message) from None
+                what = f"the model updates its variables when applied ({e}), as BatchNorm in "
+                fix = f"apply it in evaluation mode (e.g. {_EVAL}), or pass vmap_axes=None"
+                raise bad(ValueError, fn_name, what + "training mode does", fix) from None
         except flax.errors.ScopeCollectionNotFound as e:
-            failure = read.misread(variables, x1, rngs, e) or _missing_collections(
-                fn_name, variables, _init_fn(model, method, apply_kwargs, rngs), x1
-            )
-            raise failure from None
+            failure = read.misread(variables, x1, rngs, e)
+            raise failure or _missing_collections(fn_name, variables, init_fn(rngs), x1) from None
         except flax.errors.ScopeParamShapeError as e:
-            init = _init_fn(model, method, apply_kwargs, rngs)
-            mismatch = input_shape_mismatch(
-                fn_name,
-                "variables",
-                params,
-                lambda x: init(x)["params"],
-                x1,
-                "variables = model.init(key, x1)",
-            )
+            init, point = init_fn(rngs), "variables = model.init(key, x1)"
+            made = lambda x: init(x)["params"]  # noqa: E731
+            mismatch = input_shape_mismatch(fn_name, "variables", params, made, x1, point)
             raise (mismatch or adapter_model_failure(caller, "variables", e)) from None
         except Exception as e:
             failure = read.misread(variables, x1, rngs, e)
             raise failure or adapter_model_failure(caller, "variables", e) from e
 
     def to_core(variables, x1, rngs=None):
-        """``(params, (other collections, rngs))`` for the core from what ``variables``
-        is (see ``_variables``): a variables dict, a bare params dict or a train state."""
+        """``(params, (other collections, rngs))`` of what ``variables`` is (``_variables``)."""
         variables = read(variables, x1, rngs)
         rest = {k: v for k, v in variables.items() if k != "params"}
         return variables["params"], (rest, rngs)
 
-    pure = PureModel(
-        apply3,
-        to_core,
-        call_keywords=("rngs",),
-        check=check,
-        eval_hint="use_running_average=True / apply_kwargs={'train': False}",
-        to_core_reads_x1=True,
-    )
+    hint = "use_running_average=True / apply_kwargs={'train': False}"
+    pure = PureModel(apply3, to_core, ("rngs",), check, hint, to_core_reads_x1=True)
     return build_kernel(caller, kind, pure, options)
 
 
+def public(fn: Callable) -> Callable:
+    """``checked_arguments`` naming ``ntk_flax.<fn.__name__>``."""
+    return checked_arguments(f"ntk_flax.{fn.__name__}")(fn)
+
+
 def _cached(name: str, kind: str, model, method, apply_kwargs, options: dict):
-    """The kernel function of ``ntk_flax.<name>``, built once per model, model keywords
-    and options (:func:`ntk_core.adapters.cached`)."""
+    """The kernel function of ``ntk_flax.<name>``, built once per model, keywords, options."""
     key = (f"ntk_flax.{name}", model, method, apply_kwargs, options)
     return cached(key, lambda: make(caller(name), kind, model, options, method, apply_kwargs))
 
 
-@checked_arguments("ntk_flax.kernel_fn")
+@public
 def kernel_fn(
     model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
 ) -> Callable:
-    """Jitted empirical NTK of a Flax model, reusable across training steps.
+    """:func:`kernel` built once: ``kernel(variables, x1, x2=None, *, rngs=None)``.
 
-    Args:
-      model: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
-      method: passed to ``model.apply`` (a name or function; nnx: a name); default
-        ``__call__``.
-      apply_kwargs: extra keyword arguments of the model, e.g. ``{"train": False}``.
-      **options: the kernel options of :func:`ntk_core.ntk_fn`.
-
-    Returns:
-      ``kernel(variables, x1, x2=None, *, rngs=None)`` -> the NTK of x1 (N1 samples)
-      and x2 (N2; ``None``: x1), ``(N1, N2)`` for ``(N, O)`` outputs by default. Only
-      ``params`` is differentiated; other collections and ``rngs`` are held fixed.
-    Raises:
-      TypeError, ValueError: ``model`` not a linen or nnx module; ``variables`` not this
-        model's (or lacking a collection it reads); a model that needs an rng, or whose
-        samples interact (BatchNorm in training mode) with ``vmap_axes=0``; the model
-        failing on x1; and the errors of :func:`ntk_core.ntk_fn`.
-
+    Args: ``model`` a ``flax.linen.Module`` or ``flax.nnx.Module``; ``method`` what
+    ``model.apply`` calls (nnx: a name), default ``__call__``; ``apply_kwargs`` the
+    model's keyword arguments, e.g. ``{"train": False}``.
+    Returns: the kernel function, whose results are :func:`kernel`'s.
+    Raises: TypeError, ValueError: ``model`` not a linen or nnx module; ``variables`` not
+    this model's, or lacking a collection it reads; a model that needs an rng, or updates
+    its variables (BatchNorm in training mode) with ``vmap_axes=0``; the model failing on x1.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -238,22 +186,15 @@ def kernel_fn(
     return make(caller("kernel_fn", built=True), "ntk", model, options, method, apply_kwargs)
 
 
-@checked_arguments("ntk_flax.nngp_fn")
+@public
 def nngp_fn(
     model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
 ) -> Callable:
-    """Jitted empirical NNGP kernel f(x1)·f(x2) of a Flax model; see :func:`kernel_fn`.
+    """:func:`nngp` built once: ``kernel(variables, x1, x2=None, *, rngs=None)``.
 
-    Args:
-      model, method, apply_kwargs: as :func:`kernel_fn`.
-      **options: those of :func:`ntk_core.nngp_fn` (no ``implementation``).
-
-    Returns:
-      ``kernel(variables, x1, x2=None, *, rngs=None)`` -> ``(N1, N2)`` for ``(N, O)``
-      outputs by default, in the outputs' dtype.
-    Raises:
-      As :func:`kernel_fn`.
-
+    Args: as :func:`kernel_fn`; ``**options``: :func:`ntk_core.nngp_fn`'s.
+    Returns: the kernel function, whose results are :func:`nngp`'s.
+    Raises: as :func:`kernel_fn`.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -265,7 +206,7 @@ def nngp_fn(
     return make(caller("nngp_fn", built=True), "nngp", model, options, method, apply_kwargs)
 
 
-@checked_arguments("ntk_flax.kernel")
+@public
 def kernel(
     model: nn.Module,
     variables,
@@ -277,26 +218,17 @@ def kernel(
     rngs=None,
     **options,
 ):
-    """Empirical NTK of a Flax model between x1 and x2 (x1 if None).
+    """Empirical NTK Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p of a
+    Flax model, θ its ``params`` collection; other collections and ``rngs`` held fixed.
 
-    Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p over the ``params``
-    collection; the built kernel function is cached.
-
-    Args:
-      model, method, apply_kwargs: as :func:`kernel_fn`.
-      variables: ``model.init``'s dict, a bare params dict or a train state; for nnx
-        ``None`` (the module's own ``nnx.Param`` state) or such a state.
-      x1: array or pytree of arrays, batch axis 0 of size N1.
-      x2: ``None`` (x2 is x1) or like x1 with N2 samples.
-      rngs: random keys for ``model.apply`` (e.g. ``{"dropout": key}``), the same for
-        every sample.
-
-    Returns:
-      ``(N1, N2)`` for ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with
-      ``trace_axes=()``.
-    Raises:
-      As :func:`kernel_fn`.
-
+    Args: ``model``, ``method``, ``apply_kwargs`` as :func:`kernel_fn`; ``variables``
+    ``model.init``'s dict, a bare params dict or a train state (nnx: ``None`` for the
+    module's own ``nnx.Param`` state, or such a state); ``x1`` N1 samples on axis 0;
+    ``x2`` N2 samples, or ``None`` for x1; ``rngs`` e.g. ``{"dropout": key}``, the same
+    for every sample.
+    Returns: ``(N1, N2)`` for ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with
+    ``trace_axes=()``.
+    Raises: as :func:`kernel_fn`.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -309,7 +241,7 @@ def kernel(
     return fn(variables, x1, x2, rngs=rngs)
 
 
-@checked_arguments("ntk_flax.nngp")
+@public
 def nngp(
     model: nn.Module,
     variables,
@@ -321,18 +253,11 @@ def nngp(
     rngs=None,
     **options,
 ):
-    """Empirical NNGP kernel f(x1)·f(x2) of a Flax model; see :func:`kernel`.
+    """Empirical NNGP kernel K[i, j, a, b] = f_a(x1_i) · f_b(x2_j) of a Flax model.
 
-    Args:
-      model, variables, x1 (N1 samples), x2 (N2 or ``None``), method, apply_kwargs,
-        rngs: as :func:`kernel`.
-      **options: those of :func:`ntk_core.nngp_fn`.
-
-    Returns:
-      ``(N1, N2)`` for ``(N, O)`` outputs by default, in the outputs' dtype.
-    Raises:
-      As :func:`kernel_fn`.
-
+    Args: as :func:`kernel`; ``**options``: :func:`ntk_core.nngp_fn`'s.
+    Returns: ``(N1, N2)`` for ``(N, O)`` outputs by default, in the outputs' dtype.
+    Raises: as :func:`kernel_fn`.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -345,22 +270,15 @@ def nngp(
     return fn(variables, x1, x2, rngs=rngs)
 
 
-@checked_arguments("ntk_flax.kernel_per_leaf_fn")
+@public
 def kernel_per_leaf_fn(
     model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
 ) -> Callable:
-    """Jitted empirical NTK of a Flax model split by parameter leaf (Σ_l Θ_l = Θ).
+    """:func:`kernel_per_leaf` built once: ``kernel(variables, x1, x2=None, *, rngs=None)``.
 
-    Args:
-      model, method, apply_kwargs, **options: as :func:`kernel_fn` (``implementation``
-        not ``"ntvp"``).
-
-    Returns:
-      ``kernel(variables, x1, x2=None, *, rngs=None)`` -> a tree like ``params`` of
-      ``(N1, N2)`` kernels (by default), one per leaf.
-    Raises:
-      As :func:`kernel_fn`.
-
+    Args: as :func:`kernel_fn` (``implementation`` not ``"ntvp"``).
+    Returns: the kernel function, whose results are :func:`kernel_per_leaf`'s.
+    Raises: as :func:`kernel_fn`.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -374,7 +292,7 @@ def kernel_per_leaf_fn(
     return make(built, "ntk_per_leaf", model, options, method, apply_kwargs)
 
 
-@checked_arguments("ntk_flax.kernel_per_leaf")
+@public
 def kernel_per_leaf(
     model: nn.Module,
     variables,
@@ -386,18 +304,12 @@ def kernel_per_leaf(
     rngs=None,
     **options,
 ):
-    """Empirical NTK of a Flax model split by parameter leaf; the leaves sum to :func:`kernel`.
+    """:func:`kernel` split by parameter leaf: Θ_l, with Σ_l Θ_l = Θ.
 
-    Args:
-      model, variables, x1 (N1 samples), x2 (N2 or ``None``), method, apply_kwargs,
-        rngs: as :func:`kernel`.
-      **options: as :func:`kernel_per_leaf_fn`.
-
-    Returns:
-      A tree like ``params`` (nnx: an ``nnx.State``) of ``(N1, N2)`` kernels by default.
-    Raises:
-      As :func:`kernel_fn`.
-
+    Args: as :func:`kernel` (``implementation`` not ``"ntvp"``).
+    Returns: a tree like ``params`` (nnx: an ``nnx.State``) of ``(N1, N2)`` kernels by
+    default.
+    Raises: as :func:`kernel_fn`.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -411,7 +323,7 @@ def kernel_per_leaf(
     return fn(variables, x1, x2, rngs=rngs)
 
 
-@checked_arguments("ntk_flax.plan")
+@public
 def plan(
     model: nn.Module,
     variables,
@@ -423,18 +335,12 @@ def plan(
     rngs=None,
     **options,
 ):
-    """What :func:`kernel` with these arguments would do, without computing it.
+    """What :func:`kernel` with these arguments would do, not computed.
 
-    Args:
-      model, variables, x1 (N1 samples), x2 (N2 or ``None``), method, apply_kwargs,
-        rngs, **options: as :func:`kernel`.
-
-    Returns:
-      The ``Plan`` of :func:`ntk_core.plan`: the implementation chosen, estimates, and
-      each parameter leaf's path, size and method.
-    Raises:
-      As :func:`kernel_fn`.
-
+    Args: as :func:`kernel`.
+    Returns: :func:`ntk_core.plan`'s ``Plan`` (implementation, estimates, each leaf's
+    path, size and method).
+    Raises: as :func:`kernel_fn`.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:

@@ -1,10 +1,5 @@
-"""Linearized and Taylor-expanded Flax models (``flax.linen`` and ``flax.nnx``).
-
-Builds the pure apply the kernels use (``_kernel._model_apply`` for linen,
-``_nnx.model_apply`` for nnx) with every collection but the parameters held fixed at
-its values at the expansion point, and hands it to ``ntk_core``'s expansion
-(:func:`ntk_core.adapters.expansion`); no maths here.
-"""
+"""Linearized and Taylor-expanded Flax models: the kernels' pure apply, other collections
+held at the expansion point, handed to :func:`ntk_core.adapters.expansion`."""
 
 from __future__ import annotations
 
@@ -14,7 +9,14 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from ntk_core.adapters import check_apply_kwargs, check_degree, check_like, expansion, is_nnx_module
+from ntk_core.adapters import (
+    bad,
+    check_apply_kwargs,
+    check_degree,
+    check_like,
+    expansion,
+    is_nnx_module,
+)
 from ntk_flax import _nnx
 from ntk_flax._kernel import _model_apply, refuse_apply_arguments
 
@@ -23,11 +25,9 @@ def _linen_params(fn_name: str, name: str, variables):
     """``variables["params"]``, after checking that ``variables`` is a Flax variables dict."""
     if not isinstance(variables, Mapping) or "params" not in variables:
         got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
-        message = (
-            f"{fn_name}: {name} must be the dict model.init returns, with a 'params' "
-            f"collection, got {got}. Fix: pass model.init(key, x), or {{'params': params}}."
-        )
-        raise (ValueError if isinstance(variables, Mapping) else TypeError)(message)
+        what = f"{name} must be the dict model.init returns, with a 'params' collection, got {got}"
+        cls = ValueError if isinstance(variables, Mapping) else TypeError
+        raise bad(cls, fn_name, what, "pass model.init(key, x), or {'params': params}")
     return variables["params"]
 
 
@@ -35,11 +35,8 @@ def _linen_parts(fn_name: str, model, variables, method, apply_kwargs):
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
     refuse_apply_arguments(fn_name, apply_kwargs, False, False)
     if variables is None:
-        message = (
-            f"{fn_name}: variables is None, but a flax.linen module holds no parameters. "
-            f"Fix: pass the expansion point, variables = model.init(key, x)."
-        )
-        raise ValueError(message)
+        what = "variables is None, but a flax.linen module holds no parameters"
+        raise bad(ValueError, fn_name, what, "pass the expansion point, model.init(key, x)")
     params0 = _linen_params(fn_name, "variables", variables)
     rest0 = {k: v for k, v in variables.items() if k != "params"}  # held fixed
     apply3 = _model_apply(model, method, apply_kwargs)
@@ -50,11 +47,8 @@ def _linen_parts(fn_name: str, model, variables, method, apply_kwargs):
     def params_of(variables):
         return _linen_params(fn_name, "variables", variables)
 
-    names = dict(
-        params_name="variables['params']",
-        point_arg="variables['params']",
-        point_name=f"the variables given to {fn_name}",
-    )
+    at = "variables['params']"
+    names = dict(params_name=at, point_arg=at, point_name=f"the variables given to {fn_name}")
     return apply, params0, params_of, names
 
 
@@ -87,12 +81,9 @@ def _expanded(fn_name: str, degree: int, model, variables, method, apply_kwargs)
     elif isinstance(model, nn.Module):
         parts = _linen_parts(fn_name, model, variables, method, apply_kwargs)
     else:
-        message = (
-            f"{fn_name}: model must be a flax.linen.Module or a flax.nnx.Module, got "
-            f"{type(model).__name__}. Fix: pass the module instance (a plain apply_fn(params, "
-            f"x) goes to ntk_core.{fn_name.split('.')[-1]})."
-        )
-        raise TypeError(message)
+        what = f"model must be a flax.linen.Module or a flax.nnx.Module, got {type(model).__name__}"
+        fix = f"pass the module (a plain apply_fn goes to ntk_core.{fn_name.split('.')[-1]})"
+        raise bad(TypeError, fn_name, what, fix)
     apply, params0, params_of, names = parts
     expanded = expansion(fn_name, apply, params0, degree, **names)
 
@@ -105,72 +96,39 @@ def _expanded(fn_name: str, degree: int, model, variables, method, apply_kwargs)
 def linearize(
     model, variables=None, *, method: str | Callable | None = None, apply_kwargs=None
 ) -> Callable:
-    """The linearisation of a Flax model in its parameters around ``variables``.
-
-    f_lin(θ, x) = f(θ0, x) + J(θ0, x)·(θ − θ0), with θ the model's parameters (the
-    ``params`` collection for linen, the ``nnx.Param`` variables for nnx) and θ0 those of
-    ``variables``; see :func:`ntk_core.linearize` (one ``jax.jvp`` per call, no
-    Jacobian). Every other collection or variable (BatchNorm statistics, RNG state) is
-    held fixed at its value at the expansion point, like the kernels do.
-
-    - ``flax.linen``: returns ``f_lin(variables, x)``; only ``variables["params"]`` is
-      read, so ``{"params": params}`` suffices (other collections given are ignored).
-    - ``flax.nnx``: returns ``f_lin(params, x)`` with ``params`` an
-      ``nnx.State`` of ``nnx.Param`` variables, ``nnx.state(model, nnx.Param)`` (what
-      ``nnx.split(model, nnx.Param, ...)`` and optax training of that state give), or an
-      nnx module of the same structure, whose ``nnx.Param`` state is read. The
-      expansion point is the module's state when ``linearize`` is called (copied:
-      later in-place updates of the module do not move it), or ``variables``. Call
-      ``model.eval()`` first for BatchNorm and Dropout in evaluation mode (in training
-      mode the expansion normalises by each batch's statistics and, its RNG state being
-      held fixed too, draws the same dropout mask at every call).
-
-    ``f_lin`` is pure: use it inside ``jax.jit`` and ``jax.grad`` (to train the
-    linearised model).
+    """The linearisation f_lin(θ, x) = f(θ0, x) + J(θ0, x)·(θ − θ0) of a Flax model in its
+    parameters θ (linen: ``params``; nnx: the ``nnx.Param`` variables), θ0 those of
+    ``variables``; other collections and variables are held at their θ0 values. Maths
+    and cost: :func:`ntk_core.linearize`.
 
     Args:
-      model: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
-      variables: linen: the dict returned by ``model.init`` (``params`` plus any other
-        collections); nnx: ``None`` (the module's own ``nnx.Param`` state) or such a
-        state.
-      method: the method applied (a name or function for linen, a name for nnx);
-        default ``__call__``.
-      apply_kwargs: extra keyword arguments of the model, e.g. ``{"train": False}``.
+      model: a ``flax.linen.Module`` or a ``flax.nnx.Module`` (``model.eval()`` first for
+        BatchNorm and Dropout in evaluation mode).
+      variables: linen: ``model.init``'s dict (only ``params`` is read); nnx: ``None``
+        (the module's ``nnx.Param`` state now, copied) or such a state.
+      method, apply_kwargs: as :func:`ntk_flax.kernel_fn`.
 
     Returns:
-      ``f_lin(params_or_variables, x)`` with the model's outputs, e.g. ``(N1, O)`` for
-      a batch x of N1 samples, in the model's dtypes.
+      Pure ``f_lin(variables, x)`` (nnx: ``f_lin(params, x)``, ``params`` an ``nnx.Param``
+      state or a module of the same structure): the outputs, e.g. ``(N1, O)``.
 
     Raises:
       TypeError: ``model`` not a linen or nnx module; linen ``variables`` not a dict;
         ``apply_kwargs`` holding ``mutable``, ``rngs`` or ``method``; an nnx ``method``
-        the module does not have; at call time, a parameter of another dtype.
-      ValueError: linen ``variables`` without ``params`` or ``None``; nnx ``variables``
-        (or, at call time, parameters) of another structure or shape than the
-        module's ``nnx.Param`` state; at call time, linen parameters of another
-        structure or shape than ``variables["params"]``.
-
-    Cost: as :func:`ntk_core.linearize`: one JVP (about 2–3 forward passes) per call,
-    memory of a forward pass (no N1·O·P Jacobian).
+        the module lacks; at call time, a parameter of another dtype.
+      ValueError: linen ``variables`` without ``params`` or ``None``; ``variables`` or
+        call-time parameters of another structure or shape than θ0.
 
     Example:
-      >>> import flax.linen as nn, jax, jax.numpy as jnp
-      >>> import ntk_flax
-      >>> model = nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(1)])
-      >>> x = jnp.ones((4, 2))                           # N1 = 4 samples
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
+      >>> model, x = nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(1)]), jnp.ones((4, 2))
       >>> variables = model.init(jax.random.PRNGKey(0), x)
       >>> f_lin = ntk_flax.linearize(model, variables)
-      >>> f_lin(variables, x).shape                      # (N1, O)
-      (4, 1)
       >>> bool(jnp.allclose(f_lin(variables, x), model.apply(variables, x)))
       True
-
-      nnx: a function of the ``nnx.Param`` state.
-
       >>> from flax import nnx
       >>> module = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-      >>> f_lin = ntk_flax.linearize(module)
-      >>> f_lin(nnx.state(module, nnx.Param), x).shape
+      >>> ntk_flax.linearize(module)(nnx.state(module, nnx.Param), x).shape
       (4, 3)
 
     References:
@@ -183,45 +141,30 @@ def linearize(
 def taylor_expand(
     model, variables, degree: int, *, method: str | Callable | None = None, apply_kwargs=None
 ) -> Callable:
-    """The degree-``degree`` Taylor polynomial of a Flax model in its parameters.
-
-    f_taylor(θ, x) = Σ_{k=0..degree} (1/k!) D^k f(θ0, x)[θ − θ0, ..., θ − θ0] by nested
-    ``jax.jvp`` (see :func:`ntk_core.taylor_expand`), with θ and θ0 and the returned
-    function's arguments as in :func:`linearize`: ``f_taylor(variables, x)`` for linen,
-    ``f_taylor(params, x)`` for nnx (pass ``variables=None`` for the module's own
-    state). ``degree=1`` is :func:`linearize`.
+    """The degree-``degree`` Taylor polynomial of a Flax model in its parameters:
+    Σ_{k=0..degree} (1/k!) D^k f(θ0, x)[θ − θ0, ...]; maths and cost:
+    :func:`ntk_core.taylor_expand`. ``degree=1`` is :func:`linearize`.
 
     Args:
-      model, variables, method, apply_kwargs: as in :func:`linearize` (``variables``
-        positional: ``None`` for an nnx module's own state).
+      model, variables, method, apply_kwargs: as :func:`linearize`.
       degree: a non-negative int.
 
     Returns:
-      ``f_taylor(params_or_variables, x)``: the model's outputs, e.g. ``(N1, O)`` for
-      N1 samples.
+      ``f_taylor(variables, x)`` as :func:`linearize`'s ``f_lin``, e.g. ``(N1, O)``.
 
     Raises:
-      TypeError: as :func:`linearize`, and ``degree`` not an int.
-      ValueError: as :func:`linearize`, and a negative ``degree``.
-
-    Cost: as :func:`ntk_core.taylor_expand`: ``degree`` nested JVPs per call (under
-    ``jax.jit`` about 4 forward passes at degree 2 and 6 at degree 3; outside it up to
-    2^degree), memory independent of N1·O·P.
+      TypeError, ValueError: as :func:`linearize`; ``degree`` not an int, or negative.
 
     Example:
-      >>> import flax.linen as nn, jax, jax.numpy as jnp
-      >>> import ntk_flax
-      >>> model = nn.Dense(3)                            # linear in its parameters
-      >>> x = jnp.ones((4, 2))
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
+      >>> model, x = nn.Dense(3), jnp.ones((4, 2))  # linear in its parameters
       >>> v0 = model.init(jax.random.PRNGKey(0), x)
       >>> v1 = jax.tree.map(lambda p: p + 1.0, v0)
-      >>> f2 = ntk_flax.taylor_expand(model, v0, 2)
-      >>> bool(jnp.allclose(f2(v1, x), model.apply(v1, x)))
+      >>> bool(jnp.allclose(ntk_flax.taylor_expand(model, v0, 2)(v1, x), model.apply(v1, x)))
       True
 
     References:
-      Lee et al., "Wide Neural Networks of Any Depth Evolve as Linear Models Under
-      Gradient Descent", NeurIPS 2019.
+      Lee et al., NeurIPS 2019 (as :func:`linearize`).
     """
     degree = check_degree("ntk_flax.taylor_expand", degree)
     return _expanded("ntk_flax.taylor_expand", degree, model, variables, method, apply_kwargs)

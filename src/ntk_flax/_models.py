@@ -6,13 +6,10 @@ import flax.linen as nn
 
 
 class LeNet(nn.Module):
-    """LeNet-style CNN of neural-tangents' batching report (case C1).
-
-    Conv(6, 5x5, SAME) → ReLU → avg-pool 2x2/2 → Conv(16, 5x5, SAME) → ReLU → avg-pool
-    2x2/2 → flatten → Dense 120 → ReLU → Dense 84 → ReLU → Dense ``out_features``.
-    Inputs ``(N, H, W, C)`` (``(N, 32, 32, 3)`` in C1), outputs ``(N, out_features)``.
-    Module names (``Conv_0``, ``Conv_1``, ``Dense_0``..``Dense_2``) match
-    ``ntk_haiku.lenet`` so weights transplant with ``ntk_haiku.params_from_flax``.
+    """LeNet CNN of neural-tangents' batching report (case C1): two Conv(5x5, SAME) → ReLU
+    → avg-pool 2x2/2 blocks (6, 16 features), then Dense 120 → 84 → ``out_features``.
+    Inputs ``(N, H, W, C)``, outputs ``(N, out_features)``; module names match
+    ``ntk_haiku.lenet`` (``ntk_haiku.params_from_flax`` transplants the weights).
     """
 
     out_features: int = 1

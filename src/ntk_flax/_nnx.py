@@ -1,12 +1,6 @@
-"""Empirical NTK / NNGP of ``flax.nnx`` modules (used by ``ntk_flax``'s entry points).
-
-An nnx module holds its own state. Each call splits the module as it is at that moment
-(``nnx.split(model, nnx.Param, ...)``): the ``nnx.Param`` variables are differentiated
-(or the ``variables`` the caller passes in their place, e.g. from an optimizer step),
-and everything else (BatchNorm statistics, RNG state) together with the graph
-definition travels in ``aux``, held fixed. ``model.eval()`` / ``model.train()`` change
-the graph definition, so the next call compiles for the new mode.
-"""
+"""Empirical NTK / NNGP of ``flax.nnx`` modules: each call splits the module as it is
+(``nnx.split(model, nnx.Param, ...)``); ``nnx.Param`` is differentiated, the graph and
+other state travel in ``aux``, held fixed (``.eval()`` / ``.train()`` recompile)."""
 
 from __future__ import annotations
 
@@ -23,20 +17,20 @@ from ntk_core.adapters import (
     Caller,
     PureModel,
     adapter_model_failure,
+    bad,
     build_kernel,
     check_apply_kwargs,
 )
+
+_PARAM = "nnx.Param state"
 
 
 def _method(fn_name: str, model, method) -> str:
     if method is None:
         return "__call__"
     if not isinstance(method, str) or not callable(getattr(model, method, None)):
-        message = (
-            f"{fn_name}: method must name a method of the nnx module {type(model).__name__}, "
-            f"got {method!r}. Fix: pass its name, or method=None for __call__."
-        )
-        raise TypeError(message)
+        what = f"method must name a method of the nnx module {type(model).__name__}, got {method!r}"
+        raise bad(TypeError, fn_name, what, "pass its name, or method=None for __call__")
     return method
 
 
@@ -45,9 +39,7 @@ def _paths(state) -> str:
     return "[" + ", ".join(paths[:4]) + (", ...]" if len(paths) > 4 else "]")
 
 
-#: The classes of an nnx state's leaves: ``nnx.Variable``, and ``nnx.VariableState``
-#: where flax (< 0.12) keeps that separate class in states (flax 0.12 makes the name a
-#: deprecated alias of ``Variable``, looked up lazily, so it is not read from there).
+#: ``nnx.Variable``, and flax < 0.12's separate ``nnx.VariableState`` (0.12: a lazy alias).
 _VARIABLE_CLASSES = (nnx.Variable,) + tuple(
     c for c in (vars(nnx).get("VariableState"),) if isinstance(c, type)
 )
@@ -75,23 +67,18 @@ _OUTPUTS = tuple(
 
 
 def _abstract(tree):
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(
-            np.shape(a), getattr(a, "dtype", None) or jnp.result_type(a)
-        ),
-        tree,
-    )
+    def one(a):
+        return jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", None) or jnp.result_type(a))
+
+    return jax.tree.map(one, tree)
 
 
 def _state_changes(graphdef, params, rest, x, name, apply_kwargs) -> list[str]:
-    """The variables the module's call writes ("RngCount at drop/rngs/count"), its own
-    parameters included and its outputs (``sow``, ``perturb``) excluded: one abstract
-    trace, in which a variable left unchanged passes straight through. RNG state that
-    the call advances without its output depending on any draw (``nnx.RNN`` splits a key
-    for its zero initial carry) leaves the function fixed and is not reported."""
-    _, params, outputs, other = nnx.split(
-        nnx.merge(graphdef, params, rest), nnx.Param, _OUTPUTS, ...
-    )
+    """The variables the call writes ("RngCount at drop/rngs/count"), from one abstract
+    trace (unchanged ones pass straight through); outputs (``sow``, ``perturb``) and RNG
+    state the output does not depend on (``nnx.RNN``'s zero carry) are not reported."""
+    parts = nnx.split(nnx.merge(graphdef, params, rest), nnx.Param, _OUTPUTS, ...)[1:]
+    params, outputs, other = parts
 
     def call(params, outputs, other, x):
         module = nnx.merge(graphdef, params, outputs, other)
@@ -99,37 +86,21 @@ def _state_changes(graphdef, params, rest, x, name, apply_kwargs) -> list[str]:
         _, params_after, _, other_after = nnx.split(module, nnx.Param, _OUTPUTS, ...)
         return y, params_after, other_after
 
-    closed, shapes = jax.make_jaxpr(call, return_shape=True)(
-        *_abstract((params, outputs, other, x))
-    )
-    jaxpr = closed.jaxpr
-    n_y, n_params = len(jax.tree.leaves(shapes[0])), len(jax.tree.leaves(params))
-    n_outputs = len(jax.tree.leaves(outputs))
-    params_in = jaxpr.invars[:n_params]
-    other_in = jaxpr.invars[
-        n_params + n_outputs : n_params + n_outputs + len(jax.tree.leaves(other))
-    ]
-    y_out = jaxpr.outvars[:n_y]
-    params_out, other_out = jaxpr.outvars[n_y : n_y + n_params], jaxpr.outvars[n_y + n_params :]
-    if len(other_out) != len(other_in):  # the call added or removed state
+    closed, shapes = jax.make_jaxpr(call, return_shape=True)(*_abstract((*parts, x)))
+    jaxpr, n_y = closed.jaxpr, len(jax.tree.leaves(shapes[0]))
+    n_params, n_outputs = len(jax.tree.leaves(params)), len(jax.tree.leaves(outputs))
+    start = n_params + n_outputs
+    inputs = jaxpr.invars[:n_params] + jaxpr.invars[start : start + len(jax.tree.leaves(other))]
+    after = jaxpr.outvars[n_y:]
+    if len(after) != len(inputs):  # the call added or removed state
         return ["the state's structure"]
     variables = _variables(params) + _variables(other)
-    changed = [
-        (f"{kind} at {path}", kind)
-        for (path, kind), before, after in zip(
-            variables, params_in + other_in, params_out + other_out, strict=True
-        )
-        if after is not before
-    ]
+    changed = [(p, k) for (p, k), v, a in zip(variables, inputs, after, strict=True) if a is not v]
     if changed and all(kind.startswith("Rng") for _, kind in changed):
-        rng_in = [
-            v
-            for (_, kind), v in zip(variables, params_in + other_in, strict=True)
-            if kind.startswith("Rng")
-        ]
-        if not _depends_on(jaxpr, y_out, rng_in):
+        rng_in = [v for (_, k), v in zip(variables, inputs, strict=True) if k.startswith("Rng")]
+        if not _depends_on(jaxpr, jaxpr.outvars[:n_y], rng_in):
             return []
-    return [c for c, _ in changed]
+    return [f"{kind} at {path}" for path, kind in changed]
 
 
 def _depends_on(jaxpr, outvars, invars) -> bool:
@@ -158,9 +129,8 @@ def _in_eval_mode(module) -> bool:
 def _refuse_state_changes(
     fn_name: str, changed: list[str], module=None, *, monte_carlo: bool = False
 ) -> None:
-    """The ValueError for a call that writes the module's state (``changed``, from
-    :func:`_state_changes`); ``monte_carlo``: for the Monte Carlo kernels, whose module
-    is built by the caller's function (the fix says where to call ``.eval()``)."""
+    """Refuses a call that writes the module's state (``changed``); ``monte_carlo``: the
+    module is built by the caller's function."""
     random = any("Rng" in c for c in changed)
     mode = random or any("BatchStat" in c for c in changed)  # Dropout, BatchNorm
     switch = f"apply_kwargs={{'{'deterministic' if random else 'train'}': {random}}}"
@@ -174,28 +144,22 @@ def _refuse_state_changes(
         fix = "call .eval() on the module where it is built" if monte_carlo else "model.eval()"
         fix += f", or pass {switch}"
     shown = ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "")
-    message = (
-        f"{fn_name}: the nnx module changes its own state when called ({shown}). Fix: {fix}. "
-        f"See docs/errors.md#nnx-state."
-    )
-    raise ValueError(message)
+    what = f"the nnx module changes its own state when called ({shown})"
+    raise bad(ValueError, fn_name, what, fix, see="nnx-state")
 
 
 def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exception) -> None:
-    """A call that failed writing the state of an nnx object given in ``apply_kwargs``
-    (an external ``nnx.Rngs`` drawing dropout masks: flax's ``TraceContextError``)."""
+    """A call that failed writing the state of an nnx object in ``apply_kwargs`` (an
+    external ``nnx.Rngs``: flax's ``TraceContextError``)."""
     stateful = [k for k, v in apply_kwargs.items() if isinstance(v, nnx.Rngs | nnx.Variable)]
     if stateful and isinstance(error, flax.errors.TraceContextError):
-        message = (
-            f"{fn_name}: the call writes the state of {stateful} given in apply_kwargs. Fix: "
-            f"make the call deterministic (.eval()) and drop them. See docs/errors.md#nnx-state."
-        )
-        raise ValueError(message) from error
+        what = f"the call writes the state of {stateful} given in apply_kwargs"
+        fix = "make the call deterministic (.eval()) and drop them"
+        raise bad(ValueError, fn_name, what, fix, see="nnx-state") from error
 
 
 def model_apply(name: str, apply_kwargs: dict) -> Callable:
-    """The pure ``apply3(params, x, aux)`` of an nnx module's method ``name``, with
-    ``aux = (graphdef, rest)``: the module rebuilt from its parts at each call."""
+    """``apply3(params, x, (graphdef, rest))`` of the method ``name``, the module rebuilt."""
 
     def apply3(params, x, aux):
         graphdef, rest = aux
@@ -208,11 +172,9 @@ def model_apply(name: str, apply_kwargs: dict) -> Callable:
 
 
 def make(caller: Caller, kind: str, model, method, apply_kwargs, options) -> Callable:
-    """The kernel function ``call(variables, x1, x2=None, *, rngs=None)`` of an nnx
-    module for the public function ``caller``; ``variables`` is ``None`` (the module's
-    own ``nnx.Param`` state now) or a state of the same structure. For the Monte Carlo
-    kernels (``caller.monte_carlo``) it is ``call(state, x1, x2=None)`` of one
-    initialisation's ``state = (params, rest)``, ``model`` its template."""
+    """The kernel function ``call(variables, x1, x2=None, *, rngs=None)``, ``variables``
+    ``None`` (the module's ``nnx.Param`` state now) or such a state; Monte Carlo:
+    ``call((params, rest), x1, x2=None)`` of one initialisation, ``model`` a template."""
     fn_name, monte_carlo = caller.name, caller.monte_carlo
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'deterministic': True}")
     name = _method(fn_name, model, method)
@@ -232,21 +194,17 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options) -> Cal
 
     def to_core(variables, rngs=None):
         if rngs is not None:
-            message = (
-                f"{fn_name}: rngs was given, but an nnx module carries its own nnx.Rngs. "
-                f"Fix: drop rngs= (model.eval() for deterministic dropout)."
-            )
-            raise TypeError(message)
+            what = "rngs was given, but an nnx module carries its own nnx.Rngs"
+            raise bad(TypeError, fn_name, what, "drop rngs= (model.eval() for no dropout)")
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if variables is not None:
             fix = "pass nnx.state(model, nnx.Param) of this model, or None for its own"
             if jax.tree.structure(variables) != jax.tree.structure(params):
-                message = (
-                    f"{fn_name}: variables do not have the structure of the module's nnx.Param "
-                    f"state {_paths(params)}. Fix: {fix} (a dict goes in with "
-                    f"nnx.replace_by_pure_dict)."
+                what = (
+                    f"variables do not have the structure of the module's {_PARAM} {_paths(params)}"
                 )
-                raise ValueError(message)
+                fix += " (a dict goes in with nnx.replace_by_pure_dict)"
+                raise bad(ValueError, fn_name, what, fix)
             wrong = [
                 f"{jax.tree_util.keystr(path)} {np.shape(got)} (expected {np.shape(want)})"
                 for (path, want), got in zip(
@@ -257,17 +215,13 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options) -> Cal
                 if np.shape(got) != np.shape(want)
             ]
             if wrong:
-                message = (
-                    f"{fn_name}: variables do not have the shapes of the module's nnx.Param "
-                    f"state: {', '.join(wrong[:3])}. Fix: {fix}."
-                )
-                raise ValueError(message)
+                what = f"variables do not have the shapes of the module's {_PARAM}: "
+                raise bad(ValueError, fn_name, what + ", ".join(wrong[:3]), fix)
             params = variables
         return params, (graphdef, rest)
 
     def of_state(state):
-        """``(params, (graphdef, rest))`` of one initialisation ``state = (params, rest)``
-        of a module built like ``model`` (the Monte Carlo kernels)."""
+        """``(params, (graphdef, rest))`` of one initialisation ``state = (params, rest)``."""
         params, rest = state
         return params, (nnx.split(model, nnx.Param, ...)[0], rest)
 

@@ -1,15 +1,7 @@
-"""What the ``variables`` argument of the ``flax.linen`` entry points may be.
-
-(a) the dict ``model.init`` returns (a mapping with a ``"params"`` key), used as it is;
-(b) a bare params dict (``variables["params"]``, ``state.params``): a mapping holding
-    every parameter path ``model.init`` makes (``jax.eval_shape`` on one abstract
-    sample of x1, once per per-sample signature), used as ``{"params": params}``;
-(c) a train state (``.params`` and ``.apply_fn``, e.g. ``TrainState``): its params as
-    in (a) or (b), plus each other collection ``model.init`` makes from the attribute of
-    that name (``state.batch_stats``). Nothing else is read.
-
-A model that cannot be initialised abstractly on x1 gets the mapping as params, and its
-own error on x1 is reported. See docs/errors.md#flax-variables.
+"""What the ``variables`` of the ``flax.linen`` entry points may be: ``model.init``'s dict
+(used as it is), a bare params dict holding every parameter path ``model.init`` makes
+(abstractly, on one sample of x1), or a train state (``.params`` and ``.apply_fn``; other
+collections from its attributes). See docs/errors.md#flax-variables.
 """
 
 from __future__ import annotations
@@ -22,11 +14,10 @@ import flax.errors
 import jax
 import numpy as np
 
-from ntk_core.adapters import Caller
+from ntk_core.adapters import Caller, bad
 
 
 def _paths(tree) -> frozenset[str]:
-    """The parameter paths of ``tree`` (``"['Dense_0']['kernel']"``), boxes removed."""
     leaves = jax.tree_util.tree_leaves_with_path(flax.core.meta.unbox(tree))
     return frozenset(jax.tree_util.keystr(path) for path, _ in leaves)
 
@@ -45,7 +36,6 @@ def _shown(paths, limit: int = 3) -> str:
 
 
 def _one_sample(x1):
-    """An abstract sample of x1 (batch axis of size 1), for ``jax.eval_shape``."""
 
     def one(leaf):
         shape = tuple(np.shape(leaf))
@@ -70,30 +60,23 @@ def _hashable(key):
     return key
 
 
-#: Fields of ``flax.training.train_state.TrainState`` that no Flax collection is called: a
-#: dict holding ``params`` and one of these is a train state saved as a dict.
+#: ``TrainState`` fields no collection is called: with ``params``, a train state as a dict.
 _TRAIN_STATE_FIELDS = frozenset({"step", "opt_state", "tx", "apply_fn"})
 
 
 class VariablesReader:
-    """``read(variables, x1, rngs) -> variables dict`` for one linen kernel function.
-
-    ``init(rngs)`` returns ``x -> model.init(...)`` and ``apply(rngs)`` returns
-    ``(variables, x) -> model.apply(...)`` with the call's method and model arguments;
-    both run only under ``jax.eval_shape``. Results are cached per per-sample signature
-    of x1, rng stream names and structure of the input, so a training loop's later
-    calls cost a few tree flattenings.
-    """
+    """``read(variables, x1, rngs) -> variables dict``; ``init(rngs)`` and ``apply(rngs)``
+    give ``model.init`` / ``model.apply`` (run under ``jax.eval_shape``), cached per
+    per-sample signature of x1, rng streams and structure of the input."""
 
     def __init__(self, caller: Caller, init: Callable, apply: Callable):
         self._fn_name, self._order = caller.name, caller.order
         self._init = init
         self._apply = apply
         self._made: dict = {}  # (x1 per-sample signature, rngs structure) -> abstract variables
-        self._forms: dict = {}  # (that, input structure) -> "variables" | "params"
+        self._bare_ok: set = set()  # (that, input structure) of bare params dicts read
         self._reads: dict = {}  # (that, collections held) -> collections read but lacking
 
-    # -- what the model makes ------------------------------------------------------------
     def _made_for(self, x1, rngs):
         """The abstract variables ``model.init`` makes for x1, or ``None`` if it fails."""
         try:
@@ -117,7 +100,6 @@ class VariablesReader:
             self._made[key] = made
         return made, key
 
-    # -- reading -------------------------------------------------------------------------
     def __call__(self, variables, x1, rngs=None) -> dict:
         fn = self._fn_name
         state = None
@@ -126,20 +108,14 @@ class VariablesReader:
         elif hasattr(variables, "params") and hasattr(variables, "apply_fn"):
             state, given = variables, variables.params
             if not isinstance(given, Mapping):
-                message = (
-                    f"{fn}: variables is a {type(state).__name__} whose .params is "
-                    f"{type(given).__name__}, not a dict. Fix: create the train state with "
-                    f"params=variables['params']."
-                )
-                raise TypeError(message)
+                what = f"variables is a {type(state).__name__} whose .params is "
+                fix = "create the train state with params=variables['params']"
+                raise bad(TypeError, fn, what + f"{type(given).__name__}, not a dict", fix)
         else:
             hint = " (it has .params but no .apply_fn)" if hasattr(variables, "params") else ""
-            message = (
-                f"{fn}: variables must be the dict returned by model.init(...), its ['params'] "
-                f"or a train state, got {type(variables).__name__}{hint}. Fix: pass one of "
-                f"those; the argument order is {self._order}."
-            )
-            raise TypeError(message)
+            what = "variables must be the dict returned by model.init(...), its ['params'] or a "
+            what += f"train state, got {type(variables).__name__}{hint}"
+            raise bad(TypeError, fn, what, f"pass one; the argument order is {self._order}")
         if state is None and "params" in given and _TRAIN_STATE_FIELDS & set(given):
             # a train state as a dict (e.g. restored by orbax without a target): read it as
             # the train state it was, its params and the collections it carries
@@ -147,8 +123,11 @@ class VariablesReader:
         if state is None and "params" in given:
             return dict(given)  # a variables dict: a collection it lacks is named by the check
         made, made_key = self._made_for(x1, rngs)
-        form = "variables" if "params" in given else self._bare(given, made, made_key)
-        read = dict(given) if form == "variables" else {"params": given}
+        if "params" in given:
+            read = dict(given)
+        else:
+            self._check_bare(given, made, made_key)
+            read = {"params": given}
         if made is None:  # not initialisable on x1: the model's check names the failure
             return read
         if state is not None:
@@ -160,29 +139,24 @@ class VariablesReader:
             self._refuse_lacking(read, x1, rngs, lacking, made_key, state)
         return read
 
-    def _bare(self, given: Mapping, made, made_key) -> str:
-        """``"params"`` for a mapping without a ``"params"`` key that holds every parameter
-        path ``model.init`` makes (or when the model cannot be initialised abstractly);
-        a ValueError otherwise."""
+    def _check_bare(self, given: Mapping, made, made_key) -> None:
+        """Refuses a bare params dict lacking a parameter path ``model.init`` makes."""
         key = None
         if made_key is not None:
             try:
                 key = _hashable((made_key, jax.tree.structure(given)))
             except Exception:
                 key = None
-        if made is None or (key is not None and key in self._forms):
-            return "params"
+        if made is None or key in self._bare_ok:  # key None is never added
+            return
         want = _paths(made.get("params", {}))
         if not (want and want <= _paths(given)):
             raise self._foreign(given, want)
         if key is not None:
-            self._forms[key] = "params"
-        return "params"
+            self._bare_ok.add(key)
 
     def misread(self, variables: Mapping, x1, rngs, error: Exception) -> ValueError | None:
-        """For a model that failed with ``variables`` (which has a ``"params"`` key): the
-        ValueError for a bare params dict whose top-level layer is named ``params``, read
-        as a variables dict; ``None`` if it is not one. Error path only."""
+        """The error for a bare params dict whose top-level layer is named ``params``."""
         made, _ = self._made_for(x1, rngs)
         if made is None:
             return None
@@ -192,25 +166,22 @@ class VariablesReader:
             return None
         if isinstance(inner, Mapping) and want <= _paths(inner):
             return None  # a variables dict after all: another failure
-        return ValueError(
-            f"{self._fn_name}: variables is this model's bare params dict, whose top-level "
-            f"layer is named 'params' (the model failed with {type(error).__name__}). Fix: "
-            f"rename that layer (e.g. name='dense_in'). See docs/errors.md#flax-variables."
-        )
+        what = "variables is this model's bare params dict, whose top-level layer is named "
+        what += f"'params' (the model failed with {type(error).__name__})"
+        fix = "rename that layer (e.g. name='dense_in')"
+        return bad(ValueError, self._fn_name, what, fix, see="flax-variables")
 
     def _foreign(self, given: Mapping, want: frozenset) -> ValueError:
         lacking = sorted(want - _paths(given))
-        return ValueError(
-            f"{self._fn_name}: variables has no 'params' collection (keys {_keys(given)}) and "
-            f"lacks {len(lacking)} of the {len(want)} parameters model.init makes "
-            f"({_shown(lacking) or 'none: init makes no parameters'}). Fix: pass this model's "
-            f"model.init(key, x), its ['params'] entry or its TrainState."
-        )
+        what = f"variables has no 'params' collection (keys {_keys(given)}) and lacks "
+        what += f"{len(lacking)} of the {len(want)} parameters model.init makes "
+        what += f"({_shown(lacking) or 'none: init makes no parameters'})"
+        fix = "pass this model's model.init(key, x), its ['params'] entry or its TrainState"
+        return bad(ValueError, self._fn_name, what, fix)
 
     def _refuse_lacking(self, read, x1, rngs, lacking, made_key, state) -> None:
         """Raises if the model reads one of the collections ``lacking`` (an abstract apply
-        without them fails with Flax's ``ScopeCollectionNotFound``); a collection that
-        ``model.init`` makes but the model does not read in this mode is not needed."""
+        without them raises ``ScopeCollectionNotFound``)."""
         key = _hashable((made_key, tuple(_keys(read))))
         if key is not None and key in self._reads:
             reads = self._reads[key]
@@ -228,9 +199,6 @@ class VariablesReader:
             return
         what = "a bare params dict" if state is None else f"a {type(state).__name__}"
         entries = ", ".join(f"{c!r}: ..." for c in lacking)
-        message = (
-            f"{self._fn_name}: variables is {what} without the collection(s) {lacking}, which "
-            f"the model reads. Fix: pass {{'params': ..., {entries}}} or a TrainState that "
-            f"carries them. See docs/errors.md#flax-variables."
-        )
-        raise ValueError(message)
+        what = f"variables is {what} without the collection(s) {lacking}, which the model reads"
+        fix = f"pass {{'params': ..., {entries}}} or a TrainState that carries them"
+        raise bad(ValueError, self._fn_name, what, fix, see="flax-variables")

@@ -13,17 +13,9 @@ from ntk_haiku._models import lenet as lenet
 from ntk_haiku._models import params_from_flax as params_from_flax
 from ntk_haiku._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 
+# fmt: off
 __all__ = (
-    "kernel",
-    "kernel_fn",
-    "kernel_per_leaf",
-    "kernel_per_leaf_fn",
-    "lenet",
-    "linearize",
-    "monte_carlo_kernels",
-    "nngp",
-    "nngp_fn",
-    "params_from_flax",
-    "plan",
-    "taylor_expand",
+    "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "lenet", "linearize",
+    "monte_carlo_kernels", "nngp", "nngp_fn", "params_from_flax", "plan", "taylor_expand",
 )
+# fmt: on

@@ -1,8 +1,5 @@
-"""Empirical NTK / NNGP of Haiku models (``hk.Transformed``, ``hk.TransformedWithState``).
-
-The adapter turns a transformed function into a pure ``apply3(params, x, aux)`` with
-``aux = (state, rng)`` held fixed (the state the model returns is discarded), then
-hands it to ``ntk_core`` through :mod:`ntk_core.adapters`.
+"""Empirical NTK / NNGP of Haiku models (``hk.Transformed``, ``hk.TransformedWithState``):
+``params`` differentiated, ``aux = (state, rng)`` held fixed (the returned state dropped).
 """
 
 from __future__ import annotations
@@ -18,12 +15,15 @@ from ntk_core.adapters import (
     Caller,
     PureModel,
     adapter_model_failure,
+    bad,
     build_kernel,
     cached,
     check_apply_kwargs,
     checked_arguments,
     input_shape_mismatch,
 )
+
+_INIT = "transformed.init(key, x)"
 
 
 def _model_apply(transformed, apply_kwargs):
@@ -32,11 +32,7 @@ def _model_apply(transformed, apply_kwargs):
 
     def apply3(params, x, aux):
         state, rng = aux
-        args = [params]
-        if with_state:
-            args.append(state)
-        if takes_rng:
-            args.append(rng)
+        args = [params, *([state] if with_state else []), *([rng] if takes_rng else [])]
         out = transformed.apply(*args, x, **apply_kwargs)
         return out[0] if with_state else out
 
@@ -48,53 +44,39 @@ def _paths(tree) -> set[str]:
 
 
 def _foreign(fn_name: str, params, state, made) -> ValueError | None:
-    """A ValueError for params (or state) whose entries differ from those
-    ``transformed.init`` makes (``made``: its abstract output), else ``None``."""
+    """Params (or state) whose entries differ from those ``made`` by init, else None."""
     made_params, made_state = made if isinstance(made, tuple) else (made, None)
-    fix = f"pass {'params, state' if made_state else 'params'} = transformed.init(key, x)"
-    if (
-        _paths(params) != _paths(made_params)
-        and made_state
-        and _paths(params) == _paths(made_state)
-    ):
-        return ValueError(f"{fn_name}: params holds the model's state. Fix: {fix}.")
-    lacking = sorted(_paths(made_params) - _paths(params))
+    fix = f"pass {'params, state' if made_state else 'params'} = {_INIT}"
+    got, want = _paths(params), _paths(made_params)
+    if got != want and made_state and got == _paths(made_state):
+        return bad(ValueError, fn_name, "params holds the model's state", fix)
+    lacking = sorted(want - got)
     if lacking:
-        got = sorted(map(str, params))
-        return ValueError(
-            f"{fn_name}: params (modules {got}) lack {', '.join(lacking[:3])}, which "
-            f"transformed.init makes. Fix: {fix} (for Flax models use ntk_flax.kernel)."
-        )
+        what = f"params (modules {sorted(map(str, params))}) lack {', '.join(lacking[:3])}"
+        fix += " (for Flax models use ntk_flax.kernel)"
+        return bad(ValueError, fn_name, what + ", which transformed.init makes", fix)
     if made_state and state is not None and _paths(made_state) - _paths(state):
-        return ValueError(f"{fn_name}: state lacks entries transformed.init makes. Fix: {fix}.")
+        return bad(ValueError, fn_name, "state lacks entries transformed.init makes", fix)
     return None
 
 
 def caller(name: str, *, built: bool = False, monte_carlo: bool = False) -> Caller:
     """``ntk_haiku.<name>`` as the core's messages name it, with its argument order."""
     order = "(model, x1, x2)" if monte_carlo else "(params, x1, x2)" if built else None
-    return Caller(
-        f"ntk_haiku.{name}",
-        order or "(transformed, params, x1, x2)",
-        model="the model",
-        package="ntk_haiku",
-        monte_carlo=monte_carlo,
-        built=built,
-    )
+    order = order or "(transformed, params, x1, x2)"
+    kw = dict(model="the model", package="ntk_haiku", monte_carlo=monte_carlo, built=built)
+    return Caller(f"ntk_haiku.{name}", order, **kw)
 
 
 def check_transformed(fn_name: str, transformed) -> None:
     if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
-        message = (
-            f"{fn_name}: expected an hk.Transformed or hk.TransformedWithState, got "
-            f"{type(transformed).__name__}. Fix: wrap the forward function: hk.transform(f)."
-        )
-        raise TypeError(message)
+        got = type(transformed).__name__
+        what = f"expected an hk.Transformed or hk.TransformedWithState, got {got}"
+        raise bad(TypeError, fn_name, what, "wrap the forward function: hk.transform(f)")
 
 
 def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=None):
-    """The kernel function ``kernel(params, x1, x2=None, *, state=None, rng=None)`` of
-    ``transformed`` for the public function ``caller``."""
+    """The kernel function ``kernel(params, x1, x2=None, *, state=None, rng=None)``."""
     fn_name = caller.name
     check_transformed(fn_name, transformed)
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
@@ -117,58 +99,40 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
             return
         state, rng = aux
         if takes_rng and rng is None and not failure(params, x1, (state, jax.random.PRNGKey(0))):
-            message = (
-                f"{fn_name}: the model needs a random key (e.g. dropout) but rng=None. Fix: "
-                f"pass rng=jax.random.PRNGKey(0), the same key for every sample."
-            )
-            raise ValueError(message) from None
+            what = "the model needs a random key (e.g. dropout) but rng=None"
+            fix = "pass rng=jax.random.PRNGKey(0), the same key for every sample"
+            raise bad(ValueError, fn_name, what, fix) from None
         try:  # what init makes, to compare with params and state (error path only)
             made = jax.eval_shape(init, x1)
         except Exception:  # init needs other model arguments (BatchNorm in eval mode)
             made = None
+        made_params = lambda x: init(x)[0] if with_state else init(x)  # noqa: E731
+        point = "params = transformed.init(key, x1)"
         problem = (
-            input_shape_mismatch(
-                fn_name,
-                "params",
-                params,
-                lambda x: init(x)[0] if with_state else init(x),
-                x1,
-                "params = transformed.init(key, x1)",
-            )
+            input_shape_mismatch(fn_name, "params", params, made_params, x1, point)
             or (made is not None and _foreign(fn_name, params, state, made))
             or adapter_model_failure(caller, "params and state" if with_state else "params", error)
         )
         raise problem from error
 
     def to_core(params, state=None, rng=None):
-        """``(params, (state, rng))`` for the core, after checking them against the
-        transform."""
-        call = "params=params, state=state"
-        check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call)
+        """``(params, (state, rng))`` for the core, checked against the transform."""
+        check_state_and_rng(
+            fn_name, with_state, takes_rng, state, rng, "params=params, state=state"
+        )
         if not isinstance(params, Mapping):
-            message = (
-                f"{fn_name}: params must be the dict returned by transformed.init, got "
-                f"{type(params).__name__}. Fix: pass it; the argument order is {caller.order}."
+            what = (
+                f"params must be the dict returned by transformed.init, got {type(params).__name__}"
             )
-            raise TypeError(message)
-        if any(
-            hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.integer)
-            for v in jax.tree.leaves(params)
-        ):
-            message = (
-                f"{fn_name}: params holds integer arrays, as Haiku state does (a counter). "
-                f"Fix: pass params, state = transformed.init(key, x) in their places."
-            )
-            raise TypeError(message)
+            raise bad(TypeError, fn_name, what, f"pass it; the argument order is {caller.order}")
+        leaves = jax.tree.leaves(params)
+        if any(hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.integer) for v in leaves):
+            what = "params holds integer arrays, as Haiku state does (a counter)"
+            raise bad(TypeError, fn_name, what, f"pass params, state = {_INIT} in their places")
         return params, (state, rng)
 
-    pure = PureModel(
-        apply3,
-        to_core,
-        call_keywords=("state", "rng"),
-        check=check,
-        eval_hint="apply_kwargs={'is_training': False}",
-    )
+    hint = "apply_kwargs={'is_training': False}"
+    pure = PureModel(apply3, to_core, ("state", "rng"), check, hint)
     return build_kernel(caller, kind, pure, options)
 
 
@@ -176,61 +140,42 @@ def check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call) -> Non
     """Refuses a ``state`` / ``rng`` the transform does not take, or a missing state;
     ``call`` shows how the caller passes params and state in the fix."""
     if with_state and state is None:
-        message = (
-            f"{fn_name}: this hk.TransformedWithState needs its state. Fix: pass "
-            f"state=state from params, state = transformed.init(key, x)."
-        )
-        raise ValueError(message)
+        what = "this hk.TransformedWithState needs its state"
+        raise bad(ValueError, fn_name, what, f"pass state=state from params, state = {_INIT}")
     if with_state and not isinstance(state, Mapping):
-        message = (
-            f"{fn_name}: state must be the mapping returned by transformed.init(key, x) "
-            f"(its second value), got {type(state).__name__}. Fix: pass it as {call}."
-        )
-        raise TypeError(message)
+        what = f"state must be the mapping returned by {_INIT} (its second value), got "
+        raise bad(TypeError, fn_name, what + type(state).__name__, f"pass it as {call}")
     if not with_state and state is not None:
-        message = (
-            f"{fn_name}: state was given but the model is a plain hk.Transformed. Fix: drop "
-            f"state=, or use hk.transform_with_state."
-        )
-        raise ValueError(message)
+        what = "state was given but the model is a plain hk.Transformed"
+        raise bad(ValueError, fn_name, what, "drop state=, or use hk.transform_with_state")
     if rng is not None and not takes_rng:
-        message = (
-            f"{fn_name}: rng was given but the model was built with hk.without_apply_rng "
-            f"and takes none. Fix: drop rng=."
-        )
-        raise ValueError(message)
+        what = "rng was given but the model was built with hk.without_apply_rng and takes none"
+        raise bad(ValueError, fn_name, what, "drop rng=")
+
+
+def public(fn: Callable) -> Callable:
+    """``checked_arguments`` naming ``ntk_haiku.<fn.__name__>``."""
+    return checked_arguments(f"ntk_haiku.{fn.__name__}")(fn)
 
 
 def _cached(name: str, kind: str, transformed, apply_kwargs, options: dict):
-    """The kernel function of ``ntk_haiku.<name>``, built once per model, apply_kwargs
-    and options (:func:`ntk_core.adapters.cached`)."""
+    """The kernel function of ``ntk_haiku.<name>``, built once per model, keywords, options."""
     key = (f"ntk_haiku.{name}", transformed, apply_kwargs, options)
     return cached(key, lambda: make(caller(name), kind, transformed, options, apply_kwargs))
 
 
-@checked_arguments("ntk_haiku.kernel_fn")
+@public
 def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
-    """Jitted empirical NTK of a Haiku model, reusable across training steps.
+    """:func:`kernel` built once: ``kernel(params, x1, x2=None, *, state=None, rng=None)``.
 
-    Args:
-      transformed: ``hk.Transformed`` (with or without apply rng) or
-        ``hk.TransformedWithState``.
-      apply_kwargs: extra keyword arguments of the forward function, e.g.
-        ``{"is_training": False}``.
-      **options: the kernel options of :func:`ntk_core.ntk_fn`.
-
-    Returns:
-      ``kernel(params, x1, x2=None, *, state=None, rng=None)`` -> the NTK of x1 (N1
-      samples) and x2 (N2; ``None``: x1), ``(N1, N2)`` for ``(N, O)`` outputs by
-      default. Only ``params`` is differentiated; ``state`` (required for
-      ``hk.TransformedWithState``) and ``rng`` are held fixed.
-
-    Raises:
-      TypeError, ValueError: not a transformed function; params not this model's;
-        missing or unexpected state; ``rng`` missing or not taken; a model whose samples
-        interact (BatchNorm with ``is_training=True``) with ``vmap_axes=0``; the model
-        failing on x1; and the errors of :func:`ntk_core.ntk_fn`.
-
+    Args: ``transformed`` an ``hk.Transformed`` (with or without apply rng) or
+    ``hk.TransformedWithState``; ``apply_kwargs`` the forward function's keyword
+    arguments, e.g. ``{"is_training": False}``.
+    Returns: the kernel function, whose results are :func:`kernel`'s.
+    Raises: TypeError, ValueError: not a transformed function; params not this model's;
+    missing or unexpected state; ``rng`` missing or not taken; a model whose samples
+    interact (BatchNorm with ``is_training=True``) with ``vmap_axes=0``; the model failing
+    on x1.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -242,21 +187,13 @@ def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
     return make(caller("kernel_fn", built=True), "ntk", transformed, options, apply_kwargs)
 
 
-@checked_arguments("ntk_haiku.nngp_fn")
+@public
 def nngp_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
-    """Jitted empirical NNGP kernel f(x1)·f(x2) of a Haiku model; see :func:`kernel_fn`.
+    """:func:`nngp` built once: ``kernel(params, x1, x2=None, *, state=None, rng=None)``.
 
-    Args:
-      transformed, apply_kwargs: as :func:`kernel_fn`.
-      **options: those of :func:`ntk_core.nngp_fn` (no ``implementation``).
-
-    Returns:
-      ``kernel(params, x1, x2=None, *, state=None, rng=None)`` -> ``(N1, N2)`` for
-      ``(N, O)`` outputs by default, in the outputs' dtype.
-
-    Raises:
-      As :func:`kernel_fn`.
-
+    Args: as :func:`kernel_fn`; ``**options``: :func:`ntk_core.nngp_fn`'s.
+    Returns: the kernel function, whose results are :func:`nngp`'s.
+    Raises: as :func:`kernel_fn`.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -268,28 +205,18 @@ def nngp_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
     return make(caller("nngp_fn", built=True), "nngp", transformed, options, apply_kwargs)
 
 
-@checked_arguments("ntk_haiku.kernel")
+@public
 def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
-    """Empirical NTK of a Haiku model between x1 and x2 (x1 if None).
+    """Empirical NTK Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p of a
+    Haiku model, θ = ``params``; ``state`` and ``rng`` held fixed.
 
-    Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p over ``params``; the
-    built kernel function is cached.
-
-    Args:
-      transformed, apply_kwargs: as :func:`kernel_fn`.
-      params: the params returned by ``transformed.init``.
-      x1: array or pytree of arrays, batch axis 0 of size N1.
-      x2: ``None`` (x2 is x1) or like x1 with N2 samples.
-      state: the state of an ``hk.TransformedWithState`` (required there).
-      rng: a PRNG key for models that need one, the same for every sample.
-
-    Returns:
-      ``(N1, N2)`` for ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with
-      ``trace_axes=()``.
-
-    Raises:
-      As :func:`kernel_fn`.
-
+    Args: ``transformed``, ``apply_kwargs`` as :func:`kernel_fn`; ``params`` from
+    ``transformed.init``; ``x1`` N1 samples on axis 0; ``x2`` N2 samples, or ``None`` for
+    x1; ``state`` an ``hk.TransformedWithState``'s (required there); ``rng`` a PRNG key
+    for models that need one, the same for every sample.
+    Returns: ``(N1, N2)`` for ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with
+    ``trace_axes=()``.
+    Raises: as :func:`kernel_fn`.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -302,21 +229,13 @@ def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwar
     return fn(params, x1, x2, state=state, rng=rng)
 
 
-@checked_arguments("ntk_haiku.nngp")
+@public
 def nngp(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
-    """Empirical NNGP kernel f(x1)·f(x2) of a Haiku model; see :func:`kernel`.
+    """Empirical NNGP kernel K[i, j, a, b] = f_a(x1_i) · f_b(x2_j) of a Haiku model.
 
-    Args:
-      transformed, params, x1 (N1 samples), x2 (N2 or ``None``), state, rng,
-        apply_kwargs: as :func:`kernel`.
-      **options: those of :func:`ntk_core.nngp_fn`.
-
-    Returns:
-      ``(N1, N2)`` for ``(N, O)`` outputs by default, in the outputs' dtype.
-
-    Raises:
-      As :func:`kernel_fn`.
-
+    Args: as :func:`kernel`; ``**options``: :func:`ntk_core.nngp_fn`'s.
+    Returns: ``(N1, N2)`` for ``(N, O)`` outputs by default, in the outputs' dtype.
+    Raises: as :func:`kernel_fn`.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -329,21 +248,13 @@ def nngp(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs
     return fn(params, x1, x2, state=state, rng=rng)
 
 
-@checked_arguments("ntk_haiku.kernel_per_leaf_fn")
+@public
 def kernel_per_leaf_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
-    """Jitted empirical NTK of a Haiku model split by parameter leaf (Σ_l Θ_l = Θ).
+    """:func:`kernel_per_leaf` built once: ``kernel(params, x1, x2=None, *, state, rng)``.
 
-    Args:
-      transformed, apply_kwargs, **options: as :func:`kernel_fn` (``implementation``
-        not ``"ntvp"``).
-
-    Returns:
-      ``kernel(params, x1, x2=None, *, state=None, rng=None)`` -> a dict like
-      ``params`` of ``(N1, N2)`` kernels (by default), one per leaf.
-
-    Raises:
-      As :func:`kernel_fn`.
-
+    Args: as :func:`kernel_fn` (``implementation`` not ``"ntvp"``).
+    Returns: the kernel function, whose results are :func:`kernel_per_leaf`'s.
+    Raises: as :func:`kernel_fn`.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -357,23 +268,15 @@ def kernel_per_leaf_fn(transformed, *, apply_kwargs=None, **options) -> Callable
     return make(built, "ntk_per_leaf", transformed, options, apply_kwargs)
 
 
-@checked_arguments("ntk_haiku.kernel_per_leaf")
+@public
 def kernel_per_leaf(
     transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options
 ):
-    """Empirical NTK of a Haiku model split by parameter leaf; the leaves sum to :func:`kernel`.
+    """:func:`kernel` split by parameter leaf: Θ_l, with Σ_l Θ_l = Θ.
 
-    Args:
-      transformed, params, x1 (N1 samples), x2 (N2 or ``None``), state, rng,
-        apply_kwargs: as :func:`kernel`.
-      **options: as :func:`kernel_per_leaf_fn`.
-
-    Returns:
-      A dict like ``params`` of ``(N1, N2)`` kernels by default.
-
-    Raises:
-      As :func:`kernel_fn`.
-
+    Args: as :func:`kernel` (``implementation`` not ``"ntvp"``).
+    Returns: a dict like ``params`` of ``(N1, N2)`` kernels by default.
+    Raises: as :func:`kernel_fn`.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -387,21 +290,14 @@ def kernel_per_leaf(
     return fn(params, x1, x2, state=state, rng=rng)
 
 
-@checked_arguments("ntk_haiku.plan")
+@public
 def plan(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
-    """What :func:`kernel` with these arguments would do, without computing it.
+    """What :func:`kernel` with these arguments would do, not computed.
 
-    Args:
-      transformed, params, x1 (N1 samples), x2 (N2 or ``None``), state, rng,
-        apply_kwargs, **options: as :func:`kernel`.
-
-    Returns:
-      The ``Plan`` of :func:`ntk_core.plan`: the implementation chosen, estimates, and
-      each parameter leaf's path, size and method.
-
-    Raises:
-      As :func:`kernel_fn`.
-
+    Args: as :func:`kernel`.
+    Returns: :func:`ntk_core.plan`'s ``Plan`` (implementation, estimates, each leaf's
+    path, size and method).
+    Raises: as :func:`kernel_fn`.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:

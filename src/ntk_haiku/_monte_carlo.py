@@ -5,17 +5,17 @@ from __future__ import annotations
 import haiku as hk
 import jax
 
-from ntk_core.adapters import check_monte_carlo, checked_arguments, checked_init, monte_carlo_mean
+from ntk_core.adapters import check_monte_carlo, checked_init, monte_carlo_mean
 from ntk_core.predict import Kernels
 
-from ._kernel import caller, check_transformed, make
+from ._kernel import caller, check_transformed, make, public
 
 #: :func:`monte_carlo_kernels` as its messages name it.
 _CALLER = caller("monte_carlo_kernels", monte_carlo=True)
 _OWN = ("key", "n_samples", "batch_size_samples", "rng", "apply_kwargs", "init_kwargs")
 
 
-@checked_arguments("ntk_haiku.monte_carlo_kernels")
+@public
 def monte_carlo_kernels(
     transformed,
     x1,
@@ -30,34 +30,19 @@ def monte_carlo_kernels(
     progress: bool | None = None,
     **options,
 ) -> Kernels:
-    """Monte Carlo NNGP and NTK of a Haiku model over random initialisations.
-
-    The average over S = ``n_samples`` initialisations ``transformed.init(k_s, x1[:1])``,
-    k_s = ``jax.random.split(key, S)[s]``, of the empirical NNGP and NTK of
-    :func:`ntk_haiku.nngp` and :func:`ntk_haiku.kernel`. An ``hk.TransformedWithState``
-    initialises on all of x1, ``transformed.init(k_s, x1)``, and each initialisation's
-    state is held fixed: state built from data, such as ``hk.BatchNorm``'s moving
-    averages after an ``is_training=True`` init, then holds x1's statistics (from one
-    sample its variance would be 0, and evaluation would divide by √eps). See
-    :func:`ntk_core.monte_carlo_kernels` for the maths.
+    """Monte Carlo NNGP and NTK of a Haiku model: their means over S = ``n_samples``
+    initialisations ``transformed.init(k_s, x1[:1])``, k_s = ``jax.random.split(key, S)[s]``
+    (maths: :func:`ntk_core.monte_carlo_kernels`). An ``hk.TransformedWithState``
+    initialises on all of x1 and holds each initialisation's state fixed (BatchNorm's
+    moving averages then hold x1's statistics, not one sample's zero variance).
 
     Args:
       transformed: ``hk.Transformed`` or ``hk.TransformedWithState``.
-      x1: array or pytree of arrays, batch axis 0 of size N1.
-      x2: ``None`` (x2 is x1) or like x1 with N2 samples.
-      key: one PRNG key.
-      n_samples: S >= 1.
-      batch_size_samples: samples computed together (vmapped over their keys), default 1.
-      rng: a PRNG key for models that need one at apply time (the same for every
-        sample), as in :func:`ntk_haiku.kernel`.
-      apply_kwargs: keyword arguments of the forward function (also given to ``init``
-        unless ``init_kwargs`` is given).
-      init_kwargs: keyword arguments for ``transformed.init`` instead of
-        ``apply_kwargs``, e.g. ``{"is_training": True}`` for ``hk.BatchNorm``, which
-        initialises only in training mode, with ``apply_kwargs={"is_training": False}``.
-      progress, **options: as :func:`ntk_core.monte_carlo_kernels` (the kernel options
-        of :func:`ntk_core.ntk_fn`, ``batch_size`` only with ``batch_size_samples=1``;
-        ``out="mc.npy"``, ``resume``, ``overwrite``: the means on disk, resumable).
+      x1, x2, key, n_samples, batch_size_samples, progress, **options: as
+        :func:`ntk_core.monte_carlo_kernels` (x1: N1 samples, x2: N2 or ``None``).
+      rng, apply_kwargs: as :func:`ntk_haiku.kernel`; ``apply_kwargs`` also go to
+        ``init`` unless ``init_kwargs`` is given (e.g. ``{"is_training": True}`` for
+        ``hk.BatchNorm``, which initialises only in training mode).
 
     Returns:
       ``ntk_core.predict.Kernels(nngp, ntk)``, each ``(N1, N2)`` for ``(N, O)`` outputs
@@ -71,11 +56,10 @@ def monte_carlo_kernels(
     :func:`ntk_haiku.nngp` (one compilation each).
 
     Example:
-      >>> import haiku as hk, jax, jax.numpy as jnp
-      >>> import ntk_haiku
+      >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
-      >>> x = jnp.ones((4, 2))                                            # (N1, 2)
-      >>> k = ntk_haiku.monte_carlo_kernels(net, x, key=jax.random.PRNGKey(0), n_samples=4)
+      >>> x, key = jnp.ones((4, 2)), jax.random.PRNGKey(0)
+      >>> k = ntk_haiku.monte_carlo_kernels(net, x, key=key, n_samples=4)
       >>> k.ntk.shape
       (4, 4)
 
@@ -97,9 +81,8 @@ def monte_carlo_kernels(
         jax.jit(lambda k: transformed.init(k, x_init, **init_kwargs)),
         "transformed.init(key, x1)" if with_state else "transformed.init(key, x1[:1])",
         "the forward function, traced under jax.jit",
-        "check that x1 has the per-sample shape the model expects (batch axis first); a "
-        "model that initialises only in training mode (hk.BatchNorm) needs "
-        "init_kwargs={'is_training': True} with apply_kwargs={'is_training': False}",
+        "check that x1 has the per-sample shape the model expects (batch axis first); "
+        "hk.BatchNorm needs init_kwargs={'is_training': True}",
     )
 
     def kernels(kind, kind_options):  # of one initialisation, init(k); errors name fn
@@ -111,5 +94,5 @@ def monte_carlo_kernels(
 
         return of
 
-    mean = monte_carlo_mean
-    return mean(fn, init, kernels, x1, x2, key, n_samples, batch_size_samples, progress, options)
+    args = (x1, x2, key, n_samples, batch_size_samples, progress, options)
+    return monte_carlo_mean(fn, init, kernels, *args)
