@@ -4,8 +4,9 @@
 scaled by the kernels' magnitude, and says where they differ. ``assert_same_ntk`` checks
 that two networks (the same architecture in two frameworks, or a model and its hand-written
 twin) have the same NTK, and names the parameter leaves whose kernels differ. With the
-weight transplants ``ntk_haiku.params_from_flax`` and ``ntk_flax.params_from_haiku`` this
-is the whole of a cross-framework check; ``examples/test_same_ntk.py`` is one to copy.
+weight transplants ``params_from_flax`` and ``params_from_haiku`` (also exported as
+``ntk_haiku.params_from_flax`` and ``ntk_flax.params_from_haiku``) this is the whole of a
+cross-framework check; ``examples/test_same_ntk.py`` is one to copy.
 
 Importing this module needs neither pytest nor flax nor haiku. The pytest plugin
 (``ntk_core.pytest_plugin``, registered when ntk-jax is installed) offers both assertions
@@ -18,7 +19,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ("TOLERANCE", "assert_kernels_close", "assert_same_ntk", "tolerance")
+from ntk_core._transplant import params_from_flax, params_from_haiku
+
+__all__ = (
+    "TOLERANCE",
+    "assert_kernels_close",
+    "assert_same_ntk",
+    "params_from_flax",
+    "params_from_haiku",
+    "tolerance",
+)
 
 #: Relative tolerance by dtype: max |K_a − K_b| <= rtol · max(max |K_a|, max |K_b|).
 #: float32 kernels of the same network agree to a few 1e-6 relative (round-off of the

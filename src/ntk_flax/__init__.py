@@ -1,6 +1,7 @@
 """ntk_flax: empirical NTK and NNGP kernels of ``flax.linen`` and ``flax.nnx`` models via
 ``ntk_core``."""
 
+from ntk_core.testing import params_from_haiku as params_from_haiku
 from ntk_flax._kernel import kernel as kernel
 from ntk_flax._kernel import kernel_fn as kernel_fn
 from ntk_flax._kernel import kernel_per_leaf as kernel_per_leaf
@@ -16,6 +17,6 @@ from ntk_flax._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 # fmt: off
 __all__ = (
     "LeNet", "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "linearize",
-    "monte_carlo_kernels", "nngp", "nngp_fn", "plan", "taylor_expand",
+    "monte_carlo_kernels", "nngp", "nngp_fn", "params_from_haiku", "plan", "taylor_expand",
 )
 # fmt: on

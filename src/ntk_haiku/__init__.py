@@ -1,5 +1,6 @@
 """ntk_haiku: empirical NTK and NNGP kernels of Haiku models via ``ntk_core``."""
 
+from ntk_core.testing import params_from_flax as params_from_flax
 from ntk_haiku._kernel import kernel as kernel
 from ntk_haiku._kernel import kernel_fn as kernel_fn
 from ntk_haiku._kernel import kernel_per_leaf as kernel_per_leaf
@@ -10,7 +11,6 @@ from ntk_haiku._kernel import plan as plan
 from ntk_haiku._linearize import linearize as linearize
 from ntk_haiku._linearize import taylor_expand as taylor_expand
 from ntk_haiku._models import lenet as lenet
-from ntk_haiku._models import params_from_flax as params_from_flax
 from ntk_haiku._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 
 # fmt: off

@@ -31,7 +31,7 @@ from ntk_core import NonFiniteError  # noqa: E402
 SETUP = """\
 import functools
 import jax, jax.numpy as jnp, numpy as np
-import ntk_core
+import ntk_core, ntk_core.testing
 
 W = jnp.ones((3, 2))                         # params of f
 X = jnp.ones((4, 3))                         # 4 samples of 3 features
@@ -331,6 +331,13 @@ def _rows():
         Row("core-mc-batch-size-in-vmapped-samples", "the blocked engine's batch_size with samples vmapped together",
             "ntk_core.monte_carlo_kernels(lambda k: W, f, X, key=jax.random.PRNGKey(0), n_samples=4, batch_size_samples=2, batch_size=2)",
             ValueError, r"^monte_carlo_kernels: batch_size cannot run inside batch_size_samples=2"),
+        # -- weight transplants (ntk_core.testing) -------------------------------------
+        Row("transplant-swapped", "params_from_haiku given Flax params first",
+            'ntk_core.testing.params_from_haiku({"Dense_0": {"kernel": W}}, {"linear": {"w": W}})',
+            ValueError, r"^params_from_haiku: Haiku module 'Dense_0' holds \['kernel'\].*pass the Haiku params first"),
+        Row("transplant-count", "a Haiku stack with another number of layers than the Flax one",
+            'ntk_core.testing.params_from_haiku({"linear": {"w": W}}, {"Dense_0": {"kernel": W}, "Dense_1": {"kernel": W}})',
+            ValueError, r"^params_from_haiku: got 2 Flax layers .* but 1 Haiku modules"),
         # -- ntk_flax -----------------------------------------------------------------
         Row("flax-rng-spelling", "Haiku's rng= given to the Flax adapter",
             "ntk_flax.kernel(Drop(), V_DROP, X, rng=jax.random.PRNGKey(0))",

@@ -22,13 +22,13 @@ MODULES = [
     "ntk_core._analysis.spectrum",
     "ntk_core._analysis.tracking",
     "ntk_core.testing",
+    "ntk_core._transplant",
     pytest.param("ntk_flax._kernel", marks=frameworks.requires("flax")),
     pytest.param("ntk_flax._linearize", marks=frameworks.requires("flax")),
     pytest.param("ntk_flax._monte_carlo", marks=frameworks.requires("flax")),
     pytest.param("ntk_haiku._kernel", marks=frameworks.requires("haiku")),
     pytest.param("ntk_haiku._linearize", marks=frameworks.requires("haiku")),
-    # ntk_haiku.params_from_flax's example builds a Flax model.
-    pytest.param("ntk_haiku._models", marks=frameworks.requires("haiku", "flax")),
+    pytest.param("ntk_haiku._models", marks=frameworks.requires("haiku")),
     pytest.param("ntk_haiku._monte_carlo", marks=frameworks.requires("haiku")),
 ]
 

@@ -1,0 +1,229 @@
+"""Weight transplants between Flax and Haiku stacks of Dense/Linear and Conv/ConvND layers:
+both store kernels as ``(..., in, out)``, so a transplant renames (``kernel`` <-> ``w``,
+``bias`` <-> ``b``) and pairs layers in order; arrays are reused, never copied. Plain dicts
+in, plain dicts out: neither framework is imported."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+from ntk_core._errors import bad
+
+_FLAX_TO_HAIKU = {"kernel": "w", "bias": "b"}
+_HAIKU_TO_FLAX = {v: k for k, v in _FLAX_TO_HAIKU.items()}
+_NUMBERED = re.compile(r"^(.*)_(\d+)$")
+_PARAMS = "pass variables['params']"
+
+
+def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) -> dict:
+    """Haiku params holding the weights of a Flax stack of Dense and Conv layers (``kernel``
+    renamed ``w``, ``bias`` ``b``; the arrays are reused). Leaves need not be arrays (a
+    per-leaf kernel tree is renamed the same way).
+
+    Without ``haiku_params`` the Flax layer names are kept (they fit ``ntk_haiku.lenet``).
+    With them, Flax layers pair in order with Haiku modules, and the result carries the
+    Haiku names (``'mlp/~/linear_0'``, ``'conv2_d_1'``, ...). Order: kind by kind (the
+    kernel's rank); within a kind, by the final ``_<number>`` of names sharing a prefix,
+    the bare name first (creation order in both frameworks, not so in
+    ``nn.Dense(1)(nn.Dense(8)(x))``); different prefixes in their order in the mapping
+    (``init``'s dict keeps creation order, ``jax.jit`` and ``jax.tree.map`` sort keys).
+    Each pair's shapes and biases must agree.
+
+    Args:
+      flax_params: ``variables["params"]``: layer name -> ``{"kernel", "bias"}`` (bias
+        optional); nested modules and other layers (BatchNorm, Embed) are refused.
+      haiku_params: ``None`` or the target's params (``transformed.init(key, x)`` or its
+        ``jax.eval_shape``; only names and shapes are read): module -> ``{"w", "b"}``.
+
+    Returns:
+      ``{module: {"w": kernel, "b": bias}}`` of the Flax leaves, in Flax's names and order
+      without ``haiku_params``, else in Haiku's.
+
+    Raises:
+      TypeError: ``flax_params`` or ``haiku_params`` not a mapping.
+      ValueError: a whole variables dict; nested modules or layers other than Dense/Conv
+        (Linear/ConvND); different numbers of layers of a kernel rank; a pair's shapes
+        or biases differ.
+
+    Cost: no computation; the result shares the Flax arrays.
+
+    Example:
+      >>> import numpy as np
+      >>> from ntk_core.testing import params_from_flax
+      >>> flax = {"Dense_0": {"kernel": np.ones((3, 8)), "bias": np.zeros(8)},
+      ...         "Dense_1": {"kernel": np.ones((8, 1)), "bias": np.zeros(1)}}
+      >>> haiku = {"mlp/~/linear_0": {"w": np.ones((3, 8)), "b": np.ones(8)},
+      ...          "mlp/~/linear_1": {"w": np.ones((8, 1)), "b": np.ones(1)}}
+      >>> params = params_from_flax(flax, haiku)
+      >>> params["mlp/~/linear_1"]["w"] is flax["Dense_1"]["kernel"]
+      True
+
+    References: Flax's ``nn.Dense`` / ``nn.Conv`` and Haiku's ``hk.Linear`` /
+    ``hk.ConvND`` documentation.
+    """
+    fn = "params_from_flax"
+    layers = _flax_layers(fn, flax_params, require_kernel=haiku_params is not None)
+    if haiku_params is None:
+        return {m: {_FLAX_TO_HAIKU[k]: v for k, v in ls.items()} for m, ls in layers.items()}
+    modules = _haiku_modules(fn, haiku_params)
+    pairs = _pairs(fn, layers, modules)
+    return {m: {k: layers[pairs[m]][_HAIKU_TO_FLAX[k]] for k in ls} for m, ls in modules.items()}
+
+
+def params_from_haiku(haiku_params: Mapping, flax_params: Mapping | None = None) -> dict:
+    """Flax params holding the weights of a Haiku stack of ``hk.Linear`` and ``hk.ConvND``
+    modules: the reverse of :func:`params_from_flax` (``w`` renamed ``kernel``, ``b``
+    ``bias``; the arrays are reused), with the same pairing order and checks.
+
+    Args:
+      haiku_params: the Haiku params: module name -> ``{"w", "b"}`` (``b`` optional).
+      flax_params: ``None`` (the Haiku module names are kept) or the target's
+        ``variables["params"]`` (or its ``jax.eval_shape``; only names and shapes are
+        read): the result then carries the Flax layer names, in Flax's order.
+
+    Returns:
+      ``{layer: {"kernel": w, "bias": b}}`` of the Haiku leaves.
+
+    Raises:
+      TypeError, ValueError: as :func:`params_from_flax`, naming ``params_from_haiku``.
+
+    Cost: no computation; the result shares the Haiku arrays.
+
+    Example:
+      >>> import numpy as np
+      >>> from ntk_core.testing import params_from_haiku
+      >>> haiku = {"linear": {"w": np.ones((3, 8)), "b": np.zeros(8)},
+      ...          "linear_1": {"w": np.ones((8, 1))}}
+      >>> flax = {"Dense_0": {"kernel": np.zeros((3, 8)), "bias": np.zeros(8)},
+      ...         "Dense_1": {"kernel": np.zeros((8, 1))}}
+      >>> params = params_from_haiku(haiku, flax)
+      >>> sorted(params), params["Dense_1"]["kernel"] is haiku["linear_1"]["w"]
+      (['Dense_0', 'Dense_1'], True)
+    """
+    fn = "params_from_haiku"
+    modules = _haiku_modules(fn, haiku_params)
+    if flax_params is None:
+        return {m: {_HAIKU_TO_FLAX[k]: v for k, v in ls.items()} for m, ls in modules.items()}
+    layers = _flax_layers(fn, flax_params, require_kernel=True)
+    pairs = {layer: module for module, layer in _pairs(fn, layers, modules).items()}
+    return {
+        layer: {k: modules[pairs[layer]][_FLAX_TO_HAIKU[k]] for k in ls}
+        for layer, ls in layers.items()
+    }
+
+
+def _pairs(fn, layers: Mapping, modules: Mapping) -> dict:
+    """``{haiku module: flax layer}``, paired kind by kind in order, each pair checked."""
+    flax_kinds, haiku_kinds = _by_kind(layers, "kernel"), _by_kind(modules, "w")
+    if {r: len(n) for r, n in flax_kinds.items()} != {r: len(n) for r, n in haiku_kinds.items()}:
+        what = f"got {len(layers)} Flax layers ({_listed(flax_kinds)}) but {len(modules)} Haiku "
+        fix = "build the Haiku model from the same layers (hk.Linear for nn.Dense, ConvND for Conv)"
+        raise bad(ValueError, fn, what + f"modules ({_listed(haiku_kinds)})", fix)
+    pairs = {}
+    for rank, flax_names in flax_kinds.items():
+        for i, (layer, module) in enumerate(zip(flax_names, haiku_kinds[rank], strict=True)):
+            _check_pair(fn, layer, layers[layer], module, modules[module], i, len(flax_names))
+            pairs[module] = layer
+    return pairs
+
+
+def _other(fn: str, swapped: bool, framework: str) -> str:
+    if swapped:
+        first = "Flax" if fn == "params_from_flax" else "Haiku"
+        return f"these look like {framework} params: pass the {first} params first"
+    return f"transplant the other {'layers' if framework == 'Haiku' else 'modules'}' params by hand"
+
+
+def _flax_layers(fn, flax_params, require_kernel: bool) -> Mapping:
+    """``flax_params`` after checking it is a flat collection of Dense/Conv layers."""
+    if not isinstance(flax_params, Mapping):
+        what = f"flax_params must be a Flax params collection, got {type(flax_params).__name__}"
+        raise bad(TypeError, fn, what, _PARAMS)
+    inner = flax_params.get("params")
+    if isinstance(inner, Mapping) and any(isinstance(v, Mapping) for v in inner.values()):
+        what = f"got a Flax variables dict (collections {sorted(map(str, flax_params))}); "
+        raise bad(ValueError, fn, what + "expected its 'params' collection", _PARAMS)
+    for layer, leaves in flax_params.items():
+        if not isinstance(leaves, Mapping):
+            what = f"Flax layer {layer!r} holds a {type(leaves).__name__}, not a mapping"
+            fix = f"{_PARAMS} (a lone layer's as {{'Dense_0': variables['params']}})"
+            raise bad(ValueError, fn, what, fix)
+        nested = sorted(str(k) for k, v in leaves.items() if isinstance(v, Mapping))
+        if nested:
+            what = f"Flax module {layer!r} holds submodules {nested}"
+            fix = "create the Dense/Conv layers in the top module, or map their params by hand"
+            raise bad(ValueError, fn, what, fix)
+        others = set(leaves) - set(_FLAX_TO_HAIKU)
+        if others or (require_kernel and "kernel" not in leaves):
+            haiku_like = leaves and set(leaves) <= set(_HAIKU_TO_FLAX)
+            what = f"Flax layer {layer!r} holds {sorted(map(str, leaves))}, not 'kernel' and "
+            raise bad(
+                ValueError, fn, what + "'bias' (Dense, Conv)", _other(fn, haiku_like, "Haiku")
+            )
+    return flax_params
+
+
+def _haiku_modules(fn, haiku_params) -> Mapping:
+    """``haiku_params`` after checking it holds only ``hk.Linear``/``hk.ConvND``."""
+    if not isinstance(haiku_params, Mapping):
+        got = type(haiku_params).__name__
+        what = f"haiku_params must be the Haiku model's params dict, got {got}"
+        raise bad(TypeError, fn, what, "pass params from transformed.init(key, x)")
+    for module, leaves in haiku_params.items():
+        held = sorted(map(str, leaves)) if isinstance(leaves, Mapping) else None
+        if held is None or set(held) - set(_HAIKU_TO_FLAX) or "w" not in held:
+            flax_like = held is not None and set(held) <= set(_FLAX_TO_HAIKU)
+            got = held if held is not None else type(leaves).__name__
+            what = f"Haiku module {module!r} holds {got}, not 'w' and 'b' (hk.Linear, hk.ConvND)"
+            raise bad(ValueError, fn, what, _other(fn, flax_like, "Flax"))
+    return haiku_params
+
+
+def _natural(names: list) -> list:
+    """``names`` grouped by prefix (first appearance), by final number within one."""
+
+    def split(name):
+        match = _NUMBERED.match(str(name))
+        return (match[1], int(match[2])) if match else (str(name), 0)
+
+    first: dict[str, int] = {}
+    for position, name in enumerate(names):
+        first.setdefault(split(name)[0], position)
+    return sorted(names, key=lambda name: (first[split(name)[0]], split(name)[1]))
+
+
+def _by_kind(layers: Mapping, kernel: str) -> dict[int, list]:
+    """Layer names by kernel rank (ascending), each list in pairing order."""
+    kinds: dict[int, list] = {}
+    for name, leaves in layers.items():
+        kinds.setdefault(len(_shape(leaves[kernel])), []).append(name)
+    return {rank: _natural(kinds[rank]) for rank in sorted(kinds)}
+
+
+def _listed(kinds: dict[int, list]) -> str:
+    return "; ".join(f"rank {rank}: {names}" for rank, names in kinds.items()) or "none"
+
+
+def _shape(leaf) -> tuple:
+    return tuple(leaf.shape) if hasattr(leaf, "shape") else np.shape(leaf)
+
+
+def _check_pair(fn, layer, flax_leaves, module, haiku_leaves, index, count) -> None:
+    rank = len(_shape(flax_leaves["kernel"]))
+    where = f"Flax layer {layer!r} and Haiku module {module!r} (pair {index + 1} of {count} "
+    where += f"with rank-{rank} kernels)"
+    if ("bias" in flax_leaves) != ("b" in haiku_leaves):
+        with_bias, without = (layer, module) if "bias" in flax_leaves else (module, layer)
+        what = f"{where}: {with_bias!r} has a bias and {without!r} has none"
+        fix = "match use_bias= of the Flax layer and with_bias= of the Haiku module"
+        raise bad(ValueError, fn, what, fix)
+    for flax_name, haiku_name in _FLAX_TO_HAIKU.items():
+        if flax_name not in flax_leaves:
+            continue
+        got, want = _shape(flax_leaves[flax_name]), _shape(haiku_leaves[haiku_name])
+        if got != want:
+            what = f"{where}: {flax_name} has shape {got} but {haiku_name} has shape {want}"
+            raise bad(ValueError, fn, what, "give the Haiku modules the Flax layers' sizes")
