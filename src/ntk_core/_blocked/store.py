@@ -6,6 +6,7 @@ lists them, so after a kill ``resume=True`` recomputes only the unlisted tiles, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -29,7 +30,9 @@ MANIFEST_VERSION = 1
 COMMIT_SECONDS = 1.0
 #: Fingerprint entries whose values a refusal shows (the others are digests).
 SHOWN = ("shape", "dtype", "tile grid", "n_samples", "sample")
-DONE, FP, READ = "done", "fingerprint", dict(mmap_mode="r")
+#: The manifest's keys, and how a finished file is opened.
+VERSION, FP, DONE, COMPLETE = "version", "fingerprint", "done", "complete"
+READ = dict(mmap_mode="r")
 _GRAM, _OTHER_CALL = "x2=None (the Gram matrix of x1)", "was started by a different call"
 
 
@@ -63,13 +66,6 @@ def described(options: dict, shape, dtype, grid) -> dict:
     return d | {"dtype": str(np.dtype(dtype)), "tile grid": list(grid)}
 
 
-def fingerprint(params, x1, x2, aux, options: dict, shape, dtype, grid) -> dict:
-    """What a file holds, as JSON-ready plain values: digests of the arrays, and
-    :func:`described`."""
-    digests = {"params": _digest_tree(params), "model state (aux)": _digest_tree(aux)}
-    return {**inputs(x1, x2), **digests, **described(options, shape, dtype, grid)}
-
-
 def differences(old: dict, new: dict) -> list[str]:
     """What differs between two fingerprints, in words for a refusal."""
     names = []
@@ -97,16 +93,12 @@ def _write_json_atomically(path: str, data: dict) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    try:  # the rename itself durable (POSIX: sync the folder)
+    with contextlib.suppress(OSError):  # the rename itself durable (POSIX: sync the folder)
         dir_fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def _read_json(path: str):
@@ -119,7 +111,7 @@ def _read_json(path: str):
 
 def _read_manifest(path: str) -> dict | None:
     data = _read_json(manifest_path(path))
-    return data if isinstance(data, dict) and data.get("version") == MANIFEST_VERSION else None
+    return data if isinstance(data, dict) and data.get(VERSION) == MANIFEST_VERSION else None
 
 
 def _done(data) -> set:
@@ -127,48 +119,31 @@ def _done(data) -> set:
 
 
 class NpyStore:
-    """A blocked call's result written tile by tile into ``path``: the engine asks
-    :meth:`is_done`, :meth:`put` s each tile and returns :meth:`result`.
+    """A blocked call's result written tile by tile into ``path`` (``layout``: its
+    :class:`FileLayout`; ``process``: (index, count); ``barrier(name)`` waits for all, None
+    with one; ``transform(tile, r0, r1, c0, c1)`` maps each cut tile before it is written).
+    Raises ValueError for an existing file without ``resume``/``overwrite``, a resume of a
+    missing or different file (naming what differs), a bad folder, too little disk space."""
 
-    ``perms``: the mirror tile's axis permutation (x2=None); ``batch_diagonal``: a kernel
-    ``(N, ...)``; ``process``: (index, count); ``barrier(name)`` waits for every process
-    (None: one); ``transform(tile, r0, r1, c0, c1)`` maps each cut tile before it is written.
-
-    Raises:
-      ValueError: an existing file without ``resume`` or ``overwrite``; a resume whose file
-        or manifest is missing or of another computation (naming what differs); a folder
-        missing or not writable; too little free disk space.
-    """
+    fd = None  # the file, open while tiles are written
 
     def __init__(
-        self,
-        fn,
-        path,
-        shape,
-        dtype,
-        perms,
-        batch_diagonal,
-        fingerprint,
-        resume,
-        overwrite,
-        process=(0, 1),
-        barrier=None,
-        transform=None,
+        self, fn, path, layout, fingerprint, resume, overwrite, process, barrier, transform=None
     ):
         self.fn, self.path, self.transform = fn, path, transform
-        self.perms, self.batch_diagonal = perms, batch_diagonal
+        self.perms, self.batch_diagonal = layout.perms, layout.batch_diagonal
+        shape, dtype = layout.shape, layout.dtype
         self.process, self.barrier = process, barrier
-        self.manifest = {"version": MANIFEST_VERSION, FP: fingerprint, DONE: [], "complete": False}
+        self.manifest = {VERSION: MANIFEST_VERSION, FP: fingerprint, DONE: [], COMPLETE: False}
         self.done: set[tuple[int, int]] = set()
-        self.mine: list = []  # this process's tiles done in this run (several processes)
-        self.pending: list = []  # tiles written since the last commit
+        # this process's tiles done in this run (several processes); written since the commit
+        self.mine, self.pending = [], []
         self.committed = time.monotonic()
-        self.fd = None
         self.shape, self.itemsize = tuple(shape), np.dtype(dtype).itemsize
         # Every process makes the same checks (so all refuse alike), then the first
         # creates the file, then all open it.
         old = _read_manifest(path) if os.path.exists(path) else None
-        self.finished = bool(old and old.get(FP) == fingerprint and old.get("complete"))
+        self.finished = bool(old and old.get(FP) == fingerprint and old.get(COMPLETE))
         if self.finished:
             return
         create = not (os.path.exists(path) and resume)
@@ -180,9 +155,8 @@ class NpyStore:
         first = process[0] == 0
         if create and first:
             try:  # the new file first: an old file that cannot be replaced stays known
-                created = open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape))
-                created.flush()  # the header; the data stays a hole until written
-                del created
+                # the header; the data stays a hole until written
+                open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape)).flush()
             except OSError as e:
                 raise self._os_error("create", e) from e
             for stale in (manifest_path(path), *_process_manifests(path)):
@@ -201,9 +175,12 @@ class NpyStore:
             self.done = _done(old).union(*(_done(_read_json(p)) for p in _process_manifests(path)))
             self.manifest[DONE] = sorted(list(t) for t in self.done)
 
-    def __del__(self):  # a call that failed midway: its file descriptor closed
-        if getattr(self, "fd", None) is not None:
+    def close(self):  # also when a call failed midway
+        if self.fd is not None:
             os.close(self.fd)
+            self.fd = None
+
+    __del__ = close
 
     def _sync(self, name: str) -> None:
         if self.barrier is None:
@@ -216,8 +193,7 @@ class NpyStore:
 
     def _os_error(self, doing: str, error: Exception) -> ValueError:
         what = f"could not {doing} out={self.path!r}: {one_line(error)}"
-        fix = "make the file and its folder writable, or give another path"
-        return bad(ValueError, self.fn, what, fix)
+        return bad(ValueError, self.fn, what, "make it and its folder writable, or another path")
 
     def _write(self, path: str, data: dict) -> None:
         try:
@@ -233,15 +209,11 @@ class NpyStore:
             what = f"{where}: the folder {folder!r} does not exist or cannot be written"
             raise bad(ValueError, fn, what, "create it (os.makedirs), or give another path")
         if os.path.isdir(path):
-            raise bad(
-                ValueError, fn, f"{where} is a folder, not a file", "give a path ending in .npy"
-            )
+            raise bad(ValueError, fn, f"{where} is a folder, not a file", "give a .npy file path")
         if os.path.exists(path) and not overwrite:
             raise exists_error(fn, where)
-        free = shutil.disk_usage(folder).free + (
-            os.path.getsize(path) if os.path.exists(path) else 0
-        )
-        if nbytes > free:
+        replaced = os.path.getsize(path) if os.path.exists(path) else 0
+        if nbytes > (free := shutil.disk_usage(folder).free + replaced):
             raise no_space_error(fn, where, nbytes, free)
 
     def _check_resume(self, old, fingerprint, shape, dtype) -> None:
@@ -256,10 +228,7 @@ class NpyStore:
         """This process's share of ``tiles`` (the same list in every process): every P-th
         of those not done, from the process index."""
         index, count = self.process
-        return set([t for t in tiles if not self.is_done(*t)][index::count])
-
-    def is_done(self, r0: int, c0: int) -> bool:
-        return self.finished or (r0, c0) in self.done
+        return set([] if self.finished else [t for t in tiles if t not in self.done][index::count])
 
     def put(self, tile, r0, r1, c0, c1, mirror: bool) -> None:
         """Writes one tile (and its mirror) with ``os.pwrite`` (a memory map's written
@@ -298,8 +267,8 @@ class NpyStore:
             self._write(manifest_path(self.path), self.manifest)
         else:  # each process lists its own tiles, in its own file
             self.mine += self.pending
-            own = {"version": MANIFEST_VERSION, DONE: self.mine}
-            self._write(_process_manifest(self.path, self.process), own)
+            own = {VERSION: MANIFEST_VERSION, DONE: self.mine}
+            self._write(f"{self.path}.manifest.p{self.process[0]}of{self.process[1]}.json", own)
         self.pending = []
 
     def result(self):
@@ -307,14 +276,13 @@ class NpyStore:
         the first process, once every process has written its share)."""
         if not self.finished:
             self.commit()
-            os.close(self.fd)
-            self.fd = None
+            self.close()
             self._sync("written")
             if self.process[0] == 0:
                 others = _process_manifests(self.path)
                 done = _done(self.manifest).union(self.done, *map(_done, map(_read_json, others)))
                 self.manifest[DONE] = sorted(list(t) for t in done)
-                self.manifest["complete"] = True
+                self.manifest[COMPLETE] = True
                 self._write(manifest_path(self.path), self.manifest)
                 for other in others:
                     os.unlink(other)
@@ -358,15 +326,13 @@ def damaged(fn: str, path: str, why: str, what: str = "the .npy") -> ValueError:
 
 
 class NpyReader:
-    """Regions of a ``.npy`` of ``shape`` and ``dtype`` read with ``os.pread`` (a memory
-    map's pages would count as the process's memory).
+    """Regions of a ``.npy`` of ``shape`` and ``dtype`` read with ``os.pread`` (not a memory
+    map, whose pages count as the process's); ValueError if the file is not one."""
 
-    Raises:
-      ValueError: the file is not such a ``.npy`` (damaged, cut short, changed).
-    """
+    fd = None
 
     def __init__(self, fn: str, path: str, shape, dtype, what: str = "the .npy"):
-        self.path, self.fd, why = path, None, None
+        self.path, why = path, None
         try:
             header = np.load(path, **READ)
             self.shape, self.dtype, self.offset = header.shape, header.dtype, header.offset
@@ -381,7 +347,7 @@ class NpyReader:
             raise damaged(fn, path, why, what)
 
     def close(self):
-        if getattr(self, "fd", None) is not None:
+        if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
@@ -403,10 +369,6 @@ class NpyReader:
         return out
 
 
-def _process_manifest(path: str, process) -> str:
-    return f"{path}.manifest.p{process[0]}of{process[1]}.json"
-
-
 def _process_manifests(path: str) -> list[str]:
     """Every process's own list of tiles beside ``path`` (of any earlier run)."""
     folder, name = os.path.split(os.path.abspath(path))
@@ -419,10 +381,8 @@ def _remove_temporaries(path: str) -> None:
     folder, name = os.path.split(os.path.abspath(path))
     for n in os.listdir(folder):
         if n.startswith(f".{name}.manifest") and ".tmp-" in n:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, n))
-            except OSError:
-                pass
 
 
 def model_digest(closed) -> str:
@@ -447,24 +407,22 @@ class FileLayout:
 
 
 def processes():
-    """``((index, count), barrier)`` among ``jax.distributed``'s processes (barrier None
-    with one process)."""
+    """``((index, count), barrier)`` among ``jax.distributed``'s processes (None: one)."""
+    from jax.experimental import multihost_utils
+
     count = jax.process_count()
-    return (jax.process_index(), count), (_barrier() if count > 1 else None)
+    barrier = multihost_utils.sync_global_devices if count > 1 else None
+    return (jax.process_index(), count), barrier
 
 
 def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
     """The :class:`NpyStore` of a blocked call with ``out=`` (a path's, or the one a
-    :class:`Sink` opens); ``model``: :func:`model_digest`.
-
-    Raises:
-      ValueError: a kernel that is a pytree of several arrays; the errors of :class:`NpyStore`.
-    """
-    options, fn = spec.options, spec.fn_name
-    out = options.out
+    :class:`Sink` opens; ``model``: :func:`model_digest`); ValueError for a kernel of
+    several arrays."""
+    options, fn, out = spec.options, spec.fn_name, spec.options.out
     if len(cut.pair_kernels) != 1:
-        what = f"out={getattr(out, 'path', out)!r} writes one kernel array, but this kernel is "
-        what += f"a pytree of {len(cut.pair_kernels)}"
+        n, where = len(cut.pair_kernels), out.path if isinstance(out, Sink) else out
+        what = f"out={where!r} writes one kernel array, but this kernel is a pytree of {n}"
         raise bad(ValueError, fn, what, "compute one output at a time, or drop out=")
     (one,) = cut.pair_kernels
     n1 = int(np.shape(jax.tree.leaves(x1)[0])[0])
@@ -472,19 +430,13 @@ def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
     diagonal = config.layouts[0].batch_diagonal
     shape = (n1, *one.shape[1:]) if diagonal else (n1, n2, *one.shape[2:])
     names = ("trace_axes", "diagonal_axes", "vmap_axes", "precision")
-    described = {"kind": spec.kind, "implementation": config.implementation}
-    described |= {k: getattr(options, k) for k in names} | {"model (its jaxpr)": model}
+    named = {"kind": spec.kind, "implementation": config.implementation}
+    named |= {k: getattr(options, k) for k in names} | {"model (its jaxpr)": model}
     perms = [swap_perm(layout) for layout in leaf_layouts(config)]
-    layout = FileLayout(shape, np.dtype(one.dtype), perms, diagonal, described, (cut.b1, cut.b2))
+    layout = FileLayout(shape, np.dtype(one.dtype), perms, diagonal, named, (cut.b1, cut.b2))
     if isinstance(out, Sink):
         return out.open(fn, layout, x1, x2, params, aux)
-    (process, barrier), dtype = processes(), layout.dtype
-    fp = fingerprint(params, x1, x2, aux, described, shape, dtype, layout.grid)
-    args = (options.resume, options.overwrite, process, barrier)
-    return NpyStore(fn, out, shape, dtype, perms, diagonal, fp, *args)
-
-
-def _barrier():
-    from jax.experimental import multihost_utils
-
-    return multihost_utils.sync_global_devices
+    # what the file holds, as JSON-ready plain values
+    fp = {**inputs(x1, x2), "params": _digest_tree(params), "model state (aux)": _digest_tree(aux)}
+    fp |= described(named, shape, layout.dtype, layout.grid)
+    return NpyStore(fn, out, layout, fp, options.resume, options.overwrite, *processes())

@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from ntk_core._blocked.barrier import barrier
-from ntk_core._blocked.progress import progress_bar
+from ntk_core._blocked.progress import counter
 from ntk_core._errors import NonFiniteError, bad
 from ntk_core._impl.registry import PHASES
 from ntk_core._kernel import checks as _checks
@@ -29,10 +29,9 @@ from ntk_core._units import human_bytes
 def default_memory_budget() -> int:
     """Half of the device allocator's byte limit where JAX reports one, else 1 GiB."""
     try:
-        stats = jax.local_devices()[0].memory_stats()
+        limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
     except Exception:  # backends without memory statistics
-        stats = None
-    limit = (stats or {}).get("bytes_limit")
+        limit = None
     return int(limit) // 2 if limit else DEFAULT_MEMORY_BUDGET
 
 
@@ -41,9 +40,7 @@ def default_memory_budget() -> int:
 AUTO_SYMMETRIC_BLOCKS, AUTO_MIN_BATCH = 8, 512
 
 
-def auto_batch_size(
-    n1, n2, feature_bytes, pair_bytes, budget, batch_diagonal, symmetric=False
-) -> int:
+def auto_batch_size(n1, n2, feature_bytes, pair_bytes, budget, batch_diagonal, symmetric=False):
     """The largest B in [1, N] with ``2·F·B + W·B² ≤ budget`` (``2·F·B + W·B`` on the batch
     diagonal), F feature bytes per sample, W working bytes per pair (the tile and its
     temporaries), N = max(n1, n2); with ``symmetric`` (x2=None) at most
@@ -76,12 +73,6 @@ def _blocks(n: int, b: int) -> list[tuple[int, int]]:
     return [(s, min(s + b, n)) for s in range(0, n, b)]
 
 
-def _all_finite(leaves):
-    return functools.reduce(
-        jnp.logical_and, [jnp.all(jnp.isfinite(v)) for v in leaves], jnp.asarray(True)
-    )
-
-
 def _symmetric_leaf(k, layout):
     """(K + Kᵀ)·½, Kᵀ with each pair's x1 and x2 axes swapped: exactly symmetric, as the
     barriers keep XLA from fusing K into the sum or the halving into it (an FMA could
@@ -96,13 +87,14 @@ def symmetrize(kernel, config):
     if config.layouts[0].batch_diagonal:
         return kernel
     leaves, treedef = jax.tree.flatten(kernel)
-    layouts = leaf_layouts(config)
-    return jax.tree.unflatten(treedef, list(map(_symmetric_leaf, leaves, layouts, strict=True)))
+    pairs = zip(leaves, leaf_layouts(config), strict=True)
+    return jax.tree.unflatten(treedef, [_symmetric_leaf(k, layout) for k, layout in pairs])
 
 
 def finish_tile(kernel):
     """The tile and its all-finite flag (one reduction on the device)."""
-    return kernel, _all_finite(jax.tree.leaves(kernel))
+    flags = [jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(kernel)]
+    return kernel, functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "cols", "perm"), donate_argnums=0)
@@ -157,10 +149,8 @@ class _Output:
 def nonfinite_tile_error(fn, tile, r0, r1, c0, c1, batch_diagonal):
     where = ""
     for leaf in jax.tree.leaves(tile):
-        a = np.asarray(leaf)
-        found = np.argwhere(
-            ~np.isfinite(a[: r1 - r0] if batch_diagonal else a[: r1 - r0, : c1 - c0])
-        )
+        a = np.asarray(leaf)[: r1 - r0]
+        found = np.argwhere(~np.isfinite(a if batch_diagonal else a[:, : c1 - c0]))
         if len(found):
             i = r0 + int(found[0][0])
             j = i if batch_diagonal else c0 + int(found[0][1])
@@ -170,16 +160,6 @@ def nonfinite_tile_error(fn, tile, r0, r1, c0, c1, batch_diagonal):
     what = f"the kernel came out non-finite (NaN or Inf) in the tile of x1 samples {r0}..{r1 - 1}"
     fix = "check the model's outputs and gradients there, rescale, or compute in float64"
     return bad(NonFiniteError, fn, what + cols + where, fix, see="non-finite-kernel")
-
-
-def _pair_bytes(config, kernel_bytes: float, out_sizes, itemsize) -> float:
-    """W: working bytes per pair of samples, from the implementation's kernel-sized terms
-    per pair (``Impl.pair_terms``)."""
-    n_out = config.out_tree.num_leaves
-    terms = PHASES[config.implementation].pair_terms(config)
-    if terms is None:  # no features: the tile and the outputs' O x O products
-        return kernel_bytes + itemsize * sum(o * o for o in out_sizes)
-    return kernel_bytes * (2 + terms * n_out) / n_out if n_out else kernel_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +209,13 @@ def tiling(implementation, config, options, params, x1, x2, aux) -> Tiling:
 
     kernel_leaves = jax.tree.leaves(jax.eval_shape(one_tile, params, f_one, aux, one))
     kernel_bytes = _nbytes(kernel_leaves)
-    out_sizes = [math.prod(s.shape[1:]) for s in config.shapes1]
-    pair_bytes = _pair_bytes(config, kernel_bytes, out_sizes, kernel_leaves[0].dtype.itemsize)
+    # W, working bytes per pair: the implementation's kernel-sized terms per pair
+    n_out, terms = config.out_tree.num_leaves, PHASES[config.implementation].pair_terms(config)
+    if terms is None:  # no features: the tile and the outputs' O x O products
+        squares = sum(math.prod(s.shape[1:]) ** 2 for s in config.shapes1)
+        pair_bytes = kernel_bytes + kernel_leaves[0].dtype.itemsize * squares
+    else:
+        pair_bytes = kernel_bytes * (2 + terms * n_out) / n_out if n_out else kernel_bytes
     out_bytes = kernel_bytes * (n1 if batch_diagonal else n1 * n2)
     # A result kept on the device comes out of the budget, leaving at least a quarter.
     available = max(budget - (out_bytes if options.store_on_device else 0), budget // 4)
@@ -252,15 +237,10 @@ def tiling(implementation, config, options, params, x1, x2, aux) -> Tiling:
 
 
 def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x2, aux, store=None):
-    """The kernel of x1 and x2 (x2 None: x1's Gram matrix) in the tiles of ``cut``, a host
-    ``numpy.ndarray`` per leaf (a ``jax.Array`` with ``store_on_device``; the read-only
-    memory map of ``store``, an :class:`ntk_core._blocked.store.NpyStore`, whose finished
-    tiles are skipped). ``fn`` names the call in messages and the progress bar.
-
-    Raises:
-      NonFiniteError: a tile with NaN or Inf (naming the first non-finite input sample, or
-        the tile and its first non-finite entry).
-    """
+    """The kernel of x1 and x2 (x2 None: x1's Gram matrix) in the tiles of ``cut``: a host
+    array per leaf (a ``jax.Array`` with ``store_on_device``; the memory map of ``store``,
+    an :class:`~ntk_core._blocked.store.NpyStore`, whose done tiles are skipped). Raises
+    NonFiniteError for NaN/Inf, naming the first non-finite input sample or entry."""
     n1, same = _n_samples(x1), x2 is None
     n2 = n1 if same else _n_samples(x2)
     batch_diagonal = config.layouts[0].batch_diagonal
@@ -357,10 +337,9 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
                     yield (*tile(fa, fb, None, None, diag, d), r0, r1, *cols[j], same and not diag)
             del kept
 
-    bar = progress_bar(fn, options.progress, cut.tiles, unit="tile")
-    tick = (lambda k=1: None) if bar is None else bar.update
+    bar = counter(fn, options.progress, cut.tiles, unit="tile")
     if store is not None and store.done:
-        tick(len(store.done))  # tiles of the interrupted runs
+        bar.update(len(store.done))  # tiles of the interrupted runs
 
     def finalize(task):
         kernel, finite, r0, r1, c0, c1, mirror = task
@@ -368,7 +347,7 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
             _checks.check_finite_inputs(fn, x1, x2)  # a non-finite input sample, named
             raise nonfinite_tile_error(fn, kernel, r0, r1, c0, c1, batch_diagonal)
         out.put(kernel, r0, r1, c0, c1, mirror)
-        tick()
+        bar.update()
 
     try:
         # The next tile (one per device) is dispatched before the oldest is copied out,
@@ -381,6 +360,5 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
         while pending:
             finalize(pending.popleft())
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return out.result()
