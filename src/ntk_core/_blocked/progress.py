@@ -70,7 +70,4 @@ def progress_bar(fn_name: str, progress: bool | None, total: int, unit: str = "i
     return tqdm(total=total, desc=fn_name, unit=unit, **_unknown_size_fallback(sys.stderr))
 
 
-def counter(*args, **kwargs):
-    """:func:`progress_bar`, or a stand-in whose ``update`` and ``close`` do nothing."""
-    none = types.SimpleNamespace(update=lambda k=1: None, close=lambda: None)
-    return none if (bar := progress_bar(*args, **kwargs)) is None else bar
+NO_BAR = types.SimpleNamespace(update=lambda k=1: None, close=lambda: None)  # none shown

@@ -193,7 +193,8 @@ class NpyStore:
 
     def _os_error(self, doing: str, error: Exception) -> ValueError:
         what = f"could not {doing} out={self.path!r}: {one_line(error)}"
-        return bad(ValueError, self.fn, what, "make it and its folder writable, or another path")
+        fix = "make the file and its folder writable, or give another path"
+        return bad(ValueError, self.fn, what, fix)
 
     def _write(self, path: str, data: dict) -> None:
         try:

@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from ntk_core._blocked.barrier import barrier
-from ntk_core._blocked.progress import counter
+from ntk_core._blocked.progress import NO_BAR, progress_bar
 from ntk_core._errors import NonFiniteError, bad
 from ntk_core._impl.registry import PHASES
 from ntk_core._kernel import checks as _checks
@@ -337,7 +337,8 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
                     yield (*tile(fa, fb, None, None, diag, d), r0, r1, *cols[j], same and not diag)
             del kept
 
-    bar = counter(fn, options.progress, cut.tiles, unit="tile")
+    if (bar := progress_bar(fn, options.progress, cut.tiles, unit="tile")) is None:
+        bar = NO_BAR
     if store is not None and store.done:
         bar.update(len(store.done))  # tiles of the interrupted runs
 

@@ -103,7 +103,8 @@ def average(fn_name, sample, key, n_samples, batch_size_samples, progress, x1, x
     if progress is not None and not isinstance(progress, bool):
         what = f"progress must be None, True or False, got {progress!r}"
         raise bad(TypeError, fn_name, what, "pass progress=True")
-    bar = _progress.counter(fn_name, progress, n_samples)
+    if (bar := _progress.progress_bar(fn_name, progress, n_samples)) is None:
+        bar = _progress.NO_BAR
     if files is not None:
         first = min(files.first, n_samples - 1)  # the finished means: checked, then returned
         if first:
