@@ -13,17 +13,13 @@ def _batchable(x):
 
 @_batchable.def_vmap
 def _batchable_vmap(axis_size, in_batched, x):
-    # The barrier of the batched value: same values, batched as its input.
     return lax.optimization_barrier(x), in_batched[0]
 
 
 @jax.custom_jvp
 def barrier(x):
-    """``lax.optimization_barrier(x)``: the same values, which XLA may not fuse or fold
-    across. Its JVP is the identity on tangents and under ``jax.vmap`` it is the barrier
-    of the batched value, both given here because JAX before about 0.4.36 has neither
-    rule for the barrier (kernels differentiated with respect to the parameters, or
-    averaged over vmapped parameter draws, pass through it)."""
+    """``lax.optimization_barrier(x)`` (XLA may not fuse or fold across it), with the JVP
+    (identity) and vmap rules that JAX before about 0.4.36 lacks."""
     return _batchable(x)
 
 

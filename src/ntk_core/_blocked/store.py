@@ -1,30 +1,12 @@
-"""Out-of-core kernels: the blocked engine's tiles written into a ``.npy`` file that
-outlives the process (``out=``), and resumed after it is killed (``resume=True``).
-
-The file is a standard ``.npy`` created at its final shape and dtype
-(``numpy.lib.format.open_memmap``), so ``np.load(path, mmap_mode="r")`` reads it and
-:mod:`ntk_core.predict` takes it. Host memory holds the tiles in flight, not N1 x N2.
-
-Beside it, ``<path>.manifest.json`` says what the file is and how far it got:
-
-* ``fingerprint``: SHA-256 digests of x1, x2, the parameters and the fixed model
-  state (``aux``), and the options, dtype, shape and tile grid, in plain words, so that
-  a resume with anything different is refused naming what differs;
-* ``done``: the tiles written, each by its first row and column ``[r0, c0]`` (with
-  x2=None a tile and its mirror are one entry);
-* ``complete``: every tile written.
-
-Crash safety: tiles are written into the file (``os.pwrite``) and, at most every
-:data:`COMMIT_SECONDS`, synced to the disk (``fsync``) before the manifest lists them,
-and the manifest is replaced atomically (written to a temporary file, flushed and
-synced, then ``os.replace``d), so after a SIGKILL at any moment the manifest lists only
-tiles whose bytes are on disk; a resumed call computes the others (at most the last
-second's), with the same compiled programs on the same blocks, so the finished file
-equals an uninterrupted run's bit for bit.
+"""Out-of-core kernels (``out=``): tiles written with ``os.pwrite`` into a ``.npy`` created at
+its final shape, beside ``<path>.manifest.json`` (``fingerprint`` of the call, ``done`` tiles
+``[r0, c0]``, ``complete``). Tiles are ``fsync``ed before the manifest (replaced atomically)
+lists them, so after a kill ``resume=True`` recomputes only the unlisted tiles, bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -43,14 +25,18 @@ from ntk_core._errors import bad, one_line
 from ntk_core._kernel.layout import leaf_layouts, swap_perm
 from ntk_core._units import human_bytes
 
-#: Version of the manifest's layout.
 MANIFEST_VERSION = 1
 #: Seconds between two commits of written tiles to the manifest (:meth:`NpyStore.commit`).
 COMMIT_SECONDS = 1.0
+#: Fingerprint entries whose values a refusal shows (the others are digests).
+SHOWN = ("shape", "dtype", "tile grid", "n_samples", "sample")
+#: The manifest's keys, and how a finished file is opened.
+VERSION, FP, DONE, COMPLETE = "version", "fingerprint", "done", "complete"
+READ = dict(mmap_mode="r")
+_GRAM, _OTHER_CALL = "x2=None (the Gram matrix of x1)", "was started by a different call"
 
 
 def manifest_path(path: str) -> str:
-    """Where the manifest of ``path`` lives: ``<path>.manifest.json``."""
     return path + ".manifest.json"
 
 
@@ -60,72 +46,37 @@ def _digest_tree(tree) -> str:
     leaves, treedef = jax.tree.flatten(tree)
     h.update(str(treedef).encode())
     for leaf in leaves:
-        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-                leaf = jax.random.key_data(leaf)  # typed keys: their key data
-            a = np.ascontiguousarray(np.asarray(leaf))
-            h.update(f"{a.shape}{a.dtype}".encode())
-            h.update(a.tobytes())
-        else:
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             h.update(repr(leaf).encode())
+            continue
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        a = np.ascontiguousarray(np.asarray(leaf))
+        h.update(f"{a.shape}{a.dtype}".encode() + a.tobytes())
     return h.hexdigest()
 
 
 def inputs(x1, x2) -> dict:
-    """The digests of x1 and x2 in a fingerprint."""
-    return {
-        "x1": _digest_tree(x1),
-        "x2": "x2=None (the Gram matrix of x1)" if x2 is None else _digest_tree(x2),
-    }
+    return {"x1": _digest_tree(x1), "x2": _GRAM if x2 is None else _digest_tree(x2)}
 
 
 def described(options: dict, shape, dtype, grid) -> dict:
     """The options, shape, dtype and tile grid in a fingerprint."""
-    return {
-        "options": {k: repr(v) for k, v in sorted(options.items())},
-        "shape": list(shape),
-        "dtype": str(np.dtype(dtype)),
-        "tile grid": list(grid),
-    }
-
-
-def fingerprint(params, x1, x2, aux, options: dict, shape, dtype, grid) -> dict:
-    """What a file holds, as a JSON-ready dict of plain values (see the module
-    docstring): digests of the arrays, and the options, shape, dtype and tile grid."""
-    return {
-        **inputs(x1, x2),
-        "params": _digest_tree(params),
-        "model state (aux)": _digest_tree(aux),
-        **described(options, shape, dtype, grid),
-    }
-
-
-#: Fingerprint entries whose values a refusal shows (the others are digests).
-SHOWN = ("shape", "dtype", "tile grid", "n_samples", "sample")
+    d = {"options": {k: repr(v) for k, v in sorted(options.items())}, "shape": list(shape)}
+    return d | {"dtype": str(np.dtype(dtype)), "tile grid": list(grid)}
 
 
 def differences(old: dict, new: dict) -> list[str]:
     """What differs between two fingerprints, in words for a refusal."""
     names = []
-    for key in new:
-        if old.get(key) == new[key]:
-            continue
+    for key in (k for k in new if old.get(k) != new[k]):
         if key == "options" and isinstance(old.get(key), dict):
-            changed = sorted(
-                k for k in set(old[key]) | set(new[key]) if old[key].get(k) != new[key].get(k)
-            )
-            names.append(
-                "options ("
-                + ", ".join(
-                    f"{k}: {old[key].get(k, 'unset')} -> {new[key].get(k, 'unset')}"
-                    for k in changed
-                )
-                + ")"
-            )
-        elif key in SHOWN:
-            names.append(f"{key} ({old.get(key)} -> {new[key]})")
+            o, n = old[key], new[key]
+            changed = sorted(k for k in set(o) | set(n) if o.get(k) != n.get(k))
+            pairs = [f"{k}: {o.get(k, 'unset')} -> {n.get(k, 'unset')}" for k in changed]
+            names.append(f"{key} ({', '.join(pairs)})")
         else:
-            names.append(key)
+            names.append(f"{key} ({old.get(key)} -> {new[key]})" if key in SHOWN else key)
     return names
 
 
@@ -142,91 +93,58 @@ def _write_json_atomically(path: str, data: dict) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    try:  # the rename itself durable (POSIX: sync the folder)
+    with contextlib.suppress(OSError):  # the rename itself durable (POSIX: sync the folder)
         dir_fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _read_json(path: str):
     try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _read_manifest(path: str) -> dict | None:
-    try:
-        with open(manifest_path(path)) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and data.get("version") == MANIFEST_VERSION else None
+    data = _read_json(manifest_path(path))
+    return data if isinstance(data, dict) and data.get(VERSION) == MANIFEST_VERSION else None
+
+
+def _done(data) -> set:
+    return {tuple(t) for t in (data or {}).get(DONE, [])}
 
 
 class NpyStore:
-    """The result of a blocked call written tile by tile into ``path`` (see the module
-    docstring). The blocked engine asks :meth:`is_done` before computing a tile,
-    :meth:`put` s each computed tile, and returns :meth:`result`.
+    """A blocked call's result written tile by tile into ``path`` (``layout``: its
+    :class:`FileLayout`; ``process``: (index, count); ``barrier(name)`` waits for all, None
+    with one; ``transform(tile, r0, r1, c0, c1)`` maps each cut tile before it is written).
+    Raises ValueError for an existing file without ``resume``/``overwrite``, a resume of a
+    missing or different file (naming what differs), a bad folder, too little disk space."""
 
-    Args:
-      fn: the public function's name, for messages.
-      path: the ``.npy`` file.
-      shape, dtype: the kernel's.
-      perms: the axis permutation of the mirror tile (x2=None).
-      batch_diagonal: a kernel of the per-sample diagonal ``(N, ...)``.
-      fingerprint: :func:`fingerprint` of the call.
-      resume, overwrite: the options.
-      process: (index, count) of this process among the run's processes.
-      barrier: ``barrier(name)`` waits for every process (None: one process).
-      transform: ``transform(tile, r0, r1, c0, c1) -> array`` applied to each computed
-        tile (cut to its rows and columns) before it is written, e.g. a running sum
-        (:mod:`ntk_core._monte_carlo.files`); None: the tile as computed.
-
-    Raises:
-      ValueError: an existing file without ``resume`` or ``overwrite``; a resume whose
-        file or manifest is missing or describes another computation (the message
-        names what differs); a folder that does not exist or cannot be written; too
-        little free disk space (the message says how much is needed).
-    """
+    fd = None  # the file, open while tiles are written
 
     def __init__(
-        self,
-        fn,
-        path,
-        shape,
-        dtype,
-        perms,
-        batch_diagonal,
-        fingerprint,
-        resume,
-        overwrite,
-        process=(0, 1),
-        barrier=None,
-        transform=None,
+        self, fn, path, layout, fingerprint, resume, overwrite, process, barrier, transform=None
     ):
-        self.fn, self.path = fn, path
-        self.transform = transform
-        self.perms, self.batch_diagonal = perms, batch_diagonal
+        self.fn, self.path, self.transform = fn, path, transform
+        self.perms, self.batch_diagonal = layout.perms, layout.batch_diagonal
+        shape, dtype = layout.shape, layout.dtype
         self.process, self.barrier = process, barrier
-        self.manifest = {
-            "version": MANIFEST_VERSION,
-            "fingerprint": fingerprint,
-            "done": [],
-            "complete": False,
-        }
+        self.manifest = {VERSION: MANIFEST_VERSION, FP: fingerprint, DONE: [], COMPLETE: False}
         self.done: set[tuple[int, int]] = set()
-        self.mine: list = []  # this process's tiles done in this run (several processes)
-        self.pending: list = []  # tiles written since the last commit
+        # this process's tiles done in this run (several processes); written since the commit
+        self.mine, self.pending = [], []
         self.committed = time.monotonic()
-        self.fd = None  # the file, open for writing (os.pwrite)
         self.shape, self.itemsize = tuple(shape), np.dtype(dtype).itemsize
-        # Every process makes the same checks on the same file (so all refuse alike),
-        # then the first creates the file, then all open it.
+        # Every process makes the same checks (so all refuse alike), then the first
+        # creates the file, then all open it.
         old = _read_manifest(path) if os.path.exists(path) else None
-        self.finished = bool(
-            old is not None and old.get("fingerprint") == fingerprint and old.get("complete")
-        )
-        if self.finished:  # the same computation, finished: nothing to do
+        self.finished = bool(old and old.get(FP) == fingerprint and old.get(COMPLETE))
+        if self.finished:
             return
         create = not (os.path.exists(path) and resume)
         if create:
@@ -237,33 +155,32 @@ class NpyStore:
         first = process[0] == 0
         if create and first:
             try:  # the new file first: an old file that cannot be replaced stays known
-                created = open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape))
-                created.flush()  # the header; the data stays a hole until written
-                del created
+                # the header; the data stays a hole until written
+                open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape)).flush()
             except OSError as e:
                 raise self._os_error("create", e) from e
             for stale in (manifest_path(path), *_process_manifests(path)):
                 if os.path.exists(stale):
-                    os.unlink(stale)  # the old file's: no longer true
+                    os.unlink(stale)
             self._write(manifest_path(path), self.manifest)
         if first:  # no process writes a manifest between these two barriers
             _remove_temporaries(path)
         self._sync("created")
         try:
-            self.offset = np.load(path, mmap_mode="r").offset  # the header's length
+            self.offset = np.load(path, **READ).offset  # the header's length
             self.fd = os.open(path, os.O_RDWR)
         except (OSError, ValueError) as e:
             raise self._os_error("open", e) from e
         if not create:
-            self.done = {tuple(t) for t in old.get("done", [])}
-            for other in _process_manifests(path):  # the processes of earlier runs
-                found = _read_json(other)
-                self.done |= {tuple(t) for t in (found or {}).get("done", [])}
-            self.manifest["done"] = sorted(list(t) for t in self.done)
+            self.done = _done(old).union(*(_done(_read_json(p)) for p in _process_manifests(path)))
+            self.manifest[DONE] = sorted(list(t) for t in self.done)
 
-    def __del__(self):  # a call that failed midway: its file descriptor closed
-        if getattr(self, "fd", None) is not None:
+    def close(self):  # also when a call failed midway
+        if self.fd is not None:
             os.close(self.fd)
+            self.fd = None
+
+    __del__ = close
 
     def _sync(self, name: str) -> None:
         if self.barrier is None:
@@ -272,14 +189,12 @@ class NpyStore:
             self.barrier(f"ntk_core out= {name}: {self.path}")
         except Exception as e:  # a process of the run stopped (killed, failed)
             what = f"a process of this run stopped at '{name}' ({one_line(e)[:200]})"
-            fix = "start every process again with resume=True"
-            raise bad(ValueError, self.fn, what, fix) from e
+            raise bad(ValueError, self.fn, what, "start every process with resume=True") from e
 
     def _os_error(self, doing: str, error: Exception) -> ValueError:
         what = f"could not {doing} out={self.path!r}: {one_line(error)}"
-        return bad(
-            ValueError, self.fn, what, "make the file and its folder writable, or give another path"
-        )
+        fix = "make the file and its folder writable, or give another path"
+        return bad(ValueError, self.fn, what, fix)
 
     def _write(self, path: str, data: dict) -> None:
         try:
@@ -288,73 +203,44 @@ class NpyStore:
             raise self._os_error(f"write the manifest {path!r} of", e) from e
 
     def _check_new(self, shape, dtype, overwrite) -> None:
-        fn, path = self.fn, self.path
+        fn, path, where = self.fn, self.path, f"out={self.path!r}"
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         folder = os.path.dirname(os.path.abspath(path))
-        where = f"out={path!r}"
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             what = f"{where}: the folder {folder!r} does not exist or cannot be written"
             raise bad(ValueError, fn, what, "create it (os.makedirs), or give another path")
         if os.path.isdir(path):
-            what = f"{where} is a folder, not a file"
-            raise bad(ValueError, fn, what, "give a file path ending in .npy")
+            raise bad(ValueError, fn, f"{where} is a folder, not a file", "give a .npy file path")
         if os.path.exists(path) and not overwrite:
             raise exists_error(fn, where)
-        free = shutil.disk_usage(folder).free
-        if os.path.exists(path):
-            free += os.path.getsize(path)  # replaced
-        if nbytes > free:
+        replaced = os.path.getsize(path) if os.path.exists(path) else 0
+        if nbytes > (free := shutil.disk_usage(folder).free + replaced):
             raise no_space_error(fn, where, nbytes, free)
 
     def _check_resume(self, old, fingerprint, shape, dtype) -> None:
-        fn, path = self.fn, self.path
         if old is None:
-            raise resume_error(fn, f"{manifest_path(path)!r} is missing or unreadable")
-        differs = differences(old.get("fingerprint", {}), fingerprint)
+            raise resume_error(self.fn, f"{manifest_path(self.path)!r} is missing or unreadable")
+        differs = differences(old.get(FP, {}), fingerprint)
         if differs:
-            raise resume_error(fn, f"{path!r} was started by a different call", differs)
-        try:
-            header = np.load(path, mmap_mode="r")
-        except (OSError, ValueError) as e:
-            raise self._damaged(e) from e
-        if header.shape != tuple(shape) or header.dtype != np.dtype(dtype):
-            got = f"{header.shape} {header.dtype}, not {tuple(shape)} {np.dtype(dtype)}"
-            raise self._damaged(ValueError(got))
-        del header
-
-    def _damaged(self, error: Exception) -> ValueError:
-        return damaged(self.fn, self.path, one_line(error))
+            raise resume_error(self.fn, f"{self.path!r} {_OTHER_CALL}", differs)
+        NpyReader(self.fn, self.path, shape, dtype).close()
 
     def share(self, tiles: list) -> set:
-        """This process's share of ``tiles`` (each ``(r0, c0)``, in the same order in
-        every process): of those not done, every P-th from the process index, P
-        processes (all of them with one process)."""
+        """This process's share of ``tiles`` (the same list in every process): every P-th
+        of those not done, from the process index."""
         index, count = self.process
-        remaining = [t for t in tiles if not self.is_done(*t)]
-        return set(remaining[index::count])
-
-    def is_done(self, r0: int, c0: int) -> bool:
-        return self.finished or (r0, c0) in self.done
+        return set([] if self.finished else [t for t in tiles if t not in self.done][index::count])
 
     def put(self, tile, r0, r1, c0, c1, mirror: bool) -> None:
-        """Writes one tile (and its mirror) into the file; :meth:`commit` lists it.
-
-        Written row by row with ``os.pwrite``, not through a memory map: the pages of
-        a map written by the process count as its resident memory until the system
-        evicts them (a 30 000 x 30 000 kernel written through a map read 4.3 GB of peak
-        RSS), the page cache's do not."""
-        (leaf,) = jax.tree.leaves(tile)
-        a = np.asarray(leaf)
-        rows = r1 - r0
-        a = a[:rows] if self.batch_diagonal else a[:rows, : c1 - c0]
+        """Writes one tile (and its mirror) with ``os.pwrite`` (a memory map's written
+        pages would count as resident memory); :meth:`commit` lists it."""
+        (a,) = map(np.asarray, jax.tree.leaves(tile))
+        a = a[: r1 - r0] if self.batch_diagonal else a[: r1 - r0, : c1 - c0]
         if self.transform is not None:
             a = self.transform(a, r0, r1, c0, c1)
-        if self.batch_diagonal:
-            self._rows(np.ascontiguousarray(a), r0, 0)
-        else:
-            self._rows(a, r0, c0)
-            if mirror:
-                self._rows(np.transpose(a, self.perms[0]), c0, r0)
+        self._rows(a, r0, c0)
+        if mirror and not self.batch_diagonal:
+            self._rows(np.transpose(a, self.perms[0]), c0, r0)
         self.done.add((r0, c0))
         self.pending.append([r0, c0])
         if time.monotonic() - self.committed >= COMMIT_SECONDS:
@@ -362,73 +248,62 @@ class NpyStore:
 
     def _rows(self, block, r0: int, c0: int) -> None:
         """``block`` (rows x columns x ...) written at row ``r0``, column ``c0``."""
-        c1 = c0 + (0 if self.batch_diagonal else block.shape[1])
-        runs = _runs(self.shape, self.itemsize, self.batch_diagonal, r0, r0 + len(block), c0, c1)
         if self.batch_diagonal:  # (N, ...): consecutive rows are one run of bytes
-            ((start, _),) = runs
+            ((start, _),) = _runs(self.shape, self.itemsize, True, r0, r0 + len(block), 0, 0)
             os.pwrite(self.fd, np.ascontiguousarray(block).tobytes(), self.offset + start)
             return
+        runs = _runs(self.shape, self.itemsize, False, r0, r0 + len(block), c0, c0 + block.shape[1])
         for (start, _), row in zip(runs, block, strict=True):
             os.pwrite(self.fd, np.ascontiguousarray(row).tobytes(), self.offset + start)
 
     def commit(self) -> None:
-        """Syncs the tiles written since the last commit to the disk (``fsync``), then
-        lists them in the manifest (replaced atomically). At most every
-        :data:`COMMIT_SECONDS`: syncing and rewriting the manifest after each tile cost
-        26 ms per tile at 1830 tiles (the manifest grows with the tiles). A kill loses
-        at most the tiles of the last second, which a resume computes again."""
+        """``fsync``s the tiles written since the last commit, then lists them in the
+        manifest; at most every :data:`COMMIT_SECONDS` (the manifest grows with the tiles)."""
         self.committed = time.monotonic()
         if not self.pending:
             return
         os.fsync(self.fd)  # the bytes are in the file before the manifest says so
         if self.process[1] == 1:
-            self.manifest["done"] += self.pending
+            self.manifest[DONE] += self.pending
             self._write(manifest_path(self.path), self.manifest)
         else:  # each process lists its own tiles, in its own file
             self.mine += self.pending
-            own = {"version": MANIFEST_VERSION, "done": self.mine}
-            self._write(_process_manifest(self.path, self.process), own)
+            own = {VERSION: MANIFEST_VERSION, DONE: self.mine}
+            self._write(f"{self.path}.manifest.p{self.process[0]}of{self.process[1]}.json", own)
         self.pending = []
 
     def result(self):
-        """The finished file, read-only and memory-mapped (``np.load(path,
-        mmap_mode="r")``); the manifest marked complete (by the first process, once
-        every process has written its share)."""
+        """The finished file, memory-mapped read-only; the manifest marked complete (by
+        the first process, once every process has written its share)."""
         if not self.finished:
             self.commit()
-            os.close(self.fd)
-            self.fd = None
+            self.close()
             self._sync("written")
             if self.process[0] == 0:
-                done = {tuple(t) for t in self.manifest["done"]} | self.done
                 others = _process_manifests(self.path)
-                for other in others:
-                    done |= {tuple(t) for t in (_read_json(other) or {}).get("done", [])}
-                self.manifest["done"] = sorted(list(t) for t in done)
-                self.manifest["complete"] = True
+                done = _done(self.manifest).union(self.done, *map(_done, map(_read_json, others)))
+                self.manifest[DONE] = sorted(list(t) for t in done)
+                self.manifest[COMPLETE] = True
                 self._write(manifest_path(self.path), self.manifest)
                 for other in others:
                     os.unlink(other)
             self._sync("complete")
         try:
-            return np.load(self.path, mmap_mode="r")
+            return np.load(self.path, **READ)
         except (OSError, ValueError) as e:
-            raise self._damaged(e) from e
+            raise damaged(self.fn, self.path, one_line(e)) from e
 
 
 def _runs(shape, itemsize: int, batch_diagonal: bool, r0: int, r1: int, c0: int, c1: int):
-    """The byte runs ``(start, length)`` (from the end of the header) that rows
-    ``r0:r1``, columns ``c0:c1`` of a C-ordered array of ``shape`` occupy; one run for
-    a kernel of the per-sample diagonal ``(N, ...)`` (rows only)."""
+    """The byte runs ``(start, length)`` after the header of rows ``r0:r1``, columns
+    ``c0:c1`` of a C-ordered ``shape``; one run for rows of a batch diagonal ``(N, ...)``."""
     entry = int(np.prod(shape[1 if batch_diagonal else 2 :], dtype=np.int64)) * itemsize
     if batch_diagonal:
         return [(r0 * entry, (r1 - r0) * entry)]
-    row_bytes = shape[1] * entry
-    return [(r * row_bytes + c0 * entry, (c1 - c0) * entry) for r in range(r0, r1)]
+    return [(r * shape[1] * entry + c0 * entry, (c1 - c0) * entry) for r in range(r0, r1)]
 
 
 def exists_error(fn: str, where: str) -> ValueError:
-    """An out= file that exists and is not this call's finished result."""
     what = f"{where} exists, and is not the finished result of this call"
     return bad(
         ValueError, fn, what, "pass resume=True (same call), overwrite=True, or another path"
@@ -447,43 +322,40 @@ def resume_error(fn: str, why: str, differs=()) -> ValueError:
 
 
 def damaged(fn: str, path: str, why: str, what: str = "the .npy") -> ValueError:
-    """The ValueError for an out= file that is not what its manifest describes."""
     what = f"{path!r} cannot be read as {what} its manifest describes ({why})"
     return bad(ValueError, fn, what, "pass overwrite=True, or another path")
 
 
 class NpyReader:
-    """Regions of a ``.npy`` file read with ``os.pread`` (not through a memory map,
-    whose pages would count as the process's memory); the header read once.
+    """Regions of a ``.npy`` of ``shape`` and ``dtype`` read with ``os.pread`` (not a memory
+    map, whose pages count as the process's); ValueError if the file is not one."""
 
-    Raises:
-      ValueError: the file cannot be read as a ``.npy`` of ``shape`` and ``dtype``
-        (damaged, cut short, changed), naming ``fn`` and the fix.
-    """
+    fd = None
 
-    def __init__(self, fn: str, path: str, shape, dtype, what: str):
-        self.path, self.fd = path, None
+    def __init__(self, fn: str, path: str, shape, dtype, what: str = "the .npy"):
+        self.path, why = path, None
         try:
-            header = np.load(path, mmap_mode="r")
+            header = np.load(path, **READ)
             self.shape, self.dtype, self.offset = header.shape, header.dtype, header.offset
             del header
-            why = None
             if self.shape != tuple(shape) or self.dtype != np.dtype(dtype):
-                why = f"shape or dtype not {tuple(shape)} {np.dtype(dtype).name}"
+                why = f"{self.shape} {self.dtype}, not {tuple(shape)} {np.dtype(dtype)}"
             else:
                 self.fd = os.open(path, os.O_RDONLY)
         except (OSError, ValueError) as e:
-            why = f"{type(e).__name__}: {e}"
+            why = one_line(e)
         if why is not None:
             raise damaged(fn, path, why, what)
 
-    def __del__(self):
-        if getattr(self, "fd", None) is not None:
+    def close(self):
+        if self.fd is not None:
             os.close(self.fd)
+            self.fd = None
+
+    __del__ = close
 
     def read(self, r0: int, r1: int, c0: int, c1: int, batch_diagonal: bool):
-        """Rows ``r0:r1`` and columns ``c0:c1`` (rows only for a kernel of the
-        per-sample diagonal), a new array."""
+        """Rows ``r0:r1``, columns ``c0:c1`` (rows only on a batch diagonal), a new array."""
         runs = _runs(self.shape, self.dtype.itemsize, batch_diagonal, r0, r1, c0, c1)
         tail = self.shape[1:] if batch_diagonal else (c1 - c0, *self.shape[2:])
         out = np.empty((r1 - r0, *tail), self.dtype)
@@ -498,50 +370,25 @@ class NpyReader:
         return out
 
 
-def _process_manifest(path: str, process) -> str:
-    """Process ``index`` of ``count``'s own list of tiles done (several processes)."""
-    index, count = process
-    return f"{path}.manifest.p{index}of{count}.json"
-
-
 def _process_manifests(path: str) -> list[str]:
-    """Every process's own list beside ``path`` (of any earlier run)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    prefix = os.path.basename(path) + ".manifest.p"
-    return sorted(
-        os.path.join(folder, name)
-        for name in os.listdir(folder)
-        if name.startswith(prefix) and name.endswith(".json")
-    )
+    """Every process's own list of tiles beside ``path`` (of any earlier run)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    pattern = re.escape(name) + r"\.manifest\.p.*\.json"
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if re.fullmatch(pattern, n))
 
 
 def _remove_temporaries(path: str) -> None:
-    """Removes the temporary manifests of ``path`` that a killed process left (written
-    by :func:`_write_json_atomically`, killed before their ``os.replace``)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    prefix = f".{os.path.basename(manifest_path(path))[: -len('.json')]}"
-    for name in os.listdir(folder):
-        if name.startswith(prefix) and ".tmp-" in name:
-            try:
-                os.unlink(os.path.join(folder, name))
-            except OSError:
-                pass
-
-
-def _read_json(path: str):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    """Removes the temporary manifests of ``path`` that a killed process left."""
+    folder, name = os.path.split(os.path.abspath(path))
+    for n in os.listdir(folder):
+        if n.startswith(f".{name}.manifest") and ".tmp-" in n:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, n))
 
 
 def model_digest(closed) -> str:
-    """SHA-256 of the model's jaxpr as printed, without the memory addresses that the
-    printout of some equations (custom derivatives) carries, and of the values of the
-    constants it captured (arrays the function closes over, which the printout shows
-    only as variables): the same model gives the same digest in another process, and a
-    model whose captured array changed gives another."""
+    """SHA-256 of the model's printed jaxpr (memory addresses dropped, so another process
+    gives the same) and of the constants it captured (whose values the printout omits)."""
     text = re.sub(r"0x[0-9a-fA-F]+", "0x", str(closed.jaxpr))
     consts = _digest_tree(list(closed.consts))
     return hashlib.sha256(text.encode() + consts.encode()).hexdigest()
@@ -549,10 +396,8 @@ def model_digest(closed) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class FileLayout:
-    """What a blocked call's file holds: its ``shape`` and ``dtype``, ``perms`` (the
-    axis permutation of a mirror tile, x2=None), ``batch_diagonal`` (a kernel of the
-    per-sample diagonal ``(N, ...)``), ``described`` (the options and the model's
-    digest, as the fingerprint names them) and the tile ``grid`` (rows, columns)."""
+    """A blocked call's file: ``perms`` of a mirror tile, ``batch_diagonal`` (a kernel
+    ``(N, ...)``), ``described`` (options and model digest) and the tile ``grid``."""
 
     shape: tuple
     dtype: np.dtype
@@ -563,70 +408,36 @@ class FileLayout:
 
 
 def processes():
-    """``((index, count), barrier)`` of this process among ``jax.distributed``'s (the
-    barrier None with one process)."""
+    """``((index, count), barrier)`` among ``jax.distributed``'s processes (None: one)."""
+    from jax.experimental import multihost_utils
+
     count = jax.process_count()
-    return (jax.process_index(), count), (_barrier() if count > 1 else None)
+    barrier = multihost_utils.sync_global_devices if count > 1 else None
+    return (jax.process_index(), count), barrier
 
 
 def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
-    """The :class:`NpyStore` of a blocked call with ``out=`` (``spec``: the kernel
-    function, ``config``: the plan, ``cut``: the tiling, ``model``:
-    :func:`model_digest`): a path's, or the one a :class:`Sink` opens.
-
-    Raises:
-      ValueError: a kernel that is a pytree of several arrays (several outputs, or
-        per-leaf kernels); and the errors of :class:`NpyStore`.
-    """
-
-    options = spec.options
-    out = options.out
+    """The :class:`NpyStore` of a blocked call with ``out=`` (a path's, or the one a
+    :class:`Sink` opens; ``model``: :func:`model_digest`); ValueError for a kernel of
+    several arrays."""
+    options, fn, out = spec.options, spec.fn_name, spec.options.out
     if len(cut.pair_kernels) != 1:
-        what = f"out={getattr(out, 'path', out)!r} writes one kernel array, but this kernel is "
-        what += f"a pytree of {len(cut.pair_kernels)}"
-        raise bad(ValueError, spec.fn_name, what, "compute one output at a time, or drop out=")
+        n, where = len(cut.pair_kernels), out.path if isinstance(out, Sink) else out
+        what = f"out={where!r} writes one kernel array, but this kernel is a pytree of {n}"
+        raise bad(ValueError, fn, what, "compute one output at a time, or drop out=")
     (one,) = cut.pair_kernels
     n1 = int(np.shape(jax.tree.leaves(x1)[0])[0])
     n2 = n1 if x2 is None else int(np.shape(jax.tree.leaves(x2)[0])[0])
-    batch_diagonal = config.layouts[0].batch_diagonal
-    shape = (n1, *one.shape[1:]) if batch_diagonal else (n1, n2, *one.shape[2:])
-    described = {
-        "kind": spec.kind,
-        "implementation": config.implementation,
-        "trace_axes": options.trace_axes,
-        "diagonal_axes": options.diagonal_axes,
-        "vmap_axes": options.vmap_axes,
-        "precision": options.precision,
-        "model (its jaxpr)": model,
-    }
-    layout = FileLayout(
-        shape,
-        np.dtype(one.dtype),
-        [swap_perm(layout) for layout in leaf_layouts(config)],
-        batch_diagonal,
-        described,
-        (cut.b1, cut.b2),
-    )
+    diagonal = config.layouts[0].batch_diagonal
+    shape = (n1, *one.shape[1:]) if diagonal else (n1, n2, *one.shape[2:])
+    names = ("trace_axes", "diagonal_axes", "vmap_axes", "precision")
+    named = {"kind": spec.kind, "implementation": config.implementation}
+    named |= {k: getattr(options, k) for k in names} | {"model (its jaxpr)": model}
+    perms = [swap_perm(layout) for layout in leaf_layouts(config)]
+    layout = FileLayout(shape, np.dtype(one.dtype), perms, diagonal, named, (cut.b1, cut.b2))
     if isinstance(out, Sink):
-        return out.open(spec.fn_name, layout, x1, x2, params, aux)
-    process, barrier = processes()
-    return NpyStore(
-        spec.fn_name,
-        out,
-        shape,
-        layout.dtype,
-        layout.perms,
-        batch_diagonal,
-        fingerprint(params, x1, x2, aux, described, shape, layout.dtype, layout.grid),
-        options.resume,
-        options.overwrite,
-        process,
-        barrier,
-    )
-
-
-def _barrier():
-    """Every process waits for all (``jax.experimental.multihost_utils``)."""
-    from jax.experimental import multihost_utils
-
-    return multihost_utils.sync_global_devices
+        return out.open(fn, layout, x1, x2, params, aux)
+    # what the file holds, as JSON-ready plain values
+    fp = {**inputs(x1, x2), "params": _digest_tree(params), "model state (aux)": _digest_tree(aux)}
+    fp |= described(named, shape, layout.dtype, layout.grid)
+    return NpyStore(fn, out, layout, fp, options.resume, options.overwrite, *processes())

@@ -1,36 +1,12 @@
-"""Monte Carlo kernels written to files (``out=``): a running sum over the samples on
-disk, resumable after the process is killed.
-
-``monte_carlo_kernels(..., batch_size=B, out="mc.npy")`` writes the NNGP's mean to
-``mc.nngp.npy`` and the NTK's to ``mc.ntk.npy`` (standard ``.npy`` files, returned
-read-only and memory-mapped). Sample s's kernel is computed tile by tile by the
-blocked engine, and each tile is added to the sum of the samples before it on its way
-to the disk, exactly as the in-memory average sums (in float32 or wider):
-
-    sum_0 = k_0,   sum_s = sum_{s-1} + k_s,   mean = (sum_{S-2} + k_{S-1}) / S
-    (the mean cast to the kernel's dtype, written by the last sample's tiles)
-
-so the files equal the in-memory result bit for bit. Sample s reads the sum of the
-samples before it from one file and writes its own into another (double buffering):
-a kill at any moment leaves the earlier sum whole, and the resumed call redoes at most
-the tiles of the last second of the sample it was in. The buffers of kind K
-(``nngp``, ``ntk``), counted back from the last sample, which writes the mean:
-
-* ``mc.K.npy``: the mean; also the sums of samples S-3, S-5, ... when the running sum
-  has the kernel's dtype (float32 and float64 kernels), so that two files suffice;
-* ``mc.K.sum-a.npy`` (samples S-2, S-4, ...) and, for half-precision kernels (summed
-  in float32), ``mc.K.sum-b.npy`` (samples S-3, S-5, ...); removed once the mean is
-  written.
-
-Each buffer is an :class:`ntk_core._blocked.store.NpyStore` file with its manifest; its
-fingerprint holds the digests of x1, x2, the key and the first sample's
-initialisation, ``n_samples``, the sample whose sum it holds, and the options, model,
-shape, dtype and tile grid, so a resume of a different call is refused naming what
-differs.
+"""Monte Carlo kernels with ``out="mc.npy"``: the running sum over the samples kept on disk,
+tile by tile (``sum_s = sum_{s-1} + k_s``, the last sample's tiles written as the mean in the
+kernels' dtype, bit for bit the in-memory average), in two alternating buffers per kind, so
+that a kill leaves the earlier sum whole and ``resume=True`` redoes at most the last second.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -45,8 +21,8 @@ KINDS = ("nngp", "ntk")
 
 
 def kind_options(kind: str, options: dict, files: MonteCarloFiles | None) -> dict:
-    """The options of the kind's kernel functions: the NNGP's without
-    ``implementation``; with ``files``, ``out`` the kind's :class:`RunningSum`."""
+    """The kind's kernel options: the NNGP's without ``implementation``; with ``files``,
+    ``out`` the kind's :class:`RunningSum`."""
     options = {k: v for k, v in options.items() if not (kind == "nngp" and k == "implementation")}
     if files is not None:
         options.update(out=files.sums[kind], resume=False, overwrite=False)
@@ -54,57 +30,37 @@ def kind_options(kind: str, options: dict, files: MonteCarloFiles | None) -> dic
 
 
 class MonteCarloFiles:
-    """The files of one Monte Carlo call with ``out=`` (see the module docstring).
+    """The files of one Monte Carlo call (``options``: its checked options; ``init(k)``:
+    one sample's initialisation). Fingerprints add the digests of the key and of sample 0's
+    initialisation, ``n_samples`` and ``sample``. Raises ValueError for files that exist
+    without ``resume``/``overwrite``, or a resume of a different call (naming what differs)."""
 
-    Args:
-      fn: the public function's name, for messages.
-      out: the path ending in ``.npy`` the user gave (``mc.npy``).
-      resume, overwrite: the options.
-      key, n_samples: the samples' key and number S.
-      x1, x2: the inputs.
-      init: the function of a key that initialises one sample (its digest for key
-        ``jax.random.split(key, S)[0]`` identifies the initialisation).
-
-    Raises:
-      ValueError: files of the run that exist without ``resume`` or ``overwrite`` and
-        are not its finished result; a resume of a different call (the message names
-        what differs).
-    """
-
-    def __init__(self, fn, out, resume, overwrite, key, n_samples, x1, x2, init):
-        self.fn, self.out, self.n_samples = fn, out, n_samples
-        self.resume, self.overwrite = resume, overwrite
+    def __init__(self, fn, options, key, n_samples, x1, x2, init):
+        self.fn, self.out, self.n_samples = fn, options.out, n_samples
+        self.resume, self.overwrite = options.resume, options.overwrite
         self.process, self.barrier = _store.processes()
-        stem = out[: -len(".npy")]
+        stem = self.out[:-4]  # without .npy
         if not os.path.basename(stem):
-            what = f"out={out!r} has no name before '.npy'"
+            what = f"out={self.out!r} has no name before '.npy'"
             raise bad(ValueError, fn, what, "name it, e.g. out='mc.npy'")
-        first_key = jax.random.split(key, n_samples)[0]
-        self.common = {
-            **_store.inputs(x1, x2),
-            "key": _store._digest_tree(key),
-            # the initialisation's code and captured values, and what it gives sample 0
-            "initialisation (its jaxpr)": _store.model_digest(jax.make_jaxpr(init)(first_key)),
-            "initialisation (sample 0)": _store._digest_tree(init(first_key)),
-            "n_samples": n_samples,
-        }
+        first_key, digest = jax.random.split(key, n_samples)[0], _store._digest_tree
+        code = _store.model_digest(jax.make_jaxpr(init)(first_key))  # with its captured values
+        sample0 = digest(init(first_key))
+        self.common = {**_store.inputs(x1, x2), "key": digest(key)}
+        self.common |= {"initialisation (its jaxpr)": code, "initialisation (sample 0)": sample0}
+        self.common["n_samples"] = n_samples
         self.sums = {kind: RunningSum(self, kind, f"{stem}.{kind}.npy") for kind in KINDS}
-        for path in (p for rs in self.sums.values() for p in rs.buffers):
-            if os.path.isdir(path):
-                what = f"out={out!r} writes {path!r}, which is a folder"
-                raise bad(ValueError, fn, what, "give another path")
-        if overwrite:
-            self._remove([p for rs in self.sums.values() for p in rs.buffers])
-        self.first = min(rs.first() for rs in self.sums.values())
-        self.sample = self.first
-
-    def begin(self, sample: int) -> None:
-        """The next kernel calls are sample ``sample``'s."""
-        self.sample = sample
+        paths = [p for rs in self.sums.values() for p in rs.buffers]
+        for path in filter(os.path.isdir, paths):
+            what = f"out={self.out!r} writes {path!r}, which is a folder"
+            raise bad(ValueError, fn, what, "give another path")
+        if self.overwrite:
+            self._remove(paths)
+        self.first = self.sample = min(rs.first() for rs in self.sums.values())
 
     def finish(self) -> None:
         """Removes the running sums once every kind's mean is written."""
-        self._remove([p for rs in self.sums.values() for p in rs.buffers if p != rs.path])
+        self._remove([p for rs in self.sums.values() for p in rs.buffers[1:]])
 
     def _remove(self, paths) -> None:
         if self.process[0] == 0:
@@ -118,40 +74,39 @@ class MonteCarloFiles:
 
 
 class RunningSum(_store.Sink):
-    """The ``out=`` of one kind's kernel functions: opens, for the current sample, the
-    buffer that its tiles (added to the previous sample's sum) are written into."""
+    """One kind's ``out=``: opens, for the current sample, the buffer that its tiles (added
+    to the previous sample's sum) are written into."""
 
     def __init__(self, files: MonteCarloFiles, kind: str, path: str):
         self.files, self.kind, self.path = files, kind, path
-        stem = path[:-4]
         #: every file this kind may use, the result first
-        self.buffers = [path, f"{stem}.sum-a.npy", f"{stem}.sum-b.npy"]
+        self.buffers = [path, f"{path[:-4]}.sum-a.npy", f"{path[:-4]}.sum-b.npy"]
         self.checked_space = False
 
     def buffer(self, sample: int, same_dtype: bool) -> str:
-        """The file that sample ``sample``'s sum (the mean, for the last) goes to."""
-        back = self.files.n_samples - 1 - sample  # 0 for the last sample
+        """The file of sample ``sample``'s sum: the result for the last; counted back from
+        it, the result and sum-a alternately when the sum has the kernel's dtype, else
+        sum-a and sum-b (half-precision kernels, summed in float32)."""
+        back = self.files.n_samples - 1 - sample
         if back == 0:
             return self.path
-        if same_dtype:
-            return self.buffers[back % 2]  # the result file and sum-a, alternately
-        return self.buffers[1 + (back + 1) % 2]  # sum-a and sum-b, alternately
+        return self.buffers[back % 2] if same_dtype else self.buffers[1 + (back + 1) % 2]
 
     def first(self) -> int:
-        """The first sample not yet summed into a finished buffer (``n_samples``: the
-        mean is written); refuses existing files that this call may not use."""
+        """The first sample not yet summed into a finished buffer (``n_samples``: the mean
+        is written); refuses existing files that this call may not use."""
         files, fn = self.files, self.files.fn
         found, other, unknown = [], None, None
         existing = [p for p in self.buffers if os.path.exists(p)]
         for path in existing:
             manifest = _store._read_manifest(path)
-            fp = (manifest or {}).get("fingerprint", {})
+            fp = (manifest or {}).get(_store.FP, {})
             common = {k: fp.get(k) for k in files.common}
             if manifest is None:
                 unknown = path
             elif common != files.common:
                 other = (path, _store.differences(common, files.common))
-            elif manifest.get("complete"):
+            elif manifest.get(_store.COMPLETE):
                 found.append(int(fp.get("sample", -1)))
         first = max(found) + 1 if found else 0
         if not existing or first == files.n_samples:
@@ -162,21 +117,16 @@ class RunningSum(_store.Sink):
             why = f"{_store.manifest_path(unknown)!r} is missing or unreadable"
             raise _store.resume_error(fn, why)
         if other is not None and not found:
-            path, differs = other
-            raise _store.resume_error(fn, f"{path!r} was started by a different call", differs)
+            raise _store.resume_error(fn, f"{other[0]!r} {_store._OTHER_CALL}", other[1])
         return first
 
     def fingerprint(self, layout: _store.FileLayout, sample: int, dtype) -> dict:
-        return {
-            **self.files.common,
-            "sample": sample,
-            **_store.described(layout.described, layout.shape, dtype, layout.grid),
-        }
+        described = _store.described(layout.described, layout.shape, dtype, layout.grid)
+        return {**self.files.common, "sample": sample, **described}
 
     def open(self, fn, layout, x1, x2, params, aux) -> _store.NpyStore:
         files = self.files
-        s, n = files.sample, files.n_samples
-        dtype = layout.dtype
+        s, n, dtype = files.sample, files.n_samples, layout.dtype
         wide = np.promote_types(dtype, np.float32)
         same = wide == dtype
         path = self.buffer(s, same)
@@ -188,28 +138,21 @@ class RunningSum(_store.Sink):
         if s > 0:
             previous = self.buffer(s - 1, same)
             manifest = _store._read_manifest(previous) or {}
-            expected = self.fingerprint(layout, s - 1, wide)
-            if not manifest.get("complete") or manifest.get("fingerprint") != expected:
-                differs = _store.differences(manifest.get("fingerprint", {}), expected)
-                why = (
-                    f"the sum of samples 0..{s - 1} in {previous!r} was started by a different call"
-                )
-                raise _store.resume_error(fn, why, differs)
+            old, expected = manifest.get(_store.FP, {}), self.fingerprint(layout, s - 1, wide)
+            if not manifest.get(_store.COMPLETE) or old != expected:
+                why = f"the sum of samples 0..{s - 1} in {previous!r} {_store._OTHER_CALL}"
+                raise _store.resume_error(fn, why, _store.differences(old, expected))
             earlier_sum = _store.NpyReader(fn, previous, layout.shape, wide, "the running sum")
         last = s == n - 1
         into = dtype if last else wide
         manifest = _store._read_manifest(path) if os.path.exists(path) else None
-        started = manifest is not None and manifest.get("fingerprint") == self.fingerprint(
-            layout, s, into
-        )
+        started = (manifest or {}).get(_store.FP) == self.fingerprint(layout, s, into)
 
         def add(tile, r0, r1, c0, c1):
-            """The tile added to the sum of the samples before (in ``wide``); divided
-            by S and cast for the last sample (as the in-memory average)."""
+            """The tile added to the earlier sum (in ``wide``); the mean, cast, for the last."""
             total = tile.astype(wide)
             if earlier_sum is not None:
-                earlier = earlier_sum.read(r0, r1, c0, c1, layout.batch_diagonal)
-                total = np.add(earlier, total)
+                total = np.add(earlier_sum.read(r0, r1, c0, c1, layout.batch_diagonal), total)
             if last:
                 total = (total / n).astype(dtype)
             if not np.isfinite(total).all():
@@ -221,36 +164,23 @@ class RunningSum(_store.Sink):
         return self._store(fn, layout, path, s, into, started, not started, add)
 
     def _store(self, fn, layout, path, sample, dtype, resume, overwrite, transform=None):
-        return _store.NpyStore(
-            fn,
-            path,
-            layout.shape,
-            dtype,
-            layout.perms,
-            layout.batch_diagonal,
-            self.fingerprint(layout, sample, dtype),
-            resume,
-            overwrite,
-            self.files.process,
-            self.files.barrier,
-            transform,
-        )
+        fp = self.fingerprint(layout, sample, dtype)
+        layout = dataclasses.replace(layout, dtype=np.dtype(dtype))
+        process = (self.files.process, self.files.barrier)
+        return _store.NpyStore(fn, path, layout, fp, resume, overwrite, *process, transform)
 
     def _check_space(self, fn, layout, same) -> None:
         """Free disk space for the buffers not yet created, before anything runs."""
         self.checked_space = True
-        files = self.files
+        files, n = self.files, self.files.n_samples
         wide = np.promote_types(layout.dtype, np.float32)
         entries = int(np.prod(layout.shape, dtype=np.int64))
         needed = {}
-        for s in range(files.first, files.n_samples):
+        for s in range(files.first, n):
             path = self.buffer(s, same)
-            size = entries * (layout.dtype if s == files.n_samples - 1 else wide).itemsize
+            size = entries * (layout.dtype if s == n - 1 else wide).itemsize
             needed[path] = max(needed.get(path, 0), size)
         missing = sum(v for p, v in needed.items() if not os.path.exists(p))
-        folder = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(folder):
-            return  # NpyStore says so
-        free = shutil.disk_usage(folder).free
-        if missing > free:
+        folder = os.path.dirname(os.path.abspath(self.path))  # missing: NpyStore says so
+        if os.path.isdir(folder) and missing > (free := shutil.disk_usage(folder).free):
             raise _store.no_space_error(fn, f"out={files.out!r}", missing, free)
