@@ -74,9 +74,10 @@ def _blocks(n: int, b: int) -> list[tuple[int, int]]:
 
 
 def _symmetric_leaf(k, layout):
-    """(K + Kᵀ)·½, Kᵀ with each pair's x1 and x2 axes swapped: exactly symmetric, as the
-    barriers keep XLA from fusing K into the sum or the halving into it (an FMA could
-    round the two sides differently)."""
+    """(K + Kᵀ)·½, Kᵀ with each pair's x1 and x2 axes swapped. Exact only when K is an
+    input of the program (``_impl.phases._MIRROR`` runs it alone): fused with the
+    contraction, XLA may round K[i, j] and K[j, i] differently; the barriers keep the
+    halving from becoming an FMA of the sum."""
     k = barrier(k)
     total = barrier(k + jnp.transpose(k, swap_perm(layout)))
     return total * jnp.asarray(0.5, k.dtype)
