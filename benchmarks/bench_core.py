@@ -77,6 +77,19 @@ class ResNet(nn.Module):
         return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
 
 
+class ResNet18(nn.Module):
+    """ResNet-18 in ``hk.nets.ResNet18``'s layout, 10 logits (twin: ``cases.resnet18``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(64, (7, 7), strides=(2, 2), use_bias=False)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=True)(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        for features, stride in cases.RESNET18_BLOCKS:
+            x = ResBlock(features, stride)(x)
+        return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
+
+
 class TokenModel(nn.Module):
     """The test zoo's ``TokenModel`` (``tests/zoo.py``), restated here because importing
     the zoo initialises all its models; :func:`prepare` checks both give the same logits."""
@@ -102,6 +115,8 @@ def flax_module(case):
         return ntk_flax.LeNet(out_features=1)
     if case.model == "resnet":
         return ResNet()
+    if case.model == "resnet18":
+        return ResNet18()
     if case.model == "tokens":
         return TokenModel()
     return None

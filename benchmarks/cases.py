@@ -32,7 +32,7 @@ class Case:
 
     key: str
     title: str
-    model: str  # "mlp", "lenet", "resnet" or "tokens"
+    model: str  # "mlp", "lenet", "resnet", "resnet18" or "tokens"
     n: int  # default number of samples N (the Gram matrix is N x N)
     trace_axes: tuple
     widths: tuple = ()  # MLP layer widths, input first
@@ -49,6 +49,10 @@ CASES = {
         ),
         Case("resnet", "ResNet-style CNN, BatchNorm (eval), 10 logits", "resnet", 256, (-1,)),
         Case("tokens", "token transformer (test zoo)", "tokens", 256, (-1,)),
+        Case("mlp-small", "MLP 784-192-10 (P = 153 k)", "mlp", 32, (-1,), (784, 192, 10)),
+        Case(
+            "resnet18", "ResNet-18, BatchNorm (eval), 10 logits, trace_axes=()", "resnet18", 16, ()
+        ),
     ]
 }
 
@@ -108,14 +112,27 @@ def _batch_norm(p, stats, x):
     return (x - stats["mean"]) * mul + p["bias"]
 
 
-def resnet(variables, x):
-    """Twin of ``bench_core.ResNet``: stem Conv-BN-ReLU, residual blocks
-    (Conv3x3-BN-ReLU-Conv3x3-BN, plus the input, through a 1x1 Conv-BN projection when
-    the shape changes, then ReLU), global average pool, Dense 10."""
+#: ResNet-18 as ``hk.nets.ResNet18`` lays it out (issue 28's model): a 7x7/2 stem of 64
+#: channels, 3x3/2 max pool, four stages of two blocks; 11.2 M parameters with 10 logits.
+RESNET18_BLOCKS = tuple(
+    (f, s) for f, first in ((64, 1), (128, 2), (256, 2), (512, 2)) for s in (first, 1)
+)
+
+
+def _max_pool(x):
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+
+
+def resnet(variables, x, blocks=RESNET_BLOCKS, stem=16, deep_stem=False):
+    """Twin of ``bench_core.ResNet``: stem Conv-BN-ReLU (ResNet-18: 7x7/2 and a 3x3/2 max
+    pool), residual blocks (Conv3x3-BN-ReLU-Conv3x3-BN, plus the input, through a 1x1
+    Conv-BN projection when the shape changes, then ReLU), global average pool, Dense 10."""
     p, s = variables["params"], variables["batch_stats"]
-    x = jax.nn.relu(_batch_norm(p["BatchNorm_0"], s["BatchNorm_0"], _conv(p["Conv_0"], x)))
-    channels = 16
-    for i, (features, stride) in enumerate(RESNET_BLOCKS):
+    x = _conv(p["Conv_0"], x, (2, 2) if deep_stem else (1, 1))
+    x = jax.nn.relu(_batch_norm(p["BatchNorm_0"], s["BatchNorm_0"], x))
+    x = _max_pool(x) if deep_stem else x
+    channels = stem
+    for i, (features, stride) in enumerate(blocks):
         name = f"ResBlock_{i}"
         bp, bs = p[name], s[name]
         y = _conv(bp["Conv_0"], x, (stride, stride))
@@ -160,7 +177,12 @@ def tokens(variables, t):
     return _dense(p["Dense_0"], jax.nn.gelu(h, approximate=True))
 
 
-MODELS = {"mlp": mlp, "lenet": lenet, "resnet": resnet, "tokens": tokens}
+def resnet18(variables, x):
+    """Twin of ``bench_core.ResNet18``."""
+    return resnet(variables, x, RESNET18_BLOCKS, 64, deep_stem=True)
+
+
+MODELS = {"mlp": mlp, "lenet": lenet, "resnet": resnet, "resnet18": resnet18, "tokens": tokens}
 
 
 def plain_apply(case: Case):
@@ -176,7 +198,7 @@ def make_inputs(case: Case, n: int, seed: int = 1) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if case.model == "mlp":
         return rng.standard_normal((n, case.widths[0]), dtype=np.float32)
-    if case.model in ("lenet", "resnet"):
+    if case.model in ("lenet", "resnet", "resnet18"):
         return rng.standard_normal((n, 32, 32, 3), dtype=np.float32)
     return rng.integers(0, TOKEN_VOCAB, (n, TOKEN_LENGTH)).astype(np.int32)
 

@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 DATA_DIR = "/tmp/ntk-jax-first-call"
-CASE_KEYS = ("mlp1", "lenet")
+CASE_KEYS = ("mlp1", "lenet", "mlp-small", "resnet18")
 
 
 class _Compiles(logging.Handler):
@@ -150,9 +150,11 @@ def _worker(side: str, key: str, n: int) -> dict:
     return result
 
 
-def _run(python: str, side: str, key: str, n: int, timeout_s: float) -> dict:
+def _run(python: str, side: str, key: str, n: int, timeout_s: float, xla_flags=None) -> dict:
     cmd = [python, os.path.abspath(__file__), "worker", side, key, str(n)]
     env = dict(os.environ, PYTHONPATH=HERE, TF_CPP_MIN_LOG_LEVEL="3")
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     wall = time.perf_counter() - start
@@ -160,6 +162,8 @@ def _run(python: str, side: str, key: str, n: int, timeout_s: float) -> dict:
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT ") :])
             result["process_wall_s"] = round(wall, 2)
+            if xla_flags:
+                result["side"] += f" XLA_FLAGS={xla_flags}"
             return result
     return {"side": side, "case": key, "error": proc.stderr.strip()[-800:]}
 
@@ -178,8 +182,9 @@ def _table(results: list[dict]) -> str:
         "new N first s | programs (compile s) | traces | new N warm s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    sides = list(dict.fromkeys(r["side"] for r in results if "side" in r))
     for key in CASE_KEYS:
-        for side in ("ours", "neural-tangents"):
+        for side in sides:
             runs = [r for r in results if r.get("case") == key and r.get("side") == side]
             runs = [r for r in runs if "error" not in r]
             if not runs:
@@ -194,8 +199,9 @@ def _table(results: list[dict]) -> str:
                 return f"{progs:g} ({secs:.2f})"
 
             title = f"{key} N={runs[0]['n']}"
+            side = side.replace("neural-tangents", f"neural-tangents {runs[0]['version']}")
             rows.append(
-                f"| {title} | {side} {runs[0]['version']} | {med('first_s'):.2f} | "
+                f"| {title} | {side} | {med('first_s'):.2f} | "
                 f"{compiles('first')} | {med('first_traces'):g} | {med('warm_s'):.3f} | "
                 f"{med('new_n_s'):.2f} | {compiles('new_n')} | {med('new_n_traces'):g} | "
                 f"{med('new_n_warm_s'):.3f} |"
@@ -207,7 +213,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nt-python", help="neural-tangents' interpreter (omit: ours only)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cases", nargs="+", default=list(CASE_KEYS), choices=CASE_KEYS)
+    parser.add_argument("--cases", nargs="+", default=["mlp1", "lenet"], choices=CASE_KEYS)
+    parser.add_argument("--n", type=int, help="N for every case (default: each case's own)")
+    parser.add_argument("--ours-xla-flags", help="also run ours with these XLA_FLAGS")
     parser.add_argument("--out", default=os.path.join(HERE, "results_first_call.json"))
     args = parser.parse_args(argv)
     import cases
@@ -215,11 +223,14 @@ def main(argv=None):
 
     results = []
     for key in args.cases:
-        n = cases.CASES[key].n
+        n = args.n or cases.CASES[key].n
         _prepare(key, n)
         for _ in range(args.repeats):
             results.append(_run(sys.executable, "ours", key, n, 600))
             print(json.dumps(results[-1])[:400], flush=True)
+            if args.ours_xla_flags:
+                results.append(_run(sys.executable, "ours", key, n, 600, args.ours_xla_flags))
+                print(json.dumps(results[-1])[:400], flush=True)
             if args.nt_python:
                 results.append(_run(args.nt_python, "neural-tangents", key, n, 600))
                 print(json.dumps(results[-1])[:400], flush=True)
