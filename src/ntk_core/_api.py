@@ -6,7 +6,7 @@ import inspect
 from collections.abc import Callable
 
 from ntk_core._errors import bad
-from ntk_core._jax import caches as _caches
+from ntk_core._jax.caches import cached
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import check_apply_fn, params_check
@@ -45,21 +45,17 @@ def ntk_fn(
         of size N, outputs a pytree of floating arrays ``(N, O...)``.
       trace_axes, diagonal_axes, vmap_axes, implementation, precision, batch_size,
         store_on_device, progress, memory_budget, out, resume, overwrite, devices: the
-        options, described in :mod:`ntk_core._kernel.options`. ``batch_size=B`` computes
-        the Gram matrix in B x B tiles (``"auto"``: B from ``memory_budget``); ``out``
-        writes it into an ``.npy`` file (returned memory-mapped, read-only).
+        options (:mod:`ntk_core._kernel.options`); ``batch_size=B``: B x B tiles (``"auto"``:
+        B from ``memory_budget``); ``out``: into an ``.npy`` file (memory-mapped, read-only).
 
     Returns:
-      a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)`` (with
-      ``.plan(...)``, ``.implementation_for(...)``); ``x2=None`` means x1 (Jacobians once,
-      result exactly symmetric). It returns a ``jax.Array``; with a batch size a host
-      ``numpy.ndarray`` (``jax.Array`` with ``store_on_device=True``).
-      Layout, per output leaf ``(N, O_1, ..., O_k)`` (a pytree of kernels for a pytree
-      output), of the output's dtype: a traced axis is absent (averaged: divided by its
-      size, as neural-tangents 0.6), a diagonal axis appears once, any other twice (x1's
-      then x2's). Outputs ``(N, O)``: ``trace_axes=(-1,)`` -> ``(N1, N2)``;
-      ``trace_axes=()`` -> ``(N1, N2, O, O)``; with ``diagonal_axes=(-1,)`` ->
-      ``(N1, N2, O)``; ``diagonal_axes=(0,)`` -> ``(N,)``.
+      a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)`` (``x2=None``: x1,
+      Jacobians once, exactly symmetric) returning a ``jax.Array``; with a batch size a host
+      ``numpy.ndarray`` (``jax.Array`` with ``store_on_device=True``). Per output leaf
+      ``(N, O_1, ..., O_k)``, in its dtype: a traced axis is absent (averaged, as
+      neural-tangents 0.6), a diagonal axis appears once, any other twice (x1's, x2's).
+      Outputs ``(N, O)``: ``trace_axes=(-1,)`` -> ``(N1, N2)``; ``trace_axes=()`` ->
+      ``(N1, N2, O, O)``; ``diagonal_axes=(-1,)`` -> ``(N1, N2, O)``; ``(0,)`` -> ``(N,)``.
 
     Raises:
       TypeError: ``apply_fn`` not callable, an option of the wrong type, integer params
@@ -151,28 +147,14 @@ def nngp_fn(
     return _make("nngp", core("nngp_fn", built=True), apply_fn, locals())
 
 
-@_caches.lru_cache(maxsize=64)
-def _cached(kind, caller: Caller, apply_fn, items: tuple) -> Callable:
-    return _make(kind, caller, apply_fn, dict(items))
-
-
 def _get(kind, caller: Caller, apply_fn, options: dict) -> Callable:
-    """``_make`` with an LRU cache keyed by ``(apply_fn, options)`` when hashable."""
-    items = tuple(sorted(options.items()))
-    try:
-        hash((apply_fn, items))
-    except TypeError:
-        return _make(kind, caller, apply_fn, options)
-    return _cached(kind, caller, apply_fn, items)
+    """``_make``, cached by ``(kind, caller, apply_fn, options)`` when hashable."""
+    return cached((kind, caller, apply_fn, options), lambda: _make(kind, caller, apply_fn, options))
 
 
 def _options(arguments: dict) -> dict:
-    """The kernel options among a function's arguments, lists frozen to tuples."""
-    return {
-        k: tuple(v) if isinstance(v, list) else v
-        for k, v in arguments.items()
-        if k in NTK_OPTION_NAMES
-    }
+    """The kernel options among a function's arguments."""
+    return {k: v for k, v in arguments.items() if k in NTK_OPTION_NAMES}
 
 
 def empirical_ntk(
@@ -343,11 +325,10 @@ def plan(
     Returns a ``Plan``: ``implementation`` (what ``"auto"`` chose), ``estimates`` (analytic
     FLOPs and feature bytes per implementation, for N1·N2 pairs; :mod:`ntk_core._impl.cost`),
     ``tiling`` with a ``batch_size``, and ``leaves``: per parameter leaf its path, size and
-    method, e.g. ``"structured (k matrix products)"`` / ``(k convolutions)`` /
-    ``(embedding gather)`` / ``(bias fused with its matrix product)`` / ``(elementwise
-    scale, per-sample Jacobian)`` / ``(elementwise shift, per-sample Jacobian)``, or
-    ``"jacobian (fallback: <reason>)"`` naming what stopped the rules and, where JAX
-    recorded it, the user's line; ``leaf.structured`` is what ``"structured"`` would use.
+    method, e.g. ``"structured (k matrix products)"`` / ``(k convolutions)`` / ``(embedding
+    gather)`` / ``(bias fused with its matrix product)`` / ``(elementwise scale|shift,
+    per-sample Jacobian)``, or ``"jacobian (fallback: <reason>)"`` naming what stopped the
+    rules and the user's line; ``leaf.structured``: what ``"structured"`` would use.
     ``print(plan)`` shows a table. Arguments and errors as :func:`empirical_ntk`.
 
     Cost: one abstract trace and the independence probe (two small forward passes).

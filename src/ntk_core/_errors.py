@@ -8,8 +8,7 @@ import numbers
 
 class NonFiniteError(ValueError):
     """NaN or inf in an input, a kernel, a tile, a Monte Carlo sum or a prediction; a
-    ``ValueError`` whose own type tells it from other bad input.
-    """
+    ``ValueError`` whose own type tells it from other bad input."""
 
 
 def bad(cls: type[Exception], fn: str, what: str, fix: str, see: str = "") -> Exception:
@@ -30,8 +29,7 @@ def _out_of_range(fn, name, value, expect, fix, type_ok, type_error) -> Exceptio
 
 def check_int(fn, name, value, fix, low=1, high=None, *, optional=False, type_error=TypeError):
     """``value`` as an int in ``[low, high]`` (``None`` if ``optional``); ``type_error`` for a
-    non-int (bools included), ValueError out of range.
-    """
+    non-int (bools included), ValueError out of range."""
     if optional and value is None:
         return None
     is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -60,8 +58,7 @@ def check_real(
     type_error=TypeError,
 ):
     """``value`` as a float in ``[low, high)`` (``(low, high)`` if ``open_low``; never NaN or
-    inf); ``type_error`` unless ``is_type(value)``, ValueError out of range.
-    """
+    inf); ``type_error`` unless ``is_type(value)``, ValueError out of range."""
     type_ok = is_type(value)
     if type_ok and (low < value if open_low else low <= value) and value < high:
         return float(value)

@@ -14,10 +14,10 @@ from ntk_core._errors import bad as bad
 from ntk_core._functional.linearize import _Point
 from ntk_core._functional.linearize import check_degree as check_degree
 from ntk_core._functional.linearize import expansion as expansion
+from ntk_core._jax.caches import cached as cached
 from ntk_core._jax.caches import register as register_cache
 from ntk_core._kernel.adapter import PureModel as PureModel
 from ntk_core._kernel.adapter import build_kernel as build_kernel
-from ntk_core._kernel.adapter import cached as cached
 from ntk_core._kernel.adapter import check_apply_kwargs as check_apply_kwargs
 from ntk_core._kernel.adapter import input_shape_mismatch as input_shape_mismatch
 from ntk_core._kernel.arguments import _checked_arguments
@@ -51,8 +51,7 @@ __all__ = (
 
 def checked_arguments(name: str) -> Callable:
     """Decorator: Python's binding errors of the public function ``name`` become a
-    TypeError naming it, the valid options and the fix; the signature is unchanged.
-    """
+    TypeError naming it, the valid options and the fix; the signature is unchanged."""
     return lambda fn: _checked_arguments(fn, name)
 
 
@@ -61,8 +60,7 @@ def check_monte_carlo(
 ) -> dict | None:
     """The Monte Carlo kernels' argument checks: one PRNG ``key``, positive ``n_samples`` and
     ``batch_size_samples``, known ``options`` (``own`` names offered as fixes), x1/x2
-    batches; returns ``init_kwargs`` as a dict (``None`` stays ``None``).
-    """
+    batches; returns ``init_kwargs`` as a dict (``None`` stays ``None``)."""
     check_samples(caller, key, n_samples, batch_size_samples, options, own)
     check_inputs(caller.name, x1, x2)
     return check_init_kwargs(caller.name, init_kwargs)
@@ -70,6 +68,5 @@ def check_monte_carlo(
 
 def check_like(fn_name: str, params, reference, name: str, reference_name: str) -> None:
     """Refuses ``params`` whose tree, leaf shapes or dtypes differ from ``reference``'s
-    (TypeError / ValueError naming ``fn_name``, ``name`` and ``reference_name``).
-    """
+    (TypeError / ValueError naming ``fn_name``, ``name`` and ``reference_name``)."""
     _Point(fn_name, reference, reference_name, reference_name).tangent(params, name)

@@ -12,9 +12,7 @@ import pytest
 
 import ntk_core
 from ntk_core._impl import cost as _cost
-from ntk_core._impl import structured_phases
 from ntk_core._jax.jaxpr_walk import values_written
-from ntk_core._kernel.model import per_sample
 from ntk_core._structured import analysis as _structured
 
 
@@ -79,13 +77,10 @@ def test_feature_chunk_is_the_structured_chunk_size(monkeypatch):
     per_sample_bytes = 4 * ((out + 2) * values + features)
     monkeypatch.setattr(_structured, "FEATURE_CHUNK_BYTES", 7 * per_sample_bytes + 3)
     modes = ("gram",) * len(analysis.groups)
-    out_tree = jax.tree.structure(0)
-    reference = _structured.chunk_size(
-        lambda p, v, a: _mlp(p, v), params, x, None, out_tree, True, modes
-    )
+    reference = _structured.chunk_size(lambda p, v, a: _mlp(p, v), params, x, None, True, modes)
     assert reference == 7  # 20 samples: 3 chunks of 7 (the last overlapping)
-    assert structured_phases.feature_chunk(20, out, values, features, 4) == reference
-    assert structured_phases.feature_chunk(5, out, values, features, 4) == 5  # all of a small batch
+    assert _structured.feature_chunk(20, out, values, features, 4) == reference
+    assert _structured.feature_chunk(5, out, values, features, 4) == 5  # all of a small batch
 
 
 def test_kernel_bytes_count_kernel_values_not_traced_products():
@@ -102,10 +97,9 @@ def test_kernel_bytes_count_kernel_values_not_traced_products():
 
     def run(kernel_sizes):
         return _cost.estimate(
-            per_sample(apply3),
+            closed,
             params,
             x_one,
-            None,
             n1=n,
             n2=n,
             pairs=n * n,
@@ -113,7 +107,6 @@ def test_kernel_bytes_count_kernel_values_not_traced_products():
             pair_sizes=[out],
             symmetric=True,
             analysis=analysis,
-            jaxpr=closed,
             kernel_sizes=kernel_sizes,
         )
 

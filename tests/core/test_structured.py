@@ -659,8 +659,10 @@ def test_patches_follow_the_kernel_layout():
             )
             closed = jax.make_jaxpr(conv)(xt, wt)
             eqn = closed.jaxpr.eqns[0]
-            use = _structured._conv_use(eqn, [None, (0, (), ())], (0,))
-            pm = _structured.patches(xt, use.x_info)  # (C_in * window, A)
+            use = _structured._rules.CONV.match(
+                eqn, [None, _structured.View(0, (), ())], (0,), None
+            )
+            pm = _structured.patches(xt, use.info)  # (C_in * window, A)
             spec = eqn.params["dimension_numbers"]
             w_ckw = jnp.transpose(
                 wt, (spec.rhs_spec[1],) + tuple(spec.rhs_spec[2:]) + (spec.rhs_spec[0],)

@@ -3,8 +3,7 @@ one single-sample jaxpr (never XLA's cost analysis, wrong or -1 on CPU and GPU),
 what the reverse pass differentiates (:class:`PassCost`), and seconds at the backend's
 :data:`RATES`. ``"auto"`` takes the fastest estimate that fits
 :data:`JACOBIAN_MEMORY_BUDGET` (else the implementation without features). Formulas:
-:func:`estimate`.
-"""
+:func:`estimate`."""
 
 from __future__ import annotations
 
@@ -67,10 +66,7 @@ class Plan:
         for leaf in self.leaves:
             line = f"  {leaf.path:<40} {leaf.size:>10}  {leaf.method}"
             lines.append(line + (f"  ({leaf.structured})" if leaf.structured else ""))
-        if self.tiling is not None:
-            lines.append(f"  {self.tiling}")
-        if self.whole_batch is not None:
-            lines.append(f"  {self.whole_batch}")
+        lines += [f"  {part}" for part in (self.tiling, self.whole_batch) if part is not None]
         return "\n".join(lines)
 
 
@@ -118,10 +114,6 @@ class PassCost:
     conv_forward_extra: float = 0.0
     conv_activation_extra: float = 0.0
 
-    def add(self, other: PassCost, times: float = 1.0) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + times * getattr(other, f.name))
-
 
 def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
     """:class:`PassCost` of ``jaxpr`` with inputs on (parameters, input) per ``depends``;
@@ -162,7 +154,8 @@ def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
                     inner = pass_cost(sub, [get(v) for v in operands])
                 if worst is None or inner.forward > worst.forward:
                     worst = inner
-            cost.add(worst, repeat)
+            for f in dataclasses.fields(cost):  # the costliest, ``repeat`` times
+                setattr(cost, f.name, getattr(cost, f.name) + repeat * getattr(worst, f.name))
         else:
             size = sum(entries(v) for v in eqn.outvars)
             cost.forward += size
@@ -259,10 +252,9 @@ class CostEstimate:
 
 
 def estimate(
-    single_fn,
+    closed,
     params,
     x_one,
-    aux,
     *,
     n1,
     n2,
@@ -273,10 +265,10 @@ def estimate(
     analysis,
     triangle=None,
     whole_batch=None,
-    jaxpr=None,
     kernel_sizes=None,
 ):
-    """Each implementation's :class:`CostEstimate` for one call (its ``Impl.estimate``).
+    """Each implementation's :class:`CostEstimate` for one call (its ``Impl.estimate``) of
+    the model whose jaxpr on one sample ``x_one`` is ``closed``.
 
     With F forward FLOPs, per cotangent G_a activation, G_w weight and G_e elementwise
     gradient FLOPs (:class:`PassCost`), O outputs per sample, O' kernel entries per pair
@@ -286,10 +278,8 @@ def estimate(
     :class:`Rates`, slow kinds slowed, ``_jacobian.EINSUM_PASS_FLOPS`` per kernel value
     and einsum, feature bytes at ``bytes_per_s``. ``triangle(n, bytes)``: the blocks of
     a Gram matrix's triangular contraction; ``kernel_sizes``: kernel values per pair
-    (default ``pair_sizes``); ``whole_batch``: the :class:`WholeBatch` of
-    ``vmap_axes=None``; ``jaxpr``: ``single_fn``'s, when known.
+    (default ``pair_sizes``); ``whole_batch``: the :class:`WholeBatch` of ``vmap_axes=None``.
     """
-    closed = jaxpr if jaxpr is not None else jax.make_jaxpr(single_fn)(params, x_one, aux)
     param_leaves = jax.tree.leaves(params)
     n_p, n_x = len(param_leaves), len(jax.tree.leaves(x_one))
     depends = [(True, False)] * n_p + [(False, True)] * n_x
@@ -373,10 +363,8 @@ class Call:
 
     def seconds(self, flops, slow_flops, nbytes, passes, passed_pairs, channel_flops=0.0):
         rates = self.rates
-        slow = rates.conv_weight_grad_slowdown - 1.0
-        extra = (
-            slow * slow_flops + passes * passed_pairs * self.o_pair * _jacobian.EINSUM_PASS_FLOPS
-        )
+        extra = (rates.conv_weight_grad_slowdown - 1.0) * slow_flops
+        extra += passes * passed_pairs * self.o_pair * _jacobian.EINSUM_PASS_FLOPS
         extra += channel_flops
         return (flops + extra) / rates.flops_per_s + nbytes / rates.bytes_per_s
 
@@ -386,7 +374,6 @@ def jacobian_estimate(c: Call) -> CostEstimate:
     # Samples each cotangent's reverse pass traverses (the batch with vmap_axes=None).
     n1, n2, whole_batch = c.n1, c.n2, c.whole_batch
     reversed_jac = c.n_jac if whole_batch is None else n1 * n1 + (0 if c.symmetric else n2 * n2)
-    batch_bytes_jac = 0 if whole_batch is None else whole_batch.peak_bytes
     jac_bytes = c.n_jac * c.out_total * c.n_params * c.itemsize
     jac_pairs = c.contracted(jac_bytes)
     jac_flops = (
@@ -394,7 +381,7 @@ def jacobian_estimate(c: Call) -> CostEstimate:
         + reversed_jac * c.out_total * c.reverse
         + 2.0 * jac_pairs * c.o_pair * c.n_params
     )
-    passes = c.n_jac * c.passes_bytes if whole_batch is None else batch_bytes_jac
+    passes = c.n_jac * c.passes_bytes if whole_batch is None else whole_batch.peak_bytes
     # The Jacobians, and (wide leaves) the contraction's copy.
     memory = float(1.5 * jac_bytes + c.kernel_bytes + passes)
     slow = reversed_jac * c.out_total * c.pc.grad_weights_conv
@@ -408,18 +395,16 @@ def ntvp_estimate(c: Call) -> CostEstimate:
     """``"ntvp"``: N2·(F + O·(G_a + G_w + G_e)) + pairs·O·(G_a + G_w + G_e)."""
     n1, n2, whole_batch, pc = c.n1, c.n2, c.whole_batch, c.pc
     out_total, all_pairs, itemsize = c.out_total, c.all_pairs, c.itemsize
-    reversed_ntvp = n2 if whole_batch is None else n2 * n2
     # Per column a JVP over x1; over the whole batch, the residuals plus one transient.
-    batch_bytes_ntvp = (
-        n1 * c.values * itemsize
-        if whole_batch is None
-        else whole_batch.residual_bytes + whole_batch.cotangent_bytes
-    )
     # A JVP's tangent costs about one reverse pass. Conv kernel gradients are grouped
     # per sample; over the whole batch they run in the column loop (loop slowdown).
     if whole_batch is None:
+        reversed_ntvp = n2
+        batch_bytes_ntvp = n1 * c.values * itemsize
         ntvp_grouped, ntvp_loop = reversed_ntvp + all_pairs, 0.0
     else:
+        reversed_ntvp = n2 * n2
+        batch_bytes_ntvp = whole_batch.residual_bytes + whole_batch.cotangent_bytes
         loop_slow = c.rates.conv_weight_grad_loop_slowdown - 1.0
         ntvp_grouped = 0
         ntvp_loop = loop_slow * reversed_ntvp * out_total * pc.grad_weights_conv

@@ -1,7 +1,6 @@
 """Jacobian contraction (Novak et al., ICML 2022, s. 3.1): Θ(x1_i, x2_j) = Σ_p J(x1_i)_p
 J(x2_j)_p^T; (N1 + N2)·O reverse passes, (N1 + N2)·O·P memory, N1·N2·O'·P multiply-adds.
-Narrow per-leaf Jacobians are concatenated (:func:`merge`) into one einsum.
-"""
+Narrow per-leaf Jacobians are concatenated (:func:`merge`) into one einsum."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._jax.batches import map_in_batches
-from ntk_core._kernel.model import per_sample
 
 #: FLOP-equivalents per output value of each separate contraction einsum beyond its
 #: multiply-adds (XLA CPU, token model: ~9 ns per value and einsum).
@@ -85,10 +83,6 @@ def rows_as_jacobian(rows, out_shapes):
     return jax.tree.unflatten(out_def, per_out)
 
 
-def whole_batch_size(apply3, params, x, aux) -> int:
-    return sum(math.prod(o.shape) for o in jax.tree.leaves(jax.eval_shape(apply3, params, x, aux)))
-
-
 def whole_batch_jacobian(f, params, chunk: int):
     """``jax.jacrev(f)(params)``, ``chunk`` cotangents at a time in one XLA loop."""
     out_shapes = jax.eval_shape(f, params)
@@ -97,25 +91,13 @@ def whole_batch_jacobian(f, params, chunk: int):
     return rows_as_jacobian(rows, out_shapes)
 
 
-def jacobians(
-    apply3,
-    params,
-    x,
-    aux,
-    vmap_axes,
-    out_tree,
-    merge_limits=None,
-    cotangent_chunk=None,
-    single=None,
-):
+def jacobians(apply3, params, x, aux, vmap_axes, out_tree, merge_limits, cotangent_chunk, single):
     """Per-output-leaf lists of Jacobians ``(N, *out_shape[1:], P_leaf)`` (merged by
     ``merge_limits``); ``vmap_axes=None``: ``cotangent_chunk`` at a time; ``single``: the
-    model on one sample (default ``per_sample(apply3)``)."""
+    model on one sample."""
     if vmap_axes is None:
-        chunk = cotangent_chunk or whole_batch_size(apply3, params, x, aux)
-        jac = whole_batch_jacobian(lambda p: apply3(p, x, aux), params, chunk)
+        jac = whole_batch_jacobian(lambda p: apply3(p, x, aux), params, cotangent_chunk)
     else:
-        single = per_sample(apply3) if single is None else single
         jac = jax.vmap(jax.jacrev(single), in_axes=(None, 0, None))(params, x, aux)
     return matrices(jac, params, out_tree, merge_limits)
 
@@ -128,13 +110,11 @@ def matrices(jac, params, out_tree, merge_limits=None):
     def flat(j, p):
         return j.reshape(j.shape[: j.ndim - jnp.ndim(p)] + (-1,))
 
-    result = [
-        [flat(j, p) for j, p in zip(jax.tree.leaves(lj), param_leaves, strict=True)]
-        for lj in per_out
+    limits = (None,) * len(per_out) if merge_limits is None else merge_limits
+    return [
+        merge([flat(j, p) for j, p in zip(jax.tree.leaves(lj), param_leaves, strict=True)], lim)
+        for lj, lim in zip(per_out, limits, strict=True)
     ]
-    if merge_limits is not None:
-        result = [merge(mats, lim) for mats, lim in zip(result, merge_limits, strict=True)]
-    return result
 
 
 def pair_einsum(a_spec: str, b_spec: str, out: str, a, b, precision):

@@ -34,7 +34,7 @@ def _jacobian_features(apply3, vmap_axes, precision):
     def features(params, x, aux, *, out_tree, merge_limits, cotangent_chunk):
         with jax.default_matmul_precision(precision):
             args = (apply3, params, x, aux, vmap_axes, out_tree, merge_limits, cotangent_chunk)
-            return _jacobian.jacobians(*args, single=replay(apply3, precision))
+            return _jacobian.jacobians(*args, replay(apply3, precision))
 
     return jax.jit(features, static_argnames=("out_tree", "merge_limits", "cotangent_chunk"))
 
@@ -92,10 +92,9 @@ def merge_limits(config) -> tuple[int, ...] | None:
 
 
 def contract(j1, j2, *, config):
+    j2 = j1 if j2 is None else j2
     with jax.default_matmul_precision(config.precision):
-        per_leaf = _jacobian.contract(
-            config.layouts, j1, j1 if j2 is None else j2, PRECISION[config.precision]
-        )
+        per_leaf = _jacobian.contract(config.layouts, j1, j2, PRECISION[config.precision])
     return finish(per_leaf, config)
 
 

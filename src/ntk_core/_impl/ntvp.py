@@ -1,7 +1,6 @@
 """NTK-vector products (Novak et al., ICML 2022, s. 3.2): Θ v = J(x1) (J(x2)^T v), one VJP
 and one JVP per output basis vector, no Jacobian stored. Cost: N2·O VJPs and N2·O JVPs
-over the x1 batch; memory O·P + O·N1·O (full O x O blocks, then traced or diagonalised).
-"""
+over the x1 batch; memory O·P + O·N1·O (full O x O blocks, then traced or diagonalised)."""
 
 from __future__ import annotations
 
@@ -9,8 +8,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-
-from ntk_core._kernel.model import per_sample
 
 
 def _leaf_basis(out_shapes, k):
@@ -35,18 +32,10 @@ def reduce(layouts, fulls, batch_diagonal):
     return result
 
 
-def full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal, single=None):
+def full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal, single):
     """Full NTK per output leaf, ``(N1, *O, N2, *O)`` or ``(N, *O, *O)`` with
-    ``batch_diagonal`` (``vmap_axes=0`` only), in the parameters' promoted dtype;
-    ``single``: the model on one sample (default ``per_sample(apply3)``)."""
-    dtype = jnp.result_type(*jax.tree.leaves(params))
-    fulls = _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal, single)
-    return [full.astype(dtype) for full in fulls]
-
-
-def _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagonal, single):
+    ``batch_diagonal`` (``vmap_axes=0`` only); ``single``: the model on one sample."""
     n_out = out_tree.num_leaves
-    single = per_sample(apply3) if single is None else single
     batch = apply3 if vmap_axes is None else jax.vmap(single, in_axes=(None, 0, None))
     shapes1 = [
         jax.ShapeDtypeStruct(o.shape, o.dtype)
@@ -55,20 +44,17 @@ def _full_kernels(apply3, params, x1, x2, aux, vmap_axes, out_tree, batch_diagon
 
     if vmap_axes is None:
 
-        def f2(p):
-            return out_tree.flatten_up_to(apply3(p, x2, aux))
+        def f(p, x):
+            return out_tree.flatten_up_to(apply3(p, x, aux))
 
-        def f1(p):
-            return out_tree.flatten_up_to(apply3(p, x1, aux))
-
-        out2, vjp_fn = jax.vjp(f2, params)
+        out2, vjp_fn = jax.vjp(lambda p: f(p, x2), params)
+        shapes2 = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out2]
         results = []
         for k in range(n_out):
-            shapes2 = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out2]
 
             def column(ct, k=k):
                 (tangent,) = vjp_fn(ct)
-                return jax.jvp(f1, (params,), (tangent,))[1][k]
+                return jax.jvp(lambda p: f(p, x1), (params,), (tangent,))[1][k]
 
             cols = jax.lax.map(column, _leaf_basis(shapes2, k))
             full = cols.reshape(shapes2[k].shape + shapes1[k].shape)

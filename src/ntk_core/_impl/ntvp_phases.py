@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from ntk_core._errors import bad, one_line
 from ntk_core._impl import cost as _cost
@@ -18,11 +19,14 @@ def _pairwise(config) -> bool:
 
 
 def contract(params, xa, xb, aux, *, apply3, config):
-    """The kernel of the inputs ``xa`` and ``xb`` (None: of ``xa`` with itself)."""
+    """The kernel of the inputs ``xa`` and ``xb`` (None: of ``xa`` with itself), in the
+    parameters' promoted dtype."""
     with jax.default_matmul_precision(config.precision):
         args = (params, xa, xa if xb is None else xb, aux, config.vmap_axes, config.out_tree)
         single = replay(apply3, config.precision)
-        fulls = _ntvp.full_kernels(apply3, *args, _pairwise(config), single=single)
+        fulls = _ntvp.full_kernels(apply3, *args, _pairwise(config), single)
+    dtype = jnp.result_type(*jax.tree.leaves(params))
+    fulls = [full.astype(dtype) for full in fulls]
     kernels = _ntvp.reduce(config.layouts, fulls, _pairwise(config))
     return jax.tree.unflatten(config.out_tree, kernels)
 

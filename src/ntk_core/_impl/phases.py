@@ -1,7 +1,6 @@
 """The compiled phases of a call (:func:`build`): the implementation's ``features`` (O(N))
 and the one tile that runs its ``contract`` (O(N1·N2)), triangular and exactly symmetric
-for a Gram matrix, with its all-finite flag; module-level, so compilations are shared.
-"""
+for a Gram matrix, with its all-finite flag; module-level, so compilations are shared."""
 
 from __future__ import annotations
 
@@ -28,11 +27,8 @@ def build(apply3, config: Config, chunks: dict) -> Implementation:
         kernel, finite = tile(params, fa, fb, aux, xa, xb, same=same)
         return (_MIRROR(kernel, config=config) if same else kernel), finite
 
-    return Implementation(
-        config.implementation,
-        None if features is None else features(apply3, config, chunks),
-        run,
-    )
+    features = None if features is None else features(apply3, config, chunks)
+    return Implementation(config.implementation, features, run)
 
 
 def _tile(params, fa, fb, aux, xa, xb, *, apply3, config: Config, same: bool):
@@ -68,11 +64,8 @@ TRIANGLE_MAX_FEATURE_BYTES = 2**28
 
 def _triangle_blocks(features, config: Config) -> int:
     """k, the number of sample blocks of a symmetric contraction (1: in one piece)."""
-    layout = config.layouts[0]
-    if features is None or 0 in layout.trace or 0 in layout.diag:
-        return 1
-    leaves = jax.tree.leaves(features)
-    if not leaves:
+    layout, leaves = config.layouts[0], jax.tree.leaves(features)
+    if not leaves or layout.batch_diagonal:
         return 1
     nbytes = sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in leaves)
     return triangle_blocks(leaves[0].shape[0], nbytes)

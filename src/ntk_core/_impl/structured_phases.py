@@ -12,6 +12,7 @@ from ntk_core._impl.base import PRECISION, Impl, StructureHooks, finish
 from ntk_core._impl.cost import Call, CostEstimate
 from ntk_core._impl.jacobian_phases import merge_limits
 from ntk_core._jax import caches as _caches
+from ntk_core._jax.batches import map_in_batches
 from ntk_core._jax.signatures import signature
 from ntk_core._structured import analysis as _structured
 
@@ -19,32 +20,29 @@ from ntk_core._structured import analysis as _structured
 def features(apply3, config, chunks: dict):
     """Jitted ``features(params, x_block, aux)`` in chunks (sizes cached in ``chunks``)."""
     feat = _structured_features(apply3, config.precision, config.fuse_bias)
-    feat = functools.partial(
-        feat,
-        out_tree=config.out_tree,
-        modes=config.structure.modes,
-        merge_limits=merge_limits(config),
-    )
+    feat = functools.partial(feat, modes=config.structure.modes, merge_limits=merge_limits(config))
     return functools.partial(_structured_in_chunks, apply3, feat, config, chunks)
 
 
 @_caches.lru_cache(maxsize=64)
 def _structured_features(apply3, precision, fuse_bias):
-    def features(params, x, aux, *, out_tree, modes, merge_limits, chunk):
-        with jax.default_matmul_precision(precision):
-            args = (apply3, params, x, aux, out_tree, fuse_bias, modes, merge_limits, chunk)
-            return _structured.features_in_chunks(*args, precision=precision)
+    def features(params, x, aux, *, modes, merge_limits, chunk):
+        def one_chunk(xb):  # ``chunk`` samples at a time in an XLA loop
+            args = (apply3, params, xb, aux, fuse_bias, modes, merge_limits)
+            return _structured.features(*args, precision=precision)
 
-    return jax.jit(features, static_argnames=("out_tree", "modes", "merge_limits", "chunk"))
+        with jax.default_matmul_precision(precision):
+            return map_in_batches(one_chunk, x, chunk)
+
+    return jax.jit(features, static_argnames=("modes", "merge_limits", "chunk"))
 
 
 def _structured_in_chunks(apply3, features, config, chunks: dict, params, x, aux):
     key = (config, signature(x))
     chunk = chunks.get(key)
     if chunk is None:
-        args = (config.out_tree, config.fuse_bias, config.structure.modes)
-        chunk = _structured.chunk_size(apply3, params, x, aux, *args, precision=config.precision)
-        chunks[key] = chunk
+        args = (apply3, params, x, aux, config.fuse_bias, config.structure.modes)
+        chunk = chunks[key] = _structured.chunk_size(*args, precision=config.precision)
     return features(params, x, aux, chunk=chunk)
 
 
@@ -57,12 +55,10 @@ def contract(f1, f2, *, config):
 
 def pair_terms(config) -> int:
     """Kernel-sized temporaries: 2 per use pair of a Gram group, 1 per Jacobian."""
-    structure = config.structure
-    fallback, groups, modes = structure.fallback, structure.groups, structure.modes
-    return len(fallback) + sum(
-        1 if mode == _structured.EXPLICIT else 2 * len(g) ** 2
-        for g, mode in zip(groups, modes, strict=True)
-    )
+    s = config.structure
+    pairs = zip(s.groups, s.modes, strict=True)
+    terms = (1 if mode == _structured.EXPLICIT else 2 * len(g) ** 2 for g, mode in pairs)
+    return len(s.fallback) + sum(terms)
 
 
 def structured_estimate(call: Call) -> CostEstimate:
@@ -74,13 +70,11 @@ def structured_estimate(call: Call) -> CostEstimate:
     share = p_fallback / max(call.n_params, 1)
     per_pair = 2.0 * o_pair * p_fallback
     per_sample = out_total * p_fallback  # values stored per sample
-    per_sample_flops = 0.0  # beyond the reverse pass
-    explicit_flops = 0.0  # of it, the explicit Jacobians' products
+    per_sample_flops = explicit_flops = 0.0  # beyond the reverse pass; explicit Jacobians' part
     widths = [leaf_sizes[i] for i in analysis.fallback]  # Jacobian-type features
     gram_terms = 0
-    for group, mode in zip(
-        analysis.groups, _structured.choose_modes(analysis, o_pair, out_total), strict=True
-    ):
+    modes = _structured.choose_modes(analysis, o_pair, out_total)
+    for group, mode in zip(analysis.groups, modes, strict=True):
         gram, explicit = _structured.pair_costs(analysis, group, o_pair, out_total)
         for u in group:
             use = analysis.uses[u]
@@ -108,7 +102,7 @@ def structured_estimate(call: Call) -> CostEstimate:
         n_jac * (call.forward + out_total * reverse_structured + per_sample_flops)
         + structured_pairs * per_pair
     )
-    chunk = feature_chunk(n_jac, out_total, call.values, per_sample, itemsize)
+    chunk = _structured.feature_chunk(n_jac, out_total, call.values, per_sample, itemsize)
     memory = float(structured_bytes + call.kernel_bytes + chunk * call.passes_bytes)
     slow = n_jac * out_total * share * pc.grad_weights_conv
     einsums = _jacobian.einsum_count(widths, call.merge_limit) + gram_terms
@@ -118,14 +112,6 @@ def structured_estimate(call: Call) -> CostEstimate:
         structured_flops, slow, 2 * structured_bytes, einsums, structured_pairs, channel
     )
     return CostEstimate("structured", structured_flops, memory, seconds)
-
-
-def feature_chunk(n: int, out_total: int, values: int, feature_values: int, itemsize: int) -> int:
-    """Samples per features chunk, as ``_structured.chunk_size`` picks them."""
-    per = itemsize * ((out_total + 2) * values + feature_values)
-    most = int(min(n, max(1, _structured.FEATURE_CHUNK_BYTES // max(per, 1))))
-    pieces = -(-n // most)
-    return -(-n // pieces)
 
 
 STRUCTURED = Impl(

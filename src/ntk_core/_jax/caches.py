@@ -27,6 +27,36 @@ def lru_cache(maxsize: int):
     return decorate
 
 
+def freeze(value):
+    """A hashable stand-in for nested dicts, lists and tuples."""
+    if isinstance(value, dict):
+        return (dict, tuple(sorted((k, freeze(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(freeze(v) for v in value))
+    return value
+
+
+_BUILT: dict = {}  # the one-call entry points' kernel functions, first in first out
+register(_BUILT.clear)
+
+
+def cached(key, build: Callable, size: int = 64):
+    """``build()``, or what it returned for an equal ``key`` (FIFO of ``size``, emptied by
+    :func:`clear_caches`). The key: the public function's name, the model and every
+    argument the build reads; dicts, lists, tuples compared by value; unhashable: no cache."""
+    key = freeze(key)
+    try:
+        hash(key)
+    except TypeError:
+        return build()
+    fn = _BUILT.get(key)
+    if fn is None:
+        if len(_BUILT) >= size:
+            _BUILT.pop(next(iter(_BUILT)))
+        fn = _BUILT[key] = build()
+    return fn
+
+
 def clear_caches() -> None:
     """Empties every cache of ``ntk_core``, ``ntk_flax`` and ``ntk_haiku`` (built kernel
     functions, held strongly until evicted) and calls :func:`jax.clear_caches`, so nothing

@@ -140,14 +140,6 @@ def warn_once(cause: str, message: str, category=PrecisionWarning) -> None:
     warnings.warn(message, category, stacklevel=_user_stacklevel())
 
 
-def check_precision_option(fn_name: str, precision: str) -> None:
-    """Warns once when ``precision`` is below ``"highest"``."""
-    what = f"precision={precision!r} lets GPUs and TPUs use TF32 or bf16 passes (about 1e-3"
-    if precision != "highest":
-        message = f"{fn_name}: {what} relative error). Fix: keep precision='highest'."
-        warn_once(f"precision option {precision}", message)
-
-
 _LOW_ALGORITHMS = ("TF32", "BF16", "F16", "F8")
 
 
@@ -194,26 +186,22 @@ HALF_PRECISION_ERROR = dict(zip(_KEYS, _MEASURED, strict=True))
 _HOW = ("every product of the forward pass is rounded", "autodiff rounds every product")
 
 
-def _half_precision_casts(jaxpr) -> list[str]:
-    """Casts of a wider float down to bfloat16 / float16, sub-jaxprs included."""
-    found = []
-    for eqn in (e for e in equations(jaxpr) if e.primitive.name == "convert_element_type"):
-        src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
-        floating = jax.numpy.issubdtype(src, jax.numpy.floating)
-        if dst.name in _HALF and floating and src.itemsize > dst.itemsize:
-            found.append(f"a cast {src.name} -> {dst.name}")
-    return found
-
-
-def _check_half_precision(fn_name: str, params, jaxpr, kernel: str = "NTK") -> None:
-    """Warns once per kernel and dtype when the model computes in bfloat16 or float16."""
+def _check_half_precision(fn_name: str, params, jaxpr, kernel: str) -> None:
+    """Warns once per kernel and dtype when the model computes in bfloat16 or float16:
+    half-precision parameters, or casts of a wider float down to them (sub-jaxprs included)."""
     found = [
         f"params{jax.tree_util.keystr(path)} {np.dtype(leaf.dtype).name}"
         for path, leaf in jax.tree_util.tree_leaves_with_path(params)
         if np.dtype(getattr(leaf, "dtype", np.float32)).name in _HALF
     ]
-    if jaxpr is not None:
-        found += sorted(set(_half_precision_casts(jaxpr)))
+    casts = set()
+    for eqn in equations(jaxpr) if jaxpr is not None else ():
+        if eqn.primitive.name == "convert_element_type":
+            src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
+            floating = jax.numpy.issubdtype(src, jax.numpy.floating)
+            if dst.name in _HALF and floating and src.itemsize > dst.itemsize:
+                casts.add(f"a cast {src.name} -> {dst.name}")
+    found += sorted(casts)
     if found:
         dtype = _HALF[0] if any(_HALF[0] in f for f in found) else _HALF[1]
         what = f"the model computes in half precision ({', '.join(found[:3])}), where"
@@ -227,9 +215,14 @@ def _check_half_precision(fn_name: str, params, jaxpr, kernel: str = "NTK") -> N
 def check_model_precision(
     fn_name: str, apply3, params, x1, aux, precision: str, kernel: str = "NTK", closed=None
 ) -> None:
-    """Warns once when the model passes a lower precision explicitly (``nn.Dense(precision=)``),
-    which ``jax.default_matmul_precision`` cannot override, or computes in half precision.
-    ``closed``: the engine's jaxpr of ``apply3`` under that precision (else traced here)."""
+    """Warns once when ``precision`` is below ``"highest"``, when the model passes a lower
+    precision explicitly (``nn.Dense(precision=)``), which ``jax.default_matmul_precision``
+    cannot override, or when it computes in half precision. ``closed``: the engine's jaxpr
+    of ``apply3`` under that precision (else traced here)."""
+    if precision != "highest":
+        what = f"precision={precision!r} lets GPUs and TPUs use TF32 or bf16 passes (about 1e-3"
+        message = f"{fn_name}: {what} relative error). Fix: keep precision='highest'."
+        warn_once(f"precision option {precision}", message)
     if closed is None:
         x_abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x1)
         try:

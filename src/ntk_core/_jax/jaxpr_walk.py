@@ -81,9 +81,4 @@ def entries(v) -> int:
 def values_written(jaxpr) -> int:
     """Values one evaluation of ``jaxpr`` writes (its equations' outputs, each sub-jaxpr
     once): the forward pass's residuals, read by the cost model."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        total += sum(entries(v) for v in eqn.outvars)
-        for sub in sub_jaxprs(eqn):
-            total += values_written(sub)
-    return total
+    return sum(entries(v) for eqn in equations(jaxpr) for v in eqn.outvars)

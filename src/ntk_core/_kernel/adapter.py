@@ -11,7 +11,6 @@ import jax
 import numpy as np
 
 from ntk_core._errors import bad
-from ntk_core._jax import caches as _caches
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.engine import Engine
 from ntk_core._kernel.function import KernelFunction
@@ -49,8 +48,7 @@ def input_shape_mismatch(
 ) -> ValueError | None:
     """The ValueError for params the model's init made for inputs of another per-sample
     shape than x1's (found by comparing ``init_params(x)`` shapes under ``jax.eval_shape``,
-    and naming the shape they were made for when one axis change explains it), else None.
-    """
+    and naming the shape they were made for when one axis change explains it), else None."""
 
     def made_for(x):
         try:
@@ -60,11 +58,9 @@ def input_shape_mismatch(
 
     given = _param_shapes(params)
     for_x1 = made_for(x1)
-    if for_x1 is None or set(for_x1) != set(given):
-        return None  # init fails on x1 too, or params of another model: not this mistake
+    if for_x1 is None or set(for_x1) != set(given) or for_x1 == given:
+        return None  # init fails on x1 too, params of another model, or they fit x1
     differ = [(k, given[k], for_x1[k]) for k in given if given[k] != for_x1[k]]
-    if not differ:
-        return None
     path, has, needs = differ[0]
     sizes = sorted({(n, h) for h, n in zip(has, needs, strict=False) if h != n})
 
@@ -104,64 +100,6 @@ def input_shape_mismatch(
     return bad(ValueError, fn_name, what, f"pass matching inputs, or re-initialise ({init_call})")
 
 
-def _engine(caller: Caller, kind: str, model: PureModel, options: dict) -> Engine:
-    """Validates ``options`` (names and values) and builds the model's engine."""
-    fn_name = caller.name
-    valid = NNGP_OPTION_NAMES if kind == "nngp" else NTK_OPTION_NAMES
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        renamed = _RENAMED.get(caller.package, {})
-        fixes, model_kwargs = [], False
-        for u in unknown:
-            close = difflib.get_close_matches(u, valid, 1)
-            if u in renamed:
-                fixes.append(renamed[u])
-            elif close:  # a misspelt option, e.g. trace_axis
-                fixes.append(f"write {close[0]}= (not {u}=)")
-            else:
-                model_kwargs = True
-        if model_kwargs and model.model_kwargs:
-            fixes.append(f"pass model keyword arguments through {model.model_kwargs}")
-        elif model_kwargs:
-            fixes.append("drop the others")
-        what = f"unknown option(s) {', '.join(map(repr, unknown))}; valid are {', '.join(valid)}"
-        raise bad(TypeError, fn_name, what, "; ".join(fixes))
-    opts = make_options(fn_name, **options)
-    spec = Spec(fn_name, kind, model.apply3, opts, model.check, model.eval_hint, caller)
-    return Engine(spec)
-
-
-def freeze(value):
-    """A hashable stand-in for nested dicts, lists and tuples."""
-    if isinstance(value, dict):
-        return (dict, tuple(sorted((k, freeze(v)) for k, v in value.items())))
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(freeze(v) for v in value))
-    return value
-
-
-_BUILT: dict = {}  # the one-call entry points' kernel functions, first in first out
-_caches.register(_BUILT.clear)  # ntk_core.clear_caches() empties it
-
-
-def cached(key, build: Callable, size: int = 64):
-    """``build()``, or what it returned for an equal ``key`` (FIFO of ``size``, emptied by
-    :func:`ntk_core.clear_caches`). The key: the public function's name, the model and every
-    argument the build reads; dicts, lists, tuples compared by value; unhashable: no cache.
-    """
-    key = freeze(key)
-    try:
-        hash(key)
-    except TypeError:
-        return build()
-    fn = _BUILT.get(key)
-    if fn is None:
-        if len(_BUILT) >= size:
-            _BUILT.pop(next(iter(_BUILT)))
-        fn = _BUILT[key] = build()
-    return fn
-
-
 @dataclasses.dataclass(frozen=True)
 class PureModel:
     """One model as the core sees it, for :func:`build_kernel`.
@@ -193,9 +131,29 @@ def build_kernel(caller: Caller, kind: str, model: PureModel, options: dict) -> 
     """The :class:`~ntk_core.KernelFunction` ``kernel(first, x1, x2=None, *, call keywords)``
     of ``model`` for ``caller``; ``kind``: ``"ntk"``, ``"nngp"`` or ``"ntk_per_leaf"``;
     ``options``: the core's (:func:`ntk_core.ntk_fn`), validated here. ``first`` is named
-    after ``model.to_core``'s first parameter; other keywords get a TypeError.
-    """
-    engine = _engine(caller, kind, model, options)
+    after ``model.to_core``'s first parameter; other keywords get a TypeError."""
+    fn_name = caller.name
+    valid = NNGP_OPTION_NAMES if kind == "nngp" else NTK_OPTION_NAMES
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        renamed = _RENAMED.get(caller.package, {})
+        fixes, model_kwargs = [], False
+        for u in unknown:
+            close = difflib.get_close_matches(u, valid, 1)
+            if u in renamed:
+                fixes.append(renamed[u])
+            elif close:  # a misspelt option, e.g. trace_axis
+                fixes.append(f"write {close[0]}= (not {u}=)")
+            else:
+                model_kwargs = True
+        if model_kwargs and model.model_kwargs:
+            fixes.append(f"pass model keyword arguments through {model.model_kwargs}")
+        elif model_kwargs:
+            fixes.append("drop the others")
+        what = f"unknown option(s) {', '.join(map(repr, unknown))}; valid are {', '.join(valid)}"
+        raise bad(TypeError, fn_name, what, "; ".join(fixes))
+    opts = make_options(fn_name, **options)
+    engine = Engine(Spec(fn_name, kind, model.apply3, opts, model.check, model.eval_hint, caller))
     keywords = model.call_keywords
 
     def bind(first, x1, given):
@@ -210,12 +168,7 @@ def build_kernel(caller: Caller, kind: str, model: PureModel, options: dict) -> 
 
     p = inspect.Parameter
     first = next(iter(inspect.signature(model.to_core).parameters), "params")
-    signature = inspect.Signature(
-        [
-            p(first, p.POSITIONAL_OR_KEYWORD),
-            p("x1", p.POSITIONAL_OR_KEYWORD),
-            p("x2", p.POSITIONAL_OR_KEYWORD, default=None),
-            *(p(k, p.KEYWORD_ONLY, default=None) for k in keywords),
-        ]
-    )
-    return KernelFunction(engine, bind, signature)
+    parameters = [p(first, p.POSITIONAL_OR_KEYWORD), p("x1", p.POSITIONAL_OR_KEYWORD)]
+    parameters.append(p("x2", p.POSITIONAL_OR_KEYWORD, default=None))
+    parameters += [p(k, p.KEYWORD_ONLY, default=None) for k in keywords]
+    return KernelFunction(engine, bind, inspect.Signature(parameters))

@@ -10,8 +10,7 @@ import inspect
 
 def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> str | None:
     """The first required parameter no argument gives, or None (as ``Signature.bind``
-    checks, in its order).
-    """
+    checks, in its order)."""
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     taken = positional[: len(args)]
@@ -20,21 +19,17 @@ def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> s
     if len(args) > len(positional) and not any(p.kind is p.VAR_POSITIONAL for p in params):
         return None  # too many positional arguments
     for p in params[len(taken) :]:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if p.name in kwargs:
-            if p.kind is p.POSITIONAL_ONLY:
-                return None  # a positional-only argument given by keyword
-            continue
-        if p.default is p.empty:
+        if p.name in kwargs and p.kind is p.POSITIONAL_ONLY:
+            return None  # a positional-only argument given by keyword
+        required = p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        if required and p.name not in kwargs:
             return p.name
     return None
 
 
 def _checked_arguments(fn, name: str | None = None):
     """Python's binding errors of ``fn`` become a TypeError naming ``name``, the valid
-    options and the fix (consulted only after a TypeError).
-    """
+    options and the fix (consulted only after a TypeError)."""
     signature = inspect.signature(fn)
     name = name or fn.__name__
 

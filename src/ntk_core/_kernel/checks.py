@@ -1,6 +1,5 @@
 """Checks of a kernel call beyond shapes (environment, dtypes, common mistakes), each
-raising ``bad(...)``; Flax and Haiku objects are recognised by class name, unimported.
-"""
+raising ``bad(...)``; Flax and Haiku objects are recognised by class name, unimported."""
 
 from __future__ import annotations
 
@@ -36,14 +35,11 @@ def _is_haiku_transformed(obj) -> bool:
 def check_apply_fn(fn_name: str, apply_fn, entry: str = "kernel") -> None:
     """Refuses a Flax/Haiku model object (naming the adapter's ``entry``) or a non-callable."""
     name = type(apply_fn).__name__
-    for found, package in (
-        (_is_linen_module, "ntk_flax"),
-        (is_nnx_module, "ntk_flax"),
-        (_is_haiku_transformed, "ntk_haiku"),
-    ):
-        if found(apply_fn):
-            what = f"apply_fn is the model {name}, not apply_fn(params, x)"
-            raise bad(TypeError, fn_name, what, f"use {package}.{entry} with the model")
+    flax = _is_linen_module(apply_fn) or is_nnx_module(apply_fn)
+    package = "ntk_flax" if flax else "ntk_haiku" if _is_haiku_transformed(apply_fn) else ""
+    if package:
+        what = f"apply_fn is the model {name}, not apply_fn(params, x)"
+        raise bad(TypeError, fn_name, what, f"use {package}.{entry} with the model")
     if not callable(apply_fn):
         what = f"apply_fn must be a callable apply_fn(params, x), got {name}"
         raise bad(TypeError, fn_name, what, "pass e.g. model.apply")
@@ -116,24 +112,6 @@ def order_hint(caller: Caller) -> str:
     return hint
 
 
-def model_call_fix(params, caller: Caller) -> str:
-    """The fix for "calling the model failed"."""
-    fix = f"check params and x1's per-sample shape and dtype ({order_hint(caller)})"
-    if isinstance(params, Mapping) and "params" in params:
-        fix += "; for Flax variables use ntk_flax.kernel(model, variables, x)"
-    return fix
-
-
-def in_neural_tangents_order(caller: Caller, params, x1, x2) -> bool:
-    """Whether ``(params, x1, x2)`` look like neural-tangents' ``(x1, x2, params)``."""
-
-    def per_sample(tree):
-        return jax.tree.structure(tree), [np.shape(v)[1:] for v in jax.tree.leaves(tree)]
-
-    inputs = per_sample(x1)
-    return bool(caller.neural_tangents_order) and per_sample(params) == inputs != per_sample(x2)
-
-
 def before_trace(fn_name: str, params, x1, x2, options) -> None:
     """Environment and dtype checks that need no trace of the model."""
     _environment.check_backend(fn_name)
@@ -155,14 +133,12 @@ def after_trace(
     fn_name: str, apply3, params, x1, x2, aux, out_leaves, options, kernel: str = "NTK", closed=None
 ) -> None:
     """Checks of the (validated) outputs, and precision warnings for ``kernel``; ``closed``:
-    the model's jaxpr when already traced.
-    """
+    the model's jaxpr when already traced."""
     for i, leaf in enumerate(out_leaves):
         if np.dtype(leaf.dtype).kind == "c":
             where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
             what = f"{where} has dtype {leaf.dtype}; expected real floating point"
             raise bad(TypeError, fn_name, what, "return the real and imaginary parts apart")
-    _environment.check_precision_option(fn_name, options.precision)
     _environment.check_model_precision(
         fn_name, apply3, params, x1, aux, options.precision, kernel, closed
     )
@@ -188,18 +164,14 @@ def concrete_bool(value) -> bool | None:
 
 def check_finite_input(fn_name: str, name: str, x) -> None:
     """A :class:`NonFiniteError` naming the first sample of ``x`` with a NaN or Inf;
-    called only once a result came out non-finite.
-    """
+    called only once a result came out non-finite."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(x):
         try:
             floating = jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
         except (TypeError, ValueError):  # strings, objects: refused by the validation
             continue
-        if np.ndim(leaf) == 0 or not floating:
+        if np.ndim(leaf) == 0 or not floating or all_finite(leaf) is not False:
             continue  # scalars are refused by the validation that follows
-        ok = all_finite(leaf)
-        if ok is None or ok:
-            continue
         values = np.asarray(leaf)
         bad_rows = ~np.isfinite(values).reshape(values.shape[0], -1).all(axis=1)
         i = int(np.argmax(bad_rows))

@@ -1,7 +1,6 @@
 """The engine: one kernel call through validate, plan, implementation and executor,
 caching per input signature the checks and plan, and per per-sample signature
-(``vmap_axes=0``) the outputs and analysis, so a new N reuses them.
-"""
+(``vmap_axes=0``) the outputs and analysis, so a new N reuses them."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ from ntk_core._kernel.pipeline import Checked, Config, Implementation, Spec
 
 class Engine:
     """One kernel function's pipeline: ``engine(params, x1, x2, aux) -> kernel``; ValueError
-    for per-leaf kernels with an implementation that does not separate leaves.
-    """
+    for per-leaf kernels with an implementation that does not separate leaves."""
 
     def __init__(self, spec: Spec):
         impl = REGISTRY.get(spec.options.implementation)  # None: "auto"
@@ -87,19 +85,14 @@ class Engine:
         _validate.check_blocks_independent(spec, checked, cut, params, x1, x2, aux)
         store = None
         if options.out is not None:  # written to a .npy file, resumable (_store)
-            model = _store.model_digest(self._model_jaxpr(checked, params, x1, aux))
+            closed = checked.closed  # the model's jaxpr, as validation traced it
+            if options.vmap_axes is not None:  # per sample
+                args = (spec.apply3, params, one_sample(x1), aux)
+                closed = per_sample_jaxpr(*args, precision=options.precision)
+            model = _store.model_digest(closed)
             store = _store.for_call(spec, config, cut, model, params, x1, x2, aux)
             if store.finished:
                 return store.result()
         return _blocked.compute(
             implementation, config, cut, options, spec.fn_name, params, x1, x2, aux, store
-        )
-
-    def _model_jaxpr(self, checked: Checked, params, x1, aux):
-        """The model's jaxpr that validation traced (per sample with vmap_axes=0)."""
-        if self.spec.options.vmap_axes is None:
-            return checked.closed
-        x_one = one_sample(x1)
-        return per_sample_jaxpr(
-            self.spec.apply3, params, x_one, aux, precision=self.spec.options.precision
         )

@@ -1,6 +1,5 @@
 """The one-call executor (``batch_size=None``): the features of x1 and x2, then the
-contraction, the same compiled phases as one tile of :mod:`ntk_core._blocked.tiles`.
-"""
+contraction, the same compiled phases as one tile of :mod:`ntk_core._blocked.tiles`."""
 
 from __future__ import annotations
 
@@ -24,14 +23,12 @@ def one_call(implementation: Implementation, params, x1, x2, aux):
 
 def check_finite_result(fn_name: str, result, config: Config, finite, x1, x2) -> None:
     """ValueError for a non-finite one-call kernel, naming the first non-finite input
-    sample, else entry; nothing under an outer ``jax.jit``.
-    """
-    ok = _checks.concrete_bool(finite)
-    if ok is None or ok:
+    sample, else entry; nothing under an outer ``jax.jit``."""
+    if _checks.concrete_bool(finite) is not False:
         return
     _checks.check_finite_inputs(fn_name, x1, x2)
     leaf = jax.tree.leaves(result)[0]
-    n1 = leaf.shape[0]
-    n2 = n1 if config.layouts[0].batch_diagonal else leaf.shape[1]
     diagonal = config.layouts[0].batch_diagonal
+    n1 = leaf.shape[0]
+    n2 = n1 if diagonal else leaf.shape[1]
     raise _blocked.nonfinite_tile_error(fn_name, result, 0, n1, 0, n2, diagonal)

@@ -18,11 +18,6 @@ class KernelFunction:
     in the layout of :func:`ntk_core.ntk_fn`. Inputs are validated and the implementation
     chosen once per input signature; later calls reuse the compiled programs.
 
-    Methods:
-      plan(first, x1, x2=None, ...): the printable ``Plan`` of :func:`ntk_core.plan`.
-      implementation_for(first, x1, x2=None, ...): the implementation a call uses
-        (``"jacobian"``, ``"ntvp"``, ``"structured"`` or ``"nngp"``).
-
     Attributes:
       name: the builder (``"ntk_fn"``, ``"ntk_flax.kernel_fn"``, ...); kind: ``"ntk"``,
       ``"ntk_per_leaf"`` or ``"nngp"``; options: the validated options.
@@ -66,13 +61,14 @@ class KernelFunction:
         return self._engine(params, x1, x2, aux)
 
     def plan(self, *args, **kwargs):
-        """What a call with these arguments does (a ``Plan``)."""
+        """What a call with these arguments does: the ``Plan`` of :func:`ntk_core.plan`."""
         first, x1, x2, keywords = self._arguments(args, kwargs, ".plan")
         params, aux = self._bind(first, x1, keywords)
         return self._engine.plan(params, x1, x2, aux)
 
     def implementation_for(self, *args, **kwargs) -> str:
-        """The implementation a call with these arguments uses."""
+        """The implementation a call with these arguments uses (``"jacobian"``, ``"ntvp"``,
+        ``"structured"`` or ``"nngp"``)."""
         first, x1, x2, keywords = self._arguments(args, kwargs, ".implementation_for")
         params, aux = self._bind(first, x1, keywords)
         return self._engine.implementation_for(params, x1, x2, aux)

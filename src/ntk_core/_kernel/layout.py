@@ -1,7 +1,6 @@
 """Output layout of kernels (neural-tangents 0.6) as einsum specifications: per output
 axis, traced (contracted, divided by its size), diagonal (kept once) or free (kept twice,
-x1's then x2's), in the output's axis order; see :func:`ntk_core.ntk_fn`.
-"""
+x1's then x2's), in the output's axis order; see :func:`ntk_core.ntk_fn`."""
 
 from __future__ import annotations
 
@@ -29,24 +28,19 @@ class LeafLayout:
 
     def specs(self, n_contracted: int = 0) -> tuple[str, str, str]:
         """Einsum ``(lhs, rhs, out)`` for operands ``(N1, O..., *C)`` and ``(N2, O..., *C)``, the
-        ``n_contracted`` trailing axes C summed.
-        """
+        ``n_contracted`` trailing axes C summed."""
         letters = iter(_LETTERS)
-        lhs, rhs, out = [], [], []
+        lhs, rhs, out = "", "", ""
         for a in range(self.ndim):
-            if a in self.trace or a in self.diag:
-                s = next(letters)
-                lhs.append(s)
-                rhs.append(s)
-                if a in self.diag:
-                    out.append(s)
+            if a in self.trace or a in self.diag:  # one letter, in the output if diagonal
+                left = right = next(letters)
+                out += left if a in self.diag else ""
             else:
                 left, right = next(letters), next(letters)
-                lhs.append(left)
-                rhs.append(right)
-                out += [left, right]
-        extra = [next(letters) for _ in range(n_contracted)]
-        return "".join(lhs + extra), "".join(rhs + extra), "".join(out)
+                out += left + right
+            lhs, rhs = lhs + left, rhs + right
+        extra = "".join(next(letters) for _ in range(n_contracted))
+        return lhs + extra, rhs + extra, out
 
     def trace_size(self, shape: tuple[int, ...]) -> int:
         return math.prod(shape[a] for a in self.trace)
@@ -69,8 +63,7 @@ class LeafLayout:
 
 def resolve_layout(fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, where: str):
     """The axes normalised for one output leaf of ``shape``; ValueError for an axis out of
-    range, named twice, traced and diagonal, or the batch axis traced.
-    """
+    range, named twice, traced and diagonal, or the batch axis traced."""
     ndim, shape = len(shape), tuple(shape)
     of = f"{where} of shape {shape}"
 

@@ -61,8 +61,7 @@ def _abstract(leaf):
 
 def per_sample_jaxpr(apply3, params, x_one, aux, *, precision: str):
     """The jaxpr of ``per_sample(apply3)`` under ``precision`` (written into each dot),
-    traced once per model, per-sample signature and precision, read by every phase.
-    """
+    traced once per model, per-sample signature and precision, read by every phase."""
     return per_sample_trace(apply3, params, x_one, aux, precision=precision)[0]
 
 

@@ -83,12 +83,6 @@ NT_IMPLEMENTATIONS = dict(
 )
 #: Valid values of ``precision``.
 PRECISIONS = ("highest", "high", "default")
-#: The blocked engine's options, and the NTK and NNGP entry points' keyword options.
-BLOCK_OPTION_NAMES = ("batch_size", "store_on_device", "progress", "memory_budget", "out")
-BLOCK_OPTION_NAMES += ("resume", "overwrite", "devices")
-KERNEL_OPTION_NAMES = ("trace_axes", "diagonal_axes", "vmap_axes", "implementation", "precision")
-NTK_OPTION_NAMES = KERNEL_OPTION_NAMES + BLOCK_OPTION_NAMES
-NNGP_OPTION_NAMES = tuple(n for n in NTK_OPTION_NAMES if n != "implementation")
 #: Bytes the blocked engine may use when the device reports no memory limit (CPU).
 DEFAULT_MEMORY_BUDGET = 2**30
 
@@ -114,6 +108,9 @@ class KernelOptions:
 
 #: Every option at its default value; public signatures take their defaults from here.
 DEFAULTS = KernelOptions()
+#: The NTK and NNGP entry points' keyword options.
+NTK_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(KernelOptions))
+NNGP_OPTION_NAMES = tuple(n for n in NTK_OPTION_NAMES if n != "implementation")
 
 
 def _got(value) -> str:
@@ -183,20 +180,17 @@ def make_options(
     )
     _one_of(fn_name, "precision", precision, PRECISIONS, "keep precision='highest'")
     _block_options(fn_name, batch_size, store_on_device, progress, memory_budget)
-    if isinstance(batch_size, numbers.Integral):
-        batch_size = int(batch_size)
-    if memory_budget is not None:
-        memory_budget = int(memory_budget)
+    batch_size = int(batch_size) if isinstance(batch_size, numbers.Integral) else batch_size
+    memory_budget = None if memory_budget is None else int(memory_budget)
     out = _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device)
-    devices = _devices_option(fn_name, devices, store_on_device, batch_size)
+    if devices is not None:
+        devices = _devices_option(fn_name, devices, store_on_device, batch_size)
     kernel = (trace, diag, vmap_axes, implementation, precision)
     block = (batch_size, store_on_device, progress, memory_budget, out, resume, overwrite)
     return KernelOptions(*kernel, *block, devices)
 
 
-def _devices_option(fn_name, devices, store_on_device, batch_size) -> tuple | None:
-    if devices is None:
-        return None
+def _devices_option(fn_name, devices, store_on_device, batch_size) -> tuple:
     if batch_size is None:
         what = "devices= spreads the blocked engine's tiles, but batch_size is None"
         raise bad(ValueError, fn_name, what, "pass a batch_size (e.g. 'auto'), or drop devices=")

@@ -1,7 +1,6 @@
 """What flows between the parts of one kernel call (docs/architecture.md):
 ``Spec`` -validate-> ``Checked`` -plan-> ``Config`` -> ``Implementation``, which the
-executors call. Each part receives what it reads as arguments.
-"""
+executors call. Each part receives what it reads as arguments."""
 
 from __future__ import annotations
 
@@ -16,53 +15,34 @@ from ntk_core._kernel.layout import LeafLayout
 from ntk_core._kernel.options import KernelOptions
 
 
-def fuses_bias(kind: str) -> bool:
-    """Whether structured derivatives fold biases into their product (not per leaf)."""
-    return kind != "ntk_per_leaf"
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Spec:
-    """One kernel function as built, compared by identity.
+    """One kernel function as built, compared by identity."""
 
-    Attributes:
-      fn_name: the public function's name, starting every message.
-      kind: ``"ntk"``, ``"ntk_per_leaf"`` or ``"nngp"``.
-      apply3: pure ``apply3(params, x, aux) -> outputs``.
-      options: the validated ``KernelOptions``.
-      check: the adapter's ``check(params, x1, x2, aux)``, once per input signature; or None.
-      hint: how to put the model in evaluation mode (for the samples-interact message).
-      caller: the public function that built it (argument order, model name); None: a core
-        kernel function ``(params, x1, x2)``.
-    """
-
-    fn_name: str
-    kind: str
-    apply3: Callable
+    fn_name: str  # the public function's name, starting every message
+    kind: str  # "ntk", "ntk_per_leaf" or "nngp"
+    apply3: Callable  # pure apply3(params, x, aux) -> outputs
     options: KernelOptions
-    check: Callable | None = None
-    hint: str = ""
-    caller: Caller | None = None
+    check: Callable | None = None  # the adapter's check(params, x1, x2, aux), per signature
+    hint: str = ""  # how to put the model in evaluation mode (samples-interact message)
+    caller: Caller | None = None  # the public function that built it; None: a core one
 
     @property
-    def fuse_bias(self) -> bool:
-        return fuses_bias(self.kind)
+    def fuse_bias(self) -> bool:  # structured derivatives fold biases in (not per leaf)
+        return self.kind != "ntk_per_leaf"
 
 
 @dataclasses.dataclass(frozen=True)
 class Checked:
-    """One call's validated inputs: samples ``n1``, ``n2``; ``symmetric`` (x2 None);
-    the output tree, its per-leaf layouts, shapes on x1 ``(N1, O...)``; ``closed``: the
-    model's jaxpr on x1 where validation traced it (always with ``vmap_axes=None``).
-    """
+    """One call's validated inputs."""
 
     n1: int
     n2: int
-    symmetric: bool
+    symmetric: bool  # x2 is None
     out_tree: Any
-    layouts: tuple[LeafLayout, ...]
-    shapes1: tuple[jax.ShapeDtypeStruct, ...]
-    closed: Any = None
+    layouts: tuple[LeafLayout, ...]  # per output leaf
+    shapes1: tuple[jax.ShapeDtypeStruct, ...]  # the outputs on x1, (N1, O...)
+    closed: Any = None  # the model's jaxpr on x1 where traced (always with vmap_axes=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,21 +66,16 @@ class Config:
 
     @property
     def fuse_bias(self) -> bool:
-        return fuses_bias(self.kind)
+        return self.kind != "ntk_per_leaf"
 
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-    """The two phases of one implementation for one :class:`Config`.
+    """The two phases of one implementation for one :class:`Config`: ``features(params, x,
+    aux)``, per-sample features (batch axis 0; None for ``"ntvp"``, whose tiles start from
+    the inputs), and ``tile(params, fa, fb, aux, xa, xb, same) -> (kernel, finite)``, the row
+    block's features against the column block's (``same``: one block's Gram, symmetric)."""
 
-    Attributes:
-      name: ``"jacobian"``, ``"ntvp"``, ``"structured"`` or ``"nngp"``.
-      features: ``features(params, x, aux)`` -> per-sample features (batch axis 0); None
-        for ``"ntvp"``, whose tiles start from the inputs.
-      tile: ``tile(params, fa, fb, aux, xa, xb, same) -> (kernel, finite)``: the row block's
-        features against the column block's; ``same``: one block's Gram, exactly symmetric.
-    """
-
-    name: str
+    name: str  # "jacobian", "ntvp", "structured" or "nngp"
     features: Callable | None
     tile: Callable

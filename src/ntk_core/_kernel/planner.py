@@ -1,7 +1,6 @@
 """Planning: the implementation of a call (``"auto"``: the cheapest by
 :mod:`ntk_core._impl.cost`), the structured per-leaf modes, the whole-batch memory model;
-returns a ``Config``. :func:`describe` is what ``plan()`` returns.
-"""
+returns a ``Config``. :func:`describe` is what ``plan()`` returns."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from ntk_core._errors import bad
 from ntk_core._impl import cost as _cost
 from ntk_core._impl.phases import triangle_blocks
 from ntk_core._impl.registry import AUTO, NNGP, PHASES, REGISTRY
-from ntk_core._kernel.model import one_sample, per_sample, per_sample_jaxpr
+from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._kernel.options import AUTO_BATCH_SIZE
 from ntk_core._kernel.pipeline import Checked, Config, Spec
 from ntk_core._kernel.validate import sample_signature, signature
@@ -26,13 +25,9 @@ from ntk_core._units import human_bytes
 def pair_sizes(shapes1, layouts) -> list[int]:
     """Kernel entries per pair of samples (O'), per output leaf."""
     sizes = []
-    for s, layout in zip(shapes1, layouts, strict=True):
-        size = 1
-        for a in range(1, layout.ndim):
-            if a not in layout.trace and a not in layout.diag:
-                size *= s.shape[a]
-            size *= s.shape[a]
-        sizes.append(size)
+    for s, layout in zip(shapes1, layouts, strict=True):  # s² per kept axis, else s
+        kept = [a not in layout.trace and a not in layout.diag for a in range(layout.ndim)]
+        sizes.append(math.prod(s.shape[a] ** (1 + kept[a]) for a in range(1, layout.ndim)))
     return sizes
 
 
@@ -59,18 +54,14 @@ def analysis(spec: Spec, analyses: dict, params, x1, aux):
     key = (signature(params), sample_signature(x1), signature(aux))  # not N
     found = analyses.get(key)
     if found is None:
-        x_one = one_sample(x1)
-        found = _hooks().analyse(
-            spec.apply3, params, x_one, aux, spec.fuse_bias, precision=spec.options.precision
-        )[0]
-        analyses[key] = found
+        args = (spec.apply3, params, one_sample(x1), aux, spec.fuse_bias)
+        found = analyses[key] = _hooks().analyse(*args, precision=spec.options.precision)[0]
     return found
 
 
 def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux) -> Config:
     """The ``Config`` of a checked call; ValueError for ``"ntvp"`` on a model that fails
-    inside its transformations, or a whole batch over ``memory_budget`` (:func:`whole_batch`).
-    """
+    inside its transformations, or a whole batch over ``memory_budget`` (:func:`whole_batch`)."""
     opts = spec.options
     shapes1, layouts = checked.shapes1, checked.layouts
     whole = None
@@ -122,16 +113,14 @@ def model_failure(
     implementation: str, spec: Spec, checked: Checked, params, x1, x2, aux
 ) -> Exception | None:
     """The error the model raises inside ``implementation``'s transformations (traced on
-    one sample), or None.
-    """
+    one sample), or None."""
     check = REGISTRY[implementation].model_failure
     return None if check is None else check(spec, checked, params, x1, x2, aux)
 
 
 def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
     """The ``WholeBatch`` of ``vmap_axes=None``; refuses a batch whose forward pass and one
-    reverse pass exceed ``memory_budget``.
-    """
+    reverse pass exceed ``memory_budget``."""
     opts = spec.options
     n1, n2, symmetric = checked.n1, checked.n2, checked.symmetric
     shapes1, layouts = checked.shapes1, checked.layouts
@@ -165,23 +154,20 @@ def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, who
     shapes1, layouts = checked.shapes1, checked.layouts
     n1, n2 = checked.n1, checked.n2
     batch_diag = any(layout.batch_diagonal for layout in layouts)
-    traced_batch = any(0 in layout.trace for layout in layouts)
     found = _cost.estimate(
-        per_sample(spec.apply3),
+        per_sample_jaxpr(spec.apply3, params, x_one, aux, precision=spec.options.precision),
         params,
         x_one,
-        aux,
         n1=n1,
         n2=checked.n2,
         pairs=n1 if batch_diag else n1 * n2,
-        triangle=(None if batch_diag or not checked.symmetric or traced_batch else triangle_blocks),
+        triangle=None if batch_diag or not checked.symmetric else triangle_blocks,
         out_sizes=[math.prod(s.shape[1:]) for s in shapes1],
         pair_sizes=pair_sizes(shapes1, layouts),
         kernel_sizes=kernel_sizes(shapes1, layouts),
         symmetric=checked.symmetric,
         analysis=analysis(spec, analyses, params, x1, aux),
         whole_batch=whole,
-        jaxpr=per_sample_jaxpr(spec.apply3, params, x_one, aux, precision=spec.options.precision),
     )
     if spec.options.vmap_axes is None:  # some need per-sample independence
         found = tuple(e for e in found if not REGISTRY[e.implementation].needs_independence)
@@ -210,10 +196,8 @@ def describe(spec, checked, config, implementation, analyses, params, x1, x2, au
     leaves = []
     for i, (path, size) in enumerate(zip(paths, config.param_sizes, strict=True)):
         method = methods.get(i, "jacobian (fallback)") if methods else ""
-        if structured:
-            leaves.append(_cost.LeafPlan(path, size, method))
-        else:
-            leaves.append(_cost.LeafPlan(path, size, config.implementation, method))
+        how = (method,) if structured else (config.implementation, method)
+        leaves.append(_cost.LeafPlan(path, size, *how))
     tiling = None
     if spec.options.batch_size is not None:
         tiling = _blocked.tiling(implementation, config, spec.options, params, x1, x2, aux)

@@ -1,7 +1,6 @@
 """The per-sample independence probe behind ``vmap_axes=0``: the model on two batches
 sharing their first sample; that sample's outputs must agree (catches BatchNorm in
-training mode, batch means). Two small forward passes per input signature.
-"""
+training mode, batch means). Two small forward passes per input signature."""
 
 from __future__ import annotations
 
@@ -24,31 +23,25 @@ def _head(leaf, k: int) -> np.ndarray:
     return np.asarray(leaf)[:k]
 
 
-def _sample(x, i):
-    return jax.tree.map(lambda leaf: leaf[i : i + 1], x)
-
-
-def _floating(sample) -> bool:
-    return all(jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in jax.tree.leaves(sample))
+def _samples(x, k: int) -> list:
+    """The first ``k`` samples of ``x``, each a batch of one."""
+    x = jax.tree.map(lambda leaf: _head(leaf, k), x)
+    n = jax.tree.leaves(x)[0].shape[0]
+    return [jax.tree.map(lambda leaf, i=i: leaf[i : i + 1], x) for i in range(n)]
 
 
 def _batches(x1, x2):
     """Two batches of three samples sharing the first (two would hide a batch
     standardisation), the others transformed affinely (or other samples for integer
-    inputs); None when too few samples.
-    """
-    x1 = jax.tree.map(lambda leaf: _head(leaf, 4), x1)
-    n1 = jax.tree.leaves(x1)[0].shape[0]
-    samples = [_sample(x1, i) for i in range(n1)]
-    if x2 is not None and n1 < 4:
-        x2 = jax.tree.map(lambda leaf: _head(leaf, 4 - n1), x2)
-        n2 = jax.tree.leaves(x2)[0].shape[0]
-        samples += [_sample(x2, i) for i in range(n2)]
+    inputs); None when too few samples."""
+    samples = _samples(x1, 4)
+    if x2 is not None and len(samples) < 4:
+        samples += _samples(x2, 4 - len(samples))
 
     def affine(v, a, b):
         return jax.tree.map(lambda leaf: (a * leaf + b).astype(leaf.dtype), v)
 
-    if _floating(samples[0]):
+    if all(jnp.issubdtype(v.dtype, jnp.inexact) for v in jax.tree.leaves(samples[0])):
         s0 = samples[0]
         others = samples[1:3]  # padded with transformed copies of s0 when N < 3
         others += [affine(s0, a, b) for a, b in ((0.7, -0.3), (1.3, 0.2))[len(others) :]]
@@ -63,9 +56,7 @@ def _batches(x1, x2):
     return None
 
 
-def samples_interact(
-    apply3, params, x1, x2, aux, rtol: float = 1e-4, fn_name: str = "ntk_core"
-) -> bool:
+def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e-4) -> bool:
     """Whether sample 0's output changes with its batch; False when abstract or too few."""
     try:
         batches = _batches(x1, x2)
@@ -77,8 +68,7 @@ def samples_interact(
 
         run = jax.jit(apply3)
         try:
-            out_b = jax.tree.leaves(run(params, stack(batches[0]), aux))
-            out_c = jax.tree.leaves(run(params, stack(batches[1]), aux))
+            out_b, out_c = (jax.tree.leaves(run(params, stack(b), aux)) for b in batches)
         except jax.errors.UnexpectedTracerError as error:
             raise _checks.leaked_tracer_error(fn_name, error) from error
         except (TypeError, ValueError, IndexError) as error:

@@ -1,8 +1,9 @@
 """Validation, before anything is compiled: arguments, one abstract trace of one sample,
-output layouts and, with ``vmap_axes=0``, the independence probe (reused for a new N).
-"""
+output layouts and, with ``vmap_axes=0``, the independence probe (reused for a new N)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -19,18 +20,12 @@ from ntk_core._kernel.model import one_sample, per_sample_trace
 from ntk_core._kernel.pipeline import Checked, Spec
 
 
-def caller_of(spec: Spec) -> Caller:
-    """The public function ``spec`` names in messages (a core one by default)."""
-    return spec.caller if spec.caller is not None else core(spec.fn_name)
-
-
 def as_arrays(tree):
     return jax.tree.map(lambda v: v if hasattr(v, "shape") else np.asarray(v), tree)
 
 
 def describe(tree) -> str:
-    shapes = jax.tree.map(lambda v: tuple(np.shape(v)), tree)
-    text = repr(shapes)
+    text = repr(jax.tree.map(lambda v: tuple(np.shape(v)), tree))
     if len(text) > 300:  # e.g. a long Python list of numbers: one () per element
         n = len(jax.tree.leaves(tree))
         text = f"{text[:200]}... ({type(tree).__name__} with {n} leaves)"
@@ -61,10 +56,9 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     """The ``Checked`` inputs of one call of ``spec``, or a ValueError / TypeError (the rows
     of ``tests/core/test_bad_input.py``). ``samples``: the per-sample signatures already
     validated, updated. Cost: for a new signature one abstract trace and the probe's two
-    forward passes on three samples; otherwise O(leaves).
-    """
+    forward passes on three samples; otherwise O(leaves)."""
     fn = spec.fn_name
-    caller = caller_of(spec)
+    caller = spec.caller if spec.caller is not None else core(spec.fn_name)
     opts = spec.options
     _checks.before_trace(fn, params, x1, x2, opts)  # backend guard, dtypes
     if not jax.tree.leaves(params):
@@ -73,8 +67,13 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     n1 = batch_size(caller, "x1", x1)
     n2 = n1
     if x2 is not None:
-        if _checks.in_neural_tangents_order(caller, params, x1, x2):
-            what = f"the arguments look in neural-tangents' order {caller.neural_tangents_order}"
+
+        def per_sample(tree):
+            return jax.tree.structure(tree), [np.shape(v)[1:] for v in jax.tree.leaves(tree)]
+
+        nt = caller.neural_tangents_order  # e.g. (x1, x2, params), recognised by its shapes
+        if nt and per_sample(params) == per_sample(x1) != per_sample(x2):
+            what = f"the arguments look in neural-tangents' order {nt}"
             raise bad(ValueError, fn, what, f"pass {caller.order}")
         n2 = batch_size(caller, "x2", x2)
         s1, s2 = jax.tree.structure(x1), jax.tree.structure(x2)
@@ -124,7 +123,9 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
                 )
         except Exception as e:  # the model's own error, with context
             doing = f"calling the model on x1 (shapes {describe(x1)})"
-            fix = _checks.model_call_fix(params, caller)
+            fix = f"check params and x1's per-sample shape and dtype ({_checks.order_hint(caller)})"
+            if isinstance(params, Mapping) and "params" in params:
+                fix += "; for Flax variables use ntk_flax.kernel(model, variables, x)"
             raise _checks.model_call_error(fn, doing, e, fix) from e
         out_leaves, out_tree = jax.tree.flatten(out)
     if not out_leaves:
@@ -151,16 +152,14 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
         what += f": {one_line(e)}"
         fix = "keep the batch axis for any N (no squeeze, no fixed N), or pass vmap_axes=None"
         raise bad(ValueError, fn, what, fix) from e
-    kernel = "NNGP" if spec.kind == "nngp" else "NTK"
     if known is None:
+        kernel = "NNGP" if spec.kind == "nngp" else "NTK"
         _checks.after_trace(fn, spec.apply3, params, x1, x2, aux, out_leaves, opts, kernel, closed)
-    if (known is None and opts.vmap_axes is not None) and _probe.samples_interact(
-        spec.apply3, params, x1, x2, aux, fn_name=fn
-    ):
-        how = f" (e.g. {spec.hint})" if spec.hint else ""
-        fix = f"run the model in evaluation mode{how}, or pass vmap_axes=None"
-        raise _checks.samples_interact_error(fn, fix)
-    if sample_key is not None and known is None:
+    if known is None and sample_key is not None:  # vmap_axes=0
+        if _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn):
+            how = f" (e.g. {spec.hint})" if spec.hint else ""
+            fix = f"run the model in evaluation mode{how}, or pass vmap_axes=None"
+            raise _checks.samples_interact_error(fn, fix)
         samples[sample_key] = (out_tree, [(o.shape[1:], o.dtype) for o in out_leaves])
     shapes1 = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
     return Checked(n1, n2, x2 is None, out_tree, tuple(layouts), shapes1, closed)
@@ -177,8 +176,7 @@ def check_untraced(spec: Spec, params, x1, x2) -> None:
 
 def check_blocks_independent(spec: Spec, checked: Checked, cut, params, x1, x2, aux) -> None:
     """With ``vmap_axes=None``, refuses blocks smaller than the batch when samples
-    interact (``cut``: the ``Tiling``).
-    """
+    interact (``cut``: the ``Tiling``)."""
     if spec.options.vmap_axes is not None or max(cut.b1, cut.b2) >= max(checked.n1, checked.n2):
         return
     if _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn_name=spec.fn_name):

@@ -2,8 +2,7 @@
 2022, s. 3.3): the jaxpr analysis (:func:`analyse`), the features' interpreter
 (:func:`features`) and the pairwise contraction (:func:`contract`) of the weight uses the
 rules in :mod:`ntk_core._structured.rules` (the formulas) cover; every other leaf falls back
-to its explicit Jacobian. Per leaf, :func:`choose_modes` picks the Gram or explicit form.
-"""
+to its explicit Jacobian. Per leaf, :func:`choose_modes` picks the Gram or explicit form."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ import numpy as np
 from jax.extend import core as jex
 
 from ntk_core._impl import jacobian as _jacobian
-from ntk_core._jax.batches import map_in_batches as map_in_batches
 from ntk_core._jax.jaxpr_walk import bind, call_body, inlined, is_literal, values_written
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._structured import rules as _rules
@@ -54,10 +52,10 @@ class Analysis:
     uses: tuple[Use, ...]
     fallback: tuple[int, ...]  # parameter leaves differentiated explicitly
     groups: tuple[tuple[int, ...], ...]  # use indices of each structured leaf
-    biased: tuple[bool, ...] = ()  # per use: a bias added to its output is fused in
-    bias_leaves: tuple[int, ...] = ()  # per use: the fused bias leaf, or -1
-    fallback_reasons: tuple[str, ...] = ()  # per fallback leaf: why no rule covers it
-    leaf_dtypes: tuple[str, ...] = ()  # per parameter leaf (its Jacobian's dtype)
+    biased: tuple[bool, ...]  # per use: a bias added to its output is fused in
+    bias_leaves: tuple[int, ...]  # per use: the fused bias leaf, or -1
+    fallback_reasons: tuple[str, ...]  # per fallback leaf: why no rule covers it
+    leaf_dtypes: tuple[str, ...]  # per parameter leaf (its Jacobian's dtype)
 
     def leaves(self, n_leaves: int, modes: tuple[str, ...] | None = None) -> Structure:
         """The :class:`Structure` of ``n_leaves`` leaves (modes default to ``"gram"``)."""
@@ -72,7 +70,7 @@ class Analysis:
     def input_size(self, u: int) -> int:
         """C of use ``u`` with its fused bias column."""
         use = self.uses[u]
-        return use.x_contract_size + int(bool(self.biased) and self.biased[u])
+        return use.x_contract_size + int(self.biased[u])
 
 
 #: FLOP-equivalents per value written by the Gram form's memory-bound einsums (token
@@ -120,10 +118,8 @@ def method_labels(analysis: Analysis, modes) -> dict[int, str]:
     methods = {}
     for group, mode in zip(analysis.groups, modes, strict=True):
         uses = [analysis.uses[u] for u in group]
-        label = uses[0].rule.label(uses)
-        if mode == EXPLICIT:
-            label += ", per-sample Jacobian"
-        methods[uses[0].leaf] = f"structured ({label})"
+        per_sample = ", per-sample Jacobian" if mode == EXPLICIT else ""
+        methods[uses[0].leaf] = f"structured ({uses[0].rule.label(uses)}{per_sample})"
     for u, leaf in enumerate(analysis.bias_leaves):
         if leaf >= 0:
             methods[leaf] = f"structured (bias fused with its {analysis.uses[u].name})"
@@ -187,17 +183,6 @@ def _constant_factor(eqn, ins, known: dict) -> float | None:
     return 1.0 / c if w_side == 0 and c != 0.0 else None
 
 
-def _float_cast(eqn) -> bool:
-    """A widening float cast (float32 -> float64): the same numbers. A narrowing one is
-    not: autodiff's Jacobian rounds to it, the Gram form would not (~1e-3 apart)."""
-    a, b = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
-    return bool(
-        jnp.issubdtype(a, jnp.floating)
-        and jnp.issubdtype(b, jnp.floating)
-        and jnp.promote_types(a, b) == b
-    )
-
-
 def _function_name(eqn) -> str:
     """The function a call-like equation wraps (``relu``), or ""."""
     for key in ("call_jaxpr", "fun_jaxpr", "jaxpr"):
@@ -215,10 +200,6 @@ def _function_name(eqn) -> str:
 _LIBRARIES = ("jax", "jaxlib", "ntk_core", "ntk_flax", "ntk_haiku", "flax", "haiku", "numpy")
 
 
-def _library_roots() -> tuple[str, ...]:
-    return _roots(tuple(getattr(sys.modules.get(name), "__file__", None) for name in _LIBRARIES))
-
-
 @functools.lru_cache(maxsize=8)
 def _roots(files: tuple) -> tuple[str, ...]:
     roots = [sysconfig.get_paths()["stdlib"]]
@@ -232,7 +213,7 @@ def _source_location(eqn) -> str:
         frames = eqn.source_info.traceback.frames
     except AttributeError:
         return ""
-    roots = _library_roots()
+    roots = _roots(tuple(getattr(sys.modules.get(n), "__file__", None) for n in _LIBRARIES))
     for frame in frames:
         path = os.path.abspath(frame.file_name)
         if not path.startswith(roots):
@@ -248,13 +229,12 @@ def _unpaired_reason(uses: list[Use], sites: list, indices: list[int]) -> str:
         if use.key in keys:
             continue
         keys.add(use.key)
-        name, kind = use.name, use.kind
-        other = " of another view of it" if kind in kinds else ""
-        kinds.add(kind)
+        other = " of another view of it" if use.kind in kinds else ""
+        kinds.add(use.kind)
         location = _source_location(sites[u])
         where = f" (at {location})" if location else ""
-        article = "an" if name[0] in "aeiou" else "a"
-        parts.append(f"{article} {name}{other}{where}")
+        article = "an" if use.name[0] in "aeiou" else "a"
+        parts.append(f"{article} {use.name}{other}{where}")
     return (
         f"used by {' and '.join(parts)}, whose Jacobians do not pair up entry by entry "
         f"(weight tying through different views)"
@@ -302,6 +282,13 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                     else:
                         known[inner] = value
                 known.update(_scalar_constants(sub.constvars, consts))
+                if any(o is not None for o in ins):  # returned views: marked inside
+                    pairs = zip(sub.invars, ins, strict=True)
+                    sub_origins = {v: o for v, o in pairs if o is not None}
+                    name_here = eqn.params.get("name")
+                    within = f" inside {name_here}" if isinstance(name_here, str) else inside
+                    walk(sub, sub_origins, here, within, call or eqn)
+                continue
             if not any(o is not None for o in ins):
                 if name == "convert_element_type":  # of a scalar constant: still known
                     value = _scalar(eqn.invars[0], known)
@@ -313,13 +300,6 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 view = next(o for o in ins if o is not None)
                 origins[eqn.outvars[0]] = view._replace(chain=view.chain + (("scale_by", factor),))
                 continue
-            if inlined(eqn):
-                sub, _ = call_body(eqn)
-                sub_origins = {v: o for v, o in zip(sub.invars, ins, strict=True) if o is not None}
-                name_here = eqn.params.get("name")
-                within = f" inside {name_here}" if isinstance(name_here, str) else inside
-                walk(sub, sub_origins, here, within, call or eqn)  # returned views: marked there
-                continue
             if name in _VIEW_PRIMITIVES or name == "broadcast_in_dim":
                 if len(eqn.invars) != 1:
                     for o in ins:
@@ -330,12 +310,16 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 step = (name, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
                 origins[eqn.outvars[0]] = View(view.leaf, view.chain + (step,), view.eqns + (eqn,))
                 continue
-            if name == "convert_element_type" and _float_cast(eqn):
-                # A widening cast: a view that keeps the entries' order (not in ``eqns``).
-                view = ins[0]
-                step = (name, str(eqn.outvars[0].aval.dtype))
-                origins[eqn.outvars[0]] = view._replace(chain=view.chain + (step,))
-                continue
+            if name == "convert_element_type":
+                # A widening cast (float32 -> float64): the same numbers, a view that keeps
+                # the entries' order (not in ``eqns``). A narrowing one is not: autodiff's
+                # Jacobian rounds to it, the Gram form would not (~1e-3 apart).
+                a, b = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+                floats = jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)
+                if floats and jnp.promote_types(a, b) == b:
+                    step = (name, str(b))
+                    origins[eqn.outvars[0]] = ins[0]._replace(chain=ins[0].chain + (step,))
+                    continue
             rule = _rules.rule_for(name)
             n_params = sum(o is not None for o in ins)
             if rule is not None and n_params == 1:
@@ -394,12 +378,11 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     for leaf, members in by_leaf.items():
         if len({uses[u].key for u in members}) > 1:  # different views: no pairing
             fall_back(leaf, _unpaired_reason(uses, use_sites, members))
-    uses_per_leaf = {leaf: len(m) for leaf, m in by_leaf.items()}
     fused: dict[int, int] = {}  # use index (in ``uses``) -> bias leaf
     absorbed_uses: set[int] = set()  # shift uses replaced by a fused bias
     for u, s, leaf, eqns in bias_candidates:
         use = uses[u]
-        alone = uses_per_leaf[leaf] == 1 and uses_per_leaf[use.leaf] == 1  # their only uses
+        alone = len(by_leaf[leaf]) == 1 and len(by_leaf[use.leaf]) == 1  # their only uses
         # A scaled bias, or one that does not fuse, stays an elementwise shift.
         ok = fuse_bias and alone and uses[s].factor == 1.0 and not {leaf, use.leaf} & set(bad)
         if ok and use.rule.takes_bias and _bias_fusable(eqns, leaf_shapes[leaf], use):
@@ -420,22 +403,15 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
     return Analysis(tuple(kept), fallback, groups_, biased, bias_leaves, reasons, dtypes)
 
 
-def _conv_use(eqn, ins, here):
-    """The convolution rule's use of ``eqn`` (``ins``: views or ``(leaf, chain, eqns)``)."""
-    ins = [None if o is None else View(*o) for o in ins]
-    return _rules.conv.CONV.match(eqn, ins, here, None)
-
-
 def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
     """The outputs of ``jaxpr`` with the probes (by use path) added, the recorded operands
     written into ``records``."""
-    env = {}
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
 
     def read(v):
         return v.val if is_literal(v) else env[v]
 
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
     for i, eqn in enumerate(jaxpr.eqns):
         here = path + (i,)
         invals = [read(v) for v in eqn.invars]
@@ -470,17 +446,14 @@ def analysis_for(
 def _bias_in_gram(analysis: Analysis, modes, u: int) -> bool:
     """Whether use ``u``'s fused bias adds 1 to its input Gram matrix (not a column)."""
     use = analysis.uses[u]
-    biased = bool(analysis.biased) and analysis.biased[u]
-    return biased and use.rule.bias_in_gram(use) and _gram(analysis, modes, u)
+    return analysis.biased[u] and use.rule.bias_in_gram(use) and _gram(analysis, modes, u)
 
 
 #: Bytes of per-sample intermediates the features phase may hold at once (:func:`chunk_size`).
 FEATURE_CHUNK_BYTES = 2**28
 
 
-def chunk_size(
-    apply3, params, x, aux, out_tree, fuse_bias: bool, modes, *, precision: str = "highest"
-) -> int:
+def chunk_size(apply3, params, x, aux, fuse_bias: bool, modes, *, precision="highest") -> int:
     """Samples whose features are computed together: B = FEATURE_CHUNK_BYTES //
     (itemsize·((O + 2)·V + F)) in [1, N], evened to ⌈N / ⌈N / B⌉⌉ (V: values one forward
     pass writes, O: outputs per sample, F: feature values per sample)."""
@@ -488,7 +461,7 @@ def chunk_size(
         apply3, params, one_sample(x), aux, fuse_bias, precision=precision
     )
     n = np.shape(jax.tree.leaves(x)[0])[0]
-    outs = closed.out_avals  # the outputs' leaves, in out_tree's order
+    outs = closed.out_avals
     out_size = sum(math.prod(o.shape) for o in outs)
     leaves = jax.tree.leaves(params)
     width = sum(math.prod(np.shape(leaves[i])) for i in analysis.fallback)
@@ -501,8 +474,14 @@ def chunk_size(
         if _gram(analysis, modes, u)
     )
     itemsize = max((np.dtype(o.dtype).itemsize for o in outs), default=4)
-    values = (out_size + 2) * values_written(closed.jaxpr) + out_size * width + gram_values
-    most = int(min(n, max(1, FEATURE_CHUNK_BYTES // max(itemsize * values, 1))))
+    values = values_written(closed.jaxpr)
+    return feature_chunk(n, out_size, values, out_size * width + gram_values, itemsize)
+
+
+def feature_chunk(n: int, out_total: int, values: int, feature_values: int, itemsize: int) -> int:
+    """Samples per features chunk (the cost model's too): see :func:`chunk_size`."""
+    per = itemsize * ((out_total + 2) * values + feature_values)
+    most = int(min(n, max(1, FEATURE_CHUNK_BYTES // max(per, 1))))
     pieces = -(-n // most)
     return -(-n // pieces)  # balanced: the overlapping last chunk repeats < pieces samples
 
@@ -513,37 +492,11 @@ def chunk_size(
 Features = collections.namedtuple("Features", "fallback explicit merged x g")
 
 
-def features_in_chunks(
-    apply3, params, x, aux, out_tree, fuse_bias, modes, merge_limits, chunk, *, precision="highest"
-):
-    """:func:`features` of ``x``, ``chunk`` samples at a time in an XLA loop."""
-    return map_in_batches(
-        lambda xb: features(
-            apply3, params, xb, aux, out_tree, fuse_bias, modes, merge_limits, precision=precision
-        ),
-        x,
-        chunk,
-    )
-
-
-def features(
-    apply3,
-    params,
-    x,
-    aux,
-    out_tree,
-    fuse_bias=True,
-    modes=None,
-    merge_limits=None,
-    *,
-    precision="highest",
-):
+def features(apply3, params, x, aux, fuse_bias, modes, merge_limits, *, precision):
     """Per-sample structured features of a batch (:class:`Features`)."""
     analysis, closed = analysis_for(
         apply3, params, one_sample(x), aux, fuse_bias, precision=precision
     )
-    if modes is None:
-        modes = (GRAM,) * len(analysis.groups)
     param_leaves = jax.tree.leaves(params)
 
     def one(x_i):
@@ -562,10 +515,6 @@ def features(
         d0 = [jnp.zeros(use.y_shape, use.y_dtype) for use in analysis.uses]
         # Per output leaf: (Jacobians of the fallback leaves, cotangents at each use).
         return jax.jacrev(run, argnums=(0, 1), has_aux=True)(fb0, d0)
-
-    n = jax.tree.leaves(x)[0].shape[0]  # the batch's outputs, from one sample's
-    out_shapes = [jax.ShapeDtypeStruct((n, *o.shape), o.dtype) for o in closed.out_avals]
-    biased = analysis.biased or (False,) * len(analysis.uses)
 
     # Widened uses contract in the promoted dtype; each leaf's kernel in its own dtype.
     leaf_dtypes = analysis.leaf_dtypes
@@ -589,15 +538,14 @@ def features(
     xs = [prepared(v, w, f) for v, w, f in zip(xs, work, x_factors, strict=True)]
     # Per use: its Gram-form inputs, or what its explicit Jacobian reads of them.
     x_mats = []
+    biased = analysis.biased
     for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True)):
         bias_column = b and not _bias_in_gram(analysis, modes, u)
-        if _gram(analysis, modes, u):
-            x_mats.append(use.rule.input_features(use, xu, bias_column))
-        else:
-            x_mats.append(use.rule.jacobian_input(use, xu, bias_column))
+        form = use.rule.input_features if _gram(analysis, modes, u) else use.rule.jacobian_input
+        x_mats.append(form(use, xu, bias_column))
     fallback, explicit, merged, g = [], [], [], []  # per output leaf
-    for k, o in enumerate(out_shapes):
-        o_ndim = len(o.shape)  # (N, *O)
+    for k, o in enumerate(closed.out_avals):  # one sample's output leaves
+        o_ndim = 1 + len(o.shape)  # (N, *O)
         fb_k = [j.reshape(j.shape[:o_ndim] + (-1,)) for j in j_fb[k]]
         per_use = []
         for use, gu in zip(analysis.uses, j_d[k], strict=True):
@@ -635,10 +583,6 @@ def _gram(analysis: Analysis, modes, u: int) -> bool:
     return True
 
 
-def _fresh_letters(used: str, n: int) -> list[str]:
-    return [c for c in string.ascii_letters if c not in used][:n]
-
-
 def contract(layouts, structure: Structure, analysis, f1, f2, precision):
     """Per output leaf, each parameter leaf's kernel (they sum to the NTK), led by the
     merged Jacobians' kernels when ``f1.merged`` holds them."""
@@ -661,7 +605,8 @@ def contract(layouts, structure: Structure, analysis, f1, f2, precision):
             for leaf, (a, b) in zip(structure.fallback, pairs, strict=True):
                 per_leaf[leaf] = jacobian_term(a, b)
         lo, ro, _ = layout.specs()
-        letters = Subscripts(lo, ro, out, *_fresh_letters(lo + ro + out, 4))
+        fresh = [c for c in string.ascii_letters if c not in lo + ro + out]
+        letters = Subscripts(lo, ro, out, *fresh[:4])
         explicit = zip(f1.explicit[k], f2.explicit[k], strict=True)
         x1, x2, g1, g2 = f1.x, f2.x, f1.g[k], f2.g[k]
         for group, leaf, mode in zip(*structure[2:], strict=True):  # groups, leaves, modes

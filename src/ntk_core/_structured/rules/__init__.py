@@ -21,9 +21,6 @@ from ntk_core._structured.rules.gather import GATHER
 REGISTRY: tuple[Rule, ...] = (DOT, CONV, GATHER, ELEMENTWISE)
 
 
-def rule_for(primitive: str, rules: tuple[Rule, ...] | None = None) -> Rule | None:
-    """The first rule of ``rules`` (default :data:`REGISTRY`) for ``primitive``, or None."""
-    for rule in REGISTRY if rules is None else rules:
-        if primitive in rule.primitives:
-            return rule
-    return None
+def rule_for(primitive: str) -> Rule | None:
+    """The first rule of :data:`REGISTRY` for ``primitive``, or None."""
+    return next((rule for rule in REGISTRY if primitive in rule.primitives), None)

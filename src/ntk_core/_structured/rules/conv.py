@@ -1,7 +1,6 @@
 """Ungrouped convolutions ``y = conv_general_dilated(x, view(W))`` on the kernel: ``c`` =
 (input channel, window offset), ``a`` the output positions, ``k`` the output channels;
-the patches ``x[a, c]`` come from padding and strided slices. A fused bias is a row of ones.
-"""
+the patches ``x[a, c]`` come from padding and strided slices. A fused bias is a row of ones."""
 
 from __future__ import annotations
 
@@ -36,9 +35,8 @@ class ConvGeometry:
 def patches(x, geometry: ConvGeometry):
     """Patches ``(C_in·W, A)`` of one sample's input: ``y[a, k] = Σ_c p[c, a] W'[c, k]``
     with ``W'`` the kernel as ``(C_in, *window, K)``."""
-    g = geometry
-    lhs_spec = g.lhs_spec
-    x = jnp.transpose(x, (lhs_spec[1], lhs_spec[0]) + tuple(lhs_spec[2:]))  # (C_in, B, *sp)
+    g, spec = geometry, geometry.lhs_spec
+    x = jnp.transpose(x, (spec[1], spec[0]) + tuple(spec[2:]))  # (C_in, B, *spatial)
     zero = jnp.zeros((), x.dtype)
     config = [(0, 0, 0), (0, 0, 0)] + [
         (lo, hi, d - 1) for (lo, hi), d in zip(g.padding, g.lhs_dilation, strict=True)
@@ -73,10 +71,8 @@ class ConvRule(Rule):
         return float(a * c)
 
     def match(self, eqn, ins, here, leaf_shapes):
-        if ins[0] is not None or ins[1] is None:
-            return None  # only the kernel operand is a parameter
-        if not _ungrouped(eqn):
-            return None
+        if ins[0] is not None or ins[1] is None or not _ungrouped(eqn):
+            return None  # only the kernel operand is a parameter, in an ungrouped convolution
         chain, factor = scaled(ins[1].chain)
         if broadcasts(chain):
             return None
@@ -100,8 +96,7 @@ class ConvRule(Rule):
         return self.use("conv", here, ins[1].leaf, 0, key, y, y_perm, sizes, geometry, factor)
 
     def miss_reason(self, eqn, ins):
-        reason = broadcast_reason(eqn, ins)
-        if reason is not None:
+        if (reason := broadcast_reason(eqn, ins)) is not None:
             return reason
         if ins[1] is None:
             return "the input operand of a convolution (not its kernel)"

@@ -1,7 +1,6 @@
 """Matrix products ``y = dot_general(x, view(W))`` (no batch dims, W not broadcast): ``a``
 the free axes of x, ``c`` its contracted axes, ``k`` the free axes of W. A Dense layer on
-vectors (A = 1) is (x1·x2)(g1·g2); its fused bias adds 1 to x1·x2 instead of a column.
-"""
+vectors (A = 1) is (x1·x2)(g1·g2); its fused bias adds 1 to x1·x2 instead of a column."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ class DotRule(Rule):
         return self.use("dot", here, ins[w_side].leaf, x_side, key, y, y_perm, sizes, info, factor)
 
     def miss_reason(self, eqn, ins):
-        reason = broadcast_reason(eqn, ins)
-        if reason is not None:
+        if (reason := broadcast_reason(eqn, ins)) is not None:
             return reason
         (_, _), (lb, rb) = eqn.params["dimension_numbers"]
         if lb or rb:

@@ -1,8 +1,7 @@
 """Elementwise scales ``x * view(s)`` and shifts ``x ± view(b)`` (norm layers, unfused
 biases). The view's constant axes are the positions (A), the others the units (K), which
 must hold each leaf entry once: ∂f_o/∂s[σ(k)] = Σ_a ∂f_o/∂v[a, k]. The probe sits on the
-operand v, so the reverse pass reduces it; always the explicit form (C = 1), in leaf order.
-"""
+operand v, so the reverse pass reduces it; always the explicit form (C = 1), in leaf order."""
 
 from __future__ import annotations
 
@@ -68,9 +67,7 @@ class ElementwiseRule(Rule):
     def bias_target(self, eqn, use: Use):
         """``y`` of ``y + view(b)`` (a bias that may fuse with ``y``'s product)."""
         y = eqn.invars[use.x_side]
-        if eqn.primitive.name == "add" and not is_literal(y):
-            return y
-        return None
+        return y if eqn.primitive.name == "add" and not is_literal(y) else None
 
     def probe(self, use, delta):
         return Probe(use.x_side, delta, use.info.operand)

@@ -1,8 +1,7 @@
 """Embedding lookups ``y = view(W)[tokens]`` of a ``(V, D)`` table (clip, fill or
 promise-in-bounds mode): ``x[a, v] = [t_a = v]``, so ∂f_o/∂W[v, d] = Σ_a [t_a = v] g_o[a, d]
 and the Gram factor is the token match [t1_a = t2_b]. Out-of-range tokens are clamped
-(clip) or dropped, as the lookup's transpose does.
-"""
+(clip) or dropped, as the lookup's transpose does."""
 
 from __future__ import annotations
 
@@ -59,10 +58,8 @@ class GatherRule(Rule):
         return self.use("gather", here, ins[0].leaf, 1, key, y, y_perm, sizes, info, factor)
 
     def miss_reason(self, eqn, ins):
-        reason = broadcast_reason(eqn, ins)
-        if reason is not None:
-            return reason
-        return "a gather other than a row lookup table[tokens] with integer tokens"
+        other = "a gather other than a row lookup table[tokens] with integer tokens"
+        return broadcast_reason(eqn, ins) or other
 
     def input_features(self, use, x, bias_column):
         """The tokens ``(N, A)``."""
@@ -71,9 +68,7 @@ class GatherRule(Rule):
     def jacobian(self, use, xj, g, biased):
         """``J[v, d] = Σ_a [t_a = v] g[a, d]``: ``(N, *O, V, D)``."""
         vocab = use.x_contract_size
-        tokens = xj
-        if use.info.mode == "CLIP":
-            tokens = jnp.clip(tokens, 0, vocab - 1)
+        tokens = jnp.clip(xj, 0, vocab - 1) if use.info.mode == "CLIP" else xj
         hot = jax.nn.one_hot(tokens, vocab, dtype=g.dtype)  # out of range: all zero
         return jnp.einsum("nav,n...ad->n...vd", hot, g)
 
@@ -89,14 +84,8 @@ class GatherRule(Rule):
         match = token_match(u, x1, x2, diagonal)
         n1, n2 = s.left[0], s.right[0]
         m_spec = f"{n1}{s.a}{s.b}" if diagonal else f"{n1}{s.a}{n2}{s.b}"
-        return jnp.einsum(
-            f"{m_spec},{s.left}{s.a}{s.k},{s.right}{s.b}{s.k}->{s.out}",
-            match,
-            g1,
-            g2,
-            precision=precision,
-            optimize="optimal",
-        )
+        spec = f"{m_spec},{s.left}{s.a}{s.k},{s.right}{s.b}{s.k}->{s.out}"
+        return jnp.einsum(spec, match, g1, g2, precision=precision, optimize="optimal")
 
     def label(self, uses):
         n, name = len(uses), uses[0].name
