@@ -38,6 +38,7 @@ RUNS = [
     ("mlp10-full", 500, ("structured",)),
     ("resnet", 128, ("structured", "jacobian")),
     ("tokens", 256, ("structured", "jacobian")),
+    ("resnet18", 64, ("structured",)),
     ("wholebatch", 32, ("jacobian", "ntvp")),
 ]
 

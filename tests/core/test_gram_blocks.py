@@ -1,0 +1,71 @@
+"""Gram terms of convolutions contracted over blocks of x1's samples, so that their
+N1·N2·O²·A-sized intermediates stay within ``rules._base.GRAM_TERM_BYTES`` (issue 28:
+a ResNet-18 at N = 64 held 3 GB in one tile). Blocked or not, the kernel is the float64
+Jacobian contraction's."""
+
+from __future__ import annotations
+
+import pytest
+
+import core_zoo
+import ntk_core
+import reference
+from ntk_core._structured import analysis as _structured
+from ntk_core._structured.rules import _base
+
+
+def _gram_form_for_convolutions(monkeypatch):
+    """Convolutions contract in Gram form (small models' convolutions would not)."""
+    costs = _structured.pair_costs
+
+    def pair_costs(analysis, group, *args):
+        gram, explicit = costs(analysis, group, *args)
+        return (0.0, 1.0) if analysis.uses[group[0]].kind == "conv" else (gram, explicit)
+
+    monkeypatch.setattr(_structured, "pair_costs", pair_costs)
+
+
+@pytest.mark.parametrize("name", ["cnn10", "batchnorm_eval"])
+@pytest.mark.parametrize("trace_axes", [(-1,), ()], ids=["traced", "full"])
+def test_gram_terms_in_blocks_match_the_reference(name, trace_axes, monkeypatch):
+    blocks = []
+    whole = _base.map_in_batches
+
+    def counted(fn, args, most):
+        blocks.append(most)
+        return whole(fn, args, most)
+
+    monkeypatch.setattr(_base, "GRAM_TERM_BYTES", 64)  # every term in blocks of one sample
+    monkeypatch.setattr(_base, "map_in_batches", counted)
+    _gram_form_for_convolutions(monkeypatch)
+    entry = core_zoo.ZOO[name]
+
+    def apply(p, x):  # a function of its own: no compiled program of another test reused
+        return entry.forward(p, entry.state, x)
+
+    x1, x2 = core_zoo.inputs(entry, 5, 3)
+    plan = ntk_core.plan(
+        apply, entry.params, x1, trace_axes=trace_axes, implementation="structured"
+    )
+    assert "structured (1 convolution)" in [leaf.method for leaf in plan.leaves]
+    kernel = ntk_core.ntk_fn(apply, trace_axes=trace_axes, implementation="structured")
+    for a, b in ((x1, None), (x1, x2)):
+        expected = reference.ntk(apply, entry.params, a, a if b is None else b, trace_axes)[0]
+        reference.assert_close(kernel(entry.params, a, b), expected)
+    assert blocks and max(blocks) == 1, blocks
+
+
+def test_small_gram_terms_stay_whole(monkeypatch):
+    """Below the limit a term is one einsum: no loop is added to small models' tiles."""
+    blocks = []
+    monkeypatch.setattr(_base, "map_in_batches", lambda *args: blocks.append(args))
+    _gram_form_for_convolutions(monkeypatch)
+    entry = core_zoo.ZOO["cnn10"]
+
+    def apply(p, x):
+        return entry.forward(p, entry.state, x)
+
+    x1, _ = core_zoo.inputs(entry, 5, 3)
+    k = ntk_core.empirical_ntk(apply, entry.params, x1, implementation="structured")
+    reference.assert_close(k, reference.ntk(apply, entry.params, x1, x1)[0])
+    assert blocks == []
