@@ -95,10 +95,12 @@ def kernel(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **opt
 
     Args: ``model`` a callable ``eqx.Module`` of ONE sample; ``x1`` N1 samples on axis 0
     (``jax.vmap(model)``); ``x2`` N2 samples, or ``None`` for x1; ``trace_axes``,
-    ``implementation``, ``**options``: :func:`ntk_core.ntk_fn`'s.
+    ``implementation``, ``**options``: :func:`ntk_core.ntk_fn`'s, and ``inputs``:
+    ``"args"`` for x a tuple (``model(*x_i)``), ``"kwargs"`` a dict (``model(**x_i)``).
     Returns: ``(N1, N2)`` for outputs ``(O,)``, ``(N1, N2, O, O)`` with ``trace_axes=()``.
-    Raises: TypeError: ``model`` not a callable ``eqx.Module``; ValueError: no floating
-    array leaves, a stateful layer; the core's errors, prefixed ``ntk_equinox.kernel:``.
+    Raises: TypeError: ``model`` not a callable ``eqx.Module``, x1 not the tuple / dict
+    ``inputs`` names; ValueError: no floating array leaves, a stateful layer, ``inputs``
+    not ``"x"``, ``"args"`` or ``"kwargs"``; the core's errors, prefixed ``ntk_equinox.kernel:``.
     Cost: as :func:`ntk_core.ntk_fn`; new weights reuse the compiled programs.
 
     Example:

@@ -177,11 +177,14 @@ def kernel_fn(
 
     Args: ``model`` a ``flax.linen.Module`` or ``flax.nnx.Module``; ``method`` what
     ``model.apply`` calls (nnx: a name), default ``__call__``; ``apply_kwargs`` the
-    model's keyword arguments, e.g. ``{"train": False}``.
+    model's keyword arguments, e.g. ``{"train": False}``; ``inputs`` how x1 / x2 reach
+    the model: ``"x"`` (default) as its one argument, ``"args"`` a tuple ``model(*x)``,
+    ``"kwargs"`` a dict ``model(**x)`` (every array with N on axis 0, e.g. ids and mask).
     Returns: the kernel function, whose results are :func:`kernel`'s.
     Raises: TypeError, ValueError: ``model`` not a linen or nnx module; ``variables`` not
     this model's, or lacking a collection it reads; a model that needs an rng, or updates
-    its variables (BatchNorm in training mode) with ``vmap_axes=0``; the model failing on x1.
+    its variables (BatchNorm in training mode) with ``vmap_axes=0``; the model failing on x1;
+    ``inputs`` not one of the three, or x1 not the tuple / dict it names.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -228,7 +231,7 @@ def kernel(
     """Empirical NTK Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p of a
     Flax model, θ its ``params`` collection; other collections and ``rngs`` held fixed.
 
-    Args: ``model``, ``method``, ``apply_kwargs`` as :func:`kernel_fn`; ``variables``
+    Args: ``model``, ``method``, ``apply_kwargs``, ``inputs`` as :func:`kernel_fn`; ``variables``
     ``model.init``'s dict, a bare params dict or a train state (nnx: ``None`` for the
     module's own ``nnx.Param`` state, or such a state); ``x1`` N1 samples on axis 0;
     ``x2`` N2 samples, or ``None`` for x1; ``rngs`` e.g. ``{"dropout": key}``, the same

@@ -106,7 +106,7 @@ def linearize(model, variables=None, *, method=None, apply_kwargs=None, inputs="
         BatchNorm and Dropout in evaluation mode).
       variables: linen: ``model.init``'s dict (only ``params`` is read); nnx: ``None``
         (the module's ``nnx.Param`` state now, copied) or such a state.
-      method, apply_kwargs: as :func:`ntk_flax.kernel_fn`.
+      method, apply_kwargs, inputs: as :func:`ntk_flax.kernel_fn` (x: f_lin's).
 
     Returns:
       Pure ``f_lin(variables, x)`` (nnx: ``f_lin(params, x)``, ``params`` an ``nnx.Param``
@@ -146,7 +146,7 @@ def taylor_expand(
     :func:`ntk_core.taylor_expand`. ``degree=1`` is :func:`linearize`.
 
     Args:
-      model, variables, method, apply_kwargs: as :func:`linearize`.
+      model, variables, method, apply_kwargs, inputs: as :func:`linearize`.
       degree: a non-negative int.
 
     Returns:

@@ -57,7 +57,7 @@ def monte_carlo_kernels(
       model: a ``flax.linen.Module``, or ``model(rngs: nnx.Rngs) -> nnx.Module``.
       x1, x2, key, n_samples, batch_size_samples, progress, **options: as
         :func:`ntk_core.monte_carlo_kernels` (x1: N1 samples, x2: N2 or ``None``).
-      method, apply_kwargs: as :func:`ntk_flax.kernel_fn`; linen's ``apply_kwargs`` also
+      method, apply_kwargs, inputs: as :func:`ntk_flax.kernel_fn`; linen's ``apply_kwargs`` also
         go to ``model.init`` unless ``init_kwargs`` (linen only) is given.
 
     Returns:

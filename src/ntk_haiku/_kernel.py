@@ -175,12 +175,14 @@ def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
 
     Args: ``transformed`` an ``hk.Transformed`` (with or without apply rng) or
     ``hk.TransformedWithState``; ``apply_kwargs`` the forward function's keyword
-    arguments, e.g. ``{"is_training": False}``.
+    arguments, e.g. ``{"is_training": False}``; ``inputs`` how x1 / x2 reach the forward
+    function: ``"x"`` (default) as its one argument, ``"args"`` a tuple ``f(*x)``,
+    ``"kwargs"`` a dict ``f(**x)`` (every array with N on axis 0, e.g. ids and mask).
     Returns: the kernel function, whose results are :func:`kernel`'s.
     Raises: TypeError, ValueError: not a transformed function; params not this model's;
     missing or unexpected state; ``rng`` missing or not taken; a model whose samples
     interact (BatchNorm with ``is_training=True``) with ``vmap_axes=0``; the model failing
-    on x1.
+    on x1; ``inputs`` not one of the three, or x1 not the tuple / dict it names.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -215,7 +217,7 @@ def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwar
     """Empirical NTK Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p of a
     Haiku model, θ = ``params``; ``state`` and ``rng`` held fixed.
 
-    Args: ``transformed``, ``apply_kwargs`` as :func:`kernel_fn`; ``params`` from
+    Args: ``transformed``, ``apply_kwargs``, ``inputs`` as :func:`kernel_fn`; ``params`` from
     ``transformed.init``; ``x1`` N1 samples on axis 0; ``x2`` N2 samples, or ``None`` for
     x1; ``state`` an ``hk.TransformedWithState``'s (required there); ``rng`` a PRNG key
     for models that need one, the same for every sample.

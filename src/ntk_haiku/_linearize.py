@@ -37,7 +37,7 @@ def linearize(
     returned state dropped). Maths and cost: :func:`ntk_core.linearize`.
 
     Args:
-      transformed, state, rng, apply_kwargs: as :func:`ntk_haiku.kernel`.
+      transformed, state, rng, apply_kwargs, inputs: as :func:`ntk_haiku.kernel` (x: f_lin's).
       params0: the params returned by ``transformed.init``: the expansion point.
 
     Returns:
@@ -74,7 +74,7 @@ def taylor_expand(
     :func:`ntk_core.taylor_expand`. ``degree=1`` is :func:`linearize`.
 
     Args:
-      transformed, params0, state, rng, apply_kwargs: as :func:`linearize`.
+      transformed, params0, state, rng, apply_kwargs, inputs: as :func:`linearize`.
       degree: a non-negative int.
 
     Returns:

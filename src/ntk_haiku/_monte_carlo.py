@@ -42,7 +42,7 @@ def monte_carlo_kernels(
       transformed: ``hk.Transformed`` or ``hk.TransformedWithState``.
       x1, x2, key, n_samples, batch_size_samples, progress, **options: as
         :func:`ntk_core.monte_carlo_kernels` (x1: N1 samples, x2: N2 or ``None``).
-      rng, apply_kwargs: as :func:`ntk_haiku.kernel`; ``apply_kwargs`` also go to
+      rng, apply_kwargs, inputs: as :func:`ntk_haiku.kernel`; ``apply_kwargs`` also go to
         ``init`` unless ``init_kwargs`` is given (e.g. ``{"is_training": True}`` for
         ``hk.BatchNorm``, which initialises only in training mode).
 
