@@ -1,5 +1,6 @@
 """``inputs=``: how x reaches the model, ``"x"`` (its one argument, any pytree), ``"args"`` (a
-tuple: ``model(*x)``) or ``"kwargs"`` (a dict: ``model(**x)``); every leaf batched on axis 0."""
+tuple: ``model(*x)``) or ``"kwargs"`` (a dict: ``model(**x)``); every leaf batched on axis 0.
+The same file in each adapter (tests/cross_framework/test_multi_input.py checks it)."""
 
 from __future__ import annotations
 
