@@ -43,6 +43,7 @@ def ntk_fn(
     Args:
       apply_fn: ``apply_fn(params, x) -> outputs``; x a pytree of arrays with batch axis 0
         of size N, outputs a pytree of floating arrays ``(N, O...)``.
+        Several per-sample inputs (ids, mask): x a tuple or dict of them, unpacked by apply_fn.
       trace_axes, diagonal_axes, vmap_axes, implementation, precision, batch_size,
         store_on_device, progress, memory_budget, out, resume, overwrite, devices: the
         options (:mod:`ntk_core._kernel.options`); ``batch_size=B``: B x B tiles (``"auto"``:

@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 
 from ntk_core.adapters import Caller, PureModel, bad, build_kernel, cached
+from ntk_equinox._inputs import check_inputs, failure, spread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,9 +21,14 @@ class _Apply:
 
     rest: object = dataclasses.field(compare=False)
     key: tuple
+    inputs: str = "x"
 
     def __call__(self, params, x, aux=None):  # aux: nothing else is held fixed
-        return jax.vmap(eqx.combine(params, self.rest))(x)
+        def one(x):
+            args, kw = spread("ntk_equinox", self.inputs, x, "x")
+            return eqx.combine(params, self.rest)(*args, **kw)
+
+        return jax.vmap(one)(x)
 
 
 def _leaf_key(leaf):  # arrays (unhashable) by identity: the cached _Apply keeps them alive
@@ -34,7 +40,7 @@ def _stateful(m) -> bool:  # BatchNorm, SpectralNorm; a Sequential only passes s
     return stateful and not isinstance(m, eqx.nn.Sequential)
 
 
-def _split(fn_name: str, model) -> tuple:
+def _split(fn_name: str, model, inputs="x") -> tuple:
     """``(params, apply)`` of ``model``, or the TypeError / ValueError of bad input."""
     if not isinstance(model, eqx.Module) or not callable(model):
         got = type(model).__name__ + (" (no __call__)" if isinstance(model, eqx.Module) else "")
@@ -49,16 +55,18 @@ def _split(fn_name: str, model) -> tuple:
         what = f"the model {type(model).__name__} has no floating-point array leaves"
         raise bad(ValueError, fn_name, what, "hold its parameters as float arrays")
     leaves, treedef = jax.tree.flatten(rest)
-    return params, _Apply(rest, (treedef, tuple(map(_leaf_key, leaves))))
+    return params, _Apply(rest, (treedef, tuple(map(_leaf_key, leaves))), inputs)
 
 
 def _kernel_fn(name: str, kind: str, model, options: dict, built: bool = False):
     """The core's kernel function ``kernel(model, x1, x2=None)`` of models shaped like
     ``model`` (same structure and fixed leaves), its messages naming ``name``."""
-    apply = _split(name, model)[1]
+    options = dict(options)
+    inputs = check_inputs(name, options.pop("inputs", "x"))
+    apply = _split(name, model, inputs)[1]
 
     def to_core(model):
-        params, other = _split(f"{name}(...)" if built else name, model)
+        params, other = _split(f"{name}(...)" if built else name, model, inputs)
         if other != apply:
             where = f"{name}(...)(model, x1, x2)"
             what = "the model's structure or fixed leaves differ from those of the model it "
@@ -67,7 +75,16 @@ def _kernel_fn(name: str, kind: str, model, options: dict, built: bool = False):
         return params, None
 
     caller = Caller(name, "(model, x1, x2)", model="the model", package="ntk_equinox", built=built)
-    pure = PureModel(apply, to_core, (), model_kwargs="")
+
+    def check(params, x1, x2, aux):
+        spread(name, inputs, x1)  # a TypeError for an x1 of another kind than inputs's
+        try:
+            jax.eval_shape(apply, params, x1)
+        except Exception as e:  # the core names the others
+            if isinstance(e, TypeError) and "required" in str(e):  # a call missing arguments
+                raise failure(caller, "the model", e, "the model's fields") from e
+
+    pure = PureModel(apply, to_core, (), check, model_kwargs="")
     build = lambda: build_kernel(caller, kind, pure, options)  # noqa: E731
     return build() if built else cached((name, apply, options), build)
 
@@ -78,10 +95,12 @@ def kernel(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **opt
 
     Args: ``model`` a callable ``eqx.Module`` of ONE sample; ``x1`` N1 samples on axis 0
     (``jax.vmap(model)``); ``x2`` N2 samples, or ``None`` for x1; ``trace_axes``,
-    ``implementation``, ``**options``: :func:`ntk_core.ntk_fn`'s.
+    ``implementation``, ``**options``: :func:`ntk_core.ntk_fn`'s, and ``inputs``:
+    ``"args"`` for x a tuple (``model(*x_i)``), ``"kwargs"`` a dict (``model(**x_i)``).
     Returns: ``(N1, N2)`` for outputs ``(O,)``, ``(N1, N2, O, O)`` with ``trace_axes=()``.
-    Raises: TypeError: ``model`` not a callable ``eqx.Module``; ValueError: no floating
-    array leaves, a stateful layer; the core's errors, prefixed ``ntk_equinox.kernel:``.
+    Raises: TypeError: ``model`` not a callable ``eqx.Module``, x1 not the tuple / dict
+    ``inputs`` names; ValueError: no floating array leaves, a stateful layer, ``inputs``
+    not ``"x"``, ``"args"`` or ``"kwargs"``; the core's errors, prefixed ``ntk_equinox.kernel:``.
     Cost: as :func:`ntk_core.ntk_fn`; new weights reuse the compiled programs.
 
     Example:

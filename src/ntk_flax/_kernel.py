@@ -16,7 +16,6 @@ import jax
 from ntk_core.adapters import (
     Caller,
     PureModel,
-    adapter_model_failure,
     bad,
     build_kernel,
     cached,
@@ -26,6 +25,7 @@ from ntk_core.adapters import (
     is_nnx_module,
 )
 from ntk_flax import _nnx
+from ntk_flax._inputs import check_inputs, failure, spread
 from ntk_flax._variables import VariablesReader
 
 _MUTABLE = flax.core.DenyList(["params"])
@@ -48,13 +48,14 @@ def refuse_apply_arguments(fn_name: str, apply_kwargs: dict, kernel: bool, rngs:
             raise bad(TypeError, fn_name, what + " itself", f"drop it and {fix}")
 
 
-def _init_fn(model, method, apply_kwargs, rngs):
+def _init_fn(model, method, apply_kwargs, rngs, inputs="x"):
     """``x -> model.init(...)`` with the call's model arguments (run under eval_shape)."""
 
     def init(x):
         key = jax.random.PRNGKey(0)
         streams = {"params": key, "dropout": key, **(rngs or {})}
-        return model.init(streams, x, method=method, **apply_kwargs)
+        args, kw = spread("ntk_flax", inputs, x)
+        return model.init(streams, *args, method=method, **kw, **apply_kwargs)
 
     return init
 
@@ -74,12 +75,12 @@ def _missing_collections(fn_name: str, variables, init, x1) -> ValueError:
     return bad(ValueError, fn_name, what + ", which the model reads", fix)
 
 
-def _model_apply(model, method, apply_kwargs):
+def _model_apply(model, method, apply_kwargs, inputs="x", fn_name="ntk_flax"):
     def apply3(params, x, aux):
         rest, rngs = aux
-        variables = {"params": params, **rest}
-        kw = dict(method=method, rngs=rngs, mutable=_MUTABLE)
-        return model.apply(variables, x, **kw, **apply_kwargs)[0]
+        args, kw = spread(fn_name, inputs, x, "x")
+        kw.update(method=method, rngs=rngs, mutable=_MUTABLE)
+        return model.apply({"params": params, **rest}, *args, **kw, **apply_kwargs)[0]
 
     return apply3
 
@@ -93,30 +94,37 @@ def caller(name: str, *, built: bool = False, monte_carlo: bool = False) -> Call
 
 
 def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwargs=None):
-    """The kernel function ``kernel(variables, x1, x2=None, *, rngs=None)`` of ``model``."""
-    fn_name = caller.name
+    """The kernel function ``kernel(variables, x1, x2=None, *, rngs=None)`` of ``model``;
+    ``options`` the core's and ``inputs``."""
+    fn_name, options = caller.name, dict(options)
+    inputs = check_inputs(fn_name, options.pop("inputs", "x"))
     if is_nnx_module(model):  # flax.nnx: the module's own state, split per call
-        return _nnx.make(caller, kind, model, method, apply_kwargs, options)
+        return _nnx.make(caller, kind, model, method, apply_kwargs, options, inputs)
     if not isinstance(model, nn.Module):
         what = f"model must be a flax.linen.Module or a flax.nnx.Module, got {type(model).__name__}"
         fix = "pass the module instance; the argument order is (model, variables, x1, x2)"
         raise bad(TypeError, fn_name, what, fix)
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
     refuse_apply_arguments(fn_name, apply_kwargs, True, not caller.monte_carlo)
-    apply3 = _model_apply(model, method, apply_kwargs)
+    apply3 = _model_apply(model, method, apply_kwargs, inputs)
     vmap_axes = options.get("vmap_axes", 0)
 
     def apply_fn(rngs):
-        return lambda v, x: model.apply(v, x, method=method, rngs=rngs, **apply_kwargs)
+        def apply(v, x):
+            args, kw = spread(fn_name, inputs, x)
+            return model.apply(v, *args, method=method, rngs=rngs, **kw, **apply_kwargs)
+
+        return apply
 
     def init_fn(rngs):
-        return _init_fn(model, method, apply_kwargs, rngs)
+        return _init_fn(model, method, apply_kwargs, rngs, inputs)
 
     read = VariablesReader(caller, init_fn, apply_fn)
 
     def check(params, x1, x2, aux):
         rest, rngs = aux
         variables = {"params": params, **rest}
+        spread(fn_name, inputs, x1)  # a TypeError for an x1 of another kind than inputs's
         try:
             jax.eval_shape(apply_fn(rngs), variables, x1)
         except flax.errors.InvalidRngError as e:
@@ -129,16 +137,15 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
                 fix = f"apply it in evaluation mode (e.g. {_EVAL}), or pass vmap_axes=None"
                 raise bad(ValueError, fn_name, what + "training mode does", fix) from None
         except flax.errors.ScopeCollectionNotFound as e:
-            failure = read.misread(variables, x1, rngs, e)
-            raise failure or _missing_collections(fn_name, variables, init_fn(rngs), x1) from None
+            misread = read.misread(variables, x1, rngs, e)
+            raise misread or _missing_collections(fn_name, variables, init_fn(rngs), x1) from None
         except flax.errors.ScopeParamShapeError as e:
             init, point = init_fn(rngs), "variables = model.init(key, x1)"
             made = lambda x: init(x)["params"]  # noqa: E731
             mismatch = input_shape_mismatch(fn_name, "variables", params, made, x1, point)
-            raise (mismatch or adapter_model_failure(caller, "variables", e)) from None
+            raise (mismatch or failure(caller, "variables", e)) from None
         except Exception as e:
-            failure = read.misread(variables, x1, rngs, e)
-            raise failure or adapter_model_failure(caller, "variables", e) from e
+            raise read.misread(variables, x1, rngs, e) or failure(caller, "variables", e) from e
 
     def to_core(variables, x1, rngs=None):
         """``(params, (other collections, rngs))`` of what ``variables`` is (``_variables``)."""
@@ -170,11 +177,14 @@ def kernel_fn(
 
     Args: ``model`` a ``flax.linen.Module`` or ``flax.nnx.Module``; ``method`` what
     ``model.apply`` calls (nnx: a name), default ``__call__``; ``apply_kwargs`` the
-    model's keyword arguments, e.g. ``{"train": False}``.
+    model's keyword arguments, e.g. ``{"train": False}``; ``inputs`` how x1 / x2 reach
+    the model: ``"x"`` (default) as its one argument, ``"args"`` a tuple ``model(*x)``,
+    ``"kwargs"`` a dict ``model(**x)`` (every array with N on axis 0, e.g. ids and mask).
     Returns: the kernel function, whose results are :func:`kernel`'s.
     Raises: TypeError, ValueError: ``model`` not a linen or nnx module; ``variables`` not
     this model's, or lacking a collection it reads; a model that needs an rng, or updates
-    its variables (BatchNorm in training mode) with ``vmap_axes=0``; the model failing on x1.
+    its variables (BatchNorm in training mode) with ``vmap_axes=0``; the model failing on x1;
+    ``inputs`` not one of the three, or x1 not the tuple / dict it names.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -221,7 +231,7 @@ def kernel(
     """Empirical NTK Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p of a
     Flax model, θ its ``params`` collection; other collections and ``rngs`` held fixed.
 
-    Args: ``model``, ``method``, ``apply_kwargs`` as :func:`kernel_fn`; ``variables``
+    Args: ``model``, ``method``, ``apply_kwargs``, ``inputs`` as :func:`kernel_fn`; ``variables``
     ``model.init``'s dict, a bare params dict or a train state (nnx: ``None`` for the
     module's own ``nnx.Param`` state, or such a state); ``x1`` N1 samples on axis 0;
     ``x2`` N2 samples, or ``None`` for x1; ``rngs`` e.g. ``{"dropout": key}``, the same

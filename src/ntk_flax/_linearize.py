@@ -18,6 +18,7 @@ from ntk_core.adapters import (
     is_nnx_module,
 )
 from ntk_flax import _nnx
+from ntk_flax._inputs import check_inputs
 from ntk_flax._kernel import _model_apply, refuse_apply_arguments
 
 
@@ -31,7 +32,7 @@ def _linen_params(fn_name: str, name: str, variables):
     return variables["params"]
 
 
-def _linen_parts(fn_name: str, model, variables, method, apply_kwargs):
+def _linen_parts(fn_name: str, model, variables, method, apply_kwargs, inputs):
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
     refuse_apply_arguments(fn_name, apply_kwargs, False, False)
     if variables is None:
@@ -39,7 +40,7 @@ def _linen_parts(fn_name: str, model, variables, method, apply_kwargs):
         raise bad(ValueError, fn_name, what, "pass the expansion point, model.init(key, x)")
     params0 = _linen_params(fn_name, "variables", variables)
     rest0 = {k: v for k, v in variables.items() if k != "params"}  # held fixed
-    apply3 = _model_apply(model, method, apply_kwargs)
+    apply3 = _model_apply(model, method, apply_kwargs, inputs, fn_name)
 
     def apply(params, x):
         return apply3(params, x, (rest0, None))
@@ -52,9 +53,9 @@ def _linen_parts(fn_name: str, model, variables, method, apply_kwargs):
     return apply, params0, params_of, names
 
 
-def _nnx_parts(fn_name: str, model, variables, method, apply_kwargs):
+def _nnx_parts(fn_name: str, model, variables, method, apply_kwargs, inputs):
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'deterministic': True}")
-    apply3 = _nnx.model_apply(_nnx._method(fn_name, model, method), apply_kwargs)
+    apply3 = _nnx.model_apply(_nnx._method(fn_name, model, method), apply_kwargs, inputs, fn_name)
     graphdef, params0, rest = nnx.split(model, nnx.Param, ...)
     rest0 = jax.tree.map(lambda a: a, rest)  # new Variables: in-place updates don't reach
     point_name = f"the module's nnx.Param state when {fn_name} was called"
@@ -75,11 +76,12 @@ def _nnx_parts(fn_name: str, model, variables, method, apply_kwargs):
     return apply, params0, params_of, names
 
 
-def _expanded(fn_name: str, degree: int, model, variables, method, apply_kwargs) -> Callable:
+def _expanded(fn_name: str, degree: int, model, variables, method, apply_kwargs, inputs):
+    args = (fn_name, model, variables, method, apply_kwargs, check_inputs(fn_name, inputs))
     if is_nnx_module(model):
-        parts = _nnx_parts(fn_name, model, variables, method, apply_kwargs)
+        parts = _nnx_parts(*args)
     elif isinstance(model, nn.Module):
-        parts = _linen_parts(fn_name, model, variables, method, apply_kwargs)
+        parts = _linen_parts(*args)
     else:
         what = f"model must be a flax.linen.Module or a flax.nnx.Module, got {type(model).__name__}"
         fix = f"pass the module (a plain apply_fn goes to ntk_core.{fn_name.split('.')[-1]})"
@@ -93,9 +95,7 @@ def _expanded(fn_name: str, degree: int, model, variables, method, apply_kwargs)
     return f
 
 
-def linearize(
-    model, variables=None, *, method: str | Callable | None = None, apply_kwargs=None
-) -> Callable:
+def linearize(model, variables=None, *, method=None, apply_kwargs=None, inputs="x") -> Callable:
     """The linearisation f_lin(θ, x) = f(θ0, x) + J(θ0, x)·(θ − θ0) of a Flax model in its
     parameters θ (linen: ``params``; nnx: the ``nnx.Param`` variables), θ0 those of
     ``variables``; other collections and variables are held at their θ0 values. Maths
@@ -106,7 +106,7 @@ def linearize(
         BatchNorm and Dropout in evaluation mode).
       variables: linen: ``model.init``'s dict (only ``params`` is read); nnx: ``None``
         (the module's ``nnx.Param`` state now, copied) or such a state.
-      method, apply_kwargs: as :func:`ntk_flax.kernel_fn`.
+      method, apply_kwargs, inputs: as :func:`ntk_flax.kernel_fn` (x: f_lin's).
 
     Returns:
       Pure ``f_lin(variables, x)`` (nnx: ``f_lin(params, x)``, ``params`` an ``nnx.Param``
@@ -135,18 +135,18 @@ def linearize(
       Lee et al., "Wide Neural Networks of Any Depth Evolve as Linear Models Under
       Gradient Descent", NeurIPS 2019.
     """
-    return _expanded("ntk_flax.linearize", 1, model, variables, method, apply_kwargs)
+    return _expanded("ntk_flax.linearize", 1, model, variables, method, apply_kwargs, inputs)
 
 
 def taylor_expand(
-    model, variables, degree: int, *, method: str | Callable | None = None, apply_kwargs=None
+    model, variables, degree: int, *, method=None, apply_kwargs=None, inputs="x"
 ) -> Callable:
     """The degree-``degree`` Taylor polynomial of a Flax model in its parameters:
     Σ_{k=0..degree} (1/k!) D^k f(θ0, x)[θ − θ0, ...]; maths and cost:
     :func:`ntk_core.taylor_expand`. ``degree=1`` is :func:`linearize`.
 
     Args:
-      model, variables, method, apply_kwargs: as :func:`linearize`.
+      model, variables, method, apply_kwargs, inputs: as :func:`linearize`.
       degree: a non-negative int.
 
     Returns:
@@ -167,4 +167,5 @@ def taylor_expand(
       Lee et al., NeurIPS 2019 (as :func:`linearize`).
     """
     degree = check_degree("ntk_flax.taylor_expand", degree)
-    return _expanded("ntk_flax.taylor_expand", degree, model, variables, method, apply_kwargs)
+    args = (model, variables, method, apply_kwargs, inputs)
+    return _expanded("ntk_flax.taylor_expand", degree, *args)

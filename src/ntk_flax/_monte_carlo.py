@@ -18,13 +18,14 @@ from ntk_core.adapters import (
 from ntk_core.predict import Kernels
 
 from . import _nnx
+from ._inputs import check_inputs, spread
 from ._kernel import caller, make, public
 
 #: :func:`monte_carlo_kernels` as its messages name it.
 _CALLER = caller("monte_carlo_kernels", monte_carlo=True)
 _SHAPE = "check that x1 has the per-sample shape the model expects (batch axis first)"
 _BUILD = "lambda rngs: Model(..., rngs=rngs)"
-_OWN = ("key", "n_samples", "batch_size_samples", "method", "apply_kwargs", "init_kwargs")
+_OWN = ("key", "n_samples", "batch_size_samples", "method", "apply_kwargs", "init_kwargs", "inputs")
 
 
 @public
@@ -39,6 +40,7 @@ def monte_carlo_kernels(
     method: str | Callable | None = None,
     apply_kwargs=None,
     init_kwargs=None,
+    inputs: str = "x",
     progress: bool | None = None,
     **options,
 ) -> Kernels:
@@ -55,7 +57,7 @@ def monte_carlo_kernels(
       model: a ``flax.linen.Module``, or ``model(rngs: nnx.Rngs) -> nnx.Module``.
       x1, x2, key, n_samples, batch_size_samples, progress, **options: as
         :func:`ntk_core.monte_carlo_kernels` (x1: N1 samples, x2: N2 or ``None``).
-      method, apply_kwargs: as :func:`ntk_flax.kernel_fn`; linen's ``apply_kwargs`` also
+      method, apply_kwargs, inputs: as :func:`ntk_flax.kernel_fn`; linen's ``apply_kwargs`` also
         go to ``model.init`` unless ``init_kwargs`` (linen only) is given.
 
     Returns:
@@ -99,25 +101,23 @@ def monte_carlo_kernels(
     init_kwargs = check_monte_carlo(
         _CALLER, x1, x2, key, n_samples, batch_size_samples, options, _OWN, init_kwargs
     )  # before building
+    spread(fn, check_inputs(fn, inputs), x1)  # a TypeError for an x1 of another kind
+    args = (x1, x2, key, n_samples, batch_size_samples, progress, options)
     if not isinstance(model, nn.Module):
-        return _nnx_monte_carlo(
-            fn, model, x1, x2, key, n_samples, batch_size_samples, method, apply_kwargs,
-            progress, options,
-        )  # fmt: skip
-    x_init = jax.tree.map(lambda a: a[:1], x1)
+        return _nnx_monte_carlo(fn, model, method, apply_kwargs, inputs, args)
+    x_init, kw = spread(fn, inputs, jax.tree.map(lambda a: a[:1], x1))
     init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
     init = checked_init(
         fn,
-        jax.jit(lambda k: model.init(k, x_init, method=method, **init_kwargs)),
+        jax.jit(lambda k: model.init(k, *x_init, method=method, **kw, **init_kwargs)),
         "model.init(key, x1[:1])",
         "the module's __call__, traced under jax.jit",
         f"{_SHAPE}; init_kwargs={{...}} gives model.init other keyword arguments",
     )
 
     def kernels(kind, kind_options):  # errors name fn
-        return make(_CALLER, kind, model, kind_options, method, apply_kwargs)
+        return make(_CALLER, kind, model, {**kind_options, "inputs": inputs}, method, apply_kwargs)
 
-    args = (x1, x2, key, n_samples, batch_size_samples, progress, options)
     return monte_carlo_mean(fn, init, kernels, *args)
 
 
@@ -128,10 +128,10 @@ def _comparable(leaf):
     return leaf
 
 
-def _nnx_monte_carlo(
-    fn, build, x1, x2, key, n_samples, batch_size_samples, method, apply_kwargs, progress, options
-) -> Kernels:
-    """The kernels of ``build(nnx.Rngs(k_s))`` (built under jit), through one template's graph."""
+def _nnx_monte_carlo(fn, build, method, apply_kwargs, inputs, args) -> Kernels:
+    """The kernels of ``build(nnx.Rngs(k_s))`` (built under jit), through one template's graph;
+    ``args``: ``(x1, x2, key, n_samples, ...)`` as :func:`ntk_core.adapters.monte_carlo_mean`."""
+    key, n_samples = args[2:4]
     from flax import nnx
 
     try:
@@ -164,7 +164,6 @@ def _nnx_monte_carlo(
             raise bad(ValueError, fn, what, f"build with the rngs it is given, {_BUILD}")
 
     def kernels(kind, kind_options):  # of one initialisation's (params, rest)
-        return _nnx.make(_CALLER, kind, template, method, apply_kwargs, kind_options)
+        return _nnx.make(_CALLER, kind, template, method, apply_kwargs, kind_options, inputs)
 
-    args = (x1, x2, key, n_samples, batch_size_samples, progress, options)
     return monte_carlo_mean(fn, state_of, kernels, *args)

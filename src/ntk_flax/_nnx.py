@@ -16,11 +16,11 @@ from flax import nnx
 from ntk_core.adapters import (
     Caller,
     PureModel,
-    adapter_model_failure,
     bad,
     build_kernel,
     check_apply_kwargs,
 )
+from ntk_flax._inputs import failure, spread
 
 _PARAM = "nnx.Param state"
 
@@ -73,7 +73,7 @@ def _abstract(tree):
     return jax.tree.map(one, tree)
 
 
-def _state_changes(graphdef, params, rest, x, name, apply_kwargs) -> list[str]:
+def _state_changes(graphdef, params, rest, x, name, apply_kwargs, inputs="x") -> list[str]:
     """The variables the call writes ("RngCount at drop/rngs/count"), from one abstract
     trace (unchanged ones pass straight through); outputs (``sow``, ``perturb``) and RNG
     state the output does not depend on (``nnx.RNN``'s zero carry) are not reported."""
@@ -82,7 +82,8 @@ def _state_changes(graphdef, params, rest, x, name, apply_kwargs) -> list[str]:
 
     def call(params, outputs, other, x):
         module = nnx.merge(graphdef, params, outputs, other)
-        y = getattr(module, name)(x, **apply_kwargs)
+        args, kw = spread("", inputs, x)
+        y = getattr(module, name)(*args, **kw, **apply_kwargs)
         _, params_after, _, other_after = nnx.split(module, nnx.Param, _OUTPUTS, ...)
         return y, params_after, other_after
 
@@ -158,7 +159,7 @@ def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exceptio
         raise bad(ValueError, fn_name, what, fix, see="nnx-state") from error
 
 
-def model_apply(name: str, apply_kwargs: dict) -> Callable:
+def model_apply(name: str, apply_kwargs: dict, inputs="x", fn_name="ntk_flax") -> Callable:
     """``apply3(params, x, (graphdef, rest))`` of the method ``name``, the module rebuilt."""
 
     def apply3(params, x, aux):
@@ -166,28 +167,30 @@ def model_apply(name: str, apply_kwargs: dict) -> Callable:
         # fresh variables at this trace level: a call may advance RNG state it does not
         # draw from (nnx.RNN's zero carry), which nnx allows only in the creating trace
         rest = jax.tree.map(lambda a: a, rest)
-        return getattr(nnx.merge(graphdef, params, rest), name)(x, **apply_kwargs)
+        args, kw = spread(fn_name, inputs, x, "x")
+        return getattr(nnx.merge(graphdef, params, rest), name)(*args, **kw, **apply_kwargs)
 
     return apply3
 
 
-def make(caller: Caller, kind: str, model, method, apply_kwargs, options) -> Callable:
+def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs="x") -> Callable:
     """The kernel function ``call(variables, x1, x2=None, *, rngs=None)``, ``variables``
     ``None`` (the module's ``nnx.Param`` state now) or such a state; Monte Carlo:
     ``call((params, rest), x1, x2=None)`` of one initialisation, ``model`` a template."""
     fn_name, monte_carlo = caller.name, caller.monte_carlo
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'deterministic': True}")
     name = _method(fn_name, model, method)
-    apply3 = model_apply(name, apply_kwargs)
+    apply3 = model_apply(name, apply_kwargs, inputs)
 
     def check(params, x1, x2, aux):
+        spread(fn_name, inputs, x1)  # a TypeError for an x1 of another kind than inputs's
         try:
             jax.eval_shape(apply3, params, x1, aux)
         except Exception as e:
             _refuse_stateful_arguments(fn_name, apply_kwargs, e)
-            raise adapter_model_failure(caller, "variables", e) from e
+            raise failure(caller, "variables", e) from e
         graphdef, rest = aux
-        changed = _state_changes(graphdef, params, rest, x1, name, apply_kwargs)
+        changed = _state_changes(graphdef, params, rest, x1, name, apply_kwargs, inputs)
         if changed:
             module = nnx.merge(graphdef, params, rest)
             _refuse_state_changes(fn_name, changed, module, monte_carlo=monte_carlo)

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from ntk_core.adapters import (
     Caller,
     PureModel,
-    adapter_model_failure,
     bad,
     build_kernel,
     cached,
@@ -22,18 +21,20 @@ from ntk_core.adapters import (
     checked_arguments,
     input_shape_mismatch,
 )
+from ntk_haiku._inputs import check_inputs, failure, spread
 
 _INIT = "transformed.init(key, x)"
 
 
-def _model_apply(transformed, apply_kwargs):
+def _model_apply(transformed, apply_kwargs, inputs="x", fn_name="ntk_haiku"):
     with_state = isinstance(transformed, hk.TransformedWithState)
     takes_rng = "rng" in inspect.signature(transformed.apply).parameters
 
     def apply3(params, x, aux):
         state, rng = aux
         args = [params, *([state] if with_state else []), *([rng] if takes_rng else [])]
-        out = transformed.apply(*args, x, **apply_kwargs)
+        x_args, kw = spread(fn_name, inputs, x, "x")
+        out = transformed.apply(*args, *x_args, **kw, **apply_kwargs)
         return out[0] if with_state else out
 
     return apply3, with_state, takes_rng
@@ -76,16 +77,19 @@ def check_transformed(fn_name: str, transformed) -> None:
 
 
 def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=None):
-    """The kernel function ``kernel(params, x1, x2=None, *, state=None, rng=None)``."""
-    fn_name = caller.name
+    """The kernel function ``kernel(params, x1, x2=None, *, state=None, rng=None)``;
+    ``options`` the core's and ``inputs``."""
+    fn_name, options = caller.name, dict(options)
     check_transformed(fn_name, transformed)
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
-    apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs)
+    inputs = check_inputs(fn_name, options.pop("inputs", "x"))
+    apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs, inputs)
 
     def init(x):
-        return transformed.init(jax.random.PRNGKey(0), x, **apply_kwargs)
+        args, kw = spread(fn_name, inputs, x)
+        return transformed.init(jax.random.PRNGKey(0), *args, **kw, **apply_kwargs)
 
-    def failure(params, x1, aux) -> Exception | None:
+    def fails(params, x1, aux) -> Exception | None:
         """The model's error on x1 (one abstract trace), ``None`` if it runs."""
         try:
             jax.eval_shape(apply3, params, x1, aux)
@@ -94,11 +98,12 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
         return None
 
     def check(params, x1, x2, aux):
-        error = failure(params, x1, aux)
+        spread(fn_name, inputs, x1)  # a TypeError for an x1 of another kind than inputs's
+        error = fails(params, x1, aux)
         if error is None:
             return
         state, rng = aux
-        if takes_rng and rng is None and not failure(params, x1, (state, jax.random.PRNGKey(0))):
+        if takes_rng and rng is None and not fails(params, x1, (state, jax.random.PRNGKey(0))):
             what = "the model needs a random key (e.g. dropout) but rng=None"
             fix = "pass rng=jax.random.PRNGKey(0), the same key for every sample"
             raise bad(ValueError, fn_name, what, fix) from None
@@ -111,7 +116,7 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
         problem = (
             input_shape_mismatch(fn_name, "params", params, made_params, x1, point)
             or (made is not None and _foreign(fn_name, params, state, made))
-            or adapter_model_failure(caller, "params and state" if with_state else "params", error)
+            or failure(caller, "params and state" if with_state else "params", error)
         )
         raise problem from error
 
@@ -170,12 +175,14 @@ def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
 
     Args: ``transformed`` an ``hk.Transformed`` (with or without apply rng) or
     ``hk.TransformedWithState``; ``apply_kwargs`` the forward function's keyword
-    arguments, e.g. ``{"is_training": False}``.
+    arguments, e.g. ``{"is_training": False}``; ``inputs`` how x1 / x2 reach the forward
+    function: ``"x"`` (default) as its one argument, ``"args"`` a tuple ``f(*x)``,
+    ``"kwargs"`` a dict ``f(**x)`` (every array with N on axis 0, e.g. ids and mask).
     Returns: the kernel function, whose results are :func:`kernel`'s.
     Raises: TypeError, ValueError: not a transformed function; params not this model's;
     missing or unexpected state; ``rng`` missing or not taken; a model whose samples
     interact (BatchNorm with ``is_training=True``) with ``vmap_axes=0``; the model failing
-    on x1.
+    on x1; ``inputs`` not one of the three, or x1 not the tuple / dict it names.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
 
     Example:
@@ -210,7 +217,7 @@ def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwar
     """Empirical NTK Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p of a
     Haiku model, θ = ``params``; ``state`` and ``rng`` held fixed.
 
-    Args: ``transformed``, ``apply_kwargs`` as :func:`kernel_fn`; ``params`` from
+    Args: ``transformed``, ``apply_kwargs``, ``inputs`` as :func:`kernel_fn`; ``params`` from
     ``transformed.init``; ``x1`` N1 samples on axis 0; ``x2`` N2 samples, or ``None`` for
     x1; ``state`` an ``hk.TransformedWithState``'s (required there); ``rng`` a PRNG key
     for models that need one, the same for every sample.

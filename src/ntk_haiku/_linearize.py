@@ -6,13 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from ntk_core.adapters import bad, check_apply_kwargs, check_degree, expansion
+from ntk_haiku._inputs import check_inputs
 from ntk_haiku._kernel import _model_apply, check_state_and_rng, check_transformed
 
 
-def _expanded(fn_name: str, degree: int, transformed, params0, state, rng, apply_kwargs):
+def _expanded(fn_name: str, degree: int, transformed, params0, state, rng, apply_kwargs, inputs):
     check_transformed(fn_name, transformed)
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
-    apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs)
+    inputs = check_inputs(fn_name, inputs)
+    apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs, inputs, fn_name)
     call = f"{fn_name}(transformed, params, state=state)"
     check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call)
     if not isinstance(params0, Mapping):
@@ -27,13 +29,15 @@ def _expanded(fn_name: str, degree: int, transformed, params0, state, rng, apply
     return expansion(fn_name, apply, params0, degree)
 
 
-def linearize(transformed, params0, *, state=None, rng=None, apply_kwargs=None) -> Callable:
+def linearize(
+    transformed, params0, *, state=None, rng=None, apply_kwargs=None, inputs="x"
+) -> Callable:
     """The linearisation f_lin(θ, x) = f(θ0, x) + J(θ0, x)·(θ − θ0) of a Haiku model in its
     parameters, θ0 = ``params0``; ``state`` and ``rng`` held fixed at the values given (the
     returned state dropped). Maths and cost: :func:`ntk_core.linearize`.
 
     Args:
-      transformed, state, rng, apply_kwargs: as :func:`ntk_haiku.kernel`.
+      transformed, state, rng, apply_kwargs, inputs: as :func:`ntk_haiku.kernel` (x: f_lin's).
       params0: the params returned by ``transformed.init``: the expansion point.
 
     Returns:
@@ -58,18 +62,19 @@ def linearize(transformed, params0, *, state=None, rng=None, apply_kwargs=None) 
       Lee et al., "Wide Neural Networks of Any Depth Evolve as Linear Models Under
       Gradient Descent", NeurIPS 2019.
     """
-    return _expanded("ntk_haiku.linearize", 1, transformed, params0, state, rng, apply_kwargs)
+    args = (transformed, params0, state, rng, apply_kwargs, inputs)
+    return _expanded("ntk_haiku.linearize", 1, *args)
 
 
 def taylor_expand(
-    transformed, params0, degree: int, *, state=None, rng=None, apply_kwargs=None
+    transformed, params0, degree: int, *, state=None, rng=None, apply_kwargs=None, inputs="x"
 ) -> Callable:
     """The degree-``degree`` Taylor polynomial of a Haiku model in its parameters:
     Σ_{k=0..degree} (1/k!) D^k f(θ0, x)[θ − θ0, ...]; maths and cost:
     :func:`ntk_core.taylor_expand`. ``degree=1`` is :func:`linearize`.
 
     Args:
-      transformed, params0, state, rng, apply_kwargs: as :func:`linearize`.
+      transformed, params0, state, rng, apply_kwargs, inputs: as :func:`linearize`.
       degree: a non-negative int.
 
     Returns:
@@ -91,5 +96,5 @@ def taylor_expand(
       Lee et al., NeurIPS 2019 (as :func:`linearize`).
     """
     degree = check_degree("ntk_haiku.taylor_expand", degree)
-    args = (transformed, params0, state, rng, apply_kwargs)
+    args = (transformed, params0, state, rng, apply_kwargs, inputs)
     return _expanded("ntk_haiku.taylor_expand", degree, *args)

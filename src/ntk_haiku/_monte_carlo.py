@@ -8,11 +8,12 @@ import jax
 from ntk_core.adapters import check_monte_carlo, checked_init, monte_carlo_mean
 from ntk_core.predict import Kernels
 
+from ._inputs import check_inputs, spread
 from ._kernel import caller, check_transformed, make, public
 
 #: :func:`monte_carlo_kernels` as its messages name it.
 _CALLER = caller("monte_carlo_kernels", monte_carlo=True)
-_OWN = ("key", "n_samples", "batch_size_samples", "rng", "apply_kwargs", "init_kwargs")
+_OWN = ("key", "n_samples", "batch_size_samples", "rng", "apply_kwargs", "init_kwargs", "inputs")
 
 
 @public
@@ -27,6 +28,7 @@ def monte_carlo_kernels(
     rng=None,
     apply_kwargs=None,
     init_kwargs=None,
+    inputs: str = "x",
     progress: bool | None = None,
     **options,
 ) -> Kernels:
@@ -40,7 +42,7 @@ def monte_carlo_kernels(
       transformed: ``hk.Transformed`` or ``hk.TransformedWithState``.
       x1, x2, key, n_samples, batch_size_samples, progress, **options: as
         :func:`ntk_core.monte_carlo_kernels` (x1: N1 samples, x2: N2 or ``None``).
-      rng, apply_kwargs: as :func:`ntk_haiku.kernel`; ``apply_kwargs`` also go to
+      rng, apply_kwargs, inputs: as :func:`ntk_haiku.kernel`; ``apply_kwargs`` also go to
         ``init`` unless ``init_kwargs`` is given (e.g. ``{"is_training": True}`` for
         ``hk.BatchNorm``, which initialises only in training mode).
 
@@ -74,11 +76,12 @@ def monte_carlo_kernels(
     )
     with_state = isinstance(transformed, hk.TransformedWithState)
     x_init = x1 if with_state else jax.tree.map(lambda a: a[:1], x1)  # state from all of x1
+    x_init, kw = spread(fn, check_inputs(fn, inputs), x_init)  # TypeError: x1 of another kind
     init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
 
     init = checked_init(
         fn,
-        jax.jit(lambda k: transformed.init(k, x_init, **init_kwargs)),
+        jax.jit(lambda k: transformed.init(k, *x_init, **kw, **init_kwargs)),
         "transformed.init(key, x1)" if with_state else "transformed.init(key, x1[:1])",
         "the forward function, traced under jax.jit",
         "check that x1 has the per-sample shape the model expects (batch axis first); "
@@ -86,7 +89,7 @@ def monte_carlo_kernels(
     )
 
     def kernels(kind, kind_options):  # of one initialisation, init(k); errors name fn
-        built = make(_CALLER, kind, transformed, kind_options, apply_kwargs)
+        built = make(_CALLER, kind, transformed, {**kind_options, "inputs": inputs}, apply_kwargs)
 
         def of(out, x1, x2):
             params, state = out if with_state else (out, None)

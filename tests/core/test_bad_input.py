@@ -70,10 +70,16 @@ class Drop2(nn.Module):  # train has no default
     def __call__(self, x, train):
         return nn.Dropout(0.5, deterministic=not train)(nn.Dense(2)(x))
 
+class Masked(nn.Module):  # two per-sample arrays: model(x, mask)
+    @nn.compact
+    def __call__(self, x, mask):
+        return nn.Dense(2)(x * mask)
+
 dense = nn.Dense(2)
 V = dense.init(jax.random.PRNGKey(0), X)                     # {"params": ...}
 V_DROP = Drop().init(jax.random.PRNGKey(0), X, train=False)
 V_BN = BN().init(jax.random.PRNGKey(0), X)                   # params + batch_stats
+V_MASK = Masked().init(jax.random.PRNGKey(0), X, X)
 """
 
 HAIKU_SETUP = """\
@@ -425,7 +431,22 @@ def _rows():
             ValueError, r"^ntk_flax.kernel: the output has shape \(2,\) but x1 has 3 samples", ("flax",)),
         Row("flax-missing-model-argument", "a model argument (train) neither defaulted nor given",
             "ntk_flax.kernel(Drop2(), V_DROP, X)",
-            ValueError, r"^ntk_flax.kernel: applying the model to x1 failed: TypeError: .*missing 1 required positional argument: 'train'", ("flax",)),
+            ValueError, r"^ntk_flax.kernel: applying the model to x1 failed: TypeError: .*missing 1 required positional argument: 'train'.* flags the same for every sample in apply_kwargs", ("flax",)),
+        Row("flax-missing-per-sample-array", "a model of two per-sample arrays (x, mask) given x alone",
+            "ntk_flax.kernel(Masked(), V_MASK, X)",
+            ValueError, r"^ntk_flax.kernel: applying the model to x1 failed: TypeError: .*missing 1 required positional argument: 'mask'. Fix: pass per-sample arrays .* in x1, a tuple with inputs='args' or a dict with inputs='kwargs'", ("flax",)),
+        Row("flax-inputs-value", "inputs= none of 'x', 'args', 'kwargs'",
+            'ntk_flax.kernel(Masked(), V_MASK, (X, X), inputs="tuple")',
+            ValueError, r"^ntk_flax.kernel: inputs must be 'x', 'args' or 'kwargs', got 'tuple'", ("flax",)),
+        Row("flax-inputs-args-dict", "inputs='args' with x1 a dict",
+            'ntk_flax.kernel(Masked(), V_MASK, {"x": X, "mask": X}, inputs="args")',
+            TypeError, r"^ntk_flax.kernel: inputs='args' needs x1 as a tuple of per-sample arrays, got dict. Fix: pass a tuple, inputs='kwargs' for a dict", ("flax",)),
+        Row("nnx-inputs-kwargs-array", "inputs='kwargs' with x1 one array (nnx)",
+            'ntk_flax.kernel(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), None, X, inputs="kwargs")',
+            TypeError, r"^ntk_flax.kernel: inputs='kwargs' needs x1 as a dict of per-sample arrays, got ArrayImpl", ("flax",)),
+        Row("flax-inputs-ragged", "inputs='args' whose arrays have different N",
+            'ntk_flax.kernel(Masked(), V_MASK, (X, X[:2]), inputs="args")',
+            ValueError, r"^ntk_flax.kernel: the arrays of x1 disagree on the batch size \(axis 0\): \(\(4, 3\), \(2, 3\)\)", ("flax",)),
         Row("flax-nngp-implementation", "implementation= given to the Flax NNGP",
             'ntk_flax.nngp(dense, V, X, implementation="ntvp")',
             TypeError, r"^ntk_flax.nngp: unknown option\(s\) 'implementation'", ("flax",)),
@@ -519,7 +540,13 @@ def _rows():
             ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed: ValueError: .*\x27batch_norm\x27", ("haiku",)),
         Row("haiku-missing-model-argument", "a model argument (is_training) not given",
             "ntk_haiku.kernel(bn_net, BP, X, state=BS)",
-            ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed: TypeError: .*missing 1 required positional argument: 'is_training'", ("haiku",)),
+            ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed: TypeError: .*missing 1 required positional argument: 'is_training'.* flags the same for every sample in apply_kwargs", ("haiku",)),
+        Row("haiku-inputs-kwargs-tuple", "inputs='kwargs' with x1 a tuple (Haiku)",
+            'ntk_haiku.kernel(net, HP, (X,), inputs="kwargs")',
+            TypeError, r"^ntk_haiku.kernel: inputs='kwargs' needs x1 as a dict of per-sample arrays, got tuple. Fix: pass a dict, inputs='args' for a tuple", ("haiku",)),
+        Row("haiku-inputs-value", "inputs= none of 'x', 'args', 'kwargs' (Haiku Monte Carlo)",
+            'ntk_haiku.monte_carlo_kernels(net, X, key=jax.random.PRNGKey(0), n_samples=2, inputs=None)',
+            ValueError, r"^ntk_haiku.monte_carlo_kernels: inputs must be 'x', 'args' or 'kwargs', got None", ("haiku",)),
         Row("haiku-input-shape", "inputs of the wrong per-sample shape (7 features for a Linear layer initialised with 3)",
             "ntk_haiku.kernel(net, HP, jnp.ones((4, 7)))",
             ValueError, r"^ntk_haiku.kernel: applying the model to x1 failed: x1 has per-sample shape \(7,\), but params were made by transformed.init for inputs of per-sample shape \(3,\)", ("haiku",)),

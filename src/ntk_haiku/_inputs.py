@@ -1,0 +1,39 @@
+"""``inputs=``: how x reaches the model, ``"x"`` (its one argument, any pytree), ``"args"`` (a
+tuple: ``model(*x)``) or ``"kwargs"`` (a dict: ``model(**x)``); every leaf batched on axis 0.
+The same file in each adapter (tests/cross_framework/test_multi_input.py checks it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ntk_core.adapters import Caller, adapter_model_failure, bad
+
+_KINDS = {"x": object, "args": (tuple, list), "kwargs": Mapping}
+
+
+def check_inputs(fn_name: str, inputs) -> str:
+    if not (isinstance(inputs, str) and inputs in _KINDS):
+        what = f"inputs must be 'x', 'args' or 'kwargs', got {inputs!r}"
+        fix = "pass inputs='args' for x a tuple of the model's positional arrays, 'kwargs' for "
+        raise bad(ValueError, fn_name, what, fix + "a dict of its keyword arrays")
+    return inputs
+
+
+def spread(fn_name: str, inputs: str, x, name: str = "x1") -> tuple[tuple, dict]:
+    """The model call's ``(args, kwargs)`` for ``x``; TypeError for a tuple / dict not given."""
+    if not isinstance(x, _KINDS[inputs]):
+        a, other = ("a tuple", "kwargs") if inputs == "args" else ("a dict", "args")
+        what = f"inputs={inputs!r} needs {name} as {a} of per-sample arrays, got {type(x).__name__}"
+        fix = f"pass {a}, inputs={other!r} for {'a dict' if other == 'kwargs' else 'a tuple'}"
+        raise bad(TypeError, fn_name, what, fix + ", or inputs='x' for one argument")
+    return ((x,), {}) if inputs == "x" else (tuple(x), {}) if inputs == "args" else ((), dict(x))
+
+
+def failure(caller: Caller, params_name: str, error: Exception, flags="apply_kwargs={...}"):
+    """``adapter_model_failure``; for a call missing arguments, where each kind goes."""
+    if not (isinstance(error, TypeError) and "required" in str(error)):
+        return adapter_model_failure(caller, params_name, error)
+    what = str(adapter_model_failure(caller, params_name, error)).split(". Fix: ")[0]
+    fix = "pass per-sample arrays (a mask, token types) in x1, a tuple with inputs='args' or a "
+    fix += f"dict with inputs='kwargs', and flags the same for every sample in {flags}"
+    return bad(ValueError, caller.name, what.removeprefix(caller.name + ": "), fix)
