@@ -24,6 +24,9 @@ from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller as Caller
 from ntk_core._kernel.checks import adapter_model_failure as adapter_model_failure
 from ntk_core._kernel.checks import is_nnx_module as is_nnx_module
+from ntk_core._kernel.inputs import check_inputs_option as check_inputs_option
+from ntk_core._kernel.inputs import inputs_failure as inputs_failure
+from ntk_core._kernel.inputs import spread_inputs as spread_inputs
 from ntk_core._monte_carlo.kernels import check_init_kwargs, check_inputs, check_samples
 from ntk_core._monte_carlo.kernels import initialiser as checked_init
 from ntk_core._monte_carlo.kernels import sample_mean as monte_carlo_mean
@@ -37,15 +40,18 @@ __all__ = (
     "cached",
     "check_apply_kwargs",
     "check_degree",
+    "check_inputs_option",
     "check_like",
     "check_monte_carlo",
     "checked_arguments",
     "checked_init",
     "expansion",
     "input_shape_mismatch",
+    "inputs_failure",
     "is_nnx_module",
     "monte_carlo_mean",
     "register_cache",
+    "spread_inputs",
 )
 
 

@@ -11,7 +11,9 @@ import equinox as eqx
 import jax
 
 from ntk_core.adapters import Caller, PureModel, bad, build_kernel, cached
-from ntk_equinox._inputs import check_inputs, failure, spread
+from ntk_core.adapters import check_inputs_option as check_inputs
+from ntk_core.adapters import inputs_failure as failure
+from ntk_core.adapters import spread_inputs as spread
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,8 +24,10 @@ from ntk_core.adapters import (
     input_shape_mismatch,
     is_nnx_module,
 )
+from ntk_core.adapters import check_inputs_option as check_inputs
+from ntk_core.adapters import inputs_failure as failure
+from ntk_core.adapters import spread_inputs as spread
 from ntk_flax import _nnx
-from ntk_flax._inputs import check_inputs, failure, spread
 from ntk_flax._variables import VariablesReader
 
 _MUTABLE = flax.core.DenyList(["params"])

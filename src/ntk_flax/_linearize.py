@@ -17,8 +17,8 @@ from ntk_core.adapters import (
     expansion,
     is_nnx_module,
 )
+from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_flax import _nnx
-from ntk_flax._inputs import check_inputs
 from ntk_flax._kernel import _model_apply, refuse_apply_arguments
 
 

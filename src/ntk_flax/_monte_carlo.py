@@ -15,10 +15,11 @@ from ntk_core.adapters import (
     is_nnx_module,
     monte_carlo_mean,
 )
+from ntk_core.adapters import check_inputs_option as check_inputs
+from ntk_core.adapters import spread_inputs as spread
 from ntk_core.predict import Kernels
 
 from . import _nnx
-from ._inputs import check_inputs, spread
 from ._kernel import caller, make, public
 
 #: :func:`monte_carlo_kernels` as its messages name it.

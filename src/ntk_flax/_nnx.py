@@ -20,7 +20,8 @@ from ntk_core.adapters import (
     build_kernel,
     check_apply_kwargs,
 )
-from ntk_flax._inputs import failure, spread
+from ntk_core.adapters import inputs_failure as failure
+from ntk_core.adapters import spread_inputs as spread
 
 _PARAM = "nnx.Param state"
 

@@ -21,7 +21,9 @@ from ntk_core.adapters import (
     checked_arguments,
     input_shape_mismatch,
 )
-from ntk_haiku._inputs import check_inputs, failure, spread
+from ntk_core.adapters import check_inputs_option as check_inputs
+from ntk_core.adapters import inputs_failure as failure
+from ntk_core.adapters import spread_inputs as spread
 
 _INIT = "transformed.init(key, x)"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from ntk_core.adapters import bad, check_apply_kwargs, check_degree, expansion
-from ntk_haiku._inputs import check_inputs
+from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_haiku._kernel import _model_apply, check_state_and_rng, check_transformed
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import haiku as hk
 import jax
 
+from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_core.adapters import check_monte_carlo, checked_init, monte_carlo_mean
+from ntk_core.adapters import spread_inputs as spread
 from ntk_core.predict import Kernels
 
-from ._inputs import check_inputs, spread
 from ._kernel import caller, check_transformed, make, public
 
 #: :func:`monte_carlo_kernels` as its messages name it.

@@ -7,8 +7,6 @@ same kernel for both conventions."""
 
 from __future__ import annotations
 
-import pathlib
-
 import flax.linen as nn
 import haiku as hk
 import jax
@@ -182,9 +180,3 @@ def test_a_call_missing_its_mask_says_where_per_sample_arrays_go(package):
         call = lambda: ntk_haiku.kernel(net, params, X)  # noqa: E731
     with pytest.raises(ValueError, match=r"missing .*Fix: pass per-sample arrays .*inputs='args'"):
         call()
-
-
-def test_the_adapters_share_one_inputs_module():  # copied: each imports only ntk_core
-    src = pathlib.Path(__file__).resolve().parents[2] / "src"
-    texts = {(src / p / "_inputs.py").read_text() for p in ("ntk_flax", "ntk_haiku", "ntk_equinox")}
-    assert len(texts) == 1

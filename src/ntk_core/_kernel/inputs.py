@@ -1,17 +1,20 @@
 """``inputs=``: how x reaches the model, ``"x"`` (its one argument, any pytree), ``"args"`` (a
 tuple: ``model(*x)``) or ``"kwargs"`` (a dict: ``model(**x)``); every leaf batched on axis 0.
-The same file in each adapter (tests/cross_framework/test_multi_input.py checks it)."""
+Shared by the adapters through :mod:`ntk_core.adapters`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ntk_core.adapters import Caller, adapter_model_failure, bad
+from ntk_core._errors import bad
+from ntk_core._kernel.caller import Caller
+from ntk_core._kernel.checks import adapter_model_failure
 
 _KINDS = {"x": object, "args": (tuple, list), "kwargs": Mapping}
 
 
-def check_inputs(fn_name: str, inputs) -> str:
+def check_inputs_option(fn_name: str, inputs) -> str:
+    """``inputs``, or a ValueError naming ``fn_name`` and the three choices."""
     if not (isinstance(inputs, str) and inputs in _KINDS):
         what = f"inputs must be 'x', 'args' or 'kwargs', got {inputs!r}"
         fix = "pass inputs='args' for x a tuple of the model's positional arrays, 'kwargs' for "
@@ -19,7 +22,7 @@ def check_inputs(fn_name: str, inputs) -> str:
     return inputs
 
 
-def spread(fn_name: str, inputs: str, x, name: str = "x1") -> tuple[tuple, dict]:
+def spread_inputs(fn_name: str, inputs: str, x, name: str = "x1") -> tuple[tuple, dict]:
     """The model call's ``(args, kwargs)`` for ``x``; TypeError for a tuple / dict not given."""
     if not isinstance(x, _KINDS[inputs]):
         a, other = ("a tuple", "kwargs") if inputs == "args" else ("a dict", "args")
@@ -29,7 +32,7 @@ def spread(fn_name: str, inputs: str, x, name: str = "x1") -> tuple[tuple, dict]
     return ((x,), {}) if inputs == "x" else (tuple(x), {}) if inputs == "args" else ((), dict(x))
 
 
-def failure(caller: Caller, params_name: str, error: Exception, flags="apply_kwargs={...}"):
+def inputs_failure(caller: Caller, params_name: str, error: Exception, flags="apply_kwargs={...}"):
     """``adapter_model_failure``; for a call missing arguments, where each kind goes."""
     if not (isinstance(error, TypeError) and "required" in str(error)):
         return adapter_model_failure(caller, params_name, error)
