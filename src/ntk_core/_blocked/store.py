@@ -1,7 +1,9 @@
 """Out-of-core kernels (``out=``): tiles written with ``os.pwrite`` into a ``.npy`` created at
-its final shape, beside ``<path>.manifest.json`` (``fingerprint`` of the call, ``done`` tiles
-``[r0, c0]``, ``complete``). Tiles are ``fsync``ed before the manifest (replaced atomically)
-lists them, so after a kill ``resume=True`` recomputes only the unlisted tiles, bit for bit.
+its final shape (under a temporary name, then renamed into place), beside
+``<path>.manifest.json`` (``fingerprint`` of the call, ``done`` tiles ``[r0, c0, crc32]``,
+``complete``). Tiles are ``fsync``ed before the manifest (replaced atomically) lists them, so
+after a kill ``resume=True`` recomputes only the unlisted tiles, and those whose bytes no
+longer match their CRC-32, bit for bit.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
+import zlib
 
 import jax
 import numpy as np
@@ -114,8 +118,18 @@ def _read_manifest(path: str) -> dict | None:
     return data if isinstance(data, dict) and data.get(VERSION) == MANIFEST_VERSION else None
 
 
-def _done(data) -> set:
-    return {tuple(t) for t in (data or {}).get(DONE, [])}
+def _listed(data) -> dict:
+    """The well-formed ``[r0, c0, crc32]`` entries of a manifest: ``{(r0, c0): crc32}``."""
+    done = (data if isinstance(data, dict) else {}).get(DONE)
+    ok = [t for t in done if isinstance(t, list) and len(t) == 3] if isinstance(done, list) else []
+    return {(t[0], t[1]): t[2] for t in ok if all(type(v) is int for v in t)}
+
+
+def _checksum(fd: int, offset: int, runs, crc: int = 0) -> int:
+    """CRC-32 of the byte ``runs`` (after ``offset``) of the file ``fd``, in order."""
+    for start, length in runs:
+        crc = zlib.crc32(os.pread(fd, length, offset + start), crc)
+    return crc
 
 
 class NpyStore:
@@ -135,15 +149,17 @@ class NpyStore:
         shape, dtype = layout.shape, layout.dtype
         self.process, self.barrier = process, barrier
         self.manifest = {VERSION: MANIFEST_VERSION, FP: fingerprint, DONE: [], COMPLETE: False}
-        self.done: set[tuple[int, int]] = set()
+        self.done: dict[tuple[int, int], int] = {}  # tile -> CRC-32 of its bytes
         # this process's tiles done in this run (several processes); written since the commit
         self.mine, self.pending = [], []
         self.committed = time.monotonic()
         self.shape, self.itemsize = tuple(shape), np.dtype(dtype).itemsize
+        self.tiles = _tiles(self.shape, layout)
         # Every process makes the same checks (so all refuse alike), then the first
         # creates the file, then all open it.
         old = _read_manifest(path) if os.path.exists(path) else None
         self.finished = bool(old and old.get(FP) == fingerprint and old.get(COMPLETE))
+        self.finished &= set(_listed(old)) == set(self.tiles)  # a complete list
         if self.finished:
             return
         create = not (os.path.exists(path) and resume)
@@ -153,16 +169,12 @@ class NpyStore:
             self._check_resume(old, fingerprint, shape, dtype)
         self._sync("checked")
         first = process[0] == 0
-        if create and first:
-            try:  # the new file first: an old file that cannot be replaced stays known
-                # the header; the data stays a hole until written
-                open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape)).flush()
-            except OSError as e:
-                raise self._os_error("create", e) from e
-            for stale in (manifest_path(path), *_process_manifests(path)):
-                if os.path.exists(stale):
-                    os.unlink(stale)
-            self._write(manifest_path(path), self.manifest)
+        if first:
+            if create:
+                self._create(dtype, shape)
+            self._write(manifest_path(path), self.manifest)  # resumed: the tiles verified
+            for stale in _process_manifests(path):
+                os.unlink(stale)
         if first:  # no process writes a manifest between these two barriers
             _remove_temporaries(path)
         self._sync("created")
@@ -171,9 +183,22 @@ class NpyStore:
             self.fd = os.open(path, os.O_RDWR)
         except (OSError, ValueError) as e:
             raise self._os_error("open", e) from e
-        if not create:
-            self.done = _done(old).union(*(_done(_read_json(p)) for p in _process_manifests(path)))
-            self.manifest[DONE] = sorted(list(t) for t in self.done)
+
+    def _create(self, dtype, shape) -> None:
+        """The new file under a temporary name, renamed into place once made (a memory
+        map of an earlier result keeps reading it); an old file not replaced stays known."""
+        folder, name = os.path.split(os.path.abspath(self.path))
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", suffix=".npy", dir=folder)
+        os.close(fd)
+        try:  # the header; the data stays a hole until written
+            open_memmap(tmp, mode="w+", dtype=dtype, shape=tuple(shape)).flush()
+            for stale in (manifest_path(self.path), *_process_manifests(self.path)):
+                os.unlink(stale) if os.path.exists(stale) else None  # none for the new file
+            os.replace(tmp, self.path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise self._os_error("create", e) from e
 
     def close(self):  # also when a call failed midway
         if self.fd is not None:
@@ -220,10 +245,44 @@ class NpyStore:
     def _check_resume(self, old, fingerprint, shape, dtype) -> None:
         if old is None:
             raise resume_error(self.fn, f"{manifest_path(self.path)!r} is missing or unreadable")
-        differs = differences(old.get(FP, {}), fingerprint)
+        differs = differences(old[FP] if isinstance(old.get(FP), dict) else {}, fingerprint)
         if differs:
             raise resume_error(self.fn, f"{self.path!r} {_OTHER_CALL}", differs)
-        NpyReader(self.fn, self.path, shape, dtype).close()
+        reader = NpyReader(self.fn, self.path, shape, dtype)
+        try:
+            self._verify(reader, old)
+        finally:
+            reader.close()
+
+    def _verify(self, reader, old) -> None:
+        """Keeps the listed tiles (every process's lists) whose bytes match their CRC-32
+        (reads the file once); warns naming those that changed and unusable entries."""
+        listed = _listed(old)
+        for other in _process_manifests(self.path):
+            listed |= _listed(_read_json(other))
+        changed = []
+        for tile, crc in sorted((t, c) for t, c in listed.items() if t in self.tiles):
+            if self._crc(reader.fd, reader.offset, tile) == crc:
+                self.done[tile] = crc
+            else:
+                changed.append(list(tile))
+        self.manifest[DONE] = [[*t, c] for t, c in sorted(self.done.items())]
+        n = len(old[DONE]) if isinstance(old.get(DONE), list) else 0
+        odd = f"{n - len(self.done) - len(changed)} entries of its 'done' name no tile"
+        shown = ", ".join(map(str, changed[:8])) + (" ..." if len(changed) > 8 else "")
+        what = [odd] * (n > len(self.done) + len(changed)) + [
+            f"{len(changed)} tiles [r0, c0] changed since written (CRC-32): {shown}"
+        ] * bool(changed)
+        if what:
+            msg = f"{self.fn}: out={self.path!r}: {'; '.join(what)}; computing them again"
+            warnings.warn(msg, stacklevel=3)
+
+    def _crc(self, fd: int, offset: int, tile) -> int:
+        """CRC-32 of tile ``(r0, c0)``'s bytes in the file (its mirror's after them)."""
+        (r0, c0), (r1, c1, mirror) = tile, self.tiles[tile]
+        args = (self.shape, self.itemsize, self.batch_diagonal)
+        crc = _checksum(fd, offset, _runs(*args, r0, r1, c0, c1))
+        return _checksum(fd, offset, _runs(*args, c0, c1, r0, r1), crc) if mirror else crc
 
     def share(self, tiles: list) -> set:
         """This process's share of ``tiles`` (the same list in every process): every P-th
@@ -238,23 +297,26 @@ class NpyStore:
         a = a[: r1 - r0] if self.batch_diagonal else a[: r1 - r0, : c1 - c0]
         if self.transform is not None:
             a = self.transform(a, r0, r1, c0, c1)
-        self._rows(a, r0, c0)
+        crc = self._rows(a, r0, c0)
         if mirror and not self.batch_diagonal:
-            self._rows(np.transpose(a, self.perms[0]), c0, r0)
-        self.done.add((r0, c0))
-        self.pending.append([r0, c0])
+            crc = self._rows(np.transpose(a, self.perms[0]), c0, r0, crc)
+        self.done[r0, c0] = crc
+        self.pending.append([r0, c0, crc])
         if time.monotonic() - self.committed >= COMMIT_SECONDS:
             self.commit()
 
-    def _rows(self, block, r0: int, c0: int) -> None:
-        """``block`` (rows x columns x ...) written at row ``r0``, column ``c0``."""
+    def _rows(self, block, r0: int, c0: int, crc: int = 0) -> int:
+        """``block`` (rows x columns x ...) written at row ``r0``, column ``c0``; ``crc``
+        continued over the bytes written."""
+        c1 = c0 + (0 if self.batch_diagonal else block.shape[1])
+        runs = _runs(self.shape, self.itemsize, self.batch_diagonal, r0, r0 + len(block), c0, c1)
         if self.batch_diagonal:  # (N, ...): consecutive rows are one run of bytes
-            ((start, _),) = _runs(self.shape, self.itemsize, True, r0, r0 + len(block), 0, 0)
-            os.pwrite(self.fd, np.ascontiguousarray(block).tobytes(), self.offset + start)
-            return
-        runs = _runs(self.shape, self.itemsize, False, r0, r0 + len(block), c0, c0 + block.shape[1])
+            block = block[None]
         for (start, _), row in zip(runs, block, strict=True):
-            os.pwrite(self.fd, np.ascontiguousarray(row).tobytes(), self.offset + start)
+            data = np.ascontiguousarray(row).tobytes()
+            os.pwrite(self.fd, data, self.offset + start)
+            crc = zlib.crc32(data, crc)
+        return crc
 
     def commit(self) -> None:
         """``fsync``s the tiles written since the last commit, then lists them in the
@@ -280,9 +342,11 @@ class NpyStore:
             self.close()
             self._sync("written")
             if self.process[0] == 0:
-                others = _process_manifests(self.path)
-                done = _done(self.manifest).union(self.done, *map(_done, map(_read_json, others)))
-                self.manifest[DONE] = sorted(list(t) for t in done)
+                others = _process_manifests(self.path)  # this run's (stale ones went first)
+                done = _listed(self.manifest) | self.done
+                for other in others:
+                    done |= _listed(_read_json(other))
+                self.manifest[DONE] = [[*t, c] for t, c in sorted(done.items())]
                 self.manifest[COMPLETE] = True
                 self._write(manifest_path(self.path), self.manifest)
                 for other in others:
@@ -405,6 +469,22 @@ class FileLayout:
     batch_diagonal: bool
     described: dict
     grid: tuple
+    gram: bool = False  # x2=None: the tiles above the diagonal, each with its mirror
+
+
+def _tiles(shape, layout: FileLayout) -> dict:
+    """Every tile of a file, as :func:`~ntk_core._blocked.tiles.compute` cuts it:
+    ``{(r0, c0): (r1, c1, mirrored)}``."""
+    (b1, b2), n1, gram = layout.grid, shape[0], layout.gram
+    if layout.batch_diagonal:
+        return {(r, r): (min(r + b1, n1),) * 2 + (False,) for r in range(0, n1, b1)}
+    b2 = b1 if gram else b2
+    rows = range(0, n1, b1)
+    return {
+        (r, c): (min(r + b1, n1), min(c + b2, shape[1]), gram and r != c)
+        for r in rows
+        for c in range(r if gram else 0, shape[1], b2)
+    }
 
 
 def processes():
@@ -434,7 +514,8 @@ def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
     named = {"kind": spec.kind, "implementation": config.implementation}
     named |= {k: getattr(options, k) for k in names} | {"model (its jaxpr)": model}
     perms = [swap_perm(layout) for layout in leaf_layouts(config)]
-    layout = FileLayout(shape, np.dtype(one.dtype), perms, diagonal, named, (cut.b1, cut.b2))
+    grid = (cut.b1, cut.b2)
+    layout = FileLayout(shape, np.dtype(one.dtype), perms, diagonal, named, grid, x2 is None)
     if isinstance(out, Sink):
         return out.open(fn, layout, x1, x2, params, aux)
     # what the file holds, as JSON-ready plain values
