@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -406,3 +407,27 @@ def test_overwrite_leaves_a_memory_map_of_the_old_result_unchanged(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(
         ["k.npy", "k.npy.manifest.json", "fresh.npy", "fresh.npy.manifest.json"]
     )
+
+
+def test_a_file_where_a_folder_is_expected_and_a_read_only_file_system_are_named(tmp_path):
+    """Issue 28: a path through a file was called a missing folder, and /proc (where
+    os.access lets root write) 'a disk with 0 bytes free'; each now names its cause."""
+    (tmp_path / "some_file.txt").write_text("not a folder")
+    for out in ("some_file.txt/k.npy", "some_file.txt/sub/k.npy"):
+        with pytest.raises(
+            ValueError,
+            match=r"^ntk_fn: out=.*: '.*some_file\.txt' is a file, where a folder is "
+            r"expected\. Fix: give a path whose parents are all folders\.$",
+        ):
+            _kernel(tmp_path / out)(P, X1)
+    if not (sys.platform == "linux" and os.path.isdir("/proc")):
+        return
+    with pytest.raises(ValueError) as info:
+        _kernel("/proc/k.npy")(P, X1)
+    assert "bytes free" not in str(info.value)
+    if os.geteuid() == 0:  # root: os.access says the folder is writable
+        assert re.match(
+            r"ntk_fn: out='/proc/k\.npy': the file cannot be created, '/proc' is not "
+            r"writable \(No such file or directory\)\. Fix: give a path on a writable",
+            str(info.value),
+        ), info.value

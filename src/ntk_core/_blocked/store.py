@@ -230,14 +230,26 @@ class NpyStore:
     def _check_new(self, shape, dtype, overwrite) -> None:
         fn, path, where = self.fn, self.path, f"out={self.path!r}"
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        folder = up = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(up):
+            up = os.path.dirname(up)
+        if not os.path.isdir(up):
+            what = f"{where}: {up!r} is a file, where a folder is expected"
+            raise bad(ValueError, fn, what, "give a path whose parents are all folders")
+        if up != folder or not os.access(folder, os.W_OK):
             what = f"{where}: the folder {folder!r} does not exist or cannot be written"
             raise bad(ValueError, fn, what, "create it (os.makedirs), or give another path")
         if os.path.isdir(path):
             raise bad(ValueError, fn, f"{where} is a folder, not a file", "give a .npy file path")
         if os.path.exists(path) and not overwrite:
             raise exists_error(fn, where)
+        try:  # os.access says yes to root on a file system that takes no files (/proc)
+            os.close((probe := tempfile.mkstemp(prefix=".ntk-probe-", dir=folder))[0])
+            os.unlink(probe[1])
+        except OSError as e:
+            why = e.strerror or one_line(e)
+            what = f"{where}: the file cannot be created, {folder!r} is not writable ({why})"
+            raise bad(ValueError, fn, what, "give a path on a writable file system") from e
         replaced = os.path.getsize(path) if os.path.exists(path) else 0
         if nbytes > (free := shutil.disk_usage(folder).free + replaced):
             raise no_space_error(fn, where, nbytes, free)
