@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 import zlib
@@ -501,11 +502,59 @@ def _tiles(shape, layout: FileLayout) -> dict:
 
 def processes():
     """``((index, count), barrier)`` among ``jax.distributed``'s processes (None: one)."""
-    from jax.experimental import multihost_utils
+    global _PEERS
+    from jax._src import distributed
 
-    count = jax.process_count()
-    barrier = multihost_utils.sync_global_devices if count > 1 else None
-    return (jax.process_index(), count), barrier
+    index, count, client = jax.process_index(), jax.process_count(), distributed.global_state.client
+    if count > 1 and (_PEERS is None or _PEERS.client is not client):
+        _PEERS = _Peers(client, index, count)
+    return (index, count), _PEERS if count > 1 else None
+
+
+#: Seconds a process of a multi-process run may send no heartbeat before it counts as dead.
+PEER_SECONDS = 30.0
+_PEERS = None
+
+
+class _Peers:
+    """A barrier on the key-value store of ``jax.distributed``'s coordination service
+    (``client``): each process lists itself and waits for the others, watching their
+    heartbeats (a counter a thread sets every second); RuntimeError naming a process
+    whose heartbeat stood still :data:`PEER_SECONDS` (it died), where a collective waits
+    for JAX's own heartbeat timeout (100 s by default), then aborts."""
+
+    def __init__(self, client, index: int, count: int):
+        self.client, self.index, self.count, self.calls = client, index, count, 0
+        threading.Thread(target=self._beat, daemon=True, name="ntk_core heartbeat").start()
+
+    def _beat(self) -> None:
+        from jax._src import distributed
+
+        beat = 0
+        while distributed.global_state.client is self.client:  # until jax's shutdown
+            with contextlib.suppress(Exception):
+                self.client.key_value_set(f"ntk_core/alive/{self.index}", str(beat), True)
+            beat, _ = beat + 1, time.sleep(1.0)
+
+    def __call__(self, name: str) -> None:
+        self.calls += 1  # every process calls the barriers in the same order
+        at, seen = f"ntk_core/barrier/{self.calls}/", {}  # a peer's last beat, and when
+        self.client.key_value_set(f"{at}{self.index}", name)
+        while len(here := dict(self.client.key_value_dir_get(at))) < self.count:
+            now, arrived = time.monotonic(), {int(k.rsplit("/", 1)[-1]) for k in here}
+            for peer in sorted(set(range(self.count)) - arrived):
+                try:
+                    beat = self.client.key_value_try_get(f"ntk_core/alive/{peer}")
+                except Exception:  # not set yet
+                    beat = None
+                if seen.get(peer, (None, now))[0] != beat or peer not in seen:
+                    seen[peer] = (beat, now)
+                elif now - seen[peer][1] > PEER_SECONDS:
+                    what = f"sent no heartbeat for {PEER_SECONDS:g} s: it stopped"
+                    raise RuntimeError(f"process {peer} of {self.count} {what}")
+            time.sleep(0.05)
+        if len(set(here.values())) > 1:
+            raise RuntimeError(f"the processes reached different barriers: {sorted(here.values())}")
 
 
 def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
