@@ -363,7 +363,10 @@ def test_tiles_changed_on_disk_are_named_and_computed_again(tmp_path, monkeypatc
     del k
     _unfinished(path)
     written = _computed(monkeypatch)
-    with pytest.warns(UserWarning, match=r"k\.npy': 2 tiles .* changed .*: \[0, 16\], \[8, 24\];"):
+    with pytest.warns(
+        UserWarning,
+        match=r"k\.npy': 2 tiles changed since written \(CRC-32\): \[0, 16\], \[8, 24\]; 0 ",
+    ):
         resumed = _kernel(path, trace_axes=(), resume=True)(P, X1)
     assert sorted(written) == [(0, 16), (8, 24)]
     assert np.load(path).tobytes() == first.tobytes() and np.array_equal(resumed, first)
@@ -380,7 +383,10 @@ def test_a_manifest_edited_into_nonsense_is_refused_or_computed_again(tmp_path, 
     kept = manifest["done"][:3]
     _unfinished(path, done=kept + [[0, 8], ["a", 0, 1], [3, 5, 0], 7, [0, 0, 1, 2]])
     written = _computed(monkeypatch)
-    with pytest.warns(UserWarning, match=r"k\.npy': 5 entries of its 'done' name no tile"):
+    with pytest.warns(
+        UserWarning,
+        match=r"k\.npy': 0 tiles changed .*; 5 entries of 'done' are no tile \[r0, c0, crc32\]",
+    ):
         assert np.array_equal(_kernel(path, resume=True)(P, X1), first)
     assert len(written) == 12 and not {tuple(t[:2]) for t in kept} & set(written)
     with open(path, "r+b") as file:  # the data zeroed, the manifest complete but empty

@@ -1,10 +1,8 @@
-"""Out-of-core kernels (``out=``): tiles written with ``os.pwrite`` into a ``.npy`` created at
-its final shape (under a temporary name, then renamed into place), beside
-``<path>.manifest.json`` (``fingerprint`` of the call, ``done`` tiles ``[r0, c0, crc32]``,
-``complete``). Tiles are ``fsync``ed before the manifest (replaced atomically) lists them, so
-after a kill ``resume=True`` recomputes only the unlisted tiles, and those whose bytes no
-longer match their CRC-32, bit for bit.
-"""
+"""Out-of-core kernels (``out=``): tiles written with ``os.pwrite`` into a ``.npy`` made at its
+final shape (then renamed into place), beside ``<path>.manifest.json`` (``fingerprint`` of the
+call, ``done`` tiles ``[r0, c0, crc32]``, ``complete``). Tiles are ``fsync``ed before the
+manifest lists them, so ``resume=True`` after a kill recomputes only the tiles unlisted or
+changed (CRC-32), bit for bit."""
 
 from __future__ import annotations
 
@@ -23,6 +21,7 @@ import zlib
 
 import jax
 import numpy as np
+from jax._src import distributed
 from numpy.lib.format import open_memmap
 
 from ntk_core._blocked.sink import Sink as Sink
@@ -170,13 +169,12 @@ class NpyStore:
             self._check_resume(old, fingerprint, shape, dtype)
         self._sync("checked")
         first = process[0] == 0
-        if first:
+        if first:  # no process writes a manifest between these two barriers
             if create:
                 self._create(dtype, shape)
             self._write(manifest_path(path), self.manifest)  # resumed: the tiles verified
             for stale in _process_manifests(path):
                 os.unlink(stale)
-        if first:  # no process writes a manifest between these two barriers
             _remove_temporaries(path)
         self._sync("created")
         try:
@@ -186,8 +184,7 @@ class NpyStore:
             raise self._os_error("open", e) from e
 
     def _create(self, dtype, shape) -> None:
-        """The new file under a temporary name, renamed into place once made (a memory
-        map of an earlier result keeps reading it); an old file not replaced stays known."""
+        """The new file, renamed into place (a memory map of an old one keeps it)."""
         folder, name = os.path.split(os.path.abspath(self.path))
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", suffix=".npy", dir=folder)
         os.close(fd)
@@ -261,47 +258,35 @@ class NpyStore:
         differs = differences(old[FP] if isinstance(old.get(FP), dict) else {}, fingerprint)
         if differs:
             raise resume_error(self.fn, f"{self.path!r} {_OTHER_CALL}", differs)
-        reader = NpyReader(self.fn, self.path, shape, dtype)
-        try:
+        with contextlib.closing(NpyReader(self.fn, self.path, shape, dtype)) as reader:
             self._verify(reader, old)
-        finally:
-            reader.close()
 
     def _verify(self, reader, old) -> None:
-        """Keeps the listed tiles (every process's lists) whose bytes match their CRC-32
-        (reads the file once); warns naming those that changed and unusable entries."""
+        """Keeps the listed tiles whose bytes match their CRC-32 (reads the file once)."""
         listed = _listed(old)
         for other in _process_manifests(self.path):
             listed |= _listed(_read_json(other))
-        changed = []
+        changed, args = [], (self.shape, self.itemsize, self.batch_diagonal)
         for tile, crc in sorted((t, c) for t, c in listed.items() if t in self.tiles):
-            if self._crc(reader.fd, reader.offset, tile) == crc:
+            (r0, c0), (r1, c1, mirror) = tile, self.tiles[tile]  # the mirror's bytes after
+            runs = _runs(*args, r0, r1, c0, c1) + (_runs(*args, c0, c1, r0, r1) if mirror else [])
+            if _checksum(reader.fd, reader.offset, runs) == crc:
                 self.done[tile] = crc
             else:
                 changed.append(list(tile))
         self.manifest[DONE] = [[*t, c] for t, c in sorted(self.done.items())]
-        n = len(old[DONE]) if isinstance(old.get(DONE), list) else 0
-        odd = f"{n - len(self.done) - len(changed)} entries of its 'done' name no tile"
-        shown = ", ".join(map(str, changed[:8])) + (" ..." if len(changed) > 8 else "")
-        what = [odd] * (n > len(self.done) + len(changed)) + [
-            f"{len(changed)} tiles [r0, c0] changed since written (CRC-32): {shown}"
-        ] * bool(changed)
-        if what:
-            msg = f"{self.fn}: out={self.path!r}: {'; '.join(what)}; computing them again"
-            warnings.warn(msg, stacklevel=3)
+        odd = len(old[DONE]) if isinstance(old.get(DONE), list) else 0
+        odd -= len(self.done) + len(changed)  # (in the main list: not a tile of this file)
+        if changed or odd > 0:
+            shown = ", ".join(map(str, changed[:8])) + " ..." * (len(changed) > 8)
+            what = f"{len(changed)} tiles changed since written (CRC-32): {shown}; {odd} "
+            what += "entries of 'done' are no tile [r0, c0, crc32]; computing them again"
+            warnings.warn(f"{self.fn}: out={self.path!r}: {what}", stacklevel=3)
 
-    def _crc(self, fd: int, offset: int, tile) -> int:
-        """CRC-32 of tile ``(r0, c0)``'s bytes in the file (its mirror's after them)."""
-        (r0, c0), (r1, c1, mirror) = tile, self.tiles[tile]
-        args = (self.shape, self.itemsize, self.batch_diagonal)
-        crc = _checksum(fd, offset, _runs(*args, r0, r1, c0, c1))
-        return _checksum(fd, offset, _runs(*args, c0, c1, r0, r1), crc) if mirror else crc
-
-    def share(self, tiles: list) -> set:
-        """This process's share of ``tiles`` (the same list in every process): every P-th
-        of those not done, from the process index."""
-        index, count = self.process
-        return set([] if self.finished else [t for t in tiles if t not in self.done][index::count])
+    def share(self) -> set:
+        """This process's share of the tiles: every P-th of those not done, from its index."""
+        todo = [] if self.finished else [t for t in self.tiles if t not in self.done]
+        return set(todo[self.process[0] :: self.process[1]])
 
     def put(self, tile, r0, r1, c0, c1, mirror: bool) -> None:
         """Writes one tile (and its mirror) with ``os.pwrite`` (a memory map's written
@@ -323,9 +308,8 @@ class NpyStore:
         continued over the bytes written."""
         c1 = c0 + (0 if self.batch_diagonal else block.shape[1])
         runs = _runs(self.shape, self.itemsize, self.batch_diagonal, r0, r0 + len(block), c0, c1)
-        if self.batch_diagonal:  # (N, ...): consecutive rows are one run of bytes
-            block = block[None]
-        for (start, _), row in zip(runs, block, strict=True):
+        rows = block[None] if self.batch_diagonal else block  # a batch diagonal: one run
+        for (start, _), row in zip(runs, rows, strict=True):
             data = np.ascontiguousarray(row).tobytes()
             os.pwrite(self.fd, data, self.offset + start)
             crc = zlib.crc32(data, crc)
@@ -381,10 +365,8 @@ def _runs(shape, itemsize: int, batch_diagonal: bool, r0: int, r1: int, c0: int,
 
 
 def exists_error(fn: str, where: str) -> ValueError:
-    what = f"{where} exists, and is not the finished result of this call"
-    return bad(
-        ValueError, fn, what, "pass resume=True (same call), overwrite=True, or another path"
-    )
+    what, fix = f"{where} exists, and is not the finished result of this call", "pass resume="
+    return bad(ValueError, fn, what, f"{fix}True (same call), overwrite=True, or another path")
 
 
 def no_space_error(fn: str, where: str, needed: int, free: int) -> ValueError:
@@ -424,12 +406,7 @@ class NpyReader:
         if why is not None:
             raise damaged(fn, path, why, what)
 
-    def close(self):
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    __del__ = close
+    close = __del__ = NpyStore.close
 
     def read(self, r0: int, r1: int, c0: int, c1: int, batch_diagonal: bool):
         """Rows ``r0:r1``, columns ``c0:c1`` (rows only on a batch diagonal), a new array."""
@@ -455,10 +432,10 @@ def _process_manifests(path: str) -> list[str]:
 
 
 def _remove_temporaries(path: str) -> None:
-    """Removes the temporary manifests of ``path`` that a killed process left."""
+    """Removes the temporary files (manifests, a new file) of ``path`` a killed process left."""
     folder, name = os.path.split(os.path.abspath(path))
     for n in os.listdir(folder):
-        if n.startswith(f".{name}.manifest") and ".tmp-" in n:
+        if n.startswith(f".{name}.") and ".tmp-" in n:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, n))
 
@@ -486,25 +463,17 @@ class FileLayout:
 
 
 def _tiles(shape, layout: FileLayout) -> dict:
-    """Every tile of a file, as :func:`~ntk_core._blocked.tiles.compute` cuts it:
-    ``{(r0, c0): (r1, c1, mirrored)}``."""
-    (b1, b2), n1, gram = layout.grid, shape[0], layout.gram
-    if layout.batch_diagonal:
-        return {(r, r): (min(r + b1, n1),) * 2 + (False,) for r in range(0, n1, b1)}
-    b2 = b1 if gram else b2
-    rows = range(0, n1, b1)
-    return {
-        (r, c): (min(r + b1, n1), min(c + b2, shape[1]), gram and r != c)
-        for r in rows
-        for c in range(r if gram else 0, shape[1], b2)
-    }
+    """``{(r0, c0): (r1, c1, mirrored)}`` of every tile, as ``tiles.compute`` cuts them."""
+    (b1, b2), n1, gram, diagonal = layout.grid, shape[0], layout.gram, layout.batch_diagonal
+    n2, b2 = (n1, b1) if gram or diagonal else (shape[1], b2)
+    pairs = [(r, c) for r in range(0, n1, b1) for c in range(r if gram else 0, n2, b2)]
+    pairs = [(r, r) for r in range(0, n1, b1)] if diagonal else pairs
+    return {(r, c): (min(r + b1, n1), min(c + b2, n2), gram and r != c) for r, c in pairs}
 
 
 def processes():
     """``((index, count), barrier)`` among ``jax.distributed``'s processes (None: one)."""
     global _PEERS
-    from jax._src import distributed
-
     index, count, client = jax.process_index(), jax.process_count(), distributed.global_state.client
     if count > 1 and (_PEERS is None or _PEERS.client is not client):
         _PEERS = _Peers(client, index, count)
@@ -512,43 +481,37 @@ def processes():
 
 
 #: Seconds a process of a multi-process run may send no heartbeat before it counts as dead.
-PEER_SECONDS = 30.0
-_PEERS = None
+PEER_SECONDS, _PEERS = 30.0, None
 
 
 class _Peers:
-    """A barrier on the key-value store of ``jax.distributed``'s coordination service
-    (``client``): each process lists itself and waits for the others, watching their
-    heartbeats (a counter a thread sets every second); RuntimeError naming a process
-    whose heartbeat stood still :data:`PEER_SECONDS` (it died), where a collective waits
-    for JAX's own heartbeat timeout (100 s by default), then aborts."""
+    """A barrier on ``jax.distributed``'s key-value store (``client``) that watches the
+    other processes' heartbeats (a thread's counter, every second): RuntimeError naming one
+    silent for :data:`PEER_SECONDS` (a collective waits for JAX's 100 s, then aborts)."""
 
     def __init__(self, client, index: int, count: int):
         self.client, self.index, self.count, self.calls = client, index, count, 0
         threading.Thread(target=self._beat, daemon=True, name="ntk_core heartbeat").start()
 
     def _beat(self) -> None:
-        from jax._src import distributed
-
-        beat = 0
+        beat, key = 0, f"ntk_core/alive/{self.index}"
         while distributed.global_state.client is self.client:  # until jax's shutdown
             with contextlib.suppress(Exception):
-                self.client.key_value_set(f"ntk_core/alive/{self.index}", str(beat), True)
-            beat, _ = beat + 1, time.sleep(1.0)
+                self.client.key_value_set(key, str(beat := beat + 1), True)
+            time.sleep(1.0)
+
+    def _get(self, folder: str) -> dict:  # {the key's last part: value}
+        return {k.rsplit("/", 1)[-1]: v for k, v in self.client.key_value_dir_get(folder)}
 
     def __call__(self, name: str) -> None:
         self.calls += 1  # every process calls the barriers in the same order
         at, seen = f"ntk_core/barrier/{self.calls}/", {}  # a peer's last beat, and when
         self.client.key_value_set(f"{at}{self.index}", name)
-        while len(here := dict(self.client.key_value_dir_get(at))) < self.count:
-            now, arrived = time.monotonic(), {int(k.rsplit("/", 1)[-1]) for k in here}
-            for peer in sorted(set(range(self.count)) - arrived):
-                try:
-                    beat = self.client.key_value_try_get(f"ntk_core/alive/{peer}")
-                except Exception:  # not set yet
-                    beat = None
-                if seen.get(peer, (None, now))[0] != beat or peer not in seen:
-                    seen[peer] = (beat, now)
+        while len(here := self._get(at)) < self.count:
+            now, beats = time.monotonic(), self._get("ntk_core/alive/")
+            for peer in sorted(set(map(str, range(self.count))) - set(here)):
+                if seen.setdefault(peer, (beats.get(peer), now))[0] != beats.get(peer):
+                    seen[peer] = (beats.get(peer), now)
                 elif now - seen[peer][1] > PEER_SECONDS:
                     what = f"sent no heartbeat for {PEER_SECONDS:g} s: it stopped"
                     raise RuntimeError(f"process {peer} of {self.count} {what}")
