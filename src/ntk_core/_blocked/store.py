@@ -186,12 +186,12 @@ class NpyStore:
     def _create(self, dtype, shape) -> None:
         """The new file, renamed into place (a memory map of an old one keeps it)."""
         folder, name = os.path.split(os.path.abspath(self.path))
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", suffix=".npy", dir=folder)
-        os.close(fd)
+        tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}.npy")  # the umask's mode
         try:  # the header; the data stays a hole until written
             open_memmap(tmp, mode="w+", dtype=dtype, shape=tuple(shape)).flush()
             for stale in (manifest_path(self.path), *_process_manifests(self.path)):
-                os.unlink(stale) if os.path.exists(stale) else None  # none for the new file
+                if os.path.exists(stale):  # none for the new file
+                    os.unlink(stale)
             os.replace(tmp, self.path)
         except OSError as e:
             with contextlib.suppress(OSError):
@@ -245,8 +245,7 @@ class NpyStore:
             os.close((probe := tempfile.mkstemp(prefix=".ntk-probe-", dir=folder))[0])
             os.unlink(probe[1])
         except OSError as e:
-            why = e.strerror or one_line(e)
-            what = f"{where}: the file cannot be created, {folder!r} is not writable ({why})"
+            what = f"{where}: the file cannot be created, {folder!r} is not writable ({e.strerror})"
             raise bad(ValueError, fn, what, "give a path on a writable file system") from e
         replaced = os.path.getsize(path) if os.path.exists(path) else 0
         if nbytes > (free := shutil.disk_usage(folder).free + replaced):
@@ -412,16 +411,10 @@ class NpyReader:
         """Rows ``r0:r1``, columns ``c0:c1`` (rows only on a batch diagonal), a new array."""
         runs = _runs(self.shape, self.dtype.itemsize, batch_diagonal, r0, r1, c0, c1)
         tail = self.shape[1:] if batch_diagonal else (c1 - c0, *self.shape[2:])
-        out = np.empty((r1 - r0, *tail), self.dtype)
-        flat = out.reshape(-1).view(np.uint8)
-        at = 0
-        for start, length in runs:
-            got = os.pread(self.fd, length, self.offset + start)
-            if len(got) != length:
-                raise OSError(f"{self.path!r} ends before byte {self.offset + start + length}")
-            flat[at : at + length] = np.frombuffer(got, np.uint8)
-            at += length
-        return out
+        data = bytearray().join(os.pread(self.fd, n, self.offset + at) for at, n in runs)
+        if len(data) != sum(n for _, n in runs):
+            raise OSError(f"{self.path!r} ends before its rows {r0}..{r1 - 1}")
+        return np.frombuffer(data, self.dtype).reshape(r1 - r0, *tail)
 
 
 def _process_manifests(path: str) -> list[str]:
