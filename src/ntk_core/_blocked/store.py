@@ -151,8 +151,7 @@ class NpyStore:
         self.manifest = {VERSION: MANIFEST_VERSION, FP: fingerprint, DONE: [], COMPLETE: False}
         self.done: dict[tuple[int, int], int] = {}  # tile -> CRC-32 of its bytes
         # this process's tiles done in this run (several processes); written since the commit
-        self.mine, self.pending = [], []
-        self.committed = time.monotonic()
+        self.mine, self.pending, self.committed = [], [], time.monotonic()
         self.shape, self.itemsize = tuple(shape), np.dtype(dtype).itemsize
         self.tiles = _tiles(self.shape, layout)
         # Every process makes the same checks (so all refuse alike), then the first
@@ -468,9 +467,15 @@ def processes():
     """``((index, count), barrier)`` among ``jax.distributed``'s processes (None: one)."""
     global _PEERS
     index, count, client = jax.process_index(), jax.process_count(), distributed.global_state.client
-    if count > 1 and (_PEERS is None or _PEERS.client is not client):
+    if count == 1:
+        return (index, count), None
+    if client is None:  # not started by jax.distributed.initialize: no key-value store
+        from jax.experimental import multihost_utils
+
+        return (index, count), multihost_utils.sync_global_devices
+    if _PEERS is None or _PEERS.client is not client:
         _PEERS = _Peers(client, index, count)
-    return (index, count), _PEERS if count > 1 else None
+    return (index, count), _PEERS
 
 
 #: Seconds a process of a multi-process run may send no heartbeat before it counts as dead.
