@@ -106,6 +106,11 @@ def run(
     from ntk_core._blocked.progress import progress_bar
 
     t_start = time.perf_counter()
+    try:
+        os.makedirs(out, exist_ok=True)  # fail before computing, not after
+    except OSError as e:  # a file of that name, or in the way
+        why = "is a file, not a folder" if os.path.isfile(out) else f"cannot be made ({e.strerror})"
+        raise ValueError(f"ntk demo: --out {out!r} {why}. Fix: give a folder path.") from e
     if compilation_cache:
         use_compilation_cache(compilation_cache)
     images, labels = load_digits_32(seed)
@@ -114,7 +119,6 @@ def run(
     x_train, y_train = images[:n_train], labels[:n_train]
     x_test, y_test = images[n_train:], labels[n_train:]
 
-    os.makedirs(out, exist_ok=True)  # fail before computing, not after
     model = ntk_flax.LeNet(out_features=1)
     variables = jax.jit(model.init)(jax.random.PRNGKey(seed), x_train[:1])
     twin = hk.without_apply_rng(hk.transform(ntk_haiku.lenet))

@@ -337,6 +337,12 @@ def _rows():
         Row("core-mc-batch-size-in-vmapped-samples", "the blocked engine's batch_size with samples vmapped together",
             "ntk_core.monte_carlo_kernels(lambda k: W, f, X, key=jax.random.PRNGKey(0), n_samples=4, batch_size_samples=2, batch_size=2)",
             ValueError, r"^monte_carlo_kernels: batch_size cannot run inside batch_size_samples=2"),
+        Row("core-out-under-a-file", "out= whose parent is a file (here the device /dev/null), not a folder",
+            'ntk_core.ntk_fn(f, batch_size=2, out="/dev/null/k.npy")(W, X)',
+            ValueError, r"^ntk_fn: out='/dev/null/k.npy': '/dev/null' is a file, where a folder is expected"),
+        Row("core-out-no-writable-file-system", "out= on a file system that takes no files (/proc on Linux, even for root)",
+            'ntk_core.ntk_fn(f, batch_size=2, out="/proc/k.npy")(W, X)',
+            ValueError, r"^ntk_fn: out='/proc/k.npy': the (file cannot be created, '/proc' is not writable|folder '/proc' does not exist or cannot be written)"),
         # -- weight transplants (ntk_core.testing) -------------------------------------
         Row("transplant-swapped", "params_from_haiku given Flax params first",
             'ntk_core.testing.params_from_haiku({"Dense_0": {"kernel": W}}, {"linear": {"w": W}})',

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -326,3 +327,113 @@ def test_files_that_cannot_be_used_are_refused_with_the_fix(tmp_path, monkeypatc
         r"manifest describes .*Fix: pass overwrite=True",
     ):
         _kernel(path, resume=True)(P, X1)
+
+
+def _unfinished(path, **changes):
+    """The manifest of ``path`` marked as an interrupted run's, with ``changes``."""
+    manifest = json.loads(open(_store.manifest_path(str(path))).read())
+    manifest.update({"complete": False, **changes})
+    open(_store.manifest_path(str(path)), "w").write(json.dumps(manifest))
+
+
+def _computed(monkeypatch) -> list:
+    """The tiles ``(r0, c0)`` written from now on."""
+    written, put = [], _store.NpyStore.put
+
+    def spy(self, tile, r0, r1, c0, c1, mirror):
+        written.append((r0, c0))
+        put(self, tile, r0, r1, c0, c1, mirror)
+
+    monkeypatch.setattr(_store.NpyStore, "put", spy)
+    return written
+
+
+def test_tiles_changed_on_disk_are_named_and_computed_again(tmp_path, monkeypatch):
+    """Issue 28: the manifest holds each tile's CRC-32; a resume checks every listed
+    tile, names those whose bytes changed (here one entry of tile [8, 24], and one of
+    the mirror of tile [0, 16]) and computes only them again; the result equals the
+    float64 reference again."""
+    path = tmp_path / "k.npy"
+    first = np.array(_kernel(path, trace_axes=())(P, X1))
+    reference.assert_close(first, reference.ntk(f, P, X1, None, trace_axes=())[0])
+    k = np.load(path, mmap_mode="r+")
+    k[9, 30, 1, 2] += 1.0  # tile [8, 24] (rows 8..15, columns 24..31)
+    k[20, 3, 0, 0] = 7.0  # the mirror of tile [0, 16], written with it
+    k.flush()
+    del k
+    _unfinished(path)
+    written = _computed(monkeypatch)
+    with pytest.warns(
+        UserWarning,
+        match=r"k\.npy': 2 tiles changed since written \(CRC-32\): \[0, 16\], \[8, 24\]; 0 ",
+    ):
+        resumed = _kernel(path, trace_axes=(), resume=True)(P, X1)
+    assert sorted(written) == [(0, 16), (8, 24)]
+    assert np.load(path).tobytes() == first.tobytes() and np.array_equal(resumed, first)
+    assert _done(path) == (15, True)
+
+
+def test_a_manifest_edited_into_nonsense_is_refused_or_computed_again(tmp_path, monkeypatch):
+    """Entries that are not ``[r0, c0, crc32]`` of a tile of this file are computed
+    again (and counted in a warning); a complete manifest that does not list every tile
+    is not a finished file; a fingerprint that is not one is refused by name."""
+    path = tmp_path / "k.npy"
+    first = np.array(_kernel(path)(P, X1))
+    manifest = json.loads(open(_store.manifest_path(str(path))).read())
+    kept = manifest["done"][:3]
+    _unfinished(path, done=kept + [[0, 8], ["a", 0, 1], [3, 5, 0], 7, [0, 0, 1, 2]])
+    written = _computed(monkeypatch)
+    with pytest.warns(
+        UserWarning,
+        match=r"k\.npy': 0 tiles changed .*; 5 entries of 'done' are no tile \[r0, c0, crc32\]",
+    ):
+        assert np.array_equal(_kernel(path, resume=True)(P, X1), first)
+    assert len(written) == 12 and not {tuple(t[:2]) for t in kept} & set(written)
+    with open(path, "r+b") as file:  # the data zeroed, the manifest complete but empty
+        file.seek(128)
+        file.write(bytes(os.path.getsize(path) - 128))
+    _unfinished(path, complete=True, done=[])
+    with pytest.raises(ValueError, match=r"k\.npy' exists, and is not the finished result"):
+        _kernel(path)(P, X1)
+    assert np.array_equal(_kernel(path, resume=True)(P, X1), first)
+    _unfinished(path, fingerprint="nonsense")
+    with pytest.raises(ValueError, match=r"different call: x1; x2; params; .*; shape "):
+        _kernel(path, resume=True)(P, X1)
+
+
+def test_overwrite_leaves_a_memory_map_of_the_old_result_unchanged(tmp_path):
+    """Issue 28: overwrite=True creates a new file and renames it into place, so a
+    memory map of the old result (another reader) keeps the old values."""
+    path = tmp_path / "k.npy"
+    old = np.array(_kernel(path)(P, X1))
+    mapped = np.load(path, mmap_mode="r")
+    new = _kernel(path, overwrite=True)(P, X1 * 2.0)
+    assert np.array_equal(mapped, old) and not np.array_equal(new, old)
+    assert np.array_equal(np.load(path), _kernel(tmp_path / "fresh.npy")(P, X1 * 2.0))
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["k.npy", "k.npy.manifest.json", "fresh.npy", "fresh.npy.manifest.json"]
+    )
+
+
+def test_a_file_where_a_folder_is_expected_and_a_read_only_file_system_are_named(tmp_path):
+    """Issue 28: a path through a file was called a missing folder, and /proc (where
+    os.access lets root write) 'a disk with 0 bytes free'; each now names its cause."""
+    (tmp_path / "some_file.txt").write_text("not a folder")
+    for out in ("some_file.txt/k.npy", "some_file.txt/sub/k.npy"):
+        with pytest.raises(
+            ValueError,
+            match=r"^ntk_fn: out=.*: '.*some_file\.txt' is a file, where a folder is "
+            r"expected\. Fix: give a path whose parents are all folders\.$",
+        ):
+            _kernel(tmp_path / out)(P, X1)
+    if not (sys.platform == "linux" and os.path.isdir("/proc")):
+        return
+    with pytest.raises(ValueError) as info:
+        _kernel("/proc/k.npy")(P, X1)
+    assert "bytes free" not in str(info.value)
+    if os.geteuid() == 0:  # root: os.access says the folder is writable
+        assert re.match(
+            r"ntk_fn: out='/proc/k\.npy': the file cannot be created, '/proc' is not "
+            r"writable \(No such file or directory\)\. Fix: give a path on a writable",
+            str(info.value),
+        ), info.value

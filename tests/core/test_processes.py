@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -131,3 +132,57 @@ def test_two_processes_share_the_monte_carlo_sums_and_equal_one_process(tmp_path
         a, b = (np.load(tmp_path / run / f"mc.{kind}.npy") for run in ("one", "two"))
         assert a.tobytes() == b.tobytes(), kind
     assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))
+
+
+_DIES = textwrap.dedent(
+    """
+    import os, sys
+    import jax, jax.numpy as jnp
+    index, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=index, initialization_timeout=60)
+    import ntk_core
+    jax.devices()  # every process joins the backend (it waits for all)
+    if index == 1:
+        os._exit(0)  # the peer stops (no cleanup, as after a crash)
+    ntk_core._blocked.store.PEER_SECONDS = 3.0  # 30 s by default
+    x = jax.random.normal(jax.random.PRNGKey(2), (24, 5))
+    p = jax.random.normal(jax.random.PRNGKey(0), (5, 3))
+    try:
+        ntk_core.ntk_fn(lambda p, x: jnp.tanh(x @ p), batch_size=6, out=path)(p, x)
+    except ValueError as e:
+        print(e, flush=True)
+        os._exit(1)  # jax.distributed.shutdown() would wait for the dead peer
+    """
+)
+
+
+def test_a_run_whose_peer_died_ends_with_an_error_naming_it(tmp_path):
+    """Issue 28: process 1 of 2 stops; process 0 ends with a ValueError naming it within
+    PEER_SECONDS (3 s here) of reaching a barrier, where a collective barrier waited for
+    JAX's heartbeat timeout (100 s) and then aborted the process."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    port, path, start = str(_port()), str(tmp_path / "k.npy"), time.monotonic()
+    survivor, peer = (
+        subprocess.Popen(
+            [sys.executable, "-c", _DIES, str(i), port, path],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    )
+    try:
+        out, err = survivor.communicate(timeout=28)
+    finally:
+        for process in (survivor, peer):
+            if process.poll() is None:
+                process.kill()
+    assert peer.wait() == 0 and survivor.returncode == 1, err[-2000:]
+    assert re.match(
+        r"ntk_fn: a process of this run stopped at '.*' \(RuntimeError: process 1 of 2 sent "
+        r"no heartbeat for 3 s: it stopped\)\. Fix: start every process with resume=True",
+        out,
+    ), out + err[-2000:]
+    assert time.monotonic() - start < 30

@@ -63,3 +63,19 @@ def test_compilation_cache_option_fills_the_folder_and_is_reused(tmp_path):
         runs.append((result.stdout, sorted(p.name for p in folder.iterdir())))
     assert len(runs[0][1]) >= 2  # the kernel's programs, each one entry
     assert runs[1] == runs[0]  # the same kernel, and no new entry
+
+
+def test_demo_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    """Issue 28: --out naming an existing file (or a path through one) was a bare
+    FileExistsError traceback; now one line on stderr, exit status 2, nothing computed."""
+    (tmp_path / "taken").write_text("a file")
+    for out, why in (("taken", "is a file, not a folder"), ("taken/sub", "cannot be made")):
+        assert main(["demo", "--out", str(tmp_path / out), "--no-progress"]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.splitlines() == [
+            f"ntk demo: --out {str(tmp_path / out)!r} {why}"
+            + (" (Not a directory)" if out != "taken" else "")
+            + ". Fix: give a folder path."
+        ]
+        assert captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]

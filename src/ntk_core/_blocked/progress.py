@@ -49,9 +49,7 @@ def _unknown_size_fallback(stream) -> dict:
         columns, lines = os.get_terminal_size(stream.fileno())
     except (AttributeError, ValueError, OSError):  # not a terminal: tqdm decides
         return {}
-    if columns > 0 and lines > 0:
-        return {}
-    return dict(ncols=(columns or 80) - 1, nrows=(lines or 24) - 1)
+    return {} if columns > 0 < lines else dict(ncols=(columns or 80) - 1, nrows=(lines or 24) - 1)
 
 
 def progress_bar(fn_name: str, progress: bool | None, total: int, unit: str = "it"):

@@ -1,8 +1,8 @@
-"""Out-of-core kernels (``out=``): tiles written with ``os.pwrite`` into a ``.npy`` created at
-its final shape, beside ``<path>.manifest.json`` (``fingerprint`` of the call, ``done`` tiles
-``[r0, c0]``, ``complete``). Tiles are ``fsync``ed before the manifest (replaced atomically)
-lists them, so after a kill ``resume=True`` recomputes only the unlisted tiles, bit for bit.
-"""
+"""Out-of-core kernels (``out=``): tiles written with ``os.pwrite`` into a ``.npy`` made at its
+final shape (then renamed into place), beside ``<path>.manifest.json`` (``fingerprint`` of the
+call, ``done`` tiles ``[r0, c0, crc32]``, ``complete``). Tiles are ``fsync``ed before the
+manifest lists them, so ``resume=True`` after a kill recomputes only the tiles unlisted or
+changed (CRC-32), bit for bit."""
 
 from __future__ import annotations
 
@@ -14,10 +14,14 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
+import warnings
+import zlib
 
 import jax
 import numpy as np
+from jax._src import distributed
 from numpy.lib.format import open_memmap
 
 from ntk_core._blocked.sink import Sink as Sink
@@ -114,8 +118,18 @@ def _read_manifest(path: str) -> dict | None:
     return data if isinstance(data, dict) and data.get(VERSION) == MANIFEST_VERSION else None
 
 
-def _done(data) -> set:
-    return {tuple(t) for t in (data or {}).get(DONE, [])}
+def _listed(data) -> dict:
+    """The well-formed ``[r0, c0, crc32]`` entries of a manifest: ``{(r0, c0): crc32}``."""
+    done = (data if isinstance(data, dict) else {}).get(DONE)
+    ok = [t for t in done if isinstance(t, list) and len(t) == 3] if isinstance(done, list) else []
+    return {(t[0], t[1]): t[2] for t in ok if all(type(v) is int for v in t)}
+
+
+def _checksum(fd: int, offset: int, runs, crc: int = 0) -> int:
+    """CRC-32 of the byte ``runs`` (after ``offset``) of the file ``fd``, in order."""
+    for start, length in runs:
+        crc = zlib.crc32(os.pread(fd, length, offset + start), crc)
+    return crc
 
 
 class NpyStore:
@@ -135,15 +149,16 @@ class NpyStore:
         shape, dtype = layout.shape, layout.dtype
         self.process, self.barrier = process, barrier
         self.manifest = {VERSION: MANIFEST_VERSION, FP: fingerprint, DONE: [], COMPLETE: False}
-        self.done: set[tuple[int, int]] = set()
+        self.done: dict[tuple[int, int], int] = {}  # tile -> CRC-32 of its bytes
         # this process's tiles done in this run (several processes); written since the commit
-        self.mine, self.pending = [], []
-        self.committed = time.monotonic()
+        self.mine, self.pending, self.committed = [], [], time.monotonic()
         self.shape, self.itemsize = tuple(shape), np.dtype(dtype).itemsize
+        self.tiles = _tiles(self.shape, layout)
         # Every process makes the same checks (so all refuse alike), then the first
         # creates the file, then all open it.
         old = _read_manifest(path) if os.path.exists(path) else None
         self.finished = bool(old and old.get(FP) == fingerprint and old.get(COMPLETE))
+        self.finished &= set(_listed(old)) == set(self.tiles)  # a complete list
         if self.finished:
             return
         create = not (os.path.exists(path) and resume)
@@ -153,17 +168,12 @@ class NpyStore:
             self._check_resume(old, fingerprint, shape, dtype)
         self._sync("checked")
         first = process[0] == 0
-        if create and first:
-            try:  # the new file first: an old file that cannot be replaced stays known
-                # the header; the data stays a hole until written
-                open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape)).flush()
-            except OSError as e:
-                raise self._os_error("create", e) from e
-            for stale in (manifest_path(path), *_process_manifests(path)):
-                if os.path.exists(stale):
-                    os.unlink(stale)
-            self._write(manifest_path(path), self.manifest)
         if first:  # no process writes a manifest between these two barriers
+            if create:
+                self._create(dtype, shape)
+            self._write(manifest_path(path), self.manifest)  # resumed: the tiles verified
+            for stale in _process_manifests(path):
+                os.unlink(stale)
             _remove_temporaries(path)
         self._sync("created")
         try:
@@ -171,9 +181,21 @@ class NpyStore:
             self.fd = os.open(path, os.O_RDWR)
         except (OSError, ValueError) as e:
             raise self._os_error("open", e) from e
-        if not create:
-            self.done = _done(old).union(*(_done(_read_json(p)) for p in _process_manifests(path)))
-            self.manifest[DONE] = sorted(list(t) for t in self.done)
+
+    def _create(self, dtype, shape) -> None:
+        """The new file, renamed into place (a memory map of an old one keeps it)."""
+        folder, name = os.path.split(os.path.abspath(self.path))
+        tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}.npy")  # the umask's mode
+        try:  # the header; the data stays a hole until written
+            open_memmap(tmp, mode="w+", dtype=dtype, shape=tuple(shape)).flush()
+            for stale in (manifest_path(self.path), *_process_manifests(self.path)):
+                if os.path.exists(stale):  # none for the new file
+                    os.unlink(stale)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise self._os_error("create", e) from e
 
     def close(self):  # also when a call failed midway
         if self.fd is not None:
@@ -205,14 +227,25 @@ class NpyStore:
     def _check_new(self, shape, dtype, overwrite) -> None:
         fn, path, where = self.fn, self.path, f"out={self.path!r}"
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        folder = up = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(up):
+            up = os.path.dirname(up)
+        if not os.path.isdir(up):
+            what = f"{where}: {up!r} is a file, where a folder is expected"
+            raise bad(ValueError, fn, what, "give a path whose parents are all folders")
+        if up != folder or not os.access(folder, os.W_OK):
             what = f"{where}: the folder {folder!r} does not exist or cannot be written"
             raise bad(ValueError, fn, what, "create it (os.makedirs), or give another path")
         if os.path.isdir(path):
             raise bad(ValueError, fn, f"{where} is a folder, not a file", "give a .npy file path")
         if os.path.exists(path) and not overwrite:
             raise exists_error(fn, where)
+        try:  # os.access says yes to root on a file system that takes no files (/proc)
+            os.close((probe := tempfile.mkstemp(prefix=".ntk-probe-", dir=folder))[0])
+            os.unlink(probe[1])
+        except OSError as e:
+            what = f"{where}: the file cannot be created, {folder!r} is not writable ({e.strerror})"
+            raise bad(ValueError, fn, what, "give a path on a writable file system") from e
         replaced = os.path.getsize(path) if os.path.exists(path) else 0
         if nbytes > (free := shutil.disk_usage(folder).free + replaced):
             raise no_space_error(fn, where, nbytes, free)
@@ -220,16 +253,38 @@ class NpyStore:
     def _check_resume(self, old, fingerprint, shape, dtype) -> None:
         if old is None:
             raise resume_error(self.fn, f"{manifest_path(self.path)!r} is missing or unreadable")
-        differs = differences(old.get(FP, {}), fingerprint)
+        differs = differences(old[FP] if isinstance(old.get(FP), dict) else {}, fingerprint)
         if differs:
             raise resume_error(self.fn, f"{self.path!r} {_OTHER_CALL}", differs)
-        NpyReader(self.fn, self.path, shape, dtype).close()
+        with contextlib.closing(NpyReader(self.fn, self.path, shape, dtype)) as reader:
+            self._verify(reader, old)
 
-    def share(self, tiles: list) -> set:
-        """This process's share of ``tiles`` (the same list in every process): every P-th
-        of those not done, from the process index."""
-        index, count = self.process
-        return set([] if self.finished else [t for t in tiles if t not in self.done][index::count])
+    def _verify(self, reader, old) -> None:
+        """Keeps the listed tiles whose bytes match their CRC-32 (reads the file once)."""
+        listed = _listed(old)
+        for other in _process_manifests(self.path):
+            listed |= _listed(_read_json(other))
+        changed, args = [], (self.shape, self.itemsize, self.batch_diagonal)
+        for tile, crc in sorted((t, c) for t, c in listed.items() if t in self.tiles):
+            (r0, c0), (r1, c1, mirror) = tile, self.tiles[tile]  # the mirror's bytes after
+            runs = _runs(*args, r0, r1, c0, c1) + (_runs(*args, c0, c1, r0, r1) if mirror else [])
+            if _checksum(reader.fd, reader.offset, runs) == crc:
+                self.done[tile] = crc
+            else:
+                changed.append(list(tile))
+        self.manifest[DONE] = [[*t, c] for t, c in sorted(self.done.items())]
+        odd = len(old[DONE]) if isinstance(old.get(DONE), list) else 0
+        odd -= len(self.done) + len(changed)  # (in the main list: not a tile of this file)
+        if changed or odd > 0:
+            shown = ", ".join(map(str, changed[:8])) + " ..." * (len(changed) > 8)
+            what = f"{len(changed)} tiles changed since written (CRC-32): {shown}; {odd} "
+            what += "entries of 'done' are no tile [r0, c0, crc32]; computing them again"
+            warnings.warn(f"{self.fn}: out={self.path!r}: {what}", stacklevel=3)
+
+    def share(self) -> set:
+        """This process's share of the tiles: every P-th of those not done, from its index."""
+        todo = [] if self.finished else [t for t in self.tiles if t not in self.done]
+        return set(todo[self.process[0] :: self.process[1]])
 
     def put(self, tile, r0, r1, c0, c1, mirror: bool) -> None:
         """Writes one tile (and its mirror) with ``os.pwrite`` (a memory map's written
@@ -238,23 +293,25 @@ class NpyStore:
         a = a[: r1 - r0] if self.batch_diagonal else a[: r1 - r0, : c1 - c0]
         if self.transform is not None:
             a = self.transform(a, r0, r1, c0, c1)
-        self._rows(a, r0, c0)
+        crc = self._rows(a, r0, c0)
         if mirror and not self.batch_diagonal:
-            self._rows(np.transpose(a, self.perms[0]), c0, r0)
-        self.done.add((r0, c0))
-        self.pending.append([r0, c0])
+            crc = self._rows(np.transpose(a, self.perms[0]), c0, r0, crc)
+        self.done[r0, c0] = crc
+        self.pending.append([r0, c0, crc])
         if time.monotonic() - self.committed >= COMMIT_SECONDS:
             self.commit()
 
-    def _rows(self, block, r0: int, c0: int) -> None:
-        """``block`` (rows x columns x ...) written at row ``r0``, column ``c0``."""
-        if self.batch_diagonal:  # (N, ...): consecutive rows are one run of bytes
-            ((start, _),) = _runs(self.shape, self.itemsize, True, r0, r0 + len(block), 0, 0)
-            os.pwrite(self.fd, np.ascontiguousarray(block).tobytes(), self.offset + start)
-            return
-        runs = _runs(self.shape, self.itemsize, False, r0, r0 + len(block), c0, c0 + block.shape[1])
-        for (start, _), row in zip(runs, block, strict=True):
-            os.pwrite(self.fd, np.ascontiguousarray(row).tobytes(), self.offset + start)
+    def _rows(self, block, r0: int, c0: int, crc: int = 0) -> int:
+        """``block`` (rows x columns x ...) written at row ``r0``, column ``c0``; ``crc``
+        continued over the bytes written."""
+        c1 = c0 + (0 if self.batch_diagonal else block.shape[1])
+        runs = _runs(self.shape, self.itemsize, self.batch_diagonal, r0, r0 + len(block), c0, c1)
+        rows = block[None] if self.batch_diagonal else block  # a batch diagonal: one run
+        for (start, _), row in zip(runs, rows, strict=True):
+            data = np.ascontiguousarray(row).tobytes()
+            os.pwrite(self.fd, data, self.offset + start)
+            crc = zlib.crc32(data, crc)
+        return crc
 
     def commit(self) -> None:
         """``fsync``s the tiles written since the last commit, then lists them in the
@@ -280,9 +337,11 @@ class NpyStore:
             self.close()
             self._sync("written")
             if self.process[0] == 0:
-                others = _process_manifests(self.path)
-                done = _done(self.manifest).union(self.done, *map(_done, map(_read_json, others)))
-                self.manifest[DONE] = sorted(list(t) for t in done)
+                others = _process_manifests(self.path)  # this run's (stale ones went first)
+                done = _listed(self.manifest) | self.done
+                for other in others:
+                    done |= _listed(_read_json(other))
+                self.manifest[DONE] = [[*t, c] for t, c in sorted(done.items())]
                 self.manifest[COMPLETE] = True
                 self._write(manifest_path(self.path), self.manifest)
                 for other in others:
@@ -304,10 +363,8 @@ def _runs(shape, itemsize: int, batch_diagonal: bool, r0: int, r1: int, c0: int,
 
 
 def exists_error(fn: str, where: str) -> ValueError:
-    what = f"{where} exists, and is not the finished result of this call"
-    return bad(
-        ValueError, fn, what, "pass resume=True (same call), overwrite=True, or another path"
-    )
+    what, fix = f"{where} exists, and is not the finished result of this call", "pass resume="
+    return bad(ValueError, fn, what, f"{fix}True (same call), overwrite=True, or another path")
 
 
 def no_space_error(fn: str, where: str, needed: int, free: int) -> ValueError:
@@ -347,27 +404,16 @@ class NpyReader:
         if why is not None:
             raise damaged(fn, path, why, what)
 
-    def close(self):
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    __del__ = close
+    close = __del__ = NpyStore.close
 
     def read(self, r0: int, r1: int, c0: int, c1: int, batch_diagonal: bool):
         """Rows ``r0:r1``, columns ``c0:c1`` (rows only on a batch diagonal), a new array."""
         runs = _runs(self.shape, self.dtype.itemsize, batch_diagonal, r0, r1, c0, c1)
         tail = self.shape[1:] if batch_diagonal else (c1 - c0, *self.shape[2:])
-        out = np.empty((r1 - r0, *tail), self.dtype)
-        flat = out.reshape(-1).view(np.uint8)
-        at = 0
-        for start, length in runs:
-            got = os.pread(self.fd, length, self.offset + start)
-            if len(got) != length:
-                raise OSError(f"{self.path!r} ends before byte {self.offset + start + length}")
-            flat[at : at + length] = np.frombuffer(got, np.uint8)
-            at += length
-        return out
+        data = bytearray().join(os.pread(self.fd, n, self.offset + at) for at, n in runs)
+        if len(data) != sum(n for _, n in runs):
+            raise OSError(f"{self.path!r} ends before its rows {r0}..{r1 - 1}")
+        return np.frombuffer(data, self.dtype).reshape(r1 - r0, *tail)
 
 
 def _process_manifests(path: str) -> list[str]:
@@ -378,10 +424,10 @@ def _process_manifests(path: str) -> list[str]:
 
 
 def _remove_temporaries(path: str) -> None:
-    """Removes the temporary manifests of ``path`` that a killed process left."""
+    """Removes the temporary files (manifests, a new file) of ``path`` a killed process left."""
     folder, name = os.path.split(os.path.abspath(path))
     for n in os.listdir(folder):
-        if n.startswith(f".{name}.manifest") and ".tmp-" in n:
+        if n.startswith(f".{name}.") and ".tmp-" in n:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, n))
 
@@ -405,15 +451,71 @@ class FileLayout:
     batch_diagonal: bool
     described: dict
     grid: tuple
+    gram: bool = False  # x2=None: the tiles above the diagonal, each with its mirror
+
+
+def _tiles(shape, layout: FileLayout) -> dict:
+    """``{(r0, c0): (r1, c1, mirrored)}`` of every tile, as ``tiles.compute`` cuts them."""
+    (b1, b2), n1, gram, diagonal = layout.grid, shape[0], layout.gram, layout.batch_diagonal
+    n2, b2 = (n1, b1) if gram or diagonal else (shape[1], b2)
+    pairs = [(r, c) for r in range(0, n1, b1) for c in range(r if gram else 0, n2, b2)]
+    pairs = [(r, r) for r in range(0, n1, b1)] if diagonal else pairs
+    return {(r, c): (min(r + b1, n1), min(c + b2, n2), gram and r != c) for r, c in pairs}
 
 
 def processes():
     """``((index, count), barrier)`` among ``jax.distributed``'s processes (None: one)."""
-    from jax.experimental import multihost_utils
+    global _PEERS
+    index, count, client = jax.process_index(), jax.process_count(), distributed.global_state.client
+    if count == 1:
+        return (index, count), None
+    if client is None:  # not started by jax.distributed.initialize: no key-value store
+        from jax.experimental import multihost_utils
 
-    count = jax.process_count()
-    barrier = multihost_utils.sync_global_devices if count > 1 else None
-    return (jax.process_index(), count), barrier
+        return (index, count), multihost_utils.sync_global_devices
+    if _PEERS is None or _PEERS.client is not client:
+        _PEERS = _Peers(client, index, count)
+    return (index, count), _PEERS
+
+
+#: Seconds a process of a multi-process run may send no heartbeat before it counts as dead.
+PEER_SECONDS, _PEERS = 30.0, None
+
+
+class _Peers:
+    """A barrier on ``jax.distributed``'s key-value store (``client``) that watches the
+    other processes' heartbeats (a thread's counter, every second): RuntimeError naming one
+    silent for :data:`PEER_SECONDS` (a collective waits for JAX's 100 s, then aborts)."""
+
+    def __init__(self, client, index: int, count: int):
+        self.client, self.index, self.count, self.calls = client, index, count, 0
+        threading.Thread(target=self._beat, daemon=True, name="ntk_core heartbeat").start()
+
+    def _beat(self) -> None:
+        beat, key = 0, f"ntk_core/alive/{self.index}"
+        while distributed.global_state.client is self.client:  # until jax's shutdown
+            with contextlib.suppress(Exception):
+                self.client.key_value_set(key, str(beat := beat + 1), True)
+            time.sleep(1.0)
+
+    def _get(self, folder: str) -> dict:  # {the key's last part: value}
+        return {k.rsplit("/", 1)[-1]: v for k, v in self.client.key_value_dir_get(folder)}
+
+    def __call__(self, name: str) -> None:
+        self.calls += 1  # every process calls the barriers in the same order
+        at, seen = f"ntk_core/barrier/{self.calls}/", {}  # a peer's last beat, and when
+        self.client.key_value_set(f"{at}{self.index}", name)
+        while len(here := self._get(at)) < self.count:
+            now, beats = time.monotonic(), self._get("ntk_core/alive/")
+            for peer in sorted(set(map(str, range(self.count))) - set(here)):
+                if seen.setdefault(peer, (beats.get(peer), now))[0] != beats.get(peer):
+                    seen[peer] = (beats.get(peer), now)
+                elif now - seen[peer][1] > PEER_SECONDS:
+                    what = f"sent no heartbeat for {PEER_SECONDS:g} s: it stopped"
+                    raise RuntimeError(f"process {peer} of {self.count} {what}")
+            time.sleep(0.05)
+        if len(set(here.values())) > 1:
+            raise RuntimeError(f"the processes reached different barriers: {sorted(here.values())}")
 
 
 def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
@@ -434,7 +536,8 @@ def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
     named = {"kind": spec.kind, "implementation": config.implementation}
     named |= {k: getattr(options, k) for k in names} | {"model (its jaxpr)": model}
     perms = [swap_perm(layout) for layout in leaf_layouts(config)]
-    layout = FileLayout(shape, np.dtype(one.dtype), perms, diagonal, named, (cut.b1, cut.b2))
+    grid = (cut.b1, cut.b2)
+    layout = FileLayout(shape, np.dtype(one.dtype), perms, diagonal, named, grid, x2 is None)
     if isinstance(out, Sink):
         return out.open(fn, layout, x1, x2, params, aux)
     # what the file holds, as JSON-ready plain values

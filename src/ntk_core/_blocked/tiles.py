@@ -277,11 +277,7 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
 
     perms = [swap_perm(layout) for layout in leaf_layouts(config)]
     out = store or _Output(n1, n2, batch_diagonal, options.store_on_device, perms, devices[0])
-    share = None  # with a store: the tiles this process computes (not done, its share)
-    if store is not None:
-        ij = [(i, j) for i in range(len(rows)) for j in range(i if same else 0, len(cols))]
-        tiles = [(rows[i][0], cols[j][0]) for i, j in ij]
-        share = store.share([(r0, r0) for r0, _ in rows] if batch_diagonal else tiles)
+    share = None if store is None else store.share()  # the tiles this process computes
 
     def todo(r0, c0) -> bool:
         return share is None or (r0, c0) in share
