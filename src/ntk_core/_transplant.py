@@ -20,33 +20,30 @@ _PARAMS = "pass variables['params']"
 
 def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) -> dict:
     """Haiku params holding the weights of a Flax stack of Dense and Conv layers (``kernel``
-    renamed ``w``, ``bias`` ``b``; the arrays are reused). Leaves need not be arrays (a
-    per-leaf kernel tree is renamed the same way).
+    renamed ``w``, ``bias`` ``b``; arrays reused; leaves need not be arrays).
 
-    Without ``haiku_params`` the Flax layer names are kept (they fit ``ntk_haiku.lenet``).
-    With them, Flax layers pair in order with Haiku modules, and the result carries the
-    Haiku names (``'mlp/~/linear_0'``, ``'conv2_d_1'``, ...). Order: kind by kind (the
-    kernel's rank); within a kind, by the final ``_<number>`` of names sharing a prefix,
-    the bare name first (creation order in both frameworks, not so in
-    ``nn.Dense(1)(nn.Dense(8)(x))``); different prefixes in their order in the mapping
-    (``init``'s dict keeps creation order, ``jax.jit`` and ``jax.tree.map`` sort keys).
-    Each pair's shapes and biases must agree.
+    Without ``haiku_params`` the Flax layer names are kept (they fit ``ntk_haiku.lenet``);
+    with them, Flax layers pair in order with Haiku modules and take the Haiku names
+    (``'mlp/~/linear_0'``, ...). Order: by kernel rank; within one, names sharing a prefix
+    by their final ``_<number>``, the bare name first (creation order in both frameworks,
+    not in ``nn.Dense(1)(nn.Dense(8)(x))``); prefixes in mapping order (``init`` keeps
+    creation order, ``jax.jit`` and ``jax.tree.map`` sort keys). Each pair's shapes and
+    biases must agree.
 
     Args:
-      flax_params: ``variables["params"]``: layer name -> ``{"kernel", "bias"}`` (bias
-        optional); nested modules and other layers (BatchNorm, Embed) are refused.
+      flax_params: ``variables["params"]``: layer -> ``{"kernel", "bias"}`` (bias optional);
+        nested modules and other layers (BatchNorm, Embed) are refused.
       haiku_params: ``None`` or the target's params (``transformed.init(key, x)`` or its
-        ``jax.eval_shape``; only names and shapes are read): module -> ``{"w", "b"}``.
+        ``jax.eval_shape``; names and shapes read): module -> ``{"w", "b"}``.
 
     Returns:
-      ``{module: {"w": kernel, "b": bias}}`` of the Flax leaves, in Flax's names and order
-      without ``haiku_params``, else in Haiku's.
+      ``{module: {"w": kernel, "b": bias}}`` of the Flax leaves, named and ordered as Flax
+      without ``haiku_params``, else as Haiku.
 
     Raises:
       TypeError: ``flax_params`` or ``haiku_params`` not a mapping.
-      ValueError: a whole variables dict; nested modules or layers other than Dense/Conv
-        (Linear/ConvND); different numbers of layers of a kernel rank; a pair's shapes
-        or biases differ.
+      ValueError: a whole variables dict; nested modules or layers other than Dense/Conv;
+        different numbers of layers of a kernel rank; a pair's shapes or biases differ.
 
     Cost: no computation; the result shares the Flax arrays.
 
@@ -74,15 +71,14 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
 
 
 def params_from_haiku(haiku_params: Mapping, flax_params: Mapping | None = None) -> dict:
-    """Flax params holding the weights of a Haiku stack of ``hk.Linear`` and ``hk.ConvND``
-    modules: the reverse of :func:`params_from_flax` (``w`` renamed ``kernel``, ``b``
-    ``bias``; the arrays are reused), with the same pairing order and checks.
+    """Flax params holding the weights of a Haiku stack of ``hk.Linear`` / ``hk.ConvND``: the
+    reverse of :func:`params_from_flax` (``w`` renamed ``kernel``, ``b`` ``bias``; arrays
+    reused), with its pairing order and checks.
 
     Args:
-      haiku_params: the Haiku params: module name -> ``{"w", "b"}`` (``b`` optional).
-      flax_params: ``None`` (the Haiku module names are kept) or the target's
-        ``variables["params"]`` (or its ``jax.eval_shape``; only names and shapes are
-        read): the result then carries the Flax layer names, in Flax's order.
+      haiku_params: module name -> ``{"w", "b"}`` (``b`` optional).
+      flax_params: ``None`` (Haiku names kept) or the target's ``variables["params"]`` (or
+        its ``jax.eval_shape``; names and shapes read): then Flax's names and order.
 
     Returns:
       ``{layer: {"kernel": w, "bias": b}}`` of the Haiku leaves.

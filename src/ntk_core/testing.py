@@ -1,16 +1,8 @@
-"""Assertions for comparing kernels in a user's own tests (pytest or not).
-
-``assert_kernels_close`` compares two kernels with tolerances taken from their dtypes and
-scaled by the kernels' magnitude, and says where they differ. ``assert_same_ntk`` checks
-that two networks (the same architecture in two frameworks, or a model and its hand-written
-twin) have the same NTK, and names the parameter leaves whose kernels differ. With the
-weight transplants ``params_from_flax`` and ``params_from_haiku`` (also exported as
-``ntk_haiku.params_from_flax`` and ``ntk_flax.params_from_haiku``) this is the whole of a
-cross-framework check; ``examples/test_same_ntk.py`` is one to copy.
-
-Importing this module needs neither pytest nor flax nor haiku. The pytest plugin
-(``ntk_core.pytest_plugin``, registered when ntk-jax is installed) offers both assertions
-as fixtures.
+"""Kernel assertions for a user's own tests: ``assert_kernels_close`` (dtype tolerances scaled
+by the kernels' magnitude), ``assert_same_ntk`` (two networks, e.g. one architecture in two
+frameworks, have the same NTK; names the leaves that differ), and the weight transplants
+``params_from_flax`` / ``params_from_haiku`` (``examples/test_same_ntk.py``). Needs neither
+pytest, flax nor haiku; ``ntk_core.pytest_plugin`` offers the assertions as fixtures.
 """
 
 from __future__ import annotations
@@ -30,15 +22,14 @@ __all__ = (
     "tolerance",
 )
 
-#: Relative tolerance by dtype: max |K_a − K_b| <= rtol · max(max |K_a|, max |K_b|).
-#: float32 kernels of the same network agree to a few 1e-6 relative (round-off of the
-#: Jacobian contraction, summed over P parameters); float64 to ~1e-14.
+#: Relative tolerance by dtype: max |K_a − K_b| <= rtol · max(max |K_a|, max |K_b|) (float32
+#: kernels of one network agree to a few 1e-6, float64 to ~1e-14).
 TOLERANCE = {"float16": 2e-2, "bfloat16": 2e-2, "float32": 2e-5, "float64": 1e-12}
 
 
 def tolerance(*dtypes) -> tuple[float, str]:
-    """``(rtol, dtype name)`` of the least precise of ``dtypes`` (dtypes not in
-    :data:`TOLERANCE`, such as ints, count as float64); float64 when none is given."""
+    """``(rtol, dtype name)`` of the least precise of ``dtypes`` (others, e.g. ints, and none
+    given count as float64)."""
     names = [np.dtype(d).name for d in dtypes]
     names = [n if n in TOLERANCE else "float64" for n in names] or ["float64"]
     worst = max(names, key=TOLERANCE.__getitem__)
@@ -99,24 +90,20 @@ def _compare(path, a, b, rtol, atol, dtype_note) -> str | None:
 def assert_kernels_close(k_a, k_b, *, rtol: float | None = None, atol: float | None = None):
     """Asserts two kernels are equal up to round-off of their dtype.
 
-    Passes when ``max |k_a − k_b| <= atol + rtol · s`` for every array, where ``s`` is the
-    largest magnitude in either kernel (so the test is relative to the kernel's scale and
-    does not fail on entries near zero). Default ``rtol`` is :data:`TOLERANCE` of the less
-    precise dtype of the two (float32: 2e-5; float64: 1e-12; float16/bfloat16: 2e-2),
-    default ``atol`` 0.
+    Passes when ``max |k_a − k_b| <= atol + rtol · s`` for every array, ``s`` the largest
+    magnitude in either kernel (relative to the kernel's scale, not per entry). Defaults:
+    ``rtol`` the :data:`TOLERANCE` of the less precise dtype (float32: 2e-5; float64: 1e-12;
+    float16/bfloat16: 2e-2), ``atol`` 0.
 
     Args:
-      k_a, k_b: kernels of the same shape: arrays (jax or numpy), e.g. ``(N1, N2)``,
-        ``(N1, N2, O, O)`` or ``(N,)`` in neural-tangents' layout, or equal pytrees of
-        them (kernels of a pytree output, per-leaf kernels).
-      rtol, atol: relative and absolute tolerances; ``None`` for the defaults above.
+      k_a, k_b: arrays of one shape (jax or numpy), e.g. ``(N1, N2)``, ``(N1, N2, O, O)``
+        or ``(N,)``, or equal pytrees of them (pytree outputs, per-leaf kernels).
+      rtol, atol: relative and absolute tolerances; ``None`` for the defaults.
 
     Raises:
-      AssertionError: shapes or pytree structures differ; an entry is NaN or Inf; or the
-        largest difference exceeds the tolerance. The message gives that difference, its
-        index with the sample pair (axes 0 and 1 index ``x1`` and ``x2``) and output
-        pair, both values, the relative error, which tolerance applied and how many
-        entries are outside it.
+      AssertionError: shapes or pytrees differ, NaN or Inf, or a difference beyond the
+        tolerance: the message gives it, its index with the sample pair (``x1``, ``x2``)
+        and outputs, both values, the relative error, the tolerance and the count outside.
       TypeError: a kernel holds no array.
 
     Cost: O(size of the kernels) on the host, in float64.
@@ -158,8 +145,7 @@ def _implementations(implementation) -> list[str]:
 
 
 def _leaf_table(per_a, per_b, rtol, atol) -> str:
-    """Side-by-side per-leaf kernels; pairs each leaf of A with the closest unused leaf of
-    B of the same kernel shape and marks those with no close partner."""
+    """Per-leaf kernels side by side, each leaf of A beside the closest unused one of B."""
     rows_a, rows_b = _leaves(per_a, "per-leaf k_a"), _leaves(per_b, "per-leaf k_b")
     unused = list(range(len(rows_b)))
     lines, differ = [], []
@@ -207,35 +193,29 @@ def assert_same_ntk(
 ):
     """Asserts two networks have the same empirical NTK on ``x1`` (and ``x2``).
 
-    Computes ``ntk_core.empirical_ntk(fn, params, x1, x2, implementation=..., **options)``
-    for both sides and compares them with :func:`assert_kernels_close`. Each side is a
-    pure ``fn(params, x)``: for Flax, ``lambda p, x: model.apply({"params": p, **rest},
-    x)``; for Haiku, ``transformed.apply`` of ``hk.without_apply_rng``; for equinox,
-    ``lambda p, x: eqx.combine(p, static)(x)``. On failure the message also lists the
-    per-leaf kernels (:func:`ntk_core.empirical_ntk_per_leaf`) of both sides side by side,
-    each leaf of A paired with the closest leaf of B of the same shape, and names the
-    leaves of A whose kernel has no match: the layer that differs (a missed weight in a
-    transplant, a transposed kernel, another activation).
+    ``ntk_core.empirical_ntk(fn, params, x1, x2, implementation=..., **options)`` of both,
+    compared by :func:`assert_kernels_close`. Each ``fn(params, x)`` is pure: Flax ``lambda
+    p, x: model.apply({"params": p, **rest}, x)``, Haiku ``hk.without_apply_rng(...).apply``,
+    equinox ``lambda p, x: eqx.combine(p, static)(x)``. A failure also lists both sides'
+    per-leaf kernels (:func:`ntk_core.empirical_ntk_per_leaf`), each leaf of A beside the
+    closest of B of its shape, naming the leaves of A without a match (a missed weight, a
+    transposed kernel, another activation).
 
     Args:
-      fn_a, params_a, fn_b, params_b: the two networks and their parameter pytrees (any
-        structure and names; leaves are paired by kernel, not by name).
+      fn_a, params_a, fn_b, params_b: the two networks and their parameter pytrees (leaves
+        are paired by kernel, not by name).
       x1: inputs ``(N1, ...)``; x2: ``(N2, ...)`` or ``None`` for ``x1``.
-      implementation: ``None`` checks every implementation of
-        ``ntk_core.IMPLEMENTATIONS`` other than ``"auto"``; a name or a list of names
-        checks those.
+      implementation: ``None``: every name of ``ntk_core.IMPLEMENTATIONS`` but ``"auto"``;
+        or a name or list of names.
       rtol, atol: as in :func:`assert_kernels_close`.
-      **options: passed to ``empirical_ntk`` (``trace_axes``, ``diagonal_axes``,
-        ``vmap_axes``, ``precision``, ...).
+      **options: passed to ``empirical_ntk`` (``trace_axes``, ``diagonal_axes``, ...).
 
     Raises:
-      AssertionError: the kernels differ for some implementation (the message names it,
-        the largest difference, and the per-leaf table).
-      ValueError: an unknown ``implementation``; errors of ``empirical_ntk`` for bad
-        ``fn``, ``params``, inputs or options propagate.
+      AssertionError: the kernels differ for an implementation (named, with the largest
+        difference and the per-leaf table).
+      ValueError: an unknown ``implementation``; ``empirical_ntk``'s errors propagate.
 
-    Cost: two kernels per implementation, O(N1 N2 O² P) each, plus two per-leaf kernels
-    on failure.
+    Cost: two kernels per implementation, O(N1 N2 O² P) each; two per-leaf kernels on failure.
 
     Example:
       >>> import jax.numpy as jnp

@@ -8,7 +8,8 @@ import math
 
 import numpy as np
 
-from ntk_core._predict.linalg import as_host_array, bad, check_finite, check_symmetric, flat_pairs
+from ntk_core._errors import bad
+from ntk_core._predict.linalg import as_host_array, check_finite, check_symmetric, flat_pairs
 
 #: float64 entries per row chunk (64 MiB).
 CHUNK_ENTRIES = 1 << 23

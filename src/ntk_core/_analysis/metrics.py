@@ -9,8 +9,9 @@ import math
 import numpy as np
 
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
+from ntk_core._errors import bad
 from ntk_core._kernel.arguments import _checked_arguments
-from ntk_core._predict.linalg import bad, check_finite
+from ntk_core._predict.linalg import check_finite
 
 _TARGETS_FIX = "pass the targets of the kernel's N samples"
 

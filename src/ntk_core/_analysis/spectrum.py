@@ -15,12 +15,12 @@ import scipy.sparse.linalg
 
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
 from ntk_core._api import _get
+from ntk_core._errors import bad, check_int, check_real
 from ntk_core._functional.ntk_vp import make_ntk_vp
 from ntk_core._jax import caches as _caches
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import check_apply_fn
-from ntk_core._predict.linalg import bad, check_int, check_real
 
 _NTK_OPERATOR = core("ntk_operator", one_input=True)
 _NTK_EIGSH = core("ntk_eigsh", one_input=True)

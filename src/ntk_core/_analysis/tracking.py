@@ -19,7 +19,8 @@ import numpy as np
 
 from ntk_core._analysis import metrics as _metrics
 from ntk_core._analysis.host_kernel import HostKernel
-from ntk_core._predict.linalg import bad, check_finite, check_int
+from ntk_core._errors import bad, check_int
+from ntk_core._predict.linalg import check_finite
 
 _NAME = "KernelTracker"
 _UPDATE = f"{_NAME}.update"

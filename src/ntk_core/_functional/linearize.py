@@ -144,9 +144,8 @@ def _short(value, limit: int = 60) -> str:
 
 
 def _derivatives(g: Callable, primal, tangent, degree: int) -> list:
-    """[g(θ0), Dg(θ0)[δ], ..., D^degree g(θ0)[δ, ..., δ]] by nested ``jax.jvp``; ``float0``
-    tangents become zeros so that the next level can differentiate them.
-    """
+    """[g(θ0), Dg(θ0)[δ], ..., D^degree g(θ0)[δ, ..., δ]] by nested ``jax.jvp`` (``float0``
+    tangents as zeros, for the next level to differentiate)."""
 
     def level(k: int) -> Callable:
         if k == 0:
@@ -191,8 +190,7 @@ def expansion(
     point_name: str = "params0",
 ) -> Callable:
     """The degree-``degree`` expansion of ``apply_fn`` around ``params0``, a function
-    ``(params, *args, **kwargs)``; messages name ``fn_name``, ``params_name``, ``point_arg``.
-    """
+    ``(params, *args, **kwargs)``; messages name ``fn_name``, ``params_name``, ``point_arg``."""
     point = _Point(fn_name, params0, point_arg, point_name)
 
     def expanded(params, *args, **kwargs):
@@ -201,11 +199,6 @@ def expansion(
         def g(p):
             return apply_fn(p, *args, **kwargs)
 
-        if degree == 0:
-            return g(point.tree)
-        if degree == 1:  # one jax.jvp
-            out, tangent_out = jax.jvp(g, (point.tree,), (delta,))
-            return _taylor_sum([out, tangent_out])
         return _taylor_sum(_derivatives(g, point.tree, delta, degree))
 
     return expanded
@@ -218,21 +211,19 @@ def linearize(apply_fn: Callable, params0) -> Callable:
 
         f_lin(θ, x) = f(θ0, x) + J(θ0, x)·(θ − θ0),   J = ∂f/∂θ at θ0,
 
-    f = ``apply_fn``, θ0 = ``params0`` (neural-tangents' ``nt.linearize``). Trained by
-    gradient descent on the MSE it follows :func:`ntk_core.predict.gradient_descent_mse` with
-    the NTK at θ0. J·(θ − θ0) is one ``jax.jvp``. ``f_lin`` is pure: usable under
-    ``jax.jit``, ``jax.grad`` (in ``params``), ``jax.vmap``.
+    f = ``apply_fn``, θ0 = ``params0`` (neural-tangents' ``nt.linearize``); trained on the
+    MSE it follows :func:`ntk_core.predict.gradient_descent_mse` with the NTK at θ0.
+    ``f_lin`` is pure: usable under ``jax.jit``, ``jax.grad`` (in ``params``), ``jax.vmap``.
 
     Args:
-      apply_fn: ``apply_fn(params, x, *args, **kwargs) -> outputs`` (a pytree, e.g. ``(N1, O...)``).
-      params0: θ0, any pytree of arrays (total size P), copied once. Floating leaves are
-        expanded; integer, boolean and PRNG-key leaves are held at θ0.
+      apply_fn: ``apply_fn(params, x, *args, **kwargs) -> outputs`` (pytree, e.g. ``(N1, O...)``).
+      params0: θ0, any pytree of arrays (total size P), copied once; floating leaves are
+        expanded, integer, boolean and PRNG-key leaves held at θ0.
 
     Returns:
       ``f_lin``: outputs of ``apply_fn``'s structure, shapes and dtypes, for ``params`` of
-      θ0's structure, shapes and dtypes (float64 NumPy data is float32 without x64); ``x``,
-      ``*args``, ``**kwargs`` go to ``apply_fn`` undifferentiated; non-floating output
-      leaves are f(θ0, x)'s.
+      θ0's (float64 NumPy data is float32 without x64); ``x``, ``*args``, ``**kwargs`` go to
+      ``apply_fn`` undifferentiated; non-floating output leaves are f(θ0, x)'s.
 
     Raises:
       TypeError: ``apply_fn`` not callable (a Flax or Haiku model names the adapter); a
@@ -241,8 +232,8 @@ def linearize(apply_fn: Callable, params0) -> Callable:
         leaf shape; outside ``jax.jit``, a non-floating leaf whose value differs from θ0's.
 
     Cost: one ``jax.jvp`` per call, about 2–3 forward passes (2.8 for a 4-layer, 256-wide
-    tanh MLP under ``jax.jit``); memory of a forward pass with tangents, plus P (a Jacobian
-    would take N1·O·P). ``jax.grad`` through ``f_lin`` costs about one backpropagation.
+    tanh MLP under ``jax.jit``); memory of a forward pass with tangents plus P (a Jacobian:
+    N1·O·P). ``jax.grad`` through ``f_lin``: about one backpropagation.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -283,16 +274,12 @@ def taylor_expand(apply_fn: Callable, params0, degree: int) -> Callable:
     form. ``degree=0``: f(θ0, x); ``degree=1``: :func:`linearize`; exact for a model
     polynomial in its parameters of degree ≤ ``degree``.
 
-    Args:
-      apply_fn, params0: as :func:`linearize`.
-      degree: a non-negative int.
+    Args: ``apply_fn``, ``params0`` as :func:`linearize`; ``degree``, a non-negative int.
 
-    Returns:
-      ``f_taylor``, as :func:`linearize`'s ``f_lin``.
+    Returns ``f_taylor``, as :func:`linearize`'s ``f_lin``.
 
-    Raises:
-      TypeError: as :func:`linearize`, and ``degree`` not an int (``True`` included).
-      ValueError: as :func:`linearize`, and a negative ``degree``.
+    Raises: as :func:`linearize`; TypeError: ``degree`` not an int (``True`` included);
+    ValueError: a negative ``degree``.
 
     Cost: degree d ≥ 2: d nested JVPs, 2^d streams that ``jax.jit`` merges to about linear
     growth (4-layer, 256-wide tanh MLP, in forward passes: 2.8, 4.3, 5.8, 7.4 for d = 1–4;
@@ -311,9 +298,7 @@ def taylor_expand(apply_fn: Callable, params0, degree: int) -> Callable:
       >>> f(params, x)[0, 0].item()                      # degree 2 is exact here
       -18.0
 
-    References:
-      Lee, Xiao, Schoenholz, Bahri, Novak, Sohl-Dickstein, Pennington, "Wide Neural Networks
-      of Any Depth Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
+    References: as :func:`linearize`.
     """
     check_apply_fn("taylor_expand", apply_fn, "taylor_expand")
     degree = check_degree("taylor_expand", degree)

@@ -1,7 +1,6 @@
 """``ntk_vp_fn``: matrix-free NTK-vector products Θ(X, X)·v, one VJP then one JVP
-(neural-tangents' ``empirical_ntk_vp_fn``); not the ``"ntvp"`` implementation
-(:mod:`ntk_core._impl.ntvp`), which forms a kernel. :mod:`ntk_core.spectrum` uses it.
-"""
+(neural-tangents' ``empirical_ntk_vp_fn``); not the ``"ntvp"`` implementation, which forms
+a kernel."""
 
 from __future__ import annotations
 
@@ -68,7 +67,10 @@ def _batched(apply_fn, params, x, v, b: int):
     return jax.tree.map(lambda a, c: jnp.concatenate([a, c]), *parts)
 
 
-def _make_product(apply_fn, precision: str, batch_size: int | None) -> Callable:
+@_caches.lru_cache(maxsize=64)
+def _product(apply_fn, precision: str, batch_size: int | None) -> Callable:
+    """The jitted product, shared per ``(apply_fn, precision, batch_size)``."""
+
     def product(params, x, v):
         with jax.default_matmul_precision(precision):
             if batch_size is None:
@@ -76,18 +78,6 @@ def _make_product(apply_fn, precision: str, batch_size: int | None) -> Callable:
             return _batched(apply_fn, params, x, v, batch_size)
 
     return jax.jit(product)
-
-
-_cached_product = _caches.lru_cache(maxsize=64)(_make_product)
-
-
-def _product(apply_fn, precision, batch_size) -> Callable:
-    """The jitted product, shared per ``(apply_fn, precision, batch_size)``."""
-    try:
-        hash(apply_fn)
-    except TypeError:
-        return _make_product(apply_fn, precision, batch_size)
-    return _cached_product(apply_fn, precision, batch_size)
 
 
 def _check_params(fn: str, params) -> None:
@@ -154,36 +144,33 @@ def ntk_vp_fn(
 ) -> Callable:
     """Returns a jitted function ``ntk_vp(v) = Θ(x, x) v``, never forming Θ or J.
 
-    (Θ v)[i, a] = Σ_{j, b} Θ[i, j, a, b] v[j, b], Θ the NTK of :func:`ntk_fn` with x1 = x2 = x
-    and ``trace_axes=()``, computed as u = Jᵀ v (one VJP) then Θ v = J u (one JVP), J the
-    ``(N·O, P)`` Jacobian.
+    (Θ v)[i, a] = Σ_{j, b} Θ[i, j, a, b] v[j, b], Θ the NTK of :func:`ntk_fn` (x1 = x2 = x,
+    ``trace_axes=()``), as u = Jᵀ v (one VJP) then Θ v = J u (one JVP), J ``(N·O, P)``.
 
     Args:
       apply_fn: ``apply_fn(params, x) -> outputs``, floating arrays ``(N, O...)``; samples
-        may interact when ``batch_size=None`` (differentiated on the whole batch).
-      params: pytree of floating arrays (total size P), held by the returned function.
-      x: pytree of arrays with batch axis 0 of size N, held (as jax arrays).
-      batch_size: ``None`` (default): one VJP and one JVP over all N. An int B: VJPs summed
-        over batches of B (``lax.scan``), then JVPs per batch (``lax.map``), the last
-        smaller; needs independent samples (checked by a probe).
+        may interact when ``batch_size=None``.
+      params: pytree of floating arrays (total size P); x: pytree of arrays with batch axis
+        0 of size N; both held (as jax arrays).
+      batch_size: ``None``: one VJP and one JVP over all N; an int B: VJPs summed over
+        batches of B (``lax.scan``), then JVPs per batch (``lax.map``); needs independent
+        samples (checked by a probe).
       precision: the matmul precision of both passes, as in :func:`ntk_fn`.
 
     Returns:
       ``ntk_vp(v)``: v a pytree like the outputs (leaves ``(N, O...)``, real floating, cast
-      to the outputs' dtype) -> Θ v, ``jax.Array`` leaves in that layout.
-      ``ntk_vp.outputs``: the ``jax.ShapeDtypeStruct`` pytree v must match. New values of
-      the same shapes do not recompile.
+      to the outputs' dtype) -> Θ v, ``jax.Array`` leaves in that layout; ``ntk_vp.outputs``:
+      the ``jax.ShapeDtypeStruct`` pytree v must match. New values do not recompile.
 
     Raises:
       TypeError: ``apply_fn`` not callable (or a Flax/Haiku model), non-floating params or
         outputs, ``batch_size`` not an int; v of another structure, or non-floating.
       ValueError: params without arrays or non-finite; x empty, inconsistent or non-finite;
-        the model failing on x; outputs without the batch axis; ``batch_size`` <= 0 or
-        given for interacting samples; an invalid ``precision``; v of the wrong shape or
-        non-finite.
+        the model failing on x; outputs without the batch axis; ``batch_size`` <= 0 or with
+        interacting samples; an invalid ``precision``; v of the wrong shape or non-finite.
 
-    Cost: per call one reverse and one forward pass over N samples (about 4 forward passes;
-    3 unbatched); memory: the activations of one batch, u (P), v and Θ v (N·O each).
+    Cost: per call one reverse and one forward pass (about 4 forward passes; 3 unbatched);
+    memory: one batch's activations, u (P), v and Θ v (N·O each).
 
     Example:
       >>> import jax.numpy as jnp
@@ -198,9 +185,8 @@ def ntk_vp_fn(
       >>> bool(jnp.allclose(ntk_vp(v), jnp.einsum("ijab,jb->ia", theta, v), rtol=1e-5))
       True
 
-    References:
-      Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel",
-      ICML 2022 (section 3.2).
+    References: Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent
+    Kernel", ICML 2022 (section 3.2).
     """
     return make_ntk_vp(_NTK_VP_FN, apply_fn, params, x, batch_size, precision)
 
@@ -231,7 +217,10 @@ def make_ntk_vp(caller: Caller, apply_fn, params, x, batch_size, precision) -> C
         and _probe.samples_interact(apply3, params, x, None, None, fn_name=fn)
     ):
         raise _checks.samples_interact_error(fn, "pass batch_size=None, or use evaluation mode")
-    product = _product(apply_fn, precision, batch_size)
+    try:
+        product = _product(apply_fn, precision, batch_size)
+    except TypeError:  # unhashable apply_fn
+        product = _product.__wrapped__(apply_fn, precision, batch_size)
     call = f"{fn}(...)(v)"
 
     def ntk_vp(v):

@@ -197,13 +197,10 @@ class _TestSide:
 
     def _finish(self, t, mean, kind, cov):
         lay, dt = self._layout, self.dtype
-        mean = lay.unflat_y(mean, t).astype(dt)
-        if kind is None:
-            return Gaussian(mean, None)
-        cov = cov * self.amplitude
-        if kind == "full":
-            return Gaussian(mean, lay.unflat_cov(cov, t).astype(dt))
-        return Gaussian(mean, lay.unflat_diag(cov).astype(dt))
+        if kind is not None:
+            cov = cov * self.amplitude
+            cov = (lay.unflat_cov(cov, t) if kind == "full" else lay.unflat_diag(cov)).astype(dt)
+        return Gaussian(lay.unflat_y(mean, t).astype(dt), cov)
 
 
 class GPInference(_TestSide):
@@ -214,17 +211,16 @@ class GPInference(_TestSide):
         self._k = k_train_train
         self._train: dict[str, _Train] = {}
         self._alpha: dict[str, np.ndarray] = {}
-        # validate and factor now, so that bad input fails here, not at prediction time
-        fields = ("nngp", "ntk") if isinstance(k_train_train, Kernels) else ("nngp",)
-        for f in fields:
-            if not isinstance(k_train_train, Kernels) or getattr(k_train_train, f) is not None:
+        # validate, factor and solve for y now: bad input fails here, not at prediction time
+        kernels = isinstance(k_train_train, Kernels)
+        for f in ("nngp", "ntk") if kernels else ("nngp",):
+            if not kernels or getattr(k_train_train, f) is not None:
                 self._get_train(f)
         if not self._train:
             what = "k_train_train is Kernels(nngp=None, ntk=None)"
             raise bad(ValueError, fn_name, what, "pass an array or Kernels with a kernel")
-        for field in list(self._train):  # solve for y now: an unsolvable kernel fails here
+        for field, tr in list(self._train.items()):
             self._alpha_of(field)
-        for tr in self._train.values():
             _warn_if_low_rank(fn_name, tr)
         self.amplitude = self._amplitude() if opts.fit_amplitude else 1.0
 
@@ -288,7 +284,8 @@ class GPInference(_TestSide):
         """
         fn = f"{self._fn}(...).ntk"
         needs_cov = k_test_test is not None
-        if needs_cov and not (_has_both(self._k) and isinstance(k_test_train, Kernels)):
+        both = isinstance(self._k, Kernels) and self._k.nngp is not None and self._k.ntk is not None
+        if needs_cov and not (both and isinstance(k_test_train, Kernels)):
             raise _needs_both(fn, "gp_inference")
         fields = ["ntk", "nngp"] if needs_cov else ["ntk"]
         t, kts, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, fields)
@@ -310,10 +307,6 @@ def _covariance(fn, prior, quad, cross, abs_cross, m, u):
         var, s = cov[..., idx, idx], np.abs(p) + np.abs(quad[..., idx, idx])
     cov[..., idx, idx] = _clip_variances(fn, var, s + 2 * abs_cross, m, u)
     return cov
-
-
-def _has_both(k) -> bool:
-    return isinstance(k, Kernels) and k.nngp is not None and k.ntk is not None
 
 
 def _needs_both(fn, public) -> ValueError:
@@ -465,17 +458,14 @@ def _check_times(fn, t) -> np.ndarray:
     return ts
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and is_real(value) and math.isfinite(value)
-
-
 class GradientDescentMSE(_TestSide):
     """Predictor returned by :func:`gradient_descent_mse`."""
 
     def __init__(self, fn_name, k_train_train, y_train, learning_rate, opts):
         lay = self._set_y(fn_name, y_train, opts)
         fix, lr = "pass the step size, e.g. learning_rate=1.0", learning_rate
-        self._lr = check_real(fn_name, "learning_rate", lr, fix, open_low=True, is_type=_finite)
+        finite = lambda v: isinstance(v, (int, float)) and is_real(v) and math.isfinite(v)  # noqa: E731
+        self._lr = check_real(fn_name, "learning_rate", lr, fix, open_low=True, is_type=finite)
         k = _pick(fn_name, "k_train_train", k_train_train, "ntk")
         # a float32 eigendecomposition lost 1e-3 at t = 1e5: always float64
         eigh = opts._replace(method="eigh")

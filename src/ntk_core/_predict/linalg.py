@@ -10,15 +10,13 @@ import numbers
 import jax
 import numpy as np
 
-from ntk_core._errors import NonFiniteError, bad, check_int, check_real, is_real  # noqa: F401
+from ntk_core._errors import NonFiniteError, bad, check_real, is_real
 
 #: A solve is accepted when max|last correction| <= ACCEPT * max|x| per right-hand side.
 ACCEPT = 1e-6
-#: Refinement stops once max|correction| <= TARGET * max|x| (below float32 output rounding
-#: matters no more), or when corrections stop shrinking by half.
-TARGET = 1e-7
-#: Most refinement steps per solve.
-MAX_REFINE = 20
+#: Refinement stops at max|correction| <= TARGET * max|x| (below float32 output rounding),
+#: when corrections stop halving, or after MAX_REFINE steps.
+TARGET, MAX_REFINE = 1e-7, 20
 #: Entries per float64 row chunk when streaming a kernel (64 MiB).
 _CHUNK_ENTRIES = 1 << 23
 
@@ -28,10 +26,9 @@ def unit_roundoff(dtype) -> float:
     return float(np.finfo(dtype).eps) / 2
 
 
-def row_chunks(n_rows: int, n_cols: int, rows: int | None = None):
-    """Slices of at most ``rows`` rows (default: about 64 MiB of float64)."""
-    if rows is None:
-        rows = max(1, _CHUNK_ENTRIES // max(n_cols, 1))
+def row_chunks(n_rows: int, n_cols: int):
+    """Slices of rows of about 64 MiB of float64."""
+    rows = max(1, _CHUNK_ENTRIES // max(n_cols, 1))
     for start in range(0, n_rows, rows):
         yield slice(start, min(n_rows, start + rows))
 
@@ -330,36 +327,20 @@ class Solver:
             self._raise_ill_conditioned(float(rel.max()))
         return x
 
-    def condition_number(self) -> float:
-        """2-norm condition number: exact after eigh, else 30 power/inverse steps."""
-        if self._eigs is not None:
-            w = self._eigs[0]
-            return float(w.max() / w.min()) if w.min() > 0 else math.inf
-        rng = np.random.default_rng(0)
-        v1, v2 = rng.standard_normal((self.m, 1)), rng.standard_normal((self.m, 1))
-        lo = 1.0 / max(self._power(self._apply_inverse, v2), np.finfo(np.float64).tiny)
-        return self._power(self.matvec, v1) / lo
-
-    def largest_eigenvalue(self) -> float:
-        if self._eigs is not None:
-            return float(self._eigs[0].max())
-        return self._power(self.matvec, np.random.default_rng(1).standard_normal((self.m, 1)))
-
-    @staticmethod
-    def _power(op, v) -> float:
-        """‖op(v)‖ after 30 power steps from ``v``."""
-        norm = 1.0
-        for _ in range(30):
-            v = op(v / np.linalg.norm(v))
-            norm = float(np.linalg.norm(v))
-        return norm
-
     def _raise_ill_conditioned(self, rel: float) -> None:
-        kappa = self.condition_number()
-        lam_max = self.largest_eigenvalue()
+        """Raises with the 2-norm condition number κ: exact after eigh, else 30 power steps on
+        K + λI and on its inverse."""
+        w_min = 0.0
+        if self._eigs is not None:
+            lam_max, w_min = float(self._eigs[0].max()), float(self._eigs[0].min())
+            kappa = lam_max / w_min if w_min > 0 else math.inf
+        else:
+            rng = np.random.default_rng(0)
+            v1, v2 = rng.standard_normal((self.m, 1)), rng.standard_normal((self.m, 1))
+            lam_max = _power(self.matvec, v1)
+            kappa = lam_max * max(_power(self._apply_inverse, v2), np.finfo(np.float64).tiny)
         # raise λ until κ·u <= 0.01: λ >= 100·u·λ_max, plus twice any negative eigenvalue
         # (round-off of the kernel's own entries); in the caller's units
-        w_min = float(self._eigs[0].min()) if self._eigs is not None else 0.0
         need = 100 * self.u * lam_max + 2 * max(-w_min, 0.0)
         suggest = 10 ** math.ceil(math.log10(max(need / self.reg_scale, 1e-300)))
         cond = f"{kappa:.2e}" if math.isfinite(kappa) else f"inf ({w_min:.2e} .. {lam_max:.2e})"
@@ -369,3 +350,12 @@ class Solver:
         fix = f"raise diag_reg to about {suggest:.0e} or more"
         fix += "" if self.dtype == np.float64 else ", or pass dtype='float64'"
         raise bad(ValueError, self.fn_name, what, fix, see="ill-conditioned-kernel")
+
+
+def _power(op, v) -> float:
+    """‖op(v)‖ after 30 power steps from ``v``."""
+    norm = 1.0
+    for _ in range(30):
+        v = op(v / np.linalg.norm(v))
+        norm = float(np.linalg.norm(v))
+    return norm
