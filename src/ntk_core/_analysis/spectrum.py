@@ -1,7 +1,5 @@
-"""NTK spectra: ARPACK (``scipy.sparse.linalg.eigsh``) on float64 operators of size
-M = N·O, from NTK-vector products (:func:`ntk_core.ntk_vp_fn`) or a stored kernel read
-in row chunks (:mod:`ntk_core._analysis.host_kernel`).
-"""
+"""NTK spectra: ARPACK (``scipy.sparse.linalg.eigsh``) on float64 operators of size M = N·O,
+from NTK-vector products (:func:`ntk_core.ntk_vp_fn`) or a kernel read in row chunks."""
 
 from __future__ import annotations
 
@@ -98,8 +96,8 @@ def ntk_operator(apply_fn, params, x, *, batch_size=None, precision="highest"):
     """The NTK Θ(x, x) as a float64 ``scipy.sparse.linalg.LinearOperator``, never formed.
 
     ``op @ v`` (v of length M = N·O: outputs flattened row-major, pytree leaves concatenated)
-    is Θ v by :func:`ntk_core.ntk_vp_fn` (arguments and errors as there; also ValueError for
-    a NaN or Inf product), one VJP and one JVP per product. Symmetric; ``op.matvecs``.
+    is Θ v by :func:`ntk_core.ntk_vp_fn` (arguments and errors as there; ValueError for a
+    NaN or Inf product): one VJP and one JVP. Symmetric; ``op.matvecs`` counts products.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np
@@ -192,17 +190,17 @@ def ntk_eigsh(
 ) -> Eigenpairs:
     """Top-k eigenpairs of the empirical NTK Θ(x, x) (``trace_axes=()``), matrix-free.
 
-    ARPACK on :func:`ntk_operator`. Deterministic: the start vector is Gaussian of seed
-    :data:`SEED`. For M <= 2k + 1 the operator is formed and solved densely.
+    ARPACK on :func:`ntk_operator` from a Gaussian start vector of seed :data:`SEED`
+    (deterministic); for M <= 2k + 1, the operator formed and solved densely.
 
     Args:
       apply_fn, params, x, batch_size, precision: as :func:`ntk_core.ntk_vp_fn`.
       k: eigenpairs wanted, 1 <= k <= M = N·O.
-      which: ``"LA"``: largest first; ``"SA"``: smallest first (cluster near 0, converge
-        slowly; :func:`condition_number` of a formed kernel is exact).
+      which: ``"LA"``: largest first; ``"SA"``: smallest first (converge slowly;
+        :func:`condition_number` of a formed kernel is exact).
       tol: relative accuracy of the eigenvalues, >= 0 (0: machine precision).
-      maxiter: most Arnoldi restarts (None: scipy's 10·M).
-      ncv: Lanczos vectors (None: scipy's min(M, max(2k + 1, 20))).
+      maxiter: most Arnoldi restarts (None: scipy's 10·M); ncv: Lanczos vectors (None:
+        scipy's min(M, max(2k + 1, 20))).
 
     Returns :class:`Eigenpairs`; eigenvalues accurate to about u·λ_max (parameters' dtype).
 
@@ -234,12 +232,13 @@ def ntk_eigsh(
     check_apply_fn(fn, apply_fn)
     op, unflat = _ntk_operator(_NTK_EIGSH, apply_fn, params, x, batch_size, precision)
     _check_solver_options(fn, k, which, tol, maxiter, ncv, op.shape[0])
-    w, v = _solve(fn, op, lambda: _symmetric(op @ np.eye(op.shape[0])), k, which, tol, maxiter, ncv)
+
+    def dense():
+        a = op @ np.eye(op.shape[0])
+        return (a + a.T) / 2
+
+    w, v = _solve(fn, op, dense, k, which, tol, maxiter, ncv)
     return Eigenpairs(w, unflat(v), op.matvecs)
-
-
-def _symmetric(a: np.ndarray) -> np.ndarray:
-    return (a + a.T) / 2
 
 
 def kernel_eigsh(

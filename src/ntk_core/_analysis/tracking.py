@@ -116,16 +116,15 @@ def _atomic_write(path: str, write) -> None:
 class KernelTracker:
     """The empirical NTK of a fixed probe set, tracked every ``every`` training steps.
 
-    At a due step (``step % every == 0``) :meth:`update` computes K_s =
-    ``kernel_fn(params_like, x_probe)`` and records a :class:`KernelRecord`:
-    ``kernel_distance(K_0, K_s)`` (K_0 the first tracked), ``kernel_alignment`` and
-    ``centered_kernel_alignment`` with y, ``effective_rank``, the trace and the ``top_k``
-    largest of all eigenvalues λ of the flat ``(N·O, N·O)`` kernel (float64, see
-    :mod:`ntk_core.metrics`). Other steps cost one integer modulo. ``kernel_fn`` is any
-    kernel function (``ntk_core.ntk_fn``, ``ntk_flax.kernel_fn``, ``ntk_haiku.kernel_fn``).
+    At a due step (``step % every == 0``) :meth:`update` computes K_s = ``kernel_fn(
+    params_like, x_probe)`` and records a :class:`KernelRecord`: ``kernel_distance(K_0,
+    K_s)`` (K_0 the first tracked), ``kernel_alignment`` and ``centered_kernel_alignment``
+    with y, ``effective_rank``, the trace and the ``top_k`` largest eigenvalues of the flat
+    ``(N·O, N·O)`` kernel (float64, :mod:`ntk_core.metrics`). Other steps cost a modulo.
 
     Args:
-      kernel_fn: ``(params_like, x, **kwargs) ->`` one kernel ``(N, N)`` / ``(N, N, O, O)``.
+      kernel_fn: ``(params_like, x, **kwargs) ->`` one kernel ``(N, N)`` / ``(N, N, O, O)``
+        (``ntk_core.ntk_fn``, ``ntk_flax.kernel_fn``, ``ntk_haiku.kernel_fn``, ...).
       x_probe: N probe inputs, an array ``(N, ...)`` or a pytree with batch axis 0.
       y: optional labels ``(N,)`` or ``(N, O)`` (``(N, O)`` for ``(N, N, O, O)`` kernels).
       every: positive int. top_k: eigenvalues recorded (<= N·O).
@@ -229,7 +228,11 @@ class KernelTracker:
             raise bad(ValueError, _UPDATE, what, "pass the training step, not a restarting counter")
         t0 = time.perf_counter()
         k = self._kernel_fn(params_like, self._x, **kernel_kwargs)
-        kernel = self._host(k)
+        if not hasattr(k, "shape") or not hasattr(k, "dtype"):
+            what = f"the kernel function returned {type(k).__name__}; expected one array"
+            fix = "for pytree outputs, a kernel of one leaf, e.g. ntk_fn(lambda p, x: f(p, x)['y'])"
+            raise bad(TypeError, _UPDATE, what, fix)
+        kernel = np.asarray(k)
         if kernel.ndim < 2 or kernel.shape[:2] != (self.n_probe, self.n_probe):
             what = f"the kernel function returned shape {kernel.shape}; expected the kernel of the "
             what += f"N = {self.n_probe} probe samples, (N, N) or (N, N, O, O)"
@@ -238,7 +241,15 @@ class KernelTracker:
         flat = HostKernel(_UPDATE, "the kernel", kernel)
         flat.check_symmetric()
         if self.initial_kernel is None:
-            self._check_first(flat)
+            expected = (self.n_probe, flat.o)
+            if self._y is not None and flat.out_shape and self._y.shape != expected:
+                what = f"the kernel has shape {kernel.shape} (outputs not traced), so y must have "
+                what += f"shape (N, O) = {expected}, got {self._y.shape}"
+                fix = "pass one-hot labels, or a kernel function with the default trace_axes=(-1,)"
+                raise bad(ValueError, _UPDATE, what, fix)
+            fix = f"pass top_k <= M = N·O = {flat.m} (kernel {kernel.shape}), or more probe samples"
+            check_int(_UPDATE, "top_k", self.top_k, fix, high=flat.m)
+            self._shape, self._dtype = tuple(kernel.shape), str(kernel.dtype)
             self.initial_kernel = kernel
         dense = flat.dense()
         eigenvalues = np.linalg.eigvalsh(dense)  # ascending, float64
@@ -263,25 +274,6 @@ class KernelTracker:
         if self.out is not None:
             self._save(step, kernel)
         return record
-
-    def _host(self, k) -> np.ndarray:
-        if not hasattr(k, "shape") or not hasattr(k, "dtype"):
-            what = f"the kernel function returned {type(k).__name__}; expected one array"
-            fix = "for pytree outputs, a kernel of one leaf, e.g. ntk_fn(lambda p, x: f(p, x)['y'])"
-            raise bad(TypeError, _UPDATE, what, fix)
-        return np.asarray(k)
-
-    def _check_first(self, flat: HostKernel) -> None:
-        kernel = flat.arr
-        expected = (self.n_probe, flat.o)
-        if self._y is not None and flat.out_shape and self._y.shape != expected:
-            what = f"the kernel has shape {kernel.shape} (outputs not traced), so y must have "
-            what += f"shape (N, O) = {expected}"
-            fix = "pass one-hot labels, or a kernel function with the default trace_axes=(-1,)"
-            raise bad(ValueError, _UPDATE, f"{what}, got {self._y.shape}", fix)
-        fix = f"pass top_k <= M = N·O = {flat.m} (kernel {kernel.shape}), or more probe samples"
-        check_int(_UPDATE, "top_k", self.top_k, fix, high=flat.m)
-        self._shape, self._dtype = tuple(kernel.shape), str(kernel.dtype)
 
     @property
     def history(self) -> dict[str, np.ndarray]:

@@ -101,19 +101,6 @@ def _pick(fn_name, name, k, field):
     return k
 
 
-def _clip_variances(fn_name, var, s, m, u):
-    """Sets round-off negatives (>= −m·u·s) to 0; raises below."""
-    tol = m * u * s
-    below = var < -tol
-    if below.any():
-        i = int(np.flatnonzero(below.reshape(-1))[0])
-        what = f"a posterior variance came out {var.reshape(-1)[i]:.3e}, below round-off "
-        what += f"−{tol.reshape(-1)[i]:.3e}: the kernels are not jointly positive semi-definite"
-        fix = "compute all three kernels with the same network, parameters and trace_axes"
-        raise bad(ValueError, fn_name, what, fix, see="negative-variance")
-    return np.maximum(var, 0.0)
-
-
 class _TestSide:
     """Test-kernel parsing, chunking and output shaping of the predictors."""
 
@@ -295,7 +282,8 @@ class GPInference(_TestSide):
 
 
 def _covariance(fn, prior, quad, cross, abs_cross, m, u):
-    """prior + quad − cross − crossᵀ, variances clipped (``quad`` None: GP, capped at prior)."""
+    """prior + quad − cross − crossᵀ (``quad`` None: GP, variances capped at prior); variances
+    above −m·u·s of round-off set to 0 at least, below raising."""
     idx = np.arange(prior.shape[-1])
     cov = (prior if quad is None else prior + quad) - cross - np.swapaxes(cross, -1, -2)
     if cov.ndim == 2:
@@ -305,7 +293,14 @@ def _covariance(fn, prior, quad, cross, abs_cross, m, u):
         var, s = p - np.maximum(2 * cross[..., idx, idx], 0.0), np.abs(p)
     else:
         var, s = cov[..., idx, idx], np.abs(p) + np.abs(quad[..., idx, idx])
-    cov[..., idx, idx] = _clip_variances(fn, var, s + 2 * abs_cross, m, u)
+    tol = m * u * (s + 2 * abs_cross)
+    if (below := var < -tol).any():
+        i = int(np.flatnonzero(below.reshape(-1))[0])
+        what = f"a posterior variance came out {var.reshape(-1)[i]:.3e}, below round-off "
+        what += f"−{tol.reshape(-1)[i]:.3e}: the kernels are not jointly positive semi-definite"
+        fix = "compute all three kernels with the same network, parameters and trace_axes"
+        raise bad(ValueError, fn, what, fix, see="negative-variance")
+    cov[..., idx, idx] = np.maximum(var, 0.0)
     return cov
 
 
@@ -406,20 +401,6 @@ class _DefaultZero(float):
 _DEFAULT_ZERO = _DefaultZero(0.0)
 
 
-def _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train) -> None:
-    if k_test_train is not None and (fx_train_0 is None or fx_test_0 is None):
-        name = "fx_test_0" if fx_test_0 is None else "fx_train_0"
-        what = f"{name}=None with k_test_train: test predictions start from the outputs at t = 0"
-        fix = f"pass {name}, or leave fx_train_0 and fx_test_0 at their default 0.0"
-        raise bad(ValueError, fn, what, fix, see="initial-outputs")
-    if k_test_train is None and fx_train_0 is None:
-        what = "fx_train_0=None and k_test_train=None: nothing to predict"
-        raise bad(ValueError, fn, what, "pass fx_train_0 (e.g. 0.0) and/or k_test_train")
-    if k_test_train is None and fx_test_0 is not _DEFAULT_ZERO and fx_test_0 is not None:
-        what = "fx_test_0 is given but k_test_train=None (no test predictions)"
-        raise bad(ValueError, fn, what, "pass k_test_train (the test-train NTK), or drop fx_test_0")
-
-
 def _check_one_sided(fn, given, values) -> None:
     """Refuses a non-zero output at t = 0 on one side (``given``) beside the other's default."""
     if sum(given) != 1 or not np.any(values[given.index(True)] != 0):
@@ -509,7 +490,17 @@ class GradientDescentMSE(_TestSide):
         fn = f"{self._fn}(...)"
         lay = self._layout
         ts = _check_times(fn, t)
-        _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train)
+        if k_test_train is not None and (fx_train_0 is None or fx_test_0 is None):
+            name = "fx_test_0" if fx_test_0 is None else "fx_train_0"
+            what = f"{name}=None with k_test_train: test predictions need the outputs at t = 0"
+            fix = f"pass {name}, or leave fx_train_0 and fx_test_0 at their default 0.0"
+            raise bad(ValueError, fn, what, fix, see="initial-outputs")
+        if k_test_train is None and fx_train_0 is None:
+            what = "fx_train_0=None and k_test_train=None: nothing to predict"
+            raise bad(ValueError, fn, what, "pass fx_train_0 (e.g. 0.0) and/or k_test_train")
+        if k_test_train is None and fx_test_0 is not _DEFAULT_ZERO and fx_test_0 is not None:
+            what = "fx_test_0 is given but k_test_train=None (no test predictions)"
+            raise bad(ValueError, fn, what, "pass k_test_train (the test-train NTK), or drop it")
         f0 = 0.0 if fx_train_0 is None else fx_train_0
         f0 = _initial_outputs(fn, "fx_train_0", f0, self._y_shape, "training")
         rhs = lay.flat_y(f0) - self._y  # (M, R): fx_train_0 − y

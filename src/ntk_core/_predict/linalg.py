@@ -234,30 +234,36 @@ class Solver:
     """Solves ``(K + λ I) x = b`` for a flat symmetric ``K``, refined in float64."""
 
     def __init__(self, fn_name, k2, lam, dtype, *, reg_scale=1.0, method="cholesky"):
+        import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
+
         self.fn_name, self.k2, self.lam, self.dtype = fn_name, k2, lam, np.dtype(dtype)
-        self.m = k2.shape[0]
-        self.reg_scale = reg_scale
-        self.u = unit_roundoff(self.dtype)
-        # the kernel's entries carry the round-off of their own dtype
-        self.u_in = max(self.u, unit_roundoff(k2.dtype))
-        self.method = None
-        self._eigs: tuple[np.ndarray, np.ndarray] | None = None
+        self.m, self.reg_scale, self.u = k2.shape[0], reg_scale, unit_roundoff(self.dtype)
+        self.method, self._eigs, self._chol = method, None, None
         if method == "cholesky":
+            # a is C-ordered and symmetric: a.T is the same matrix in Fortran order, so
+            # LAPACK factors it in place (upper of a.T = lower of a), no second copy.
             a = self._regularised_copy()
             try:
-                # a is C-ordered and symmetric: a.T is the same matrix in Fortran order, so
-                # LAPACK factors it in place (upper of a.T = lower of a), no second copy.
-                import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
-
                 self._chol = scipy.linalg.cho_factor(a.T, overwrite_a=True, check_finite=False)
-                if not np.isfinite(np.diagonal(self._chol[0])).all():
-                    raise np.linalg.LinAlgError("non-finite Cholesky factor")
-                self.method = "cholesky"
+                if np.isfinite(np.diagonal(self._chol[0])).all():
+                    return
             except np.linalg.LinAlgError:
-                del a
-                self._chol = None
-        if self.method is None:
-            self._eigh()
+                pass
+            del a
+            self._chol = None
+        w, v = scipy.linalg.eigh(self._regularised_copy(), overwrite_a=True, check_finite=False)
+        w = w.astype(np.float64)
+        wmax = max(float(np.abs(w).max()), np.finfo(np.float64).tiny)
+        # the kernel's entries carry the round-off of their own dtype
+        tol = self.m * max(self.u, unit_roundoff(k2.dtype)) * wmax
+        if w.min() < -tol:
+            what = f"train-train K + λI (λ = {lam:.3e}) is not positive semi-definite: eigvals"
+            what += f" {w.min():.3e} .. {w.max():.3e}, beyond round-off M·u·λ_max = {tol:.3e}"
+            above = -w.min() / reg_scale
+            fix = f"pass a kernel, not a difference of kernels, or raise diag_reg above {above:.1e}"
+            raise bad(ValueError, fn_name, what, fix)
+        self.method, self._eigs = "eigh", (w, v)
+        self._w_floored = np.maximum(w, self.u * wmax)
 
     def _regularised_copy(self) -> np.ndarray:
         a = np.empty((self.m, self.m), self.dtype)
@@ -265,25 +271,6 @@ class Solver:
             a[rows] = self.k2[rows]
         a[np.diag_indices(self.m)] += self.dtype.type(self.lam)
         return a
-
-    def _eigh(self) -> None:
-        a = self._regularised_copy()
-        import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
-
-        w, v = scipy.linalg.eigh(a, overwrite_a=True, check_finite=False)
-        del a
-        w = w.astype(np.float64)
-        wmax = max(float(np.abs(w).max()), np.finfo(np.float64).tiny)
-        tol = self.m * self.u_in * wmax
-        if w.min() < -tol:
-            what = f"train-train K + λI (λ = {self.lam:.3e}) is not positive semi-definite: eigvals"
-            what += f" {w.min():.3e} .. {w.max():.3e}, beyond round-off M·u·λ_max = {tol:.3e}"
-            above = -w.min() / self.reg_scale
-            fix = f"pass a kernel, not a difference of kernels, or raise diag_reg above {above:.1e}"
-            raise bad(ValueError, self.fn_name, what, fix)
-        self.method = "eigh"
-        self._eigs = (w, v)
-        self._w_floored = np.maximum(w, self.u * wmax)
 
     def _apply_inverse(self, b: np.ndarray) -> np.ndarray:
         b = np.asarray(b, self.dtype)
