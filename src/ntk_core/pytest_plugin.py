@@ -1,11 +1,8 @@
-"""The pytest plugin of ntk-jax (registered through the ``pytest11`` entry point).
-
-Fixtures ``assert_kernels_close`` and ``assert_same_ntk`` (the functions of
-:mod:`ntk_core.testing`), the option ``--ntk-implementation NAME`` (repeatable) that
-restricts which implementations ``assert_same_ntk`` checks when the test names none, and
-a report-header line with the versions that decide a kernel's round-off. Importing this
-module imports neither jax nor a framework; disable it with ``-p no:ntk_core``.
-"""
+"""ntk-jax's pytest plugin (``pytest11`` entry point; off with ``-p no:ntk_core``): fixtures
+``assert_kernels_close`` and ``assert_same_ntk`` (:mod:`ntk_core.testing`), the repeatable
+option ``--ntk-implementation NAME`` (what ``assert_same_ntk`` checks when a test names
+none), and the versions deciding a kernel's round-off in the report header. Imports
+neither jax nor a framework."""
 
 from __future__ import annotations
 
@@ -47,8 +44,7 @@ def assert_kernels_close():
 
 @pytest.fixture
 def assert_same_ntk(request):
-    """:func:`ntk_core.testing.assert_same_ntk`, checking the implementations given with
-    ``--ntk-implementation`` unless the call names its own."""
+    """:func:`ntk_core.testing.assert_same_ntk`, of ``--ntk-implementation`` by default."""
     from ntk_core.testing import assert_same_ntk
 
     chosen = request.config.getoption("--ntk-implementation")

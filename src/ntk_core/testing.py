@@ -2,8 +2,7 @@
 by the kernels' magnitude), ``assert_same_ntk`` (two networks, e.g. one architecture in two
 frameworks, have the same NTK; names the leaves that differ), and the weight transplants
 ``params_from_flax`` / ``params_from_haiku`` (``examples/test_same_ntk.py``). Needs neither
-pytest, flax nor haiku; ``ntk_core.pytest_plugin`` offers the assertions as fixtures.
-"""
+pytest, flax nor haiku; ``ntk_core.pytest_plugin`` offers the assertions as fixtures."""
 
 from __future__ import annotations
 
@@ -150,13 +149,9 @@ def _leaf_table(per_a, per_b, rtol, atol) -> str:
     unused = list(range(len(rows_b)))
     lines, differ = [], []
     for path, a, dtype in rows_a:
-        best, best_err = None, np.inf
-        for j in unused:
-            b = rows_b[j][1]
-            if b.shape == a.shape:
-                err = np.abs(a - b).max(initial=0.0)
-                if err < best_err:
-                    best, best_err = j, err
+        same = [j for j in unused if rows_b[j][1].shape == a.shape]
+        close = {j: np.abs(a - rows_b[j][1]).max(initial=0.0) for j in same}
+        best = min((j for j in same if close[j] < np.inf), key=close.get, default=None)
         scale = max(np.abs(a).max(initial=0.0), 1e-300)
         if best is None:
             lines.append(f"  {path:30s} max|K| {scale:10.4g}  | (no leaf of the same shape)")
@@ -165,11 +160,11 @@ def _leaf_table(per_a, per_b, rtol, atol) -> str:
         unused.remove(best)
         b_path, b, b_dtype = rows_b[best]
         r = tolerance(dtype, b_dtype)[0] if rtol is None else rtol
-        ok = best_err <= (atol or 0.0) + r * max(scale, np.abs(b).max(initial=0.0))
+        b_scale = np.abs(b).max(initial=0.0)
+        ok = close[best] <= (atol or 0.0) + r * max(scale, b_scale)
         mark = "" if ok else "   <-- differs"
         lines.append(
-            f"  {path:30s} max|K| {scale:10.4g}  | {b_path:30s} max|K| "
-            f"{np.abs(b).max(initial=0.0):10.4g}{mark}"
+            f"  {path:30s} max|K| {scale:10.4g}  | {b_path:30s} max|K| {b_scale:10.4g}{mark}"
         )
         if not ok:
             differ.append(path)

@@ -1,6 +1,5 @@
 """A square kernel ``(N, N)`` / ``(N, N, O1, O1, ...)`` on the host, read as its flat
-``(N·O, N·O)`` matrix (row ``i·O + a``) in float64 row chunks of about 64 MiB.
-"""
+``(N·O, N·O)`` matrix (row ``i·O + a``) in float64 row chunks of about 64 MiB."""
 
 from __future__ import annotations
 

@@ -34,8 +34,7 @@ _SA_HINT = "; the smallest converge slowly: condition_number(kernel) of a formed
 class Eigenpairs(NamedTuple):
     """Extreme eigenpairs (:func:`ntk_eigsh`): float64 ``eigenvalues (k,)`` in ``which``'s order;
     unit ``eigenvectors (N, O..., k)`` (``(N, k)`` for ``(N, N)``; pytrees for pytree outputs),
-    largest entry positive; ``matvecs``, the products used.
-    """
+    largest entry positive; ``matvecs``, the products used."""
 
     eigenvalues: np.ndarray
     eigenvectors: Any

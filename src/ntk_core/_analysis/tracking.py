@@ -1,6 +1,5 @@
 """:class:`KernelTracker`: the empirical NTK of a fixed probe set and its metrics
-(:mod:`ntk_core.metrics`), every ``every`` steps of a training loop; host work in float64.
-"""
+(:mod:`ntk_core.metrics`), every ``every`` steps of a training loop; host work in float64."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ _KERNEL_FN_FIX = "pass a kernel function such as ntk_core.ntk_fn(f) or ntk_flax.
 
 class KernelRecord(NamedTuple):
     """One tracked step's metrics (see :class:`KernelTracker`): floats (NaN alignments without
-    labels), ``step`` int, ``top_eigenvalues`` float64 ``(top_k,)``, ``seconds`` wall time.
-    """
+    labels), ``step`` int, ``top_eigenvalues`` float64 ``(top_k,)``, ``seconds`` wall time."""
 
     step: int
     kernel_distance: float

@@ -1,7 +1,6 @@
 """``linearize`` and ``taylor_expand``: ``apply_fn`` expanded in its parameters around θ0
 by nested ``jax.jvp`` (no Jacobian formed); non-floating leaves of θ0 are held fixed.
-The adapters call :func:`expansion` with their own names for messages.
-"""
+The adapters call :func:`expansion` with their own names for messages."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ def _shown(paths: list[str]) -> str:
 
 class _Point:
     """The expansion point θ0 (a snapshot of its leaves), checking call-time parameters;
-    ``point_arg`` names θ0 as received, ``point_name`` in call-time messages.
-    """
+    ``point_arg`` names θ0 as received, ``point_name`` in call-time messages."""
 
     def __init__(self, fn_name: str, params0, point_arg: str, point_name: str):
         self.fn_name, self.point_name = fn_name, point_name
@@ -75,8 +73,7 @@ class _Point:
 
     def tangent(self, params, params_name: str):
         """δ = params − θ0 (``float0`` for leaves without a tangent), after checking params'
-        structure, shapes, dtypes and, outside ``jax.jit``, the fixed leaves' values.
-        """
+        structure, shapes, dtypes and, outside ``jax.jit``, the fixed leaves' values."""
         fn, point = self.fn_name, f"the expansion point ({self.point_name})"
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         if treedef != self.treedef:

@@ -457,10 +457,9 @@ class GradientDescentMSE(_TestSide):
         u = max(unit_roundoff(self._train.k_dtype), unit_roundoff(self._train.dtype))
         w_max = max(float(self._w.max(initial=0.0)), 0.0)
         self._null = self._w <= math.sqrt(self._w.size) * u * w_max
-        self._k, self._nngp2 = k_train_train, None
+        self._nngp2, self.amplitude = None, 1.0
         if isinstance(k_train_train, Kernels) and k_train_train.nngp is not None:
             self._nngp2 = _flat_train(fn_name, "k_train_train.nngp", k_train_train.nngp, lay)[1]
-        self.amplitude = 1.0
 
     @property
     def dtype(self) -> np.dtype:
@@ -512,9 +511,8 @@ class GradientDescentMSE(_TestSide):
             given = [v is not _DEFAULT_ZERO for v in (fx_train_0, fx_test_0)]
             _check_one_sided(fn, given, (f0, ft0))
             ft0 = lay.flat_y(ft0)
-        dt = self._train.dtype
-        shape = () if t is None else ts.shape
-        tv = (np.array([np.inf]) if t is None else ts.reshape(-1)) * self._lr / self._y_size
+        dt, shape = self._train.dtype, ts.shape  # t=None: inf, shape ()
+        tv = ts.reshape(-1) * self._lr / self._y_size
         c = self._v.T @ rhs  # (M, R) in the eigenbasis
         train = test = None
         if fx_train_0 is not None:
@@ -534,10 +532,8 @@ class GradientDescentMSE(_TestSide):
         return Outputs(train, test)
 
     def _decay(self, tau):
-        """expm1(−w τ) per eigenvalue (−1 at τ = ∞); 0 on null directions."""
-        if np.isinf(tau):
-            return np.where(self._null, 0.0, -1.0)
-        return np.where(self._null, 0.0, np.expm1(-self._w * tau))
+        """expm1(−w τ) per eigenvalue (−1 at τ = ∞: 0·∞ is NaN); 0 on null directions."""
+        return np.where(self._null, 0.0, -1.0 if np.isinf(tau) else np.expm1(-self._w * tau))
 
     def _weights(self, fn, tau, t):
         """(1 − exp(−w τ)) / w per eigenvalue; raises past :data:`ACCEPT`."""

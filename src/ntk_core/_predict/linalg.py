@@ -1,6 +1,5 @@
 """Host linear algebra of :mod:`ntk_core.predict`: layouts, checks, and a solver of K + λI
-(Cholesky, else floored eigh) refined in float64 until corrections are <= :data:`ACCEPT`.
-"""
+(Cholesky, else floored eigh) refined in float64 until corrections are <= :data:`ACCEPT`."""
 
 from __future__ import annotations
 
@@ -103,8 +102,7 @@ def flat_pairs(k: np.ndarray, o: int) -> np.ndarray:
 
 class FlatLayout:
     """Neural-tangents kernel layout ``(N1, N2, k1, k1, ...)`` (kept output axes zipped, traced
-    ones absent) to flat ``(N1·K_o, N2·K_o)`` kernels and ``(N·K_o, R)`` targets, and back.
-    """
+    ones absent) to flat ``(N1·K_o, N2·K_o)`` kernels and ``(N·K_o, R)`` targets, and back."""
 
     def __init__(self, fn_name: str, y_shape: tuple[int, ...], trace_axes):
         if len(y_shape) < 2:
@@ -210,8 +208,7 @@ RANK_PROBES = 64
 
 def numerical_rank(k2: np.ndarray, dtype, probes: int = RANK_PROBES) -> tuple[int, int, float]:
     """``(r, c, drop)``: rank r (eigenvalues > M·u·λ_max) of a flat PSD kernel seen by c probes
-    (exact for M <= c, else a K Ω sketch: Halko et al. 2011; 2·M²·c flops) and σ_r / σ_{r+1}.
-    """
+    (exact for M <= c, else a K Ω sketch: Halko et al. 2011; 2·M²·c flops) and σ_r / σ_{r+1}."""
     import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
 
     m = k2.shape[0]
