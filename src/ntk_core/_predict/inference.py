@@ -79,17 +79,6 @@ class _Train:
 _RANK_DROP = 1e3
 
 
-def _warn_if_low_rank(fn_name, tr: _Train) -> None:
-    """Warns when the numerical rank is <= half the probes and ends in a >= 1000x drop."""
-    r, c, drop = numerical_rank(tr.k2, tr.k_dtype)
-    if 2 * r > c or drop < _RANK_DROP:
-        return
-    what = f"{tr.name} has numerical rank {r} of {tr.k2.shape[0]} ({np.dtype(tr.k_dtype).name})"
-    msg = f"{fn_name}: {what}: as a prior it holds only {r} functions; for a GP prior average"
-    msg += " initialisations: ntk_core.monte_carlo_kernels. See docs/errors.md#low-rank-kernel."
-    warnings.warn(msg, DegenerateKernelWarning, stacklevel=_user_stacklevel())
-
-
 def _pick(fn_name, name, k, field):
     """An array, or the ``field`` of a :class:`Kernels`."""
     if isinstance(k, Kernels):
@@ -173,7 +162,11 @@ class _TestSide:
             quad = None if k_xx is None else (w1 := np.concatenate(w1s, 1)).T @ matmul64(k_xx, w1)
             abs_cross = np.einsum("jm,mj->j", np.abs(th64), np.abs(w2))
             cov = _covariance(fn, np.asarray(ktt, np.float64), quad, th64 @ w2, abs_cross, m, u)
-        return self._finish(t, mean, kind, cov)
+        lay, dt = self._layout, self.dtype
+        if kind is not None:
+            cov = cov * self.amplitude
+            cov = (lay.unflat_cov(cov, t) if kind == "full" else lay.unflat_diag(cov)).astype(dt)
+        return Gaussian(lay.unflat_y(mean, t).astype(dt), cov)
 
     def _chunks(self, t):
         b = self._opts.test_batch_size or t
@@ -182,22 +175,13 @@ class _TestSide:
             stop = min(t, start + b)
             yield slice(start, stop), slice(start * ko, stop * ko)
 
-    def _finish(self, t, mean, kind, cov):
-        lay, dt = self._layout, self.dtype
-        if kind is not None:
-            cov = cov * self.amplitude
-            cov = (lay.unflat_cov(cov, t) if kind == "full" else lay.unflat_diag(cov)).astype(dt)
-        return Gaussian(lay.unflat_y(mean, t).astype(dt), cov)
-
 
 class GPInference(_TestSide):
     """Predictor returned by :func:`gp_inference`."""
 
-    def __init__(self, fn_name, k_train_train, y_train, opts):
+    def __init__(self, fn_name, k_train_train, y_train, opts, fit_amplitude):
         self._set_y(fn_name, y_train, opts)
-        self._k = k_train_train
-        self._train: dict[str, _Train] = {}
-        self._alpha: dict[str, np.ndarray] = {}
+        self._k, self._train = k_train_train, {}
         # validate, factor and solve for y now: bad input fails here, not at prediction time
         kernels = isinstance(k_train_train, Kernels)
         for f in ("nngp", "ntk") if kernels else ("nngp",):
@@ -206,10 +190,18 @@ class GPInference(_TestSide):
         if not self._train:
             what = "k_train_train is Kernels(nngp=None, ntk=None)"
             raise bad(ValueError, fn_name, what, "pass an array or Kernels with a kernel")
-        for field, tr in list(self._train.items()):
-            self._alpha_of(field)
-            _warn_if_low_rank(fn_name, tr)
-        self.amplitude = self._amplitude() if opts.fit_amplitude else 1.0
+        for tr in self._train.values():
+            tr.alpha = tr.solver.solve(self._y)  # (M, R)
+        for tr in self._train.values():  # warned: rank <= half the probes, then a 1000x drop
+            r, c, drop = numerical_rank(tr.k2, tr.k_dtype)
+            if 2 * r <= c and drop >= _RANK_DROP:
+                what = f"{tr.name} has numerical rank {r} of {tr.k2.shape[0]}"
+                msg = f"{fn_name}: {what} ({np.dtype(tr.k_dtype).name}): as a prior it holds only"
+                msg += f" {r} functions; for a GP prior average initialisations: ntk_core."
+                msg += "monte_carlo_kernels. See docs/errors.md#low-rank-kernel."
+                warnings.warn(msg, DegenerateKernelWarning, stacklevel=_user_stacklevel())
+        alpha = next(iter(self._train.values())).alpha  # the GP's, else the NTK's
+        self.amplitude = float(np.sum(self._y * alpha) / self._y_size) if fit_amplitude else 1.0
 
     def _get_train(self, field) -> _Train:
         if not isinstance(self._k, Kernels):
@@ -219,16 +211,6 @@ class GPInference(_TestSide):
             k = _pick(self._fn, "k_train_train", self._k, field)
             self._train[field] = _Train(self._fn, name, k, self._layout, self._opts)
         return self._train[field]
-
-    def _alpha_of(self, field) -> np.ndarray:
-        tr = self._get_train(field)
-        if id(tr) not in self._alpha:
-            self._alpha[id(tr)] = tr.solver.solve(self._y)
-        return self._alpha[id(tr)]
-
-    def _amplitude(self) -> float:
-        field = "nngp" if not isinstance(self._k, Kernels) or self._k.nngp is not None else "ntk"
-        return float(np.sum(self._y * self._alpha_of(field)) / self._y_size)
 
     @property
     def dtype(self) -> np.dtype:
@@ -258,8 +240,8 @@ class GPInference(_TestSide):
         """
         fn = f"{self._fn}(...).nngp"
         t, kt, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, ["nngp"])
-        kts, solve = {"ntk": kt["nngp"], "nngp": kt["nngp"]}, self._get_train("nngp").solver.solve
-        return self._predict(fn, t, kts, kind, ktt, None, self._alpha_of("nngp"), solve, u)
+        kts, tr = {"ntk": kt["nngp"], "nngp": kt["nngp"]}, self._get_train("nngp")
+        return self._predict(fn, t, kts, kind, ktt, None, tr.alpha, tr.solver.solve, u)
 
     def ntk(self, k_test_train, k_test_test=None) -> Gaussian:
         """Infinite ensemble of wide networks trained to convergence (neural-tangents' ``"ntk"``).
@@ -276,9 +258,8 @@ class GPInference(_TestSide):
             raise _needs_both(fn, "gp_inference")
         fields = ["ntk", "nngp"] if needs_cov else ["ntk"]
         t, kts, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, fields)
-        solve, alpha = self._get_train("ntk").solver.solve, self._alpha_of("ntk")
-        k_xx = self._get_train("nngp").k2 if needs_cov else None
-        return self._predict(fn, t, kts, kind, ktt, k_xx, alpha, solve, u)
+        tr, k_xx = self._get_train("ntk"), self._get_train("nngp").k2 if needs_cov else None
+        return self._predict(fn, t, kts, kind, ktt, k_xx, tr.alpha, tr.solver.solve, u)
 
 
 def _covariance(fn, prior, quad, cross, abs_cross, m, u):
@@ -316,7 +297,6 @@ class _Options(NamedTuple):
     trace_axes: Any
     dtype: Any
     test_batch_size: int | None
-    fit_amplitude: bool = False
     method: str = "cholesky"
 
 
@@ -387,8 +367,7 @@ def gp_inference(
     """
     fn = "gp_inference"
     opts = _options(fn, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size)
-    opts = opts._replace(fit_amplitude=bool(fit_amplitude))
-    return GPInference(fn, k_train_train, y_train, opts)
+    return GPInference(fn, k_train_train, y_train, opts, bool(fit_amplitude))
 
 
 class _DefaultZero(float):
