@@ -105,10 +105,7 @@ def params_from_haiku(haiku_params: Mapping, flax_params: Mapping | None = None)
         return {m: {_HAIKU_TO_FLAX[k]: v for k, v in ls.items()} for m, ls in modules.items()}
     layers = _flax_layers(fn, flax_params, require_kernel=True)
     pairs = {layer: module for module, layer in _pairs(fn, layers, modules).items()}
-    return {
-        layer: {k: modules[pairs[layer]][_FLAX_TO_HAIKU[k]] for k in ls}
-        for layer, ls in layers.items()
-    }
+    return {f: {k: modules[pairs[f]][_FLAX_TO_HAIKU[k]] for k in ls} for f, ls in layers.items()}
 
 
 def _pairs(fn, layers: Mapping, modules: Mapping) -> dict:
@@ -156,9 +153,8 @@ def _flax_layers(fn, flax_params, require_kernel: bool) -> Mapping:
         if others or (require_kernel and "kernel" not in leaves):
             haiku_like = leaves and set(leaves) <= set(_HAIKU_TO_FLAX)
             what = f"Flax layer {layer!r} holds {sorted(map(str, leaves))}, not 'kernel' and "
-            raise bad(
-                ValueError, fn, what + "'bias' (Dense, Conv)", _other(fn, haiku_like, "Haiku")
-            )
+            fix = _other(fn, haiku_like, "Haiku")
+            raise bad(ValueError, fn, what + "'bias' (Dense, Conv)", fix)
     return flax_params
 
 

@@ -13,13 +13,8 @@ import pytest
 
 def pytest_addoption(parser):
     group = parser.getgroup("ntk_core", "ntk-jax kernel checks")
-    group.addoption(
-        "--ntk-implementation",
-        action="append",
-        default=None,
-        metavar="NAME",
-        help="implementation(s) that assert_same_ntk checks by default (default: all)",
-    )
+    text = "implementation(s) that assert_same_ntk checks by default (default: all)"
+    group.addoption("--ntk-implementation", action="append", metavar="NAME", help=text)
 
 
 def pytest_report_header(config):

@@ -12,14 +12,8 @@ import numpy as np
 
 from ntk_core._transplant import params_from_flax, params_from_haiku
 
-__all__ = (
-    "TOLERANCE",
-    "assert_kernels_close",
-    "assert_same_ntk",
-    "params_from_flax",
-    "params_from_haiku",
-    "tolerance",
-)
+__all__ = ("TOLERANCE", "assert_kernels_close", "assert_same_ntk", "params_from_flax",
+    "params_from_haiku", "tolerance")  # fmt: skip
 
 #: Relative tolerance by dtype: max |K_a − K_b| <= rtol · max(max |K_a|, max |K_b|) (float32
 #: kernels of one network agree to a few 1e-6, float64 to ~1e-14).

@@ -38,10 +38,8 @@ class HostKernel:
             s = slice(start, min(self.n, start + rows))
             block = self.arr[s]
             check_finite(self.fn_name, self.name, block, cls=ValueError, first=s.start)
-            yield (
-                slice(s.start * self.o, s.stop * self.o),
-                flat_pairs(np.asarray(block, np.float64), self.o),
-            )
+            flat_rows = slice(s.start * self.o, s.stop * self.o)
+            yield flat_rows, flat_pairs(np.asarray(block, np.float64), self.o)
 
     def check_symmetric(self) -> None:
         """Raises unless max |K - Kᵀ| <= 100·u·max |K|, chunk by chunk."""

@@ -157,9 +157,8 @@ def _solve(fn, op: _Operator, dense, k, which, tol, maxiter, ncv):
     else:
         v0 = np.random.default_rng(SEED).standard_normal(m)
         try:
-            w, v = scipy.sparse.linalg.eigsh(
-                op, k=k, which=which, tol=tol, maxiter=maxiter, ncv=ncv, v0=v0
-            )
+            options = dict(k=k, which=which, tol=tol, maxiter=maxiter, ncv=ncv, v0=v0)
+            w, v = scipy.sparse.linalg.eigsh(op, **options)
         except scipy.sparse.linalg.ArpackNoConvergence as e:
             what = f"ARPACK did not converge: {len(e.eigenvalues)} of the k={k} eigenpairs met "
             what += f"tol={tol} after {op.matvecs} products (maxiter={maxiter})"

@@ -30,9 +30,8 @@ def _dtype(leaf):
 
 
 def _differentiable(dtype) -> bool:
-    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and bool(
-        jnp.issubdtype(dtype, jnp.inexact)
-    )
+    extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)  # PRNG keys
+    return not extended and bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _concrete(leaf):
@@ -151,11 +150,8 @@ def _derivatives(g: Callable, primal, tangent, degree: int) -> list:
 
         def derivatives(p):
             values, tangents = jax.jvp(lower, (p,), (tangent,))
-            float0 = jax.dtypes.float0
-            top = jax.tree.map(
-                lambda t, v: jnp.zeros_like(v) if t.dtype == float0 else t, tangents[-1], values[0]
-            )
-            return [*values, top]
+            zero = lambda t, v: jnp.zeros_like(v) if t.dtype == jax.dtypes.float0 else t  # noqa: E731
+            return [*values, jax.tree.map(zero, tangents[-1], values[0])]
 
         return derivatives
 

@@ -47,9 +47,8 @@ def _batched(apply_fn, params, x, v, b: int):
 
     u = jax.tree.map(jnp.zeros_like, params)
     if k:
-        u, _ = jax.lax.scan(
-            lambda acc, xv: (jax.tree.map(jnp.add, acc, pull(*xv)), None), u, (head(x), head(v))
-        )
+        step = lambda acc, xv: (jax.tree.map(jnp.add, acc, pull(*xv)), None)  # noqa: E731
+        u, _ = jax.lax.scan(step, u, (head(x), head(v)))
     if r:
         u = jax.tree.map(jnp.add, u, pull(tail(x), tail(v)))
 
@@ -62,9 +61,7 @@ def _batched(apply_fn, params, x, v, b: int):
         parts.append(jax.tree.map(lambda a: a.reshape((k * b,) + a.shape[2:]), out))
     if r:
         parts.append(push(tail(x)))
-    if len(parts) == 1:
-        return parts[0]
-    return jax.tree.map(lambda a, c: jnp.concatenate([a, c]), *parts)
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 
 
 @_caches.lru_cache(maxsize=64)
@@ -124,8 +121,8 @@ def _check_v(call: str, outputs, tree, v):
         where = "v" if len(outputs) == 1 else f"leaf {i} of v"
         shape = tuple(np.shape(leaf))
         if shape != tuple(o.shape):
-            size = int(np.prod(o.shape))
-            hint = f" (v.reshape({', '.join(map(str, o.shape))}))" if np.size(leaf) == size else ""
+            same_size = np.size(leaf) == np.prod(o.shape)
+            hint = f" (v.reshape({', '.join(map(str, o.shape))}))" if same_size else ""
             what = f"{where} has shape {shape}; expected the outputs' {tuple(o.shape)}"
             raise bad(ValueError, call, what, f"pass v shaped like ntk_vp.outputs{hint}")
         dtype = jnp.result_type(leaf)
@@ -211,11 +208,8 @@ def make_ntk_vp(caller: Caller, apply_fn, params, x, batch_size, precision) -> C
     outputs, tree = _outputs(caller, apply_fn, params, x, n)
     apply3 = from_apply_fn(apply_fn)
     _checks.after_trace(fn, apply3, params, x, None, None, outputs, options)
-    if (
-        batch_size is not None
-        and batch_size < n
-        and _probe.samples_interact(apply3, params, x, None, None, fn_name=fn)
-    ):
+    batched = batch_size is not None and batch_size < n
+    if batched and _probe.samples_interact(apply3, params, x, None, None, fn_name=fn):
         raise _checks.samples_interact_error(fn, "pass batch_size=None, or use evaluation mode")
     try:
         product = _product(apply_fn, precision, batch_size)
