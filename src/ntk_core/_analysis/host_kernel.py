@@ -24,12 +24,9 @@ class HostKernel:
         if not square or arr.ndim % 2 or shape[0] == 0:
             what = f"{name} has shape {shape}; expected a square kernel (N, N) / (N, N, O, O)"
             raise bad(ValueError, fn_name, what, "pass the kernel of x (N >= 1) with itself")
-        self.fn_name, self.name, self.arr = fn_name, name, arr
-        self.n = shape[0]
-        self.out_shape = shape[2::2]
-        self.o = math.prod(self.out_shape)
+        self.fn_name, self.name, self.arr, self.dtype = fn_name, name, arr, arr.dtype
+        self.n, self.out_shape, self.o = shape[0], shape[2::2], math.prod(shape[2::2])
         self.m = self.n * self.o
-        self.dtype = arr.dtype
 
     def chunks(self):
         """Yields ``(flat row slice, float64 block (b·O, M))``, checked for NaN/Inf."""

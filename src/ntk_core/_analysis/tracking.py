@@ -188,11 +188,9 @@ class KernelTracker:
         if self.out is not None:
             os.makedirs(self.out, exist_ok=True)  # fail now, not after training
         self.records: list[KernelRecord] = []
-        self.kernels: list[np.ndarray] = []
+        self.kernels: list[np.ndarray] = []  # with keep_kernels
         self.initial_kernel: np.ndarray | None = None
-        self._files: list[str] = []
-        self._shape: tuple[int, ...] | None = None
-        self._dtype: str | None = None
+        self._files, self._shape, self._dtype = [], None, None  # set by _track
 
     def is_due(self, step: int) -> bool:
         """Whether :meth:`update` computes the kernel at ``step``."""
@@ -250,22 +248,15 @@ class KernelTracker:
             self._shape, self._dtype = tuple(kernel.shape), str(kernel.dtype)
             self.initial_kernel = kernel
         dense = flat.dense()
-        eigenvalues = np.linalg.eigvalsh(dense)  # ascending, float64
-        if self._y is None:
-            alignment = centered = math.nan
-        else:
+        w = np.linalg.eigvalsh(dense)  # ascending, float64
+        alignment = centered = math.nan
+        if self._y is not None:
             alignment = _metrics.kernel_alignment(kernel, self._y)
             centered = _metrics.centered_kernel_alignment(kernel, self._y)
-        record = KernelRecord(
-            step=step,
-            kernel_distance=_metrics.kernel_distance(self.initial_kernel, kernel),
-            alignment=alignment,
-            centered_alignment=centered,
-            effective_rank=_metrics.effective_rank(eigenvalues=eigenvalues),
-            trace=float(np.trace(dense)),
-            top_eigenvalues=eigenvalues[::-1][: self.top_k].copy(),
-            seconds=time.perf_counter() - t0,
-        )
+        distance = _metrics.kernel_distance(self.initial_kernel, kernel)
+        rank, top = _metrics.effective_rank(eigenvalues=w), w[::-1][: self.top_k].copy()
+        trace, seconds = float(np.trace(dense)), time.perf_counter() - t0
+        record = KernelRecord(step, distance, alignment, centered, rank, trace, top, seconds)
         self.records.append(record)
         if self.keep_kernels:
             self.kernels.append(kernel)
@@ -283,16 +274,12 @@ class KernelTracker:
 
     def to_dict(self) -> dict:
         """What ``metrics.json`` holds: the settings and :attr:`history` as lists."""
-        return dict(
-            every=self.every,
-            top_k=self.top_k,
-            n_probe=self.n_probe,
-            kernel_shape=None if self._shape is None else list(self._shape),
-            kernel_dtype=self._dtype,
-            has_labels=self._y is not None,
-            history={k: _json_value(v) for k, v in self.history.items()},
-            kernel_files=list(self._files) if self.out is not None else None,
-        )
+        out = dict(every=self.every, top_k=self.top_k, n_probe=self.n_probe)
+        out.update(kernel_shape=None if self._shape is None else list(self._shape))
+        out.update(kernel_dtype=self._dtype, has_labels=self._y is not None)
+        out.update(history={k: _json_value(v) for k, v in self.history.items()})
+        out.update(kernel_files=list(self._files) if self.out is not None else None)
+        return out
 
     def _save(self, step: int, kernel: np.ndarray) -> None:
         name = f"kernel_step_{step:08d}.npy"

@@ -212,13 +212,12 @@ def numerical_rank(k2: np.ndarray, dtype, probes: int = RANK_PROBES) -> tuple[in
     import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
 
     m = k2.shape[0]
+    c = min(m, probes)
     if m <= probes:
         s = np.abs(scipy.linalg.eigvalsh(np.asarray(k2, np.float64), check_finite=False))
-        c = m
     else:
         omega = np.random.default_rng(0).standard_normal((m, probes))
         s = scipy.linalg.svdvals(matmul64(k2, omega), check_finite=False)
-        c = probes
     s = np.sort(s)[::-1]
     if not s.size or s[0] <= 0:
         return 0, c, math.inf
@@ -287,17 +286,12 @@ class Solver:
         """``(K + λ I)⁻¹ b`` for ``b`` ``(M, R)``, float64, refined and checked."""
         b = np.asarray(b, np.float64)
         x = self._apply_inverse(b)
-        active = np.ones(b.shape[1], bool)
-        prev = None
-        rel = np.zeros(b.shape[1])
+        active, prev, rel = np.ones(b.shape[1], bool), None, np.zeros(b.shape[1])
         for _ in range(MAX_REFINE):
             if not active.any():
                 break
-            xa = x[:, active]
-            r = b[:, active] - self.matvec(xa)
-            d = self._apply_inverse(r)
-            xa = xa + d
-            x[:, active] = xa
+            d = self._apply_inverse(b[:, active] - self.matvec(x[:, active]))
+            x[:, active] = xa = x[:, active] + d
             scale = np.maximum(np.abs(xa).max(axis=0), np.finfo(np.float64).tiny)
             rel_a = np.abs(d).max(axis=0) / scale
             rel[active] = rel_a
@@ -305,8 +299,7 @@ class Solver:
             if prev is not None:  # stagnating or diverging columns stop too
                 done |= rel_a > 0.5 * prev
             prev = rel_a[~done]
-            idx = np.flatnonzero(active)
-            active[idx[done]] = False
+            active[np.flatnonzero(active)[done]] = False
         if not np.isfinite(x).all() or rel.max() > ACCEPT:
             self._raise_ill_conditioned(float(rel.max()))
         return x
