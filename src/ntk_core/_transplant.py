@@ -176,15 +176,11 @@ def _haiku_modules(fn, haiku_params) -> Mapping:
 
 def _natural(names: list) -> list:
     """``names`` grouped by prefix (first appearance), by final number within one."""
-
-    def split(name):
-        match = _NUMBERED.match(str(name))
-        return (match[1], int(match[2])) if match else (str(name), 0)
-
+    keys = {n: (m[1], int(m[2])) if (m := _NUMBERED.match(str(n))) else (str(n), 0) for n in names}
     first: dict[str, int] = {}
-    for position, name in enumerate(names):
-        first.setdefault(split(name)[0], position)
-    return sorted(names, key=lambda name: (first[split(name)[0]], split(name)[1]))
+    for prefix, _ in keys.values():
+        first.setdefault(prefix, len(first))
+    return sorted(names, key=lambda n: (first[keys[n][0]], keys[n][1]))
 
 
 def _by_kind(layers: Mapping, kernel: str) -> dict[int, list]:

@@ -64,10 +64,7 @@ class _Operator(scipy.sparse.linalg.LinearOperator):
             raise bad(ValueError, self.fn_name, what, "look for float32 overflow, or use float64")
         return out
 
-    def _rmatvec(self, v):
-        return self._matvec(v)
-
-    def _adjoint(self):
+    def _adjoint(self):  # symmetric; scipy's rmatvec and .T then use _matvec
         return self
 
 

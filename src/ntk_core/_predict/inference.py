@@ -64,14 +64,13 @@ def _flat_train(fn_name, name, k, layout: FlatLayout):
 class _Train:
     """One train-train kernel: validated, flattened, regularised, factored."""
 
-    def __init__(self, fn_name, name, k, layout: FlatLayout, opts: _Options, factor=None):
+    def __init__(self, fn_name, name, k, layout: FlatLayout, opts: _Options, eigh64=False):
         self.name = name
         self.k_dtype, self.k2, mean_diag = _flat_train(fn_name, name, k, layout)
         self.dtype = compute_dtype(fn_name, opts.dtype, self.k_dtype)  # the results' dtype
-        self.reg_scale = 1.0 if opts.diag_reg_absolute_scale else mean_diag
-        self.lam = opts.diag_reg * self.reg_scale
-        factor = self.dtype if factor is None else factor
-        reg, method = self.reg_scale, opts.method
+        self.reg_scale = reg = 1.0 if opts.diag_reg_absolute_scale else mean_diag
+        self.lam = opts.diag_reg * reg
+        factor, method = (np.float64, "eigh") if eigh64 else (self.dtype, "cholesky")
         self.solver = Solver(fn_name, self.k2, self.lam, factor, reg_scale=reg, method=method)
 
 
@@ -297,7 +296,6 @@ class _Options(NamedTuple):
     trace_axes: Any
     dtype: Any
     test_batch_size: int | None
-    method: str = "cholesky"
 
 
 def _options(fn_name, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size):
@@ -428,8 +426,7 @@ class GradientDescentMSE(_TestSide):
         self._lr = check_real(fn_name, "learning_rate", lr, fix, open_low=True, is_type=finite)
         k = _pick(fn_name, "k_train_train", k_train_train, "ntk")
         # a float32 eigendecomposition lost 1e-3 at t = 1e5: always float64
-        eigh = opts._replace(method="eigh")
-        self._train = _Train(fn_name, "k_train_train", k, lay, eigh, factor=np.float64)
+        self._train = _Train(fn_name, "k_train_train", k, lay, opts, eigh64=True)
         w, v = self._train.solver._eigs
         self._w, self._v = np.maximum(w, 0.0), np.asarray(v, np.float64)
         # directions at the kernel's own round-off (w <= √M·u·w_max) do not move
