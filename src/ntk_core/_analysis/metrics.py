@@ -73,11 +73,10 @@ def _targets(fn: str, k: HostKernel, y) -> np.ndarray:
 
 def _alignment(fn: str, k, y, centered: bool) -> float:
     kern = HostKernel(fn, "k", k)
-    t = _targets(fn, kern, y)
+    t, n, o = _targets(fn, kern, y), kern.n, kern.o
     if centered:  # H = I − 11ᵀ/N on the samples, per output entry (H ⊗ I_O)
-        t3 = t.reshape(kern.n, kern.o, -1)
+        t3 = t.reshape(n, o, -1)
         t = (t3 - t3.mean(axis=0)).reshape(t.shape)
-    n, o = kern.n, kern.o
     num = knorm2 = 0.0
     row_sums = np.zeros((n, o, o))  # Σ_j K[i, a, j, b]
     col_sums = np.zeros((o, n, o))  # Σ_i K[i, a, j, b]
@@ -94,8 +93,7 @@ def _alignment(fn: str, k, y, centered: bool) -> float:
         knorm2 = 0.0
         for rows, block in kern.chunks():
             s = slice(rows.start // o, rows.stop // o)
-            c = block.reshape(-1, o, n, o) - col_means[None]
-            c -= row_means[s][:, :, None, :]
+            c = block.reshape(-1, o, n, o) - col_means[None] - row_means[s][:, :, None, :]
             c += grand[None, :, None, :]
             knorm2 += float(np.vdot(c, c))
     tnorm = float(np.linalg.norm(t.T @ t))  # ‖Y Yᵀ‖_F = ‖Yᵀ Y‖_F
