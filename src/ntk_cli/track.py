@@ -95,14 +95,11 @@ def plot_history(history: dict, path: str, title: str) -> None:
 def finish(out: str, tracker, title: str, summary: dict, t_start: float) -> dict:
     """Writes the figure and ``summary.json`` (settings, timings and the tracker's
     :meth:`~ntk_core.KernelTracker.to_dict`), prints a short table; returns the summary."""
-    h = tracker.history
-    picture = os.path.join(out, FIGURE)
+    h, picture = tracker.history, os.path.join(out, FIGURE)
     plot_history(h, picture, title)
-    tracking = float(h["seconds"].sum())
-    total = time.perf_counter() - t_start
+    tracking, total = float(h["seconds"].sum()), time.perf_counter() - t_start
     seconds = dict(total=total, tracking=tracking, other=total - tracking)
-    device = str(jax.devices()[0])
-    summary = dict(summary, seconds=seconds, jax=jax.__version__, device=device)
+    summary = dict(summary, seconds=seconds, jax=jax.__version__, device=str(jax.devices()[0]))
     summary.update(tracker.to_dict())
     with open(os.path.join(out, SUMMARY), "w") as fh:
         json.dump(summary, fh, indent=1)

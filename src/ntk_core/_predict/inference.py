@@ -132,9 +132,7 @@ class _TestSide:
         """Ensemble posterior with train operator H (``alpha`` = H y; ``k_xx`` None: the GP's)."""
         th, m, ko = kts["ntk"], alpha.shape[0], self._layout.ko
         mean = np.empty((t * ko, alpha.shape[1]))
-        w1s, w2s, cov = [], [], None
-        if kind == "diag":
-            cov = np.empty((t, ko, ko))
+        w1s, w2s, cov = [], [], np.empty((t, ko, ko)) if kind == "diag" else None
         for ts, rs in self._chunks(t):
             tb = np.asarray(th[rs], np.float64)
             mean[rs] = tb @ alpha
