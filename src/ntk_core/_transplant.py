@@ -36,9 +36,8 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
       haiku_params: ``None`` or the target's params (``transformed.init(key, x)`` or its
         ``jax.eval_shape``; names and shapes read): module -> ``{"w", "b"}``.
 
-    Returns:
-      ``{module: {"w": kernel, "b": bias}}`` of the Flax leaves, named and ordered as Flax
-      without ``haiku_params``, else as Haiku.
+    Returns ``{module: {"w": kernel, "b": bias}}`` of the Flax leaves, named and ordered as
+    Flax without ``haiku_params``, else as Haiku.
 
     Raises:
       TypeError: ``flax_params`` or ``haiku_params`` not a mapping.
@@ -58,8 +57,7 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
       >>> params["mlp/~/linear_1"]["w"] is flax["Dense_1"]["kernel"]
       True
 
-    References: Flax's ``nn.Dense`` / ``nn.Conv`` and Haiku's ``hk.Linear`` /
-    ``hk.ConvND`` documentation.
+    References: Flax's ``nn.Dense``/``nn.Conv``, Haiku's ``hk.Linear``/``hk.ConvND`` docs.
     """
     fn = "params_from_flax"
     layers = _flax_layers(fn, flax_params, require_kernel=haiku_params is not None)
@@ -72,21 +70,13 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
 
 def params_from_haiku(haiku_params: Mapping, flax_params: Mapping | None = None) -> dict:
     """Flax params holding the weights of a Haiku stack of ``hk.Linear`` / ``hk.ConvND``: the
-    reverse of :func:`params_from_flax` (``w`` renamed ``kernel``, ``b`` ``bias``; arrays
-    reused), with its pairing order and checks.
+    reverse of :func:`params_from_flax` (``w`` renamed ``kernel``, ``b`` ``bias``), with its
+    pairing order and checks. ``haiku_params``: module -> ``{"w", "b"}`` (``b`` optional);
+    ``flax_params``: ``None`` (Haiku names kept) or the target's ``variables["params"]`` (or
+    its ``jax.eval_shape``; names and shapes read), giving Flax's names and order.
 
-    Args:
-      haiku_params: module name -> ``{"w", "b"}`` (``b`` optional).
-      flax_params: ``None`` (Haiku names kept) or the target's ``variables["params"]`` (or
-        its ``jax.eval_shape``; names and shapes read): then Flax's names and order.
-
-    Returns:
-      ``{layer: {"kernel": w, "bias": b}}`` of the Haiku leaves.
-
-    Raises:
-      TypeError, ValueError: as :func:`params_from_flax`, naming ``params_from_haiku``.
-
-    Cost: no computation; the result shares the Haiku arrays.
+    Returns ``{layer: {"kernel": w, "bias": b}}`` sharing the Haiku arrays (no computation).
+    Raises TypeError, ValueError as :func:`params_from_flax`, naming ``params_from_haiku``.
 
     Example:
       >>> import numpy as np

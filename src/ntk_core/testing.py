@@ -215,9 +215,8 @@ def assert_same_ntk(
       >>> assert_same_ntk(lambda p, x: jnp.tanh(x @ p["w"]) @ p["v"], a,
       ...                 lambda p, x: jnp.tanh(x @ p[0]) @ p[1], b, x)
 
-    References:
-      The kernel is that of Jacot, Gabriel, Hongler, "Neural Tangent Kernel" (NeurIPS
-      2018); the layout that of neural-tangents' ``empirical_ntk_fn``.
+    References: the kernel of Jacot, Gabriel, Hongler, "Neural Tangent Kernel" (NeurIPS
+    2018), in the layout of neural-tangents' ``empirical_ntk_fn``.
     """
     from ntk_core._api import empirical_ntk, empirical_ntk_per_leaf
 

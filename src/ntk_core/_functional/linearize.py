@@ -211,10 +211,9 @@ def linearize(apply_fn: Callable, params0) -> Callable:
       params0: θ0, any pytree of arrays (total size P), copied once; floating leaves are
         expanded, integer, boolean and PRNG-key leaves held at θ0.
 
-    Returns:
-      ``f_lin``: outputs of ``apply_fn``'s structure, shapes and dtypes, for ``params`` of
-      θ0's (float64 NumPy data is float32 without x64); ``x``, ``*args``, ``**kwargs`` go to
-      ``apply_fn`` undifferentiated; non-floating output leaves are f(θ0, x)'s.
+    Returns ``f_lin``: outputs of ``apply_fn``'s structure, shapes and dtypes, for ``params``
+    of θ0's (float64 NumPy data is float32 without x64); ``x``, ``*args``, ``**kwargs`` go to
+    ``apply_fn`` undifferentiated; non-floating output leaves are f(θ0, x)'s.
 
     Raises:
       TypeError: ``apply_fn`` not callable (a Flax or Haiku model names the adapter); a
@@ -246,9 +245,8 @@ def linearize(apply_fn: Callable, params0) -> Callable:
       >>> jax.jit(jax.grad(loss))(params0)["w"].shape    # train the linearised model
       (3, 4)
 
-    References:
-      Lee, Xiao, Schoenholz, Bahri, Novak, Sohl-Dickstein, Pennington, "Wide Neural Networks
-      of Any Depth Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
+    References: Lee, Xiao, Schoenholz, Bahri, Novak, Sohl-Dickstein, Pennington, "Wide Neural
+    Networks of Any Depth Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
     """
     check_apply_fn("linearize", apply_fn, "linearize")
     return expansion("linearize", apply_fn, params0, 1)

@@ -154,10 +154,9 @@ def ntk_vp_fn(
         samples (checked by a probe).
       precision: the matmul precision of both passes, as in :func:`ntk_fn`.
 
-    Returns:
-      ``ntk_vp(v)``: v a pytree like the outputs (leaves ``(N, O...)``, real floating, cast
-      to the outputs' dtype) -> Θ v, ``jax.Array`` leaves in that layout; ``ntk_vp.outputs``:
-      the ``jax.ShapeDtypeStruct`` pytree v must match. New values do not recompile.
+    Returns ``ntk_vp(v)``: v a pytree like the outputs (leaves ``(N, O...)``, real floating,
+    cast to the outputs' dtype) -> Θ v, ``jax.Array`` leaves in that layout; ``ntk_vp.outputs``:
+    the ``jax.ShapeDtypeStruct`` pytree v must match. New values do not recompile.
 
     Raises:
       TypeError: ``apply_fn`` not callable (or a Flax/Haiku model), non-floating params or

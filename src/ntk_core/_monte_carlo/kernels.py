@@ -222,10 +222,9 @@ def monte_carlo_kernels(
         kernel's size per kind, three for half precision); ``resume=True`` finishes a
         killed run bit for bit.
 
-    Returns:
-      ``Kernels(nngp, ntk)`` in the layout of :func:`empirical_ntk` (``(N1, N2)`` by
-      default, ``(N1, N2, O, O)`` with ``trace_axes=()``), the outputs' dtype; with ``out``,
-      read-only memory maps. Feed it to :func:`ntk_core.predict.gp_inference`.
+    Returns ``Kernels(nngp, ntk)`` in the layout of :func:`empirical_ntk` (``(N1, N2)`` by
+    default, ``(N1, N2, O, O)`` with ``trace_axes=()``), the outputs' dtype; with ``out``,
+    read-only memory maps. Feed it to :func:`ntk_core.predict.gp_inference`.
 
     Raises:
       TypeError: ``init_fn`` or ``apply_fn`` not callable, ``key`` not one PRNG key,
@@ -251,10 +250,9 @@ def monte_carlo_kernels(
       >>> k.nngp.shape, k.ntk.shape
       ((4, 4), (4, 4))
 
-    References:
-      Novak et al., "Bayesian Deep Convolutional Networks with Many Channels are
-      Gaussian Processes", ICLR 2019; Lee et al., "Wide Neural Networks of Any Depth
-      Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
+    References: Novak et al., "Bayesian Deep Convolutional Networks with Many Channels are
+    Gaussian Processes", ICLR 2019; Lee et al., "Wide Neural Networks of Any Depth Evolve as
+    Linear Models Under Gradient Descent", NeurIPS 2019.
     """
     fn = _MONTE_CARLO_KERNELS.name
     for name, f in (("init_fn", init_fn), ("apply_fn", apply_fn)):
