@@ -1,7 +1,6 @@
 """``ntk track``: a flax.linen LeNet trained with adam on the digits, its probe NTK tracked by
-:class:`ntk_core.KernelTracker` (distance from the initial NTK, label alignment, top
-eigenvalues); writes ``ntk_track.png`` and ``summary.json``. The helpers are shared with
-``examples/track_digits_nnx.py`` and ``examples/checkpoints_digits_haiku.py``."""
+:class:`ntk_core.KernelTracker`; writes ``ntk_track.png`` and ``summary.json``. The helpers
+serve ``examples/track_digits_nnx.py`` and ``examples/checkpoints_digits_haiku.py`` too."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Weight transplants between Flax and Haiku stacks of Dense/Linear and Conv/ConvND layers:
-both store kernels as ``(..., in, out)``, so a transplant renames (``kernel`` <-> ``w``,
-``bias`` <-> ``b``) and pairs layers in order; arrays are reused, never copied. Plain dicts
-in, plain dicts out: neither framework is imported."""
+"""Weight transplants between Flax and Haiku stacks of Dense/Linear and Conv/ConvND layers, both
+storing kernels ``(..., in, out)``: renamed (``kernel`` <-> ``w``, ``bias`` <-> ``b``), paired
+in order, arrays reused; plain dicts in and out, neither framework imported."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """ntk-jax's pytest plugin (``pytest11`` entry point; off with ``-p no:ntk_core``): fixtures
 ``assert_kernels_close`` and ``assert_same_ntk`` (:mod:`ntk_core.testing`), the repeatable
-option ``--ntk-implementation NAME`` (what ``assert_same_ntk`` checks when a test names
-none), and the versions deciding a kernel's round-off in the report header. Imports
-neither jax nor a framework."""
+option ``--ntk-implementation NAME`` (what ``assert_same_ntk`` checks when a test names none)
+and the report header's versions deciding round-off; imports neither jax nor a framework."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Kernel assertions for a user's own tests: ``assert_kernels_close`` (dtype tolerances scaled
-by the kernels' magnitude), ``assert_same_ntk`` (two networks, e.g. one architecture in two
-frameworks, have the same NTK; names the leaves that differ), and the weight transplants
-``params_from_flax`` / ``params_from_haiku`` (``examples/test_same_ntk.py``). Needs neither
-pytest, flax nor haiku; ``ntk_core.pytest_plugin`` offers the assertions as fixtures."""
+by the kernels' magnitude), ``assert_same_ntk`` (two networks have the same NTK, or the leaves
+that differ are named), the weight transplants ``params_from_flax`` / ``params_from_haiku``
+(``examples/test_same_ntk.py``). Needs no pytest, flax or haiku; see ``pytest_plugin``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""``linearize`` and ``taylor_expand``: ``apply_fn`` expanded in its parameters around θ0
-by nested ``jax.jvp`` (no Jacobian formed); non-floating leaves of θ0 are held fixed.
-The adapters call :func:`expansion` with their own names for messages."""
+"""``linearize`` and ``taylor_expand``: ``apply_fn`` expanded in its parameters around θ0 by
+nested ``jax.jvp`` (no Jacobian), non-floating leaves held; adapters call :func:`expansion`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""``ntk_vp_fn``: matrix-free NTK-vector products Θ(X, X)·v, one VJP then one JVP
-(neural-tangents' ``empirical_ntk_vp_fn``); not the ``"ntvp"`` implementation, which forms
-a kernel."""
+"""``ntk_vp_fn``: matrix-free NTK-vector products Θ(X, X)·v, one VJP then one JVP (neural-
+tangents' ``empirical_ntk_vp_fn``); not the ``"ntvp"`` implementation, which forms a kernel."""
 
 from __future__ import annotations
 
