@@ -46,14 +46,6 @@ def _leaves(tree, name: str) -> list[tuple[str, np.ndarray, str]]:
     return out
 
 
-def _where(index: tuple[int, ...]) -> str:
-    """The sample and output indices of ``index`` in neural-tangents' layout."""
-    if len(index) == 1:
-        return f"sample {index[0]}"
-    outputs = f"; outputs {index[2:]}" if len(index) > 2 else ""
-    return f"samples x1[{index[0]}], x2[{index[1]}]{outputs}"
-
-
 def _compare(path, a, b, rtol, atol, dtype_note) -> str | None:
     """The failure message for one pair of arrays, or None if they are close."""
     at = f" at {path}" if path else ""
@@ -71,8 +63,10 @@ def _compare(path, a, b, rtol, atol, dtype_note) -> str | None:
         return None
     i = tuple(int(j) for j in np.unravel_index(np.argmax(diff), a.shape))
     outside = int((diff > allowed).sum())
+    where = f"sample {i[0]}" if len(i) == 1 else f"samples x1[{i[0]}], x2[{i[1]}]"
+    where += f"; outputs {i[2:]}" if len(i) > 2 else ""
     return (
-        f"kernels differ{at}: max |k_a - k_b| = {diff[i]:.3e} at {i} ({_where(i)}): "
+        f"kernels differ{at}: max |k_a - k_b| = {diff[i]:.3e} at {i} ({where}): "
         f"k_a = {a[i]:.6g}, k_b = {b[i]:.6g}; relative to max |K| = {scale:.4g}: "
         f"{diff[i] / max(scale, 1e-300):.2e} > rtol {rtol:.0e}{dtype_note}"
         f"{f' + atol {atol:.0e}' if atol else ''}; {outside} of {a.size} entries outside"

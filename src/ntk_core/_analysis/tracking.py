@@ -202,21 +202,17 @@ class KernelTracker:
         ``kernel_fn(params_like, x_probe, **kernel_kwargs)``; ``step`` a Python or numpy int.
         """
         if not _is_int(step) or step < 0:
-            self._bad_step(step)
+            fix = "pass the Python loop counter (for step in range(n): ...)"
+            if isinstance(step, jax.Array):  # deciding whether it is due would sync every step
+                what = f"step is a jax.Array ({step.dtype}): reading it would wait for the device"
+                raise bad(TypeError, _UPDATE, what + " at every step", fix)
+            if _is_int(step):  # negative
+                raise bad(ValueError, _UPDATE, f"step must be >= 0, got {step}", fix)
+            what = f"step must be an int, got {step!r} ({type(step).__name__})"
+            raise bad(TypeError, _UPDATE, what, fix)
         if step % self.every:
             return None
         return self._track(int(step), params_like, kernel_kwargs)
-
-    def _bad_step(self, step) -> None:
-        fix = "pass the Python loop counter (for step in range(n): ...)"
-        if isinstance(step, jax.Array):  # deciding whether it is due would sync every step
-            d = step.dtype
-            what = f"step is a jax.Array ({d}): reading it would wait for the device at every step"
-            raise bad(TypeError, _UPDATE, what, fix)
-        if _is_int(step):  # negative
-            raise bad(ValueError, _UPDATE, f"step must be >= 0, got {step}", fix)
-        what = f"step must be an int, got {step!r} ({type(step).__name__})"
-        raise bad(TypeError, _UPDATE, what, fix)
 
     def _track(self, step: int, params_like, kernel_kwargs) -> KernelRecord:
         if self.records and step <= self.records[-1].step:

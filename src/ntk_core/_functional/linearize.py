@@ -110,25 +110,20 @@ class _Point:
         missing = [p for p in self.paths if p not in set(paths)]
         extra = [p for p in paths if p not in set(self.paths)]
         if missing or extra:
-            detail = (
-                f"it has {len(paths)} leaves {_shown(paths)}, the expansion point "
-                f"{len(self.paths)} {_shown(self.paths)}"
-                + (f"; missing {_shown(missing)}" if missing else "")
-                + (f"; not in the expansion point {_shown(extra)}" if extra else "")
-            )
+            detail = f"it has {len(paths)} leaves {_shown(paths)}, the expansion point "
+            detail += f"{len(self.paths)} {_shown(self.paths)}"
+            detail += f"; missing {_shown(missing)}" if missing else ""
+            detail += f"; not in the expansion point {_shown(extra)}" if extra else ""
         else:
-            detail = (
-                f"the same leaves in other containers: {_short(treedef, 160)} against "
-                f"{_short(self.treedef, 160)}"
-            )
+            detail = f"the same leaves in other containers: {_short(treedef, 160)} against "
+            detail += f"{_short(self.treedef, 160)}"
         what = f"{params_name} does not have the tree structure of {point} ({detail})"
         return bad(ValueError, fn, what, "pass parameters structured like the expansion point")
 
 
 def _numeric(dtype) -> bool:
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return True
-    return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
+    key = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return key or bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
 
 
 def _short(value, limit: int = 60) -> str:

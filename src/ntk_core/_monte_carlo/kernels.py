@@ -278,16 +278,7 @@ def monte_carlo_kernels(
 
 
 def sample_mean(
-    fn_name: str,
-    init: Callable,
-    kernels: Callable,
-    x1,
-    x2,
-    key,
-    n_samples: int,
-    batch_size_samples: int,
-    progress,
-    options: dict,
+    fn_name, init, kernels, x1, x2, key, n_samples, batch_size_samples, progress, options: dict
 ) -> Kernels:
     """The Monte Carlo kernels' mean over ``n_samples`` keys, checked: ``init(k)`` one
     initialisation (see :func:`initialiser`), ``kernels(kind, kind_options)`` a function

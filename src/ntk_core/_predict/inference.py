@@ -166,8 +166,7 @@ class _TestSide:
         return Gaussian(lay.unflat_y(mean, t).astype(dt), cov)
 
     def _chunks(self, t):
-        b = self._opts.test_batch_size or t
-        ko = self._layout.ko
+        b, ko = self._opts.test_batch_size or t, self._layout.ko
         for start in range(0, t, b):
             stop = min(t, start + b)
             yield slice(start, stop), slice(start * ko, stop * ko)
@@ -460,8 +459,7 @@ class GradientDescentMSE(_TestSide):
         mean). Raises ValueError, TypeError: bad times, shapes or values, one-sided outputs,
         ill-conditioned test predictions (see :func:`gradient_descent_mse`).
         """
-        fn = f"{self._fn}(...)"
-        lay = self._layout
+        fn, lay = f"{self._fn}(...)", self._layout
         ts = _check_times(fn, t)
         if k_test_train is not None and (fx_train_0 is None or fx_test_0 is None):
             name = "fx_test_0" if fx_test_0 is None else "fx_train_0"
@@ -553,10 +551,7 @@ class GradientDescentMSE(_TestSide):
         means, covs = [], []
         for tk in times.reshape(-1):
             h = self._weights(fn, tk * self._lr / self._y_size, float(tk))
-
-            def apply_h(b, h=h):
-                return self._v @ (h[:, None] * (self._v.T @ b))
-
+            apply_h = lambda b, h=h: self._v @ (h[:, None] * (self._v.T @ b))  # noqa: E731
             g = self._predict(fn, n_test, kts, kind, ktt, self._nngp2, apply_h(self._y), apply_h, u)
             means.append(g.mean)
             covs.append(g.covariance)
