@@ -85,7 +85,6 @@ def eigenvalues_of(fn_name: str, kernel, eigenvalues) -> np.ndarray:
         what = f"eigenvalues must be a non-empty 1-D array of real numbers, got {got}"
         fix = "pass e.g. numpy.linalg.eigvalsh(k) or kernel_eigsh(k).eigenvalues, or the kernel"
         raise bad(ValueError, fn_name, what, fix)
-    w = w.astype(np.float64)
-    fix = "recompute them from a finite kernel"
+    w, fix = w.astype(np.float64), "recompute them from a finite kernel"
     check_finite(fn_name, "eigenvalues", w, fix, cls=ValueError, unit="index")
     return w

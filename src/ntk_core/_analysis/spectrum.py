@@ -126,11 +126,7 @@ def kernel_operator(kernel):
 def _kernel_operator(fn_name, kernel):
     k = HostKernel(fn_name, "kernel", kernel)
     k.check_symmetric()
-
-    def unflat(vectors):
-        return vectors.reshape((k.n,) + k.out_shape + (-1,))
-
-    return _Operator(fn_name, k.m, k.matvec), unflat, k
+    return _Operator(fn_name, k.m, k.matvec), k
 
 
 def _check_solver_options(fn, k, which, tol, maxiter, ncv, m) -> None:
@@ -162,8 +158,7 @@ def _solve(fn, op: _Operator, dense, k, which, tol, maxiter, ncv):
             fix = "raise maxiter, loosen tol, or raise ncv (default max(2k + 1, 20))"
             msg = f"{fn}: {what}. Fix: {fix}{_SA_HINT if which == 'SA' else ''}."
             raise NoConvergence(msg, e.eigenvalues, e.eigenvectors) from None
-    order = np.argsort(w)
-    order = order[::-1][:k] if which == "LA" else order[:k]
+    order = np.argsort(w)[::-1][:k] if which == "LA" else np.argsort(w)[:k]
     w, v = w[order], v[:, order]
     flip = v[np.argmax(np.abs(v), axis=0), np.arange(v.shape[1])] < 0
     v[:, flip] *= -1
@@ -261,10 +256,10 @@ def kernel_eigsh(
       (True, (100, 3))
     """
     fn = "kernel_eigsh"
-    op, unflat, host = _kernel_operator(fn, kernel)
+    op, host = _kernel_operator(fn, kernel)
     _check_solver_options(fn, k, which, tol, maxiter, ncv, op.shape[0])
     w, v = _solve(fn, op, host.dense, k, which, tol, maxiter, ncv)
-    return Eigenpairs(w, unflat(v), op.matvecs)
+    return Eigenpairs(w, v.reshape((host.n,) + host.out_shape + (-1,)), op.matvecs)
 
 
 @_caches.lru_cache(maxsize=64)

@@ -180,10 +180,9 @@ class KernelTracker:
         if not isinstance(keep_kernels, (bool, np.bool_)):
             what = f"keep_kernels must be True or False, got {keep_kernels!r}"
             raise bad(TypeError, _NAME, what, "pass keep_kernels=True to keep every kernel")
-        self._kernel_fn = kernel_fn
+        self._kernel_fn, self.keep_kernels = kernel_fn, bool(keep_kernels)
         self._x, self.n_probe = _probe_inputs(x_probe)
         self._y = _labels(y, self.n_probe)
-        self.keep_kernels = bool(keep_kernels)
         self.out = None if out is None else os.fspath(out)
         if self.out is not None:
             os.makedirs(self.out, exist_ok=True)  # fail now, not after training

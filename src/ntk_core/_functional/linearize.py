@@ -131,13 +131,13 @@ def _short(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _derivatives(g: Callable, primal, tangent, degree: int) -> list:
-    """[g(θ0), Dg(θ0)[δ], ..., D^degree g(θ0)[δ, ..., δ]] by nested ``jax.jvp`` (``float0``
-    tangents as zeros, for the next level to differentiate)."""
+def _derivatives(apply_fn: Callable, args, kwargs, primal, tangent, degree: int) -> list:
+    """[g(θ0), Dg(θ0)[δ], ..., D^degree g(θ0)[δ, ..., δ]], g = ``apply_fn(·, *args, **kwargs)``,
+    by nested ``jax.jvp`` (``float0`` tangents as zeros, for the next level to differentiate)."""
 
     def level(k: int) -> Callable:
         if k == 0:
-            return lambda p: [g(p)]
+            return lambda p: [apply_fn(p, *args, **kwargs)]
         lower = level(k - 1)
 
         def derivatives(p):
@@ -180,11 +180,7 @@ def expansion(
 
     def expanded(params, *args, **kwargs):
         delta = point.tangent(params, params_name)
-
-        def g(p):
-            return apply_fn(p, *args, **kwargs)
-
-        return _taylor_sum(_derivatives(g, point.tree, delta, degree))
+        return _taylor_sum(_derivatives(apply_fn, args, kwargs, point.tree, delta, degree))
 
     return expanded
 

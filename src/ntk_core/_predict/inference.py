@@ -108,11 +108,9 @@ class _TestSide:
         return t, self._layout.flat(k)
 
     def _test_kernels(self, fn, k_test_train, k_test_test, fields):
-        lay = self._layout
-        out, t = {}, None
+        lay, out, t, kind, ktt = self._layout, {}, None, None, None
         for f in fields:
             t, out[f] = self._test_train(fn, k_test_train, f, t)
-        kind, ktt = None, None
         if k_test_test is not None:
             k = as_host_array(fn, "k_test_test", _pick(fn, "k_test_test", k_test_test, "nngp"))
             if k.shape == lay.pair_shape(t, t):

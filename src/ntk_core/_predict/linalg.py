@@ -235,6 +235,7 @@ class Solver:
         self.fn_name, self.k2, self.lam, self.dtype = fn_name, k2, lam, np.dtype(dtype)
         self.m, self.reg_scale, self.u = k2.shape[0], reg_scale, unit_roundoff(self.dtype)
         self.method, self._eigs, self._chol = method, None, None
+        self._cho_solve = scipy.linalg.cho_solve
         if method == "cholesky":
             # a is C-ordered and symmetric: a.T is the same matrix in Fortran order, so
             # LAPACK factors it in place (upper of a.T = lower of a), no second copy.
@@ -271,11 +272,9 @@ class Solver:
     def _apply_inverse(self, b: np.ndarray) -> np.ndarray:
         b = np.asarray(b, self.dtype)
         if self.method == "cholesky":
-            import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
-
-            x = scipy.linalg.cho_solve(self._chol, b, check_finite=False)
+            x = self._cho_solve(self._chol, b, check_finite=False)
         else:
-            w, v = self._eigs
+            v = self._eigs[1]
             x = v @ ((v.T @ b) / self._w_floored.astype(self.dtype)[:, None])
         return np.asarray(x, np.float64)
 
