@@ -7,8 +7,6 @@ import importlib
 import inspect
 import sys
 
-_FIX = "Fix: pip install 'ntk-jax[all]'"
-
 
 def _subcommand(name: str, args) -> int:
     """Runs ``ntk_cli.{name}.run`` with the parsed options; 2 on a missing extra or bad option."""
@@ -19,7 +17,8 @@ def _subcommand(name: str, args) -> int:
             return 0
         return module.run(**{k: getattr(args, k) for k in inspect.signature(module.run).parameters})
     except ImportError as e:
-        print(f"ntk {name} needs the optional dependencies ({e}). {_FIX}", file=sys.stderr)
+        fix = "Fix: pip install 'ntk-jax[all]'"
+        print(f"ntk {name} needs the optional dependencies ({e}). {fix}", file=sys.stderr)
     except ValueError as e:
         print(e, file=sys.stderr)
     return 2

@@ -1,8 +1,6 @@
 """``ntk track``: a flax.linen LeNet trained with adam on the digits, its probe NTK tracked by
-:class:`ntk_core.KernelTracker` (distance from the initial NTK, label alignment, top
-eigenvalues); writes ``ntk_track.png`` and ``summary.json``. The helpers are shared with
-``examples/track_digits_nnx.py`` and ``examples/checkpoints_digits_haiku.py``.
-"""
+:class:`ntk_core.KernelTracker`; writes ``ntk_track.png`` and ``summary.json``. The helpers
+serve ``examples/track_digits_nnx.py`` and ``examples/checkpoints_digits_haiku.py`` too."""
 
 from __future__ import annotations
 
@@ -58,10 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser, default_out: str = "./ntk-tra
     add("--lr", type=float, default=1e-3, help="adam learning rate (%(default)s)")
     add("--top-k", type=int, default=5, help="eigenvalues to track (%(default)s)")
     add("--seed", type=int, default=0, help="shuffle, init, batch seed (%(default)s)")
-    choices = list(ntk_core.IMPLEMENTATIONS)
-    add(
-        "--implementation", default="auto", choices=choices, help="NTK implementation (%(default)s)"
-    )
+    choices, text = list(ntk_core.IMPLEMENTATIONS), "NTK implementation (%(default)s)"
+    add("--implementation", default="auto", choices=choices, help=text)
     add("--save-kernels", action="store_true", help="save each NTK in OUT/kernels")
     from ntk_cli.demo import progress_options
 
@@ -98,14 +94,11 @@ def plot_history(history: dict, path: str, title: str) -> None:
 def finish(out: str, tracker, title: str, summary: dict, t_start: float) -> dict:
     """Writes the figure and ``summary.json`` (settings, timings and the tracker's
     :meth:`~ntk_core.KernelTracker.to_dict`), prints a short table; returns the summary."""
-    h = tracker.history
-    picture = os.path.join(out, FIGURE)
+    h, picture = tracker.history, os.path.join(out, FIGURE)
     plot_history(h, picture, title)
-    tracking = float(h["seconds"].sum())
-    total = time.perf_counter() - t_start
+    tracking, total = float(h["seconds"].sum()), time.perf_counter() - t_start
     seconds = dict(total=total, tracking=tracking, other=total - tracking)
-    device = str(jax.devices()[0])
-    summary = dict(summary, seconds=seconds, jax=jax.__version__, device=device)
+    summary = dict(summary, seconds=seconds, jax=jax.__version__, device=str(jax.devices()[0]))
     summary.update(tracker.to_dict())
     with open(os.path.join(out, SUMMARY), "w") as fh:
         json.dump(summary, fh, indent=1)
@@ -117,9 +110,8 @@ def finish(out: str, tracker, title: str, summary: dict, t_start: float) -> dict
         print("{:>7} {:9.4f} {:8.4f} {:9.2f} {:10.4g}".format(*row))
     if "test_accuracy" in summary:
         print(f"test accuracy after {summary['steps']} steps: {summary['test_accuracy']:.4f}")
-    print(
-        f"{n} kernels of {tracker.n_probe} probe samples in {tracking:.1f} s; total {total:.1f} s"
-    )
+    done = f"{n} kernels of {tracker.n_probe} probe samples in {tracking:.1f} s"
+    print(f"{done}; total {total:.1f} s")
     print(f"wrote {picture} and {os.path.join(out, SUMMARY)}")
     return summary
 
@@ -188,10 +180,9 @@ def run(
         bar.close()
     logits = jax.jit(model.apply)({"params": state.params}, jnp.asarray(data.x_test))
     accuracy = float(np.mean(np.argmax(np.asarray(logits), axis=1) == data.y_test))
-    losses = {str(k): v for k, v in losses.items()}
     summary = dict(framework="flax.linen", steps=steps, every=every, probe=probe, batch=batch)
     summary.update(learning_rate=lr, seed=seed, implementation=chosen, test_accuracy=accuracy)
-    summary.update(train_loss=losses)
+    summary.update(train_loss={str(k): v for k, v in losses.items()})
     title = f"NTK of a LeNet (flax.linen) on digits through {steps} adam steps, P = {probe}"
     return finish(out, tracker, title, summary, t_start)
 

@@ -1,7 +1,6 @@
-"""Weight transplants between Flax and Haiku stacks of Dense/Linear and Conv/ConvND layers:
-both store kernels as ``(..., in, out)``, so a transplant renames (``kernel`` <-> ``w``,
-``bias`` <-> ``b``) and pairs layers in order; arrays are reused, never copied. Plain dicts
-in, plain dicts out: neither framework is imported."""
+"""Weight transplants between Flax and Haiku stacks of Dense/Linear and Conv/ConvND layers, both
+storing kernels ``(..., in, out)``: renamed (``kernel`` <-> ``w``, ``bias`` <-> ``b``), paired
+in order, arrays reused; plain dicts in and out, neither framework imported."""
 
 from __future__ import annotations
 
@@ -20,33 +19,29 @@ _PARAMS = "pass variables['params']"
 
 def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) -> dict:
     """Haiku params holding the weights of a Flax stack of Dense and Conv layers (``kernel``
-    renamed ``w``, ``bias`` ``b``; the arrays are reused). Leaves need not be arrays (a
-    per-leaf kernel tree is renamed the same way).
+    renamed ``w``, ``bias`` ``b``; arrays reused; leaves need not be arrays).
 
-    Without ``haiku_params`` the Flax layer names are kept (they fit ``ntk_haiku.lenet``).
-    With them, Flax layers pair in order with Haiku modules, and the result carries the
-    Haiku names (``'mlp/~/linear_0'``, ``'conv2_d_1'``, ...). Order: kind by kind (the
-    kernel's rank); within a kind, by the final ``_<number>`` of names sharing a prefix,
-    the bare name first (creation order in both frameworks, not so in
-    ``nn.Dense(1)(nn.Dense(8)(x))``); different prefixes in their order in the mapping
-    (``init``'s dict keeps creation order, ``jax.jit`` and ``jax.tree.map`` sort keys).
-    Each pair's shapes and biases must agree.
+    Without ``haiku_params`` the Flax layer names are kept (they fit ``ntk_haiku.lenet``);
+    with them, Flax layers pair in order with Haiku modules and take the Haiku names
+    (``'mlp/~/linear_0'``, ...). Order: by kernel rank; within one, names sharing a prefix
+    by their final ``_<number>``, the bare name first (creation order in both frameworks,
+    not in ``nn.Dense(1)(nn.Dense(8)(x))``); prefixes in mapping order (``init`` keeps
+    creation order, ``jax.jit`` and ``jax.tree.map`` sort keys). Each pair's shapes and
+    biases must agree.
 
     Args:
-      flax_params: ``variables["params"]``: layer name -> ``{"kernel", "bias"}`` (bias
-        optional); nested modules and other layers (BatchNorm, Embed) are refused.
+      flax_params: ``variables["params"]``: layer -> ``{"kernel", "bias"}`` (bias optional);
+        nested modules and other layers (BatchNorm, Embed) are refused.
       haiku_params: ``None`` or the target's params (``transformed.init(key, x)`` or its
-        ``jax.eval_shape``; only names and shapes are read): module -> ``{"w", "b"}``.
+        ``jax.eval_shape``; names and shapes read): module -> ``{"w", "b"}``.
 
-    Returns:
-      ``{module: {"w": kernel, "b": bias}}`` of the Flax leaves, in Flax's names and order
-      without ``haiku_params``, else in Haiku's.
+    Returns ``{module: {"w": kernel, "b": bias}}`` of the Flax leaves, named and ordered as
+    Flax without ``haiku_params``, else as Haiku.
 
     Raises:
       TypeError: ``flax_params`` or ``haiku_params`` not a mapping.
-      ValueError: a whole variables dict; nested modules or layers other than Dense/Conv
-        (Linear/ConvND); different numbers of layers of a kernel rank; a pair's shapes
-        or biases differ.
+      ValueError: a whole variables dict; nested modules or layers other than Dense/Conv;
+        different numbers of layers of a kernel rank; a pair's shapes or biases differ.
 
     Cost: no computation; the result shares the Flax arrays.
 
@@ -61,8 +56,7 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
       >>> params["mlp/~/linear_1"]["w"] is flax["Dense_1"]["kernel"]
       True
 
-    References: Flax's ``nn.Dense`` / ``nn.Conv`` and Haiku's ``hk.Linear`` /
-    ``hk.ConvND`` documentation.
+    References: Flax's ``nn.Dense``/``nn.Conv``, Haiku's ``hk.Linear``/``hk.ConvND`` docs.
     """
     fn = "params_from_flax"
     layers = _flax_layers(fn, flax_params, require_kernel=haiku_params is not None)
@@ -74,23 +68,14 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
 
 
 def params_from_haiku(haiku_params: Mapping, flax_params: Mapping | None = None) -> dict:
-    """Flax params holding the weights of a Haiku stack of ``hk.Linear`` and ``hk.ConvND``
-    modules: the reverse of :func:`params_from_flax` (``w`` renamed ``kernel``, ``b``
-    ``bias``; the arrays are reused), with the same pairing order and checks.
+    """Flax params holding the weights of a Haiku stack of ``hk.Linear`` / ``hk.ConvND``: the
+    reverse of :func:`params_from_flax` (``w`` renamed ``kernel``, ``b`` ``bias``), with its
+    pairing order and checks. ``haiku_params``: module -> ``{"w", "b"}`` (``b`` optional);
+    ``flax_params``: ``None`` (Haiku names kept) or the target's ``variables["params"]`` (or
+    its ``jax.eval_shape``; names and shapes read), giving Flax's names and order.
 
-    Args:
-      haiku_params: the Haiku params: module name -> ``{"w", "b"}`` (``b`` optional).
-      flax_params: ``None`` (the Haiku module names are kept) or the target's
-        ``variables["params"]`` (or its ``jax.eval_shape``; only names and shapes are
-        read): the result then carries the Flax layer names, in Flax's order.
-
-    Returns:
-      ``{layer: {"kernel": w, "bias": b}}`` of the Haiku leaves.
-
-    Raises:
-      TypeError, ValueError: as :func:`params_from_flax`, naming ``params_from_haiku``.
-
-    Cost: no computation; the result shares the Haiku arrays.
+    Returns ``{layer: {"kernel": w, "bias": b}}`` sharing the Haiku arrays (no computation).
+    Raises TypeError, ValueError as :func:`params_from_flax`, naming ``params_from_haiku``.
 
     Example:
       >>> import numpy as np
@@ -109,10 +94,7 @@ def params_from_haiku(haiku_params: Mapping, flax_params: Mapping | None = None)
         return {m: {_HAIKU_TO_FLAX[k]: v for k, v in ls.items()} for m, ls in modules.items()}
     layers = _flax_layers(fn, flax_params, require_kernel=True)
     pairs = {layer: module for module, layer in _pairs(fn, layers, modules).items()}
-    return {
-        layer: {k: modules[pairs[layer]][_FLAX_TO_HAIKU[k]] for k in ls}
-        for layer, ls in layers.items()
-    }
+    return {f: {k: modules[pairs[f]][_FLAX_TO_HAIKU[k]] for k in ls} for f, ls in layers.items()}
 
 
 def _pairs(fn, layers: Mapping, modules: Mapping) -> dict:
@@ -160,9 +142,8 @@ def _flax_layers(fn, flax_params, require_kernel: bool) -> Mapping:
         if others or (require_kernel and "kernel" not in leaves):
             haiku_like = leaves and set(leaves) <= set(_HAIKU_TO_FLAX)
             what = f"Flax layer {layer!r} holds {sorted(map(str, leaves))}, not 'kernel' and "
-            raise bad(
-                ValueError, fn, what + "'bias' (Dense, Conv)", _other(fn, haiku_like, "Haiku")
-            )
+            fix = _other(fn, haiku_like, "Haiku")
+            raise bad(ValueError, fn, what + "'bias' (Dense, Conv)", fix)
     return flax_params
 
 
@@ -184,15 +165,11 @@ def _haiku_modules(fn, haiku_params) -> Mapping:
 
 def _natural(names: list) -> list:
     """``names`` grouped by prefix (first appearance), by final number within one."""
-
-    def split(name):
-        match = _NUMBERED.match(str(name))
-        return (match[1], int(match[2])) if match else (str(name), 0)
-
+    keys = {n: (m[1], int(m[2])) if (m := _NUMBERED.match(str(n))) else (str(n), 0) for n in names}
     first: dict[str, int] = {}
-    for position, name in enumerate(names):
-        first.setdefault(split(name)[0], position)
-    return sorted(names, key=lambda name: (first[split(name)[0]], split(name)[1]))
+    for prefix, _ in keys.values():
+        first.setdefault(prefix, len(first))
+    return sorted(names, key=lambda n: (first[keys[n][0]], keys[n][1]))
 
 
 def _by_kind(layers: Mapping, kernel: str) -> dict[int, list]:

@@ -1,11 +1,7 @@
-"""The pytest plugin of ntk-jax (registered through the ``pytest11`` entry point).
-
-Fixtures ``assert_kernels_close`` and ``assert_same_ntk`` (the functions of
-:mod:`ntk_core.testing`), the option ``--ntk-implementation NAME`` (repeatable) that
-restricts which implementations ``assert_same_ntk`` checks when the test names none, and
-a report-header line with the versions that decide a kernel's round-off. Importing this
-module imports neither jax nor a framework; disable it with ``-p no:ntk_core``.
-"""
+"""ntk-jax's pytest plugin (``pytest11`` entry point; off with ``-p no:ntk_core``): fixtures
+``assert_kernels_close`` and ``assert_same_ntk`` (:mod:`ntk_core.testing`), the repeatable
+option ``--ntk-implementation NAME`` (what ``assert_same_ntk`` checks when a test names none)
+and the report header's versions deciding round-off; imports neither jax nor a framework."""
 
 from __future__ import annotations
 
@@ -16,13 +12,8 @@ import pytest
 
 def pytest_addoption(parser):
     group = parser.getgroup("ntk_core", "ntk-jax kernel checks")
-    group.addoption(
-        "--ntk-implementation",
-        action="append",
-        default=None,
-        metavar="NAME",
-        help="implementation(s) that assert_same_ntk checks by default (default: all)",
-    )
+    text = "implementation(s) that assert_same_ntk checks by default (default: all)"
+    group.addoption("--ntk-implementation", action="append", metavar="NAME", help=text)
 
 
 def pytest_report_header(config):
@@ -47,8 +38,7 @@ def assert_kernels_close():
 
 @pytest.fixture
 def assert_same_ntk(request):
-    """:func:`ntk_core.testing.assert_same_ntk`, checking the implementations given with
-    ``--ntk-implementation`` unless the call names its own."""
+    """:func:`ntk_core.testing.assert_same_ntk`, of ``--ntk-implementation`` by default."""
     from ntk_core.testing import assert_same_ntk
 
     chosen = request.config.getoption("--ntk-implementation")

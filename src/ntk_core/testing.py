@@ -1,17 +1,7 @@
-"""Assertions for comparing kernels in a user's own tests (pytest or not).
-
-``assert_kernels_close`` compares two kernels with tolerances taken from their dtypes and
-scaled by the kernels' magnitude, and says where they differ. ``assert_same_ntk`` checks
-that two networks (the same architecture in two frameworks, or a model and its hand-written
-twin) have the same NTK, and names the parameter leaves whose kernels differ. With the
-weight transplants ``params_from_flax`` and ``params_from_haiku`` (also exported as
-``ntk_haiku.params_from_flax`` and ``ntk_flax.params_from_haiku``) this is the whole of a
-cross-framework check; ``examples/test_same_ntk.py`` is one to copy.
-
-Importing this module needs neither pytest nor flax nor haiku. The pytest plugin
-(``ntk_core.pytest_plugin``, registered when ntk-jax is installed) offers both assertions
-as fixtures.
-"""
+"""Kernel assertions for a user's own tests: ``assert_kernels_close`` (dtype tolerances scaled
+by the kernels' magnitude), ``assert_same_ntk`` (two networks have the same NTK, or the leaves
+that differ are named), the weight transplants ``params_from_flax`` / ``params_from_haiku``
+(``examples/test_same_ntk.py``). Needs no pytest, flax or haiku; see ``pytest_plugin``."""
 
 from __future__ import annotations
 
@@ -21,24 +11,17 @@ import numpy as np
 
 from ntk_core._transplant import params_from_flax, params_from_haiku
 
-__all__ = (
-    "TOLERANCE",
-    "assert_kernels_close",
-    "assert_same_ntk",
-    "params_from_flax",
-    "params_from_haiku",
-    "tolerance",
-)
+__all__ = ("TOLERANCE", "assert_kernels_close", "assert_same_ntk", "params_from_flax",
+    "params_from_haiku", "tolerance")  # fmt: skip
 
-#: Relative tolerance by dtype: max |K_a − K_b| <= rtol · max(max |K_a|, max |K_b|).
-#: float32 kernels of the same network agree to a few 1e-6 relative (round-off of the
-#: Jacobian contraction, summed over P parameters); float64 to ~1e-14.
+#: Relative tolerance by dtype: max |K_a − K_b| <= rtol · max(max |K_a|, max |K_b|) (float32
+#: kernels of one network agree to a few 1e-6, float64 to ~1e-14).
 TOLERANCE = {"float16": 2e-2, "bfloat16": 2e-2, "float32": 2e-5, "float64": 1e-12}
 
 
 def tolerance(*dtypes) -> tuple[float, str]:
-    """``(rtol, dtype name)`` of the least precise of ``dtypes`` (dtypes not in
-    :data:`TOLERANCE`, such as ints, count as float64); float64 when none is given."""
+    """``(rtol, dtype name)`` of the least precise of ``dtypes`` (others, e.g. ints, and none
+    given count as float64)."""
     names = [np.dtype(d).name for d in dtypes]
     names = [n if n in TOLERANCE else "float64" for n in names] or ["float64"]
     worst = max(names, key=TOLERANCE.__getitem__)
@@ -63,14 +46,6 @@ def _leaves(tree, name: str) -> list[tuple[str, np.ndarray, str]]:
     return out
 
 
-def _where(index: tuple[int, ...]) -> str:
-    """The sample and output indices of ``index`` in neural-tangents' layout."""
-    if len(index) == 1:
-        return f"sample {index[0]}"
-    outputs = f"; outputs {index[2:]}" if len(index) > 2 else ""
-    return f"samples x1[{index[0]}], x2[{index[1]}]{outputs}"
-
-
 def _compare(path, a, b, rtol, atol, dtype_note) -> str | None:
     """The failure message for one pair of arrays, or None if they are close."""
     at = f" at {path}" if path else ""
@@ -88,8 +63,10 @@ def _compare(path, a, b, rtol, atol, dtype_note) -> str | None:
         return None
     i = tuple(int(j) for j in np.unravel_index(np.argmax(diff), a.shape))
     outside = int((diff > allowed).sum())
+    where = f"sample {i[0]}" if len(i) == 1 else f"samples x1[{i[0]}], x2[{i[1]}]"
+    where += f"; outputs {i[2:]}" if len(i) > 2 else ""
     return (
-        f"kernels differ{at}: max |k_a - k_b| = {diff[i]:.3e} at {i} ({_where(i)}): "
+        f"kernels differ{at}: max |k_a - k_b| = {diff[i]:.3e} at {i} ({where}): "
         f"k_a = {a[i]:.6g}, k_b = {b[i]:.6g}; relative to max |K| = {scale:.4g}: "
         f"{diff[i] / max(scale, 1e-300):.2e} > rtol {rtol:.0e}{dtype_note}"
         f"{f' + atol {atol:.0e}' if atol else ''}; {outside} of {a.size} entries outside"
@@ -99,24 +76,20 @@ def _compare(path, a, b, rtol, atol, dtype_note) -> str | None:
 def assert_kernels_close(k_a, k_b, *, rtol: float | None = None, atol: float | None = None):
     """Asserts two kernels are equal up to round-off of their dtype.
 
-    Passes when ``max |k_a − k_b| <= atol + rtol · s`` for every array, where ``s`` is the
-    largest magnitude in either kernel (so the test is relative to the kernel's scale and
-    does not fail on entries near zero). Default ``rtol`` is :data:`TOLERANCE` of the less
-    precise dtype of the two (float32: 2e-5; float64: 1e-12; float16/bfloat16: 2e-2),
-    default ``atol`` 0.
+    Passes when ``max |k_a − k_b| <= atol + rtol · s`` for every array, ``s`` the largest
+    magnitude in either kernel (relative to the kernel's scale, not per entry). Defaults:
+    ``rtol`` the :data:`TOLERANCE` of the less precise dtype (float32: 2e-5; float64: 1e-12;
+    float16/bfloat16: 2e-2), ``atol`` 0.
 
     Args:
-      k_a, k_b: kernels of the same shape: arrays (jax or numpy), e.g. ``(N1, N2)``,
-        ``(N1, N2, O, O)`` or ``(N,)`` in neural-tangents' layout, or equal pytrees of
-        them (kernels of a pytree output, per-leaf kernels).
-      rtol, atol: relative and absolute tolerances; ``None`` for the defaults above.
+      k_a, k_b: arrays of one shape (jax or numpy), e.g. ``(N1, N2)``, ``(N1, N2, O, O)``
+        or ``(N,)``, or equal pytrees of them (pytree outputs, per-leaf kernels).
+      rtol, atol: relative and absolute tolerances; ``None`` for the defaults.
 
     Raises:
-      AssertionError: shapes or pytree structures differ; an entry is NaN or Inf; or the
-        largest difference exceeds the tolerance. The message gives that difference, its
-        index with the sample pair (axes 0 and 1 index ``x1`` and ``x2``) and output
-        pair, both values, the relative error, which tolerance applied and how many
-        entries are outside it.
+      AssertionError: shapes or pytrees differ, NaN or Inf, or a difference beyond the
+        tolerance: the message gives it, its index with the sample pair (``x1``, ``x2``)
+        and outputs, both values, the relative error, the tolerance and the count outside.
       TypeError: a kernel holds no array.
 
     Cost: O(size of the kernels) on the host, in float64.
@@ -158,19 +131,14 @@ def _implementations(implementation) -> list[str]:
 
 
 def _leaf_table(per_a, per_b, rtol, atol) -> str:
-    """Side-by-side per-leaf kernels; pairs each leaf of A with the closest unused leaf of
-    B of the same kernel shape and marks those with no close partner."""
+    """Per-leaf kernels side by side, each leaf of A beside the closest unused one of B."""
     rows_a, rows_b = _leaves(per_a, "per-leaf k_a"), _leaves(per_b, "per-leaf k_b")
     unused = list(range(len(rows_b)))
     lines, differ = [], []
     for path, a, dtype in rows_a:
-        best, best_err = None, np.inf
-        for j in unused:
-            b = rows_b[j][1]
-            if b.shape == a.shape:
-                err = np.abs(a - b).max(initial=0.0)
-                if err < best_err:
-                    best, best_err = j, err
+        same = [j for j in unused if rows_b[j][1].shape == a.shape]
+        close = {j: np.abs(a - rows_b[j][1]).max(initial=0.0) for j in same}
+        best = min((j for j in same if close[j] < np.inf), key=close.get, default=None)
         scale = max(np.abs(a).max(initial=0.0), 1e-300)
         if best is None:
             lines.append(f"  {path:30s} max|K| {scale:10.4g}  | (no leaf of the same shape)")
@@ -179,11 +147,11 @@ def _leaf_table(per_a, per_b, rtol, atol) -> str:
         unused.remove(best)
         b_path, b, b_dtype = rows_b[best]
         r = tolerance(dtype, b_dtype)[0] if rtol is None else rtol
-        ok = best_err <= (atol or 0.0) + r * max(scale, np.abs(b).max(initial=0.0))
+        b_scale = np.abs(b).max(initial=0.0)
+        ok = close[best] <= (atol or 0.0) + r * max(scale, b_scale)
         mark = "" if ok else "   <-- differs"
         lines.append(
-            f"  {path:30s} max|K| {scale:10.4g}  | {b_path:30s} max|K| "
-            f"{np.abs(b).max(initial=0.0):10.4g}{mark}"
+            f"  {path:30s} max|K| {scale:10.4g}  | {b_path:30s} max|K| {b_scale:10.4g}{mark}"
         )
         if not ok:
             differ.append(path)
@@ -207,35 +175,29 @@ def assert_same_ntk(
 ):
     """Asserts two networks have the same empirical NTK on ``x1`` (and ``x2``).
 
-    Computes ``ntk_core.empirical_ntk(fn, params, x1, x2, implementation=..., **options)``
-    for both sides and compares them with :func:`assert_kernels_close`. Each side is a
-    pure ``fn(params, x)``: for Flax, ``lambda p, x: model.apply({"params": p, **rest},
-    x)``; for Haiku, ``transformed.apply`` of ``hk.without_apply_rng``; for equinox,
-    ``lambda p, x: eqx.combine(p, static)(x)``. On failure the message also lists the
-    per-leaf kernels (:func:`ntk_core.empirical_ntk_per_leaf`) of both sides side by side,
-    each leaf of A paired with the closest leaf of B of the same shape, and names the
-    leaves of A whose kernel has no match: the layer that differs (a missed weight in a
-    transplant, a transposed kernel, another activation).
+    ``ntk_core.empirical_ntk(fn, params, x1, x2, implementation=..., **options)`` of both,
+    compared by :func:`assert_kernels_close`. Each ``fn(params, x)`` is pure: Flax ``lambda
+    p, x: model.apply({"params": p, **rest}, x)``, Haiku ``hk.without_apply_rng(...).apply``,
+    equinox ``lambda p, x: eqx.combine(p, static)(x)``. A failure also lists both sides'
+    per-leaf kernels (:func:`ntk_core.empirical_ntk_per_leaf`), each leaf of A beside the
+    closest of B of its shape, naming the leaves of A without a match (a missed weight, a
+    transposed kernel, another activation).
 
     Args:
-      fn_a, params_a, fn_b, params_b: the two networks and their parameter pytrees (any
-        structure and names; leaves are paired by kernel, not by name).
+      fn_a, params_a, fn_b, params_b: the two networks and their parameter pytrees (leaves
+        are paired by kernel, not by name).
       x1: inputs ``(N1, ...)``; x2: ``(N2, ...)`` or ``None`` for ``x1``.
-      implementation: ``None`` checks every implementation of
-        ``ntk_core.IMPLEMENTATIONS`` other than ``"auto"``; a name or a list of names
-        checks those.
+      implementation: ``None``: every name of ``ntk_core.IMPLEMENTATIONS`` but ``"auto"``;
+        or a name or list of names.
       rtol, atol: as in :func:`assert_kernels_close`.
-      **options: passed to ``empirical_ntk`` (``trace_axes``, ``diagonal_axes``,
-        ``vmap_axes``, ``precision``, ...).
+      **options: passed to ``empirical_ntk`` (``trace_axes``, ``diagonal_axes``, ...).
 
     Raises:
-      AssertionError: the kernels differ for some implementation (the message names it,
-        the largest difference, and the per-leaf table).
-      ValueError: an unknown ``implementation``; errors of ``empirical_ntk`` for bad
-        ``fn``, ``params``, inputs or options propagate.
+      AssertionError: the kernels differ for an implementation (named, with the largest
+        difference and the per-leaf table).
+      ValueError: an unknown ``implementation``; ``empirical_ntk``'s errors propagate.
 
-    Cost: two kernels per implementation, O(N1 N2 O² P) each, plus two per-leaf kernels
-    on failure.
+    Cost: two kernels per implementation, O(N1 N2 O² P) each; two per-leaf kernels on failure.
 
     Example:
       >>> import jax.numpy as jnp
@@ -246,9 +208,8 @@ def assert_same_ntk(
       >>> assert_same_ntk(lambda p, x: jnp.tanh(x @ p["w"]) @ p["v"], a,
       ...                 lambda p, x: jnp.tanh(x @ p[0]) @ p[1], b, x)
 
-    References:
-      The kernel is that of Jacot, Gabriel, Hongler, "Neural Tangent Kernel" (NeurIPS
-      2018); the layout that of neural-tangents' ``empirical_ntk_fn``.
+    References: the kernel of Jacot, Gabriel, Hongler, "Neural Tangent Kernel" (NeurIPS
+    2018), in the layout of neural-tangents' ``empirical_ntk_fn``.
     """
     from ntk_core._api import empirical_ntk, empirical_ntk_per_leaf
 

@@ -1,6 +1,5 @@
 """A square kernel ``(N, N)`` / ``(N, N, O1, O1, ...)`` on the host, read as its flat
-``(N·O, N·O)`` matrix (row ``i·O + a``) in float64 row chunks of about 64 MiB.
-"""
+``(N·O, N·O)`` matrix (row ``i·O + a``) in float64 row chunks of about 64 MiB."""
 
 from __future__ import annotations
 
@@ -8,7 +7,8 @@ import math
 
 import numpy as np
 
-from ntk_core._predict.linalg import as_host_array, bad, check_finite, check_symmetric, flat_pairs
+from ntk_core._errors import bad
+from ntk_core._predict.linalg import as_host_array, check_finite, check_symmetric, flat_pairs
 
 #: float64 entries per row chunk (64 MiB).
 CHUNK_ENTRIES = 1 << 23
@@ -24,12 +24,9 @@ class HostKernel:
         if not square or arr.ndim % 2 or shape[0] == 0:
             what = f"{name} has shape {shape}; expected a square kernel (N, N) / (N, N, O, O)"
             raise bad(ValueError, fn_name, what, "pass the kernel of x (N >= 1) with itself")
-        self.fn_name, self.name, self.arr = fn_name, name, arr
-        self.n = shape[0]
-        self.out_shape = shape[2::2]
-        self.o = math.prod(self.out_shape)
+        self.fn_name, self.name, self.arr, self.dtype = fn_name, name, arr, arr.dtype
+        self.n, self.out_shape, self.o = shape[0], shape[2::2], math.prod(shape[2::2])
         self.m = self.n * self.o
-        self.dtype = arr.dtype
 
     def chunks(self):
         """Yields ``(flat row slice, float64 block (b·O, M))``, checked for NaN/Inf."""
@@ -38,10 +35,8 @@ class HostKernel:
             s = slice(start, min(self.n, start + rows))
             block = self.arr[s]
             check_finite(self.fn_name, self.name, block, cls=ValueError, first=s.start)
-            yield (
-                slice(s.start * self.o, s.stop * self.o),
-                flat_pairs(np.asarray(block, np.float64), self.o),
-            )
+            flat_rows = slice(s.start * self.o, s.stop * self.o)
+            yield flat_rows, flat_pairs(np.asarray(block, np.float64), self.o)
 
     def check_symmetric(self) -> None:
         """Raises unless max |K - Kᵀ| <= 100·u·max |K|, chunk by chunk."""
@@ -90,7 +85,6 @@ def eigenvalues_of(fn_name: str, kernel, eigenvalues) -> np.ndarray:
         what = f"eigenvalues must be a non-empty 1-D array of real numbers, got {got}"
         fix = "pass e.g. numpy.linalg.eigvalsh(k) or kernel_eigsh(k).eigenvalues, or the kernel"
         raise bad(ValueError, fn_name, what, fix)
-    w = w.astype(np.float64)
-    fix = "recompute them from a finite kernel"
+    w, fix = w.astype(np.float64), "recompute them from a finite kernel"
     check_finite(fn_name, "eigenvalues", w, fix, cls=ValueError, unit="index")
     return w

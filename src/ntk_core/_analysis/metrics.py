@@ -1,6 +1,4 @@
-"""Kernel distance, kernel-target alignment (plain, centred), effective rank: float64 on the
-host, kernels read in row chunks (:mod:`ntk_core._analysis.host_kernel`), Python floats.
-"""
+"""Kernel distance, alignment (plain, centred), effective rank: float64 on the host."""
 
 from __future__ import annotations
 
@@ -9,8 +7,9 @@ import math
 import numpy as np
 
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
+from ntk_core._errors import bad
 from ntk_core._kernel.arguments import _checked_arguments
-from ntk_core._predict.linalg import bad, check_finite
+from ntk_core._predict.linalg import check_finite
 
 _TARGETS_FIX = "pass the targets of the kernel's N samples"
 
@@ -21,9 +20,9 @@ def kernel_distance(k1, k2) -> float:
         d(K1, K2) = 1 − ⟨K1, K2⟩_F / (‖K1‖_F ‖K2‖_F)
 
     ``k1``, ``k2``: kernels of one shape, ``(N, N)`` or ``(N, N, O, O)`` (more output axes
-    zipped), i.e. the flat ``(N·O, N·O)`` matrix ``K[i·O + a, j·O + b] = K[i, j, a, b]``.
-    Raises ValueError (shapes differ or not square, NaN or Inf, an all-zero kernel),
-    TypeError (non-floating). Cost: one pass, 3·M² multiply-adds (M = N·O), 64 MiB chunks.
+    zipped): the flat ``(N·O, N·O)`` matrix ``K[i·O + a, j·O + b] = K[i, j, a, b]``. Raises
+    ValueError (shapes differ or not square, NaN or Inf, all zeros), TypeError (non-floating).
+    Cost: one pass, 3·M² multiply-adds (M = N·O), read in 64 MiB chunks.
 
     Example:
       >>> import numpy as np
@@ -74,11 +73,10 @@ def _targets(fn: str, k: HostKernel, y) -> np.ndarray:
 
 def _alignment(fn: str, k, y, centered: bool) -> float:
     kern = HostKernel(fn, "k", k)
-    t = _targets(fn, kern, y)
+    t, n, o = _targets(fn, kern, y), kern.n, kern.o
     if centered:  # H = I − 11ᵀ/N on the samples, per output entry (H ⊗ I_O)
-        t3 = t.reshape(kern.n, kern.o, -1)
+        t3 = t.reshape(n, o, -1)
         t = (t3 - t3.mean(axis=0)).reshape(t.shape)
-    n, o = kern.n, kern.o
     num = knorm2 = 0.0
     row_sums = np.zeros((n, o, o))  # Σ_j K[i, a, j, b]
     col_sums = np.zeros((o, n, o))  # Σ_i K[i, a, j, b]
@@ -95,8 +93,7 @@ def _alignment(fn: str, k, y, centered: bool) -> float:
         knorm2 = 0.0
         for rows, block in kern.chunks():
             s = slice(rows.start // o, rows.stop // o)
-            c = block.reshape(-1, o, n, o) - col_means[None]
-            c -= row_means[s][:, :, None, :]
+            c = block.reshape(-1, o, n, o) - col_means[None] - row_means[s][:, :, None, :]
             c += grand[None, :, None, :]
             knorm2 += float(np.vdot(c, c))
     tnorm = float(np.linalg.norm(t.T @ t))  # ‖Y Yᵀ‖_F = ‖Yᵀ Y‖_F
@@ -113,10 +110,10 @@ def kernel_alignment(k, y) -> float:
 
         A(K, Y) = ⟨K, Y Yᵀ⟩_F / (‖K‖_F ‖Y Yᵀ‖_F) = tr(Yᵀ K Y) / (‖K‖_F ‖Yᵀ Y‖_F)
 
-    ``k`` as :func:`kernel_distance`; ``y``: floating or integer targets, ``(N,)`` or ``(N,
-    O)`` for an ``(N, N)`` kernel, ``(N, O)`` for ``(N, N, O, O)`` (target kernel vec(y)
-    vec(y)ᵀ). Raises ValueError (k not square, y's shape, NaN or Inf, all zeros), TypeError
-    (non-floating k, non-numeric y). Cost: one pass, 2·M²·R multiply-adds (R columns of y).
+    ``k`` as :func:`kernel_distance`; ``y``: floating or integer targets, ``(N,)`` / ``(N, O)``
+    for ``(N, N)``, ``(N, O)`` for ``(N, N, O, O)`` (target kernel vec(y) vec(y)ᵀ). Raises
+    ValueError (k not square, y's shape, NaN or Inf, all zeros), TypeError (non-floating k,
+    non-numeric y). Cost: one pass, 2·M²·R multiply-adds (R columns of y).
 
     Example:
       >>> import numpy as np
@@ -137,9 +134,9 @@ def centered_kernel_alignment(k, y) -> float:
 
         A_c(K, Y) = ⟨H K H, H Y Yᵀ H⟩_F / (‖H K H‖_F ‖H Y Yᵀ H‖_F),  H = I − 11ᵀ/N
 
-    Invariant to constant offsets; H acts on the samples per output entry (H ⊗ I_O).
-    ``k``, ``y`` and errors as :func:`kernel_alignment`, plus ValueError for a kernel or
-    targets constant over the samples. Cost: two passes, 4·M² + 2·M²·R flops, N·O² memory.
+    Invariant to constant offsets; H acts on the samples per output (H ⊗ I_O). ``k``, ``y``,
+    errors as :func:`kernel_alignment`, and ValueError for k or y constant over the samples.
+    Cost: two passes, 4·M² + 2·M²·R flops, N·O² memory.
 
     Example:
       >>> import numpy as np
@@ -163,9 +160,9 @@ def effective_rank(kernel=None, *, eigenvalues=None) -> float:
         erank = exp(−Σ_i p_i log p_i),  p_i = |λ_i| / Σ_j |λ_j|   (0·log 0 = 0)
 
     ``kernel``: symmetric, as :func:`kernel_distance` (all eigenvalues, 4/3·M³ flops), or
-    keyword-only ``eigenvalues``, a 1-D array (a top k gives at most k). Raises TypeError
-    (both or neither, non-floating kernel), ValueError (kernel not square, symmetric or 2-D+;
-    NaN or Inf; eigenvalues not real 1-D or all zero).
+    keyword-only ``eigenvalues``, 1-D (a top k gives at most k). Raises TypeError (both or
+    neither, non-floating kernel), ValueError (kernel not square, symmetric or 2-D+; NaN or
+    Inf; eigenvalues not real 1-D or all zero).
 
     Example:
       >>> import numpy as np
@@ -179,13 +176,10 @@ def effective_rank(kernel=None, *, eigenvalues=None) -> float:
 
     References: Roy, Vetterli, "The effective rank", EUSIPCO 2007.
     """
-    fn = "effective_rank"
-    s = np.abs(eigenvalues_of(fn, kernel, eigenvalues))
-    total = float(s.sum())
-    if total == 0.0:
-        raise _undefined(
-            fn, "every eigenvalue is 0", "the normalised spectrum", "a non-zero kernel"
-        )
+    s = np.abs(eigenvalues_of("effective_rank", kernel, eigenvalues))
+    if (total := float(s.sum())) == 0.0:
+        what, quantity = "every eigenvalue is 0", "the normalised spectrum"
+        raise _undefined("effective_rank", what, quantity, "a non-zero kernel")
     p = s[s > 0] / total
     return float(math.exp(-float(np.sum(p * np.log(p)))))
 

@@ -1,7 +1,5 @@
-"""NTK spectra: ARPACK (``scipy.sparse.linalg.eigsh``) on float64 operators of size
-M = N·O, from NTK-vector products (:func:`ntk_core.ntk_vp_fn`) or a stored kernel read
-in row chunks (:mod:`ntk_core._analysis.host_kernel`).
-"""
+"""NTK spectra: ARPACK (``scipy.sparse.linalg.eigsh``) on float64 operators of size M = N·O,
+from NTK-vector products (:func:`ntk_core.ntk_vp_fn`) or a kernel read in row chunks."""
 
 from __future__ import annotations
 
@@ -15,12 +13,12 @@ import scipy.sparse.linalg
 
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
 from ntk_core._api import _get
+from ntk_core._errors import bad, check_int, check_real
 from ntk_core._functional.ntk_vp import make_ntk_vp
 from ntk_core._jax import caches as _caches
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import check_apply_fn
-from ntk_core._predict.linalg import bad, check_int, check_real
 
 _NTK_OPERATOR = core("ntk_operator", one_input=True)
 _NTK_EIGSH = core("ntk_eigsh", one_input=True)
@@ -36,8 +34,7 @@ _SA_HINT = "; the smallest converge slowly: condition_number(kernel) of a formed
 class Eigenpairs(NamedTuple):
     """Extreme eigenpairs (:func:`ntk_eigsh`): float64 ``eigenvalues (k,)`` in ``which``'s order;
     unit ``eigenvectors (N, O..., k)`` (``(N, k)`` for ``(N, N)``; pytrees for pytree outputs),
-    largest entry positive; ``matvecs``, the products used.
-    """
+    largest entry positive; ``matvecs``, the products used."""
 
     eigenvalues: np.ndarray
     eigenvectors: Any
@@ -67,10 +64,7 @@ class _Operator(scipy.sparse.linalg.LinearOperator):
             raise bad(ValueError, self.fn_name, what, "look for float32 overflow, or use float64")
         return out
 
-    def _rmatvec(self, v):
-        return self._matvec(v)
-
-    def _adjoint(self):
+    def _adjoint(self):  # symmetric; scipy's rmatvec and .T then use _matvec
         return self
 
 
@@ -98,8 +92,8 @@ def ntk_operator(apply_fn, params, x, *, batch_size=None, precision="highest"):
     """The NTK Θ(x, x) as a float64 ``scipy.sparse.linalg.LinearOperator``, never formed.
 
     ``op @ v`` (v of length M = N·O: outputs flattened row-major, pytree leaves concatenated)
-    is Θ v by :func:`ntk_core.ntk_vp_fn` (arguments and errors as there; also ValueError for
-    a NaN or Inf product), one VJP and one JVP per product. Symmetric; ``op.matvecs``.
+    is Θ v by :func:`ntk_core.ntk_vp_fn` (arguments and errors as there; ValueError for a
+    NaN or Inf product): one VJP and one JVP. Symmetric; ``op.matvecs`` counts products.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np
@@ -132,11 +126,7 @@ def kernel_operator(kernel):
 def _kernel_operator(fn_name, kernel):
     k = HostKernel(fn_name, "kernel", kernel)
     k.check_symmetric()
-
-    def unflat(vectors):
-        return vectors.reshape((k.n,) + k.out_shape + (-1,))
-
-    return _Operator(fn_name, k.m, k.matvec), unflat, k
+    return _Operator(fn_name, k.m, k.matvec), k
 
 
 def _check_solver_options(fn, k, which, tol, maxiter, ncv, m) -> None:
@@ -160,17 +150,15 @@ def _solve(fn, op: _Operator, dense, k, which, tol, maxiter, ncv):
     else:
         v0 = np.random.default_rng(SEED).standard_normal(m)
         try:
-            w, v = scipy.sparse.linalg.eigsh(
-                op, k=k, which=which, tol=tol, maxiter=maxiter, ncv=ncv, v0=v0
-            )
+            options = dict(k=k, which=which, tol=tol, maxiter=maxiter, ncv=ncv, v0=v0)
+            w, v = scipy.sparse.linalg.eigsh(op, **options)
         except scipy.sparse.linalg.ArpackNoConvergence as e:
             what = f"ARPACK did not converge: {len(e.eigenvalues)} of the k={k} eigenpairs met "
             what += f"tol={tol} after {op.matvecs} products (maxiter={maxiter})"
             fix = "raise maxiter, loosen tol, or raise ncv (default max(2k + 1, 20))"
             msg = f"{fn}: {what}. Fix: {fix}{_SA_HINT if which == 'SA' else ''}."
             raise NoConvergence(msg, e.eigenvalues, e.eigenvectors) from None
-    order = np.argsort(w)
-    order = order[::-1][:k] if which == "LA" else order[:k]
+    order = np.argsort(w)[::-1][:k] if which == "LA" else np.argsort(w)[:k]
     w, v = w[order], v[:, order]
     flip = v[np.argmax(np.abs(v), axis=0), np.arange(v.shape[1])] < 0
     v[:, flip] *= -1
@@ -192,17 +180,17 @@ def ntk_eigsh(
 ) -> Eigenpairs:
     """Top-k eigenpairs of the empirical NTK Θ(x, x) (``trace_axes=()``), matrix-free.
 
-    ARPACK on :func:`ntk_operator`. Deterministic: the start vector is Gaussian of seed
-    :data:`SEED`. For M <= 2k + 1 the operator is formed and solved densely.
+    ARPACK on :func:`ntk_operator` from a Gaussian start vector of seed :data:`SEED`
+    (deterministic); for M <= 2k + 1, the operator formed and solved densely.
 
     Args:
       apply_fn, params, x, batch_size, precision: as :func:`ntk_core.ntk_vp_fn`.
       k: eigenpairs wanted, 1 <= k <= M = N·O.
-      which: ``"LA"``: largest first; ``"SA"``: smallest first (cluster near 0, converge
-        slowly; :func:`condition_number` of a formed kernel is exact).
+      which: ``"LA"``: largest first; ``"SA"``: smallest first (converge slowly;
+        :func:`condition_number` of a formed kernel is exact).
       tol: relative accuracy of the eigenvalues, >= 0 (0: machine precision).
-      maxiter: most Arnoldi restarts (None: scipy's 10·M).
-      ncv: Lanczos vectors (None: scipy's min(M, max(2k + 1, 20))).
+      maxiter: most Arnoldi restarts (None: scipy's 10·M); ncv: Lanczos vectors (None:
+        scipy's min(M, max(2k + 1, 20))).
 
     Returns :class:`Eigenpairs`; eigenvalues accurate to about u·λ_max (parameters' dtype).
 
@@ -234,12 +222,13 @@ def ntk_eigsh(
     check_apply_fn(fn, apply_fn)
     op, unflat = _ntk_operator(_NTK_EIGSH, apply_fn, params, x, batch_size, precision)
     _check_solver_options(fn, k, which, tol, maxiter, ncv, op.shape[0])
-    w, v = _solve(fn, op, lambda: _symmetric(op @ np.eye(op.shape[0])), k, which, tol, maxiter, ncv)
+
+    def dense():
+        a = op @ np.eye(op.shape[0])
+        return (a + a.T) / 2
+
+    w, v = _solve(fn, op, dense, k, which, tol, maxiter, ncv)
     return Eigenpairs(w, unflat(v), op.matvecs)
-
-
-def _symmetric(a: np.ndarray) -> np.ndarray:
-    return (a + a.T) / 2
 
 
 def kernel_eigsh(
@@ -267,10 +256,10 @@ def kernel_eigsh(
       (True, (100, 3))
     """
     fn = "kernel_eigsh"
-    op, unflat, host = _kernel_operator(fn, kernel)
+    op, host = _kernel_operator(fn, kernel)
     _check_solver_options(fn, k, which, tol, maxiter, ncv, op.shape[0])
     w, v = _solve(fn, op, host.dense, k, which, tol, maxiter, ncv)
-    return Eigenpairs(w, unflat(v), op.matvecs)
+    return Eigenpairs(w, v.reshape((host.n,) + host.out_shape + (-1,)), op.matvecs)
 
 
 @_caches.lru_cache(maxsize=64)

@@ -1,6 +1,5 @@
 """:class:`KernelTracker`: the empirical NTK of a fixed probe set and its metrics
-(:mod:`ntk_core.metrics`), every ``every`` steps of a training loop; host work in float64.
-"""
+(:mod:`ntk_core.metrics`), every ``every`` steps of a training loop; host work in float64."""
 
 from __future__ import annotations
 
@@ -19,7 +18,8 @@ import numpy as np
 
 from ntk_core._analysis import metrics as _metrics
 from ntk_core._analysis.host_kernel import HostKernel
-from ntk_core._predict.linalg import bad, check_finite, check_int
+from ntk_core._errors import bad, check_int
+from ntk_core._predict.linalg import check_finite
 
 _NAME = "KernelTracker"
 _UPDATE = f"{_NAME}.update"
@@ -28,8 +28,7 @@ _KERNEL_FN_FIX = "pass a kernel function such as ntk_core.ntk_fn(f) or ntk_flax.
 
 class KernelRecord(NamedTuple):
     """One tracked step's metrics (see :class:`KernelTracker`): floats (NaN alignments without
-    labels), ``step`` int, ``top_eigenvalues`` float64 ``(top_k,)``, ``seconds`` wall time.
-    """
+    labels), ``step`` int, ``top_eigenvalues`` float64 ``(top_k,)``, ``seconds`` wall time."""
 
     step: int
     kernel_distance: float
@@ -115,16 +114,15 @@ def _atomic_write(path: str, write) -> None:
 class KernelTracker:
     """The empirical NTK of a fixed probe set, tracked every ``every`` training steps.
 
-    At a due step (``step % every == 0``) :meth:`update` computes K_s =
-    ``kernel_fn(params_like, x_probe)`` and records a :class:`KernelRecord`:
-    ``kernel_distance(K_0, K_s)`` (K_0 the first tracked), ``kernel_alignment`` and
-    ``centered_kernel_alignment`` with y, ``effective_rank``, the trace and the ``top_k``
-    largest of all eigenvalues λ of the flat ``(N·O, N·O)`` kernel (float64, see
-    :mod:`ntk_core.metrics`). Other steps cost one integer modulo. ``kernel_fn`` is any
-    kernel function (``ntk_core.ntk_fn``, ``ntk_flax.kernel_fn``, ``ntk_haiku.kernel_fn``).
+    At a due step (``step % every == 0``) :meth:`update` computes K_s = ``kernel_fn(
+    params_like, x_probe)`` and records a :class:`KernelRecord`: ``kernel_distance(K_0,
+    K_s)`` (K_0 the first tracked), ``kernel_alignment`` and ``centered_kernel_alignment``
+    with y, ``effective_rank``, the trace and the ``top_k`` largest eigenvalues of the flat
+    ``(N·O, N·O)`` kernel (float64, :mod:`ntk_core.metrics`). Other steps cost a modulo.
 
     Args:
-      kernel_fn: ``(params_like, x, **kwargs) ->`` one kernel ``(N, N)`` / ``(N, N, O, O)``.
+      kernel_fn: ``(params_like, x, **kwargs) ->`` one kernel ``(N, N)`` / ``(N, N, O, O)``
+        (``ntk_core.ntk_fn``, ``ntk_flax.kernel_fn``, ``ntk_haiku.kernel_fn``, ...).
       x_probe: N probe inputs, an array ``(N, ...)`` or a pytree with batch axis 0.
       y: optional labels ``(N,)`` or ``(N, O)`` (``(N, O)`` for ``(N, N, O, O)`` kernels).
       every: positive int. top_k: eigenvalues recorded (<= N·O).
@@ -182,19 +180,16 @@ class KernelTracker:
         if not isinstance(keep_kernels, (bool, np.bool_)):
             what = f"keep_kernels must be True or False, got {keep_kernels!r}"
             raise bad(TypeError, _NAME, what, "pass keep_kernels=True to keep every kernel")
-        self._kernel_fn = kernel_fn
+        self._kernel_fn, self.keep_kernels = kernel_fn, bool(keep_kernels)
         self._x, self.n_probe = _probe_inputs(x_probe)
         self._y = _labels(y, self.n_probe)
-        self.keep_kernels = bool(keep_kernels)
         self.out = None if out is None else os.fspath(out)
         if self.out is not None:
             os.makedirs(self.out, exist_ok=True)  # fail now, not after training
         self.records: list[KernelRecord] = []
-        self.kernels: list[np.ndarray] = []
+        self.kernels: list[np.ndarray] = []  # with keep_kernels
         self.initial_kernel: np.ndarray | None = None
-        self._files: list[str] = []
-        self._shape: tuple[int, ...] | None = None
-        self._dtype: str | None = None
+        self._files, self._shape, self._dtype = [], None, None  # set by _track
 
     def is_due(self, step: int) -> bool:
         """Whether :meth:`update` computes the kernel at ``step``."""
@@ -206,21 +201,17 @@ class KernelTracker:
         ``kernel_fn(params_like, x_probe, **kernel_kwargs)``; ``step`` a Python or numpy int.
         """
         if not _is_int(step) or step < 0:
-            self._bad_step(step)
+            fix = "pass the Python loop counter (for step in range(n): ...)"
+            if isinstance(step, jax.Array):  # deciding whether it is due would sync every step
+                what = f"step is a jax.Array ({step.dtype}): reading it would wait for the device"
+                raise bad(TypeError, _UPDATE, what + " at every step", fix)
+            if _is_int(step):  # negative
+                raise bad(ValueError, _UPDATE, f"step must be >= 0, got {step}", fix)
+            what = f"step must be an int, got {step!r} ({type(step).__name__})"
+            raise bad(TypeError, _UPDATE, what, fix)
         if step % self.every:
             return None
         return self._track(int(step), params_like, kernel_kwargs)
-
-    def _bad_step(self, step) -> None:
-        fix = "pass the Python loop counter (for step in range(n): ...)"
-        if isinstance(step, jax.Array):  # deciding whether it is due would sync every step
-            d = step.dtype
-            what = f"step is a jax.Array ({d}): reading it would wait for the device at every step"
-            raise bad(TypeError, _UPDATE, what, fix)
-        if _is_int(step):  # negative
-            raise bad(ValueError, _UPDATE, f"step must be >= 0, got {step}", fix)
-        what = f"step must be an int, got {step!r} ({type(step).__name__})"
-        raise bad(TypeError, _UPDATE, what, fix)
 
     def _track(self, step: int, params_like, kernel_kwargs) -> KernelRecord:
         if self.records and step <= self.records[-1].step:
@@ -228,7 +219,11 @@ class KernelTracker:
             raise bad(ValueError, _UPDATE, what, "pass the training step, not a restarting counter")
         t0 = time.perf_counter()
         k = self._kernel_fn(params_like, self._x, **kernel_kwargs)
-        kernel = self._host(k)
+        if not hasattr(k, "shape") or not hasattr(k, "dtype"):
+            what = f"the kernel function returned {type(k).__name__}; expected one array"
+            fix = "for pytree outputs, a kernel of one leaf, e.g. ntk_fn(lambda p, x: f(p, x)['y'])"
+            raise bad(TypeError, _UPDATE, what, fix)
+        kernel = np.asarray(k)
         if kernel.ndim < 2 or kernel.shape[:2] != (self.n_probe, self.n_probe):
             what = f"the kernel function returned shape {kernel.shape}; expected the kernel of the "
             what += f"N = {self.n_probe} probe samples, (N, N) or (N, N, O, O)"
@@ -237,50 +232,32 @@ class KernelTracker:
         flat = HostKernel(_UPDATE, "the kernel", kernel)
         flat.check_symmetric()
         if self.initial_kernel is None:
-            self._check_first(flat)
+            expected = (self.n_probe, flat.o)
+            if self._y is not None and flat.out_shape and self._y.shape != expected:
+                what = f"the kernel has shape {kernel.shape} (outputs not traced), so y must have "
+                what += f"shape (N, O) = {expected}, got {self._y.shape}"
+                fix = "pass one-hot labels, or a kernel function with the default trace_axes=(-1,)"
+                raise bad(ValueError, _UPDATE, what, fix)
+            fix = f"pass top_k <= M = N·O = {flat.m} (kernel {kernel.shape}), or more probe samples"
+            check_int(_UPDATE, "top_k", self.top_k, fix, high=flat.m)
+            self._shape, self._dtype = tuple(kernel.shape), str(kernel.dtype)
             self.initial_kernel = kernel
         dense = flat.dense()
-        eigenvalues = np.linalg.eigvalsh(dense)  # ascending, float64
-        if self._y is None:
-            alignment = centered = math.nan
-        else:
+        w = np.linalg.eigvalsh(dense)  # ascending, float64
+        alignment = centered = math.nan
+        if self._y is not None:
             alignment = _metrics.kernel_alignment(kernel, self._y)
             centered = _metrics.centered_kernel_alignment(kernel, self._y)
-        record = KernelRecord(
-            step=step,
-            kernel_distance=_metrics.kernel_distance(self.initial_kernel, kernel),
-            alignment=alignment,
-            centered_alignment=centered,
-            effective_rank=_metrics.effective_rank(eigenvalues=eigenvalues),
-            trace=float(np.trace(dense)),
-            top_eigenvalues=eigenvalues[::-1][: self.top_k].copy(),
-            seconds=time.perf_counter() - t0,
-        )
+        distance = _metrics.kernel_distance(self.initial_kernel, kernel)
+        rank, top = _metrics.effective_rank(eigenvalues=w), w[::-1][: self.top_k].copy()
+        trace, seconds = float(np.trace(dense)), time.perf_counter() - t0
+        record = KernelRecord(step, distance, alignment, centered, rank, trace, top, seconds)
         self.records.append(record)
         if self.keep_kernels:
             self.kernels.append(kernel)
         if self.out is not None:
             self._save(step, kernel)
         return record
-
-    def _host(self, k) -> np.ndarray:
-        if not hasattr(k, "shape") or not hasattr(k, "dtype"):
-            what = f"the kernel function returned {type(k).__name__}; expected one array"
-            fix = "for pytree outputs, a kernel of one leaf, e.g. ntk_fn(lambda p, x: f(p, x)['y'])"
-            raise bad(TypeError, _UPDATE, what, fix)
-        return np.asarray(k)
-
-    def _check_first(self, flat: HostKernel) -> None:
-        kernel = flat.arr
-        expected = (self.n_probe, flat.o)
-        if self._y is not None and flat.out_shape and self._y.shape != expected:
-            what = f"the kernel has shape {kernel.shape} (outputs not traced), so y must have "
-            what += f"shape (N, O) = {expected}"
-            fix = "pass one-hot labels, or a kernel function with the default trace_axes=(-1,)"
-            raise bad(ValueError, _UPDATE, f"{what}, got {self._y.shape}", fix)
-        fix = f"pass top_k <= M = N·O = {flat.m} (kernel {kernel.shape}), or more probe samples"
-        check_int(_UPDATE, "top_k", self.top_k, fix, high=flat.m)
-        self._shape, self._dtype = tuple(kernel.shape), str(kernel.dtype)
 
     @property
     def history(self) -> dict[str, np.ndarray]:
@@ -292,16 +269,12 @@ class KernelTracker:
 
     def to_dict(self) -> dict:
         """What ``metrics.json`` holds: the settings and :attr:`history` as lists."""
-        return dict(
-            every=self.every,
-            top_k=self.top_k,
-            n_probe=self.n_probe,
-            kernel_shape=None if self._shape is None else list(self._shape),
-            kernel_dtype=self._dtype,
-            has_labels=self._y is not None,
-            history={k: _json_value(v) for k, v in self.history.items()},
-            kernel_files=list(self._files) if self.out is not None else None,
-        )
+        out = dict(every=self.every, top_k=self.top_k, n_probe=self.n_probe)
+        out.update(kernel_shape=None if self._shape is None else list(self._shape))
+        out.update(kernel_dtype=self._dtype, has_labels=self._y is not None)
+        out.update(history={k: _json_value(v) for k, v in self.history.items()})
+        out.update(kernel_files=list(self._files) if self.out is not None else None)
+        return out
 
     def _save(self, step: int, kernel: np.ndarray) -> None:
         name = f"kernel_step_{step:08d}.npy"

@@ -1,2 +1,1 @@
-"""Functions of the model around the kernel: linearization, Taylor expansion, NTK-vector
-products."""
+"""The model around the kernel: linearization, Taylor expansion, NTK-vector products."""

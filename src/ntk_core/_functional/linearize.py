@@ -1,7 +1,5 @@
-"""``linearize`` and ``taylor_expand``: ``apply_fn`` expanded in its parameters around θ0
-by nested ``jax.jvp`` (no Jacobian formed); non-floating leaves of θ0 are held fixed.
-The adapters call :func:`expansion` with their own names for messages.
-"""
+"""``linearize`` and ``taylor_expand``: ``apply_fn`` expanded in its parameters around θ0 by
+nested ``jax.jvp`` (no Jacobian), non-floating leaves held; adapters call :func:`expansion`."""
 
 from __future__ import annotations
 
@@ -22,18 +20,15 @@ def check_degree(fn_name: str, degree) -> int:
 
 def _dtype(leaf):
     """The dtype JAX gives ``leaf`` (float64 NumPy data is float32 with x64 off)."""
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None:
-        dtype = np.result_type(leaf)
+    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys
         return dtype
     return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _differentiable(dtype) -> bool:
-    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and bool(
-        jnp.issubdtype(dtype, jnp.inexact)
-    )
+    extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)  # PRNG keys
+    return not extended and bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _concrete(leaf):
@@ -52,8 +47,7 @@ def _shown(paths: list[str]) -> str:
 
 class _Point:
     """The expansion point θ0 (a snapshot of its leaves), checking call-time parameters;
-    ``point_arg`` names θ0 as received, ``point_name`` in call-time messages.
-    """
+    ``point_arg`` names θ0 as received, ``point_name`` in call-time messages."""
 
     def __init__(self, fn_name: str, params0, point_arg: str, point_name: str):
         self.fn_name, self.point_name = fn_name, point_name
@@ -75,8 +69,7 @@ class _Point:
 
     def tangent(self, params, params_name: str):
         """δ = params − θ0 (``float0`` for leaves without a tangent), after checking params'
-        structure, shapes, dtypes and, outside ``jax.jit``, the fixed leaves' values.
-        """
+        structure, shapes, dtypes and, outside ``jax.jit``, the fixed leaves' values."""
         fn, point = self.fn_name, f"the expansion point ({self.point_name})"
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         if treedef != self.treedef:
@@ -117,25 +110,20 @@ class _Point:
         missing = [p for p in self.paths if p not in set(paths)]
         extra = [p for p in paths if p not in set(self.paths)]
         if missing or extra:
-            detail = (
-                f"it has {len(paths)} leaves {_shown(paths)}, the expansion point "
-                f"{len(self.paths)} {_shown(self.paths)}"
-                + (f"; missing {_shown(missing)}" if missing else "")
-                + (f"; not in the expansion point {_shown(extra)}" if extra else "")
-            )
+            detail = f"it has {len(paths)} leaves {_shown(paths)}, the expansion point "
+            detail += f"{len(self.paths)} {_shown(self.paths)}"
+            detail += f"; missing {_shown(missing)}" if missing else ""
+            detail += f"; not in the expansion point {_shown(extra)}" if extra else ""
         else:
-            detail = (
-                f"the same leaves in other containers: {_short(treedef, 160)} against "
-                f"{_short(self.treedef, 160)}"
-            )
+            detail = f"the same leaves in other containers: {_short(treedef, 160)} against "
+            detail += f"{_short(self.treedef, 160)}"
         what = f"{params_name} does not have the tree structure of {point} ({detail})"
         return bad(ValueError, fn, what, "pass parameters structured like the expansion point")
 
 
 def _numeric(dtype) -> bool:
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return True
-    return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
+    key = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return key or bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
 
 
 def _short(value, limit: int = 60) -> str:
@@ -143,23 +131,19 @@ def _short(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _derivatives(g: Callable, primal, tangent, degree: int) -> list:
-    """[g(θ0), Dg(θ0)[δ], ..., D^degree g(θ0)[δ, ..., δ]] by nested ``jax.jvp``; ``float0``
-    tangents become zeros so that the next level can differentiate them.
-    """
+def _derivatives(apply_fn: Callable, args, kwargs, primal, tangent, degree: int) -> list:
+    """[g(θ0), Dg(θ0)[δ], ..., D^degree g(θ0)[δ, ..., δ]], g = ``apply_fn(·, *args, **kwargs)``,
+    by nested ``jax.jvp`` (``float0`` tangents as zeros, for the next level to differentiate)."""
 
     def level(k: int) -> Callable:
         if k == 0:
-            return lambda p: [g(p)]
+            return lambda p: [apply_fn(p, *args, **kwargs)]
         lower = level(k - 1)
 
         def derivatives(p):
             values, tangents = jax.jvp(lower, (p,), (tangent,))
-            float0 = jax.dtypes.float0
-            top = jax.tree.map(
-                lambda t, v: jnp.zeros_like(v) if t.dtype == float0 else t, tangents[-1], values[0]
-            )
-            return [*values, top]
+            zero = lambda t, v: jnp.zeros_like(v) if t.dtype == jax.dtypes.float0 else t  # noqa: E731
+            return [*values, jax.tree.map(zero, tangents[-1], values[0])]
 
         return derivatives
 
@@ -191,22 +175,12 @@ def expansion(
     point_name: str = "params0",
 ) -> Callable:
     """The degree-``degree`` expansion of ``apply_fn`` around ``params0``, a function
-    ``(params, *args, **kwargs)``; messages name ``fn_name``, ``params_name``, ``point_arg``.
-    """
+    ``(params, *args, **kwargs)``; messages name ``fn_name``, ``params_name``, ``point_arg``."""
     point = _Point(fn_name, params0, point_arg, point_name)
 
     def expanded(params, *args, **kwargs):
         delta = point.tangent(params, params_name)
-
-        def g(p):
-            return apply_fn(p, *args, **kwargs)
-
-        if degree == 0:
-            return g(point.tree)
-        if degree == 1:  # one jax.jvp
-            out, tangent_out = jax.jvp(g, (point.tree,), (delta,))
-            return _taylor_sum([out, tangent_out])
-        return _taylor_sum(_derivatives(g, point.tree, delta, degree))
+        return _taylor_sum(_derivatives(apply_fn, args, kwargs, point.tree, delta, degree))
 
     return expanded
 
@@ -218,21 +192,18 @@ def linearize(apply_fn: Callable, params0) -> Callable:
 
         f_lin(θ, x) = f(θ0, x) + J(θ0, x)·(θ − θ0),   J = ∂f/∂θ at θ0,
 
-    f = ``apply_fn``, θ0 = ``params0`` (neural-tangents' ``nt.linearize``). Trained by
-    gradient descent on the MSE it follows :func:`ntk_core.predict.gradient_descent_mse` with
-    the NTK at θ0. J·(θ − θ0) is one ``jax.jvp``. ``f_lin`` is pure: usable under
-    ``jax.jit``, ``jax.grad`` (in ``params``), ``jax.vmap``.
+    f = ``apply_fn``, θ0 = ``params0`` (neural-tangents' ``nt.linearize``); trained on the
+    MSE it follows :func:`ntk_core.predict.gradient_descent_mse` with the NTK at θ0.
+    ``f_lin`` is pure: usable under ``jax.jit``, ``jax.grad`` (in ``params``), ``jax.vmap``.
 
     Args:
-      apply_fn: ``apply_fn(params, x, *args, **kwargs) -> outputs`` (a pytree, e.g. ``(N1, O...)``).
-      params0: θ0, any pytree of arrays (total size P), copied once. Floating leaves are
-        expanded; integer, boolean and PRNG-key leaves are held at θ0.
+      apply_fn: ``apply_fn(params, x, *args, **kwargs) -> outputs`` (pytree, e.g. ``(N1, O...)``).
+      params0: θ0, any pytree of arrays (total size P), copied once; floating leaves are
+        expanded, integer, boolean and PRNG-key leaves held at θ0.
 
-    Returns:
-      ``f_lin``: outputs of ``apply_fn``'s structure, shapes and dtypes, for ``params`` of
-      θ0's structure, shapes and dtypes (float64 NumPy data is float32 without x64); ``x``,
-      ``*args``, ``**kwargs`` go to ``apply_fn`` undifferentiated; non-floating output
-      leaves are f(θ0, x)'s.
+    Returns ``f_lin``: outputs of ``apply_fn``'s structure, shapes and dtypes, for ``params``
+    of θ0's (float64 NumPy data is float32 without x64); ``x``, ``*args``, ``**kwargs`` go to
+    ``apply_fn`` undifferentiated; non-floating output leaves are f(θ0, x)'s.
 
     Raises:
       TypeError: ``apply_fn`` not callable (a Flax or Haiku model names the adapter); a
@@ -241,8 +212,8 @@ def linearize(apply_fn: Callable, params0) -> Callable:
         leaf shape; outside ``jax.jit``, a non-floating leaf whose value differs from θ0's.
 
     Cost: one ``jax.jvp`` per call, about 2–3 forward passes (2.8 for a 4-layer, 256-wide
-    tanh MLP under ``jax.jit``); memory of a forward pass with tangents, plus P (a Jacobian
-    would take N1·O·P). ``jax.grad`` through ``f_lin`` costs about one backpropagation.
+    tanh MLP under ``jax.jit``); memory of a forward pass with tangents plus P (a Jacobian:
+    N1·O·P). ``jax.grad`` through ``f_lin``: about one backpropagation.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -264,9 +235,8 @@ def linearize(apply_fn: Callable, params0) -> Callable:
       >>> jax.jit(jax.grad(loss))(params0)["w"].shape    # train the linearised model
       (3, 4)
 
-    References:
-      Lee, Xiao, Schoenholz, Bahri, Novak, Sohl-Dickstein, Pennington, "Wide Neural Networks
-      of Any Depth Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
+    References: Lee, Xiao, Schoenholz, Bahri, Novak, Sohl-Dickstein, Pennington, "Wide Neural
+    Networks of Any Depth Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
     """
     check_apply_fn("linearize", apply_fn, "linearize")
     return expansion("linearize", apply_fn, params0, 1)
@@ -283,16 +253,12 @@ def taylor_expand(apply_fn: Callable, params0, degree: int) -> Callable:
     form. ``degree=0``: f(θ0, x); ``degree=1``: :func:`linearize`; exact for a model
     polynomial in its parameters of degree ≤ ``degree``.
 
-    Args:
-      apply_fn, params0: as :func:`linearize`.
-      degree: a non-negative int.
+    Args: ``apply_fn``, ``params0`` as :func:`linearize`; ``degree``, a non-negative int.
 
-    Returns:
-      ``f_taylor``, as :func:`linearize`'s ``f_lin``.
+    Returns ``f_taylor``, as :func:`linearize`'s ``f_lin``.
 
-    Raises:
-      TypeError: as :func:`linearize`, and ``degree`` not an int (``True`` included).
-      ValueError: as :func:`linearize`, and a negative ``degree``.
+    Raises: as :func:`linearize`; TypeError: ``degree`` not an int (``True`` included);
+    ValueError: a negative ``degree``.
 
     Cost: degree d ≥ 2: d nested JVPs, 2^d streams that ``jax.jit`` merges to about linear
     growth (4-layer, 256-wide tanh MLP, in forward passes: 2.8, 4.3, 5.8, 7.4 for d = 1–4;
@@ -311,9 +277,7 @@ def taylor_expand(apply_fn: Callable, params0, degree: int) -> Callable:
       >>> f(params, x)[0, 0].item()                      # degree 2 is exact here
       -18.0
 
-    References:
-      Lee, Xiao, Schoenholz, Bahri, Novak, Sohl-Dickstein, Pennington, "Wide Neural Networks
-      of Any Depth Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
+    References: as :func:`linearize`.
     """
     check_apply_fn("taylor_expand", apply_fn, "taylor_expand")
     degree = check_degree("taylor_expand", degree)

@@ -1,7 +1,5 @@
-"""``ntk_vp_fn``: matrix-free NTK-vector products Θ(X, X)·v, one VJP then one JVP
-(neural-tangents' ``empirical_ntk_vp_fn``); not the ``"ntvp"`` implementation
-(:mod:`ntk_core._impl.ntvp`), which forms a kernel. :mod:`ntk_core.spectrum` uses it.
-"""
+"""``ntk_vp_fn``: matrix-free NTK-vector products Θ(X, X)·v, one VJP then one JVP (neural-
+tangents' ``empirical_ntk_vp_fn``); not the ``"ntvp"`` implementation, which forms a kernel."""
 
 from __future__ import annotations
 
@@ -48,9 +46,8 @@ def _batched(apply_fn, params, x, v, b: int):
 
     u = jax.tree.map(jnp.zeros_like, params)
     if k:
-        u, _ = jax.lax.scan(
-            lambda acc, xv: (jax.tree.map(jnp.add, acc, pull(*xv)), None), u, (head(x), head(v))
-        )
+        step = lambda acc, xv: (jax.tree.map(jnp.add, acc, pull(*xv)), None)  # noqa: E731
+        u, _ = jax.lax.scan(step, u, (head(x), head(v)))
     if r:
         u = jax.tree.map(jnp.add, u, pull(tail(x), tail(v)))
 
@@ -63,12 +60,13 @@ def _batched(apply_fn, params, x, v, b: int):
         parts.append(jax.tree.map(lambda a: a.reshape((k * b,) + a.shape[2:]), out))
     if r:
         parts.append(push(tail(x)))
-    if len(parts) == 1:
-        return parts[0]
-    return jax.tree.map(lambda a, c: jnp.concatenate([a, c]), *parts)
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 
 
-def _make_product(apply_fn, precision: str, batch_size: int | None) -> Callable:
+@_caches.lru_cache(maxsize=64)
+def _product(apply_fn, precision: str, batch_size: int | None) -> Callable:
+    """The jitted product, shared per ``(apply_fn, precision, batch_size)``."""
+
     def product(params, x, v):
         with jax.default_matmul_precision(precision):
             if batch_size is None:
@@ -76,18 +74,6 @@ def _make_product(apply_fn, precision: str, batch_size: int | None) -> Callable:
             return _batched(apply_fn, params, x, v, batch_size)
 
     return jax.jit(product)
-
-
-_cached_product = _caches.lru_cache(maxsize=64)(_make_product)
-
-
-def _product(apply_fn, precision, batch_size) -> Callable:
-    """The jitted product, shared per ``(apply_fn, precision, batch_size)``."""
-    try:
-        hash(apply_fn)
-    except TypeError:
-        return _make_product(apply_fn, precision, batch_size)
-    return _cached_product(apply_fn, precision, batch_size)
 
 
 def _check_params(fn: str, params) -> None:
@@ -134,8 +120,8 @@ def _check_v(call: str, outputs, tree, v):
         where = "v" if len(outputs) == 1 else f"leaf {i} of v"
         shape = tuple(np.shape(leaf))
         if shape != tuple(o.shape):
-            size = int(np.prod(o.shape))
-            hint = f" (v.reshape({', '.join(map(str, o.shape))}))" if np.size(leaf) == size else ""
+            same_size = np.size(leaf) == np.prod(o.shape)
+            hint = f" (v.reshape({', '.join(map(str, o.shape))}))" if same_size else ""
             what = f"{where} has shape {shape}; expected the outputs' {tuple(o.shape)}"
             raise bad(ValueError, call, what, f"pass v shaped like ntk_vp.outputs{hint}")
         dtype = jnp.result_type(leaf)
@@ -154,36 +140,32 @@ def ntk_vp_fn(
 ) -> Callable:
     """Returns a jitted function ``ntk_vp(v) = Θ(x, x) v``, never forming Θ or J.
 
-    (Θ v)[i, a] = Σ_{j, b} Θ[i, j, a, b] v[j, b], Θ the NTK of :func:`ntk_fn` with x1 = x2 = x
-    and ``trace_axes=()``, computed as u = Jᵀ v (one VJP) then Θ v = J u (one JVP), J the
-    ``(N·O, P)`` Jacobian.
+    (Θ v)[i, a] = Σ_{j, b} Θ[i, j, a, b] v[j, b], Θ the NTK of :func:`ntk_fn` (x1 = x2 = x,
+    ``trace_axes=()``), as u = Jᵀ v (one VJP) then Θ v = J u (one JVP), J ``(N·O, P)``.
 
     Args:
       apply_fn: ``apply_fn(params, x) -> outputs``, floating arrays ``(N, O...)``; samples
-        may interact when ``batch_size=None`` (differentiated on the whole batch).
-      params: pytree of floating arrays (total size P), held by the returned function.
-      x: pytree of arrays with batch axis 0 of size N, held (as jax arrays).
-      batch_size: ``None`` (default): one VJP and one JVP over all N. An int B: VJPs summed
-        over batches of B (``lax.scan``), then JVPs per batch (``lax.map``), the last
-        smaller; needs independent samples (checked by a probe).
+        may interact when ``batch_size=None``.
+      params: pytree of floating arrays (total size P); x: pytree of arrays with batch axis
+        0 of size N; both held (as jax arrays).
+      batch_size: ``None``: one VJP and one JVP over all N; an int B: VJPs summed over
+        batches of B (``lax.scan``), then JVPs per batch (``lax.map``); needs independent
+        samples (checked by a probe).
       precision: the matmul precision of both passes, as in :func:`ntk_fn`.
 
-    Returns:
-      ``ntk_vp(v)``: v a pytree like the outputs (leaves ``(N, O...)``, real floating, cast
-      to the outputs' dtype) -> Θ v, ``jax.Array`` leaves in that layout.
-      ``ntk_vp.outputs``: the ``jax.ShapeDtypeStruct`` pytree v must match. New values of
-      the same shapes do not recompile.
+    Returns ``ntk_vp(v)``: v a pytree like the outputs (leaves ``(N, O...)``, real floating,
+    cast to the outputs' dtype) -> Θ v, ``jax.Array`` leaves in that layout; ``ntk_vp.outputs``:
+    the ``jax.ShapeDtypeStruct`` pytree v must match. New values do not recompile.
 
     Raises:
       TypeError: ``apply_fn`` not callable (or a Flax/Haiku model), non-floating params or
         outputs, ``batch_size`` not an int; v of another structure, or non-floating.
       ValueError: params without arrays or non-finite; x empty, inconsistent or non-finite;
-        the model failing on x; outputs without the batch axis; ``batch_size`` <= 0 or
-        given for interacting samples; an invalid ``precision``; v of the wrong shape or
-        non-finite.
+        the model failing on x; outputs without the batch axis; ``batch_size`` <= 0 or with
+        interacting samples; an invalid ``precision``; v of the wrong shape or non-finite.
 
-    Cost: per call one reverse and one forward pass over N samples (about 4 forward passes;
-    3 unbatched); memory: the activations of one batch, u (P), v and Θ v (N·O each).
+    Cost: per call one reverse and one forward pass (about 4 forward passes; 3 unbatched);
+    memory: one batch's activations, u (P), v and Θ v (N·O each).
 
     Example:
       >>> import jax.numpy as jnp
@@ -198,9 +180,8 @@ def ntk_vp_fn(
       >>> bool(jnp.allclose(ntk_vp(v), jnp.einsum("ijab,jb->ia", theta, v), rtol=1e-5))
       True
 
-    References:
-      Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel",
-      ICML 2022 (section 3.2).
+    References: Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent
+    Kernel", ICML 2022 (section 3.2).
     """
     return make_ntk_vp(_NTK_VP_FN, apply_fn, params, x, batch_size, precision)
 
@@ -220,18 +201,17 @@ def make_ntk_vp(caller: Caller, apply_fn, params, x, batch_size, precision) -> C
     _check_params(fn, params)
     n = _batch_size(caller, "x", x)
     check_finite_input(fn, "x", x)
-    params = jax.tree.map(jnp.asarray, params)
-    x = jax.tree.map(jnp.asarray, x)
+    params, x = jax.tree.map(jnp.asarray, (params, x))
     outputs, tree = _outputs(caller, apply_fn, params, x, n)
     apply3 = from_apply_fn(apply_fn)
     _checks.after_trace(fn, apply3, params, x, None, None, outputs, options)
-    if (
-        batch_size is not None
-        and batch_size < n
-        and _probe.samples_interact(apply3, params, x, None, None, fn_name=fn)
-    ):
+    batched = batch_size is not None and batch_size < n
+    if batched and _probe.samples_interact(apply3, params, x, None, None, fn_name=fn):
         raise _checks.samples_interact_error(fn, "pass batch_size=None, or use evaluation mode")
-    product = _product(apply_fn, precision, batch_size)
+    try:
+        product = _product(apply_fn, precision, batch_size)
+    except TypeError:  # unhashable apply_fn
+        product = _product.__wrapped__(apply_fn, precision, batch_size)
     call = f"{fn}(...)(v)"
 
     def ntk_vp(v):

@@ -1,8 +1,7 @@
 """Monte Carlo kernels with ``out="mc.npy"``: the running sum over the samples kept on disk,
 tile by tile (``sum_s = sum_{s-1} + k_s``, the last sample's tiles written as the mean in the
 kernels' dtype, bit for bit the in-memory average), in two alternating buffers per kind, so
-that a kill leaves the earlier sum whole and ``resume=True`` redoes at most the last second.
-"""
+that a kill leaves the earlier sum whole and ``resume=True`` redoes at most the last second."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ KINDS = ("nngp", "ntk")
 
 
 def kind_options(kind: str, options: dict, files: MonteCarloFiles | None) -> dict:
-    """The kind's kernel options: the NNGP's without ``implementation``; with ``files``,
-    ``out`` the kind's :class:`RunningSum`."""
+    """The kind's options: no ``implementation`` for the NNGP; ``out`` its :class:`RunningSum`."""
     options = {k: v for k, v in options.items() if not (kind == "nngp" and k == "implementation")}
     if files is not None:
         options.update(out=files.sums[kind], resume=False, overwrite=False)
@@ -30,10 +28,9 @@ def kind_options(kind: str, options: dict, files: MonteCarloFiles | None) -> dic
 
 
 class MonteCarloFiles:
-    """The files of one Monte Carlo call (``options``: its checked options; ``init(k)``:
-    one sample's initialisation). Fingerprints add the digests of the key and of sample 0's
-    initialisation, ``n_samples`` and ``sample``. Raises ValueError for files that exist
-    without ``resume``/``overwrite``, or a resume of a different call (naming what differs)."""
+    """The files of one Monte Carlo call, fingerprinted also by the key, sample 0's
+    initialisation, ``n_samples`` and ``sample``. ValueError for existing files without
+    ``resume``/``overwrite``, or a resume of another call (naming what differs)."""
 
     def __init__(self, fn, options, key, n_samples, x1, x2, init):
         self.fn, self.out, self.n_samples = fn, options.out, n_samples
@@ -74,8 +71,7 @@ class MonteCarloFiles:
 
 
 class RunningSum(_store.Sink):
-    """One kind's ``out=``: opens, for the current sample, the buffer that its tiles (added
-    to the previous sample's sum) are written into."""
+    """One kind's ``out=``: the buffer of the current sample's tiles plus the earlier sum."""
 
     def __init__(self, files: MonteCarloFiles, kind: str, path: str):
         self.files, self.kind, self.path = files, kind, path
@@ -93,8 +89,8 @@ class RunningSum(_store.Sink):
         return self.buffers[back % 2] if same_dtype else self.buffers[1 + (back + 1) % 2]
 
     def first(self) -> int:
-        """The first sample not yet summed into a finished buffer (``n_samples``: the mean
-        is written); refuses existing files that this call may not use."""
+        """The first sample not summed yet (``n_samples``: the mean is written); refuses
+        files this call may not use."""
         files, fn = self.files, self.files.fn
         found, other, unknown = [], None, None
         existing = [p for p in self.buffers if os.path.exists(p)]

@@ -26,8 +26,8 @@ _KERNEL_OPTIONS = [n for n in inspect.signature(make_options).parameters if n !=
 
 
 def check_inputs(fn_name: str, x1, x2, models: str = "model") -> None:
-    """Refuses x1, x2 that are not arrays with a batch axis (Python lists, scalars) or look
-    like parameters; ``models``: the function's arguments before x1, for the fix."""
+    """Refuses x1, x2 without a batch axis or looking like parameters (``models``: the
+    arguments before x1)."""
     for name, x in (("x1", x1), ("x2", x2)):
         leaves = jax.tree.leaves(x)
         if x is not None and (not leaves or any(np.ndim(leaf) == 0 for leaf in leaves)):
@@ -58,9 +58,8 @@ def check_init_kwargs(fn_name: str, init_kwargs) -> dict | None:
 
 
 def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=None, own=()) -> None:
-    """Validates the sampling arguments and ``options`` (unknown names refused, naming the
-    kernel options and ``own``, the function's other keywords); refuses ``batch_size``
-    with samples vmapped together."""
+    """Validates the sampling arguments and ``options`` (``own``: the caller's other keywords,
+    for suggestions); no ``batch_size`` with samples vmapped together."""
     fn_name, options = caller.name, options or {}
     for name, v in (("n_samples", n_samples), ("batch_size_samples", batch_size_samples)):
         try:
@@ -89,12 +88,10 @@ def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=No
 
 
 def average(fn_name, sample, key, n_samples, batch_size_samples, progress, x1, x2, files):
-    """Mean over ``keys = jax.random.split(key, n_samples)`` of ``sample(keys[i])`` (an
-    ``(nngp, ntk)`` pair), summed in float32 or wider and returned in the kernels' dtype.
-    With ``batch_size_samples`` b > 1, ``sample`` is vmapped over b keys (where the kernel
-    functions cannot check), so x1, x2 and the mean are checked for NaN/Inf here. With
-    ``files`` (``out=``), the kernel functions add each sample's tiles to the running sums
-    on disk, from the first sample not yet summed; the last writes the means."""
+    """Mean of ``sample(k)`` (an ``(nngp, ntk)`` pair) over ``jax.random.split(key, n_samples)``,
+    summed in float32 or wider, in the kernels' dtype. Vmapped over b > 1 keys the kernel
+    functions cannot check, so x1, x2 and the mean are checked for NaN/Inf here. With
+    ``files`` (``out=``) the kernel functions add each sample's tiles to the sums on disk."""
     n_samples, batch_size_samples = operator.index(n_samples), operator.index(batch_size_samples)
     for name, x in (("x1", x1), ("x2", x2)) if files is None else ():
         if x is not None:
@@ -202,34 +199,32 @@ def monte_carlo_kernels(
 
     with f_s = ``apply_fn(init_fn(k_s), ·)``, k_s = ``jax.random.split(key, S)[s]``,
     S = ``n_samples``: the mean of S :func:`empirical_nngp` / :func:`empirical_ntk` calls
-    with these keys and options, summed in float32 or wider. As the width grows they
-    approach the infinite-width kernels; the Monte Carlo error shrinks as 1/√S.
+    with these keys and options, summed in float32 or wider. They approach the
+    infinite-width kernels as the width grows; the Monte Carlo error shrinks as 1/√S.
 
     Args:
       init_fn: ``init_fn(key) -> params``, e.g. ``lambda k: model.init(k, x)["params"]``.
       apply_fn: ``apply_fn(params, x) -> outputs``, as in :func:`ntk_fn`.
-      x1: pytree of arrays with batch axis 0 of size N1.
-      x2: ``None`` (x2 is x1: exactly symmetric kernels) or like x1 with N2 samples.
+      x1: pytree of arrays with batch axis 0 of size N1; x2: ``None`` (x1: exactly
+        symmetric kernels) or like x1 with N2 samples.
       key, n_samples: one PRNG key; S >= 1.
       batch_size_samples: samples vmapped together (one compilation per batch size),
-        default 1 (least memory: one batch's kernels and features plus the sum).
-      progress: tqdm bar over the samples: ``None`` (default) only in a terminal outside
-        CI (:mod:`ntk_core._kernel.options`), ``True`` always (needs tqdm), ``False`` never.
+        default 1 (least memory).
+      progress: tqdm bar over the samples: ``None`` only in a terminal outside CI,
+        ``True`` always (needs tqdm), ``False`` never.
       trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
         :mod:`ntk_core._kernel.options` (the NNGP ignores ``implementation``).
       batch_size, store_on_device, memory_budget, devices: the blocked engine for each
-        sample, as in :func:`ntk_fn` (only with ``batch_size_samples=1``; the kernels and
-        their sum are then host arrays unless ``store_on_device=True``).
+        sample, as in :func:`ntk_fn` (only with ``batch_size_samples=1``; host arrays
+        unless ``store_on_device=True``).
       out, resume, overwrite: with ``batch_size``, ``out="mc.npy"`` writes the means to
-        ``mc.nngp.npy`` and ``mc.ntk.npy`` with the running sum on disk (two files of each
+        ``mc.nngp.npy`` and ``mc.ntk.npy``, the running sum on disk (two files of each
         kernel's size per kind, three for half precision); ``resume=True`` finishes a
-        killed run bit for bit (:mod:`ntk_core._monte_carlo.files`).
+        killed run bit for bit.
 
-    Returns:
-      ``Kernels(nngp, ntk)`` in the layout of :func:`empirical_ntk` (``(N1, N2)`` for
-      ``(N, O)`` outputs by default; ``(N1, N2, O, O)`` with ``trace_axes=()``), dtype of
-      the outputs; with ``out``, read-only memory maps of the files. Feed it to
-      :func:`ntk_core.predict.gp_inference`.
+    Returns ``Kernels(nngp, ntk)`` in the layout of :func:`empirical_ntk` (``(N1, N2)`` by
+    default, ``(N1, N2, O, O)`` with ``trace_axes=()``), the outputs' dtype; with ``out``,
+    read-only memory maps. Feed it to :func:`ntk_core.predict.gp_inference`.
 
     Raises:
       TypeError: ``init_fn`` or ``apply_fn`` not callable, ``key`` not one PRNG key,
@@ -241,8 +236,8 @@ def monte_carlo_kernels(
         differs), too little disk space; and the errors of :func:`ntk_fn`.
       ImportError: ``progress=True`` without tqdm.
 
-    Cost: S initialisations, and S times the cost of :func:`ntk_fn` plus one forward pass
-    on x1 and x2 (:mod:`ntk_core._impl.cost`); memory of two kernels of each kind.
+    Cost: S initialisations, S times the cost of :func:`ntk_fn` plus a forward pass on x1
+    and x2; memory of two kernels of each kind.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -255,10 +250,9 @@ def monte_carlo_kernels(
       >>> k.nngp.shape, k.ntk.shape
       ((4, 4), (4, 4))
 
-    References:
-      Novak et al., "Bayesian Deep Convolutional Networks with Many Channels are
-      Gaussian Processes", ICLR 2019; Lee et al., "Wide Neural Networks of Any Depth
-      Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
+    References: Novak et al., "Bayesian Deep Convolutional Networks with Many Channels are
+    Gaussian Processes", ICLR 2019; Lee et al., "Wide Neural Networks of Any Depth Evolve as
+    Linear Models Under Gradient Descent", NeurIPS 2019.
     """
     fn = _MONTE_CARLO_KERNELS.name
     for name, f in (("init_fn", init_fn), ("apply_fn", apply_fn)):
@@ -271,10 +265,9 @@ def monte_carlo_kernels(
     blocked = dict(batch_size=batch_size, store_on_device=store_on_device)
     check_samples(_MONTE_CARLO_KERNELS, key, n_samples, batch_size_samples, blocked)
     check_inputs(fn, x1, x2, "init_fn, apply_fn")
-    options = dict(implementation=implementation, trace_axes=trace_axes)
-    options |= dict(diagonal_axes=diagonal_axes, vmap_axes=vmap_axes, precision=precision)
-    options |= dict(memory_budget=memory_budget, progress=False, out=out, resume=resume)
-    options |= dict(overwrite=overwrite, devices=devices, **blocked)  # progress: the samples'
+    # the kernel options among the arguments (the outermost iterable runs in this scope)
+    options = {k: v for k, v in locals().items() if k in _KERNEL_OPTIONS}
+    options["progress"] = False  # the bar is the samples'
     init = initialiser(fn, jax.jit(init_fn), "init_fn(key)", "init_fn(key) -> params")
 
     def kernels(kind, kind_options):
@@ -285,22 +278,11 @@ def monte_carlo_kernels(
 
 
 def sample_mean(
-    fn_name: str,
-    init: Callable,
-    kernels: Callable,
-    x1,
-    x2,
-    key,
-    n_samples: int,
-    batch_size_samples: int,
-    progress,
-    options: dict,
+    fn_name, init, kernels, x1, x2, key, n_samples, batch_size_samples, progress, options: dict
 ) -> Kernels:
-    """The Monte Carlo kernels' mean over ``n_samples`` keys (after their checks):
-    ``init(k)`` makes one initialisation (wrap it with :func:`initialiser`),
-    ``kernels(kind, kind_options)`` (``kind`` ``"ntk"`` or ``"nngp"``) returns
-    ``f(init(k), x1, x2)`` -> that initialisation's kernel; ``options`` with ``out``
-    keep the running sums on disk (resumable)."""
+    """The Monte Carlo kernels' mean over ``n_samples`` keys, checked: ``init(k)`` one
+    initialisation (see :func:`initialiser`), ``kernels(kind, kind_options)`` a function
+    ``(init(k), x1, x2)`` -> that initialisation's ``"ntk"`` or ``"nngp"``."""
     checked = make_options(fn_name, **options)  # as the kernel functions would check them
     args = (fn_name, checked, key, n_samples, x1, x2, init)
     files = None if checked.out is None else MonteCarloFiles(*args)
@@ -316,9 +298,8 @@ def sample_mean(
 def initialiser(
     fn_name: str, init: Callable, call: str, expected: str, otherwise: str = ""
 ) -> Callable:
-    """``init`` whose failures become a ValueError naming ``call`` and the fix: for a
-    traced value used as a Python value, that it runs under jit; else ``otherwise``
-    (default: that it be a pure JAX function of the key, ``expected``)."""
+    """``init`` whose failures raise ValueError naming ``call``, with ``otherwise`` or a fix
+    saying it must be a pure JAX function of the key (``expected``) run under jit."""
 
     def checked(k):
         try:
@@ -346,8 +327,8 @@ def _takes_shape(init_fn) -> bool:
 
 
 def _nt_style_hint(fn):
-    """Refuses a neural-tangents-style call ``(init_fn, apply_fn, key, n_samples)`` with
-    the equivalent call here (checked only after a TypeError)."""
+    """Answers a TypeError of a neural-tangents-style call ``(init_fn, apply_fn, key,
+    n_samples)`` with the equivalent call here."""
     checked = _checked_arguments(fn)
 
     @functools.wraps(fn)

@@ -64,30 +64,18 @@ def _flat_train(fn_name, name, k, layout: FlatLayout):
 class _Train:
     """One train-train kernel: validated, flattened, regularised, factored."""
 
-    def __init__(self, fn_name, name, k, layout: FlatLayout, opts: _Options, factor=None):
+    def __init__(self, fn_name, name, k, layout: FlatLayout, opts: _Options, eigh64=False):
         self.name = name
         self.k_dtype, self.k2, mean_diag = _flat_train(fn_name, name, k, layout)
         self.dtype = compute_dtype(fn_name, opts.dtype, self.k_dtype)  # the results' dtype
-        self.reg_scale = 1.0 if opts.diag_reg_absolute_scale else mean_diag
-        self.lam = opts.diag_reg * self.reg_scale
-        factor = self.dtype if factor is None else factor
-        reg, method = self.reg_scale, opts.method
+        self.reg_scale = reg = 1.0 if opts.diag_reg_absolute_scale else mean_diag
+        self.lam = opts.diag_reg * reg
+        factor, method = (np.float64, "eigh") if eigh64 else (self.dtype, "cholesky")
         self.solver = Solver(fn_name, self.k2, self.lam, factor, reg_scale=reg, method=method)
 
 
 #: A rank counts as structural (warned) when its last eigenvalue is this many times the next.
 _RANK_DROP = 1e3
-
-
-def _warn_if_low_rank(fn_name, tr: _Train) -> None:
-    """Warns when the numerical rank is <= half the probes and ends in a >= 1000x drop."""
-    r, c, drop = numerical_rank(tr.k2, tr.k_dtype)
-    if 2 * r > c or drop < _RANK_DROP:
-        return
-    what = f"{tr.name} has numerical rank {r} of {tr.k2.shape[0]} ({np.dtype(tr.k_dtype).name})"
-    msg = f"{fn_name}: {what}: as a prior it holds only {r} functions; for a GP prior average"
-    msg += " initialisations: ntk_core.monte_carlo_kernels. See docs/errors.md#low-rank-kernel."
-    warnings.warn(msg, DegenerateKernelWarning, stacklevel=_user_stacklevel())
 
 
 def _pick(fn_name, name, k, field):
@@ -99,19 +87,6 @@ def _pick(fn_name, name, k, field):
             raise bad(ValueError, fn_name, what, "pass Kernels(nngp=..., ntk=...), or an array")
         return v
     return k
-
-
-def _clip_variances(fn_name, var, s, m, u):
-    """Sets round-off negatives (>= −m·u·s) to 0; raises below."""
-    tol = m * u * s
-    below = var < -tol
-    if below.any():
-        i = int(np.flatnonzero(below.reshape(-1))[0])
-        what = f"a posterior variance came out {var.reshape(-1)[i]:.3e}, below round-off "
-        what += f"−{tol.reshape(-1)[i]:.3e}: the kernels are not jointly positive semi-definite"
-        fix = "compute all three kernels with the same network, parameters and trace_axes"
-        raise bad(ValueError, fn_name, what, fix, see="negative-variance")
-    return np.maximum(var, 0.0)
 
 
 class _TestSide:
@@ -133,11 +108,9 @@ class _TestSide:
         return t, self._layout.flat(k)
 
     def _test_kernels(self, fn, k_test_train, k_test_test, fields):
-        lay = self._layout
-        out, t = {}, None
+        lay, out, t, kind, ktt = self._layout, {}, None, None, None
         for f in fields:
             t, out[f] = self._test_train(fn, k_test_train, f, t)
-        kind, ktt = None, None
         if k_test_test is not None:
             k = as_host_array(fn, "k_test_test", _pick(fn, "k_test_test", k_test_test, "nngp"))
             if k.shape == lay.pair_shape(t, t):
@@ -157,9 +130,7 @@ class _TestSide:
         """Ensemble posterior with train operator H (``alpha`` = H y; ``k_xx`` None: the GP's)."""
         th, m, ko = kts["ntk"], alpha.shape[0], self._layout.ko
         mean = np.empty((t * ko, alpha.shape[1]))
-        w1s, w2s, cov = [], [], None
-        if kind == "diag":
-            cov = np.empty((t, ko, ko))
+        w1s, w2s, cov = [], [], np.empty((t, ko, ko)) if kind == "diag" else None
         for ts, rs in self._chunks(t):
             tb = np.asarray(th[rs], np.float64)
             mean[rs] = tb @ alpha
@@ -186,47 +157,45 @@ class _TestSide:
             quad = None if k_xx is None else (w1 := np.concatenate(w1s, 1)).T @ matmul64(k_xx, w1)
             abs_cross = np.einsum("jm,mj->j", np.abs(th64), np.abs(w2))
             cov = _covariance(fn, np.asarray(ktt, np.float64), quad, th64 @ w2, abs_cross, m, u)
-        return self._finish(t, mean, kind, cov)
+        lay, dt = self._layout, self.dtype
+        if kind is not None:
+            cov = cov * self.amplitude
+            cov = (lay.unflat_cov(cov, t) if kind == "full" else lay.unflat_diag(cov)).astype(dt)
+        return Gaussian(lay.unflat_y(mean, t).astype(dt), cov)
 
     def _chunks(self, t):
-        b = self._opts.test_batch_size or t
-        ko = self._layout.ko
+        b, ko = self._opts.test_batch_size or t, self._layout.ko
         for start in range(0, t, b):
             stop = min(t, start + b)
             yield slice(start, stop), slice(start * ko, stop * ko)
-
-    def _finish(self, t, mean, kind, cov):
-        lay, dt = self._layout, self.dtype
-        mean = lay.unflat_y(mean, t).astype(dt)
-        if kind is None:
-            return Gaussian(mean, None)
-        cov = cov * self.amplitude
-        if kind == "full":
-            return Gaussian(mean, lay.unflat_cov(cov, t).astype(dt))
-        return Gaussian(mean, lay.unflat_diag(cov).astype(dt))
 
 
 class GPInference(_TestSide):
     """Predictor returned by :func:`gp_inference`."""
 
-    def __init__(self, fn_name, k_train_train, y_train, opts):
+    def __init__(self, fn_name, k_train_train, y_train, opts, fit_amplitude):
         self._set_y(fn_name, y_train, opts)
-        self._k = k_train_train
-        self._train: dict[str, _Train] = {}
-        self._alpha: dict[str, np.ndarray] = {}
-        # validate and factor now, so that bad input fails here, not at prediction time
-        fields = ("nngp", "ntk") if isinstance(k_train_train, Kernels) else ("nngp",)
-        for f in fields:
-            if not isinstance(k_train_train, Kernels) or getattr(k_train_train, f) is not None:
+        self._k, self._train = k_train_train, {}
+        # validate, factor and solve for y now: bad input fails here, not at prediction time
+        kernels = isinstance(k_train_train, Kernels)
+        for f in ("nngp", "ntk") if kernels else ("nngp",):
+            if not kernels or getattr(k_train_train, f) is not None:
                 self._get_train(f)
         if not self._train:
             what = "k_train_train is Kernels(nngp=None, ntk=None)"
             raise bad(ValueError, fn_name, what, "pass an array or Kernels with a kernel")
-        for field in list(self._train):  # solve for y now: an unsolvable kernel fails here
-            self._alpha_of(field)
         for tr in self._train.values():
-            _warn_if_low_rank(fn_name, tr)
-        self.amplitude = self._amplitude() if opts.fit_amplitude else 1.0
+            tr.alpha = tr.solver.solve(self._y)  # (M, R)
+        for tr in self._train.values():  # warned: rank <= half the probes, then a 1000x drop
+            r, c, drop = numerical_rank(tr.k2, tr.k_dtype)
+            if 2 * r <= c and drop >= _RANK_DROP:
+                what = f"{tr.name} has numerical rank {r} of {tr.k2.shape[0]}"
+                msg = f"{fn_name}: {what} ({np.dtype(tr.k_dtype).name}): as a prior it holds only"
+                msg += f" {r} functions; for a GP prior average initialisations: ntk_core."
+                msg += "monte_carlo_kernels. See docs/errors.md#low-rank-kernel."
+                warnings.warn(msg, DegenerateKernelWarning, stacklevel=_user_stacklevel())
+        alpha = next(iter(self._train.values())).alpha  # the GP's, else the NTK's
+        self.amplitude = float(np.sum(self._y * alpha) / self._y_size) if fit_amplitude else 1.0
 
     def _get_train(self, field) -> _Train:
         if not isinstance(self._k, Kernels):
@@ -236,16 +205,6 @@ class GPInference(_TestSide):
             k = _pick(self._fn, "k_train_train", self._k, field)
             self._train[field] = _Train(self._fn, name, k, self._layout, self._opts)
         return self._train[field]
-
-    def _alpha_of(self, field) -> np.ndarray:
-        tr = self._get_train(field)
-        if id(tr) not in self._alpha:
-            self._alpha[id(tr)] = tr.solver.solve(self._y)
-        return self._alpha[id(tr)]
-
-    def _amplitude(self) -> float:
-        field = "nngp" if not isinstance(self._k, Kernels) or self._k.nngp is not None else "ntk"
-        return float(np.sum(self._y * self._alpha_of(field)) / self._y_size)
 
     @property
     def dtype(self) -> np.dtype:
@@ -275,8 +234,8 @@ class GPInference(_TestSide):
         """
         fn = f"{self._fn}(...).nngp"
         t, kt, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, ["nngp"])
-        kts, solve = {"ntk": kt["nngp"], "nngp": kt["nngp"]}, self._get_train("nngp").solver.solve
-        return self._predict(fn, t, kts, kind, ktt, None, self._alpha_of("nngp"), solve, u)
+        kts, tr = {"ntk": kt["nngp"], "nngp": kt["nngp"]}, self._get_train("nngp")
+        return self._predict(fn, t, kts, kind, ktt, None, tr.alpha, tr.solver.solve, u)
 
     def ntk(self, k_test_train, k_test_test=None) -> Gaussian:
         """Infinite ensemble of wide networks trained to convergence (neural-tangents' ``"ntk"``).
@@ -288,17 +247,18 @@ class GPInference(_TestSide):
         """
         fn = f"{self._fn}(...).ntk"
         needs_cov = k_test_test is not None
-        if needs_cov and not (_has_both(self._k) and isinstance(k_test_train, Kernels)):
+        both = isinstance(self._k, Kernels) and self._k.nngp is not None and self._k.ntk is not None
+        if needs_cov and not (both and isinstance(k_test_train, Kernels)):
             raise _needs_both(fn, "gp_inference")
         fields = ["ntk", "nngp"] if needs_cov else ["ntk"]
         t, kts, kind, ktt, u = self._test_kernels(fn, k_test_train, k_test_test, fields)
-        solve, alpha = self._get_train("ntk").solver.solve, self._alpha_of("ntk")
-        k_xx = self._get_train("nngp").k2 if needs_cov else None
-        return self._predict(fn, t, kts, kind, ktt, k_xx, alpha, solve, u)
+        tr, k_xx = self._get_train("ntk"), self._get_train("nngp").k2 if needs_cov else None
+        return self._predict(fn, t, kts, kind, ktt, k_xx, tr.alpha, tr.solver.solve, u)
 
 
 def _covariance(fn, prior, quad, cross, abs_cross, m, u):
-    """prior + quad − cross − crossᵀ, variances clipped (``quad`` None: GP, capped at prior)."""
+    """prior + quad − cross − crossᵀ (``quad`` None: GP, variances capped at prior); variances
+    above −m·u·s of round-off set to 0 at least, below raising."""
     idx = np.arange(prior.shape[-1])
     cov = (prior if quad is None else prior + quad) - cross - np.swapaxes(cross, -1, -2)
     if cov.ndim == 2:
@@ -308,12 +268,15 @@ def _covariance(fn, prior, quad, cross, abs_cross, m, u):
         var, s = p - np.maximum(2 * cross[..., idx, idx], 0.0), np.abs(p)
     else:
         var, s = cov[..., idx, idx], np.abs(p) + np.abs(quad[..., idx, idx])
-    cov[..., idx, idx] = _clip_variances(fn, var, s + 2 * abs_cross, m, u)
+    tol = m * u * (s + 2 * abs_cross)
+    if (below := var < -tol).any():
+        i = int(np.flatnonzero(below.reshape(-1))[0])
+        what = f"a posterior variance came out {var.reshape(-1)[i]:.3e}, below round-off "
+        what += f"−{tol.reshape(-1)[i]:.3e}: the kernels are not jointly positive semi-definite"
+        fix = "compute all three kernels with the same network, parameters and trace_axes"
+        raise bad(ValueError, fn, what, fix, see="negative-variance")
+    cov[..., idx, idx] = np.maximum(var, 0.0)
     return cov
-
-
-def _has_both(k) -> bool:
-    return isinstance(k, Kernels) and k.nngp is not None and k.ntk is not None
 
 
 def _needs_both(fn, public) -> ValueError:
@@ -328,8 +291,6 @@ class _Options(NamedTuple):
     trace_axes: Any
     dtype: Any
     test_batch_size: int | None
-    fit_amplitude: bool = False
-    method: str = "cholesky"
 
 
 def _options(fn_name, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size):
@@ -399,8 +360,7 @@ def gp_inference(
     """
     fn = "gp_inference"
     opts = _options(fn, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size)
-    opts = opts._replace(fit_amplitude=bool(fit_amplitude))
-    return GPInference(fn, k_train_train, y_train, opts)
+    return GPInference(fn, k_train_train, y_train, opts, bool(fit_amplitude))
 
 
 class _DefaultZero(float):
@@ -411,20 +371,6 @@ class _DefaultZero(float):
 
 
 _DEFAULT_ZERO = _DefaultZero(0.0)
-
-
-def _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train) -> None:
-    if k_test_train is not None and (fx_train_0 is None or fx_test_0 is None):
-        name = "fx_test_0" if fx_test_0 is None else "fx_train_0"
-        what = f"{name}=None with k_test_train: test predictions start from the outputs at t = 0"
-        fix = f"pass {name}, or leave fx_train_0 and fx_test_0 at their default 0.0"
-        raise bad(ValueError, fn, what, fix, see="initial-outputs")
-    if k_test_train is None and fx_train_0 is None:
-        what = "fx_train_0=None and k_test_train=None: nothing to predict"
-        raise bad(ValueError, fn, what, "pass fx_train_0 (e.g. 0.0) and/or k_test_train")
-    if k_test_train is None and fx_test_0 is not _DEFAULT_ZERO and fx_test_0 is not None:
-        what = "fx_test_0 is given but k_test_train=None (no test predictions)"
-        raise bad(ValueError, fn, what, "pass k_test_train (the test-train NTK), or drop fx_test_0")
 
 
 def _check_one_sided(fn, given, values) -> None:
@@ -465,31 +411,26 @@ def _check_times(fn, t) -> np.ndarray:
     return ts
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and is_real(value) and math.isfinite(value)
-
-
 class GradientDescentMSE(_TestSide):
     """Predictor returned by :func:`gradient_descent_mse`."""
 
     def __init__(self, fn_name, k_train_train, y_train, learning_rate, opts):
         lay = self._set_y(fn_name, y_train, opts)
         fix, lr = "pass the step size, e.g. learning_rate=1.0", learning_rate
-        self._lr = check_real(fn_name, "learning_rate", lr, fix, open_low=True, is_type=_finite)
+        finite = lambda v: isinstance(v, (int, float)) and is_real(v) and math.isfinite(v)  # noqa: E731
+        self._lr = check_real(fn_name, "learning_rate", lr, fix, open_low=True, is_type=finite)
         k = _pick(fn_name, "k_train_train", k_train_train, "ntk")
         # a float32 eigendecomposition lost 1e-3 at t = 1e5: always float64
-        eigh = opts._replace(method="eigh")
-        self._train = _Train(fn_name, "k_train_train", k, lay, eigh, factor=np.float64)
+        self._train = _Train(fn_name, "k_train_train", k, lay, opts, eigh64=True)
         w, v = self._train.solver._eigs
         self._w, self._v = np.maximum(w, 0.0), np.asarray(v, np.float64)
         # directions at the kernel's own round-off (w <= √M·u·w_max) do not move
         u = max(unit_roundoff(self._train.k_dtype), unit_roundoff(self._train.dtype))
         w_max = max(float(self._w.max(initial=0.0)), 0.0)
         self._null = self._w <= math.sqrt(self._w.size) * u * w_max
-        self._k, self._nngp2 = k_train_train, None
+        self._nngp2, self.amplitude = None, 1.0
         if isinstance(k_train_train, Kernels) and k_train_train.nngp is not None:
             self._nngp2 = _flat_train(fn_name, "k_train_train.nngp", k_train_train.nngp, lay)[1]
-        self.amplitude = 1.0
 
     @property
     def dtype(self) -> np.dtype:
@@ -516,10 +457,19 @@ class GradientDescentMSE(_TestSide):
         mean). Raises ValueError, TypeError: bad times, shapes or values, one-sided outputs,
         ill-conditioned test predictions (see :func:`gradient_descent_mse`).
         """
-        fn = f"{self._fn}(...)"
-        lay = self._layout
+        fn, lay = f"{self._fn}(...)", self._layout
         ts = _check_times(fn, t)
-        _check_initial_outputs(fn, fx_train_0, fx_test_0, k_test_train)
+        if k_test_train is not None and (fx_train_0 is None or fx_test_0 is None):
+            name = "fx_test_0" if fx_test_0 is None else "fx_train_0"
+            what = f"{name}=None with k_test_train: test predictions need the outputs at t = 0"
+            fix = f"pass {name}, or leave fx_train_0 and fx_test_0 at their default 0.0"
+            raise bad(ValueError, fn, what, fix, see="initial-outputs")
+        if k_test_train is None and fx_train_0 is None:
+            what = "fx_train_0=None and k_test_train=None: nothing to predict"
+            raise bad(ValueError, fn, what, "pass fx_train_0 (e.g. 0.0) and/or k_test_train")
+        if k_test_train is None and fx_test_0 is not _DEFAULT_ZERO and fx_test_0 is not None:
+            what = "fx_test_0 is given but k_test_train=None (no test predictions)"
+            raise bad(ValueError, fn, what, "pass k_test_train (the test-train NTK), or drop it")
         f0 = 0.0 if fx_train_0 is None else fx_train_0
         f0 = _initial_outputs(fn, "fx_train_0", f0, self._y_shape, "training")
         rhs = lay.flat_y(f0) - self._y  # (M, R): fx_train_0 − y
@@ -531,9 +481,8 @@ class GradientDescentMSE(_TestSide):
             given = [v is not _DEFAULT_ZERO for v in (fx_train_0, fx_test_0)]
             _check_one_sided(fn, given, (f0, ft0))
             ft0 = lay.flat_y(ft0)
-        dt = self._train.dtype
-        shape = () if t is None else ts.shape
-        tv = (np.array([np.inf]) if t is None else ts.reshape(-1)) * self._lr / self._y_size
+        dt, shape = self._train.dtype, ts.shape  # t=None: inf, shape ()
+        tv = ts.reshape(-1) * self._lr / self._y_size
         c = self._v.T @ rhs  # (M, R) in the eigenbasis
         train = test = None
         if fx_train_0 is not None:
@@ -553,10 +502,8 @@ class GradientDescentMSE(_TestSide):
         return Outputs(train, test)
 
     def _decay(self, tau):
-        """expm1(−w τ) per eigenvalue (−1 at τ = ∞); 0 on null directions."""
-        if np.isinf(tau):
-            return np.where(self._null, 0.0, -1.0)
-        return np.where(self._null, 0.0, np.expm1(-self._w * tau))
+        """expm1(−w τ) per eigenvalue (−1 at τ = ∞: 0·∞ is NaN); 0 on null directions."""
+        return np.where(self._null, 0.0, -1.0 if np.isinf(tau) else np.expm1(-self._w * tau))
 
     def _weights(self, fn, tau, t):
         """(1 − exp(−w τ)) / w per eigenvalue; raises past :data:`ACCEPT`."""
@@ -602,10 +549,7 @@ class GradientDescentMSE(_TestSide):
         means, covs = [], []
         for tk in times.reshape(-1):
             h = self._weights(fn, tk * self._lr / self._y_size, float(tk))
-
-            def apply_h(b, h=h):
-                return self._v @ (h[:, None] * (self._v.T @ b))
-
+            apply_h = lambda b, h=h: self._v @ (h[:, None] * (self._v.T @ b))  # noqa: E731
             g = self._predict(fn, n_test, kts, kind, ktt, self._nngp2, apply_h(self._y), apply_h, u)
             means.append(g.mean)
             covs.append(g.covariance)

@@ -1,6 +1,5 @@
 """Host linear algebra of :mod:`ntk_core.predict`: layouts, checks, and a solver of K + λI
-(Cholesky, else floored eigh) refined in float64 until corrections are <= :data:`ACCEPT`.
-"""
+(Cholesky, else floored eigh) refined in float64 until corrections are <= :data:`ACCEPT`."""
 
 from __future__ import annotations
 
@@ -10,15 +9,13 @@ import numbers
 import jax
 import numpy as np
 
-from ntk_core._errors import NonFiniteError, bad, check_int, check_real, is_real  # noqa: F401
+from ntk_core._errors import NonFiniteError, bad, check_real, is_real
 
 #: A solve is accepted when max|last correction| <= ACCEPT * max|x| per right-hand side.
 ACCEPT = 1e-6
-#: Refinement stops once max|correction| <= TARGET * max|x| (below float32 output rounding
-#: matters no more), or when corrections stop shrinking by half.
-TARGET = 1e-7
-#: Most refinement steps per solve.
-MAX_REFINE = 20
+#: Refinement stops at max|correction| <= TARGET * max|x| (below float32 output rounding),
+#: when corrections stop halving, or after MAX_REFINE steps.
+TARGET, MAX_REFINE = 1e-7, 20
 #: Entries per float64 row chunk when streaming a kernel (64 MiB).
 _CHUNK_ENTRIES = 1 << 23
 
@@ -28,10 +25,9 @@ def unit_roundoff(dtype) -> float:
     return float(np.finfo(dtype).eps) / 2
 
 
-def row_chunks(n_rows: int, n_cols: int, rows: int | None = None):
-    """Slices of at most ``rows`` rows (default: about 64 MiB of float64)."""
-    if rows is None:
-        rows = max(1, _CHUNK_ENTRIES // max(n_cols, 1))
+def row_chunks(n_rows: int, n_cols: int):
+    """Slices of rows of about 64 MiB of float64."""
+    rows = max(1, _CHUNK_ENTRIES // max(n_cols, 1))
     for start in range(0, n_rows, rows):
         yield slice(start, min(n_rows, start + rows))
 
@@ -106,8 +102,7 @@ def flat_pairs(k: np.ndarray, o: int) -> np.ndarray:
 
 class FlatLayout:
     """Neural-tangents kernel layout ``(N1, N2, k1, k1, ...)`` (kept output axes zipped, traced
-    ones absent) to flat ``(N1·K_o, N2·K_o)`` kernels and ``(N·K_o, R)`` targets, and back.
-    """
+    ones absent) to flat ``(N1·K_o, N2·K_o)`` kernels and ``(N·K_o, R)`` targets, and back."""
 
     def __init__(self, fn_name: str, y_shape: tuple[int, ...], trace_axes):
         if len(y_shape) < 2:
@@ -213,18 +208,16 @@ RANK_PROBES = 64
 
 def numerical_rank(k2: np.ndarray, dtype, probes: int = RANK_PROBES) -> tuple[int, int, float]:
     """``(r, c, drop)``: rank r (eigenvalues > M·u·λ_max) of a flat PSD kernel seen by c probes
-    (exact for M <= c, else a K Ω sketch: Halko et al. 2011; 2·M²·c flops) and σ_r / σ_{r+1}.
-    """
+    (exact for M <= c, else a K Ω sketch: Halko et al. 2011; 2·M²·c flops) and σ_r / σ_{r+1}."""
     import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
 
     m = k2.shape[0]
+    c = min(m, probes)
     if m <= probes:
         s = np.abs(scipy.linalg.eigvalsh(np.asarray(k2, np.float64), check_finite=False))
-        c = m
     else:
         omega = np.random.default_rng(0).standard_normal((m, probes))
         s = scipy.linalg.svdvals(matmul64(k2, omega), check_finite=False)
-        c = probes
     s = np.sort(s)[::-1]
     if not s.size or s[0] <= 0:
         return 0, c, math.inf
@@ -237,30 +230,37 @@ class Solver:
     """Solves ``(K + λ I) x = b`` for a flat symmetric ``K``, refined in float64."""
 
     def __init__(self, fn_name, k2, lam, dtype, *, reg_scale=1.0, method="cholesky"):
+        import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
+
         self.fn_name, self.k2, self.lam, self.dtype = fn_name, k2, lam, np.dtype(dtype)
-        self.m = k2.shape[0]
-        self.reg_scale = reg_scale
-        self.u = unit_roundoff(self.dtype)
-        # the kernel's entries carry the round-off of their own dtype
-        self.u_in = max(self.u, unit_roundoff(k2.dtype))
-        self.method = None
-        self._eigs: tuple[np.ndarray, np.ndarray] | None = None
+        self.m, self.reg_scale, self.u = k2.shape[0], reg_scale, unit_roundoff(self.dtype)
+        self.method, self._eigs, self._chol = method, None, None
+        self._cho_solve = scipy.linalg.cho_solve
         if method == "cholesky":
+            # a is C-ordered and symmetric: a.T is the same matrix in Fortran order, so
+            # LAPACK factors it in place (upper of a.T = lower of a), no second copy.
             a = self._regularised_copy()
             try:
-                # a is C-ordered and symmetric: a.T is the same matrix in Fortran order, so
-                # LAPACK factors it in place (upper of a.T = lower of a), no second copy.
-                import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
-
                 self._chol = scipy.linalg.cho_factor(a.T, overwrite_a=True, check_finite=False)
-                if not np.isfinite(np.diagonal(self._chol[0])).all():
-                    raise np.linalg.LinAlgError("non-finite Cholesky factor")
-                self.method = "cholesky"
+                if np.isfinite(np.diagonal(self._chol[0])).all():
+                    return
             except np.linalg.LinAlgError:
-                del a
-                self._chol = None
-        if self.method is None:
-            self._eigh()
+                pass
+            del a
+            self._chol = None
+        w, v = scipy.linalg.eigh(self._regularised_copy(), overwrite_a=True, check_finite=False)
+        w = w.astype(np.float64)
+        wmax = max(float(np.abs(w).max()), np.finfo(np.float64).tiny)
+        # the kernel's entries carry the round-off of their own dtype
+        tol = self.m * max(self.u, unit_roundoff(k2.dtype)) * wmax
+        if w.min() < -tol:
+            what = f"train-train K + λI (λ = {lam:.3e}) is not positive semi-definite: eigvals"
+            what += f" {w.min():.3e} .. {w.max():.3e}, beyond round-off M·u·λ_max = {tol:.3e}"
+            above = -w.min() / reg_scale
+            fix = f"pass a kernel, not a difference of kernels, or raise diag_reg above {above:.1e}"
+            raise bad(ValueError, fn_name, what, fix)
+        self.method, self._eigs = "eigh", (w, v)
+        self._w_floored = np.maximum(w, self.u * wmax)
 
     def _regularised_copy(self) -> np.ndarray:
         a = np.empty((self.m, self.m), self.dtype)
@@ -269,33 +269,12 @@ class Solver:
         a[np.diag_indices(self.m)] += self.dtype.type(self.lam)
         return a
 
-    def _eigh(self) -> None:
-        a = self._regularised_copy()
-        import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
-
-        w, v = scipy.linalg.eigh(a, overwrite_a=True, check_finite=False)
-        del a
-        w = w.astype(np.float64)
-        wmax = max(float(np.abs(w).max()), np.finfo(np.float64).tiny)
-        tol = self.m * self.u_in * wmax
-        if w.min() < -tol:
-            what = f"train-train K + λI (λ = {self.lam:.3e}) is not positive semi-definite: eigvals"
-            what += f" {w.min():.3e} .. {w.max():.3e}, beyond round-off M·u·λ_max = {tol:.3e}"
-            above = -w.min() / self.reg_scale
-            fix = f"pass a kernel, not a difference of kernels, or raise diag_reg above {above:.1e}"
-            raise bad(ValueError, self.fn_name, what, fix)
-        self.method = "eigh"
-        self._eigs = (w, v)
-        self._w_floored = np.maximum(w, self.u * wmax)
-
     def _apply_inverse(self, b: np.ndarray) -> np.ndarray:
         b = np.asarray(b, self.dtype)
         if self.method == "cholesky":
-            import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
-
-            x = scipy.linalg.cho_solve(self._chol, b, check_finite=False)
+            x = self._cho_solve(self._chol, b, check_finite=False)
         else:
-            w, v = self._eigs
+            v = self._eigs[1]
             x = v @ ((v.T @ b) / self._w_floored.astype(self.dtype)[:, None])
         return np.asarray(x, np.float64)
 
@@ -306,17 +285,12 @@ class Solver:
         """``(K + λ I)⁻¹ b`` for ``b`` ``(M, R)``, float64, refined and checked."""
         b = np.asarray(b, np.float64)
         x = self._apply_inverse(b)
-        active = np.ones(b.shape[1], bool)
-        prev = None
-        rel = np.zeros(b.shape[1])
+        active, prev, rel = np.ones(b.shape[1], bool), None, np.zeros(b.shape[1])
         for _ in range(MAX_REFINE):
             if not active.any():
                 break
-            xa = x[:, active]
-            r = b[:, active] - self.matvec(xa)
-            d = self._apply_inverse(r)
-            xa = xa + d
-            x[:, active] = xa
+            d = self._apply_inverse(b[:, active] - self.matvec(x[:, active]))
+            x[:, active] = xa = x[:, active] + d
             scale = np.maximum(np.abs(xa).max(axis=0), np.finfo(np.float64).tiny)
             rel_a = np.abs(d).max(axis=0) / scale
             rel[active] = rel_a
@@ -324,42 +298,25 @@ class Solver:
             if prev is not None:  # stagnating or diverging columns stop too
                 done |= rel_a > 0.5 * prev
             prev = rel_a[~done]
-            idx = np.flatnonzero(active)
-            active[idx[done]] = False
+            active[np.flatnonzero(active)[done]] = False
         if not np.isfinite(x).all() or rel.max() > ACCEPT:
             self._raise_ill_conditioned(float(rel.max()))
         return x
 
-    def condition_number(self) -> float:
-        """2-norm condition number: exact after eigh, else 30 power/inverse steps."""
-        if self._eigs is not None:
-            w = self._eigs[0]
-            return float(w.max() / w.min()) if w.min() > 0 else math.inf
-        rng = np.random.default_rng(0)
-        v1, v2 = rng.standard_normal((self.m, 1)), rng.standard_normal((self.m, 1))
-        lo = 1.0 / max(self._power(self._apply_inverse, v2), np.finfo(np.float64).tiny)
-        return self._power(self.matvec, v1) / lo
-
-    def largest_eigenvalue(self) -> float:
-        if self._eigs is not None:
-            return float(self._eigs[0].max())
-        return self._power(self.matvec, np.random.default_rng(1).standard_normal((self.m, 1)))
-
-    @staticmethod
-    def _power(op, v) -> float:
-        """‖op(v)‖ after 30 power steps from ``v``."""
-        norm = 1.0
-        for _ in range(30):
-            v = op(v / np.linalg.norm(v))
-            norm = float(np.linalg.norm(v))
-        return norm
-
     def _raise_ill_conditioned(self, rel: float) -> None:
-        kappa = self.condition_number()
-        lam_max = self.largest_eigenvalue()
+        """Raises with the 2-norm condition number κ: exact after eigh, else 30 power steps on
+        K + λI and on its inverse."""
+        w_min = 0.0
+        if self._eigs is not None:
+            lam_max, w_min = float(self._eigs[0].max()), float(self._eigs[0].min())
+            kappa = lam_max / w_min if w_min > 0 else math.inf
+        else:
+            rng = np.random.default_rng(0)
+            v1, v2 = rng.standard_normal((self.m, 1)), rng.standard_normal((self.m, 1))
+            lam_max = _power(self.matvec, v1)
+            kappa = lam_max * max(_power(self._apply_inverse, v2), np.finfo(np.float64).tiny)
         # raise λ until κ·u <= 0.01: λ >= 100·u·λ_max, plus twice any negative eigenvalue
         # (round-off of the kernel's own entries); in the caller's units
-        w_min = float(self._eigs[0].min()) if self._eigs is not None else 0.0
         need = 100 * self.u * lam_max + 2 * max(-w_min, 0.0)
         suggest = 10 ** math.ceil(math.log10(max(need / self.reg_scale, 1e-300)))
         cond = f"{kappa:.2e}" if math.isfinite(kappa) else f"inf ({w_min:.2e} .. {lam_max:.2e})"
@@ -369,3 +326,12 @@ class Solver:
         fix = f"raise diag_reg to about {suggest:.0e} or more"
         fix += "" if self.dtype == np.float64 else ", or pass dtype='float64'"
         raise bad(ValueError, self.fn_name, what, fix, see="ill-conditioned-kernel")
+
+
+def _power(op, v) -> float:
+    """‖op(v)‖ after 30 power steps from ``v``."""
+    norm = 1.0
+    for _ in range(30):
+        v = op(v / np.linalg.norm(v))
+        norm = float(np.linalg.norm(v))
+    return norm
