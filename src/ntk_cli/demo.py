@@ -103,7 +103,7 @@ def run(
     import haiku as hk
 
     import ntk_haiku
-    from ntk_core._blocked.progress import progress_bar
+    from ntk_core._blocked.progress import NO_BAR, progress_bar
 
     t_start = time.perf_counter()
     try:
@@ -133,16 +133,14 @@ def run(
     n_check = min(128, n_train)
     steps = ["train x train NTK", "test x train NTK", "Haiku twin check", "kernel regression"]
     timings = {}
-    bar = progress_bar("ntk demo", progress, len(steps), unit="step")
+    bar = progress_bar("ntk demo", progress, len(steps), unit="step") or NO_BAR
 
     def timed(name, compute, *args):
-        if bar is not None:
-            bar.set_description(name)
+        bar.set_description(name)
         start = time.perf_counter()
         result = compute(*args)
         timings[name] = time.perf_counter() - start
-        if bar is not None:
-            bar.update()
+        bar.update()
         return result
 
     def twin_check():
@@ -158,8 +156,7 @@ def run(
     twin_rel = timed(steps[2], twin_check)
     mean, lam = timed(steps[3], kernel_regression, k_train, k_test_train, y_train, 10, DIAG_REG)
     accuracy = float(np.mean(np.argmax(mean, axis=1) == y_test))
-    if bar is not None:
-        bar.close()
+    bar.close()
 
     np.save(os.path.join(out, "ntk_train_train.npy"), k_train)
     np.save(os.path.join(out, "ntk_test_train.npy"), k_test_train)
@@ -188,7 +185,6 @@ def run(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-
     add = parser.add_argument
     add("--out", default="./ntk-demo", help="output folder (default ./ntk-demo)")
     add("--n-train", type=int, default=1000, help="training samples (1000)")

@@ -136,8 +136,7 @@ def _version(name: str) -> str | None:
 
 
 def _installed(name: str) -> bool:
-    """Importable, checked without importing; a bare namespace directory (``tests/flax``)
-    does not count."""
+    """Importable (not a bare namespace folder such as ``tests/flax``), checked unimported."""
     spec = importlib.util.find_spec(name)
     return spec is not None and spec.origin is not None
 
@@ -218,10 +217,8 @@ def _plain_cnn(x, out_features, model):
 
 
 def _inputs(samples, image_size):
-    rng = np.random.default_rng(1)
-    shape = (image_size, image_size, 3)
-    x1 = rng.standard_normal((samples, *shape)).astype(np.float32)
-    return jnp.asarray(x1), jnp.asarray(rng.standard_normal((samples - 1, *shape)), jnp.float32)
+    x = np.random.default_rng(1).standard_normal((2 * samples - 1, image_size, image_size, 3))
+    return jnp.asarray(x[:samples], jnp.float32), jnp.asarray(x[samples:], jnp.float32)
 
 
 def _kernel_check(name, pairs, samples, image_size, model) -> Check:
@@ -335,10 +332,6 @@ def doctor(checks: Sequence[Check] | None = None, *, self_test: bool = True) -> 
     packages = {name: _version(name) for name in PACKAGES}
     if checks is None or not self_test:
         checks = default_checks() if checks is None and self_test else []
-    devices = [
-        dict(id=d.id, platform=d.platform, kind=d.device_kind, memory=_memory(d))
-        for d in jax.devices()
-    ]
     return DoctorReport(
         python=platform.python_version(),
         system=f"{platform.system()} {platform.release()} {platform.machine()}",
@@ -349,7 +342,10 @@ def doctor(checks: Sequence[Check] | None = None, *, self_test: bool = True) -> 
         accelerator=info.text,
         cuda=".".join(map(str, info.version)) if info.kind == "cuda" and info.version else None,
         cudnn=packages["nvidia-cudnn-cu12"] or packages["nvidia-cudnn-cu13"],
-        devices=devices,
+        devices=[
+            dict(id=d.id, platform=d.platform, kind=d.device_kind, memory=_memory(d))
+            for d in jax.devices()
+        ],
         x64=x64,
         default_matmul_precision=matmul,
         env=env,

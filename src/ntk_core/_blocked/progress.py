@@ -69,3 +69,4 @@ def progress_bar(fn_name: str, progress: bool | None, total: int, unit: str = "i
 
 
 NO_BAR = types.SimpleNamespace(update=lambda k=1: None, close=lambda: None)  # none shown
+NO_BAR.set_description = lambda desc: None

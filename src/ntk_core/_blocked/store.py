@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -29,13 +30,11 @@ from ntk_core._errors import bad, one_line
 from ntk_core._kernel.layout import leaf_layouts, swap_perm
 from ntk_core._units import human_bytes
 
-MANIFEST_VERSION = 1
-#: Seconds between two commits of written tiles to the manifest (:meth:`NpyStore.commit`).
-COMMIT_SECONDS = 1.0
+#: The manifest's format; seconds between two commits of written tiles (:meth:`NpyStore.commit`).
+MANIFEST_VERSION, COMMIT_SECONDS = 1, 1.0
 #: Fingerprint entries whose values a refusal shows (the others are digests).
 SHOWN = ("shape", "dtype", "tile grid", "n_samples", "sample")
-#: The manifest's keys, and how a finished file is opened.
-VERSION, FP, DONE, COMPLETE = "version", "fingerprint", "done", "complete"
+VERSION, FP, DONE, COMPLETE = "version", "fingerprint", "done", "complete"  # the manifest's keys
 READ = dict(mmap_mode="r")
 _GRAM, _OTHER_CALL = "x2=None (the Gram matrix of x1)", "was started by a different call"
 
@@ -46,9 +45,8 @@ def manifest_path(path: str) -> str:
 
 def _digest_tree(tree) -> str:
     """SHA-256 of a pytree's structure and its leaves' shapes, dtypes and bytes."""
-    h = hashlib.sha256()
     leaves, treedef = jax.tree.flatten(tree)
-    h.update(str(treedef).encode())
+    h = hashlib.sha256(str(treedef).encode())
     for leaf in leaves:
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             h.update(repr(leaf).encode())
@@ -65,7 +63,6 @@ def inputs(x1, x2) -> dict:
 
 
 def described(options: dict, shape, dtype, grid) -> dict:
-    """The options, shape, dtype and tile grid in a fingerprint."""
     d = {"options": {k: repr(v) for k, v in sorted(options.items())}, "shape": list(shape)}
     return d | {"dtype": str(np.dtype(dtype)), "tile grid": list(grid)}
 
@@ -118,18 +115,15 @@ def _read_manifest(path: str) -> dict | None:
     return data if isinstance(data, dict) and data.get(VERSION) == MANIFEST_VERSION else None
 
 
-def _listed(data) -> dict:
-    """The well-formed ``[r0, c0, crc32]`` entries of a manifest: ``{(r0, c0): crc32}``."""
+def _listed(data, path=None) -> dict:
+    """The well-formed ``[r0, c0, crc32]`` entries of a manifest, and with ``path`` of every
+    process's own list beside it: ``{(r0, c0): crc32}``."""
     done = (data if isinstance(data, dict) else {}).get(DONE)
     ok = [t for t in done if isinstance(t, list) and len(t) == 3] if isinstance(done, list) else []
-    return {(t[0], t[1]): t[2] for t in ok if all(type(v) is int for v in t)}
-
-
-def _checksum(fd: int, offset: int, runs, crc: int = 0) -> int:
-    """CRC-32 of the byte ``runs`` (after ``offset``) of the file ``fd``, in order."""
-    for start, length in runs:
-        crc = zlib.crc32(os.pread(fd, length, offset + start), crc)
-    return crc
+    listed = {(t[0], t[1]): t[2] for t in ok if all(type(v) is int for v in t)}
+    for other in _process_manifests(path) if path else ():
+        listed |= _listed(_read_json(other))
+    return listed
 
 
 class NpyStore:
@@ -145,9 +139,9 @@ class NpyStore:
         self, fn, path, layout, fingerprint, resume, overwrite, process, barrier, transform=None
     ):
         self.fn, self.path, self.transform = fn, path, transform
+        self.process, self.barrier = process, barrier
         self.perms, self.batch_diagonal = layout.perms, layout.batch_diagonal
         shape, dtype = layout.shape, layout.dtype
-        self.process, self.barrier = process, barrier
         self.manifest = {VERSION: MANIFEST_VERSION, FP: fingerprint, DONE: [], COMPLETE: False}
         self.done: dict[tuple[int, int], int] = {}  # tile -> CRC-32 of its bytes
         # this process's tiles done in this run (several processes); written since the commit
@@ -261,14 +255,13 @@ class NpyStore:
 
     def _verify(self, reader, old) -> None:
         """Keeps the listed tiles whose bytes match their CRC-32 (reads the file once)."""
-        listed = _listed(old)
-        for other in _process_manifests(self.path):
-            listed |= _listed(_read_json(other))
         changed, args = [], (self.shape, self.itemsize, self.batch_diagonal)
+        listed = _listed(old, self.path)
         for tile, crc in sorted((t, c) for t, c in listed.items() if t in self.tiles):
             (r0, c0), (r1, c1, mirror) = tile, self.tiles[tile]  # the mirror's bytes after
             runs = _runs(*args, r0, r1, c0, c1) + (_runs(*args, c0, c1, r0, r1) if mirror else [])
-            if _checksum(reader.fd, reader.offset, runs) == crc:
+            read = (os.pread(reader.fd, n, reader.offset + at) for at, n in runs)
+            if functools.reduce(lambda c, data: zlib.crc32(data, c), read, 0) == crc:
                 self.done[tile] = crc
             else:
                 changed.append(list(tile))
@@ -338,9 +331,7 @@ class NpyStore:
             self._sync("written")
             if self.process[0] == 0:
                 others = _process_manifests(self.path)  # this run's (stale ones went first)
-                done = _listed(self.manifest) | self.done
-                for other in others:
-                    done |= _listed(_read_json(other))
+                done = _listed(self.manifest, self.path) | self.done
                 self.manifest[DONE] = [[*t, c] for t, c in sorted(done.items())]
                 self.manifest[COMPLETE] = True
                 self._write(manifest_path(self.path), self.manifest)
@@ -390,18 +381,15 @@ class NpyReader:
     fd = None
 
     def __init__(self, fn: str, path: str, shape, dtype, what: str = "the .npy"):
-        self.path, why = path, None
+        self.path, expected = path, (tuple(shape), np.dtype(dtype))
         try:
-            header = np.load(path, **READ)
+            header = np.load(path, **READ)  # its memory map closes with this call
             self.shape, self.dtype, self.offset = header.shape, header.dtype, header.offset
-            del header
-            if self.shape != tuple(shape) or self.dtype != np.dtype(dtype):
-                why = f"{self.shape} {self.dtype}, not {tuple(shape)} {np.dtype(dtype)}"
-            else:
-                self.fd = os.open(path, os.O_RDONLY)
+            self.fd = os.open(path, os.O_RDONLY) if (self.shape, self.dtype) == expected else None
         except (OSError, ValueError) as e:
-            why = one_line(e)
-        if why is not None:
+            raise damaged(fn, path, one_line(e), what) from None
+        if self.fd is None:
+            why = f"{self.shape} {self.dtype}, not {expected[0]} {expected[1]}"
             raise damaged(fn, path, why, what)
 
     close = __del__ = NpyStore.close

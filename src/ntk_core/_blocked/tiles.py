@@ -334,8 +334,7 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
                     yield (*tile(fa, fb, None, None, diag, d), r0, r1, *cols[j], same and not diag)
             del kept
 
-    if (bar := progress_bar(fn, options.progress, cut.tiles, unit="tile")) is None:
-        bar = NO_BAR
+    bar = progress_bar(fn, options.progress, cut.tiles, unit="tile") or NO_BAR
     if store is not None and store.done:
         bar.update(len(store.done))  # tiles of the interrupted runs
 

@@ -15,28 +15,21 @@ from ntk_core._jax import environment as _environment
 from ntk_core._kernel.caller import Caller
 
 
-def _classes(obj) -> list[tuple[str, str]]:
-    return [(c.__module__, c.__name__) for c in type(obj).__mro__]
-
-
-def _is_linen_module(obj) -> bool:
-    return any(m.startswith("flax.linen") and n == "Module" for m, n in _classes(obj))
+def _classes(obj, package: str) -> set[str]:
+    return {c.__name__ for c in type(obj).__mro__ if c.__module__.startswith(package)}
 
 
 def is_nnx_module(obj) -> bool:
     """Whether ``obj`` is a ``flax.nnx.Module`` (by its classes)."""
-    return any(m.startswith("flax.nnx") and n == "Module" for m, n in _classes(obj))
-
-
-def _is_haiku_transformed(obj) -> bool:
-    return any(m.startswith("haiku") and n.startswith("Transformed") for m, n in _classes(obj))
+    return "Module" in _classes(obj, "flax.nnx")
 
 
 def check_apply_fn(fn_name: str, apply_fn, entry: str = "kernel") -> None:
     """Refuses a Flax/Haiku model object (naming the adapter's ``entry``) or a non-callable."""
     name = type(apply_fn).__name__
-    flax = _is_linen_module(apply_fn) or is_nnx_module(apply_fn)
-    package = "ntk_flax" if flax else "ntk_haiku" if _is_haiku_transformed(apply_fn) else ""
+    flax = "Module" in _classes(apply_fn, "flax.linen") or is_nnx_module(apply_fn)
+    haiku = any(n.startswith("Transformed") for n in _classes(apply_fn, "haiku"))
+    package = "ntk_flax" if flax else "ntk_haiku" if haiku else ""
     if package:
         what = f"apply_fn is the model {name}, not apply_fn(params, x)"
         raise bad(TypeError, fn_name, what, f"use {package}.{entry} with the model")
@@ -51,7 +44,7 @@ def params_check(fn_name: str, apply_fn):
     while isinstance(inner, functools.partial):
         inner = inner.func
     module = getattr(inner, "__self__", None)
-    if module is None or not _is_linen_module(module) or inner != module.apply:
+    if module is None or "Module" not in _classes(module, "flax.linen") or inner != module.apply:
         return None  # not a linen module's own model.apply (bound methods compare so)
 
     def check(params, x1, x2, aux):
@@ -80,12 +73,10 @@ def adapter_model_failure(caller: Caller, params_name: str, error: Exception) ->
     return bad(ValueError, caller.name, f"applying the model to x1 failed: {one_line(error)}", fix)
 
 
-def _numeric(dtype, kind=jnp.number) -> bool:
-    """Numbers and booleans (or ``kind``), ml_dtypes included."""
+def _numeric(dtype, kinds=(jnp.number, jnp.bool_)) -> bool:
+    """Of one of ``kinds`` (default: numbers and booleans), ml_dtypes included."""
     try:
-        if kind is not jnp.number:
-            return bool(jnp.issubdtype(dtype, kind))
-        return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
+        return any(jnp.issubdtype(dtype, kind) for kind in kinds)
     except TypeError:
         return False
 
@@ -123,24 +114,22 @@ def before_trace(fn_name: str, params, x1, x2, options) -> None:
                 raise bad(TypeError, fn_name, what, "encode the inputs as numbers (token ids)")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         where = f"params{jax.tree_util.keystr(path)}"
-        if not _numeric(leaf.dtype, jnp.floating):
+        if not _numeric(leaf.dtype, (jnp.floating,)):
             what = f"{where} has dtype {np.dtype(leaf.dtype)}; expected real floating point"
             fix = "keep only real weights in params (complex: two real leaves)"
             raise bad(TypeError, fn_name, what, fix)
 
 
-def after_trace(
-    fn_name: str, apply3, params, x1, x2, aux, out_leaves, options, kernel: str = "NTK", closed=None
-) -> None:
+def after_trace(fn, apply3, params, x1, x2, aux, out_leaves, options, kernel="NTK", closed=None):
     """Checks of the (validated) outputs, and precision warnings for ``kernel``; ``closed``:
     the model's jaxpr when already traced."""
     for i, leaf in enumerate(out_leaves):
         if np.dtype(leaf.dtype).kind == "c":
             where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
             what = f"{where} has dtype {leaf.dtype}; expected real floating point"
-            raise bad(TypeError, fn_name, what, "return the real and imaginary parts apart")
+            raise bad(TypeError, fn, what, "return the real and imaginary parts apart")
     _environment.check_model_precision(
-        fn_name, apply3, params, x1, aux, options.precision, kernel, closed
+        fn, apply3, params, x1, aux, options.precision, kernel, closed
     )
 
 
@@ -181,7 +170,5 @@ def check_finite_input(fn_name: str, name: str, x) -> None:
 
 
 def check_finite_inputs(fn_name: str, x1, x2) -> None:
-    """:func:`check_finite_input` of ``x1`` and ``x2`` (when given)."""
     check_finite_input(fn_name, "x1", x1)
-    if x2 is not None:
-        check_finite_input(fn_name, "x2", x2)
+    check_finite_input(fn_name, "x2", x2)  # None: no leaves

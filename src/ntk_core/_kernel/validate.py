@@ -57,15 +57,13 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     of ``tests/core/test_bad_input.py``). ``samples``: the per-sample signatures already
     validated, updated. Cost: for a new signature one abstract trace and the probe's two
     forward passes on three samples; otherwise O(leaves)."""
-    fn = spec.fn_name
-    caller = spec.caller if spec.caller is not None else core(spec.fn_name)
-    opts = spec.options
+    fn, opts = spec.fn_name, spec.options
+    caller = spec.caller if spec.caller is not None else core(fn)
     _checks.before_trace(fn, params, x1, x2, opts)  # backend guard, dtypes
     if not jax.tree.leaves(params):
         what = f"params has no arrays (got {type(params).__name__})"
         raise bad(ValueError, fn, what, "pass the model's parameters (from its init)")
-    n1 = batch_size(caller, "x1", x1)
-    n2 = n1
+    n1 = n2 = batch_size(caller, "x1", x1)
     if x2 is not None:
 
         def per_sample(tree):
@@ -102,10 +100,9 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
         out_tree, sample_outputs = known
         out_leaves = [jax.ShapeDtypeStruct((n1,) + s, d) for s, d in sample_outputs]
     elif opts.vmap_axes is not None:
-        x_one = one_sample(x1)
         try:
             closed, out = per_sample_trace(
-                spec.apply3, params, x_one, aux, precision=opts.precision
+                spec.apply3, params, one_sample(x1), aux, precision=opts.precision
             )
         except jax.errors.UnexpectedTracerError as e:
             raise _checks.leaked_tracer_error(fn, e) from e
@@ -117,10 +114,9 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     if known is None and closed is None:  # vmap_axes=None, or the error path
         x_abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x1)
         try:
+            trace = jax.make_jaxpr(spec.apply3, return_shape=True)
             with jax.default_matmul_precision(opts.precision):
-                closed, out = jax.make_jaxpr(spec.apply3, return_shape=True)(
-                    params, x_abstract, aux
-                )
+                closed, out = trace(params, x_abstract, aux)
         except Exception as e:  # the model's own error, with context
             doing = f"calling the model on x1 (shapes {describe(x1)})"
             fix = f"check params and x1's per-sample shape and dtype ({_checks.order_hint(caller)})"
@@ -147,11 +143,9 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
             raise bad(ValueError, fn, what, "pass x2 with N1 samples, or x2=None")
         layouts.append(layout)
     if one_sample_error is not None:  # the batch of N runs; one sample does not
-        e = one_sample_error
-        what = f"the model runs on x1's batch of {n1} samples but not on one (vmap_axes=0)"
-        what += f": {one_line(e)}"
+        what = f"the model runs on x1's batch of {n1} samples but not on one (vmap_axes=0): "
         fix = "keep the batch axis for any N (no squeeze, no fixed N), or pass vmap_axes=None"
-        raise bad(ValueError, fn, what, fix) from e
+        raise bad(ValueError, fn, what + one_line(one_sample_error), fix) from one_sample_error
     if known is None:
         kernel = "NNGP" if spec.kind == "nngp" else "NTK"
         _checks.after_trace(fn, spec.apply3, params, x1, x2, aux, out_leaves, opts, kernel, closed)
