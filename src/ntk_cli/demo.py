@@ -91,15 +91,8 @@ def use_compilation_cache(folder: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def run(
-    out: str,
-    n_train: int,
-    seed: int,
-    implementation: str,
-    progress: bool | None,
-    compilation_cache: str | None = None,
-) -> int:
-    """Runs the demo; returns the process exit status (0 success, 1 failed check)."""
+def run(out, n_train, seed, implementation, progress, compilation_cache=None) -> int:
+    """Runs the demo (arguments: :func:`add_arguments`); returns the exit status (1: failed)."""
     import haiku as hk
 
     import ntk_haiku

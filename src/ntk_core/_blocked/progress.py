@@ -11,8 +11,7 @@ from ntk_core._errors import bad
 
 
 def in_ci() -> bool:
-    """Whether the environment variable ``CI`` is true-ish (not ``""``, ``0``, ``false``,
-    ``no`` or ``off``, in any case)."""
+    """Whether ``CI`` is set to other than "", 0, false, no or off (in any case)."""
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 

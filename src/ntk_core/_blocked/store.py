@@ -127,11 +127,10 @@ def _listed(data, path=None) -> dict:
 
 
 class NpyStore:
-    """A blocked call's result written tile by tile into ``path`` (``layout``: its
-    :class:`FileLayout`; ``process``: (index, count); ``barrier(name)`` waits for all, None
-    with one; ``transform(tile, r0, r1, c0, c1)`` maps each cut tile before it is written).
-    Raises ValueError for an existing file without ``resume``/``overwrite``, a resume of a
-    missing or different file (naming what differs), a bad folder, too little disk space."""
+    """A blocked call's result written tile by tile into ``path`` (``process``: (index, count);
+    ``barrier(name)`` waits for all, None with one; ``transform(tile, r0, r1, c0, c1)`` maps
+    each tile before it is written). ValueError for an existing file without ``resume`` or
+    ``overwrite``, a resume of a missing or different file, a bad folder, too little space."""
 
     fd = None  # the file, open while tiles are written
 
@@ -176,8 +175,7 @@ class NpyStore:
         except (OSError, ValueError) as e:
             raise self._os_error("open", e) from e
 
-    def _create(self, dtype, shape) -> None:
-        """The new file, renamed into place (a memory map of an old one keeps it)."""
+    def _create(self, dtype, shape) -> None:  # renamed into place: an old file's maps keep it
         folder, name = os.path.split(os.path.abspath(self.path))
         tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}.npy")  # the umask's mode
         try:  # the header; the data stays a hole until written
@@ -280,8 +278,8 @@ class NpyStore:
         return set(todo[self.process[0] :: self.process[1]])
 
     def put(self, tile, r0, r1, c0, c1, mirror: bool) -> None:
-        """Writes one tile (and its mirror) with ``os.pwrite`` (a memory map's written
-        pages would count as resident memory); :meth:`commit` lists it."""
+        """Writes one tile (and its mirror) with ``os.pwrite`` (a memory map's pages count as
+        resident memory); :meth:`commit` lists it."""
         (a,) = map(np.asarray, jax.tree.leaves(tile))
         a = a[: r1 - r0] if self.batch_diagonal else a[: r1 - r0, : c1 - c0]
         if self.transform is not None:
@@ -295,8 +293,7 @@ class NpyStore:
             self.commit()
 
     def _rows(self, block, r0: int, c0: int, crc: int = 0) -> int:
-        """``block`` (rows x columns x ...) written at row ``r0``, column ``c0``; ``crc``
-        continued over the bytes written."""
+        """Writes ``block`` (rows x columns x ...) at (r0, c0); ``crc`` continued over it."""
         c1 = c0 + (0 if self.batch_diagonal else block.shape[1])
         runs = _runs(self.shape, self.itemsize, self.batch_diagonal, r0, r0 + len(block), c0, c1)
         rows = block[None] if self.batch_diagonal else block  # a batch diagonal: one run
@@ -404,15 +401,14 @@ class NpyReader:
         return np.frombuffer(data, self.dtype).reshape(r1 - r0, *tail)
 
 
-def _process_manifests(path: str) -> list[str]:
-    """Every process's own list of tiles beside ``path`` (of any earlier run)."""
+def _process_manifests(path: str) -> list[str]:  # each process's own list, of any run
     folder, name = os.path.split(os.path.abspath(path))
     pattern = re.escape(name) + r"\.manifest\.p.*\.json"
     return sorted(os.path.join(folder, n) for n in os.listdir(folder) if re.fullmatch(pattern, n))
 
 
 def _remove_temporaries(path: str) -> None:
-    """Removes the temporary files (manifests, a new file) of ``path`` a killed process left."""
+    """Removes the temporary files (manifests, a new file) a killed process left."""
     folder, name = os.path.split(os.path.abspath(path))
     for n in os.listdir(folder):
         if n.startswith(f".{name}.") and ".tmp-" in n:
@@ -507,9 +503,8 @@ class _Peers:
 
 
 def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
-    """The :class:`NpyStore` of a blocked call with ``out=`` (a path's, or the one a
-    :class:`Sink` opens; ``model``: :func:`model_digest`); ValueError for a kernel of
-    several arrays."""
+    """The :class:`NpyStore` of a blocked call with ``out=`` (a path or a :class:`Sink`;
+    ``model``: :func:`model_digest`); ValueError for a kernel of several arrays."""
     options, fn, out = spec.options, spec.fn_name, spec.options.out
     if len(cut.pair_kernels) != 1:
         n, where = len(cut.pair_kernels), out.path if isinstance(out, Sink) else out
@@ -528,7 +523,6 @@ def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
     layout = FileLayout(shape, np.dtype(one.dtype), perms, diagonal, named, grid, x2 is None)
     if isinstance(out, Sink):
         return out.open(fn, layout, x1, x2, params, aux)
-    # what the file holds, as JSON-ready plain values
     fp = {**inputs(x1, x2), "params": _digest_tree(params), "model state (aux)": _digest_tree(aux)}
     fp |= described(named, shape, layout.dtype, layout.grid)
     return NpyStore(fn, out, layout, fp, options.resume, options.overwrite, *processes())

@@ -93,7 +93,7 @@ def symmetrize(kernel, config):
 
 
 def finish_tile(kernel):
-    """The tile and its all-finite flag (one reduction on the device)."""
+    """The tile and its all-finite flag (reduced on the device)."""
     flags = [jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(kernel)]
     return kernel, functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
 
@@ -223,9 +223,7 @@ def tiling(implementation, config, options, params, x1, x2, aux) -> Tiling:
     b = options.batch_size
     if b == AUTO_BATCH_SIZE:
         b = auto_batch_size(n1, n2, _nbytes(f_one), pair_bytes, available, batch_diagonal, same)
-    b1, b2 = min(b, n1), min(b, n2)
-    if batch_diagonal or same:
-        b1 = b2 = min(b, n1)
+    b1, b2 = min(b, n1), min(b, n2)  # n2 = n1 on the batch diagonal and with x2=None
     k1, k2 = len(_blocks(n1, b1)), len(_blocks(n2, b2))
     tiles = k1 if batch_diagonal else (k1 * (k1 + 1) // 2 if same else k1 * k2)
     pair_kernels = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in kernel_leaves)
@@ -252,16 +250,15 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
     xc = x1 if same else x2
     # Tiles of row block i on device i mod D; features of column block j computed on device
     # j mod D and copied where needed.
-    devices, placed = cut.devices, {}
+    devices = cut.devices
     n_dev = len(devices)
 
     def on(d, value):
         return value if devices == (None,) else jax.device_put(value, devices[d])
 
+    @functools.cache
     def model(d):
-        if d not in placed:
-            placed[d] = (on(d, params), on(d, aux))
-        return placed[d]
+        return on(d, params), on(d, aux)
 
     def block(x, blocks, k, size, d):
         start, stop = blocks[k]

@@ -9,8 +9,7 @@ import inspect
 
 
 def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> str | None:
-    """The first required parameter no argument gives, or None (as ``Signature.bind``
-    checks, in its order)."""
+    """The first required parameter no argument gives (as ``Signature.bind`` checks), or None."""
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     taken = positional[: len(args)]
@@ -28,8 +27,7 @@ def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> s
 
 
 def _checked_arguments(fn, name: str | None = None):
-    """Python's binding errors of ``fn`` become a TypeError naming ``name``, the valid
-    options and the fix (consulted only after a TypeError)."""
+    """``fn`` whose binding errors (checked after a TypeError) name the valid options."""
     signature = inspect.signature(fn)
     name = name or fn.__name__
 

@@ -66,10 +66,8 @@ def samples_interact_error(fn_name: str, fix: str) -> ValueError:
 def adapter_model_failure(caller: Caller, params_name: str, error: Exception) -> ValueError:
     """An adapter's ValueError for a model that fails on x1."""
     mine = "" if caller.monte_carlo else f"{params_name} from this model's init, "
-    fix = (
-        f"check {mine}x1's per-sample shape (batch axis first) and the model's own "
-        "arguments (apply_kwargs, e.g. {'train': False}; nnx: model.eval())"
-    )
+    fix = f"check {mine}x1's per-sample shape (batch axis first) and the model's own arguments"
+    fix += " (apply_kwargs, e.g. {'train': False}; nnx: model.eval())"
     return bad(ValueError, caller.name, f"applying the model to x1 failed: {one_line(error)}", fix)
 
 

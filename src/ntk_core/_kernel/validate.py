@@ -27,8 +27,7 @@ def as_arrays(tree):
 def describe(tree) -> str:
     text = repr(jax.tree.map(lambda v: tuple(np.shape(v)), tree))
     if len(text) > 300:  # e.g. a long Python list of numbers: one () per element
-        n = len(jax.tree.leaves(tree))
-        text = f"{text[:200]}... ({type(tree).__name__} with {n} leaves)"
+        text = f"{text[:200]}... ({type(tree).__name__} with {len(jax.tree.leaves(tree))} leaves)"
     return text
 
 

@@ -55,8 +55,7 @@ class MonteCarloFiles:
             self._remove(paths)
         self.first = self.sample = min(rs.first() for rs in self.sums.values())
 
-    def finish(self) -> None:
-        """Removes the running sums once every kind's mean is written."""
+    def finish(self) -> None:  # every kind's mean is written
         self._remove([p for rs in self.sums.values() for p in rs.buffers[1:]])
 
     def _remove(self, paths) -> None:
@@ -80,17 +79,15 @@ class RunningSum(_store.Sink):
         self.checked_space = False
 
     def buffer(self, sample: int, same_dtype: bool) -> str:
-        """The file of sample ``sample``'s sum: the result for the last; counted back from
-        it, the result and sum-a alternately when the sum has the kernel's dtype, else
-        sum-a and sum-b (half-precision kernels, summed in float32)."""
+        """The file of sample ``sample``'s sum: the result for the last, before it alternately
+        the result and sum-a in the kernel's dtype, else sum-a and sum-b (float32 sums)."""
         back = self.files.n_samples - 1 - sample
         if back == 0:
             return self.path
         return self.buffers[back % 2] if same_dtype else self.buffers[1 + (back + 1) % 2]
 
     def first(self) -> int:
-        """The first sample not summed yet (``n_samples``: the mean is written); refuses
-        files this call may not use."""
+        """The first sample not summed yet (``n_samples``: the mean is written), or refusal."""
         files, fn = self.files, self.files.fn
         found, other, unknown = [], None, None
         existing = [p for p in self.buffers if os.path.exists(p)]
