@@ -83,8 +83,7 @@ def _figure(path, k_train, labels):
 
 
 def use_compilation_cache(folder: str) -> None:
-    """JAX's persistent compilation cache in ``folder`` (created), for every program
-    however quickly it compiled (JAX's default keeps only those above one second)."""
+    """JAX's persistent compilation cache in ``folder``, for every program (JAX: above 1 s)."""
     os.makedirs(folder, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

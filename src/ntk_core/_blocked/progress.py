@@ -42,8 +42,7 @@ def _in_jupyter() -> bool:
 
 
 def _unknown_size_fallback(stream) -> dict:
-    """80 x 24 for a terminal that reports 0 columns or rows (a pseudo-terminal whose size
-    was never set), where tqdm would draw nothing at all."""
+    """80 x 24 for a terminal of 0 columns or rows (size never set): tqdm would draw nothing."""
     try:
         columns, lines = os.get_terminal_size(stream.fileno())
     except (AttributeError, ValueError, OSError):  # not a terminal: tqdm decides

@@ -417,8 +417,8 @@ def _remove_temporaries(path: str) -> None:
 
 
 def model_digest(closed) -> str:
-    """SHA-256 of the model's printed jaxpr (memory addresses dropped, so another process
-    gives the same) and of the constants it captured (whose values the printout omits)."""
+    """SHA-256 of the printed jaxpr (addresses dropped: alike in every process) and of the
+    constants it captured (the printout omits their values)."""
     text = re.sub(r"0x[0-9a-fA-F]+", "0x", str(closed.jaxpr))
     consts = _digest_tree(list(closed.consts))
     return hashlib.sha256(text.encode() + consts.encode()).hexdigest()
@@ -467,9 +467,8 @@ PEER_SECONDS, _PEERS = 30.0, None
 
 
 class _Peers:
-    """A barrier on ``jax.distributed``'s key-value store (``client``) that watches the
-    other processes' heartbeats (a thread's counter, every second): RuntimeError naming one
-    silent for :data:`PEER_SECONDS` (a collective waits for JAX's 100 s, then aborts)."""
+    """A barrier on ``jax.distributed``'s key-value store watching the others' heartbeats (a
+    thread's counter, each second): RuntimeError naming one silent for :data:`PEER_SECONDS`."""
 
     def __init__(self, client, index: int, count: int):
         self.client, self.index, self.count, self.calls = client, index, count, 0

@@ -119,8 +119,7 @@ def before_trace(fn_name: str, params, x1, x2, options) -> None:
 
 
 def after_trace(fn, apply3, params, x1, x2, aux, out_leaves, options, kernel="NTK", closed=None):
-    """Checks of the (validated) outputs, and precision warnings for ``kernel``; ``closed``:
-    the model's jaxpr when already traced."""
+    """Checks of the outputs; precision warnings for ``kernel`` (``closed``: a jaxpr, or None)."""
     for i, leaf in enumerate(out_leaves):
         if np.dtype(leaf.dtype).kind == "c":
             where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
@@ -150,8 +149,7 @@ def concrete_bool(value) -> bool | None:
 
 
 def check_finite_input(fn_name: str, name: str, x) -> None:
-    """A :class:`NonFiniteError` naming the first sample of ``x`` with a NaN or Inf;
-    called only once a result came out non-finite."""
+    """NonFiniteError naming ``x``'s first sample with NaN/Inf (once a result was non-finite)."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(x):
         try:
             floating = jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
