@@ -70,10 +70,9 @@ def _kernel_fn(name: str, kind: str, model, options: dict, built: bool = False):
     def to_core(model):
         params, other = _split(f"{name}(...)" if built else name, model, inputs)
         if other != apply:
-            where = f"{name}(...)(model, x1, x2)"
-            what = "the model's structure or fixed leaves differ from those of the model it "
-            what += "was built for"
-            raise bad(ValueError, where, what, f"build {name}(model) for it")
+            what = "the model's structure or fixed leaves differ from those it was built for"
+            where, fix = f"{name}(...)(model, x1, x2)", f"build {name}(model) for it"
+            raise bad(ValueError, where, what, fix)
         return params, None
 
     caller = Caller(name, "(model, x1, x2)", model="the model", package="ntk_equinox", built=built)
@@ -104,7 +103,6 @@ def kernel(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **opt
     ``inputs`` names; ValueError: no floating array leaves, a stateful layer, ``inputs``
     not ``"x"``, ``"args"`` or ``"kwargs"``; the core's errors, prefixed ``ntk_equinox.kernel:``.
     Cost: as :func:`ntk_core.ntk_fn`; new weights reuse the compiled programs.
-
     Example:
       >>> import equinox as eqx, jax, ntk_equinox
       >>> mlp = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.PRNGKey(0))

@@ -50,18 +50,6 @@ def refuse_apply_arguments(fn_name: str, apply_kwargs: dict, kernel: bool, rngs:
             raise bad(TypeError, fn_name, what + " itself", f"drop it and {fix}")
 
 
-def _init_fn(model, method, apply_kwargs, rngs, inputs="x"):
-    """``x -> model.init(...)`` with the call's model arguments (run under eval_shape)."""
-
-    def init(x):
-        key = jax.random.PRNGKey(0)
-        streams = {"params": key, "dropout": key, **(rngs or {})}
-        args, kw = spread("ntk_flax", inputs, x)
-        return model.init(streams, *args, method=method, **kw, **apply_kwargs)
-
-    return init
-
-
 def _missing_collections(fn_name: str, variables, init, x1) -> ValueError:
     """Variables lacking a collection the model reads (Flax's ``ScopeCollectionNotFound``)."""
     try:
@@ -118,8 +106,14 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
 
         return apply
 
-    def init_fn(rngs):
-        return _init_fn(model, method, apply_kwargs, rngs, inputs)
+    def init_fn(rngs):  # x -> model.init(...), run under eval_shape
+        def init(x):
+            key = jax.random.PRNGKey(0)
+            args, kw = spread(fn_name, inputs, x)
+            streams = {"params": key, "dropout": key, **(rngs or {})}
+            return model.init(streams, *args, method=method, **kw, **apply_kwargs)
+
+        return init
 
     read = VariablesReader(caller, init_fn, apply_fn)
 
@@ -188,7 +182,6 @@ def kernel_fn(
     its variables (BatchNorm in training mode) with ``vmap_axes=0``; the model failing on x1;
     ``inputs`` not one of the three, or x1 not the tuple / dict it names.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
@@ -206,9 +199,7 @@ def nngp_fn(
 
     Args: as :func:`kernel_fn`; ``**options``: :func:`ntk_core.nngp_fn`'s.
     Returns: the kernel function, whose results are :func:`nngp`'s.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
@@ -240,9 +231,7 @@ def kernel(
     for every sample.
     Returns: ``(N1, N2)`` for ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with
     ``trace_axes=()``.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
@@ -269,9 +258,7 @@ def nngp(
 
     Args: as :func:`kernel`; ``**options``: :func:`ntk_core.nngp_fn`'s.
     Returns: ``(N1, N2)`` for ``(N, O)`` outputs by default, in the outputs' dtype.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
@@ -290,9 +277,7 @@ def kernel_per_leaf_fn(
 
     Args: as :func:`kernel_fn` (``implementation`` not ``"ntvp"``).
     Returns: the kernel function, whose results are :func:`kernel_per_leaf`'s.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
@@ -321,9 +306,7 @@ def kernel_per_leaf(
     Args: as :func:`kernel` (``implementation`` not ``"ntvp"``).
     Returns: a tree like ``params`` (nnx: an ``nnx.State``) of ``(N1, N2)`` kernels by
     default.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
@@ -352,9 +335,7 @@ def plan(
     Args: as :func:`kernel`.
     Returns: :func:`ntk_core.plan`'s ``Plan`` (implementation, estimates, each leaf's
     path, size and method).
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))

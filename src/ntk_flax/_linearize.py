@@ -107,18 +107,15 @@ def linearize(model, variables=None, *, method=None, apply_kwargs=None, inputs="
       variables: linen: ``model.init``'s dict (only ``params`` is read); nnx: ``None``
         (the module's ``nnx.Param`` state now, copied) or such a state.
       method, apply_kwargs, inputs: as :func:`ntk_flax.kernel_fn` (x: f_lin's).
-
     Returns:
       Pure ``f_lin(variables, x)`` (nnx: ``f_lin(params, x)``, ``params`` an ``nnx.Param``
       state or a module of the same structure): the outputs, e.g. ``(N1, O)``.
-
     Raises:
       TypeError: ``model`` not a linen or nnx module; linen ``variables`` not a dict;
         ``apply_kwargs`` holding ``mutable``, ``rngs`` or ``method``; an nnx ``method``
         the module lacks; at call time, a parameter of another dtype.
       ValueError: linen ``variables`` without ``params`` or ``None``; ``variables`` or
         call-time parameters of another structure or shape than θ0.
-
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(1)]), jnp.ones((4, 2))
@@ -148,13 +145,10 @@ def taylor_expand(
     Args:
       model, variables, method, apply_kwargs, inputs: as :func:`linearize`.
       degree: a non-negative int.
-
     Returns:
       ``f_taylor(variables, x)`` as :func:`linearize`'s ``f_lin``, e.g. ``(N1, O)``.
-
     Raises:
       TypeError, ValueError: as :func:`linearize`; ``degree`` not an int, or negative.
-
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))  # linear in its parameters

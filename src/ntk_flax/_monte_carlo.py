@@ -53,26 +53,21 @@ def monte_carlo_kernels(
     parameterisation is the model's own. For ``flax.nnx``, ``model`` is the function that
     builds a module from an ``nnx.Rngs`` (called under ``jax.jit``), in evaluation mode if
     it has Dropout or BatchNorm (``.eval()`` in that function).
-
     Args:
       model: a ``flax.linen.Module``, or ``model(rngs: nnx.Rngs) -> nnx.Module``.
       x1, x2, key, n_samples, batch_size_samples, progress, **options: as
         :func:`ntk_core.monte_carlo_kernels` (x1: N1 samples, x2: N2 or ``None``).
       method, apply_kwargs, inputs: as :func:`ntk_flax.kernel_fn`; linen's ``apply_kwargs`` also
         go to ``model.init`` unless ``init_kwargs`` (linen only) is given.
-
     Returns:
       ``ntk_core.predict.Kernels(nngp, ntk)``, each ``(N1, N2)`` for ``(N, O)`` outputs
       by default; with ``out``, read-only memory maps of the files.
-
     Raises:
       TypeError, ValueError: as :func:`ntk_flax.kernel_fn` and
         :func:`ntk_core.monte_carlo_kernels`; for nnx, a module instead of its builder, a
         builder that fails or builds a module without ``nnx.Param``.
-
     Cost: S calls of ``model.init`` (or the jitted builder), :func:`ntk_flax.kernel` and
     :func:`ntk_flax.nngp` (one compilation each).
-
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> x = jnp.ones((4, 2))

@@ -48,11 +48,7 @@ _VARIABLE_CLASSES = (nnx.Variable,) + tuple(
 
 def _variables(rest) -> list[tuple[str, str]]:
     """(path, variable type) of each array leaf of an nnx state, in leaf order."""
-
-    def is_variable(v) -> bool:
-        return isinstance(v, _VARIABLE_CLASSES)
-
-    found = []
+    found, is_variable = [], lambda v: isinstance(v, _VARIABLE_CLASSES)
     for path, v in jax.tree_util.tree_leaves_with_path(rest, is_leaf=is_variable):
         kind = getattr(v, "type", type(v))
         keys = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
@@ -128,9 +124,7 @@ def _in_eval_mode(module) -> bool:
     return bool(flags) and all(flags)
 
 
-def _refuse_state_changes(
-    fn_name: str, changed: list[str], module=None, *, monte_carlo: bool = False
-) -> None:
+def _refuse_state_changes(fn_name: str, changed: list[str], module, monte_carlo: bool) -> None:
     """Refuses a call that writes the module's state (``changed``); ``monte_carlo``: the
     module is built by the caller's function."""
     random = any("Rng" in c for c in changed)
@@ -138,10 +132,9 @@ def _refuse_state_changes(
     switch = f"apply_kwargs={{'{'deterministic' if random else 'train'}': {random}}}"
     if not mode:
         fix = "keep state writes out of the forward pass"
-    elif module is not None and _in_eval_mode(module):
-        fix = (
-            f"its layers are in evaluation mode, so let __call__ take the switch and pass {switch}"
-        )
+    elif _in_eval_mode(module):
+        fix = "its layers are in evaluation mode, so let __call__ take the switch and pass "
+        fix += switch
     else:
         fix = "call .eval() on the module where it is built" if monte_carlo else "model.eval()"
         fix += f", or pass {switch}"
@@ -194,7 +187,7 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs
         changed = _state_changes(graphdef, params, rest, x1, name, apply_kwargs, inputs)
         if changed:
             module = nnx.merge(graphdef, params, rest)
-            _refuse_state_changes(fn_name, changed, module, monte_carlo=monte_carlo)
+            _refuse_state_changes(fn_name, changed, module, monte_carlo)
 
     def to_core(variables, rngs=None):
         if rngs is not None:
@@ -204,18 +197,15 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs
         if variables is not None:
             fix = "pass nnx.state(model, nnx.Param) of this model, or None for its own"
             if jax.tree.structure(variables) != jax.tree.structure(params):
-                what = (
-                    f"variables do not have the structure of the module's {_PARAM} {_paths(params)}"
-                )
+                what = f"variables do not have the structure of the module's {_PARAM} "
+                what += _paths(params)
                 fix += " (a dict goes in with nnx.replace_by_pure_dict)"
                 raise bad(ValueError, fn_name, what, fix)
+            paths = jax.tree_util.tree_leaves_with_path(params)
+            pairs = zip(paths, jax.tree.leaves(variables), strict=True)
             wrong = [
                 f"{jax.tree_util.keystr(path)} {np.shape(got)} (expected {np.shape(want)})"
-                for (path, want), got in zip(
-                    jax.tree_util.tree_leaves_with_path(params),
-                    jax.tree.leaves(variables),
-                    strict=True,
-                )
+                for (path, want), got in pairs
                 if np.shape(got) != np.shape(want)
             ]
             if wrong:

@@ -186,7 +186,6 @@ def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
     interact (BatchNorm with ``is_training=True``) with ``vmap_axes=0``; the model failing
     on x1; ``inputs`` not one of the three, or x1 not the tuple / dict it names.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
@@ -202,9 +201,7 @@ def nngp_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
 
     Args: as :func:`kernel_fn`; ``**options``: :func:`ntk_core.nngp_fn`'s.
     Returns: the kernel function, whose results are :func:`nngp`'s.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
@@ -225,9 +222,7 @@ def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwar
     for models that need one, the same for every sample.
     Returns: ``(N1, N2)`` for ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with
     ``trace_axes=()``.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
@@ -244,9 +239,7 @@ def nngp(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs
 
     Args: as :func:`kernel`; ``**options``: :func:`ntk_core.nngp_fn`'s.
     Returns: ``(N1, N2)`` for ``(N, O)`` outputs by default, in the outputs' dtype.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
@@ -263,9 +256,7 @@ def kernel_per_leaf_fn(transformed, *, apply_kwargs=None, **options) -> Callable
 
     Args: as :func:`kernel_fn` (``implementation`` not ``"ntvp"``).
     Returns: the kernel function, whose results are :func:`kernel_per_leaf`'s.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
@@ -285,9 +276,7 @@ def kernel_per_leaf(
 
     Args: as :func:`kernel` (``implementation`` not ``"ntvp"``).
     Returns: a dict like ``params`` of ``(N1, N2)`` kernels by default.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
@@ -306,9 +295,7 @@ def plan(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs
     Args: as :func:`kernel`.
     Returns: :func:`ntk_core.plan`'s ``Plan`` (implementation, estimates, each leaf's
     path, size and method).
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))

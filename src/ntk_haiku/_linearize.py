@@ -39,16 +39,13 @@ def linearize(
     Args:
       transformed, state, rng, apply_kwargs, inputs: as :func:`ntk_haiku.kernel` (x: f_lin's).
       params0: the params returned by ``transformed.init``: the expansion point.
-
     Returns:
       Pure ``f_lin(params, x)``, ``params`` like ``params0``: the outputs, e.g. ``(N1, O)``.
-
     Raises:
       TypeError: not a transformed function; ``params0`` or ``state`` not a mapping; at
         call time, a parameter of another dtype than in ``params0``.
       ValueError: a missing or unexpected ``state``; ``rng`` for a transform that takes
         none; at call time, ``params`` of another structure or leaf shape.
-
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([8, 1])(x)))
@@ -76,13 +73,10 @@ def taylor_expand(
     Args:
       transformed, params0, state, rng, apply_kwargs, inputs: as :func:`linearize`.
       degree: a non-negative int.
-
     Returns:
       ``f_taylor(params, x)``: the outputs, e.g. ``(N1, O)``.
-
     Raises:
       TypeError, ValueError: as :func:`linearize`; ``degree`` not an int, or negative.
-
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))

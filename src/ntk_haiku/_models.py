@@ -16,7 +16,6 @@ def lenet(x, out_features: int = 1):
     Returns: outputs ``(N, O)`` in the dtype of ``x`` and the parameters.
     Raises: Haiku's errors for inputs of another rank.
     Cost: one forward pass, about 2·N·H·W·(3·25·6 + 6·25·16/4) multiply-adds.
-
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(ntk_haiku.lenet)), jnp.ones((2, 16, 16, 3))
