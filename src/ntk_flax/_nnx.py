@@ -13,13 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ntk_core.adapters import (
-    Caller,
-    PureModel,
-    bad,
-    build_kernel,
-    check_apply_kwargs,
-)
+from ntk_core.adapters import Caller, PureModel, bad, build_kernel, check_apply_kwargs
 from ntk_core.adapters import inputs_failure as failure
 from ntk_core.adapters import spread_inputs as spread
 
@@ -102,8 +96,7 @@ def _state_changes(graphdef, params, rest, x, name, apply_kwargs, inputs="x") ->
 
 
 def _depends_on(jaxpr, outvars, invars) -> bool:
-    """Whether any of ``outvars`` is computed from any of ``invars`` (conservatively: an
-    equation's outputs depend on all of its inputs, sub-computations included)."""
+    """Whether an ``outvars`` is computed from an ``invars`` (an equation: from all its inputs)."""
     needed = {v for v in outvars if not isinstance(v, jex.core.Literal)}
     for eqn in reversed(jaxpr.eqns):
         if any(v in needed for v in eqn.outvars):
@@ -112,8 +105,7 @@ def _depends_on(jaxpr, outvars, invars) -> bool:
 
 
 def _in_eval_mode(module) -> bool:
-    """Every submodule with a mode flag (Dropout's ``deterministic``, BatchNorm's
-    ``use_running_average``) is in evaluation mode, and there is at least one."""
+    """Every mode flag (``deterministic``, ``use_running_average``) is set, and there is one."""
     flags = [
         getattr(node, flag)
         for _, node in nnx.iter_graph(module)
@@ -125,8 +117,7 @@ def _in_eval_mode(module) -> bool:
 
 
 def _refuse_state_changes(fn_name: str, changed: list[str], module, monte_carlo: bool) -> None:
-    """Refuses a call that writes the module's state (``changed``); ``monte_carlo``: the
-    module is built by the caller's function."""
+    """Refuses a call that writes module state; ``monte_carlo``: the caller's function builds it."""
     random = any("Rng" in c for c in changed)
     mode = random or any("BatchStat" in c for c in changed)  # Dropout, BatchNorm
     switch = f"apply_kwargs={{'{'deterministic' if random else 'train'}': {random}}}"
@@ -144,8 +135,7 @@ def _refuse_state_changes(fn_name: str, changed: list[str], module, monte_carlo:
 
 
 def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exception) -> None:
-    """A call that failed writing the state of an nnx object in ``apply_kwargs`` (an
-    external ``nnx.Rngs``: flax's ``TraceContextError``)."""
+    """Refuses a failed write to an nnx object in ``apply_kwargs`` (flax's TraceContextError)."""
     stateful = [k for k, v in apply_kwargs.items() if isinstance(v, nnx.Rngs | nnx.Variable)]
     if stateful and isinstance(error, flax.errors.TraceContextError):
         what = f"the call writes the state of {stateful} given in apply_kwargs"

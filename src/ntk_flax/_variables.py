@@ -179,8 +179,7 @@ class VariablesReader:
         return bad(ValueError, self._fn_name, what, fix)
 
     def _refuse_lacking(self, read, x1, rngs, lacking, made_key, state) -> None:
-        """Raises if the model reads one of the collections ``lacking`` (an abstract apply
-        without them raises ``ScopeCollectionNotFound``)."""
+        """Raises if the model reads a collection in ``lacking`` (abstract apply without them)."""
         key = _cache_key(lambda: (made_key, tuple(_keys(read))))
         if key is not None and key in self._reads:
             reads = self._reads[key]

@@ -18,10 +18,9 @@ def _expanded(fn_name: str, degree: int, transformed, params0, state, rng, apply
     call = f"{fn_name}(transformed, params, state=state)"
     check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call)
     if not isinstance(params0, Mapping):
-        what = (
-            f"params0 must be the dict returned by transformed.init, got {type(params0).__name__}"
-        )
-        raise bad(TypeError, fn_name, what, "pass params0 = transformed.init(key, x)")
+        what = "params0 must be the dict returned by transformed.init, got "
+        fix = "pass params0 = transformed.init(key, x)"
+        raise bad(TypeError, fn_name, what + type(params0).__name__, fix)
 
     def apply(params, x):
         return apply3(params, x, (state, rng))
@@ -55,9 +54,7 @@ def linearize(
       >>> bool(jnp.allclose(f_lin(params0, x), net.apply(params0, x)))
       True
 
-    References:
-      Lee et al., "Wide Neural Networks of Any Depth Evolve as Linear Models Under
-      Gradient Descent", NeurIPS 2019.
+    References: Lee et al., NeurIPS 2019, as :func:`ntk_core.linearize`.
     """
     args = (transformed, params0, state, rng, apply_kwargs, inputs)
     return _expanded("ntk_haiku.linearize", 1, *args)
@@ -86,8 +83,7 @@ def taylor_expand(
       >>> bool(jnp.allclose(f0(jax.tree.map(lambda p: p + 1.0, p0), x), net.apply(p0, x)))
       True
 
-    References:
-      Lee et al., NeurIPS 2019 (as :func:`linearize`).
+    References: Lee et al., NeurIPS 2019 (as :func:`linearize`).
     """
     degree = check_degree("ntk_haiku.taylor_expand", degree)
     args = (transformed, params0, state, rng, apply_kwargs, inputs)

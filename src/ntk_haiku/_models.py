@@ -22,8 +22,7 @@ def lenet(x, out_features: int = 1):
       >>> net.apply(net.init(jax.random.PRNGKey(0), x), x).shape
       (2, 1)
 
-    References: LeCun et al., "Gradient-based learning applied to document recognition",
-    1998.
+    References: LeCun et al., "Gradient-based learning applied to document recognition", 1998.
     """
     for i, features in enumerate((6, 16)):
         x = hk.Conv2D(features, 5, padding="SAME", name=f"Conv_{i}")(x)

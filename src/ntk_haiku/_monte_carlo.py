@@ -62,9 +62,7 @@ def monte_carlo_kernels(
       >>> k.ntk.shape
       (4, 4)
 
-    References:
-      Novak et al., "Bayesian Deep Convolutional Networks with Many Channels are
-      Gaussian Processes", ICLR 2019.
+    References: Novak et al., ICLR 2019, as :func:`ntk_core.monte_carlo_kernels`.
     """
     fn = _CALLER.name
     check_transformed(fn, transformed)
