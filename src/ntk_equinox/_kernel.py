@@ -60,9 +60,9 @@ def _split(fn_name: str, model, inputs="x") -> tuple:
     return params, _Apply(rest, (treedef, tuple(map(_leaf_key, leaves))), inputs)
 
 
-def _kernel_fn(name: str, kind: str, model, options: dict, built: bool = False):
-    """The core's kernel function ``kernel(model, x1, x2=None)`` of models shaped like
-    ``model`` (same structure and fixed leaves), its messages naming ``name``."""
+def _kernel_fn(fn, model, options: dict, built: bool = False):
+    """The core's ``kernel(model, x1, x2=None)`` for models shaped like ``model``."""
+    name, kind = f"ntk_equinox.{fn.__name__}", "nngp" if fn is nngp else "ntk"
     options = dict(options)
     inputs = check_inputs(name, options.pop("inputs", "x"))
     apply = _split(name, model, inputs)[1]
@@ -70,10 +70,9 @@ def _kernel_fn(name: str, kind: str, model, options: dict, built: bool = False):
     def to_core(model):
         params, other = _split(f"{name}(...)" if built else name, model, inputs)
         if other != apply:
-            where = f"{name}(...)(model, x1, x2)"
-            what = "the model's structure or fixed leaves differ from those of the model it "
-            what += "was built for"
-            raise bad(ValueError, where, what, f"build {name}(model) for it")
+            what = "the model's structure or fixed leaves differ from those it was built for"
+            where, fix = f"{name}(...)(model, x1, x2)", f"build {name}(model) for it"
+            raise bad(ValueError, where, what, fix)
         return params, None
 
     caller = Caller(name, "(model, x1, x2)", model="the model", package="ntk_equinox", built=built)
@@ -104,7 +103,6 @@ def kernel(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **opt
     ``inputs`` names; ValueError: no floating array leaves, a stateful layer, ``inputs``
     not ``"x"``, ``"args"`` or ``"kwargs"``; the core's errors, prefixed ``ntk_equinox.kernel:``.
     Cost: as :func:`ntk_core.ntk_fn`; new weights reuse the compiled programs.
-
     Example:
       >>> import equinox as eqx, jax, ntk_equinox
       >>> mlp = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.PRNGKey(0))
@@ -114,7 +112,7 @@ def kernel(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **opt
     References: Jacot, Gabriel, Hongler, NeurIPS 2018; Novak et al., ICML 2022.
     """
     o = dict(trace_axes=trace_axes, implementation=implementation, **options)
-    return _kernel_fn("ntk_equinox.kernel", "ntk", model, o)(model, x1, x2)
+    return _kernel_fn(kernel, model, o)(model, x1, x2)
 
 
 def kernel_fn(model, *, trace_axes=(-1,), implementation="auto", **options):
@@ -124,7 +122,7 @@ def kernel_fn(model, *, trace_axes=(-1,), implementation="auto", **options):
     (x1: N1 samples). Example: ``ntk_equinox.kernel_fn(mlp)(mlp, x)``. References:
     Jacot et al. 2018, Novak et al. 2022."""
     o = dict(trace_axes=trace_axes, implementation=implementation, **options)
-    return _kernel_fn("ntk_equinox.kernel_fn", "ntk", model, o, built=True)
+    return _kernel_fn(kernel_fn, model, o, built=True)
 
 
 def nngp(model, x1, x2=None, *, trace_axes=(-1,), **options):
@@ -134,7 +132,7 @@ def nngp(model, x1, x2=None, *, trace_axes=(-1,), **options):
     batch, N1·N2·O multiply-adds. Example: ``ntk_equinox.nngp(mlp, x)``. References:
     Lee et al., ICLR 2018."""
     o = dict(trace_axes=trace_axes, **options)
-    return _kernel_fn("ntk_equinox.nngp", "nngp", model, o)(model, x1, x2)
+    return _kernel_fn(nngp, model, o)(model, x1, x2)
 
 
 def plan(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **options):
@@ -143,4 +141,4 @@ def plan(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **optio
     method). Args:, Raises: as :func:`kernel`. Returns: a ``Plan``. Cost: one abstract
     trace. Example: ``print(ntk_equinox.plan(mlp, x))``. References: Novak et al. 2022."""
     o = dict(trace_axes=trace_axes, implementation=implementation, **options)
-    return _kernel_fn("ntk_equinox.plan", "ntk", model, o).plan(model, x1, x2)
+    return _kernel_fn(plan, model, o).plan(model, x1, x2)

@@ -50,18 +50,6 @@ def refuse_apply_arguments(fn_name: str, apply_kwargs: dict, kernel: bool, rngs:
             raise bad(TypeError, fn_name, what + " itself", f"drop it and {fix}")
 
 
-def _init_fn(model, method, apply_kwargs, rngs, inputs="x"):
-    """``x -> model.init(...)`` with the call's model arguments (run under eval_shape)."""
-
-    def init(x):
-        key = jax.random.PRNGKey(0)
-        streams = {"params": key, "dropout": key, **(rngs or {})}
-        args, kw = spread("ntk_flax", inputs, x)
-        return model.init(streams, *args, method=method, **kw, **apply_kwargs)
-
-    return init
-
-
 def _missing_collections(fn_name: str, variables, init, x1) -> ValueError:
     """Variables lacking a collection the model reads (Flax's ``ScopeCollectionNotFound``)."""
     try:
@@ -96,8 +84,7 @@ def caller(name: str, *, built: bool = False, monte_carlo: bool = False) -> Call
 
 
 def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwargs=None):
-    """The kernel function ``kernel(variables, x1, x2=None, *, rngs=None)`` of ``model``;
-    ``options`` the core's and ``inputs``."""
+    """``kernel(variables, x1, x2=None, *, rngs=None)``; ``options``: the core's, ``inputs``."""
     fn_name, options = caller.name, dict(options)
     inputs = check_inputs(fn_name, options.pop("inputs", "x"))
     if is_nnx_module(model):  # flax.nnx: the module's own state, split per call
@@ -118,8 +105,14 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
 
         return apply
 
-    def init_fn(rngs):
-        return _init_fn(model, method, apply_kwargs, rngs, inputs)
+    def init_fn(rngs):  # x -> model.init(...), run under eval_shape
+        def init(x):
+            key = jax.random.PRNGKey(0)
+            args, kw = spread(fn_name, inputs, x)
+            streams = {"params": key, "dropout": key, **(rngs or {})}
+            return model.init(streams, *args, method=method, **kw, **apply_kwargs)
+
+        return init
 
     read = VariablesReader(caller, init_fn, apply_fn)
 
@@ -165,16 +158,24 @@ def public(fn: Callable) -> Callable:
     return checked_arguments(f"ntk_flax.{fn.__name__}")(fn)
 
 
-def _cached(name: str, kind: str, model, method, apply_kwargs, options: dict):
-    """The kernel function of ``ntk_flax.<name>``, built once per model, keywords, options."""
+#: The core's kind of kernel of each entry point ``<name>`` and ``<name>_fn``.
+_KIND = dict(kernel="ntk", nngp="nngp", kernel_per_leaf="ntk_per_leaf", plan="ntk")
+
+
+def _kernel_of(fn: Callable, model, method, apply_kwargs, options: dict):
+    """The kernel function of the entry point ``fn``: new for ``*_fn``, else cached."""
+    name, built = fn.__name__, fn.__name__.endswith("_fn")
+    kind = _KIND[name.removesuffix("_fn")]
+
+    def build():
+        return make(caller(name, built=built), kind, model, options, method, apply_kwargs)
+
     key = (f"ntk_flax.{name}", model, method, apply_kwargs, options)
-    return cached(key, lambda: make(caller(name), kind, model, options, method, apply_kwargs))
+    return build() if built else cached(key, build)
 
 
 @public
-def kernel_fn(
-    model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
-) -> Callable:
+def kernel_fn(model, *, method=None, apply_kwargs=None, **options) -> Callable:
     """:func:`kernel` built once: ``kernel(variables, x1, x2=None, *, rngs=None)``.
 
     Args: ``model`` a ``flax.linen.Module`` or ``flax.nnx.Module``; ``method`` what
@@ -188,48 +189,33 @@ def kernel_fn(
     its variables (BatchNorm in training mode) with ``vmap_axes=0``; the model failing on x1;
     ``inputs`` not one of the three, or x1 not the tuple / dict it names.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
       >>> ntk_flax.kernel_fn(model, trace_axes=())(model.init(jax.random.PRNGKey(0), x), x).shape
       (4, 4, 3, 3)
     """
-    return make(caller("kernel_fn", built=True), "ntk", model, options, method, apply_kwargs)
+    return _kernel_of(kernel_fn, model, method, apply_kwargs, options)
 
 
 @public
-def nngp_fn(
-    model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
-) -> Callable:
+def nngp_fn(model, *, method=None, apply_kwargs=None, **options) -> Callable:
     """:func:`nngp` built once: ``kernel(variables, x1, x2=None, *, rngs=None)``.
 
     Args: as :func:`kernel_fn`; ``**options``: :func:`ntk_core.nngp_fn`'s.
     Returns: the kernel function, whose results are :func:`nngp`'s.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
       >>> ntk_flax.nngp_fn(model)(model.init(jax.random.PRNGKey(0), x), x).shape
       (4, 4)
     """
-    return make(caller("nngp_fn", built=True), "nngp", model, options, method, apply_kwargs)
+    return _kernel_of(nngp_fn, model, method, apply_kwargs, options)
 
 
 @public
-def kernel(
-    model: nn.Module,
-    variables,
-    x1,
-    x2=None,
-    *,
-    method: str | Callable | None = None,
-    apply_kwargs=None,
-    rngs=None,
-    **options,
-):
+def kernel(model, variables, x1, x2=None, *, method=None, apply_kwargs=None, rngs=None, **options):
     """Empirical NTK Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p of a
     Flax model, θ its ``params`` collection; other collections and ``rngs`` held fixed.
 
@@ -240,59 +226,39 @@ def kernel(
     for every sample.
     Returns: ``(N1, N2)`` for ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with
     ``trace_axes=()``.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
       >>> ntk_flax.kernel(model, model.init(jax.random.PRNGKey(0), x), x).shape
       (4, 4)
     """
-    fn = _cached("kernel", "ntk", model, method, apply_kwargs, options)
-    return fn(variables, x1, x2, rngs=rngs)
+    return _kernel_of(kernel, model, method, apply_kwargs, options)(variables, x1, x2, rngs=rngs)
 
 
 @public
-def nngp(
-    model: nn.Module,
-    variables,
-    x1,
-    x2=None,
-    *,
-    method: str | Callable | None = None,
-    apply_kwargs=None,
-    rngs=None,
-    **options,
-):
+def nngp(model, variables, x1, x2=None, *, method=None, apply_kwargs=None, rngs=None, **options):
     """Empirical NNGP kernel K[i, j, a, b] = f_a(x1_i) · f_b(x2_j) of a Flax model.
 
     Args: as :func:`kernel`; ``**options``: :func:`ntk_core.nngp_fn`'s.
     Returns: ``(N1, N2)`` for ``(N, O)`` outputs by default, in the outputs' dtype.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
       >>> ntk_flax.nngp(model, model.init(jax.random.PRNGKey(0), x), x, trace_axes=()).shape
       (4, 4, 3, 3)
     """
-    fn = _cached("nngp", "nngp", model, method, apply_kwargs, options)
-    return fn(variables, x1, x2, rngs=rngs)
+    return _kernel_of(nngp, model, method, apply_kwargs, options)(variables, x1, x2, rngs=rngs)
 
 
 @public
-def kernel_per_leaf_fn(
-    model: nn.Module, *, method: str | Callable | None = None, apply_kwargs=None, **options
-) -> Callable:
+def kernel_per_leaf_fn(model, *, method=None, apply_kwargs=None, **options) -> Callable:
     """:func:`kernel_per_leaf` built once: ``kernel(variables, x1, x2=None, *, rngs=None)``.
 
     Args: as :func:`kernel_fn` (``implementation`` not ``"ntvp"``).
     Returns: the kernel function, whose results are :func:`kernel_per_leaf`'s.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
@@ -300,30 +266,19 @@ def kernel_per_leaf_fn(
       >>> k["kernel"].shape
       (4, 4)
     """
-    built = caller("kernel_per_leaf_fn", built=True)
-    return make(built, "ntk_per_leaf", model, options, method, apply_kwargs)
+    return _kernel_of(kernel_per_leaf_fn, model, method, apply_kwargs, options)
 
 
 @public
 def kernel_per_leaf(
-    model: nn.Module,
-    variables,
-    x1,
-    x2=None,
-    *,
-    method: str | Callable | None = None,
-    apply_kwargs=None,
-    rngs=None,
-    **options,
+    model, variables, x1, x2=None, *, method=None, apply_kwargs=None, rngs=None, **options
 ):
     """:func:`kernel` split by parameter leaf: Θ_l, with Σ_l Θ_l = Θ.
 
     Args: as :func:`kernel` (``implementation`` not ``"ntvp"``).
     Returns: a tree like ``params`` (nnx: an ``nnx.State``) of ``(N1, N2)`` kernels by
     default.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
@@ -331,30 +286,18 @@ def kernel_per_leaf(
       >>> sorted(k), float(k["bias"][0, 0])  # the bias's kernel: 1 for every pair
       (['bias', 'kernel'], 1.0)
     """
-    fn = _cached("kernel_per_leaf", "ntk_per_leaf", model, method, apply_kwargs, options)
+    fn = _kernel_of(kernel_per_leaf, model, method, apply_kwargs, options)
     return fn(variables, x1, x2, rngs=rngs)
 
 
 @public
-def plan(
-    model: nn.Module,
-    variables,
-    x1,
-    x2=None,
-    *,
-    method: str | Callable | None = None,
-    apply_kwargs=None,
-    rngs=None,
-    **options,
-):
+def plan(model, variables, x1, x2=None, *, method=None, apply_kwargs=None, rngs=None, **options):
     """What :func:`kernel` with these arguments would do, not computed.
 
     Args: as :func:`kernel`.
     Returns: :func:`ntk_core.plan`'s ``Plan`` (implementation, estimates, each leaf's
     path, size and method).
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))
@@ -362,5 +305,5 @@ def plan(
       >>> [(leaf.path, leaf.size) for leaf in p.leaves]
       [("['bias']", 3), ("['kernel']", 6)]
     """
-    fn = _cached("plan", "ntk", model, method, apply_kwargs, options)
+    fn = _kernel_of(plan, model, method, apply_kwargs, options)
     return fn.plan(variables, x1, x2, rngs=rngs)

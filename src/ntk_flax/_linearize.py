@@ -22,11 +22,13 @@ from ntk_flax import _nnx
 from ntk_flax._kernel import _model_apply, refuse_apply_arguments
 
 
-def _linen_params(fn_name: str, name: str, variables):
+def _linen_params(fn_name: str, variables):
     """``variables["params"]``, after checking that ``variables`` is a Flax variables dict."""
     if not isinstance(variables, Mapping) or "params" not in variables:
         got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
-        what = f"{name} must be the dict model.init returns, with a 'params' collection, got {got}"
+        what = (
+            f"variables must be the dict model.init returns, with a 'params' collection, got {got}"
+        )
         cls = ValueError if isinstance(variables, Mapping) else TypeError
         raise bad(cls, fn_name, what, "pass model.init(key, x), or {'params': params}")
     return variables["params"]
@@ -38,7 +40,7 @@ def _linen_parts(fn_name: str, model, variables, method, apply_kwargs, inputs):
     if variables is None:
         what = "variables is None, but a flax.linen module holds no parameters"
         raise bad(ValueError, fn_name, what, "pass the expansion point, model.init(key, x)")
-    params0 = _linen_params(fn_name, "variables", variables)
+    params0 = _linen_params(fn_name, variables)
     rest0 = {k: v for k, v in variables.items() if k != "params"}  # held fixed
     apply3 = _model_apply(model, method, apply_kwargs, inputs, fn_name)
 
@@ -46,7 +48,7 @@ def _linen_parts(fn_name: str, model, variables, method, apply_kwargs, inputs):
         return apply3(params, x, (rest0, None))
 
     def params_of(variables):
-        return _linen_params(fn_name, "variables", variables)
+        return _linen_params(fn_name, variables)
 
     at = "variables['params']"
     names = dict(params_name=at, point_arg=at, point_name=f"the variables given to {fn_name}")
@@ -107,18 +109,15 @@ def linearize(model, variables=None, *, method=None, apply_kwargs=None, inputs="
       variables: linen: ``model.init``'s dict (only ``params`` is read); nnx: ``None``
         (the module's ``nnx.Param`` state now, copied) or such a state.
       method, apply_kwargs, inputs: as :func:`ntk_flax.kernel_fn` (x: f_lin's).
-
     Returns:
       Pure ``f_lin(variables, x)`` (nnx: ``f_lin(params, x)``, ``params`` an ``nnx.Param``
       state or a module of the same structure): the outputs, e.g. ``(N1, O)``.
-
     Raises:
       TypeError: ``model`` not a linen or nnx module; linen ``variables`` not a dict;
         ``apply_kwargs`` holding ``mutable``, ``rngs`` or ``method``; an nnx ``method``
         the module lacks; at call time, a parameter of another dtype.
       ValueError: linen ``variables`` without ``params`` or ``None``; ``variables`` or
         call-time parameters of another structure or shape than θ0.
-
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(1)]), jnp.ones((4, 2))
@@ -131,9 +130,7 @@ def linearize(model, variables=None, *, method=None, apply_kwargs=None, inputs="
       >>> ntk_flax.linearize(module)(nnx.state(module, nnx.Param), x).shape
       (4, 3)
 
-    References:
-      Lee et al., "Wide Neural Networks of Any Depth Evolve as Linear Models Under
-      Gradient Descent", NeurIPS 2019.
+    References: Lee et al., NeurIPS 2019, as :func:`ntk_core.linearize`.
     """
     return _expanded("ntk_flax.linearize", 1, model, variables, method, apply_kwargs, inputs)
 
@@ -148,13 +145,10 @@ def taylor_expand(
     Args:
       model, variables, method, apply_kwargs, inputs: as :func:`linearize`.
       degree: a non-negative int.
-
     Returns:
       ``f_taylor(variables, x)`` as :func:`linearize`'s ``f_lin``, e.g. ``(N1, O)``.
-
     Raises:
       TypeError, ValueError: as :func:`linearize`; ``degree`` not an int, or negative.
-
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))  # linear in its parameters
@@ -163,8 +157,7 @@ def taylor_expand(
       >>> bool(jnp.allclose(ntk_flax.taylor_expand(model, v0, 2)(v1, x), model.apply(v1, x)))
       True
 
-    References:
-      Lee et al., NeurIPS 2019 (as :func:`linearize`).
+    References: Lee et al., NeurIPS 2019 (as :func:`linearize`).
     """
     degree = check_degree("ntk_flax.taylor_expand", degree)
     args = (model, variables, method, apply_kwargs, inputs)

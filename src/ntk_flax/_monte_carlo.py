@@ -8,13 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ntk_core.adapters import (
-    bad,
-    check_monte_carlo,
-    checked_init,
-    is_nnx_module,
-    monte_carlo_mean,
-)
+from ntk_core.adapters import bad, check_monte_carlo, checked_init, is_nnx_module, monte_carlo_mean
 from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_core.adapters import spread_inputs as spread
 from ntk_core.predict import Kernels
@@ -49,30 +43,24 @@ def monte_carlo_kernels(
     initialisations (maths: :func:`ntk_core.monte_carlo_kernels`).
 
     Initialisation s is ``model.init(k_s, x1[:1])``, k_s = ``jax.random.split(key, S)[s]``,
-    with ``params`` differentiated and its other collections held fixed; the
-    parameterisation is the model's own. For ``flax.nnx``, ``model`` is the function that
-    builds a module from an ``nnx.Rngs`` (called under ``jax.jit``), in evaluation mode if
-    it has Dropout or BatchNorm (``.eval()`` in that function).
-
+    ``params`` differentiated and other collections held fixed, in the model's own
+    parameterisation. For ``flax.nnx``, ``model`` builds the module from an ``nnx.Rngs``
+    (under ``jax.jit``; call ``.eval()`` there for Dropout or BatchNorm).
     Args:
       model: a ``flax.linen.Module``, or ``model(rngs: nnx.Rngs) -> nnx.Module``.
       x1, x2, key, n_samples, batch_size_samples, progress, **options: as
         :func:`ntk_core.monte_carlo_kernels` (x1: N1 samples, x2: N2 or ``None``).
       method, apply_kwargs, inputs: as :func:`ntk_flax.kernel_fn`; linen's ``apply_kwargs`` also
         go to ``model.init`` unless ``init_kwargs`` (linen only) is given.
-
     Returns:
       ``ntk_core.predict.Kernels(nngp, ntk)``, each ``(N1, N2)`` for ``(N, O)`` outputs
       by default; with ``out``, read-only memory maps of the files.
-
     Raises:
       TypeError, ValueError: as :func:`ntk_flax.kernel_fn` and
         :func:`ntk_core.monte_carlo_kernels`; for nnx, a module instead of its builder, a
         builder that fails or builds a module without ``nnx.Param``.
-
     Cost: S calls of ``model.init`` (or the jitted builder), :func:`ntk_flax.kernel` and
     :func:`ntk_flax.nngp` (one compilation each).
-
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> x = jnp.ones((4, 2))
@@ -80,9 +68,7 @@ def monte_carlo_kernels(
       >>> k.ntk.shape, k.nngp.shape
       ((4, 4), (4, 4))
 
-    References:
-      Novak et al., "Bayesian Deep Convolutional Networks with Many Channels are
-      Gaussian Processes", ICLR 2019.
+    References: Novak et al., ICLR 2019, as :func:`ntk_core.monte_carlo_kernels`.
     """
     fn = _CALLER.name
     if isinstance(model, type) and issubclass(model, nn.Module):
@@ -130,8 +116,7 @@ def _comparable(leaf):
 
 
 def _nnx_monte_carlo(fn, build, method, apply_kwargs, inputs, args) -> Kernels:
-    """The kernels of ``build(nnx.Rngs(k_s))`` (built under jit), through one template's graph;
-    ``args``: ``(x1, x2, key, n_samples, ...)`` as :func:`ntk_core.adapters.monte_carlo_mean`."""
+    """The kernels of ``build(nnx.Rngs(k_s))`` (under jit), through one template's graph."""
     key, n_samples = args[2:4]
     from flax import nnx
 

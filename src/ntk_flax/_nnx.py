@@ -13,13 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ntk_core.adapters import (
-    Caller,
-    PureModel,
-    bad,
-    build_kernel,
-    check_apply_kwargs,
-)
+from ntk_core.adapters import Caller, PureModel, bad, build_kernel, check_apply_kwargs
 from ntk_core.adapters import inputs_failure as failure
 from ntk_core.adapters import spread_inputs as spread
 
@@ -48,11 +42,7 @@ _VARIABLE_CLASSES = (nnx.Variable,) + tuple(
 
 def _variables(rest) -> list[tuple[str, str]]:
     """(path, variable type) of each array leaf of an nnx state, in leaf order."""
-
-    def is_variable(v) -> bool:
-        return isinstance(v, _VARIABLE_CLASSES)
-
-    found = []
+    found, is_variable = [], lambda v: isinstance(v, _VARIABLE_CLASSES)
     for path, v in jax.tree_util.tree_leaves_with_path(rest, is_leaf=is_variable):
         kind = getattr(v, "type", type(v))
         keys = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
@@ -106,8 +96,7 @@ def _state_changes(graphdef, params, rest, x, name, apply_kwargs, inputs="x") ->
 
 
 def _depends_on(jaxpr, outvars, invars) -> bool:
-    """Whether any of ``outvars`` is computed from any of ``invars`` (conservatively: an
-    equation's outputs depend on all of its inputs, sub-computations included)."""
+    """Whether an ``outvars`` is computed from an ``invars`` (an equation: from all its inputs)."""
     needed = {v for v in outvars if not isinstance(v, jex.core.Literal)}
     for eqn in reversed(jaxpr.eqns):
         if any(v in needed for v in eqn.outvars):
@@ -116,8 +105,7 @@ def _depends_on(jaxpr, outvars, invars) -> bool:
 
 
 def _in_eval_mode(module) -> bool:
-    """Every submodule with a mode flag (Dropout's ``deterministic``, BatchNorm's
-    ``use_running_average``) is in evaluation mode, and there is at least one."""
+    """Every mode flag (``deterministic``, ``use_running_average``) is set, and there is one."""
     flags = [
         getattr(node, flag)
         for _, node in nnx.iter_graph(module)
@@ -128,20 +116,16 @@ def _in_eval_mode(module) -> bool:
     return bool(flags) and all(flags)
 
 
-def _refuse_state_changes(
-    fn_name: str, changed: list[str], module=None, *, monte_carlo: bool = False
-) -> None:
-    """Refuses a call that writes the module's state (``changed``); ``monte_carlo``: the
-    module is built by the caller's function."""
+def _refuse_state_changes(fn_name: str, changed: list[str], module, monte_carlo: bool) -> None:
+    """Refuses a call that writes module state; ``monte_carlo``: the caller's function builds it."""
     random = any("Rng" in c for c in changed)
     mode = random or any("BatchStat" in c for c in changed)  # Dropout, BatchNorm
     switch = f"apply_kwargs={{'{'deterministic' if random else 'train'}': {random}}}"
     if not mode:
         fix = "keep state writes out of the forward pass"
-    elif module is not None and _in_eval_mode(module):
-        fix = (
-            f"its layers are in evaluation mode, so let __call__ take the switch and pass {switch}"
-        )
+    elif _in_eval_mode(module):
+        fix = "its layers are in evaluation mode, so let __call__ take the switch and pass "
+        fix += switch
     else:
         fix = "call .eval() on the module where it is built" if monte_carlo else "model.eval()"
         fix += f", or pass {switch}"
@@ -151,8 +135,7 @@ def _refuse_state_changes(
 
 
 def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exception) -> None:
-    """A call that failed writing the state of an nnx object in ``apply_kwargs`` (an
-    external ``nnx.Rngs``: flax's ``TraceContextError``)."""
+    """Refuses a failed write to an nnx object in ``apply_kwargs`` (flax's TraceContextError)."""
     stateful = [k for k, v in apply_kwargs.items() if isinstance(v, nnx.Rngs | nnx.Variable)]
     if stateful and isinstance(error, flax.errors.TraceContextError):
         what = f"the call writes the state of {stateful} given in apply_kwargs"
@@ -194,7 +177,7 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs
         changed = _state_changes(graphdef, params, rest, x1, name, apply_kwargs, inputs)
         if changed:
             module = nnx.merge(graphdef, params, rest)
-            _refuse_state_changes(fn_name, changed, module, monte_carlo=monte_carlo)
+            _refuse_state_changes(fn_name, changed, module, monte_carlo)
 
     def to_core(variables, rngs=None):
         if rngs is not None:
@@ -204,18 +187,15 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs
         if variables is not None:
             fix = "pass nnx.state(model, nnx.Param) of this model, or None for its own"
             if jax.tree.structure(variables) != jax.tree.structure(params):
-                what = (
-                    f"variables do not have the structure of the module's {_PARAM} {_paths(params)}"
-                )
+                what = f"variables do not have the structure of the module's {_PARAM} "
+                what += _paths(params)
                 fix += " (a dict goes in with nnx.replace_by_pure_dict)"
                 raise bad(ValueError, fn_name, what, fix)
+            paths = jax.tree_util.tree_leaves_with_path(params)
+            pairs = zip(paths, jax.tree.leaves(variables), strict=True)
             wrong = [
                 f"{jax.tree_util.keystr(path)} {np.shape(got)} (expected {np.shape(want)})"
-                for (path, want), got in zip(
-                    jax.tree_util.tree_leaves_with_path(params),
-                    jax.tree.leaves(variables),
-                    strict=True,
-                )
+                for (path, want), got in pairs
                 if np.shape(got) != np.shape(want)
             ]
             if wrong:

@@ -52,10 +52,12 @@ def _sample_signature(x1):
     return treedef, shapes
 
 
-def _hashable(key):
+def _cache_key(make: Callable):
+    """``make()`` if it runs and is hashable, else ``None`` (not cached)."""
     try:
+        key = make()
         hash(key)
-    except TypeError:
+    except Exception:
         return None
     return key
 
@@ -71,8 +73,7 @@ class VariablesReader:
 
     def __init__(self, caller: Caller, init: Callable, apply: Callable):
         self._fn_name, self._order = caller.name, caller.order
-        self._init = init
-        self._apply = apply
+        self._init, self._apply = init, apply
         self._made: dict = {}  # (x1 per-sample signature, rngs structure) -> abstract variables
         self._bare_ok: set = set()  # (that, input structure) of bare params dicts read
         self._reads: dict = {}  # (that, collections held) -> collections read but lacking
@@ -80,9 +81,10 @@ class VariablesReader:
     def _made_for(self, x1, rngs):
         """The abstract variables ``model.init`` makes for x1, or ``None`` if it fails."""
         try:
-            key = _hashable((_sample_signature(x1), jax.tree.structure(rngs)))
+            signature = (_sample_signature(x1), jax.tree.structure(rngs))
         except Exception:  # x1 of no tree structure at all: the engine says what is wrong
             return None, None
+        key = _cache_key(lambda: signature)
         if key is not None and key in self._made:
             return self._made[key], key
         made = None
@@ -141,12 +143,9 @@ class VariablesReader:
 
     def _check_bare(self, given: Mapping, made, made_key) -> None:
         """Refuses a bare params dict lacking a parameter path ``model.init`` makes."""
-        key = None
-        if made_key is not None:
-            try:
-                key = _hashable((made_key, jax.tree.structure(given)))
-            except Exception:
-                key = None
+        key = (
+            None if made_key is None else _cache_key(lambda: (made_key, jax.tree.structure(given)))
+        )
         if made is None or key in self._bare_ok:  # key None is never added
             return
         want = _paths(made.get("params", {}))
@@ -180,9 +179,8 @@ class VariablesReader:
         return bad(ValueError, self._fn_name, what, fix)
 
     def _refuse_lacking(self, read, x1, rngs, lacking, made_key, state) -> None:
-        """Raises if the model reads one of the collections ``lacking`` (an abstract apply
-        without them raises ``ScopeCollectionNotFound``)."""
-        key = _hashable((made_key, tuple(_keys(read))))
+        """Raises if the model reads a collection in ``lacking`` (abstract apply without them)."""
+        key = _cache_key(lambda: (made_key, tuple(_keys(read))))
         if key is not None and key in self._reads:
             reads = self._reads[key]
         else:

@@ -79,8 +79,7 @@ def check_transformed(fn_name: str, transformed) -> None:
 
 
 def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=None):
-    """The kernel function ``kernel(params, x1, x2=None, *, state=None, rng=None)``;
-    ``options`` the core's and ``inputs``."""
+    """``kernel(params, x1, x2=None, *, state=None, rng=None)``; ``options``: core's, ``inputs``."""
     fn_name, options = caller.name, dict(options)
     check_transformed(fn_name, transformed)
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
@@ -91,8 +90,7 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
         args, kw = spread(fn_name, inputs, x)
         return transformed.init(jax.random.PRNGKey(0), *args, **kw, **apply_kwargs)
 
-    def fails(params, x1, aux) -> Exception | None:
-        """The model's error on x1 (one abstract trace), ``None`` if it runs."""
+    def fails(params, x1, aux) -> Exception | None:  # the error of one abstract trace
         try:
             jax.eval_shape(apply3, params, x1, aux)
         except Exception as e:
@@ -124,14 +122,12 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
 
     def to_core(params, state=None, rng=None):
         """``(params, (state, rng))`` for the core, checked against the transform."""
-        check_state_and_rng(
-            fn_name, with_state, takes_rng, state, rng, "params=params, state=state"
-        )
+        call = "params=params, state=state"
+        check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call)
         if not isinstance(params, Mapping):
-            what = (
-                f"params must be the dict returned by transformed.init, got {type(params).__name__}"
-            )
-            raise bad(TypeError, fn_name, what, f"pass it; the argument order is {caller.order}")
+            what = "params must be the dict returned by transformed.init, got "
+            fix = f"pass it; the argument order is {caller.order}"
+            raise bad(TypeError, fn_name, what + type(params).__name__, fix)
         leaves = jax.tree.leaves(params)
         if any(hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.integer) for v in leaves):
             what = "params holds integer arrays, as Haiku state does (a counter)"
@@ -144,8 +140,7 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
 
 
 def check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call) -> None:
-    """Refuses a ``state`` / ``rng`` the transform does not take, or a missing state;
-    ``call`` shows how the caller passes params and state in the fix."""
+    """Refuses a missing state, or a state / rng the transform does not take (fix: ``call``)."""
     if with_state and state is None:
         what = "this hk.TransformedWithState needs its state"
         raise bad(ValueError, fn_name, what, f"pass state=state from params, state = {_INIT}")
@@ -165,10 +160,20 @@ def public(fn: Callable) -> Callable:
     return checked_arguments(f"ntk_haiku.{fn.__name__}")(fn)
 
 
-def _cached(name: str, kind: str, transformed, apply_kwargs, options: dict):
-    """The kernel function of ``ntk_haiku.<name>``, built once per model, keywords, options."""
+#: The core's kind of kernel of each entry point ``<name>`` and ``<name>_fn``.
+_KIND = dict(kernel="ntk", nngp="nngp", kernel_per_leaf="ntk_per_leaf", plan="ntk")
+
+
+def _kernel_of(fn: Callable, transformed, apply_kwargs, options: dict):
+    """The kernel function of the entry point ``fn``: new for ``*_fn``, else cached."""
+    name, built = fn.__name__, fn.__name__.endswith("_fn")
+    kind = _KIND[name.removesuffix("_fn")]
+
+    def build():
+        return make(caller(name, built=built), kind, transformed, options, apply_kwargs)
+
     key = (f"ntk_haiku.{name}", transformed, apply_kwargs, options)
-    return cached(key, lambda: make(caller(name), kind, transformed, options, apply_kwargs))
+    return build() if built else cached(key, build)
 
 
 @public
@@ -186,14 +191,13 @@ def kernel_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
     interact (BatchNorm with ``is_training=True``) with ``vmap_axes=0``; the model failing
     on x1; ``inputs`` not one of the three, or x1 not the tuple / dict it names.
     Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
       >>> ntk_haiku.kernel_fn(net, trace_axes=())(net.init(jax.random.PRNGKey(0), x), x).shape
       (4, 4, 3, 3)
     """
-    return make(caller("kernel_fn", built=True), "ntk", transformed, options, apply_kwargs)
+    return _kernel_of(kernel_fn, transformed, apply_kwargs, options)
 
 
 @public
@@ -202,16 +206,14 @@ def nngp_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
 
     Args: as :func:`kernel_fn`; ``**options``: :func:`ntk_core.nngp_fn`'s.
     Returns: the kernel function, whose results are :func:`nngp`'s.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
       >>> ntk_haiku.nngp_fn(net)(net.init(jax.random.PRNGKey(0), x), x).shape
       (4, 4)
     """
-    return make(caller("nngp_fn", built=True), "nngp", transformed, options, apply_kwargs)
+    return _kernel_of(nngp_fn, transformed, apply_kwargs, options)
 
 
 @public
@@ -225,16 +227,14 @@ def kernel(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwar
     for models that need one, the same for every sample.
     Returns: ``(N1, N2)`` for ``(N, O)`` outputs by default, ``(N1, N2, O, O)`` with
     ``trace_axes=()``.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
       >>> ntk_haiku.kernel(net, net.init(jax.random.PRNGKey(0), x), x).shape
       (4, 4)
     """
-    fn = _cached("kernel", "ntk", transformed, apply_kwargs, options)
+    fn = _kernel_of(kernel, transformed, apply_kwargs, options)
     return fn(params, x1, x2, state=state, rng=rng)
 
 
@@ -244,16 +244,14 @@ def nngp(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs
 
     Args: as :func:`kernel`; ``**options``: :func:`ntk_core.nngp_fn`'s.
     Returns: ``(N1, N2)`` for ``(N, O)`` outputs by default, in the outputs' dtype.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
       >>> ntk_haiku.nngp(net, net.init(jax.random.PRNGKey(0), x), x, trace_axes=()).shape
       (4, 4, 3, 3)
     """
-    fn = _cached("nngp", "nngp", transformed, apply_kwargs, options)
+    fn = _kernel_of(nngp, transformed, apply_kwargs, options)
     return fn(params, x1, x2, state=state, rng=rng)
 
 
@@ -263,9 +261,7 @@ def kernel_per_leaf_fn(transformed, *, apply_kwargs=None, **options) -> Callable
 
     Args: as :func:`kernel_fn` (``implementation`` not ``"ntvp"``).
     Returns: the kernel function, whose results are :func:`kernel_per_leaf`'s.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
@@ -273,8 +269,7 @@ def kernel_per_leaf_fn(transformed, *, apply_kwargs=None, **options) -> Callable
       >>> k["linear"]["w"].shape
       (4, 4)
     """
-    built = caller("kernel_per_leaf_fn", built=True)
-    return make(built, "ntk_per_leaf", transformed, options, apply_kwargs)
+    return _kernel_of(kernel_per_leaf_fn, transformed, apply_kwargs, options)
 
 
 @public
@@ -285,9 +280,7 @@ def kernel_per_leaf(
 
     Args: as :func:`kernel` (``implementation`` not ``"ntvp"``).
     Returns: a dict like ``params`` of ``(N1, N2)`` kernels by default.
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
@@ -295,7 +288,7 @@ def kernel_per_leaf(
       >>> sorted(k["linear"]), float(k["linear"]["b"][0, 0])  # the bias's kernel: 1
       (['b', 'w'], 1.0)
     """
-    fn = _cached("kernel_per_leaf", "ntk_per_leaf", transformed, apply_kwargs, options)
+    fn = _kernel_of(kernel_per_leaf, transformed, apply_kwargs, options)
     return fn(params, x1, x2, state=state, rng=rng)
 
 
@@ -306,9 +299,7 @@ def plan(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs
     Args: as :func:`kernel`.
     Returns: :func:`ntk_core.plan`'s ``Plan`` (implementation, estimates, each leaf's
     path, size and method).
-    Raises: as :func:`kernel_fn`.
-    Options, Cost and References: see :func:`ntk_core.ntk_fn`.
-
+    Raises: as :func:`kernel_fn`. Options, Cost and References: see :func:`ntk_core.ntk_fn`.
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
@@ -316,5 +307,5 @@ def plan(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs
       >>> [(leaf.path, leaf.size) for leaf in p.leaves]
       [("['linear']['b']", 3), ("['linear']['w']", 6)]
     """
-    fn = _cached("plan", "ntk", transformed, apply_kwargs, options)
+    fn = _kernel_of(plan, transformed, apply_kwargs, options)
     return fn.plan(params, x1, x2, state=state, rng=rng)

@@ -18,10 +18,9 @@ def _expanded(fn_name: str, degree: int, transformed, params0, state, rng, apply
     call = f"{fn_name}(transformed, params, state=state)"
     check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call)
     if not isinstance(params0, Mapping):
-        what = (
-            f"params0 must be the dict returned by transformed.init, got {type(params0).__name__}"
-        )
-        raise bad(TypeError, fn_name, what, "pass params0 = transformed.init(key, x)")
+        what = "params0 must be the dict returned by transformed.init, got "
+        fix = "pass params0 = transformed.init(key, x)"
+        raise bad(TypeError, fn_name, what + type(params0).__name__, fix)
 
     def apply(params, x):
         return apply3(params, x, (state, rng))
@@ -39,16 +38,13 @@ def linearize(
     Args:
       transformed, state, rng, apply_kwargs, inputs: as :func:`ntk_haiku.kernel` (x: f_lin's).
       params0: the params returned by ``transformed.init``: the expansion point.
-
     Returns:
       Pure ``f_lin(params, x)``, ``params`` like ``params0``: the outputs, e.g. ``(N1, O)``.
-
     Raises:
       TypeError: not a transformed function; ``params0`` or ``state`` not a mapping; at
         call time, a parameter of another dtype than in ``params0``.
       ValueError: a missing or unexpected ``state``; ``rng`` for a transform that takes
         none; at call time, ``params`` of another structure or leaf shape.
-
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([8, 1])(x)))
@@ -58,9 +54,7 @@ def linearize(
       >>> bool(jnp.allclose(f_lin(params0, x), net.apply(params0, x)))
       True
 
-    References:
-      Lee et al., "Wide Neural Networks of Any Depth Evolve as Linear Models Under
-      Gradient Descent", NeurIPS 2019.
+    References: Lee et al., NeurIPS 2019, as :func:`ntk_core.linearize`.
     """
     args = (transformed, params0, state, rng, apply_kwargs, inputs)
     return _expanded("ntk_haiku.linearize", 1, *args)
@@ -76,13 +70,10 @@ def taylor_expand(
     Args:
       transformed, params0, state, rng, apply_kwargs, inputs: as :func:`linearize`.
       degree: a non-negative int.
-
     Returns:
       ``f_taylor(params, x)``: the outputs, e.g. ``(N1, O)``.
-
     Raises:
       TypeError, ValueError: as :func:`linearize`; ``degree`` not an int, or negative.
-
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
@@ -92,8 +83,7 @@ def taylor_expand(
       >>> bool(jnp.allclose(f0(jax.tree.map(lambda p: p + 1.0, p0), x), net.apply(p0, x)))
       True
 
-    References:
-      Lee et al., NeurIPS 2019 (as :func:`linearize`).
+    References: Lee et al., NeurIPS 2019 (as :func:`linearize`).
     """
     degree = check_degree("ntk_haiku.taylor_expand", degree)
     args = (transformed, params0, state, rng, apply_kwargs, inputs)

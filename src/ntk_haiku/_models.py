@@ -16,15 +16,13 @@ def lenet(x, out_features: int = 1):
     Returns: outputs ``(N, O)`` in the dtype of ``x`` and the parameters.
     Raises: Haiku's errors for inputs of another rank.
     Cost: one forward pass, about 2·N·H·W·(3·25·6 + 6·25·16/4) multiply-adds.
-
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net, x = hk.without_apply_rng(hk.transform(ntk_haiku.lenet)), jnp.ones((2, 16, 16, 3))
       >>> net.apply(net.init(jax.random.PRNGKey(0), x), x).shape
       (2, 1)
 
-    References: LeCun et al., "Gradient-based learning applied to document recognition",
-    1998.
+    References: LeCun et al., "Gradient-based learning applied to document recognition", 1998.
     """
     for i, features in enumerate((6, 16)):
         x = hk.Conv2D(features, 5, padding="SAME", name=f"Conv_{i}")(x)

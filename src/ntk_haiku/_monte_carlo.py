@@ -46,18 +46,14 @@ def monte_carlo_kernels(
       rng, apply_kwargs, inputs: as :func:`ntk_haiku.kernel`; ``apply_kwargs`` also go to
         ``init`` unless ``init_kwargs`` is given (e.g. ``{"is_training": True}`` for
         ``hk.BatchNorm``, which initialises only in training mode).
-
     Returns:
       ``ntk_core.predict.Kernels(nngp, ntk)``, each ``(N1, N2)`` for ``(N, O)`` outputs
       by default; with ``out``, read-only memory maps of the files.
-
     Raises:
       TypeError, ValueError: as :func:`ntk_haiku.kernel_fn` and
         :func:`ntk_core.monte_carlo_kernels`.
-
     Cost: S calls of ``transformed.init``, :func:`ntk_haiku.kernel` and
     :func:`ntk_haiku.nngp` (one compilation each).
-
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
@@ -66,9 +62,7 @@ def monte_carlo_kernels(
       >>> k.ntk.shape
       (4, 4)
 
-    References:
-      Novak et al., "Bayesian Deep Convolutional Networks with Many Channels are
-      Gaussian Processes", ICLR 2019.
+    References: Novak et al., ICLR 2019, as :func:`ntk_core.monte_carlo_kernels`.
     """
     fn = _CALLER.name
     check_transformed(fn, transformed)
