@@ -37,12 +37,12 @@ _CHILD = textwrap.dedent(
         k = ntk_core.ntk_fn(f, trace_axes=(), batch_size=6, out=path, resume=True,
                             progress=False)(p, x)
         assert k.shape == (120, 120, 3, 3)
-    else:  # Monte Carlo: 3 initialisations of the same network, 60 samples
+    else:  # Monte Carlo: 2 initialisations of the same network, 30 samples
         init = lambda k: {"w": jax.random.normal(k, (5, 64)), "v": p["v"]}
-        k = ntk_core.monte_carlo_kernels(init, f, x[:60], key=jax.random.PRNGKey(4),
-                                         n_samples=3, batch_size=6, out=path,
+        k = ntk_core.monte_carlo_kernels(init, f, x[:30], key=jax.random.PRNGKey(4),
+                                         n_samples=2, batch_size=6, out=path,
                                          resume=True, progress=False)
-        assert k.ntk.shape == (60, 60)
+        assert k.ntk.shape == (30, 30)
     print("finished", index, flush=True)
     if count > 1:
         jax.distributed.shutdown()
