@@ -17,7 +17,7 @@ CHUNK_ENTRIES = 1 << 23
 class HostKernel:
     """A validated square kernel; ``m`` = N·O rows of its flat form."""
 
-    def __init__(self, fn_name: str, name: str, k):
+    def __init__(self, fn_name: str, k, name: str = "kernel"):
         arr = as_host_array(fn_name, name, k)
         shape = tuple(arr.shape)
         square = arr.ndim >= 2 and shape[0] == shape[1] and shape[2::2] == shape[3::2]
@@ -74,7 +74,7 @@ def eigenvalues_of(fn_name: str, kernel, eigenvalues) -> np.ndarray:
             what = f"kernel has shape {np.shape(kernel)}, one value per sample; expected (N, N)"
             fix = "pass eigenvalues=w if these are eigenvalues (a diagonal gives no spectrum)"
             raise bad(ValueError, fn_name, what, fix)
-        k = HostKernel(fn_name, "kernel", kernel)
+        k = HostKernel(fn_name, kernel)
         k.check_symmetric()
         import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`
 

@@ -36,7 +36,7 @@ def kernel_distance(k1, k2) -> float:
     References: Fort et al., "Deep learning versus kernel learning", NeurIPS 2020, section 4.
     """
     fn = "kernel_distance"
-    a, b = HostKernel(fn, "k1", k1), HostKernel(fn, "k2", k2)
+    a, b = HostKernel(fn, k1, "k1"), HostKernel(fn, k2, "k2")
     if a.arr.shape != b.arr.shape:
         what = f"k1 has shape {a.arr.shape} and k2 {b.arr.shape}; expected the same shape"
         raise bad(ValueError, fn, what, SAME_AXES)
@@ -72,7 +72,7 @@ def _targets(fn: str, k: HostKernel, y) -> np.ndarray:
 
 
 def _alignment(fn: str, k, y, centered: bool) -> float:
-    kern = HostKernel(fn, "k", k)
+    kern = HostKernel(fn, k, "k")
     t, n, o = _targets(fn, kern, y), kern.n, kern.o
     if centered:  # H = I − 11ᵀ/N on the samples, per output entry (H ⊗ I_O)
         t3 = t.reshape(n, o, -1)

@@ -124,7 +124,7 @@ def kernel_operator(kernel):
 
 
 def _kernel_operator(fn_name, kernel):
-    k = HostKernel(fn_name, "kernel", kernel)
+    k = HostKernel(fn_name, kernel)
     k.check_symmetric()
     return _Operator(fn_name, k.m, k.matvec), k
 

@@ -226,7 +226,7 @@ class KernelTracker:
                 f" (N, N, O, O) kernel of the N = {self.n_probe} probe samples (no diagonal_axes)"
             )
             raise bad(ValueError, _UPDATE, what, _KERNEL_FN_FIX)
-        flat = HostKernel(_UPDATE, "the kernel", kernel)
+        flat = HostKernel(_UPDATE, kernel, "the kernel")
         flat.check_symmetric()
         if self.initial_kernel is None:
             expected = (self.n_probe, flat.o)
