@@ -652,10 +652,10 @@ def _rows():
             ValueError, r"^KernelTracker: y has shape \(3, 2\); expected \(N,\) or \(N, O\) for the N = 4 probe samples"),
         Row("tracker-step-jax-array", "KernelTracker.update with a jax.Array step (state.step)",
             "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=1).update(jnp.array(0), W)",
-            TypeError, r"^KernelTracker.update: step is a jax.Array .* would wait for the device at every step"),
+            TypeError, r"^KernelTracker.update: step is a jax.Array .* would wait for the device"),
         Row("tracker-apply-fn-as-kernel", "a KernelTracker given the model's apply function, not a kernel function",
             "ntk_core.KernelTracker(f, X, every=1).update(0, W)",
-            ValueError, r"^KernelTracker.update: the kernel function returned shape \(4, 2\); expected the kernel of the N = 4 probe samples"),
+            ValueError, r"^KernelTracker.update: the kernel function returned shape \(4, 2\); expected the \(N, N\) or \(N, N, O, O\) kernel of the N = 4 probe samples"),
     ]  # fmt: skip
 
 
