@@ -13,6 +13,7 @@ from ntk_core._errors import bad
 
 _FLAX_TO_HAIKU = {"kernel": "w", "bias": "b"}
 _HAIKU_TO_FLAX = {v: k for k, v in _FLAX_TO_HAIKU.items()}
+(_KERNEL, _BIAS), (_W, _B) = _FLAX_TO_HAIKU, _HAIKU_TO_FLAX
 _NUMBERED = re.compile(r"^(.*)_(\d+)$")
 _PARAMS = "pass variables['params']"
 
@@ -99,7 +100,7 @@ def params_from_haiku(haiku_params: Mapping, flax_params: Mapping | None = None)
 
 def _pairs(fn, layers: Mapping, modules: Mapping) -> dict:
     """``{haiku module: flax layer}``, paired kind by kind in order, each pair checked."""
-    flax_kinds, haiku_kinds = _by_kind(layers, "kernel"), _by_kind(modules, "w")
+    flax_kinds, haiku_kinds = _by_kind(layers, _KERNEL), _by_kind(modules, _W)
     if {r: len(n) for r, n in flax_kinds.items()} != {r: len(n) for r, n in haiku_kinds.items()}:
         what = f"got {len(layers)} Flax layers ({_listed(flax_kinds)}) but {len(modules)} Haiku "
         fix = "build the Haiku model from the same layers (hk.Linear for nn.Dense, ConvND for Conv)"
@@ -139,7 +140,7 @@ def _flax_layers(fn, flax_params, require_kernel: bool) -> Mapping:
             fix = "create the Dense/Conv layers in the top module, or map their params by hand"
             raise bad(ValueError, fn, what, fix)
         others = set(leaves) - set(_FLAX_TO_HAIKU)
-        if others or (require_kernel and "kernel" not in leaves):
+        if others or (require_kernel and _KERNEL not in leaves):
             haiku_like = leaves and set(leaves) <= set(_HAIKU_TO_FLAX)
             what = f"Flax layer {layer!r} holds {sorted(map(str, leaves))}, not 'kernel' and "
             fix = _other(fn, haiku_like, "Haiku")
@@ -155,7 +156,7 @@ def _haiku_modules(fn, haiku_params) -> Mapping:
         raise bad(TypeError, fn, what, "pass params from transformed.init(key, x)")
     for module, leaves in haiku_params.items():
         held = sorted(map(str, leaves)) if isinstance(leaves, Mapping) else None
-        if held is None or set(held) - set(_HAIKU_TO_FLAX) or "w" not in held:
+        if held is None or set(held) - set(_HAIKU_TO_FLAX) or _W not in held:
             flax_like = held is not None and set(held) <= set(_FLAX_TO_HAIKU)
             got = held if held is not None else type(leaves).__name__
             what = f"Haiku module {module!r} holds {got}, not 'w' and 'b' (hk.Linear, hk.ConvND)"
@@ -185,15 +186,15 @@ def _listed(kinds: dict[int, list]) -> str:
 
 
 def _shape(leaf) -> tuple:
-    return tuple(leaf.shape) if hasattr(leaf, "shape") else np.shape(leaf)
+    return tuple(np.shape(leaf))  # .shape where there is one
 
 
 def _check_pair(fn, layer, flax_leaves, module, haiku_leaves, index, count) -> None:
-    rank = len(_shape(flax_leaves["kernel"]))
+    rank = len(_shape(flax_leaves[_KERNEL]))
     where = f"Flax layer {layer!r} and Haiku module {module!r} (pair {index + 1} of {count} "
     where += f"with rank-{rank} kernels)"
-    if ("bias" in flax_leaves) != ("b" in haiku_leaves):
-        with_bias, without = (layer, module) if "bias" in flax_leaves else (module, layer)
+    if (_BIAS in flax_leaves) != (_B in haiku_leaves):
+        with_bias, without = (layer, module) if _BIAS in flax_leaves else (module, layer)
         what = f"{where}: {with_bias!r} has a bias and {without!r} has none"
         fix = "match use_bias= of the Flax layer and with_bias= of the Haiku module"
         raise bad(ValueError, fn, what, fix)

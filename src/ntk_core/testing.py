@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ntk_core._errors import bad
 from ntk_core._transplant import params_from_flax, params_from_haiku
 
 __all__ = ("TOLERANCE", "assert_kernels_close", "assert_same_ntk", "params_from_flax",
@@ -125,8 +126,8 @@ def _implementations(implementation) -> list[str]:
     names = [implementation] if isinstance(implementation, str) else list(implementation)
     unknown = [n for n in names if n not in IMPLEMENTATIONS]
     if unknown or not names:
-        what = f"implementation={implementation!r}"
-        raise ValueError(f"assert_same_ntk: {what}; expected None or names from {known}")
+        what = f"implementation={implementation!r} names no implementation"
+        raise bad(ValueError, "assert_same_ntk", what, f"pass None or names from {known}")
     return names
 
 

@@ -330,7 +330,7 @@ def _rows():
             TypeError, r"^monte_carlo_kernels: x1 is a dict of \['v', 'w'\], which looks like a model's parameters"),
         Row("core-mc-layer-list-as-x1", "a list of layer parameters (stax style) passed as x1, x2 one array",
             "ntk_core.monte_carlo_kernels(lambda k: [W], lambda p, x: f(p[0], x), [W], X, key=jax.random.PRNGKey(0), n_samples=2)",
-            TypeError, r"^monte_carlo_kernels: x1 is a list of 1 entry where x2 is one array, which looks like a model's parameters"),
+            TypeError, r"^monte_carlo_kernels: x1 is a list of length 1 where x2 is one array, which looks like a model's parameters"),
         Row("core-mc-invalid-batch-size-vmapped", "an invalid batch_size with samples vmapped together (the value is named first)",
             "ntk_core.monte_carlo_kernels(lambda k: W, f, X, key=jax.random.PRNGKey(0), n_samples=4, batch_size_samples=2, batch_size='x')",
             ValueError, r"^monte_carlo_kernels: batch_size must be None, a positive int or 'auto', got the string 'x'"),
@@ -652,10 +652,10 @@ def _rows():
             ValueError, r"^KernelTracker: y has shape \(3, 2\); expected \(N,\) or \(N, O\) for the N = 4 probe samples"),
         Row("tracker-step-jax-array", "KernelTracker.update with a jax.Array step (state.step)",
             "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=1).update(jnp.array(0), W)",
-            TypeError, r"^KernelTracker.update: step is a jax.Array .* would wait for the device at every step"),
+            TypeError, r"^KernelTracker.update: step is a jax.Array .* would wait for the device"),
         Row("tracker-apply-fn-as-kernel", "a KernelTracker given the model's apply function, not a kernel function",
             "ntk_core.KernelTracker(f, X, every=1).update(0, W)",
-            ValueError, r"^KernelTracker.update: the kernel function returned shape \(4, 2\); expected the kernel of the N = 4 probe samples"),
+            ValueError, r"^KernelTracker.update: the kernel function returned shape \(4, 2\); expected the \(N, N\) or \(N, N, O, O\) kernel of the N = 4 probe samples"),
     ]  # fmt: skip
 
 

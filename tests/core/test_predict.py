@@ -240,7 +240,7 @@ def test_eigh_path_agrees_with_cholesky():
     k_xx, _, _, y = _problem("traced", seed=11)
     lam = 1e-3 * np.mean(np.diag(k_xx))
     xc = Solver("t", k_xx, lam, np.float32).solve(y)
-    xe = Solver("t", k_xx, lam, np.float32, method="eigh").solve(y)
+    xe = Solver("t", k_xx, lam, np.float32, eigh=True).solve(y)
     ref = np.linalg.solve(k_xx + lam * np.eye(N), y)
     for x in (xc, xe):
         np.testing.assert_allclose(x, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())

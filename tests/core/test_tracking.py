@@ -192,11 +192,15 @@ def test_update_errors():
     params = _params()
     tracker = ntk_core.KernelTracker(KERNEL, X, every=2)
     for step in (1.0, "3", np.array(2)):
-        with pytest.raises(TypeError, match=r"^KernelTracker.update: step must be an int.*Fix:"):
+        with pytest.raises(
+            TypeError, match=r"^KernelTracker.update: step must be a non-negative int.*Fix:"
+        ):
             tracker.update(step, params)
     with pytest.raises(TypeError, match=r"^KernelTracker.update: step is a jax.Array"):
         tracker.update(jnp.array(3), params)
-    with pytest.raises(ValueError, match=r"^KernelTracker.update: step must be >= 0, got -2.*Fix:"):
+    with pytest.raises(
+        ValueError, match=r"^KernelTracker.update: step must be a non-negative int, got -2.*Fix:"
+    ):
         tracker.update(-2, params)
     tracker.update(np.int64(4), params)  # numpy integers are fine
     with pytest.raises(ValueError, match=r"^KernelTracker.update: step 2 is not after .* 4.*Fix:"):

@@ -17,7 +17,7 @@ CHUNK_ENTRIES = 1 << 23
 class HostKernel:
     """A validated square kernel; ``m`` = N·O rows of its flat form."""
 
-    def __init__(self, fn_name: str, name: str, k):
+    def __init__(self, fn_name: str, k, name: str = "kernel"):
         arr = as_host_array(fn_name, name, k)
         shape = tuple(arr.shape)
         square = arr.ndim >= 2 and shape[0] == shape[1] and shape[2::2] == shape[3::2]
@@ -67,14 +67,13 @@ def eigenvalues_of(fn_name: str, kernel, eigenvalues) -> np.ndarray:
     if (kernel is None) == (eigenvalues is None):
         got = "neither" if kernel is None else "both"
         what = f"pass exactly one of kernel (positional) and eigenvalues=..., got {got}"
-        fix = f"{fn_name}(k) for a formed kernel, or {fn_name}(eigenvalues=w)"
-        raise bad(TypeError, fn_name, what, fix)
+        raise bad(TypeError, fn_name, what, f"{fn_name}(k), or {fn_name}(eigenvalues=w)")
     if kernel is not None:
         if np.ndim(kernel) == 1:
             what = f"kernel has shape {np.shape(kernel)}, one value per sample; expected (N, N)"
             fix = "pass eigenvalues=w if these are eigenvalues (a diagonal gives no spectrum)"
             raise bad(ValueError, fn_name, what, fix)
-        k = HostKernel(fn_name, "kernel", kernel)
+        k = HostKernel(fn_name, kernel)
         k.check_symmetric()
         import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`
 
@@ -83,8 +82,7 @@ def eigenvalues_of(fn_name: str, kernel, eigenvalues) -> np.ndarray:
     if w.ndim != 1 or w.size == 0 or not np.issubdtype(w.dtype, np.number) or np.iscomplexobj(w):
         got = f"dtype {w.dtype}" if w.ndim == 1 and w.size else f"shape {w.shape}"
         what = f"eigenvalues must be a non-empty 1-D array of real numbers, got {got}"
-        fix = "pass e.g. numpy.linalg.eigvalsh(k) or kernel_eigsh(k).eigenvalues, or the kernel"
-        raise bad(ValueError, fn_name, what, fix)
-    w, fix = w.astype(np.float64), "recompute them from a finite kernel"
-    check_finite(fn_name, "eigenvalues", w, fix, cls=ValueError, unit="index")
+        raise bad(ValueError, fn_name, what, "pass e.g. numpy.linalg.eigvalsh(k), or the kernel")
+    w = w.astype(np.float64)
+    check_finite(fn_name, "eigenvalues", w, "recompute them", cls=ValueError, unit="index")
     return w

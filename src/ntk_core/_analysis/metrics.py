@@ -9,7 +9,7 @@ import numpy as np
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
 from ntk_core._errors import bad
 from ntk_core._kernel.arguments import _checked_arguments
-from ntk_core._predict.linalg import check_finite
+from ntk_core._predict.linalg import SAME_AXES, check_finite
 
 _TARGETS_FIX = "pass the targets of the kernel's N samples"
 
@@ -36,18 +36,18 @@ def kernel_distance(k1, k2) -> float:
     References: Fort et al., "Deep learning versus kernel learning", NeurIPS 2020, section 4.
     """
     fn = "kernel_distance"
-    a, b = HostKernel(fn, "k1", k1), HostKernel(fn, "k2", k2)
+    a, b = HostKernel(fn, k1, "k1"), HostKernel(fn, k2, "k2")
     if a.arr.shape != b.arr.shape:
         what = f"k1 has shape {a.arr.shape} and k2 {b.arr.shape}; expected the same shape"
-        raise bad(ValueError, fn, what, "compute both on the same inputs with the same trace_axes")
+        raise bad(ValueError, fn, what, SAME_AXES)
     dot = n1 = n2 = 0.0
     for (_, x), (_, y) in zip(a.chunks(), b.chunks(), strict=True):
         dot += float(np.vdot(x, y))
         n1 += float(np.vdot(x, x))
         n2 += float(np.vdot(y, y))
-    for name, norm in (("k1", n1), ("k2", n2)):
+    for k, norm in ((a, n1), (b, n2)):
         if norm == 0.0:
-            raise _undefined(fn, f"{name} is all zeros", "the cosine", "a non-zero kernel")
+            raise _undefined(fn, f"{k.name} is all zeros", "the cosine", "a non-zero kernel")
     return max(0.0, 1.0 - dot / math.sqrt(n1 * n2))
 
 
@@ -72,7 +72,7 @@ def _targets(fn: str, k: HostKernel, y) -> np.ndarray:
 
 
 def _alignment(fn: str, k, y, centered: bool) -> float:
-    kern = HostKernel(fn, "k", k)
+    kern = HostKernel(fn, k, "k")
     t, n, o = _targets(fn, kern, y), kern.n, kern.o
     if centered:  # H = I − 11ᵀ/N on the samples, per output entry (H ⊗ I_O)
         t3 = t.reshape(n, o, -1)

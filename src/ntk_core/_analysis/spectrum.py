@@ -25,7 +25,7 @@ _NTK_EIGSH = core("ntk_eigsh", one_input=True)
 _NTK_TRACE = core("ntk_trace", one_input=True)
 
 #: Valid values of ``which``: largest (``"LA"``) or smallest (``"SA"``) algebraic.
-WHICH = ("LA", "SA")
+WHICH = (_LARGEST, _SMALLEST) = ("LA", "SA")
 #: Seed of the fixed Gaussian starting vector v0 of ARPACK.
 SEED = 0
 _SA_HINT = "; the smallest converge slowly: condition_number(kernel) of a formed kernel is exact"
@@ -124,7 +124,7 @@ def kernel_operator(kernel):
 
 
 def _kernel_operator(fn_name, kernel):
-    k = HostKernel(fn_name, "kernel", kernel)
+    k = HostKernel(fn_name, kernel)
     k.check_symmetric()
     return _Operator(fn_name, k.m, k.matvec), k
 
@@ -134,12 +134,10 @@ def _check_solver_options(fn, k, which, tol, maxiter, ncv, m) -> None:
     if not isinstance(which, str) or which not in WHICH:
         what = f"which must be one of {', '.join(map(repr, WHICH))}, got {which!r}"
         raise bad(ValueError, fn, what, "which='LA' for the largest eigenvalues, 'SA' the smallest")
-    fix = "pass e.g. tol=1e-6, or 0 for machine precision"
-    check_real(fn, "tol", tol, fix, high=1.0, type_error=ValueError)
-    fix = "leave it None (scipy's default) or pass a larger int"
-    check_int(fn, "maxiter", maxiter, fix, optional=True, type_error=ValueError)
-    fix = f"leave it None (scipy's default), or k < ncv <= M = N·O = {m}"
-    check_int(fn, "ncv", ncv, fix, k + 1, m, optional=True, type_error=ValueError)
+    opt = dict(optional=True, type_error=ValueError)
+    check_real(fn, "tol", tol, "pass e.g. 1e-6 (0: machine eps)", high=1.0, type_error=ValueError)
+    check_int(fn, "maxiter", maxiter, "pass None or a larger int", **opt)
+    check_int(fn, "ncv", ncv, f"pass None, or k < ncv <= M = N·O = {m}", k + 1, m, **opt)
 
 
 def _solve(fn, op: _Operator, dense, k, which, tol, maxiter, ncv):
@@ -155,10 +153,12 @@ def _solve(fn, op: _Operator, dense, k, which, tol, maxiter, ncv):
         except scipy.sparse.linalg.ArpackNoConvergence as e:
             what = f"ARPACK did not converge: {len(e.eigenvalues)} of the k={k} eigenpairs met "
             what += f"tol={tol} after {op.matvecs} products (maxiter={maxiter})"
-            fix = "raise maxiter, loosen tol, or raise ncv (default max(2k + 1, 20))"
-            msg = f"{fn}: {what}. Fix: {fix}{_SA_HINT if which == 'SA' else ''}."
+            fix = "raise maxiter, loosen tol, or raise ncv" + (
+                _SA_HINT if which == _SMALLEST else ""
+            )
+            msg = str(bad(ValueError, fn, what, fix))
             raise NoConvergence(msg, e.eigenvalues, e.eigenvectors) from None
-    order = np.argsort(w)[::-1][:k] if which == "LA" else np.argsort(w)[:k]
+    order = np.argsort(w)[::-1][:k] if which == _LARGEST else np.argsort(w)[:k]
     w, v = w[order], v[:, order]
     flip = v[np.argmax(np.abs(v), axis=0), np.arange(v.shape[1])] < 0
     v[:, flip] *= -1

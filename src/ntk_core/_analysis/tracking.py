@@ -53,7 +53,7 @@ def _probe_inputs(x_probe) -> tuple[Any, int]:
     if not leaves:
         raise bad(ValueError, _NAME, f"x_probe has no arrays (got {x_probe!r})", _PROBE_FIX)
     for leaf in leaves:
-        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        if not isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
             got = type(leaf).__name__
             what = f"x_probe must be an array or a pytree of arrays, got a leaf of type {got}"
             raise bad(TypeError, _NAME, what, _PROBE_FIX)
@@ -204,11 +204,8 @@ class KernelTracker:
             fix = "pass the Python loop counter (for step in range(n): ...)"
             if isinstance(step, jax.Array):  # deciding whether it is due would sync every step
                 what = f"step is a jax.Array ({step.dtype}): reading it would wait for the device"
-                raise bad(TypeError, _UPDATE, what + " at every step", fix)
-            if _is_int(step):  # negative
-                raise bad(ValueError, _UPDATE, f"step must be >= 0, got {step}", fix)
-            what = f"step must be an int, got {step!r} ({type(step).__name__})"
-            raise bad(TypeError, _UPDATE, what, fix)
+                raise bad(TypeError, _UPDATE, what, fix)
+            check_int(_UPDATE, "step", step, fix, low=0)  # raises
         if step % self.every:
             return None
         return self._track(int(step), params_like, kernel_kwargs)
@@ -219,25 +216,24 @@ class KernelTracker:
             raise bad(ValueError, _UPDATE, what, "pass the training step, not a restarting counter")
         t0 = time.perf_counter()
         k = self._kernel_fn(params_like, self._x, **kernel_kwargs)
-        if not hasattr(k, "shape") or not hasattr(k, "dtype"):
+        if not isinstance(k, (np.ndarray, jax.Array)):
             what = f"the kernel function returned {type(k).__name__}; expected one array"
-            fix = "for pytree outputs, a kernel of one leaf, e.g. ntk_fn(lambda p, x: f(p, x)['y'])"
-            raise bad(TypeError, _UPDATE, what, fix)
+            raise bad(TypeError, _UPDATE, what, "for pytree outputs, track the kernel of one leaf")
         kernel = np.asarray(k)
         if kernel.ndim < 2 or kernel.shape[:2] != (self.n_probe, self.n_probe):
-            what = f"the kernel function returned shape {kernel.shape}; expected the kernel of the "
-            what += f"N = {self.n_probe} probe samples, (N, N) or (N, N, O, O)"
-            fix = _KERNEL_FN_FIX + ", not the model's apply function, and no diagonal_axes"
-            raise bad(ValueError, _UPDATE, what, fix)
-        flat = HostKernel(_UPDATE, "the kernel", kernel)
+            what = f"the kernel function returned shape {kernel.shape}; expected the (N, N) or"
+            what += (
+                f" (N, N, O, O) kernel of the N = {self.n_probe} probe samples (no diagonal_axes)"
+            )
+            raise bad(ValueError, _UPDATE, what, _KERNEL_FN_FIX)
+        flat = HostKernel(_UPDATE, kernel, "the kernel")
         flat.check_symmetric()
         if self.initial_kernel is None:
             expected = (self.n_probe, flat.o)
             if self._y is not None and flat.out_shape and self._y.shape != expected:
                 what = f"the kernel has shape {kernel.shape} (outputs not traced), so y must have "
                 what += f"shape (N, O) = {expected}, got {self._y.shape}"
-                fix = "pass one-hot labels, or a kernel function with the default trace_axes=(-1,)"
-                raise bad(ValueError, _UPDATE, what, fix)
+                raise bad(ValueError, _UPDATE, what, "pass one-hot labels, or trace_axes=(-1,)")
             fix = f"pass top_k <= M = N·O = {flat.m} (kernel {kernel.shape}), or more probe samples"
             check_int(_UPDATE, "top_k", self.top_k, fix, high=flat.m)
             self._shape, self._dtype = tuple(kernel.shape), str(kernel.dtype)

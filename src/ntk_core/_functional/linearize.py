@@ -50,7 +50,7 @@ class _Point:
     ``point_arg`` names θ0 as received, ``point_name`` in call-time messages."""
 
     def __init__(self, fn_name: str, params0, point_arg: str, point_name: str):
-        self.fn_name, self.point_name = fn_name, point_name
+        self.fn_name, self.point = fn_name, f"the expansion point ({point_name})"
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(params0)
         self.paths = [jax.tree_util.keystr(path) for path, _ in flat]
         self.leaves = []
@@ -70,7 +70,7 @@ class _Point:
     def tangent(self, params, params_name: str):
         """δ = params − θ0 (``float0`` for leaves without a tangent), after checking params'
         structure, shapes, dtypes and, outside ``jax.jit``, the fixed leaves' values."""
-        fn, point = self.fn_name, f"the expansion point ({self.point_name})"
+        fn, point = self.fn_name, self.point
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         if treedef != self.treedef:
             raise self._structure_error(params_name, flat, treedef)
@@ -78,10 +78,9 @@ class _Point:
         for (_, leaf), path, ref, diff in zip(
             flat, self.paths, self.leaves, self.differentiable, strict=True
         ):
-            shape = tuple(np.shape(leaf))
+            shape, at = tuple(np.shape(leaf)), params_name + path
             if shape != ref.shape:
-                what = f"{params_name}{path} has shape {shape}, but {point} has shape "
-                what += f"{ref.shape} there"
+                what = f"{at} has shape {shape}, but {point} has shape {ref.shape} there"
                 raise bad(ValueError, fn, what, "pass parameters of the same model")
             try:
                 dtype = _dtype(leaf)
@@ -89,23 +88,23 @@ class _Point:
                 dtype = None
             if dtype != ref.dtype:
                 got = dtype if dtype is not None else type(leaf).__name__
-                what = f"{params_name}{path} has dtype {got}, but {point} has dtype "
-                what += f"{ref.dtype} there"
-                fix = "cast the parameters to the expansion point's dtypes"
-                raise bad(TypeError, fn, what, fix)
+                what = f"{at} has dtype {got}, but {point} has dtype {ref.dtype} there"
+                raise bad(
+                    TypeError, fn, what, "cast the parameters to the expansion point's dtypes"
+                )
             if diff:
                 deltas.append(jnp.asarray(leaf) - ref)
                 continue
             given, held = _concrete(leaf), _concrete(ref)
             if given is not None and held is not None and not np.array_equal(given, held):
-                what = f"{params_name}{path}, of dtype {ref.dtype}, has no derivative, and its "
-                what += f"value differs from that of {point}"
+                what = f"{at}, of dtype {ref.dtype}, has no derivative, and its value differs"
+                what += f" from that of {point}"
                 raise bad(ValueError, fn, what, "pass its value at the expansion point")
             deltas.append(np.zeros(ref.shape, jax.dtypes.float0))
         return jax.tree_util.tree_unflatten(self.treedef, deltas)
 
     def _structure_error(self, params_name: str, flat, treedef) -> ValueError:
-        fn, point = self.fn_name, f"the expansion point ({self.point_name})"
+        fn, point = self.fn_name, self.point
         paths = [jax.tree_util.keystr(path) for path, _ in flat]
         missing = [p for p in self.paths if p not in set(paths)]
         extra = [p for p in paths if p not in set(self.paths)]
@@ -238,8 +237,9 @@ def linearize(apply_fn: Callable, params0) -> Callable:
     References: Lee, Xiao, Schoenholz, Bahri, Novak, Sohl-Dickstein, Pennington, "Wide Neural
     Networks of Any Depth Evolve as Linear Models Under Gradient Descent", NeurIPS 2019.
     """
-    check_apply_fn("linearize", apply_fn, "linearize")
-    return expansion("linearize", apply_fn, params0, 1)
+    fn = "linearize"
+    check_apply_fn(fn, apply_fn, fn)
+    return expansion(fn, apply_fn, params0, 1)
 
 
 def taylor_expand(apply_fn: Callable, params0, degree: int) -> Callable:
@@ -279,6 +279,6 @@ def taylor_expand(apply_fn: Callable, params0, degree: int) -> Callable:
 
     References: as :func:`linearize`.
     """
-    check_apply_fn("taylor_expand", apply_fn, "taylor_expand")
-    degree = check_degree("taylor_expand", degree)
-    return expansion("taylor_expand", apply_fn, params0, degree)
+    fn = "taylor_expand"
+    check_apply_fn(fn, apply_fn, fn)
+    return expansion(fn, apply_fn, params0, check_degree(fn, degree))

@@ -195,8 +195,7 @@ def make_ntk_vp(caller: Caller, apply_fn, params, x, batch_size, precision) -> C
     fn = caller.name
     _checks.check_apply_fn(fn, apply_fn)
     options = make_options(fn, precision=precision)
-    fix = "pass e.g. batch_size=1000, or None"
-    batch_size = check_int(fn, "batch_size", batch_size, fix, optional=True)
+    batch_size = check_int(fn, "batch_size", batch_size, "pass e.g. 1000, or None", optional=True)
     _checks.before_trace(fn, params, x, None, options)
     _check_params(fn, params)
     n = _batch_size(caller, "x", x)

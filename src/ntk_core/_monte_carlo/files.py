@@ -17,6 +17,8 @@ from ntk_core._errors import NonFiniteError, bad
 
 #: The Monte Carlo kernels, in the order of ``Kernels``.
 KINDS = ("nngp", "ntk")
+#: The fingerprint's entry of the sample a sum ends with.
+_SAMPLE = "sample"
 
 
 def kind_options(kind: str, options: dict, files: MonteCarloFiles | None) -> dict:
@@ -100,7 +102,7 @@ class RunningSum(_store.Sink):
             elif common != files.common:
                 other = (path, _store.differences(common, files.common))
             elif manifest.get(_store.COMPLETE):
-                found.append(int(fp.get("sample", -1)))
+                found.append(int(fp.get(_SAMPLE, -1)))
         first = max(found) + 1 if found else 0
         if not existing or first == files.n_samples:
             return first  # nothing yet; or the finished mean, checked when it is opened
@@ -115,7 +117,7 @@ class RunningSum(_store.Sink):
 
     def fingerprint(self, layout: _store.FileLayout, sample: int, dtype) -> dict:
         described = _store.described(layout.described, layout.shape, dtype, layout.grid)
-        return {**self.files.common, "sample": sample, **described}
+        return {**self.files.common, _SAMPLE: sample, **described}
 
     def open(self, fn, layout, x1, x2, params, aux) -> _store.NpyStore:
         files = self.files

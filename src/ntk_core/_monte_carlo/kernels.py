@@ -14,21 +14,22 @@ import numpy as np
 
 from ntk_core._api import _make
 from ntk_core._blocked import progress as _progress
-from ntk_core._errors import NonFiniteError, bad, one_line
+from ntk_core._errors import NonFiniteError, bad, check_int, one_line
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.checks import all_finite, check_finite_input
 from ntk_core._kernel.options import DEFAULTS, make_options
-from ntk_core._monte_carlo.files import MonteCarloFiles, kind_options
+from ntk_core._monte_carlo.files import KINDS, MonteCarloFiles, kind_options
 from ntk_core._predict.inference import Kernels
 
 _KERNEL_OPTIONS = [n for n in inspect.signature(make_options).parameters if n != "fn_name"]
+_INPUTS = ("x1", "x2")
 
 
 def check_inputs(fn_name: str, x1, x2, models: str = "model") -> None:
     """Refuses x1, x2 without a batch axis or looking like parameters (``models``: the
     arguments before x1)."""
-    for name, x in (("x1", x1), ("x2", x2)):
+    for name, x in zip(_INPUTS, (x1, x2), strict=True):
         leaves = jax.tree.leaves(x)
         if x is not None and (not leaves or any(np.ndim(leaf) == 0 for leaf in leaves)):
             what = f"{name} must be arrays with a batch axis 0, got {type(x).__name__}"
@@ -42,11 +43,9 @@ def check_inputs(fn_name: str, x1, x2, models: str = "model") -> None:
         if isinstance(x1, Mapping):
             what = f"a dict of {sorted(map(str, x1))[:4]}"
         else:
-            entries = f"{len(x1)} {'entry' if len(x1) == 1 else 'entries'}"
-            what = f"a {type(x1).__name__} of {entries} where x2 is one array"
-        what = f"x1 is {what}, which looks like a model's parameters"
+            what = f"a {type(x1).__name__} of length {len(x1)} where x2 is one array"
         fix = f"call {fn_name}({models}, x1, x2=None, *, key=key, n_samples=S): no parameters"
-        raise bad(TypeError, fn_name, what, fix)
+        raise bad(TypeError, fn_name, f"x1 is {what}, which looks like a model's parameters", fix)
 
 
 def check_init_kwargs(fn_name: str, init_kwargs) -> dict | None:
@@ -62,13 +61,7 @@ def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=No
     for suggestions); no ``batch_size`` with samples vmapped together."""
     fn_name, options = caller.name, options or {}
     for name, v in (("n_samples", n_samples), ("batch_size_samples", batch_size_samples)):
-        try:
-            ok = not isinstance(v, bool) and operator.index(v) >= 1
-        except TypeError:
-            ok = False
-        if not ok:
-            what = f"{name} must be a positive int, got {v!r}"
-            raise bad(ValueError, fn_name, what, f"pass e.g. {name}=4")
+        check_int(fn_name, name, v, f"pass e.g. {name}=4", type_error=ValueError)
     array = isinstance(key, jax.Array)
     if not (array and (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,))):
         shape = f" of shape {key.shape}" if array else ""
@@ -81,8 +74,8 @@ def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=No
         what = f"unknown option(s) {', '.join(map(repr, unknown))}.{guess}"
         fix = f"use {', '.join(own)} or the options of ntk_fn; model arguments go in apply_kwargs"
         raise bad(TypeError, fn_name, what, fix)
-    if options.get("batch_size") is not None and operator.index(batch_size_samples) > 1:
-        make_options(fn_name, batch_size=options["batch_size"])  # an invalid value first
+    if (batch_size := options.get("batch_size")) is not None and batch_size_samples > 1:
+        make_options(fn_name, batch_size=batch_size)  # an invalid value first
         what = f"batch_size cannot run inside batch_size_samples={batch_size_samples!r}"
         raise bad(ValueError, fn_name, what, "pass batch_size_samples=1 with batch_size")
 
@@ -93,7 +86,7 @@ def average(fn_name, sample, key, n_samples, batch_size_samples, progress, x1, x
     functions cannot check, so x1, x2 and the mean are checked for NaN/Inf here. With
     ``files`` (``out=``) the kernel functions add each sample's tiles to the sums on disk."""
     n_samples, batch_size_samples = operator.index(n_samples), operator.index(batch_size_samples)
-    for name, x in (("x1", x1), ("x2", x2)) if files is None else ():
+    for name, x in zip(_INPUTS, (x1, x2), strict=True) if files is None else ():
         if x is not None:
             check_finite_input(fn_name, name, x)
     keys = jax.random.split(key, n_samples)
@@ -157,13 +150,14 @@ def _add(total, k):
 
 def _check_finite_sum(fn_name: str, kernels, where: str) -> None:
     """NonFiniteError if the (NNGP, NTK) sums of ``where`` hold NaN/Inf (not under jax.jit)."""
-    for name, kernel in zip(("NNGP", "NTK"), kernels, strict=True):
+    for name, kernel in zip(KINDS, kernels, strict=True):
         if any(all_finite(a) is False for a in jax.tree.leaves(kernel)):
-            what = f"the {name} came out non-finite (NaN or Inf) in {where}"
+            what = f"the {name.upper()} came out non-finite (NaN or Inf) in {where}"
             fix = "check the model on that initialisation, or compute in float64"
             raise bad(NonFiniteError, fn_name, what, fix, see="non-finite-kernel")
 
 
+_SIGNATURES = "init_fn(key) -> params, apply_fn(params, x)"
 #: The parameters come from init_fn: neural-tangents' (x1, x2, params) does not apply.
 _MONTE_CARLO_KERNELS = Caller(
     "monte_carlo_kernels", "(init_fn, apply_fn, x1, x2)", monte_carlo=True
@@ -257,18 +251,19 @@ def monte_carlo_kernels(
     fn = _MONTE_CARLO_KERNELS.name
     for name, f in (("init_fn", init_fn), ("apply_fn", apply_fn)):
         if not callable(f):
-            what = f"{name} must be callable, got {type(f).__name__}"
-            raise bad(TypeError, fn, what, "pass init_fn(key) -> params, apply_fn(params, x)")
+            raise bad(
+                TypeError, fn, f"{name} must be callable, got {type(f).__name__}", _SIGNATURES
+            )
     if _takes_shape(init_fn):
         what = "init_fn takes (key, shape), like neural-tangents' stax; here init_fn(key)"
-        raise bad(TypeError, fn, what, "pass lambda k: init_fn(k, x1.shape)[1]")
+        raise bad(TypeError, fn, what, f"pass {_STAX_INIT}")
     blocked = dict(batch_size=batch_size, store_on_device=store_on_device)
     check_samples(_MONTE_CARLO_KERNELS, key, n_samples, batch_size_samples, blocked)
     check_inputs(fn, x1, x2, "init_fn, apply_fn")
     # the kernel options among the arguments (the outermost iterable runs in this scope)
     options = {k: v for k, v in locals().items() if k in _KERNEL_OPTIONS}
     options["progress"] = False  # the bar is the samples'
-    init = initialiser(fn, jax.jit(init_fn), "init_fn(key)", "init_fn(key) -> params")
+    init = initialiser(fn, jax.jit(init_fn), "init_fn(key)", _SIGNATURES)
 
     def kernels(kind, kind_options):
         return _make(kind, _MONTE_CARLO_KERNELS, apply_fn, kind_options)
@@ -286,7 +281,7 @@ def sample_mean(
     checked = make_options(fn_name, **options)  # as the kernel functions would check them
     args = (fn_name, checked, key, n_samples, x1, x2, init)
     files = None if checked.out is None else MonteCarloFiles(*args)
-    ntk, nngp = (kernels(kind, kind_options(kind, options, files)) for kind in ("ntk", "nngp"))
+    nngp, ntk = (kernels(kind, kind_options(kind, options, files)) for kind in KINDS)
 
     def sample(k):
         state = init(k)
@@ -326,6 +321,9 @@ def _takes_shape(init_fn) -> bool:
     return sum(p.kind in positional and p.default is p.empty for p in parameters) >= 2
 
 
+_STAX_INIT = "lambda k: init_fn(k, x1.shape)[1]"
+
+
 def _nt_style_hint(fn):
     """Answers a TypeError of a neural-tangents-style call ``(init_fn, apply_fn, key,
     n_samples)`` with the equivalent call here."""
@@ -339,10 +337,10 @@ def _nt_style_hint(fn):
             n = args[3] if len(args) >= 4 else None
             if not isinstance(n, int) or isinstance(n, bool):
                 raise
-            init = "lambda k: init_fn(k, x1.shape)[1]" if _takes_shape(args[0]) else "init_fn"
+            init = _STAX_INIT if _takes_shape(args[0]) else "init_fn"
             what = "the arguments look like neural-tangents' (init_fn, apply_fn, key, n_samples)"
-            fix = f"monte_carlo_kernels({init}, apply_fn, x1, x2, key=key, n_samples={n!r})"
-            raise bad(TypeError, "monte_carlo_kernels", what, fix) from e
+            fix = f"{fn.__name__}({init}, apply_fn, x1, x2, key=key, n_samples={n!r})"
+            raise bad(TypeError, fn.__name__, what, fix) from e
 
     return call
 

@@ -9,7 +9,7 @@ import numbers
 import jax
 import numpy as np
 
-from ntk_core._errors import NonFiniteError, bad, check_real, is_real
+from ntk_core._errors import NonFiniteError, bad, check_real
 
 #: A solve is accepted when max|last correction| <= ACCEPT * max|x| per right-hand side.
 ACCEPT = 1e-6
@@ -33,6 +33,8 @@ def row_chunks(n_rows: int, n_cols: int):
 
 
 NAN_KERNEL_FIX = "recompute it; NaN comes from NaN parameters or inputs, or float32 overflow"
+SAME_AXES = "compute it on the same inputs with the same trace_axes"
+SEE_ILL = "ill-conditioned-kernel"
 
 
 def check_finite(fn, name, arr, fix=NAN_KERNEL_FIX, *, cls=NonFiniteError, first=0, unit="sample"):
@@ -65,10 +67,11 @@ def compute_dtype(fn_name: str, dtype, kernel_dtype) -> np.dtype:
 
 
 def check_diag_reg(fn_name: str, diag_reg) -> float:
-    dt = getattr(diag_reg, "dtype", np.dtype(object))
-    scalar = getattr(diag_reg, "shape", None) == () and not isinstance(diag_reg, jax.core.Tracer)
-    if scalar and not is_real(diag_reg) and np.issubdtype(dt, np.number):
-        diag_reg = np.asarray(diag_reg).item()  # a 0-d numpy or JAX array
+    arr = isinstance(diag_reg, (np.ndarray, jax.Array)) and not isinstance(
+        diag_reg, jax.core.Tracer
+    )
+    if arr and diag_reg.shape == () and np.issubdtype(diag_reg.dtype, np.number):
+        diag_reg = diag_reg.item()  # a 0-d numpy or JAX array
     return check_real(fn_name, "diag_reg", diag_reg, "pass e.g. diag_reg=1e-4 (or 0.0)")
 
 
@@ -137,12 +140,10 @@ class FlatLayout:
     def check_pair(self, name, k, n1, n2, fn_name=None) -> int:
         """Checks a kernel of shape pair_shape(n1, n2) (n1 None: any); returns n1."""
         n1 = k.shape[0] if (n1 is None and k.ndim) else n1
-        expected = self.pair_shape(n1, n2)
-        if k.shape != expected:
-            what = f"{name} has shape {k.shape}, expected {expected}"
-            what += f" for y_train of shape {self.y_shape} (traced axes {self.traced})"
-            fix = "compute it on the same inputs with the trace_axes passed here"
-            raise bad(ValueError, fn_name or self.fn_name, what, fix)
+        if k.shape != (want := self.pair_shape(n1, n2)):
+            y = self.y_shape
+            what = f"{name} has shape {k.shape}, expected {want} for y_train of shape {y}"
+            raise bad(ValueError, fn_name or self.fn_name, what, SAME_AXES)
         return n1
 
     def flat(self, k: np.ndarray) -> np.ndarray:
@@ -229,14 +230,14 @@ def numerical_rank(k2: np.ndarray, dtype, probes: int = RANK_PROBES) -> tuple[in
 class Solver:
     """Solves ``(K + λ I) x = b`` for a flat symmetric ``K``, refined in float64."""
 
-    def __init__(self, fn_name, k2, lam, dtype, *, reg_scale=1.0, method="cholesky"):
+    def __init__(self, fn_name, k2, lam, dtype, *, reg_scale=1.0, eigh=False):
         import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
 
         self.fn_name, self.k2, self.lam, self.dtype = fn_name, k2, lam, np.dtype(dtype)
         self.m, self.reg_scale, self.u = k2.shape[0], reg_scale, unit_roundoff(self.dtype)
-        self.method, self._eigs, self._chol = method, None, None
+        self._eigs, self._chol = None, None
         self._cho_solve = scipy.linalg.cho_solve
-        if method == "cholesky":
+        if not eigh:
             # a is C-ordered and symmetric: a.T is the same matrix in Fortran order, so
             # LAPACK factors it in place (upper of a.T = lower of a), no second copy.
             a = self._regularised_copy()
@@ -259,8 +260,12 @@ class Solver:
             above = -w.min() / reg_scale
             fix = f"pass a kernel, not a difference of kernels, or raise diag_reg above {above:.1e}"
             raise bad(ValueError, fn_name, what, fix)
-        self.method, self._eigs = "eigh", (w, v)
+        self._eigs = (w, v)
         self._w_floored = np.maximum(w, self.u * wmax)
+
+    @property
+    def method(self) -> str:
+        return "eigh" if self._chol is None else "cholesky"
 
     def _regularised_copy(self) -> np.ndarray:
         a = np.empty((self.m, self.m), self.dtype)
@@ -271,7 +276,7 @@ class Solver:
 
     def _apply_inverse(self, b: np.ndarray) -> np.ndarray:
         b = np.asarray(b, self.dtype)
-        if self.method == "cholesky":
+        if self._chol is not None:
             x = self._cho_solve(self._chol, b, check_finite=False)
         else:
             v = self._eigs[1]
@@ -320,12 +325,10 @@ class Solver:
         need = 100 * self.u * lam_max + 2 * max(-w_min, 0.0)
         suggest = 10 ** math.ceil(math.log10(max(need / self.reg_scale, 1e-300)))
         cond = f"{kappa:.2e}" if math.isfinite(kappa) else f"inf ({w_min:.2e} .. {lam_max:.2e})"
-        what = f"train-train K + λI (λ = {self.lam:.3e}, M = {self.m}) is too ill-conditioned for "
-        what += f"{self.dtype.name}: condition number ≈ {cond}, u = {self.u:.1e}, refinement left "
-        what += f"{rel:.1e} > {ACCEPT:.0e}"
-        fix = f"raise diag_reg to about {suggest:.0e} or more"
-        fix += "" if self.dtype == np.float64 else ", or pass dtype='float64'"
-        raise bad(ValueError, self.fn_name, what, fix, see="ill-conditioned-kernel")
+        what = f"train-train K + λI (λ = {self.lam:.3e}, M = {self.m}) is too ill-conditioned for"
+        what += f" {self.dtype.name}: condition number ≈ {cond}, refinement left {rel:.1e}"
+        fix = f"raise diag_reg to about {suggest:.0e} (in float32: or pass dtype='float64')"
+        raise bad(ValueError, self.fn_name, what, fix, see=SEE_ILL)
 
 
 def _power(op, v) -> float:
