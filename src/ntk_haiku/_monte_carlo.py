@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from inspect import Parameter, signature
+
 import haiku as hk
 import jax
 
@@ -12,9 +14,7 @@ from ntk_core.predict import Kernels
 
 from ._kernel import caller, check_transformed, make, public
 
-#: :func:`monte_carlo_kernels` as its messages name it.
-_CALLER = caller("monte_carlo_kernels", monte_carlo=True)
-_OWN = ("key", "n_samples", "batch_size_samples", "rng", "apply_kwargs", "init_kwargs", "inputs")
+KW = Parameter.KEYWORD_ONLY
 
 
 @public
@@ -66,8 +66,9 @@ def monte_carlo_kernels(
     """
     fn = _CALLER.name
     check_transformed(fn, transformed)
+    own = [p.name for p in signature(monte_carlo_kernels).parameters.values() if p.kind == KW]
     init_kwargs = check_monte_carlo(
-        _CALLER, x1, x2, key, n_samples, batch_size_samples, options, _OWN, init_kwargs
+        _CALLER, x1, x2, key, n_samples, batch_size_samples, options, own, init_kwargs
     )
     with_state = isinstance(transformed, hk.TransformedWithState)
     x_init = x1 if with_state else jax.tree.map(lambda a: a[:1], x1)  # state from all of x1
@@ -77,10 +78,9 @@ def monte_carlo_kernels(
     init = checked_init(
         fn,
         jax.jit(lambda k: transformed.init(k, *x_init, **kw, **init_kwargs)),
-        "transformed.init(key, x1)" if with_state else "transformed.init(key, x1[:1])",
+        f"transformed.init(key, x1{'' if with_state else '[:1]'})",
         "the forward function, traced under jax.jit",
-        "check that x1 has the per-sample shape the model expects (batch axis first); "
-        "hk.BatchNorm needs init_kwargs={'is_training': True}",
+        "check x1's per-sample shape; hk.BatchNorm needs init_kwargs={'is_training': True}",
     )
 
     def kernels(kind, kind_options):  # of one initialisation, init(k); errors name fn
@@ -94,3 +94,7 @@ def monte_carlo_kernels(
 
     args = (x1, x2, key, n_samples, batch_size_samples, progress, options)
     return monte_carlo_mean(fn, init, kernels, *args)
+
+
+#: :func:`monte_carlo_kernels` as its messages name it.
+_CALLER = caller(monte_carlo_kernels, monte_carlo=True)
