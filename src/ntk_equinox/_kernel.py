@@ -26,11 +26,10 @@ class _Apply:
     rest: object = dataclasses.field(compare=False)
     key: tuple
     inputs: str
-    fn_name: str = dataclasses.field(compare=False)
 
     def __call__(self, params, x, aux=None):  # aux: nothing else is held fixed
         def one(x):
-            args, kw = spread(self.fn_name, self.inputs, x, "x")
+            args, kw = spread(_PACKAGE, self.inputs, x)  # x2: checked against x1
             return eqx.combine(params, self.rest)(*args, **kw)
 
         return jax.vmap(one)(x)
@@ -60,7 +59,7 @@ def _split(fn_name: str, model, inputs: str) -> tuple:
         what = f"the model {type(model).__name__} has no floating-point array leaves"
         raise bad(ValueError, fn_name, what, "hold its parameters as float arrays")
     leaves, treedef = jax.tree.flatten(rest)
-    return params, _Apply(rest, (treedef, tuple(map(_leaf_key, leaves))), inputs, fn_name)
+    return params, _Apply(rest, (treedef, tuple(map(_leaf_key, leaves))), inputs)
 
 
 def _kernel_fn(fn, model, options: dict, built: bool = False):

@@ -39,7 +39,7 @@ _EVAL = f"apply_kwargs={_nnx.TRAIN_OFF}"
 def refuse_apply_arguments(fn_name: str, apply_kwargs: dict) -> None:
     """Refuses ``model.apply``'s own keywords in ``apply_kwargs``: the adapter passes those."""
     fixes = dict(
-        mutable=f"apply the model in evaluation mode ({_EVAL})",
+        mutable=f"apply the model in evaluation mode (e.g. {_EVAL})",
         rngs="pass rngs={'dropout': key} to the kernel call, or none",
         method=f"pass method= to {fn_name} itself",
     )
@@ -124,12 +124,12 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
             jax.eval_shape(apply_fn(rngs), variables, x1)
         except flax.errors.InvalidRngError as e:
             or_rngs = "" if caller.monte_carlo else ", or rngs={'dropout': key}"
-            what, fix = f"the model needs a random key ({e})", f"pass {_EVAL}{or_rngs}"
-            raise bad(ValueError, fn_name, what, fix) from None
+            fix = f"run it deterministically (e.g. {_EVAL}){or_rngs}"
+            raise bad(ValueError, fn_name, f"the model needs a random key ({e})", fix) from None
         except flax.errors.ModifyScopeVariableError as e:
             if vmap_axes is not None:
                 what = f"the model updates its variables when applied ({e}), as BatchNorm in "
-                fix = f"evaluate it ({_EVAL}), or pass vmap_axes=None"
+                fix = f"apply it in evaluation mode (e.g. {_EVAL}), or pass vmap_axes=None"
                 raise bad(ValueError, fn_name, what + "training mode does", fix) from None
         except flax.errors.ScopeCollectionNotFound as e:
             misread = read.misread(variables, x1, rngs, e)

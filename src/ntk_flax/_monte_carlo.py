@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from inspect import Parameter, signature
+from inspect import signature
 
 import flax.linen as nn
 import jax
@@ -17,7 +17,6 @@ from ntk_core.predict import Kernels
 from . import _nnx
 from ._kernel import caller, make, public
 
-KW = Parameter.KEYWORD_ONLY
 _BUILD = "lambda rngs: Model(..., rngs=rngs)"
 
 
@@ -80,9 +79,8 @@ def monte_carlo_kernels(
         if init_kwargs is not None:
             what = "init_kwargs was given for an nnx model"
             raise bad(TypeError, fn, what, "drop it and pass the arguments inside the builder")
-    own = [p.name for p in signature(monte_carlo_kernels).parameters.values() if p.kind == KW]
     init_kwargs = check_monte_carlo(
-        _CALLER, x1, x2, key, n_samples, batch_size_samples, options, own, init_kwargs
+        _CALLER, x1, x2, key, n_samples, batch_size_samples, options, _OWN, init_kwargs
     )  # before building
     spread(fn, check_inputs(fn, inputs), x1)  # a TypeError for an x1 of another kind
     args = (x1, x2, key, n_samples, batch_size_samples, progress, options)
@@ -151,5 +149,6 @@ def _nnx_monte_carlo(fn, build, method, apply_kwargs, inputs, args) -> Kernels:
     return monte_carlo_mean(fn, state_of, kernels, *args)
 
 
-#: :func:`monte_carlo_kernels` as its messages name it.
+#: :func:`monte_carlo_kernels` as its messages name it, and its own keyword arguments.
 _CALLER = caller(monte_carlo_kernels, monte_carlo=True)
+_OWN = [n for n, p in signature(monte_carlo_kernels).parameters.items() if p.kind is p.KEYWORD_ONLY]

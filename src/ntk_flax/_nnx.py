@@ -64,10 +64,9 @@ def _abstract(tree):
 
 
 def _state_changes(graphdef, params, rest, x, name, apply_kwargs, inputs) -> list | None:
-    """(path, variable type) of each variable the call writes, from one abstract trace
-    (unchanged ones pass straight through), ``None`` if it changes the state's structure;
-    outputs (``sow``, ``perturb``) and RNG state the output does not depend on
-    (``nnx.RNN``'s zero carry) are not reported."""
+    """(path, Variable type) of each variable the call writes (``None``: the structure), from
+    one abstract trace (unchanged ones pass straight through); outputs (``sow``, ``perturb``)
+    and RNG state the output does not depend on (``nnx.RNN``'s zero carry) are not reported."""
     parts = nnx.split(nnx.merge(graphdef, params, rest), nnx.Param, _OUTPUTS, ...)[1:]
     params, outputs, other = parts
 
@@ -119,8 +118,7 @@ def _in_eval_mode(module) -> bool:
 
 
 def _refuse_state_changes(fn_name: str, changed: list | None, module, monte_carlo: bool) -> None:
-    """Refuses a call that writes module state (``changed``: :func:`_state_changes`);
-    ``monte_carlo``: the caller's function builds the module."""
+    """Refuses the writes :func:`_state_changes` found; ``monte_carlo``: a function builds it."""
     kinds = [kind for _, kind in changed or ()]
     random = any(issubclass(kind, nnx.RngState) for kind in kinds)
     switch = f"apply_kwargs={DETERMINISTIC if random else TRAIN_OFF}"

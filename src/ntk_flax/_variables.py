@@ -16,8 +16,7 @@ import numpy as np
 
 from ntk_core.adapters import Caller, bad
 
-#: The collection the kernels differentiate; every other one is held fixed.
-PARAMS = "params"
+PARAMS = "params"  # the collection the kernels differentiate; the others are held fixed
 
 
 def _paths(tree) -> frozenset[str]:
@@ -203,6 +202,5 @@ class VariablesReader:
         raise bad(ValueError, self._fn_name, what, fix, see="flax-variables")
 
 
-def entries(collections: list) -> str:
-    """``{'params': ..., 'batch_stats': ...}``: a variables dict holding ``collections``."""
+def entries(collections: list) -> str:  # {'params': ..., 'batch_stats': ...}
     return "{" + ", ".join(f"{c!r}: ..." for c in [PARAMS, *collections]) + "}"

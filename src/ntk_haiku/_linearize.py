@@ -7,28 +7,22 @@ from collections.abc import Callable, Mapping
 
 from ntk_core.adapters import bad, check_apply_kwargs, check_degree, expansion
 from ntk_core.adapters import check_inputs_option as check_inputs
-from ntk_haiku._kernel import (
-    _EVAL,
-    _PACKAGE,
-    _model_apply,
-    check_state_and_rng,
-    check_transformed,
-)
+from ntk_haiku import _kernel
 
 
 def _expanded(fn: Callable, degree: int, transformed, params0, state, rng, apply_kwargs, inputs):
-    fn_name = f"{_PACKAGE}.{fn.__name__}"
+    fn_name = f"{_kernel._PACKAGE}.{fn.__name__}"
     degree = check_degree(fn_name, degree)
-    check_transformed(fn_name, transformed)
-    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, _EVAL)
+    _kernel.check_transformed(fn_name, transformed)
+    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, _kernel._EVAL)
     inputs = check_inputs(fn_name, inputs)
-    apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs, inputs, fn_name)
-    check_state_and_rng(fn_name, with_state, takes_rng, state, rng)
+    apply3, with_state, takes_rng = _kernel._model_apply(transformed, apply_kwargs, inputs, fn_name)
+    _kernel.check_state_and_rng(fn_name, with_state, takes_rng, state, rng)
     if not isinstance(params0, Mapping):
-        what = (
-            f"params0 must be the dict returned by transformed.init, got {type(params0).__name__}"
+        what = "params0 must be the dict returned by transformed.init, got "
+        raise bad(
+            TypeError, fn_name, what + type(params0).__name__, f"pass params0 = {_kernel._INIT}"
         )
-        raise bad(TypeError, fn_name, what, "pass params0 = transformed.init(key, x)")
 
     def apply(params, x):
         return apply3(params, x, (state, rng))

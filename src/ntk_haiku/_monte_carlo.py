@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inspect import Parameter, signature
+from inspect import signature
 
 import haiku as hk
 import jax
@@ -13,8 +13,6 @@ from ntk_core.adapters import spread_inputs as spread
 from ntk_core.predict import Kernels
 
 from ._kernel import caller, check_transformed, make, public
-
-KW = Parameter.KEYWORD_ONLY
 
 
 @public
@@ -66,9 +64,8 @@ def monte_carlo_kernels(
     """
     fn = _CALLER.name
     check_transformed(fn, transformed)
-    own = [p.name for p in signature(monte_carlo_kernels).parameters.values() if p.kind == KW]
     init_kwargs = check_monte_carlo(
-        _CALLER, x1, x2, key, n_samples, batch_size_samples, options, own, init_kwargs
+        _CALLER, x1, x2, key, n_samples, batch_size_samples, options, _OWN, init_kwargs
     )
     with_state = isinstance(transformed, hk.TransformedWithState)
     x_init = x1 if with_state else jax.tree.map(lambda a: a[:1], x1)  # state from all of x1
@@ -96,5 +93,6 @@ def monte_carlo_kernels(
     return monte_carlo_mean(fn, init, kernels, *args)
 
 
-#: :func:`monte_carlo_kernels` as its messages name it.
+#: :func:`monte_carlo_kernels` as its messages name it, and its own keyword arguments.
 _CALLER = caller(monte_carlo_kernels, monte_carlo=True)
+_OWN = [n for n, p in signature(monte_carlo_kernels).parameters.items() if p.kind is p.KEYWORD_ONLY]
