@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import sys
+
+_EXTRAS = "Fix: pip install 'ntk-jax[all]'"
 
 
 def _subcommand(name: str, args) -> int:
     """Runs ``ntk_cli.{name}.run`` with the parsed options; 2 on a missing extra or bad option."""
-    try:
-        module = importlib.import_module(f"ntk_cli.{name}")
-        if name == "track":
-            module.run_args(args)  # imports optax, scikit-learn and matplotlib when needed
-            return 0
-        return module.run(**{k: getattr(args, k) for k in inspect.signature(module.run).parameters})
+    try:  # imports optax, scikit-learn and matplotlib when needed
+        status = importlib.import_module(f"ntk_cli.{name}").run_args(args)
+        return status if isinstance(status, int) else 0  # track: the summary
     except ImportError as e:
-        fix = "Fix: pip install 'ntk-jax[all]'"
-        print(f"ntk {name} needs the optional dependencies ({e}). {fix}", file=sys.stderr)
+        print(f"ntk {name} needs the optional dependencies ({e}). {_EXTRAS}", file=sys.stderr)
     except ValueError as e:
         print(e, file=sys.stderr)
     return 2

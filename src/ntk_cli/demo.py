@@ -5,6 +5,7 @@ regression on one-hot labels; writes the Gram matrices, a picture and ``summary.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import time
@@ -18,6 +19,7 @@ import ntk_flax
 #: The regression's λ = DIAG_REG · mean(diag K_train); the largest max|K_haiku − K_flax| /
 #: max|K_flax| accepted by the twin check.
 DIAG_REG, TWIN_TOLERANCE = 1e-4, 1e-4
+FILES = ("ntk_train_train.npy", "ntk_test_train.npy", "ntk_demo.png", "summary.json")
 
 
 def load_digits_32(seed: int):
@@ -42,11 +44,15 @@ def kernel_regression(k_train, k_test_train, labels, n_classes, diag_reg):
     return np.asarray(k_test_train, np.float64) @ alpha, lam
 
 
-def progress_options(parser: argparse.ArgumentParser, *helps: str) -> None:
-    """``--progress`` / ``--no-progress`` (default None: a bar on a terminal)."""
+def shared_options(parser: argparse.ArgumentParser, out: str, seed: str) -> None:
+    """The options of ``ntk demo``, ``ntk track``, the examples (progress None: bar on a tty)."""
+    add, choices = parser.add_argument, list(ntk_core.IMPLEMENTATIONS)
+    add("--out", default=out, help="output folder (%(default)s)")
+    add("--seed", type=int, default=0, help=f"{seed} seed (%(default)s)")
+    add("--implementation", default="auto", choices=choices, help="NTK method (%(default)s)")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--progress", action="store_true", default=None, help=helps[0])
-    group.add_argument("--no-progress", dest="progress", action="store_false", help=helps[1])
+    group.add_argument("--progress", action="store_true", default=None, help="progress bar")
+    group.add_argument("--no-progress", dest="progress", action="store_false", help="no bar")
 
 
 def pyplot():
@@ -118,9 +124,8 @@ def run(out, n_train, seed, implementation, progress, compilation_cache=None) ->
     kernel = ntk_flax.kernel_fn(model, implementation=implementation)
     chosen = kernel.implementation_for(variables, x_test, x_train)
 
-    split = f"{n_train} train / {len(x_test)} test"
     device = f"jax {jax.__version__} on {jax.devices()[0].platform}"
-    print(f"ntk demo: LeNet (C1) on {len(images)} digits (8x8 -> 32x32x3), {split}, {device}")
+    print(f"ntk demo: LeNet (C1), {n_train} train / {len(x_test)} test digits, {device}")
     print(f"implementation: {implementation!r} -> {chosen}")
     n_check = min(128, n_train)
     steps = ["train x train NTK", "test x train NTK", "Haiku twin check", "kernel regression"]
@@ -150,16 +155,15 @@ def run(out, n_train, seed, implementation, progress, compilation_cache=None) ->
     accuracy = float(np.mean(np.argmax(mean, axis=1) == y_test))
     bar.close()
 
-    np.save(os.path.join(out, "ntk_train_train.npy"), k_train)
-    np.save(os.path.join(out, "ntk_test_train.npy"), k_test_train)
-    _figure(os.path.join(out, "ntk_demo.png"), k_train, y_train)
-    total = time.perf_counter() - t_start
+    paths = [os.path.join(out, name) for name in FILES]
+    np.save(paths[0], k_train)
+    np.save(paths[1], k_test_train)
+    _figure(paths[2], k_train, y_train)
+    timings.update(total=time.perf_counter() - t_start)
     summary = dict(n_train=n_train, n_test=len(x_test), implementation=chosen, diag_reg=DIAG_REG)
-    summary.update({"lambda": lam}, test_accuracy=accuracy)
-    summary.update(flax_vs_haiku_max_relative_difference=twin_rel, seconds=timings)
-    summary.update(jax=jax.__version__, device=str(jax.devices()[0]))
-    timings["total"] = total
-    with open(os.path.join(out, "summary.json"), "w") as fh:
+    summary.update({"lambda": lam}, test_accuracy=accuracy, seconds=timings, jax=jax.__version__)
+    summary.update(flax_vs_haiku_max_relative_difference=twin_rel, device=str(jax.devices()[0]))
+    with open(paths[3], "w") as fh:
         json.dump(summary, fh, indent=2)
 
     for name in steps:
@@ -168,20 +172,17 @@ def run(out, n_train, seed, implementation, progress, compilation_cache=None) ->
     print(f"Flax vs Haiku (first {n_check} train samples): max relative difference {twin}")
     regression = f"kernel regression on one-hot labels, regulariser λ = {DIAG_REG:g} x mean(diag K)"
     print(f"{regression} = {lam:.3e}: test accuracy {accuracy:.4f}")
-    print(f"wrote {out}/ntk_train_train.npy, ntk_test_train.npy, ntk_demo.png, summary.json")
-    print(f"total time {total:.1f} s")
+    print(f"wrote {out}/{', '.join(FILES)}\ntotal time {timings['total']:.1f} s")
     if not twin_rel <= TWIN_TOLERANCE:
         print("FAILED: the Flax and Haiku kernels of the same network differ.")
-        return 1
-    return 0
+    return int(not twin_rel <= TWIN_TOLERANCE)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--out", default="./ntk-demo", help="output folder (default ./ntk-demo)")
-    add("--n-train", type=int, default=1000, help="training samples (1000)")
-    add("--seed", type=int, default=0, help="shuffle and init seed (0)")
-    choices = list(ntk_core.IMPLEMENTATIONS)
-    add("--implementation", default="auto", choices=choices, help="NTK implementation (auto)")
-    add("--compilation-cache", metavar="DIR", help="JAX's persistent compilation cache folder")
-    progress_options(parser, None, None)
+    parser.add_argument("--n-train", type=int, default=1000, help="training samples (%(default)s)")
+    parser.add_argument("--compilation-cache", metavar="DIR", help="JAX's compilation cache folder")
+    shared_options(parser, "./ntk-demo", "shuffle and init")
+
+
+def run_args(args) -> int:  # run() with the options of add_arguments()
+    return run(**{k: getattr(args, k) for k in inspect.signature(run).parameters})

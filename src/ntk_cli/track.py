@@ -47,21 +47,17 @@ def check_sizes(fn: str, steps: int, every: int, batch: int) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser, default_out: str = "./ntk-track") -> None:
     """The options shared by ``ntk track`` and the tracking examples."""
+    from ntk_cli.demo import shared_options
+
     add = parser.add_argument
-    add("--out", default=default_out, help="output folder (%(default)s)")
     add("--steps", type=int, default=1000, help="training steps (%(default)s)")
     add("--every", type=int, default=10, help="track the NTK every k steps (%(default)s)")
     add("--probe", type=int, default=200, help="probe samples P (%(default)s)")
     add("--batch", type=int, default=64, help="training batch size (%(default)s)")
     add("--lr", type=float, default=1e-3, help="adam learning rate (%(default)s)")
     add("--top-k", type=int, default=5, help="eigenvalues to track (%(default)s)")
-    add("--seed", type=int, default=0, help="shuffle, init, batch seed (%(default)s)")
-    choices, text = list(ntk_core.IMPLEMENTATIONS), "NTK implementation (%(default)s)"
-    add("--implementation", default="auto", choices=choices, help=text)
     add("--save-kernels", action="store_true", help="save each NTK in OUT/kernels")
-    from ntk_cli.demo import progress_options
-
-    progress_options(parser, "progress bar", "no bar")
+    shared_options(parser, default_out, "shuffle, init, batch")
 
 
 def plot_history(history: dict, path: str, title: str) -> None:
@@ -70,21 +66,21 @@ def plot_history(history: dict, path: str, title: str) -> None:
     from ntk_cli.demo import pyplot
 
     plt = pyplot()
-    h, steps = history, history["step"]
+    h, steps, dots = history, history["step"], dict(marker="o", ms=3)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    axes[0].plot(steps, h["kernel_distance"], "o-", ms=3)
+    axes[0].plot(steps, h["kernel_distance"], **dots)
     axes[0].set(title="kernel distance from the initial NTK", ylabel="1 - cos(K_0, K_t)")
-    axes[1].plot(steps, h["centered_alignment"], "o-", ms=3, label="centred")
+    axes[1].plot(steps, h["centered_alignment"], **dots, label="centred")
     axes[1].plot(steps, h["alignment"], "--", color="grey", label="plain")
     axes[1].set(title="kernel-target alignment (one-hot labels)")
     for i, eigenvalue in enumerate(h["top_eigenvalues"].T):
-        axes[2].semilogy(steps, eigenvalue, "o-", ms=3, label=f"λ_{i + 1}")
+        axes[2].semilogy(steps, eigenvalue, **dots, label=f"λ_{i + 1}")
     axes[2].set(title="top eigenvalues of the probe NTK")
-    axes[1].legend()
-    axes[2].legend(fontsize=8)
     for ax in axes:
         ax.set(xlabel="training step")
         ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:  # the alignment and eigenvalue panels
+            ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -15,6 +15,8 @@ from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_core.adapters import inputs_failure as failure
 from ntk_core.adapters import spread_inputs as spread
 
+_PACKAGE, _ORDER = "ntk_equinox", "(model, x1, x2)"
+
 
 @dataclasses.dataclass(frozen=True)
 class _Apply:
@@ -23,11 +25,11 @@ class _Apply:
 
     rest: object = dataclasses.field(compare=False)
     key: tuple
-    inputs: str = "x"
+    inputs: str
 
     def __call__(self, params, x, aux=None):  # aux: nothing else is held fixed
         def one(x):
-            args, kw = spread("ntk_equinox", self.inputs, x, "x")
+            args, kw = spread(_PACKAGE, self.inputs, x)  # x2: checked against x1
             return eqx.combine(params, self.rest)(*args, **kw)
 
         return jax.vmap(one)(x)
@@ -42,12 +44,12 @@ def _stateful(m) -> bool:  # BatchNorm, SpectralNorm; a Sequential only passes s
     return stateful and not isinstance(m, eqx.nn.Sequential)
 
 
-def _split(fn_name: str, model, inputs="x") -> tuple:
+def _split(fn_name: str, model, inputs: str) -> tuple:
     """``(params, apply)`` of ``model``, or the TypeError / ValueError of bad input."""
     if not isinstance(model, eqx.Module) or not callable(model):
         got = type(model).__name__ + (" (no __call__)" if isinstance(model, eqx.Module) else "")
-        fix = f"pass the module first, {fn_name}(model, x1, x2=None)"
-        raise bad(TypeError, fn_name, f"model must be an equinox.Module, got {got}", fix)
+        what, fix = f"model must be an equinox.Module, got {got}", "pass the module first"
+        raise bad(TypeError, fn_name, what, fix)
     held = [type(m).__name__ for m in jax.tree.leaves(model, is_leaf=_stateful) if _stateful(m)]
     if held:  # called as layer(x, state): the model is not a function of x alone
         what = f"the model holds the stateful layer {held[0]}, which needs an eqx.nn.State"
@@ -62,20 +64,19 @@ def _split(fn_name: str, model, inputs="x") -> tuple:
 
 def _kernel_fn(fn, model, options: dict, built: bool = False):
     """The core's ``kernel(model, x1, x2=None)`` for models shaped like ``model``."""
-    name, kind = f"ntk_equinox.{fn.__name__}", "nngp" if fn is nngp else "ntk"
+    name, kind = f"{_PACKAGE}.{fn.__name__}", "nngp" if fn is nngp else "ntk"
     options = dict(options)
     inputs = check_inputs(name, options.pop("inputs", "x"))
     apply = _split(name, model, inputs)[1]
+    caller = Caller(name, _ORDER, model="the model", package=_PACKAGE, built=built)
+    called = f"{name}(...){_ORDER}" if built else name
 
     def to_core(model):
-        params, other = _split(f"{name}(...)" if built else name, model, inputs)
+        params, other = _split(called, model, inputs)
         if other != apply:
             what = "the model's structure or fixed leaves differ from those it was built for"
-            where, fix = f"{name}(...)(model, x1, x2)", f"build {name}(model) for it"
-            raise bad(ValueError, where, what, fix)
+            raise bad(ValueError, called, what, f"build {name}(model) for it")
         return params, None
-
-    caller = Caller(name, "(model, x1, x2)", model="the model", package="ntk_equinox", built=built)
 
     def check(params, x1, x2, aux):
         spread(name, inputs, x1)  # a TypeError for an x1 of another kind than inputs's

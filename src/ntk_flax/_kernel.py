@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import flax.core
@@ -28,26 +29,29 @@ from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_core.adapters import inputs_failure as failure
 from ntk_core.adapters import spread_inputs as spread
 from ntk_flax import _nnx
-from ntk_flax._variables import VariablesReader
+from ntk_flax._variables import PARAMS, VariablesReader, entries
 
-_MUTABLE = flax.core.DenyList(["params"])
-_EVAL = "apply_kwargs={'train': False}"
+_PACKAGE = "ntk_flax"
+_MUTABLE = flax.core.DenyList([PARAMS])
+_EVAL = f"apply_kwargs={_nnx.TRAIN_OFF}"
 
 
-def refuse_apply_arguments(fn_name: str, apply_kwargs: dict, kernel: bool, rngs: bool) -> None:
+def refuse_apply_arguments(fn_name: str, apply_kwargs: dict) -> None:
     """Refuses ``model.apply``'s own keywords in ``apply_kwargs``: the adapter passes those."""
-    train = ", or apply_kwargs={'train': True}, vmap_axes=None for training mode"
-    fixes = {
-        "mutable": f"apply the model in evaluation mode (e.g. {_EVAL}){train if kernel else ''}",
-        "rngs": f"pass rngs={{'dropout': key}} to the {'kernel call' if kernel else 'call'}"
-        if rngs
-        else "run the model deterministically",
-        "method": f"pass method= to {fn_name} itself",
-    }
+    fixes = dict(
+        mutable=f"apply the model in evaluation mode (e.g. {_EVAL})",
+        rngs="pass rngs={'dropout': key} to the kernel call, or none",
+        method=f"pass method= to {fn_name} itself",
+    )
     for key, fix in fixes.items():
         if key in apply_kwargs:
             what = f"apply_kwargs holds {key!r}, an argument of model.apply that {fn_name} passes"
-            raise bad(TypeError, fn_name, what + " itself", f"drop it and {fix}")
+            raise bad(TypeError, fn_name, what, f"drop it and {fix}", see="flax-apply-kwargs")
+
+
+def not_a_module(fn_name: str, model, fix: str) -> TypeError:
+    what = f"model must be a flax.linen.Module or a flax.nnx.Module, got {type(model).__name__}"
+    return bad(TypeError, fn_name, what, fix)
 
 
 def _missing_collections(fn_name: str, variables, init, x1) -> ValueError:
@@ -58,29 +62,27 @@ def _missing_collections(fn_name: str, variables, init, x1) -> ValueError:
         made = []
     missing = [c for c in made if c not in variables and c != "intermediates"]
     what = f"variables (holding {sorted(variables)}) lacks the collection(s) {missing or '?'}"
-    entries = ", ".join(f"{c!r}: ..." for c in missing)
-    fix = (
-        f"pass the whole dict model.init(key, x) returns, or add them: {{'params': ..., {entries}}}"
-    )
+    fix = f"pass the whole dict model.init(key, x) returns, or add them: {entries(missing)}"
     return bad(ValueError, fn_name, what + ", which the model reads", fix)
 
 
-def _model_apply(model, method, apply_kwargs, inputs="x", fn_name="ntk_flax"):
+def _model_apply(model, method, apply_kwargs, inputs, fn_name):
     def apply3(params, x, aux):
         rest, rngs = aux
         args, kw = spread(fn_name, inputs, x, "x")
         kw.update(method=method, rngs=rngs, mutable=_MUTABLE)
-        return model.apply({"params": params, **rest}, *args, **kw, **apply_kwargs)[0]
+        return model.apply({PARAMS: params, **rest}, *args, **kw, **apply_kwargs)[0]
 
     return apply3
 
 
-def caller(name: str, *, built: bool = False, monte_carlo: bool = False) -> Caller:
-    """``ntk_flax.<name>`` as the core's messages name it, with its argument order."""
-    order = "(model, x1, x2)" if monte_carlo else "(variables, x1, x2)" if built else None
-    order = order or "(model, variables, x1, x2)"
-    kw = dict(model="the model", package="ntk_flax", monte_carlo=monte_carlo, built=built)
-    return Caller(f"ntk_flax.{name}", order, **kw)
+def caller(fn: Callable, *, built: bool = False, monte_carlo: bool = False) -> Caller:
+    """``fn`` as the core's messages name it, with the positional arguments of :func:`kernel`
+    (``built``: of the kernel function it returns; ``monte_carlo``: ``fn``'s own)."""
+    params = inspect.signature(fn if monte_carlo else kernel).parameters.values()
+    order = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD][built:]
+    kw = dict(model="the model", package=_PACKAGE, monte_carlo=monte_carlo, built=built)
+    return Caller(f"{_PACKAGE}.{fn.__name__}", f"({', '.join(order)})", **kw)
 
 
 def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwargs=None):
@@ -90,12 +92,10 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
     if is_nnx_module(model):  # flax.nnx: the module's own state, split per call
         return _nnx.make(caller, kind, model, method, apply_kwargs, options, inputs)
     if not isinstance(model, nn.Module):
-        what = f"model must be a flax.linen.Module or a flax.nnx.Module, got {type(model).__name__}"
-        fix = "pass the module instance; the argument order is (model, variables, x1, x2)"
-        raise bad(TypeError, fn_name, what, fix)
-    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
-    refuse_apply_arguments(fn_name, apply_kwargs, True, not caller.monte_carlo)
-    apply3 = _model_apply(model, method, apply_kwargs, inputs)
+        raise not_a_module(fn_name, model, f"pass the module instance first: {caller.order}")
+    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, _nnx.TRAIN_OFF)
+    refuse_apply_arguments(fn_name, apply_kwargs)
+    apply3 = _model_apply(model, method, apply_kwargs, inputs, fn_name)
     vmap_axes = options.get("vmap_axes", 0)
 
     def apply_fn(rngs):
@@ -109,7 +109,7 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
         def init(x):
             key = jax.random.PRNGKey(0)
             args, kw = spread(fn_name, inputs, x)
-            streams = {"params": key, "dropout": key, **(rngs or {})}
+            streams = {PARAMS: key, "dropout": key, **(rngs or {})}
             return model.init(streams, *args, method=method, **kw, **apply_kwargs)
 
         return init
@@ -118,13 +118,13 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
 
     def check(params, x1, x2, aux):
         rest, rngs = aux
-        variables = {"params": params, **rest}
+        variables = {PARAMS: params, **rest}
         spread(fn_name, inputs, x1)  # a TypeError for an x1 of another kind than inputs's
         try:
             jax.eval_shape(apply_fn(rngs), variables, x1)
         except flax.errors.InvalidRngError as e:
-            fix = f"run it deterministically (e.g. {_EVAL})"
-            fix += "" if caller.monte_carlo else ", or pass rngs={'dropout': key}"
+            or_rngs = "" if caller.monte_carlo else ", or rngs={'dropout': key}"
+            fix = f"run it deterministically (e.g. {_EVAL}){or_rngs}"
             raise bad(ValueError, fn_name, f"the model needs a random key ({e})", fix) from None
         except flax.errors.ModifyScopeVariableError as e:
             if vmap_axes is not None:
@@ -136,7 +136,7 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
             raise misread or _missing_collections(fn_name, variables, init_fn(rngs), x1) from None
         except flax.errors.ScopeParamShapeError as e:
             init, point = init_fn(rngs), "variables = model.init(key, x1)"
-            made = lambda x: init(x)["params"]  # noqa: E731
+            made = lambda x: init(x)[PARAMS]  # noqa: E731
             mismatch = input_shape_mismatch(fn_name, "variables", params, made, x1, point)
             raise (mismatch or failure(caller, "variables", e)) from None
         except Exception as e:
@@ -145,17 +145,17 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
     def to_core(variables, x1, rngs=None):
         """``(params, (other collections, rngs))`` of what ``variables`` is (``_variables``)."""
         variables = read(variables, x1, rngs)
-        rest = {k: v for k, v in variables.items() if k != "params"}
-        return variables["params"], (rest, rngs)
+        rest = {k: v for k, v in variables.items() if k != PARAMS}
+        return variables[PARAMS], (rest, rngs)
 
-    hint = "use_running_average=True / apply_kwargs={'train': False}"
+    hint = f"use_running_average=True / {_EVAL}"
     pure = PureModel(apply3, to_core, ("rngs",), check, hint, to_core_reads_x1=True)
     return build_kernel(caller, kind, pure, options)
 
 
 def public(fn: Callable) -> Callable:
     """``checked_arguments`` naming ``ntk_flax.<fn.__name__>``."""
-    return checked_arguments(f"ntk_flax.{fn.__name__}")(fn)
+    return checked_arguments(f"{_PACKAGE}.{fn.__name__}")(fn)
 
 
 #: The core's kind of kernel of each entry point ``<name>`` and ``<name>_fn``.
@@ -164,14 +164,14 @@ _KIND = dict(kernel="ntk", nngp="nngp", kernel_per_leaf="ntk_per_leaf", plan="nt
 
 def _kernel_of(fn: Callable, model, method, apply_kwargs, options: dict):
     """The kernel function of the entry point ``fn``: new for ``*_fn``, else cached."""
-    name, built = fn.__name__, fn.__name__.endswith("_fn")
-    kind = _KIND[name.removesuffix("_fn")]
+    name, built, _ = fn.__name__.partition("_fn")
 
     def build():
-        return make(caller(name, built=built), kind, model, options, method, apply_kwargs)
+        return make(
+            caller(fn, built=bool(built)), _KIND[name], model, options, method, apply_kwargs
+        )
 
-    key = (f"ntk_flax.{name}", model, method, apply_kwargs, options)
-    return build() if built else cached(key, build)
+    return build() if built else cached((fn, model, method, apply_kwargs, options), build)
 
 
 @public

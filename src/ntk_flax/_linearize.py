@@ -19,29 +19,28 @@ from ntk_core.adapters import (
 )
 from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_flax import _nnx
-from ntk_flax._kernel import _model_apply, refuse_apply_arguments
+from ntk_flax._kernel import _PACKAGE, _model_apply, not_a_module, refuse_apply_arguments
+from ntk_flax._variables import PARAMS
 
 
 def _linen_params(fn_name: str, variables):
     """``variables["params"]``, after checking that ``variables`` is a Flax variables dict."""
-    if not isinstance(variables, Mapping) or "params" not in variables:
+    if not isinstance(variables, Mapping) or PARAMS not in variables:
         got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
-        what = (
-            f"variables must be the dict model.init returns, with a 'params' collection, got {got}"
-        )
+        what = "variables must be the dict model.init returns, with a 'params' collection, got "
         cls = ValueError if isinstance(variables, Mapping) else TypeError
-        raise bad(cls, fn_name, what, "pass model.init(key, x), or {'params': params}")
-    return variables["params"]
+        raise bad(cls, fn_name, f"{what}{got}", "pass model.init(key, x), or {'params': params}")
+    return variables[PARAMS]
 
 
 def _linen_parts(fn_name: str, model, variables, method, apply_kwargs, inputs):
-    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'train': False}")
-    refuse_apply_arguments(fn_name, apply_kwargs, False, False)
+    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, _nnx.TRAIN_OFF)
+    refuse_apply_arguments(fn_name, apply_kwargs)
     if variables is None:
         what = "variables is None, but a flax.linen module holds no parameters"
         raise bad(ValueError, fn_name, what, "pass the expansion point, model.init(key, x)")
     params0 = _linen_params(fn_name, variables)
-    rest0 = {k: v for k, v in variables.items() if k != "params"}  # held fixed
+    rest0 = {k: v for k, v in variables.items() if k != PARAMS}  # held fixed
     apply3 = _model_apply(model, method, apply_kwargs, inputs, fn_name)
 
     def apply(params, x):
@@ -51,22 +50,22 @@ def _linen_parts(fn_name: str, model, variables, method, apply_kwargs, inputs):
         return _linen_params(fn_name, variables)
 
     at = "variables['params']"
-    names = dict(params_name=at, point_arg=at, point_name=f"the variables given to {fn_name}")
-    return apply, params0, params_of, names
+    return apply, params0, params_of, dict(params_name=at, point_arg=at)
 
 
 def _nnx_parts(fn_name: str, model, variables, method, apply_kwargs, inputs):
-    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'deterministic': True}")
+    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, _nnx.DETERMINISTIC)
     apply3 = _nnx.model_apply(_nnx._method(fn_name, model, method), apply_kwargs, inputs, fn_name)
     graphdef, params0, rest = nnx.split(model, nnx.Param, ...)
     rest0 = jax.tree.map(lambda a: a, rest)  # new Variables: in-place updates don't reach
-    point_name = f"the module's nnx.Param state when {fn_name} was called"
-    if variables is not None:  # another expansion point of the same structure
+    names = dict(params_name="params", point_arg="variables")
+    if variables is None:
+        names.update(point_name=f"the module's {_nnx.PARAM} when {fn_name} was called")
+    else:  # another expansion point of the same structure
         if is_nnx_module(variables):
             variables = nnx.state(variables, nnx.Param)
-        check_like(fn_name, variables, params0, "variables", "the module's nnx.Param state")
+        check_like(fn_name, variables, params0, "variables", f"the module's {_nnx.PARAM}")
         params0 = variables
-        point_name = f"the variables given to {fn_name}"
 
     def apply(params, x):
         return apply3(params, x, (graphdef, rest0))
@@ -74,21 +73,22 @@ def _nnx_parts(fn_name: str, model, variables, method, apply_kwargs, inputs):
     def params_of(params):
         return nnx.state(params, nnx.Param) if is_nnx_module(params) else params
 
-    names = dict(params_name="params", point_arg="variables", point_name=point_name)
     return apply, params0, params_of, names
 
 
-def _expanded(fn_name: str, degree: int, model, variables, method, apply_kwargs, inputs):
+def _expanded(fn: Callable, degree: int, model, variables, method, apply_kwargs, inputs):
+    fn_name = f"{_PACKAGE}.{fn.__name__}"
+    degree = check_degree(fn_name, degree)
     args = (fn_name, model, variables, method, apply_kwargs, check_inputs(fn_name, inputs))
     if is_nnx_module(model):
         parts = _nnx_parts(*args)
     elif isinstance(model, nn.Module):
         parts = _linen_parts(*args)
     else:
-        what = f"model must be a flax.linen.Module or a flax.nnx.Module, got {type(model).__name__}"
-        fix = f"pass the module (a plain apply_fn goes to ntk_core.{fn_name.split('.')[-1]})"
-        raise bad(TypeError, fn_name, what, fix)
+        fix = f"pass the module (a plain apply_fn goes to ntk_core.{fn.__name__})"
+        raise not_a_module(fn_name, model, fix)
     apply, params0, params_of, names = parts
+    names.setdefault("point_name", f"the variables given to {fn_name}")
     expanded = expansion(fn_name, apply, params0, degree, **names)
 
     def f(params, x):
@@ -132,7 +132,7 @@ def linearize(model, variables=None, *, method=None, apply_kwargs=None, inputs="
 
     References: Lee et al., NeurIPS 2019, as :func:`ntk_core.linearize`.
     """
-    return _expanded("ntk_flax.linearize", 1, model, variables, method, apply_kwargs, inputs)
+    return _expanded(linearize, 1, model, variables, method, apply_kwargs, inputs)
 
 
 def taylor_expand(
@@ -159,6 +159,4 @@ def taylor_expand(
 
     References: Lee et al., NeurIPS 2019 (as :func:`linearize`).
     """
-    degree = check_degree("ntk_flax.taylor_expand", degree)
-    args = (model, variables, method, apply_kwargs, inputs)
-    return _expanded("ntk_flax.taylor_expand", degree, *args)
+    return _expanded(taylor_expand, degree, model, variables, method, apply_kwargs, inputs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from inspect import signature
 
 import flax.linen as nn
 import jax
@@ -16,11 +17,7 @@ from ntk_core.predict import Kernels
 from . import _nnx
 from ._kernel import caller, make, public
 
-#: :func:`monte_carlo_kernels` as its messages name it.
-_CALLER = caller("monte_carlo_kernels", monte_carlo=True)
-_SHAPE = "check that x1 has the per-sample shape the model expects (batch axis first)"
 _BUILD = "lambda rngs: Model(..., rngs=rngs)"
-_OWN = ("key", "n_samples", "batch_size_samples", "method", "apply_kwargs", "init_kwargs", "inputs")
 
 
 @public
@@ -75,13 +72,10 @@ def monte_carlo_kernels(
         what = f"model is the linen class {model.__name__}, not an instance"
         raise bad(TypeError, fn, what, f"pass {model.__name__}(...)")
     if not isinstance(model, nn.Module):
-        nnx_module, name = is_nnx_module(model), type(model).__name__
-        if nnx_module or not callable(model):
+        if is_nnx_module(model) or not callable(model):
             what = "model must be a linen module or a function building an nnx module, got "
-            what += "the nnx module " * nnx_module + name
-            built = name if nnx_module else "Model"
-            fix = f"pass the function that builds it, lambda rngs: {built}(..., rngs=rngs)"
-            raise bad(TypeError, fn, what, fix)
+            got = ("the nnx module " if is_nnx_module(model) else "") + type(model).__name__
+            raise bad(TypeError, fn, what + got, f"pass the function that builds it, {_BUILD}")
         if init_kwargs is not None:
             what = "init_kwargs was given for an nnx model"
             raise bad(TypeError, fn, what, "drop it and pass the arguments inside the builder")
@@ -99,7 +93,7 @@ def monte_carlo_kernels(
         jax.jit(lambda k: model.init(k, *x_init, method=method, **kw, **init_kwargs)),
         "model.init(key, x1[:1])",
         "the module's __call__, traced under jax.jit",
-        f"{_SHAPE}; init_kwargs={{...}} gives model.init other keyword arguments",
+        "check x1's per-sample shape; init_kwargs={...} gives model.init other keyword arguments",
     )
 
     def kernels(kind, kind_options):  # errors name fn
@@ -153,3 +147,8 @@ def _nnx_monte_carlo(fn, build, method, apply_kwargs, inputs, args) -> Kernels:
         return _nnx.make(_CALLER, kind, template, method, apply_kwargs, kind_options, inputs)
 
     return monte_carlo_mean(fn, state_of, kernels, *args)
+
+
+#: :func:`monte_carlo_kernels` as its messages name it, and its own keyword arguments.
+_CALLER = caller(monte_carlo_kernels, monte_carlo=True)
+_OWN = [n for n, p in signature(monte_carlo_kernels).parameters.items() if p.kind is p.KEYWORD_ONLY]

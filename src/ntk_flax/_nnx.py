@@ -17,21 +17,20 @@ from ntk_core.adapters import Caller, PureModel, bad, build_kernel, check_apply_
 from ntk_core.adapters import inputs_failure as failure
 from ntk_core.adapters import spread_inputs as spread
 
-_PARAM = "nnx.Param state"
+PARAM, DETERMINISTIC, TRAIN_OFF = "nnx.Param state", "{'deterministic': True}", "{'train': False}"
 
 
 def _method(fn_name: str, model, method) -> str:
     if method is None:
-        return "__call__"
+        return type(model).__call__.__name__
     if not isinstance(method, str) or not callable(getattr(model, method, None)):
         what = f"method must name a method of the nnx module {type(model).__name__}, got {method!r}"
         raise bad(TypeError, fn_name, what, "pass its name, or method=None for __call__")
     return method
 
 
-def _paths(state) -> str:
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
-    return "[" + ", ".join(paths[:4]) + (", ...]" if len(paths) > 4 else "]")
+def _shown(items: list, limit: int) -> str:
+    return ", ".join(items[:limit]) + (", ..." if len(items) > limit else "")
 
 
 #: ``nnx.Variable``, and flax < 0.12's separate ``nnx.VariableState`` (0.12: a lazy alias).
@@ -40,13 +39,13 @@ _VARIABLE_CLASSES = (nnx.Variable,) + tuple(
 )
 
 
-def _variables(rest) -> list[tuple[str, str]]:
+def _variables(rest) -> list[tuple[str, type]]:
     """(path, variable type) of each array leaf of an nnx state, in leaf order."""
     found, is_variable = [], lambda v: isinstance(v, _VARIABLE_CLASSES)
     for path, v in jax.tree_util.tree_leaves_with_path(rest, is_leaf=is_variable):
         kind = getattr(v, "type", type(v))
         keys = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        found += [(keys, getattr(kind, "__name__", str(kind)))] * len(jax.tree.leaves(v))
+        found += [(keys, kind)] * len(jax.tree.leaves(v))
     return found
 
 
@@ -64,10 +63,10 @@ def _abstract(tree):
     return jax.tree.map(one, tree)
 
 
-def _state_changes(graphdef, params, rest, x, name, apply_kwargs, inputs="x") -> list[str]:
-    """The variables the call writes ("RngCount at drop/rngs/count"), from one abstract
-    trace (unchanged ones pass straight through); outputs (``sow``, ``perturb``) and RNG
-    state the output does not depend on (``nnx.RNN``'s zero carry) are not reported."""
+def _state_changes(graphdef, params, rest, x, name, apply_kwargs, inputs) -> list | None:
+    """(path, Variable type) of each variable the call writes (``None``: the structure), from
+    one abstract trace (unchanged ones pass straight through); outputs (``sow``, ``perturb``)
+    and RNG state the output does not depend on (``nnx.RNN``'s zero carry) are not reported."""
     parts = nnx.split(nnx.merge(graphdef, params, rest), nnx.Param, _OUTPUTS, ...)[1:]
     params, outputs, other = parts
 
@@ -85,14 +84,16 @@ def _state_changes(graphdef, params, rest, x, name, apply_kwargs, inputs="x") ->
     inputs = jaxpr.invars[:n_params] + jaxpr.invars[start : start + len(jax.tree.leaves(other))]
     after = jaxpr.outvars[n_y:]
     if len(after) != len(inputs):  # the call added or removed state
-        return ["the state's structure"]
+        return None
     variables = _variables(params) + _variables(other)
     changed = [(p, k) for (p, k), v, a in zip(variables, inputs, after, strict=True) if a is not v]
-    if changed and all(kind.startswith("Rng") for _, kind in changed):
-        rng_in = [v for (_, k), v in zip(variables, inputs, strict=True) if k.startswith("Rng")]
+    if changed and all(issubclass(kind, nnx.RngState) for _, kind in changed):
+        rng_in = [
+            v for (_, k), v in zip(variables, inputs, strict=True) if issubclass(k, nnx.RngState)
+        ]
         if not _depends_on(jaxpr, jaxpr.outvars[:n_y], rng_in):
             return []
-    return [f"{kind} at {path}" for path, kind in changed]
+    return changed
 
 
 def _depends_on(jaxpr, outvars, invars) -> bool:
@@ -116,21 +117,23 @@ def _in_eval_mode(module) -> bool:
     return bool(flags) and all(flags)
 
 
-def _refuse_state_changes(fn_name: str, changed: list[str], module, monte_carlo: bool) -> None:
-    """Refuses a call that writes module state; ``monte_carlo``: the caller's function builds it."""
-    random = any("Rng" in c for c in changed)
-    mode = random or any("BatchStat" in c for c in changed)  # Dropout, BatchNorm
-    switch = f"apply_kwargs={{'{'deterministic' if random else 'train'}': {random}}}"
-    if not mode:
+def _refuse_state_changes(fn_name: str, changed: list | None, module, monte_carlo: bool) -> None:
+    """Refuses the writes :func:`_state_changes` found; ``monte_carlo``: a function builds it."""
+    kinds = [kind for _, kind in changed or ()]
+    random = any(issubclass(kind, nnx.RngState) for kind in kinds)
+    switch = f"apply_kwargs={DETERMINISTIC if random else TRAIN_OFF}"
+    fix = "call .eval() on the module where it is built" if monte_carlo else "model.eval()"
+    fix = f"{fix}, or pass {switch}"
+    if not (random or any(issubclass(kind, nnx.BatchStat) for kind in kinds)):  # Dropout, BatchNorm
         fix = "keep state writes out of the forward pass"
     elif _in_eval_mode(module):
-        fix = "its layers are in evaluation mode, so let __call__ take the switch and pass "
-        fix += switch
-    else:
-        fix = "call .eval() on the module where it is built" if monte_carlo else "model.eval()"
-        fix += f", or pass {switch}"
-    shown = ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "")
-    what = f"the nnx module changes its own state when called ({shown})"
+        fix = (
+            f"its layers are in evaluation mode, so let __call__ take the switch and pass {switch}"
+        )
+    shown = (
+        [f"{kind.__name__} at {path}" for path, kind in changed] if changed else ["its structure"]
+    )
+    what = f"the nnx module changes its own state when called ({_shown(shown, 3)})"
     raise bad(ValueError, fn_name, what, fix, see="nnx-state")
 
 
@@ -143,7 +146,7 @@ def _refuse_stateful_arguments(fn_name: str, apply_kwargs: dict, error: Exceptio
         raise bad(ValueError, fn_name, what, fix, see="nnx-state") from error
 
 
-def model_apply(name: str, apply_kwargs: dict, inputs="x", fn_name="ntk_flax") -> Callable:
+def model_apply(name: str, apply_kwargs: dict, inputs: str, fn_name: str) -> Callable:
     """``apply3(params, x, (graphdef, rest))`` of the method ``name``, the module rebuilt."""
 
     def apply3(params, x, aux):
@@ -157,14 +160,14 @@ def model_apply(name: str, apply_kwargs: dict, inputs="x", fn_name="ntk_flax") -
     return apply3
 
 
-def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs="x") -> Callable:
+def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs) -> Callable:
     """The kernel function ``call(variables, x1, x2=None, *, rngs=None)``, ``variables``
     ``None`` (the module's ``nnx.Param`` state now) or such a state; Monte Carlo:
     ``call((params, rest), x1, x2=None)`` of one initialisation, ``model`` a template."""
     fn_name, monte_carlo = caller.name, caller.monte_carlo
-    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'deterministic': True}")
+    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, DETERMINISTIC)
     name = _method(fn_name, model, method)
-    apply3 = model_apply(name, apply_kwargs, inputs)
+    apply3 = model_apply(name, apply_kwargs, inputs, fn_name)
 
     def check(params, x1, x2, aux):
         spread(fn_name, inputs, x1)  # a TypeError for an x1 of another kind than inputs's
@@ -175,7 +178,7 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs
             raise failure(caller, "variables", e) from e
         graphdef, rest = aux
         changed = _state_changes(graphdef, params, rest, x1, name, apply_kwargs, inputs)
-        if changed:
+        if changed != []:
             module = nnx.merge(graphdef, params, rest)
             _refuse_state_changes(fn_name, changed, module, monte_carlo)
 
@@ -186,21 +189,19 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if variables is not None:
             fix = "pass nnx.state(model, nnx.Param) of this model, or None for its own"
+            leaves = jax.tree_util.tree_leaves_with_path(params)
             if jax.tree.structure(variables) != jax.tree.structure(params):
-                what = f"variables do not have the structure of the module's {_PARAM} "
-                what += _paths(params)
-                fix += " (a dict goes in with nnx.replace_by_pure_dict)"
-                raise bad(ValueError, fn_name, what, fix)
-            paths = jax.tree_util.tree_leaves_with_path(params)
-            pairs = zip(paths, jax.tree.leaves(variables), strict=True)
+                paths = _shown([jax.tree_util.keystr(p) for p, _ in leaves], 4)
+                what = f"variables do not have the structure of the module's {PARAM} [{paths}]"
+                raise bad(ValueError, fn_name, what, fix + " (a dict: nnx.replace_by_pure_dict)")
             wrong = [
                 f"{jax.tree_util.keystr(path)} {np.shape(got)} (expected {np.shape(want)})"
-                for (path, want), got in pairs
+                for (path, want), got in zip(leaves, jax.tree.leaves(variables), strict=True)
                 if np.shape(got) != np.shape(want)
             ]
             if wrong:
-                what = f"variables do not have the shapes of the module's {_PARAM}: "
-                raise bad(ValueError, fn_name, what + ", ".join(wrong[:3]), fix)
+                what = f"variables do not have the shapes of the module's {PARAM}: "
+                raise bad(ValueError, fn_name, what + _shown(wrong, 3), fix)
             params = variables
         return params, (graphdef, rest)
 

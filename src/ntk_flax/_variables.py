@@ -16,6 +16,8 @@ import numpy as np
 
 from ntk_core.adapters import Caller, bad
 
+PARAMS = "params"  # the collection the kernels differentiate; the others are held fixed
+
 
 def _paths(tree) -> frozenset[str]:
     leaves = jax.tree_util.tree_leaves_with_path(flax.core.meta.unbox(tree))
@@ -110,26 +112,27 @@ class VariablesReader:
         elif hasattr(variables, "params") and hasattr(variables, "apply_fn"):
             state, given = variables, variables.params
             if not isinstance(given, Mapping):
-                what = f"variables is a {type(state).__name__} whose .params is "
-                fix = "create the train state with params=variables['params']"
-                raise bad(TypeError, fn, what + f"{type(given).__name__}, not a dict", fix)
+                what = (
+                    f"variables is a {type(state).__name__} whose .params is {type(given).__name__}"
+                )
+                raise bad(TypeError, fn, what + ", not a dict", "create it with a params dict")
         else:
             hint = " (it has .params but no .apply_fn)" if hasattr(variables, "params") else ""
             what = "variables must be the dict returned by model.init(...), its ['params'] or a "
             what += f"train state, got {type(variables).__name__}{hint}"
             raise bad(TypeError, fn, what, f"pass one; the argument order is {self._order}")
-        if state is None and "params" in given and _TRAIN_STATE_FIELDS & set(given):
+        if state is None and PARAMS in given and _TRAIN_STATE_FIELDS & set(given):
             # a train state as a dict (e.g. restored by orbax without a target): read it as
             # the train state it was, its params and the collections it carries
-            state, given = types.SimpleNamespace(**given), given["params"]
-        if state is None and "params" in given:
+            state, given = types.SimpleNamespace(**given), given[PARAMS]
+        if state is None and PARAMS in given:
             return dict(given)  # a variables dict: a collection it lacks is named by the check
         made, made_key = self._made_for(x1, rngs)
-        if "params" in given:
+        if PARAMS in given:
             read = dict(given)
         else:
             self._check_bare(given, made, made_key)
-            read = {"params": given}
+            read = {PARAMS: given}
         if made is None:  # not initialisable on x1: the model's check names the failure
             return read
         if state is not None:
@@ -148,7 +151,7 @@ class VariablesReader:
         )
         if made is None or key in self._bare_ok:  # key None is never added
             return
-        want = _paths(made.get("params", {}))
+        want = _paths(made.get(PARAMS, {}))
         if not (want and want <= _paths(given)):
             raise self._foreign(given, want)
         if key is not None:
@@ -159,24 +162,22 @@ class VariablesReader:
         made, _ = self._made_for(x1, rngs)
         if made is None:
             return None
-        want = _paths(made.get("params", {}))
-        inner = variables.get("params")
+        want = _paths(made.get(PARAMS, {}))
+        inner = variables.get(PARAMS)
         if not want or not want <= _paths(variables):
             return None
         if isinstance(inner, Mapping) and want <= _paths(inner):
             return None  # a variables dict after all: another failure
-        what = "variables is this model's bare params dict, whose top-level layer is named "
-        what += f"'params' (the model failed with {type(error).__name__})"
-        fix = "rename that layer (e.g. name='dense_in')"
-        return bad(ValueError, self._fn_name, what, fix, see="flax-variables")
+        what = "variables is this model's bare params dict, whose top-level layer is named 'params'"
+        what += f" (the model failed with {type(error).__name__})"
+        return bad(ValueError, self._fn_name, what, "rename that layer", see="flax-variables")
 
     def _foreign(self, given: Mapping, want: frozenset) -> ValueError:
         lacking = sorted(want - _paths(given))
-        what = f"variables has no 'params' collection (keys {_keys(given)}) and lacks "
-        what += f"{len(lacking)} of the {len(want)} parameters model.init makes "
-        what += f"({_shown(lacking) or 'none: init makes no parameters'})"
-        fix = "pass this model's model.init(key, x), its ['params'] entry or its TrainState"
-        return bad(ValueError, self._fn_name, what, fix)
+        n = f"{len(lacking)} of the {len(want)} parameters model.init makes ({_shown(lacking)})"
+        what = f"variables has no 'params' collection (keys {_keys(given)}) and lacks {n}"
+        fix = "pass this model's model.init(key, x), its ['params'] or its TrainState"
+        return bad(ValueError, self._fn_name, what, fix, see="flax-variables")
 
     def _refuse_lacking(self, read, x1, rngs, lacking, made_key, state) -> None:
         """Raises if the model reads a collection in ``lacking`` (abstract apply without them)."""
@@ -196,7 +197,10 @@ class VariablesReader:
         if not reads:
             return
         what = "a bare params dict" if state is None else f"a {type(state).__name__}"
-        entries = ", ".join(f"{c!r}: ..." for c in lacking)
         what = f"variables is {what} without the collection(s) {lacking}, which the model reads"
-        fix = f"pass {{'params': ..., {entries}}} or a TrainState that carries them"
+        fix = f"pass {entries(lacking)} or a TrainState that carries them"
         raise bad(ValueError, self._fn_name, what, fix, see="flax-variables")
+
+
+def entries(collections: list) -> str:  # {'params': ..., 'batch_stats': ...}
+    return "{" + ", ".join(f"{c!r}: ..." for c in [PARAMS, *collections]) + "}"

@@ -25,10 +25,10 @@ from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_core.adapters import inputs_failure as failure
 from ntk_core.adapters import spread_inputs as spread
 
-_INIT = "transformed.init(key, x)"
+_PACKAGE, _INIT, _EVAL = "ntk_haiku", "transformed.init(key, x)", "{'is_training': False}"
 
 
-def _model_apply(transformed, apply_kwargs, inputs="x", fn_name="ntk_haiku"):
+def _model_apply(transformed, apply_kwargs, inputs, fn_name):
     with_state = isinstance(transformed, hk.TransformedWithState)
     takes_rng = "rng" in inspect.signature(transformed.apply).parameters
 
@@ -63,28 +63,30 @@ def _foreign(fn_name: str, params, state, made) -> ValueError | None:
     return None
 
 
-def caller(name: str, *, built: bool = False, monte_carlo: bool = False) -> Caller:
-    """``ntk_haiku.<name>`` as the core's messages name it, with its argument order."""
-    order = "(model, x1, x2)" if monte_carlo else "(params, x1, x2)" if built else None
-    order = order or "(transformed, params, x1, x2)"
-    kw = dict(model="the model", package="ntk_haiku", monte_carlo=monte_carlo, built=built)
-    return Caller(f"ntk_haiku.{name}", order, **kw)
+def caller(fn: Callable, *, built: bool = False, monte_carlo: bool = False) -> Caller:
+    """``fn`` as the core's messages name it, with the positional arguments of :func:`kernel`
+    (``built``: of the kernel function it returns; ``monte_carlo``: ``fn``'s own)."""
+    params = inspect.signature(fn if monte_carlo else kernel).parameters.values()
+    order = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD][built:]
+    kw = dict(model="the model", package=_PACKAGE, monte_carlo=monte_carlo, built=built)
+    return Caller(f"{_PACKAGE}.{fn.__name__}", f"({', '.join(order)})", **kw)
 
 
 def check_transformed(fn_name: str, transformed) -> None:
     if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
-        got = type(transformed).__name__
-        what = f"expected an hk.Transformed or hk.TransformedWithState, got {got}"
-        raise bad(TypeError, fn_name, what, "wrap the forward function: hk.transform(f)")
+        what = "expected an hk.Transformed or hk.TransformedWithState, got "
+        fix = "wrap the forward function: hk.transform(f)"
+        raise bad(TypeError, fn_name, what + type(transformed).__name__, fix)
 
 
 def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=None):
     """``kernel(params, x1, x2=None, *, state=None, rng=None)``; ``options``: core's, ``inputs``."""
     fn_name, options = caller.name, dict(options)
     check_transformed(fn_name, transformed)
-    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
+    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, _EVAL)
     inputs = check_inputs(fn_name, options.pop("inputs", "x"))
-    apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs, inputs)
+    apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs, inputs, fn_name)
+    params_name = "params and state" if with_state else "params"
 
     def init(x):
         args, kw = spread(fn_name, inputs, x)
@@ -116,37 +118,36 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
         problem = (
             input_shape_mismatch(fn_name, "params", params, made_params, x1, point)
             or (made is not None and _foreign(fn_name, params, state, made))
-            or failure(caller, "params and state" if with_state else "params", error)
+            or failure(caller, params_name, error)
         )
         raise problem from error
 
     def to_core(params, state=None, rng=None):
         """``(params, (state, rng))`` for the core, checked against the transform."""
-        call = "params=params, state=state"
-        check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call)
+        check_state_and_rng(fn_name, with_state, takes_rng, state, rng)
         if not isinstance(params, Mapping):
-            what = "params must be the dict returned by transformed.init, got "
-            fix = f"pass it; the argument order is {caller.order}"
-            raise bad(TypeError, fn_name, what + type(params).__name__, fix)
+            what = (
+                f"params must be the dict returned by transformed.init, got {type(params).__name__}"
+            )
+            raise bad(TypeError, fn_name, what, f"pass it; the argument order is {caller.order}")
         leaves = jax.tree.leaves(params)
         if any(hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.integer) for v in leaves):
             what = "params holds integer arrays, as Haiku state does (a counter)"
             raise bad(TypeError, fn_name, what, f"pass params, state = {_INIT} in their places")
         return params, (state, rng)
 
-    hint = "apply_kwargs={'is_training': False}"
-    pure = PureModel(apply3, to_core, ("state", "rng"), check, hint)
+    pure = PureModel(apply3, to_core, ("state", "rng"), check, f"apply_kwargs={_EVAL}")
     return build_kernel(caller, kind, pure, options)
 
 
-def check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call) -> None:
-    """Refuses a missing state, or a state / rng the transform does not take (fix: ``call``)."""
+def check_state_and_rng(fn_name, with_state, takes_rng, state, rng) -> None:
+    """Refuses a missing state, or a state / rng the transform does not take."""
+    fix = f"pass state=state from params, state = {_INIT}"
     if with_state and state is None:
-        what = "this hk.TransformedWithState needs its state"
-        raise bad(ValueError, fn_name, what, f"pass state=state from params, state = {_INIT}")
+        raise bad(ValueError, fn_name, "this hk.TransformedWithState needs its state", fix)
     if with_state and not isinstance(state, Mapping):
         what = f"state must be the mapping returned by {_INIT} (its second value), got "
-        raise bad(TypeError, fn_name, what + type(state).__name__, f"pass it as {call}")
+        raise bad(TypeError, fn_name, what + type(state).__name__, fix)
     if not with_state and state is not None:
         what = "state was given but the model is a plain hk.Transformed"
         raise bad(ValueError, fn_name, what, "drop state=, or use hk.transform_with_state")
@@ -157,7 +158,7 @@ def check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call) -> Non
 
 def public(fn: Callable) -> Callable:
     """``checked_arguments`` naming ``ntk_haiku.<fn.__name__>``."""
-    return checked_arguments(f"ntk_haiku.{fn.__name__}")(fn)
+    return checked_arguments(f"{_PACKAGE}.{fn.__name__}")(fn)
 
 
 #: The core's kind of kernel of each entry point ``<name>`` and ``<name>_fn``.
@@ -166,14 +167,12 @@ _KIND = dict(kernel="ntk", nngp="nngp", kernel_per_leaf="ntk_per_leaf", plan="nt
 
 def _kernel_of(fn: Callable, transformed, apply_kwargs, options: dict):
     """The kernel function of the entry point ``fn``: new for ``*_fn``, else cached."""
-    name, built = fn.__name__, fn.__name__.endswith("_fn")
-    kind = _KIND[name.removesuffix("_fn")]
+    name, built, _ = fn.__name__.partition("_fn")
 
     def build():
-        return make(caller(name, built=built), kind, transformed, options, apply_kwargs)
+        return make(caller(fn, built=bool(built)), _KIND[name], transformed, options, apply_kwargs)
 
-    key = (f"ntk_haiku.{name}", transformed, apply_kwargs, options)
-    return build() if built else cached(key, build)
+    return build() if built else cached((fn, transformed, apply_kwargs, options), build)
 
 
 @public

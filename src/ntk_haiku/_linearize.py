@@ -7,20 +7,22 @@ from collections.abc import Callable, Mapping
 
 from ntk_core.adapters import bad, check_apply_kwargs, check_degree, expansion
 from ntk_core.adapters import check_inputs_option as check_inputs
-from ntk_haiku._kernel import _model_apply, check_state_and_rng, check_transformed
+from ntk_haiku import _kernel
 
 
-def _expanded(fn_name: str, degree: int, transformed, params0, state, rng, apply_kwargs, inputs):
-    check_transformed(fn_name, transformed)
-    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, "{'is_training': False}")
+def _expanded(fn: Callable, degree: int, transformed, params0, state, rng, apply_kwargs, inputs):
+    fn_name = f"{_kernel._PACKAGE}.{fn.__name__}"
+    degree = check_degree(fn_name, degree)
+    _kernel.check_transformed(fn_name, transformed)
+    apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, _kernel._EVAL)
     inputs = check_inputs(fn_name, inputs)
-    apply3, with_state, takes_rng = _model_apply(transformed, apply_kwargs, inputs, fn_name)
-    call = f"{fn_name}(transformed, params, state=state)"
-    check_state_and_rng(fn_name, with_state, takes_rng, state, rng, call)
+    apply3, with_state, takes_rng = _kernel._model_apply(transformed, apply_kwargs, inputs, fn_name)
+    _kernel.check_state_and_rng(fn_name, with_state, takes_rng, state, rng)
     if not isinstance(params0, Mapping):
         what = "params0 must be the dict returned by transformed.init, got "
-        fix = "pass params0 = transformed.init(key, x)"
-        raise bad(TypeError, fn_name, what + type(params0).__name__, fix)
+        raise bad(
+            TypeError, fn_name, what + type(params0).__name__, f"pass params0 = {_kernel._INIT}"
+        )
 
     def apply(params, x):
         return apply3(params, x, (state, rng))
@@ -56,8 +58,7 @@ def linearize(
 
     References: Lee et al., NeurIPS 2019, as :func:`ntk_core.linearize`.
     """
-    args = (transformed, params0, state, rng, apply_kwargs, inputs)
-    return _expanded("ntk_haiku.linearize", 1, *args)
+    return _expanded(linearize, 1, transformed, params0, state, rng, apply_kwargs, inputs)
 
 
 def taylor_expand(
@@ -85,6 +86,5 @@ def taylor_expand(
 
     References: Lee et al., NeurIPS 2019 (as :func:`linearize`).
     """
-    degree = check_degree("ntk_haiku.taylor_expand", degree)
     args = (transformed, params0, state, rng, apply_kwargs, inputs)
-    return _expanded("ntk_haiku.taylor_expand", degree, *args)
+    return _expanded(taylor_expand, degree, *args)

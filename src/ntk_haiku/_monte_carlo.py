@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from inspect import signature
+
 import haiku as hk
 import jax
 
@@ -11,10 +13,6 @@ from ntk_core.adapters import spread_inputs as spread
 from ntk_core.predict import Kernels
 
 from ._kernel import caller, check_transformed, make, public
-
-#: :func:`monte_carlo_kernels` as its messages name it.
-_CALLER = caller("monte_carlo_kernels", monte_carlo=True)
-_OWN = ("key", "n_samples", "batch_size_samples", "rng", "apply_kwargs", "init_kwargs", "inputs")
 
 
 @public
@@ -77,10 +75,9 @@ def monte_carlo_kernels(
     init = checked_init(
         fn,
         jax.jit(lambda k: transformed.init(k, *x_init, **kw, **init_kwargs)),
-        "transformed.init(key, x1)" if with_state else "transformed.init(key, x1[:1])",
+        f"transformed.init(key, x1{'' if with_state else '[:1]'})",
         "the forward function, traced under jax.jit",
-        "check that x1 has the per-sample shape the model expects (batch axis first); "
-        "hk.BatchNorm needs init_kwargs={'is_training': True}",
+        "check x1's per-sample shape; hk.BatchNorm needs init_kwargs={'is_training': True}",
     )
 
     def kernels(kind, kind_options):  # of one initialisation, init(k); errors name fn
@@ -94,3 +91,8 @@ def monte_carlo_kernels(
 
     args = (x1, x2, key, n_samples, batch_size_samples, progress, options)
     return monte_carlo_mean(fn, init, kernels, *args)
+
+
+#: :func:`monte_carlo_kernels` as its messages name it, and its own keyword arguments.
+_CALLER = caller(monte_carlo_kernels, monte_carlo=True)
+_OWN = [n for n, p in signature(monte_carlo_kernels).parameters.items() if p.kind is p.KEYWORD_ONLY]

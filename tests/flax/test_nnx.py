@@ -493,4 +493,4 @@ def test_variable_classes():
     from ntk_flax import _nnx
 
     found = _nnx._variables(nnx.state(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), nnx.Param))
-    assert [kind for _, kind in found] == ["Param", "Param"]
+    assert [kind for _, kind in found] == [nnx.Param, nnx.Param]
