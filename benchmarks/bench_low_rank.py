@@ -1,7 +1,7 @@
 """Low-rank kernel regression from features: time and peak memory of
 ``ntk_core.predict.low_rank_inference`` on a memory-mapped float32 ``.npy``.
 
-    python benchmarks/bench_low_rank.py [--n 100000] [--k 512] [--m 10000] [--dir /tmp/ntk_bench_low_rank]
+    python benchmarks/bench_low_rank.py [--n 100000] [--k 512] [--m 10000] [--dir DIR]
 
 Writes features Φ (N, k), float32, with a decaying spectrum (Gaussian rows scaled by
 1/√(1 + j/16) per column j, as a sketch of a kernel with decaying eigenvalues), targets
