@@ -4,6 +4,7 @@ numpy, and the library's own gp_inference given the dense kernels)."""
 from __future__ import annotations
 
 import doctest
+import re
 import warnings
 
 import numpy as np
@@ -89,8 +90,12 @@ def test_no_regulariser_is_least_squares(data):
 def test_singular_features_raise(data):
     phi, _, y = data
     dup = np.concatenate([phi, phi[:, :1]], axis=1)  # a repeated column: ΦᵀΦ singular
-    with pytest.raises(ValueError, match=r"^low_rank_inference: ΦᵀΦ \+ λI .* singular.*diag_reg"):
+    with pytest.raises(ValueError, match=r"^low_rank_inference: ΦᵀΦ \+ λI .* singular") as info:
         predict.low_rank_inference(dup, y)
+    suggested = float(re.search(r"pass diag_reg >= (\S+),", str(info.value)).group(1))
+    assert 1e-14 <= suggested <= 1e-8  # the suggestion works, and is not a large bias
+    mean = predict.low_rank_inference(dup, y, diag_reg=suggested).posterior(dup).mean
+    np.testing.assert_allclose(mean, dup @ np.linalg.lstsq(dup, y, rcond=None)[0], atol=1e-6)
     with pytest.raises(ValueError, match=r"N < k"):
         predict.low_rank_inference(phi[:10], y[:10])
     # with a regulariser both are well posed, and equal the dense formula
@@ -124,8 +129,10 @@ def test_memmap_in_blocks_equals_in_memory(data, tmp_path, monkeypatch):
 def test_bad_prior_and_nan(data):
     phi, phi_t, y = data
     post = predict.low_rank_inference(phi, y, diag_reg=1e-2)
-    with pytest.raises(ValueError, match=r"k_test_test has shape \(40,\), expected None"):
+    with pytest.raises(ValueError, match=r"k_test_test is given, but variance=False"):
         post.posterior(phi_t, np.ones(M))
+    with pytest.raises(ValueError, match=r"k_test_test has shape \(40,\), expected \(40, 40\)"):
+        post.posterior(phi_t, np.ones(M), full_covariance=True)
     small = np.einsum("ik,ik->i", phi_t, phi_t) / 2  # below what the features explain
     with pytest.raises(ValueError, match=r"variance of test point 0 came out .* below \|φ\*\|²"):
         post.posterior(phi_t, small, variance=True)

@@ -94,7 +94,7 @@ class LowRankInference:
           k_test_test: None (prior Φ* Φ*ᵀ, the features' own), or the prior to use instead:
             ``(M,)`` with ``variance=True``, ``(M, M)`` with ``full_covariance=True``.
           variance: return the per-sample variances ``(M,)``.
-          full_covariance: return the ``(M, M)`` covariance (O(M²) memory).
+          full_covariance: return the ``(M, M)`` covariance (O(M²) memory), not variances.
 
         Returns ``Gaussian``: mean ``(M,)`` / ``(M, O)`` as ``y_train``; covariance None,
         ``(M,)`` or ``(M, M)``, shared by the outputs. Raises ValueError: a shape not
@@ -109,8 +109,9 @@ class LowRankInference:
         prior = None if k_test_test is None else as_host_array(fn, "k_test_test", k_test_test)
         if prior is not None and prior.shape != want:
             what = f"k_test_test has shape {prior.shape}, expected {want} for M = {m}"
-            what += f", variance={bool(variance)}, full_covariance={full}"
-            fix = "pass the (M,) prior diagonal with variance=True or (M, M) with full_covariance"
+            if want is None:
+                what = "k_test_test is given, but variance=False and full_covariance=False"
+            fix = "pass an (M,) prior with variance=True, or (M, M) with full_covariance=True"
             raise bad(ValueError, fn, what, fix)
         mean = np.empty((m, self.weights.shape[1]))
         own, left = np.empty(m), (np.empty((self.k, m)) if full else None)
@@ -149,11 +150,12 @@ class LowRankInference:
         if left is None:
             return var
         m, cov = phi.shape[0], np.empty((phi.shape[0], phi.shape[0]))
+        phi_t = None if p is None else np.asarray(phi, np.float64).T  # (k, M), as ``left``
         for rows in _blocks(m, self.k):
             block = np.asarray(phi[rows], np.float64)
             cov[rows] = self.regularizer * (block @ left)
             if p is not None:
-                cov[rows] += p[rows] - block @ np.asarray(phi, np.float64).T
+                cov[rows] += p[rows] - block @ phi_t
         cov = (cov + cov.T) / 2
         cov[np.diag_indices(m)] = var
         return cov
