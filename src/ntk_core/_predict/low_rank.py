@@ -204,7 +204,8 @@ def low_rank_inference(
     TypeError: non-floating arrays.
 
     Cost: 2·N·k·(k + O) flops and one pass over Φ; O(k² + N·O) memory besides a block;
-    9·k³ for the check, k³/3 for Cholesky; per test point 2·k·O (mean), 2·k² (variance).
+    4·k³/3 for the eigenvalue check, k³/3 for Cholesky; per test point 2·k·O (mean), 4·k²
+    (variance, one refined solve).
 
     Example:
       >>> import numpy as np
