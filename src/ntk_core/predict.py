@@ -9,6 +9,9 @@ from ntk_core._predict.inference import Kernels as Kernels
 from ntk_core._predict.inference import Outputs as Outputs
 from ntk_core._predict.inference import gp_inference as gp_inference
 from ntk_core._predict.inference import gradient_descent_mse as gradient_descent_mse
+from ntk_core._predict.low_rank import LowRankInference as LowRankInference
+from ntk_core._predict.low_rank import low_rank_inference as low_rank_inference
 
 __all__ = ("DegenerateKernelWarning", "GPInference", "Gaussian", "GradientDescentMSE", "Kernels",
-    "Outputs", "gp_inference", "gradient_descent_mse")  # fmt: skip
+    "LowRankInference", "Outputs", "gp_inference", "gradient_descent_mse",
+    "low_rank_inference")  # fmt: skip

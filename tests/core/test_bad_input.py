@@ -656,6 +656,22 @@ def _rows():
         Row("tracker-apply-fn-as-kernel", "a KernelTracker given the model's apply function, not a kernel function",
             "ntk_core.KernelTracker(f, X, every=1).update(0, W)",
             ValueError, r"^KernelTracker.update: the kernel function returned shape \(4, 2\); expected the \(N, N\) or \(N, N, O, O\) kernel of the N = 4 probe samples"),
+        # -- low-rank predictions from features (issue 27) ----------------------------
+        Row("low-rank-test-k", "test features with another k than the train features",
+            "ntk_core.predict.low_rank_inference(np.eye(4, 2), np.ones(4)).posterior(np.ones((3, 5)))",
+            ValueError, r"^low_rank_inference\(...\).posterior: features_test has shape \(3, 5\), expected \(M, 2\)"),
+        Row("low-rank-target-n", "low-rank targets for another number of samples",
+            "ntk_core.predict.low_rank_inference(np.eye(4, 2), np.ones((3, 1)))",
+            ValueError, r"^low_rank_inference: y_train has shape \(3, 1\), expected \(N,\) or \(N, O\) with N = 4"),
+        Row("low-rank-negative-diag-reg", "a negative diag_reg for low-rank predictions",
+            "ntk_core.predict.low_rank_inference(np.eye(4, 2), np.ones(4), diag_reg=-1.0)",
+            ValueError, r"^low_rank_inference: diag_reg must be a real number in \[0, inf\), got -1.0"),
+        Row("low-rank-nan-features", "features with NaN",
+            "ntk_core.predict.low_rank_inference(np.full((4, 2), np.nan), np.ones(4))",
+            ValueError, r"^low_rank_inference: features_train contains NaN or Inf \(first at sample 0\)"),
+        Row("low-rank-singular", "dependent feature columns without a regulariser",
+            "ntk_core.predict.low_rank_inference(np.ones((4, 2)), np.ones(4))",
+            ValueError, r"^low_rank_inference: ΦᵀΦ \+ λI \(k = 2, λ = 0.000e\+00, N = 4\) is singular to float64"),
     ]  # fmt: skip
 
 

@@ -1,0 +1,228 @@
+"""Kernel regression and GP posteriors of a low-rank kernel Φ Φᵀ, from its features (N, k)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ntk_core._errors import bad
+from ntk_core._kernel.arguments import _checked_arguments
+from ntk_core._predict.inference import Gaussian
+from ntk_core._predict.linalg import (
+    Solver,
+    as_host_array,
+    check_diag_reg,
+    check_finite,
+    unit_roundoff,
+)
+
+#: Bytes of float64 per row block when streaming features (tests lower it).
+_BLOCK_BYTES = 64 << 20
+#: ΦᵀΦ + λI counts as singular when its smallest eigenvalue is <= _SINGULAR·k·u·λ_max.
+_SINGULAR = 1e3
+_U64 = unit_roundoff(np.float64)
+_NAN_FIX = "recompute the features; NaN comes from NaN parameters or inputs, or overflow"
+
+
+def _blocks(n_rows: int, k: int):
+    rows = max(1, _BLOCK_BYTES // (8 * max(k, 1)))
+    for start in range(0, n_rows, rows):
+        yield slice(start, min(n_rows, start + rows))
+
+
+def _features(fn, name, phi, k=None) -> np.ndarray:
+    phi = as_host_array(fn, name, phi)
+    want = "(N, k)" if k is None else f"(M, {k})"
+    if phi.ndim != 2 or 0 in phi.shape or (k is not None and phi.shape[1] != k):
+        what = f"{name} has shape {phi.shape}, expected {want}"
+        fix = "pass one row of k features per sample, the same k for train and test"
+        raise bad(ValueError, fn, what, fix)
+    return phi
+
+
+def _block64(fn, name, phi, rows) -> np.ndarray:
+    block = np.asarray(phi[rows], np.float64)
+    check_finite(fn, name, block, _NAN_FIX, first=rows.start)
+    return block
+
+
+class LowRankInference:
+    """Predictor returned by :func:`low_rank_inference`."""
+
+    def __init__(self, fn, features, y_train, diag_reg, diag_reg_absolute_scale):
+        import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
+
+        self._fn, lam_scale = fn, check_diag_reg(fn, diag_reg)
+        phi = _features(fn, "features_train", features)
+        (n, k), y = phi.shape, as_host_array(fn, "y_train", y_train)
+        if y.ndim not in (1, 2) or y.shape[0] != n:
+            what = f"y_train has shape {y.shape}, expected (N,) or (N, O) with N = {n}"
+            raise bad(ValueError, fn, what, "pass one target row per row of features_train")
+        self._y_shape, self.k = y.shape, k
+        self.dtype = np.dtype(np.float64 if np.float64 in (phi.dtype, y.dtype) else np.float32)
+        y2 = y.reshape(n, -1)
+        gram, rhs = np.zeros((k, k)), np.zeros((k, y2.shape[1]))
+        for rows in _blocks(n, k):
+            block = _block64(fn, "features_train", phi, rows)
+            yb = np.asarray(y2[rows], np.float64)
+            check_finite(fn, "y_train", yb, "drop or impute the samples with missing targets",
+                first=rows.start)  # fmt: skip
+            gram += block.T @ block
+            rhs += block.T @ yb
+        reg = 1.0 if diag_reg_absolute_scale else float(np.trace(gram)) / n  # mean diag Φ Φᵀ
+        self.regularizer = lam = lam_scale * reg
+        w = scipy.linalg.eigvalsh(gram + lam * np.eye(k), check_finite=False)
+        w_max = max(float(w[-1]), np.finfo(np.float64).tiny)
+        if not w[0] > _SINGULAR * k * _U64 * w_max:
+            what = f"ΦᵀΦ + λI (k = {k}, λ = {lam:.3e}, N = {n}) is singular to float64: "
+            what += f"eigenvalues {w[0]:.3e} .. {w[-1]:.3e}"
+            need = 10 * _SINGULAR * k * _U64 * w_max / max(reg, np.finfo(np.float64).tiny)
+            fix = f"pass diag_reg >= {10 ** math.ceil(math.log10(need)):.0e}, or drop"
+            fix += " linearly dependent feature columns" + (" (N < k)" if n < k else "")
+            raise bad(ValueError, fn, what, fix)
+        self._solver = Solver(fn, gram, lam, np.float64, reg_scale=reg)
+        self.weights = self._solver.solve(rhs)  # (k, O): (ΦᵀΦ + λI)⁻¹ Φᵀ y
+
+    def posterior(
+        self, features_test, k_test_test=None, *, variance=False, full_covariance=False
+    ) -> Gaussian:
+        """Posterior mean Φ* w and, when asked, the covariance of the test points.
+
+        Args:
+          features_test: ``(M, k)`` features of M test points; numpy, memmap or jax array.
+          k_test_test: None (prior Φ* Φ*ᵀ, the features' own), or the prior to use instead:
+            ``(M,)`` with ``variance=True``, ``(M, M)`` with ``full_covariance=True``.
+          variance: return the per-sample variances ``(M,)``.
+          full_covariance: return the ``(M, M)`` covariance (O(M²) memory), not variances.
+
+        Returns ``Gaussian``: mean ``(M,)`` / ``(M, O)`` as ``y_train``; covariance None,
+        ``(M,)`` or ``(M, M)``, shared by the outputs. Raises ValueError: a shape not
+        matching, NaN or Inf (NonFiniteError), ``k_test_test`` without ``variance`` or
+        ``full_covariance``, a variance below −10·k·u·(|prior| + |φ*|²) (a prior smaller
+        than the features' own, e.g. a sketch's noise).
+        """
+        fn = f"{self._fn}(...).posterior"
+        phi = _features(fn, "features_test", features_test, self.k)
+        m, full = phi.shape[0], bool(full_covariance)
+        want = None if not (variance or full) else (m, m) if full else (m,)
+        prior = None if k_test_test is None else as_host_array(fn, "k_test_test", k_test_test)
+        if prior is not None and prior.shape != want:
+            what = f"k_test_test has shape {prior.shape}, expected {want} for M = {m}"
+            if want is None:
+                what = "k_test_test is given, but variance=False and full_covariance=False"
+            fix = "pass an (M,) prior with variance=True, or (M, M) with full_covariance=True"
+            raise bad(ValueError, fn, what, fix)
+        mean = np.empty((m, self.weights.shape[1]))
+        own, left = np.empty(m), (np.empty((self.k, m)) if full else None)
+        quad = np.empty(m) if want else None
+        for rows in _blocks(m, self.k):
+            block = _block64(fn, "features_test", phi, rows)
+            mean[rows] = block @ self.weights
+            if want is None:
+                continue
+            solved = self._solver.solve(block.T)  # (k, B): (ΦᵀΦ + λI)⁻¹ φ*
+            own[rows] = np.einsum("ik,ik->i", block, block)
+            quad[rows] = self.regularizer * np.einsum("ik,ki->i", block, solved)
+            if full:
+                left[:, rows] = solved
+        mean = mean.reshape((m,) + self._y_shape[1:]).astype(self.dtype)
+        if want is None:
+            return Gaussian(mean, None)
+        cov = self._covariance(fn, phi, prior, own, quad, left)
+        return Gaussian(mean, cov.astype(self.dtype))
+
+    def _covariance(self, fn, phi, prior, own, quad, left) -> np.ndarray:
+        """prior − Φ*Φ*ᵀ + λ Φ*(ΦᵀΦ + λI)⁻¹Φ*ᵀ; the features' own prior: the last term."""
+        if prior is not None:
+            check_finite(fn, "k_test_test", prior, _NAN_FIX)
+        p = None if prior is None else np.asarray(prior, np.float64)
+        p_diag = own if p is None else (p if left is None else np.diagonal(p))
+        var = quad + (0.0 if p is None else p_diag - own)
+        tol = 10 * self.k * unit_roundoff(self.dtype) * (np.abs(p_diag) + own)
+        if (below := var < -tol).any():
+            i = int(np.flatnonzero(below)[0])
+            what = f"the variance of test point {i} came out {var[i]:.3e} < −{tol[i]:.1e}: "
+            what += f"k_test_test there ({p_diag[i]:.3e}) is below |φ*|² = {own[i]:.3e}"
+            fix = "omit k_test_test (the features' own prior), or pass a prior of these features"
+            raise bad(ValueError, fn, what, fix)
+        var = np.maximum(var, 0.0)
+        if left is None:
+            return var
+        m, cov = phi.shape[0], np.empty((phi.shape[0], phi.shape[0]))
+        phi_t = None if p is None else np.asarray(phi, np.float64).T  # (k, M), as ``left``
+        for rows in _blocks(m, self.k):
+            block = np.asarray(phi[rows], np.float64)
+            cov[rows] = self.regularizer * (block @ left)
+            if p is not None:
+                cov[rows] += p[rows] - block @ phi_t
+        cov = (cov + cov.T) / 2
+        cov[np.diag_indices(m)] = var
+        return cov
+
+
+def low_rank_inference(
+    features_train,
+    y_train,
+    *,
+    diag_reg: float = 0.0,
+    diag_reg_absolute_scale: bool = False,
+) -> LowRankInference:
+    """Kernel regression and GP posterior of the kernel K = Φ Φᵀ, from its features Φ.
+
+    For Θ(x_i, x_j) ≈ φ_i·φ_j (a sketch, random features, or any feature map), with
+    A = ΦᵀΦ + λI_k (k x k), by the push-through identity Φᵀ(ΦΦᵀ + λI_N)⁻¹ = A⁻¹Φᵀ:
+
+        mean(x*) = φ*ᵀ A⁻¹ Φᵀ y            = k*ᵀ (K + λI_N)⁻¹ y
+        var(x*)  = k(x*, x*) − |φ*|² + λ φ*ᵀ A⁻¹ φ*
+                                           = k(x*, x*) − k*ᵀ (K + λI_N)⁻¹ k*
+
+    (k* = Φφ*; since Φᵀ(ΦΦᵀ + λI)⁻¹Φ = I − λA⁻¹). With the features' own prior
+    k(x*, x*) = |φ*|² the variance is λ φ*ᵀA⁻¹φ*, and the covariance λ Φ*A⁻¹Φ*ᵀ. The same
+    numbers as :func:`gp_inference` given ``k_train_train`` = ΦΦᵀ and ``k_test_train`` =
+    Φ*Φᵀ, without an N x N matrix. λ = 0 (N >= k): the least-squares projection
+    Φ*(ΦᵀΦ)⁻¹Φᵀy, variance 0 under the features' own prior.
+
+    Args:
+      features_train: Φ ``(N, k)`` float; numpy, jax, or a read-only memmap
+        (``np.load(path, mmap_mode="r")``) larger than memory: read in row blocks of 64 MiB
+        of float64.
+      y_train: targets ``(N,)`` or ``(N, O)``, float.
+      diag_reg: >= 0; λ = ``diag_reg``·mean(diag ΦΦᵀ) = ``diag_reg``·‖Φ‖²_F / N, or
+        λ = ``diag_reg`` with ``diag_reg_absolute_scale=True`` (as :func:`gp_inference`).
+
+    ΦᵀΦ and Φᵀy are summed in float64 block by block; A is checked by its eigenvalues and
+    solved by Cholesky in float64, refined until the last correction is <= 1e-6.
+
+    Returns :class:`LowRankInference`: ``.posterior(features_test, k_test_test=None, *,
+    variance=False, full_covariance=False) -> Gaussian``; ``.weights`` A⁻¹Φᵀy ``(k, O)``;
+    ``.regularizer`` λ. Results are float32 unless Φ or y is float64.
+    Raises ValueError: shapes (Φ not 2-D, y of another N, k differing between train and
+    test), negative ``diag_reg``; A singular to float64 (smallest eigenvalue <= 1000·k·u
+    times the largest, e.g. λ = 0 with N < k or dependent columns), with the ``diag_reg``
+    that fixes it; NonFiniteError (a ValueError): NaN or Inf, naming the first row.
+    TypeError: non-floating arrays.
+
+    Cost: 2·N·k·(k + O) flops and one pass over Φ; O(k² + N·O) memory besides a block;
+    4·k³/3 for the eigenvalue check, k³/3 for Cholesky; per test point 2·k·O (mean), 4·k²
+    (variance, one refined solve).
+
+    Example:
+      >>> import numpy as np
+      >>> from ntk_core import predict
+      >>> rng = np.random.default_rng(0)
+      >>> phi, phi_test = rng.standard_normal((100, 8)), rng.standard_normal((3, 8))
+      >>> y = phi @ np.ones(8)                              # (N,) = (100,)
+      >>> post = predict.low_rank_inference(phi, y, diag_reg=1e-6)
+      >>> mean, var = post.posterior(phi_test, variance=True)
+      >>> bool(np.allclose(mean, phi_test @ np.ones(8), atol=1e-4)), var.shape
+      (True, (3,))
+
+    References: Rasmussen, Williams, "Gaussian Processes for Machine Learning", 2006,
+    eq. 2.11-2.12 (weight-space view); Woodbury, 1950.
+    """
+    fn = "low_rank_inference"
+    return LowRankInference(fn, features_train, y_train, diag_reg, diag_reg_absolute_scale)
+
+
+low_rank_inference = _checked_arguments(low_rank_inference)
