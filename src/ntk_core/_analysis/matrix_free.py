@@ -297,8 +297,8 @@ def ntk_effective_rank(
     x,
     *,
     key,
-    m: int = 300,
-    steps: int = 30,
+    m: int = 400,
+    steps: int = 15,
     batch_size: int | None = None,
     precision: str = "highest",
 ) -> Estimate:
@@ -306,22 +306,27 @@ def ntk_effective_rank(
 
         erank = exp(H),  H = −Σ_i p_i log p_i = tr(−P log P),  p_i = λ_i / tr Θ, P = Θ / tr Θ
 
-    tr Θ exact (:func:`ntk_trace`); H by stochastic Lanczos quadrature: for m // steps
-    Rademacher probes z, zᵀ(−P log P)z from ``steps`` Lanczos steps on Θ (Gauss quadrature
-    of the spectral measure), averaged. standard_error: exp(H)·s_H (delta method), s_H the
-    probes' sample standard deviation / √probes; it omits the quadrature error (falls with
-    ``steps``, nil at ``steps >= M``) and exp's Jensen bias (of order exp(H)·s_H²/2).
+    tr Θ exact (:func:`ntk_trace`); H by stochastic Lanczos quadrature (SLQ) deflated as in
+    Hutch++: with k = m // (1 + 2·steps), Q = orth(Θ S) (S ``(M, k)`` Gaussian) and k
+    Rademacher g_j,
+
+        H ≈ Σ_i q_iᵀ(−P log P)q_i + (1/k) Σ_j h_j,   h_j = z_jᵀ(−P log P)z_j, z_j = (I − QQᵀ)g_j
+
+    each quadratic form from ``steps`` Lanczos steps on Θ (Gauss quadrature). standard_error:
+    exp(H)·s_H (delta method), s_H the h_j's sample standard deviation / √k; it omits the
+    quadrature error (falls with ``steps``, nil at ``steps >= M``; measured +0.4 standard
+    errors at steps = 8 on a 192-row MLP kernel) and exp's Jensen bias (≈ exp(H)·s_H²/2).
     ``m >= M``: the exact eigenvalues of Θ formed from M products.
 
     Args:
       apply_fn, params, x, batch_size, precision: as :func:`ntk_core.ntk_vp_fn`.
-      key: a JAX PRNG key; m: products in all (int >= 2·steps, for 2 probes or more);
-      steps: Lanczos steps per probe (int >= 1, capped at M).
+      key: a JAX PRNG key; m: products in all, an int >= 2 + 4·steps (k >= 2);
+      steps: Lanczos steps per vector (int >= 1, capped at M).
 
-    Returns an :class:`Estimate` (float64). Raises TypeError (key, m or steps of the wrong
-    type), ValueError (m < 2·steps, steps < 1; samples that interact), besides
-    :func:`ntk_core.ntk_vp_fn`'s. Cost: m products plus the trace's N·O backward passes;
-    memory steps·M floats.
+    Returns an :class:`Estimate` (float64; products k·(1 + 2·steps)). Raises TypeError (key,
+    m or steps of the wrong type), ValueError (m too small, steps < 1; samples that
+    interact), besides :func:`ntk_core.ntk_vp_fn`'s. Cost: m products plus the trace's N·O
+    backward passes; memory 2·k·steps·M floats.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -334,25 +339,28 @@ def ntk_effective_rank(
 
     References: Ubaru, Chen, Saad, "Fast Estimation of tr(f(A)) via Stochastic Lanczos
     Quadrature", SIAM J. Matrix Anal. Appl. 38(4), 2017; Roy, Vetterli, "The effective
-    rank", EUSIPCO 2007.
+    rank", EUSIPCO 2007; Meyer et al., "Hutch++", SOSA 2021.
     """
     fn = "ntk_effective_rank"
     steps = check_int(fn, "steps", steps, "pass e.g. steps=30 (Lanczos steps per probe)")
     key = _check_key(fn, key)
     op = _flat(fn, apply_fn, params, x, batch_size, precision)
     steps = min(steps, op.m)
-    m = _check_m(fn, m, low=min(2 * steps, op.m))
+    m = _check_m(fn, m, low=min(2 + 4 * steps, op.m))
     if m >= op.m:
         lam = np.abs(np.linalg.eigvalsh(_exact_kernel(op)))
         p = lam[lam > 0] / lam.sum()
         return Estimate(math.exp(-float(np.sum(p * np.log(p)))), 0.0, op.m)
     total = _trace(op, batch_size, precision)
-    probes = m // steps
-    z = np.asarray(jax.random.rademacher(key, (op.m, probes)), np.float64)
-    h = _lanczos_entropy(op, z, steps, total)
-    erank = math.exp(float(np.mean(h)))
-    se = erank * float(np.std(h, ddof=1)) / math.sqrt(probes)
-    return Estimate(erank, se, probes * steps)
+    k = m // (1 + 2 * steps)  # sketch columns = residual probes
+    k_sketch, k_probe = jax.random.split(key)
+    q, _ = np.linalg.qr(op.product(np.asarray(jax.random.normal(k_sketch, (op.m, k)), np.float64)))
+    g = np.asarray(jax.random.rademacher(k_probe, (op.m, k)), np.float64)
+    g -= q @ (q.T @ g)  # (I − Q Qᵀ) g
+    h = _lanczos_entropy(op, np.concatenate([q, g], axis=1), steps, total)
+    erank = math.exp(float(np.sum(h[:k]) + np.mean(h[k:])))
+    se = erank * float(np.std(h[k:], ddof=1)) / math.sqrt(k)
+    return Estimate(erank, se, k + 2 * k * steps)
 
 
 def ntk_kernel_alignment(
