@@ -113,8 +113,8 @@ def _flat(fn: str, apply_fn, params, x, batch_size, precision) -> _Flat:
     return _Flat(fn, apply_fn, params, x, n, size, product, ravel)
 
 
-def _check_m(fn: str, m, low: int = 4) -> int:
-    return check_int(fn, "m", m, f"pass e.g. m={max(low, 60)} (products of Θ with vectors)", low)
+def _check_m(fn: str, m, low: int = 4, example: int = 60) -> int:
+    return check_int(fn, "m", m, f"pass e.g. m={max(low, example)} (products Θ v)", low)
 
 
 def _exact_kernel(op: _Flat) -> np.ndarray:
@@ -342,11 +342,11 @@ def ntk_effective_rank(
     rank", EUSIPCO 2007; Meyer et al., "Hutch++", SOSA 2021.
     """
     fn = "ntk_effective_rank"
-    steps = check_int(fn, "steps", steps, "pass e.g. steps=30 (Lanczos steps per probe)")
+    steps = check_int(fn, "steps", steps, "pass e.g. steps=15 (Lanczos steps per vector)")
     key = _check_key(fn, key)
     op = _flat(fn, apply_fn, params, x, batch_size, precision)
     steps = min(steps, op.m)
-    m = _check_m(fn, m, low=min(2 + 4 * steps, op.m))
+    m = _check_m(fn, m, low=min(2 + 4 * steps, op.m), example=400)
     if m >= op.m:
         lam = np.abs(np.linalg.eigvalsh(_exact_kernel(op)))
         p = lam[lam > 0] / lam.sum()
@@ -438,7 +438,8 @@ def _targets(fn: str, op: _Flat, y) -> np.ndarray:
         )
     v = op.ravel(jax.tree.unflatten(tree, y_leaves))
     if not v.any():
-        raise bad(ValueError, fn, "y is all zeros, so the alignment is undefined", "pass targets")
+        what = "y is all zeros, so the alignment is undefined"
+        raise bad(ValueError, fn, what, "pass non-zero targets")
     return v
 
 
