@@ -1,6 +1,6 @@
 """ntk_core.metrics' matrix-free statistics against the exact kernel of a small MLP (N = 64,
 O = 3, M = 192): the float64 reference Jacobian contraction (tests/reference.py) and the
-exact metrics on ntk_core.empirical_ntk(..., trace_axes=()).
+exact metrics on ntk_core.empirical_ntk(..., trace_axes=()), and the exact trace.
 
 Randomised claims, with fixed seeds 0..7: each estimate within 4 of its own standard errors
 (a 4-sigma band: a false failure has probability about 6e-5 per estimate for a Gaussian
@@ -22,7 +22,7 @@ import pytest
 
 import ntk_core
 import reference
-from ntk_core import metrics
+from ntk_core import metrics, spectrum
 
 N, D, H, OUT = 64, 5, 16, 3
 SEEDS = range(8)
@@ -57,14 +57,6 @@ def _check_seeds(results, truth):
     assert abs(est.mean() - truth) < np.mean(np.abs(est - truth))
 
 
-def test_trace_is_exact():
-    params, x, _, flat, theta = _case()
-    r = metrics.ntk_trace(_mlp, params, x, batch_size=24)  # batches of 24, a tail of 16
-    assert r.estimate == pytest.approx(np.trace(flat), rel=2e-6)
-    assert r.estimate == pytest.approx(float(np.einsum("iiaa->", theta)), rel=2e-6)
-    assert (r.standard_error, r.products) == (0.0, 0)
-
-
 def test_frobenius_unbiased_within_standard_errors():
     params, x, _, flat, _ = _case()
     truth = float(np.sum(flat**2))
@@ -86,6 +78,8 @@ def test_alignment_within_standard_errors():
 
 def test_effective_rank_within_standard_errors():
     params, x, _, flat, theta = _case()
+    trace = spectrum.ntk_trace(_mlp, params, x)  # the exact trace the estimate divides by
+    assert trace == pytest.approx(np.trace(flat), rel=2e-6)
     truth = metrics.effective_rank(theta)
     lam = np.linalg.eigvalsh(flat)
     p = np.abs(lam) / np.abs(lam).sum()
@@ -119,6 +113,5 @@ def test_pytree_outputs_concatenate_per_sample():
         out = _mlp(p, x)
         return {"a": out[:, :1], "b": out[:, 1:]}
 
-    assert metrics.ntk_trace(two, params, x).estimate == pytest.approx(np.trace(flat), rel=2e-6)
     r = metrics.ntk_frobenius_sq(two, params, x, key=jax.random.PRNGKey(0), m=N * OUT)
     assert r.estimate == pytest.approx(float(np.sum(flat**2)), rel=1e-5)

@@ -1,5 +1,5 @@
-"""Statistics of Θ(X, X) without forming it: the exact trace from per-sample gradient norms,
-and Hutch++ / stochastic Lanczos estimates with a standard error from NTK-vector products.
+"""Statistics of Θ(X, X) without forming it: Hutch++ / stochastic Lanczos estimates with a
+standard error from NTK-vector products (the exact trace: ``ntk_core.spectrum.ntk_trace``).
 
 Θ is the flat ``(M, M)`` kernel, M = N·O, of ``ntk_fn(..., trace_axes=())`` on x = x1 = x2
 (entries Θ[i·O + a, j·O + b] = Θ[i, j, a, b]; several output leaves are concatenated per
@@ -23,15 +23,11 @@ from jax.flatten_util import ravel_pytree
 from ntk_core._errors import bad, check_int
 from ntk_core._functional.ntk_vp import _product, make_ntk_vp
 from ntk_core._jax import caches as _caches
-from ntk_core._kernel import checks as _checks
-from ntk_core._kernel import probe as _probe
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import core
-from ntk_core._kernel.model import from_apply_fn
 from ntk_core._predict.linalg import check_finite
 
 _COLUMNS = 16  # vectors per vmapped NTK-vector product
-_TRACE_BATCH = 64  # samples per vmapped per-sample Jacobian in ntk_trace
 _KEY_FIX = "pass key=jax.random.PRNGKey(seed)"
 
 
@@ -123,78 +119,11 @@ def _exact_kernel(op: _Flat) -> np.ndarray:
     return (theta + theta.T) / 2
 
 
-@_caches.lru_cache(maxsize=64)
-def _norms_fn(apply_fn, precision: str, batch: int) -> Callable:
-    """Jitted per-sample ‖∂f(x_i)/∂θ‖²_F (summed over outputs), ``batch`` samples per vmap."""
-
-    def one(params, xi):
-        def f(p):
-            out = apply_fn(p, jax.tree.map(lambda a: a[None], xi))
-            return jnp.concatenate([o.reshape(-1) for o in jax.tree.leaves(out)])
-
-        jac = jax.jacrev(f)(params)
-        return sum(jnp.sum(jnp.square(j)) for j in jax.tree.leaves(jac))
-
-    def norms(params, x):
-        with jax.default_matmul_precision(precision):
-            n = jax.tree.leaves(x)[0].shape[0]
-            k, r = divmod(n, batch)
-            per = jax.vmap(one, in_axes=(None, 0))
-            parts = []
-            if k:
-                head = jax.tree.map(lambda a: a[: k * batch].reshape((k, batch) + a.shape[1:]), x)
-                parts.append(jax.lax.map(lambda xb: per(params, xb), head).reshape(-1))
-            if r:
-                parts.append(per(params, jax.tree.map(lambda a: a[k * batch :], x)))
-            return jnp.concatenate(parts)
-
-    return jax.jit(norms)
-
-
 def _trace(op: _Flat, batch_size, precision) -> float:
-    apply3 = from_apply_fn(op.apply_fn)
-    if _probe.samples_interact(apply3, op.params, op.x, None, None, fn_name=op.fn):
-        raise _checks.samples_interact_error(op.fn, "use evaluation mode (per-sample gradients)")
-    batch = min(batch_size or _TRACE_BATCH, op.n)
-    try:
-        norms = _norms_fn(op.apply_fn, precision, batch)
-    except TypeError:  # unhashable apply_fn
-        norms = _norms_fn.__wrapped__(op.apply_fn, precision, batch)
-    return float(np.sum(np.asarray(norms(op.params, op.x), np.float64)))
+    """tr Θ exact: :func:`ntk_core.spectrum.ntk_trace` (the kernel's diagonal, O(N))."""
+    from ntk_core._analysis.spectrum import ntk_trace  # scipy: imported when first used
 
-
-def ntk_trace(
-    apply_fn: Callable, params, x, *, batch_size: int | None = None, precision: str = "highest"
-) -> Estimate:
-    """The exact trace of Θ(x, x), never forming Θ: per-sample gradient norms.
-
-        tr Θ = Σ_i Σ_a Θ[i, i, a, a] = Σ_i ‖∂f(x_i)/∂θ‖²_F   (Θ of ``trace_axes=()``)
-
-    Args:
-      apply_fn, params, x: as :func:`ntk_core.ntk_vp_fn` (outputs ``(N, O...)``, x with N
-        samples, which must not interact).
-      batch_size: samples per vmapped batch of per-sample Jacobians (default 64; memory
-        batch_size·O·P floats).
-      precision: matmul precision, as in :func:`ntk_core.ntk_fn`.
-
-    Returns an :class:`Estimate` (estimate: float64 sum of the per-sample float32 norms,
-    standard_error 0.0, products 0). Raises the errors of :func:`ntk_core.ntk_vp_fn`, and
-    ValueError if samples interact. Cost: N·O backward passes (jacrev per sample).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from ntk_core import metrics
-      >>> f = lambda w, x: x @ w                                   # Θ = x xᵀ ⊗ I_O
-      >>> x = jnp.array([[1.0, 2.0], [3.0, 0.0]])                  # (N, 2), O = 3
-      >>> metrics.ntk_trace(f, jnp.zeros((2, 3)), x).estimate      # 3·(5 + 9)
-      42.0
-
-    References: per-sample gradient norms as in Novak et al., "Fast Finite Width Neural
-    Tangent Kernel", ICML 2022 (the Jacobian's Frobenius norm).
-    """
-    fn = "ntk_trace"
-    op = _flat(fn, apply_fn, params, x, batch_size, precision)
-    return Estimate(_trace(op, batch_size, precision), 0.0, 0)
+    return ntk_trace(op.apply_fn, op.params, op.x, batch_size=batch_size, precision=precision)
 
 
 def _hutchpp(op: _Flat, m: int, key) -> Estimate:
@@ -306,9 +235,9 @@ def ntk_effective_rank(
 
         erank = exp(H),  H = −Σ_i p_i log p_i = tr(−P log P),  p_i = λ_i / tr Θ, P = Θ / tr Θ
 
-    tr Θ exact (:func:`ntk_trace`); H by stochastic Lanczos quadrature (SLQ) deflated as in
-    Hutch++: with k = m // (1 + 2·steps), Q = orth(Θ S) (S ``(M, k)`` Gaussian) and k
-    Rademacher g_j,
+    tr Θ exact (:func:`ntk_core.spectrum.ntk_trace`); H by stochastic Lanczos quadrature
+    (SLQ), deflated as in Hutch++: with k = m // (1 + 2·steps), Q = orth(Θ S) (S ``(M, k)``
+    Gaussian) and k Rademacher g_j,
 
         H ≈ Σ_i q_iᵀ(−P log P)q_i + (1/k) Σ_j h_j,   h_j = z_jᵀ(−P log P)z_j, z_j = (I − QQᵀ)g_j
 
@@ -325,8 +254,8 @@ def ntk_effective_rank(
 
     Returns an :class:`Estimate` (float64; products k·(1 + 2·steps)). Raises TypeError (key,
     m or steps of the wrong type), ValueError (m too small, steps < 1; samples that
-    interact), besides :func:`ntk_core.ntk_vp_fn`'s. Cost: m products plus the trace's N·O
-    backward passes; memory 2·k·steps·M floats.
+    interact), besides :func:`ntk_core.ntk_vp_fn`'s. Cost: m products plus the exact trace
+    (the kernel's diagonal: N per-sample Jacobians); memory 2·k·steps·M floats.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -443,7 +372,6 @@ def _targets(fn: str, op: _Flat, y) -> np.ndarray:
     return v
 
 
-ntk_trace = _checked_arguments(ntk_trace)
 ntk_frobenius_sq = _checked_arguments(ntk_frobenius_sq)
 ntk_effective_rank = _checked_arguments(ntk_effective_rank)
 ntk_kernel_alignment = _checked_arguments(ntk_kernel_alignment)
