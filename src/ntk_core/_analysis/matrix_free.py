@@ -41,13 +41,12 @@ class Estimate(NamedTuple):
 
 
 class _Flat(NamedTuple):
-    """Θ as a map on flat float64 vectors of length ``m`` (host numpy)."""
+    """Θ as a map on flat float64 vectors of length ``m`` = M (host numpy)."""
 
     fn: str
     apply_fn: Callable
     params: object
     x: object
-    n: int
     m: int
     product: Callable  # (M, c) -> (M, c): Θ times each column
     ravel: Callable  # outputs-like pytree -> (M,)
@@ -89,10 +88,8 @@ def _flat(fn: str, apply_fn, params, x, batch_size, precision) -> _Flat:
         columns = _columns(*args)
     except TypeError:  # unhashable apply_fn
         columns = _columns.__wrapped__(*args)
-    size, dtype = (
-        sum(math.prod(o.shape) for o in leaves),
-        jnp.result_type(*(o.dtype for o in leaves)),
-    )
+    size = sum(math.prod(o.shape) for o in leaves)
+    dtype = jnp.result_type(*(o.dtype for o in leaves))
 
     def ravel(tree) -> np.ndarray:
         leaves = jax.tree.leaves(tree)
@@ -105,8 +102,7 @@ def _flat(fn: str, apply_fn, params, x, batch_size, precision) -> _Flat:
         parts = [columns(params, x, rows[i : i + _COLUMNS]) for i in range(0, c, _COLUMNS)]
         return np.concatenate([np.asarray(a) for a in parts])[:c].T.astype(np.float64)
 
-    n = jax.tree.leaves(outputs)[0].shape[0]
-    return _Flat(fn, apply_fn, params, x, n, size, product, ravel)
+    return _Flat(fn, apply_fn, params, x, size, product, ravel)
 
 
 def _check_m(fn: str, m, low: int = 4, example: int = 60) -> int:
