@@ -16,6 +16,7 @@ MODULES = [
     "ntk_core._jax.environment",
     "ntk_core._functional.linearize",
     "ntk_core._analysis.metrics",
+    "ntk_core._analysis.matrix_free",
     "ntk_core._monte_carlo.kernels",
     "ntk_core._functional.ntk_vp",
     "ntk_core._predict.inference",
