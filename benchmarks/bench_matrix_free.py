@@ -1,4 +1,4 @@
-"""Statistics of an NTK too big to form (ntk_core.metrics' matrix-free estimates): time, memory.
+"""Statistics of an NTK too big to form (ntk_core.spectrum's matrix-free estimates): time, memory.
 
     python benchmarks/bench_matrix_free.py                   # N = 20 000
     python benchmarks/bench_matrix_free.py --n 500 --check   # also the exact kernel, compared
@@ -7,7 +7,7 @@ The model is ``cases.py``'s "mlp-small", MLP 784-192-10 (ReLU, P = 153 k, weight
 N(0, 1/fan_in), zero biases), float32, inputs N(0, I) (seed 1). Its kernel with
 ``trace_axes=()`` is (N·10) x (N·10): 160 GB at N = 20 000, so it is never formed. Measured
 in this one process: the exact trace (``spectrum.ntk_trace``, ``--trace-batch-size``), and
-``metrics.ntk_frobenius_sq`` with ``--m`` products (first call: validation, trace, compile,
+``spectrum.ntk_frobenius_sq`` with ``--m`` products (first call: validation, trace, compile,
 run; then a warm call with another key); peak resident memory (``VmHWM``) at the end.
 ``--check`` (small N only) also forms the kernel and reports the estimate's error in units
 of its standard error. Results: one JSON line on stdout. Never a test.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import cases  # noqa: E402
 
 import ntk_core  # noqa: E402
-from ntk_core import metrics, spectrum  # noqa: E402
+from ntk_core import spectrum  # noqa: E402
 
 
 def _peak_mb() -> float:
@@ -64,7 +64,7 @@ def main() -> None:
     row["trace_s"] = time.perf_counter() - t
     for name, seed in (("first", 0), ("warm", 1)):
         t = time.perf_counter()
-        est = metrics.ntk_frobenius_sq(apply_fn, params, x, key=jax.random.PRNGKey(seed), m=args.m)
+        est = spectrum.ntk_frobenius_sq(apply_fn, params, x, key=jax.random.PRNGKey(seed), m=args.m)
         row[f"frobenius_{name}_s"] = time.perf_counter() - t
         row[f"frobenius_sq_{name}"] = est._asdict()
     if args.check:

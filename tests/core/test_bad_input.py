@@ -672,21 +672,21 @@ def _rows():
         Row("low-rank-singular", "dependent feature columns without a regulariser",
             "ntk_core.predict.low_rank_inference(np.ones((4, 2)), np.ones(4))",
             ValueError, r"^low_rank_inference: ΦᵀΦ \+ λI \(k = 2, λ = 0.000e\+00, N = 4\) is singular to float64"),
-        # -- matrix-free statistics (ntk_core.metrics.ntk_*) --------------------------
+        # -- matrix-free statistics (ntk_core.spectrum.ntk_*) --------------------------
         Row("matrix-free-m-zero", "a matrix-free estimate with m <= 0 products",
-            "ntk_core.metrics.ntk_frobenius_sq(f, W, XS, key=jax.random.PRNGKey(0), m=0)",
+            "ntk_core.spectrum.ntk_frobenius_sq(f, W, XS, key=jax.random.PRNGKey(0), m=0)",
             ValueError, r"^ntk_frobenius_sq: m must be an int >= 4, got 0"),
         Row("matrix-free-key-not-key", "a matrix-free estimate with a seed instead of a JAX key",
-            "ntk_core.metrics.ntk_frobenius_sq(f, W, XS, key=0)",
+            "ntk_core.spectrum.ntk_frobenius_sq(f, W, XS, key=0)",
             TypeError, r"^ntk_frobenius_sq: key must be one JAX PRNG key, got int"),
         Row("matrix-free-keys", "a matrix-free estimate with several keys (split) as key",
-            "ntk_core.metrics.ntk_effective_rank(f, W, XS, key=jax.random.split(jax.random.PRNGKey(0)))",
+            "ntk_core.spectrum.ntk_effective_rank(f, W, XS, key=jax.random.split(jax.random.PRNGKey(0)))",
             TypeError, r"^ntk_effective_rank: key must be one JAX PRNG key, got ArrayImpl of shape \(2, 2\)"),
         Row("matrix-free-steps-zero", "a matrix-free effective rank with steps=0 Lanczos steps",
-            "ntk_core.metrics.ntk_effective_rank(f, W, XS, key=jax.random.PRNGKey(0), steps=0)",
+            "ntk_core.spectrum.ntk_effective_rank(f, W, XS, key=jax.random.PRNGKey(0), steps=0)",
             ValueError, r"^ntk_effective_rank: steps must be a positive int, got 0"),
         Row("matrix-free-y-shape", "matrix-free alignment with targets for another number of samples",
-            "ntk_core.metrics.ntk_kernel_alignment(f, W, XS, jnp.ones((3, 2)), key=jax.random.PRNGKey(0))",
+            "ntk_core.spectrum.ntk_kernel_alignment(f, W, XS, jnp.ones((3, 2)), key=jax.random.PRNGKey(0))",
             ValueError, r"^ntk_kernel_alignment: y has shape \(3, 2\); expected the outputs' shape \(4, 2\)"),
     ]  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""ntk_core.metrics' matrix-free statistics against the exact kernel of a small MLP (N = 64,
+"""ntk_core.spectrum's matrix-free statistics against the exact kernel of a small MLP (N = 64,
 O = 3, M = 192): the float64 reference Jacobian contraction (tests/reference.py) and the
 exact metrics on ntk_core.empirical_ntk(..., trace_axes=()), and the exact trace.
 
@@ -60,10 +60,10 @@ def _check_seeds(results, truth):
 def test_frobenius_unbiased_within_standard_errors():
     params, x, _, flat, _ = _case()
     truth = float(np.sum(flat**2))
-    results = [metrics.ntk_frobenius_sq(_mlp, params, x, key=jax.random.PRNGKey(s)) for s in SEEDS]
+    results = [spectrum.ntk_frobenius_sq(_mlp, params, x, key=jax.random.PRNGKey(s)) for s in SEEDS]
     assert {r.products for r in results} == {60}
     _check_seeds(results, truth)
-    again = metrics.ntk_frobenius_sq(_mlp, params, x, key=jax.random.PRNGKey(0))
+    again = spectrum.ntk_frobenius_sq(_mlp, params, x, key=jax.random.PRNGKey(0))
     assert again == results[0]  # seeded: reproducible
 
 
@@ -72,7 +72,7 @@ def test_alignment_within_standard_errors():
     truth = metrics.kernel_alignment(theta, y)
     v = np.asarray(y, np.float64).reshape(-1)
     assert truth == pytest.approx(v @ flat @ v / (np.linalg.norm(flat) * (v @ v)), rel=1e-5)
-    fn = functools.partial(metrics.ntk_kernel_alignment, _mlp, params, x, y, m=61)
+    fn = functools.partial(spectrum.ntk_kernel_alignment, _mlp, params, x, y, m=61)
     _check_seeds([fn(key=jax.random.PRNGKey(s)) for s in SEEDS], truth)
 
 
@@ -85,7 +85,7 @@ def test_effective_rank_within_standard_errors():
     p = np.abs(lam) / np.abs(lam).sum()
     p = p[p > 0]
     assert truth == pytest.approx(math.exp(-np.sum(p * np.log(p))), rel=1e-4)
-    fn = functools.partial(metrics.ntk_effective_rank, _mlp, params, x, m=191, steps=8)
+    fn = functools.partial(spectrum.ntk_effective_rank, _mlp, params, x, m=191, steps=8)
     results = [fn(key=jax.random.PRNGKey(s)) for s in SEEDS]
     assert {r.products for r in results} == {11 * 17}  # k = 191 // 17 = 11
     _check_seeds(results, truth)
@@ -95,12 +95,12 @@ def test_m_covering_the_kernel_is_exact():
     params, x, y, flat, theta = _case()
     key = jax.random.PRNGKey(0)
     m = N * OUT
-    r = metrics.ntk_frobenius_sq(_mlp, params, x, key=key, m=m)
+    r = spectrum.ntk_frobenius_sq(_mlp, params, x, key=key, m=m)
     assert r.estimate == pytest.approx(float(np.sum(flat**2)), rel=1e-5)
     assert (r.standard_error, r.products) == (0.0, m)
-    r = metrics.ntk_effective_rank(_mlp, params, x, key=key, m=m)
+    r = spectrum.ntk_effective_rank(_mlp, params, x, key=key, m=m)
     assert r.estimate == pytest.approx(metrics.effective_rank(theta), rel=1e-4)
-    r = metrics.ntk_kernel_alignment(_mlp, params, x, y, key=key, m=m + 1)
+    r = spectrum.ntk_kernel_alignment(_mlp, params, x, y, key=key, m=m + 1)
     assert r.estimate == pytest.approx(metrics.kernel_alignment(theta, y), rel=1e-5)
     assert (r.standard_error, r.products) == (0.0, m + 1)
 
@@ -113,5 +113,5 @@ def test_pytree_outputs_concatenate_per_sample():
         out = _mlp(p, x)
         return {"a": out[:, :1], "b": out[:, 1:]}
 
-    r = metrics.ntk_frobenius_sq(two, params, x, key=jax.random.PRNGKey(0), m=N * OUT)
+    r = spectrum.ntk_frobenius_sq(two, params, x, key=jax.random.PRNGKey(0), m=N * OUT)
     assert r.estimate == pytest.approx(float(np.sum(flat**2)), rel=1e-5)

@@ -20,15 +20,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from ntk_core._api import _get
 from ntk_core._errors import bad, check_int
 from ntk_core._functional.ntk_vp import _product, make_ntk_vp
 from ntk_core._jax import caches as _caches
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import core
+from ntk_core._kernel.checks import check_apply_fn
 from ntk_core._predict.linalg import check_finite
 
 _COLUMNS = 16  # vectors per vmapped NTK-vector product
 _KEY_FIX = "pass key=jax.random.PRNGKey(seed)"
+
+_NTK_TRACE = core("ntk_trace", one_input=True)
 
 
 class Estimate(NamedTuple):
@@ -116,9 +120,7 @@ def _exact_kernel(op: _Flat) -> np.ndarray:
 
 
 def _trace(op: _Flat, batch_size, precision) -> float:
-    """tr Θ exact: :func:`ntk_core.spectrum.ntk_trace` (the kernel's diagonal, O(N))."""
-    from ntk_core._analysis.spectrum import ntk_trace  # scipy: imported when first used
-
+    """tr Θ exact: :func:`ntk_trace` (the kernel's diagonal, O(N))."""
     return ntk_trace(op.apply_fn, op.params, op.x, batch_size=batch_size, precision=precision)
 
 
@@ -172,10 +174,10 @@ def ntk_frobenius_sq(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from ntk_core import metrics
+      >>> from ntk_core import spectrum
       >>> f = lambda w, x: x @ w                                   # Θ = x xᵀ ⊗ I_O
       >>> x = jnp.array([[1.0, 2.0], [3.0, 0.0]])                  # N = 2, O = 3, M = 6
-      >>> r = metrics.ntk_frobenius_sq(f, jnp.zeros((2, 3)), x, key=jax.random.PRNGKey(0))
+      >>> r = spectrum.ntk_frobenius_sq(f, jnp.zeros((2, 3)), x, key=jax.random.PRNGKey(0))
       >>> round(r.estimate, 3), r.standard_error, r.products       # m >= M: exact
       (372.0, 0.0, 6)
 
@@ -255,10 +257,10 @@ def ntk_effective_rank(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from ntk_core import metrics
+      >>> from ntk_core import spectrum
       >>> f = lambda w, x: x @ w                                   # Θ = x xᵀ ⊗ I_O
       >>> x = jnp.eye(2)                                           # Θ = I_6
-      >>> r = metrics.ntk_effective_rank(f, jnp.zeros((2, 3)), x, key=jax.random.PRNGKey(0))
+      >>> r = spectrum.ntk_effective_rank(f, jnp.zeros((2, 3)), x, key=jax.random.PRNGKey(0))
       >>> round(r.estimate, 6), r.products
       (6.0, 6)
 
@@ -318,10 +320,10 @@ def ntk_kernel_alignment(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from ntk_core import metrics
+      >>> from ntk_core import spectrum
       >>> f = lambda w, x: x @ w                                   # Θ = x xᵀ ⊗ I_O
       >>> x, y = jnp.eye(2), jnp.ones((2, 3))                      # Θ = I_6: A = 6/(√6·6)
-      >>> r = metrics.ntk_kernel_alignment(f, jnp.zeros((2, 3)), x, y, key=jax.random.PRNGKey(0))
+      >>> r = spectrum.ntk_kernel_alignment(f, jnp.zeros((2, 3)), x, y, key=jax.random.PRNGKey(0))
       >>> round(r.estimate, 6), r.products
       (0.408248, 7)
 
@@ -371,3 +373,46 @@ def _targets(fn: str, op: _Flat, y) -> np.ndarray:
 ntk_frobenius_sq = _checked_arguments(ntk_frobenius_sq)
 ntk_effective_rank = _checked_arguments(ntk_effective_rank)
 ntk_kernel_alignment = _checked_arguments(ntk_kernel_alignment)
+
+
+@_caches.lru_cache(maxsize=64)
+def _flattened(apply_fn):
+    """``apply_fn`` with output leaves flattened to ``(N, O_l)`` and concatenated."""
+
+    def apply(params, x):
+        leaves = jax.tree.leaves(apply_fn(params, x))
+        flat = [leaf.reshape(leaf.shape[0], -1) for leaf in leaves]
+        return flat[0] if len(flat) == 1 else jax.numpy.concatenate(flat, axis=1)
+
+    return apply
+
+
+def ntk_trace(
+    apply_fn, params, x, *, batch_size=None, implementation="auto", precision="highest"
+) -> float:
+    """tr Θ(x, x) = Σ_i Σ_a ‖∂f_a(x_i)/∂θ‖² (the eigenvalue sum), a Python float, at O(N) cost.
+
+    The diagonal of :func:`ntk_core.empirical_ntk` (``trace_axes=()``, ``diagonal_axes=(0,
+    1)``) summed in float64; arguments and errors as there (``apply_fn, params, x``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from ntk_core import spectrum
+      >>> spectrum.ntk_trace(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3))  # Σ ‖x_i‖²·O
+      6.0
+
+    References: Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018.
+    """
+    fn = _NTK_TRACE.name
+    check_apply_fn(fn, apply_fn)
+    try:
+        flat = _flattened(apply_fn)
+    except TypeError:  # unhashable callable
+        flat = _flattened.__wrapped__(apply_fn)
+    options = dict(trace_axes=(), diagonal_axes=(0, 1), batch_size=batch_size, progress=False)
+    options.update(implementation=implementation, precision=precision)
+    diag = _get("ntk", _NTK_TRACE, flat, options)(params, x, None)
+    return float(np.sum(np.asarray(diag, np.float64)))
+
+
+ntk_trace = _checked_arguments(ntk_trace)

@@ -12,17 +12,14 @@ import scipy.linalg
 import scipy.sparse.linalg
 
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
-from ntk_core._api import _get
 from ntk_core._errors import bad, check_int, check_real
 from ntk_core._functional.ntk_vp import make_ntk_vp
-from ntk_core._jax import caches as _caches
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import check_apply_fn
 
 _NTK_OPERATOR = core("ntk_operator", one_input=True)
 _NTK_EIGSH = core("ntk_eigsh", one_input=True)
-_NTK_TRACE = core("ntk_trace", one_input=True)
 
 #: Valid values of ``which``: largest (``"LA"``) or smallest (``"SA"``) algebraic.
 WHICH = (_LARGEST, _SMALLEST) = ("LA", "SA")
@@ -262,46 +259,6 @@ def kernel_eigsh(
     return Eigenpairs(w, v.reshape((host.n,) + host.out_shape + (-1,)), op.matvecs)
 
 
-@_caches.lru_cache(maxsize=64)
-def _flattened(apply_fn):
-    """``apply_fn`` with output leaves flattened to ``(N, O_l)`` and concatenated."""
-
-    def apply(params, x):
-        leaves = jax.tree.leaves(apply_fn(params, x))
-        flat = [leaf.reshape(leaf.shape[0], -1) for leaf in leaves]
-        return flat[0] if len(flat) == 1 else jax.numpy.concatenate(flat, axis=1)
-
-    return apply
-
-
-def ntk_trace(
-    apply_fn, params, x, *, batch_size=None, implementation="auto", precision="highest"
-) -> float:
-    """tr Θ(x, x) = Σ_i Σ_a ‖∂f_a(x_i)/∂θ‖² (the eigenvalue sum), a Python float, at O(N) cost.
-
-    The diagonal of :func:`ntk_core.empirical_ntk` (``trace_axes=()``, ``diagonal_axes=(0,
-    1)``) summed in float64; arguments and errors as there (``apply_fn, params, x``).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from ntk_core import spectrum
-      >>> spectrum.ntk_trace(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3))  # Σ ‖x_i‖²·O
-      6.0
-
-    References: Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018.
-    """
-    fn = _NTK_TRACE.name
-    check_apply_fn(fn, apply_fn)
-    try:
-        flat = _flattened(apply_fn)
-    except TypeError:  # unhashable callable
-        flat = _flattened.__wrapped__(apply_fn)
-    options = dict(trace_axes=(), diagonal_axes=(0, 1), batch_size=batch_size, progress=False)
-    options.update(implementation=implementation, precision=precision)
-    diag = _get("ntk", _NTK_TRACE, flat, options)(params, x, None)
-    return float(np.sum(np.asarray(diag, np.float64)))
-
-
 def condition_number(kernel=None, *, eigenvalues=None) -> float:
     """λ_max / λ_min of a symmetric kernel (``inf`` when λ_min <= 0), a Python float.
 
@@ -325,7 +282,6 @@ def condition_number(kernel=None, *, eigenvalues=None) -> float:
 
 ntk_operator = _checked_arguments(ntk_operator)
 ntk_eigsh = _checked_arguments(ntk_eigsh)
-ntk_trace = _checked_arguments(ntk_trace)
 kernel_operator = _checked_arguments(kernel_operator)
 kernel_eigsh = _checked_arguments(kernel_eigsh)
 condition_number = _checked_arguments(condition_number)
