@@ -15,7 +15,7 @@ from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.engine import Engine
 from ntk_core._kernel.function import KernelFunction
 from ntk_core._kernel.options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
-from ntk_core._kernel.pipeline import Spec
+from ntk_core._kernel.pipeline import Kind, Spec
 
 #: Options of the other framework's spelling, per adapter: the fix to give instead.
 _RENAMED = {
@@ -127,13 +127,15 @@ class PureModel:
     model_kwargs: str = "apply_kwargs={...}"
 
 
-def build_kernel(caller: Caller, kind: str, model: PureModel, options: dict) -> KernelFunction:
+def build_kernel(
+    caller: Caller, kind: Kind | str, model: PureModel, options: dict
+) -> KernelFunction:
     """The :class:`~ntk_core.KernelFunction` ``kernel(first, x1, x2=None, *, call keywords)``
     of ``model`` for ``caller``; ``kind``: ``"ntk"``, ``"nngp"`` or ``"ntk_per_leaf"``;
     ``options``: the core's (:func:`ntk_core.ntk_fn`), validated here. ``first`` is named
     after ``model.to_core``'s first parameter; other keywords get a TypeError."""
-    fn_name = caller.name
-    valid = NNGP_OPTION_NAMES if kind == "nngp" else NTK_OPTION_NAMES
+    fn_name, kind = caller.name, Kind(kind)
+    valid = NNGP_OPTION_NAMES if kind is Kind.NNGP else NTK_OPTION_NAMES
     unknown = sorted(set(options) - set(valid))
     if unknown:
         renamed = _RENAMED.get(caller.package, {})

@@ -49,7 +49,7 @@ class KernelFunction:
 
     @property
     def kind(self) -> str:
-        return self._engine.spec.kind
+        return self._engine.spec.kind.value
 
     @property
     def options(self) -> KernelOptions:

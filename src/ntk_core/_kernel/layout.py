@@ -11,6 +11,7 @@ import string
 import jax
 
 from ntk_core._errors import bad
+from ntk_core._kernel.kind import Kind
 
 #: A tuple of output axes (trace_axes, diagonal_axes).
 Axes = tuple[int, ...]
@@ -115,6 +116,6 @@ def leaf_layouts(config) -> list:
     """The layout of each kernel leaf of a result, in ``jax.tree.leaves`` order."""
     n_out = config.out_tree.num_leaves
     ids = jax.tree.unflatten(config.out_tree, list(range(n_out)))
-    if config.kind == "ntk_per_leaf":
+    if config.kind is Kind.NTK_PER_LEAF:
         ids = jax.tree.unflatten(config.params_tree, [ids] * config.params_tree.num_leaves)
     return [config.layouts[i] for i in jax.tree.leaves(ids)]

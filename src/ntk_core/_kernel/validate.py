@@ -17,7 +17,7 @@ from ntk_core._kernel import probe as _probe
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.layout import resolve_layout
 from ntk_core._kernel.model import one_sample, per_sample_trace
-from ntk_core._kernel.pipeline import Checked, Spec
+from ntk_core._kernel.pipeline import Checked, Kind, Spec
 
 
 def as_arrays(tree):
@@ -146,7 +146,7 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
         fix = "keep the batch axis for any N (no squeeze, no fixed N), or pass vmap_axes=None"
         raise bad(ValueError, fn, what + one_line(one_sample_error), fix) from one_sample_error
     if known is None:
-        kernel = "NNGP" if spec.kind == "nngp" else "NTK"
+        kernel = "NNGP" if spec.kind is Kind.NNGP else "NTK"
         _checks.after_trace(fn, spec.apply3, params, x1, x2, aux, out_leaves, opts, kernel, closed)
     if known is None and sample_key is not None:  # vmap_axes=0
         if _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn):
