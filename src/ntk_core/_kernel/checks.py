@@ -30,12 +30,10 @@ def check_apply_fn(fn_name: str, apply_fn, entry: str = "kernel") -> None:
     flax = "Module" in _classes(apply_fn, "flax.linen") or is_nnx_module(apply_fn)
     haiku = any(n.startswith("Transformed") for n in _classes(apply_fn, "haiku"))
     package = "ntk_flax" if flax else "ntk_haiku" if haiku else ""
-    if package:
-        what = f"apply_fn is the model {name}, not apply_fn(params, x)"
-        raise bad(TypeError, fn_name, what, f"use {package}.{entry} with the model")
-    if not callable(apply_fn):
-        what = f"apply_fn must be a callable apply_fn(params, x), got {name}"
-        raise bad(TypeError, fn_name, what, "pass e.g. model.apply")
+    if package or not callable(apply_fn):
+        what = f"is the model {name}, not" if package else "must be a callable"
+        fix = f"use {package}.{entry} with the model" if package else "pass e.g. model.apply"
+        raise bad(TypeError, fn_name, f"apply_fn {what} apply_fn(params, x), got {name}", fix)
 
 
 def params_check(fn_name: str, apply_fn):
@@ -51,8 +49,7 @@ def params_check(fn_name: str, apply_fn):
         keys = sorted(params) if isinstance(params, Mapping) else type(params).__name__
         if keys != ["params"]:
             what = f"model.apply needs the variables {{'params': ...}} alone, got {keys!r}"
-            fix = "use ntk_flax.kernel(model, variables, x), which holds other collections fixed"
-            raise bad(ValueError, fn_name, what, fix)
+            raise bad(ValueError, fn_name, what, "use ntk_flax.kernel(model, variables, x)")
 
     return check
 
@@ -66,9 +63,8 @@ def samples_interact_error(fn_name: str, fix: str) -> ValueError:
 def adapter_model_failure(caller: Caller, params_name: str, error: Exception) -> ValueError:
     """An adapter's ValueError for a model that fails on x1."""
     mine = "" if caller.monte_carlo else f"{params_name} from this model's init, "
-    fix = f"check {mine}x1's per-sample shape (batch axis first) and the model's own arguments"
-    fix += " (apply_kwargs, e.g. {'train': False}; nnx: model.eval())"
-    return bad(ValueError, caller.name, f"applying the model to x1 failed: {one_line(error)}", fix)
+    what, fix = f"applying the model to x1 failed: {one_line(error)}", f"check {mine}x1's shape"
+    return bad(ValueError, caller.name, what, fix, see="model-failed")
 
 
 def _numeric(dtype, kinds=(jnp.number, jnp.bool_)) -> bool:
@@ -82,8 +78,10 @@ def _numeric(dtype, kinds=(jnp.number, jnp.bool_)) -> bool:
 def leaked_tracer_error(fn_name: str, error: Exception) -> ValueError:
     """The ValueError for JAX's ``UnexpectedTracerError`` in the model."""
     first = str(error).strip().splitlines()[0]
-    what = f"the model uses a leaked tracer (a value closed over from a finished jax.jit): {first}"
-    return bad(ValueError, fn_name, what, "pass that value through params, x or aux")
+    what = f"the model uses a leaked tracer: {first}"
+    return bad(
+        ValueError, fn_name, what, "pass that value through params or x", see="leaked-tracer"
+    )
 
 
 def model_call_error(fn_name: str, doing: str, error: Exception, fix: str) -> ValueError:
@@ -95,33 +93,29 @@ def model_call_error(fn_name: str, doing: str, error: Exception, fix: str) -> Va
 
 def order_hint(caller: Caller) -> str:
     """ "the argument order is ...", with neural-tangents' order where it applies."""
-    hint = f"the argument order is {caller.order}"
-    if caller.neural_tangents_order:
-        hint += f", not neural-tangents' {caller.neural_tangents_order}"
-    return hint
+    nt = caller.neural_tangents_order
+    return f"the argument order is {caller.order}" + (f", not neural-tangents' {nt}" if nt else "")
 
 
 def before_trace(fn_name: str, params, x1, x2, options) -> None:
     """Environment and dtype checks that need no trace of the model."""
     _environment.check_backend(fn_name)
-    for name, tree in (("x1", x1), ("x2", x2)):
+    for name, tree in dict(x1=x1, x2=x2).items():
         for leaf in jax.tree.leaves(tree):
             dtype = getattr(leaf, "dtype", None)
             if dtype is not None and not _numeric(dtype):
                 what = f"{name} has dtype {np.dtype(dtype)}; expected numbers"
                 raise bad(TypeError, fn_name, what, "encode the inputs as numbers (token ids)")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        where = f"params{jax.tree_util.keystr(path)}"
         if not _numeric(leaf.dtype, (jnp.floating,)):
-            what = f"{where} has dtype {np.dtype(leaf.dtype)}; expected real floating point"
-            fix = "keep only real weights in params (complex: two real leaves)"
-            raise bad(TypeError, fn_name, what, fix)
+            what = f"params{jax.tree_util.keystr(path)} has dtype {np.dtype(leaf.dtype)}"
+            raise bad(TypeError, fn_name, f"{what}; expected real floating point", "split complex")
 
 
 def after_trace(fn, apply3, params, x1, x2, aux, out_leaves, options, kernel="NTK", closed=None):
     """Checks of the outputs; precision warnings for ``kernel`` (``closed``: a jaxpr, or None)."""
     for i, leaf in enumerate(out_leaves):
-        if np.dtype(leaf.dtype).kind == "c":
+        if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
             where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
             what = f"{where} has dtype {leaf.dtype}; expected real floating point"
             raise bad(TypeError, fn, what, "return the real and imaginary parts apart")
@@ -166,5 +160,5 @@ def check_finite_input(fn_name: str, name: str, x) -> None:
 
 
 def check_finite_inputs(fn_name: str, x1, x2) -> None:
-    check_finite_input(fn_name, "x1", x1)
-    check_finite_input(fn_name, "x2", x2)  # None: no leaves
+    for name, x in dict(x1=x1, x2=x2).items():  # x2 None: no leaves
+        check_finite_input(fn_name, name, x)
