@@ -87,17 +87,17 @@ def input_shape_mismatch(
     found = original_shape()
     if found is not None:
         name, sample, original = found
-        what = f"applying the model to x1 failed: {name} has per-sample shape {sample}, but "
-        what += f"{params_name} were made by {init_name} for inputs of per-sample shape "
-        what += f"{original} (parameter {path} has shape {has}){more}"
-        shape = f"(N, {', '.join(map(str, original))})"
-        inputs = "inputs" if name == "x1" else name
-        fix = f"pass {inputs} of shape {shape}, or re-initialise ({init_call})"
-        return bad(ValueError, fn_name, what, fix)
-    samples = ", ".join(str(tuple(np.shape(v))[1:]) for v in jax.tree.leaves(x1))
-    what = f"applying the model to x1 failed: {params_name} do not fit x1's per-sample shape "
-    what += f"{samples} (parameter {path} has shape {has}, init on x1 makes {needs}){more}"
-    return bad(ValueError, fn_name, what, f"pass matching inputs, or re-initialise ({init_call})")
+        what = f"{name} has per-sample shape {sample}, but {params_name} were made by {init_name} "
+        what += f"for inputs of per-sample shape {original}"
+        shape = ", ".join(map(str, original))
+        fix = f"pass {'inputs' if name == 'x1' else name} of shape (N, {shape})"
+    else:
+        samples = ", ".join(str(tuple(np.shape(v))[1:]) for v in jax.tree.leaves(x1))
+        what = f"{params_name} do not fit x1's per-sample shape {samples}"
+        fix, needs = "pass matching inputs", f", init on x1 makes {needs}"
+    what += f" (parameter {path} has shape {has}{needs if found is None else ''}){more}"
+    what, fix = f"applying the model to x1 failed: {what}", f"{fix}, or re-initialise ({init_call})"
+    return bad(ValueError, fn_name, what, fix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,19 +139,14 @@ def build_kernel(
     unknown = sorted(set(options) - set(valid))
     if unknown:
         renamed = _RENAMED.get(caller.package, {})
-        fixes, model_kwargs = [], False
-        for u in unknown:
-            close = difflib.get_close_matches(u, valid, 1)
-            if u in renamed:
-                fixes.append(renamed[u])
-            elif close:  # a misspelt option, e.g. trace_axis
-                fixes.append(f"write {close[0]}= (not {u}=)")
-            else:
-                model_kwargs = True
-        if model_kwargs and model.model_kwargs:
-            fixes.append(f"pass model keyword arguments through {model.model_kwargs}")
-        elif model_kwargs:
-            fixes.append("drop the others")
+        close = {u: difflib.get_close_matches(u, valid, 1) for u in unknown}
+        known = [u for u in unknown if u in renamed or close[u]]  # renamed or misspelt
+        fixes = [renamed.get(u) or f"write {close[u][0]}= (not {u}=)" for u in known]
+        if len(fixes) < len(unknown):  # the others: perhaps the model's own keywords
+            model_kwargs = model.model_kwargs
+            fixes.append(
+                f"pass model keywords through {model_kwargs}" if model_kwargs else "drop them"
+            )
         what = f"unknown option(s) {', '.join(map(repr, unknown))}; valid are {', '.join(valid)}"
         raise bad(TypeError, fn_name, what, "; ".join(fixes))
     opts = make_options(fn_name, **options)
@@ -159,11 +154,12 @@ def build_kernel(
     keywords = model.call_keywords
 
     def bind(first, x1, given):
-        unknown = sorted(set(given) - set(keywords))
+        unknown = ", ".join(map(repr, sorted(set(given) - set(keywords))))
         if unknown:
-            what = f"unknown keyword argument(s) {', '.join(map(repr, unknown))}"
             fix = f"pass only {', '.join(f'{k}=' for k in keywords)}; options go to the builder"
-            raise bad(TypeError, f"{caller.name}(...)(...)", what, fix)
+            raise bad(
+                TypeError, f"{fn_name}(...)(...)", f"unknown keyword argument(s) {unknown}", fix
+            )
         if model.to_core_reads_x1:
             return model.to_core(first, x1, **given)
         return model.to_core(first, **given)
