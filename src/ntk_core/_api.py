@@ -87,7 +87,7 @@ def ntk_fn(
       Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
       Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
-    return _make(Kind.NTK, core("ntk_fn", built=True), apply_fn, locals())
+    return _make(Kind.NTK, core(ntk_fn.__name__, built=True), apply_fn, locals())
 
 
 def _make(kind: Kind, caller: Caller, apply_fn, options: dict) -> KernelFunction:
@@ -145,7 +145,7 @@ def nngp_fn(
     References:
       Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
-    return _make(Kind.NNGP, core("nngp_fn", built=True), apply_fn, locals())
+    return _make(Kind.NNGP, core(nngp_fn.__name__, built=True), apply_fn, locals())
 
 
 def _get(kind, caller: Caller, apply_fn, options: dict) -> Callable:
@@ -195,7 +195,9 @@ def empirical_ntk(
       >>> k8.shape, float(k8[36, 0])
       ((37, 37), 3.0)
     """
-    return _get(Kind.NTK, core("empirical_ntk"), apply_fn, _options(locals()))(params, x1, x2)
+    return _get(Kind.NTK, core(empirical_ntk.__name__), apply_fn, _options(locals()))(
+        params, x1, x2
+    )
 
 
 def empirical_nngp(
@@ -226,7 +228,9 @@ def empirical_nngp(
       >>> ntk_core.empirical_nngp(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3)).shape
       (3, 3)
     """
-    return _get(Kind.NNGP, core("empirical_nngp"), apply_fn, _options(locals()))(params, x1, x2)
+    return _get(Kind.NNGP, core(empirical_nngp.__name__), apply_fn, _options(locals()))(
+        params, x1, x2
+    )
 
 
 def ntk_per_leaf_fn(
@@ -268,7 +272,7 @@ def ntk_per_leaf_fn(
       >>> k["b"].shape, float(k["w"][0, 0]), float(k["b"][0, 0])
       ((3, 3), 1.0, 1.0)
     """
-    return _make(Kind.NTK_PER_LEAF, core("ntk_per_leaf_fn", built=True), apply_fn, locals())
+    return _make(Kind.NTK_PER_LEAF, core(ntk_per_leaf_fn.__name__, built=True), apply_fn, locals())
 
 
 def empirical_ntk_per_leaf(
@@ -302,7 +306,7 @@ def empirical_ntk_per_leaf(
       (3, 3)
     """
     options = _options(locals())
-    return _get(Kind.NTK_PER_LEAF, core("empirical_ntk_per_leaf"), apply_fn, options)(
+    return _get(Kind.NTK_PER_LEAF, core(empirical_ntk_per_leaf.__name__), apply_fn, options)(
         params, x1, x2
     )
 
@@ -348,7 +352,7 @@ def plan(
       ['b'] 2 structured (bias fused with its matrix product)
       ['w'] 6 structured (1 matrix product)
     """
-    return _get(Kind.NTK, core("plan"), apply_fn, _options(locals())).plan(params, x1, x2)
+    return _get(Kind.NTK, core(plan.__name__), apply_fn, _options(locals())).plan(params, x1, x2)
 
 
 empirical_ntk = _checked_arguments(empirical_ntk)

@@ -14,21 +14,26 @@ from ntk_core._errors import NonFiniteError, bad, one_line
 from ntk_core._jax import environment as _environment
 from ntk_core._kernel.caller import Caller
 
+#: (package, class name prefix) of the framework classes recognised here.
+_LINEN, _NNX, _HAIKU = ("flax.linen", "Module"), ("flax.nnx", "Module"), ("haiku", "Transformed")
 
-def _classes(obj, package: str) -> set[str]:
-    return {c.__name__ for c in type(obj).__mro__ if c.__module__.startswith(package)}
+
+def _is(obj, kind: tuple[str, str]) -> bool:
+    """Whether ``obj``'s class or a base is ``kind``'s (a package and a class name prefix)."""
+    package, prefix = kind
+    mro = type(obj).__mro__
+    return any(c.__module__.startswith(package) and c.__name__.startswith(prefix) for c in mro)
 
 
 def is_nnx_module(obj) -> bool:
     """Whether ``obj`` is a ``flax.nnx.Module`` (by its classes)."""
-    return "Module" in _classes(obj, "flax.nnx")
+    return _is(obj, _NNX)
 
 
 def check_apply_fn(fn_name: str, apply_fn, entry: str = "kernel") -> None:
     """Refuses a Flax/Haiku model object (naming the adapter's ``entry``) or a non-callable."""
     name = type(apply_fn).__name__
-    flax = "Module" in _classes(apply_fn, "flax.linen") or is_nnx_module(apply_fn)
-    haiku = any(n.startswith("Transformed") for n in _classes(apply_fn, "haiku"))
+    flax, haiku = _is(apply_fn, _LINEN) or is_nnx_module(apply_fn), _is(apply_fn, _HAIKU)
     package = "ntk_flax" if flax else "ntk_haiku" if haiku else ""
     if package or not callable(apply_fn):
         what = f"is the model {name}, not" if package else "must be a callable"
@@ -42,7 +47,7 @@ def params_check(fn_name: str, apply_fn):
     while isinstance(inner, functools.partial):
         inner = inner.func
     module = getattr(inner, "__self__", None)
-    if module is None or "Module" not in _classes(module, "flax.linen") or inner != module.apply:
+    if module is None or not _is(module, _LINEN) or inner != module.apply:
         return None  # not a linen module's own model.apply (bound methods compare so)
 
     def check(params, x1, x2, aux):

@@ -77,10 +77,8 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
             raise bad(ValueError, fn, what, "give x2 the structure of x1")
         for a, b in zip(jax.tree.leaves(x1), jax.tree.leaves(x2), strict=True):
             if np.shape(a)[1:] != np.shape(b)[1:]:
-                what = (
-                    f"x1 and x2 differ in their non-batch shapes: {describe(x1)} vs {describe(x2)}"
-                )
-                raise bad(ValueError, fn, what, "give x2 the per-sample shape of x1")
+                what = f"x1 and x2 differ in their non-batch shapes: {describe(x1)} vs "
+                raise bad(ValueError, fn, what + describe(x2), "give x2 the per-sample shape of x1")
             ta, tb = jnp.result_type(a), jnp.result_type(b)
             if jnp.issubdtype(ta, jnp.inexact) != jnp.issubdtype(tb, jnp.inexact):
                 raise bad(TypeError, fn, f"x1 has dtype {ta} where x2 has {tb}", "match them")
