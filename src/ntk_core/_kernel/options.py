@@ -170,10 +170,8 @@ def make_options(
     """Validates the shared options; raises TypeError/ValueError naming ``fn_name``."""
     trace, diag = _axes(fn_name, trace_axes=trace_axes, diagonal_axes=diagonal_axes)
     if vmap_axes is not None and (isinstance(vmap_axes, bool) or vmap_axes != 0):
-        fix = "move the batch axis to 0, or pass vmap_axes=None"
-        raise must(
-            ValueError, fn_name, "vmap_axes", "0 (independent samples) or None", vmap_axes, fix
-        )
+        what = f"vmap_axes must be 0 (independent samples) or None, got {vmap_axes!r}"
+        raise bad(ValueError, fn_name, what, "move the batch axis to 0, or pass vmap_axes=None")
     if not isinstance(implementation, (str, bool)) and implementation in NT_IMPLEMENTATIONS:
         nt, name = NT_IMPLEMENTATIONS[implementation]
         what = f"implementation={implementation!r} is neural-tangents' NtkImplementation.{nt}"
