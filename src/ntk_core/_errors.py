@@ -11,12 +11,12 @@ class NonFiniteError(ValueError):
     ``ValueError`` whose own type tells it from other bad input."""
 
 
-def bad(cls: type[Exception], fn: str, what: str, fix: str, see: str = "") -> Exception:
+def bad(cls: type[Exception], fn: str, what: str, fix: str, see: str | None = None) -> Exception:
     """``cls("{fn}: {what}. Fix: {fix}.")``; ``see``: the section of ``docs/errors.md``."""
     return cls(f"{fn}: {what}. Fix: {fix}." + (f" See docs/errors.md#{see}." if see else ""))
 
 
-def must(cls: type[Exception], fn: str, name: str, expect: str, got, fix="", *, eg=None):
+def must(cls: type[Exception], fn: str, name: str, expect: str, got, fix=None, *, eg=None):
     """``bad(cls, fn, "{name} must be {expect}, got {got}", fix)``; ``eg``: the fix is
     ``"pass e.g. {name}={eg}"``."""
     return bad(cls, fn, f"{name} must be {expect}, got {got}", fix or f"pass e.g. {name}={eg}")

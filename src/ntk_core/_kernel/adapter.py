@@ -19,11 +19,8 @@ from ntk_core._kernel.pipeline import Kind, Spec
 
 #: Options of the other framework's spelling, per adapter: the fix to give instead.
 _RENAMED = {
-    "ntk_haiku": {
-        "rngs": "pass rng=key (Haiku takes one PRNG key, not rngs=)",
-        "mutable": "pass state= for an hk.TransformedWithState (Haiku has no mutable=)",
-    },
-    "ntk_flax": {"rng": "pass rngs={'dropout': key} (Flax takes a dict of PRNG keys, not rng=)"},
+    "ntk_haiku": {"rngs": "pass one PRNG key as rng=key", "mutable": "pass state= instead"},
+    "ntk_flax": {"rng": "pass a dict of PRNG keys as rngs={'dropout': key}"},
 }
 
 

@@ -11,6 +11,7 @@ from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.checks import adapter_model_failure
 
 _KINDS = {"x": object, "args": (tuple, list), "kwargs": Mapping}
+_AS = {"args": "a tuple", "kwargs": "a dict"}  # what x must be, in messages
 
 
 def check_inputs_option(fn_name: str, inputs) -> str:
@@ -24,10 +25,10 @@ def check_inputs_option(fn_name: str, inputs) -> str:
 def spread_inputs(fn_name: str, inputs: str, x, name: str = "x1") -> tuple[tuple, dict]:
     """The model call's ``(args, kwargs)`` for ``x``; TypeError for a tuple / dict not given."""
     if not isinstance(x, _KINDS[inputs]):
-        a, other = ("a tuple", "kwargs") if inputs == "args" else ("a dict", "args")
+        a, other = _AS[inputs], next(k for k in _AS if k != inputs)  # the other of args, kwargs
         what = f"inputs={inputs!r} needs {name} as {a} of per-sample arrays, got {type(x).__name__}"
-        fix = f"pass {a}, inputs={other!r} for {'a dict' if other == 'kwargs' else 'a tuple'}"
-        raise bad(TypeError, fn_name, what, fix + ", or inputs='x' for one argument")
+        fix = f"pass {a}, inputs={other!r} for {_AS[other]}, or inputs='x' for one argument"
+        raise bad(TypeError, fn_name, what, fix)
     return ((x,), {}) if inputs == "x" else (tuple(x), {}) if inputs == "args" else ((), dict(x))
 
 

@@ -140,9 +140,8 @@ def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
     )
     one = model.residual_bytes + model.cotangent_bytes
     if one > budget and opts.batch_size != AUTO_BATCH_SIZE:
-        given = "memory_budget" if opts.memory_budget else "the default memory_budget"
         what = f"vmap_axes=None differentiates {n} samples at once, needing {human_bytes(one)}, "
-        what += f"beyond {given} of {human_bytes(budget)}"
+        what += f"beyond memory_budget of {human_bytes(budget)}"
         fix = f"pass vmap_axes=0, fewer samples, or raise memory_budget to at least {one} bytes"
         raise bad(ValueError, spec.fn_name, what, fix)
     return model
