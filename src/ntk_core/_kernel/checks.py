@@ -84,9 +84,7 @@ def leaked_tracer_error(fn_name: str, error: Exception) -> ValueError:
     """The ValueError for JAX's ``UnexpectedTracerError`` in the model."""
     first = str(error).strip().splitlines()[0]
     what = f"the model uses a leaked tracer: {first}"
-    return bad(
-        ValueError, fn_name, what, "pass that value through params or x", see="leaked-tracer"
-    )
+    return bad(ValueError, fn_name, what, "pass it through params or x", see="leaked-tracer")
 
 
 def model_call_error(fn_name: str, doing: str, error: Exception, fix: str) -> ValueError:
@@ -113,8 +111,9 @@ def before_trace(fn_name: str, params, x1, x2, options) -> None:
                 raise bad(TypeError, fn_name, what, "encode the inputs as numbers (token ids)")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if not _numeric(leaf.dtype, (jnp.floating,)):
-            what = f"params{jax.tree_util.keystr(path)} has dtype {np.dtype(leaf.dtype)}"
-            raise bad(TypeError, fn_name, f"{what}; expected real floating point", "split complex")
+            where = jax.tree_util.keystr(path)
+            what = f"params{where} has dtype {np.dtype(leaf.dtype)}; expected real floating point"
+            raise bad(TypeError, fn_name, what, "keep only real weights in params")
 
 
 def after_trace(fn, apply3, params, x1, x2, aux, out_leaves, options, kernel="NTK", closed=None):

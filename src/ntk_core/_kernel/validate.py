@@ -157,7 +157,9 @@ def check_untraced(spec: Spec, params, x1, x2) -> None:
     """The blocked engine writes tiles to the host: refuses traced arguments."""
     if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, x1, x2))):
         given = f"batch_size={spec.options.batch_size!r}"
-        raise bad(ValueError, spec.fn_name, f"{given} was used inside jax.jit", "call it outside")
+        raise bad(
+            ValueError, spec.fn_name, f"{given} was used inside jax.jit", "call it outside jit"
+        )
 
 
 def check_blocks_independent(spec: Spec, checked: Checked, cut, params, x1, x2, aux) -> None:
