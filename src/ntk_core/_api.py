@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 from ntk_core._errors import bad
@@ -11,7 +10,7 @@ from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import check_apply_fn, params_check
 from ntk_core._kernel.engine import Engine
-from ntk_core._kernel.function import KernelFunction
+from ntk_core._kernel.function import SIGNATURE, KernelFunction
 from ntk_core._kernel.model import from_apply_fn
 from ntk_core._kernel.options import DEFAULTS, NTK_OPTION_NAMES, make_options
 from ntk_core._kernel.pipeline import Kind, Spec
@@ -105,10 +104,7 @@ def _make(kind: Kind, caller: Caller, apply_fn, options: dict) -> KernelFunction
             raise bad(TypeError, f"{fn_name}(...)(params, x1, x2)", what, fix)
         return params, None
 
-    return KernelFunction(engine, bind, _CORE_SIGNATURE)
-
-
-_CORE_SIGNATURE = inspect.signature(lambda params, x1, x2=None: None)  # of the kernel functions
+    return KernelFunction(engine, bind, SIGNATURE)
 
 
 def nngp_fn(

@@ -13,7 +13,7 @@ import numpy as np
 from ntk_core._errors import bad
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.engine import Engine
-from ntk_core._kernel.function import KernelFunction
+from ntk_core._kernel.function import SIGNATURE, KernelFunction
 from ntk_core._kernel.options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
 from ntk_core._kernel.pipeline import Kind, Spec
 
@@ -162,8 +162,7 @@ def build_kernel(
         return model.to_core(first, **given)
 
     p = inspect.Parameter
-    first = next(iter(inspect.signature(model.to_core).parameters), "params")
-    parameters = [p(first, p.POSITIONAL_OR_KEYWORD), p("x1", p.POSITIONAL_OR_KEYWORD)]
-    parameters.append(p("x2", p.POSITIONAL_OR_KEYWORD, default=None))
-    parameters += [p(k, p.KEYWORD_ONLY, default=None) for k in keywords]
+    head = list(SIGNATURE.parameters.values())  # (params, x1, x2=None), params renamed
+    head[0] = head[0].replace(name=next(iter(inspect.signature(model.to_core).parameters)))
+    parameters = head + [p(k, p.KEYWORD_ONLY, default=None) for k in keywords]
     return KernelFunction(engine, bind, inspect.Signature(parameters))

@@ -8,6 +8,9 @@ from collections.abc import Callable
 from ntk_core._errors import bad
 from ntk_core._kernel.options import KernelOptions
 
+#: The core kernel functions' signature; the adapters' rename ``params`` and add keywords.
+SIGNATURE = inspect.signature(lambda params, x1, x2=None: None)
+
 
 class KernelFunction:
     """An empirical kernel function: call it for a kernel, ask it what it will do.
