@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 import jax
 import numpy as np
 
-from ntk_core._errors import bad
+from ntk_core._errors import bad, must
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.engine import Engine
 from ntk_core._kernel.function import SIGNATURE, KernelFunction
@@ -27,9 +27,8 @@ _RENAMED = {
 def check_apply_kwargs(fn_name: str, apply_kwargs, example: str) -> dict:
     """``apply_kwargs`` as a dict (``None`` -> ``{}``); TypeError naming ``example`` otherwise."""
     if apply_kwargs is not None and not isinstance(apply_kwargs, Mapping):
-        got = type(apply_kwargs).__name__
-        what = f"apply_kwargs must be a dict of the model's keyword arguments, got {got}"
-        raise bad(TypeError, fn_name, what, f"pass e.g. apply_kwargs={example}")
+        expect, got = "a dict of the model's keyword arguments", type(apply_kwargs).__name__
+        raise must(TypeError, fn_name, "apply_kwargs", expect, got, eg=example)
     return dict(apply_kwargs or {})
 
 
