@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 from ntk_core._errors import bad
@@ -11,10 +10,10 @@ from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import check_apply_fn, params_check
 from ntk_core._kernel.engine import Engine
-from ntk_core._kernel.function import KernelFunction
+from ntk_core._kernel.function import SIGNATURE, KernelFunction
 from ntk_core._kernel.model import from_apply_fn
 from ntk_core._kernel.options import DEFAULTS, NTK_OPTION_NAMES, make_options
-from ntk_core._kernel.pipeline import Spec
+from ntk_core._kernel.pipeline import Kind, Spec
 
 
 def ntk_fn(
@@ -87,12 +86,12 @@ def ntk_fn(
       Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018; Novak,
       Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent Kernel", ICML 2022.
     """
-    return _make("ntk", core("ntk_fn", built=True), apply_fn, locals())
+    return _make(Kind.NTK, core(ntk_fn.__name__, built=True), apply_fn, locals())
 
 
-def _make(kind: str, caller: Caller, apply_fn, options: dict) -> KernelFunction:
+def _make(kind: Kind, caller: Caller, apply_fn, options: dict) -> KernelFunction:
     """The kernel function of ``apply_fn`` for the public function ``caller``."""
-    fn_name = caller.name
+    fn_name, kind = caller.name, Kind(kind)
     check_apply_fn(fn_name, apply_fn)
     opts = make_options(fn_name, **{k: v for k, v in options.items() if k != "apply_fn"})
     check = params_check(fn_name, apply_fn)
@@ -105,10 +104,7 @@ def _make(kind: str, caller: Caller, apply_fn, options: dict) -> KernelFunction:
             raise bad(TypeError, f"{fn_name}(...)(params, x1, x2)", what, fix)
         return params, None
 
-    return KernelFunction(engine, bind, _CORE_SIGNATURE)
-
-
-_CORE_SIGNATURE = inspect.signature(lambda params, x1, x2=None: None)  # of the kernel functions
+    return KernelFunction(engine, bind, SIGNATURE)
 
 
 def nngp_fn(
@@ -145,7 +141,7 @@ def nngp_fn(
     References:
       Lee et al., "Deep Neural Networks as Gaussian Processes", ICLR 2018.
     """
-    return _make("nngp", core("nngp_fn", built=True), apply_fn, locals())
+    return _make(Kind.NNGP, core(nngp_fn.__name__, built=True), apply_fn, locals())
 
 
 def _get(kind, caller: Caller, apply_fn, options: dict) -> Callable:
@@ -195,7 +191,9 @@ def empirical_ntk(
       >>> k8.shape, float(k8[36, 0])
       ((37, 37), 3.0)
     """
-    return _get("ntk", core("empirical_ntk"), apply_fn, _options(locals()))(params, x1, x2)
+    return _get(Kind.NTK, core(empirical_ntk.__name__), apply_fn, _options(locals()))(
+        params, x1, x2
+    )
 
 
 def empirical_nngp(
@@ -226,7 +224,9 @@ def empirical_nngp(
       >>> ntk_core.empirical_nngp(lambda w, x: x @ w, jnp.ones((3, 2)), jnp.eye(3)).shape
       (3, 3)
     """
-    return _get("nngp", core("empirical_nngp"), apply_fn, _options(locals()))(params, x1, x2)
+    return _get(Kind.NNGP, core(empirical_nngp.__name__), apply_fn, _options(locals()))(
+        params, x1, x2
+    )
 
 
 def ntk_per_leaf_fn(
@@ -268,7 +268,7 @@ def ntk_per_leaf_fn(
       >>> k["b"].shape, float(k["w"][0, 0]), float(k["b"][0, 0])
       ((3, 3), 1.0, 1.0)
     """
-    return _make("ntk_per_leaf", core("ntk_per_leaf_fn", built=True), apply_fn, locals())
+    return _make(Kind.NTK_PER_LEAF, core(ntk_per_leaf_fn.__name__, built=True), apply_fn, locals())
 
 
 def empirical_ntk_per_leaf(
@@ -302,7 +302,9 @@ def empirical_ntk_per_leaf(
       (3, 3)
     """
     options = _options(locals())
-    return _get("ntk_per_leaf", core("empirical_ntk_per_leaf"), apply_fn, options)(params, x1, x2)
+    return _get(Kind.NTK_PER_LEAF, core(empirical_ntk_per_leaf.__name__), apply_fn, options)(
+        params, x1, x2
+    )
 
 
 def plan(
@@ -346,7 +348,7 @@ def plan(
       ['b'] 2 structured (bias fused with its matrix product)
       ['w'] 6 structured (1 matrix product)
     """
-    return _get("ntk", core("plan"), apply_fn, _options(locals())).plan(params, x1, x2)
+    return _get(Kind.NTK, core(plan.__name__), apply_fn, _options(locals())).plan(params, x1, x2)
 
 
 empirical_ntk = _checked_arguments(empirical_ntk)

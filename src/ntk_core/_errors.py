@@ -11,9 +11,15 @@ class NonFiniteError(ValueError):
     ``ValueError`` whose own type tells it from other bad input."""
 
 
-def bad(cls: type[Exception], fn: str, what: str, fix: str, see: str = "") -> Exception:
+def bad(cls: type[Exception], fn: str, what: str, fix: str, see: str | None = None) -> Exception:
     """``cls("{fn}: {what}. Fix: {fix}.")``; ``see``: the section of ``docs/errors.md``."""
     return cls(f"{fn}: {what}. Fix: {fix}." + (f" See docs/errors.md#{see}." if see else ""))
+
+
+def must(cls: type[Exception], fn: str, name: str, expect: str, got, fix=None, *, eg=None):
+    """``bad(cls, fn, "{name} must be {expect}, got {got}", fix)``; ``eg``: the fix is
+    ``"pass e.g. {name}={eg}"``."""
+    return bad(cls, fn, f"{name} must be {expect}, got {got}", fix or f"pass e.g. {name}={eg}")
 
 
 def one_line(error: BaseException) -> str:
@@ -23,8 +29,7 @@ def one_line(error: BaseException) -> str:
 
 def _out_of_range(fn, name, value, expect, fix, type_ok, type_error) -> Exception:
     got = f"{value!r}" if type_ok else f"{value!r} ({type(value).__name__})"
-    cls = ValueError if type_ok else type_error
-    return bad(cls, fn, f"{name} must be {expect}, got {got}", fix)
+    return must(ValueError if type_ok else type_error, fn, name, expect, got, fix)
 
 
 def check_int(fn, name, value, fix, low=1, high=None, *, optional=False, type_error=TypeError):

@@ -32,27 +32,11 @@ from ntk_core._monte_carlo.kernels import initialiser as checked_init
 from ntk_core._monte_carlo.kernels import sample_mean as monte_carlo_mean
 
 __all__ = (
-    "Caller",
-    "PureModel",
-    "adapter_model_failure",
-    "bad",
-    "build_kernel",
-    "cached",
-    "check_apply_kwargs",
-    "check_degree",
-    "check_inputs_option",
-    "check_like",
-    "check_monte_carlo",
-    "checked_arguments",
-    "checked_init",
-    "expansion",
-    "input_shape_mismatch",
-    "inputs_failure",
-    "is_nnx_module",
-    "monte_carlo_mean",
-    "register_cache",
-    "spread_inputs",
-)
+    "Caller", "PureModel", "adapter_model_failure", "bad", "build_kernel", "cached",
+    "check_apply_kwargs", "check_degree", "check_inputs_option", "check_like", "check_monte_carlo",
+    "checked_arguments", "checked_init", "expansion", "input_shape_mismatch", "inputs_failure",
+    "is_nnx_module", "monte_carlo_mean", "register_cache", "spread_inputs",
+)  # fmt: skip
 
 
 def checked_arguments(name: str) -> Callable:

@@ -27,13 +27,13 @@ CASES = [
         "trace_axes bool",
         lambda: ntk_core.empirical_ntk(f, W, X, trace_axes=True),
         TypeError,
-        r"trace_axes must be an int .* got the bool",
+        r"trace_axes must be an int or a sequence of ints, got bool True",
     ),
     (
         "trace_axes float",
         lambda: ntk_core.empirical_ntk(f, W, X, trace_axes=(1.0,)),
         TypeError,
-        r"trace_axes must contain only ints",
+        r"trace_axes must be an int or a sequence of ints, got tuple \(1.0,\)",
     ),
     (
         "vmap_axes True",

@@ -10,29 +10,25 @@ from collections.abc import Callable, Mapping
 import jax
 import numpy as np
 
-from ntk_core._errors import bad
+from ntk_core._errors import bad, must
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.engine import Engine
-from ntk_core._kernel.function import KernelFunction
+from ntk_core._kernel.function import SIGNATURE, KernelFunction
 from ntk_core._kernel.options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
-from ntk_core._kernel.pipeline import Spec
+from ntk_core._kernel.pipeline import Kind, Spec
 
 #: Options of the other framework's spelling, per adapter: the fix to give instead.
 _RENAMED = {
-    "ntk_haiku": {
-        "rngs": "pass rng=key (Haiku takes one PRNG key, not rngs=)",
-        "mutable": "pass state= for an hk.TransformedWithState (Haiku has no mutable=)",
-    },
-    "ntk_flax": {"rng": "pass rngs={'dropout': key} (Flax takes a dict of PRNG keys, not rng=)"},
+    "ntk_haiku": {"rngs": "pass one PRNG key as rng=key", "mutable": "pass state= instead"},
+    "ntk_flax": {"rng": "pass a dict of PRNG keys as rngs={'dropout': key}"},
 }
 
 
 def check_apply_kwargs(fn_name: str, apply_kwargs, example: str) -> dict:
     """``apply_kwargs`` as a dict (``None`` -> ``{}``); TypeError naming ``example`` otherwise."""
     if apply_kwargs is not None and not isinstance(apply_kwargs, Mapping):
-        got = type(apply_kwargs).__name__
-        what = f"apply_kwargs must be a dict of the model's keyword arguments, got {got}"
-        raise bad(TypeError, fn_name, what, f"pass e.g. apply_kwargs={example}")
+        expect, got = "a dict of the model's keyword arguments", type(apply_kwargs).__name__
+        raise must(TypeError, fn_name, "apply_kwargs", expect, got, eg=example)
     return dict(apply_kwargs or {})
 
 
@@ -87,17 +83,17 @@ def input_shape_mismatch(
     found = original_shape()
     if found is not None:
         name, sample, original = found
-        what = f"applying the model to x1 failed: {name} has per-sample shape {sample}, but "
-        what += f"{params_name} were made by {init_name} for inputs of per-sample shape "
-        what += f"{original} (parameter {path} has shape {has}){more}"
-        shape = f"(N, {', '.join(map(str, original))})"
-        inputs = "inputs" if name == "x1" else name
-        fix = f"pass {inputs} of shape {shape}, or re-initialise ({init_call})"
-        return bad(ValueError, fn_name, what, fix)
-    samples = ", ".join(str(tuple(np.shape(v))[1:]) for v in jax.tree.leaves(x1))
-    what = f"applying the model to x1 failed: {params_name} do not fit x1's per-sample shape "
-    what += f"{samples} (parameter {path} has shape {has}, init on x1 makes {needs}){more}"
-    return bad(ValueError, fn_name, what, f"pass matching inputs, or re-initialise ({init_call})")
+        what = f"{name} has per-sample shape {sample}, but {params_name} were made by {init_name} "
+        what += f"for inputs of per-sample shape {original}"
+        shape = ", ".join(map(str, original))
+        fix = f"pass {'inputs' if name == 'x1' else name} of shape (N, {shape})"
+    else:
+        samples = ", ".join(str(tuple(np.shape(v))[1:]) for v in jax.tree.leaves(x1))
+        what = f"{params_name} do not fit x1's per-sample shape {samples}"
+        fix, needs = "pass matching inputs", f", init on x1 makes {needs}"
+    what += f" (parameter {path} has shape {has}{needs if found is None else ''}){more}"
+    what, fix = f"applying the model to x1 failed: {what}", f"{fix}, or re-initialise ({init_call})"
+    return bad(ValueError, fn_name, what, fix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,29 +123,26 @@ class PureModel:
     model_kwargs: str = "apply_kwargs={...}"
 
 
-def build_kernel(caller: Caller, kind: str, model: PureModel, options: dict) -> KernelFunction:
+def build_kernel(
+    caller: Caller, kind: Kind | str, model: PureModel, options: dict
+) -> KernelFunction:
     """The :class:`~ntk_core.KernelFunction` ``kernel(first, x1, x2=None, *, call keywords)``
     of ``model`` for ``caller``; ``kind``: ``"ntk"``, ``"nngp"`` or ``"ntk_per_leaf"``;
     ``options``: the core's (:func:`ntk_core.ntk_fn`), validated here. ``first`` is named
     after ``model.to_core``'s first parameter; other keywords get a TypeError."""
-    fn_name = caller.name
-    valid = NNGP_OPTION_NAMES if kind == "nngp" else NTK_OPTION_NAMES
+    fn_name, kind = caller.name, Kind(kind)
+    valid = NNGP_OPTION_NAMES if kind is Kind.NNGP else NTK_OPTION_NAMES
     unknown = sorted(set(options) - set(valid))
     if unknown:
         renamed = _RENAMED.get(caller.package, {})
-        fixes, model_kwargs = [], False
-        for u in unknown:
-            close = difflib.get_close_matches(u, valid, 1)
-            if u in renamed:
-                fixes.append(renamed[u])
-            elif close:  # a misspelt option, e.g. trace_axis
-                fixes.append(f"write {close[0]}= (not {u}=)")
-            else:
-                model_kwargs = True
-        if model_kwargs and model.model_kwargs:
-            fixes.append(f"pass model keyword arguments through {model.model_kwargs}")
-        elif model_kwargs:
-            fixes.append("drop the others")
+        close = {u: difflib.get_close_matches(u, valid, 1) for u in unknown}
+        known = [u for u in unknown if u in renamed or close[u]]  # renamed or misspelt
+        fixes = [renamed.get(u) or f"write {close[u][0]}= (not {u}=)" for u in known]
+        if len(fixes) < len(unknown):  # the others: perhaps the model's own keywords
+            model_kwargs = model.model_kwargs
+            fixes.append(
+                f"pass model keywords through {model_kwargs}" if model_kwargs else "drop them"
+            )
         what = f"unknown option(s) {', '.join(map(repr, unknown))}; valid are {', '.join(valid)}"
         raise bad(TypeError, fn_name, what, "; ".join(fixes))
     opts = make_options(fn_name, **options)
@@ -157,18 +150,18 @@ def build_kernel(caller: Caller, kind: str, model: PureModel, options: dict) -> 
     keywords = model.call_keywords
 
     def bind(first, x1, given):
-        unknown = sorted(set(given) - set(keywords))
+        unknown = ", ".join(map(repr, sorted(set(given) - set(keywords))))
         if unknown:
-            what = f"unknown keyword argument(s) {', '.join(map(repr, unknown))}"
             fix = f"pass only {', '.join(f'{k}=' for k in keywords)}; options go to the builder"
-            raise bad(TypeError, f"{caller.name}(...)(...)", what, fix)
+            raise bad(
+                TypeError, f"{fn_name}(...)(...)", f"unknown keyword argument(s) {unknown}", fix
+            )
         if model.to_core_reads_x1:
             return model.to_core(first, x1, **given)
         return model.to_core(first, **given)
 
     p = inspect.Parameter
-    first = next(iter(inspect.signature(model.to_core).parameters), "params")
-    parameters = [p(first, p.POSITIONAL_OR_KEYWORD), p("x1", p.POSITIONAL_OR_KEYWORD)]
-    parameters.append(p("x2", p.POSITIONAL_OR_KEYWORD, default=None))
-    parameters += [p(k, p.KEYWORD_ONLY, default=None) for k in keywords]
+    head = list(SIGNATURE.parameters.values())  # (params, x1, x2=None), params renamed
+    head[0] = head[0].replace(name=next(iter(inspect.signature(model.to_core).parameters)))
+    parameters = head + [p(k, p.KEYWORD_ONLY, default=None) for k in keywords]
     return KernelFunction(engine, bind, inspect.Signature(parameters))

@@ -7,6 +7,8 @@ import difflib
 import functools
 import inspect
 
+from ntk_core._errors import bad
+
 
 def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> str | None:
     """The first required parameter no argument gives (as ``Signature.bind`` checks), or None."""
@@ -52,21 +54,21 @@ def _message(name: str, signature: inspect.Signature, args, kwargs, error) -> st
     positional = ", ".join(n for n, p in params.items() if p.kind in kinds)
     unknown = sorted(set(kwargs) - set(params))
     if not unknown:
-        reason = f"{error} (expected positional arguments {positional})."
-        fix = f"call {name}({positional}, *, option=...); options are keyword-only."
         missing = _first_missing(signature, args, kwargs)
+        fix = f"call {name}({positional}, *, option=...); options are keyword-only"
         if missing in options:
-            fix = f"pass {missing}=... by keyword (it is keyword-only)."
-        return f"{name}: {reason} Fix: {fix}"
+            fix = f"pass {missing}=... by keyword (it is keyword-only)"
+        return str(
+            bad(TypeError, name, f"{error} (expected positional arguments {positional})", fix)
+        )
     close = {u: difflib.get_close_matches(u, options, 1) for u in unknown}
-    guess = "".join(f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c)
-    valid = "the kernel options and " if "apply_kwargs" in params else ""  # the adapters
-    reason = f"unknown keyword argument(s) {', '.join(map(repr, unknown))}; valid options are "
-    reason += f"{valid}{', '.join(options)}.{guess}"
-    fix = "use those option names"
-    if "apply_kwargs" in params:
-        fix += "; keyword arguments of the model go in apply_kwargs={...}"
-    elif "apply_fn" in params:
-        fix += "; keyword arguments of the model go into apply_fn, e.g. "
-        fix += "functools.partial(model.apply, train=False)"
-    return f"{name}: {reason} Fix: {fix}."
+    fixes = [f"write {c[0]}= (not {u}=)" for u, c in close.items() if c]  # misspelt
+    if len(fixes) < len(unknown):  # the others: perhaps the model's own keywords
+        model = [f"pass model keywords through {p}" for p in _MODEL_KEYWORDS if p in params]
+        fixes += model[:1] or ["use those option names"]
+    what = f"unknown keyword argument(s) {', '.join(map(repr, unknown))}; valid options are "
+    return str(bad(TypeError, name, what + ", ".join(options), "; ".join(fixes)))
+
+
+#: Where the model's own keywords go: the adapters take apply_kwargs, the core apply_fn.
+_MODEL_KEYWORDS = ("apply_kwargs", "apply_fn")

@@ -14,28 +14,31 @@ from ntk_core._errors import NonFiniteError, bad, one_line
 from ntk_core._jax import environment as _environment
 from ntk_core._kernel.caller import Caller
 
+#: (package, class name prefix) of the framework classes recognised here.
+_LINEN, _NNX, _HAIKU = ("flax.linen", "Module"), ("flax.nnx", "Module"), ("haiku", "Transformed")
 
-def _classes(obj, package: str) -> set[str]:
-    return {c.__name__ for c in type(obj).__mro__ if c.__module__.startswith(package)}
+
+def _is(obj, kind: tuple[str, str]) -> bool:
+    """Whether ``obj``'s class or a base is ``kind``'s (a package and a class name prefix)."""
+    package, prefix = kind
+    mro = type(obj).__mro__
+    return any(c.__module__.startswith(package) and c.__name__.startswith(prefix) for c in mro)
 
 
 def is_nnx_module(obj) -> bool:
     """Whether ``obj`` is a ``flax.nnx.Module`` (by its classes)."""
-    return "Module" in _classes(obj, "flax.nnx")
+    return _is(obj, _NNX)
 
 
 def check_apply_fn(fn_name: str, apply_fn, entry: str = "kernel") -> None:
     """Refuses a Flax/Haiku model object (naming the adapter's ``entry``) or a non-callable."""
     name = type(apply_fn).__name__
-    flax = "Module" in _classes(apply_fn, "flax.linen") or is_nnx_module(apply_fn)
-    haiku = any(n.startswith("Transformed") for n in _classes(apply_fn, "haiku"))
+    flax, haiku = _is(apply_fn, _LINEN) or is_nnx_module(apply_fn), _is(apply_fn, _HAIKU)
     package = "ntk_flax" if flax else "ntk_haiku" if haiku else ""
-    if package:
-        what = f"apply_fn is the model {name}, not apply_fn(params, x)"
-        raise bad(TypeError, fn_name, what, f"use {package}.{entry} with the model")
-    if not callable(apply_fn):
-        what = f"apply_fn must be a callable apply_fn(params, x), got {name}"
-        raise bad(TypeError, fn_name, what, "pass e.g. model.apply")
+    if package or not callable(apply_fn):
+        what = f"is the model {name}, not" if package else "must be a callable"
+        fix = f"use {package}.{entry} with the model" if package else "pass e.g. model.apply"
+        raise bad(TypeError, fn_name, f"apply_fn {what} apply_fn(params, x), got {name}", fix)
 
 
 def params_check(fn_name: str, apply_fn):
@@ -44,15 +47,14 @@ def params_check(fn_name: str, apply_fn):
     while isinstance(inner, functools.partial):
         inner = inner.func
     module = getattr(inner, "__self__", None)
-    if module is None or "Module" not in _classes(module, "flax.linen") or inner != module.apply:
+    if module is None or not _is(module, _LINEN) or inner != module.apply:
         return None  # not a linen module's own model.apply (bound methods compare so)
 
     def check(params, x1, x2, aux):
         keys = sorted(params) if isinstance(params, Mapping) else type(params).__name__
         if keys != ["params"]:
             what = f"model.apply needs the variables {{'params': ...}} alone, got {keys!r}"
-            fix = "use ntk_flax.kernel(model, variables, x), which holds other collections fixed"
-            raise bad(ValueError, fn_name, what, fix)
+            raise bad(ValueError, fn_name, what, "use ntk_flax.kernel(model, variables, x)")
 
     return check
 
@@ -66,9 +68,8 @@ def samples_interact_error(fn_name: str, fix: str) -> ValueError:
 def adapter_model_failure(caller: Caller, params_name: str, error: Exception) -> ValueError:
     """An adapter's ValueError for a model that fails on x1."""
     mine = "" if caller.monte_carlo else f"{params_name} from this model's init, "
-    fix = f"check {mine}x1's per-sample shape (batch axis first) and the model's own arguments"
-    fix += " (apply_kwargs, e.g. {'train': False}; nnx: model.eval())"
-    return bad(ValueError, caller.name, f"applying the model to x1 failed: {one_line(error)}", fix)
+    what, fix = f"applying the model to x1 failed: {one_line(error)}", f"check {mine}x1's shape"
+    return bad(ValueError, caller.name, what, fix, see="model-failed")
 
 
 def _numeric(dtype, kinds=(jnp.number, jnp.bool_)) -> bool:
@@ -82,8 +83,8 @@ def _numeric(dtype, kinds=(jnp.number, jnp.bool_)) -> bool:
 def leaked_tracer_error(fn_name: str, error: Exception) -> ValueError:
     """The ValueError for JAX's ``UnexpectedTracerError`` in the model."""
     first = str(error).strip().splitlines()[0]
-    what = f"the model uses a leaked tracer (a value closed over from a finished jax.jit): {first}"
-    return bad(ValueError, fn_name, what, "pass that value through params, x or aux")
+    what = f"the model uses a leaked tracer: {first}"
+    return bad(ValueError, fn_name, what, "pass it through params or x", see="leaked-tracer")
 
 
 def model_call_error(fn_name: str, doing: str, error: Exception, fix: str) -> ValueError:
@@ -95,33 +96,30 @@ def model_call_error(fn_name: str, doing: str, error: Exception, fix: str) -> Va
 
 def order_hint(caller: Caller) -> str:
     """ "the argument order is ...", with neural-tangents' order where it applies."""
-    hint = f"the argument order is {caller.order}"
-    if caller.neural_tangents_order:
-        hint += f", not neural-tangents' {caller.neural_tangents_order}"
-    return hint
+    nt = caller.neural_tangents_order
+    return f"the argument order is {caller.order}" + (f", not neural-tangents' {nt}" if nt else "")
 
 
 def before_trace(fn_name: str, params, x1, x2, options) -> None:
     """Environment and dtype checks that need no trace of the model."""
     _environment.check_backend(fn_name)
-    for name, tree in (("x1", x1), ("x2", x2)):
+    for name, tree in dict(x1=x1, x2=x2).items():
         for leaf in jax.tree.leaves(tree):
             dtype = getattr(leaf, "dtype", None)
             if dtype is not None and not _numeric(dtype):
                 what = f"{name} has dtype {np.dtype(dtype)}; expected numbers"
                 raise bad(TypeError, fn_name, what, "encode the inputs as numbers (token ids)")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        where = f"params{jax.tree_util.keystr(path)}"
         if not _numeric(leaf.dtype, (jnp.floating,)):
-            what = f"{where} has dtype {np.dtype(leaf.dtype)}; expected real floating point"
-            fix = "keep only real weights in params (complex: two real leaves)"
-            raise bad(TypeError, fn_name, what, fix)
+            where = jax.tree_util.keystr(path)
+            what = f"params{where} has dtype {np.dtype(leaf.dtype)}; expected real floating point"
+            raise bad(TypeError, fn_name, what, "keep only real weights in params")
 
 
 def after_trace(fn, apply3, params, x1, x2, aux, out_leaves, options, kernel="NTK", closed=None):
     """Checks of the outputs; precision warnings for ``kernel`` (``closed``: a jaxpr, or None)."""
     for i, leaf in enumerate(out_leaves):
-        if np.dtype(leaf.dtype).kind == "c":
+        if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
             where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
             what = f"{where} has dtype {leaf.dtype}; expected real floating point"
             raise bad(TypeError, fn, what, "return the real and imaginary parts apart")
@@ -166,5 +164,5 @@ def check_finite_input(fn_name: str, name: str, x) -> None:
 
 
 def check_finite_inputs(fn_name: str, x1, x2) -> None:
-    check_finite_input(fn_name, "x1", x1)
-    check_finite_input(fn_name, "x2", x2)  # None: no leaves
+    for name, x in dict(x1=x1, x2=x2).items():  # x2 None: no leaves
+        check_finite_input(fn_name, name, x)

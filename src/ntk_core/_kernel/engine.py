@@ -16,7 +16,7 @@ from ntk_core._kernel import executor as _executor
 from ntk_core._kernel import planner as _planner
 from ntk_core._kernel import validate as _validate
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
-from ntk_core._kernel.pipeline import Checked, Config, Implementation, Spec
+from ntk_core._kernel.pipeline import Checked, Config, Implementation, Kind, Spec
 
 
 class Engine:
@@ -25,7 +25,7 @@ class Engine:
 
     def __init__(self, spec: Spec):
         impl = REGISTRY.get(spec.options.implementation)  # None: "auto"
-        if spec.kind == "ntk_per_leaf" and impl is not None and not impl.separates_leaves:
+        if spec.kind is Kind.NTK_PER_LEAF and impl is not None and not impl.separates_leaves:
             separating = [repr(name) for name, i in REGISTRY.items() if i.separates_leaves]
             what = f"per-leaf kernels need implementation {', '.join(separating)} or {AUTO!r}"
             what += f", got {impl.name!r} ({impl.title} do not separate the leaves)"

@@ -5,7 +5,11 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+from ntk_core._errors import bad
 from ntk_core._kernel.options import KernelOptions
+
+#: The core kernel functions' signature; the adapters' rename ``params`` and add keywords.
+SIGNATURE = inspect.signature(lambda params, x1, x2=None: None)
 
 
 class KernelFunction:
@@ -49,7 +53,7 @@ class KernelFunction:
 
     @property
     def kind(self) -> str:
-        return self._engine.spec.kind
+        return self._engine.spec.kind.value
 
     @property
     def options(self) -> KernelOptions:
@@ -76,24 +80,21 @@ class KernelFunction:
     def _arguments(self, args: tuple, kwargs: dict, method: str):
         """``(first, x1, x2, other keywords)`` from a call, by position or name."""
         names = list(self.__signature__.parameters)[:3]  # e.g. params, x1, x2
-        where = f"{self.name}(...){method}(...)"
-        expected = f"(expected positional arguments {', '.join(names)})"
-        fix = f"Fix: call it as kernel{method}({names[0]}, x1, x2=None)."
-        if len(args) > 3:
-            raise TypeError(f"{where}: {len(args)} positional arguments {expected}. {fix}")
         values = dict(zip(names, args, strict=False))
-        for name in names:
-            if name in kwargs:
-                if name in values:
-                    message = f"got multiple values for argument {name!r} {expected}. {fix}"
-                    raise TypeError(f"{where}: {message}")
-                values[name] = kwargs.pop(name)
-        for name in names[:2]:
-            if name not in values:
-                unknown = ", ".join(map(repr, sorted(kwargs)))
-                other = f"; got the keyword argument(s) {unknown}" if kwargs else ""
-                message = f"{where}: missing a required argument: {name!r}{other} {expected}. {fix}"
-                raise TypeError(message)
+        twice = [n for n in names if n in kwargs and n in values]
+        values |= {n: kwargs.pop(n) for n in names if n in kwargs}
+        missing = [n for n in names[:2] if n not in values]
+        if len(args) > 3 or twice or missing:
+            got = f"; got the keyword argument(s) {', '.join(map(repr, sorted(kwargs)))}"
+            if len(args) > 3:
+                problem = f"{len(args)} positional arguments"
+            elif twice:
+                problem = f"got multiple values for argument {twice[0]!r}"
+            else:
+                problem = f"missing a required argument: {missing[0]!r}{got if kwargs else ''}"
+            what = f"{problem} (expected positional arguments {', '.join(names)})"
+            fix = f"call it as kernel{method}({names[0]}, x1, x2=None)"
+            raise bad(TypeError, f"{self.name}(...){method}(...)", what, fix)
         return values[names[0]], values[names[1]], values.get(names[2]), kwargs
 
     def __repr__(self) -> str:

@@ -6,29 +6,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ntk_core._errors import bad
+from ntk_core._errors import bad, must, one_line
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.checks import adapter_model_failure
 
 _KINDS = {"x": object, "args": (tuple, list), "kwargs": Mapping}
+_AS = {"args": "a tuple", "kwargs": "a dict"}  # what x must be, in messages
 
 
 def check_inputs_option(fn_name: str, inputs) -> str:
     """``inputs``, or a ValueError naming ``fn_name`` and the three choices."""
     if not (isinstance(inputs, str) and inputs in _KINDS):
-        what = f"inputs must be 'x', 'args' or 'kwargs', got {inputs!r}"
-        fix = "pass inputs='args' for x a tuple of the model's positional arrays, 'kwargs' for "
-        raise bad(ValueError, fn_name, what, fix + "a dict of its keyword arrays")
+        fix = "pass inputs='args' (x a tuple: model(*x)) or 'kwargs' (a dict: model(**x))"
+        raise must(ValueError, fn_name, "inputs", "'x', 'args' or 'kwargs'", repr(inputs), fix)
     return inputs
 
 
 def spread_inputs(fn_name: str, inputs: str, x, name: str = "x1") -> tuple[tuple, dict]:
     """The model call's ``(args, kwargs)`` for ``x``; TypeError for a tuple / dict not given."""
     if not isinstance(x, _KINDS[inputs]):
-        a, other = ("a tuple", "kwargs") if inputs == "args" else ("a dict", "args")
+        a, other = _AS[inputs], next(k for k in _AS if k != inputs)  # the other of args, kwargs
         what = f"inputs={inputs!r} needs {name} as {a} of per-sample arrays, got {type(x).__name__}"
-        fix = f"pass {a}, inputs={other!r} for {'a dict' if other == 'kwargs' else 'a tuple'}"
-        raise bad(TypeError, fn_name, what, fix + ", or inputs='x' for one argument")
+        fix = f"pass {a}, inputs={other!r} for {_AS[other]}, or inputs='x' for one argument"
+        raise bad(TypeError, fn_name, what, fix)
     return ((x,), {}) if inputs == "x" else (tuple(x), {}) if inputs == "args" else ((), dict(x))
 
 
@@ -36,7 +36,6 @@ def inputs_failure(caller: Caller, params_name: str, error: Exception, flags="ap
     """``adapter_model_failure``; for a call missing arguments, where each kind goes."""
     if not (isinstance(error, TypeError) and "required" in str(error)):
         return adapter_model_failure(caller, params_name, error)
-    what = str(adapter_model_failure(caller, params_name, error)).split(". Fix: ")[0]
-    fix = "pass per-sample arrays (a mask, token types) in x1, a tuple with inputs='args' or a "
-    fix += f"dict with inputs='kwargs', and flags the same for every sample in {flags}"
-    return bad(ValueError, caller.name, what.removeprefix(caller.name + ": "), fix)
+    what = f"applying the model to x1 failed: {one_line(error)}"
+    fix = f"pass per-sample arrays in x1 with inputs='args' or 'kwargs', flags in {flags}"
+    return bad(ValueError, caller.name, what, fix, see="model-failed")

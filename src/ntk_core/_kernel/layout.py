@@ -11,6 +11,7 @@ import string
 import jax
 
 from ntk_core._errors import bad
+from ntk_core._kernel.kind import Kind
 
 #: A tuple of output axes (trace_axes, diagonal_axes).
 Axes = tuple[int, ...]
@@ -66,25 +67,20 @@ def resolve_layout(fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, w
     range, named twice, traced and diagonal, or the batch axis traced."""
     ndim, shape = len(shape), tuple(shape)
     of = f"{where} of shape {shape}"
-
-    def norm(name, axes):
+    found = []
+    for name, axes in dict(trace_axes=trace_axes, diagonal_axes=diagonal_axes).items():
         for a in axes:
             if not -ndim <= a < ndim:
-                what = f"{name} contains {a}, out of range for {of}; expected axes in "
-                what += f"[{-ndim}, {ndim - 1}]"
-                raise bad(ValueError, fn_name, what, f"pass e.g. {name}=(-1,) or {name}=()")
-        out = [a % ndim for a in axes]
-        if len(set(out)) != len(out):
+                what = f"{name} contains {a}, out of range for {of}"
+                raise bad(ValueError, fn_name, what, f"pass axes in [{-ndim}, {ndim - 1}]")
+        found.append(tuple(sorted({a % ndim for a in axes})))
+        if len(found[-1]) != len(axes):
             what = f"{name}={tuple(axes)!r} names the same axis twice for {of}"
             raise bad(ValueError, fn_name, what, "list each axis once")
-        return tuple(sorted(out))
-
-    trace = norm("trace_axes", trace_axes)
-    diag = norm("diagonal_axes", diagonal_axes)
+    trace, diag = found
     both = sorted(set(trace) & set(diag))
     if both:
-        what = f"axis {both[0]} of {of} is in both trace_axes={tuple(trace_axes)!r} and "
-        what += f"diagonal_axes={tuple(diagonal_axes)!r}"
+        what = f"axis {both[0]} of {of} is in both trace_axes and diagonal_axes"
         raise bad(ValueError, fn_name, what, "remove it from one of them")
     if 0 in trace and ndim == 1:  # an output (N,): the default trace_axes=(-1,) hits 0
         what = f"{of} (one value per sample, no output axis) has no axis for trace_axes"
@@ -115,6 +111,6 @@ def leaf_layouts(config) -> list:
     """The layout of each kernel leaf of a result, in ``jax.tree.leaves`` order."""
     n_out = config.out_tree.num_leaves
     ids = jax.tree.unflatten(config.out_tree, list(range(n_out)))
-    if config.kind == "ntk_per_leaf":
+    if config.kind is Kind.NTK_PER_LEAF:
         ids = jax.tree.unflatten(config.params_tree, [ids] * config.params_tree.num_leaves)
     return [config.layouts[i] for i in jax.tree.leaves(ids)]

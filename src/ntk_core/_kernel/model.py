@@ -28,8 +28,7 @@ def per_sample(apply3):
         for leaf in jax.tree.leaves(out):
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] != 1:
                 shape = tuple(np.shape(leaf))
-                what = f"on a batch of one sample the model returned an output of shape {shape}"
-                raise NotPerSample(f"{what}, not (1, ...)")
+                raise NotPerSample(f"on a batch of one the model returned {shape}, not (1, ...)")
         return jax.tree.map(lambda leaf: leaf[0], out)
 
     return single

@@ -67,7 +67,7 @@ import os
 from collections.abc import Sequence
 
 from ntk_core._blocked.sink import Sink
-from ntk_core._errors import bad
+from ntk_core._errors import bad, must
 from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._kernel.layout import Axes
 
@@ -78,10 +78,8 @@ AUTO_BATCH_SIZE = "auto"
 #: neural-tangents' ``NtkImplementation`` values and their names here (refused with the
 #: name to use, so that ported code says what it computes).
 _NT_NAMES = ("AUTO", "JACOBIAN_CONTRACTION", "NTK_VECTOR_PRODUCTS", "STRUCTURED_DERIVATIVES")
-NT_IMPLEMENTATIONS = dict(
-    enumerate(zip(_NT_NAMES, ("auto", "jacobian", "ntvp", "structured"), strict=True))
-)
-#: Valid values of ``precision``.
+NT_IMPLEMENTATIONS = dict(enumerate(zip(_NT_NAMES, IMPLEMENTATIONS, strict=True)))
+#: Valid values of ``precision``, the default first.
 PRECISIONS = ("highest", "high", "default")
 #: Bytes the blocked engine may use when the device reports no memory limit (CPU).
 DEFAULT_MEMORY_BUDGET = 2**30
@@ -94,8 +92,8 @@ class KernelOptions:
     trace_axes: Axes = (-1,)
     diagonal_axes: Axes = ()
     vmap_axes: int | None = 0
-    implementation: str = "auto"
-    precision: str = "highest"
+    implementation: str = AUTO
+    precision: str = PRECISIONS[0]
     batch_size: int | str | None = None
     store_on_device: bool = False
     progress: bool | None = None
@@ -117,35 +115,39 @@ def _got(value) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
-def _one_of(fn_name: str, name: str, value, allowed, fix: str) -> None:
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _one_of(fn_name: str, allowed, **given) -> None:
+    """Refuses a value of ``given`` (one ``name=value``) not among the strings ``allowed``."""
+    ((name, value),) = given.items()
     if not isinstance(value, str) or value not in allowed:
-        what = f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
-        raise bad(ValueError, fn_name, what, fix)
+        expect = f"one of {', '.join(map(repr, allowed))}"
+        raise must(ValueError, fn_name, name, expect, repr(value), f"pass {name}={allowed[0]!r}")
 
 
-def _flag(fn_name: str, name: str, value, allowed="True or False") -> None:
-    if not isinstance(value, bool) and not (value is None and "None" in allowed):
-        what = f"{name} must be {allowed}, got {_got(value)}"
-        raise bad(TypeError, fn_name, what, f"pass {name}=True")
+def _flags(fn_name: str, none_ok=False, **given) -> None:
+    """Refuses a non-bool value of ``given`` (``name=value``), None allowed if ``none_ok``."""
+    for name, value in given.items():
+        if not isinstance(value, bool) and not (value is None and none_ok):
+            expect = "None, True or False" if none_ok else "True or False"
+            raise must(TypeError, fn_name, name, expect, _got(value), eg=True)
 
 
-def _axes(fn_name: str, name: str, value) -> Axes:
-    fix = f"pass e.g. {name}=(-1,) or {name}=()"
-    if isinstance(value, bool):
-        what = f"{name} must be an int or a sequence of ints, got the bool {value!r}"
-        raise bad(TypeError, fn_name, what, fix)
-    if isinstance(value, numbers.Integral):
-        return (int(value),)
-    if not isinstance(value, Sequence) or isinstance(value, str):
-        what = f"{name} must be an int or a sequence of ints, got {_got(value)}"
-        raise bad(TypeError, fn_name, what, fix)
-    if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in value):
-        raise bad(TypeError, fn_name, f"{name} must contain only ints, got {value!r}", fix)
-    out = tuple(int(v) for v in value)
-    if len(set(out)) != len(out):
-        what = f"{name}={out!r} names the same axis twice"
-        raise bad(ValueError, fn_name, what, "list each axis once")
-    return out
+def _axes(fn_name: str, **given) -> list[Axes]:
+    """Each of ``given`` (``name=axes``) as a tuple of distinct ints."""
+    found = []
+    for name, value in given.items():
+        is_seq = isinstance(value, Sequence) and not isinstance(value, str)
+        if not (_is_int(value) or is_seq and all(map(_is_int, value))):
+            raise must(TypeError, fn_name, name, "an int or a sequence of ints", _got(value), eg=())
+        out = (int(value),) if _is_int(value) else tuple(int(v) for v in value)
+        if len(set(out)) != len(out):
+            what = f"{name}={out!r} names the same axis twice"
+            raise bad(ValueError, fn_name, what, "list each axis once")
+        found.append(out)
+    return found
 
 
 def make_options(
@@ -166,8 +168,7 @@ def make_options(
     devices=DEFAULTS.devices,
 ) -> KernelOptions:
     """Validates the shared options; raises TypeError/ValueError naming ``fn_name``."""
-    trace = _axes(fn_name, "trace_axes", trace_axes)
-    diag = _axes(fn_name, "diagonal_axes", diagonal_axes)
+    trace, diag = _axes(fn_name, trace_axes=trace_axes, diagonal_axes=diagonal_axes)
     if vmap_axes is not None and (isinstance(vmap_axes, bool) or vmap_axes != 0):
         what = f"vmap_axes must be 0 (independent samples) or None, got {vmap_axes!r}"
         raise bad(ValueError, fn_name, what, "move the batch axis to 0, or pass vmap_axes=None")
@@ -175,12 +176,12 @@ def make_options(
         nt, name = NT_IMPLEMENTATIONS[implementation]
         what = f"implementation={implementation!r} is neural-tangents' NtkImplementation.{nt}"
         raise bad(ValueError, fn_name, what, f"pass implementation={name!r}")
-    _one_of(
-        fn_name, "implementation", implementation, IMPLEMENTATIONS, "pass implementation='auto'"
-    )
-    _one_of(fn_name, "precision", precision, PRECISIONS, "keep precision='highest'")
-    _block_options(fn_name, batch_size, store_on_device, progress, memory_budget)
-    batch_size = int(batch_size) if isinstance(batch_size, numbers.Integral) else batch_size
+    _one_of(fn_name, IMPLEMENTATIONS, implementation=implementation)
+    _one_of(fn_name, PRECISIONS, precision=precision)
+    _block_options(fn_name, batch_size, memory_budget)
+    _flags(fn_name, store_on_device=store_on_device, resume=resume, overwrite=overwrite)
+    _flags(fn_name, True, progress=progress)
+    batch_size = int(batch_size) if _is_int(batch_size) else batch_size
     memory_budget = None if memory_budget is None else int(memory_budget)
     out = _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device)
     if devices is not None:
@@ -198,11 +199,10 @@ def _devices_option(fn_name, devices, store_on_device, batch_size) -> tuple:
 
     given = tuple(devices) if isinstance(devices, (list, tuple)) else None
     if not given or not all(isinstance(d, jax.Device) for d in given):
-        what = f"devices must be None or a non-empty list of jax devices, got {devices!r}"
-        raise bad(TypeError, fn_name, what, "pass e.g. devices=jax.local_devices()[:2]")
+        expect = "None or a non-empty list of jax devices"
+        raise must(TypeError, fn_name, "devices", expect, repr(devices), eg="jax.devices()")
     if len(set(given)) != len(given):
-        what = f"devices lists a device twice ({list(given)!r})"
-        raise bad(ValueError, fn_name, what, "list each once")
+        raise bad(ValueError, fn_name, f"devices lists a device twice: {given}", "list each once")
     if store_on_device and len(given) > 1:
         what = f"store_on_device=True assembles on one device, but devices= names {len(given)}"
         raise bad(ValueError, fn_name, what, "drop store_on_device=True, or pass one device")
@@ -211,8 +211,6 @@ def _devices_option(fn_name, devices, store_on_device, batch_size) -> tuple:
 
 def _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device) -> str | None:
     """Validates ``out``, ``resume`` and ``overwrite``; returns the path as a string."""
-    _flag(fn_name, "resume", resume)
-    _flag(fn_name, "overwrite", overwrite)
     if out is None:
         if resume or overwrite:
             given = "resume=True" if resume else "overwrite=True"
@@ -222,41 +220,33 @@ def _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device) -
     if isinstance(out, Sink):  # the Monte Carlo kernels' running sums (internal)
         return out
     if not isinstance(out, (str, os.PathLike)) or not os.fspath(out).endswith(".npy"):
-        what = f"out must be a path ending in '.npy', got {out!r}"
-        raise bad(ValueError, fn_name, what, "pass e.g. out='kernel.npy'")
-    given = f"out={os.fspath(out)!r}"
-    if batch_size is None:
-        what = f"{given} writes tiles to a file, but batch_size is None"
-        raise bad(ValueError, fn_name, what, "pass a batch_size, e.g. batch_size='auto'")
-    if store_on_device:
-        what = f"{given} writes to the host, which store_on_device=True contradicts"
-        raise bad(ValueError, fn_name, what, "drop store_on_device=True")
-    if resume and overwrite:
-        what = f"resume=True and overwrite=True were both given for {given}"
-        raise bad(ValueError, fn_name, what, "pass one of them")
-    return os.fspath(out)
-
-
-def _block_options(fn_name, batch_size, store_on_device, progress, memory_budget) -> None:
-    expect, fix = "batch_size must be None, a positive int or 'auto'", "pass e.g. batch_size=256"
-    if isinstance(batch_size, str):
-        if batch_size != AUTO_BATCH_SIZE:
-            raise bad(ValueError, fn_name, f"{expect}, got the string {batch_size!r}", fix)
-    elif batch_size is not None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
-            raise bad(TypeError, fn_name, f"{expect}, got {_got(batch_size)}", fix)
-        if batch_size <= 0:
-            what = f"batch_size must be a positive number of samples per tile, got {batch_size!r}"
-            raise bad(ValueError, fn_name, what, fix)
-    _flag(fn_name, "store_on_device", store_on_device)
-    _flag(fn_name, "progress", progress, "None, True or False")
-    if memory_budget is None:
-        return
-    fix = "pass e.g. memory_budget=2 * 2**30 (2 GiB)"
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral):
-        what = "memory_budget must be None or a positive int number of bytes, got "
-        what += _got(memory_budget)
-        raise bad(TypeError, fn_name, what, fix)
-    if memory_budget <= 0:
-        what = f"memory_budget must be a positive int number of bytes, got {memory_budget!r}"
+        raise must(ValueError, fn_name, "out", "a path ending in '.npy'", repr(out), eg="'k.npy'")
+    path = os.fspath(out)
+    if batch_size is None or store_on_device or (resume and overwrite):
+        given = f"out={path!r}"
+        if batch_size is None:
+            what = f"{given} writes tiles to a file, but batch_size is None"
+            fix = "pass a batch_size, e.g. batch_size='auto'"
+        elif store_on_device:
+            what = f"{given} writes to the host, which store_on_device=True contradicts"
+            fix = "drop store_on_device=True"
+        else:
+            what, fix = f"resume=True and overwrite=True were both given for {given}", "pass one"
         raise bad(ValueError, fn_name, what, fix)
+    return path
+
+
+def _block_options(fn_name, batch_size, memory_budget) -> None:
+    if not (batch_size is None or batch_size == AUTO_BATCH_SIZE or _is_int(batch_size)):
+        text = isinstance(batch_size, str)
+        got = f"the string {batch_size!r}" if text else _got(batch_size)
+        expect = "None, a positive int or 'auto'"
+        raise must(ValueError if text else TypeError, fn_name, "batch_size", expect, got, eg=256)
+    if _is_int(batch_size) and batch_size <= 0:
+        expect = "a positive number of samples per tile"
+        raise must(ValueError, fn_name, "batch_size", expect, batch_size, eg=256)
+    if not (memory_budget is None or _is_int(memory_budget) and memory_budget > 0):
+        nonint = not _is_int(memory_budget)
+        expect = "None or a positive int" if nonint else "a positive int"
+        got, cls = (_got(memory_budget), TypeError) if nonint else (memory_budget, ValueError)
+        raise must(cls, fn_name, "memory_budget", f"{expect} number of bytes", got, eg=2**31)

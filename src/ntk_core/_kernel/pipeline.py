@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from ntk_core._kernel.caller import Caller
+from ntk_core._kernel.kind import Kind as Kind
 from ntk_core._kernel.layout import LeafLayout
 from ntk_core._kernel.options import KernelOptions
 
@@ -20,7 +21,7 @@ class Spec:
     """One kernel function as built, compared by identity."""
 
     fn_name: str  # the public function's name, starting every message
-    kind: str  # "ntk", "ntk_per_leaf" or "nngp"
+    kind: Kind
     apply3: Callable  # pure apply3(params, x, aux) -> outputs
     options: KernelOptions
     check: Callable | None = None  # the adapter's check(params, x1, x2, aux), per signature
@@ -29,7 +30,7 @@ class Spec:
 
     @property
     def fuse_bias(self) -> bool:  # structured derivatives fold biases in (not per leaf)
-        return self.kind != "ntk_per_leaf"
+        return self.kind is not Kind.NTK_PER_LEAF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Checked:
 class Config:
     """Static configuration of one compiled call (``planner.configure``)."""
 
-    kind: str  # "ntk", "ntk_per_leaf" or "nngp"
+    kind: Kind
     implementation: str  # "jacobian", "ntvp", "structured" or "nngp"
     vmap_axes: int | None
     precision: str
@@ -66,7 +67,7 @@ class Config:
 
     @property
     def fuse_bias(self) -> bool:
-        return self.kind != "ntk_per_leaf"
+        return self.kind is not Kind.NTK_PER_LEAF
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from ntk_core._impl.phases import triangle_blocks
 from ntk_core._impl.registry import AUTO, NNGP, PHASES, REGISTRY
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._kernel.options import AUTO_BATCH_SIZE
-from ntk_core._kernel.pipeline import Checked, Config, Spec
+from ntk_core._kernel.pipeline import Checked, Config, Kind, Spec
 from ntk_core._kernel.validate import sample_signature, signature
 from ntk_core._units import human_bytes
 
@@ -65,9 +65,9 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
     opts = spec.options
     shapes1, layouts = checked.shapes1, checked.layouts
     whole = None
-    if opts.vmap_axes is None and spec.kind != "nngp":
+    if opts.vmap_axes is None and spec.kind is not Kind.NNGP:
         whole = whole_batch(spec, checked, params)
-    implementation = NNGP if spec.kind == "nngp" else opts.implementation
+    implementation = NNGP if spec.kind is Kind.NNGP else opts.implementation
     if implementation == AUTO:  # per-leaf: among those that separate the leaves
         found = estimates(spec, checked, analyses, params, x1, aux, whole)
         blocked = opts.batch_size is not None  # device memory bounded by the tiles
@@ -140,9 +140,8 @@ def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
     )
     one = model.residual_bytes + model.cotangent_bytes
     if one > budget and opts.batch_size != AUTO_BATCH_SIZE:
-        given = "memory_budget" if opts.memory_budget else "the default memory_budget"
         what = f"vmap_axes=None differentiates {n} samples at once, needing {human_bytes(one)}, "
-        what += f"beyond {given} of {human_bytes(budget)}"
+        what += f"beyond memory_budget of {human_bytes(budget)}"
         fix = f"pass vmap_axes=0, fewer samples, or raise memory_budget to at least {one} bytes"
         raise bad(ValueError, spec.fn_name, what, fix)
     return model
@@ -171,14 +170,14 @@ def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, who
     )
     if spec.options.vmap_axes is None:  # some need per-sample independence
         found = tuple(e for e in found if not REGISTRY[e.implementation].needs_independence)
-    if spec.kind == "ntk_per_leaf":  # some do not separate the leaves
+    if spec.kind is Kind.NTK_PER_LEAF:  # some do not separate the leaves
         found = tuple(e for e in found if REGISTRY[e.implementation].separates_leaves)
     return found
 
 
 def describe(spec, checked, config, implementation, analyses, params, x1, x2, aux) -> _cost.Plan:
     """What a call does, as ``plan()`` returns it."""
-    if config.kind == "nngp":
+    if config.kind is Kind.NNGP:
         what = "plan() describes NTK computations, not an NNGP"
         raise bad(ValueError, spec.fn_name, what, "call plan on the NTK kernel function")
     found = estimates(spec, checked, analyses, params, x1, aux, config.whole_batch)

@@ -72,10 +72,9 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
         except jax.errors.UnexpectedTracerError as error:
             raise _checks.leaked_tracer_error(fn_name, error) from error
         except (TypeError, ValueError, IndexError) as error:
-            what = f"the model fails on a batch of {len(batches[0])} samples (the independence "
-            what += f"check of vmap_axes=0): {one_line(error)}"
-            fix = "keep the batch axis for any N, or pass vmap_axes=None"
-            raise bad(ValueError, fn_name, what, fix) from error
+            what = f"the model fails on a batch of {len(batches[0])} samples: {one_line(error)}"
+            fix = "keep the batch axis for any N (vmap_axes=0 checks small batches)"
+            raise bad(ValueError, fn_name, what, fix, see="samples-interact") from error
         for b, c in zip(out_b, out_c, strict=True):
             b0, c0 = np.asarray(b, np.float64)[:1], np.asarray(c, np.float64)[:1]
             scale = max(np.abs(b0).max(initial=0.0), np.abs(c0).max(initial=0.0), 1e-30)

@@ -17,7 +17,7 @@ from ntk_core._kernel import probe as _probe
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.layout import resolve_layout
 from ntk_core._kernel.model import one_sample, per_sample_trace
-from ntk_core._kernel.pipeline import Checked, Spec
+from ntk_core._kernel.pipeline import Checked, Kind, Spec
 
 
 def as_arrays(tree):
@@ -39,9 +39,7 @@ def batch_size(caller: Caller, name: str, x) -> int:
         raise bad(ValueError, fn_name, f"{name} has no arrays (got {x!r})", f"pass arrays; {hint}")
     sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
     if None in sizes:
-        what = f"{name} holds a scalar (shapes {describe(x)}); expected a batch axis 0"
-        fix = "pass an array (np.asarray(x)), x[None] for one sample"
-        raise bad(ValueError, fn_name, what, fix)
+        raise bad(ValueError, fn_name, f"{name} holds a scalar: {describe(x)}", "pass x[None]")
     if len(sizes) != 1:
         what = f"the arrays of {name} disagree on the batch size (axis 0): {describe(x)}"
         raise bad(ValueError, fn_name, what, f"give every array the same N; {hint}")
@@ -60,8 +58,8 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     caller = spec.caller if spec.caller is not None else core(fn)
     _checks.before_trace(fn, params, x1, x2, opts)  # backend guard, dtypes
     if not jax.tree.leaves(params):
-        what = f"params has no arrays (got {type(params).__name__})"
-        raise bad(ValueError, fn, what, "pass the model's parameters (from its init)")
+        got = type(params).__name__
+        raise bad(ValueError, fn, f"params has no arrays (got {got})", "pass its parameters")
     n1 = n2 = batch_size(caller, "x1", x1)
     if x2 is not None:
 
@@ -79,13 +77,11 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
             raise bad(ValueError, fn, what, "give x2 the structure of x1")
         for a, b in zip(jax.tree.leaves(x1), jax.tree.leaves(x2), strict=True):
             if np.shape(a)[1:] != np.shape(b)[1:]:
-                shapes = f"{describe(x1)} vs {describe(x2)}"
-                what = f"x1 and x2 differ in their non-batch shapes: {shapes}"
-                raise bad(ValueError, fn, what, "give x2 the per-sample shape of x1")
+                what = f"x1 and x2 differ in their non-batch shapes: {describe(x1)} vs "
+                raise bad(ValueError, fn, what + describe(x2), "give x2 the per-sample shape of x1")
             ta, tb = jnp.result_type(a), jnp.result_type(b)
             if jnp.issubdtype(ta, jnp.inexact) != jnp.issubdtype(tb, jnp.inexact):
-                what = f"x1 has dtype {ta} where x2 has {tb}"
-                raise bad(TypeError, fn, what, "give x2 the dtype of x1")
+                raise bad(TypeError, fn, f"x1 has dtype {ta} where x2 has {tb}", "match them")
     if spec.check is not None:
         spec.check(params, x1, x2, aux)
     # One abstract trace (of one sample with vmap_axes=0, replayed by every later phase;
@@ -124,8 +120,7 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
             raise _checks.model_call_error(fn, doing, e, fix) from e
         out_leaves, out_tree = jax.tree.flatten(out)
     if not out_leaves:
-        what = f"the model returned no arrays ({out!r})"
-        raise bad(ValueError, fn, what, f"make {caller.model} return its outputs, e.g. (N, O)")
+        raise bad(ValueError, fn, f"the model returned no arrays ({out!r})", "return arrays (N, O)")
     layouts = []
     for i, leaf in enumerate(out_leaves):
         where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
@@ -146,7 +141,7 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
         fix = "keep the batch axis for any N (no squeeze, no fixed N), or pass vmap_axes=None"
         raise bad(ValueError, fn, what + one_line(one_sample_error), fix) from one_sample_error
     if known is None:
-        kernel = "NNGP" if spec.kind == "nngp" else "NTK"
+        kernel = "NNGP" if spec.kind is Kind.NNGP else "NTK"
         _checks.after_trace(fn, spec.apply3, params, x1, x2, aux, out_leaves, opts, kernel, closed)
     if known is None and sample_key is not None:  # vmap_axes=0
         if _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn):
@@ -162,9 +157,9 @@ def check_untraced(spec: Spec, params, x1, x2) -> None:
     """The blocked engine writes tiles to the host: refuses traced arguments."""
     if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, x1, x2))):
         given = f"batch_size={spec.options.batch_size!r}"
-        what = f"{given} was used inside jax.jit (tiles go to the host)"
-        fix = "call it outside jax.jit, or pass batch_size=None"
-        raise bad(ValueError, spec.fn_name, what, fix)
+        raise bad(
+            ValueError, spec.fn_name, f"{given} was used inside jax.jit", "call it outside jit"
+        )
 
 
 def check_blocks_independent(spec: Spec, checked: Checked, cut, params, x1, x2, aux) -> None:
@@ -175,5 +170,4 @@ def check_blocks_independent(spec: Spec, checked: Checked, cut, params, x1, x2, 
     if _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn_name=spec.fn_name):
         given = f"batch_size={spec.options.batch_size!r}"
         what = f"{given} with vmap_axes=None splits interacting samples"
-        fix = "pass batch_size=None, or vmap_axes=0 with the model in evaluation mode"
-        raise bad(ValueError, spec.fn_name, what, fix, see="samples-interact")
+        raise bad(ValueError, spec.fn_name, what, "pass batch_size=None", see="samples-interact")
