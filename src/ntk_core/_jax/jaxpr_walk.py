@@ -7,10 +7,21 @@ from __future__ import annotations
 import math
 
 from jax.extend import core as jex
+from jax.extend.core import primitives as prims
 
-#: Call-like primitives whose sub-jaxpr is evaluated inline.
-INLINE_PRIMITIVES = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint"}
+
+def present(*primitives) -> frozenset:
+    """The primitives given, less those this JAX does not define (``None``)."""
+    return frozenset(primitives) - {None}
+
+
+#: Call-like primitives whose sub-jaxpr is evaluated inline (``jit_p`` is ``pjit_p`` and
+#: ``remat_p`` is not public in older JAX).
+INLINE_PRIMITIVES = present(
+    prims.closed_call_p,
+    prims.call_p,
+    getattr(prims, "jit_p", None) or getattr(prims, "pjit_p", None),
+    getattr(prims, "remat_p", None),
 )
 
 
@@ -60,7 +71,7 @@ def call_body(eqn):
 
 def inlined(eqn) -> bool:
     """Whether ``eqn`` is a call (:data:`INLINE_PRIMITIVES`) evaluated in place."""
-    return eqn.primitive.name in INLINE_PRIMITIVES and call_body(eqn) is not None
+    return eqn.primitive in INLINE_PRIMITIVES and call_body(eqn) is not None
 
 
 def bind(eqn, invals):

@@ -21,16 +21,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
+from jax.extend.core import primitives as prims
 
 from ntk_core._impl import jacobian as _jacobian
 from ntk_core._jax.jaxpr_walk import bind, call_body, inlined, is_literal, values_written
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._structured import rules as _rules
-from ntk_core._structured.rules import Subscripts, Use, View
+from ntk_core._structured.rules import Scale, Subscripts, Use, View
 from ntk_core._structured.rules._base import view_index
 from ntk_core._structured.rules.conv import patches as patches
 
-_VIEW_PRIMITIVES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p"})
+_VIEWS = frozenset({prims.reshape_p, prims.transpose_p, prims.squeeze_p, prims.copy_p})
+_VIEWS |= {prims.broadcast_in_dim_p}
+_CAST = prims.convert_element_type_p
 
 GRAM, EXPLICIT = "gram", "explicit"  # the two forms of a structured leaf's kernel
 #: ``plan()`` name of each kind of use.
@@ -143,13 +146,15 @@ def _bias_fusable(eqns, leaf_shape, use: Use) -> bool:
 
 
 _PRIMITIVE_REASONS = {
-    p: f"passed through a function with a custom derivative ({p[:10]})"
-    for p in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+    p: f"passed through a function with a custom derivative ({p.name[:10]})"
+    for p in (prims.custom_jvp_call_p, prims.custom_vjp_call_p)
 }
-_LOOPS = {"scan": ("loop", "scan"), "while": ("loop", "while_loop"), "cond": ("branch", "cond")}
-_PRIMITIVE_REASONS |= {
-    p: f"used inside a {k} ({n}), which is not analysed" for p, (k, n) in _LOOPS.items()
+_LOOPS = {
+    prims.scan_p: "loop (scan)",
+    prims.while_p: "loop (while_loop)",
+    prims.cond_p: "branch (cond)",
 }
+_PRIMITIVE_REASONS |= {p: f"used inside a {k}, which is not analysed" for p, k in _LOOPS.items()}
 
 
 def _scalar(v, known: dict) -> float | None:
@@ -167,18 +172,21 @@ def _scalar_constants(constvars, consts) -> dict:
     }
 
 
+_SCALINGS = frozenset({prims.mul_p, prims.div_p})
+
+
 def _constant_factor(eqn, ins, known: dict) -> float | None:
     """The factor when ``eqn`` scales the parameter view by a constant (neg, mul, div)."""
-    name = eqn.primitive.name
-    if name == "neg":
+    primitive = eqn.primitive
+    if primitive is prims.neg_p:
         return -1.0
-    if name not in ("mul", "div") or len(ins) != 2 or (ins[0] is None) == (ins[1] is None):
+    if primitive not in _SCALINGS or len(ins) != 2 or (ins[0] is None) == (ins[1] is None):
         return None
     w_side = 0 if ins[0] is not None else 1
     if eqn.invars[w_side].aval.shape != eqn.outvars[0].aval.shape:
         return None  # the scalar broadcasts the view: not the same entries
     c = _scalar(eqn.invars[1 - w_side], known)
-    if c is None or name == "mul":
+    if c is None or primitive is prims.mul_p:
         return c
     return 1.0 / c if w_side == 0 and c != 0.0 else None
 
@@ -272,7 +280,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
         for i, eqn in enumerate(jaxpr.eqns):
             here = path + (i,)
             ins = [origin(v) for v in eqn.invars]
-            name = eqn.primitive.name
+            primitive, name = eqn.primitive, eqn.primitive.name
             if inlined(eqn):  # scalar constants passed in stay known inside
                 sub, consts = call_body(eqn)
                 for outer, inner in zip(eqn.invars, sub.invars, strict=False):
@@ -290,7 +298,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                     walk(sub, sub_origins, here, within, call or eqn)
                 continue
             if not any(o is not None for o in ins):
-                if name == "convert_element_type":  # of a scalar constant: still known
+                if primitive is _CAST:  # of a scalar constant: still known
                     value = _scalar(eqn.invars[0], known)
                     if value is not None:
                         known[eqn.outvars[0]] = value
@@ -298,29 +306,29 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
             factor = _constant_factor(eqn, ins, known)
             if factor is not None:  # W / 8, -W, c * W: a view with a factor
                 view = next(o for o in ins if o is not None)
-                origins[eqn.outvars[0]] = view._replace(chain=view.chain + (("scale_by", factor),))
+                origins[eqn.outvars[0]] = view._replace(chain=view.chain + (Scale(factor),))
                 continue
-            if name in _VIEW_PRIMITIVES or name == "broadcast_in_dim":
+            if primitive in _VIEWS:
                 if len(eqn.invars) != 1:
                     for o in ins:
                         if o is not None:
                             fall_back(o.leaf, f"a {name} with several operands", call or eqn)
                     continue
                 view = ins[0]
-                step = (name, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
+                step = (primitive, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
                 origins[eqn.outvars[0]] = View(view.leaf, view.chain + (step,), view.eqns + (eqn,))
                 continue
-            if name == "convert_element_type":
+            if primitive is _CAST:
                 # A widening cast (float32 -> float64): the same numbers, a view that keeps
                 # the entries' order (not in ``eqns``). A narrowing one is not: autodiff's
                 # Jacobian rounds to it, the Gram form would not (~1e-3 apart).
                 a, b = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
                 floats = jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)
                 if floats and jnp.promote_types(a, b) == b:
-                    step = (name, str(b))
+                    step = (primitive, str(b))
                     origins[eqn.outvars[0]] = ins[0]._replace(chain=ins[0].chain + (step,))
                     continue
-            rule = _rules.rule_for(name)
+            rule = _rules.rule_for(primitive)
             n_params = sum(o is not None for o in ins)
             if rule is not None and n_params == 1:
                 use = rule.match(eqn, ins, here, leaf_shapes)
@@ -345,7 +353,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 reason = rule.miss_reason(eqn, ins)
             elif n_params > 1 and rule is not None:
                 reason = f"a {name} of two parameter views (e.g. W @ W or s * s)"
-            elif name == "convert_element_type":
+            elif primitive is _CAST:
                 a, b = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
                 reason = (
                     f"cast to a lower precision ({a} -> {b}, convert_element_type), e.g. "
@@ -353,8 +361,8 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                     if jnp.issubdtype(b, jnp.floating)
                     else f"cast from {a} to {b} (convert_element_type)"
                 )
-            elif name in _PRIMITIVE_REASONS:
-                reason = _PRIMITIVE_REASONS[name]
+            elif primitive in _PRIMITIVE_REASONS:
+                reason = _PRIMITIVE_REASONS[primitive]
                 function = _function_name(eqn)
                 if function:  # e.g. "passed through relu, a function with ..."
                     reason = reason.replace("a function", f"{function}{inside}, a function")
@@ -424,7 +432,7 @@ def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
                 records[here] = invals[probe.record]
                 if probe.operand is not None:  # the delta on a parameter operand
                     invals[probe.operand] = invals[probe.operand] + probe.delta
-            rule = _rules.rule_for(eqn.primitive.name)
+            rule = _rules.rule_for(eqn.primitive)
             outs = bind(eqn, invals) if rule is None else rule.evaluate(eqn, invals)
             if not eqn.primitive.multiple_results:
                 outs = [outs]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ntk_core._structured.rules._base import Probe as Probe
 from ntk_core._structured.rules._base import Rule as Rule
+from ntk_core._structured.rules._base import Scale as Scale
 from ntk_core._structured.rules._base import Subscripts as Subscripts
 from ntk_core._structured.rules._base import Use as Use
 from ntk_core._structured.rules._base import View as View
@@ -21,6 +22,6 @@ from ntk_core._structured.rules.gather import GATHER
 REGISTRY: tuple[Rule, ...] = (DOT, CONV, GATHER, ELEMENTWISE)
 
 
-def rule_for(primitive: str) -> Rule | None:
-    """The first rule of :data:`REGISTRY` for ``primitive``, or None."""
+def rule_for(primitive) -> Rule | None:
+    """The first rule of :data:`REGISTRY` for ``primitive`` (an equation's), or None."""
     return next((rule for rule in REGISTRY if primitive in rule.primitives), None)
