@@ -15,10 +15,12 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.extend.core import primitives as prims
 
 from ntk_core._errors import bad
 from ntk_core._jax.jaxpr_walk import equations, is_literal, sub_jaxprs
 
+_HIGHEST = "highest"  # the precision option that keeps kernels exact
 #: The oldest CUDA runtime accepted, and the fix printed with every CUDA refusal.
 MIN_CUDA = (11, 0)
 CUDA_FIX = 'python -m pip install -U "jax[cuda12]", or run with JAX_PLATFORMS=cpu'
@@ -86,9 +88,10 @@ def parse_platform_version(raw: str, platform: str | None = None) -> BackendVers
 def refusal(info: BackendVersion, fn_name: str = "ntk_core") -> str | None:
     """The message refusing CUDA older than :data:`MIN_CUDA`; ``None`` for any other backend."""
     if info.kind == "cuda" and info.version is not None and info.version < MIN_CUDA:
-        found = f"CUDA {info.version[0]}.{info.version[1]} (platform_version {info.raw!r})"
-        what = f"the GPU backend runs {found}; CUDA {MIN_CUDA[0]} or newer is required"
-        return str(bad(RuntimeError, fn_name, what, CUDA_FIX, see="environment-guard"))
+        what = (
+            f"the GPU backend runs {info.text} (platform_version {info.raw!r}); CUDA {MIN_CUDA[0]}"
+        )
+        return _message(fn_name, f"{what} or newer is required", CUDA_FIX, "environment-guard")
     return None
 
 
@@ -129,6 +132,10 @@ def _user_stacklevel() -> int:
             return level
         frame, level = frame.f_back, level + 1
     return 2
+
+
+def _message(fn_name: str, what: str, fix: str, see: str = "") -> str:
+    return str(bad(Exception, fn_name, what, fix, see))
 
 
 def warn_once(cause: str, message: str, category=PrecisionWarning) -> None:
@@ -196,7 +203,7 @@ def _check_half_precision(fn_name: str, params, jaxpr, kernel: str) -> None:
     ]
     casts = set()
     for eqn in equations(jaxpr) if jaxpr is not None else ():
-        if eqn.primitive.name == "convert_element_type":
+        if eqn.primitive is prims.convert_element_type_p:
             src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
             floating = jax.numpy.issubdtype(src, jax.numpy.floating)
             if dst.name in _HALF and floating and src.itemsize > dst.itemsize:
@@ -204,12 +211,11 @@ def _check_half_precision(fn_name: str, params, jaxpr, kernel: str) -> None:
     found += sorted(casts)
     if found:
         dtype = _HALF[0] if any(_HALF[0] in f for f in found) else _HALF[1]
-        what = f"the model computes in half precision ({', '.join(found[:3])}), where"
-        what += f" {_HOW[kernel == 'NTK']}"
-        what += f", so the {kernel} differs by about {HALF_PRECISION_ERROR[kernel, dtype]}"
+        what = f"the model computes in half precision ({', '.join(found[:3])}), where "
+        what += f"{_HOW[kernel == 'NTK']}, so the {kernel} differs by about "
+        what += f"{HALF_PRECISION_ERROR[kernel, dtype]} relative in {dtype}"
         fix = "compute kernels with the model in float32"
-        message = f"{fn_name}: {what} relative in {dtype}. Fix: {fix}."
-        warn_once(f"half precision {kernel} {dtype}", message)
+        warn_once(f"half precision {kernel} {dtype}", _message(fn_name, what, fix))
 
 
 def check_model_precision(
@@ -219,10 +225,12 @@ def check_model_precision(
     precision explicitly (``nn.Dense(precision=)``), which ``jax.default_matmul_precision``
     cannot override, or when it computes in half precision. ``closed``: the engine's jaxpr
     of ``apply3`` under that precision (else traced here)."""
-    if precision != "highest":
+    if precision != _HIGHEST:
         what = f"precision={precision!r} lets GPUs and TPUs use TF32 or bf16 passes (about 1e-3"
-        message = f"{fn_name}: {what} relative error). Fix: keep precision='highest'."
-        warn_once(f"precision option {precision}", message)
+        fix = f"keep precision={_HIGHEST!r}"
+        warn_once(
+            f"precision option {precision}", _message(fn_name, f"{what} relative error)", fix)
+        )
     if closed is None:
         x_abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x1)
         try:
@@ -231,10 +239,10 @@ def check_model_precision(
         except Exception:  # the engine reports model failures with context
             closed = None
     _check_half_precision(fn_name, params, None if closed is None else closed.jaxpr, kernel)
-    if precision != "highest" or closed is None:
+    if precision != _HIGHEST or closed is None:
         return  # the option itself was warned about
     found = ", ".join(sorted(set(_low_precision_ops(closed.jaxpr)))[:3])
-    what = f"the model itself asks for matmul precision below 'highest' ({found}), which"
-    fix = "Fix: pass precision='highest' to those layers."
+    what = f"the model itself asks for matmul precision below {_HIGHEST!r} ({found}), which"
     if found:
-        warn_once("model precision", f"{fn_name}: {what} precision= cannot override. {fix}")
+        fix = f"pass precision={_HIGHEST!r} to those layers"
+        warn_once("model precision", _message(fn_name, f"{what} precision= cannot override", fix))
