@@ -24,7 +24,14 @@ from jax.extend import core as jex
 from jax.extend.core import primitives as prims
 
 from ntk_core._impl import jacobian as _jacobian
-from ntk_core._jax.jaxpr_walk import bind, call_body, inlined, is_literal, values_written
+from ntk_core._jax.jaxpr_walk import (
+    bind,
+    call_body,
+    inlined,
+    is_literal,
+    sub_jaxprs,
+    values_written,
+)
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._structured import rules as _rules
 from ntk_core._structured.rules import Scale, Subscripts, Use, View
@@ -149,11 +156,8 @@ _PRIMITIVE_REASONS = {
     p: f"passed through a function with a custom derivative ({p.name[:10]})"
     for p in (prims.custom_jvp_call_p, prims.custom_vjp_call_p)
 }
-_LOOPS = {
-    prims.scan_p: "loop (scan)",
-    prims.while_p: "loop (while_loop)",
-    prims.cond_p: "branch (cond)",
-}
+_LOOPS = {prims.scan_p: "loop (scan)", prims.while_p: "loop (while_loop)"}
+_LOOPS[prims.cond_p] = "branch (cond)"
 _PRIMITIVE_REASONS |= {p: f"used inside a {k}, which is not analysed" for p, k in _LOOPS.items()}
 
 
@@ -191,18 +195,17 @@ def _constant_factor(eqn, ins, known: dict) -> float | None:
     return 1.0 / c if w_side == 0 and c != 0.0 else None
 
 
-def _function_name(eqn) -> str:
-    """The function a call-like equation wraps (``relu``), or ""."""
-    for key in ("call_jaxpr", "fun_jaxpr", "jaxpr"):
-        sub = eqn.params.get(key)
-        info = getattr(getattr(sub, "jaxpr", sub), "debug_info", None)
+def _function_name(eqn) -> str | None:
+    """The function a call-like equation wraps (``relu``), or None."""
+    for sub in sub_jaxprs(eqn):
+        info = getattr(sub, "debug_info", None)
         name = getattr(info, "func_name", None)
         if not isinstance(name, str):  # older JAX: only "relu at /path/file.py:12"
             where = getattr(info, "func_src_info", None)
-            name = where.split(" at ")[0] if isinstance(where, str) else ""
+            name = where.split(" at ")[0] if isinstance(where, str) else None
         if name and not name.startswith("<"):
             return name
-    return ""
+    return None
 
 
 _LIBRARIES = ("jax", "jaxlib", "ntk_core", "ntk_flax", "ntk_haiku", "flax", "haiku", "numpy")
@@ -215,18 +218,18 @@ def _roots(files: tuple) -> tuple[str, ...]:
     return tuple(root + os.sep for root in roots)
 
 
-def _source_location(eqn) -> str:
-    """The user's frame that created ``eqn``, ``"model.py:12, in MLP.__call__"``, or ""."""
+def _source_location(eqn) -> str | None:
+    """The user's frame that created ``eqn``, ``"model.py:12, in MLP.__call__"``, or None."""
     try:
         frames = eqn.source_info.traceback.frames
     except AttributeError:
-        return ""
+        return None
     roots = _roots(tuple(getattr(sys.modules.get(n), "__file__", None) for n in _LIBRARIES))
     for frame in frames:
         path = os.path.abspath(frame.file_name)
         if not path.startswith(roots):
             return f"{os.path.basename(path)}:{frame.line_num}, in {frame.function_name}"
-    return ""
+    return None
 
 
 def _unpaired_reason(uses: list[Use], sites: list, indices: list[int]) -> str:
@@ -260,7 +263,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
 
     def fall_back(leaf: int, reason: str, eqn=None) -> None:
         if leaf not in bad:
-            where = "" if eqn is None else _source_location(eqn)
+            where = None if eqn is None else _source_location(eqn)
             bad[leaf] = f"{reason}; at {where}" if where else reason
 
     use_of_output: dict = {}  # output var of a use that takes a bias -> use index
@@ -444,7 +447,7 @@ def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
 
 
 def analysis_for(
-    apply3, params, x_one, aux, fuse_bias: bool = True, *, precision: str = "highest"
+    apply3, params, x_one, aux, fuse_bias: bool = True, *, precision: str
 ) -> tuple[Analysis, jex.ClosedJaxpr]:
     """The analysis of ``apply3`` on one sample, and the per-sample jaxpr it read."""
     closed = per_sample_jaxpr(apply3, params, x_one, aux, precision=precision)
@@ -461,7 +464,7 @@ def _bias_in_gram(analysis: Analysis, modes, u: int) -> bool:
 FEATURE_CHUNK_BYTES = 2**28
 
 
-def chunk_size(apply3, params, x, aux, fuse_bias: bool, modes, *, precision="highest") -> int:
+def chunk_size(apply3, params, x, aux, fuse_bias: bool, modes, *, precision) -> int:
     """Samples whose features are computed together: B = FEATURE_CHUNK_BYTES //
     (itemsize·((O + 2)·V + F)) in [1, N], evened to ⌈N / ⌈N / B⌉⌉ (V: values one forward
     pass writes, O: outputs per sample, F: feature values per sample)."""

@@ -89,9 +89,9 @@ class Rule(abc.ABC):
     def match(self, eqn, ins: list, here: tuple, leaf_shapes: list) -> Use | None:
         """The use ``eqn`` makes of its one parameter operand (``ins``: View or None)."""
 
-    @abc.abstractmethod
     def miss_reason(self, eqn, ins: list) -> str:
         """Why :meth:`match` returned None (``plan()`` shows it)."""
+        return broadcast_reason(eqn, ins) or f"a {eqn.primitive.name} that no rule covers"
 
     def use(self, here, leaf, x_side, key, y, y_perm, sizes, info, factor, kind=None) -> Use:
         """The :class:`Use` of probed variable ``y``; ``sizes``: (A, K, C); ``key`` is led

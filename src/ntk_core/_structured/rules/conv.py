@@ -103,8 +103,8 @@ class ConvRule(Rule):
         return self.use(here, ins[1].leaf, 0, key, y, y_perm, sizes, geometry, factor)
 
     def miss_reason(self, eqn, ins):
-        if (reason := broadcast_reason(eqn, ins)) is not None:
-            return reason
+        if broadcast_reason(eqn, ins) is not None:
+            return super().miss_reason(eqn, ins)
         if ins[1] is None:
             return "the input operand of a convolution (not its kernel)"
         groups = _groups(eqn)
@@ -113,7 +113,7 @@ class ConvRule(Rule):
                 f"the kernel of a grouped or depthwise convolution (feature_group_count="
                 f"{groups[0]}, batch_group_count={groups[1]})"
             )
-        return f"a {eqn.primitive.name} that no rule covers"
+        return super().miss_reason(eqn, ins)
 
     def evaluate(self, eqn, invals):
         if _ungrouped(eqn):

@@ -53,12 +53,10 @@ class DotRule(Rule):
         return self.use(here, ins[w_side].leaf, x_side, key, y, y_perm, sizes, info, factor)
 
     def miss_reason(self, eqn, ins):
-        if (reason := broadcast_reason(eqn, ins)) is not None:
-            return reason
         (_, _), (lb, rb) = eqn.params["dimension_numbers"]
-        if lb or rb:
+        if (lb or rb) and broadcast_reason(eqn, ins) is None:
             return "a matrix product batched over the parameter's axes"
-        return f"a {eqn.primitive.name} that no rule covers"
+        return super().miss_reason(eqn, ins)
 
     def input_features(self, use, x, bias_column):
         """``(N, A, C)``: free axes, then contracted ones (and a bias column of ones)."""

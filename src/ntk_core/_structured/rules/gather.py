@@ -77,8 +77,7 @@ class GatherRule(Rule):
         return jnp.einsum(spec, match, g1, g2, precision=precision, optimize="optimal")
 
     def label(self, uses):
-        n, name = len(uses), uses[0].name
-        return name if n == 1 else f"{n} {name}s"
+        return uses[0].name if len(uses) == 1 else super().label(uses)
 
 
 def _row_lookup(table, idx_shape, y_shape, *, dimension_numbers, slice_sizes, mode, **_):
