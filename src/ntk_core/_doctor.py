@@ -160,7 +160,7 @@ def _notes(backend, info, env, x64, matmul) -> list[str]:
             )
         if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
             notes.append("XLA_PYTHON_CLIENT_ALLOCATOR=platform: exact memory, slow kernels.")
-        notes.append(_environment.refusal(info, "ntk_core"))
+        notes.append(_environment.refusal(info))
     if not x64:
         notes.append("x64 is off: float32 kernels (1e-6 relative); JAX_ENABLE_X64=1: float64.")
     if matmul not in (None, "highest", "float32"):
