@@ -182,15 +182,13 @@ def _low_precision_ops(jaxpr) -> list[str]:
     return found
 
 
-#: max |ΔK| / max |K| of a half-precision model's kernel against the float32 one: typical
-#: and range measured on 10-64-64-3 MLPs (26 seeds, ReLU and tanh) by
-#: ``benchmarks/readme_figures.py --only half``.
+#: Typical max |ΔK| / max |K| of a half-precision model's kernel (NTK or NNGP) against the
+#: float32 one, measured by ``benchmarks/readme_figures.py --only half`` (the ranges:
+#: docs/errors.md, "Half-precision model").
 _HALF = ("bfloat16", "float16")
-_MEASURED = ("1e-2 (measured 3e-3 to 4e-2)", "1e-3 (measured 4e-4 to 1e-2)")
-_MEASURED += ("1e-2 (measured 3e-3 to 2e-2)", "1e-3 (measured 4e-4 to 2e-3)")
-_KEYS = [(kernel, dtype) for kernel in ("NTK", "NNGP") for dtype in _HALF]
-HALF_PRECISION_ERROR = dict(zip(_KEYS, _MEASURED, strict=True))
+HALF_PRECISION_ERROR = dict(zip(_HALF, ("1e-2", "1e-3"), strict=True))
 _HOW = ("every product of the forward pass is rounded", "autodiff rounds every product")
+_HALF_FIX, _HALF_SEE = "compute kernels with the model in float32", "half-precision-model"
 
 
 def _check_half_precision(fn_name: str, params, jaxpr, kernel: str) -> None:
@@ -211,11 +209,11 @@ def _check_half_precision(fn_name: str, params, jaxpr, kernel: str) -> None:
     found += sorted(casts)
     if found:
         dtype = _HALF[0] if any(_HALF[0] in f for f in found) else _HALF[1]
-        what = f"the model computes in half precision ({', '.join(found[:3])}), where "
-        what += f"{_HOW[kernel == 'NTK']}, so the {kernel} differs by about "
-        what += f"{HALF_PRECISION_ERROR[kernel, dtype]} relative in {dtype}"
-        fix = "compute kernels with the model in float32"
-        warn_once(f"half precision {kernel} {dtype}", _message(fn_name, what, fix))
+        where = f"half precision ({', '.join(found[:3])}), where {_HOW[kernel == 'NTK']}"
+        what = f"the model computes in {where}, so the {kernel} differs by about "
+        what += f"{HALF_PRECISION_ERROR[dtype]} relative in {dtype}"
+        message = _message(fn_name, what, _HALF_FIX, _HALF_SEE)
+        warn_once(f"half precision {kernel} {dtype}", message)
 
 
 def check_model_precision(
