@@ -38,12 +38,7 @@ SHOWN = ("shape", "dtype", "tile grid", "n_samples", "sample")
 VERSION, FP, DONE, COMPLETE = "version", "fingerprint", "done", "complete"  # the manifest's keys
 READ = dict(mmap_mode="r")
 _GRAM, _OTHER_CALL = "x2=None (the Gram matrix of x1)", "was started by a different call"
-
-
-class Stage(enum.Enum):
-    """The barriers every process of a run passes, in this order."""
-
-    CHECKED, CREATED, WRITTEN, COMPLETE = range(4)
+Stage = enum.Enum("Stage", "CHECKED CREATED WRITTEN COMPLETE")  # the barriers, in order
 
 
 def manifest_path(path: str) -> str:
@@ -206,11 +201,10 @@ class NpyStore:
     def _sync(self, stage: Stage) -> None:
         if self.barrier is None:
             return
-        name = stage.name.lower()
         try:
-            self.barrier(f"ntk_core out= {name}: {self.path}")
+            self.barrier(f"ntk_core out= {stage.name.lower()}: {self.path}")
         except Exception as e:  # a process of the run stopped (killed, failed)
-            what = f"a process of this run stopped at '{name}' ({one_line(e)[:200]})"
+            what = f"a process of this run stopped at '{stage.name.lower()}' ({one_line(e)[:200]})"
             raise bad(ValueError, self.fn, what, "start every process with resume=True") from e
 
     def _os_error(self, doing: str, error: Exception) -> ValueError:

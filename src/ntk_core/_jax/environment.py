@@ -88,10 +88,9 @@ def parse_platform_version(raw: str, platform: str | None = None) -> BackendVers
 def refusal(info: BackendVersion, fn_name: str = "ntk_core") -> str | None:
     """The message refusing CUDA older than :data:`MIN_CUDA`; ``None`` for any other backend."""
     if info.kind == "cuda" and info.version is not None and info.version < MIN_CUDA:
-        what = (
-            f"the GPU backend runs {info.text} (platform_version {info.raw!r}); CUDA {MIN_CUDA[0]}"
-        )
-        return _message(fn_name, f"{what} or newer is required", CUDA_FIX, "environment-guard")
+        found = f"{info.text} (platform_version {info.raw!r})"
+        what = f"the GPU backend runs {found}; CUDA {MIN_CUDA[0]} or newer is required"
+        return str(bad(RuntimeError, fn_name, what, CUDA_FIX, see="environment-guard"))
     return None
 
 
@@ -134,12 +133,8 @@ def _user_stacklevel() -> int:
     return 2
 
 
-def _message(fn_name: str, what: str, fix: str, see: str = "") -> str:
-    return str(bad(Exception, fn_name, what, fix, see))
-
-
-def warn_once(cause: str, message: str, category=PrecisionWarning) -> None:
-    """Warns about ``cause`` once per process, at the user's call."""
+def warn_once(cause: str, message: str | Warning, category=PrecisionWarning) -> None:
+    """Warns about ``cause`` once per process, at the user's call (``message``: or a Warning)."""
     with _LOCK:
         if cause in _WARNED:
             return
@@ -212,7 +207,7 @@ def _check_half_precision(fn_name: str, params, jaxpr, kernel: str) -> None:
         where = f"half precision ({', '.join(found[:3])}), where {_HOW[kernel == 'NTK']}"
         what = f"the model computes in {where}, so the {kernel} differs by about "
         what += f"{HALF_PRECISION_ERROR[dtype]} relative in {dtype}"
-        message = _message(fn_name, what, _HALF_FIX, _HALF_SEE)
+        message = bad(PrecisionWarning, fn_name, what, _HALF_FIX, _HALF_SEE)
         warn_once(f"half precision {kernel} {dtype}", message)
 
 
@@ -226,9 +221,8 @@ def check_model_precision(
     if precision != _HIGHEST:
         what = f"precision={precision!r} lets GPUs and TPUs use TF32 or bf16 passes (about 1e-3"
         fix = f"keep precision={_HIGHEST!r}"
-        warn_once(
-            f"precision option {precision}", _message(fn_name, f"{what} relative error)", fix)
-        )
+        message = bad(PrecisionWarning, fn_name, f"{what} relative error)", fix)
+        warn_once(f"precision option {precision}", message)
     if closed is None:
         x_abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x1)
         try:
@@ -243,4 +237,5 @@ def check_model_precision(
     what = f"the model itself asks for matmul precision below {_HIGHEST!r} ({found}), which"
     if found:
         fix = f"pass precision={_HIGHEST!r} to those layers"
-        warn_once("model precision", _message(fn_name, f"{what} precision= cannot override", fix))
+        warning = bad(PrecisionWarning, fn_name, f"{what} precision= cannot override", fix)
+        warn_once("model precision", warning)

@@ -9,20 +9,10 @@ import math
 from jax.extend import core as jex
 from jax.extend.core import primitives as prims
 
-
-def present(*primitives) -> frozenset:
-    """The primitives given, less those this JAX does not define (``None``)."""
-    return frozenset(primitives) - {None}
-
-
-#: Call-like primitives whose sub-jaxpr is evaluated inline (``jit_p`` is ``pjit_p`` and
-#: ``remat_p`` is not public in older JAX).
-INLINE_PRIMITIVES = present(
-    prims.closed_call_p,
-    prims.call_p,
-    getattr(prims, "jit_p", None) or getattr(prims, "pjit_p", None),
-    getattr(prims, "remat_p", None),
-)
+_JIT = getattr(prims, "jit_p", None) or getattr(prims, "pjit_p", None)  # pjit_p: older JAX
+_REMAT = getattr(prims, "remat_p", None)  # None where not public (older JAX)
+#: Call-like primitives whose sub-jaxpr is evaluated inline.
+INLINE_PRIMITIVES = frozenset({prims.closed_call_p, prims.call_p, _JIT, _REMAT} - {None})
 
 
 def is_literal(v) -> bool:

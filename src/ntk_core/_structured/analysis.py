@@ -24,27 +24,19 @@ from jax.extend import core as jex
 from jax.extend.core import primitives as prims
 
 from ntk_core._impl import jacobian as _jacobian
-from ntk_core._jax.jaxpr_walk import (
-    bind,
-    call_body,
-    inlined,
-    is_literal,
-    sub_jaxprs,
-    values_written,
-)
+from ntk_core._jax import jaxpr_walk as _walk
+from ntk_core._jax.jaxpr_walk import bind, call_body, inlined, is_literal
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._structured import rules as _rules
-from ntk_core._structured.rules import Scale, Subscripts, Use, View
-from ntk_core._structured.rules._base import view_index
+from ntk_core._structured.rules import Subscripts, Use, View
+from ntk_core._structured.rules._base import Scale, view_index
 from ntk_core._structured.rules.conv import patches as patches
 
 _VIEWS = frozenset({prims.reshape_p, prims.transpose_p, prims.squeeze_p, prims.copy_p})
 _VIEWS |= {prims.broadcast_in_dim_p}
-_CAST = prims.convert_element_type_p
+_CAST, _SCALINGS = prims.convert_element_type_p, frozenset({prims.mul_p, prims.div_p})
 
 GRAM, EXPLICIT = "gram", "explicit"  # the two forms of a structured leaf's kernel
-#: ``plan()`` name of each kind of use.
-KIND_NAMES = {kind: name for rule in _rules.REGISTRY for kind, name in rule.kind_names.items()}
 
 
 class Structure(typing.NamedTuple):
@@ -176,9 +168,6 @@ def _scalar_constants(constvars, consts) -> dict:
     }
 
 
-_SCALINGS = frozenset({prims.mul_p, prims.div_p})
-
-
 def _constant_factor(eqn, ins, known: dict) -> float | None:
     """The factor when ``eqn`` scales the parameter view by a constant (neg, mul, div)."""
     primitive = eqn.primitive
@@ -197,7 +186,7 @@ def _constant_factor(eqn, ins, known: dict) -> float | None:
 
 def _function_name(eqn) -> str | None:
     """The function a call-like equation wraps (``relu``), or None."""
-    for sub in sub_jaxprs(eqn):
+    for sub in _walk.sub_jaxprs(eqn):
         info = getattr(sub, "debug_info", None)
         name = getattr(info, "func_name", None)
         if not isinstance(name, str):  # older JAX: only "relu at /path/file.py:12"
@@ -485,7 +474,7 @@ def chunk_size(apply3, params, x, aux, fuse_bias: bool, modes, *, precision) -> 
         if _gram(analysis, modes, u)
     )
     itemsize = max((np.dtype(o.dtype).itemsize for o in outs), default=4)
-    values = values_written(closed.jaxpr)
+    values = _walk.values_written(closed.jaxpr)
     return feature_chunk(n, out_size, values, out_size * width + gram_values, itemsize)
 
 

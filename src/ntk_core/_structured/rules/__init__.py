@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from ntk_core._structured.rules._base import Probe as Probe
 from ntk_core._structured.rules._base import Rule as Rule
-from ntk_core._structured.rules._base import Scale as Scale
 from ntk_core._structured.rules._base import Subscripts as Subscripts
 from ntk_core._structured.rules._base import Use as Use
 from ntk_core._structured.rules._base import View as View

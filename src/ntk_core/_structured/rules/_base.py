@@ -29,9 +29,7 @@ class View(NamedTuple):
     eqns: tuple  # the equations that move entries (replayed by view_index)
 
 
-class Scale(NamedTuple):
-    """A view step: the leaf times a constant scalar (W / 8, -W)."""
-
+class Scale(NamedTuple):  # a view step: the leaf times a constant scalar (W / 8, -W)
     factor: float
 
 
@@ -94,8 +92,7 @@ class Rule(abc.ABC):
         return broadcast_reason(eqn, ins) or f"a {eqn.primitive.name} that no rule covers"
 
     def use(self, here, leaf, x_side, key, y, y_perm, sizes, info, factor, kind=None) -> Use:
-        """The :class:`Use` of probed variable ``y``; ``sizes``: (A, K, C); ``key`` is led
-        by the rule; ``kind`` defaults to the rule's first one."""
+        """The :class:`Use` of probed ``y``; ``sizes``: (A, K, C); ``kind``: else the first."""
         shape, dtype, key = tuple(y.aval.shape), str(y.aval.dtype), (self, *key)
         kind = next(iter(self.kind_names)) if kind is None else kind
         return Use(self, kind, here, leaf, x_side, key, shape, dtype, y_perm, *sizes, info, factor)
@@ -165,6 +162,7 @@ class Rule(abc.ABC):
 #: Bytes of a Gram term's largest intermediate (N1·N2·O²·A-sized for convolutions)
 #: above which it runs over blocks of x1's samples: N = 64 of a ResNet-18 held 3 GB.
 GRAM_TERM_BYTES = 2**27
+_KEEP_ORDER = frozenset({prims.reshape_p, prims.squeeze_p, prims.copy_p})  # views in C order
 
 
 def _rows_per_block(spec: str, s: Subscripts, operands) -> int | None:
@@ -204,9 +202,6 @@ def view_index(eqns, leaf_shape):
     for eqn in eqns:
         idx = _numpy_view(eqn, idx)
     return idx
-
-
-_KEEP_ORDER = frozenset({prims.reshape_p, prims.squeeze_p, prims.copy_p})
 
 
 def _numpy_view(eqn, idx: np.ndarray) -> np.ndarray:

@@ -59,10 +59,6 @@ def _groups(eqn) -> tuple[int, int]:
     return eqn.params["feature_group_count"], eqn.params["batch_group_count"]
 
 
-def _ungrouped(eqn) -> bool:
-    return _groups(eqn) == (1, 1)
-
-
 def _geometry(
     w_shape, y_shape, *, dimension_numbers, window_strides, padding, lhs_dilation, rhs_dilation, **_
 ):
@@ -88,13 +84,13 @@ class ConvRule(Rule):
         return float(a * c)
 
     def match(self, eqn, ins, here, leaf_shapes):
-        if ins[0] is not None or ins[1] is None or not _ungrouped(eqn):
+        if ins[0] is not None or ins[1] is None or _groups(eqn) != (1, 1):
             return None  # only the kernel operand is a parameter, in an ungrouped convolution
         chain, factor = scaled(ins[1].chain)
         if broadcasts(chain):
             return None
-        w_shape, y = tuple(eqn.invars[1].aval.shape), eqn.outvars[0]
-        y_shape = tuple(y.aval.shape)
+        y = eqn.outvars[0]
+        w_shape, y_shape = tuple(eqn.invars[1].aval.shape), tuple(y.aval.shape)
         geometry, rhs_spec, out_spec = _geometry(w_shape, y_shape, **eqn.params)
         y_perm = (out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],)
         sizes = (y_shape[out_spec[0]] * math.prod(geometry.out_spatial), w_shape[rhs_spec[0]])
@@ -107,8 +103,7 @@ class ConvRule(Rule):
             return super().miss_reason(eqn, ins)
         if ins[1] is None:
             return "the input operand of a convolution (not its kernel)"
-        groups = _groups(eqn)
-        if groups != (1, 1):
+        if (groups := _groups(eqn)) != (1, 1):
             return (
                 f"the kernel of a grouped or depthwise convolution (feature_group_count="
                 f"{groups[0]}, batch_group_count={groups[1]})"
@@ -116,7 +111,7 @@ class ConvRule(Rule):
         return super().miss_reason(eqn, ins)
 
     def evaluate(self, eqn, invals):
-        if _ungrouped(eqn):
+        if _groups(eqn) == (1, 1):
             return conv_with_canonical_transpose(eqn, *invals)
         return bind(eqn, invals)
 

@@ -16,10 +16,8 @@ from jax.extend.core import primitives as prims
 from ntk_core._structured.rules._base import Rule, Use, broadcast_reason, broadcasts, scaled
 
 _MODE = lax.GatherScatterMode
-CLIP, GATHER_MODES = (
-    _MODE.CLIP,
-    frozenset({_MODE.CLIP, _MODE.FILL_OR_DROP, _MODE.PROMISE_IN_BOUNDS}),
-)
+CLIP = _MODE.CLIP
+GATHER_MODES = frozenset({CLIP, _MODE.FILL_OR_DROP, _MODE.PROMISE_IN_BOUNDS})
 
 
 @dataclasses.dataclass(frozen=True)
