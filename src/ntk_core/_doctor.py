@@ -41,6 +41,8 @@ TOLERANCE = dict(float32=1e-4, float64=1e-10)
 MODELS = ("lenet", "small")
 _IMPLS = ("jacobian", "ntvp", "structured")
 _FIX = "report this with the output of `ntk doctor --json`."
+#: ``device.memory_stats()`` entries reported (the first two in the text).
+_MEMORY_KEYS = ("bytes_in_use", "bytes_limit", "peak_bytes_in_use", "bytes_reserved")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +112,10 @@ class DoctorReport:
         lines.append(f"\nBackend: {self.backend} ({self.accelerator}; {self.platform_version!r})")
         lines.append(f"  CUDA: {self.cuda or '-'}   cuDNN: {self.cudnn or '-'}")
         for d in self.devices:
-            m = d["memory"]
-            mem = "no memory statistics"
+            mem, m = "no memory statistics", d["memory"]
             if m:
-                mem = f"{m.get('bytes_in_use', 0) / 2**30:.2f} GiB in use of "
-                mem += f"{m.get('bytes_limit', 0) / 2**30:.2f} GiB"
+                used, limit = (m.get(k, 0) / 2**30 for k in _MEMORY_KEYS[:2])
+                mem = f"{used:.2f} GiB in use of {limit:.2f} GiB"
             lines.append(f"  device {d['id']}: {d['kind']} ({d['platform']}), {mem}")
         lines.append(f"\nx64 (float64 kernels): {'on' if self.x64 else 'off'}")
         matmul = self.default_matmul_precision or "not set"
@@ -146,8 +147,7 @@ def _memory(device) -> dict | None:
         stats = device.memory_stats()
     except Exception:  # not implemented on some backends
         return None
-    keys = ("bytes_in_use", "bytes_limit", "peak_bytes_in_use", "bytes_reserved")
-    return {k: int(stats[k]) for k in keys if k in stats} if stats else None
+    return {k: int(stats[k]) for k in _MEMORY_KEYS if k in stats} if stats else None
 
 
 def _notes(backend, info, env, x64, matmul) -> list[str]:
@@ -160,7 +160,7 @@ def _notes(backend, info, env, x64, matmul) -> list[str]:
             )
         if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
             notes.append("XLA_PYTHON_CLIENT_ALLOCATOR=platform: exact memory, slow kernels.")
-        notes.append(_environment.refusal(info, "ntk_core"))
+        notes.append(_environment.refusal(info))
     if not x64:
         notes.append("x64 is off: float32 kernels (1e-6 relative); JAX_ENABLE_X64=1: float64.")
     if matmul not in (None, "highest", "float32"):

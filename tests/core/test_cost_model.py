@@ -64,7 +64,9 @@ def test_feature_chunk_is_the_structured_chunk_size(monkeypatch):
     ``_structured.chunk_size`` gives the features phase, here 7 of 20 samples."""
     params, x = _mlp_params()
     x_one = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-    analysis, closed = _structured.analysis_for(lambda p, v, a: _mlp(p, v), params, x_one, None)
+    analysis, closed = _structured.analysis_for(
+        lambda p, v, a: _mlp(p, v), params, x_one, None, precision="highest"
+    )
     out = 3
     # Gram-form features per sample: each layer's input (with the fused bias's 1) and
     # its O cotangents of K outputs: (4 + 1 + 3·8) + (8 + 1 + 3·3).
@@ -77,7 +79,9 @@ def test_feature_chunk_is_the_structured_chunk_size(monkeypatch):
     per_sample_bytes = 4 * ((out + 2) * values + features)
     monkeypatch.setattr(_structured, "FEATURE_CHUNK_BYTES", 7 * per_sample_bytes + 3)
     modes = ("gram",) * len(analysis.groups)
-    reference = _structured.chunk_size(lambda p, v, a: _mlp(p, v), params, x, None, True, modes)
+    reference = _structured.chunk_size(
+        lambda p, v, a: _mlp(p, v), params, x, None, True, modes, precision="highest"
+    )
     assert reference == 7  # 20 samples: 3 chunks of 7 (the last overlapping)
     assert _structured.feature_chunk(20, out, values, features, 4) == reference
     assert _structured.feature_chunk(5, out, values, features, 4) == 5  # all of a small batch
@@ -93,7 +97,7 @@ def test_kernel_bytes_count_kernel_values_not_traced_products():
     assert kernel.shape == (n, n)
     x_one = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
     apply3 = lambda p, v, a: _mlp(p, v)  # noqa: E731
-    analysis, closed = _structured.analysis_for(apply3, params, x_one, None)
+    analysis, closed = _structured.analysis_for(apply3, params, x_one, None, precision="highest")
 
     def run(kernel_sizes):
         return _cost.estimate(

@@ -70,7 +70,9 @@ def test_structure_is_a_named_tuple_indexable_by_position():
 
     p = [jnp.ones((3, 4)), jnp.ones((4, 2))]
     one = jax.ShapeDtypeStruct((3,), jnp.float32)
-    analysis, _ = _structured.analysis_for(lambda q, v, aux: f(q, v), p, one, None)
+    analysis, _ = _structured.analysis_for(
+        lambda q, v, aux: f(q, v), p, one, None, precision="highest"
+    )
     structure = analysis.leaves(2, ("gram", "explicit"))
     assert isinstance(structure, _structured.Structure)
     assert structure._fields == ("n_leaves", "fallback", "groups", "group_leaves", "modes")

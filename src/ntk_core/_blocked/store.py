@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import hashlib
 import json
@@ -37,6 +38,7 @@ SHOWN = ("shape", "dtype", "tile grid", "n_samples", "sample")
 VERSION, FP, DONE, COMPLETE = "version", "fingerprint", "done", "complete"  # the manifest's keys
 READ = dict(mmap_mode="r")
 _GRAM, _OTHER_CALL = "x2=None (the Gram matrix of x1)", "was started by a different call"
+Stage = enum.Enum("Stage", "CHECKED CREATED WRITTEN COMPLETE")  # the barriers, in order
 
 
 def manifest_path(path: str) -> str:
@@ -159,7 +161,7 @@ class NpyStore:
             self._check_new(shape, dtype, overwrite)
         else:
             self._check_resume(old, fingerprint, shape, dtype)
-        self._sync("checked")
+        self._sync(Stage.CHECKED)
         first = process[0] == 0
         if first:  # no process writes a manifest between these two barriers
             if create:
@@ -168,7 +170,7 @@ class NpyStore:
             for stale in _process_manifests(path):
                 os.unlink(stale)
             _remove_temporaries(path)
-        self._sync("created")
+        self._sync(Stage.CREATED)
         try:
             self.offset = np.load(path, **READ).offset  # the header's length
             self.fd = os.open(path, os.O_RDWR)
@@ -196,13 +198,13 @@ class NpyStore:
 
     __del__ = close
 
-    def _sync(self, name: str) -> None:
+    def _sync(self, stage: Stage) -> None:
         if self.barrier is None:
             return
         try:
-            self.barrier(f"ntk_core out= {name}: {self.path}")
+            self.barrier(f"ntk_core out= {stage.name.lower()}: {self.path}")
         except Exception as e:  # a process of the run stopped (killed, failed)
-            what = f"a process of this run stopped at '{name}' ({one_line(e)[:200]})"
+            what = f"a process of this run stopped at '{stage.name.lower()}' ({one_line(e)[:200]})"
             raise bad(ValueError, self.fn, what, "start every process with resume=True") from e
 
     def _os_error(self, doing: str, error: Exception) -> ValueError:
@@ -325,7 +327,7 @@ class NpyStore:
         if not self.finished:
             self.commit()
             self.close()
-            self._sync("written")
+            self._sync(Stage.WRITTEN)
             if self.process[0] == 0:
                 others = _process_manifests(self.path)  # this run's (stale ones went first)
                 done = _listed(self.manifest, self.path) | self.done
@@ -334,7 +336,7 @@ class NpyStore:
                 self._write(manifest_path(self.path), self.manifest)
                 for other in others:
                     os.unlink(other)
-            self._sync("complete")
+            self._sync(Stage.COMPLETE)
         try:
             return np.load(self.path, **READ)
         except (OSError, ValueError) as e:

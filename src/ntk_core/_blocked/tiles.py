@@ -148,19 +148,18 @@ class _Output:
 
 
 def nonfinite_tile_error(fn, tile, r0, r1, c0, c1, batch_diagonal):
-    where = ""
+    what = f"the kernel came out non-finite (NaN or Inf) in the tile of x1 samples {r0}..{r1 - 1}"
+    what += "" if batch_diagonal else f" and x2 samples {c0}..{c1 - 1}"
     for leaf in jax.tree.leaves(tile):
         a = np.asarray(leaf)[: r1 - r0]
         found = np.argwhere(~np.isfinite(a if batch_diagonal else a[:, : c1 - c0]))
         if len(found):
             i = r0 + int(found[0][0])
             j = i if batch_diagonal else c0 + int(found[0][1])
-            where = f", first at x1 sample {i} and x2 sample {j}"
+            what += f", first at x1 sample {i} and x2 sample {j}"
             break
-    cols = "" if batch_diagonal else f" and x2 samples {c0}..{c1 - 1}"
-    what = f"the kernel came out non-finite (NaN or Inf) in the tile of x1 samples {r0}..{r1 - 1}"
     fix = "check the model's outputs and gradients there, rescale, or compute in float64"
-    return bad(NonFiniteError, fn, what + cols + where, fix, see="non-finite-kernel")
+    return bad(NonFiniteError, fn, what, fix, see="non-finite-kernel")
 
 
 @dataclasses.dataclass(frozen=True)

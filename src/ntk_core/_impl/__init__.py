@@ -6,5 +6,5 @@ from ntk_core._impl.ntvp_phases import NTVP
 from ntk_core._impl.registry import PHASES, REGISTRY
 from ntk_core._impl.structured_phases import STRUCTURED
 
-REGISTRY.update({"jacobian": JACOBIAN, "ntvp": NTVP, "structured": STRUCTURED})
+REGISTRY.update((impl.name, impl) for impl in (JACOBIAN, NTVP, STRUCTURED))
 PHASES.update(REGISTRY, nngp=NNGP)

@@ -61,7 +61,7 @@ class Impl(NamedTuple):
     separates_leaves: bool  # computes per-leaf kernels (ntk_per_leaf)
     whole_batch_as: str  # what computes it with vmap_axes=None
     cotangent_chunks: bool = False  # vmap_axes=None pulls cotangents back in chunks
-    estimate: Callable | None = None  # estimate(cost.Call) -> CostEstimate
+    estimate: Callable | None = None  # estimate(cost.Call) -> (FLOPs, memory, seconds)
     analysis: StructureHooks | None = None  # runs on the structured analysis
     pair_terms: Callable = lambda config: 1  # kernel-sized temporaries per pair in a tile
     # model_failure(spec, checked, params, x1, x2, aux) -> the model's error, or None

@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 import jax
+from jax.extend.core import primitives as prims
 
 from ntk_core._impl import jacobian as _jacobian
 from ntk_core._impl.registry import AUTO, REGISTRY
@@ -72,13 +73,12 @@ class Plan:
 
 def _eqn_flops(eqn) -> float:
     """FLOPs of one matrix product or convolution (0 for anything else)."""
-    name = eqn.primitive.name
     out_size = sum(entries(v) for v in eqn.outvars)
-    if name == "dot_general":
+    if eqn.primitive is prims.dot_general_p:
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         lhs_shape = eqn.invars[0].aval.shape
         return 2.0 * out_size * math.prod(lhs_shape[d] for d in lhs_contract)
-    if name == "conv_general_dilated":
+    if eqn.primitive is prims.conv_general_dilated_p:
         rhs_shape = eqn.invars[1].aval.shape
         rhs_spec = eqn.params["dimension_numbers"].rhs_spec
         return 2.0 * out_size * math.prod(rhs_shape[d] for d in rhs_spec[1:])
@@ -89,7 +89,7 @@ def conv_channel_weight(eqn) -> float:
     """1 / (C_out^1.5 · C_in^0.6) for a convolution, else 0: its slowdown per FLOP is 1 +
     ``Rates.conv_channel_slowdown`` times this (XLA CPU, 2 cores: within 1.7x of the
     measured 39x for 1 -> 6 channels 5x5 down to 1.1x for 64 -> 64 3x3)."""
-    if eqn.primitive.name != "conv_general_dilated":
+    if eqn.primitive is not prims.conv_general_dilated_p:
         return 0.0
     rhs_shape = eqn.invars[1].aval.shape
     out_dim, in_dim = eqn.params["dimension_numbers"].rhs_spec[:2]
@@ -128,7 +128,6 @@ def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
         ins = [get(v) for v in eqn.invars]
         on_p = any(f[0] for f in ins)
         on_x = any(f[1] for f in ins)
-        name = eqn.primitive.name
         product = _eqn_flops(eqn)
         subs = list(sub_jaxprs(eqn))
         if product:
@@ -139,12 +138,12 @@ def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
                 if dep_p and dep_x:
                     cost.grad_activations += product
                     cost.conv_activation_extra += extra
-                elif dep_p and name == "conv_general_dilated":
+                elif dep_p and eqn.primitive is prims.conv_general_dilated_p:
                     cost.grad_weights_conv += product
                 elif dep_p:
                     cost.grad_weights_dot += product
         elif subs:
-            repeat = eqn.params.get("length", 1) if name == "scan" else 1
+            repeat = eqn.params.get("length", 1) if eqn.primitive is prims.scan_p else 1
             worst = None
             for sub in subs:
                 operands = sub_operands(eqn, sub)
@@ -320,7 +319,7 @@ def estimate(
         act_x=rates.conv_channel_slowdown * pc.conv_activation_extra,
         merge_limit=_jacobian.merge_limit(max(n1, n2), out_total, o_pair),
     )
-    return tuple(impl.estimate(call) for impl in REGISTRY.values())
+    return tuple(CostEstimate(impl.name, *impl.estimate(call)) for impl in REGISTRY.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,7 +368,7 @@ class Call:
         return (flops + extra) / rates.flops_per_s + nbytes / rates.bytes_per_s
 
 
-def jacobian_estimate(c: Call) -> CostEstimate:
+def jacobian_estimate(c: Call) -> tuple[float, float, float]:
     """``"jacobian"``: n·(F + O·(G_a + G_w + G_e)) + 2·pairs·O'·P FLOPs."""
     # Samples each cotangent's reverse pass traverses (the batch with vmap_axes=None).
     n1, n2, whole_batch = c.n1, c.n2, c.whole_batch
@@ -388,10 +387,10 @@ def jacobian_estimate(c: Call) -> CostEstimate:
     einsums = _jacobian.einsum_count(c.leaf_sizes, c.merge_limit)
     channel = c.n_jac * c.fwd_x + reversed_jac * c.out_total * c.act_x
     seconds = c.seconds(jac_flops, slow, 2 * jac_bytes, einsums, jac_pairs, channel)
-    return CostEstimate("jacobian", jac_flops, memory, seconds)
+    return jac_flops, memory, seconds
 
 
-def ntvp_estimate(c: Call) -> CostEstimate:
+def ntvp_estimate(c: Call) -> tuple[float, float, float]:
     """``"ntvp"``: N2·(F + O·(G_a + G_w + G_e)) + pairs·O·(G_a + G_w + G_e)."""
     n1, n2, whole_batch, pc = c.n1, c.n2, c.whole_batch, c.pc
     out_total, all_pairs, itemsize = c.out_total, c.all_pairs, c.itemsize
@@ -419,7 +418,7 @@ def ntvp_estimate(c: Call) -> CostEstimate:
     slow = ntvp_grouped * out_total * pc.grad_weights_conv
     channel = n2 * c.fwd_x + (reversed_ntvp * c.act_x + all_pairs * c.fwd_x) * out_total + ntvp_loop
     seconds = c.seconds(ntvp_flops, slow, 0.0, out_total, all_pairs, channel)
-    return CostEstimate("ntvp", ntvp_flops, memory, seconds)
+    return ntvp_flops, memory, seconds
 
 
 def choose(estimates, blocked: bool = False) -> str:

@@ -9,7 +9,7 @@ import jax
 
 from ntk_core._impl import jacobian as _jacobian
 from ntk_core._impl.base import PRECISION, Impl, StructureHooks, finish, jit_features
-from ntk_core._impl.cost import Call, CostEstimate
+from ntk_core._impl.cost import Call
 from ntk_core._impl.jacobian_phases import merge_limits
 from ntk_core._jax import caches as _caches
 from ntk_core._jax.batches import map_in_batches
@@ -61,7 +61,7 @@ def pair_terms(config) -> int:
     return len(s.fallback) + sum(terms)
 
 
-def structured_estimate(call: Call) -> CostEstimate:
+def structured_estimate(call: Call) -> tuple[float, float, float]:
     """``"structured"``: n·(F + O·(G_a + G_e + G_w·P_fb/P)) + the per-sample work of
     each leaf's form + pairs·(2·O'·P_fb + Σ leaf pair costs)."""
     analysis, leaf_sizes, pc = call.analysis, call.leaf_sizes, call.pc
@@ -111,7 +111,7 @@ def structured_estimate(call: Call) -> CostEstimate:
     seconds = call.seconds(
         structured_flops, slow, 2 * structured_bytes, einsums, structured_pairs, channel
     )
-    return CostEstimate("structured", structured_flops, memory, seconds)
+    return structured_flops, memory, seconds
 
 
 STRUCTURED = Impl(

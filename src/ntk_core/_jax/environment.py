@@ -15,10 +15,12 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.extend.core import primitives as prims
 
 from ntk_core._errors import bad
 from ntk_core._jax.jaxpr_walk import equations, is_literal, sub_jaxprs
 
+_HIGHEST = "highest"  # the precision option that keeps kernels exact
 #: The oldest CUDA runtime accepted, and the fix printed with every CUDA refusal.
 MIN_CUDA = (11, 0)
 CUDA_FIX = 'python -m pip install -U "jax[cuda12]", or run with JAX_PLATFORMS=cpu'
@@ -86,7 +88,7 @@ def parse_platform_version(raw: str, platform: str | None = None) -> BackendVers
 def refusal(info: BackendVersion, fn_name: str = "ntk_core") -> str | None:
     """The message refusing CUDA older than :data:`MIN_CUDA`; ``None`` for any other backend."""
     if info.kind == "cuda" and info.version is not None and info.version < MIN_CUDA:
-        found = f"CUDA {info.version[0]}.{info.version[1]} (platform_version {info.raw!r})"
+        found = f"{info.text} (platform_version {info.raw!r})"
         what = f"the GPU backend runs {found}; CUDA {MIN_CUDA[0]} or newer is required"
         return str(bad(RuntimeError, fn_name, what, CUDA_FIX, see="environment-guard"))
     return None
@@ -131,8 +133,8 @@ def _user_stacklevel() -> int:
     return 2
 
 
-def warn_once(cause: str, message: str, category=PrecisionWarning) -> None:
-    """Warns about ``cause`` once per process, at the user's call."""
+def warn_once(cause: str, message: str | Warning, category=PrecisionWarning) -> None:
+    """Warns about ``cause`` once per process, at the user's call (``message``: or a Warning)."""
     with _LOCK:
         if cause in _WARNED:
             return
@@ -175,15 +177,13 @@ def _low_precision_ops(jaxpr) -> list[str]:
     return found
 
 
-#: max |ΔK| / max |K| of a half-precision model's kernel against the float32 one: typical
-#: and range measured on 10-64-64-3 MLPs (26 seeds, ReLU and tanh) by
-#: ``benchmarks/readme_figures.py --only half``.
+#: Typical max |ΔK| / max |K| of a half-precision model's kernel (NTK or NNGP) against the
+#: float32 one, measured by ``benchmarks/readme_figures.py --only half`` (the ranges:
+#: docs/errors.md, "Half-precision model").
 _HALF = ("bfloat16", "float16")
-_MEASURED = ("1e-2 (measured 3e-3 to 4e-2)", "1e-3 (measured 4e-4 to 1e-2)")
-_MEASURED += ("1e-2 (measured 3e-3 to 2e-2)", "1e-3 (measured 4e-4 to 2e-3)")
-_KEYS = [(kernel, dtype) for kernel in ("NTK", "NNGP") for dtype in _HALF]
-HALF_PRECISION_ERROR = dict(zip(_KEYS, _MEASURED, strict=True))
+HALF_PRECISION_ERROR = dict(zip(_HALF, ("1e-2", "1e-3"), strict=True))
 _HOW = ("every product of the forward pass is rounded", "autodiff rounds every product")
+_HALF_FIX, _HALF_SEE = "compute kernels with the model in float32", "half-precision-model"
 
 
 def _check_half_precision(fn_name: str, params, jaxpr, kernel: str) -> None:
@@ -196,7 +196,7 @@ def _check_half_precision(fn_name: str, params, jaxpr, kernel: str) -> None:
     ]
     casts = set()
     for eqn in equations(jaxpr) if jaxpr is not None else ():
-        if eqn.primitive.name == "convert_element_type":
+        if eqn.primitive is prims.convert_element_type_p:
             src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
             floating = jax.numpy.issubdtype(src, jax.numpy.floating)
             if dst.name in _HALF and floating and src.itemsize > dst.itemsize:
@@ -204,11 +204,10 @@ def _check_half_precision(fn_name: str, params, jaxpr, kernel: str) -> None:
     found += sorted(casts)
     if found:
         dtype = _HALF[0] if any(_HALF[0] in f for f in found) else _HALF[1]
-        what = f"the model computes in half precision ({', '.join(found[:3])}), where"
-        what += f" {_HOW[kernel == 'NTK']}"
-        what += f", so the {kernel} differs by about {HALF_PRECISION_ERROR[kernel, dtype]}"
-        fix = "compute kernels with the model in float32"
-        message = f"{fn_name}: {what} relative in {dtype}. Fix: {fix}."
+        where = f"half precision ({', '.join(found[:3])}), where {_HOW[kernel == 'NTK']}"
+        what = f"the model computes in {where}, so the {kernel} differs by about "
+        what += f"{HALF_PRECISION_ERROR[dtype]} relative in {dtype}"
+        message = bad(PrecisionWarning, fn_name, what, _HALF_FIX, _HALF_SEE)
         warn_once(f"half precision {kernel} {dtype}", message)
 
 
@@ -219,9 +218,10 @@ def check_model_precision(
     precision explicitly (``nn.Dense(precision=)``), which ``jax.default_matmul_precision``
     cannot override, or when it computes in half precision. ``closed``: the engine's jaxpr
     of ``apply3`` under that precision (else traced here)."""
-    if precision != "highest":
+    if precision != _HIGHEST:
         what = f"precision={precision!r} lets GPUs and TPUs use TF32 or bf16 passes (about 1e-3"
-        message = f"{fn_name}: {what} relative error). Fix: keep precision='highest'."
+        fix = f"keep precision={_HIGHEST!r}"
+        message = bad(PrecisionWarning, fn_name, f"{what} relative error)", fix)
         warn_once(f"precision option {precision}", message)
     if closed is None:
         x_abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x1)
@@ -231,10 +231,11 @@ def check_model_precision(
         except Exception:  # the engine reports model failures with context
             closed = None
     _check_half_precision(fn_name, params, None if closed is None else closed.jaxpr, kernel)
-    if precision != "highest" or closed is None:
+    if precision != _HIGHEST or closed is None:
         return  # the option itself was warned about
     found = ", ".join(sorted(set(_low_precision_ops(closed.jaxpr)))[:3])
-    what = f"the model itself asks for matmul precision below 'highest' ({found}), which"
-    fix = "Fix: pass precision='highest' to those layers."
+    what = f"the model itself asks for matmul precision below {_HIGHEST!r} ({found}), which"
     if found:
-        warn_once("model precision", f"{fn_name}: {what} precision= cannot override. {fix}")
+        fix = f"pass precision={_HIGHEST!r} to those layers"
+        warning = bad(PrecisionWarning, fn_name, f"{what} precision= cannot override", fix)
+        warn_once("model precision", warning)

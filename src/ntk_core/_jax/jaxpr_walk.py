@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 
 from jax.extend import core as jex
+from jax.extend.core import primitives as prims
 
+_JIT = getattr(prims, "jit_p", None) or getattr(prims, "pjit_p", None)  # pjit_p: older JAX
+_REMAT = getattr(prims, "remat_p", None)  # None where not public (older JAX)
 #: Call-like primitives whose sub-jaxpr is evaluated inline.
-INLINE_PRIMITIVES = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint"}
-)
+INLINE_PRIMITIVES = frozenset({prims.closed_call_p, prims.call_p, _JIT, _REMAT} - {None})
 
 
 def is_literal(v) -> bool:
@@ -60,7 +61,7 @@ def call_body(eqn):
 
 def inlined(eqn) -> bool:
     """Whether ``eqn`` is a call (:data:`INLINE_PRIMITIVES`) evaluated in place."""
-    return eqn.primitive.name in INLINE_PRIMITIVES and call_body(eqn) is not None
+    return eqn.primitive in INLINE_PRIMITIVES and call_body(eqn) is not None
 
 
 def bind(eqn, invals):

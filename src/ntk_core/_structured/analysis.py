@@ -21,20 +21,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
+from jax.extend.core import primitives as prims
 
 from ntk_core._impl import jacobian as _jacobian
-from ntk_core._jax.jaxpr_walk import bind, call_body, inlined, is_literal, values_written
+from ntk_core._jax import jaxpr_walk as _walk
+from ntk_core._jax.jaxpr_walk import bind, call_body, inlined, is_literal
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._structured import rules as _rules
 from ntk_core._structured.rules import Subscripts, Use, View
-from ntk_core._structured.rules._base import view_index
+from ntk_core._structured.rules._base import Scale, view_index
 from ntk_core._structured.rules.conv import patches as patches
 
-_VIEW_PRIMITIVES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p"})
+_VIEWS = frozenset({prims.reshape_p, prims.transpose_p, prims.squeeze_p, prims.copy_p})
+_VIEWS |= {prims.broadcast_in_dim_p}
+_CAST, _SCALINGS = prims.convert_element_type_p, frozenset({prims.mul_p, prims.div_p})
 
 GRAM, EXPLICIT = "gram", "explicit"  # the two forms of a structured leaf's kernel
-#: ``plan()`` name of each kind of use.
-KIND_NAMES = {kind: name for rule in _rules.REGISTRY for kind, name in rule.kind_names.items()}
 
 
 class Structure(typing.NamedTuple):
@@ -143,13 +145,12 @@ def _bias_fusable(eqns, leaf_shape, use: Use) -> bool:
 
 
 _PRIMITIVE_REASONS = {
-    p: f"passed through a function with a custom derivative ({p[:10]})"
-    for p in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+    p: f"passed through a function with a custom derivative ({p.name[:10]})"
+    for p in (prims.custom_jvp_call_p, prims.custom_vjp_call_p)
 }
-_LOOPS = {"scan": ("loop", "scan"), "while": ("loop", "while_loop"), "cond": ("branch", "cond")}
-_PRIMITIVE_REASONS |= {
-    p: f"used inside a {k} ({n}), which is not analysed" for p, (k, n) in _LOOPS.items()
-}
+_LOOPS = {prims.scan_p: "loop (scan)", prims.while_p: "loop (while_loop)"}
+_LOOPS[prims.cond_p] = "branch (cond)"
+_PRIMITIVE_REASONS |= {p: f"used inside a {k}, which is not analysed" for p, k in _LOOPS.items()}
 
 
 def _scalar(v, known: dict) -> float | None:
@@ -169,32 +170,31 @@ def _scalar_constants(constvars, consts) -> dict:
 
 def _constant_factor(eqn, ins, known: dict) -> float | None:
     """The factor when ``eqn`` scales the parameter view by a constant (neg, mul, div)."""
-    name = eqn.primitive.name
-    if name == "neg":
+    primitive = eqn.primitive
+    if primitive is prims.neg_p:
         return -1.0
-    if name not in ("mul", "div") or len(ins) != 2 or (ins[0] is None) == (ins[1] is None):
+    if primitive not in _SCALINGS or len(ins) != 2 or (ins[0] is None) == (ins[1] is None):
         return None
     w_side = 0 if ins[0] is not None else 1
     if eqn.invars[w_side].aval.shape != eqn.outvars[0].aval.shape:
         return None  # the scalar broadcasts the view: not the same entries
     c = _scalar(eqn.invars[1 - w_side], known)
-    if c is None or name == "mul":
+    if c is None or primitive is prims.mul_p:
         return c
     return 1.0 / c if w_side == 0 and c != 0.0 else None
 
 
-def _function_name(eqn) -> str:
-    """The function a call-like equation wraps (``relu``), or ""."""
-    for key in ("call_jaxpr", "fun_jaxpr", "jaxpr"):
-        sub = eqn.params.get(key)
-        info = getattr(getattr(sub, "jaxpr", sub), "debug_info", None)
+def _function_name(eqn) -> str | None:
+    """The function a call-like equation wraps (``relu``), or None."""
+    for sub in _walk.sub_jaxprs(eqn):
+        info = getattr(sub, "debug_info", None)
         name = getattr(info, "func_name", None)
         if not isinstance(name, str):  # older JAX: only "relu at /path/file.py:12"
             where = getattr(info, "func_src_info", None)
-            name = where.split(" at ")[0] if isinstance(where, str) else ""
+            name = where.split(" at ")[0] if isinstance(where, str) else None
         if name and not name.startswith("<"):
             return name
-    return ""
+    return None
 
 
 _LIBRARIES = ("jax", "jaxlib", "ntk_core", "ntk_flax", "ntk_haiku", "flax", "haiku", "numpy")
@@ -207,18 +207,18 @@ def _roots(files: tuple) -> tuple[str, ...]:
     return tuple(root + os.sep for root in roots)
 
 
-def _source_location(eqn) -> str:
-    """The user's frame that created ``eqn``, ``"model.py:12, in MLP.__call__"``, or ""."""
+def _source_location(eqn) -> str | None:
+    """The user's frame that created ``eqn``, ``"model.py:12, in MLP.__call__"``, or None."""
     try:
         frames = eqn.source_info.traceback.frames
     except AttributeError:
-        return ""
+        return None
     roots = _roots(tuple(getattr(sys.modules.get(n), "__file__", None) for n in _LIBRARIES))
     for frame in frames:
         path = os.path.abspath(frame.file_name)
         if not path.startswith(roots):
             return f"{os.path.basename(path)}:{frame.line_num}, in {frame.function_name}"
-    return ""
+    return None
 
 
 def _unpaired_reason(uses: list[Use], sites: list, indices: list[int]) -> str:
@@ -252,7 +252,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
 
     def fall_back(leaf: int, reason: str, eqn=None) -> None:
         if leaf not in bad:
-            where = "" if eqn is None else _source_location(eqn)
+            where = None if eqn is None else _source_location(eqn)
             bad[leaf] = f"{reason}; at {where}" if where else reason
 
     use_of_output: dict = {}  # output var of a use that takes a bias -> use index
@@ -272,7 +272,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
         for i, eqn in enumerate(jaxpr.eqns):
             here = path + (i,)
             ins = [origin(v) for v in eqn.invars]
-            name = eqn.primitive.name
+            primitive, name = eqn.primitive, eqn.primitive.name
             if inlined(eqn):  # scalar constants passed in stay known inside
                 sub, consts = call_body(eqn)
                 for outer, inner in zip(eqn.invars, sub.invars, strict=False):
@@ -290,7 +290,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                     walk(sub, sub_origins, here, within, call or eqn)
                 continue
             if not any(o is not None for o in ins):
-                if name == "convert_element_type":  # of a scalar constant: still known
+                if primitive is _CAST:  # of a scalar constant: still known
                     value = _scalar(eqn.invars[0], known)
                     if value is not None:
                         known[eqn.outvars[0]] = value
@@ -298,29 +298,29 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
             factor = _constant_factor(eqn, ins, known)
             if factor is not None:  # W / 8, -W, c * W: a view with a factor
                 view = next(o for o in ins if o is not None)
-                origins[eqn.outvars[0]] = view._replace(chain=view.chain + (("scale_by", factor),))
+                origins[eqn.outvars[0]] = view._replace(chain=view.chain + (Scale(factor),))
                 continue
-            if name in _VIEW_PRIMITIVES or name == "broadcast_in_dim":
+            if primitive in _VIEWS:
                 if len(eqn.invars) != 1:
                     for o in ins:
                         if o is not None:
                             fall_back(o.leaf, f"a {name} with several operands", call or eqn)
                     continue
                 view = ins[0]
-                step = (name, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
+                step = (primitive, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
                 origins[eqn.outvars[0]] = View(view.leaf, view.chain + (step,), view.eqns + (eqn,))
                 continue
-            if name == "convert_element_type":
+            if primitive is _CAST:
                 # A widening cast (float32 -> float64): the same numbers, a view that keeps
                 # the entries' order (not in ``eqns``). A narrowing one is not: autodiff's
                 # Jacobian rounds to it, the Gram form would not (~1e-3 apart).
                 a, b = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
                 floats = jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)
                 if floats and jnp.promote_types(a, b) == b:
-                    step = (name, str(b))
+                    step = (primitive, str(b))
                     origins[eqn.outvars[0]] = ins[0]._replace(chain=ins[0].chain + (step,))
                     continue
-            rule = _rules.rule_for(name)
+            rule = _rules.rule_for(primitive)
             n_params = sum(o is not None for o in ins)
             if rule is not None and n_params == 1:
                 use = rule.match(eqn, ins, here, leaf_shapes)
@@ -345,7 +345,7 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                 reason = rule.miss_reason(eqn, ins)
             elif n_params > 1 and rule is not None:
                 reason = f"a {name} of two parameter views (e.g. W @ W or s * s)"
-            elif name == "convert_element_type":
+            elif primitive is _CAST:
                 a, b = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
                 reason = (
                     f"cast to a lower precision ({a} -> {b}, convert_element_type), e.g. "
@@ -353,8 +353,8 @@ def analyse(closed: jex.ClosedJaxpr, n_param_leaves: int, fuse_bias: bool = True
                     if jnp.issubdtype(b, jnp.floating)
                     else f"cast from {a} to {b} (convert_element_type)"
                 )
-            elif name in _PRIMITIVE_REASONS:
-                reason = _PRIMITIVE_REASONS[name]
+            elif primitive in _PRIMITIVE_REASONS:
+                reason = _PRIMITIVE_REASONS[primitive]
                 function = _function_name(eqn)
                 if function:  # e.g. "passed through relu, a function with ..."
                     reason = reason.replace("a function", f"{function}{inside}, a function")
@@ -424,7 +424,7 @@ def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
                 records[here] = invals[probe.record]
                 if probe.operand is not None:  # the delta on a parameter operand
                     invals[probe.operand] = invals[probe.operand] + probe.delta
-            rule = _rules.rule_for(eqn.primitive.name)
+            rule = _rules.rule_for(eqn.primitive)
             outs = bind(eqn, invals) if rule is None else rule.evaluate(eqn, invals)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
@@ -436,7 +436,7 @@ def _evaluate(jaxpr, consts, args, probes: dict, records: dict, path=()):
 
 
 def analysis_for(
-    apply3, params, x_one, aux, fuse_bias: bool = True, *, precision: str = "highest"
+    apply3, params, x_one, aux, fuse_bias: bool = True, *, precision: str
 ) -> tuple[Analysis, jex.ClosedJaxpr]:
     """The analysis of ``apply3`` on one sample, and the per-sample jaxpr it read."""
     closed = per_sample_jaxpr(apply3, params, x_one, aux, precision=precision)
@@ -453,7 +453,7 @@ def _bias_in_gram(analysis: Analysis, modes, u: int) -> bool:
 FEATURE_CHUNK_BYTES = 2**28
 
 
-def chunk_size(apply3, params, x, aux, fuse_bias: bool, modes, *, precision="highest") -> int:
+def chunk_size(apply3, params, x, aux, fuse_bias: bool, modes, *, precision) -> int:
     """Samples whose features are computed together: B = FEATURE_CHUNK_BYTES //
     (itemsize·((O + 2)·V + F)) in [1, N], evened to ⌈N / ⌈N / B⌉⌉ (V: values one forward
     pass writes, O: outputs per sample, F: feature values per sample)."""
@@ -474,7 +474,7 @@ def chunk_size(apply3, params, x, aux, fuse_bias: bool, modes, *, precision="hig
         if _gram(analysis, modes, u)
     )
     itemsize = max((np.dtype(o.dtype).itemsize for o in outs), default=4)
-    values = values_written(closed.jaxpr)
+    values = _walk.values_written(closed.jaxpr)
     return feature_chunk(n, out_size, values, out_size * width + gram_values, itemsize)
 
 

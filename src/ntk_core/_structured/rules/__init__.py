@@ -21,6 +21,6 @@ from ntk_core._structured.rules.gather import GATHER
 REGISTRY: tuple[Rule, ...] = (DOT, CONV, GATHER, ELEMENTWISE)
 
 
-def rule_for(primitive: str) -> Rule | None:
-    """The first rule of :data:`REGISTRY` for ``primitive``, or None."""
+def rule_for(primitive) -> Rule | None:
+    """The first rule of :data:`REGISTRY` for ``primitive`` (an equation's), or None."""
     return next((rule for rule in REGISTRY if primitive in rule.primitives), None)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import opt_einsum
+from jax.extend.core import primitives as prims
 
 from ntk_core._impl import jacobian as _jacobian
 from ntk_core._jax.batches import map_in_batches
@@ -24,8 +25,12 @@ class View(NamedTuple):
     """A parameter leaf seen through reshapes, transposes, broadcasts, casts, scalings."""
 
     leaf: int
-    chain: tuple  # hashable steps: (primitive, sorted params), ("scale_by", c)
+    chain: tuple  # hashable steps: (primitive, sorted params), Scale(c)
     eqns: tuple  # the equations that move entries (replayed by view_index)
+
+
+class Scale(NamedTuple):  # a view step: the leaf times a constant scalar (W / 8, -W)
+    factor: float
 
 
 class Probe(NamedTuple):
@@ -69,7 +74,7 @@ Subscripts = collections.namedtuple("Subscripts", "left right out a b c k")
 class Rule(abc.ABC):
     """One primitive family whose weight uses have a structured Jacobian (stateless)."""
 
-    primitives: frozenset[str] = frozenset()
+    primitives: frozenset = frozenset()  # jax.extend.core.primitives objects
     kind_names: Mapping[str, str] = {}  # plan() name per kind, {"dot": "matrix product"}
     takes_bias: bool = False  # a bias after the use may join it as an input column
     has_gram_form: bool = True  # else always the explicit Jacobian
@@ -82,13 +87,14 @@ class Rule(abc.ABC):
     def match(self, eqn, ins: list, here: tuple, leaf_shapes: list) -> Use | None:
         """The use ``eqn`` makes of its one parameter operand (``ins``: View or None)."""
 
-    @abc.abstractmethod
     def miss_reason(self, eqn, ins: list) -> str:
         """Why :meth:`match` returned None (``plan()`` shows it)."""
+        return broadcast_reason(eqn, ins) or f"a {eqn.primitive.name} that no rule covers"
 
-    def use(self, kind, here, leaf, x_side, key, y, y_perm, sizes, info, factor) -> Use:
-        """The :class:`Use` of probed variable ``y``; ``sizes``: (A, K, C)."""
-        shape, dtype = tuple(y.aval.shape), str(y.aval.dtype)
+    def use(self, here, leaf, x_side, key, y, y_perm, sizes, info, factor, kind=None) -> Use:
+        """The :class:`Use` of probed ``y``; ``sizes``: (A, K, C); ``kind``: else the first."""
+        shape, dtype, key = tuple(y.aval.shape), str(y.aval.dtype), (self, *key)
+        kind = next(iter(self.kind_names)) if kind is None else kind
         return Use(self, kind, here, leaf, x_side, key, shape, dtype, y_perm, *sizes, info, factor)
 
     def bias_target(self, eqn, use: Use):
@@ -156,6 +162,7 @@ class Rule(abc.ABC):
 #: Bytes of a Gram term's largest intermediate (N1·N2·O²·A-sized for convolutions)
 #: above which it runs over blocks of x1's samples: N = 64 of a ResNet-18 held 3 GB.
 GRAM_TERM_BYTES = 2**27
+_KEEP_ORDER = frozenset({prims.reshape_p, prims.squeeze_p, prims.copy_p})  # views in C order
 
 
 def _rows_per_block(spec: str, s: Subscripts, operands) -> int | None:
@@ -174,12 +181,12 @@ def _rows_per_block(spec: str, s: Subscripts, operands) -> int | None:
 
 def scaled(chain) -> tuple[tuple, float]:
     """The view chain without its constant scalings, and the product of their factors."""
-    factor = math.prod((step[1] for step in chain if step[0] == "scale_by"), start=1.0)
-    return tuple(step for step in chain if step[0] != "scale_by"), factor
+    factor = math.prod((step.factor for step in chain if isinstance(step, Scale)), start=1.0)
+    return tuple(step for step in chain if not isinstance(step, Scale)), factor
 
 
 def broadcasts(chain) -> bool:
-    return any(step[0] == "broadcast_in_dim" for step in chain)
+    return any(step[0] is prims.broadcast_in_dim_p for step in chain)
 
 
 def broadcast_reason(eqn, ins) -> str | None:
@@ -198,20 +205,15 @@ def view_index(eqns, leaf_shape):
 
 
 def _numpy_view(eqn, idx: np.ndarray) -> np.ndarray:
-    """One view equation on numpy indices (numpy: binding compiles a program each)."""
-    name, params = eqn.primitive.name, eqn.params
-    if name == "reshape" and params.get("dimensions") is None:
-        return idx.reshape(params["new_sizes"])
-    if name == "transpose":
+    """One view equation on numpy indices (numpy: binding compiles a program each); a
+    squeeze, a copy and a reshape in C order keep the entries' order."""
+    primitive, params, shape = eqn.primitive, eqn.params, tuple(eqn.outvars[0].aval.shape)
+    reordered = primitive is prims.reshape_p and params.get("dimensions") is not None
+    if primitive in _KEEP_ORDER and not reordered:
+        return idx.reshape(shape)
+    if primitive is prims.transpose_p:
         return np.transpose(idx, params["permutation"])
-    if name == "squeeze":
-        return np.squeeze(idx, axis=tuple(params["dimensions"]))
-    if name == "expand_dims":
-        return np.expand_dims(idx, tuple(params["dimensions"]))
-    if name in ("copy", "copy_p"):
-        return idx
-    if name == "broadcast_in_dim":
-        shape = tuple(params["shape"])
+    if primitive is prims.broadcast_in_dim_p:
         placed = [1] * len(shape)
         for axis, dim in enumerate(params["broadcast_dimensions"]):
             placed[dim] = idx.shape[axis]

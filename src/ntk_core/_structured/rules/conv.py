@@ -11,6 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import primitives as prims
 
 from ntk_core._blocked.barrier import barrier
 from ntk_core._jax.batches import map_in_batches
@@ -54,15 +55,27 @@ def patches(x, geometry: ConvGeometry):
     return p.reshape((p.shape[0] * p.shape[1], -1))
 
 
-def _ungrouped(eqn) -> bool:
-    p = eqn.params
-    return p["feature_group_count"] == 1 and p["batch_group_count"] == 1
+def _groups(eqn) -> tuple[int, int]:
+    return eqn.params["feature_group_count"], eqn.params["batch_group_count"]
+
+
+def _geometry(
+    w_shape, y_shape, *, dimension_numbers, window_strides, padding, lhs_dilation, rhs_dilation, **_
+):
+    """``(ConvGeometry, rhs_spec, out_spec)`` of a convolution's parameters."""
+    lhs_spec, rhs_spec, out_spec = (tuple(spec) for spec in dimension_numbers)
+    window = tuple(w_shape[d] for d in rhs_spec[2:])
+    out_spatial = tuple(y_shape[d] for d in out_spec[2:])
+    pads = tuple(tuple(int(v) for v in pad) for pad in padding)
+    dilations = (tuple(d or (1,) * len(window)) for d in (lhs_dilation, rhs_dilation))
+    geometry = ConvGeometry(lhs_spec, window, tuple(window_strides), pads, *dilations, out_spatial)
+    return geometry, rhs_spec, out_spec
 
 
 class ConvRule(Rule):
     """``conv_general_dilated`` on its kernel: patches ``(N, C, A)``."""
 
-    primitives = frozenset({"conv_general_dilated"})
+    primitives = frozenset({prims.conv_general_dilated_p})
     kind_names = {"conv": "convolution"}
     takes_bias = True
     scales_input = True
@@ -71,45 +84,34 @@ class ConvRule(Rule):
         return float(a * c)
 
     def match(self, eqn, ins, here, leaf_shapes):
-        if ins[0] is not None or ins[1] is None or not _ungrouped(eqn):
+        if ins[0] is not None or ins[1] is None or _groups(eqn) != (1, 1):
             return None  # only the kernel operand is a parameter, in an ungrouped convolution
         chain, factor = scaled(ins[1].chain)
         if broadcasts(chain):
             return None
-        p = eqn.params
-        dn = p["dimension_numbers"]
-        lhs_spec, rhs_spec, out_spec = (tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec))
-        w_shape = tuple(eqn.invars[1].aval.shape)
-        window = tuple(w_shape[d] for d in rhs_spec[2:])
-        c_in = w_shape[rhs_spec[1]]
-        y_shape = tuple(eqn.outvars[0].aval.shape)
-        out_spatial = tuple(y_shape[d] for d in out_spec[2:])
-        padding = tuple(tuple(int(v) for v in pad) for pad in p["padding"])
-        dilations = (tuple(p[k] or (1,) * len(window)) for k in ("lhs_dilation", "rhs_dilation"))
-        strides = tuple(p["window_strides"])
-        geometry = ConvGeometry(lhs_spec, window, strides, padding, *dilations, out_spatial)
-        y_perm = (out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],)
-        sizes = (y_shape[out_spec[0]] * math.prod(out_spatial), w_shape[rhs_spec[0]])
-        sizes += (c_in * math.prod(window),)
-        key = ("conv", chain, rhs_spec, w_shape)
         y = eqn.outvars[0]
-        return self.use("conv", here, ins[1].leaf, 0, key, y, y_perm, sizes, geometry, factor)
+        w_shape, y_shape = tuple(eqn.invars[1].aval.shape), tuple(y.aval.shape)
+        geometry, rhs_spec, out_spec = _geometry(w_shape, y_shape, **eqn.params)
+        y_perm = (out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],)
+        sizes = (y_shape[out_spec[0]] * math.prod(geometry.out_spatial), w_shape[rhs_spec[0]])
+        sizes += (w_shape[rhs_spec[1]] * math.prod(geometry.window),)
+        key = (chain, rhs_spec, w_shape)
+        return self.use(here, ins[1].leaf, 0, key, y, y_perm, sizes, geometry, factor)
 
     def miss_reason(self, eqn, ins):
-        if (reason := broadcast_reason(eqn, ins)) is not None:
-            return reason
+        if broadcast_reason(eqn, ins) is not None:
+            return super().miss_reason(eqn, ins)
         if ins[1] is None:
             return "the input operand of a convolution (not its kernel)"
-        groups = eqn.params["feature_group_count"], eqn.params["batch_group_count"]
-        if groups != (1, 1):
+        if (groups := _groups(eqn)) != (1, 1):
             return (
                 f"the kernel of a grouped or depthwise convolution (feature_group_count="
                 f"{groups[0]}, batch_group_count={groups[1]})"
             )
-        return f"a {eqn.primitive.name} that no rule covers"
+        return super().miss_reason(eqn, ins)
 
     def evaluate(self, eqn, invals):
-        if _ungrouped(eqn):
+        if _groups(eqn) == (1, 1):
             return conv_with_canonical_transpose(eqn, *invals)
         return bind(eqn, invals)
 

@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+from jax.extend.core import primitives as prims
 
 from ntk_core._structured.rules._base import Rule, Use, broadcast_reason, broadcasts, scaled
 
@@ -21,7 +22,7 @@ class DotAxes:
 class DotRule(Rule):
     """``dot_general`` with one parameter operand: inputs ``(N, A, C)``."""
 
-    primitives = frozenset({"dot_general"})
+    primitives = frozenset({prims.dot_general_p})
     kind_names = {"dot": "matrix product"}
     takes_bias = True
     scales_input = True
@@ -47,17 +48,15 @@ class DotRule(Rule):
         shape = x_var.aval.shape
         a, c = math.prod(shape[d] for d in x_free), math.prod(shape[d] for d in x_contract)
         sizes = (a, math.prod(w_var.aval.shape[d] for d in w_free), c)
-        key, info = ("dot", chain, w_contract, w_free, x_side), DotAxes(x_free, x_contract)
+        key, info = (chain, w_contract, w_free, x_side), DotAxes(x_free, x_contract)
         y = eqn.outvars[0]
-        return self.use("dot", here, ins[w_side].leaf, x_side, key, y, y_perm, sizes, info, factor)
+        return self.use(here, ins[w_side].leaf, x_side, key, y, y_perm, sizes, info, factor)
 
     def miss_reason(self, eqn, ins):
-        if (reason := broadcast_reason(eqn, ins)) is not None:
-            return reason
         (_, _), (lb, rb) = eqn.params["dimension_numbers"]
-        if lb or rb:
+        if (lb or rb) and broadcast_reason(eqn, ins) is None:
             return "a matrix product batched over the parameter's axes"
-        return f"a {eqn.primitive.name} that no rule covers"
+        return super().miss_reason(eqn, ins)
 
     def input_features(self, use, x, bias_column):
         """``(N, A, C)``: free axes, then contracted ones (and a bias column of ones)."""

@@ -11,6 +11,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import primitives as prims
 
 from ntk_core._jax.jaxpr_walk import is_literal
 from ntk_core._structured.rules._base import Probe, Rule, Use, scaled, view_index
@@ -25,7 +26,7 @@ class Broadcast:
 class ElementwiseRule(Rule):
     """``mul``, ``add``, ``sub`` of a non-parameter and a parameter view."""
 
-    primitives = frozenset({"mul", "add", "sub"})
+    primitives = frozenset({prims.mul_p, prims.add_p, prims.sub_p})
     kind_names = {"scale": "elementwise scale", "shift": "elementwise shift"}
     has_gram_form = False
 
@@ -54,11 +55,11 @@ class ElementwiseRule(Rule):
             return None  # a leaf entry repeated over units (or missing): fall back
         order = np.argsort(row)
         leaf_order = () if np.array_equal(order, np.arange(size)) else tuple(int(i) for i in order)
-        kind = "scale" if eqn.primitive.name == "mul" else "shift"
-        key, info = ("elementwise", tuple(leaf_shape)), Broadcast(w_side, leaf_order)
+        kind = "scale" if eqn.primitive is prims.mul_p else "shift"
+        key, info = (tuple(leaf_shape),), Broadcast(w_side, leaf_order)
         y = eqn.invars[w_side]  # the probe sits on the parameter operand
         sizes = (a_size, size, 1)
-        return self.use(kind, here, view.leaf, 1 - w_side, key, y, v_perm, sizes, info, factor)
+        return self.use(here, view.leaf, 1 - w_side, key, y, v_perm, sizes, info, factor, kind)
 
     def miss_reason(self, eqn, ins):
         name = eqn.primitive.name
@@ -67,7 +68,7 @@ class ElementwiseRule(Rule):
     def bias_target(self, eqn, use: Use):
         """``y`` of ``y + view(b)`` (a bias that may fuse with ``y``'s product)."""
         y = eqn.invars[use.x_side]
-        return y if eqn.primitive.name == "add" and not is_literal(y) else None
+        return y if eqn.primitive is prims.add_p and not is_literal(y) else None
 
     def probe(self, use, delta):
         return Probe(use.x_side, delta, use.info.operand)

@@ -10,52 +10,39 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import primitives as prims
 
 from ntk_core._structured.rules._base import Rule, Use, broadcast_reason, broadcasts, scaled
 
-GATHER_MODES = frozenset({"CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"})
+_MODE = lax.GatherScatterMode
+CLIP = _MODE.CLIP
+GATHER_MODES = frozenset({CLIP, _MODE.FILL_OR_DROP, _MODE.PROMISE_IN_BOUNDS})
 
 
 @dataclasses.dataclass(frozen=True)
 class Lookup:
-    mode: str  # one of GATHER_MODES
+    mode: lax.GatherScatterMode  # one of GATHER_MODES
 
 
 class GatherRule(Rule):
     """``gather`` of table rows: tokens ``(N, A)``; the Gram factor is a token match."""
 
-    primitives = frozenset({"gather"})
+    primitives = frozenset({prims.gather_p})
     kind_names = {"gather": "embedding gather"}
 
     def match(self, eqn, ins, here, leaf_shapes):
         if ins[0] is None or ins[1] is not None:
             return None  # a parameter table looked up with non-parameter indices
         chain, factor = scaled(ins[0].chain)
-        if broadcasts(chain):
-            return None
-        p = eqn.params
-        dn = p["dimension_numbers"]
-        table = tuple(eqn.invars[0].aval.shape)
-        idx_shape = tuple(eqn.invars[1].aval.shape)
-        y_shape = tuple(eqn.outvars[0].aval.shape)
-        mode = getattr(p["mode"], "name", str(p["mode"]).rsplit(".", 1)[-1])
-        ok = (
-            len(table) == 2
-            and tuple(dn.collapsed_slice_dims) == (0,)
-            and tuple(dn.start_index_map) == (0,)
-            and tuple(getattr(dn, "operand_batching_dims", ())) == ()
-            and tuple(dn.offset_dims) == (len(y_shape) - 1,)
-            and tuple(p["slice_sizes"]) == (1, table[1])
-            and idx_shape[-1:] == (1,)
-            and y_shape == idx_shape[:-1] + (table[1],)
-            and mode in GATHER_MODES
-        )
-        if not ok:
+        table, idx_shape, y_shape = (tuple(v.aval.shape) for v in (*eqn.invars, *eqn.outvars))
+        mode = _row_lookup(table, idx_shape, y_shape, **eqn.params)
+        if broadcasts(chain) or mode is None:
             return None
         sizes = (math.prod(idx_shape[:-1]), table[1], table[0])
-        key, y_perm = ("gather", chain, table), tuple(range(len(y_shape)))
+        key, y_perm = (chain, table), tuple(range(len(y_shape)))
         y, info = eqn.outvars[0], Lookup(mode)
-        return self.use("gather", here, ins[0].leaf, 1, key, y, y_perm, sizes, info, factor)
+        return self.use(here, ins[0].leaf, 1, key, y, y_perm, sizes, info, factor)
 
     def miss_reason(self, eqn, ins):
         other = "a gather other than a row lookup table[tokens] with integer tokens"
@@ -68,7 +55,7 @@ class GatherRule(Rule):
     def jacobian(self, use, xj, g, biased):
         """``J[v, d] = Σ_a [t_a = v] g[a, d]``: ``(N, *O, V, D)``."""
         vocab = use.x_contract_size
-        tokens = jnp.clip(xj, 0, vocab - 1) if use.info.mode == "CLIP" else xj
+        tokens = jnp.clip(xj, 0, vocab - 1) if use.info.mode is CLIP else xj
         hot = jax.nn.one_hot(tokens, vocab, dtype=g.dtype)  # out of range: all zero
         return jnp.einsum("nav,n...ad->n...vd", hot, g)
 
@@ -88,8 +75,23 @@ class GatherRule(Rule):
         return jnp.einsum(spec, match, g1, g2, precision=precision, optimize="optimal")
 
     def label(self, uses):
-        n, name = len(uses), uses[0].name
-        return name if n == 1 else f"{n} {name}s"
+        return uses[0].name if len(uses) == 1 else super().label(uses)
+
+
+def _row_lookup(table, idx_shape, y_shape, *, dimension_numbers, slice_sizes, mode, **_):
+    """The mode of a gather of rows ``table[tokens]`` with integer tokens, else None."""
+    dn, mode = dimension_numbers, _MODE.from_any(mode)
+    ok = (
+        len(table) == 2
+        and tuple(dn.collapsed_slice_dims) == (0,)
+        and tuple(dn.start_index_map) == (0,)
+        and tuple(dn.operand_batching_dims) == ()
+        and tuple(dn.offset_dims) == (len(y_shape) - 1,)
+        and tuple(slice_sizes) == (1, table[1])
+        and idx_shape[-1:] == (1,)
+        and y_shape == idx_shape[:-1] + (table[1],)
+    )
+    return mode if ok and mode in GATHER_MODES else None
 
 
 def token_match(use: Use, t1, t2, batch_diagonal: bool):
@@ -98,7 +100,7 @@ def token_match(use: Use, t1, t2, batch_diagonal: bool):
     mode = use.info.mode
 
     def norm(t):
-        if mode == "CLIP":
+        if mode is CLIP:
             return jnp.clip(t, 0, vocab - 1)
         return jnp.where((t >= 0) & (t < vocab), t, -1)
 
