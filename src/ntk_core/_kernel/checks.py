@@ -14,15 +14,22 @@ from ntk_core._errors import NonFiniteError, bad, one_line
 from ntk_core._jax import environment as _environment
 from ntk_core._kernel.caller import Caller
 
-#: (package, class name prefix) of the framework classes recognised here.
+#: (package, class name) of the framework classes recognised here: Haiku's name is a prefix
+#: (Transformed, TransformedWithState), Flax's exact (the type of an nnx Module class,
+#: ModuleMeta, is not a module).
 _LINEN, _NNX, _HAIKU = ("flax.linen", "Module"), ("flax.nnx", "Module"), ("haiku", "Transformed")
 
 
 def _is(obj, kind: tuple[str, str]) -> bool:
-    """Whether ``obj``'s class or a base is ``kind``'s (a package and a class name prefix)."""
-    package, prefix = kind
-    mro = type(obj).__mro__
-    return any(c.__module__.startswith(package) and c.__name__.startswith(prefix) for c in mro)
+    """Whether ``obj``'s class or a base is ``kind``'s (a package and a class name)."""
+    package, name = kind
+    exact = kind is not _HAIKU
+    for c in type(obj).__mro__:
+        if c.__module__.startswith(package) and (
+            c.__name__ == name if exact else c.__name__.startswith(name)
+        ):
+            return True
+    return False
 
 
 def is_nnx_module(obj) -> bool:
@@ -68,7 +75,10 @@ def samples_interact_error(fn_name: str, fix: str) -> ValueError:
 def adapter_model_failure(caller: Caller, params_name: str, error: Exception) -> ValueError:
     """An adapter's ValueError for a model that fails on x1."""
     mine = "" if caller.monte_carlo else f"{params_name} from this model's init, "
-    what, fix = f"applying the model to x1 failed: {one_line(error)}", f"check {mine}x1's shape"
+    what = f"applying the model to x1 failed: {one_line(error)}"
+    fix = (
+        f"check {mine}x1's shape and the mode (apply_kwargs={{'train': False}}; nnx: model.eval())"
+    )
     return bad(ValueError, caller.name, what, fix, see="model-failed")
 
 
