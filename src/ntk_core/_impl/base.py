@@ -16,26 +16,26 @@ PRECISION = {
     p.name.lower(): p for p in (lax.Precision.HIGHEST, lax.Precision.HIGH, lax.Precision.DEFAULT)
 }
 
-#: XLA options of the features programs (per-sample reverse passes) on CPU: XLA's older
+#: XLA options of the library's programs (features, tiles, mirror) on CPU: XLA's older
 #: fusion emitters compile them in about half the time (LeNet N = 500 first call 2.91 ->
-#: 1.99 s, warm within the run-to-run spread; benchmarks/README.md, first calls).
-CPU_FEATURES_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+#: 1.85 s, warm within the run-to-run spread; benchmarks/README.md, first calls).
+CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 _JIT_TAKES_OPTIONS = "compiler_options" in inspect.signature(jax.jit).parameters
 
 
-def jit_features(fn: Callable, static_argnames: tuple[str, ...]) -> Callable:
-    """``jax.jit`` of a features program, compiled with :data:`CPU_FEATURES_OPTIONS` on CPU
-    when called outside a trace (JAX takes compiler options only on a top-level jit)."""
-    plain = jax.jit(fn, static_argnames=static_argnames)
+def jit_tuned(fn: Callable, **jit_kwargs) -> Callable:
+    """``jax.jit(fn, **jit_kwargs)``, compiled with :data:`CPU_OPTIONS` on CPU when called
+    outside a trace (JAX takes compiler options only on a top-level jit)."""
+    plain = jax.jit(fn, **jit_kwargs)
     if not (_JIT_TAKES_OPTIONS and jax.default_backend() == "cpu"):
         return plain
-    tuned = jax.jit(fn, static_argnames=static_argnames, compiler_options=CPU_FEATURES_OPTIONS)
+    tuned = jax.jit(fn, compiler_options=CPU_OPTIONS, **jit_kwargs)
 
-    def features(*args, **kwargs):
+    def call(*args, **kwargs):
         traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(args))
         return (plain if traced else tuned)(*args, **kwargs)
 
-    return features
+    return call
 
 
 class StructureHooks(NamedTuple):

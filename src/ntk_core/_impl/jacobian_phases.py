@@ -11,7 +11,7 @@ import numpy as np
 
 from ntk_core._impl import cost as _cost
 from ntk_core._impl import jacobian as _jacobian
-from ntk_core._impl.base import PRECISION, Impl, finish, jit_features
+from ntk_core._impl.base import PRECISION, Impl, finish, jit_tuned
 from ntk_core._jax import caches as _caches
 from ntk_core._jax.batches import even_batches
 from ntk_core._kernel.model import replay
@@ -36,7 +36,7 @@ def _jacobian_features(apply3, vmap_axes, precision):
             args = (apply3, params, x, aux, vmap_axes, out_tree, merge_limits, cotangent_chunk)
             return _jacobian.jacobians(*args, replay(apply3, precision))
 
-    return jit_features(features, ("out_tree", "merge_limits", "cotangent_chunk"))
+    return jit_tuned(features, static_argnames=("out_tree", "merge_limits", "cotangent_chunk"))
 
 
 @_caches.lru_cache(maxsize=64)

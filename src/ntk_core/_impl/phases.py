@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from ntk_core._blocked import tiles as _blocked
+from ntk_core._impl.base import jit_tuned
 from ntk_core._impl.registry import PHASES
 from ntk_core._kernel.pipeline import Config, Implementation
 
@@ -47,11 +48,11 @@ def _tile(params, fa, fb, aux, xa, xb, *, apply3, config: Config, same: bool):
     return _blocked.finish_tile(kernel)
 
 
-_TILE = jax.jit(_tile, static_argnames=("apply3", "config", "same"))
+_TILE = jit_tuned(_tile, static_argnames=("apply3", "config", "same"))
 #: (K + Kᵀ)/2 of a Gram tile, in its own program: inside the tile's, XLA may fuse the
 #: contraction into the sum and compute K[i, j] and K[j, i] with different rounding
 #: (ntvp's traced kernel was off by 2e-7 relative); here both read one stored K.
-_MIRROR = jax.jit(_blocked.symmetrize, static_argnames=("config",), donate_argnums=0)
+_MIRROR = jit_tuned(_blocked.symmetrize, static_argnames=("config",), donate_argnums=0)
 
 
 #: A Gram matrix of N samples is contracted in k = min(TRIANGLE_MAX_BLOCKS, N //

@@ -8,7 +8,7 @@ import functools
 import jax
 
 from ntk_core._impl import jacobian as _jacobian
-from ntk_core._impl.base import PRECISION, Impl, StructureHooks, finish, jit_features
+from ntk_core._impl.base import PRECISION, Impl, StructureHooks, finish, jit_tuned
 from ntk_core._impl.cost import Call
 from ntk_core._impl.jacobian_phases import merge_limits
 from ntk_core._jax import caches as _caches
@@ -34,7 +34,7 @@ def _structured_features(apply3, precision, fuse_bias):
         with jax.default_matmul_precision(precision):
             return map_in_batches(one_chunk, x, chunk)
 
-    return jit_features(features, ("modes", "merge_limits", "chunk"))
+    return jit_tuned(features, static_argnames=("modes", "merge_limits", "chunk"))
 
 
 def _structured_in_chunks(apply3, features, config, chunks: dict, params, x, aux):
