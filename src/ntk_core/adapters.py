@@ -22,6 +22,7 @@ from ntk_core._kernel.adapter import check_apply_kwargs as check_apply_kwargs
 from ntk_core._kernel.adapter import input_shape_mismatch as input_shape_mismatch
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller as Caller
+from ntk_core._kernel.caller import adapter_caller as adapter_caller
 from ntk_core._kernel.checks import adapter_model_failure as adapter_model_failure
 from ntk_core._kernel.checks import is_nnx_module as is_nnx_module
 from ntk_core._kernel.inputs import check_inputs_option as check_inputs_option
@@ -32,10 +33,10 @@ from ntk_core._monte_carlo.kernels import initialiser as checked_init
 from ntk_core._monte_carlo.kernels import sample_mean as monte_carlo_mean
 
 __all__ = (
-    "Caller", "PureModel", "adapter_model_failure", "bad", "build_kernel", "cached",
-    "check_apply_kwargs", "check_degree", "check_inputs_option", "check_like", "check_monte_carlo",
-    "checked_arguments", "checked_init", "expansion", "input_shape_mismatch", "inputs_failure",
-    "is_nnx_module", "monte_carlo_mean", "register_cache", "spread_inputs",
+    "Caller", "PureModel", "adapter_caller", "adapter_model_failure", "bad", "build_kernel",
+    "cached", "check_apply_kwargs", "check_degree", "check_inputs_option", "check_like",
+    "check_monte_carlo", "checked_arguments", "checked_init", "expansion", "input_shape_mismatch",
+    "inputs_failure", "is_nnx_module", "monte_carlo_mean", "register_cache", "spread_inputs",
 )  # fmt: skip
 
 

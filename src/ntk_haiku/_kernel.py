@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from ntk_core.adapters import (
     Caller,
     PureModel,
+    adapter_caller,
     bad,
     build_kernel,
     cached,
@@ -66,10 +67,7 @@ def _foreign(fn_name: str, params, state, made) -> ValueError | None:
 def caller(fn: Callable, *, built: bool = False, monte_carlo: bool = False) -> Caller:
     """``fn`` as the core's messages name it, with the positional arguments of :func:`kernel`
     (``built``: of the kernel function it returns; ``monte_carlo``: ``fn``'s own)."""
-    params = inspect.signature(fn if monte_carlo else kernel).parameters.values()
-    order = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD][built:]
-    kw = dict(model="the model", package=_PACKAGE, monte_carlo=monte_carlo, built=built)
-    return Caller(f"{_PACKAGE}.{fn.__name__}", f"({', '.join(order)})", **kw)
+    return adapter_caller(_PACKAGE, fn, kernel, built=built, monte_carlo=monte_carlo)
 
 
 def check_transformed(fn_name: str, transformed) -> None:

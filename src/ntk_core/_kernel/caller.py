@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,3 +37,13 @@ def core(name: str, *, built: bool = False, one_input: bool = False) -> Caller:
             name, "(params, x)", neural_tangents_order="(f, x_train, params)", built=built
         )
     return Caller(name, "(params, x1, x2)", neural_tangents_order="(x1, x2, params)", built=built)
+
+
+def adapter_caller(package: str, fn, kernel, *, built=False, monte_carlo=False) -> Caller:
+    """``fn`` of the adapter ``package`` as its messages name it, with the positional
+    arguments of the adapter's ``kernel`` (``built``: of the kernel function it returns;
+    ``monte_carlo``: ``fn``'s own)."""
+    params = inspect.signature(fn if monte_carlo else kernel).parameters.values()
+    order = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD][built:]
+    name, kw = f"{package}.{fn.__name__}", dict(monte_carlo=monte_carlo, built=built)
+    return Caller(name, f"({', '.join(order)})", "the model", package=package, **kw)
