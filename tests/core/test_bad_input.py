@@ -662,7 +662,7 @@ def _rows():
             ValueError, r"^low_rank_inference\(...\).posterior: features_test has shape \(3, 5\), expected \(M, 2\)"),
         Row("low-rank-target-n", "low-rank targets for another number of samples",
             "ntk_core.predict.low_rank_inference(np.eye(4, 2), np.ones((3, 1)))",
-            ValueError, r"^low_rank_inference: y_train has shape \(3, 1\), expected \(N,\) or \(N, O\) with N = 4"),
+            ValueError, r"^low_rank_inference: y_train has shape \(3, 1\), expected \(N,\) or \(N, O >= 1\) with N = 4"),
         Row("low-rank-negative-diag-reg", "a negative diag_reg for low-rank predictions",
             "ntk_core.predict.low_rank_inference(np.eye(4, 2), np.ones(4), diag_reg=-1.0)",
             ValueError, r"^low_rank_inference: diag_reg must be a real number in \[0, inf\), got -1.0"),
@@ -672,6 +672,15 @@ def _rows():
         Row("low-rank-singular", "dependent feature columns without a regulariser",
             "ntk_core.predict.low_rank_inference(np.ones((4, 2)), np.ones(4))",
             ValueError, r"^low_rank_inference: ΦᵀΦ \+ λI \(k = 2, λ = 0.000e\+00, N = 4\) is singular to float64"),
+        Row("low-rank-overflow", "features so large that ΦᵀΦ overflows float64",
+            "ntk_core.predict.low_rank_inference(np.full((4, 2), 1e200), np.ones(4))",
+            NonFiniteError, r"^low_rank_inference: ΦᵀΦ \(summed in float64\) contains NaN or Inf .* Fix: rescale the features"),
+        Row("low-rank-no-outputs", "low-rank targets with no output column",
+            "ntk_core.predict.low_rank_inference(np.eye(4, 2), np.ones((4, 0)))",
+            ValueError, r"^low_rank_inference: y_train has shape \(4, 0\), expected \(N,\) or \(N, O >= 1\)"),
+        Row("low-rank-zero-features", "all-zero features with a relative diag_reg",
+            "ntk_core.predict.low_rank_inference(np.zeros((4, 2)), np.ones(4), diag_reg=1e3)",
+            ValueError, r"^low_rank_inference: features_train is all zeros, so the relative diag_reg gives λ = 0"),
         # -- matrix-free statistics (ntk_core.spectrum.ntk_*) --------------------------
         Row("matrix-free-m-zero", "a matrix-free estimate with m <= 0 products",
             "ntk_core.spectrum.ntk_frobenius_sq(f, W, XS, key=jax.random.PRNGKey(0), m=0)",
@@ -688,6 +697,9 @@ def _rows():
         Row("matrix-free-y-shape", "matrix-free alignment with targets for another number of samples",
             "ntk_core.spectrum.ntk_kernel_alignment(f, W, XS, jnp.ones((3, 2)), key=jax.random.PRNGKey(0))",
             ValueError, r"^ntk_kernel_alignment: y has shape \(3, 2\); expected the outputs' shape \(4, 2\)"),
+        Row("matrix-free-nan-model", "a model whose gradients are NaN at these params (sqrt of a negative)",
+            "ntk_core.spectrum.ntk_frobenius_sq(lambda w, x: jnp.sqrt(x @ w - 10.0), W, XS, key=jax.random.PRNGKey(0))",
+            NonFiniteError, r"^ntk_frobenius_sq: an NTK-vector product Θ v contains NaN or Inf"),
     ]  # fmt: skip
 
 

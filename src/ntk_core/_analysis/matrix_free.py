@@ -31,6 +31,7 @@ from ntk_core._predict.linalg import check_finite
 
 _COLUMNS = 16  # vectors per vmapped NTK-vector product
 _KEY_FIX = "pass key=jax.random.PRNGKey(seed)"
+_NAN_FIX = "check the model: its outputs or gradients are NaN or Inf at these params and x"
 
 _NTK_TRACE = core("ntk_trace", one_input=True)
 
@@ -104,7 +105,9 @@ def _flat(fn: str, apply_fn, params, x, batch_size, precision) -> _Flat:
         rows = np.zeros((-(-c // _COLUMNS) * _COLUMNS, size), dtype)  # one compiled shape
         rows[:c] = v.T
         parts = [columns(params, x, rows[i : i + _COLUMNS]) for i in range(0, c, _COLUMNS)]
-        return np.concatenate([np.asarray(a) for a in parts])[:c].T.astype(np.float64)
+        out = np.concatenate([np.asarray(a) for a in parts])[:c]
+        check_finite(fn, "an NTK-vector product Θ v", out, _NAN_FIX, unit="vector")
+        return out.T.astype(np.float64)
 
     return _Flat(fn, apply_fn, params, x, size, product, ravel)
 
@@ -120,8 +123,9 @@ def _exact_kernel(op: _Flat) -> np.ndarray:
 
 
 def _trace(op: _Flat, batch_size, precision) -> float:
-    """tr Θ exact: :func:`ntk_trace` (the kernel's diagonal, O(N))."""
-    return ntk_trace(op.apply_fn, op.params, op.x, batch_size=batch_size, precision=precision)
+    """tr Θ exact, as :func:`ntk_trace` (the kernel's diagonal, O(N)); errors name ``op.fn``."""
+    options = dict(batch_size=batch_size, implementation="auto", precision=precision)
+    return _diagonal_sum(core(op.fn, one_input=True), op.apply_fn, op.params, op.x, options)
 
 
 def _hutchpp(op: _Flat, m: int, key) -> Estimate:
@@ -403,15 +407,18 @@ def ntk_trace(
 
     References: Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018.
     """
-    fn = _NTK_TRACE.name
-    check_apply_fn(fn, apply_fn)
+    check_apply_fn(_NTK_TRACE.name, apply_fn)
+    options = dict(batch_size=batch_size, implementation=implementation, precision=precision)
+    return _diagonal_sum(_NTK_TRACE, apply_fn, params, x, options)
+
+
+def _diagonal_sum(caller, apply_fn, params, x, options) -> float:
     try:
         flat = _flattened(apply_fn)
     except TypeError:  # unhashable callable
         flat = _flattened.__wrapped__(apply_fn)
-    options = dict(trace_axes=(), diagonal_axes=(0, 1), batch_size=batch_size, progress=False)
-    options.update(implementation=implementation, precision=precision)
-    diag = _get("ntk", _NTK_TRACE, flat, options)(params, x, None)
+    options = dict(trace_axes=(), diagonal_axes=(0, 1), progress=False, **options)
+    diag = _get("ntk", caller, flat, options)(params, x, None)
     return float(np.sum(np.asarray(diag, np.float64)))
 
 

@@ -56,8 +56,8 @@ class LowRankInference:
         self._fn, lam_scale = fn, check_diag_reg(fn, diag_reg)
         phi = _features(fn, "features_train", features)
         (n, k), y = phi.shape, as_host_array(fn, "y_train", y_train)
-        if y.ndim not in (1, 2) or y.shape[0] != n:
-            what = f"y_train has shape {y.shape}, expected (N,) or (N, O) with N = {n}"
+        if y.ndim not in (1, 2) or y.shape[0] != n or y.size == 0:
+            what = f"y_train has shape {y.shape}, expected (N,) or (N, O >= 1) with N = {n}"
             raise bad(ValueError, fn, what, "pass one target row per row of features_train")
         self._y_shape, self.k = y.shape, k
         self.dtype = np.dtype(np.float64 if np.float64 in (phi.dtype, y.dtype) else np.float32)
@@ -68,9 +68,15 @@ class LowRankInference:
             yb = np.asarray(y2[rows], np.float64)
             check_finite(fn, "y_train", yb, "drop or impute the samples with missing targets",
                 first=rows.start)  # fmt: skip
-            gram += block.T @ block
-            rhs += block.T @ yb
+            with np.errstate(over="ignore", invalid="ignore"):  # checked below
+                gram += block.T @ block
+                rhs += block.T @ yb
+        fix = "rescale the features (e.g. divide by their largest absolute value)"
+        check_finite(fn, "ΦᵀΦ (summed in float64)", gram, fix, unit="feature")
         reg = 1.0 if diag_reg_absolute_scale else float(np.trace(gram)) / n  # mean diag Φ Φᵀ
+        if reg == 0.0:
+            what = "features_train is all zeros, so the relative diag_reg gives λ = 0"
+            raise bad(ValueError, fn, what, "pass features that are not all zero")
         self.regularizer = lam = lam_scale * reg
         w = scipy.linalg.eigvalsh(gram + lam * np.eye(k), check_finite=False)
         w_max = max(float(w[-1]), np.finfo(np.float64).tiny)
