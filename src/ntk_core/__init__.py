@@ -21,6 +21,8 @@ from ntk_core._errors import NonFiniteError as NonFiniteError
 from ntk_core._functional.linearize import linearize as linearize
 from ntk_core._functional.linearize import taylor_expand as taylor_expand
 from ntk_core._functional.ntk_vp import ntk_vp_fn as ntk_vp_fn
+from ntk_core._functional.pntk import empirical_pntk as empirical_pntk
+from ntk_core._functional.pntk import pntk_fn as pntk_fn
 from ntk_core._jax.caches import clear_caches as clear_caches
 from ntk_core._jax.environment import BackendWarning as BackendWarning
 from ntk_core._jax.environment import PrecisionWarning as PrecisionWarning
@@ -35,9 +37,9 @@ __all__ = (
     "IMPLEMENTATIONS", "PRECISIONS", "BackendWarning", "DoctorReport", "KernelFunction",
     "KernelRecord", "KernelTracker", "NonFiniteError", "PrecisionWarning",
     "UnsupportedBackendError", "__version__", "clear_caches", "doctor", "empirical_nngp",
-    "empirical_ntk", "empirical_ntk_per_leaf", "linearize", "metrics",
+    "empirical_ntk", "empirical_ntk_per_leaf", "empirical_pntk", "linearize", "metrics",
     "monte_carlo_kernels", "nngp_fn", "ntk_fn", "ntk_per_leaf_fn", "ntk_vp_fn", "plan",
-    "predict", "spectrum", "taylor_expand",
+    "pntk_fn", "predict", "spectrum", "taylor_expand",
 )  # fmt: skip
 
 

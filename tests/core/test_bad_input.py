@@ -681,6 +681,12 @@ def _rows():
         Row("low-rank-zero-features", "all-zero features with a relative diag_reg",
             "ntk_core.predict.low_rank_inference(np.zeros((4, 2)), np.ones(4), diag_reg=1e3)",
             ValueError, r"^low_rank_inference: features_train is all zeros, so the relative diag_reg gives λ = 0"),
+        Row("pntk-trace-axes", "trace_axes given to the pseudo-NTK (one output per sample)",
+            "ntk_core.pntk_fn(f, trace_axes=())",
+            TypeError, r"^pntk_fn: unknown keyword argument\(s\) 'trace_axes'; valid options are diagonal_axes"),
+        Row("pntk-not-callable", "a pseudo-NTK of something that is not a function",
+            "ntk_core.empirical_pntk(W, W, X)",
+            TypeError, r"^empirical_pntk: apply_fn must be a callable apply_fn\(params, x\)"),
         # -- matrix-free statistics (ntk_core.spectrum.ntk_*) --------------------------
         Row("matrix-free-m-zero", "a matrix-free estimate with m <= 0 products",
             "ntk_core.spectrum.ntk_frobenius_sq(f, W, XS, key=jax.random.PRNGKey(0), m=0)",

@@ -9,9 +9,15 @@ import math
 from jax.extend import core as jex
 from jax.extend.core import primitives as prims
 
-_JIT = getattr(prims, "jit_p", None) or getattr(prims, "pjit_p", None)  # pjit_p: older JAX
-_REMAT = getattr(prims, "remat_p", None)  # None where not public (older JAX)
-#: Call-like primitives whose sub-jaxpr is evaluated inline.
+#: Call-like primitives whose sub-jaxpr is evaluated inline. jit and remat are public
+#: primitive objects only in newer JAX (jax 0.4.35 has neither ``jit_p`` nor ``pjit_p`` nor
+#: ``remat_p`` in ``jax.extend.core.primitives``): there they are matched by name.
+_JIT = getattr(prims, "jit_p", None) or getattr(prims, "pjit_p", None)
+_REMAT = getattr(prims, "remat_p", None)
+_BY_NAME = frozenset(
+    ({"pjit", "jit"} if _JIT is None else set())
+    | ({"remat", "remat2", "checkpoint"} if _REMAT is None else set())
+)
 INLINE_PRIMITIVES = frozenset({prims.closed_call_p, prims.call_p, _JIT, _REMAT} - {None})
 
 
@@ -61,7 +67,8 @@ def call_body(eqn):
 
 def inlined(eqn) -> bool:
     """Whether ``eqn`` is a call (:data:`INLINE_PRIMITIVES`) evaluated in place."""
-    return eqn.primitive in INLINE_PRIMITIVES and call_body(eqn) is not None
+    call = eqn.primitive in INLINE_PRIMITIVES or eqn.primitive.name in _BY_NAME
+    return call and call_body(eqn) is not None
 
 
 def bind(eqn, invals):

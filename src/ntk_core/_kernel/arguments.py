@@ -61,7 +61,7 @@ def _message(name: str, signature: inspect.Signature, args, kwargs, error) -> st
         return str(
             bad(TypeError, name, f"{error} (expected positional arguments {positional})", fix)
         )
-    close = {u: difflib.get_close_matches(u, options, 1) for u in unknown}
+    close = {u: difflib.get_close_matches(u, options, 1, cutoff=0.65) for u in unknown}
     fixes = [f"write {c[0]}= (not {u}=)" for u, c in close.items() if c]  # misspelt
     if len(fixes) < len(unknown):  # the others: perhaps the model's own keywords
         model = [f"pass model keywords through {p}" for p in _MODEL_KEYWORDS if p in params]
