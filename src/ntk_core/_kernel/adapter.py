@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 from collections.abc import Callable, Mapping
 
@@ -11,6 +10,7 @@ import jax
 import numpy as np
 
 from ntk_core._errors import bad, must
+from ntk_core._kernel.arguments import misspelt
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.engine import Engine
 from ntk_core._kernel.function import SIGNATURE, KernelFunction
@@ -135,9 +135,9 @@ def build_kernel(
     unknown = sorted(set(options) - set(valid))
     if unknown:
         renamed = _RENAMED.get(caller.package, {})
-        close = {u: difflib.get_close_matches(u, valid, 1) for u in unknown}
-        known = [u for u in unknown if u in renamed or close[u]]  # renamed or misspelt
-        fixes = [renamed.get(u) or f"write {close[u][0]}= (not {u}=)" for u in known]
+        close = {u: misspelt(u, valid) for u in unknown}
+        known = [u for u in unknown if u in renamed or close[u]]
+        fixes = [renamed.get(u) or f"write {close[u]}= (not {u}=)" for u in known]
         if len(fixes) < len(unknown):  # the others: perhaps the model's own keywords
             model_kwargs = model.model_kwargs
             fixes.append(

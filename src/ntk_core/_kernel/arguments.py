@@ -47,6 +47,13 @@ def _checked_arguments(fn, name: str | None = None):
     return checked
 
 
+def misspelt(name: str, options) -> str | None:
+    """The option ``name`` most likely misspells (similarity >= 0.65: ``diag_axes`` ->
+    ``diagonal_axes``, not ``trace_axes`` -> ``vmap_axes``), or None."""
+    match = difflib.get_close_matches(name, options, 1, cutoff=0.65)
+    return match[0] if match else None
+
+
 def _message(name: str, signature: inspect.Signature, args, kwargs, error) -> str:
     params = signature.parameters
     options = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
@@ -61,8 +68,8 @@ def _message(name: str, signature: inspect.Signature, args, kwargs, error) -> st
         return str(
             bad(TypeError, name, f"{error} (expected positional arguments {positional})", fix)
         )
-    close = {u: difflib.get_close_matches(u, options, 1, cutoff=0.65) for u in unknown}
-    fixes = [f"write {c[0]}= (not {u}=)" for u, c in close.items() if c]  # misspelt
+    close = {u: misspelt(u, options) for u in unknown}
+    fixes = [f"write {c}= (not {u}=)" for u, c in close.items() if c]
     if len(fixes) < len(unknown):  # the others: perhaps the model's own keywords
         model = [f"pass model keywords through {p}" for p in _MODEL_KEYWORDS if p in params]
         fixes += model[:1] or ["use those option names"]
