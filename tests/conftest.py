@@ -21,14 +21,31 @@ keeps that last phase short.
 
 import importlib
 import os
+import subprocess
+import sys
 
 import pytest
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA accepts ``flag`` (it aborts on unknown XLA_FLAGS: jaxlib
+    0.4.35 has no fusion-emitter option); asked once, in a subprocess, and remembered in
+    the environment the xdist workers inherit."""
+    key = "NTK_TESTS_XLA_KNOWS_FUSION_FLAG"
+    if key not in os.environ:
+        env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+        probe = [sys.executable, "-c", "import jax; jax.devices()"]
+        os.environ[key] = str(subprocess.run(probe, env=env, capture_output=True).returncode == 0)
+    return os.environ[key] == "True"
+
 
 for _flag, _value in (
     ("--xla_backend_optimization_level", "0"),
     ("--xla_cpu_use_fusion_emitters", "false"),
 ):
-    if _flag not in os.environ.get("XLA_FLAGS", ""):
+    if _flag not in os.environ.get("XLA_FLAGS", "") and (
+        "fusion" not in _flag or _xla_knows(f"{_flag}={_value}")
+    ):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_flag}={_value}").strip()
 
 
