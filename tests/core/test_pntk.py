@@ -50,10 +50,13 @@ def test_pntk_is_the_mean_of_every_output_pair_block(f, implementation):
         reference.assert_close(got, expected(f, X1, x2))
 
 
-def test_blocked_and_diagonal_forms():
+def test_blocked_file_and_diagonal_forms(tmp_path):
     full = expected(mlp, X1, None)
     tiled = ntk_core.pntk_fn(mlp, batch_size=4)(PARAMS, X1)  # tiles of 4 x 4, ragged
     reference.assert_close(tiled, full)
+    path = str(tmp_path / "pntk.npy")
+    ntk_core.empirical_pntk(mlp, PARAMS, X1, X2, batch_size=4, out=path)
+    reference.assert_close(np.load(path), expected(mlp, X1, X2))
     diag = ntk_core.empirical_pntk(mlp, PARAMS, X1, diagonal_axes=(0,))
     reference.assert_close(diag, np.diagonal(full))
 

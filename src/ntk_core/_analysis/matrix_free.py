@@ -27,6 +27,7 @@ from ntk_core._jax import caches as _caches
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import core
 from ntk_core._kernel.checks import check_apply_fn
+from ntk_core._kernel.model import flat_outputs
 from ntk_core._predict.linalg import check_finite
 
 _COLUMNS = 16  # vectors per vmapped NTK-vector product
@@ -379,18 +380,6 @@ ntk_effective_rank = _checked_arguments(ntk_effective_rank)
 ntk_kernel_alignment = _checked_arguments(ntk_kernel_alignment)
 
 
-@_caches.lru_cache(maxsize=64)
-def _flattened(apply_fn):
-    """``apply_fn`` with output leaves flattened to ``(N, O_l)`` and concatenated."""
-
-    def apply(params, x):
-        leaves = jax.tree.leaves(apply_fn(params, x))
-        flat = [leaf.reshape(leaf.shape[0], -1) for leaf in leaves]
-        return flat[0] if len(flat) == 1 else jax.numpy.concatenate(flat, axis=1)
-
-    return apply
-
-
 def ntk_trace(
     apply_fn, params, x, *, batch_size=None, implementation="auto", precision="highest"
 ) -> float:
@@ -413,12 +402,8 @@ def ntk_trace(
 
 
 def _diagonal_sum(caller, apply_fn, params, x, options) -> float:
-    try:
-        flat = _flattened(apply_fn)
-    except TypeError:  # unhashable callable
-        flat = _flattened.__wrapped__(apply_fn)
     options = dict(trace_axes=(), diagonal_axes=(0, 1), progress=False, **options)
-    diag = _get("ntk", caller, flat, options)(params, x, None)
+    diag = _get("ntk", caller, flat_outputs(apply_fn), options)(params, x, None)
     return float(np.sum(np.asarray(diag, np.float64)))
 
 

@@ -4,31 +4,16 @@ Empirical Neural Tangent Kernel", ICML 2023)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
-import jax
-
 from ntk_core._api import _get, _make
-from ntk_core._jax import caches as _caches
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import core
 from ntk_core._kernel.checks import check_apply_fn
 from ntk_core._kernel.function import KernelFunction
+from ntk_core._kernel.model import flat_outputs
 from ntk_core._kernel.options import DEFAULTS
 from ntk_core._kernel.pipeline import Kind
-
-
-@_caches.lru_cache(maxsize=64)
-def _summed(apply_fn: Callable) -> Callable:
-    """g(params, x) = Σ_a f_a(params, x) / √O per sample, ``(N,)`` (all output leaves)."""
-
-    def summed(params, x):
-        leaves = [v.reshape(v.shape[0], -1) for v in jax.tree.leaves(apply_fn(params, x))]
-        o = sum(v.shape[1] for v in leaves)
-        return sum(v.sum(axis=1) for v in leaves) / math.sqrt(o)
-
-    return summed
 
 
 def pntk_fn(
@@ -80,10 +65,7 @@ def pntk_fn(
 
 def _of(entry: Callable, apply_fn: Callable) -> Callable:
     check_apply_fn(entry.__name__, apply_fn)
-    try:
-        return _summed(apply_fn)
-    except TypeError:  # unhashable callable
-        return _summed.__wrapped__(apply_fn)
+    return flat_outputs(apply_fn, summed=True)
 
 
 def empirical_pntk(
@@ -97,8 +79,13 @@ def empirical_pntk(
     implementation=DEFAULTS.implementation,
     precision=DEFAULTS.precision,
     batch_size=DEFAULTS.batch_size,
+    store_on_device=DEFAULTS.store_on_device,
     progress=DEFAULTS.progress,
     memory_budget=DEFAULTS.memory_budget,
+    out=DEFAULTS.out,
+    resume=DEFAULTS.resume,
+    overwrite=DEFAULTS.overwrite,
+    devices=DEFAULTS.devices,
 ):
     """The one-call form of :func:`pntk_fn` (definition, layout, errors, cost there):
     ``(N1, N2)`` pseudo-NTK of ``apply_fn`` at ``params`` between x1 and x2 (``None``: x1).

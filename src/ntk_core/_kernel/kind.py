@@ -5,9 +5,11 @@ from __future__ import annotations
 import enum
 
 
-class Kind(enum.StrEnum):
+class Kind(str, enum.Enum):  # enum.StrEnum needs Python 3.11; the project supports 3.10
     """The kernel a function computes; each equal to the string it was before (``"ntk"``,
     ``"nngp"``, ``"ntk_per_leaf"``), which :func:`~ntk_core.adapters.build_kernel` takes."""
+
+    __str__ = str.__str__  # "ntk", not "Kind.NTK" (messages, manifests)
 
     NTK = "ntk"
     NNGP = "nngp"

@@ -45,6 +45,26 @@ def from_apply_fn(apply_fn):
     return apply3
 
 
+@_caches.lru_cache(maxsize=64)
+def _flat_outputs(apply_fn, summed: bool):
+    def apply(params, x):
+        leaves = [v.reshape(v.shape[0], -1) for v in jax.tree.leaves(apply_fn(params, x))]
+        flat = leaves[0] if len(leaves) == 1 else jnp.concatenate(leaves, axis=1)
+        return flat.sum(axis=1) / np.sqrt(flat.shape[1]) if summed else flat
+
+    return apply
+
+
+def flat_outputs(apply_fn, *, summed: bool = False):
+    """``apply_fn`` with its output leaves flattened to ``(N, O_l)`` and concatenated,
+    ``(N, O)``; ``summed``: Σ_a f_a / √O per sample, ``(N,)`` (the pseudo-NTK's function).
+    Cached per ``apply_fn`` (the same wrapper, so the kernel caches hit)."""
+    try:
+        return _flat_outputs(apply_fn, summed)
+    except TypeError:  # unhashable callable
+        return _flat_outputs.__wrapped__(apply_fn, summed)
+
+
 def _abstract(leaf):
     """A leaf's hashable signature for :func:`per_sample_jaxpr`'s cache."""
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
