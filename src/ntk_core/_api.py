@@ -24,6 +24,7 @@ def ntk_fn(
     vmap_axes=DEFAULTS.vmap_axes,
     implementation=DEFAULTS.implementation,
     precision=DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
     batch_size=DEFAULTS.batch_size,
     store_on_device=DEFAULTS.store_on_device,
     progress=DEFAULTS.progress,
@@ -43,10 +44,12 @@ def ntk_fn(
       apply_fn: ``apply_fn(params, x) -> outputs``; x a pytree of arrays with batch axis 0
         of size N, outputs a pytree of floating arrays ``(N, O...)``.
         Several per-sample inputs (ids, mask): x a tuple or dict of them, unpacked by apply_fn.
-      trace_axes, diagonal_axes, vmap_axes, implementation, precision, batch_size,
+      trace_axes, diagonal_axes, vmap_axes, implementation, precision, wrt, batch_size,
         store_on_device, progress, memory_budget, out, resume, overwrite, devices: the
-        options (:mod:`ntk_core._kernel.options`); ``batch_size=B``: B x B tiles (``"auto"``:
-        B from ``memory_budget``); ``out``: into an ``.npy`` file (memory-mapped, read-only).
+        options (:mod:`ntk_core._kernel.options`); ``wrt``: a parameter subset (path names
+        or a predicate on key paths; P below is then the subset's size); ``batch_size=B``:
+        B x B tiles (``"auto"``: B from ``memory_budget``); ``out``: into an ``.npy`` file
+        (memory-mapped, read-only).
 
     Returns:
       a :class:`~ntk_core.KernelFunction` ``kernel(params, x1, x2=None)`` (``x2=None``: x1,
@@ -59,8 +62,9 @@ def ntk_fn(
 
     Raises:
       TypeError: ``apply_fn`` not callable, an option of the wrong type, integer params
-        or outputs.
-      ValueError: invalid option values, axes out of range, duplicated or both traced and
+        or outputs; ``wrt`` neither None, a callable nor path names.
+      ValueError: a ``wrt`` selecting no parameter or naming one that does not exist;
+        invalid option values, axes out of range, duplicated or both traced and
         diagonal; empty inputs, inconsistent batch sizes or per-sample shapes; the model
         failing on x1; a non-finite kernel (the message names the tile, the entry, causes).
       NonFiniteError: NaN or Inf in x1 or x2 (naming the first such sample).
@@ -126,7 +130,7 @@ def nngp_fn(
     """Returns a jitted empirical NNGP function ``kernel(params, x1, x2=None)``.
 
     K(x1, x2)[i, j, a, b] = f_a(x1_i) · f_b(x2_j), in the layout of :func:`ntk_fn`.
-    Arguments, options (no ``implementation``), return and errors as :func:`ntk_fn`.
+    Arguments, options (no ``implementation``, no ``wrt``), return and errors as :func:`ntk_fn`.
 
     Cost: one forward pass on x1 and on x2, N1·N2·O' multiply-adds; batched, memory as
     :func:`ntk_fn` with F = O outputs per sample.
@@ -165,6 +169,7 @@ def empirical_ntk(
     vmap_axes=DEFAULTS.vmap_axes,
     implementation=DEFAULTS.implementation,
     precision=DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
     batch_size=DEFAULTS.batch_size,
     store_on_device=DEFAULTS.store_on_device,
     progress=DEFAULTS.progress,
@@ -237,6 +242,7 @@ def ntk_per_leaf_fn(
     vmap_axes=DEFAULTS.vmap_axes,
     implementation=DEFAULTS.implementation,
     precision=DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
     batch_size=DEFAULTS.batch_size,
     store_on_device=DEFAULTS.store_on_device,
     progress=DEFAULTS.progress,
@@ -282,6 +288,7 @@ def empirical_ntk_per_leaf(
     vmap_axes=DEFAULTS.vmap_axes,
     implementation=DEFAULTS.implementation,
     precision=DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
     batch_size=DEFAULTS.batch_size,
     store_on_device=DEFAULTS.store_on_device,
     progress=DEFAULTS.progress,
@@ -318,6 +325,7 @@ def plan(
     vmap_axes=DEFAULTS.vmap_axes,
     implementation=DEFAULTS.implementation,
     precision=DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
     batch_size=DEFAULTS.batch_size,
     store_on_device=DEFAULTS.store_on_device,
     progress=DEFAULTS.progress,

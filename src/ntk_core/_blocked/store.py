@@ -519,6 +519,10 @@ def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
     names = ("trace_axes", "diagonal_axes", "vmap_axes", "precision")
     named = {"kind": spec.kind, "implementation": config.implementation}
     named |= {k: getattr(options, k) for k in names} | {"model (its jaxpr)": model}
+    if options.wrt is not None:  # the subset by its paths: a predicate's repr is not stable
+        named["wrt"] = [
+            jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
+        ]
     perms = [swap_perm(layout) for layout in leaf_layouts(config)]
     grid = (cut.b1, cut.b2)
     layout = FileLayout(shape, np.dtype(one.dtype), perms, diagonal, named, grid, x2 is None)

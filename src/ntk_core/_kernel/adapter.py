@@ -10,10 +10,11 @@ import jax
 import numpy as np
 
 from ntk_core._errors import bad, must
-from ntk_core._kernel.arguments import misspelt
+from ntk_core._kernel.arguments import misspelt, ntk_only
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.engine import Engine
 from ntk_core._kernel.function import SIGNATURE, KernelFunction
+from ntk_core._kernel.kind import NTK_ONLY
 from ntk_core._kernel.options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
 from ntk_core._kernel.pipeline import Kind, Spec
 
@@ -136,8 +137,11 @@ def build_kernel(
     if unknown:
         renamed = _RENAMED.get(caller.package, {})
         close = {u: misspelt(u, valid) for u in unknown}
-        known = [u for u in unknown if u in renamed or close[u]]
-        fixes = [renamed.get(u) or f"write {close[u]}= (not {u}=)" for u in known]
+        known = [u for u in unknown if u in renamed or close[u] or u in NTK_ONLY]
+        fixes = [
+            renamed.get(u) or (f"write {close[u]}= (not {u}=)" if close[u] else ntk_only(u))
+            for u in known
+        ]
         if len(fixes) < len(unknown):  # the others: perhaps the model's own keywords
             model_kwargs = model.model_kwargs
             fixes.append(

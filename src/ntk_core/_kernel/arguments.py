@@ -8,6 +8,7 @@ import functools
 import inspect
 
 from ntk_core._errors import bad
+from ntk_core._kernel.kind import NTK_ONLY
 
 
 def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> str | None:
@@ -70,11 +71,17 @@ def _message(name: str, signature: inspect.Signature, args, kwargs, error) -> st
         )
     close = {u: misspelt(u, options) for u in unknown}
     fixes = [f"write {c}= (not {u}=)" for u, c in close.items() if c]
+    fixes += [ntk_only(u) for u in unknown if u in NTK_ONLY and not close[u]]
     if len(fixes) < len(unknown):  # the others: perhaps the model's own keywords
         model = [f"pass model keywords through {p}" for p in _MODEL_KEYWORDS if p in params]
         fixes += model[:1] or ["use those option names"]
     what = f"unknown keyword argument(s) {', '.join(map(repr, unknown))}; valid options are "
     return str(bad(TypeError, name, what + ", ".join(options), "; ".join(fixes)))
+
+
+def ntk_only(option: str) -> str:
+    """The fix for an NTK-only option given to an NNGP function."""
+    return f"drop {option}= (the NNGP takes no derivative; {option}= is an NTK option)"
 
 
 #: Where the model's own keywords go: the adapters take apply_kwargs, the core apply_fn.

@@ -4,6 +4,8 @@ caching per input signature the checks and plan, and per per-sample signature
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from ntk_core._blocked import store as _store
@@ -14,6 +16,7 @@ from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel import executor as _executor
 from ntk_core._kernel import planner as _planner
+from ntk_core._kernel import subset as _subset
 from ntk_core._kernel import validate as _validate
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._kernel.pipeline import Checked, Config, Implementation, Kind, Spec
@@ -21,9 +24,13 @@ from ntk_core._kernel.pipeline import Checked, Config, Implementation, Kind, Spe
 
 class Engine:
     """One kernel function's pipeline: ``engine(params, x1, x2, aux) -> kernel``; ValueError
-    for per-leaf kernels with an implementation that does not separate leaves."""
+    for per-leaf kernels with an implementation that does not separate leaves. With ``wrt``
+    every entry splits ``params`` first (:mod:`ntk_core._kernel.subset`)."""
 
     def __init__(self, spec: Spec):
+        if spec.options.wrt is not None:  # the model of the subset, the rest held in aux
+            check = spec.check and _subset.OnSubset(spec.check)
+            spec = dataclasses.replace(spec, apply3=_subset.OnSubset(spec.apply3), check=check)
         impl = REGISTRY.get(spec.options.implementation)  # None: "auto"
         if spec.kind is Kind.NTK_PER_LEAF and impl is not None and not impl.separates_leaves:
             separating = [repr(name) for name, i in REGISTRY.items() if i.separates_leaves]
@@ -51,8 +58,13 @@ class Engine:
         """The compiled phases of ``config``'s implementation."""
         return _implementations.build(self.spec.apply3, config, self._chunks)
 
+    def _split(self, params, aux):
+        wrt = self.spec.options.wrt
+        return (params, aux) if wrt is None else _subset.split(self.spec.fn_name, wrt, params, aux)
+
     def plan(self, params, x1, x2=None, aux=None):
         """What a call with these inputs does (:func:`_planner.describe`)."""
+        params, aux = self._split(params, aux)
         params, x1, x2 = (_validate.as_arrays(t) for t in (params, x1, x2))
         checked, config = self.prepare(params, x1, x2, aux)
         implementation = self.implementation(config)
@@ -62,10 +74,12 @@ class Engine:
 
     def implementation_for(self, params, x1, x2=None, aux=None) -> str:
         """The implementation a call with these inputs uses (what ``"auto"`` chose)."""
+        params, aux = self._split(params, aux)
         params, x1, x2 = (_validate.as_arrays(t) for t in (params, x1, x2))
         return self.prepare(params, x1, x2, aux)[1].implementation
 
     def __call__(self, params, x1, x2=None, aux=None):
+        params, aux = self._split(params, aux)
         try:
             return self._call(params, x1, x2, aux)
         except jax.errors.UnexpectedTracerError as e:  # found when the phases trace

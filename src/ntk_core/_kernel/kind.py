@@ -14,3 +14,7 @@ class Kind(str, enum.Enum):  # enum.StrEnum needs Python 3.11; the project suppo
     NTK = "ntk"
     NNGP = "nngp"
     NTK_PER_LEAF = "ntk_per_leaf"
+
+
+#: Options of the NTK kinds that the NNGP refuses: it takes no derivative.
+NTK_ONLY = ("implementation", "wrt")

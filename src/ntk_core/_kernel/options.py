@@ -21,6 +21,14 @@ implementation:
 precision:
     ``"highest"`` (default), ``"high"`` or ``"default"``: the precision of every matmul,
     the model's included; below ``"highest"`` GPUs and TPUs may use TF32 or bf16.
+wrt:
+    NTK only. The parameter leaves the kernel is taken with respect to, the others held
+    fixed (:mod:`ntk_core._kernel.subset`); cost scales with the subset's size. ``None``
+    (default): all. A path name or a list of them: leaves whose path, its keys joined by
+    ``/``, is a name or starts with ``name/`` (``"Dense_1"``, ``"Dense_1/bias"``, Haiku's
+    ``"mlp/~/linear_1"``), each name selecting at least one leaf. A predicate ``wrt(path)
+    -> bool`` on the path as a tuple of keys (dict keys, attribute names, indices), e.g.
+    ``lambda path: path[-1] == "bias"``. Per-leaf kernels hold None at the held leaves.
 batch_size:
     ``None`` (default): one call, a ``jax.Array`` on the device. An int B: B x B tiles by
     the blocked engine (:mod:`ntk_core._blocked.tiles`), any N1, N2 (the last tile ragged),
@@ -69,6 +77,7 @@ from collections.abc import Sequence
 from ntk_core._blocked.sink import Sink
 from ntk_core._errors import bad, must
 from ntk_core._impl.registry import AUTO, REGISTRY
+from ntk_core._kernel.kind import NTK_ONLY
 from ntk_core._kernel.layout import Axes
 
 #: Valid values of ``implementation``: ``"auto"`` and the registry's names.
@@ -94,6 +103,7 @@ class KernelOptions:
     vmap_axes: int | None = 0
     implementation: str = AUTO
     precision: str = PRECISIONS[0]
+    wrt: object = None  # None, a predicate on key paths, or path names (_kernel/subset.py)
     batch_size: int | str | None = None
     store_on_device: bool = False
     progress: bool | None = None
@@ -108,7 +118,7 @@ class KernelOptions:
 DEFAULTS = KernelOptions()
 #: The NTK and NNGP entry points' keyword options.
 NTK_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(KernelOptions))
-NNGP_OPTION_NAMES = tuple(n for n in NTK_OPTION_NAMES if n != "implementation")
+NNGP_OPTION_NAMES = tuple(n for n in NTK_OPTION_NAMES if n not in NTK_ONLY)
 
 
 def _got(value) -> str:
@@ -158,6 +168,7 @@ def make_options(
     vmap_axes=DEFAULTS.vmap_axes,
     implementation=DEFAULTS.implementation,
     precision=DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
     batch_size=DEFAULTS.batch_size,
     store_on_device=DEFAULTS.store_on_device,
     progress=DEFAULTS.progress,
@@ -186,9 +197,22 @@ def make_options(
     out = _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device)
     if devices is not None:
         devices = _devices_option(fn_name, devices, store_on_device, batch_size)
-    kernel = (trace, diag, vmap_axes, implementation, precision)
+    kernel = (trace, diag, vmap_axes, implementation, precision, _wrt(fn_name, wrt))
     block = (batch_size, store_on_device, progress, memory_budget, out, resume, overwrite)
     return KernelOptions(*kernel, *block, devices)
+
+
+def _wrt(fn_name: str, wrt):
+    """``wrt`` validated: None, a callable, or a tuple of path names (from a str or strs)."""
+    if wrt is None or callable(wrt):
+        return wrt
+    names = (wrt,) if isinstance(wrt, str) else wrt
+    if isinstance(names, Sequence) and all(isinstance(n, str) for n in names):
+        if not names:
+            raise bad(ValueError, fn_name, "wrt=[] selects no parameter", "pass wrt=None for all")
+        return tuple(n.strip("/") for n in names)
+    expect = "None, a predicate wrt(path) -> bool, or a path name or a list of them"
+    raise must(TypeError, fn_name, "wrt", expect, repr(wrt), eg="['Dense_1']")
 
 
 def _devices_option(fn_name, devices, store_on_device, batch_size) -> tuple:
