@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._errors import bad, one_line
+from ntk_core._impl.base import QUICK_CPU_OPTIONS, jit_tuned
 from ntk_core._kernel import checks as _checks
 
 
@@ -66,7 +67,7 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
         def stack(samples):
             return jax.tree.map(lambda *leaves: np.concatenate(leaves), *samples)
 
-        run = jax.jit(apply3)
+        run = jit_tuned(apply3, QUICK_CPU_OPTIONS)
         try:
             out_b, out_c = (jax.tree.leaves(run(params, stack(b), aux)) for b in batches)
         except jax.errors.UnexpectedTracerError as error:
