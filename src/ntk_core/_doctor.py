@@ -181,8 +181,8 @@ def _compare(pairs: dict, dtype: str, what: str = "") -> CheckResult:
     detail = f"{what}max |ΔK|/max|K|: {detail} (tolerance {tol:.0e})"
     if errors[worst] <= tol and all(np.isfinite(list(errors.values()))):
         return CheckResult("", "pass", detail)
-    fix = 'update jax, jaxlib and CUDA (pip install -U "jax[cuda12]"), keep precision="highest"'
-    return CheckResult("", "fail", f"{detail}; worst: {worst}", f"{fix}; try JAX_PLATFORMS=cpu.")
+    fix = f"update jax, jaxlib and CUDA, keep precision='highest': {_environment.CUDA_FIX}"
+    return CheckResult("", "fail", f"{detail}; worst: {worst}", fix)
 
 
 def _plain_cnn(x, out_features, model):
