@@ -71,9 +71,9 @@ def _figure(path, k_train, labels):
     eig = np.sort(np.linalg.eigvalsh(np.asarray(k_train, np.float64)))[::-1]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
     im = ax1.imshow(np.asarray(k_train)[np.ix_(order, order)], cmap="viridis")
-    for b in np.flatnonzero(np.diff(labels[order])) + 0.5:
-        ax1.axhline(b, color="white", lw=0.4)
-        ax1.axvline(b, color="white", lw=0.4)
+    for b in np.flatnonzero(np.diff(labels[order])) + 0.5:  # between classes
+        for draw in (ax1.axhline, ax1.axvline):
+            draw(b, color="white", lw=0.4)
     classes = np.unique(labels)
     ticks = [np.mean(np.flatnonzero(labels[order] == c)) for c in classes]
     ax1.set_xticks(ticks, [str(c) for c in classes])
@@ -86,6 +86,11 @@ def _figure(path, k_train, labels):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def device() -> str:
+    """The JAX version and the default device's platform, as the commands print them."""
+    return f"jax {jax.__version__} on {jax.devices()[0].platform}"
 
 
 def use_compilation_cache(folder: str) -> None:
@@ -124,8 +129,7 @@ def run(out, n_train, seed, implementation, progress, compilation_cache=None) ->
     kernel = ntk_flax.kernel_fn(model, implementation=implementation)
     chosen = kernel.implementation_for(variables, x_test, x_train)
 
-    device = f"jax {jax.__version__} on {jax.devices()[0].platform}"
-    print(f"ntk demo: LeNet (C1), {n_train} train / {len(x_test)} test digits, {device}")
+    print(f"ntk demo: LeNet (C1), {n_train} train / {len(x_test)} test digits, {device()}")
     print(f"implementation: {implementation!r} -> {chosen}")
     n_check = min(128, n_train)
     steps = ["train x train NTK", "test x train NTK", "Haiku twin check", "kernel regression"]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ntk_core
+from ntk_core._kernel.options import DEFAULTS
 
 #: Classes, held-out test samples, and the figure and summary written in ``--out``.
 N_CLASSES, N_TEST, FIGURE, SUMMARY = 10, 297, "ntk_track.png", "summary.json"
@@ -106,8 +107,9 @@ def finish(out: str, tracker, title: str, summary: dict, t_start: float) -> dict
         print("{:>7} {:9.4f} {:8.4f} {:9.2f} {:10.4g}".format(*row))
     if "test_accuracy" in summary:
         print(f"test accuracy after {summary['steps']} steps: {summary['test_accuracy']:.4f}")
-    done = f"{n} kernels of {tracker.n_probe} probe samples in {tracking:.1f} s"
-    print(f"{done}; total {total:.1f} s")
+    print(
+        f"{n} kernels of {tracker.n_probe} probe samples in {tracking:.1f} s; total {total:.1f} s"
+    )
     print(f"wrote {picture} and {os.path.join(out, SUMMARY)}")
     return summary
 
@@ -121,7 +123,7 @@ def run(
     seed: int,
     lr: float = 1e-3,
     top_k: int = 5,
-    implementation: str = "auto",
+    implementation: str = DEFAULTS.implementation,
     save_kernels: bool = False,
     progress: bool | None = None,
 ) -> dict:
@@ -131,6 +133,7 @@ def run(
     from flax.training import train_state
 
     import ntk_flax
+    from ntk_cli.demo import device
     from ntk_core._blocked.progress import progress_bar
 
     t_start = time.perf_counter()
@@ -156,9 +159,9 @@ def run(
     kernels = os.path.join(out, "kernels") if save_kernels else None  # data[4:]: the probe set
     tracker = ntk_core.KernelTracker(kernel, *data[4:], every=every, top_k=top_k, out=kernels)
     chosen = kernel.implementation_for(state, data.x_probe)
-    n, device = len(data.x_train), f"jax {jax.__version__} on {jax.devices()[0].platform}"
+    n = len(data.x_train)
     print(f"{FN}: LeNet (flax.linen) on {n} handwritten digits, {steps} adam steps (batch {batch},")
-    print(f"  lr {lr:g}); NTK of {probe} probe samples every {every} steps ({chosen}); {device}")
+    print(f"  lr {lr:g}); NTK of {probe} probe samples every {every} steps ({chosen}); {device()}")
     batches = np.random.default_rng(seed).integers(0, n, (steps, batch))
     losses, loss = {}, None
     bar = progress_bar(FN, progress, steps, unit="step")

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._api import empirical_ntk
-from ntk_core._errors import bad
+from ntk_core._errors import must
 from ntk_core._jax import environment as _environment
+from ntk_core._kernel.options import IMPLEMENTATIONS
 from ntk_core._version import __version__
 
 #: Distributions whose versions the report lists (``None`` when not installed).
@@ -39,7 +40,7 @@ ENV_VARS = tuple(
 TOLERANCE = dict(float32=1e-4, float64=1e-10)
 #: Self-test networks: ``"lenet"`` (case C1, ``ntk doctor``), ``"small"`` (fast tests).
 MODELS = ("lenet", "small")
-_IMPLS = ("jacobian", "ntvp", "structured")
+_IMPLS = IMPLEMENTATIONS[1:]  # every registered one ("auto" first); the first is the reference
 _FIX = "report this with the output of `ntk doctor --json`."
 #: ``device.memory_stats()`` entries reported (the first two in the text).
 _MEMORY_KEYS = ("bytes_in_use", "bytes_limit", "peak_bytes_in_use", "bytes_reserved")
@@ -180,8 +181,8 @@ def _compare(pairs: dict, dtype: str, what: str = "") -> CheckResult:
     detail = f"{what}max |ΔK|/max|K|: {detail} (tolerance {tol:.0e})"
     if errors[worst] <= tol and all(np.isfinite(list(errors.values()))):
         return CheckResult("", "pass", detail)
-    fix = 'update jax, jaxlib and CUDA (pip install -U "jax[cuda12]"), keep precision="highest"'
-    return CheckResult("", "fail", f"{detail}; worst: {worst}", f"{fix}; try JAX_PLATFORMS=cpu.")
+    fix = f"update jax, jaxlib and CUDA, keep precision='highest': {_environment.CUDA_FIX}"
+    return CheckResult("", "fail", f"{detail}; worst: {worst}", fix)
 
 
 def _plain_cnn(x, out_features, model):
@@ -239,9 +240,9 @@ def implementations_check(samples: int = 4, image_size: int = 16, model: str = M
 
     def pairs(f, p, x1, x2):
         k = {i: empirical_ntk(f, p, x1, x2, trace_axes=(), implementation=i) for i in _IMPLS}
-        return {f"{i} vs jacobian": (k[i], k["jacobian"]) for i in _IMPLS[1:]}
+        return {f"{i} vs {_IMPLS[0]}": (k[i], k[_IMPLS[0]]) for i in _IMPLS[1:]}
 
-    name = "implementations agree (jacobian, ntvp, structured)"
+    name = f"implementations agree ({', '.join(_IMPLS)})"
     return _kernel_check(name, pairs, samples, image_size, model)
 
 
@@ -278,8 +279,9 @@ def default_checks(samples: int = 4, image_size: int = 16, model: str = MODELS[0
     """The self-test of ``ntk doctor``, in order: ``samples`` = N1 (N2 = N1 - 1, at least 2),
     RGB inputs of ``image_size`` (a multiple of 4), ``model`` one of :data:`MODELS`."""
     if model not in MODELS:
-        what = f"model must be one of {MODELS}, got {model!r}"
-        raise bad(ValueError, "default_checks", what, f"pass model={MODELS[0]!r}")
+        raise must(
+            ValueError, "default_checks", "model", f"one of {MODELS}", repr(model), eg="'lenet'"
+        )
     kernel_checks = (implementations_check, batched_check)
     return [backend_check(), *(check(samples, image_size, model) for check in kernel_checks)]
 

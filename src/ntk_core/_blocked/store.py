@@ -38,6 +38,7 @@ SHOWN = ("shape", "dtype", "tile grid", "n_samples", "sample")
 VERSION, FP, DONE, COMPLETE = "version", "fingerprint", "done", "complete"  # the manifest's keys
 READ = dict(mmap_mode="r")
 _GRAM, _OTHER_CALL = "x2=None (the Gram matrix of x1)", "was started by a different call"
+_NPY = "the .npy"  # what a damaged file was read as (a Monte Carlo run: "the running sum")
 Stage = enum.Enum("Stage", "CHECKED CREATED WRITTEN COMPLETE")  # the barriers, in order
 
 
@@ -368,7 +369,7 @@ def resume_error(fn: str, why: str, differs=()) -> ValueError:
     return bad(ValueError, fn, what, "resume the same call, or pass overwrite=True")
 
 
-def damaged(fn: str, path: str, why: str, what: str = "the .npy") -> ValueError:
+def damaged(fn: str, path: str, why: str, what: str = _NPY) -> ValueError:
     what = f"{path!r} cannot be read as {what} its manifest describes ({why})"
     return bad(ValueError, fn, what, "pass overwrite=True, or another path")
 
@@ -379,7 +380,7 @@ class NpyReader:
 
     fd = None
 
-    def __init__(self, fn: str, path: str, shape, dtype, what: str = "the .npy"):
+    def __init__(self, fn: str, path: str, shape, dtype, what: str = _NPY):
         self.path, expected = path, (tuple(shape), np.dtype(dtype))
         try:
             header = np.load(path, **READ)  # its memory map closes with this call
@@ -466,6 +467,7 @@ def processes():
 
 #: Seconds a process of a multi-process run may send no heartbeat before it counts as dead.
 PEER_SECONDS, _PEERS = 30.0, None
+_ALIVE, _BARRIER = "ntk_core/alive/", "ntk_core/barrier/"  # key-value folders: + process index
 
 
 class _Peers:
@@ -477,7 +479,7 @@ class _Peers:
         threading.Thread(target=self._beat, daemon=True, name="ntk_core heartbeat").start()
 
     def _beat(self) -> None:
-        beat, key = 0, f"ntk_core/alive/{self.index}"
+        beat, key = 0, _ALIVE + str(self.index)
         while distributed.global_state.client is self.client:  # until jax's shutdown
             with contextlib.suppress(Exception):
                 self.client.key_value_set(key, str(beat := beat + 1), True)
@@ -488,10 +490,10 @@ class _Peers:
 
     def __call__(self, name: str) -> None:
         self.calls += 1  # every process calls the barriers in the same order
-        at, seen = f"ntk_core/barrier/{self.calls}/", {}  # a peer's last beat, and when
-        self.client.key_value_set(f"{at}{self.index}", name)
+        at, seen = f"{_BARRIER}{self.calls}/", {}  # a peer's last beat, and when
+        self.client.key_value_set(at + str(self.index), name)
         while len(here := self._get(at)) < self.count:
-            now, beats = time.monotonic(), self._get("ntk_core/alive/")
+            now, beats = time.monotonic(), self._get(_ALIVE)
             for peer in sorted(set(map(str, range(self.count))) - set(here)):
                 if seen.setdefault(peer, (beats.get(peer), now))[0] != beats.get(peer):
                     seen[peer] = (beats.get(peer), now)

@@ -56,10 +56,9 @@ class Plan:
             "  estimates (FLOPs, peak memory, warm run time; compilation excluded):",
         ]
         for e in self.estimates:
-            mib = e.memory_bytes / 2**20
+            mib, s = e.memory_bytes / 2**20, e.seconds
             lines.append(
-                f"  {e.implementation:<10} {e.flops:12.3e} FLOPs  {mib:10.1f} MiB"
-                f"  ~{e.seconds:.3g} s"
+                f"  {e.implementation:<10} {e.flops:12.3e} FLOPs  {mib:10.1f} MiB  ~{s:.3g} s"
             )
         alternative = any(leaf.structured for leaf in self.leaves)
         head = f"  {'parameter leaf':<40} {'size':>10}  method"

@@ -50,15 +50,15 @@ class BackendVersion(NamedTuple):
     def text(self) -> str:
         """E.g. ``"CUDA 12.3"``, ``"ROCm 6.2.0"``, ``"TPU"`` or the raw string."""
         if self.version is None:
-            return {"tpu": "TPU", "cpu": "CPU"}.get(self.kind, repr(self.raw))
-        name = {"cuda": "CUDA", "rocm": "ROCm"}[self.kind]
-        return f"{name} {'.'.join(map(str, self.version))}"
+            return self.kind.upper() if self.kind in ("tpu", "cpu") else repr(self.raw)
+        return f"{_VERSIONED[self.kind][0]} {'.'.join(map(str, self.version))}"
 
 
-#: A version number's digits: CUDART_VERSION (1000 major + 10 minor), TF_ROCM_VERSION.
-_DIGITS = {
-    "cuda": lambda n: (n // 1000, (n % 1000) // 10),
-    "rocm": lambda n: (n // 10000, (n % 10000) // 100, n % 100),
+#: The backends with a version number: the name shown, and the number's digits
+#: (CUDART_VERSION: 1000 major + 10 minor; TF_ROCM_VERSION: 10000 major + 100 minor + patch).
+_VERSIONED = {
+    "cuda": ("CUDA", lambda n: (n // 1000, (n % 1000) // 10)),
+    "rocm": ("ROCm", lambda n: (n // 10000, (n % 10000) // 100, n % 100)),
 }
 
 
@@ -76,7 +76,7 @@ def parse_platform_version(raw: str, platform: str | None = None) -> BackendVers
       ntk_core: the GPU backend runs CUDA 10.2 (pl
     """
     text = str(raw)
-    for kind, digits in _DIGITS.items():
+    for kind, (_, digits) in _VERSIONED.items():
         if re.search(rf"\b{kind}\b", text, re.IGNORECASE):
             m = re.search(rf"\b{kind}\s+(\d+)\b", text, re.IGNORECASE)
             return BackendVersion(kind, digits(int(m.group(1))) if m else None, text)
@@ -114,11 +114,11 @@ def check_backend(fn_name: str) -> BackendVersion:
     if (message := refusal(info, fn_name)) is not None:
         raise UnsupportedBackendError(message)
     if (note := unverified(info, platform)) is not None:
-        warn_once("backend version", f"{fn_name}: {note}", BackendWarning)
+        warn_once(check_backend, f"{fn_name}: {note}", BackendWarning)
     return info
 
 
-_WARNED: set[str] = set()
+_WARNED: set = set()  # the causes warned about
 _LOCK = threading.Lock()
 _OWN = ("ntk_core", "ntk_flax", "ntk_haiku")
 
@@ -133,8 +133,9 @@ def _user_stacklevel() -> int:
     return 2
 
 
-def warn_once(cause: str, message: str | Warning, category=PrecisionWarning) -> None:
-    """Warns about ``cause`` once per process, at the user's call (``message``: or a Warning)."""
+def warn_once(cause, message: str | Warning, category=PrecisionWarning) -> None:
+    """Warns about ``cause`` (hashable: the check and the values it warns about) once per
+    process, at the user's call (``message``: or a Warning)."""
     with _LOCK:
         if cause in _WARNED:
             return
@@ -208,7 +209,7 @@ def _check_half_precision(fn_name: str, params, jaxpr, kernel: str) -> None:
         what = f"the model computes in {where}, so the {kernel} differs by about "
         what += f"{HALF_PRECISION_ERROR[dtype]} relative in {dtype}"
         message = bad(PrecisionWarning, fn_name, what, _HALF_FIX, _HALF_SEE)
-        warn_once(f"half precision {kernel} {dtype}", message)
+        warn_once((_check_half_precision, kernel, dtype), message)
 
 
 def check_model_precision(
@@ -219,10 +220,9 @@ def check_model_precision(
     cannot override, or when it computes in half precision. ``closed``: the engine's jaxpr
     of ``apply3`` under that precision (else traced here)."""
     if precision != _HIGHEST:
-        what = f"precision={precision!r} lets GPUs and TPUs use TF32 or bf16 passes (about 1e-3"
+        what = f"precision={precision!r} lets GPUs and TPUs use TF32 or bf16 (1e-3 relative error)"
         fix = f"keep precision={_HIGHEST!r}"
-        message = bad(PrecisionWarning, fn_name, f"{what} relative error)", fix)
-        warn_once(f"precision option {precision}", message)
+        warn_once((check_model_precision, precision), bad(PrecisionWarning, fn_name, what, fix))
     if closed is None:
         x_abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x1)
         try:
@@ -233,9 +233,8 @@ def check_model_precision(
     _check_half_precision(fn_name, params, None if closed is None else closed.jaxpr, kernel)
     if precision != _HIGHEST or closed is None:
         return  # the option itself was warned about
-    found = ", ".join(sorted(set(_low_precision_ops(closed.jaxpr)))[:3])
-    what = f"the model itself asks for matmul precision below {_HIGHEST!r} ({found}), which"
-    if found:
+    if found := ", ".join(sorted(set(_low_precision_ops(closed.jaxpr)))[:3]):
+        what = f"the model itself asks for matmul precision below {_HIGHEST!r} ({found}), which "
         fix = f"pass precision={_HIGHEST!r} to those layers"
-        warning = bad(PrecisionWarning, fn_name, f"{what} precision= cannot override", fix)
-        warn_once("model precision", warning)
+        warning = bad(PrecisionWarning, fn_name, what + "precision= cannot override", fix)
+        warn_once(check_model_precision, warning)
