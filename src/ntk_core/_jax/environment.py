@@ -120,7 +120,7 @@ def check_backend(fn_name: str) -> BackendVersion:
 
 _WARNED: set = set()  # the causes warned about
 _LOCK = threading.Lock()
-_OWN = ("ntk_core", "ntk_flax", "ntk_haiku")
+_OWN = ("ntk_core", "ntk_flax", "ntk_haiku", "ntk_equinox", "ntk_cli")
 
 
 def _user_stacklevel() -> int:

@@ -197,7 +197,8 @@ def _function_name(eqn) -> str | None:
     return None
 
 
-_LIBRARIES = ("jax", "jaxlib", "ntk_core", "ntk_flax", "ntk_haiku", "flax", "haiku", "numpy")
+_LIBRARIES = ("jax", "jaxlib", "numpy", "flax", "haiku", "equinox")
+_LIBRARIES += ("ntk_core", "ntk_flax", "ntk_haiku", "ntk_equinox")
 
 
 @functools.lru_cache(maxsize=8)
