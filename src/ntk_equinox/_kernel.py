@@ -64,7 +64,8 @@ def _split(fn_name: str, model, inputs: str) -> tuple:
 
 def _kernel_fn(fn, model, options: dict, built: bool = False):
     """The core's ``kernel(model, x1, x2=None)`` for models shaped like ``model``."""
-    name, kind = f"{_PACKAGE}.{fn.__name__}", "nngp" if fn is nngp else "ntk"
+    name = f"{_PACKAGE}.{fn.__name__}"
+    kind = "nngp" if fn is nngp else "pntk" if fn in (pntk, pntk_fn) else "ntk"
     options = dict(options)
     inputs = check_inputs(name, options.pop("inputs", "x"))
     apply = _split(name, model, inputs)[1]
@@ -91,55 +92,59 @@ def _kernel_fn(fn, model, options: dict, built: bool = False):
     return build() if built else cached((name, apply, options), build)
 
 
-def kernel(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **options):
+def kernel(model, x1, x2=None, **options):
     """Empirical NTK Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p of an
     ``eqx.Module``, θ its ``eqx.is_inexact_array`` leaves; other leaves held fixed.
 
     Args: ``model`` a callable ``eqx.Module`` of ONE sample; ``x1`` N1 samples on axis 0
-    (``jax.vmap(model)``); ``x2`` N2 samples, or ``None`` for x1; ``trace_axes``,
-    ``implementation``, ``**options``: :func:`ntk_core.ntk_fn`'s, and ``inputs``:
+    (``jax.vmap(model)``); ``x2`` N2 samples, or ``None`` for x1; ``**options``:
+    :func:`ntk_core.ntk_fn`'s, and ``inputs``:
     ``"args"`` for x a tuple (``model(*x_i)``), ``"kwargs"`` a dict (``model(**x_i)``).
     Returns: ``(N1, N2)`` for outputs ``(O,)``, ``(N1, N2, O, O)`` with ``trace_axes=()``.
     Raises: TypeError: ``model`` not a callable ``eqx.Module``, x1 not the tuple / dict
     ``inputs`` names; ValueError: no floating array leaves, a stateful layer, ``inputs``
     not ``"x"``, ``"args"`` or ``"kwargs"``; the core's errors, prefixed ``ntk_equinox.kernel:``.
     Cost: as :func:`ntk_core.ntk_fn`; new weights reuse the compiled programs.
+    References: Jacot, Gabriel, Hongler, NeurIPS 2018; Novak et al., ICML 2022.
     Example:
       >>> import equinox as eqx, jax, ntk_equinox
       >>> mlp = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.PRNGKey(0))
       >>> ntk_equinox.kernel(mlp, jax.numpy.ones((4, 3)), trace_axes=()).shape
       (4, 4, 2, 2)
-
-    References: Jacot, Gabriel, Hongler, NeurIPS 2018; Novak et al., ICML 2022.
     """
-    o = dict(trace_axes=trace_axes, implementation=implementation, **options)
-    return _kernel_fn(kernel, model, o)(model, x1, x2)
+    return _kernel_fn(kernel, model, options)(model, x1, x2)
 
 
-def kernel_fn(model, *, trace_axes=(-1,), implementation="auto", **options):
+def kernel_fn(model, **options):
     """``kernel(model, x1, x2=None)``: :func:`kernel` built once for models shaped like
-    ``model``, called with each training step's model. Args:, Returns:, Raises: (also a
-    ValueError for a model of another structure or fixed leaves), Cost: as :func:`kernel`
-    (x1: N1 samples). Example: ``ntk_equinox.kernel_fn(mlp)(mlp, x)``. References:
-    Jacot et al. 2018, Novak et al. 2022."""
-    o = dict(trace_axes=trace_axes, implementation=implementation, **options)
-    return _kernel_fn(kernel_fn, model, o, built=True)
+    ``model``, called with each step's model. Args:, Returns:, Raises: (and a ValueError for
+    a model of another structure), Cost: as :func:`kernel` (x1: N1 samples). Example:
+    ``ntk_equinox.kernel_fn(mlp)(mlp, x)``. References: Jacot et al. 2018, Novak et al. 2022."""
+    return _kernel_fn(kernel_fn, model, options, built=True)
 
 
-def nngp(model, x1, x2=None, *, trace_axes=(-1,), **options):
-    """Empirical NNGP K(x1, x2)[i, j, a, b] = f_a(x1_i) · f_b(x2_j) of an ``eqx.Module``.
-    Args:, Returns: (``(N1, N2)`` by default), Raises: as :func:`kernel`; options as
-    ``ntk_core.nngp_fn`` (no ``implementation``). Cost: one forward pass per
-    batch, N1·N2·O multiply-adds. Example: ``ntk_equinox.nngp(mlp, x)``. References:
-    Lee et al., ICLR 2018."""
-    o = dict(trace_axes=trace_axes, **options)
-    return _kernel_fn(nngp, model, o)(model, x1, x2)
+def nngp(model, x1, x2=None, **options):
+    """Empirical NNGP K(x1, x2)[i, j, a, b] = f_a(x1_i) · f_b(x2_j). Returns: ``(N1, N2)`` by
+    default. Args:, Raises: as :func:`kernel`; options ``ntk_core.nngp_fn``'s. Cost: a forward
+    pass, N1·N2·O products. Example: ``ntk_equinox.nngp(mlp, x)``. References: Lee et al. 2018."""
+    return _kernel_fn(nngp, model, options)(model, x1, x2)
 
 
-def plan(model, x1, x2=None, *, trace_axes=(-1,), implementation="auto", **options):
-    """What :func:`kernel` with these arguments (x1: N1 samples, x2: N2) would do, not
-    computed: ``ntk_core.plan``'s ``Plan`` (implementation, estimates, each leaf's
-    method). Args:, Raises: as :func:`kernel`. Returns: a ``Plan``. Cost: one abstract
-    trace. Example: ``print(ntk_equinox.plan(mlp, x))``. References: Novak et al. 2022."""
-    o = dict(trace_axes=trace_axes, implementation=implementation, **options)
-    return _kernel_fn(plan, model, o).plan(model, x1, x2)
+def plan(model, x1, x2=None, **options):
+    """What :func:`kernel` would do (x1: N1 samples, x2: N2), not computed. Returns: a ``Plan``.
+    Args:, Raises: as :func:`kernel`. Cost: one abstract trace. Example:
+    ``print(ntk_equinox.plan(mlp, x))``. References: Novak et al. 2022."""
+    return _kernel_fn(plan, model, options).plan(model, x1, x2)
+
+
+def pntk(model, x1, x2=None, **options):
+    """Pseudo-NTK, the NTK of Σ_a f_a / √O: Returns: ``(N1, N2)``; Args:, Raises: as :func:`kernel`
+    (no ``trace_axes``); Cost: one output's NTK. Example: ``ntk_equinox.pntk(mlp, x)``. References:
+    Mohamadi, Bae, Sutherland, ICML 2023."""
+    return _kernel_fn(pntk, model, options)(model, x1, x2)
+
+
+def pntk_fn(model, **options):
+    """:func:`pntk` built once for models like ``model``: ``kernel(model, x1, x2)`` (x1: N1
+    samples). Args:, Returns:, Raises:, Cost, Example, References: as :func:`pntk`."""
+    return _kernel_fn(pntk_fn, model, options, built=True)

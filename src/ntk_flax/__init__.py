@@ -9,6 +9,8 @@ from ntk_flax._kernel import kernel_per_leaf_fn as kernel_per_leaf_fn
 from ntk_flax._kernel import nngp as nngp
 from ntk_flax._kernel import nngp_fn as nngp_fn
 from ntk_flax._kernel import plan as plan
+from ntk_flax._kernel import pntk as pntk
+from ntk_flax._kernel import pntk_fn as pntk_fn
 from ntk_flax._linearize import linearize as linearize
 from ntk_flax._linearize import taylor_expand as taylor_expand
 from ntk_flax._models import LeNet as LeNet
@@ -17,6 +19,7 @@ from ntk_flax._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 # fmt: off
 __all__ = (
     "LeNet", "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "linearize",
-    "monte_carlo_kernels", "nngp", "nngp_fn", "params_from_haiku", "plan", "taylor_expand",
+    "monte_carlo_kernels", "nngp", "nngp_fn", "params_from_haiku", "plan", "pntk", "pntk_fn",
+    "taylor_expand",
 )
 # fmt: on

@@ -156,7 +156,7 @@ def public(fn: Callable) -> Callable:
 
 
 #: The core's kind of kernel of each entry point ``<name>`` and ``<name>_fn``.
-_KIND = dict(kernel="ntk", nngp="nngp", kernel_per_leaf="ntk_per_leaf", plan="ntk")
+_KIND = dict(kernel="ntk", nngp="nngp", kernel_per_leaf="ntk_per_leaf", plan="ntk", pntk="pntk")
 
 
 def _kernel_of(fn: Callable, model, method, apply_kwargs, options: dict):
@@ -247,6 +247,39 @@ def nngp(model, variables, x1, x2=None, *, method=None, apply_kwargs=None, rngs=
       (4, 4, 3, 3)
     """
     return _kernel_of(nngp, model, method, apply_kwargs, options)(variables, x1, x2, rngs=rngs)
+
+
+@public
+def pntk_fn(model, *, method=None, apply_kwargs=None, **options) -> Callable:
+    """:func:`pntk` built once: ``kernel(variables, x1, x2=None, *, rngs=None)``.
+
+    Args: as :func:`kernel_fn` (no ``trace_axes``). Returns: the kernel function, whose
+    results are :func:`pntk`'s. Raises: as :func:`kernel_fn`. Options, Cost and
+    References: see :func:`ntk_core.pntk_fn`.
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
+      >>> model, x = nn.Dense(3), jnp.ones((4, 2))
+      >>> ntk_flax.pntk_fn(model)(model.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4)
+    """
+    return _kernel_of(pntk_fn, model, method, apply_kwargs, options)
+
+
+@public
+def pntk(model, variables, x1, x2=None, *, method=None, apply_kwargs=None, rngs=None, **options):
+    """Pseudo-NTK of a Flax model: the NTK of Σ_a f_a / √O, ``(N1, N2)`` at the cost of
+    one output (:func:`ntk_core.pntk_fn`: its relation to the full and traced NTK).
+
+    Args: as :func:`kernel` (no ``trace_axes``). Returns: ``(N1, N2)`` (``(N1,)`` with
+    ``diagonal_axes=(0,)``). Raises: as :func:`kernel_fn`; TypeError for ``trace_axes``.
+    Options, Cost and References: see :func:`ntk_core.pntk_fn`.
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
+      >>> model, x = nn.Dense(3), jnp.ones((4, 2))
+      >>> ntk_flax.pntk(model, model.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4)
+    """
+    return _kernel_of(pntk, model, method, apply_kwargs, options)(variables, x1, x2, rngs=rngs)
 
 
 @public

@@ -8,6 +8,8 @@ from ntk_haiku._kernel import kernel_per_leaf_fn as kernel_per_leaf_fn
 from ntk_haiku._kernel import nngp as nngp
 from ntk_haiku._kernel import nngp_fn as nngp_fn
 from ntk_haiku._kernel import plan as plan
+from ntk_haiku._kernel import pntk as pntk
+from ntk_haiku._kernel import pntk_fn as pntk_fn
 from ntk_haiku._linearize import linearize as linearize
 from ntk_haiku._linearize import taylor_expand as taylor_expand
 from ntk_haiku._models import lenet as lenet
@@ -16,6 +18,7 @@ from ntk_haiku._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 # fmt: off
 __all__ = (
     "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "lenet", "linearize",
-    "monte_carlo_kernels", "nngp", "nngp_fn", "params_from_flax", "plan", "taylor_expand",
+    "monte_carlo_kernels", "nngp", "nngp_fn", "params_from_flax", "plan", "pntk", "pntk_fn",
+    "taylor_expand",
 )
 # fmt: on

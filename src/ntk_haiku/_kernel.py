@@ -160,7 +160,7 @@ def public(fn: Callable) -> Callable:
 
 
 #: The core's kind of kernel of each entry point ``<name>`` and ``<name>_fn``.
-_KIND = dict(kernel="ntk", nngp="nngp", kernel_per_leaf="ntk_per_leaf", plan="ntk")
+_KIND = dict(kernel="ntk", nngp="nngp", kernel_per_leaf="ntk_per_leaf", plan="ntk", pntk="pntk")
 
 
 def _kernel_of(fn: Callable, transformed, apply_kwargs, options: dict):
@@ -249,6 +249,40 @@ def nngp(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs
       (4, 4, 3, 3)
     """
     fn = _kernel_of(nngp, transformed, apply_kwargs, options)
+    return fn(params, x1, x2, state=state, rng=rng)
+
+
+@public
+def pntk_fn(transformed, *, apply_kwargs=None, **options) -> Callable:
+    """:func:`pntk` built once: ``kernel(params, x1, x2=None, *, state=None, rng=None)``.
+
+    Args: as :func:`kernel_fn` (no ``trace_axes``). Returns: the kernel function, whose
+    results are :func:`pntk`'s. Raises: as :func:`kernel_fn`. Options, Cost and
+    References: see :func:`ntk_core.pntk_fn`.
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
+      >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
+      >>> ntk_haiku.pntk_fn(net)(net.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4)
+    """
+    return _kernel_of(pntk_fn, transformed, apply_kwargs, options)
+
+
+@public
+def pntk(transformed, params, x1, x2=None, *, state=None, rng=None, apply_kwargs=None, **options):
+    """Pseudo-NTK of a Haiku model: the NTK of Σ_a f_a / √O, ``(N1, N2)`` at the cost of
+    one output (:func:`ntk_core.pntk_fn`: its relation to the full and traced NTK).
+
+    Args: as :func:`kernel` (no ``trace_axes``). Returns: ``(N1, N2)`` (``(N1,)`` with
+    ``diagonal_axes=(0,)``). Raises: as :func:`kernel_fn`; TypeError for ``trace_axes``.
+    Options, Cost and References: see :func:`ntk_core.pntk_fn`.
+    Example:
+      >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
+      >>> net, x = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x))), jnp.ones((4, 2))
+      >>> ntk_haiku.pntk(net, net.init(jax.random.PRNGKey(0), x), x).shape
+      (4, 4)
+    """
+    fn = _kernel_of(pntk, transformed, apply_kwargs, options)
     return fn(params, x1, x2, state=state, rng=rng)
 
 

@@ -14,7 +14,8 @@ from ntk_core._kernel.arguments import misspelt, ntk_only
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.engine import Engine
 from ntk_core._kernel.function import SIGNATURE, KernelFunction
-from ntk_core._kernel.kind import NTK_ONLY
+from ntk_core._kernel.kind import NTK_ONLY, PNTK
+from ntk_core._kernel.model import flat_outputs
 from ntk_core._kernel.options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
 from ntk_core._kernel.pipeline import Kind, Spec
 
@@ -128,10 +129,18 @@ def build_kernel(
     caller: Caller, kind: Kind | str, model: PureModel, options: dict
 ) -> KernelFunction:
     """The :class:`~ntk_core.KernelFunction` ``kernel(first, x1, x2=None, *, call keywords)``
-    of ``model`` for ``caller``; ``kind``: ``"ntk"``, ``"nngp"`` or ``"ntk_per_leaf"``;
+    of ``model`` for ``caller``; ``kind``: ``"ntk"``, ``"nngp"``, ``"ntk_per_leaf"`` or ``"pntk"``;
     ``options``: the core's (:func:`ntk_core.ntk_fn`), validated here. ``first`` is named
-    after ``model.to_core``'s first parameter; other keywords get a TypeError."""
-    fn_name, kind = caller.name, Kind(kind)
+    after ``model.to_core``'s first parameter; other keywords get a TypeError. ``"pntk"``:
+    the pseudo-NTK (:func:`ntk_core.pntk_fn`), the NTK of the outputs' sum over √O."""
+    fn_name = caller.name
+    if kind == PNTK:  # an NTK of one output per sample
+        if "trace_axes" in options:
+            fix = "drop trace_axes= (one output per sample: the pNTK is (N1, N2))"
+            raise bad(TypeError, fn_name, "the pseudo-NTK takes no trace_axes", fix)
+        model = dataclasses.replace(model, apply3=flat_outputs(model.apply3, summed=True))
+        kind, options = Kind.NTK, {**options, "trace_axes": ()}
+    kind = Kind(kind)
     valid = NNGP_OPTION_NAMES if kind is Kind.NNGP else NTK_OPTION_NAMES
     unknown = sorted(set(options) - set(valid))
     if unknown:

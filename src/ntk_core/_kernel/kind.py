@@ -18,3 +18,5 @@ class Kind(str, enum.Enum):  # enum.StrEnum needs Python 3.11; the project suppo
 
 #: Options of the NTK kinds that the NNGP refuses: it takes no derivative.
 NTK_ONLY = ("implementation", "wrt")
+#: ``build_kernel``'s kind for the pseudo-NTK: the NTK of the outputs' sum over √O.
+PNTK = "pntk"

@@ -47,8 +47,8 @@ def from_apply_fn(apply_fn):
 
 @_caches.lru_cache(maxsize=64)
 def _flat_outputs(apply_fn, summed: bool):
-    def apply(params, x):
-        leaves = [v.reshape(v.shape[0], -1) for v in jax.tree.leaves(apply_fn(params, x))]
+    def apply(params, x, *aux):  # apply_fn(params, x) or an adapter's apply3(params, x, aux)
+        leaves = [v.reshape(v.shape[0], -1) for v in jax.tree.leaves(apply_fn(params, x, *aux))]
         flat = leaves[0] if len(leaves) == 1 else jnp.concatenate(leaves, axis=1)
         return flat.sum(axis=1) / np.sqrt(flat.shape[1]) if summed else flat
 

@@ -1,7 +1,8 @@
-"""``wrt=`` in the adapters, each with its framework's parameter names: the same MLP in
-Flax linen, nnx, Haiku and equinox (weights transplanted from Flax) gives the same
-head-only and biases-only kernels, equal to a float64 Jacobian contraction of the plain
-JAX model with respect to those leaves alone."""
+"""Issue 27's kernels in the adapters. ``wrt=`` with each framework's parameter names:
+the same MLP in Flax linen, nnx, Haiku and equinox (weights transplanted from Flax) gives
+the same head-only and biases-only kernels, equal to a float64 Jacobian contraction of the
+plain JAX model with respect to those leaves alone. The pseudo-NTK (``pntk``): every
+adapter equals (1/O) Σ_ab of the float64 full NTK."""
 
 from __future__ import annotations
 
@@ -98,3 +99,24 @@ def test_every_adapter_gives_the_subsets_kernel_in_its_own_names(subset):
     assert np.abs(whole - expected).max() > 1e-2 * np.abs(whole).max()  # a real subset
     for k in kernels.values():
         reference.assert_close(k, expected)
+
+
+def test_every_adapter_gives_the_pseudo_ntk():
+    variables = Linen().init(jax.random.PRNGKey(2), X)
+    p = variables["params"]
+    net = hk.without_apply_rng(hk.transform(_haiku))
+    hp = ntk_haiku.params_from_flax(p, net.init(jax.random.PRNGKey(3), X))
+    (full,) = reference.ntk(_plain, p, X, None, trace_axes=())  # (N, N, O, O)
+    expected = full.sum(axis=(2, 3)) / full.shape[2]
+    kernels = [
+        ntk_flax.pntk(Linen(), variables, X),
+        ntk_flax.pntk_fn(Nnx(p))(None, X),
+        ntk_haiku.pntk(net, hp, X),
+        ntk_haiku.pntk_fn(net)(hp, X),
+        ntk_equinox.pntk(_equinox(p), X),
+        ntk_equinox.pntk_fn(_equinox(p))(_equinox(p), X),
+    ]
+    for k in kernels:
+        reference.assert_close(k, expected)
+    with pytest.raises(TypeError, match="ntk_haiku.pntk: the pseudo-NTK takes no trace_axes"):
+        ntk_haiku.pntk(net, hp, X, trace_axes=())
