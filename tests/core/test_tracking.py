@@ -172,7 +172,7 @@ KERNEL = ntk_core.ntk_fn(apply_fn)
         (dict(every=1, keep_kernels=1), TypeError, r"^KernelTracker: keep_kernels must be True"),
         (dict(every=1, y=np.ones((N + 1, O))), ValueError, r"^KernelTracker: y has shape \(9, 2\); expected"),
         (dict(every=1, y=np.ones((N, O, 1))), ValueError, r"^KernelTracker: y has shape \(8, 2, 1\)"),
-        (dict(every=1, y=np.array(["a"] * N)), TypeError, r"^KernelTracker: y must be numbers"),
+        (dict(every=1, y=np.array(["a"] * N)), TypeError, r"^KernelTracker: y must be real numbers"),
         (dict(every=1, y=np.full(N, np.nan)), ValueError, r"^KernelTracker: y contains NaN"),
         (dict(every=1, x_probe={}), ValueError, r"^KernelTracker: x_probe has no arrays"),
         (dict(every=1, x_probe=jnp.ones((0, D))), ValueError, r"^KernelTracker: x_probe has no samples"),

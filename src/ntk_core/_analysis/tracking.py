@@ -19,7 +19,7 @@ import numpy as np
 from ntk_core._analysis import metrics as _metrics
 from ntk_core._analysis.host_kernel import HostKernel
 from ntk_core._errors import bad, check_int
-from ntk_core._predict.linalg import check_finite
+from ntk_core._predict.linalg import real_array
 
 _NAME = "KernelTracker"
 _UPDATE = f"{_NAME}.update"
@@ -72,14 +72,10 @@ def _probe_inputs(x_probe) -> tuple[Any, int]:
 def _labels(y, n: int) -> np.ndarray | None:
     if y is None:
         return None
-    arr = np.asarray(y)
-    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-        what = f"y must be numbers (floating or integer), got dtype {arr.dtype}"
-        raise bad(TypeError, _NAME, what, "encode the labels as numbers, e.g. one-hot")
+    arr = real_array(_NAME, "y", y)
     if arr.ndim not in (1, 2) or arr.shape[0] != n:
         what = f"y has shape {arr.shape}; expected (N,) or (N, O) for the N = {n} probe samples"
         raise bad(ValueError, _NAME, what, f"pass the probe samples' labels, y_train[:{n}]")
-    check_finite(_NAME, "y", arr, "pass finite labels", cls=ValueError)
     classes = len(np.unique(arr)) if arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer) else 0
     if classes > 2:
         what = f"y is a vector of {classes} distinct integers (class ids?), not one target"
