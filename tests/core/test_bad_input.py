@@ -346,7 +346,7 @@ def _rows():
         # -- weight transplants (ntk_core.testing) -------------------------------------
         Row("transplant-swapped", "params_from_haiku given Flax params first",
             'ntk_core.testing.params_from_haiku({"Dense_0": {"kernel": W}}, {"linear": {"w": W}})',
-            ValueError, r"^params_from_haiku: Haiku module 'Dense_0' holds \['kernel'\].*pass the Haiku params first"),
+            ValueError, r"^params_from_haiku: Haiku module 'Dense_0' holds \['kernel'\].*swap the two arguments"),
         Row("transplant-count", "a Haiku stack with another number of layers than the Flax one",
             'ntk_core.testing.params_from_haiku({"linear": {"w": W}}, {"Dense_0": {"kernel": W}, "Dense_1": {"kernel": W}})',
             ValueError, r"^params_from_haiku: got 2 Flax layers .* but 1 Haiku modules"),
