@@ -643,7 +643,7 @@ def _rows():
             TypeError, r"^KernelTracker: kernel_fn must be a callable kernel\(params_like, x\), got ArrayImpl"),
         Row("tracker-probe-no-batch-axis", "a KernelTracker probe set without a batch axis",
             "ntk_core.KernelTracker(ntk_core.ntk_fn(f), jnp.float32(1.0), every=1)",
-            ValueError, r"^KernelTracker: x_probe has a scalar leaf \(shape \(\)\), so no batch axis"),
+            ValueError, r"^KernelTracker: x_probe must hold arrays of one size N >= 1 on axis 0, got shapes \[\(\)\]"),
         Row("tracker-probe-not-array", "a KernelTracker probe set of Python numbers",
             "ntk_core.KernelTracker(ntk_core.ntk_fn(f), [1.0, 2.0], every=1)",
             TypeError, r"^KernelTracker: x_probe must be an array or a pytree of arrays, got a leaf of type float"),

@@ -50,22 +50,16 @@ _PROBE_FIX = "pass one array (N, ...) or a pytree of arrays with N on axis 0, e.
 def _probe_inputs(x_probe) -> tuple[Any, int]:
     """``x_probe`` on the device (one transfer) and N."""
     leaves = jax.tree.leaves(x_probe)
-    if not leaves:
-        raise bad(ValueError, _NAME, f"x_probe has no arrays (got {x_probe!r})", _PROBE_FIX)
     for leaf in leaves:
         if not isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
             got = type(leaf).__name__
             what = f"x_probe must be an array or a pytree of arrays, got a leaf of type {got}"
             raise bad(TypeError, _NAME, what, _PROBE_FIX)
-        if len(leaf.shape) == 0:
-            what = "x_probe has a scalar leaf (shape ()), so no batch axis"
-            raise bad(ValueError, _NAME, what, _PROBE_FIX)
-    sizes = [leaf.shape[0] for leaf in leaves]
-    if len(set(sizes)) > 1:
-        what = f"the leaves of x_probe have different sizes on the batch axis 0: {sizes}"
+    sizes = [leaf.shape[0] if leaf.shape else 0 for leaf in leaves]
+    if len(set(sizes)) != 1 or sizes[0] == 0:
+        shapes = [leaf.shape for leaf in leaves]
+        what = f"x_probe must hold arrays of one size N >= 1 on axis 0, got shapes {shapes}"
         raise bad(ValueError, _NAME, what, _PROBE_FIX)
-    if sizes[0] == 0:
-        raise bad(ValueError, _NAME, "x_probe has no samples (N = 0)", _PROBE_FIX)
     return jax.tree.map(jnp.asarray, x_probe), int(sizes[0])
 
 
@@ -217,10 +211,9 @@ class KernelTracker:
             raise bad(TypeError, _UPDATE, what, "for pytree outputs, track the kernel of one leaf")
         kernel = np.asarray(k)
         if kernel.ndim < 2 or kernel.shape[:2] != (self.n_probe, self.n_probe):
-            what = f"the kernel function returned shape {kernel.shape}; expected the (N, N) or"
-            what += (
-                f" (N, N, O, O) kernel of the N = {self.n_probe} probe samples (no diagonal_axes)"
-            )
+            n, got = self.n_probe, kernel.shape
+            what = f"the kernel function returned shape {got}; expected the (N, N) or (N, N, O, O)"
+            what += f" kernel of the N = {n} probe samples (no diagonal_axes)"
             raise bad(ValueError, _UPDATE, what, _KERNEL_FN_FIX)
         flat = HostKernel(_UPDATE, kernel, "the kernel")
         flat.check_symmetric()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 import operator
@@ -15,7 +14,7 @@ import numpy as np
 from ntk_core._api import _make
 from ntk_core._blocked import progress as _progress
 from ntk_core._errors import NonFiniteError, bad, check_int, one_line
-from ntk_core._kernel.arguments import _checked_arguments
+from ntk_core._kernel.arguments import _checked_arguments, misspelt
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.checks import all_finite, check_finite_input
 from ntk_core._kernel.options import DEFAULTS, _flags, make_options
@@ -64,10 +63,9 @@ def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=No
     for name, v in (("n_samples", n_samples), ("batch_size_samples", batch_size_samples)):
         check_int(fn_name, name, v, f"pass e.g. {name}=4", type_error=ValueError)
     check_key(fn_name, key)
-    unknown = sorted(set(options) - set(_KERNEL_OPTIONS))
-    if unknown:
-        close = {u: difflib.get_close_matches(u, _KERNEL_OPTIONS + list(own), 1) for u in unknown}
-        guess = "".join(f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c)
+    if unknown := sorted(set(options) - set(_KERNEL_OPTIONS)):
+        close = {u: misspelt(u, _KERNEL_OPTIONS + list(own)) for u in unknown}
+        guess = "".join(f" Did you mean {c!r} for {u!r}?" for u, c in close.items() if c)
         what = f"unknown option(s) {', '.join(map(repr, unknown))}.{guess}"
         fix = f"use {', '.join(own)} or the options of ntk_fn; model arguments go in apply_kwargs"
         raise bad(TypeError, fn_name, what, fix)
