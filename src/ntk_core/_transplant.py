@@ -9,13 +9,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ntk_core._errors import bad
+from ntk_core._errors import bad, must
 
 _FLAX_TO_HAIKU = {"kernel": "w", "bias": "b"}
 _HAIKU_TO_FLAX = {v: k for k, v in _FLAX_TO_HAIKU.items()}
 (_KERNEL, _BIAS), (_W, _B) = _FLAX_TO_HAIKU, _HAIKU_TO_FLAX
 _NUMBERED = re.compile(r"^(.*)_(\d+)$")
 _PARAMS = "pass variables['params']"
+_BY_HAND = "transplant their params by hand"
 
 
 def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) -> dict:
@@ -113,18 +114,16 @@ def _pairs(fn, layers: Mapping, modules: Mapping) -> dict:
     return pairs
 
 
-def _other(fn: str, swapped: bool, framework: str) -> str:
-    if swapped:
-        first = "Flax" if fn == "params_from_flax" else "Haiku"
-        return f"these look like {framework} params: pass the {first} params first"
-    return f"transplant the other {'layers' if framework == 'Haiku' else 'modules'}' params by hand"
+def _other(swapped: bool) -> str:
+    """The fix for leaves of another kind: the other framework's (swapped arguments) or not."""
+    return "these hold the other framework's names: swap the two arguments" if swapped else _BY_HAND
 
 
 def _flax_layers(fn, flax_params, require_kernel: bool) -> Mapping:
     """``flax_params`` after checking it is a flat collection of Dense/Conv layers."""
     if not isinstance(flax_params, Mapping):
-        what = f"flax_params must be a Flax params collection, got {type(flax_params).__name__}"
-        raise bad(TypeError, fn, what, _PARAMS)
+        got = type(flax_params).__name__
+        raise must(TypeError, fn, "flax_params", "a Flax params collection", got, _PARAMS)
     inner = flax_params.get("params")
     if isinstance(inner, Mapping) and any(isinstance(v, Mapping) for v in inner.values()):
         what = f"got a Flax variables dict (collections {sorted(map(str, flax_params))}); "
@@ -137,14 +136,13 @@ def _flax_layers(fn, flax_params, require_kernel: bool) -> Mapping:
         nested = sorted(str(k) for k, v in leaves.items() if isinstance(v, Mapping))
         if nested:
             what = f"Flax module {layer!r} holds submodules {nested}"
-            fix = "create the Dense/Conv layers in the top module, or map their params by hand"
+            fix = f"create the Dense/Conv layers in the top module, or {_BY_HAND}"
             raise bad(ValueError, fn, what, fix)
         others = set(leaves) - set(_FLAX_TO_HAIKU)
         if others or (require_kernel and _KERNEL not in leaves):
             haiku_like = leaves and set(leaves) <= set(_HAIKU_TO_FLAX)
-            what = f"Flax layer {layer!r} holds {sorted(map(str, leaves))}, not 'kernel' and "
-            fix = _other(fn, haiku_like, "Haiku")
-            raise bad(ValueError, fn, what + "'bias' (Dense, Conv)", fix)
+            what = f"Flax layer {layer!r} holds {sorted(map(str, leaves))}, not kernel and bias"
+            raise bad(ValueError, fn, what, _other(haiku_like))
     return flax_params
 
 
@@ -160,7 +158,7 @@ def _haiku_modules(fn, haiku_params) -> Mapping:
             flax_like = held is not None and set(held) <= set(_FLAX_TO_HAIKU)
             got = held if held is not None else type(leaves).__name__
             what = f"Haiku module {module!r} holds {got}, not 'w' and 'b' (hk.Linear, hk.ConvND)"
-            raise bad(ValueError, fn, what, _other(fn, flax_like, "Flax"))
+            raise bad(ValueError, fn, what, _other(flax_like))
     return haiku_params
 
 
@@ -191,8 +189,7 @@ def _shape(leaf) -> tuple:
 
 def _check_pair(fn, layer, flax_leaves, module, haiku_leaves, index, count) -> None:
     rank = len(_shape(flax_leaves[_KERNEL]))
-    where = f"Flax layer {layer!r} and Haiku module {module!r} (pair {index + 1} of {count} "
-    where += f"with rank-{rank} kernels)"
+    where = f"Flax layer {layer!r}, Haiku module {module!r} (rank-{rank} pair {index + 1}/{count})"
     if (_BIAS in flax_leaves) != (_B in haiku_leaves):
         with_bias, without = (layer, module) if _BIAS in flax_leaves else (module, layer)
         what = f"{where}: {with_bias!r} has a bias and {without!r} has none"

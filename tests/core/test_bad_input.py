@@ -346,7 +346,7 @@ def _rows():
         # -- weight transplants (ntk_core.testing) -------------------------------------
         Row("transplant-swapped", "params_from_haiku given Flax params first",
             'ntk_core.testing.params_from_haiku({"Dense_0": {"kernel": W}}, {"linear": {"w": W}})',
-            ValueError, r"^params_from_haiku: Haiku module 'Dense_0' holds \['kernel'\].*pass the Haiku params first"),
+            ValueError, r"^params_from_haiku: Haiku module 'Dense_0' holds \['kernel'\].*swap the two arguments"),
         Row("transplant-count", "a Haiku stack with another number of layers than the Flax one",
             'ntk_core.testing.params_from_haiku({"linear": {"w": W}}, {"Dense_0": {"kernel": W}, "Dense_1": {"kernel": W}})',
             ValueError, r"^params_from_haiku: got 2 Flax layers .* but 1 Haiku modules"),
@@ -643,7 +643,7 @@ def _rows():
             TypeError, r"^KernelTracker: kernel_fn must be a callable kernel\(params_like, x\), got ArrayImpl"),
         Row("tracker-probe-no-batch-axis", "a KernelTracker probe set without a batch axis",
             "ntk_core.KernelTracker(ntk_core.ntk_fn(f), jnp.float32(1.0), every=1)",
-            ValueError, r"^KernelTracker: x_probe has a scalar leaf \(shape \(\)\), so no batch axis"),
+            ValueError, r"^KernelTracker: x_probe must hold arrays of one size N >= 1 on axis 0, got shapes \[\(\)\]"),
         Row("tracker-probe-not-array", "a KernelTracker probe set of Python numbers",
             "ntk_core.KernelTracker(ntk_core.ntk_fn(f), [1.0, 2.0], every=1)",
             TypeError, r"^KernelTracker: x_probe must be an array or a pytree of arrays, got a leaf of type float"),

@@ -167,7 +167,7 @@ ERRORS = [
         ValueError,
         r"^monte_carlo_kernels: n_samples must be a positive int, got 0",
     ),
-    (dict(key=0), TypeError, r"^monte_carlo_kernels: key must be one PRNG key.*Fix"),
+    (dict(key=0), TypeError, r"^monte_carlo_kernels: key must be one JAX PRNG key.*Fix"),
     (dict(progress="yes"), TypeError, r"^monte_carlo_kernels: progress must be None"),
     (dict(init_fn=3), TypeError, r"^monte_carlo_kernels: init_fn must be callable"),
     (

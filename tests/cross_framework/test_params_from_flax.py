@@ -86,8 +86,8 @@ ERRORS = [
         "shape mismatch",
         lambda: ntk_haiku.params_from_flax(MLP_PARAMS, _haiku(_mlp([16, 8, 3]))),
         ValueError,
-        r"^params_from_flax: Flax layer 'Dense_1' and Haiku module 'mlp/~/linear_1' \(pair 2 "
-        r"of 3 with rank-2 kernels\): kernel has shape \(16, 16\) but w has shape \(16, 8\)\. "
+        r"^params_from_flax: Flax layer 'Dense_1', Haiku module 'mlp/~/linear_1' \(rank-2 pair "
+        r"2/3\): kernel has shape \(16, 16\) but w has shape \(16, 8\)\. "
         r"Fix: give the Haiku modules",
     ),
     (
@@ -96,7 +96,7 @@ ERRORS = [
             _flax(FlaxMLP(use_bias=False))["params"], _haiku(_mlp([16, 16, 3]))
         ),
         ValueError,
-        r"^params_from_flax: Flax layer 'Dense_0' and Haiku module 'mlp/~/linear_0' .*: "
+        r"^params_from_flax: Flax layer 'Dense_0', Haiku module 'mlp/~/linear_0' .*: "
         r"'mlp/~/linear_0' has a bias and 'Dense_0' has none\. Fix: "
         r"match use_bias=",
     ),
@@ -113,7 +113,7 @@ ERRORS = [
         ),
         ValueError,
         r"^params_from_flax: Flax layer 'BatchNorm_0' holds \['bias', 'scale'\], not "
-        r"'kernel' and 'bias' \(Dense, Conv\)\. Fix: transplant the other layers' params by hand",
+        r"kernel and bias\. Fix: transplant their params by hand",
     ),
     (
         "batchnorm params, flax names kept",
@@ -154,14 +154,14 @@ ERRORS = [
         lambda: ntk_haiku.params_from_flax(_haiku(_mlp([16, 16, 3])), MLP_PARAMS),
         ValueError,
         r"^params_from_flax: Flax layer 'mlp/~/linear_0' holds \['b', 'w'\], .* Fix: these "
-        r"look like Haiku params: pass the Flax params first",
+        r"hold the other framework's names: swap the two arguments",
     ),
     (
         "flax params as the haiku params",
         lambda: ntk_haiku.params_from_flax(MLP_PARAMS, MLP_PARAMS),
         ValueError,
         r"^params_from_flax: Haiku module 'Dense_0' holds \['bias', 'kernel'\], not 'w' "
-        r"and 'b' .* Fix: these look like Flax params",
+        r"and 'b' .* Fix: these hold the other framework's names",
     ),
     (
         "haiku layer norm",
@@ -171,7 +171,7 @@ ERRORS = [
         ),
         ValueError,
         r"^params_from_flax: Haiku module 'layer_norm' holds \['offset', 'scale'\], not "
-        r"'w' and 'b' \(hk.Linear, hk.ConvND\)\. Fix: transplant the other modules' params",
+        r"'w' and 'b' \(hk.Linear, hk.ConvND\)\. Fix: transplant their params by hand",
     ),
     (
         "haiku params and state",

@@ -28,10 +28,10 @@ from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import core
 from ntk_core._kernel.checks import check_apply_fn
 from ntk_core._kernel.model import flat_outputs
-from ntk_core._predict.linalg import check_finite
+from ntk_core._kernel.options import DEFAULTS
+from ntk_core._predict.linalg import check_finite, check_key, real_array
 
 _COLUMNS = 16  # vectors per vmapped NTK-vector product
-_KEY_FIX = "pass key=jax.random.PRNGKey(seed)"
 _NAN_FIX = "check the model: its outputs or gradients are NaN or Inf at these params and x"
 
 _NTK_TRACE = core("ntk_trace", one_input=True)
@@ -56,15 +56,6 @@ class _Flat(NamedTuple):
     m: int
     product: Callable  # (M, c) -> (M, c): Θ times each column
     ravel: Callable  # outputs-like pytree -> (M,)
-
-
-def _check_key(fn: str, key):
-    array = isinstance(key, jax.Array)
-    if not (array and (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,))):
-        shape = f" of shape {key.shape}" if array else ""
-        what = f"key must be one JAX PRNG key, got {type(key).__name__}{shape}"
-        raise bad(TypeError, fn, what, _KEY_FIX)
-    return key
 
 
 @_caches.lru_cache(maxsize=64)
@@ -125,7 +116,9 @@ def _exact_kernel(op: _Flat) -> np.ndarray:
 
 def _trace(op: _Flat, batch_size, precision) -> float:
     """tr Θ exact, as :func:`ntk_trace` (the kernel's diagonal, O(N)); errors name ``op.fn``."""
-    options = dict(batch_size=batch_size, implementation="auto", precision=precision)
+    options = dict(
+        batch_size=batch_size, implementation=DEFAULTS.implementation, precision=precision
+    )
     return _diagonal_sum(core(op.fn, one_input=True), op.apply_fn, op.params, op.x, options)
 
 
@@ -155,7 +148,7 @@ def ntk_frobenius_sq(
     key,
     m: int = 60,
     batch_size: int | None = None,
-    precision: str = "highest",
+    precision: str = DEFAULTS.precision,
 ) -> Estimate:
     """‖Θ‖²_F = tr(Θ²) of Θ(x, x) by Hutch++ on NTK-vector products, unbiased.
 
@@ -191,7 +184,7 @@ def ntk_frobenius_sq(
     """
     fn = "ntk_frobenius_sq"
     m = _check_m(fn, m)
-    key = _check_key(fn, key)
+    key = check_key(fn, key)
     return _hutchpp(_flat(fn, apply_fn, params, x, batch_size, precision), m, key)
 
 
@@ -232,7 +225,7 @@ def ntk_effective_rank(
     m: int = 400,
     steps: int = 15,
     batch_size: int | None = None,
-    precision: str = "highest",
+    precision: str = DEFAULTS.precision,
 ) -> Estimate:
     """The effective rank of :func:`ntk_core.metrics.effective_rank` of Θ(x, x), estimated.
 
@@ -275,7 +268,7 @@ def ntk_effective_rank(
     """
     fn = "ntk_effective_rank"
     steps = check_int(fn, "steps", steps, "pass e.g. steps=15 (Lanczos steps per vector)")
-    key = _check_key(fn, key)
+    key = check_key(fn, key)
     op = _flat(fn, apply_fn, params, x, batch_size, precision)
     steps = min(steps, op.m)
     m = _check_m(fn, m, low=min(2 + 4 * steps, op.m), example=400)
@@ -304,7 +297,7 @@ def ntk_kernel_alignment(
     key,
     m: int = 60,
     batch_size: int | None = None,
-    precision: str = "highest",
+    precision: str = DEFAULTS.precision,
 ) -> Estimate:
     """Kernel-target alignment of :func:`ntk_core.metrics.kernel_alignment` of Θ(x, x), estimated.
 
@@ -337,7 +330,7 @@ def ntk_kernel_alignment(
     """
     fn = "ntk_kernel_alignment"
     m = _check_m(fn, m, low=5)
-    key = _check_key(fn, key)
+    key = check_key(fn, key)
     op = _flat(fn, apply_fn, params, x, batch_size, precision)
     v = _targets(fn, op, y)
     c = float(v @ op.product(v[:, None])[:, 0]) / float(v @ v)
@@ -358,16 +351,10 @@ def _targets(fn: str, op: _Flat, y) -> np.ndarray:
         what = f"y has the pytree structure {y_tree}; expected the outputs' {tree}"
         raise bad(TypeError, fn, what, "pass targets shaped like apply_fn(params, x)")
     for o, t in zip(leaves, y_leaves, strict=True):
-        arr = np.asarray(t)
-        if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-            what = f"y must be real numbers, got dtype {arr.dtype}"
-            raise bad(TypeError, fn, what, "encode the targets as numbers, e.g. one-hot or ±1")
+        arr = real_array(fn, "y", t)
         if arr.shape != tuple(o.shape):
             what = f"y has shape {arr.shape}; expected the outputs' shape {tuple(o.shape)}"
             raise bad(ValueError, fn, what, "pass one target per output entry, (N, O)")
-        check_finite(
-            fn, "y", arr, "drop or impute the samples with missing targets", cls=ValueError
-        )
     v = op.ravel(jax.tree.unflatten(tree, y_leaves))
     if not v.any():
         what = "y is all zeros, so the alignment is undefined"
@@ -381,7 +368,13 @@ ntk_kernel_alignment = _checked_arguments(ntk_kernel_alignment)
 
 
 def ntk_trace(
-    apply_fn, params, x, *, batch_size=None, implementation="auto", precision="highest"
+    apply_fn,
+    params,
+    x,
+    *,
+    batch_size=None,
+    implementation=DEFAULTS.implementation,
+    precision=DEFAULTS.precision,
 ) -> float:
     """tr Θ(x, x) = Σ_i Σ_a ‖∂f_a(x_i)/∂θ‖² (the eigenvalue sum), a Python float, at O(N) cost.
 

@@ -9,7 +9,7 @@ import numpy as np
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
 from ntk_core._errors import bad
 from ntk_core._kernel.arguments import _checked_arguments
-from ntk_core._predict.linalg import SAME_AXES, check_finite
+from ntk_core._predict.linalg import SAME_AXES, real_array
 
 _TARGETS_FIX = "pass the targets of the kernel's N samples"
 
@@ -57,17 +57,13 @@ def _undefined(fn, what, quantity, fix) -> ValueError:
 
 def _targets(fn: str, k: HostKernel, y) -> np.ndarray:
     """Targets as the float64 ``(M, R)`` matrix Y with target kernel Y Yᵀ."""
-    arr = np.asarray(y)
-    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-        what = f"y must be real numbers (floating or integer labels), got dtype {arr.dtype}"
-        raise bad(TypeError, fn, what, "encode the targets as numbers, e.g. one-hot or ±1")
+    arr = real_array(fn, "y", y)
     if k.out_shape and arr.shape != (k.n,) + k.out_shape:  # one target per flat row
         what = f"k has shape {k.arr.shape}, so y must have shape {(k.n,) + k.out_shape}"
         raise bad(ValueError, fn, f"{what}, got {arr.shape}", _TARGETS_FIX)
     if arr.ndim == 0 or arr.shape[0] != k.n:
         what = f"k has N = {k.n} samples, so y must have shape (N,) or (N, O), got {arr.shape}"
         raise bad(ValueError, fn, what, _TARGETS_FIX)
-    check_finite(fn, "y", arr, "drop or impute the samples with missing targets", cls=ValueError)
     return (arr.reshape(k.m, 1) if k.out_shape else arr.reshape(k.n, -1)).astype(np.float64)
 
 

@@ -17,6 +17,7 @@ from ntk_core._functional.ntk_vp import make_ntk_vp
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import check_apply_fn
+from ntk_core._kernel.options import DEFAULTS
 
 _NTK_OPERATOR = core("ntk_operator", one_input=True)
 _NTK_EIGSH = core("ntk_eigsh", one_input=True)
@@ -85,7 +86,7 @@ def _ntk_operator(caller: Caller, apply_fn, params, x, batch_size, precision):
     return _Operator(caller.name, sum(sizes), product), unflat
 
 
-def ntk_operator(apply_fn, params, x, *, batch_size=None, precision="highest"):
+def ntk_operator(apply_fn, params, x, *, batch_size=None, precision=DEFAULTS.precision):
     """The NTK Θ(x, x) as a float64 ``scipy.sparse.linalg.LinearOperator``, never formed.
 
     ``op @ v`` (v of length M = N·O: outputs flattened row-major, pytree leaves concatenated)
@@ -168,12 +169,12 @@ def ntk_eigsh(
     x,
     *,
     k: int = 20,
-    which: str = "LA",
+    which: str = _LARGEST,
     tol: float = 1e-6,
     maxiter: int | None = None,
     ncv: int | None = None,
     batch_size: int | None = None,
-    precision: str = "highest",
+    precision: str = DEFAULTS.precision,
 ) -> Eigenpairs:
     """Top-k eigenpairs of the empirical NTK Θ(x, x) (``trace_axes=()``), matrix-free.
 
@@ -232,7 +233,7 @@ def kernel_eigsh(
     kernel,
     *,
     k: int = 20,
-    which: str = "LA",
+    which: str = _LARGEST,
     tol: float = 1e-6,
     maxiter: int | None = None,
     ncv: int | None = None,

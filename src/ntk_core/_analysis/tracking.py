@@ -19,7 +19,7 @@ import numpy as np
 from ntk_core._analysis import metrics as _metrics
 from ntk_core._analysis.host_kernel import HostKernel
 from ntk_core._errors import bad, check_int
-from ntk_core._predict.linalg import check_finite
+from ntk_core._predict.linalg import real_array
 
 _NAME = "KernelTracker"
 _UPDATE = f"{_NAME}.update"
@@ -50,36 +50,26 @@ _PROBE_FIX = "pass one array (N, ...) or a pytree of arrays with N on axis 0, e.
 def _probe_inputs(x_probe) -> tuple[Any, int]:
     """``x_probe`` on the device (one transfer) and N."""
     leaves = jax.tree.leaves(x_probe)
-    if not leaves:
-        raise bad(ValueError, _NAME, f"x_probe has no arrays (got {x_probe!r})", _PROBE_FIX)
     for leaf in leaves:
         if not isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
             got = type(leaf).__name__
             what = f"x_probe must be an array or a pytree of arrays, got a leaf of type {got}"
             raise bad(TypeError, _NAME, what, _PROBE_FIX)
-        if len(leaf.shape) == 0:
-            what = "x_probe has a scalar leaf (shape ()), so no batch axis"
-            raise bad(ValueError, _NAME, what, _PROBE_FIX)
-    sizes = [leaf.shape[0] for leaf in leaves]
-    if len(set(sizes)) > 1:
-        what = f"the leaves of x_probe have different sizes on the batch axis 0: {sizes}"
+    sizes = [leaf.shape[0] if leaf.shape else 0 for leaf in leaves]
+    if len(set(sizes)) != 1 or sizes[0] == 0:
+        shapes = [leaf.shape for leaf in leaves]
+        what = f"x_probe must hold arrays of one size N >= 1 on axis 0, got shapes {shapes}"
         raise bad(ValueError, _NAME, what, _PROBE_FIX)
-    if sizes[0] == 0:
-        raise bad(ValueError, _NAME, "x_probe has no samples (N = 0)", _PROBE_FIX)
     return jax.tree.map(jnp.asarray, x_probe), int(sizes[0])
 
 
 def _labels(y, n: int) -> np.ndarray | None:
     if y is None:
         return None
-    arr = np.asarray(y)
-    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-        what = f"y must be numbers (floating or integer), got dtype {arr.dtype}"
-        raise bad(TypeError, _NAME, what, "encode the labels as numbers, e.g. one-hot")
+    arr = real_array(_NAME, "y", y)
     if arr.ndim not in (1, 2) or arr.shape[0] != n:
         what = f"y has shape {arr.shape}; expected (N,) or (N, O) for the N = {n} probe samples"
         raise bad(ValueError, _NAME, what, f"pass the probe samples' labels, y_train[:{n}]")
-    check_finite(_NAME, "y", arr, "pass finite labels", cls=ValueError)
     classes = len(np.unique(arr)) if arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer) else 0
     if classes > 2:
         what = f"y is a vector of {classes} distinct integers (class ids?), not one target"
@@ -221,10 +211,9 @@ class KernelTracker:
             raise bad(TypeError, _UPDATE, what, "for pytree outputs, track the kernel of one leaf")
         kernel = np.asarray(k)
         if kernel.ndim < 2 or kernel.shape[:2] != (self.n_probe, self.n_probe):
-            what = f"the kernel function returned shape {kernel.shape}; expected the (N, N) or"
-            what += (
-                f" (N, N, O, O) kernel of the N = {self.n_probe} probe samples (no diagonal_axes)"
-            )
+            n, got = self.n_probe, kernel.shape
+            what = f"the kernel function returned shape {got}; expected the (N, N) or (N, N, O, O)"
+            what += f" kernel of the N = {n} probe samples (no diagonal_axes)"
             raise bad(ValueError, _UPDATE, what, _KERNEL_FN_FIX)
         flat = HostKernel(_UPDATE, kernel, "the kernel")
         flat.check_symmetric()

@@ -109,10 +109,7 @@ class _Point:
         missing = [p for p in self.paths if p not in set(paths)]
         extra = [p for p in paths if p not in set(self.paths)]
         if missing or extra:
-            detail = f"it has {len(paths)} leaves {_shown(paths)}, the expansion point "
-            detail += f"{len(self.paths)} {_shown(self.paths)}"
-            detail += f"; missing {_shown(missing)}" if missing else ""
-            detail += f"; not in the expansion point {_shown(extra)}" if extra else ""
+            detail = f"missing {_shown(missing)}, not in the expansion point {_shown(extra)}"
         else:
             detail = f"the same leaves in other containers: {_short(treedef, 160)} against "
             detail += f"{_short(self.treedef, 160)}"

@@ -17,7 +17,7 @@ from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import all_finite, check_finite_input
 from ntk_core._kernel.model import from_apply_fn
-from ntk_core._kernel.options import make_options
+from ntk_core._kernel.options import DEFAULTS, make_options
 from ntk_core._kernel.validate import batch_size as _batch_size
 from ntk_core._kernel.validate import describe as _describe
 
@@ -136,7 +136,12 @@ def _check_v(call: str, outputs, tree, v):
 
 
 def ntk_vp_fn(
-    apply_fn: Callable, params, x, *, batch_size: int | None = None, precision: str = "highest"
+    apply_fn: Callable,
+    params,
+    x,
+    *,
+    batch_size: int | None = None,
+    precision: str = DEFAULTS.precision,
 ) -> Callable:
     """Returns a jitted function ``ntk_vp(v) = Θ(x, x) v``, never forming Θ or J.
 

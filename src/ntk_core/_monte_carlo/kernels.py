@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 import operator
@@ -15,12 +14,13 @@ import numpy as np
 from ntk_core._api import _make
 from ntk_core._blocked import progress as _progress
 from ntk_core._errors import NonFiniteError, bad, check_int, one_line
-from ntk_core._kernel.arguments import _checked_arguments
+from ntk_core._kernel.arguments import _checked_arguments, misspelt
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.checks import all_finite, check_finite_input
-from ntk_core._kernel.options import DEFAULTS, make_options
+from ntk_core._kernel.options import DEFAULTS, _flags, make_options
 from ntk_core._monte_carlo.files import KINDS, MonteCarloFiles, kind_options
 from ntk_core._predict.inference import Kernels
+from ntk_core._predict.linalg import check_key
 
 _KERNEL_OPTIONS = [n for n in inspect.signature(make_options).parameters if n != "fn_name"]
 _INPUTS = ("x1", "x2")
@@ -62,15 +62,10 @@ def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=No
     fn_name, options = caller.name, options or {}
     for name, v in (("n_samples", n_samples), ("batch_size_samples", batch_size_samples)):
         check_int(fn_name, name, v, f"pass e.g. {name}=4", type_error=ValueError)
-    array = isinstance(key, jax.Array)
-    if not (array and (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,))):
-        shape = f" of shape {key.shape}" if array else ""
-        what = f"key must be one PRNG key, got {type(key).__name__}{shape}"
-        raise bad(TypeError, fn_name, what, "pass key=jax.random.PRNGKey(seed)")
-    unknown = sorted(set(options) - set(_KERNEL_OPTIONS))
-    if unknown:
-        close = {u: difflib.get_close_matches(u, _KERNEL_OPTIONS + list(own), 1) for u in unknown}
-        guess = "".join(f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c)
+    check_key(fn_name, key)
+    if unknown := sorted(set(options) - set(_KERNEL_OPTIONS)):
+        close = {u: misspelt(u, _KERNEL_OPTIONS + list(own)) for u in unknown}
+        guess = "".join(f" Did you mean {c!r} for {u!r}?" for u, c in close.items() if c)
         what = f"unknown option(s) {', '.join(map(repr, unknown))}.{guess}"
         fix = f"use {', '.join(own)} or the options of ntk_fn; model arguments go in apply_kwargs"
         raise bad(TypeError, fn_name, what, fix)
@@ -90,9 +85,7 @@ def average(fn_name, sample, key, n_samples, batch_size_samples, progress, x1, x
         if x is not None:
             check_finite_input(fn_name, name, x)
     keys = jax.random.split(key, n_samples)
-    if progress is not None and not isinstance(progress, bool):
-        what = f"progress must be None, True or False, got {progress!r}"
-        raise bad(TypeError, fn_name, what, "pass progress=True")
+    _flags(fn_name, none_ok=True, progress=progress)
     if (bar := _progress.progress_bar(fn_name, progress, n_samples)) is None:
         bar = _progress.NO_BAR
     if files is not None:

@@ -14,6 +14,7 @@ from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.options import DEFAULTS
 from ntk_core._predict.linalg import (
     ACCEPT,
+    MISSING_TARGETS,
     SAME_AXES,
     SEE_ILL,
     FlatLayout,
@@ -97,7 +98,7 @@ class _TestSide:
     def _set_y(self, fn_name, y_train, opts) -> FlatLayout:
         self._fn, self._opts, y = fn_name, opts, as_host_array(fn_name, "y_train", y_train)
         self._layout = lay = FlatLayout(fn_name, y.shape, opts.trace_axes)
-        check_rows_finite(fn_name, "y_train", y, "drop or impute the samples with missing targets")
+        check_rows_finite(fn_name, "y_train", y, MISSING_TARGETS)
         self._y_shape, self._y_size = y.shape, y.size
         self._y = np.asarray(lay.flat_y(y), np.float64)
         return lay
@@ -273,12 +274,11 @@ def _covariance(fn, prior, quad, cross, abs_cross, m, u):
         i = int(np.flatnonzero(below.reshape(-1))[0])
         v, lim = var.reshape(-1)[i], tol.reshape(-1)[i]
         what = f"a posterior variance {v:.2e} < −{lim:.2e}: not jointly positive semi-definite"
-        raise bad(ValueError, fn, what, _ONE_NETWORK, see="negative-variance")
+        raise bad(
+            ValueError, fn, what, "compute all kernels with one network", see="negative-variance"
+        )
     cov[..., idx, idx] = np.maximum(var, 0.0)
     return cov
-
-
-_ONE_NETWORK = "compute all the kernels with the same network, parameters and trace_axes"
 
 
 def _needs_both(fn, public) -> ValueError:

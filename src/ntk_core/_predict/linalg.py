@@ -1,15 +1,16 @@
-"""Host linear algebra of :mod:`ntk_core.predict`: layouts, checks, and a solver of K + λI
-(Cholesky, else floored eigh) refined in float64 until corrections are <= :data:`ACCEPT`."""
+"""Host linear algebra of :mod:`ntk_core.predict`: layouts, checks of host arguments (arrays,
+targets, PRNG keys), and a solver of K + λI (Cholesky, else floored eigh) refined in float64
+until corrections are <= :data:`ACCEPT`."""
 
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax
 import numpy as np
 
-from ntk_core._errors import NonFiniteError, bad, check_real
+from ntk_core._errors import NonFiniteError, bad, check_real, must
+from ntk_core._kernel.options import _axes
 
 #: A solve is accepted when max|last correction| <= ACCEPT * max|x| per right-hand side.
 ACCEPT = 1e-6
@@ -33,6 +34,7 @@ def row_chunks(n_rows: int, n_cols: int):
 
 
 NAN_KERNEL_FIX = "recompute it; NaN comes from NaN parameters or inputs, or float32 overflow"
+MISSING_TARGETS = "drop or impute the samples with missing targets"
 SAME_AXES = "compute it on the same inputs with the same trace_axes"
 SEE_ILL = "ill-conditioned-kernel"
 
@@ -78,12 +80,34 @@ def check_diag_reg(fn_name: str, diag_reg) -> float:
 def as_host_array(fn_name: str, name: str, x) -> np.ndarray:
     try:
         arr = x if isinstance(x, np.ndarray) else np.asarray(x)
-    except Exception as e:  # noqa: BLE001 - any conversion failure is reported
-        what = f"{name} must be an array, got {type(x).__name__}"
-        raise bad(TypeError, fn_name, what, "pass a numpy or jax array, or a memmap") from e
-    if not np.issubdtype(arr.dtype, np.floating):
-        what = f"{name} must be a floating array, got dtype {arr.dtype}"
-        raise bad(TypeError, fn_name, what, f"convert it, e.g. {name}.astype(np.float32)")
+    except Exception:  # noqa: BLE001 - any conversion failure is reported
+        arr = None
+    if arr is None or not np.issubdtype(arr.dtype, np.floating):
+        got = type(x).__name__ if arr is None else f"dtype {arr.dtype}"
+        raise must(
+            TypeError, fn_name, name, "a floating array", got, f"pass np.asarray({name}, float)"
+        )
+    return arr
+
+
+def check_key(fn_name: str, key):
+    """``key`` if it is one PRNG key (typed, or a raw uint32 pair)."""
+    array = isinstance(key, jax.Array)
+    if not (array and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,))):
+        got = type(key).__name__ + (f" of shape {key.shape}" if array else "")
+        raise must(
+            TypeError, fn_name, "key", "one JAX PRNG key", got, "pass key=jax.random.PRNGKey(seed)"
+        )
+    return key
+
+
+def real_array(fn_name: str, name: str, y) -> np.ndarray:
+    """``y`` (targets, labels) as a finite numpy array of floating or integer numbers."""
+    arr = np.asarray(y)
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        got, fix = f"dtype {arr.dtype}", "encode them as numbers, e.g. one-hot or ±1"
+        raise must(TypeError, fn_name, name, "real numbers", got, fix)
+    check_finite(fn_name, name, arr, MISSING_TARGETS, cls=ValueError)
     return arr
 
 
@@ -111,19 +135,11 @@ class FlatLayout:
         if len(y_shape) < 2:
             what = f"y_train must have shape (N, O...), got {y_shape}"
             raise bad(ValueError, fn_name, what, "pass y_train[:, None] for one output")
-        if isinstance(trace_axes, numbers.Integral) and not isinstance(trace_axes, bool):
-            trace_axes = (trace_axes,)
-        fix = "pass the trace_axes the kernels were computed with, e.g. (-1,) or ()"
-        try:
-            axes = tuple(int(a) for a in trace_axes)
-        except TypeError:
-            what = f"trace_axes must be an int or a sequence of ints, got {trace_axes!r}"
-            raise bad(TypeError, fn_name, what, fix) from None
-        nd = len(y_shape)
+        ((axes,), nd) = _axes(fn_name, trace_axes=trace_axes), len(y_shape)
         canon = [a % nd for a in axes if -nd <= a < nd]
         if len(canon) < len(axes) or 0 in canon or len(set(canon)) < len(canon):
             what = f"trace_axes={axes} must name distinct output axes 1..{nd - 1} of y {y_shape}"
-            raise bad(ValueError, fn_name, what, fix)
+            raise bad(ValueError, fn_name, what, "pass the kernels' trace_axes, e.g. (-1,) or ()")
         self.fn_name, self.n, self.traced = fn_name, y_shape[0], tuple(sorted(canon))
         self.kept = tuple(a for a in range(1, nd) if a not in self.traced)
         self.kept_shape = tuple(y_shape[a] for a in self.kept)
@@ -255,10 +271,10 @@ class Solver:
         # the kernel's entries carry the round-off of their own dtype
         tol = self.m * max(self.u, unit_roundoff(k2.dtype)) * wmax
         if w.min() < -tol:
-            what = f"train-train K + λI (λ = {lam:.3e}) is not positive semi-definite: eigvals"
-            what += f" {w.min():.3e} .. {w.max():.3e}, beyond round-off M·u·λ_max = {tol:.3e}"
-            above = -w.min() / reg_scale
-            fix = f"pass a kernel, not a difference of kernels, or raise diag_reg above {above:.1e}"
+            what = f"K + λI is not positive semi-definite: eigenvalue {w.min():.2e} < −{tol:.2e}"
+            fix = (
+                f"pass a kernel (not a difference of two), or diag_reg > {-w.min() / reg_scale:.1e}"
+            )
             raise bad(ValueError, fn_name, what, fix)
         self._eigs = (w, v)
         self._w_floored = np.maximum(w, self.u * wmax)
@@ -305,10 +321,10 @@ class Solver:
             prev = rel_a[~done]
             active[np.flatnonzero(active)[done]] = False
         if not np.isfinite(x).all() or rel.max() > ACCEPT:
-            self._raise_ill_conditioned(float(rel.max()))
+            self._raise_ill_conditioned()
         return x
 
-    def _raise_ill_conditioned(self, rel: float) -> None:
+    def _raise_ill_conditioned(self) -> None:
         """Raises with the 2-norm condition number κ: exact after eigh, else 30 power steps on
         K + λI and on its inverse."""
         w_min = 0.0
@@ -325,8 +341,7 @@ class Solver:
         need = 100 * self.u * lam_max + 2 * max(-w_min, 0.0)
         suggest = 10 ** math.ceil(math.log10(max(need / self.reg_scale, 1e-300)))
         cond = f"{kappa:.2e}" if math.isfinite(kappa) else f"inf ({w_min:.2e} .. {lam_max:.2e})"
-        what = f"train-train K + λI (λ = {self.lam:.3e}, M = {self.m}) is too ill-conditioned for"
-        what += f" {self.dtype.name}: condition number ≈ {cond}, refinement left {rel:.1e}"
+        what = f"K + λI is too ill-conditioned for {self.dtype.name}: condition number ≈ {cond}"
         fix = f"raise diag_reg to about {suggest:.0e} (in float32: or pass dtype='float64')"
         raise bad(ValueError, self.fn_name, what, fix, see=SEE_ILL)
 

@@ -10,6 +10,7 @@ from ntk_core._errors import bad
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._predict.inference import Gaussian
 from ntk_core._predict.linalg import (
+    MISSING_TARGETS,
     Solver,
     as_host_array,
     check_diag_reg,
@@ -22,7 +23,6 @@ _BLOCK_BYTES = 64 << 20
 #: ΦᵀΦ + λI counts as singular when its smallest eigenvalue is <= _SINGULAR·k·u·λ_max.
 _SINGULAR = 1e3
 _U64 = unit_roundoff(np.float64)
-_NAN_FIX = "recompute the features; NaN comes from NaN parameters or inputs, or overflow"
 
 
 def _blocks(n_rows: int, k: int):
@@ -36,14 +36,13 @@ def _features(fn, name, phi, k=None) -> np.ndarray:
     want = "(N, k)" if k is None else f"(M, {k})"
     if phi.ndim != 2 or 0 in phi.shape or (k is not None and phi.shape[1] != k):
         what = f"{name} has shape {phi.shape}, expected {want}"
-        fix = "pass one row of k features per sample, the same k for train and test"
-        raise bad(ValueError, fn, what, fix)
+        raise bad(ValueError, fn, what, "pass k features per sample, the same k as features_train")
     return phi
 
 
 def _block64(fn, name, phi, rows) -> np.ndarray:
     block = np.asarray(phi[rows], np.float64)
-    check_finite(fn, name, block, _NAN_FIX, first=rows.start)
+    check_finite(fn, name, block, first=rows.start)
     return block
 
 
@@ -66,13 +65,11 @@ class LowRankInference:
         for rows in _blocks(n, k):
             block = _block64(fn, "features_train", phi, rows)
             yb = np.asarray(y2[rows], np.float64)
-            check_finite(fn, "y_train", yb, "drop or impute the samples with missing targets",
-                first=rows.start)  # fmt: skip
+            check_finite(fn, "y_train", yb, MISSING_TARGETS, first=rows.start)
             with np.errstate(over="ignore", invalid="ignore"):  # checked below
                 gram += block.T @ block
                 rhs += block.T @ yb
-        fix = "rescale the features (e.g. divide by their largest absolute value)"
-        check_finite(fn, "ΦᵀΦ (summed in float64)", gram, fix, unit="feature")
+        check_finite(fn, "ΦᵀΦ (summed in float64)", gram, "rescale the features", unit="feature")
         reg = 1.0 if diag_reg_absolute_scale else float(np.trace(gram)) / n  # mean diag Φ Φᵀ
         if reg == 0.0:
             what = "features_train is all zeros, so the relative diag_reg gives λ = 0"
@@ -81,11 +78,10 @@ class LowRankInference:
         w = scipy.linalg.eigvalsh(gram + lam * np.eye(k), check_finite=False)
         w_max = max(float(w[-1]), np.finfo(np.float64).tiny)
         if not w[0] > _SINGULAR * k * _U64 * w_max:
-            what = f"ΦᵀΦ + λI (k = {k}, λ = {lam:.3e}, N = {n}) is singular to float64: "
-            what += f"eigenvalues {w[0]:.3e} .. {w[-1]:.3e}"
+            what = f"ΦᵀΦ + λI (k = {k}, λ = {lam:.3e}, N = {n}) is singular to float64"
             need = 10 * _SINGULAR * k * _U64 * w_max / max(reg, np.finfo(np.float64).tiny)
-            fix = f"pass diag_reg >= {10 ** math.ceil(math.log10(need)):.0e}, or drop"
-            fix += " linearly dependent feature columns" + (" (N < k)" if n < k else "")
+            need = 10 ** math.ceil(math.log10(need))
+            fix = f"pass diag_reg >= {need:.0e}, or drop dependent features{' (N < k)' * (n < k)}"
             raise bad(ValueError, fn, what, fix)
         self._solver = Solver(fn, gram, lam, np.float64, reg_scale=reg)
         self.weights = self._solver.solve(rhs)  # (k, O): (ΦᵀΦ + λI)⁻¹ Φᵀ y
@@ -141,7 +137,7 @@ class LowRankInference:
     def _covariance(self, fn, phi, prior, own, quad, left) -> np.ndarray:
         """prior − Φ*Φ*ᵀ + λ Φ*(ΦᵀΦ + λI)⁻¹Φ*ᵀ; the features' own prior: the last term."""
         if prior is not None:
-            check_finite(fn, "k_test_test", prior, _NAN_FIX)
+            check_finite(fn, "k_test_test", prior)
         p = None if prior is None else np.asarray(prior, np.float64)
         p_diag = own if p is None else (p if left is None else np.diagonal(p))
         var = quad + (0.0 if p is None else p_diag - own)
