@@ -192,3 +192,31 @@ def test_explicit_jacobian_products_at_their_rate(monkeypatch):
     )
     for other in ("jacobian", "ntvp"):
         assert slow[other].seconds == base[other].seconds
+
+
+def test_per_sample_jacobian_conv_gradients_slow_down_with_their_cotangents(monkeypatch):
+    """``"jacobian"`` vmaps the kernel gradient over the N samples and O cotangents; its
+    slowdown is ``conv_vmap_grad_slowdown`` plus the cotangents' bytes (N·O·36·4 values
+    of 4 bytes) per ``conv_vmap_grad_bytes``, at most ``conv_vmap_grad_max_slowdown``; the
+    whole batch's (``vmap_axes=None``) and the NTK-vector products' grouped gradients keep
+    ``conv_weight_grad_slowdown``."""
+    params, x = _conv_params()
+    n, out = x.shape[0], 2
+    rate = _cost.RATES["cpu"].flops_per_s
+    cotangent_bytes = n * out * 36 * 4 * 4
+    slow_flops = n * out * CONV_GRAD_FLOPS
+    plain = dict(conv_vmap_grad_slowdown=1.0, conv_vmap_grad_bytes=float("inf"))
+    _with_rates(monkeypatch, **plain, conv_vmap_grad_max_slowdown=float("inf"))
+    base = _estimates(_conv, params, x, trace_axes=())
+    whole = _estimates(_conv, params, x, trace_axes=(), vmap_axes=None)["jacobian"].seconds
+    _with_rates(monkeypatch, conv_vmap_grad_slowdown=5.0, conv_vmap_grad_bytes=1000.0)
+    slow = _estimates(_conv, params, x, trace_axes=())
+    expected = (4.0 + cotangent_bytes / 1000.0) * slow_flops / rate
+    assert slow["jacobian"].seconds - base["jacobian"].seconds == pytest.approx(expected, rel=1e-9)
+    for other in ("ntvp", "structured"):
+        assert slow[other].seconds == base[other].seconds
+    options = dict(trace_axes=(), vmap_axes=None)
+    assert _estimates(_conv, params, x, **options)["jacobian"].seconds == whole
+    _with_rates(monkeypatch, conv_vmap_grad_max_slowdown=3.0)
+    capped = _estimates(_conv, params, x, trace_axes=())["jacobian"].seconds
+    assert capped - base["jacobian"].seconds == pytest.approx(2.0 * slow_flops / rate, rel=1e-9)
