@@ -13,7 +13,8 @@ global average pool, Dense 10 on 28x28x1 inputs, full kernel), and issue 28's eq
 CNNs on 3x16x16 inputs through ``ntk_equinox`` (default ``trace_axes``): "eqx-cnn" Conv
 3 -> 16 3x3 pad 1, ReLU, average pool 2, Conv 16 -> 32 pad 1, ReLU, average pool 2,
 Linear 512 -> 10 (P = 10.2 k); "eqx-cnn-16k" the same without padding and with one pool
-after the second convolution, Linear 1152 -> 10 (P = 16.6 k). Writes
+after the second convolution, Linear 1152 -> 10 (P = 16.6 k: the issue gives only "2
+convolutions on 3x16x16, P = 16.6 k", this layout has that P). Writes
 ``results_plan_accuracy.json`` and prints the Markdown table for ``README.md``.
 
     python benchmarks/plan_accuracy.py [--cases mlp1 lenet ...]
