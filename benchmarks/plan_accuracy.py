@@ -9,7 +9,12 @@ less before). The programs it compiles go to a persistent compilation cache that
 second fresh process loads: its first call's added peak is the execution's alone (no
 compiler memory; ``plan()`` excludes compilation), the figure memory is compared with.
 Also the ``vmap_axes=None`` case of issue 17 (Conv 64 3x3 SAME, ReLU,
-global average pool, Dense 10 on 28x28x1 inputs, full kernel). Writes
+global average pool, Dense 10 on 28x28x1 inputs, full kernel), and issue 28's equinox
+CNNs on 3x16x16 inputs through ``ntk_equinox`` (default ``trace_axes``): "eqx-cnn" Conv
+3 -> 16 3x3 pad 1, ReLU, average pool 2, Conv 16 -> 32 pad 1, ReLU, average pool 2,
+Linear 512 -> 10 (P = 10.2 k); "eqx-cnn-16k" the same without padding and with one pool
+after the second convolution, Linear 1152 -> 10 (P = 16.6 k: the issue gives only "2
+convolutions on 3x16x16, P = 16.6 k", this layout has that P). Writes
 ``results_plan_accuracy.json`` and prints the Markdown table for ``README.md``.
 
     python benchmarks/plan_accuracy.py [--cases mlp1 lenet ...]
@@ -40,7 +45,11 @@ RUNS = [
     ("tokens", 256, ("structured", "jacobian")),
     ("resnet18", 64, ("structured",)),
     ("wholebatch", 32, ("jacobian", "ntvp")),
+    ("eqx-cnn", 32, ("structured", "jacobian", "ntvp")),
+    ("eqx-cnn-16k", 32, ("structured", "jacobian", "ntvp")),
 ]
+#: Cases built here rather than from ``cases.py``.
+OWN_CASES = ("wholebatch", "eqx-cnn", "eqx-cnn-16k")
 
 
 def _wholebatch():
@@ -62,6 +71,64 @@ def _wholebatch():
         "c": jnp.zeros(10),
     }
     return apply, params, k[2]
+
+
+def _eqx_cnn(padded: bool, n: int):
+    """(model, x): issue 28's equinox CNN (module docstring) and N inputs of 3x16x16."""
+    import equinox as eqx
+    import jax
+
+    class CNN(eqx.Module):
+        c1: eqx.nn.Conv2d
+        c2: eqx.nn.Conv2d
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2, k3 = jax.random.split(key, 3)
+            pad = 1 if padded else 0
+            self.c1 = eqx.nn.Conv2d(3, 16, 3, padding=pad, key=k1)
+            self.c2 = eqx.nn.Conv2d(16, 32, 3, padding=pad, key=k2)
+            self.head = eqx.nn.Linear(32 * (4 * 4 if padded else 6 * 6), 10, key=k3)
+
+        def __call__(self, x):
+            pool = eqx.nn.AvgPool2d(2, 2)
+            x = jax.nn.relu(self.c1(x))
+            x = pool(x) if padded else x
+            x = pool(jax.nn.relu(self.c2(x)))
+            return self.head(x.reshape(-1))
+
+    model = CNN(jax.random.PRNGKey(0))
+    return model, jax.random.normal(jax.random.PRNGKey(1), (n, 3, 16, 16))
+
+
+def _kernel_and_plan(spec):
+    """(call, plan): the case's kernel call (no arguments) and its ``plan()``."""
+    import jax
+
+    import ntk_core
+
+    impl = spec["implementation"]
+    if spec["case"].startswith("eqx-cnn"):
+        import ntk_equinox
+
+        model, x = _eqx_cnn(spec["case"] == "eqx-cnn", spec["n"])
+        kernel = ntk_equinox.kernel_fn(model, implementation=impl)
+        return lambda: kernel(model, x), ntk_equinox.plan(model, x, implementation=impl)
+    if spec["case"] == "wholebatch":
+        apply, params, key = _wholebatch()
+        x = jax.random.normal(key, (spec["n"], 28, 28, 1))
+        options = dict(trace_axes=(), vmap_axes=None)
+    else:
+        import bench_core
+        import cases
+
+        case = cases.CASES[spec["case"]]
+        variables, x, _ = cases.load_case(DATA_DIR, case, spec["n"])
+        params, _ = cases.split_variables(variables)
+        apply = bench_core.apply_fn(case, variables)
+        options = dict(trace_axes=case.trace_axes)
+    kernel = ntk_core.ntk_fn(apply, implementation=impl, **options)
+    return lambda: kernel(params, x), kernel.plan(params, x)
 
 
 def _reset_peak():
@@ -86,27 +153,11 @@ def measure(spec):
     jax.config.update("jax_compilation_cache_dir", spec["cache_dir"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    import ntk_core
-
-    if spec["case"] == "wholebatch":
-        apply, params, key = _wholebatch()
-        x = jax.random.normal(key, (spec["n"], 28, 28, 1))
-        options = dict(trace_axes=(), vmap_axes=None)
-    else:
-        import bench_core
-        import cases
-
-        case = cases.CASES[spec["case"]]
-        variables, x, _ = cases.load_case(DATA_DIR, case, spec["n"])
-        params, _ = cases.split_variables(variables)
-        apply = bench_core.apply_fn(case, variables)
-        options = dict(trace_axes=case.trace_axes)
-    kernel = ntk_core.ntk_fn(apply, implementation=spec["implementation"], **options)
-    plan = kernel.plan(params, x)
+    call, plan = _kernel_and_plan(spec)
     (estimate,) = [e for e in plan.estimates if e.implementation == plan.implementation]
     before = harness.max_rss_bytes()
     start = time.perf_counter()
-    jax.block_until_ready(kernel(params, x))
+    jax.block_until_ready(call())
     first = time.perf_counter() - start
     added_first = harness.max_rss_bytes() - before
     if spec.get("cached"):  # programs loaded from the cache: the execution's peak alone
@@ -117,7 +168,7 @@ def measure(spec):
     warm = []
     for _ in range(3):
         start = time.perf_counter()
-        jax.block_until_ready(kernel(params, x))
+        jax.block_until_ready(call())
         warm.append(time.perf_counter() - start)
     return {
         "implementation": plan.implementation,
@@ -146,7 +197,7 @@ def main(argv=None):
     for key, n, implementations in RUNS:
         if key not in args.cases:
             continue
-        if key != "wholebatch":
+        if key not in OWN_CASES:
             npz = cases.case_paths(DATA_DIR, key, n)[0]
             if not os.path.exists(npz):
                 bench_core.prepare(cases.CASES[key], n, DATA_DIR)
@@ -173,32 +224,36 @@ def main(argv=None):
     print(table(results))
 
 
-def _mib(nbytes) -> str:
-    return "-" if nbytes is None else f"{nbytes / 2**20:.0f}"
+IMPLEMENTATIONS = ("structured", "jacobian", "ntvp")
 
 
-def _ratio(estimate, measured) -> str:
-    return "-" if not measured else f"{estimate / measured:.2f}"
+def _cell(r, n) -> str:
+    """One measurement: plan / warm seconds (warm / plan), plan / cached peak MiB (ratio)."""
+    if "error" in r:
+        return r["error"]
+    at = "" if r["n"] == n else f"N = {r['n']}: "
+    peak = r.get("cached_added_rss_bytes")
+    memory = "-" if not peak else f"{r['estimate_bytes'] / peak:.2f}"
+    return (
+        f"{at}{r['estimate_s']:.3g} / {r['warm_s']:.3g} s ({r['warm_s'] / r['estimate_s']:.2f}); "
+        f"{r['estimate_bytes'] / 2**20:.0f} / {(peak or 0) / 2**20:.0f} MiB ({memory})"
+    )
 
 
 def table(results) -> str:
+    """One row per case, one column per implementation: plan s / warm s (warm / plan);
+    plan MiB / the cached programs' first call's added peak MiB (plan / peak)."""
     rows = [
-        "| case | N | implementation | plan s | warm s | warm / plan | plan MiB | warm call's "
-        "peak MiB | first call's peak MiB | cached programs' first call peak MiB | "
-        "plan / cached peak |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | N | " + " | ".join(IMPLEMENTATIONS) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in IMPLEMENTATIONS) + " |",
     ]
+    cases = {}
     for r in results:
-        if "error" in r:
-            rows.append(f"| {r['case']} | {r['n']} | {r['implementation']} | {r['error']} |")
-            continue
-        rows.append(
-            f"| {r['case']} | {r['n']} | {r['implementation']} | {r['estimate_s']:.3g} | "
-            f"{r['warm_s']:.3g} | {r['warm_s'] / r['estimate_s']:.2f} | "
-            f"{r['estimate_bytes'] / 2**20:.0f} | {(r['warm_added_rss_bytes'] or 0) / 2**20:.0f} | "
-            f"{r['added_rss_bytes'] / 2**20:.0f} | {_mib(r.get('cached_added_rss_bytes'))} | "
-            f"{_ratio(r['estimate_bytes'], r.get('cached_added_rss_bytes'))} |"
-        )
+        cases.setdefault(r["case"], {})[r["implementation"]] = r
+    for case, runs in cases.items():
+        n = next(iter(runs.values()))["n"]
+        cells = [_cell(runs[i], n) if i in runs else "" for i in IMPLEMENTATIONS]
+        rows.append(f"| {case} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

@@ -5,6 +5,7 @@ itself does (the structured features' chunk size, the kernel's bytes)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -192,3 +193,34 @@ def test_explicit_jacobian_products_at_their_rate(monkeypatch):
     )
     for other in ("jacobian", "ntvp"):
         assert slow[other].seconds == base[other].seconds
+
+
+def test_per_sample_jacobian_conv_gradients_slow_down_with_their_cotangents(monkeypatch):
+    """``"jacobian"`` vmaps the kernel gradient over the N samples and O cotangents; its
+    slowdown is ``conv_vmap_grad_slowdown`` plus the cotangents' bytes (N·O·36·4 values
+    of 4 bytes) per ``conv_vmap_grad_bytes``, at most ``conv_vmap_grad_max_slowdown``; the
+    whole batch's (``vmap_axes=None``) and the NTK-vector products' grouped gradients keep
+    ``conv_weight_grad_slowdown``."""
+    params, x = _conv_params()
+    n, out = x.shape[0], 2
+    rate = _cost.RATES["cpu"].flops_per_s
+    cotangent_bytes = n * out * 36 * 4 * 4
+    slow_flops = n * out * CONV_GRAD_FLOPS
+
+    def seconds(**options):
+        found = _estimates(_conv, params, x, trace_axes=(), **options)
+        return {name: e.seconds for name, e in found.items()}
+
+    plain = dict(conv_vmap_grad_slowdown=1.0, conv_vmap_grad_bytes=math.inf)
+    _with_rates(monkeypatch, **plain, conv_vmap_grad_max_slowdown=math.inf)
+    base, whole = seconds(), seconds(vmap_axes=None)
+    _with_rates(monkeypatch, conv_vmap_grad_slowdown=5.0, conv_vmap_grad_bytes=1000.0)
+    slow = seconds()
+    base_jacobian = base.pop("jacobian")
+    expected = (4.0 + cotangent_bytes / 1000.0) * slow_flops / rate
+    assert slow.pop("jacobian") - base_jacobian == pytest.approx(expected, rel=1e-9)
+    assert slow == base  # ntvp and structured
+    assert seconds(vmap_axes=None) == whole
+    _with_rates(monkeypatch, conv_vmap_grad_max_slowdown=3.0)
+    capped = seconds().pop("jacobian") - base_jacobian
+    assert capped == pytest.approx(2.0 * slow_flops / rate, rel=1e-9)

@@ -108,6 +108,8 @@ class PassCost:
     grad_activations: float = 0.0
     grad_weights_dot: float = 0.0
     grad_weights_conv: float = 0.0
+    # Kernel gradient FLOPs times the convolution's output values (its cotangent's size).
+    grad_weights_conv_values: float = 0.0
     grad_elementwise: float = 0.0
     # Convolution FLOPs times conv_channel_weight: forward, activation gradient.
     conv_forward_extra: float = 0.0
@@ -139,6 +141,7 @@ def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
                     cost.conv_activation_extra += extra
                 elif dep_p and eqn.primitive is prims.conv_general_dilated_p:
                     cost.grad_weights_conv += product
+                    cost.grad_weights_conv_values += product * entries(eqn.outvars[0])
                 elif dep_p:
                     cost.grad_weights_dot += product
         elif subs:
@@ -207,22 +210,40 @@ class Rates:
 
     flops_per_s: float  # dense matrix-product rate
     bytes_per_s: float  # memory bandwidth
-    conv_weight_grad_slowdown: float  # per-sample conv kernel gradients under vmap
+    conv_weight_grad_slowdown: float  # other conv kernel gradients (below)
     conv_channel_slowdown: float = 0.0  # few channels (conv_channel_weight)
+    # Per-sample kernel gradients vmapped over a batch (Call.vmap_conv_slowdown): this
+    # slowdown, plus 1 per conv_vmap_grad_bytes of the batch's convolution cotangents,
+    # at most conv_vmap_grad_max_slowdown.
+    conv_vmap_grad_slowdown: float = 1.0
+    conv_vmap_grad_bytes: float = math.inf
+    conv_vmap_grad_max_slowdown: float = math.inf
     conv_weight_grad_loop_slowdown: float = 1.0  # whole-batch kernel gradients in a loop
     explicit_jacobian_slowdown: float = 1.0  # explicit Jacobians of "structured"
 
 
 #: CPU: measured on the 2-core CI CPU (jax 0.10.2): matrix products 115-125 GFLOP/s;
-#: bandwidth assumed; per-sample conv kernel gradients 30-150x slower (40: the issue-17
-#: conv net ran them at 1/41); in a loop 1/115 (100); explicit Jacobians 2.4x slower
-#: (ResNet-style CNN). GPU: nominal data-centre figures (only their ratios matter).
+#: bandwidth assumed; conv kernel gradients of NTK-vector products, of "structured"'s
+#: fallbacks and of whole-batch Jacobians 40x slower (the issue-17 conv net ran them at
+#: 1/41); in a loop 1/115 (100); explicit Jacobians 2.4x slower (ResNet-style CNN).
+#: "jacobian"'s per-sample kernel gradients
+#: vmapped over N samples and O = 10 cotangents (2026-12-05, one process, at 1.2e11 FLOP/s;
+#: cotangent bytes ws = N·O·H'·W'·C_out·4; N = 8 / 32 / 128): 1 -> 64 28x28 3x3 9.0 / 24.6
+#: / 28.9 (ws 16 / 64 / 257 MB); 3 -> 16 16x16 3x3 7.9 / 11.0 / 26.9 (1.3 / 5.2 / 21 MB);
+#: 16 -> 32 8x8 3x3 7.9 / 7.0 / 12.4; 3 -> 6 32x32 5x5 8.7 / 9.0 / 27.5; 6 -> 16 16x16 5x5
+#: 6.5 / 7.4 / 14.8; 16 -> 16 16x16 3x3 6.2 / 7.3 / 18.4; 64 -> 64 8x8 3x3 7.8 / 11.2 /
+#: 21.7; 16 -> 16 16x16 1x1 8.9 / 11.8 / 33.3: the cotangents' size matters most (in
+#: cache ~7x, out of it ~28x; at 21 MB the shapes spread 14.8-33.3); min(28, 7 + ws / 2 MB)
+#: is within 0.53-1.67x of all 24. GPU: nominal data-centre figures (only their ratios matter).
 RATES = {
     "cpu": Rates(
         flops_per_s=1.2e11,
         bytes_per_s=1.0e10,
         conv_weight_grad_slowdown=40.0,
         conv_channel_slowdown=550.0,
+        conv_vmap_grad_slowdown=7.0,
+        conv_vmap_grad_bytes=2e6,
+        conv_vmap_grad_max_slowdown=28.0,
         conv_weight_grad_loop_slowdown=100.0,
         explicit_jacobian_slowdown=2.4,
     ),
@@ -230,6 +251,7 @@ RATES = {
         flops_per_s=5.0e13,
         bytes_per_s=3.0e12,
         conv_weight_grad_slowdown=2.0,
+        conv_vmap_grad_slowdown=2.0,
         conv_weight_grad_loop_slowdown=2.0,
     ),
 }
@@ -359,12 +381,30 @@ class Call:
         k = 1 if self.triangle is None else self.triangle(self.n1, feature_bytes)
         return self.all_pairs * (k + 1) / (2 * k)
 
-    def seconds(self, flops, slow_flops, nbytes, passes, passed_pairs, channel_flops=0.0):
+    def seconds(
+        self, flops, slow_flops, nbytes, passes, passed_pairs, channel_flops=0.0, vmap_batch=0
+    ):
+        """Seconds of ``flops``; ``slow_flops`` (conv kernel gradients) at the grouped
+        slowdown, or with ``vmap_batch`` samples vmapped at :meth:`vmap_conv_slowdown`."""
         rates = self.rates
-        extra = (rates.conv_weight_grad_slowdown - 1.0) * slow_flops
+        slowdown = rates.conv_weight_grad_slowdown
+        if vmap_batch:
+            slowdown = self.vmap_conv_slowdown(vmap_batch)
+        extra = (slowdown - 1.0) * slow_flops
         extra += passes * passed_pairs * self.o_pair * _jacobian.EINSUM_PASS_FLOPS
         extra += channel_flops
         return (flops + extra) / rates.flops_per_s + nbytes / rates.bytes_per_s
+
+    def vmap_conv_slowdown(self, batch: int) -> float:
+        """Per-FLOP slowdown of per-sample conv kernel gradients vmapped over ``batch``
+        samples and O cotangents: ``conv_vmap_grad_slowdown`` plus the cotangents' bytes
+        (batch·O·outputs, FLOP-weighted over the convolutions) per ``conv_vmap_grad_bytes``,
+        at most ``conv_vmap_grad_max_slowdown`` (the cotangents out of cache)."""
+        pc, rates = self.pc, self.rates
+        outputs = pc.grad_weights_conv_values / max(pc.grad_weights_conv, 1.0)
+        cotangent_bytes = batch * self.out_total * outputs * self.itemsize
+        slowdown = rates.conv_vmap_grad_slowdown + cotangent_bytes / rates.conv_vmap_grad_bytes
+        return min(slowdown, rates.conv_vmap_grad_max_slowdown)
 
 
 def jacobian_estimate(c: Call) -> tuple[float, float, float]:
@@ -385,7 +425,9 @@ def jacobian_estimate(c: Call) -> tuple[float, float, float]:
     slow = reversed_jac * c.out_total * c.pc.grad_weights_conv
     einsums = _jacobian.einsum_count(c.leaf_sizes, c.merge_limit)
     channel = c.n_jac * c.fwd_x + reversed_jac * c.out_total * c.act_x
-    seconds = c.seconds(jac_flops, slow, 2 * jac_bytes, einsums, jac_pairs, channel)
+    # Per sample: x1's and x2's Jacobians, each batch vmapped in one program.
+    batch = 0 if whole_batch is not None else (n1 if c.symmetric else max(n1, n2))
+    seconds = c.seconds(jac_flops, slow, 2 * jac_bytes, einsums, jac_pairs, channel, batch)
     return jac_flops, memory, seconds
 
 
