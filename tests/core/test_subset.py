@@ -114,3 +114,11 @@ def test_plan_and_cost_scale_with_the_subset():
     # the forward pass stays whole: the head's 85 parameters cost a third of all 0.1 M
     assert head.estimates[0].flops < whole.estimates[0].flops / 2
     assert head.estimates[0].memory_bytes < whole.estimates[0].memory_bytes / 2
+
+
+def test_pseudo_ntk_of_a_subset():
+    entry = ZOO["mlp"]
+    f, (x1, x2) = apply_fn(entry), inputs(entry)
+    (full,) = _reference(f, entry.params, "Dense_1", x1, x2, trace_axes=())  # (N1, N2, O, O)
+    got = ntk_core.empirical_pntk(f, entry.params, x1, x2, wrt="Dense_1")
+    reference.assert_close(got, full.sum(axis=(2, 3)) / full.shape[2])
