@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 from ntk_core._errors import bad
 from ntk_core._kernel.arguments import misspelt
@@ -40,7 +41,10 @@ def joined(path: tuple) -> str:
 
 def _selects(wrt, path: tuple) -> bool:
     if callable(wrt):
-        return bool(wrt(path))
+        chosen = wrt(path)
+        if not isinstance(chosen, (bool, np.bool_)):
+            raise TypeError(f"it returned {type(chosen).__name__} {chosen!r}, not a bool")
+        return bool(chosen)
     text = joined(path)
     return any(text == n or text.startswith(n + "/") for n in wrt)
 
@@ -57,13 +61,16 @@ def split(fn_name: str, wrt, params, aux):
             chosen.append(_selects(wrt, path))
         except Exception as e:  # the user's predicate: say on which path it failed
             what = f"wrt(path) raised {type(e).__name__}: {e} on the path {path!r}"
-            raise bad(TypeError, fn_name, what, "make it take a tuple of keys (str or int)") from e
+            fix = "make wrt(path) take the path, a tuple of keys (str or int), and return a bool"
+            raise bad(TypeError, fn_name, what, fix) from e
     if not callable(wrt):
         for name in wrt:
             if not any(_selects((name,), p) for p in paths):
                 prefixes = sorted({joined(p[:i]) for p in paths for i in range(1, len(p) + 1)})
-                near = misspelt(name, prefixes)
+                near, whole = misspelt(name, prefixes), joined(wrt)
                 fix = f"write {near!r}" if near else f"name one of {', '.join(prefixes[:6])}"
+                if len(wrt) > 1 and any(_selects((whole,), p) for p in paths):
+                    fix = f"write {whole!r}: a list or tuple is several names, a path one string"
                 raise bad(ValueError, fn_name, f"wrt names {name!r}, which no parameter has", fix)
     if not any(chosen):
         shown = ", ".join(map(repr, paths[:3])) + (", ..." if len(paths) > 3 else "")
