@@ -42,6 +42,7 @@ class Engine:
         self._samples: dict = {}  # per-sample signature -> outputs (_validate)
         self._analyses: dict = {}  # per-sample signature -> structured analysis
         self._chunks: dict = {}  # (config, x signature) -> structured features chunk
+        self._masks: dict = {}  # wrt: params tree structure -> the leaves it selects
 
     def prepare(self, params, x1, x2=None, aux=None) -> tuple[Checked, Config]:
         """Validation and planning of a call (cached per input signature)."""
@@ -60,7 +61,9 @@ class Engine:
 
     def _split(self, params, aux):
         wrt = self.spec.options.wrt
-        return (params, aux) if wrt is None else _subset.split(self.spec.fn_name, wrt, params, aux)
+        if wrt is None:
+            return params, aux
+        return _subset.split(self.spec.fn_name, wrt, params, aux, self._masks)
 
     def plan(self, params, x1, x2=None, aux=None):
         """What a call with these inputs does (:func:`_planner.describe`)."""

@@ -49,12 +49,23 @@ def _selects(wrt, path: tuple) -> bool:
     return any(text == n or text.startswith(n + "/") for n in wrt)
 
 
-def split(fn_name: str, wrt, params, aux):
+def split(fn_name: str, wrt, params, aux, masks: dict):
     """``(selected, (aux, held))``: ``params`` with None at the held leaves, and the held
     leaves with None at the selected ones; ValueError when nothing is selected or a name
-    selects no leaf."""
-    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
-    paths = [path_of(p) for p, _ in leaves]
+    selects no leaf. ``masks``: the selection per params tree structure, decided once (a
+    training loop's calls only flatten and unflatten)."""
+    values, tree = jax.tree.flatten(params)
+    chosen = masks.get(tree)
+    if chosen is None:
+        paths = [path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        chosen = masks[tree] = _chosen(fn_name, wrt, paths)
+    selected = [v if c else None for v, c in zip(values, chosen, strict=True)]
+    held = [None if c else v for v, c in zip(values, chosen, strict=True)]
+    return tree.unflatten(selected), (aux, tree.unflatten(held))
+
+
+def _chosen(fn_name: str, wrt, paths: list) -> tuple[bool, ...]:
+    """Whether ``wrt`` selects each leaf of ``paths``, or the error of a bad ``wrt``."""
     chosen = []
     for path in paths:
         try:
@@ -76,10 +87,7 @@ def split(fn_name: str, wrt, params, aux):
         shown = ", ".join(map(repr, paths[:3])) + (", ..." if len(paths) > 3 else "")
         what = f"wrt selects none of the {len(paths)} parameter leaves, whose paths are {shown}"
         raise bad(ValueError, fn_name, what, "check the predicate against these paths")
-    values = [v for _, v in leaves]
-    selected = [v if c else None for v, c in zip(values, chosen, strict=True)]
-    held = [None if c else v for v, c in zip(values, chosen, strict=True)]
-    return tree.unflatten(selected), (aux, tree.unflatten(held))
+    return tuple(chosen)
 
 
 def _merge(selected, held):
