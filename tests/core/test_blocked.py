@@ -122,6 +122,7 @@ def test_symmetric_gram_in_triangular_blocks(monkeypatch, axes):
     from ntk_core._impl import phases as _implementations
 
     monkeypatch.setattr(_implementations, "TRIANGLE_MIN_BLOCK", 9)
+    monkeypatch.setattr(_implementations, "TRIANGLE_MIN_PAIR_BYTES", 0)
     ref = reference.ntk(F, PARAMS, X1, None, **AXES[axes])[0]
     for implementation, batch_size in [
         ("jacobian", None),

@@ -329,9 +329,14 @@ def test_plan_counts_the_triangular_contraction(monkeypatch):
     contracted whole (N < 2·TRIANGLE_MIN_BLOCK); from N = 256 on, only (k + 1)/2k of the
     pairs are contracted by the feature methods, while NTK-vector products, which have
     no features, still compute all of them; and all of them again where the features
-    pass TRIANGLE_MAX_FEATURE_BYTES (the blocks would copy them)."""
+    pass TRIANGLE_MAX_FEATURE_BYTES (the blocks would copy them) or the pair work is
+    below TRIANGLE_MIN_PAIR_BYTES (the block loop would compile longer than it saves)."""
     from ntk_core._impl import phases as _implementations
 
+    least = _implementations.TRIANGLE_MIN_PAIR_BYTES
+    assert _implementations.triangle_blocks(1000, 0.9 * least / 1000) == 1
+    assert _implementations.triangle_blocks(1000, 1.1 * least / 1000) == 7
+    monkeypatch.setattr(_implementations, "TRIANGLE_MIN_PAIR_BYTES", 0)
     p = _params((6, 5), (5,), (5, 2))
     k = _implementations.triangle_blocks(256)
     assert k == 256 // _implementations.TRIANGLE_MIN_BLOCK > 1
