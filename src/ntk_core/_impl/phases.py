@@ -26,7 +26,7 @@ def build(apply3, config: Config, chunks: dict) -> Implementation:
 
     def run(params, fa, fb, aux, xa, xb, same):
         kernel, finite = tile(params, fa, fb, aux, xa, xb, same=same)
-        return (_MIRROR(kernel, config=config) if same else kernel), finite
+        return (_blocked.mirror(kernel, config, _MIRROR) if same else kernel), finite
 
     features = None if features is None else features(apply3, config, chunks)
     return Implementation(config.implementation, features, run)
@@ -51,7 +51,8 @@ def _tile(params, fa, fb, aux, xa, xb, *, apply3, config: Config, same: bool):
 _TILE = jit_tuned(_tile, static_argnames=("apply3", "config", "same"))
 #: (K + Kᵀ)/2 of a Gram tile, in its own program: inside the tile's, XLA may fuse the
 #: contraction into the sum and compute K[i, j] and K[j, i] with different rounding
-#: (ntvp's traced kernel was off by 2e-7 relative); here both read one stored K.
+#: (ntvp's traced kernel was off by 2e-7 relative); here both read one stored K. Small
+#: kernels on CPU: numpy's, the same values (``tiles.mirror``).
 _MIRROR = jit_tuned(_blocked.symmetrize, static_argnames=("config",), donate_argnums=0)
 
 
