@@ -13,6 +13,7 @@ reach them through :func:`kernel_model` (``ntk_core.adapters.matrix_free``).
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -32,7 +33,7 @@ from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import check_apply_fn
 from ntk_core._kernel.engine import Engine
 from ntk_core._kernel.model import flat_outputs
-from ntk_core._kernel.options import DEFAULTS, make_options
+from ntk_core._kernel.options import DEFAULTS, NTK_OPTION_NAMES, make_options
 from ntk_core._kernel.pipeline import Kind, Spec
 from ntk_core._predict.linalg import check_finite, check_key, real_array
 
@@ -480,3 +481,42 @@ def _diagonal_sum(caller, apply_fn, params, x, options) -> float:
 
 
 ntk_trace = _checked_arguments(ntk_trace)
+
+
+#: The statistics an adapter reaches through :func:`of_kernel`, by their core names.
+STATISTICS = ("ntk_trace", "ntk_frobenius_sq", "ntk_effective_rank", "ntk_kernel_alignment")
+#: The kernel options the statistics read; ``implementation`` only ``ntk_trace``.
+_TAKEN = ("precision", "batch_size", "wrt")
+
+
+def of_kernel(statistic: str, kernel, first, x, keywords: dict, arguments: dict):
+    """``statistic`` (one of :data:`STATISTICS`) of Θ(x, x) of the model of ``kernel``, an
+    NTK kernel function (``adapters.build_kernel(..., "ntk", ...)``) as ``kernel(first, x,
+    **keywords)`` sees it: its options ``precision``, ``batch_size`` and ``wrt`` (and
+    ``implementation`` for the trace), others refused; ``arguments``: the statistic's own
+    (``key``, ``m``, ``steps``, ``y``; None: the core function's default)."""
+    fn, options = kernel.name, kernel.options
+    if statistic not in STATISTICS:
+        raise ValueError(f"of_kernel: unknown statistic {statistic!r}; one of {STATISTICS}")
+    taken = _TAKEN + (("implementation",) if statistic == "ntk_trace" else ())
+    for name in NTK_OPTION_NAMES:
+        value = getattr(options, name)
+        if name not in taken and value != getattr(DEFAULTS, name):
+            what = f"{name}={value!r} is a kernel option that {fn} does not take"
+            fix = "drop it: the statistic is of the (N·O, N·O) kernel Θ(x, x); options: "
+            raise bad(TypeError, fn, what, fix + ", ".join(f"{t}=" for t in taken))
+    model_of = lambda: kernel_model(kernel, first, x, keywords)  # noqa: E731
+    if statistic == "ntk_trace":
+        o = options
+        return model_trace(model_of(), o.batch_size, o.implementation, o.precision)
+    public = dict(ntk_frobenius_sq=ntk_frobenius_sq, ntk_effective_rank=ntk_effective_rank)
+    public.update(ntk_kernel_alignment=ntk_kernel_alignment)
+    defaults = inspect.signature(public[statistic]).parameters
+    args = {k: defaults[k].default if v is None and k in ("m", "steps") else v
+            for k, v in arguments.items()}  # fmt: skip
+    common = (options.batch_size, options.precision)
+    if statistic == "ntk_frobenius_sq":
+        return frobenius_sq(fn, model_of, args["key"], args["m"], *common)
+    if statistic == "ntk_effective_rank":
+        return effective_rank(fn, model_of, args["key"], args["m"], args["steps"], *common)
+    return kernel_alignment(fn, model_of, args["y"], args["key"], args["m"], *common)
