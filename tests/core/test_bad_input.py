@@ -734,6 +734,12 @@ def _rows():
         Row("matrix-free-nan-model", "a model whose gradients are NaN at these params (sqrt of a negative)",
             "ntk_core.spectrum.ntk_frobenius_sq(lambda w, x: jnp.sqrt(x @ w - 10.0), W, XS, key=jax.random.PRNGKey(0))",
             NonFiniteError, r"^ntk_frobenius_sq: an NTK-vector product Θ v contains NaN or Inf"),
+        Row("matrix-free-wrt-unknown", "a matrix-free statistic of a subset naming no parameter",
+            'ntk_core.spectrum.ntk_trace(mlp, P, X, wrt="vv")',
+            ValueError, r"^ntk_trace: wrt names 'vv', which no parameter has\. Fix: write 'v'"),
+        Row("matrix-free-kernel-option", "an adapter's statistic given a kernel option it does not read",
+            "ntk_flax.ntk_trace(dense, V, X, trace_axes=())",
+            TypeError, r"^ntk_flax.ntk_trace: trace_axes=\(\) is a kernel option that ntk_flax.ntk_trace does not take", ("flax",)),
     ]  # fmt: skip
 
 
