@@ -32,6 +32,7 @@ from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import check_apply_fn
 from ntk_core._kernel.engine import Engine
+from ntk_core._kernel.function import KernelFunction
 from ntk_core._kernel.model import flat_outputs
 from ntk_core._kernel.options import DEFAULTS, NTK_OPTION_NAMES, make_options
 from ntk_core._kernel.pipeline import Kind, Spec
@@ -343,13 +344,18 @@ def effective_rank(fn: str, model_of: Callable[[], Model], key, m, steps, batch_
     steps = check_int(fn, "steps", steps, "pass e.g. steps=15 (Lanczos steps per vector)")
     key = check_key(fn, key)
     op = _flat(model_of(), batch_size, precision)
+    return _effective_rank(op, key, m, steps, lambda: _trace(op, batch_size, precision))
+
+
+def _effective_rank(op: _Flat, key, m, steps: int, trace: Callable[[], float]) -> Estimate:
+    """SLQ of :func:`ntk_effective_rank` on ``op``; ``trace()``: tr Θ exact (when needed)."""
     steps = min(steps, op.m)
-    m = _check_m(fn, m, low=min(2 + 4 * steps, op.m), example=400)
+    m = _check_m(op.fn, m, low=min(2 + 4 * steps, op.m), example=400)
     if m >= op.m:
         lam = np.abs(np.linalg.eigvalsh(_exact_kernel(op)))
         p = lam[lam > 0] / lam.sum()
         return Estimate(math.exp(-float(np.sum(p * np.log(p)))), 0.0, op.m)
-    total = _trace(op, batch_size, precision)
+    total = trace()
     k = m // (1 + 2 * steps)  # sketch columns = residual probes
     k_sketch, k_probe = jax.random.split(key)
     q, _ = np.linalg.qr(op.product(np.asarray(jax.random.normal(k_sketch, (op.m, k)), np.float64)))
@@ -413,10 +419,15 @@ def kernel_alignment(fn: str, model_of: Callable[[], Model], y, key, m, batch_si
     key = check_key(fn, key)
     op = _flat(model_of(), batch_size, precision)
     v = _targets(fn, op, y)
+    return _alignment(op, v, lambda: _hutchpp(op, m - 1, key))
+
+
+def _alignment(op: _Flat, v: np.ndarray, frobenius: Callable[[], Estimate]) -> Estimate:
+    """A = ⟨v, Θ v⟩ / (√F ‖v‖²) from one product and ``frobenius()``, F's estimate."""
     c = float(v @ op.product(v[:, None])[:, 0]) / float(v @ v)
-    f = _hutchpp(op, m - 1, key)
+    f = frobenius()
     if f.estimate <= 0.0:
-        raise bad(ValueError, fn, "the kernel is all zeros, so the alignment is undefined",
+        raise bad(ValueError, op.fn, "the kernel is all zeros, so the alignment is undefined",
                   "pass a model whose outputs depend on params")  # fmt: skip
     a = c / math.sqrt(f.estimate)
     return Estimate(a, abs(a) * f.standard_error / (2 * f.estimate), f.products + 1)
@@ -520,3 +531,47 @@ def of_kernel(statistic: str, kernel, first, x, keywords: dict, arguments: dict)
     if statistic == "ntk_effective_rank":
         return effective_rank(fn, model_of, args["key"], args["m"], args["steps"], *common)
     return kernel_alignment(fn, model_of, args["y"], args["key"], args["m"], *common)
+
+
+class Tracked(NamedTuple):
+    """One :class:`~ntk_core.KernelTracker` step's matrix-free statistics of Θ(x, x):
+    ``trace`` exact, the others :class:`Estimate` (``alignment`` None without targets)."""
+
+    trace: float
+    frobenius_sq: Estimate
+    effective_rank: Estimate
+    alignment: Estimate | None
+
+
+def tracked(fn: str, kernel, first, x, keywords: dict, y, key, m: int, steps: int) -> Tracked:
+    """The statistics of Θ(x, x) of the model of ``kernel`` (an NTK kernel function with
+    ``trace_axes=()``) as ``kernel(first, x, **keywords)`` sees it: the exact trace; ‖Θ‖²_F
+    by Hutch++ with ``m`` products; the effective rank by SLQ with ``m`` products of
+    ``steps`` Lanczos steps; the alignment with ``y`` (host float64 ``(N, O...)`` or None)
+    from one more product and the same ‖Θ‖²_F. ``key``: split in two (F, rank)."""
+    if not isinstance(kernel, KernelFunction) or kernel.kind != "ntk":
+        kind = getattr(kernel, "kind", None)
+        got = type(kernel).__name__ + (f" of kind {kind!r}" if kind else "")
+        what = f"matrix-free tracking reads the model from an NTK kernel function, got {got}"
+        fix = "pass ntk_core.ntk_fn(f, trace_axes=()) or ntk_flax.kernel_fn(model, trace_axes=())"
+        raise bad(TypeError, fn, what, fix)
+    o = kernel.options
+    if o.trace_axes or o.diagonal_axes:
+        what = f"the kernel function has trace_axes={o.trace_axes}, diagonal_axes="
+        what += f"{o.diagonal_axes}; the matrix-free statistics are of the full (N·O, N·O) kernel"
+        fix = "build it with trace_axes=() (and no diagonal_axes), or track exactly (m=None)"
+        raise bad(ValueError, fn, what, fix)
+    batch_size = o.batch_size if isinstance(o.batch_size, int) else None  # VJPs in batches
+    op = _flat(kernel_model(kernel, first, x, keywords), batch_size, o.precision)
+    op = op._replace(fn=fn)
+    trace = model_trace(op.model, o.batch_size, o.implementation, o.precision)
+    k_frobenius, k_rank = jax.random.split(key)
+    frobenius = _hutchpp(op, _check_m(fn, m), k_frobenius)
+    rank = _effective_rank(op, k_rank, m, steps, lambda: trace)
+    if y is None:
+        return Tracked(trace, frobenius, rank, None)
+    leaves = jax.tree.leaves(op.outputs)
+    if len(leaves) == 1 and np.size(y) == math.prod(leaves[0].shape):
+        y = np.reshape(y, leaves[0].shape)  # (N,) labels of (N, 1) outputs
+    alignment = _alignment(op, _targets(fn, op, y), lambda: frobenius)
+    return Tracked(trace, frobenius, rank, alignment)
