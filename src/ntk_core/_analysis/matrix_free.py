@@ -23,14 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ntk_core._api import _get
 from ntk_core._errors import bad, check_int
 from ntk_core._functional.ntk_vp import _product, apply3_of, make_ntk_vp
 from ntk_core._jax import caches as _caches
 from ntk_core._kernel import subset as _subset
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
-from ntk_core._kernel.checks import check_apply_fn
+from ntk_core._kernel.checks import check_apply_fn, params_check
 from ntk_core._kernel.engine import Engine
 from ntk_core._kernel.function import KernelFunction
 from ntk_core._kernel.model import flat_outputs
@@ -40,8 +39,6 @@ from ntk_core._predict.linalg import check_finite, check_key, real_array
 
 _COLUMNS = 16  # vectors per vmapped NTK-vector product
 _NAN_FIX = "check the model: its outputs or gradients are NaN or Inf at these params and x"
-
-_NTK_TRACE = core("ntk_trace", one_input=True)
 
 
 class Estimate(NamedTuple):
@@ -71,11 +68,13 @@ def core_model(fn: str, apply_fn, params, x, wrt) -> Model:
     splits ``params`` as the kernels do (:mod:`ntk_core._kernel.subset`)."""
     check_apply_fn(fn, apply_fn)
     wrt = make_options(fn, wrt=wrt).wrt
-    model = Model(core(fn, one_input=True), apply3_of(apply_fn), params, x, None)
+    check = params_check(fn, apply_fn)  # a Flax model.apply given more than params
+    model = Model(core(fn, one_input=True), apply3_of(apply_fn), params, x, None, check)
     if wrt is None:
         return model
-    selected, held = _subset.split(fn, wrt, params, None, {})
-    return model._replace(apply3=_subset.OnSubset(model.apply3), params=selected, aux=held)
+    selected, aux = _subset.split(fn, wrt, params, None, {})  # aux: (None, held leaves)
+    check = check and _subset.OnSubset(check)
+    return Model(model.caller, _subset.OnSubset(model.apply3), selected, x, aux, check)
 
 
 def kernel_model(kernel, first, x, keywords: dict) -> Model:
@@ -480,15 +479,8 @@ def ntk_trace(
 
     References: Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018.
     """
-    check_apply_fn(_NTK_TRACE.name, apply_fn)
-    options = dict(batch_size=batch_size, implementation=implementation, precision=precision)
-    return _diagonal_sum(_NTK_TRACE, apply_fn, params, x, dict(options, wrt=wrt))
-
-
-def _diagonal_sum(caller, apply_fn, params, x, options) -> float:
-    options = dict(trace_axes=(), diagonal_axes=(0, 1), progress=False, **options)
-    diag = _get("ntk", caller, flat_outputs(apply_fn), options)(params, x, None)
-    return float(np.sum(np.asarray(diag, np.float64)))
+    model = core_model("ntk_trace", apply_fn, params, x, wrt)
+    return model_trace(model, batch_size, implementation, precision)
 
 
 ntk_trace = _checked_arguments(ntk_trace)
