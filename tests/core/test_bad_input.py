@@ -657,18 +657,6 @@ def _rows():
             "ntk_core.KernelTracker(f, X, every=1).update(0, W)",
             ValueError, r"^KernelTracker.update: the kernel function returned shape \(4, 2\); expected the \(N, N\) or \(N, N, O, O\) kernel of the N = 4 probe samples"),
         # -- parameter subsets, wrt= (issue 27) ---------------------------------------
-        Row("tracker-key-without-m", "a KernelTracker given a key but no m (the exact kernel)",
-            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=1, key=jax.random.PRNGKey(0))",
-            ValueError, r"^KernelTracker: key is given but m is None"),
-        Row("tracker-matrix-free-keep-kernels", "matrix-free tracking asked to keep kernels it never forms",
-            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=1, m=60, key=jax.random.PRNGKey(0), keep_kernels=True)",
-            ValueError, r"^KernelTracker: keep_kernels=True with m=60: matrix-free tracking never forms the kernel"),
-        Row("tracker-matrix-free-traced", "matrix-free tracking of a kernel function with traced outputs",
-            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=1, m=60, key=jax.random.PRNGKey(0)).update(0, W)",
-            ValueError, r"^KernelTracker.update: the kernel function has trace_axes=\(-1,\), diagonal_axes=\(\); the matrix-free statistics are of the full"),
-        Row("tracker-matrix-free-not-ntk", "matrix-free tracking of something that is not an NTK kernel function",
-            "ntk_core.KernelTracker(ntk_core.nngp_fn(f, trace_axes=()), X, every=1, m=60, key=jax.random.PRNGKey(0)).update(0, W)",
-            TypeError, r"^KernelTracker.update: matrix-free tracking reads the model from an NTK kernel function, got KernelFunction of kind 'nngp'"),
         Row("wrt-type", "wrt neither None, a predicate nor path names",
             "ntk_core.empirical_ntk(mlp, P, X, wrt=3)",
             TypeError, r"^empirical_ntk: wrt must be None, a predicate wrt\(path\) -> bool, or a path name"),
@@ -752,6 +740,19 @@ def _rows():
         Row("matrix-free-kernel-option", "an adapter's statistic given a kernel option it does not read",
             "ntk_flax.ntk_trace(dense, V, X, trace_axes=())",
             TypeError, r"^ntk_flax.ntk_trace: trace_axes=\(\) is a kernel option that ntk_flax.ntk_trace does not take", ("flax",)),
+        # -- KernelTracker(m=): matrix-free tracking --------------------------------
+        Row("tracker-key-without-m", "a KernelTracker given a key but no m (the exact kernel)",
+            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=1, key=jax.random.PRNGKey(0))",
+            ValueError, r"^KernelTracker: key is given but m is None"),
+        Row("tracker-matrix-free-keep-kernels", "matrix-free tracking asked to keep kernels it never forms",
+            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=1, m=60, key=jax.random.PRNGKey(0), keep_kernels=True)",
+            ValueError, r"^KernelTracker: keep_kernels=True with m=60: matrix-free tracking never forms the kernel"),
+        Row("tracker-matrix-free-traced", "matrix-free tracking of a kernel function with traced outputs",
+            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=1, m=60, key=jax.random.PRNGKey(0)).update(0, W)",
+            ValueError, r"^KernelTracker.update: the kernel function has trace_axes=\(-1,\), diagonal_axes=\(\); the matrix-free statistics are of the full"),
+        Row("tracker-matrix-free-not-ntk", "matrix-free tracking of something that is not an NTK kernel function",
+            "ntk_core.KernelTracker(ntk_core.nngp_fn(f, trace_axes=()), X, every=1, m=60, key=jax.random.PRNGKey(0)).update(0, W)",
+            TypeError, r"^KernelTracker.update: matrix-free tracking reads the model from an NTK kernel function, got KernelFunction of kind 'nngp'"),
     ]  # fmt: skip
 
 
