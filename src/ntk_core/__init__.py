@@ -6,6 +6,7 @@ jax and numpy (never flax or haiku). Adapter authors: see :mod:`ntk_core.adapter
 
 from ntk_core import metrics as metrics
 from ntk_core import predict as predict
+from ntk_core._analysis.tracking import EstimateRecord as EstimateRecord
 from ntk_core._analysis.tracking import KernelRecord as KernelRecord
 from ntk_core._analysis.tracking import KernelTracker as KernelTracker
 from ntk_core._api import empirical_nngp as empirical_nngp
@@ -34,7 +35,8 @@ from ntk_core._monte_carlo.kernels import monte_carlo_kernels as monte_carlo_ker
 from ntk_core._version import __version__ as __version__
 
 __all__ = (
-    "IMPLEMENTATIONS", "PRECISIONS", "BackendWarning", "DoctorReport", "KernelFunction",
+    "IMPLEMENTATIONS", "PRECISIONS", "BackendWarning", "DoctorReport", "EstimateRecord",
+    "KernelFunction",
     "KernelRecord", "KernelTracker", "NonFiniteError", "PrecisionWarning",
     "UnsupportedBackendError", "__version__", "clear_caches", "doctor", "empirical_nngp",
     "empirical_ntk", "empirical_ntk_per_leaf", "empirical_pntk", "linearize", "metrics",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ntk_core._analysis import matrix_free as _matrix_free
 from ntk_core._errors import bad as bad
 from ntk_core._functional.linearize import _Point
 from ntk_core._functional.linearize import check_degree as check_degree
@@ -36,7 +37,8 @@ __all__ = (
     "Caller", "PureModel", "adapter_caller", "adapter_model_failure", "bad", "build_kernel",
     "cached", "check_apply_kwargs", "check_degree", "check_inputs_option", "check_like",
     "check_monte_carlo", "checked_arguments", "checked_init", "expansion", "input_shape_mismatch",
-    "inputs_failure", "is_nnx_module", "monte_carlo_mean", "register_cache", "spread_inputs",
+    "inputs_failure", "is_nnx_module", "matrix_free", "monte_carlo_mean", "register_cache",
+    "spread_inputs",
 )  # fmt: skip
 
 
@@ -61,3 +63,14 @@ def check_like(fn_name: str, params, reference, name: str, reference_name: str) 
     """Refuses ``params`` whose tree, leaf shapes or dtypes differ from ``reference``'s
     (TypeError / ValueError naming ``fn_name``, ``name`` and ``reference_name``)."""
     _Point(fn_name, reference, reference_name, reference_name).tangent(params, name)
+
+
+def matrix_free(statistic: str, kernel, first, x, keywords=None, **arguments):
+    """The matrix-free statistic ``statistic`` of Θ(x, x) (``"ntk_trace"``,
+    ``"ntk_frobenius_sq"``, ``"ntk_effective_rank"``, ``"ntk_kernel_alignment"``: as
+    :mod:`ntk_core.spectrum`'s, same results, errors naming ``kernel.name``) of the model
+    of ``kernel``, a kernel function of kind ``"ntk"`` from :func:`build_kernel` (the entry
+    point's ``**options``: ``precision``, ``batch_size``, ``wrt``, ``implementation`` for the
+    trace; others refused), as ``kernel(first, x, **keywords)`` sees it. ``arguments``: the
+    statistic's own, ``key``, ``m``, ``steps``, ``y`` (None: the core's default)."""
+    return _matrix_free.of_kernel(statistic, kernel, first, x, keywords or {}, arguments)

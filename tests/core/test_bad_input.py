@@ -734,6 +734,25 @@ def _rows():
         Row("matrix-free-nan-model", "a model whose gradients are NaN at these params (sqrt of a negative)",
             "ntk_core.spectrum.ntk_frobenius_sq(lambda w, x: jnp.sqrt(x @ w - 10.0), W, XS, key=jax.random.PRNGKey(0))",
             NonFiniteError, r"^ntk_frobenius_sq: an NTK-vector product Θ v contains NaN or Inf"),
+        Row("matrix-free-wrt-unknown", "a matrix-free statistic of a subset naming no parameter",
+            'ntk_core.spectrum.ntk_trace(mlp, P, X, wrt="vv")',
+            ValueError, r"^ntk_trace: wrt names 'vv', which no parameter has\. Fix: write 'v'"),
+        Row("matrix-free-kernel-option", "an adapter's statistic given a kernel option it does not read",
+            "ntk_flax.ntk_trace(dense, V, X, trace_axes=())",
+            TypeError, r"^ntk_flax.ntk_trace: trace_axes=\(\) is a kernel option that ntk_flax.ntk_trace does not take", ("flax",)),
+        # -- KernelTracker(m=): matrix-free tracking --------------------------------
+        Row("tracker-key-without-m", "a KernelTracker given a key but no m (the exact kernel)",
+            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=1, key=jax.random.PRNGKey(0))",
+            ValueError, r"^KernelTracker: key is given but m is None"),
+        Row("tracker-matrix-free-keep-kernels", "matrix-free tracking asked to keep kernels it never forms",
+            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=1, m=60, key=jax.random.PRNGKey(0), keep_kernels=True)",
+            ValueError, r"^KernelTracker: keep_kernels=True with m=60: matrix-free tracking never forms the kernel"),
+        Row("tracker-matrix-free-traced", "matrix-free tracking of a kernel function with traced outputs",
+            "ntk_core.KernelTracker(ntk_core.ntk_fn(f), X, every=1, m=60, key=jax.random.PRNGKey(0)).update(0, W)",
+            ValueError, r"^KernelTracker.update: the kernel function has trace_axes=\(-1,\), diagonal_axes=\(\); the matrix-free statistics are of the full"),
+        Row("tracker-matrix-free-not-ntk", "matrix-free tracking of something that is not an NTK kernel function",
+            "ntk_core.KernelTracker(ntk_core.nngp_fn(f, trace_axes=()), X, every=1, m=60, key=jax.random.PRNGKey(0)).update(0, W)",
+            TypeError, r"^KernelTracker.update: matrix-free tracking reads the model from an NTK kernel function, got KernelFunction of kind 'nngp'"),
     ]  # fmt: skip
 
 

@@ -117,3 +117,52 @@ def test_pytree_outputs_concatenate_per_sample():
 
     r = spectrum.ntk_frobenius_sq(two, params, x, key=jax.random.PRNGKey(0), m=N * OUT)
     assert r.estimate == pytest.approx(float(np.sum(flat**2)), rel=1e-5)
+
+
+# wrt=: the statistics of the subset's kernel Θ_S, against ntk_core.empirical_ntk(..., wrt=)
+HIDDEN = lambda path: path[0] != "w2"  # noqa: E731 (w1 and b1: a predicate on the key path)
+
+
+@functools.cache
+def _subset_case(wrt):
+    params, x, y, _, _ = _case()
+    theta = np.asarray(ntk_core.empirical_ntk(_mlp, params, x, trace_axes=(), wrt=wrt))
+    flat = theta.transpose(0, 2, 1, 3).reshape(N * OUT, N * OUT).astype(np.float64)
+    return params, x, y, flat, theta
+
+
+@pytest.mark.parametrize("wrt", ["w2", HIDDEN], ids=["name", "predicate"])
+def test_subset_statistics_with_m_covering_the_kernel_are_exact(wrt):
+    params, x, y, flat, theta = _subset_case(wrt)
+    key, m = jax.random.PRNGKey(0), N * OUT
+    r = spectrum.ntk_frobenius_sq(_mlp, params, x, key=key, m=m, wrt=wrt)
+    assert r.estimate == pytest.approx(float(np.sum(flat**2)), rel=1e-5)
+    assert (r.standard_error, r.products) == (0.0, m)
+    r = spectrum.ntk_effective_rank(_mlp, params, x, key=key, m=m, wrt=wrt)
+    assert r.estimate == pytest.approx(metrics.effective_rank(theta), rel=1e-4)
+    r = spectrum.ntk_kernel_alignment(_mlp, params, x, y, key=key, m=m + 1, wrt=wrt)
+    assert r.estimate == pytest.approx(metrics.kernel_alignment(theta, y), rel=1e-5)
+    assert spectrum.ntk_trace(_mlp, params, x, wrt=wrt) == pytest.approx(np.trace(flat), rel=2e-6)
+    whole = spectrum.ntk_frobenius_sq(_mlp, params, x, key=key, m=m)
+    assert whole.estimate > 1.01 * float(np.sum(flat**2))  # the subset's, not the whole kernel's
+
+
+def test_subset_traces_of_a_partition_sum_to_the_trace():
+    params, x, _, full, _ = _case()
+    parts = [spectrum.ntk_trace(_mlp, params, x, wrt=w) for w in ("w2", HIDDEN)]
+    assert parts[0] > 0 and parts[1] > 0
+    assert sum(parts) == pytest.approx(np.trace(full), rel=2e-6)
+
+
+def test_subset_estimates_within_standard_errors():
+    params, x, y, flat, theta = _subset_case(HIDDEN)
+    frob = functools.partial(spectrum.ntk_frobenius_sq, _mlp, params, x, wrt=HIDDEN)
+    _check_seeds([frob(key=jax.random.PRNGKey(s)) for s in SEEDS], float(np.sum(flat**2)))
+    align = functools.partial(spectrum.ntk_kernel_alignment, _mlp, params, x, y, m=61, wrt=HIDDEN)
+    _check_seeds(
+        [align(key=jax.random.PRNGKey(s)) for s in SEEDS], metrics.kernel_alignment(theta, y)
+    )
+    erank = functools.partial(
+        spectrum.ntk_effective_rank, _mlp, params, x, m=191, steps=8, wrt=HIDDEN
+    )
+    _check_seeds([erank(key=jax.random.PRNGKey(s)) for s in SEEDS], metrics.effective_rank(theta))

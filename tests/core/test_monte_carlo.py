@@ -60,6 +60,30 @@ def test_average_equals_mean_of_separate_empirical_kernels(x2, axes, batch):
         assert np.abs(separate[0] - separate[1]).max() > 1e-3 * np.abs(expected).max()
 
 
+@pytest.mark.parametrize(
+    "wrt, batch",
+    [("v", 1), (lambda path: path[0] == "w", 3)],
+    ids=["name_sequential", "predicate_vmapped"],
+)
+def test_subset_ntk_is_the_mean_of_the_subset_kernels(wrt, batch):
+    """wrt=: Θ_MC of the subset, the mean of the S exact subset kernels over the same
+    initialisations; the NNGP is the whole model's (it takes no derivative)."""
+    key, n = jax.random.PRNGKey(5), 3
+    common = dict(key=key, n_samples=n, batch_size_samples=batch, progress=False, trace_axes=())
+    k = ntk_core.monte_carlo_kernels(init_fn, apply_fn, X1, X2, wrt=wrt, **common)
+    whole = ntk_core.monte_carlo_kernels(init_fn, apply_fn, X1, X2, **common)
+    keys = jax.random.split(key, n)
+    subsets = [
+        ntk_core.empirical_ntk(apply_fn, init_fn(kk), X1, X2, trace_axes=(), wrt=wrt) for kk in keys
+    ]
+    expected = np.mean(np.asarray(subsets, np.float64), axis=0)
+    np.testing.assert_allclose(k.ntk, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+    assert np.abs(np.asarray(whole.ntk) - expected).max() > 1e-2 * np.abs(expected).max()
+    # the NNGP is the whole model's (the same up to the fusion of the vmapped program)
+    nngp = np.asarray(whole.nngp, np.float64)
+    np.testing.assert_allclose(k.nngp, nngp, rtol=0, atol=1e-6 * np.abs(nngp).max())
+
+
 def test_blocked_engine_samples_are_summed_on_the_host():
     """With batch_size each sample's kernel is a host array (the point of the blocked
     engine: kernels larger than the device); the mean stays on the host too."""

@@ -2,7 +2,11 @@
 the same MLP in Flax linen, nnx, Haiku and equinox (weights transplanted from Flax) gives
 the same head-only and biases-only kernels, equal to a float64 Jacobian contraction of the
 plain JAX model with respect to those leaves alone. The pseudo-NTK (``pntk``): every
-adapter equals (1/O) Σ_ab of the float64 full NTK."""
+adapter equals (1/O) Σ_ab of the float64 full NTK. The matrix-free statistics (``ntk_trace``,
+``ntk_frobenius_sq``, ``ntk_effective_rank``, ``ntk_kernel_alignment``): exact at m >= M
+against the float64 kernel's trace, ‖Θ‖²_F, effective rank and alignment (whole and head
+only), and an estimate at m < M within its standard errors; Monte Carlo kernels with
+``wrt=``: the mean of the subset kernels of the same initialisations."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import flax.linen as nn  # noqa: E402
 import haiku as hk  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import ntk_core  # noqa: E402
 import ntk_equinox  # noqa: E402
 import ntk_flax  # noqa: E402
 import ntk_haiku  # noqa: E402
@@ -120,3 +125,112 @@ def test_every_adapter_gives_the_pseudo_ntk():
         reference.assert_close(k, expected)
     with pytest.raises(TypeError, match="ntk_haiku.pntk: the pseudo-NTK takes no trace_axes"):
         ntk_haiku.pntk(net, hp, X, trace_axes=())
+
+
+def _models(p, variables):
+    """``(name, statistic(name, x, *args, **kwargs))`` per adapter, wrt= in its own names."""
+    net = hk.without_apply_rng(hk.transform(_haiku))
+    hp = ntk_haiku.params_from_flax(p, net.init(jax.random.PRNGKey(3), X))
+    head = dict(linen="Dense_1", nnx="head", haiku="mlp/~/linear_1", equinox="layers/1")
+    calls = dict(
+        linen=lambda f, x, *a, **k: getattr(ntk_flax, f)(Linen(), variables, x, *a, **k),
+        nnx=lambda f, x, *a, **k: getattr(ntk_flax, f)(Nnx(p), None, x, *a, **k),
+        haiku=lambda f, x, *a, **k: getattr(ntk_haiku, f)(net, hp, x, *a, **k),
+        equinox=lambda f, x, *a, **k: getattr(ntk_equinox, f)(_equinox(p), x, *a, **k),
+    )
+    return [(name, call, head[name]) for name, call in calls.items()]
+
+
+def _exact(flat: np.ndarray, v: np.ndarray) -> dict:
+    lam = np.abs(np.linalg.eigvalsh(flat))
+    q = lam[lam > 0] / lam.sum()
+    return dict(
+        ntk_trace=np.trace(flat),
+        ntk_frobenius_sq=np.sum(flat**2),
+        ntk_effective_rank=np.exp(-np.sum(q * np.log(q))),
+        ntk_kernel_alignment=v @ flat @ v / (np.linalg.norm(flat) * (v @ v)),
+    )
+
+
+@pytest.mark.parametrize("subset", ["all", "head"])
+def test_every_adapter_gives_the_exact_statistics_with_m_covering_the_kernel(subset):
+    variables = Linen().init(jax.random.PRNGKey(2), X)
+    p = variables["params"]
+    y = jax.random.normal(jax.random.PRNGKey(4), (X.shape[0], 3))
+    if subset == "all":
+        (full,) = reference.ntk(_plain, p, X, None, trace_axes=())  # (N, N, O, O) float64
+    else:
+
+        def of_head(head, x):
+            return _plain({**p, "Dense_1": head}, x)
+
+        (full,) = reference.ntk(of_head, p["Dense_1"], X, None, trace_axes=())
+    m = full.shape[0] * full.shape[2]
+    flat = full.transpose(0, 2, 1, 3).reshape(m, m)
+    expected = _exact(flat, np.asarray(y, np.float64).reshape(-1))
+    key = jax.random.PRNGKey(5)
+    for name, call, head in _models(p, variables):
+        wrt = dict(wrt=head) if subset == "head" else {}
+        got = dict(
+            ntk_trace=call("ntk_trace", X, **wrt),
+            ntk_frobenius_sq=call("ntk_frobenius_sq", X, key=key, m=m, **wrt),
+            ntk_effective_rank=call("ntk_effective_rank", X, key=key, m=m, **wrt),
+            ntk_kernel_alignment=call("ntk_kernel_alignment", X, y, key=key, m=m + 1, **wrt),
+        )
+        for statistic, value in got.items():
+            value = value if isinstance(value, float) else value.estimate
+            assert value == pytest.approx(expected[statistic], rel=2e-5), (name, statistic)
+        assert got["ntk_frobenius_sq"].standard_error == 0.0
+
+
+def test_every_adapter_estimates_within_standard_errors():
+    """At m < M: the same key gives each adapter the core's estimate on the plain model (the
+    same random probes), within 6 standard errors of the float64 truth."""
+    x = jax.random.normal(jax.random.PRNGKey(6), (24, 4))  # M = 72 > m = 30
+    variables = Linen().init(jax.random.PRNGKey(2), x)
+    p = variables["params"]
+    (full,) = reference.ntk(_plain, p, x, None, trace_axes=())
+    flat = full.transpose(0, 2, 1, 3).reshape(72, 72)
+    truth, key = float(np.sum(flat**2)), jax.random.PRNGKey(7)
+    core = ntk_core.spectrum.ntk_frobenius_sq(_plain, p, x, key=key, m=30)
+    assert 0 < core.standard_error and abs(core.estimate - truth) <= 6 * core.standard_error
+    for name, call, _ in _models(p, variables):
+        r = call("ntk_frobenius_sq", x, key=key, m=30)
+        assert r.products == 30, name
+        assert r.estimate == pytest.approx(core.estimate, rel=1e-4), name
+        assert r.standard_error == pytest.approx(core.standard_error, rel=1e-3), name
+
+
+def test_adapters_refuse_kernel_options_the_statistics_do_not_take():
+    variables = Linen().init(jax.random.PRNGKey(2), X)
+    with pytest.raises(TypeError, match=r"ntk_flax.ntk_trace: trace_axes=\(\) is a kernel option"):
+        ntk_flax.ntk_trace(Linen(), variables, X, trace_axes=())
+    key = jax.random.PRNGKey(0)
+    with pytest.raises(TypeError, match="ntk_equinox.ntk_frobenius_sq: implementation='jacobian'"):
+        ntk_equinox.ntk_frobenius_sq(
+            _equinox(variables["params"]), X, key=key, implementation="jacobian"
+        )
+    with pytest.raises(ValueError, match="ntk_haiku.ntk_trace: wrt names 'mlp/~/linear_7'"):
+        net = hk.without_apply_rng(hk.transform(_haiku))
+        ntk_haiku.ntk_trace(net, net.init(key, X), X, wrt="mlp/~/linear_7")
+
+
+def test_adapter_monte_carlo_kernels_of_a_subset():
+    """Flax and Haiku Monte Carlo NTKs with wrt=: the mean of the subset kernels of the
+    same initialisations (``model.init(k_s, x1[:1])``, ``transformed.init(k_s, x1[:1])``)."""
+    key, n = jax.random.PRNGKey(8), 2
+    keys = jax.random.split(key, n)
+    net = hk.without_apply_rng(hk.transform(_haiku))
+    cases = [
+        (ntk_flax, Linen(), "Dense_1", lambda k: Linen().init(k, X[:1])),
+        (ntk_haiku, net, "mlp/~/linear_1", lambda k: net.init(k, X[:1])),
+    ]
+    for adapter, model, head, init in cases:
+        mc = adapter.monte_carlo_kernels(model, X, key=key, n_samples=n, wrt=head, progress=False)
+        each = [np.asarray(adapter.kernel(model, init(k), X, wrt=head), np.float64) for k in keys]
+        expected = np.mean(each, axis=0)
+        np.testing.assert_allclose(mc.ntk, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+        whole = adapter.monte_carlo_kernels(model, X, key=key, n_samples=n, progress=False)
+        assert np.abs(np.asarray(whole.ntk) - expected).max() > 1e-2 * np.abs(expected).max()
+        nngp = np.asarray(whole.nngp, np.float64)  # the whole model's, as without wrt
+        np.testing.assert_allclose(mc.nngp, nngp, rtol=0, atol=1e-6 * np.abs(nngp).max())

@@ -59,6 +59,20 @@ def test_every_entry_point_is_exported_with_its_signature():
             assert options.kind is options.VAR_KEYWORD
 
 
+STATISTICS = ["ntk_trace", "ntk_frobenius_sq", "ntk_effective_rank", "ntk_kernel_alignment"]
+
+
+@pytest.mark.parametrize("name", STATISTICS)
+def test_matrix_free_statistics_take_the_same_arguments_apart_from_the_model(name):
+    """The statistics (``_statistics``): the core's own arguments, the frameworks' model ones."""
+    assert _shared(ntk_flax, name) == _shared(ntk_haiku, name)
+    for package in (ntk_flax, ntk_haiku):
+        fn = getattr(package, name)
+        assert name in package.__all__ and fn.__module__ == f"{package.__name__}._statistics"
+        assert inspect.signature(fn).parameters["x"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        assert f":func:`ntk_core.spectrum.{name}`" in fn.__doc__
+
+
 def test_binding_errors_name_the_adapters_function():
     with pytest.raises(TypeError, match=r"^ntk_flax\.kernel: .*missing"):
         ntk_flax.kernel(None)

@@ -147,3 +147,25 @@ def test_nnx_module_updated_in_place_by_the_optimizer():
     for a, b in zip(kernels, kernels[1:], strict=False):
         assert not np.allclose(a, b)  # the updates reached the tracker
     assert np.all(tracker.history["kernel_distance"][1:] > 1e-4)
+
+
+def test_matrix_free_tracking_of_a_flax_kernel_fn():
+    """m= on ntk_flax.kernel_fn(model, trace_axes=(), wrt=...): the model's fixed parts and
+    subset as the kernel sees them; at m >= M = N·O the records equal the exact tracker's."""
+    model = Counting()
+    variables = model.init(jax.random.PRNGKey(1), X)
+    kernel = ntk_flax.kernel_fn(model, trace_axes=(), wrt="Dense_0")
+    exact = ntk_core.KernelTracker(kernel, X, Y, every=1, keep_kernels=True)
+    m = X.shape[0] * 3
+    estimated = ntk_core.KernelTracker(kernel, X, Y, every=1, m=m, key=jax.random.PRNGKey(0))
+    for tracker in (exact, estimated):
+        tracker.update(0, variables)
+    e, r = exact.records[0], estimated.records[0]
+    flat = np.asarray(exact.kernels[0], np.float64)
+    assert r.trace == pytest.approx(e.trace, rel=2e-6)
+    assert r.frobenius_sq == pytest.approx(float(np.sum(flat**2)), rel=1e-5)
+    assert r.effective_rank == pytest.approx(e.effective_rank, rel=1e-4)
+    assert r.alignment == pytest.approx(e.alignment, rel=1e-5)
+    whole = ntk_core.KernelTracker(ntk_flax.kernel_fn(model, trace_axes=()), X, every=1, m=m,
+                                   key=jax.random.PRNGKey(0))  # fmt: skip
+    assert whole.update(0, variables).trace > 1.01 * r.trace  # the subset's, not the whole's

@@ -6,11 +6,14 @@ standard error from NTK-vector products (the exact trace: ``ntk_core.spectrum.nt
 sample), as :mod:`ntk_core.metrics` reads an ``(N, N, O, O)`` kernel. Each statistic is an
 :class:`Estimate`; ``products`` counts NTK-vector products (one VJP and one JVP over the N
 samples, :func:`ntk_core.ntk_vp_fn`). With ``m >= M`` the estimates form Θ from M products
-and are exact (standard error 0).
+and are exact (standard error 0). ``wrt=``: the statistics of Θ_S, the kernel of a parameter
+subset (:mod:`ntk_core._kernel.subset`), at the cost of the subset's products. The adapters
+reach them through :func:`kernel_model` (``ntk_core.adapters.matrix_free``).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -20,21 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ntk_core._api import _get
 from ntk_core._errors import bad, check_int
-from ntk_core._functional.ntk_vp import _product, make_ntk_vp
+from ntk_core._functional.ntk_vp import _product, apply3_of, make_ntk_vp
 from ntk_core._jax import caches as _caches
+from ntk_core._kernel import subset as _subset
 from ntk_core._kernel.arguments import _checked_arguments
-from ntk_core._kernel.caller import core
-from ntk_core._kernel.checks import check_apply_fn
+from ntk_core._kernel.caller import Caller, core
+from ntk_core._kernel.checks import check_apply_fn, params_check
+from ntk_core._kernel.engine import Engine
+from ntk_core._kernel.function import KernelFunction
 from ntk_core._kernel.model import flat_outputs
-from ntk_core._kernel.options import DEFAULTS
+from ntk_core._kernel.options import DEFAULTS, NTK_OPTION_NAMES, make_options
+from ntk_core._kernel.pipeline import Kind, Spec
 from ntk_core._predict.linalg import check_finite, check_key, real_array
 
 _COLUMNS = 16  # vectors per vmapped NTK-vector product
 _NAN_FIX = "check the model: its outputs or gradients are NaN or Inf at these params and x"
-
-_NTK_TRACE = core("ntk_trace", one_input=True)
 
 
 class Estimate(NamedTuple):
@@ -46,44 +50,82 @@ class Estimate(NamedTuple):
     products: int
 
 
+class Model(NamedTuple):
+    """The model whose Θ(x, x) the statistics read: ``apply3(params, x, aux)``, ``params``
+    differentiated (with ``wrt``: the subset, the held leaves in ``aux``), ``check`` an
+    adapter's ``check(params, x, None, aux)`` or None; messages name ``caller``."""
+
+    caller: Caller
+    apply3: Callable
+    params: object
+    x: object
+    aux: object
+    check: Callable | None = None
+
+
+def core_model(fn: str, apply_fn, params, x, wrt) -> Model:
+    """The :class:`Model` of a core statistic's ``(apply_fn, params, x, wrt=)``; ``wrt``
+    splits ``params`` as the kernels do (:mod:`ntk_core._kernel.subset`)."""
+    check_apply_fn(fn, apply_fn)
+    wrt = make_options(fn, wrt=wrt).wrt
+    check = params_check(fn, apply_fn)  # a Flax model.apply given more than params
+    model = Model(core(fn, one_input=True), apply3_of(apply_fn), params, x, None, check)
+    if wrt is None:
+        return model
+    selected, aux = _subset.split(fn, wrt, params, None, {})  # aux: (None, held leaves)
+    check = check and _subset.OnSubset(check)
+    return Model(model.caller, _subset.OnSubset(model.apply3), selected, x, aux, check)
+
+
+def kernel_model(kernel, first, x, keywords: dict) -> Model:
+    """The :class:`Model` of a kernel function of the NTK (``ntk_fn``, an adapter's
+    ``kernel_fn``) called as ``kernel(first, x, **keywords)``: its parameters, fixed parts
+    and subset (its ``wrt``), as its call would differentiate them."""
+    engine = kernel._engine
+    params, aux = engine._split(*kernel._bind(first, x, keywords))
+    spec = engine.spec
+    return Model(spec.caller or core(spec.fn_name, one_input=True), spec.apply3, params, x, aux,
+                 spec.check)  # fmt: skip
+
+
 class _Flat(NamedTuple):
     """Θ as a map on flat float64 vectors of length ``m`` = M (host numpy)."""
 
     fn: str
-    apply_fn: Callable
-    params: object
-    x: object
+    model: Model
+    outputs: object  # jax.ShapeDtypeStruct pytree
     m: int
     product: Callable  # (M, c) -> (M, c): Θ times each column
     ravel: Callable  # outputs-like pytree -> (M,)
 
 
 @_caches.lru_cache(maxsize=64)
-def _columns(apply_fn, precision: str, batch_size: int | None, tree, leaves) -> Callable:
+def _columns(apply3, precision: str, batch_size: int | None, tree, leaves) -> Callable:
     """Jitted Θ V for the rows of V ``(c, M)``: ``ntk_vp_fn``'s product, vmapped (outputs:
     ``ShapeDtypeStruct`` ``leaves`` of ``tree``)."""
-    single = _product.__wrapped__(apply_fn, precision, batch_size)
+    single = _product.__wrapped__(apply3, precision, batch_size)
     zeros = jax.tree.unflatten(tree, [jnp.zeros(o.shape, o.dtype) for o in leaves])
     unravel = ravel_pytree(zeros)[1]
 
-    def one(params, x, v):
-        out = single(params, x, unravel(v))
+    def one(params, x, aux, v):
+        out = single(params, x, aux, unravel(v))
         return jnp.concatenate([a.reshape(-1) for a in jax.tree.leaves(out)])
 
-    return jax.jit(jax.vmap(one, in_axes=(None, None, 0)))
+    return jax.jit(jax.vmap(one, in_axes=(None, None, None, 0)))
 
 
-def _flat(fn: str, apply_fn, params, x, batch_size, precision) -> _Flat:
+def _flat(model: Model, batch_size, precision) -> _Flat:
     """Checks the arguments (as ``ntk_vp_fn``) and returns Θ on flat vectors (leaf by leaf,
     each row-major: i·O + a for one output array; the statistics do not depend on it)."""
-    ntk_vp = make_ntk_vp(core(fn, one_input=True), apply_fn, params, x, batch_size, precision)
+    fn = model.caller.name
+    ntk_vp = make_ntk_vp(model.caller, *model[1:5], batch_size, precision, model.check)
+    params, x, aux = ntk_vp.arguments
     outputs = ntk_vp.outputs
     leaves, tree = jax.tree.flatten(outputs)
-    params, x = jax.tree.map(jnp.asarray, (params, x))
-    args = (apply_fn, precision, batch_size, tree, tuple(leaves))
+    args = (model.apply3, precision, batch_size, tree, tuple(leaves))
     try:
         columns = _columns(*args)
-    except TypeError:  # unhashable apply_fn
+    except TypeError:  # unhashable apply3
         columns = _columns.__wrapped__(*args)
     size = sum(math.prod(o.shape) for o in leaves)
     dtype = jnp.result_type(*(o.dtype for o in leaves))
@@ -96,12 +138,13 @@ def _flat(fn: str, apply_fn, params, x, batch_size, precision) -> _Flat:
         c = v.shape[1]
         rows = np.zeros((-(-c // _COLUMNS) * _COLUMNS, size), dtype)  # one compiled shape
         rows[:c] = v.T
-        parts = [columns(params, x, rows[i : i + _COLUMNS]) for i in range(0, c, _COLUMNS)]
+        parts = [columns(params, x, aux, rows[i : i + _COLUMNS]) for i in range(0, c, _COLUMNS)]
         out = np.concatenate([np.asarray(a) for a in parts])[:c]
         check_finite(fn, "an NTK-vector product Θ v", out, _NAN_FIX, unit="vector")
         return out.T.astype(np.float64)
 
-    return _Flat(fn, apply_fn, params, x, size, product, ravel)
+    checked = model._replace(params=params, x=x, aux=aux)
+    return _Flat(fn, checked, outputs, size, product, ravel)
 
 
 def _check_m(fn: str, m, low: int = 4, example: int = 60) -> int:
@@ -114,12 +157,25 @@ def _exact_kernel(op: _Flat) -> np.ndarray:
     return (theta + theta.T) / 2
 
 
+def model_trace(model: Model, batch_size, implementation, precision) -> float:
+    """tr Θ of ``model`` exact, as :func:`ntk_trace` (the kernel's diagonal, O(N), summed in
+    float64); errors name ``model.caller``."""
+    fn, apply3 = model.caller.name, flat_outputs(model.apply3)
+    options = make_options(fn, trace_axes=(), diagonal_axes=(0, 1), progress=False,
+                           batch_size=batch_size, implementation=implementation,
+                           precision=precision)  # fmt: skip
+
+    def build():
+        return Engine(Spec(fn, Kind.NTK, apply3, options, model.check, caller=model.caller))
+
+    engine = _caches.cached(("matrix_free.trace", model.caller, apply3, options), build)
+    diag = engine(model.params, model.x, None, model.aux)
+    return float(np.sum(np.asarray(diag, np.float64)))
+
+
 def _trace(op: _Flat, batch_size, precision) -> float:
-    """tr Θ exact, as :func:`ntk_trace` (the kernel's diagonal, O(N)); errors name ``op.fn``."""
-    options = dict(
-        batch_size=batch_size, implementation=DEFAULTS.implementation, precision=precision
-    )
-    return _diagonal_sum(core(op.fn, one_input=True), op.apply_fn, op.params, op.x, options)
+    """tr Θ of ``op`` exact (:func:`model_trace`)."""
+    return model_trace(op.model, batch_size, DEFAULTS.implementation, precision)
 
 
 def _hutchpp(op: _Flat, m: int, key) -> Estimate:
@@ -149,6 +205,7 @@ def ntk_frobenius_sq(
     m: int = 60,
     batch_size: int | None = None,
     precision: str = DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
 ) -> Estimate:
     """‖Θ‖²_F = tr(Θ²) of Θ(x, x) by Hutch++ on NTK-vector products, unbiased.
 
@@ -165,6 +222,8 @@ def ntk_frobenius_sq(
       apply_fn, params, x, batch_size, precision: as :func:`ntk_core.ntk_vp_fn`
         (outputs ``(N, O...)``, M = N·O).
       key: a JAX PRNG key (seeded, reproducible); m: the number of products, an int >= 4.
+      wrt: a parameter subset, as in :func:`ntk_core.ntk_fn`: the statistic of its kernel
+        Θ_S (P below is the subset's size); ``None`` (default): all parameters.
 
     Returns an :class:`Estimate` of ‖Θ‖²_F (float64 on the host). Raises TypeError (key not
     a JAX key, m not an int) and ValueError (m < 4), besides :func:`ntk_core.ntk_vp_fn`'s.
@@ -183,9 +242,15 @@ def ntk_frobenius_sq(
     Estimation", SOSA 2021 (algorithm 1, on A = Θ², sketch Θ S).
     """
     fn = "ntk_frobenius_sq"
+    model_of = lambda: core_model(fn, apply_fn, params, x, wrt)  # noqa: E731
+    return frobenius_sq(fn, model_of, key, m, batch_size, precision)
+
+
+def frobenius_sq(fn: str, model_of: Callable[[], Model], key, m, batch_size, precision):
+    """:func:`ntk_frobenius_sq` of ``model_of()`` (built after the arguments' checks)."""
     m = _check_m(fn, m)
     key = check_key(fn, key)
-    return _hutchpp(_flat(fn, apply_fn, params, x, batch_size, precision), m, key)
+    return _hutchpp(_flat(model_of(), batch_size, precision), m, key)
 
 
 def _lanczos_entropy(op: _Flat, z: np.ndarray, steps: int, total: float) -> np.ndarray:
@@ -226,6 +291,7 @@ def ntk_effective_rank(
     steps: int = 15,
     batch_size: int | None = None,
     precision: str = DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
 ) -> Estimate:
     """The effective rank of :func:`ntk_core.metrics.effective_rank` of Θ(x, x), estimated.
 
@@ -244,7 +310,8 @@ def ntk_effective_rank(
     ``m >= M``: the exact eigenvalues of Θ formed from M products.
 
     Args:
-      apply_fn, params, x, batch_size, precision: as :func:`ntk_core.ntk_vp_fn`.
+      apply_fn, params, x, batch_size, precision: as :func:`ntk_core.ntk_vp_fn`; wrt: as
+        :func:`ntk_frobenius_sq` (the subset's kernel, its trace too).
       key: a JAX PRNG key; m: products in all, an int >= 2 + 4·steps (k >= 2);
       steps: Lanczos steps per vector (int >= 1, capped at M).
 
@@ -267,16 +334,27 @@ def ntk_effective_rank(
     rank", EUSIPCO 2007; Meyer et al., "Hutch++", SOSA 2021.
     """
     fn = "ntk_effective_rank"
+    model_of = lambda: core_model(fn, apply_fn, params, x, wrt)  # noqa: E731
+    return effective_rank(fn, model_of, key, m, steps, batch_size, precision)
+
+
+def effective_rank(fn: str, model_of: Callable[[], Model], key, m, steps, batch_size, precision):
+    """:func:`ntk_effective_rank` of ``model_of()`` (built after the arguments' checks)."""
     steps = check_int(fn, "steps", steps, "pass e.g. steps=15 (Lanczos steps per vector)")
     key = check_key(fn, key)
-    op = _flat(fn, apply_fn, params, x, batch_size, precision)
+    op = _flat(model_of(), batch_size, precision)
+    return _effective_rank(op, key, m, steps, lambda: _trace(op, batch_size, precision))
+
+
+def _effective_rank(op: _Flat, key, m, steps: int, trace: Callable[[], float]) -> Estimate:
+    """SLQ of :func:`ntk_effective_rank` on ``op``; ``trace()``: tr Θ exact (when needed)."""
     steps = min(steps, op.m)
-    m = _check_m(fn, m, low=min(2 + 4 * steps, op.m), example=400)
+    m = _check_m(op.fn, m, low=min(2 + 4 * steps, op.m), example=400)
     if m >= op.m:
         lam = np.abs(np.linalg.eigvalsh(_exact_kernel(op)))
         p = lam[lam > 0] / lam.sum()
         return Estimate(math.exp(-float(np.sum(p * np.log(p)))), 0.0, op.m)
-    total = _trace(op, batch_size, precision)
+    total = trace()
     k = m // (1 + 2 * steps)  # sketch columns = residual probes
     k_sketch, k_probe = jax.random.split(key)
     q, _ = np.linalg.qr(op.product(np.asarray(jax.random.normal(k_sketch, (op.m, k)), np.float64)))
@@ -298,6 +376,7 @@ def ntk_kernel_alignment(
     m: int = 60,
     batch_size: int | None = None,
     precision: str = DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
 ) -> Estimate:
     """Kernel-target alignment of :func:`ntk_core.metrics.kernel_alignment` of Θ(x, x), estimated.
 
@@ -308,7 +387,7 @@ def ntk_kernel_alignment(
     A = c/√F is biased at second order, by about (3/8)·A·(s_F/F)².
 
     Args:
-      apply_fn, params, x, key, batch_size, precision: as :func:`ntk_frobenius_sq`.
+      apply_fn, params, x, key, batch_size, precision, wrt: as :func:`ntk_frobenius_sq`.
       y: real targets shaped like the outputs ``(N, O...)`` (a pytree for pytree outputs).
       m: products in all, an int >= 5.
 
@@ -329,14 +408,25 @@ def ntk_kernel_alignment(
     "Hutch++", SOSA 2021.
     """
     fn = "ntk_kernel_alignment"
+    model_of = lambda: core_model(fn, apply_fn, params, x, wrt)  # noqa: E731
+    return kernel_alignment(fn, model_of, y, key, m, batch_size, precision)
+
+
+def kernel_alignment(fn: str, model_of: Callable[[], Model], y, key, m, batch_size, precision):
+    """:func:`ntk_kernel_alignment` of ``model_of()`` (built after the arguments' checks)."""
     m = _check_m(fn, m, low=5)
     key = check_key(fn, key)
-    op = _flat(fn, apply_fn, params, x, batch_size, precision)
+    op = _flat(model_of(), batch_size, precision)
     v = _targets(fn, op, y)
+    return _alignment(op, v, lambda: _hutchpp(op, m - 1, key))
+
+
+def _alignment(op: _Flat, v: np.ndarray, frobenius: Callable[[], Estimate]) -> Estimate:
+    """A = ⟨v, Θ v⟩ / (√F ‖v‖²) from one product and ``frobenius()``, F's estimate."""
     c = float(v @ op.product(v[:, None])[:, 0]) / float(v @ v)
-    f = _hutchpp(op, m - 1, key)
+    f = frobenius()
     if f.estimate <= 0.0:
-        raise bad(ValueError, fn, "the kernel is all zeros, so the alignment is undefined",
+        raise bad(ValueError, op.fn, "the kernel is all zeros, so the alignment is undefined",
                   "pass a model whose outputs depend on params")  # fmt: skip
     a = c / math.sqrt(f.estimate)
     return Estimate(a, abs(a) * f.standard_error / (2 * f.estimate), f.products + 1)
@@ -344,8 +434,7 @@ def ntk_kernel_alignment(
 
 def _targets(fn: str, op: _Flat, y) -> np.ndarray:
     """``y`` as the flat float64 vector of length M, checked against the outputs."""
-    zeros = jax.eval_shape(op.apply_fn, op.params, op.x)
-    leaves, tree = jax.tree.flatten(zeros)
+    leaves, tree = jax.tree.flatten(op.outputs)
     y_leaves, y_tree = jax.tree.flatten(y)
     if y_tree != tree:
         what = f"y has the pytree structure {y_tree}; expected the outputs' {tree}"
@@ -375,6 +464,7 @@ def ntk_trace(
     batch_size=None,
     implementation=DEFAULTS.implementation,
     precision=DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
 ) -> float:
     """tr Θ(x, x) = Σ_i Σ_a ‖∂f_a(x_i)/∂θ‖² (the eigenvalue sum), a Python float, at O(N) cost.
 
@@ -389,15 +479,91 @@ def ntk_trace(
 
     References: Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018.
     """
-    check_apply_fn(_NTK_TRACE.name, apply_fn)
-    options = dict(batch_size=batch_size, implementation=implementation, precision=precision)
-    return _diagonal_sum(_NTK_TRACE, apply_fn, params, x, options)
-
-
-def _diagonal_sum(caller, apply_fn, params, x, options) -> float:
-    options = dict(trace_axes=(), diagonal_axes=(0, 1), progress=False, **options)
-    diag = _get("ntk", caller, flat_outputs(apply_fn), options)(params, x, None)
-    return float(np.sum(np.asarray(diag, np.float64)))
+    model = core_model("ntk_trace", apply_fn, params, x, wrt)
+    return model_trace(model, batch_size, implementation, precision)
 
 
 ntk_trace = _checked_arguments(ntk_trace)
+
+
+#: The statistics an adapter reaches through :func:`of_kernel`, by their core names.
+STATISTICS = ("ntk_trace", "ntk_frobenius_sq", "ntk_effective_rank", "ntk_kernel_alignment")
+#: The kernel options the statistics read; ``implementation`` only ``ntk_trace``.
+_TAKEN = ("precision", "batch_size", "wrt")
+
+
+def of_kernel(statistic: str, kernel, first, x, keywords: dict, arguments: dict):
+    """``statistic`` (one of :data:`STATISTICS`) of Θ(x, x) of the model of ``kernel``, an
+    NTK kernel function (``adapters.build_kernel(..., "ntk", ...)``) as ``kernel(first, x,
+    **keywords)`` sees it: its options ``precision``, ``batch_size`` and ``wrt`` (and
+    ``implementation`` for the trace), others refused; ``arguments``: the statistic's own
+    (``key``, ``m``, ``steps``, ``y``; None: the core function's default)."""
+    fn, options = kernel.name, kernel.options
+    if statistic not in STATISTICS:
+        raise ValueError(f"of_kernel: unknown statistic {statistic!r}; one of {STATISTICS}")
+    taken = _TAKEN + (("implementation",) if statistic == "ntk_trace" else ())
+    for name in NTK_OPTION_NAMES:
+        value = getattr(options, name)
+        if name not in taken and value != getattr(DEFAULTS, name):
+            what = f"{name}={value!r} is a kernel option that {fn} does not take"
+            fix = "drop it: the statistic is of the (N·O, N·O) kernel Θ(x, x); options: "
+            raise bad(TypeError, fn, what, fix + ", ".join(f"{t}=" for t in taken))
+    model_of = lambda: kernel_model(kernel, first, x, keywords)  # noqa: E731
+    if statistic == "ntk_trace":
+        o = options
+        return model_trace(model_of(), o.batch_size, o.implementation, o.precision)
+    public = dict(ntk_frobenius_sq=ntk_frobenius_sq, ntk_effective_rank=ntk_effective_rank)
+    public.update(ntk_kernel_alignment=ntk_kernel_alignment)
+    defaults = inspect.signature(public[statistic]).parameters
+    args = {k: defaults[k].default if v is None and k in ("m", "steps") else v
+            for k, v in arguments.items()}  # fmt: skip
+    common = (options.batch_size, options.precision)
+    if statistic == "ntk_frobenius_sq":
+        return frobenius_sq(fn, model_of, args["key"], args["m"], *common)
+    if statistic == "ntk_effective_rank":
+        return effective_rank(fn, model_of, args["key"], args["m"], args["steps"], *common)
+    return kernel_alignment(fn, model_of, args["y"], args["key"], args["m"], *common)
+
+
+class Tracked(NamedTuple):
+    """One :class:`~ntk_core.KernelTracker` step's matrix-free statistics of Θ(x, x):
+    ``trace`` exact, the others :class:`Estimate` (``alignment`` None without targets)."""
+
+    trace: float
+    frobenius_sq: Estimate
+    effective_rank: Estimate
+    alignment: Estimate | None
+
+
+def tracked(fn: str, kernel, first, x, keywords: dict, y, key, m: int, steps: int) -> Tracked:
+    """The statistics of Θ(x, x) of the model of ``kernel`` (an NTK kernel function with
+    ``trace_axes=()``) as ``kernel(first, x, **keywords)`` sees it: the exact trace; ‖Θ‖²_F
+    by Hutch++ with ``m`` products; the effective rank by SLQ with ``m`` products of
+    ``steps`` Lanczos steps; the alignment with ``y`` (host float64 ``(N, O...)`` or None)
+    from one more product and the same ‖Θ‖²_F. ``key``: split in two (F, rank)."""
+    if not isinstance(kernel, KernelFunction) or kernel.kind != "ntk":
+        kind = getattr(kernel, "kind", None)
+        got = type(kernel).__name__ + (f" of kind {kind!r}" if kind else "")
+        what = f"matrix-free tracking reads the model from an NTK kernel function, got {got}"
+        fix = "pass ntk_core.ntk_fn(f, trace_axes=()) or ntk_flax.kernel_fn(model, trace_axes=())"
+        raise bad(TypeError, fn, what, fix)
+    o = kernel.options
+    if o.trace_axes or o.diagonal_axes:
+        what = f"the kernel function has trace_axes={o.trace_axes}, diagonal_axes="
+        what += f"{o.diagonal_axes}; the matrix-free statistics are of the full (N·O, N·O) kernel"
+        fix = "build it with trace_axes=() (and no diagonal_axes), or track exactly (m=None)"
+        raise bad(ValueError, fn, what, fix)
+    batch_size = o.batch_size if isinstance(o.batch_size, int) else None  # VJPs in batches
+    op = _flat(kernel_model(kernel, first, x, keywords), batch_size, o.precision)
+    op = op._replace(fn=fn)
+    trace = model_trace(op.model, o.batch_size, o.implementation, o.precision)
+    k_frobenius, k_rank = jax.random.split(key)
+    frobenius = _hutchpp(op, _check_m(fn, m), k_frobenius)
+    rank = _effective_rank(op, k_rank, m, steps, lambda: trace)
+    if y is None:
+        return Tracked(trace, frobenius, rank, None)
+    leaves = jax.tree.leaves(op.outputs)
+    if len(leaves) == 1 and np.size(y) == math.prod(leaves[0].shape):
+        y = np.reshape(y, leaves[0].shape)  # (N,) labels of (N, 1) outputs
+    alignment = _alignment(op, _targets(fn, op, y), lambda: frobenius)
+    return Tracked(trace, frobenius, rank, alignment)

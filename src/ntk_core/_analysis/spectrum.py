@@ -13,7 +13,7 @@ import scipy.sparse.linalg
 
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
 from ntk_core._errors import bad, check_int, check_real
-from ntk_core._functional.ntk_vp import make_ntk_vp
+from ntk_core._functional.ntk_vp import apply3_of, make_ntk_vp
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import check_apply_fn
@@ -67,7 +67,8 @@ class _Operator(scipy.sparse.linalg.LinearOperator):
 
 
 def _ntk_operator(caller: Caller, apply_fn, params, x, batch_size, precision):
-    ntk_vp = make_ntk_vp(caller, apply_fn, params, x, batch_size, precision)
+    check_apply_fn(caller.name, apply_fn)
+    ntk_vp = make_ntk_vp(caller, apply3_of(apply_fn), params, x, None, batch_size, precision)
     leaves, tree = jax.tree.flatten(ntk_vp.outputs)
     sizes = [math.prod(o.shape) for o in leaves]
     splits = np.cumsum(sizes)[:-1]

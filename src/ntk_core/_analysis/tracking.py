@@ -1,5 +1,7 @@
 """:class:`KernelTracker`: the empirical NTK of a fixed probe set and its metrics
-(:mod:`ntk_core.metrics`), every ``every`` steps of a training loop; host work in float64."""
+(:mod:`ntk_core.metrics`), every ``every`` steps of a training loop; host work in float64.
+With ``m=`` the kernel is never formed: matrix-free estimates with standard errors
+(:mod:`ntk_core._analysis.matrix_free`), for probe sets whose kernel does not fit."""
 
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ntk_core._analysis import matrix_free as _matrix_free
 from ntk_core._analysis import metrics as _metrics
 from ntk_core._analysis.host_kernel import HostKernel
 from ntk_core._errors import bad, check_int
-from ntk_core._predict.linalg import real_array
+from ntk_core._predict.linalg import check_key, real_array
 
 _NAME = "KernelTracker"
 _UPDATE = f"{_NAME}.update"
@@ -37,6 +40,24 @@ class KernelRecord(NamedTuple):
     effective_rank: float
     trace: float
     top_eigenvalues: np.ndarray
+    seconds: float
+
+
+class EstimateRecord(NamedTuple):
+    """One tracked step's matrix-free statistics (:class:`KernelTracker` with ``m=``) of the
+    flat ``(N·O, N·O)`` kernel: ``trace`` exact; ``frobenius_sq`` (‖Θ‖²_F), ``effective_rank``
+    and ``alignment`` (NaN without labels) estimates, each with its ``*_se`` standard error
+    (0.0 where exact); ``products`` NTK-vector products; ``seconds`` wall time."""
+
+    step: int
+    trace: float
+    frobenius_sq: float
+    frobenius_sq_se: float
+    effective_rank: float
+    effective_rank_se: float
+    alignment: float
+    alignment_se: float
+    products: int
     seconds: float
 
 
@@ -119,16 +140,30 @@ class KernelTracker:
       keep_kernels: keep every kernel in :attr:`kernels` (K_0 is kept anyway).
       out: optional folder for ``kernel_step_{step:08d}.npy`` and ``metrics.json``
         (:meth:`to_dict`), written atomically at each tracked step.
+      m: ``None`` (default): the exact kernel, as above. An int >= 4: matrix-free, the
+        kernel never formed (probe sets whose N·O x N·O kernel does not fit): each tracked
+        step records an :class:`EstimateRecord`, the exact trace (O(N)), ‖Θ‖²_F by Hutch++
+        and the effective rank by stochastic Lanczos quadrature with ``m`` NTK-vector
+        products each, and the alignment with y from one more product, each with its
+        standard error (:mod:`ntk_core.spectrum`'s ``ntk_*``; exact at m >= N·O). Needs
+        ``kernel_fn`` an NTK kernel function built with ``trace_axes=()`` (``ntk_core.ntk_fn``,
+        an adapter's ``kernel_fn``: its model, fixed parts, ``wrt``, ``precision``, int
+        ``batch_size`` are used); ``out`` then writes ``metrics.json`` only.
+      key: with ``m``, one JAX PRNG key; step s uses ``jax.random.fold_in(key, s)``.
+      steps: with ``m``, Lanczos steps per vector (m >= 2 + 4·steps unless m >= N·O).
 
     Attributes: records, history (arrays per field over T steps; ``step`` int64,
-    ``top_eigenvalues`` ``(T, top_k)``), kernels, initial_kernel (K_0 or None).
+    ``top_eigenvalues`` ``(T, top_k)``), kernels, initial_kernel (K_0 or None); with ``m``
+    the :class:`EstimateRecord` fields (no kernels, no distance or eigenvalues).
 
     Raises TypeError: ``kernel_fn`` not callable, ``every``/``top_k`` not int, bad ``x_probe``
     or ``y``; in :meth:`update`, a non-int step (a ``jax.Array`` would sync), a non-array
     kernel. ValueError: ``every``/``top_k`` < 1, bad shapes; in :meth:`update`, a step not
     after the last, a kernel not of the probe set, not symmetric or finite, ``top_k`` > N·O.
 
-    Cost: per tracked step a kernel call, a host copy, an M³ eigendecomposition (M = N·O).
+    Cost: per tracked step a kernel call, a host copy, an M³ eigendecomposition (M = N·O);
+    with ``m``: 2·m + 1 NTK-vector products (each about 4 forward passes over the N probe
+    samples) and the kernel's diagonal, memory O(M·m).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -160,6 +195,9 @@ class KernelTracker:
         top_k: int = 5,
         keep_kernels: bool = False,
         out: str | os.PathLike | None = None,
+        m: int | None = None,
+        key=None,
+        steps: int = 15,
     ):
         if not callable(kernel_fn):
             got = type(kernel_fn).__name__
@@ -171,6 +209,7 @@ class KernelTracker:
             what = f"keep_kernels must be True or False, got {keep_kernels!r}"
             raise bad(TypeError, _NAME, what, "pass keep_kernels=True to keep every kernel")
         self._kernel_fn, self.keep_kernels = kernel_fn, bool(keep_kernels)
+        self.m, self.steps, self._key = _matrix_free_options(m, key, steps, self.keep_kernels)
         self._x, self.n_probe = _probe_inputs(x_probe)
         self._y = _labels(y, self.n_probe)
         self.out = None if out is None else os.fspath(out)
@@ -186,7 +225,8 @@ class KernelTracker:
         return step % self.every == 0
 
     def update(self, step: int, params_like, **kernel_kwargs) -> KernelRecord | None:
-        """The step's :class:`KernelRecord` when due, else None.
+        """The step's :class:`KernelRecord` (:class:`EstimateRecord` with ``m``) when due,
+        else None.
 
         ``kernel_fn(params_like, x_probe, **kernel_kwargs)``; ``step`` a Python or numpy int.
         """
@@ -198,12 +238,29 @@ class KernelTracker:
             check_int(_UPDATE, "step", step, fix, low=0)  # raises
         if step % self.every:
             return None
-        return self._track(int(step), params_like, kernel_kwargs)
-
-    def _track(self, step: int, params_like, kernel_kwargs) -> KernelRecord:
         if self.records and step <= self.records[-1].step:
             what = f"step {step} is not after the last tracked step {self.records[-1].step}"
             raise bad(ValueError, _UPDATE, what, "pass the training step, not a restarting counter")
+        if self.m is not None:
+            return self._estimate(int(step), params_like, kernel_kwargs)
+        return self._track(int(step), params_like, kernel_kwargs)
+
+    def _estimate(self, step: int, params_like, kernel_kwargs) -> EstimateRecord:
+        t0, key = time.perf_counter(), jax.random.fold_in(self._key, step)
+        args = (self._x, kernel_kwargs, self._y, key, self.m, self.steps)
+        r = _matrix_free.tracked(_UPDATE, self._kernel_fn, params_like, *args)
+        a = r.alignment or _matrix_free.Estimate(math.nan, math.nan, 0)
+        products = r.frobenius_sq.products + r.effective_rank.products + (a.products > 0)
+        record = EstimateRecord(
+            step, r.trace, *r.frobenius_sq[:2], *r.effective_rank[:2], *a[:2], int(products),
+            time.perf_counter() - t0,
+        )  # fmt: skip
+        self.records.append(record)
+        if self.out is not None:
+            self._save(step, None)
+        return record
+
+    def _track(self, step: int, params_like, kernel_kwargs) -> KernelRecord:
         t0 = time.perf_counter()
         k = self._kernel_fn(params_like, self._x, **kernel_kwargs)
         if not isinstance(k, (np.ndarray, jax.Array)):
@@ -247,23 +304,46 @@ class KernelTracker:
     @property
     def history(self) -> dict[str, np.ndarray]:
         """The records as numpy arrays over the T tracked steps (see Attributes)."""
-        cols = zip(*self.records, strict=True) if self.records else [()] * len(KernelRecord._fields)
-        r = KernelRecord(*(np.asarray(c, np.float64) for c in cols))
+        kind = KernelRecord if self.m is None else EstimateRecord
+        cols = zip(*self.records, strict=True) if self.records else [()] * len(kind._fields)
+        r = kind(*(np.asarray(c, np.float64) for c in cols))
+        r = r._replace(step=r.step.astype(np.int64))
+        if self.m is not None:
+            return r._replace(products=r.products.astype(np.int64))._asdict()
         top = r.top_eigenvalues if self.records else np.zeros((0, self.top_k), np.float64)
-        return r._replace(step=r.step.astype(np.int64), top_eigenvalues=top)._asdict()
+        return r._replace(top_eigenvalues=top)._asdict()
 
     def to_dict(self) -> dict:
         """What ``metrics.json`` holds: the settings and :attr:`history` as lists."""
         out = dict(every=self.every, top_k=self.top_k, n_probe=self.n_probe)
+        if self.m is not None:  # matrix-free: no kernel, no kernel files
+            out.update(m=self.m, steps=self.steps)
         out.update(kernel_shape=None if self._shape is None else list(self._shape))
         out.update(kernel_dtype=self._dtype, has_labels=self._y is not None)
         out.update(history={k: _json_value(v) for k, v in self.history.items()})
         out.update(kernel_files=list(self._files) if self.out is not None else None)
         return out
 
-    def _save(self, step: int, kernel: np.ndarray) -> None:
-        name = f"kernel_step_{step:08d}.npy"
-        _atomic_write(os.path.join(self.out, name), lambda fh: np.save(fh, kernel))
-        self._files.append(name)
+    def _save(self, step: int, kernel: np.ndarray | None) -> None:
+        if kernel is not None:
+            name = f"kernel_step_{step:08d}.npy"
+            _atomic_write(os.path.join(self.out, name), lambda fh: np.save(fh, kernel))
+            self._files.append(name)
         text = json.dumps(self.to_dict(), indent=1).encode()
         _atomic_write(os.path.join(self.out, "metrics.json"), lambda fh: fh.write(text))
+
+
+def _matrix_free_options(m, key, steps, keep_kernels: bool) -> tuple:
+    """``(m, steps, key)`` checked: all None-like for the exact kernel."""
+    if m is None:
+        if key is not None:
+            what = "key is given but m is None (the exact kernel takes no randomness)"
+            raise bad(ValueError, _NAME, what, "pass m=400 for matrix-free estimates, or drop key")
+        return None, None, None
+    m = check_int(_NAME, "m", m, "pass e.g. m=400 NTK-vector products, or None (exact)", low=4)
+    steps = check_int(_NAME, "steps", steps, "pass e.g. steps=15 (Lanczos steps per vector)")
+    key = check_key(_NAME, key)
+    if keep_kernels:
+        what = f"keep_kernels=True with m={m}: matrix-free tracking never forms the kernel"
+        raise bad(ValueError, _NAME, what, "drop keep_kernels, or track exactly (m=None)")
+    return m, steps, key

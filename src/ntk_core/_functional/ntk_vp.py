@@ -22,14 +22,14 @@ from ntk_core._kernel.validate import batch_size as _batch_size
 from ntk_core._kernel.validate import describe as _describe
 
 
-def _whole(apply_fn, params, x, v):
+def _whole(apply3, params, x, aux, v):
     """Θ v on the whole batch: ``jax.linearize``, its transpose, the linear map again."""
-    _, f_lin = jax.linearize(lambda p: apply_fn(p, x), params)
+    _, f_lin = jax.linearize(lambda p: apply3(p, x, aux), params)
     (u,) = jax.linear_transpose(f_lin, params)(v)
     return f_lin(u)
 
 
-def _batched(apply_fn, params, x, v, b: int):
+def _batched(apply3, params, x, aux, v, b: int):
     """Θ v in batches of ``b``: u = Σ_b J_bᵀ v_b (scan of VJPs), then J_b u (map of JVPs)."""
     n = jax.tree.leaves(x)[0].shape[0]
     k, r = divmod(n, b)
@@ -41,7 +41,7 @@ def _batched(apply_fn, params, x, v, b: int):
         return jax.tree.map(lambda a: a[k * b :], tree)
 
     def pull(xb, vb):
-        _, vjp_fn = jax.vjp(lambda p: apply_fn(p, xb), params)
+        _, vjp_fn = jax.vjp(lambda p: apply3(p, xb, aux), params)
         return vjp_fn(vb)[0]
 
     u = jax.tree.map(jnp.zeros_like, params)
@@ -52,7 +52,7 @@ def _batched(apply_fn, params, x, v, b: int):
         u = jax.tree.map(jnp.add, u, pull(tail(x), tail(v)))
 
     def push(xb):
-        return jax.jvp(lambda p: apply_fn(p, xb), (params,), (u,))[1]
+        return jax.jvp(lambda p: apply3(p, xb, aux), (params,), (u,))[1]
 
     parts = []
     if k:
@@ -64,14 +64,15 @@ def _batched(apply_fn, params, x, v, b: int):
 
 
 @_caches.lru_cache(maxsize=64)
-def _product(apply_fn, precision: str, batch_size: int | None) -> Callable:
-    """The jitted product, shared per ``(apply_fn, precision, batch_size)``."""
+def _product(apply3, precision: str, batch_size: int | None) -> Callable:
+    """The jitted ``product(params, x, aux, v)``, shared per ``(apply3, precision,
+    batch_size)`` (``aux`` held fixed, as the kernels' ``apply3(params, x, aux)``)."""
 
-    def product(params, x, v):
+    def product(params, x, aux, v):
         with jax.default_matmul_precision(precision):
             if batch_size is None:
-                return _whole(apply_fn, params, x, v)
-            return _batched(apply_fn, params, x, v, batch_size)
+                return _whole(apply3, params, x, aux, v)
+            return _batched(apply3, params, x, aux, v, batch_size)
 
     return jax.jit(product)
 
@@ -86,11 +87,11 @@ def _check_params(fn: str, params) -> None:
             raise bad(ValueError, fn, what, "check the initialisation or training step")
 
 
-def _outputs(caller: Caller, apply_fn, params, x, n: int):
+def _outputs(caller: Caller, apply3, params, x, aux, n: int):
     """The model's outputs as ``jax.ShapeDtypeStruct`` leaves and their tree."""
     fn = caller.name
     try:
-        out = jax.eval_shape(apply_fn, params, x)
+        out = jax.eval_shape(apply3, params, x, aux)
     except Exception as e:  # the model's own error, with context
         doing = f"calling apply_fn(params, x) on x of shapes {_describe(x)}"
         fix = f"check params and x's per-sample shape ({_checks.order_hint(caller)})"
@@ -188,17 +189,29 @@ def ntk_vp_fn(
     References: Novak, Sohl-Dickstein, Schoenholz, "Fast Finite Width Neural Tangent
     Kernel", ICML 2022 (section 3.2).
     """
-    return make_ntk_vp(_NTK_VP_FN, apply_fn, params, x, batch_size, precision)
+    _checks.check_apply_fn(_NTK_VP_FN.name, apply_fn)
+    return make_ntk_vp(_NTK_VP_FN, apply3_of(apply_fn), params, x, None, batch_size, precision)
 
 
 #: :func:`ntk_vp_fn` as its messages name it (ntk_core._kernel.caller).
 _NTK_VP_FN = core("ntk_vp_fn", one_input=True)
 
 
-def make_ntk_vp(caller: Caller, apply_fn, params, x, batch_size, precision) -> Callable:
-    """:func:`ntk_vp_fn` with errors naming ``caller``."""
+def apply3_of(apply_fn) -> Callable:
+    """``apply_fn(params, x)`` as ``apply3(params, x, aux)``, the same object per ``apply_fn``
+    when hashable (so the jitted products are shared)."""
+    try:
+        return from_apply_fn(apply_fn)
+    except TypeError:  # unhashable apply_fn
+        return from_apply_fn.__wrapped__(apply_fn)
+
+
+def make_ntk_vp(
+    caller: Caller, apply3, params, x, aux, batch_size, precision, check=None
+) -> Callable:
+    """:func:`ntk_vp_fn` of ``apply3(params, x, aux)`` (``aux`` held fixed), errors naming
+    ``caller``; ``check(params, x, None, aux)``: an adapter's model check, run first."""
     fn = caller.name
-    _checks.check_apply_fn(fn, apply_fn)
     options = make_options(fn, precision=precision)
     batch_size = check_int(fn, "batch_size", batch_size, "pass e.g. 1000, or None", optional=True)
     _checks.before_trace(fn, params, x, None, options)
@@ -206,22 +219,24 @@ def make_ntk_vp(caller: Caller, apply_fn, params, x, batch_size, precision) -> C
     n = _batch_size(caller, "x", x)
     check_finite_input(fn, "x", x)
     params, x = jax.tree.map(jnp.asarray, (params, x))
-    outputs, tree = _outputs(caller, apply_fn, params, x, n)
-    apply3 = from_apply_fn(apply_fn)
-    _checks.after_trace(fn, apply3, params, x, None, None, outputs, options)
+    if check is not None:
+        check(params, x, None, aux)
+    outputs, tree = _outputs(caller, apply3, params, x, aux, n)
+    _checks.after_trace(fn, apply3, params, x, None, aux, outputs, options)
     batched = batch_size is not None and batch_size < n
-    if batched and _probe.samples_interact(apply3, params, x, None, None, fn_name=fn):
+    if batched and _probe.samples_interact(apply3, params, x, None, aux, fn_name=fn):
         raise _checks.samples_interact_error(fn, "pass batch_size=None, or use evaluation mode")
     try:
-        product = _product(apply_fn, precision, batch_size)
-    except TypeError:  # unhashable apply_fn
-        product = _product.__wrapped__(apply_fn, precision, batch_size)
+        product = _product(apply3, precision, batch_size)
+    except TypeError:  # unhashable apply3
+        product = _product.__wrapped__(apply3, precision, batch_size)
     call = f"{fn}(...)(v)"
 
     def ntk_vp(v):
-        return product(params, x, _check_v(call, outputs, tree, v))
+        return product(params, x, aux, _check_v(call, outputs, tree, v))
 
     ntk_vp.outputs = jax.tree.unflatten(tree, outputs)
+    ntk_vp.arguments = (params, x, aux)  # as checked, on the device
     return ntk_vp
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from ntk_core._blocked import store as _store
 from ntk_core._errors import NonFiniteError, bad
+from ntk_core._kernel.kind import NTK_ONLY
 
 #: The Monte Carlo kernels, in the order of ``Kernels``.
 KINDS = ("nngp", "ntk")
@@ -22,8 +23,9 @@ _SAMPLE = "sample"
 
 
 def kind_options(kind: str, options: dict, files: MonteCarloFiles | None) -> dict:
-    """The kind's options: no ``implementation`` for the NNGP; ``out`` its :class:`RunningSum`."""
-    options = {k: v for k, v in options.items() if not (kind == "nngp" and k == "implementation")}
+    """The kind's options: none of the NTK's own (``implementation``, ``wrt``: the NNGP takes
+    no derivative) for the NNGP; ``out`` its :class:`RunningSum`."""
+    options = {k: v for k, v in options.items() if not (kind == "nngp" and k in NTK_ONLY)}
     if files is not None:
         options.update(out=files.sums[kind], resume=False, overwrite=False)
     return options

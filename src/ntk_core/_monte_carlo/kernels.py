@@ -172,6 +172,7 @@ def monte_carlo_kernels(
     vmap_axes=DEFAULTS.vmap_axes,
     implementation=DEFAULTS.implementation,
     precision=DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
     batch_size=DEFAULTS.batch_size,
     store_on_device=DEFAULTS.store_on_device,
     memory_budget=DEFAULTS.memory_budget,
@@ -199,8 +200,11 @@ def monte_carlo_kernels(
         default 1 (least memory).
       progress: tqdm bar over the samples: ``None`` only in a terminal outside CI,
         ``True`` always (needs tqdm), ``False`` never.
-      trace_axes, diagonal_axes, vmap_axes, implementation, precision: see
-        :mod:`ntk_core._kernel.options` (the NNGP ignores ``implementation``).
+      trace_axes, diagonal_axes, vmap_axes, implementation, precision, wrt: see
+        :mod:`ntk_core._kernel.options` (the NNGP ignores ``implementation`` and ``wrt``);
+        ``wrt``: Θ_MC of a parameter subset, (1/S) Σ_s J_s,S(x1) J_s,S(x2)ᵀ, the mean of the
+        S subset kernels ``empirical_ntk(..., wrt=wrt)`` (names and predicates read each
+        initialisation's parameter paths).
       batch_size, store_on_device, memory_budget, devices: the blocked engine for each
         sample, as in :func:`ntk_fn` (only with ``batch_size_samples=1``; host arrays
         unless ``store_on_device=True``).
