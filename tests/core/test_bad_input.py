@@ -734,6 +734,25 @@ def _rows():
         Row("matrix-free-nan-model", "a model whose gradients are NaN at these params (sqrt of a negative)",
             "ntk_core.spectrum.ntk_frobenius_sq(lambda w, x: jnp.sqrt(x @ w - 10.0), W, XS, key=jax.random.PRNGKey(0))",
             NonFiniteError, r"^ntk_frobenius_sq: an NTK-vector product Θ v contains NaN or Inf"),
+        # -- the sketched eNTK (ntk_core.ntk_sketch_fn, empirical_ntk_sketch) -----------
+        Row("sketch-k-zero", "a sketch of size k <= 0",
+            "ntk_core.ntk_sketch_fn(f, k=0, key=jax.random.PRNGKey(0))",
+            ValueError, r"^ntk_sketch_fn: k must be a positive int, got 0"),
+        Row("sketch-k-float", "a sketch size that is not an int",
+            "ntk_core.ntk_sketch_fn(f, k=512.0, key=jax.random.PRNGKey(0))",
+            TypeError, r"^ntk_sketch_fn: k must be a positive int, got 512.0 \(float\)"),
+        Row("sketch-key-not-key", "a sketch with a seed instead of a JAX key",
+            "ntk_core.empirical_ntk_sketch(f, W, X, k=64, key=0)",
+            TypeError, r"^empirical_ntk_sketch: key must be one JAX PRNG key, got int"),
+        Row("sketch-float16", "a sketch asked of a float16 model",
+            "ntk_core.empirical_ntk_sketch(f, W.astype(jnp.float16), X.astype(jnp.float16), k=64, key=jax.random.PRNGKey(0))",
+            ValueError, r"^empirical_ntk_sketch: the model computes in float16; .* Fix: cast params and x to float32"),
+        Row("sketch-two-outputs", "a sketch of a model with several output arrays",
+            "ntk_core.empirical_ntk_sketch(lambda w, x: (x @ w, x @ w), W, X, k=64, key=jax.random.PRNGKey(0))",
+            ValueError, r"^empirical_ntk_sketch: apply_fn returned 2 output arrays; the sketch takes one"),
+        Row("sketch-samples-interact", "a sketch of a model whose samples interact (batch mean)",
+            "ntk_core.empirical_ntk_sketch(centred, W, XS, k=64, key=jax.random.PRNGKey(0))",
+            ValueError, r"^empirical_ntk_sketch: the model's output for one sample depends on the other samples"),
     ]  # fmt: skip
 
 
