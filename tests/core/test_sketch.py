@@ -217,3 +217,26 @@ def test_features_feed_low_rank_inference():
     lam = 1e-2 * np.trace(k_train) / x.shape[0]
     exact = k_test @ np.linalg.solve(k_train + lam * np.eye(x.shape[0]), np.asarray(y))
     assert np.abs(np.asarray(mean) - exact).max() < 0.05 * np.abs(exact).max()
+
+
+def test_parameter_subset():
+    """wrt=: the sketch of the subset's kernel (Dense 6-3 and its bias), unbiased against
+    the float64 kernel of the subset; a name no parameter has is refused."""
+    held = {name: PARAMS[name] for name in ("w", "b", "s")}
+
+    def head(p, x):
+        return fallback_mlp(p | held, x)
+
+    subset = {name: PARAMS[name] for name in ("v", "c")}
+    exact = reference.ntk(head, subset, X, None)[0]
+    est = []
+    for seed in range(24):
+        key = jax.random.PRNGKey(seed)
+        s = ntk_core.empirical_ntk_sketch(fallback_mlp, PARAMS, X, k=256, key=key, wrt=["v", "c"])
+        est.append(np.asarray(s.kernel, np.float64))
+    est = np.array(est)
+    norm = np.linalg.norm(exact)
+    single = np.sqrt(np.mean([(np.linalg.norm(e - exact) / norm) ** 2 for e in est]))
+    assert np.linalg.norm(est.mean(axis=0) - exact) / norm < 2 * single / np.sqrt(24)
+    with pytest.raises(ValueError, match="^ntk_sketch_fn: wrt names 'u', which no parameter"):
+        ntk_core.ntk_sketch_fn(fallback_mlp, k=8, key=KEYS[0], wrt="u")(PARAMS, X)

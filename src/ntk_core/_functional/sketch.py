@@ -35,6 +35,7 @@ from ntk_core._jax import caches as _caches
 from ntk_core._jax.batches import map_in_batches
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel import probe as _probe
+from ntk_core._kernel import subset as _subset
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import core
 from ntk_core._kernel.checks import check_finite_input
@@ -126,12 +127,12 @@ def _direct(j, h1, s1, h2, s2, k: int):
     return jnp.einsum("...rk,r->...k", shifted, s1.astype(y.dtype))
 
 
-def sketch_chunk(apply3, plan: Plan, precision: str, params, x, key):
+def sketch_chunk(apply3, plan: Plan, precision: str, params, aux, x, key):
     """Φ of a chunk of samples ``(n, *O_kept, k)`` (see the module docstring)."""
-    args = (apply3, params, one_sample(x), None)
+    args = (apply3, params, one_sample(x), aux)
     analysis, closed = _structured.analysis_for(*args, precision=precision)
     f = _structured.features(
-        apply3, params, x, None, True, plan.modes, None, precision=precision, columns=True
+        apply3, params, x, aux, True, plan.modes, None, precision=precision, columns=True
     )
     out = closed.out_avals[0]
     o_ndim, k, trace = len(out.shape), plan.k, plan.trace
@@ -176,21 +177,22 @@ def sketch_chunk(apply3, plan: Plan, precision: str, params, x, key):
 
 @_caches.lru_cache(maxsize=64)
 def _block_fn(apply3, plan: Plan, precision: str) -> Callable:
-    """The jitted ``block(params, x, key) -> Φ``, in chunks of ``plan.chunk`` samples."""
+    """The jitted ``block(params, aux, x, key) -> Φ``, in chunks of ``plan.chunk`` samples
+    (``aux``: the parameters ``wrt=`` holds fixed, or None)."""
 
-    def block(params, x, key):
+    def block(params, aux, x, key):
         with jax.default_matmul_precision(precision):
-            one = functools.partial(sketch_chunk, apply3, plan, precision, params, key=key)
+            one = functools.partial(sketch_chunk, apply3, plan, precision, params, aux, key=key)
             return map_in_batches(lambda xb: one(xb), x, plan.chunk)
 
     return jax.jit(block)
 
 
-def _chunk(apply3, params, x, modes, analysis, out_shape, trace, k, precision) -> int:
+def _chunk(apply3, params, aux, x, modes, analysis, out_shape, trace, k, precision) -> int:
     """Samples per loop step: the features' own chunk, and :data:`SKETCH_CHUNK_BYTES` over
     the bytes of one sample's sketch intermediates."""
     n = jax.tree.leaves(x)[0].shape[0]
-    feats = _structured.chunk_size(apply3, params, x, None, True, modes, precision=precision)
+    feats = _structured.chunk_size(apply3, params, x, aux, True, modes, precision=precision)
     o_traced = math.prod(out_shape[a] for a in trace)
     o_kept = math.prod(out_shape) // max(o_traced, 1)
     values = 0
@@ -209,41 +211,45 @@ def _chunk(apply3, params, x, modes, analysis, out_shape, trace, k, precision) -
 class _Sketcher:
     """``features(params, x) -> Φ`` of :func:`ntk_sketch_fn`."""
 
-    def __init__(self, caller, apply_fn, k, key, trace_axes, batch_size, precision):
+    def __init__(self, caller, apply_fn, k, key, trace_axes, batch_size, precision, wrt):
         self._caller, self._apply_fn = caller, apply_fn
         self.k, self.key, self.trace_axes = k, key, trace_axes
-        self.batch_size, self.precision = batch_size, precision
+        self.batch_size, self.precision, self.wrt = batch_size, precision, wrt
         self._apply3 = from_apply_fn(apply_fn)
+        if wrt is not None:  # the model of the subset, the other leaves held in aux
+            self._apply3 = _subset.OnSubset(self._apply3)
         self._plans: dict = {}
+        self._masks: dict = {}
 
     def __repr__(self) -> str:
         return f"<ntk sketch features k={self.k} trace_axes={self.trace_axes}>"
 
-    def _plan(self, params, x, block: int) -> Plan:
+    def _plan(self, params, aux, x, block: int) -> Plan:
         fn = self._caller.name
         xb = jax.tree.map(lambda v: v[:block], x)
-        shapes = jax.tree.map(lambda v: (v.shape, str(v.dtype)), (params, xb))
+        shapes = jax.tree.map(lambda v: (v.shape, str(v.dtype)), (params, aux, xb))
         signature = (jax.tree.structure(shapes), str(shapes))
         found = self._plans.get(signature)
         if found is not None:
             return found
-        outputs, _ = _outputs(self._caller, self._apply_fn, params, xb, block)
+        model = functools.partial(_with_aux, self._apply3, aux)
+        outputs, _ = _outputs(self._caller, model, params, xb, block)
         if len(outputs) != 1:
             what = f"apply_fn returned {len(outputs)} output arrays; the sketch takes one"
             raise bad(ValueError, fn, what, "concatenate the outputs into one (N, O) array")
         out = outputs[0]
         _check_dtypes(fn, params, out)
         layout = resolve_layout(fn, self.trace_axes, (), out.shape, "the output")
-        if _probe.samples_interact(self._apply3, params, xb, None, None, fn_name=fn):
+        if _probe.samples_interact(self._apply3, params, xb, None, aux, fn_name=fn):
             fix = "sketch a model whose samples are independent (evaluation mode)"
             raise _checks.samples_interact_error(fn, fix)
         trace = tuple(a - 1 for a in layout.trace)
         analysis, _ = _structured.analysis_for(
-            self._apply3, params, one_sample(xb), None, precision=self.precision
+            self._apply3, params, one_sample(xb), aux, precision=self.precision
         )
         modes = choose_modes(analysis, out.shape[1:], trace, self.k)
         args = (analysis, out.shape[1:], trace, self.k, self.precision)
-        chunk = _chunk(self._apply3, params, xb, modes, *args)
+        chunk = _chunk(self._apply3, params, aux, xb, modes, *args)
         plan = Plan(self.k, trace, modes, chunk)
         self._plans[signature] = plan
         return plan
@@ -255,11 +261,14 @@ class _Sketcher:
         n = _batch_size(self._caller, "x", x)
         check_finite_input(fn, "x", x)
         params, x = jax.tree.map(jnp.asarray, (params, x))
+        aux = None
+        if self.wrt is not None:
+            params, aux = _subset.split(fn, self.wrt, params, None, self._masks)
         block = n if self.batch_size is None else min(self.batch_size, n)
-        plan = self._plan(params, x, block)
+        plan = self._plan(params, aux, x, block)
         run = _block_fn(self._apply3, plan, self.precision)
         if block == n:
-            return run(params, x, self.key)
+            return run(params, aux, x, self.key)
         parts = []
         for start in range(0, n, block):
             stop = min(start + block, n)
@@ -267,8 +276,12 @@ class _Sketcher:
             if stop - start < block:  # the last block padded: one compiled shape
                 pad = block - (stop - start)
                 xb = jax.tree.map(lambda v, p=pad: jnp.concatenate([v, v[-1:].repeat(p, 0)]), xb)
-            parts.append(np.asarray(run(params, xb, self.key))[: stop - start])
+            parts.append(np.asarray(run(params, aux, xb, self.key))[: stop - start])
         return np.concatenate(parts)
+
+
+def _with_aux(apply3, aux, params, x):
+    return apply3(params, x, aux)
 
 
 def _check_dtypes(fn: str, params, out) -> None:
@@ -281,15 +294,15 @@ def _check_dtypes(fn: str, params, out) -> None:
         raise bad(ValueError, fn, what, fix)
 
 
-def _make(fn: str, apply_fn, k, key, trace_axes, batch_size, precision) -> _Sketcher:
+def _make(fn: str, apply_fn, k, key, trace_axes, batch_size, precision, wrt) -> _Sketcher:
     _checks.check_apply_fn(fn, apply_fn)
     k = check_int(fn, "k", k, "pass e.g. k=1024 (the error falls like 1/sqrt(k))")
     check_key(fn, key)
-    make_options(fn, trace_axes=trace_axes, precision=precision)
+    wrt = make_options(fn, trace_axes=trace_axes, precision=precision, wrt=wrt).wrt
     fix = "pass e.g. 256, or None for one block"
     batch_size = check_int(fn, "batch_size", batch_size, fix, optional=True)
     caller = core(fn, one_input=True)
-    return _Sketcher(caller, apply_fn, k, key, tuple(trace_axes), batch_size, precision)
+    return _Sketcher(caller, apply_fn, k, key, tuple(trace_axes), batch_size, precision, wrt)
 
 
 def ntk_sketch_fn(
@@ -300,6 +313,7 @@ def ntk_sketch_fn(
     trace_axes=DEFAULTS.trace_axes,
     batch_size: int | None = None,
     precision=DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
 ) -> Callable:
     """Returns ``features(params, x) -> Φ``, random features of the eNTK: Θ̂ = Φ(x1) Φ(x2)ᵀ.
 
@@ -325,6 +339,8 @@ def ntk_sketch_fn(
       batch_size: None (one jitted call) or B: blocks of B samples (the last padded, so
         one compiled shape), returned as one host ``numpy.ndarray``.
       precision: the matmul precision, as :func:`ntk_fn`.
+      wrt: a parameter subset, as :func:`ntk_fn` (path names or a predicate on key
+        paths): the sketch of the subset's kernel, its own map (the subset's leaves).
 
     Returns ``features(params, x)``: Φ ``(N, *O_kept, k)`` in the output's dtype (a
     ``jax.Array``; numpy with ``batch_size``), O_kept the output axes not traced.
@@ -373,7 +389,7 @@ def ntk_sketch_fn(
     Kernel", NeurIPS 2014; Park et al., "TRAK", ICML 2023; Malladi et al., "A Kernel-Based
     View of Language Model Fine-Tuning", ICML 2023.
     """
-    return _make("ntk_sketch_fn", apply_fn, k, key, trace_axes, batch_size, precision)
+    return _make("ntk_sketch_fn", apply_fn, k, key, trace_axes, batch_size, precision, wrt)
 
 
 def empirical_ntk_sketch(
@@ -387,6 +403,7 @@ def empirical_ntk_sketch(
     trace_axes=DEFAULTS.trace_axes,
     batch_size: int | None = None,
     precision=DEFAULTS.precision,
+    wrt=DEFAULTS.wrt,
 ) -> NTKSketch:
     """The one-call form of :func:`ntk_sketch_fn` (definition, variance, errors, cost
     there): :class:`NTKSketch` ``(kernel, features1, features2)``, the estimate Θ̂(x1, x2)
@@ -403,7 +420,7 @@ def empirical_ntk_sketch(
       ((3, 3, 2, 2), (3, 2, 64))
     """
     fn = "empirical_ntk_sketch"
-    features = _make(fn, apply_fn, k, key, trace_axes, batch_size, precision)
+    features = _make(fn, apply_fn, k, key, trace_axes, batch_size, precision, wrt)
     phi1 = features(params, x1)
     phi2 = phi1 if x2 is None else features(params, x2)
     lib = np if isinstance(phi1, np.ndarray) else jnp
