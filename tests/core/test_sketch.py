@@ -198,7 +198,7 @@ def test_fourier_and_explicit_forms_are_the_same_map(name):
     forms = []
     for modes in (gram, (_sketch.EXPLICIT,) * n_groups):
         plan = _sketch.Plan(512, trace, modes, x.shape[0])
-        forms.append(np.asarray(_sketch._block_fn(apply3, plan, "highest")(params, x, key)))
+        forms.append(np.asarray(_sketch._block_fn(apply3, plan, "highest")(params, None, x, key)))
     assert _sketch.TENSOR in gram
     np.testing.assert_allclose(forms[0], forms[1], atol=1e-5 * np.abs(forms[1]).max())
 
