@@ -24,6 +24,9 @@ from ntk_core._functional.linearize import taylor_expand as taylor_expand
 from ntk_core._functional.ntk_vp import ntk_vp_fn as ntk_vp_fn
 from ntk_core._functional.pntk import empirical_pntk as empirical_pntk
 from ntk_core._functional.pntk import pntk_fn as pntk_fn
+from ntk_core._functional.sketch import NTKSketch as NTKSketch
+from ntk_core._functional.sketch import empirical_ntk_sketch as empirical_ntk_sketch
+from ntk_core._functional.sketch import ntk_sketch_fn as ntk_sketch_fn
 from ntk_core._jax.caches import clear_caches as clear_caches
 from ntk_core._jax.environment import BackendWarning as BackendWarning
 from ntk_core._jax.environment import PrecisionWarning as PrecisionWarning
@@ -36,12 +39,12 @@ from ntk_core._version import __version__ as __version__
 
 __all__ = (
     "IMPLEMENTATIONS", "PRECISIONS", "BackendWarning", "DoctorReport", "EstimateRecord",
-    "KernelFunction",
-    "KernelRecord", "KernelTracker", "NonFiniteError", "PrecisionWarning",
+    "KernelFunction", "KernelRecord", "KernelTracker", "NTKSketch", "NonFiniteError",
+    "PrecisionWarning",
     "UnsupportedBackendError", "__version__", "clear_caches", "doctor", "empirical_nngp",
-    "empirical_ntk", "empirical_ntk_per_leaf", "empirical_pntk", "linearize", "metrics",
-    "monte_carlo_kernels", "nngp_fn", "ntk_fn", "ntk_per_leaf_fn", "ntk_vp_fn", "plan",
-    "pntk_fn", "predict", "spectrum", "taylor_expand",
+    "empirical_ntk", "empirical_ntk_per_leaf", "empirical_ntk_sketch", "empirical_pntk",
+    "linearize", "metrics", "monte_carlo_kernels", "nngp_fn", "ntk_fn", "ntk_per_leaf_fn",
+    "ntk_sketch_fn", "ntk_vp_fn", "plan", "pntk_fn", "predict", "spectrum", "taylor_expand",
 )  # fmt: skip
 
 

@@ -753,6 +753,25 @@ def _rows():
         Row("tracker-matrix-free-not-ntk", "matrix-free tracking of something that is not an NTK kernel function",
             "ntk_core.KernelTracker(ntk_core.nngp_fn(f, trace_axes=()), X, every=1, m=60, key=jax.random.PRNGKey(0)).update(0, W)",
             TypeError, r"^KernelTracker.update: matrix-free tracking reads the model from an NTK kernel function, got KernelFunction of kind 'nngp'"),
+        # -- the sketched eNTK (ntk_core.ntk_sketch_fn, empirical_ntk_sketch) -----------
+        Row("sketch-k-zero", "a sketch of size k <= 0",
+            "ntk_core.ntk_sketch_fn(f, k=0, key=jax.random.PRNGKey(0))",
+            ValueError, r"^ntk_sketch_fn: k must be a positive int, got 0"),
+        Row("sketch-k-float", "a sketch size that is not an int",
+            "ntk_core.ntk_sketch_fn(f, k=512.0, key=jax.random.PRNGKey(0))",
+            TypeError, r"^ntk_sketch_fn: k must be a positive int, got 512.0 \(float\)"),
+        Row("sketch-key-not-key", "a sketch with a seed instead of a JAX key",
+            "ntk_core.empirical_ntk_sketch(f, W, X, k=64, key=0)",
+            TypeError, r"^empirical_ntk_sketch: key must be one JAX PRNG key, got int"),
+        Row("sketch-float16", "a sketch asked of a float16 model",
+            "ntk_core.empirical_ntk_sketch(f, W.astype(jnp.float16), X.astype(jnp.float16), k=64, key=jax.random.PRNGKey(0))",
+            ValueError, r"^empirical_ntk_sketch: the model computes in float16; .* Fix: cast params and x to float32"),
+        Row("sketch-two-outputs", "a sketch of a model with several output arrays",
+            "ntk_core.empirical_ntk_sketch(lambda w, x: (x @ w, x @ w), W, X, k=64, key=jax.random.PRNGKey(0))",
+            ValueError, r"^empirical_ntk_sketch: apply_fn returned 2 output arrays; the sketch takes one"),
+        Row("sketch-samples-interact", "a sketch of a model whose samples interact (batch mean)",
+            "ntk_core.empirical_ntk_sketch(centred, W, XS, k=64, key=jax.random.PRNGKey(0))",
+            ValueError, r"^empirical_ntk_sketch: the model's output for one sample depends on the other samples"),
     ]  # fmt: skip
 
 

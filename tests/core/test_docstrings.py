@@ -20,6 +20,7 @@ MODULES = [
     "ntk_core._monte_carlo.kernels",
     "ntk_core._functional.ntk_vp",
     "ntk_core._functional.pntk",
+    "ntk_core._functional.sketch",
     "ntk_core._predict.inference",
     "ntk_core._analysis.spectrum",
     "ntk_core._analysis.tracking",

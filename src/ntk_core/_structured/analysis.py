@@ -493,8 +493,10 @@ def feature_chunk(n: int, out_total: int, values: int, feature_values: int, item
 Features = collections.namedtuple("Features", "fallback explicit merged x g")
 
 
-def features(apply3, params, x, aux, fuse_bias, modes, merge_limits, *, precision):
-    """Per-sample structured features of a batch (:class:`Features`)."""
+def features(apply3, params, x, aux, fuse_bias, modes, merge_limits, *, precision, columns=False):
+    """Per-sample structured features of a batch (:class:`Features`); ``columns``: every
+    fused bias as an input column of ones, never a 1 added to the input Gram matrix (the
+    sketch of :mod:`ntk_core._functional.sketch` reads the inputs, not their Gram form)."""
     analysis, closed = analysis_for(
         apply3, params, one_sample(x), aux, fuse_bias, precision=precision
     )
@@ -541,7 +543,7 @@ def features(apply3, params, x, aux, fuse_bias, modes, merge_limits, *, precisio
     x_mats = []
     biased = analysis.biased
     for u, (use, xu, b) in enumerate(zip(analysis.uses, xs, biased, strict=True)):
-        bias_column = b and not _bias_in_gram(analysis, modes, u)
+        bias_column = b and (columns or not _bias_in_gram(analysis, modes, u))
         form = use.rule.input_features if _gram(analysis, modes, u) else use.rule.jacobian_input
         x_mats.append(form(use, xu, bias_column))
     fallback, explicit, merged, g = [], [], [], []  # per output leaf

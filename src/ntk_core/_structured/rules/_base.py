@@ -121,6 +121,12 @@ class Rule(abc.ABC):
     def x_spec(self, n: str, a: str, c: str) -> str:
         return f"{n}{a}{c}"
 
+    def sketch_input(self, use: Use, x, hashes, signs, k: int):
+        """CountSketch of each position's input ``(N, A, k)``: x[a, c]·s(c) added to bucket
+        h(c), from the Gram-form inputs ``x`` (in :meth:`x_spec`'s order)."""
+        x = jnp.einsum(f"{self.x_spec('n', 'a', 'c')}->nac", x)
+        return count_sketch(x, hashes, signs, k)
+
     def gram_input_width(self, c: int) -> int:
         return c
 
@@ -177,6 +183,14 @@ def _rows_per_block(spec: str, s: Subscripts, operands) -> int | None:
     n1 = shapes[0][0]
     total = int(info.largest_intermediate) * itemsize
     return None if total <= GRAM_TERM_BYTES else max(1, n1 * GRAM_TERM_BYTES // total)
+
+
+def count_sketch(v, hashes, signs, k: int):
+    """CountSketch of the last axis of ``v`` ``(..., D)`` into ``(..., k)``: entry d times
+    ``signs[d]`` added to bucket ``hashes[d]`` (scattered as rows: ~5x faster on XLA CPU)."""
+    rows = jnp.moveaxis(v * signs.astype(v.dtype), -1, 0)
+    out = jnp.zeros((k,) + rows.shape[1:], v.dtype).at[hashes].add(rows)
+    return jnp.moveaxis(out, 0, -1)
 
 
 def scaled(chain) -> tuple[tuple, float]:

@@ -59,6 +59,15 @@ class GatherRule(Rule):
         hot = jax.nn.one_hot(tokens, vocab, dtype=g.dtype)  # out of range: all zero
         return jnp.einsum("nav,n...ad->n...vd", hot, g)
 
+    def sketch_input(self, use, x, hashes, signs, k):
+        """A one-hot token's CountSketch: s(t) at bucket h(t), zero for a dropped token."""
+        vocab = use.x_contract_size
+        t = jnp.clip(x, 0, vocab - 1) if use.info.mode is CLIP else x
+        valid = (t >= 0) & (t < vocab)
+        t = jnp.where(valid, t, 0)
+        sign = jnp.where(valid, signs[t], 0).astype(use.y_dtype)
+        return jax.nn.one_hot(hashes[t], k, dtype=use.y_dtype) * sign[..., None]
+
     def gram_input_width(self, c):
         return 1
 
