@@ -5,6 +5,7 @@ transformer: error, bias over seeds, variance against the formula, time, peak me
                                       [--ks 512,2048,8192] [--seeds 8]
     python benchmarks/bench_sketch.py memory [--model cnn|transformer] [--n 256] [--ks ...]
     python benchmarks/bench_sketch.py large [--n 2000] [--sub 256] [--batch-size 250] [--ks ...]
+    python benchmarks/bench_sketch.py report --out benchmarks/results_sketch.md
 
 Models (float32, O = 10 outputs, traced: ``trace_axes=(-1,)``):
 
@@ -40,7 +41,8 @@ projected from its measured throughput (samples/s), labelled as projections.
 The load average (the machine is shared) before and after each measurement goes into the
 results, merged into ``results_sketch.json``: the CNN's ``errors`` run at the top level
 (``meta``, ``exact``, ``sketch``), the transformer's under ``transformer``, then ``memory``
-(per model) and ``large``. A markdown table on stdout per run.
+(per model) and ``large``. A markdown table on stdout per run; ``report``: one table per
+part from the results file.
 """
 
 from __future__ import annotations
@@ -290,7 +292,7 @@ def measure(spec: dict) -> dict:
 
 
 def worker(spec: dict, timeout_s: float = 1800.0) -> dict:
-    print(f"worker {spec}", flush=True)
+    print(f"worker { {key: v for key, v in spec.items() if key != 'rows'} }", flush=True)
     out = harness.run_worker(__file__, spec, timeout_s=timeout_s, kill_bytes=12 * harness.GIB)
     print(json.dumps(out), flush=True)
     return out
@@ -367,19 +369,99 @@ def run_large(args) -> None:
               f"{r['top10_eig_norm']:.4f} | {p['20000']:.0f} / {p['100000']:.0f} |")  # fmt: skip
 
 
+# -- the tables ---------------------------------------------------------------------------
+
+
+def _mb(row: dict, key: str) -> str:
+    return f"{row[key] / 1e6:.0f}" if key in row else "-"
+
+
+def _load(row: dict) -> str:
+    return f"{row['load_before'][0]:.1f} / {row['load_after'][0]:.1f}"
+
+
+def run_report(args) -> None:
+    """Markdown tables, one per benchmark, from ``results_sketch.json`` (``--out``)."""
+    data = json.loads(RESULTS.read_text())
+    cnn_run = {key: data[key] for key in ("meta", "exact", "sketch")}
+    lines = ["# `bench_sketch.py` figures (from `results_sketch.json`)", ""]
+    lines += ["## Error, bias and variance at N = 256 (`errors`, 8 seeds)", ""]
+    lines += ["| model | k | rel. Frobenius (mean of 8) | of the 8-seed mean | "
+              "top-10 eig. max rel. / ‖Δλ‖/‖λ‖ | Var / Gaussian formula | "
+              "sketch warm s (first) | exact warm s (first) | load, start → end |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, run in (("CNN", cnn_run), ("transformer", data.get("transformer"))):
+        if not run:
+            continue
+        ex, meta = run["exact"], run["meta"]
+        for r in run["sketch"]:
+            lines.append(
+                f"| {name} | {r['k']} | {r['frob']:.4f} | {r['frob_of_mean']:.4f} | "
+                f"{r['top10_eig']:.3f} / {r['top10_eig_norm']:.4f} | "
+                f"{r['variance_over_gaussian']:.2f} | {r['warm_s']:.1f} ({r['first_s']:.1f}) | "
+                f"{ex['warm_s']:.1f} ({ex['first_s']:.1f}) | "
+                f"{meta['loadavg_1_5_15'][0]:.1f} → {meta['load_after'][0]:.1f} |"
+            )
+    lines += ["", "## Peak memory at N = 256, each side in its own process (`memory`)", ""]
+    lines += ["| model | side | k | first call s | peak RSS MB | baseline MB | "
+              "load before / after |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, run in data.get("memory", {}).items():
+        for r in run["rows"]:
+            seconds = f"{r['first_s']:.1f}" if "first_s" in r else r.get("error", "-")
+            lines.append(
+                f"| {name} | {r['side']} | {r.get('k', '')} | {seconds} | "
+                f"{_mb(r, 'peak_rss_bytes')} | {_mb(r, 'baseline_rss_bytes')} | {_load(r)} |"
+            )
+    large = data.get("large")
+    if large:
+        meta, ex = large["meta"], large["exact"]
+        n, sub = meta["n"], meta["sub"]
+        lines += ["", f"## CNN at N = {n} (`large`, blocks of {meta['batch_size']})", ""]
+        planned = meta["plan_structured"]
+        lines += [
+            f"Exact (structured) at N = {n}: `plan()` estimates {planned['seconds']:.0f}"
+            f" s and {planned['memory_bytes'] / 1e9:.1f} GB (one call); the "
+            f"measured N = {sub} first call {ex['sub_first_s']:.1f} s (load "
+            f"{ex['load_before'][0]:.1f} / {ex['load_after'][0]:.1f}) scaled by ({n}/{sub})² "
+            f"= **{ex['scaled_s']:.0f} s** (scaled, not measured). Errors: one seed, on a random "
+            f"{sub}-sample sub-block against its exact kernel.",
+            "",
+            "| k | sketch warm s (one-block warm-up) | samples/s | peak RSS MB (baseline) | "
+            "sub-block rel. Frobenius | top-10 eig. max rel. / ‖Δλ‖/‖λ‖ | exact scaled / sketch |"
+            " projected N = 20 000 / 100 000 s | load before / after |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in large["sketch"]:
+            if "error" in r:
+                lines.append(f"| {r['k']} | {r['error']} |")
+                continue
+            p = r["projected_s"]
+            lines.append(
+                f"| {r['k']} | {r['warm_s']:.1f} ({r['warmup_s']:.1f}) | "
+                f"{r['samples_per_s']:.1f} | {_mb(r, 'peak_rss_bytes')} "
+                f"({_mb(r, 'baseline_rss_bytes')}) | {r['frob']:.4f} | {r['top10_eig']:.3f} / "
+                f"{r['top10_eig_norm']:.4f} | {ex['scaled_s'] / r['warm_s']:.1f}x | "
+                f"{p['20000']:.0f} / {p['100000']:.0f} (projected) | {_load(r)} |"
+            )
+    text = "\n".join(lines) + "\n"
+    pathlib.Path(args.out).write_text(text) if args.out else print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("part", nargs="?", default="errors", choices=["errors", "memory", "large"])
+    parts = dict(errors=run_errors, memory=run_memory, large=run_large, report=run_report)
+    parser.add_argument("part", nargs="?", default="errors", choices=list(parts))
     parser.add_argument("--model", default="cnn", choices=["cnn", "transformer"])
     parser.add_argument("--n", type=int, default=None, help="256 (errors, memory), 2000 (large)")
     parser.add_argument("--ks", default="512,2048,8192")
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--sub", type=int, default=256, help="large: the exact sub-block")
     parser.add_argument("--batch-size", type=int, default=250, help="large: sketch blocks")
+    parser.add_argument("--out", default=None, help="report: the markdown file (else stdout)")
     args = parser.parse_args()
     if args.n is None:
         args.n = 2000 if args.part == "large" else 256
-    dict(errors=run_errors, memory=run_memory, large=run_large)[args.part](args)
+    parts[args.part](args)
 
 
 if __name__ == "__main__":
