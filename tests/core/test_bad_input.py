@@ -772,6 +772,15 @@ def _rows():
         Row("sketch-samples-interact", "a sketch of a model whose samples interact (batch mean)",
             "ntk_core.empirical_ntk_sketch(centred, W, XS, k=64, key=jax.random.PRNGKey(0))",
             ValueError, r"^empirical_ntk_sketch: the model's output for one sample depends on the other samples"),
+        Row("sketch-out-without-batch-size", "sketch features to a file without blocks",
+            'ntk_core.ntk_sketch_fn(f, k=64, key=jax.random.PRNGKey(0), out="phi.npy")',
+            ValueError, r"^ntk_sketch_fn: out='phi.npy' writes blocks of rows to a file, but batch_size is None"),
+        Row("sketch-resume-without-out", "resume=True for sketch features kept in memory",
+            "ntk_core.ntk_sketch_fn(f, k=64, key=jax.random.PRNGKey(0), resume=True)",
+            ValueError, r"^ntk_sketch_fn: resume=True applies to the file of out=, but out is None"),
+        Row("sketch-resume-another-key", "resume=True on the features file of another key",
+            '[ntk_core.ntk_sketch_fn(f, k=64, key=jax.random.PRNGKey(seed), batch_size=2, out=path, resume=True)(W, X) for path in [__import__("tempfile").mkdtemp() + "/phi.npy"] for seed in (0, 1)]',
+            ValueError, r"^ntk_sketch_fn: resume=True, but .*phi\.npy' was started by a different call: key differ"),
     ]  # fmt: skip
 
 

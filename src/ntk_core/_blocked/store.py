@@ -430,7 +430,8 @@ def model_digest(closed) -> str:
 @dataclasses.dataclass(frozen=True)
 class FileLayout:
     """A blocked call's file: ``perms`` of a mirror tile, ``batch_diagonal`` (a kernel
-    ``(N, ...)``), ``described`` (options and model digest) and the tile ``grid``."""
+    ``(N, ...)``, or a feature matrix: its tiles are blocks of rows), ``described``
+    (options and model digest) and the tile ``grid``."""
 
     shape: tuple
     dtype: np.dtype
@@ -533,3 +534,14 @@ def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
     fp = {**inputs(x1, x2), "params": _digest_tree(params), "model state (aux)": _digest_tree(aux)}
     fp |= described(named, shape, layout.dtype, layout.grid)
     return NpyStore(fn, out, layout, fp, options.resume, options.overwrite, *processes())
+
+
+def for_rows(fn, options, shape, dtype, block: int, named: dict, trees: dict) -> NpyStore:
+    """The :class:`NpyStore` of a feature matrix ``(N, ...)`` written in blocks of ``block``
+    rows (the tiles ``(r0, r0)`` of a batch diagonal) into ``options.out``; its
+    fingerprint: the digests of ``trees`` (name: pytree, e.g. the inputs and the
+    parameters) and :func:`described` ``named`` (what else fixes the result)."""
+    layout = FileLayout(tuple(shape), np.dtype(dtype), [None], True, named, (block, block))
+    fp = {name: _digest_tree(tree) for name, tree in trees.items()}
+    fp |= described(named, shape, layout.dtype, layout.grid)
+    return NpyStore(fn, options.out, layout, fp, options.resume, options.overwrite, *processes())

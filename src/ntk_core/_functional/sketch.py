@@ -20,6 +20,7 @@ normalisation), the variance is in :func:`ntk_sketch_fn`'s docstring.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ntk_core._blocked import store as _store
 from ntk_core._errors import bad, check_int
 from ntk_core._functional.ntk_vp import _check_params, _outputs
 from ntk_core._jax import caches as _caches
@@ -40,8 +42,8 @@ from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import core
 from ntk_core._kernel.checks import check_finite_input
 from ntk_core._kernel.layout import resolve_layout
-from ntk_core._kernel.model import from_apply_fn, one_sample
-from ntk_core._kernel.options import DEFAULTS, make_options
+from ntk_core._kernel.model import from_apply_fn, one_sample, per_sample_jaxpr
+from ntk_core._kernel.options import DEFAULTS, _flags, _out_options, make_options
 from ntk_core._kernel.validate import batch_size as _batch_size
 from ntk_core._predict.linalg import check_key
 from ntk_core._structured import analysis as _structured
@@ -211,12 +213,13 @@ def _chunk(apply3, params, aux, x, modes, analysis, out_shape, trace, k, precisi
 class _Sketcher:
     """``features(params, x) -> Φ`` of :func:`ntk_sketch_fn`."""
 
-    def __init__(self, caller, apply_fn, k, key, trace_axes, batch_size, precision, wrt):
+    def __init__(self, caller, apply_fn, k, key, trace_axes, options):
         self._caller, self._apply_fn = caller, apply_fn
-        self.k, self.key, self.trace_axes = k, key, trace_axes
-        self.batch_size, self.precision, self.wrt = batch_size, precision, wrt
+        self.k, self.key, self.trace_axes, self.options = k, key, trace_axes, options
+        self.batch_size, self.precision = options.batch_size, options.precision
+        self.wrt = options.wrt
         self._apply3 = from_apply_fn(apply_fn)
-        if wrt is not None:  # the model of the subset, the other leaves held in aux
+        if self.wrt is not None:  # the model of the subset, the other leaves held in aux
             self._apply3 = _subset.OnSubset(self._apply3)
         self._plans: dict = {}
         self._masks: dict = {}
@@ -266,17 +269,50 @@ class _Sketcher:
         block = n if self.batch_size is None else min(self.batch_size, n)
         plan = self._plan(params, aux, x, block)
         run = _block_fn(self._apply3, plan, self.precision)
+        if self.options.out is not None:
+            return self._to_file(run, plan, params, aux, x, n, block)
         if block == n:
             return run(params, aux, x, self.key)
-        parts = []
+        blocks = self._blocks(run, params, aux, x, n, block, None)
+        return np.concatenate([phi for _, _, phi in blocks])
+
+    def _blocks(self, run, params, aux, x, n: int, block: int, share):
+        """``(start, stop, Φ)`` of each block of ``block`` samples (those ``(start, start)``
+        in ``share``, or all), as host arrays."""
         for start in range(0, n, block):
             stop = min(start + block, n)
+            if share is not None and (start, start) not in share:
+                continue
             xb = jax.tree.map(lambda v, s=start, e=stop: v[s:e], x)
             if stop - start < block:  # the last block padded: one compiled shape
                 pad = block - (stop - start)
                 xb = jax.tree.map(lambda v, p=pad: jnp.concatenate([v, v[-1:].repeat(p, 0)]), xb)
-            parts.append(np.asarray(run(params, aux, xb, self.key))[: stop - start])
-        return np.concatenate(parts)
+            yield start, stop, np.asarray(run(params, aux, xb, self.key))[: stop - start]
+
+    def _to_file(self, run, plan: Plan, params, aux, x, n: int, block: int):
+        """Φ written block by block into ``out=`` (:func:`_store.for_rows`: the manifest,
+        CRC-32 per block, resume), returned memory-mapped read-only."""
+        args = (self._apply3, params, one_sample(x), aux)
+        closed = per_sample_jaxpr(*args, precision=self.precision)
+        out = closed.out_avals[0]
+        kept = tuple(d for a, d in enumerate(out.shape) if a not in plan.trace)
+        named = {"kind": "ntk sketch", "k": self.k, "trace_axes": self.trace_axes}
+        named |= {"precision": self.precision, "modes": plan.modes, "chunk": plan.chunk}
+        named["model (its jaxpr)"] = _store.model_digest(closed)
+        if self.wrt is not None:  # the subset by its paths: a predicate's repr is not stable
+            paths = jax.tree_util.tree_leaves_with_path(params)
+            named["wrt"] = [jax.tree_util.keystr(p) for p, _ in paths]
+        trees = {"x": x, "params": params, "params held (wrt)": aux, "key": self.key}
+        shape, fn = (n, *kept, self.k), self._caller.name
+        store = _store.for_rows(fn, self.options, shape, out.dtype, block, named, trees)
+        if not store.finished:
+            try:
+                for start, stop, phi in self._blocks(run, params, aux, x, n, block, store.share()):
+                    store.put(phi, start, stop, start, stop, False)
+            except BaseException:
+                store.close()  # the blocks listed so far stay: resume=True continues
+                raise
+        return store.result()
 
 
 def _check_dtypes(fn: str, params, out) -> None:
@@ -289,15 +325,22 @@ def _check_dtypes(fn: str, params, out) -> None:
         raise bad(ValueError, fn, what, fix)
 
 
-def _make(fn: str, apply_fn, k, key, trace_axes, batch_size, precision, wrt) -> _Sketcher:
+def _make(fn: str, apply_fn, k, key, trace_axes, batch_size, precision, wrt, files=None):
+    """The :class:`_Sketcher` of checked arguments; ``files``: ``(out, resume, overwrite)``."""
     _checks.check_apply_fn(fn, apply_fn)
     k = check_int(fn, "k", k, "pass e.g. k=1024 (the error falls like 1/sqrt(k))")
     check_key(fn, key)
-    wrt = make_options(fn, trace_axes=trace_axes, precision=precision, wrt=wrt).wrt
+    options = make_options(fn, trace_axes=trace_axes, precision=precision, wrt=wrt)
     fix = "pass e.g. 256, or None for one block"
     batch_size = check_int(fn, "batch_size", batch_size, fix, optional=True)
+    out, resume, overwrite = files or (None, False, False)
+    _flags(fn, resume=resume, overwrite=overwrite)
+    out = _out_options(fn, out, resume, overwrite, batch_size, False, "blocks of rows", 1024)
+    options = dataclasses.replace(
+        options, batch_size=batch_size, out=out, resume=resume, overwrite=overwrite
+    )
     caller = core(fn, one_input=True)
-    return _Sketcher(caller, apply_fn, k, key, tuple(trace_axes), batch_size, precision, wrt)
+    return _Sketcher(caller, apply_fn, k, key, tuple(trace_axes), options)
 
 
 def ntk_sketch_fn(
@@ -309,6 +352,9 @@ def ntk_sketch_fn(
     batch_size: int | None = None,
     precision=DEFAULTS.precision,
     wrt=DEFAULTS.wrt,
+    out=DEFAULTS.out,
+    resume=DEFAULTS.resume,
+    overwrite=DEFAULTS.overwrite,
 ) -> Callable:
     """Returns ``features(params, x) -> Φ``, random features of the eNTK: Θ̂ = Φ(x1) Φ(x2)ᵀ.
 
@@ -336,9 +382,21 @@ def ntk_sketch_fn(
       precision: the matmul precision, as :func:`ntk_fn`.
       wrt: a parameter subset, as :func:`ntk_fn` (path names or a predicate on key
         paths): the sketch of the subset's kernel, its own map (the subset's leaves).
+      out: None, or with ``batch_size`` a path ending in ``.npy``: Φ written block by
+        block into that file (host memory holds one block), with
+        ``<path>.manifest.json`` as :func:`ntk_fn`'s ``out=`` (what the file holds: x,
+        params, key, k, model, options; the blocks done, each with its CRC-32); a
+        finished file of the same call is returned as is.
+      resume: with ``out``, ``True`` finishes an interrupted run's file (only the blocks
+        missing or changed; bit for bit an uninterrupted run's); another call's file
+        (other x, params, key, k, ...) is refused, naming what differs.
+      overwrite: with ``out``, ``True`` replaces an existing file; ``False`` refuses one
+        that is not the finished result of the same call.
 
     Returns ``features(params, x)``: Φ ``(N, *O_kept, k)`` in the output's dtype (a
-    ``jax.Array``; numpy with ``batch_size``), O_kept the output axes not traced.
+    ``jax.Array``; numpy with ``batch_size``; with ``out`` the file memory-mapped
+    read-only, which :func:`~ntk_core.predict.low_rank_inference` reads in row blocks),
+    O_kept the output axes not traced.
 
     Variance: unbiased, E Θ̂_ij = Θ_ij. For a dense Gaussian projection Var Θ̂_ij =
     (Θ_ii Θ_jj + Θ_ij²)/k; here Var Θ̂_ij = (Θ_ii Θ_jj + Θ_ij²)/k + Σ_ℓ D_ℓ exactly, with
@@ -357,7 +415,9 @@ def ntk_sketch_fn(
         not a JAX key, integer params or outputs.
       ValueError: ``k`` or ``batch_size`` <= 0; a float16 / bfloat16 model (cast to
         float32); several output arrays; interacting samples; axes out of range;
-        non-finite params or x (NonFiniteError for x).
+        non-finite params or x (NonFiniteError for x); ``out`` without ``batch_size``,
+        an existing file without ``resume`` or ``overwrite``, a resume of another call's
+        file, a folder that cannot be written, too little disk space.
 
     Cost: the model's reverse passes, (N·O per use's cotangents) as the structured
     kernel's features, then per sample and use with A positions, C inputs, K units:
@@ -384,7 +444,9 @@ def ntk_sketch_fn(
     Kernel", NeurIPS 2014; Park et al., "TRAK", ICML 2023; Malladi et al., "A Kernel-Based
     View of Language Model Fine-Tuning", ICML 2023.
     """
-    return _make("ntk_sketch_fn", apply_fn, k, key, trace_axes, batch_size, precision, wrt)
+    files = (out, resume, overwrite)
+    args = (apply_fn, k, key, trace_axes, batch_size, precision, wrt, files)
+    return _make("ntk_sketch_fn", *args)
 
 
 def empirical_ntk_sketch(

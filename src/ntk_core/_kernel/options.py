@@ -233,8 +233,11 @@ def _devices_option(fn_name, devices, store_on_device, batch_size) -> tuple:
     return given
 
 
-def _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device) -> str | None:
-    """Validates ``out``, ``resume`` and ``overwrite``; returns the path as a string."""
+def _out_options(
+    fn_name, out, resume, overwrite, batch_size, store_on_device, blocks="tiles", eg="'auto'"
+) -> str | None:
+    """Validates ``out``, ``resume`` and ``overwrite``; returns the path as a string
+    (``blocks``: what is written, ``eg``: a batch_size, in the messages)."""
     if out is None:
         if resume or overwrite:
             given = "resume=True" if resume else "overwrite=True"
@@ -249,8 +252,8 @@ def _out_options(fn_name, out, resume, overwrite, batch_size, store_on_device) -
     if batch_size is None or store_on_device or (resume and overwrite):
         given = f"out={path!r}"
         if batch_size is None:
-            what = f"{given} writes tiles to a file, but batch_size is None"
-            fix = "pass a batch_size, e.g. batch_size='auto'"
+            what = f"{given} writes {blocks} to a file, but batch_size is None"
+            fix = f"pass a batch_size, e.g. batch_size={eg}"
         elif store_on_device:
             what = f"{given} writes to the host, which store_on_device=True contradicts"
             fix = "drop store_on_device=True"
