@@ -772,6 +772,15 @@ def _rows():
         Row("sketch-samples-interact", "a sketch of a model whose samples interact (batch mean)",
             "ntk_core.empirical_ntk_sketch(centred, W, XS, k=64, key=jax.random.PRNGKey(0))",
             ValueError, r"^empirical_ntk_sketch: the model's output for one sample depends on the other samples"),
+        Row("sketch-features-keyword", "the core's sketch features called with a keyword argument",
+            "ntk_core.ntk_sketch_fn(f, k=64, key=jax.random.PRNGKey(0))(W, X, rngs=None)",
+            TypeError, r"^ntk_sketch_fn\(...\)\(...\): unknown keyword argument\(s\) 'rngs'"),
+        Row("sketch-adapter-kernel-option", "an adapter's sketch given a kernel option it does not read",
+            "ntk_flax.ntk_sketch(dense, V, X, k=64, key=jax.random.PRNGKey(0), implementation='jacobian')",
+            TypeError, r"^ntk_flax.ntk_sketch: implementation='jacobian' is a kernel option that ntk_flax.ntk_sketch does not take", ("flax",)),
+        Row("sketch-adapter-batch-auto", "an adapter's sketch given the kernels' batch_size='auto'",
+            "ntk_haiku.ntk_sketch_fn(net, k=64, key=jax.random.PRNGKey(0), batch_size='auto')",
+            TypeError, r"^ntk_haiku.ntk_sketch_fn: batch_size must be None or a positive int, got 'auto'", ("haiku",)),
     ]  # fmt: skip
 
 
