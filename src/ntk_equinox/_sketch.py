@@ -11,10 +11,11 @@ from ntk_equinox._kernel import _kernel_fn
 @checked_arguments("ntk_equinox.ntk_sketch_fn")
 def ntk_sketch_fn(model, *, k, key, **options):
     """:func:`ntk_sketch`'s features built once for models shaped like ``model``:
-    ``features(model, x)`` -> Φ ``(N, k)`` (``(N, O, k)`` with ``trace_axes=()``), and
-    ``features.estimate(model, x1, x2=None)``. Args: ``model``, ``inputs`` as
-    :func:`ntk_equinox.kernel`; ``k``, ``key`` as :func:`ntk_core.ntk_sketch_fn`; options
-    ``trace_axes``, ``batch_size``, ``precision``, ``wrt``. Returns: the features function.
+    ``features(model, x)`` -> Φ ``(N1, k)`` for N1 samples (``(N1, O, k)`` with
+    ``trace_axes=()``), and ``features.estimate(model, x1, x2=None)``. Args: ``model``,
+    ``inputs`` as :func:`ntk_equinox.kernel`; ``k``, ``key`` as
+    :func:`ntk_core.ntk_sketch_fn`; options ``trace_axes``, ``batch_size``, ``precision``,
+    ``wrt``. Returns: the features function.
     Raises: as :func:`ntk_equinox.kernel_fn`; TypeError for other kernel options; the
     core's for k, key, a float16 model. Cost, variance, References:
     :func:`ntk_core.ntk_sketch_fn`.
