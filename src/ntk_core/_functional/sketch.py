@@ -272,9 +272,18 @@ class _Sketcher:
             raise bad(TypeError, f"{self._caller.name}(...)(...)", what, fix)
         return first, None
 
-    def __call__(self, first, x, **keywords):
-        """Φ(x) ``(N, *O_kept, k)``: a ``jax.Array``, a numpy one with ``batch_size``."""
-        return self._features(*self._arguments(first, x, keywords), x)
+    def __call__(self, *args, **kwargs):
+        """Φ(x) ``(N, *O_kept, k)``: a ``jax.Array``, a numpy one with ``batch_size``; the
+        first two arguments by position or by their names in ``__signature__``."""
+        first, x = list(self.__signature__.parameters)[:2]
+        head = inspect.Signature(list(self.__signature__.parameters.values())[:2])
+        try:
+            bound = head.bind(*args, **{n: kwargs.pop(n) for n in (first, x) if n in kwargs})
+        except TypeError as e:
+            fix = f"call it as features({first}, x)"
+            raise bad(TypeError, f"{self._caller.name}(...)(...)", str(e), fix) from None
+        first, x = bound.arguments[first], bound.arguments[x]
+        return self._features(*self._arguments(first, x, kwargs), x)
 
     def estimate(self, first, x1, x2=None, **keywords) -> NTKSketch:
         """:class:`NTKSketch` of Θ̂(x1, x2), Φ(x1) and Φ(x2) (Φ(x1) again when x2 is None)."""
