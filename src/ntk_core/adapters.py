@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from ntk_core._analysis import matrix_free as _matrix_free
 from ntk_core._errors import bad as bad
+from ntk_core._functional import sketch as _sketch
 from ntk_core._functional.linearize import _Point
 from ntk_core._functional.linearize import check_degree as check_degree
 from ntk_core._functional.linearize import expansion as expansion
@@ -38,7 +39,7 @@ __all__ = (
     "cached", "check_apply_kwargs", "check_degree", "check_inputs_option", "check_like",
     "check_monte_carlo", "checked_arguments", "checked_init", "expansion", "input_shape_mismatch",
     "inputs_failure", "is_nnx_module", "matrix_free", "monte_carlo_mean", "register_cache",
-    "spread_inputs",
+    "sketch", "spread_inputs",
 )  # fmt: skip
 
 
@@ -74,3 +75,15 @@ def matrix_free(statistic: str, kernel, first, x, keywords=None, **arguments):
     trace; others refused), as ``kernel(first, x, **keywords)`` sees it. ``arguments``: the
     statistic's own, ``key``, ``m``, ``steps``, ``y`` (None: the core's default)."""
     return _matrix_free.of_kernel(statistic, kernel, first, x, keywords or {}, arguments)
+
+
+def sketch(kernel, *, k: int, key):
+    """The sketched eNTK (:func:`ntk_core.ntk_sketch_fn`: definition, variance, cost) of the
+    model of ``kernel``, a kernel function of kind ``"ntk"`` from :func:`build_kernel` (the
+    entry point's ``**options``: ``trace_axes``, ``batch_size``, ``precision``, ``wrt``;
+    others refused; errors naming ``kernel.name``), as its calls see it. Returns
+    ``features(first, x, **keywords) -> Φ``, with the kernel function's first argument and
+    keywords, whose ``.estimate(first, x1, x2=None, **keywords)`` is the
+    :class:`ntk_core.NTKSketch` of :func:`ntk_core.empirical_ntk_sketch`. The same ``key``
+    and ``k``: the same map as the core's of the model's ``apply3``."""
+    return _sketch.of_kernel(kernel, k, key)

@@ -15,6 +15,8 @@ from ntk_flax._linearize import linearize as linearize
 from ntk_flax._linearize import taylor_expand as taylor_expand
 from ntk_flax._models import LeNet as LeNet
 from ntk_flax._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
+from ntk_flax._sketch import ntk_sketch as ntk_sketch
+from ntk_flax._sketch import ntk_sketch_fn as ntk_sketch_fn
 from ntk_flax._statistics import ntk_effective_rank as ntk_effective_rank
 from ntk_flax._statistics import ntk_frobenius_sq as ntk_frobenius_sq
 from ntk_flax._statistics import ntk_kernel_alignment as ntk_kernel_alignment
@@ -24,7 +26,7 @@ from ntk_flax._statistics import ntk_trace as ntk_trace
 __all__ = (
     "LeNet", "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "linearize",
     "monte_carlo_kernels", "nngp", "nngp_fn", "ntk_effective_rank", "ntk_frobenius_sq",
-    "ntk_kernel_alignment", "ntk_trace", "params_from_haiku", "plan", "pntk", "pntk_fn",
-    "taylor_expand",
+    "ntk_kernel_alignment", "ntk_sketch", "ntk_sketch_fn", "ntk_trace", "params_from_haiku", "plan",
+    "pntk", "pntk_fn", "taylor_expand",
 )
 # fmt: on

@@ -157,6 +157,7 @@ def public(fn: Callable) -> Callable:
 
 #: The core's kind of kernel of each entry point ``<name>`` and ``<name>_fn``.
 _KIND = dict(kernel="ntk", nngp="nngp", kernel_per_leaf="ntk_per_leaf", plan="ntk", pntk="pntk")
+_KIND.update(ntk_sketch="ntk")  # the sketch reads the model of an NTK kernel function
 
 
 def _kernel_of(fn: Callable, model, method, apply_kwargs, options: dict):

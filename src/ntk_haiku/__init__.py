@@ -14,6 +14,8 @@ from ntk_haiku._linearize import linearize as linearize
 from ntk_haiku._linearize import taylor_expand as taylor_expand
 from ntk_haiku._models import lenet as lenet
 from ntk_haiku._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
+from ntk_haiku._sketch import ntk_sketch as ntk_sketch
+from ntk_haiku._sketch import ntk_sketch_fn as ntk_sketch_fn
 from ntk_haiku._statistics import ntk_effective_rank as ntk_effective_rank
 from ntk_haiku._statistics import ntk_frobenius_sq as ntk_frobenius_sq
 from ntk_haiku._statistics import ntk_kernel_alignment as ntk_kernel_alignment
@@ -23,7 +25,7 @@ from ntk_haiku._statistics import ntk_trace as ntk_trace
 __all__ = (
     "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "lenet", "linearize",
     "monte_carlo_kernels", "nngp", "nngp_fn", "ntk_effective_rank", "ntk_frobenius_sq",
-    "ntk_kernel_alignment", "ntk_trace", "params_from_flax", "plan", "pntk", "pntk_fn",
-    "taylor_expand",
+    "ntk_kernel_alignment", "ntk_sketch", "ntk_sketch_fn", "ntk_trace", "params_from_flax", "plan",
+    "pntk", "pntk_fn", "taylor_expand",
 )
 # fmt: on

@@ -781,6 +781,21 @@ def _rows():
         Row("sketch-resume-another-key", "resume=True on the features file of another key",
             '[ntk_core.ntk_sketch_fn(f, k=64, key=jax.random.PRNGKey(seed), batch_size=2, out=path, resume=True)(W, X) for path in [__import__("tempfile").mkdtemp() + "/phi.npy"] for seed in (0, 1)]',
             ValueError, r"^ntk_sketch_fn: resume=True, but .*phi\.npy' was started by a different call: key differ"),
+        Row("sketch-features-keyword", "the core's sketch features called with a keyword argument",
+            "ntk_core.ntk_sketch_fn(f, k=64, key=jax.random.PRNGKey(0))(W, X, rngs=None)",
+            TypeError, r"^ntk_sketch_fn\(...\)\(...\): unknown keyword argument\(s\) 'rngs'"),
+        Row("sketch-features-no-x", "the sketch features called without x",
+            "ntk_core.ntk_sketch_fn(f, k=64, key=jax.random.PRNGKey(0))(W)",
+            TypeError, r"^ntk_sketch_fn\(...\)\(...\): missing a required argument: 'x'"),
+        Row("sketch-adapter-kernel-option", "an adapter's sketch given a kernel option it does not read",
+            "ntk_flax.ntk_sketch(dense, V, X, k=64, key=jax.random.PRNGKey(0), implementation='jacobian')",
+            TypeError, r"^ntk_flax.ntk_sketch: implementation='jacobian' is a kernel option that ntk_flax.ntk_sketch does not take", ("flax",)),
+        Row("sketch-adapter-batch-auto", "an adapter's sketch given the kernels' batch_size='auto'",
+            "ntk_haiku.ntk_sketch_fn(net, k=64, key=jax.random.PRNGKey(0), batch_size='auto')",
+            TypeError, r"^ntk_haiku.ntk_sketch_fn: batch_size must be None or a positive int, got 'auto'", ("haiku",)),
+        Row("sketch-key-float-pair", "a float pair of the right shape given as a JAX key",
+            "ntk_core.ntk_sketch_fn(f, k=64, key=jnp.array([0.0, 1.0]))",
+            TypeError, r"^ntk_sketch_fn: key must be one JAX PRNG key, got ArrayImpl of shape \(2,\), dtype float32"),
     ]  # fmt: skip
 
 

@@ -30,12 +30,15 @@ MODULES = [
     pytest.param("ntk_flax._linearize", marks=frameworks.requires("flax")),
     pytest.param("ntk_flax._monte_carlo", marks=frameworks.requires("flax")),
     pytest.param("ntk_flax._statistics", marks=frameworks.requires("flax")),
+    pytest.param("ntk_flax._sketch", marks=frameworks.requires("flax")),
     pytest.param("ntk_haiku._kernel", marks=frameworks.requires("haiku")),
     pytest.param("ntk_haiku._linearize", marks=frameworks.requires("haiku")),
     pytest.param("ntk_haiku._models", marks=frameworks.requires("haiku")),
     pytest.param("ntk_haiku._monte_carlo", marks=frameworks.requires("haiku")),
     pytest.param("ntk_haiku._statistics", marks=frameworks.requires("haiku")),
+    pytest.param("ntk_haiku._sketch", marks=frameworks.requires("haiku")),
     pytest.param("ntk_equinox._statistics", marks=frameworks.requires("equinox")),
+    pytest.param("ntk_equinox._sketch", marks=frameworks.requires("equinox")),
 ]
 
 

@@ -161,7 +161,10 @@ def test_same_key_same_features_and_separate_calls_combine():
     features = ntk_core.ntk_sketch_fn(f, k=128, key=key)
     phi1, phi2 = features(params, x1), features(params, x2)
     assert phi1.shape == (5, 5, 128)  # tokens: outputs (N, 5 positions, 3), last traced
-    np.testing.assert_array_equal(phi1, ntk_core.ntk_sketch_fn(f, k=128, key=key)(params, x1))
+    again = ntk_core.ntk_sketch_fn(f, k=128, key=key)
+    np.testing.assert_array_equal(phi1, again(params=params, x=x1))  # by name too
+    as_int = ntk_core.ntk_sketch_fn(f, k=128, key=key, trace_axes=-1)  # an int as ntk_fn's
+    np.testing.assert_array_equal(phi1, as_int(params, x1))
     other = ntk_core.ntk_sketch_fn(f, k=128, key=jax.random.PRNGKey(4))(params, x1)
     assert np.abs(np.asarray(other) - np.asarray(phi1)).max() > 1e-3 * np.abs(phi1).max()
     one_call = ntk_core.empirical_ntk_sketch(f, params, x1, x2, k=128, key=key)

@@ -73,6 +73,19 @@ def test_matrix_free_statistics_take_the_same_arguments_apart_from_the_model(nam
         assert f":func:`ntk_core.spectrum.{name}`" in fn.__doc__
 
 
+@pytest.mark.parametrize("name", ["ntk_sketch", "ntk_sketch_fn"])
+def test_sketch_entry_points_take_the_same_arguments_apart_from_the_model(name):
+    """The sketch (``_sketch``): ``k``, ``key`` and the frameworks' model arguments, the
+    same sections, the definition written once in the core's docstring."""
+    assert _shared(ntk_flax, name) == _shared(ntk_haiku, name)
+    for package in (ntk_flax, ntk_haiku):
+        fn = getattr(package, name)
+        assert name in package.__all__ and fn.__module__ == f"{package.__name__}._sketch"
+        sections = re.findall(r"^ *(Args:|Returns:|Raises:|Example:)", fn.__doc__, re.M)
+        assert sections == ["Args:", "Returns:", "Raises:", "Example:"]
+        assert ":func:`ntk_core.ntk_sketch_fn`" in fn.__doc__
+
+
 def test_binding_errors_name_the_adapters_function():
     with pytest.raises(TypeError, match=r"^ntk_flax\.kernel: .*missing"):
         ntk_flax.kernel(None)

@@ -33,7 +33,7 @@ from ntk_core._kernel.checks import check_apply_fn, params_check
 from ntk_core._kernel.engine import Engine
 from ntk_core._kernel.function import KernelFunction
 from ntk_core._kernel.model import flat_outputs
-from ntk_core._kernel.options import DEFAULTS, NTK_OPTION_NAMES, make_options
+from ntk_core._kernel.options import DEFAULTS, make_options, refuse_options
 from ntk_core._kernel.pipeline import Kind, Spec
 from ntk_core._predict.linalg import check_finite, check_key, real_array
 
@@ -502,12 +502,7 @@ def of_kernel(statistic: str, kernel, first, x, keywords: dict, arguments: dict)
     if statistic not in STATISTICS:
         raise ValueError(f"of_kernel: unknown statistic {statistic!r}; one of {STATISTICS}")
     taken = _TAKEN + (("implementation",) if statistic == "ntk_trace" else ())
-    for name in NTK_OPTION_NAMES:
-        value = getattr(options, name)
-        if name not in taken and value != getattr(DEFAULTS, name):
-            what = f"{name}={value!r} is a kernel option that {fn} does not take"
-            fix = "drop it: the statistic is of the (N·O, N·O) kernel Θ(x, x); options: "
-            raise bad(TypeError, fn, what, fix + ", ".join(f"{t}=" for t in taken))
+    refuse_options(fn, options, taken, "the statistic is of the (N·O, N·O) kernel Θ(x, x)")
     model_of = lambda: kernel_model(kernel, first, x, keywords)  # noqa: E731
     if statistic == "ntk_trace":
         o = options

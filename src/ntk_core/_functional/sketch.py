@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -43,13 +44,16 @@ from ntk_core._kernel.caller import core
 from ntk_core._kernel.checks import check_finite_input
 from ntk_core._kernel.layout import resolve_layout
 from ntk_core._kernel.model import from_apply_fn, one_sample, per_sample_jaxpr
-from ntk_core._kernel.options import DEFAULTS, _flags, _out_options, make_options
+from ntk_core._kernel.options import DEFAULTS, _flags, _out_options, make_options, refuse_options
 from ntk_core._kernel.validate import batch_size as _batch_size
 from ntk_core._predict.linalg import check_key
 from ntk_core._structured import analysis as _structured
 from ntk_core._structured.rules._base import count_sketch
 
 TENSOR, EXPLICIT = _structured.GRAM, _structured.EXPLICIT  # a group's two sketch forms
+_PARAMS_X = inspect.Signature(
+    [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("params", "x")]
+)
 
 #: Bytes of sketch intermediates per chunk of samples (one XLA loop step).
 SKETCH_CHUNK_BYTES = 2**28
@@ -211,18 +215,21 @@ def _chunk(apply3, params, aux, x, modes, analysis, out_shape, trace, k, precisi
 
 
 class _Sketcher:
-    """``features(params, x) -> Φ`` of :func:`ntk_sketch_fn`."""
+    """The features function of :func:`ntk_sketch_fn` (``features(params, x)``) and of an
+    adapter's kernel function (:func:`of_kernel`: ``features(first, x, **keywords)``):
+    ``bind(first, x, keywords) -> (params, aux)`` reads the caller's arguments (None: the
+    core's params, no keywords), ``split(params, aux)`` applies ``wrt``, ``check(params, x,
+    None, aux)`` is an adapter's model check; plans cached per input signature."""
 
-    def __init__(self, caller, apply_fn, k, key, trace_axes, options):
-        self._caller, self._apply_fn = caller, apply_fn
-        self.k, self.key, self.trace_axes, self.options = k, key, trace_axes, options
-        self.batch_size, self.precision = options.batch_size, options.precision
-        self.wrt = options.wrt
-        self._apply3 = from_apply_fn(apply_fn)
-        if self.wrt is not None:  # the model of the subset, the other leaves held in aux
-            self._apply3 = _subset.OnSubset(self._apply3)
+    def __init__(self, caller, apply3, k, key, trace_axes, batch_size, precision, split,
+                 bind=None, check=None, signature=None, options=None):  # fmt: skip
+        self._caller, self._apply3 = caller, apply3
+        self.k, self.key, self.trace_axes = k, key, trace_axes
+        self.batch_size, self.precision = batch_size, precision
+        self.options = options  # the core's: out=, resume=, overwrite=, wrt (None: no file)
+        self._split, self._bind, self._check = split, bind, check
+        self.__signature__ = signature or _PARAMS_X
         self._plans: dict = {}
-        self._masks: dict = {}
 
     def __repr__(self) -> str:
         return f"<ntk sketch features k={self.k} trace_axes={self.trace_axes}>"
@@ -235,6 +242,8 @@ class _Sketcher:
         found = self._plans.get(signature)
         if found is not None:
             return found
+        if self._check is not None:
+            self._check(params, xb, None, aux)
         outputs, _ = _outputs(self._caller, self._apply3, params, xb, aux, block)
         if len(outputs) != 1:
             what = f"apply_fn returned {len(outputs)} output arrays; the sketch takes one"
@@ -256,20 +265,55 @@ class _Sketcher:
         self._plans[signature] = plan
         return plan
 
-    def __call__(self, params, x):
+    def _arguments(self, first, x, keywords: dict):
+        """``(params, aux)`` of a call (the core's: ``(params, None)``, no keywords)."""
+        if self._bind is not None:
+            return self._bind(first, x, keywords)
+        if keywords:
+            what = f"unknown keyword argument(s) {', '.join(map(repr, sorted(keywords)))}"
+            fix = "call it as features(params, x)"
+            raise bad(TypeError, f"{self._caller.name}(...)(...)", what, fix)
+        return first, None
+
+    def __call__(self, *args, **kwargs):
+        """Φ(x) ``(N, *O_kept, k)``: a ``jax.Array``, a numpy one with ``batch_size``; the
+        first two arguments by position or by their names in ``__signature__``."""
+        first, x = list(self.__signature__.parameters)[:2]
+        head = inspect.Signature(list(self.__signature__.parameters.values())[:2])
+        try:
+            bound = head.bind(*args, **{n: kwargs.pop(n) for n in (first, x) if n in kwargs})
+        except TypeError as e:
+            fix = f"call it as features({first}, x)"
+            raise bad(TypeError, f"{self._caller.name}(...)(...)", str(e), fix) from None
+        first, x = bound.arguments[first], bound.arguments[x]
+        return self._features(*self._arguments(first, x, kwargs), x)
+
+    def estimate(self, first, x1, x2=None, **keywords) -> NTKSketch:
+        """:class:`NTKSketch` of Θ̂(x1, x2), Φ(x1) and Φ(x2) (Φ(x1) again when x2 is None)."""
+        params, aux = self._arguments(first, x1, keywords)
+        phi1 = self._features(params, aux, x1)
+        phi2 = phi1 if x2 is None else self._features(params, aux, x2)
+        lib = np if isinstance(phi1, np.ndarray) else jnp
+        if phi1.ndim == 2:
+            return NTKSketch(phi1 @ phi2.T, phi1, phi2)
+        kept = phi1.ndim - 2  # (N, *O, k): Θ̂[i, j, a, b, ...], each kept axis twice
+        left = "".join(chr(ord("a") + i) for i in range(kept))
+        right = "".join(chr(ord("n") + i) for i in range(kept))
+        out = "ij" + "".join(a + b for a, b in zip(left, right, strict=True))
+        return NTKSketch(lib.einsum(f"i{left}z,j{right}z->{out}", phi1, phi2), phi1, phi2)
+
+    def _features(self, params, aux, x):
         fn = self._caller.name
         _checks.before_trace(fn, params, x, None, make_options(fn, precision=self.precision))
         _check_params(fn, params)
         n = _batch_size(self._caller, "x", x)
         check_finite_input(fn, "x", x)
         params, x = jax.tree.map(jnp.asarray, (params, x))
-        aux = None
-        if self.wrt is not None:
-            params, aux = _subset.split(fn, self.wrt, params, None, self._masks)
+        params, aux = self._split(params, aux)
         block = n if self.batch_size is None else min(self.batch_size, n)
         plan = self._plan(params, aux, x, block)
         run = _block_fn(self._apply3, plan, self.precision)
-        if self.options.out is not None:
+        if self.options is not None and self.options.out is not None:
             return self._to_file(run, plan, params, aux, x, n, block)
         if block == n:
             return run(params, aux, x, self.key)
@@ -299,7 +343,7 @@ class _Sketcher:
         named = {"kind": "ntk sketch", "k": self.k, "trace_axes": self.trace_axes}
         named |= {"precision": self.precision, "modes": plan.modes, "chunk": plan.chunk}
         named["model (its jaxpr)"] = _store.model_digest(closed)
-        if self.wrt is not None:  # the subset by its paths: a predicate's repr is not stable
+        if self.options.wrt is not None:  # the subset by its paths (a predicate has no stable repr)
             paths = jax.tree_util.tree_leaves_with_path(params)
             named["wrt"] = [jax.tree_util.keystr(p) for p, _ in paths]
         trees = {"x": x, "params": params, "params held (wrt)": aux, "key": self.key}
@@ -325,22 +369,58 @@ def _check_dtypes(fn: str, params, out) -> None:
         raise bad(ValueError, fn, what, fix)
 
 
+def _sizes(fn: str, k, key, batch_size) -> tuple[int, int | None]:
+    """``k`` and ``batch_size`` checked (positive ints, batch_size None too), ``key`` too."""
+    k = check_int(fn, "k", k, "pass e.g. k=1024 (the error falls like 1/sqrt(k))")
+    check_key(fn, key)
+    fix = "pass e.g. 256, or None for one block"
+    return k, check_int(fn, "batch_size", batch_size, fix, optional=True)
+
+
+def _whole(params, aux):  # no wrt: every leaf differentiated
+    return params, aux
+
+
 def _make(fn: str, apply_fn, k, key, trace_axes, batch_size, precision, wrt, files=None):
     """The :class:`_Sketcher` of checked arguments; ``files``: ``(out, resume, overwrite)``."""
     _checks.check_apply_fn(fn, apply_fn)
-    k = check_int(fn, "k", k, "pass e.g. k=1024 (the error falls like 1/sqrt(k))")
-    check_key(fn, key)
+    k, batch_size = _sizes(fn, k, key, batch_size)
     options = make_options(fn, trace_axes=trace_axes, precision=precision, wrt=wrt)
-    fix = "pass e.g. 256, or None for one block"
-    batch_size = check_int(fn, "batch_size", batch_size, fix, optional=True)
     out, resume, overwrite = files or (None, False, False)
     _flags(fn, resume=resume, overwrite=overwrite)
     out = _out_options(fn, out, resume, overwrite, batch_size, False, "blocks of rows", 1024)
     options = dataclasses.replace(
         options, batch_size=batch_size, out=out, resume=resume, overwrite=overwrite
     )
+    wrt = options.wrt
+    apply3, split = from_apply_fn(apply_fn), _whole
+    if wrt is not None:  # the model of the subset, the other leaves held in aux
+        apply3 = _subset.OnSubset(apply3)
+        split = functools.partial(_subset.split, fn, wrt, masks={})
     caller = core(fn, one_input=True)
-    return _Sketcher(caller, apply_fn, k, key, tuple(trace_axes), options)
+    args = (batch_size, precision, split, None, None, None, options)
+    return _Sketcher(caller, apply3, k, key, tuple(options.trace_axes), *args)
+
+
+#: The kernel options :func:`of_kernel` reads; it refuses the others.
+TAKEN = ("trace_axes", "batch_size", "precision", "wrt")
+
+
+def of_kernel(kernel, k, key) -> _Sketcher:
+    """The sketch features of the model of ``kernel``, an NTK kernel function
+    (``adapters.build_kernel(..., "ntk", ...)``), as its calls see it: its ``bind``, ``wrt``
+    split, model check and options :data:`TAKEN` (others refused); messages name
+    ``kernel.name``. Called ``features(first, x, **keywords)`` and ``.estimate(first, x1,
+    x2=None, **keywords)`` with the kernel function's first argument and keywords."""
+    fn, options = kernel.name, kernel.options
+    refuse_options(fn, options, TAKEN, "the sketch computes features, not the kernel's tiles")
+    k, batch_size = _sizes(fn, k, key, options.batch_size)
+    engine, head = kernel._engine, list(kernel.__signature__.parameters.values())
+    spec = engine.spec
+    signature = inspect.Signature([head[0], head[1].replace(name="x"), *head[3:]])
+    caller = spec.caller or core(fn, one_input=True)
+    args = (options.trace_axes, batch_size, options.precision, engine._split, kernel._bind)
+    return _Sketcher(caller, spec.apply3, k, key, *args, spec.check, signature)
 
 
 def ntk_sketch_fn(
@@ -478,18 +558,7 @@ def empirical_ntk_sketch(
     """
     fn = "empirical_ntk_sketch"
     features = _make(fn, apply_fn, k, key, trace_axes, batch_size, precision, wrt)
-    phi1 = features(params, x1)
-    phi2 = phi1 if x2 is None else features(params, x2)
-    lib = np if isinstance(phi1, np.ndarray) else jnp
-    if phi1.ndim == 2:
-        kernel = phi1 @ phi2.T
-    else:  # (N, *O, k): Θ̂[i, j, a, b, ...], each kept axis twice (x1's, x2's)
-        kept = phi1.ndim - 2
-        left = "".join(chr(ord("a") + i) for i in range(kept))
-        right = "".join(chr(ord("n") + i) for i in range(kept))
-        out = "ij" + "".join(a + b for a, b in zip(left, right, strict=True))
-        kernel = lib.einsum(f"i{left}z,j{right}z->{out}", phi1, phi2)
-    return NTKSketch(kernel, phi1, phi2)
+    return features.estimate(params, x1, x2)
 
 
 ntk_sketch_fn = _checked_arguments(ntk_sketch_fn)

@@ -202,6 +202,17 @@ def make_options(
     return KernelOptions(*kernel, *block, devices)
 
 
+def refuse_options(fn_name: str, options: KernelOptions, taken: tuple, why: str) -> None:
+    """TypeError for an option of ``options`` away from its default that ``fn_name`` (an
+    entry point reading a kernel function's model, not its kernel) does not take."""
+    for name in NTK_OPTION_NAMES:
+        value = getattr(options, name)
+        if name not in taken and value != getattr(DEFAULTS, name):
+            what = f"{name}={value!r} is a kernel option that {fn_name} does not take"
+            fix = f"drop it: {why}; options: " + ", ".join(f"{t}=" for t in taken)
+            raise bad(TypeError, fn_name, what, fix)
+
+
 def _wrt(fn_name: str, wrt):
     """``wrt`` validated: None, a callable, or a tuple of path names (from a str or strs)."""
     if wrt is None or callable(wrt):

@@ -93,8 +93,9 @@ def as_host_array(fn_name: str, name: str, x) -> np.ndarray:
 def check_key(fn_name: str, key):
     """``key`` if it is one PRNG key (typed, or a raw uint32 pair)."""
     array = isinstance(key, jax.Array)
-    if not (array and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,))):
-        got = type(key).__name__ + (f" of shape {key.shape}" if array else "")
+    raw = array and key.shape == (2,) and key.dtype == np.uint32
+    if not (array and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or raw)):
+        got = type(key).__name__ + (f" of shape {key.shape}, dtype {key.dtype}" if array else "")
         raise must(
             TypeError, fn_name, "key", "one JAX PRNG key", got, "pass key=jax.random.PRNGKey(seed)"
         )
