@@ -498,9 +498,10 @@ def of_kernel(statistic: str, kernel, first, x, keywords: dict, arguments: dict)
     **keywords)`` sees it: its options ``precision``, ``batch_size`` and ``wrt`` (and
     ``implementation`` for the trace), others refused; ``arguments``: the statistic's own
     (``key``, ``m``, ``steps``, ``y``; None: the core function's default)."""
-    fn, options = kernel.name, kernel.options
     if statistic not in STATISTICS:
-        raise ValueError(f"of_kernel: unknown statistic {statistic!r}; one of {STATISTICS}")
+        what = f"unknown statistic {statistic!r}"
+        raise bad(ValueError, "adapters.matrix_free", what, f"pass one of {STATISTICS}")
+    fn, options = kernel.name, kernel.options
     taken = _TAKEN + (("implementation",) if statistic == "ntk_trace" else ())
     refuse_options(fn, options, taken, "the statistic is of the (N·O, N·O) kernel Θ(x, x)")
     model_of = lambda: kernel_model(kernel, first, x, keywords)  # noqa: E731

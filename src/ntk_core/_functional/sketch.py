@@ -398,8 +398,8 @@ def _make(fn: str, apply_fn, k, key, trace_axes, batch_size, precision, wrt, fil
         apply3 = _subset.OnSubset(apply3)
         split = functools.partial(_subset.split, fn, wrt, masks={})
     caller = core(fn, one_input=True)
-    args = (batch_size, precision, split, None, None, None, options)
-    return _Sketcher(caller, apply3, k, key, tuple(options.trace_axes), *args)
+    args = (k, key, tuple(options.trace_axes), batch_size, precision, split)
+    return _Sketcher(caller, apply3, *args, options=options)
 
 
 #: The kernel options :func:`of_kernel` reads; it refuses the others.
