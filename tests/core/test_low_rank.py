@@ -96,13 +96,33 @@ def test_singular_features_raise(data):
     assert 1e-14 <= suggested <= 1e-8  # the suggestion works, and is not a large bias
     mean = predict.low_rank_inference(dup, y, diag_reg=suggested).posterior(dup).mean
     np.testing.assert_allclose(mean, dup @ np.linalg.lstsq(dup, y, rcond=None)[0], atol=1e-6)
-    with pytest.raises(ValueError, match=r"N < k"):
-        predict.low_rank_inference(phi[:10], y[:10])
-    # with a regulariser both are well posed, and equal the dense formula
-    post = predict.low_rank_inference(phi[:10], y[:10], diag_reg=1e-3)
-    lam = 1e-3 * np.sum(phi[:10] ** 2) / 10
-    mean_ref, _ = dense(phi[:10], phi[10:20], y[:10], lam, 0.0)
-    np.testing.assert_allclose(post.posterior(phi[10:20]).mean, mean_ref, atol=1e-8)
+    with pytest.raises(ValueError, match=r"^low_rank_inference: ΦΦᵀ \+ λI .* singular"):
+        predict.low_rank_inference(np.concatenate([phi[:10], phi[:1]]), y[:11])  # N < k
+
+
+@pytest.mark.parametrize("diag_reg", [0.0, 1e-3, 0.5])
+def test_n_below_k_solves_n_by_n(data, diag_reg):
+    """N = 12 < k = 20: the N x N form; the dense formulas, λ = 0 interpolates."""
+    phi, phi_t, y = data
+    phi, y = phi[:12], y[:12]
+    lam = diag_reg * np.sum(phi**2) / 12
+    post = predict.low_rank_inference(phi, y, diag_reg=diag_reg)
+    own = phi_t @ phi_t.T
+    mean_ref, cov_ref = dense(phi, phi_t, y, lam, own)
+    mean, cov = post.posterior(phi_t, full_covariance=True)
+    _, var = post.posterior(phi_t, variance=True)
+    np.testing.assert_allclose(mean, mean_ref, rtol=0, atol=1e-9 * np.abs(mean_ref).max())
+    np.testing.assert_allclose(cov, cov_ref, rtol=0, atol=1e-9 * np.abs(own).max())
+    np.testing.assert_allclose(var, np.diagonal(cov_ref), rtol=0, atol=1e-9 * np.abs(own).max())
+    w_ref = phi.T @ np.linalg.solve(phi @ phi.T + lam * np.eye(12), y)  # = (ΦᵀΦ + λI)⁻¹Φᵀy
+    np.testing.assert_allclose(post.weights, w_ref, rtol=0, atol=1e-10 * np.abs(w_ref).max())
+    if diag_reg == 0.0:  # interpolation: the training targets back, no variance there
+        train = post.posterior(phi, variance=True)
+        np.testing.assert_allclose(train.mean, y, rtol=0, atol=1e-9 * np.abs(y).max())
+        np.testing.assert_allclose(train.covariance, 0.0, atol=1e-9 * np.abs(own).max())
+    other = np.diagonal(own) + np.linspace(0.5, 2.0, M)  # another prior: adds prior − |φ*|²
+    _, var_other = post.posterior(phi_t, other, variance=True)
+    np.testing.assert_allclose(var_other, var + other - np.diagonal(own), atol=1e-9 * other.max())
 
 
 def test_memmap_in_blocks_equals_in_memory(data, tmp_path, monkeypatch):

@@ -61,30 +61,51 @@ class LowRankInference:
         self._y_shape, self.k = y.shape, k
         self.dtype = np.dtype(np.float64 if np.float64 in (phi.dtype, y.dtype) else np.float32)
         y2 = y.reshape(n, -1)
-        gram, rhs = np.zeros((k, k)), np.zeros((k, y2.shape[1]))
+        # N < k: the N x N system (ΦΦᵀ + λI) α = y, w = Φᵀα, with Φ kept (N·k <= k²);
+        # else the k x k system (ΦᵀΦ + λI) w = Φᵀy, summed over row blocks of Φ
+        self._phi = np.empty((n, k)) if n < k else None
+        size = min(n, k)
+        gram, rhs = np.zeros((size, size)), np.zeros((size, y2.shape[1]))
         for rows in _blocks(n, k):
             block = _block64(fn, "features_train", phi, rows)
             yb = np.asarray(y2[rows], np.float64)
             check_finite(fn, "y_train", yb, MISSING_TARGETS, first=rows.start)
+            if self._phi is not None:
+                self._phi[rows], rhs[rows] = block, yb
+                continue
             with np.errstate(over="ignore", invalid="ignore"):  # checked below
                 gram += block.T @ block
                 rhs += block.T @ yb
-        check_finite(fn, "ΦᵀΦ (summed in float64)", gram, "rescale the features", unit="feature")
+        if self._phi is not None:
+            with np.errstate(over="ignore", invalid="ignore"):
+                gram = self._phi @ self._phi.T
+        name = "ΦᵀΦ" if self._phi is None else "ΦΦᵀ"
+        fix = "rescale the features"
+        check_finite(fn, f"{name} (summed in float64)", gram, fix, unit="feature")
         reg = 1.0 if diag_reg_absolute_scale else float(np.trace(gram)) / n  # mean diag Φ Φᵀ
         if reg == 0.0:
             what = "features_train is all zeros, so the relative diag_reg gives λ = 0"
             raise bad(ValueError, fn, what, "pass features that are not all zero")
         self.regularizer = lam = lam_scale * reg
-        w = scipy.linalg.eigvalsh(gram + lam * np.eye(k), check_finite=False)
+        w = scipy.linalg.eigvalsh(gram + lam * np.eye(size), check_finite=False)
         w_max = max(float(w[-1]), np.finfo(np.float64).tiny)
-        if not w[0] > _SINGULAR * k * _U64 * w_max:
-            what = f"ΦᵀΦ + λI (k = {k}, λ = {lam:.3e}, N = {n}) is singular to float64"
-            need = 10 * _SINGULAR * k * _U64 * w_max / max(reg, np.finfo(np.float64).tiny)
+        if not w[0] > _SINGULAR * size * _U64 * w_max:
+            what = f"{name} + λI (k = {k}, λ = {lam:.3e}, N = {n}) is singular to float64"
+            need = 10 * _SINGULAR * size * _U64 * w_max / max(reg, np.finfo(np.float64).tiny)
             need = 10 ** math.ceil(math.log10(need))
-            fix = f"pass diag_reg >= {need:.0e}, or drop dependent features{' (N < k)' * (n < k)}"
+            fix = f"pass diag_reg >= {need:.0e}, or drop dependent features or repeated samples"
             raise bad(ValueError, fn, what, fix)
         self._solver = Solver(fn, gram, lam, np.float64, reg_scale=reg)
-        self.weights = self._solver.solve(rhs)  # (k, O): (ΦᵀΦ + λI)⁻¹ Φᵀ y
+        solved = self._solver.solve(rhs)
+        # (k, O): (ΦᵀΦ + λI)⁻¹ Φᵀ y = Φᵀ (ΦΦᵀ + λI)⁻¹ y
+        self.weights = solved if self._phi is None else self._phi.T @ solved
+
+    def _explained(self, block: np.ndarray) -> np.ndarray:
+        """λ (ΦᵀΦ + λI)⁻¹ φ*ᵀ ``(k, B)`` for a block φ* ``(B, k)``: by the k x k solve, or
+        (N < k) as φ*ᵀ − Φᵀ (ΦΦᵀ + λI)⁻¹ Φ φ*ᵀ, which also holds at λ = 0."""
+        if self._phi is None:
+            return self.regularizer * self._solver.solve(block.T)
+        return block.T - self._phi.T @ self._solver.solve(self._phi @ block.T)
 
     def posterior(
         self, features_test, k_test_test=None, *, variance=False, full_covariance=False
@@ -123,11 +144,11 @@ class LowRankInference:
             mean[rows] = block @ self.weights
             if want is None:
                 continue
-            solved = self._solver.solve(block.T)  # (k, B): (ΦᵀΦ + λI)⁻¹ φ*
+            explained = self._explained(block)  # (k, B): λ (ΦᵀΦ + λI)⁻¹ φ*
             own[rows] = np.einsum("ik,ik->i", block, block)
-            quad[rows] = self.regularizer * np.einsum("ik,ki->i", block, solved)
+            quad[rows] = np.einsum("ik,ki->i", block, explained)
             if full:
-                left[:, rows] = solved
+                left[:, rows] = explained
         mean = mean.reshape((m,) + self._y_shape[1:]).astype(self.dtype)
         if want is None:
             return Gaussian(mean, None)
@@ -155,7 +176,7 @@ class LowRankInference:
         phi_t = None if p is None else np.asarray(phi, np.float64).T  # (k, M), as ``left``
         for rows in _blocks(m, self.k):
             block = np.asarray(phi[rows], np.float64)
-            cov[rows] = self.regularizer * (block @ left)
+            cov[rows] = block @ left
             if p is not None:
                 cov[rows] += p[rows] - block @ phi_t
         cov = (cov + cov.T) / 2
@@ -183,7 +204,9 @@ def low_rank_inference(
     k(x*, x*) = |φ*|² the variance is λ φ*ᵀA⁻¹φ*, and the covariance λ Φ*A⁻¹Φ*ᵀ. The same
     numbers as :func:`gp_inference` given ``k_train_train`` = ΦΦᵀ and ``k_test_train`` =
     Φ*Φᵀ, without an N x N matrix. λ = 0 (N >= k): the least-squares projection
-    Φ*(ΦᵀΦ)⁻¹Φᵀy, variance 0 under the features' own prior.
+    Φ*(ΦᵀΦ)⁻¹Φᵀy, variance 0 under the features' own prior. With N < k the N x N system
+    is solved instead (w = Φᵀ(ΦΦᵀ + λI)⁻¹y, the same numbers, O(N²·k)); there λ = 0 is
+    interpolation (the minimum-norm w), as :func:`gp_inference` on ΦΦᵀ.
 
     Args:
       features_train: Φ ``(N, k)`` float; numpy, jax, or a read-only memmap
@@ -200,14 +223,16 @@ def low_rank_inference(
     variance=False, full_covariance=False) -> Gaussian``; ``.weights`` A⁻¹Φᵀy ``(k, O)``;
     ``.regularizer`` λ. Results are float32 unless Φ or y is float64.
     Raises ValueError: shapes (Φ not 2-D, y of another N, k differing between train and
-    test), negative ``diag_reg``; A singular to float64 (smallest eigenvalue <= 1000·k·u
-    times the largest, e.g. λ = 0 with N < k or dependent columns), with the ``diag_reg``
-    that fixes it; NonFiniteError (a ValueError): NaN or Inf, naming the first row.
+    test), negative ``diag_reg``; A (or ΦΦᵀ + λI when N < k) singular to float64 (smallest
+    eigenvalue <= 1000·min(N, k)·u times the largest, e.g. λ = 0 with dependent columns or
+    repeated samples), with the ``diag_reg`` that fixes it; NonFiniteError (a ValueError):
+    NaN or Inf, naming the first row.
     TypeError: non-floating arrays.
 
-    Cost: 2·N·k·(k + O) flops and one pass over Φ; O(k² + N·O) memory besides a block;
-    4·k³/3 for the eigenvalue check, k³/3 for Cholesky; per test point 2·k·O (mean), 4·k²
-    (variance, one refined solve).
+    Cost (N >= k): 2·N·k·(k + O) flops and one pass over Φ; O(k² + N·O) memory besides a
+    block; 4·k³/3 for the eigenvalue check, k³/3 for Cholesky; per test point 2·k·O
+    (mean), 4·k² (variance, one refined solve). N < k: the same with N and k exchanged in
+    the k³ and k² terms, Φ held in float64 (8·N·k bytes), 4·N·k per test point's variance.
 
     Example:
       >>> import numpy as np
