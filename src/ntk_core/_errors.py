@@ -46,6 +46,14 @@ def check_int(fn, name, value, fix, low=1, high=None, *, optional=False, type_er
     raise _out_of_range(fn, name, value, expect, fix, is_int, type_error)
 
 
+def check_bool(fn, name, value) -> bool:
+    """``value`` as a bool (Python or numpy); TypeError otherwise (a string is truthy)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    got = f"{value!r} ({type(value).__name__})"
+    raise must(TypeError, fn, name, "True or False", got, f"pass {name}=True or {name}=False")
+
+
 def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 

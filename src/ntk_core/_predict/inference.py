@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ntk_core._errors import bad, check_int, check_real, is_real
+from ntk_core._errors import bad, check_bool, check_int, check_real, is_real
 from ntk_core._jax.environment import _user_stacklevel
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.options import DEFAULTS
@@ -299,7 +299,8 @@ def _options(fn_name, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test
     fix, tbs = "pass e.g. test_batch_size=1000", test_batch_size
     tbs = check_int(fn_name, "test_batch_size", tbs, fix, optional=True, type_error=ValueError)
     compute_dtype(fn_name, dtype, np.float32)  # validates the value early
-    return _Options(diag_reg, bool(diag_reg_absolute_scale), trace_axes, dtype, tbs)
+    absolute = check_bool(fn_name, "diag_reg_absolute_scale", diag_reg_absolute_scale)
+    return _Options(diag_reg, absolute, trace_axes, dtype, tbs)
 
 
 def gp_inference(
@@ -338,7 +339,8 @@ def gp_inference(
     Gaussian``. Warns DegenerateKernelWarning: numerical rank <= half of min(M, 64), then a
     >= 1000x drop. Raises ValueError: bad ``y_train`` or ``diag_reg``; a kernel of the wrong
     shape, non-symmetric, non-finite, not PSD or too ill-conditioned for ``dtype``;
-    TypeError: non-floating arrays, ``diag_reg`` not a number.
+    TypeError: non-floating arrays, ``diag_reg`` not a number, ``diag_reg_absolute_scale``
+    not a bool.
 
     Cost: per train kernel M³/3 flops (9·M³ eigh), M² memory, M = N·O_kept; 2·M²·R per
     refinement step; means 2·T·M·R, variances 2·T·M².

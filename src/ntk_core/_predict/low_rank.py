@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from ntk_core._errors import bad
+from ntk_core._errors import bad, check_bool
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._predict.inference import Gaussian
 from ntk_core._predict.linalg import (
@@ -53,6 +53,7 @@ class LowRankInference:
         import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
 
         self._fn, lam_scale = fn, check_diag_reg(fn, diag_reg)
+        absolute = check_bool(fn, "diag_reg_absolute_scale", diag_reg_absolute_scale)
         phi = _features(fn, "features_train", features)
         (n, k), y = phi.shape, as_host_array(fn, "y_train", y_train)
         if y.ndim not in (1, 2) or y.shape[0] != n or y.size == 0:
@@ -82,11 +83,14 @@ class LowRankInference:
         name = "ΦᵀΦ" if self._phi is None else "ΦΦᵀ"
         fix = "rescale the features"
         check_finite(fn, f"{name} (summed in float64)", gram, fix, unit="feature")
-        reg = 1.0 if diag_reg_absolute_scale else float(np.trace(gram)) / n  # mean diag Φ Φᵀ
-        if reg == 0.0:
-            what = "features_train is all zeros, so the relative diag_reg gives λ = 0"
-            raise bad(ValueError, fn, what, "pass features that are not all zero")
+        mean_diag = float(np.trace(gram)) / n  # mean diag Φ Φᵀ
+        reg = 1.0 if absolute else mean_diag
         self.regularizer = lam = lam_scale * reg
+        if mean_diag == 0.0 and lam == 0.0:
+            scale = "absolute" if absolute else "relative"
+            what = f"features_train is all zeros and λ = 0 ({scale} diag_reg), so ΦΦᵀ + λI is zero"
+            fix = "pass features that are not all zero, or diag_reg > 0 with "
+            raise bad(ValueError, fn, what, fix + "diag_reg_absolute_scale=True")
         w = scipy.linalg.eigvalsh(gram + lam * np.eye(size), check_finite=False)
         w_max = max(float(w[-1]), np.finfo(np.float64).tiny)
         if not w[0] > _SINGULAR * size * _U64 * w_max:
@@ -227,7 +231,7 @@ def low_rank_inference(
     eigenvalue <= 1000·min(N, k)·u times the largest, e.g. λ = 0 with dependent columns or
     repeated samples), with the ``diag_reg`` that fixes it; NonFiniteError (a ValueError):
     NaN or Inf, naming the first row.
-    TypeError: non-floating arrays.
+    TypeError: non-floating arrays, ``diag_reg_absolute_scale`` not a bool.
 
     Cost (N >= k): 2·N·k·(k + O) flops and one pass over Φ; O(k² + N·O) memory besides a
     block; 4·k³/3 for the eigenvalue check, k³/3 for Cholesky; per test point 2·k·O
