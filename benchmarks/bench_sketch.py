@@ -30,13 +30,15 @@ peak resident memory (VmHWM) once the model and inputs are built (baseline) and 
 call at N (peak); the exact kernel and the sketch at each k, one call each (first call,
 compilation included).
 
-``large`` (the CNN at N = 2 000): per k a worker process runs the sketch in blocks of
-``batch_size`` (a one-block call compiles first; the N-sample call is timed warm), reports
-its peak RSS and writes the feature rows of a random sub-block of ``sub`` samples; this
-process computes the exact kernel of those samples (timed: the measured N = ``sub``
-exact time) and the sub-block's errors. The exact kernel at N: ``plan()``'s estimate, and
-the measured N = ``sub`` time scaled by (N/sub)²; the sketch at N = 20 000 and 100 000:
-projected from its measured throughput (samples/s), labelled as projections.
+``large`` (the CNN, or ``--model transformer``, at N = 2 000): per k a worker process runs
+the sketch in blocks of ``batch_size`` (a one-block call compiles first; the N-sample call
+is timed warm), reports its peak RSS and writes the feature rows of a random sub-block of
+``sub`` samples; this process computes the exact kernel of those samples (timed: the
+measured N = ``sub`` exact time; ``--save-exact F.npz`` keeps it) and the sub-block's
+errors. The exact kernel at N: ``plan()``'s estimate, and the measured N = ``sub`` time
+scaled by (N/sub)²; the sketch at larger N: projected from its measured throughput
+(samples/s), labelled as projections. ``errors --exact-from F.npz``: the seeds' errors on
+that sub-block against the saved kernel (stored as ``{model}_sub{sub}``).
 
 The load average (the machine is shared) before and after each measurement goes into the
 results, merged into ``results_sketch.json``: the CNN's ``errors`` run at the top level
@@ -202,17 +204,28 @@ def merge(key: str | None, value: dict) -> None:
 
 
 def run_errors(args) -> None:
-    apply_fn, params, x = build(args.model, args.n)
+    if args.exact_from:  # the sub-block of a ``large --save-exact`` run: its inputs and kernel
+        saved = np.load(args.exact_from)
+        apply_fn, params, x = build(args.model, int(saved["n"]))
+        x, exact = x[saved["rows"]], saved["exact"]
+        args.n = x.shape[0]
+    else:
+        apply_fn, params, x = build(args.model, args.n)
     n_params = sum(v.size for v in jax.tree.leaves(params))
     meta = harness.machine() | {"model": args.model, "n": args.n, "params": n_params}
     meta["outputs"] = 10
+    batch_size = args.batch_size if args.exact_from else None
 
     def exact_call():
         return ntk_core.empirical_ntk(apply_fn, params, x, implementation="structured")
 
-    exact, exact_first_s, load0 = timed(exact_call)
-    _, exact_warm_s, load1 = timed(exact_call)
-    exact_run = dict(first_s=exact_first_s, warm_s=exact_warm_s, load_before=[load0, load1])
+    if args.exact_from:
+        exact_run = dict(from_file=args.exact_from, first_s=float(saved["seconds"]))
+        exact_first_s = exact_warm_s = float("nan")
+    else:
+        exact, exact_first_s, load0 = timed(exact_call)
+        _, exact_warm_s, load1 = timed(exact_call)
+        exact_run = dict(first_s=exact_first_s, warm_s=exact_warm_s, load_before=[load0, load1])
     print(json.dumps(dict(exact=exact_run)), flush=True)
     eig = top_eigenvalues(exact)
     diag = np.diag(exact)
@@ -221,7 +234,9 @@ def run_errors(args) -> None:
     for k in map(int, args.ks.split(",")):
         runs, estimates = [], []
         for seed in range(args.seeds):  # one compiled program for all keys
-            features = ntk_core.ntk_sketch_fn(apply_fn, k=k, key=jax.random.PRNGKey(seed))
+            features = ntk_core.ntk_sketch_fn(
+                apply_fn, k=k, key=jax.random.PRNGKey(seed), batch_size=batch_size
+            )
             phi, seconds, load = timed(lambda f=features: f(params, x))
             estimates.append(phi @ phi.T)
             runs.append(dict(seed=seed, seconds=seconds, load_before=load))
@@ -247,7 +262,10 @@ def run_errors(args) -> None:
         print(json.dumps({key: v for key, v in rows[-1].items() if key != "runs"}), flush=True)
     meta["load_after"] = harness.load()
     result = dict(meta=meta, exact=exact_run, sketch=rows)
-    merge(None if args.model == "cnn" else args.model, result)
+    if args.exact_from:
+        merge(f"{args.model}_sub{args.n}", result)
+    else:
+        merge(None if args.model == "cnn" else args.model, result)
     print(f"\n{args.model}: N = {args.n}, P = {n_params}, {args.seeds} seeds; exact (structured): "
           f"{exact_first_s:.1f} s first call, {exact_warm_s:.1f} s warm; "
           f"load {meta['loadavg_1_5_15']} -> {meta['load_after']}")  # fmt: skip
@@ -317,9 +335,9 @@ def run_memory(args) -> None:
 
 
 def run_large(args) -> None:
-    apply_fn, params, x = build("cnn", args.n)
-    meta = harness.machine() | {"model": "cnn", "n": args.n, "sub": args.sub}
-    meta["batch_size"] = args.batch_size
+    apply_fn, params, x = build(args.model, args.n)
+    meta = harness.machine() | {"model": args.model, "n": args.n, "sub": args.sub}
+    meta["batch_size"], meta["exact_batch_size"] = args.batch_size, args.exact_batch_size
     rows_idx = np.sort(np.random.default_rng(0).choice(args.n, args.sub, replace=False))
     plan = ntk_core.plan(apply_fn, params, x, implementation="structured")
     estimate = next(e for e in plan.estimates if e.implementation == "structured")
@@ -328,19 +346,23 @@ def run_large(args) -> None:
     )
     xs = x[rows_idx]
     exact, exact_s, load0 = timed(
-        lambda: ntk_core.empirical_ntk(apply_fn, params, xs, implementation="structured")
+        lambda: ntk_core.empirical_ntk(
+            apply_fn, params, xs, implementation="structured", batch_size=args.exact_batch_size
+        )
     )
     scale = (args.n / args.sub) ** 2
     exact_run = dict(sub_first_s=exact_s, load_before=load0, load_after=harness.load())
     exact_run["scaled_s"] = exact_s * scale
+    if args.save_exact:
+        np.savez(args.save_exact, exact=exact, rows=rows_idx, n=args.n, seconds=exact_s)
     print(json.dumps(dict(plan=meta["plan_structured"], exact=exact_run)), flush=True)
     eig = top_eigenvalues(exact)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in map(int, args.ks.split(",")):
             path = f"{tmp}/rows_{k}.npy"
-            spec = dict(model="cnn", n=args.n, side="sketch", k=k, batch_size=args.batch_size)
-            out = worker(spec | dict(rows=rows_idx.tolist(), rows_path=path))
+            spec = dict(model=args.model, n=args.n, side="sketch", k=k, batch_size=args.batch_size)
+            out = worker(spec | dict(rows=rows_idx.tolist(), rows_path=path), 4 * 3600.0)
             row = dict(k=k, **out)
             if "error" not in out:
                 phi = np.load(path).astype(np.float64)
@@ -353,9 +375,13 @@ def run_large(args) -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     meta["load_after"] = harness.load()
-    merge("large", dict(meta=meta, exact=exact_run, sketch=rows))
-    print(f"\nCNN N = {args.n}: exact plan() {estimate.seconds:.0f} s, measured N = {args.sub} "
-          f"{exact_s:.1f} s x {scale:.1f} = {exact_s * scale:.0f} s (scaled)")  # fmt: skip
+    merge(
+        "large" if (args.n, args.model) == (2000, "cnn") else f"large_{args.model}_{args.n}",
+        dict(meta=meta, exact=exact_run, sketch=rows),
+    )
+    print(f"\n{args.model} N = {args.n}: exact plan() {estimate.seconds:.0f} s, "
+          f"measured N = {args.sub} {exact_s:.1f} s x {scale:.1f} = "
+          f"{exact_s * scale:.0f} s (scaled)")  # fmt: skip
     print("| k | sketch s (warm-up) | peak RSS MB | sub-block Frob. | top-10 eig. max / norm |"
           " proj. 20k / 100k s |")  # fmt: skip
     print("|---|---|---|---|---|---|")
@@ -402,6 +428,23 @@ def run_report(args) -> None:
                 f"{ex['warm_s']:.1f} ({ex['first_s']:.1f}) | "
                 f"{meta['loadavg_1_5_15'][0]:.1f} → {meta['load_after'][0]:.1f} |"
             )
+    for key in sorted(key for key in data if "_sub" in key):
+        run = data[key]
+        meta, ex = run["meta"], run["exact"]
+        lines += ["", f"## Error, bias and variance at N = {meta['n']} (`errors --exact-from`, "
+                  f"{len(run['sketch'][0]['runs'])} seeds): the exact kernel of a `large` run's "
+                  f"sub-block ({ex['first_s']:.0f} s there)", ""]  # fmt: skip
+        lines += ["| model | k | rel. Frobenius (mean) | of the seeds' mean | "
+                  "top-10 eig. max rel. / ‖Δλ‖/‖λ‖ | Var / Gaussian formula | "
+                  "sketch warm s (first) | load, start → end |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in run["sketch"]:
+            lines.append(
+                f"| {meta['model']} | {r['k']} | {r['frob']:.4f} | {r['frob_of_mean']:.4f} | "
+                f"{r['top10_eig']:.3f} / {r['top10_eig_norm']:.4f} | "
+                f"{r['variance_over_gaussian']:.2f} | {r['warm_s']:.1f} ({r['first_s']:.1f}) | "
+                f"{meta['loadavg_1_5_15'][0]:.1f} → {meta['load_after'][0]:.1f} |"
+            )
     lines += ["", "## Peak memory at N = 256, each side in its own process (`memory`)", ""]
     lines += ["| model | side | k | first call s | peak RSS MB | baseline MB | "
               "load before / after |", "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -412,11 +455,11 @@ def run_report(args) -> None:
                 f"| {name} | {r['side']} | {r.get('k', '')} | {seconds} | "
                 f"{_mb(r, 'peak_rss_bytes')} | {_mb(r, 'baseline_rss_bytes')} | {_load(r)} |"
             )
-    large = data.get("large")
-    if large:
+    for large in (data[key] for key in sorted(data) if key.startswith("large")):
         meta, ex = large["meta"], large["exact"]
         n, sub = meta["n"], meta["sub"]
-        lines += ["", f"## CNN at N = {n} (`large`, blocks of {meta['batch_size']})", ""]
+        name = meta.get("model", "cnn").replace("cnn", "CNN")
+        lines += ["", f"## {name} at N = {n} (`large`, blocks of {meta['batch_size']})", ""]
         planned = meta["plan_structured"]
         lines += [
             f"Exact (structured) at N = {n}: `plan()` estimates {planned['seconds']:.0f}"
@@ -428,21 +471,40 @@ def run_report(args) -> None:
             "",
             "| k | sketch warm s (one-block warm-up) | samples/s | peak RSS MB (baseline) | "
             "sub-block rel. Frobenius | top-10 eig. max rel. / ‖Δλ‖/‖λ‖ | exact scaled / sketch |"
-            " projected N = 20 000 / 100 000 s | load before / after |",
-            "|---|---|---|---|---|---|---|---|---|",
+            " exact `plan()` / sketch | sketch projected to larger N, s | load before / after |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in large["sketch"]:
             if "error" in r:
                 lines.append(f"| {r['k']} | {r['error']} |")
                 continue
-            p = r["projected_s"]
+            bigger = [f"{m}: {s:.0f}" for m, s in r["projected_s"].items() if int(m) > n]
             lines.append(
                 f"| {r['k']} | {r['warm_s']:.1f} ({r['warmup_s']:.1f}) | "
                 f"{r['samples_per_s']:.1f} | {_mb(r, 'peak_rss_bytes')} "
                 f"({_mb(r, 'baseline_rss_bytes')}) | {r['frob']:.4f} | {r['top10_eig']:.3f} / "
                 f"{r['top10_eig_norm']:.4f} | {ex['scaled_s'] / r['warm_s']:.1f}x | "
-                f"{p['20000']:.0f} / {p['100000']:.0f} (projected) | {_load(r)} |"
+                f"{planned['seconds'] / r['warm_s']:.1f}x | {', '.join(bigger)} | {_load(r)} |"
             )
+    huge = data.get("n100k")
+    if huge:
+        meta = huge["meta"]
+        lines += ["", f"## N = {meta['n']}: sketch (k = {meta['k']}, blocks of "
+                  f"{meta['batch_size']}, `out=`) killed once, resumed, then low-rank regression "
+                  "(`bench_sketch_100k.py`)", ""]  # fmt: skip
+        lines += ["| process | wall s | blocks in the file after | peak RSS MB | notes | "
+                  "load before / after |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in huge["phases"]:
+            notes = r.get("error", "")
+            if r["part"] == "regress" and not notes:
+                notes = (f"fit {r['fit_s']:.1f} s, test sketch + mean {r['test_s']:.1f} s, "
+                         f"test R² {r['test_r2']:.3f}, weights vs float64 normal equations "
+                         f"{r['weights_rel_err']:.1e}")  # fmt: skip
+            load = _load(r) if "load_before" in r else "-"
+            lines.append(f"| {r['part']} | {r['wall_s']:.0f} | {r['blocks_done_after']} | "
+                         f"{_mb(r, 'peak_rss_bytes')} | {notes} | {load} |")  # fmt: skip
+        lines += ["", f"Total {huge['total_s'] / 60:.1f} min, peak RSS "
+                  f"{huge['peak_rss_bytes'] / 1e9:.2f} GB."]  # fmt: skip
     text = "\n".join(lines) + "\n"
     pathlib.Path(args.out).write_text(text) if args.out else print(text)
 
@@ -457,6 +519,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--sub", type=int, default=256, help="large: the exact sub-block")
     parser.add_argument("--batch-size", type=int, default=250, help="large: sketch blocks")
+    parser.add_argument("--exact-batch-size", type=int, default=None, help="large: exact tiles")
+    parser.add_argument("--save-exact", default=None, help="large: .npz of the sub-block kernel")
+    parser.add_argument("--exact-from", default=None, help="errors: a --save-exact .npz")
     parser.add_argument("--out", default=None, help="report: the markdown file (else stdout)")
     args = parser.parse_args()
     if args.n is None:

@@ -27,9 +27,9 @@ sys.path.insert(0, HERE)
 import cases  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_core import apply_fn, init_variables  # noqa: E402
 
 import ntk_core  # noqa: E402
-from bench_core import apply_fn, init_variables  # noqa: E402
 
 
 def subsets(params) -> dict:
