@@ -37,6 +37,10 @@ _CHILD = textwrap.dedent(
         k = ntk_core.ntk_fn(f, trace_axes=(), batch_size=6, out=path, resume=True,
                             progress=False)(p, x)
         assert k.shape == (120, 120, 3, 3)
+    elif sys.argv[5] == "sketch":  # sketch features Φ (120, 64) in row blocks of 6
+        phi = ntk_core.ntk_sketch_fn(f, k=64, key=jax.random.PRNGKey(5), batch_size=6,
+                                     out=path, resume=True)(p, x)
+        assert phi.shape == (120, 64)
     else:  # Monte Carlo: 2 initialisations of the same network, 30 samples
         init = lambda k: {"w": jax.random.normal(k, (5, 64)), "v": p["v"]}
         k = ntk_core.monte_carlo_kernels(init, f, x[:30], key=jax.random.PRNGKey(4),
@@ -132,6 +136,23 @@ def test_two_processes_share_the_monte_carlo_sums_and_equal_one_process(tmp_path
         a, b = (np.load(tmp_path / run / f"mc.{kind}.npy") for run in ("one", "two"))
         assert a.tobytes() == b.tobytes(), kind
     assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))
+
+
+def test_two_processes_share_the_sketch_rows_and_equal_one_process(tmp_path):
+    """Sketch features to a file under jax.distributed: the row blocks are shared, the file
+    equals one process's bit for bit, and its rows are the in-memory features'."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    (one,) = _start(tmp_path / "one" / "phi.npy", 1, 0, "sketch")
+    assert one.wait(timeout=300) == 0, one.stderr.read()[-2000:]
+    both = _start(tmp_path / "two" / "phi.npy", 2, _port(), "sketch")
+    for process in both:
+        assert process.wait(timeout=300) == 0, process.stderr.read()[-3000:]
+    a, b = (np.load(tmp_path / run / "phi.npy") for run in ("one", "two"))
+    assert a.tobytes() == b.tobytes() and np.abs(a).max() > 0
+    manifest = json.loads(open(tmp_path / "two" / "phi.npy.manifest.json").read())
+    assert manifest["complete"] and len(manifest["done"]) == 20  # 120 rows in blocks of 6
+    assert not [n for n in os.listdir(tmp_path / "two") if ".manifest.p" in n]  # merged
 
 
 _DIES = textwrap.dedent(
