@@ -121,17 +121,22 @@ def test_a_killed_process_group_is_resumed_by_one_process(tmp_path, single):
     assert np.load(shared).tobytes() == np.load(single).tobytes()
 
 
+def _one_then_two(tmp_path, name: str, what: str) -> None:
+    """Runs ``what`` to ``tmp_path/one/name`` in one process, then to ``tmp_path/two/name``
+    in two under jax.distributed; each run must succeed."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    (one,) = _start(tmp_path / "one" / name, 1, 0, what)
+    assert one.wait(timeout=300) == 0, one.stderr.read()[-2000:]
+    for process in _start(tmp_path / "two" / name, 2, _port(), what):
+        assert process.wait(timeout=300) == 0, process.stderr.read()[-3000:]
+
+
 def test_two_processes_share_the_monte_carlo_sums_and_equal_one_process(tmp_path):
     """Monte Carlo kernels to files under jax.distributed: each sample's tiles are
     shared between the processes, which wait for each other between samples (the next
     sample reads the sum the previous one finished); the means equal one process's."""
-    (tmp_path / "one").mkdir()
-    (tmp_path / "two").mkdir()
-    (one,) = _start(tmp_path / "one" / "mc.npy", 1, 0, "mc")
-    assert one.wait(timeout=300) == 0, one.stderr.read()[-2000:]
-    both = _start(tmp_path / "two" / "mc.npy", 2, _port(), "mc")
-    for process in both:
-        assert process.wait(timeout=300) == 0, process.stderr.read()[-3000:]
+    _one_then_two(tmp_path, "mc.npy", "mc")
     for kind in ("nngp", "ntk"):
         a, b = (np.load(tmp_path / run / f"mc.{kind}.npy") for run in ("one", "two"))
         assert a.tobytes() == b.tobytes(), kind
@@ -140,14 +145,8 @@ def test_two_processes_share_the_monte_carlo_sums_and_equal_one_process(tmp_path
 
 def test_two_processes_share_the_sketch_rows_and_equal_one_process(tmp_path):
     """Sketch features to a file under jax.distributed: the row blocks are shared, the file
-    equals one process's bit for bit, and its rows are the in-memory features'."""
-    (tmp_path / "one").mkdir()
-    (tmp_path / "two").mkdir()
-    (one,) = _start(tmp_path / "one" / "phi.npy", 1, 0, "sketch")
-    assert one.wait(timeout=300) == 0, one.stderr.read()[-2000:]
-    both = _start(tmp_path / "two" / "phi.npy", 2, _port(), "sketch")
-    for process in both:
-        assert process.wait(timeout=300) == 0, process.stderr.read()[-3000:]
+    equals one process's bit for bit."""
+    _one_then_two(tmp_path, "phi.npy", "sketch")
     a, b = (np.load(tmp_path / run / "phi.npy") for run in ("one", "two"))
     assert a.tobytes() == b.tobytes() and np.abs(a).max() > 0
     manifest = json.loads(open(tmp_path / "two" / "phi.npy.manifest.json").read())

@@ -88,7 +88,7 @@ class LowRankInference:
         self.regularizer = lam = lam_scale * reg
         if mean_diag == 0.0 and lam == 0.0:
             scale = "absolute" if absolute else "relative"
-            what = f"features_train is all zeros and λ = 0 ({scale} diag_reg), so ΦΦᵀ + λI is zero"
+            what = f"features_train is all zeros and λ = 0 ({scale} diag_reg), so {name} + λI is 0"
             fix = "pass features that are not all zero, or diag_reg > 0 with "
             raise bad(ValueError, fn, what, fix + "diag_reg_absolute_scale=True")
         w = scipy.linalg.eigvalsh(gram + lam * np.eye(size), check_finite=False)
