@@ -22,6 +22,7 @@ from ntk_core._predict.linalg import (
     as_host_array,
     check_diag_reg,
     check_finite,
+    check_prior_symmetric,
     check_rows_finite,
     compute_dtype,
     matmul64,
@@ -125,6 +126,7 @@ class _TestSide:
                 raise bad(ValueError, fn, f"{what} or diagonal {lay.diag_shape(t)}", SAME_AXES)
             ktt = lay.flat_diag(k) if diag else lay.flat(k)
             check_rows_finite(fn, name, k)
+            check_prior_symmetric(fn, name, ktt)
         u = max(unit_roundoff(a.dtype) for a in [*out.values()] + ([] if ktt is None else [ktt]))
         return t, out, diag, ktt, u
 

@@ -55,6 +55,14 @@ def check_symmetric(fn, name, asym: float, kmax: float, dtype) -> None:
         raise bad(ValueError, fn, what, fix)
 
 
+def check_prior_symmetric(fn, name, k: np.ndarray) -> None:
+    """Raises unless a test prior ``(M, M)``, or per-sample blocks ``(M, O, O)``, is
+    symmetric within :func:`check_symmetric`'s tolerance (a covariance must be)."""
+    k64 = np.asarray(k, np.float64)
+    asym = float(np.abs(k64 - np.swapaxes(k64, -1, -2)).max(initial=0.0))
+    check_symmetric(fn, name, asym, float(np.abs(k64).max(initial=0.0)), k.dtype)
+
+
 def compute_dtype(fn_name: str, dtype, kernel_dtype) -> np.dtype:
     if dtype is None:
         return np.dtype(np.float64 if np.dtype(kernel_dtype) == np.float64 else np.float32)

@@ -15,6 +15,7 @@ from ntk_core._predict.linalg import (
     as_host_array,
     check_diag_reg,
     check_finite,
+    check_prior_symmetric,
     unit_roundoff,
 )
 
@@ -163,6 +164,8 @@ class LowRankInference:
         """prior − Φ*Φ*ᵀ + λ Φ*(ΦᵀΦ + λI)⁻¹Φ*ᵀ; the features' own prior: the last term."""
         if prior is not None:
             check_finite(fn, "k_test_test", prior)
+            if left is not None:
+                check_prior_symmetric(fn, "k_test_test", prior)
         p = None if prior is None else np.asarray(prior, np.float64)
         p_diag = own if p is None else (p if left is None else np.diagonal(p))
         var = quad + (0.0 if p is None else p_diag - own)
