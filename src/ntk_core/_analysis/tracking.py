@@ -150,7 +150,7 @@ class KernelTracker:
         an adapter's ``kernel_fn``: its model, fixed parts, ``wrt``, ``precision``, int
         ``batch_size`` are used); ``out`` then writes ``metrics.json`` only.
       key: with ``m``, one JAX PRNG key; step s uses ``jax.random.fold_in(key, s)``.
-      steps: with ``m``, Lanczos steps per vector (m >= 2 + 4·steps unless m >= N·O).
+      steps: with ``m``, Lanczos steps per vector (m >= 8·(1 + 2·steps) unless m >= N·O).
 
     Attributes: records, history (arrays per field over T steps; ``step`` int64,
     ``top_eigenvalues`` ``(T, top_k)``), kernels, initial_kernel (K_0 or None); with ``m``
