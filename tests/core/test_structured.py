@@ -622,14 +622,27 @@ CONV_MODELS = {
 }
 
 
+@pytest.mark.parametrize("form", ["convolution", "matmul"])
 @pytest.mark.parametrize("name", list(CONV_MODELS))
-def test_convolution_rule_matches_reference_and_plan(name):
+def test_convolution_rule_matches_reference_and_plan(name, form, monkeypatch):
+    """Each model with its convolutions evaluated as convolutions, or as patches times
+    the kernel matrix (``conv.MATMUL_MAX_POSITIONS``: small feature maps)."""
+    from ntk_core._jax.caches import clear_caches
+    from ntk_core._structured.rules import conv
+
+    calls = []
+    matmul = conv.conv_as_matmul
+    monkeypatch.setattr(conv, "MATMUL_MAX_POSITIONS", 0 if form == "convolution" else 10**9)
+    monkeypatch.setattr(conv, "conv_as_matmul", lambda *a: calls.append(1) or matmul(*a))
+    clear_caches()
     f, x_shape, shapes, methods = CONV_MODELS[name]
     p = _params(*shapes, seed=3)
     x1 = jax.random.normal(jax.random.PRNGKey(1), (3, *x_shape))
     x2 = jax.random.normal(jax.random.PRNGKey(2), (2, *x_shape))
     k = ntk_core.empirical_ntk(f, p, x1, x2, trace_axes=(), implementation="structured")
     reference.assert_close(k, reference.ntk(f, p, x1, x2, trace_axes=())[0])
+    grouped = name == "grouped"  # a fallback: evaluated as JAX does
+    assert bool(calls) == (form == "matmul" and not grouped), (form, len(calls))
     plan = ntk_core.plan(f, p, x1, x2, trace_axes=(), implementation="structured")
     for leaf, expected in zip(plan.leaves, methods, strict=True):
         assert leaf.method.startswith(expected), (leaf.method, expected)
