@@ -330,7 +330,7 @@ ERRORS = [
     ),
     (
         lambda: predict.gp_inference(M, Y).nngp(np.ones((2, 3))),
-        r"^gp_inference\(\.\.\.\)\.nngp: k_test_train has shape \(2, 3\), expected \(2, 4\)",
+        r"^gp_inference\(\.\.\.\)\.nngp: k_test_train has shape \(2, 3\), expected \(M, 4\)",
     ),
     (
         lambda: predict.gp_inference(M, Y).nngp(np.ones((2, 4)), np.ones((3, 3))),

@@ -164,11 +164,17 @@ class FlatLayout:
 
     def check_pair(self, name, k, n1, n2, fn_name=None) -> int:
         """Checks a kernel of shape pair_shape(n1, n2) (n1 None: any); returns n1."""
+        any_rows = n1 is None
         n1 = k.shape[0] if (n1 is None and k.ndim) else n1
         if k.shape != (want := self.pair_shape(n1, n2)):
             y = self.y_shape
+            if any_rows:  # a test kernel: any number of rows M
+                want = "(M, " + str(want[1:])[1:].replace(",)", ")")
             what = f"{name} has shape {k.shape}, expected {want} for y_train of shape {y}"
-            raise bad(ValueError, fn_name or self.fn_name, what, SAME_AXES)
+            fix = SAME_AXES
+            if any_rows and k.ndim >= 2 and k.shape[0] == n2 != k.shape[1]:
+                fix = f"pass {name} with the test samples first (axes 0 and 1 swapped?), or {fix}"
+            raise bad(ValueError, fn_name or self.fn_name, what, fix)
         return n1
 
     def flat(self, k: np.ndarray) -> np.ndarray:
@@ -281,9 +287,13 @@ class Solver:
         tol = self.m * max(self.u, unit_roundoff(k2.dtype)) * wmax
         if w.min() < -tol:
             what = f"K + λI is not positive semi-definite: eigenvalue {w.min():.2e} < −{tol:.2e}"
-            fix = (
-                f"pass a kernel (not a difference of two), or diag_reg > {-w.min() / reg_scale:.1e}"
-            )
+            needed = self.lam - float(w.min())  # the λ that would make K + λI PSD
+            fix = "pass a kernel (not a difference of two), or "
+            if reg_scale > 0:
+                fix += f"diag_reg > {needed / reg_scale:.1e}"
+            else:  # a relative diag_reg scales a mean diagonal <= 0: no value helps
+                what += f"; its mean diagonal is {reg_scale:.2e} <= 0"
+                fix += f"diag_reg_absolute_scale=True with diag_reg > {needed:.1e}"
             raise bad(ValueError, fn_name, what, fix)
         self._eigs = (w, v)
         self._w_floored = np.maximum(w, self.u * wmax)
