@@ -169,7 +169,7 @@ class FlatLayout:
         if k.shape != (want := self.pair_shape(n1, n2)):
             y = self.y_shape
             if any_rows:  # a test kernel: any number of rows M
-                want = "(M, " + str(want[1:])[1:].replace(",)", ")")
+                want = "(" + ", ".join(["M", *map(str, want[1:])]) + ")"
             what = f"{name} has shape {k.shape}, expected {want} for y_train of shape {y}"
             fix = SAME_AXES
             if any_rows and k.ndim >= 2 and k.shape[0] == n2 != k.shape[1]:
