@@ -103,6 +103,23 @@ def test_the_file_equals_the_in_memory_features_bit_for_bit(tmp_path, trace_axes
         assert np.array_equal(on_disk.weights, in_ram.weights)
 
 
+@pytest.mark.parametrize("budget", [2**30, 4 * 3 * 64 * 4 * 2], ids=["roomy", "4-rows"])
+def test_auto_batch_size_blocks_from_memory(tmp_path, monkeypatch, budget):
+    """batch_size="auto" (as ntk_fn's): blocks whose Φ fits in half the memory budget
+    (one block in memory when it fits; to a file at least 8 blocks, each a resume
+    point); bit for bit the features of that int batch_size."""
+    monkeypatch.setattr(_sketch, "default_memory_budget", lambda: budget)
+    rows = 37 if budget == 2**30 else 4  # Φ of a sample: 3 x 64 float32 = 768 bytes
+    for path, want in [(None, rows), (tmp_path / "phi.npy", min(rows, 5))]:  # ⌈37 / 8⌉ = 5
+        calls = _calls(monkeypatch)
+        out = None if path is None else str(path)
+        fn = ntk_core.ntk_sketch_fn(f, k=64, key=KEY, trace_axes=(), batch_size="auto", out=out)
+        phi = fn(P, X)
+        assert len(calls) == -(-37 // want), (path, len(calls))
+        same = ntk_core.ntk_sketch_fn(f, k=64, key=KEY, trace_axes=(), batch_size=want)(P, X)
+        assert np.asarray(phi).tobytes() == np.asarray(same).tobytes()
+
+
 def test_a_finished_file_is_returned_without_computing(tmp_path, monkeypatch):
     path = tmp_path / "phi.npy"
     first = np.array(_features(path)(P, X))

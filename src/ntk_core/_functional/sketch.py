@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._blocked import store as _store
+from ntk_core._blocked.tiles import default_memory_budget
 from ntk_core._errors import bad, check_int
 from ntk_core._functional.ntk_vp import _check_params, _outputs
 from ntk_core._jax import caches as _caches
@@ -44,7 +45,15 @@ from ntk_core._kernel.caller import core
 from ntk_core._kernel.checks import check_finite_input
 from ntk_core._kernel.layout import resolve_layout
 from ntk_core._kernel.model import from_apply_fn, one_sample, per_sample_jaxpr
-from ntk_core._kernel.options import DEFAULTS, _flags, _out_options, make_options, refuse_options
+from ntk_core._kernel.options import (
+    AUTO_BATCH_SIZE,
+    DEFAULTS,
+    _block_options,
+    _flags,
+    _out_options,
+    make_options,
+    refuse_options,
+)
 from ntk_core._kernel.validate import batch_size as _batch_size
 from ntk_core._predict.linalg import check_key
 from ntk_core._structured import analysis as _structured
@@ -57,6 +66,20 @@ _PARAMS_X = inspect.Signature(
 
 #: Bytes of sketch intermediates per chunk of samples (one XLA loop step).
 SKETCH_CHUNK_BYTES = 2**28
+#: ``batch_size="auto"`` writes ``out=`` in at least this many blocks (each a resume point).
+AUTO_FILE_BLOCKS = 8
+
+
+def auto_rows(n: int, row_bytes: int, budget: int, to_file: bool) -> int:
+    """``batch_size="auto"``: the most rows B with B·``row_bytes`` (one sample's Φ) within
+    half of ``budget`` (with ``to_file``, at most ⌈N / AUTO_FILE_BLOCKS⌉), evened out
+    to ⌈N / k⌉ for the k blocks it gives."""
+    b = max(1, min(n, int(budget // (2 * max(row_bytes, 1)))))
+    if to_file:
+        b = min(b, -(-n // AUTO_FILE_BLOCKS))
+    return -(-n // -(-n // b))
+
+
 #: FLOP-equivalents per value a memory-bound pass writes (scatters, FFT inputs), XLA CPU.
 VALUE_FLOPS = 10.0
 _LOW_PRECISION = ("float16", "bfloat16")
@@ -310,7 +333,7 @@ class _Sketcher:
         check_finite_input(fn, "x", x)
         params, x = jax.tree.map(jnp.asarray, (params, x))
         params, aux = self._split(params, aux)
-        block = n if self.batch_size is None else min(self.batch_size, n)
+        block = self._block(params, aux, x, n)
         plan = self._plan(params, aux, x, block)
         run = _block_fn(self._apply3, plan, self.precision)
         if self.options is not None and self.options.out is not None:
@@ -319,6 +342,22 @@ class _Sketcher:
             return run(params, aux, x, self.key)
         blocks = self._blocks(run, params, aux, x, n, block, None)
         return np.concatenate([phi for _, _, phi in blocks])
+
+    def _block(self, params, aux, x, n: int) -> int:
+        """Samples per block: all, ``batch_size``, or :func:`auto_rows` of one sample's Φ."""
+        if self.batch_size is None:
+            return n
+        if self.batch_size != AUTO_BATCH_SIZE:
+            return min(self.batch_size, n)
+        self._plan(params, aux, x, min(n, 2))  # the model's checks, with their messages
+        args = (self._apply3, params, one_sample(x), aux)
+        out = per_sample_jaxpr(*args, precision=self.precision).out_avals[0]
+        shape = (n, *out.shape)
+        layout = resolve_layout(self._caller.name, self.trace_axes, (), shape, "the output")
+        kept = math.prod(d for a, d in enumerate(out.shape) if a + 1 not in layout.trace)
+        to_file = self.options is not None and self.options.out is not None
+        row_bytes = kept * self.k * out.dtype.itemsize
+        return auto_rows(n, row_bytes, default_memory_budget(), to_file)
 
     def _blocks(self, run, params, aux, x, n: int, block: int, share):
         """``(start, stop, Φ)`` of each block of ``block`` samples (those ``(start, start)``
@@ -373,7 +412,10 @@ def _sizes(fn: str, k, key, batch_size) -> tuple[int, int | None]:
     """``k`` and ``batch_size`` checked (positive ints, batch_size None too), ``key`` too."""
     k = check_int(fn, "k", k, "pass e.g. k=1024 (the error falls like 1/sqrt(k))")
     check_key(fn, key)
-    fix = "pass e.g. 256, or None for one block"
+    if isinstance(batch_size, str):  # "auto", or the options' message for another string
+        _block_options(fn, batch_size, None)
+        return k, batch_size
+    fix = "pass e.g. 256, 'auto' (sized from memory), or None for one block"
     return k, check_int(fn, "batch_size", batch_size, fix, optional=True)
 
 
@@ -429,7 +471,7 @@ def ntk_sketch_fn(
     k: int,
     key,
     trace_axes=DEFAULTS.trace_axes,
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     precision=DEFAULTS.precision,
     wrt=DEFAULTS.wrt,
     out=DEFAULTS.out,
@@ -458,7 +500,9 @@ def ntk_sketch_fn(
         with Φ_i·Φ_j ≈ Θ[i, j] = (1/O) Σ_a Θ[i, j, a, a]; ``()`` gives ``(N, O, k)`` with
         Φ[i, a]·Φ[j, b] ≈ Θ[i, j, a, b].
       batch_size: None (one jitted call) or B: blocks of B samples (the last padded, so
-        one compiled shape), returned as one host ``numpy.ndarray``.
+        one compiled shape), returned as one host ``numpy.ndarray``; ``"auto"``: B from
+        the device's memory (:func:`auto_rows`: a block's Φ within half of it; with
+        ``out``, at least 8 blocks).
       precision: the matmul precision, as :func:`ntk_fn`.
       wrt: a parameter subset, as :func:`ntk_fn` (path names or a predicate on key
         paths): the sketch of the subset's kernel, its own map (the subset's leaves).
