@@ -1,0 +1,111 @@
+"""Where a kernel call's time goes: its two compiled phases timed apart, and the XLA
+operations that take longest in each (from a ``jax.profiler`` trace).
+
+For a case of ``cases.py`` (the Flax twin as ``bench_core.py`` builds it) at N samples,
+``x2=None``: the implementation's ``features`` (O(N)) and its Gram ``tile`` (O(N²), with the
+exact mirror), each warm, best of ``--repeats``; then one traced call of each, and per phase
+the operation kinds and single operations with the most thread time. This is how the
+ResNet-18's slow small-map convolutions were found (benchmarks/README.md).
+
+    python benchmarks/profile_phases.py --case resnet18 --n 64
+    python benchmarks/profile_phases.py --case mlp1 --n 1000 --implementation auto --top 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_core  # noqa: E402
+import cases  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import ntk_core  # noqa: E402
+
+
+def best_of(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def op_times(trace_dir: str) -> dict:
+    """{XLA module: Counter(op name -> microseconds)} of the trace's thunk events."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "plugins/profile/*/*.trace.json.gz")))[-1]
+    events = json.load(gzip.open(path))["traceEvents"]
+    modules: dict = collections.defaultdict(collections.Counter)
+    for e in events:
+        module = e.get("args", {}).get("hlo_module")
+        if e.get("ph") == "X" and module:
+            modules[module][e["name"]] += e["dur"]
+    return modules
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", default="resnet18", choices=list(cases.CASES))
+    parser.add_argument("--n", type=int, help="N (default: the case's own)")
+    parser.add_argument("--implementation", default="structured")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--top", type=int, default=8, help="operations shown per phase")
+    args = parser.parse_args(argv)
+
+    case = cases.CASES[args.case]
+    n = args.n or case.n
+    variables = bench_core.init_variables(case)
+    params, _ = cases.split_variables(variables)
+    params = jax.tree.map(jnp.asarray, params)
+    x = jnp.asarray(cases.make_inputs(case, n))
+    kernel = ntk_core.ntk_fn(
+        bench_core.apply_fn(case, variables),
+        trace_axes=case.trace_axes,
+        implementation=args.implementation,
+    )
+    engine = kernel._engine  # the phases of one call (docs/architecture.md, "One kernel call")
+    _, config = engine.prepare(params, x)
+    impl = engine.implementation(config)
+    print(f"{case.title}, N = {n}: implementation {config.implementation}")
+    if impl.features is None:  # "ntvp": pairwise from the inputs, one phase
+        phases = {"tile": lambda: impl.tile(params, None, None, None, x, None, True)}
+    else:
+        feats = impl.features(params, x, None)
+        phases = {
+            "features": lambda: impl.features(params, x, None),
+            "tile": lambda: impl.tile(params, feats, None, None, None, None, True),
+        }
+    for name, fn in phases.items():
+        print(f"  {name:<9} {best_of(fn, args.repeats):8.3f} s warm (best of {args.repeats})")
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for fn in phases.values():
+            jax.block_until_ready(fn())
+        jax.profiler.stop_trace()
+        modules = op_times(trace_dir)
+    for module, ops in modules.items():
+        kinds = collections.Counter()
+        for op, us in ops.items():
+            kinds[op.split(".")[0]] += us
+        total = sum(ops.values()) / 1e3
+        print(f"{module}: {total:.0f} ms of thread time")
+        print("  by kind: " + ", ".join(f"{k} {v / 1e3:.0f} ms" for k, v in kinds.most_common(5)))
+        for op, us in ops.most_common(args.top):
+            print(f"    {us / 1e3:8.1f} ms  {op}")
+
+
+if __name__ == "__main__":
+    main()
