@@ -349,11 +349,13 @@ class _Sketcher:
             return n
         if self.batch_size != AUTO_BATCH_SIZE:
             return min(self.batch_size, n)
-        self._plan(params, aux, x, min(n, 2))  # the model's checks, with their messages
         args = (self._apply3, params, one_sample(x), aux)
-        out = per_sample_jaxpr(*args, precision=self.precision).out_avals[0]
-        shape = (n, *out.shape)
-        layout = resolve_layout(self._caller.name, self.trace_axes, (), shape, "the output")
+        try:
+            out = per_sample_jaxpr(*args, precision=self.precision).out_avals[0]
+            shape = (n, *out.shape)
+            layout = resolve_layout(self._caller.name, self.trace_axes, (), shape, "the output")
+        except Exception:  # the plan of one block of all N raises it with the model's checks
+            return n
         kept = math.prod(d for a, d in enumerate(out.shape) if a + 1 not in layout.trace)
         to_file = self.options is not None and self.options.out is not None
         row_bytes = kept * self.k * out.dtype.itemsize
