@@ -192,7 +192,7 @@ def test_a_changed_block_is_named_and_computed_again(tmp_path, monkeypatch):
     _unfinished(path)
     calls = _calls(monkeypatch)
     with pytest.warns(
-        UserWarning, match=r"phi\.npy': 1 tiles changed since written \(CRC-32\): \[8, 8\]"
+        UserWarning, match=r"phi\.npy': 1 blocks changed since written \(CRC-32\): \[8, 8\]"
     ):
         resumed = _features(path, resume=True)(P, X)
     assert _blocks_of(calls) == [8]

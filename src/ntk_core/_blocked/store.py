@@ -143,6 +143,8 @@ class NpyStore:
         self.fn, self.path, self.transform = fn, path, transform
         self.process, self.barrier = process, barrier
         self.perms, self.batch_diagonal = layout.perms, layout.batch_diagonal
+        rows = layout.described.get("kind") == "ntk sketch"  # features: blocks of rows
+        self.unit = "block" if rows else "tile"  # in messages
         shape, dtype = layout.shape, layout.dtype
         self.manifest = {VERSION: MANIFEST_VERSION, FP: fingerprint, DONE: [], COMPLETE: False}
         self.done: dict[tuple[int, int], int] = {}  # tile -> CRC-32 of its bytes
@@ -271,8 +273,9 @@ class NpyStore:
         odd -= len(self.done) + len(changed)  # (in the main list: not a tile of this file)
         if changed or odd > 0:
             shown = ", ".join(map(str, changed[:8])) + " ..." * (len(changed) > 8)
-            what = f"{len(changed)} tiles changed since written (CRC-32): {shown}; {odd} "
-            what += "entries of 'done' are no tile [r0, c0, crc32]; computing them again"
+            what = f"{len(changed)} {self.unit}s changed since written (CRC-32): {shown}; "
+            what += f"{odd} entries of 'done' are no {self.unit} [r0, c0, crc32]; "
+            what += "computing them again"
             warnings.warn(f"{self.fn}: out={self.path!r}: {what}", stacklevel=3)
 
     def share(self) -> set:
