@@ -103,7 +103,7 @@ def test_the_file_equals_the_in_memory_features_bit_for_bit(tmp_path, trace_axes
         assert np.array_equal(on_disk.weights, in_ram.weights)
 
 
-@pytest.mark.parametrize("budget", [2**30, 4 * 3 * 64 * 4 * 2], ids=["roomy", "4-rows"])
+@pytest.mark.parametrize("budget", [2**30, 2 * 4 * 768 + 8], ids=["roomy", "4-rows"])
 def test_auto_batch_size_blocks_from_memory(tmp_path, monkeypatch, budget):
     """batch_size="auto" (as ntk_fn's): blocks whose Φ fits in half the memory budget
     (one block in memory when it fits; to a file at least 8 blocks, each a resume

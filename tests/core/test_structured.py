@@ -624,9 +624,10 @@ CONV_MODELS = {
 
 @pytest.mark.parametrize("form", ["convolution", "matmul"])
 @pytest.mark.parametrize("name", list(CONV_MODELS))
-def test_convolution_rule_matches_reference_and_plan(name, form, monkeypatch):
+def test_convolution_rule_matches_reference_and_plan(name, form, monkeypatch, request):
     """Each model with its convolutions evaluated as convolutions, or as patches times
-    the kernel matrix (``conv.MATMUL_MAX_POSITIONS``: small feature maps)."""
+    the kernel matrix (``conv.MATMUL_MAX_POSITIONS``: small feature maps); the compiled
+    programs of either form are dropped before and after (other tests get the default)."""
     from ntk_core._jax.caches import clear_caches
     from ntk_core._structured.rules import conv
 
@@ -635,6 +636,7 @@ def test_convolution_rule_matches_reference_and_plan(name, form, monkeypatch):
     monkeypatch.setattr(conv, "MATMUL_MAX_POSITIONS", 0 if form == "convolution" else 10**9)
     monkeypatch.setattr(conv, "conv_as_matmul", lambda *a: calls.append(1) or matmul(*a))
     clear_caches()
+    request.addfinalizer(clear_caches)
     f, x_shape, shapes, methods = CONV_MODELS[name]
     p = _params(*shapes, seed=3)
     x1 = jax.random.normal(jax.random.PRNGKey(1), (3, *x_shape))

@@ -143,8 +143,7 @@ class NpyStore:
         self.fn, self.path, self.transform = fn, path, transform
         self.process, self.barrier = process, barrier
         self.perms, self.batch_diagonal = layout.perms, layout.batch_diagonal
-        rows = layout.described.get("kind") == "ntk sketch"  # features: blocks of rows
-        self.unit = "block" if rows else "tile"  # in messages
+        self.unit = "block" if layout.batch_diagonal else "tile"  # blocks of rows (messages)
         shape, dtype = layout.shape, layout.dtype
         self.manifest = {VERSION: MANIFEST_VERSION, FP: fingerprint, DONE: [], COMPLETE: False}
         self.done: dict[tuple[int, int], int] = {}  # tile -> CRC-32 of its bytes

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._blocked import store as _store
-from ntk_core._blocked.tiles import default_memory_budget
+from ntk_core._blocked.tiles import auto_batch_size, default_memory_budget
 from ntk_core._errors import bad, check_int
 from ntk_core._functional.ntk_vp import _check_params, _outputs
 from ntk_core._jax import caches as _caches
@@ -71,13 +71,11 @@ AUTO_FILE_BLOCKS = 8
 
 
 def auto_rows(n: int, row_bytes: int, budget: int, to_file: bool) -> int:
-    """``batch_size="auto"``: the most rows B with B·``row_bytes`` (one sample's Φ) within
-    half of ``budget`` (with ``to_file``, at most ⌈N / AUTO_FILE_BLOCKS⌉), evened out
-    to ⌈N / k⌉ for the k blocks it gives."""
-    b = max(1, min(n, int(budget // (2 * max(row_bytes, 1)))))
-    if to_file:
-        b = min(b, -(-n // AUTO_FILE_BLOCKS))
-    return -(-n // -(-n // b))
+    """``batch_size="auto"``: the kernels' :func:`auto_batch_size` of a batch diagonal with
+    ``row_bytes`` (one sample's Φ) per sample, B·``row_bytes`` within half of ``budget``;
+    with ``to_file`` at most ⌈N / AUTO_FILE_BLOCKS⌉ (both evened out to ⌈N / k⌉)."""
+    b = auto_batch_size(n, n, row_bytes, 0, budget, batch_diagonal=True)
+    return min(b, -(-n // AUTO_FILE_BLOCKS)) if to_file else b
 
 
 #: FLOP-equivalents per value a memory-bound pass writes (scatters, FFT inputs), XLA CPU.
