@@ -16,8 +16,15 @@ import numpy as np
 TOLERANCE = {"float32": 2e-5, "float64": 1e-12}
 
 
+def _on_host(*trees):
+    """The trees on the CPU: on an accelerator (a TPU multiplies float32 in bf16 passes
+    by default) the reference is still computed at the CPU's full float32 precision."""
+    return jax.device_put(trees, jax.devices("cpu")[0])
+
+
 def _flat_jacobian(apply_fn, params, x) -> list[np.ndarray]:
     """Per output leaf: the whole-batch Jacobian as float64 ``(N, *O, P)``."""
+    params, x = _on_host(params, x)
     jac = jax.jit(jax.jacrev(lambda p, x: apply_fn(p, x)))(params, x)
     out = jax.eval_shape(apply_fn, params, x)
     out_leaves, out_tree = jax.tree.flatten(out)
@@ -31,6 +38,7 @@ def _flat_jacobian(apply_fn, params, x) -> list[np.ndarray]:
 
 
 def _outputs(apply_fn, params, x) -> list[np.ndarray]:
+    params, x = _on_host(params, x)
     return [np.asarray(o, np.float64) for o in jax.tree.leaves(jax.jit(apply_fn)(params, x))]
 
 

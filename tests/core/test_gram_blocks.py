@@ -1,7 +1,8 @@
 """Gram terms of convolutions contracted over blocks of x1's samples, so that their
 N1·N2·O²·A-sized intermediates stay within ``rules._base.GRAM_TERM_BYTES`` (issue 28:
 a ResNet-18 at N = 64 held 3 GB in one tile). Blocked or not, the kernel is the float64
-Jacobian contraction's."""
+Jacobian contraction's. So are products summed in chunks of the contracted axis (a
+TPU's float32 products lose accuracy over long sums)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import core_zoo
 import ntk_core
 import reference
+from ntk_core._impl import jacobian as _jacobian
 from ntk_core._structured import analysis as _structured
 from ntk_core._structured.rules import _base
 
@@ -69,3 +71,37 @@ def test_small_gram_terms_stay_whole(monkeypatch):
     k = ntk_core.empirical_ntk(apply, entry.params, x1, implementation="structured")
     reference.assert_close(k, reference.ntk(apply, entry.params, x1, x1)[0])
     assert blocks == []
+
+
+@pytest.mark.parametrize("implementation", ["jacobian", "structured", "nngp"])
+def test_long_products_in_chunks_match_the_reference(implementation, monkeypatch, request):
+    """With the CPU among ``CHUNKED_PLATFORMS`` and chunks of 2 values, every Gram
+    product longer than 2 is a scan over zero-padded chunks (the path a TPU takes for
+    products longer than 16 384); the kernels still equal the float64 reference."""
+    from ntk_core._jax.caches import clear_caches
+
+    scans = []
+    scan = _jacobian.jax.lax.scan
+    monkeypatch.setattr(_jacobian, "CHUNKED_PLATFORMS", ("cpu",))
+    monkeypatch.setattr(_jacobian, "CHUNK", 2)
+    monkeypatch.setattr(_jacobian.jax.lax, "scan", lambda *a, **k: scans.append(1) or scan(*a, **k))
+    clear_caches()
+    request.addfinalizer(clear_caches)
+    entry = core_zoo.ZOO["tokens" if implementation == "nngp" else "lenet"]
+
+    def apply(p, x):
+        return entry.forward(p, entry.state, x)
+
+    x1, x2 = core_zoo.inputs(entry, 3, 2)
+    for b in (None, x2):
+        other = x1 if b is None else b
+        if implementation == "nngp":  # outputs (N, 5, 3): products over the 3 traced
+            k = ntk_core.empirical_nngp(apply, entry.params, x1, b)
+            expected = reference.nngp(apply, entry.params, x1, other)[0]
+        else:
+            k = ntk_core.empirical_ntk(
+                apply, entry.params, x1, b, trace_axes=(), implementation=implementation
+            )
+            expected = reference.ntk(apply, entry.params, x1, other, trace_axes=())[0]
+        reference.assert_close(k, expected)
+    assert scans, "no product was summed in chunks"

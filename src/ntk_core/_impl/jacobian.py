@@ -17,6 +17,12 @@ from ntk_core._jax.batches import map_in_batches
 EINSUM_PASS_FLOPS = 400.0
 #: Per value copied when concatenating Jacobians (1.5 ns per value).
 COPY_FLOPS = 64.0
+#: A TPU's float32 matrix product loses accuracy over long sums even at precision
+#: HIGHEST (a v5e, 16 x 407 050 Gram: 2.5e-5 relative in one product, 1.1e-7 summed in
+#: chunks of 16 384; benchmarks/README.md): on the platforms named here, products that
+#: contract more values than CHUNK are summed chunk by chunk (a scan).
+CHUNKED_PLATFORMS = ("tpu",)
+CHUNK = 2**14
 
 
 def merge_limit(n: int, out_size: int, pair_size: int) -> int:
@@ -142,14 +148,33 @@ def pair_einsum(a_spec: str, b_spec: str, out: str, a, b, precision):
         v = jnp.transpose(v.astype(dtype), [spec.index(s) for s in free + shared])
         return v.reshape(math.prod(size[s] for s in free), math.prod(size[s] for s in shared))
 
-    r = jax.lax.dot_general(
-        matrix(a, a_spec, free_a),
-        matrix(b, b_spec, free_b),
-        (((1,), (1,)), ((), ())),
-        precision=precision,
-    )
+    r = gram_product(matrix(a, a_spec, free_a), matrix(b, b_spec, free_b), precision)
     r = r.reshape([size[s] for s in free_a + free_b])
     return jnp.transpose(r, [(free_a + free_b).index(s) for s in out])
+
+
+def gram_product(a, b, precision):
+    """``a @ b.T`` for ``a (F_a, S)``, ``b (F_b, S)``; on :data:`CHUNKED_PLATFORMS` with
+    S > :data:`CHUNK`, the sum over S in chunks of CHUNK, each chunk's product added apart
+    (zero-padded to whole chunks)."""
+
+    def product(u, v):
+        return jax.lax.dot_general(u, v, (((1,), (1,)), ((), ())), precision=precision)
+
+    s = a.shape[1]
+    if s <= CHUNK or jax.default_backend() not in CHUNKED_PLATFORMS:
+        return product(a, b)
+    chunks = -(-s // CHUNK)
+
+    def split(v):
+        v = jnp.pad(v, ((0, 0), (0, chunks * CHUNK - s)))
+        return jnp.moveaxis(v.reshape(v.shape[0], chunks, CHUNK), 1, 0)
+
+    def step(total, pair):
+        return total + product(*pair), None
+
+    zero = jnp.zeros((a.shape[0], b.shape[0]), jnp.result_type(a, b))
+    return jax.lax.scan(step, zero, (split(a), split(b)))[0]
 
 
 def contract(layouts, jac1, jac2, precision):

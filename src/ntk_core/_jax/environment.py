@@ -220,7 +220,7 @@ def check_model_precision(
     cannot override, or when it computes in half precision. ``closed``: the engine's jaxpr
     of ``apply3`` under that precision (else traced here)."""
     if precision != _HIGHEST:
-        what = f"precision={precision!r} lets GPUs and TPUs use TF32 or bf16 (1e-3 relative error)"
+        what = f"precision={precision!r} lets GPUs and TPUs use TF32 or bf16 (1e-3..1e-2 relative)"
         fix = f"keep precision={_HIGHEST!r}"
         warn_once((check_model_precision, precision), bad(PrecisionWarning, fn_name, what, fix))
     if closed is None:
