@@ -73,11 +73,21 @@ def test_small_gram_terms_stay_whole(monkeypatch):
     assert blocks == []
 
 
-@pytest.mark.parametrize("implementation", ["jacobian", "structured", "nngp"])
-def test_long_products_in_chunks_match_the_reference(implementation, monkeypatch, request):
+CHUNK_CASES = {
+    "jacobian-full": ("jacobian", "lenet", dict(trace_axes=())),
+    "structured-full": ("structured", "lenet", dict(trace_axes=())),
+    "jacobian-diag_out": ("jacobian", "tokens", dict(trace_axes=(), diagonal_axes=(-1,))),
+    "structured-diag_batch": ("structured", "tokens", dict(diagonal_axes=(0,))),
+    "nngp-traced": ("nngp", "tokens", dict(trace_axes=(-1,))),
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNK_CASES))
+def test_long_products_in_chunks_match_the_reference(case, monkeypatch, request):
     """With the CPU among ``CHUNKED_PLATFORMS`` and chunks of 2 values, every Gram
     product longer than 2 is a scan over zero-padded chunks (the path a TPU takes for
-    products longer than 16 384); the kernels still equal the float64 reference."""
+    products longer than 16 384), 2-D products and einsums with shared output axes
+    (diagonal layouts) alike; the kernels still equal the float64 reference."""
     from ntk_core._jax.caches import clear_caches
 
     scans = []
@@ -87,21 +97,22 @@ def test_long_products_in_chunks_match_the_reference(implementation, monkeypatch
     monkeypatch.setattr(_jacobian.jax.lax, "scan", lambda *a, **k: scans.append(1) or scan(*a, **k))
     clear_caches()
     request.addfinalizer(clear_caches)
-    entry = core_zoo.ZOO["tokens" if implementation == "nngp" else "lenet"]
+    implementation, name, axes = CHUNK_CASES[case]
+    entry = core_zoo.ZOO[name]
 
     def apply(p, x):
         return entry.forward(p, entry.state, x)
 
-    x1, x2 = core_zoo.inputs(entry, 3, 2)
+    x1, x2 = core_zoo.inputs(entry, 3, 3)
     for b in (None, x2):
         other = x1 if b is None else b
-        if implementation == "nngp":  # outputs (N, 5, 3): products over the 3 traced
-            k = ntk_core.empirical_nngp(apply, entry.params, x1, b)
-            expected = reference.nngp(apply, entry.params, x1, other)[0]
+        if implementation == "nngp":
+            k = ntk_core.empirical_nngp(apply, entry.params, x1, b, **axes)
+            expected = reference.nngp(apply, entry.params, x1, other, **axes)[0]
         else:
             k = ntk_core.empirical_ntk(
-                apply, entry.params, x1, b, trace_axes=(), implementation=implementation
+                apply, entry.params, x1, b, implementation=implementation, **axes
             )
-            expected = reference.ntk(apply, entry.params, x1, other, trace_axes=())[0]
+            expected = reference.ntk(apply, entry.params, x1, other, **axes)[0]
         reference.assert_close(k, expected)
     assert scans, "no product was summed in chunks"

@@ -181,6 +181,11 @@ def test_batches_give_the_same_features():
     blocked = ntk_core.ntk_sketch_fn(f, k=64, key=key, trace_axes=(), batch_size=3)(params, x)
     assert isinstance(blocked, np.ndarray) and blocked.shape == (7, 10, 64)
     np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-6 * np.abs(whole).max())
+    for size in (7, 50, "auto"):  # one block: host numpy too, as documented
+        one = ntk_core.ntk_sketch_fn(f, k=64, key=key, trace_axes=(), batch_size=size)
+        one = one(params, x)
+        assert isinstance(one, np.ndarray), (size, type(one))
+        np.testing.assert_array_equal(one, whole)
 
 
 @pytest.mark.parametrize("name", ["cnn10", "tokens", "fallback_mlp"])

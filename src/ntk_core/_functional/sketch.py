@@ -336,8 +336,9 @@ class _Sketcher:
         run = _block_fn(self._apply3, plan, self.precision)
         if self.options is not None and self.options.out is not None:
             return self._to_file(run, plan, params, aux, x, n, block)
-        if block == n:
-            return run(params, aux, x, self.key)
+        if block == n:  # with a batch_size, host numpy as the blocked result is
+            phi = run(params, aux, x, self.key)
+            return phi if self.batch_size is None else np.asarray(phi)
         blocks = self._blocks(run, params, aux, x, n, block, None)
         return np.concatenate([phi for _, _, phi in blocks])
 

@@ -126,7 +126,8 @@ def matrices(jac, params, out_tree, merge_limits=None):
 def pair_einsum(a_spec: str, b_spec: str, out: str, a, b, precision):
     """``jnp.einsum(f"{a_spec},{b_spec}->{out}", a, b)`` as one 2-D matrix product
     ``(F_a, S) x (F_b, S)ᵀ`` (else XLA CPU often transposes a copy of an operand);
-    shared output axes or repeated letters go to ``jnp.einsum`` unchanged."""
+    shared output axes or repeated letters go to ``jnp.einsum`` unchanged, except that
+    where :func:`chunked`, shared output axes contract the flattened axes in chunks."""
     a_sum = tuple(i for i, s in enumerate(a_spec) if s not in out and s not in b_spec)
     b_sum = tuple(i for i, s in enumerate(b_spec) if s not in out and s not in a_spec)
     if a_sum:
@@ -135,46 +136,57 @@ def pair_einsum(a_spec: str, b_spec: str, out: str, a, b, precision):
     if b_sum:
         b = jnp.sum(b, axis=b_sum)
         b_spec = "".join(s for i, s in enumerate(b_spec) if i not in b_sum)
-    shared = [s for s in a_spec if s in b_spec]
-    repeated = len(set(a_spec)) != len(a_spec) or len(set(b_spec)) != len(b_spec)
-    if repeated or any(s in out for s in shared):
-        return jnp.einsum(f"{a_spec},{b_spec}->{out}", a, b, precision=precision)
+    shared = [s for s in a_spec if s in b_spec and s not in out]
     size = dict(zip(a_spec, a.shape, strict=True)) | dict(zip(b_spec, b.shape, strict=True))
+    repeated = len(set(a_spec)) != len(a_spec) or len(set(b_spec)) != len(b_spec)
+    shared_out = any(s in out and s in b_spec for s in a_spec)
+    if repeated or (shared_out and not chunked(math.prod(size[s] for s in shared))):
+        return jnp.einsum(f"{a_spec},{b_spec}->{out}", a, b, precision=precision)
     free_a = [s for s in a_spec if s not in shared]
     free_b = [s for s in b_spec if s not in shared]
     dtype = jnp.result_type(a, b)
 
-    def matrix(v, spec, free):
+    def flat(v, spec, free):  # (*free, S): the contracted axes last, as one
         v = jnp.transpose(v.astype(dtype), [spec.index(s) for s in free + shared])
-        return v.reshape(math.prod(size[s] for s in free), math.prod(size[s] for s in shared))
+        return v.reshape([size[s] for s in free] + [math.prod(size[s] for s in shared)])
 
-    r = gram_product(matrix(a, a_spec, free_a), matrix(b, b_spec, free_b), precision)
+    a, b = flat(a, a_spec, free_a), flat(b, b_spec, free_b)
+    if shared_out:  # an einsum over the flattened contracted axes, in chunks
+        z = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in a_spec + b_spec)
+        spec = f"{''.join(free_a)}{z},{''.join(free_b)}{z}->{out}"
+        return summed_in_chunks(lambda u, v: jnp.einsum(spec, u, v, precision=precision), a, b)
+    a = a.reshape(-1, a.shape[-1])
+    b = b.reshape(-1, b.shape[-1])
+    dims = (((1,), (1,)), ((), ()))
+    r = summed_in_chunks(lambda u, v: jax.lax.dot_general(u, v, dims, precision=precision), a, b)
     r = r.reshape([size[s] for s in free_a + free_b])
     return jnp.transpose(r, [(free_a + free_b).index(s) for s in out])
 
 
-def gram_product(a, b, precision):
-    """``a @ b.T`` for ``a (F_a, S)``, ``b (F_b, S)``; on :data:`CHUNKED_PLATFORMS` with
-    S > :data:`CHUNK`, the sum over S in chunks of CHUNK, each chunk's product added apart
-    (zero-padded to whole chunks)."""
+def chunked(size: int) -> bool:
+    """Whether a product contracting ``size`` values is summed in chunks here."""
+    return size > CHUNK and jax.default_backend() in CHUNKED_PLATFORMS
 
-    def product(u, v):
-        return jax.lax.dot_general(u, v, (((1,), (1,)), ((), ())), precision=precision)
 
-    s = a.shape[1]
-    if s <= CHUNK or jax.default_backend() not in CHUNKED_PLATFORMS:
+def summed_in_chunks(product, a, b):
+    """``product(a, b)``, a product contracting the last axis of ``a`` and of ``b``; on
+    :data:`CHUNKED_PLATFORMS` with that axis longer than :data:`CHUNK`, the sum over it
+    in chunks of CHUNK (zero-padded), each chunk's product added apart (a scan)."""
+    s = a.shape[-1]
+    if not chunked(s):
         return product(a, b)
     chunks = -(-s // CHUNK)
 
     def split(v):
-        v = jnp.pad(v, ((0, 0), (0, chunks * CHUNK - s)))
-        return jnp.moveaxis(v.reshape(v.shape[0], chunks, CHUNK), 1, 0)
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, chunks * CHUNK - s)])
+        return jnp.moveaxis(v.reshape(*v.shape[:-1], chunks, CHUNK), -2, 0)
 
     def step(total, pair):
         return total + product(*pair), None
 
-    zero = jnp.zeros((a.shape[0], b.shape[0]), jnp.result_type(a, b))
-    return jax.lax.scan(step, zero, (split(a), split(b)))[0]
+    parts = split(a), split(b)
+    zero = jax.eval_shape(product, parts[0][0], parts[1][0])
+    return jax.lax.scan(step, jnp.zeros(zero.shape, zero.dtype), parts)[0]
 
 
 def contract(layouts, jac1, jac2, precision):
