@@ -177,6 +177,9 @@ class VariablesReader:
         n = f"{len(lacking)} of the {len(want)} parameters model.init makes ({_shown(lacking)})"
         what = f"variables has no 'params' collection (keys {_keys(given)}) and lacks {n}"
         fix = "pass this model's model.init(key, x), its ['params'] or its TrainState"
+        if not want:
+            what = f"the model has no parameters (model.init makes none; variables: {_keys(given)})"
+            fix = "give the model a layer with parameters: the NTK differentiates by them"
         return bad(ValueError, self._fn_name, what, fix, see="flax-variables")
 
     def _refuse_lacking(self, read, x1, rngs, lacking, made_key, state) -> None:

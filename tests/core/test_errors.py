@@ -41,7 +41,12 @@ CASES = [
         ValueError,
         r"vmap_axes must be 0",
     ),
-    ("scalar x1", lambda: ntk_core.empirical_ntk(f, W, 1.0), ValueError, r"x1 holds a scalar"),
+    (
+        "scalar x1",
+        lambda: ntk_core.empirical_ntk(f, W, 1.0),
+        ValueError,
+        r"x1 holds a scalar.*Fix: pass x1\[None\]",
+    ),
     ("x1 no arrays", lambda: ntk_core.empirical_ntk(f, W, {}), ValueError, r"x1 has no arrays"),
     (
         "nngp axes out of range",

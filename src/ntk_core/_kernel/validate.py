@@ -39,7 +39,9 @@ def batch_size(caller: Caller, name: str, x) -> int:
         raise bad(ValueError, fn_name, f"{name} has no arrays (got {x!r})", f"pass arrays; {hint}")
     sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
     if None in sizes:
-        raise bad(ValueError, fn_name, f"{name} holds a scalar: {describe(x)}", "pass x[None]")
+        listed = isinstance(x, list | tuple) and all(np.ndim(v) == 0 for v in leaves)
+        fix = f"pass jnp.asarray({name}) (a list is a pytree)" if listed else f"pass {name}[None]"
+        raise bad(ValueError, fn_name, f"{name} holds a scalar: {describe(x)}", fix)
     if len(sizes) != 1:
         what = f"the arrays of {name} disagree on the batch size (axis 0): {describe(x)}"
         raise bad(ValueError, fn_name, what, f"give every array the same N; {hint}")
