@@ -581,6 +581,9 @@ def _rows():
         Row("memory-budget-negative", "a negative memory_budget",
             'ntk_core.ntk_fn(f, batch_size="auto", memory_budget=-1)',
             ValueError, r"^ntk_fn: memory_budget must be a positive int number of bytes, got -1"),
+        Row("memory-budget-below-one-tile", "a memory_budget that even tiles of one sample exceed",
+            'ntk_core.empirical_ntk(f, W, X, batch_size="auto", memory_budget=10)',
+            ValueError, r"^empirical_ntk: memory_budget=10 bytes is below a tile of 1 x 1 samples"),
         # -- non-finite values (issue 4) ----------------------------------------------
         Row("nan-x1", "NaN in x1",
             "ntk_core.empirical_ntk(f, W, X.at[2, 1].set(jnp.nan))",

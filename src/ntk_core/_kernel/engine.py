@@ -99,6 +99,7 @@ class Engine:
             return result
         _validate.check_untraced(spec, params, x1, x2)
         cut = _blocked.tiling(implementation, config, options, params, x1, x2, aux)
+        _validate.check_budget(spec, cut)
         _validate.check_blocks_independent(spec, checked, cut, params, x1, x2, aux)
         store = None
         if options.out is not None:  # written to a .npy file, resumable (_store)

@@ -3,6 +3,7 @@ output layouts and, with ``vmap_axes=0``, the independence probe (reused for a n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import jax
@@ -162,6 +163,18 @@ def check_untraced(spec: Spec, params, x1, x2) -> None:
         raise bad(
             ValueError, spec.fn_name, f"{given} was used inside jax.jit", "call it outside jit"
         )
+
+
+def check_budget(spec: Spec, cut) -> None:
+    """Refuses a ``memory_budget`` given with ``batch_size="auto"`` that even tiles of one
+    sample exceed (``cut``: the ``Tiling``; its need: 2·F + W bytes)."""
+    options = spec.options
+    need = 2 * cut.feature_bytes + math.ceil(cut.pair_bytes)
+    if options.memory_budget is None or options.batch_size != "auto" or need <= cut.available:
+        return
+    what = f"memory_budget={options.memory_budget} bytes is below a tile of 1 x 1 samples ({need})"
+    fix = f"pass memory_budget >= {need}, or None (the device's memory)"
+    raise bad(ValueError, spec.fn_name, what, fix)
 
 
 def check_blocks_independent(spec: Spec, checked: Checked, cut, params, x1, x2, aux) -> None:
