@@ -102,6 +102,32 @@ class TokenModel(nn.Module):
         return nn.Dense(3)(nn.gelu(h))
 
 
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block: attention and a GELU MLP, each residual."""
+
+    @nn.compact
+    def __call__(self, h):
+        heads = cases.VIT_HEADS
+        h = h + nn.MultiHeadDotProductAttention(num_heads=heads)(nn.LayerNorm()(h))
+        z = nn.gelu(nn.Dense(cases.VIT_HIDDEN)(nn.LayerNorm()(h)))
+        return h + nn.Dense(h.shape[-1])(z)
+
+
+class ViT(nn.Module):
+    """A small vision transformer, 10 logits (twin: ``cases.vit``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        patch, width = (cases.VIT_PATCH,) * 2, cases.VIT_WIDTH
+        h = nn.Conv(width, patch, strides=patch, name="embed")(x)
+        h = h.reshape(h.shape[0], -1, width)
+        init = nn.initializers.normal(0.02)
+        h = h + self.param("positions", init, h.shape[1:])
+        for _ in range(cases.VIT_BLOCKS):
+            h = Block()(h)
+        return nn.Dense(10, name="head")(jnp.mean(nn.LayerNorm(name="norm")(h), axis=1))
+
+
 def _zoo_token_model():
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     import zoo
@@ -119,6 +145,8 @@ def flax_module(case):
         return ResNet18()
     if case.model == "tokens":
         return TokenModel()
+    if case.model == "vit":
+        return ViT()
     return None
 
 

@@ -32,7 +32,7 @@ class Case:
 
     key: str
     title: str
-    model: str  # "mlp", "lenet", "resnet", "resnet18" or "tokens"
+    model: str  # "mlp", "lenet", "resnet", "resnet18", "tokens" or "vit"
     n: int  # default number of samples N (the Gram matrix is N x N)
     trace_axes: tuple
     widths: tuple = ()  # MLP layer widths, input first
@@ -53,6 +53,7 @@ CASES = {
         Case(
             "resnet18", "ResNet-18, BatchNorm (eval), 10 logits, trace_axes=()", "resnet18", 16, ()
         ),
+        Case("vit", "ViT (4x4 patches, 4 pre-LN blocks, width 128), trace_axes=()", "vit", 64, ()),
     ]
 }
 
@@ -156,25 +157,52 @@ def tokens(variables, t):
     token; integer tokens ``(N, 5)`` → logits ``(N, 5, 3)``."""
     p = variables["params"]
     h = jnp.take(p["Embed_0"]["embedding"], t, axis=0)
-    att = p["MultiHeadDotProductAttention_0"]
+    h = _layer_norm(p["LayerNorm_0"], h + _attention(p["MultiHeadDotProductAttention_0"], h))
+    return _dense(p["Dense_0"], jax.nn.gelu(h, approximate=True))
+
+
+VIT_PATCH, VIT_WIDTH, VIT_HEADS, VIT_HIDDEN, VIT_BLOCKS = 4, 128, 4, 512, 4
+
+
+def _layer_norm(p, h):
+    mean = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+    return (h - mean) * jax.lax.rsqrt(var + 1e-6) * p["scale"] + p["bias"]
+
+
+def _attention(p, h):
+    """``nn.MultiHeadDotProductAttention`` of Flax: DenseGeneral projections to (heads,
+    head dim), scaled dot products, softmax, DenseGeneral back to the width."""
 
     def proj(name):
         return (
-            jnp.einsum("...d,dhk->...hk", h, att[name]["kernel"], precision=HIGHEST)
-            + att[name]["bias"]
+            jnp.einsum("...d,dhk->...hk", h, p[name]["kernel"], precision=HIGHEST) + p[name]["bias"]
         )
 
     q, k, v = proj("query"), proj("key"), proj("value")
     q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
     weights = jax.nn.softmax(jnp.einsum("...qhd,...khd->...hqk", q, k, precision=HIGHEST))
     o = jnp.einsum("...hqk,...khd->...qhd", weights, v, precision=HIGHEST)
-    out = att["out"]
-    h = h + jnp.einsum("...hd,hdo->...o", o, out["kernel"], precision=HIGHEST) + out["bias"]
-    ln = p["LayerNorm_0"]
-    mean = jnp.mean(h, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
-    h = (h - mean) * jax.lax.rsqrt(var + 1e-6) * ln["scale"] + ln["bias"]
-    return _dense(p["Dense_0"], jax.nn.gelu(h, approximate=True))
+    return (
+        jnp.einsum("...hd,hdo->...o", o, p["out"]["kernel"], precision=HIGHEST) + p["out"]["bias"]
+    )
+
+
+def vit(variables, x):
+    """Twin of ``bench_core.ViT``: 4x4 patches of (N, 32, 32, 3) embedded by a stride-4
+    convolution, learned positions, ``VIT_BLOCKS`` pre-LayerNorm blocks (attention,
+    GELU MLP), LayerNorm, mean over the patches, Dense 10."""
+    p = variables["params"]
+    h = _conv(p["embed"], x, strides=(VIT_PATCH, VIT_PATCH))
+    h = h.reshape(h.shape[0], -1, h.shape[-1]) + p["positions"]
+    for b in range(VIT_BLOCKS):
+        blk = p[f"Block_{b}"]
+        h = h + _attention(
+            blk["MultiHeadDotProductAttention_0"], _layer_norm(blk["LayerNorm_0"], h)
+        )
+        z = _dense(blk["Dense_0"], _layer_norm(blk["LayerNorm_1"], h))
+        h = h + _dense(blk["Dense_1"], jax.nn.gelu(z, approximate=True))
+    return _dense(p["head"], jnp.mean(_layer_norm(p["norm"], h), axis=1))
 
 
 def resnet18(variables, x):
@@ -182,7 +210,14 @@ def resnet18(variables, x):
     return resnet(variables, x, RESNET18_BLOCKS, 64, deep_stem=True)
 
 
-MODELS = {"mlp": mlp, "lenet": lenet, "resnet": resnet, "resnet18": resnet18, "tokens": tokens}
+MODELS = {
+    "mlp": mlp,
+    "lenet": lenet,
+    "resnet": resnet,
+    "resnet18": resnet18,
+    "tokens": tokens,
+    "vit": vit,
+}
 
 
 def plain_apply(case: Case):
@@ -198,7 +233,7 @@ def make_inputs(case: Case, n: int, seed: int = 1) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if case.model == "mlp":
         return rng.standard_normal((n, case.widths[0]), dtype=np.float32)
-    if case.model in ("lenet", "resnet", "resnet18"):
+    if case.model in ("lenet", "resnet", "resnet18", "vit"):
         return rng.standard_normal((n, 32, 32, 3), dtype=np.float32)
     return rng.integers(0, TOKEN_VOCAB, (n, TOKEN_LENGTH)).astype(np.int32)
 
