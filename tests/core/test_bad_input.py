@@ -583,7 +583,7 @@ def _rows():
             ValueError, r"^ntk_fn: memory_budget must be a positive int number of bytes, got -1"),
         Row("memory-budget-below-one-tile", "a memory_budget that even tiles of one sample exceed",
             'ntk_core.empirical_ntk(f, W, X, batch_size="auto", memory_budget=10)',
-            ValueError, r"^empirical_ntk: memory_budget=10 bytes is below a tile of 1 x 1 samples"),
+            ValueError, r"^empirical_ntk: memory_budget=10 bytes is below the \d+ bytes of a 1 x 1 tile"),
         # -- non-finite values (issue 4) ----------------------------------------------
         Row("nan-x1", "NaN in x1",
             "ntk_core.empirical_ntk(f, W, X.at[2, 1].set(jnp.nan))",

@@ -18,6 +18,7 @@ from ntk_core._kernel import probe as _probe
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.layout import resolve_layout
 from ntk_core._kernel.model import one_sample, per_sample_trace
+from ntk_core._kernel.options import AUTO_BATCH_SIZE
 from ntk_core._kernel.pipeline import Checked, Kind, Spec
 
 
@@ -170,9 +171,10 @@ def check_budget(spec: Spec, cut) -> None:
     sample exceed (``cut``: the ``Tiling``; its need: 2·F + W bytes)."""
     options = spec.options
     need = 2 * cut.feature_bytes + math.ceil(cut.pair_bytes)
-    if options.memory_budget is None or options.batch_size != "auto" or need <= cut.available:
+    auto = options.batch_size == AUTO_BATCH_SIZE
+    if options.memory_budget is None or not auto or need <= cut.available:
         return
-    what = f"memory_budget={options.memory_budget} bytes is below a tile of 1 x 1 samples ({need})"
+    what = f"memory_budget={options.memory_budget} bytes is below the {need} bytes of a 1 x 1 tile"
     fix = f"pass memory_budget >= {need}, or None (the device's memory)"
     raise bad(ValueError, spec.fn_name, what, fix)
 
