@@ -3,7 +3,10 @@
 # repository root on that machine, all steps or some of them (one call of the device tool
 # is limited to 10 minutes: split the steps over two calls there):
 #
-#     bash benchmarks/accelerator_checks.sh [doctor precision grid first_call out_of_core]
+#     bash benchmarks/accelerator_checks.sh [doctor precision grid grid_conv first_call out_of_core]
+#
+# On a TPU v5e (2026-12-06) programs compile slowly (a LeNet kernel at "highest": 45 s):
+# run "doctor precision", "grid", "grid_conv", "first_call out_of_core" as four calls.
 #
 # Logs and JSON go to $OUT (default accelerator_results/). Where .whl-tpu/ holds wheels
 # (flax, optax, dm-haiku, equinox and what they need, for a machine without a package
@@ -14,8 +17,9 @@
 #   precision    benchmarks/accelerator_precision.py: Flax models written without
 #                precision=, every implementation, on the device vs a float64 reference
 #                computed on the host (TPUs multiply float32 in bf16 passes by default);
-#   grid         the whole reference grid and the Flax = Haiku tests, in one process
-#                (a TPU is held by one program at a time), references on the host;
+#   grid         the reference grid's first file (tokens, BatchNorm, tied weights), one
+#                process (a TPU is held by one program at a time), references on the host;
+#   grid_conv    its second file (LeNet, CNN, MLP, dict inputs) and Flax = Haiku;
 #   first_call   first / warm call of the MLP, LeNet and ResNet-18 (first_call.py, ours);
 #   out_of_core  the 30 000 x 30 000 MLP kernel written to a file, the in-memory
 #                10 000 x 10 000 rate and a kill-and-resume (bench_out_of_core.py).
@@ -40,11 +44,14 @@ step() {  # step NAME SECONDS COMMAND...
   echo "   rc=$rc in $((SECONDS - start)) s; tail:"
   tail -n 25 "$OUT/$name.log" | sed 's/^/   /'
 }
-for s in "${@:-doctor precision grid first_call out_of_core}"; do for s in $s; do case $s in
-  doctor) step doctor 90 python -m ntk_cli.cli doctor ;;
-  precision) step precision 150 python benchmarks/accelerator_precision.py --n 32 \
+for s in "${@:-doctor precision grid grid_conv first_call out_of_core}"; do for s in $s; do case $s in
+  doctor) step doctor 150 python -m ntk_cli.cli doctor ;;
+  precision) step precision 400 python benchmarks/accelerator_precision.py --n 16 \
+    --implementations jacobian structured ntvp --precisions highest --nngp \
     --out "$OUT/precision.json" ;;
-  grid) step grid 280 python -m pytest -q -p no:cacheprovider tests/core/test_reference_grid.py \
+  grid) step grid 560 python -m pytest -v -rf -p no:cacheprovider \
+    tests/core/test_reference_grid.py ;;
+  grid_conv) step grid_conv 560 python -m pytest -v -rf -p no:cacheprovider \
     tests/core/test_reference_grid_conv.py tests/cross_framework/test_flax_vs_haiku.py ;;
   first_call) step first_call 300 python benchmarks/first_call.py --repeats 1 \
     --cases mlp1 lenet resnet18 --out "$OUT/first_call.json" ;;

@@ -50,8 +50,8 @@ def models(n: int):
     x_img = jax.random.normal(k[0], (2 * n, 32, 32, 3))
     mlp = MLP()
     x_vec = jax.random.normal(k[1], (2 * n, 784))
-    yield "LeNet (Flax)", lenet, lenet.init(k[2], x_img[:1]), x_img
-    yield "MLP 784-512-10 (Flax)", mlp, mlp.init(k[3], x_vec[:1]), x_vec
+    yield "mlp", "MLP 784-512-10 (Flax)", mlp, mlp.init(k[3], x_vec[:1]), x_vec
+    yield "lenet", "LeNet (Flax)", lenet, lenet.init(k[2], x_img[:1]), x_img
 
 
 def rel_error(k, ref) -> float:
@@ -63,10 +63,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=32, help="samples in x1 and in x2")
     ap.add_argument("--out", default="results_accelerator_precision.json")
+    ap.add_argument("--models", nargs="+", default=["mlp", "lenet"], choices=["mlp", "lenet"])
+    ap.add_argument("--implementations", nargs="+", default=["jacobian", "ntvp", "structured"])
+    ap.add_argument("--precisions", nargs="+", default=["highest", "default"])
+    ap.add_argument("--nngp", action="store_true", help="also the NNGP")
     args = ap.parse_args()
     device = jax.devices()[0]
     rows = []
-    for name, model, variables, x in models(args.n):
+    for key, name, model, variables, x in models(args.n):
+        if key not in args.models:
+            continue
         x1, x2 = x[: args.n], x[args.n :]
 
         def apply(p, x, model=model, variables=variables):
@@ -79,8 +85,8 @@ def main() -> int:
             ("nngp", None): reference.nngp(apply, params, x1, None, trace_axes=())[0],
             ("nngp", "x2"): reference.nngp(apply, params, x1, x2, trace_axes=())[0],
         }
-        for precision in ("highest", "default"):
-            for impl in ("jacobian", "ntvp", "structured", "nngp"):
+        for precision in args.precisions:
+            for impl in args.implementations + ["nngp"] * args.nngp:
                 kind = "nngp" if impl == "nngp" else "ntk"
                 errs = []
                 for second in (None, "x2"):
