@@ -4,6 +4,7 @@ Narrow per-leaf Jacobians are concatenated (:func:`merge`) into one einsum."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -126,8 +127,8 @@ def matrices(jac, params, out_tree, merge_limits=None):
 def pair_einsum(a_spec: str, b_spec: str, out: str, a, b, precision):
     """``jnp.einsum(f"{a_spec},{b_spec}->{out}", a, b)`` as one 2-D matrix product
     ``(F_a, S) x (F_b, S)ᵀ`` (else XLA CPU often transposes a copy of an operand);
-    shared output axes or repeated letters go to ``jnp.einsum`` unchanged, except that
-    where :func:`chunked`, shared output axes contract the flattened axes in chunks."""
+    shared output axes or repeated letters go to ``jnp.einsum`` unchanged. Where
+    :func:`chunked` (S values on a TPU), :func:`summed_in_chunks` sums over S instead."""
     a_sum = tuple(i for i, s in enumerate(a_spec) if s not in out and s not in b_spec)
     b_sum = tuple(i for i, s in enumerate(b_spec) if s not in out and s not in a_spec)
     if a_sum:
@@ -140,25 +141,30 @@ def pair_einsum(a_spec: str, b_spec: str, out: str, a, b, precision):
     size = dict(zip(a_spec, a.shape, strict=True)) | dict(zip(b_spec, b.shape, strict=True))
     repeated = len(set(a_spec)) != len(a_spec) or len(set(b_spec)) != len(b_spec)
     shared_out = any(s in out and s in b_spec for s in a_spec)
-    if repeated or (shared_out and not chunked(math.prod(size[s] for s in shared))):
+    long = chunked(math.prod(size[s] for s in shared))
+    if repeated or (shared_out and not long):
         return jnp.einsum(f"{a_spec},{b_spec}->{out}", a, b, precision=precision)
     free_a = [s for s in a_spec if s not in shared]
     free_b = [s for s in b_spec if s not in shared]
     dtype = jnp.result_type(a, b)
+    dims = (((1,), (1,)), ((), ()))
 
-    def flat(v, spec, free):  # (*free, S): the contracted axes last, as one
+    def flat(v, spec, free, matrix):  # the contracted axes last, as one
         v = jnp.transpose(v.astype(dtype), [spec.index(s) for s in free + shared])
-        return v.reshape([size[s] for s in free] + [math.prod(size[s] for s in shared)])
+        lead = [math.prod(size[s] for s in free)] if matrix else [size[s] for s in free]
+        return v.reshape(lead + [math.prod(size[s] for s in shared)])
 
-    a, b = flat(a, a_spec, free_a), flat(b, b_spec, free_b)
     if shared_out:  # an einsum over the flattened contracted axes, in chunks
         z = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in a_spec + b_spec)
         spec = f"{''.join(free_a)}{z},{''.join(free_b)}{z}->{out}"
+        a, b = flat(a, a_spec, free_a, False), flat(b, b_spec, free_b, False)
         return summed_in_chunks(lambda u, v: jnp.einsum(spec, u, v, precision=precision), a, b)
-    a = a.reshape(-1, a.shape[-1])
-    b = b.reshape(-1, b.shape[-1])
-    dims = (((1,), (1,)), ((), ()))
-    r = summed_in_chunks(lambda u, v: jax.lax.dot_general(u, v, dims, precision=precision), a, b)
+    a, b = flat(a, a_spec, free_a, True), flat(b, b_spec, free_b, True)
+    if long:
+        product = functools.partial(jax.lax.dot_general, dimension_numbers=dims)
+        r = summed_in_chunks(lambda u, v: product(u, v, precision=precision), a, b)
+    else:
+        r = jax.lax.dot_general(a, b, dims, precision=precision)
     r = r.reshape([size[s] for s in free_a + free_b])
     return jnp.transpose(r, [(free_a + free_b).index(s) for s in out])
 
