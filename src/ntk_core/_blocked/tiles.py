@@ -205,6 +205,11 @@ class Tiling:
     pair_kernels: tuple = ()
     devices: tuple = (None,)
 
+    @property
+    def smallest_bytes(self) -> int:
+        """Bytes of a tile of 1 x 1 samples: 2·F + W, :func:`auto_batch_size` at B = 1."""
+        return 2 * self.feature_bytes + math.ceil(self.pair_bytes)
+
     def __str__(self) -> str:
         spread = f" on {len(self.devices)} devices" if len(self.devices) > 1 else ""
         return (

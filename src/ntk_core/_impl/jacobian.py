@@ -4,7 +4,6 @@ Narrow per-leaf Jacobians are concatenated (:func:`merge`) into one einsum."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -141,8 +140,7 @@ def pair_einsum(a_spec: str, b_spec: str, out: str, a, b, precision):
     size = dict(zip(a_spec, a.shape, strict=True)) | dict(zip(b_spec, b.shape, strict=True))
     repeated = len(set(a_spec)) != len(a_spec) or len(set(b_spec)) != len(b_spec)
     shared_out = any(s in out and s in b_spec for s in a_spec)
-    long = chunked(math.prod(size[s] for s in shared))
-    if repeated or (shared_out and not long):
+    if repeated or (shared_out and not chunked(math.prod(size[s] for s in shared))):
         return jnp.einsum(f"{a_spec},{b_spec}->{out}", a, b, precision=precision)
     free_a = [s for s in a_spec if s not in shared]
     free_b = [s for s in b_spec if s not in shared]
@@ -160,11 +158,7 @@ def pair_einsum(a_spec: str, b_spec: str, out: str, a, b, precision):
         a, b = flat(a, a_spec, free_a, False), flat(b, b_spec, free_b, False)
         return summed_in_chunks(lambda u, v: jnp.einsum(spec, u, v, precision=precision), a, b)
     a, b = flat(a, a_spec, free_a, True), flat(b, b_spec, free_b, True)
-    if long:
-        product = functools.partial(jax.lax.dot_general, dimension_numbers=dims)
-        r = summed_in_chunks(lambda u, v: product(u, v, precision=precision), a, b)
-    else:
-        r = jax.lax.dot_general(a, b, dims, precision=precision)
+    r = summed_in_chunks(lambda u, v: jax.lax.dot_general(u, v, dims, precision=precision), a, b)
     r = r.reshape([size[s] for s in free_a + free_b])
     return jnp.transpose(r, [(free_a + free_b).index(s) for s in out])
 

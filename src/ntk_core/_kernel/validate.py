@@ -3,7 +3,6 @@ output layouts and, with ``vmap_axes=0``, the independence probe (reused for a n
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import jax
@@ -168,9 +167,8 @@ def check_untraced(spec: Spec, params, x1, x2) -> None:
 
 def check_budget(spec: Spec, cut) -> None:
     """Refuses a ``memory_budget`` given with ``batch_size="auto"`` that even tiles of one
-    sample exceed (``cut``: the ``Tiling``; its need: 2·F + W bytes)."""
-    options = spec.options
-    need = 2 * cut.feature_bytes + math.ceil(cut.pair_bytes)
+    sample exceed (``cut``: the ``Tiling``)."""
+    options, need = spec.options, cut.smallest_bytes
     auto = options.batch_size == AUTO_BATCH_SIZE
     if options.memory_budget is None or not auto or need <= cut.available:
         return
