@@ -7,8 +7,9 @@ default), so Flax models written without ``precision=``, as users write them, mu
 give float32-exact kernels. This script measures that on the default device (run it on
 the accelerator; on a CPU it is a plain check):
 
-* models: Flax ``ntk_flax.LeNet`` (32x32x3, 1 output) and a Flax MLP 784-512-10, both
-  with no ``precision=``, ``trace_axes=()``;
+* models: Flax ``ntk_flax.LeNet`` (32x32x3, 1 output), a Flax MLP 784-512-10 and a CNN
+  whose Dense layer contracts 65 536 features (``--models cnn``), all with no
+  ``precision=``, ``trace_axes=()``;
 * each implementation (jacobian, ntvp, structured), x2=None and x2 given, NTK and NNGP,
   with ``precision="highest"`` (the default) and ``precision="default"`` (to show what the
   option guards against);
@@ -44,6 +45,15 @@ class MLP(nn.Module):
         return nn.Dense(10)(nn.relu(nn.Dense(512)(x)))
 
 
+class WideCNN(nn.Module):
+    """Its Dense layer reads 32·32·64 = 65 536 features: a long contraction."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(64, (3, 3))(nn.relu(nn.Conv(16, (3, 3))(x))))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
 def models(n: int):
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     lenet = ntk_flax.LeNet()
@@ -52,6 +62,8 @@ def models(n: int):
     x_vec = jax.random.normal(k[1], (2 * n, 784))
     yield "mlp", "MLP 784-512-10 (Flax)", mlp, mlp.init(k[3], x_vec[:1]), x_vec
     yield "lenet", "LeNet (Flax)", lenet, lenet.init(k[2], x_img[:1]), x_img
+    cnn = WideCNN()
+    yield "cnn", "CNN 16-64 channels, Dense 65536-10 (Flax)", cnn, cnn.init(k[2], x_img[:1]), x_img
 
 
 def rel_error(k, ref) -> float:
@@ -63,8 +75,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=32, help="samples in x1 and in x2")
     ap.add_argument("--out", default="results_accelerator_precision.json")
-    ap.add_argument("--models", nargs="+", default=["mlp", "lenet"], choices=["mlp", "lenet"])
-    ap.add_argument("--implementations", nargs="+", default=["jacobian", "ntvp", "structured"])
+    models_ = ["mlp", "lenet", "cnn"]
+    ap.add_argument("--models", nargs="+", default=models_[:2], choices=models_)
+    ap.add_argument("--implementations", nargs="*", default=["jacobian", "ntvp", "structured"])
     ap.add_argument("--precisions", nargs="+", default=["highest", "default"])
     ap.add_argument("--nngp", action="store_true", help="also the NNGP")
     args = ap.parse_args()
