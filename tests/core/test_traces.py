@@ -92,11 +92,11 @@ _SEEN = _compiles()
 @pytest.mark.parametrize("trace_axes", [(-1,), ()], ids=["traced", "full"])
 @pytest.mark.parametrize("implementation", ["jacobian", "structured", "ntvp", "auto"])
 def test_programs_compiled_per_call(implementation, trace_axes):
-    """Issue 17: a first call compiles at most three XLA programs (the independence
-    probe's forward pass, the features, one tile holding the whole triangle loop and the
-    all-finite flag; the Gram matrix's (K + Kᵀ)/2 of a small kernel on CPU is numpy's,
-    :data:`tiles.HOST_MIRROR_BYTES`), a new N at most two (features and tile of the new
-    shape; the probe and the per-sample analysis are reused) and a repeat none.
+    """Issue 17: a first call compiles at most two XLA programs (the features, one tile
+    holding the whole triangle loop and the all-finite flag; the Gram matrix's (K + Kᵀ)/2
+    of a small kernel on CPU is numpy's, :data:`tiles.HOST_MIRROR_BYTES`; the independence
+    probe's forward pass is not compiled: its jaxpr proves the rows separate), a new N at
+    most two (features and tile of the new shape) and a repeat none.
     Before: 10 programs on the first call (eager input checks, probe slicing, analysis
     ops, a separate symmetrisation) and 28 unrolled block products in the tile."""
 
@@ -110,9 +110,8 @@ def test_programs_compiled_per_call(implementation, trace_axes):
         before = len(_SEEN)
         jax.block_until_ready(kernel(PARAMS, x1, x2))
         counts.append(len(_SEEN) - before)
-    assert counts[0] <= 3 and counts[1] <= 2 and counts[2] == 0, counts
+    assert 1 <= counts[0] <= 2 and counts[1] <= 2 and counts[2] == 0, counts
     assert counts[3] <= 2, counts  # test-train: the new x1's features and the tile
-    assert counts[0] >= 2  # the counter sees this kernel's own programs
 
 
 def _conv(p, x):

@@ -18,8 +18,11 @@ PRECISION = {
 
 #: XLA options of the library's programs (features, tiles, mirror) on CPU: XLA's older
 #: fusion emitters compile them in about half the time (LeNet N = 500 first call 2.91 ->
-#: 1.85 s, warm within the run-to-run spread; benchmarks/README.md, first calls).
-CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+#: 1.85 s, warm within the run-to-run spread; benchmarks/README.md, first calls); LLVM at
+#: -O1 (XLA's default: -O2) compiles faster still, warm calls within the spread (their
+#: time is in library GEMMs and convolutions; medians of 6 alternating runs, 2026-12-06:
+#: MLP 784-1000-1 first call 0.27 -> 0.22 s, LeNet N = 500 1.32 -> 1.08 s).
+CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
 #: For programs whose run time is negligible (the independence probe's two batches of
 #: three samples): no backend optimisation, compiled 2-4x faster (LeNet 0.24 -> 0.06 s).
 QUICK_CPU_OPTIONS = CPU_OPTIONS | {
@@ -29,17 +32,25 @@ QUICK_CPU_OPTIONS = CPU_OPTIONS | {
 _JIT_TAKES_OPTIONS = "compiler_options" in inspect.signature(jax.jit).parameters
 
 
+def tuned(options: dict) -> dict:
+    """``jax.jit``'s keyword for XLA ``options`` on CPU (``{}`` elsewhere, or where jit
+    takes none); only a top-level jit may be given them."""
+    if not (_JIT_TAKES_OPTIONS and jax.default_backend() == "cpu"):
+        return {}
+    return {"compiler_options": options}
+
+
 def jit_tuned(fn: Callable, options: dict = CPU_OPTIONS, **jit_kwargs) -> Callable:
     """``jax.jit(fn, **jit_kwargs)``, compiled with ``options`` (XLA's) on CPU when called
-    outside a trace (JAX takes compiler options only on a top-level jit)."""
+    outside a trace."""
     plain = jax.jit(fn, **jit_kwargs)
-    if not (_JIT_TAKES_OPTIONS and jax.default_backend() == "cpu"):
+    if not tuned(options):
         return plain
-    tuned = jax.jit(fn, compiler_options=options, **jit_kwargs)
+    tuned_jit = jax.jit(fn, **tuned(options), **jit_kwargs)
 
     def call(*args, **kwargs):
         traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(args))
-        return (plain if traced else tuned)(*args, **kwargs)
+        return (plain if traced else tuned_jit)(*args, **kwargs)
 
     return call
 

@@ -1,0 +1,130 @@
+"""The static half of the per-sample independence check (``vmap_axes=0``):
+:func:`ntk_core._kernel.probe.rows_separate` proves from a model's jaxpr that row i of its
+outputs reads only row i of x, so no probe program is compiled. Checked against the
+models themselves: a proof only where the batch's rows equal the samples evaluated one at
+a time, and no proof for any construct that mixes rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import core_zoo
+import zoo
+from ntk_core._kernel.probe import rows_separate
+
+
+def _proved(apply_fn, params, x) -> bool:
+    traced = jax.jit(apply_fn).trace(params, x)
+    marks = [False] * len(jax.tree.leaves(params)) + [True] * len(jax.tree.leaves(x))
+    return rows_separate(traced.jaxpr, marks, jax.tree.leaves(x)[0].shape[0])
+
+
+def _rows_mix(apply_fn, params, x) -> bool:
+    """The reference: whether some output row i changes when only the other rows of x do."""
+    apply_fn = jax.jit(apply_fn)
+    whole = jax.tree.leaves(apply_fn(params, x))
+    n = jax.tree.leaves(x)[0].shape[0]
+    for i in range(n):
+
+        def others_changed(v, i=i):
+            changed = v[::-1] if jnp.issubdtype(v.dtype, jnp.integer) else 1.7 * v - 0.4
+            return v.at[jnp.arange(n) != i].set(changed[jnp.arange(n) != i])
+
+        moved = jax.tree.leaves(apply_fn(params, jax.tree.map(others_changed, x)))
+        if any(
+            not np.allclose(a[i], b[i], rtol=1e-5, atol=1e-6)
+            for a, b in zip(whole, moved, strict=True)
+        ):
+            return True
+    return False
+
+
+ZOOS = [(core_zoo, name) for name in core_zoo.ZOO] + [(zoo, name) for name in zoo.ZOO]
+
+
+@pytest.mark.parametrize("source,name", ZOOS, ids=[f"{z.__name__}-{n}" for z, n in ZOOS])
+def test_zoo_models_are_proved_and_their_rows_are_separate(source, name):
+    entry = source.ZOO[name]
+    params = entry.params if source is core_zoo else entry.variables["params"]
+    x, _ = source.inputs(entry, 3, 2)
+    apply_fn = source.apply_fn(entry)
+    assert _proved(apply_fn, params, x)
+    assert not _rows_mix(apply_fn, params, x)
+
+
+def _dense(w, x):
+    return jnp.tanh(x @ w)
+
+
+MIXING = {
+    "batch mean": lambda w, x: _dense(w, x) - _dense(w, x).mean(0),
+    "batch max": lambda w, x: _dense(w, x) + _dense(w, x).max(0, keepdims=True),
+    "softmax over samples": lambda w, x: jax.nn.softmax(_dense(w, x), axis=0),
+    "first sample added": lambda w, x: _dense(w, x) + _dense(w, x)[:1],
+    "reversed": lambda w, x: _dense(w, x)[::-1],
+    "permuted": lambda w, x: _dense(w, x)[jnp.array([2, 0, 1])],
+    "rolled": lambda w, x: jnp.roll(_dense(w, x), 1, 0),
+    "cumsum over samples": lambda w, x: jnp.cumsum(_dense(w, x), 0),
+    "sorted over samples": lambda w, x: jnp.sort(_dense(w, x), 0),
+    "flattened": lambda w, x: _dense(w, x).reshape(-1)[::-1].reshape(3, 4),
+    "transposed": lambda w, x: jnp.transpose(_dense(w, x).reshape(3, 2, 2), (1, 0, 2)).reshape(
+        3, 4
+    ),
+    "gram of samples": lambda w, x: (x @ x.T) @ jnp.ones((3, 4)) + _dense(w, x),
+    "contracted over samples": lambda w, x: jnp.ones((3, 3)) @ _dense(w, x),
+    "padded": lambda w, x: jnp.pad(_dense(w, x), ((1, 0), (0, 0)))[:3],
+    "concatenated": lambda w, x: jnp.concatenate([_dense(w, x), _dense(w, x)])[1:4],
+    "dynamic slice": lambda w, x: jax.lax.dynamic_slice_in_dim(
+        jnp.concatenate([_dense(w, x), _dense(w, x)]), 1, 3, 0
+    ),
+    "window over samples": lambda w, x: jax.lax.reduce_window(
+        _dense(w, x), 0.0, jax.lax.add, (2, 1), (1, 1), "SAME"
+    ),
+    "scan over samples": lambda w, x: jax.lax.scan(
+        lambda c, r: (c + r, c + r), jnp.zeros(4), _dense(w, x)
+    )[1],
+    "convolution over samples": lambda w, x: (
+        jax.lax.conv_general_dilated(
+            _dense(w, x).T[None],
+            jnp.ones((4, 4, 2)),
+            (1,),
+            "SAME",
+            dimension_numbers=("NCH", "OIH", "NCH"),
+        )[0].T
+    ),
+    "first row broadcast": lambda w, x: jnp.broadcast_to(_dense(w, x)[:1], (3, 4)) + x @ w,
+    "mean over samples, transposed": lambda w, x: (
+        (_dense(w, x).T - _dense(w, x).T.mean(1, keepdims=True)).T
+    ),
+    "vmapped, then mixed": lambda w, x: jnp.cumsum(jax.vmap(lambda xi: jnp.tanh(w.T @ xi))(x), 0),
+    "batch norm (training)": lambda w, x: core_zoo.batch_norm_train(
+        {"scale": jnp.ones(4), "bias": jnp.zeros(4)}, x @ w
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MIXING))
+def test_constructs_that_mix_rows_are_not_proved(name):
+    w = jax.random.normal(jax.random.PRNGKey(0), (5, 4))
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 5))
+    assert _rows_mix(MIXING[name], w, x)  # the construct really mixes rows
+    assert not _proved(MIXING[name], w, x)
+
+
+SEPARATE = {
+    "vmapped per-sample model (equinox)": lambda w, x: jax.vmap(lambda xi: jnp.tanh(w.T @ xi))(x),
+    "samples moved to axis 1 and back": lambda w, x: (2.0 * _dense(w, x).T).T,
+    "attention over a second axis": lambda w, x: jnp.einsum(
+        "qbd,kbd->bqk", _dense(w, x).T[:, :, None], _dense(w, x).T[:, :, None]
+    ).reshape(3, 16),
+    "features reduced, samples kept": lambda w, x: _dense(w, x).sum(1, keepdims=True) * x @ w,
+}
+
+
+@pytest.mark.parametrize("name", list(SEPARATE))
+def test_constructs_that_keep_rows_apart_are_proved(name):
+    w = jax.random.normal(jax.random.PRNGKey(0), (5, 4))
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 5))
+    assert not _rows_mix(SEPARATE[name], w, x)
+    assert _proved(SEPARATE[name], w, x)
