@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import core_zoo
+import ntk_core
 import zoo
 from ntk_core._kernel.probe import rows_separate
 
@@ -128,3 +129,22 @@ def test_constructs_that_keep_rows_apart_are_proved(name):
     x = jax.random.normal(jax.random.PRNGKey(1), (3, 5))
     assert not _rows_mix(SEPARATE[name], w, x)
     assert _proved(SEPARATE[name], w, x)
+
+
+ANY_N = [
+    "batch mean", "batch max", "softmax over samples", "first sample added", "reversed",
+    "rolled", "cumsum over samples", "sorted over samples", "window over samples",
+    "scan over samples", "mean over samples, transposed", "vmapped, then mixed",
+    "batch norm (training)",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ANY_N)
+def test_kernels_of_models_mixing_any_row_are_refused(name):
+    """Where no proof is found, the probe changes every row but one in turn: a model whose
+    first row reads only the first sample (a cumulative sum over the batch) is refused too
+    (the probe compared the first row only before)."""
+    w = jax.random.normal(jax.random.PRNGKey(0), (5, 4))
+    x = jax.random.normal(jax.random.PRNGKey(1), (6, 5))
+    with pytest.raises(ValueError, match="depends on the other samples"):
+        ntk_core.empirical_ntk(MIXING[name], w, x)

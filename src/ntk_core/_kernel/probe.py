@@ -168,9 +168,9 @@ def _samples(x, k: int) -> list:
 
 
 def _batches(x1, x2):
-    """Two batches of three samples sharing the first (two would hide a batch
-    standardisation), the others transformed affinely (or other samples for integer
-    inputs); None when too few samples."""
+    """A batch of three samples (two would hide a batch standardisation; two for integer
+    inputs with three samples) and, for each row i, that batch with every other row
+    changed: affinely, or to another sample for integer inputs; None when too few."""
     samples = _samples(x1, 4)
     if x2 is not None and len(samples) < 4:
         samples += _samples(x2, 4 - len(samples))
@@ -179,22 +179,22 @@ def _batches(x1, x2):
         return jax.tree.map(lambda leaf: (a * leaf + b).astype(leaf.dtype), v)
 
     if all(jnp.issubdtype(v.dtype, jnp.inexact) for v in jax.tree.leaves(samples[0])):
-        s0 = samples[0]
-        others = samples[1:3]  # padded with transformed copies of s0 when N < 3
-        others += [affine(s0, a, b) for a, b in ((0.7, -0.3), (1.3, 0.2))[len(others) :]]
-        s1, s2 = others
-        return (s0, s1, s2), (s0, affine(s1, -1.5, 0.5), affine(s2, -1.5, 0.5))
-    if len(samples) >= 4:
-        s0, s1, s2, s3 = samples[:4]
-        return (s0, s1, s2), (s0, s3, s2)
-    if len(samples) == 3:  # integer inputs, three samples: two-sample batches
-        s0, s1, s2 = samples
-        return (s0, s1), (s0, s2)
-    return None
+        base = samples[:3]  # padded with transformed copies of the first when N < 3
+        base += [affine(base[0], a, b) for a, b in ((0.7, -0.3), (1.3, 0.2))[len(base) - 1 :]]
+        changed = [affine(s, -1.5, 0.5) for s in base]
+    elif len(samples) >= 3:
+        base, spare = samples[: len(samples) - 1], samples[-1]
+        changed = [spare] * len(base)
+    else:
+        return None
+    return base, [
+        [s if j == i else changed[j] for j, s in enumerate(base)] for i in range(len(base))
+    ]
 
 
 def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e-4) -> bool:
-    """Whether sample 0's output changes with its batch; False when abstract or too few."""
+    """Whether some sample's output changes with the other samples of its batch; False
+    when abstract or too few."""
     try:
         batches = _batches(x1, x2)
         if batches is None:
@@ -203,28 +203,29 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
         def stack(samples):
             return jax.tree.map(lambda *leaves: np.concatenate(leaves), *samples)
 
-        xb, xc = (stack(b) for b in batches)
+        base, variants = stack(batches[0]), [stack(v) for v in batches[1]]
         try:
             run = jax.jit(apply3, **tuned(QUICK_CPU_OPTIONS))
-            traced = run.trace(params, xb, aux)
-            marks = [[m] * len(jax.tree.leaves(t)) for m, t in ((False, params), (True, xb))]
+            traced = run.trace(params, base, aux)
+            marks = [[m] * len(jax.tree.leaves(t)) for m, t in ((False, params), (True, base))]
             marks += [[False] * len(jax.tree.leaves(aux))]
             if rows_separate(traced.jaxpr, sum(marks, []), len(batches[0])):
                 return False
-            out_b, out_c = (jax.tree.leaves(run(params, x, aux)) for x in (xb, xc))
+            outs = [jax.tree.leaves(run(params, x, aux)) for x in [base, *variants]]
         except jax.errors.UnexpectedTracerError as error:
             raise _checks.leaked_tracer_error(fn_name, error) from error
         except (TypeError, ValueError, IndexError) as error:
             what = f"the model fails on a batch of {len(batches[0])} samples: {one_line(error)}"
             fix = "keep the batch axis for any N (vmap_axes=0 checks small batches)"
             raise bad(ValueError, fn_name, what, fix, see="samples-interact") from error
-        for b, c in zip(out_b, out_c, strict=True):
-            b0, c0 = np.asarray(b, np.float64)[:1], np.asarray(c, np.float64)[:1]
-            scale = max(np.abs(b0).max(initial=0.0), np.abs(c0).max(initial=0.0), 1e-30)
-            if not np.all(np.isfinite(b0)) or not np.all(np.isfinite(c0)):
-                return False  # non-finite inputs are reported elsewhere
-            if np.abs(b0 - c0).max(initial=0.0) > rtol * scale:
-                return True
+        for i, moved in enumerate(outs[1:]):  # row i alone kept: its outputs must not move
+            for b, c in zip(outs[0], moved, strict=True):
+                b0, c0 = np.asarray(b, np.float64)[i], np.asarray(c, np.float64)[i]
+                scale = max(np.abs(b0).max(initial=0.0), np.abs(c0).max(initial=0.0), 1e-30)
+                if not np.all(np.isfinite(b0)) or not np.all(np.isfinite(c0)):
+                    return False  # non-finite inputs are reported elsewhere
+                if np.abs(b0 - c0).max(initial=0.0) > rtol * scale:
+                    return True
         return False
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return False
