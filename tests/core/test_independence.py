@@ -1,5 +1,5 @@
 """The static half of the per-sample independence check (``vmap_axes=0``):
-:func:`ntk_core._kernel.probe.rows_separate` proves from a model's jaxpr that row i of its
+:func:`ntk_core._jax.sample_axes.rows_separate` proves from a model's jaxpr that row i of its
 outputs reads only row i of x, so no probe program is compiled. Checked against the
 models themselves: a proof only where the batch's rows equal the samples evaluated one at
 a time, and no proof for any construct that mixes rows."""
@@ -12,7 +12,7 @@ import pytest
 import core_zoo
 import ntk_core
 import zoo
-from ntk_core._kernel.probe import rows_separate
+from ntk_core._jax.sample_axes import rows_separate
 
 
 def _proved(apply_fn, params, x) -> bool:

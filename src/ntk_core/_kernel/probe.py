@@ -1,152 +1,19 @@
 """Per-sample independence behind ``vmap_axes=0`` (BatchNorm in training mode and batch
 means break it): first a proof on the model's jaxpr that row i of every output reads only
-row i of x (:func:`rows_separate`, no compilation); where a primitive is not covered, the
-probe: the model on two batches sharing their first sample, whose outputs must agree."""
+row i of x (:func:`ntk_core._jax.sample_axes.rows_separate`, no compilation); where a
+primitive is not covered, the probe: the model on a batch of three and, for each row, on
+that batch with the other rows changed; no row's outputs may move."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import primitives as prims
 
 from ntk_core._errors import bad, one_line
 from ntk_core._impl.base import QUICK_CPU_OPTIONS, tuned
-from ntk_core._jax.jaxpr_walk import call_body, inlined, is_literal
+from ntk_core._jax.sample_axes import rows_separate
 from ntk_core._kernel import checks as _checks
-
-#: Primitives applied entry by entry (size-1 axes broadcast): the samples stay on their axis.
-_ELEMENTWISE = frozenset(
-    "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp conj copy copy_p cos "
-    "cosh convert_element_type digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt "
-    "imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter "
-    "not or pow real reduce_precision rem round rsqrt select_n "
-    "sharding_constraint sign sin sinh sqrt square stop_gradient sub tan tanh xor".split()
-)
-_REDUCTIONS = frozenset(
-    "argmax argmin reduce_and reduce_max reduce_min reduce_or reduce_prod reduce_sum".split()
-)
-#: Primitives along one axis (parameter ``axis`` or ``dimension``): any axis but the samples'.
-_ALONG = frozenset("concatenate cumlogsumexp cummax cummin cumprod cumsum sort split".split())
-_WINDOWS = frozenset("reduce_window_max reduce_window_min reduce_window_sum".split())
-_CUSTOM = (prims.custom_jvp_call_p, prims.custom_vjp_call_p)
-
-
-def _dot_axis(p, shape, la, ra) -> int | None:
-    """``dot_general``'s output axis of the samples (on lhs axis ``la``, rhs axis ``ra``)."""
-    (lc, rc), (lb, rb) = p["dimension_numbers"]
-    lb, rb = list(lb), list(rb)
-    if la is not None and ra is not None:  # both carry samples: paired as one batch axis
-        return lb.index(la) if la in lb and ra in rb and lb.index(la) == rb.index(ra) else None
-    if la is not None:
-        free = [d for d in range(len(shape[0])) if d not in lc and d not in lb]
-        return len(lb) + free.index(la) if la in free else None
-    free = [d for d in range(len(shape[1])) if d not in rc and d not in rb]
-    lhs_free = len(shape[0]) - len(lc) - len(lb)
-    return len(lb) + lhs_free + free.index(ra) if ra in free else None
-
-
-def _sample_axis(eqn, axes: list) -> int | None:
-    """The axis of the equation's outputs that holds the samples, where ``axes`` holds its
-    operands' (None: reads no sample); None where the equation may mix samples or is not
-    covered."""
-    p, name = eqn.params, eqn.primitive.name
-    shape = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
-    if name == "dot_general":
-        return _dot_axis(p, shape, axes[0], axes[1])
-    found = {a for a in axes if a is not None}
-    if len(found) != 1:
-        return None
-    (k,) = found
-    if name in _ELEMENTWISE:
-        rank = len(eqn.outvars[0].aval.shape)
-        ranks = {len(s) for s, a in zip(shape, axes, strict=True) if a is not None}
-        return k if ranks == {rank} else None
-    if name in _REDUCTIONS or name == "squeeze":
-        gone = p["axes"] if name in _REDUCTIONS else p["dimensions"]
-        return None if k in gone else k - sum(d < k for d in gone)
-    if name in _ALONG:
-        return None if p.get("axis", p.get("dimension")) == k else k
-    if name == "rev":
-        return None if k in p["dimensions"] else k
-    if name == "transpose":
-        return list(p["permutation"]).index(k)
-    if name == "reshape":  # row-major: the axes up to the samples' unchanged
-        same = p.get("dimensions") is None and p["new_sizes"][: k + 1] == shape[0][: k + 1]
-        return k if same else None
-    if name == "broadcast_in_dim":
-        j = p["broadcast_dimensions"][k]
-        return j if p["shape"][j] == shape[0][k] else None
-    if name == "slice":
-        step = 1 if p["strides"] is None else p["strides"][k]
-        whole = (p["start_indices"][k], p["limit_indices"][k], step) == (0, shape[0][k], 1)
-        return k if whole else None
-    if name == "dynamic_slice":
-        return k if axes[0] == k and p["slice_sizes"][k] == shape[0][k] else None
-    if name == "pad":
-        return k if axes[1] is None and tuple(p["padding_config"][k]) == (0, 0, 0) else None
-    if name in _WINDOWS:
-        keys = ("window_dimensions", "window_strides", "base_dilation", "window_dilation")
-        alone = all(p[key][k] == 1 for key in keys) and tuple(p["padding"][k]) == (0, 0)
-        return k if alone else None
-    if name == "conv_general_dilated":
-        lhs, _, out = p["dimension_numbers"]
-        alone = axes[1] is None and k == lhs[0] and p["batch_group_count"] == 1
-        return out[0] if alone else None
-    if name == "gather":
-        d = p["dimension_numbers"]
-        if d.operand_batching_dims:
-            return None
-        if axes[1] is not None:  # indices into a table (embeddings); last axis: the index
-            batch = [i for i in range(len(eqn.outvars[0].aval.shape)) if i not in d.offset_dims]
-            return batch[k] if k < len(shape[1]) - 1 else None
-        kept = [i for i in range(len(shape[0])) if i not in d.collapsed_slice_dims]
-        whole = p["slice_sizes"][k] == shape[0][k] and k not in d.start_index_map
-        return d.offset_dims[kept.index(k)] if whole and k in kept else None
-    return None
-
-
-def _axes(jaxpr, axes: list, n: int) -> list | None:
-    """The axis holding the samples of each output of ``jaxpr`` (None: reads no sample),
-    given its inputs'; None where some equation may mix samples or is not covered."""
-    if len(jaxpr.invars) != len(axes):
-        return None
-    env = dict(zip(jaxpr.invars, axes, strict=True))
-
-    def read(v):
-        return None if is_literal(v) else env.get(v)
-
-    for eqn in jaxpr.eqns:
-        a = [read(v) for v in eqn.invars]
-        if all(x is None for x in a):
-            continue  # reads no sample: the same for every sample
-        body = call_body(eqn) if inlined(eqn) or eqn.primitive in _CUSTOM else None
-        if body is not None:
-            outs = _axes(body[0], a[len(a) - len(body[0].invars) :], n)
-        elif eqn.primitive is prims.cond_p and a[0] is None:
-            branches = [_axes(br.jaxpr, a[1:], n) for br in eqn.params["branches"]]
-            outs = branches[0] if all(b == branches[0] for b in branches) else None
-        else:
-            k = _sample_axis(eqn, a)
-            outs = None if k is None else [k] * len(eqn.outvars)
-        if outs is None:
-            return None
-        for v, k in zip(eqn.outvars, outs, strict=True):
-            if k is not None and tuple(getattr(v.aval, "shape", ()))[k : k + 1] != (n,):
-                return None
-            env[v] = k
-    return [read(v) for v in jaxpr.outvars]
-
-
-def rows_separate(closed, batched: list[bool], n: int) -> bool:
-    """Whether every output of ``closed`` (a jaxpr of the model on a batch of ``n``) holds
-    the samples on axis 0, row i reading only row i of the inputs marked in ``batched``
-    (theirs on axis 0): a proof by :func:`_sample_axis`'s rules; False: not shown."""
-    try:
-        outs = _axes(closed.jaxpr, [0 if b else None for b in batched], n)
-    except (KeyError, AttributeError, IndexError, TypeError, ValueError):
-        return False  # parameters laid out as another JAX version does: not shown
-    return outs is not None and all(k == 0 for k in outs)
 
 
 def _head(leaf, k: int) -> np.ndarray:
