@@ -99,6 +99,9 @@ MIXING = {
         (_dense(w, x).T - _dense(w, x).T.mean(1, keepdims=True)).T
     ),
     "vmapped, then mixed": lambda w, x: jnp.cumsum(jax.vmap(lambda xi: jnp.tanh(w.T @ xi))(x), 0),
+    "gathered at an argmax": lambda w, x: (
+        _dense(w, x) + _dense(w, x)[jnp.argmax(_dense(w, x), axis=1) % x.shape[0]]
+    ),
     "batch norm (training)": lambda w, x: core_zoo.batch_norm_train(
         {"scale": jnp.ones(4), "bias": jnp.zeros(4)}, x @ w
     ),
@@ -132,7 +135,7 @@ def test_constructs_that_keep_rows_apart_are_proved(name):
 
 
 ANY_N = [
-    "batch mean", "batch max", "softmax over samples", "first sample added", "reversed",
+    "gathered at an argmax", "batch mean", "batch max", "softmax over samples", "first sample added", "reversed",
     "rolled", "cumsum over samples", "sorted over samples", "window over samples",
     "scan over samples", "mean over samples, transposed", "vmapped, then mixed",
     "batch norm (training)",
@@ -148,3 +151,71 @@ def test_kernels_of_models_mixing_any_row_are_refused(name):
     x = jax.random.normal(jax.random.PRNGKey(1), (6, 5))
     with pytest.raises(ValueError, match="depends on the other samples"):
         ntk_core.empirical_ntk(MIXING[name], w, x)
+
+
+def _neighbours(w, xs):
+    """A graph layer: each sample adds its neighbour's features (indices given as input)."""
+    x, neighbour = xs
+    return _dense(w, x) + _dense(w, x)[neighbour]
+
+
+def _zero_gate(p, x):
+    """A cross-sample branch behind a gate initialised at zero: the outputs do not mix,
+    their gradient does."""
+    return _dense(p["w"], x) + p["g"] * _dense(p["w"], x).mean(0)
+
+
+@jax.custom_jvp
+def _identity_mixing_tangent(h):
+    return h
+
+
+@_identity_mixing_tangent.defjvp
+def _(primals, tangents):
+    return primals[0], tangents[0] + tangents[0].mean(0)
+
+
+GRADIENT_MIXING = {
+    "gate at zero": _zero_gate,
+    "stop_gradient difference": lambda p, x: (
+        _dense(p["w"], x)
+        + (_dense(p["w"], x).mean(0) - jax.lax.stop_gradient(_dense(p["w"], x).mean(0)))
+    ),
+    "custom_jvp rule": lambda p, x: _identity_mixing_tangent(_dense(p["w"], x)),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_MIXING))
+def test_models_whose_gradients_mix_samples_are_refused(name):
+    """Outputs that do not mix while their derivatives do (found by a new user's check):
+    the proof and the probe read the model's derivative along a parameter direction too."""
+    p = {"w": jax.random.normal(jax.random.PRNGKey(0), (5, 4)), "g": jnp.zeros(())}
+    x = jax.random.normal(jax.random.PRNGKey(1), (6, 5))
+    assert not _rows_mix(GRADIENT_MIXING[name], p, x)  # the forward pass alone passes
+    with pytest.raises(ValueError, match="depends on the other samples"):
+        ntk_core.empirical_ntk(GRADIENT_MIXING[name], p, x)
+
+
+def test_neighbours_given_as_an_input_are_refused():
+    w = jax.random.normal(jax.random.PRNGKey(0), (5, 4))
+    xs = (jax.random.normal(jax.random.PRNGKey(1), (6, 5)), (jnp.arange(6) + 1) % 6)
+    assert _rows_mix(_neighbours, w, xs)
+    assert not _proved(_neighbours, w, xs)
+    with pytest.raises(ValueError, match="depends on the other samples"):
+        ntk_core.empirical_ntk(_neighbours, w, xs)
+
+
+def test_a_signature_first_seen_with_too_few_samples_is_checked_later():
+    """Two samples of token ids cannot be checked (the probe needs three); the per-sample
+    signature is remembered only once checked, so a later call with more is refused
+    (it was accepted, found by a new user's check)."""
+
+    def tokens_centred(table, t):
+        h = jnp.tanh(table[t].sum(1))
+        return h - h.mean(0)
+
+    kernel = ntk_core.ntk_fn(tokens_centred)
+    table = jax.random.normal(jax.random.PRNGKey(0), (11, 4))
+    kernel(table, jax.random.randint(jax.random.PRNGKey(1), (2, 3), 0, 11))
+    with pytest.raises(ValueError, match="depends on the other samples"):
+        kernel(table, jax.random.randint(jax.random.PRNGKey(2), (8, 3), 0, 11))

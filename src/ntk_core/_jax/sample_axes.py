@@ -12,10 +12,10 @@ from ntk_core._jax.jaxpr_walk import call_body, inlined, is_literal
 
 #: Primitives applied entry by entry (size-1 axes broadcast): the samples stay on their axis.
 _ELEMENTWISE = frozenset(
-    "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp conj copy copy_p cos "
-    "cosh convert_element_type digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt "
-    "imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter "
-    "not or pow real reduce_precision rem round rsqrt select_n "
+    "abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp conj "
+    "convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 "
+    "expm1 floor ge gt imag integer_pow is_finite le lgamma log log1p logistic lt max min "
+    "mul ne neg nextafter not or pow real reduce_precision rem round rsqrt select_n "
     "sharding_constraint sign sin sinh sqrt square stop_gradient sub tan tanh xor".split()
 )
 _REDUCTIONS = frozenset(
@@ -23,7 +23,9 @@ _REDUCTIONS = frozenset(
 )
 #: Primitives along one axis (parameter ``axis`` or ``dimension``): any axis but the samples'.
 _ALONG = frozenset("concatenate cumlogsumexp cummax cummin cumprod cumsum sort split".split())
-_WINDOWS = frozenset("reduce_window_max reduce_window_min reduce_window_sum".split())
+_WINDOWS = frozenset(
+    "reduce_window_max reduce_window_min reduce_window_sum select_and_gather_add".split()
+)
 _CUSTOM = (prims.custom_jvp_call_p, prims.custom_vjp_call_p)
 
 
@@ -77,7 +79,8 @@ def _sample_axis(eqn, axes: list) -> int | None:
         whole = (p["start_indices"][k], p["limit_indices"][k], step) == (0, shape[0][k], 1)
         return k if whole else None
     if name == "dynamic_slice":
-        return k if axes[0] == k and p["slice_sizes"][k] == shape[0][k] else None
+        alone = axes[0] == k and all(a is None for a in axes[1:])
+        return k if alone and p["slice_sizes"][k] == shape[0][k] else None
     if name == "pad":
         return k if axes[1] is None and tuple(p["padding_config"][k]) == (0, 0, 0) else None
     if name in _WINDOWS:
@@ -90,7 +93,7 @@ def _sample_axis(eqn, axes: list) -> int | None:
         return out[0] if alone else None
     if name == "gather":
         d = p["dimension_numbers"]
-        if d.operand_batching_dims:
+        if d.operand_batching_dims or None not in axes:  # both: rows read other rows
             return None
         if axes[1] is not None:  # indices into a table (embeddings); last axis: the index
             batch = [i for i in range(len(eqn.outvars[0].aval.shape)) if i not in d.offset_dims]

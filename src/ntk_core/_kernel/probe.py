@@ -59,26 +59,56 @@ def _batches(x1, x2):
     ]
 
 
-def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e-4) -> bool:
-    """Whether some sample's output changes with the other samples of its batch; False
-    when abstract or too few."""
+def _tangent(params):
+    """A fixed random direction in parameter space (float0 zeros for integer leaves)."""
+    rng = np.random.default_rng(0)
+
+    def one(v):
+        if jnp.issubdtype(v.dtype, jnp.inexact):
+            return rng.standard_normal(np.shape(v)).astype(v.dtype)
+        return np.zeros(np.shape(v), jax.dtypes.float0)
+
+    return jax.tree.map(one, params)
+
+
+def _with_derivative(apply3):
+    """The model's outputs and their derivative along a parameter direction: row i of the
+    derivative moves with the other rows where only the gradient mixes samples (a gate at
+    zero, a custom_jvp rule, stop_gradient tricks)."""
+
+    def outputs(params, x, aux, tangent):
+        return jax.jvp(lambda p: apply3(p, x, aux), (params,), (tangent,))
+
+    return outputs
+
+
+def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e-4):
+    """Whether some sample's outputs, or their derivatives along a parameter direction,
+    change with the other samples of its batch: True or False; None when not checked
+    (abstract arguments, fewer than three samples)."""
     try:
         batches = _batches(x1, x2)
         if batches is None:
-            return False
+            return None
 
         def stack(samples):
             return jax.tree.map(lambda *leaves: np.concatenate(leaves), *samples)
 
         base, variants = stack(batches[0]), [stack(v) for v in batches[1]]
+        abstract = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, aux)))
+        tangent, options = _tangent(params), {} if abstract else tuned(QUICK_CPU_OPTIONS)
+        args = (params, base, aux, tangent)
+        marks = [[m] * len(jax.tree.leaves(t)) for m, t in zip((0, 1, 0, 0), args, strict=True)]
+        run = jax.jit(_with_derivative(apply3), **options)
         try:
-            run = jax.jit(apply3, **tuned(QUICK_CPU_OPTIONS))
-            traced = run.trace(params, base, aux)
-            marks = [[m] * len(jax.tree.leaves(t)) for m, t in ((False, params), (True, base))]
-            marks += [[False] * len(jax.tree.leaves(aux))]
-            if rows_separate(traced.jaxpr, sum(marks, []), len(batches[0])):
+            traced = run.trace(*args)
+        except (TypeError, ValueError, NotImplementedError):  # no jvp (custom_vjp): outputs
+            traced, run = None, jax.jit(lambda p, x, a, t: apply3(p, x, a), **options)
+        try:
+            n, flags = len(batches[0]), [bool(m) for m in sum(marks, [])]
+            if traced is not None and rows_separate(traced.jaxpr, flags, n):
                 return False
-            outs = [jax.tree.leaves(run(params, x, aux)) for x in [base, *variants]]
+            outs = [jax.tree.leaves(run(params, x, aux, tangent)) for x in [base, *variants]]
         except jax.errors.UnexpectedTracerError as error:
             raise _checks.leaked_tracer_error(fn_name, error) from error
         except (TypeError, ValueError, IndexError) as error:
@@ -95,4 +125,4 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
                     return True
         return False
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return False
+        return None

@@ -147,11 +147,13 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
         kernel = "NNGP" if spec.kind is Kind.NNGP else "NTK"
         _checks.after_trace(fn, spec.apply3, params, x1, x2, aux, out_leaves, opts, kernel, closed)
     if known is None and sample_key is not None:  # vmap_axes=0
-        if _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn):
+        interact = _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn)
+        if interact:
             how = f" (e.g. {spec.hint})" if spec.hint else ""
             fix = f"run the model in evaluation mode{how}, or pass vmap_axes=None"
             raise _checks.samples_interact_error(fn, fix)
-        samples[sample_key] = (out_tree, [(o.shape[1:], o.dtype) for o in out_leaves])
+        if interact is not None:  # checked: later calls of this signature skip it
+            samples[sample_key] = (out_tree, [(o.shape[1:], o.dtype) for o in out_leaves])
     shapes1 = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
     return Checked(n1, n2, x2 is None, out_tree, tuple(layouts), shapes1, closed)
 
