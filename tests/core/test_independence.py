@@ -4,6 +4,8 @@ outputs reads only row i of x, so no probe program is compiled. Checked against 
 models themselves: a proof only where the batch's rows equal the samples evaluated one at
 a time, and no proof for any construct that mixes rows."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,3 +221,17 @@ def test_a_signature_first_seen_with_too_few_samples_is_checked_later():
     kernel(table, jax.random.randint(jax.random.PRNGKey(1), (2, 3), 0, 11))
     with pytest.raises(ValueError, match="depends on the other samples"):
         kernel(table, jax.random.randint(jax.random.PRNGKey(2), (8, 3), 0, 11))
+
+
+def test_inside_jit_the_proof_holds_and_an_unproved_model_is_warned_about():
+    """Inside a user's jax.jit there are no values to probe: a model the jaxpr proves
+    independent gives the kernel of a call outside jit, silently; one it does not gets a
+    warning (it returned a wrong kernel in silence, found by a new user's check)."""
+    w = jax.random.normal(jax.random.PRNGKey(0), (5, 4))
+    x = jax.random.normal(jax.random.PRNGKey(1), (6, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inside = jax.jit(lambda p, x: ntk_core.empirical_ntk(_dense, p, x))(w, x)
+    np.testing.assert_allclose(inside, ntk_core.empirical_ntk(_dense, w, x), rtol=1e-6)
+    with pytest.warns(UserWarning, match="inside jax.jit the samples' independence"):
+        jax.jit(lambda p, x: ntk_core.empirical_ntk(MIXING["batch mean"], p, x))(w, x)

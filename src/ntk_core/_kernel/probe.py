@@ -6,12 +6,15 @@ that batch with the other rows changed; no row's outputs may move."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._errors import bad, one_line
 from ntk_core._impl.base import QUICK_CPU_OPTIONS, tuned
+from ntk_core._jax.environment import _user_stacklevel
 from ntk_core._jax.sample_axes import rows_separate
 from ntk_core._kernel import checks as _checks
 
@@ -82,10 +85,38 @@ def _with_derivative(apply3):
     return outputs
 
 
+def _proved_abstract(apply3, params, x1, aux, fn_name: str):
+    """Inside a jit (no values): False where the jaxpr proves the samples independent,
+    else a warning and None."""
+
+    def abstract(tree, n=None):
+        def one(v):
+            shape = np.shape(v) if n is None else (n, *np.shape(v)[1:])
+            real = jnp.issubdtype(v.dtype, jnp.inexact) or n is not None
+            return jax.ShapeDtypeStruct(shape, v.dtype if real else jax.dtypes.float0)
+
+        return jax.tree.map(one, tree)
+
+    args = (params, abstract(x1, 3), aux, abstract(params))
+    marks = [[m] * len(jax.tree.leaves(t)) for m, t in zip((0, 1, 0, 0), args, strict=True)]
+    try:
+        traced = jax.jit(_with_derivative(apply3)).trace(*args)
+    except (TypeError, ValueError, NotImplementedError):
+        traced = None
+    if traced is not None and rows_separate(traced.jaxpr, [bool(m) for m in sum(marks, [])], 3):
+        return False
+    what = "inside jax.jit the samples' independence cannot be probed (no values) nor proved"
+    fix = "call the kernel once outside jit (it is checked then), or pass vmap_axes=None"
+    warnings.warn(bad(UserWarning, fn_name, what, fix).args[0], stacklevel=_user_stacklevel())
+    return None
+
+
 def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e-4):
     """Whether some sample's outputs, or their derivatives along a parameter direction,
     change with the other samples of its batch: True or False; None when not checked
     (abstract arguments, fewer than three samples)."""
+    if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(x1)):  # inside a jit
+        return _proved_abstract(apply3, params, x1, aux, fn_name)
     try:
         batches = _batches(x1, x2)
         if batches is None:
