@@ -26,7 +26,7 @@ _ALONG = frozenset("concatenate cumlogsumexp cummax cummin cumprod cumsum sort s
 _WINDOWS = frozenset(
     "reduce_window_max reduce_window_min reduce_window_sum select_and_gather_add".split()
 )
-_CUSTOM = (prims.custom_jvp_call_p, prims.custom_vjp_call_p)
+_CUSTOM = (prims.custom_jvp_call_p,)  # custom_vjp: its backward pass is not a jaxpr here
 
 
 def _dot_axis(p, shape, la, ra) -> int | None:

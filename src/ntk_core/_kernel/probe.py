@@ -130,16 +130,21 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
         tangent, options = _tangent(params), {} if abstract else tuned(QUICK_CPU_OPTIONS)
         args = (params, base, aux, tangent)
         marks = [[m] * len(jax.tree.leaves(t)) for m, t in zip((0, 1, 0, 0), args, strict=True)]
-        run = jax.jit(_with_derivative(apply3), **options)
+        n, flags = len(batches[0]), [bool(m) for m in sum(marks, [])]
+
+        def attempt(fn, prove: bool):
+            run = jax.jit(fn, **options)
+            if prove and rows_separate(run.trace(*args).jaxpr, flags, n):
+                return None
+            return [jax.tree.leaves(run(params, x, aux, tangent)) for x in [base, *variants]]
+
         try:
-            traced = run.trace(*args)
-        except (TypeError, ValueError, NotImplementedError):  # no jvp (custom_vjp): outputs
-            traced, run = None, jax.jit(lambda p, x, a, t: apply3(p, x, a), **options)
-        try:
-            n, flags = len(batches[0]), [bool(m) for m in sum(marks, [])]
-            if traced is not None and rows_separate(traced.jaxpr, flags, n):
+            try:
+                outs = attempt(_with_derivative(apply3), prove=True)
+            except (TypeError, ValueError, NotImplementedError):  # no jvp (custom_vjp)
+                outs = attempt(lambda p, x, a, t: apply3(p, x, a), prove=False)
+            if outs is None:
                 return False
-            outs = [jax.tree.leaves(run(params, x, aux, tangent)) for x in [base, *variants]]
         except jax.errors.UnexpectedTracerError as error:
             raise _checks.leaked_tracer_error(fn_name, error) from error
         except (TypeError, ValueError, IndexError) as error:
