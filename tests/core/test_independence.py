@@ -235,3 +235,11 @@ def test_inside_jit_the_proof_holds_and_an_unproved_model_is_warned_about():
     np.testing.assert_allclose(inside, ntk_core.empirical_ntk(_dense, w, x), rtol=1e-5)
     with pytest.warns(UserWarning, match="inside jax.jit the samples' independence"):
         jax.jit(lambda p, x: ntk_core.empirical_ntk(MIXING["batch mean"], p, x))(w, x)
+
+
+def test_inputs_at_the_probes_fixed_point_are_still_changed():
+    """Every entry 0.2 is the fixed point of the probe's affine change (-1.5 x + 0.5): a
+    cumulative sum over the batch of such inputs was accepted (found by a new user)."""
+    w = jax.random.normal(jax.random.PRNGKey(0), (5, 4))
+    with pytest.raises(ValueError, match="depends on the other samples"):
+        ntk_core.empirical_ntk(MIXING["cumsum over samples"], w, jnp.full((6, 5), 0.2))

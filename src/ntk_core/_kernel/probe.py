@@ -40,7 +40,8 @@ def _samples(x, k: int) -> list:
 def _batches(x1, x2):
     """A batch of three samples (two would hide a batch standardisation; two for integer
     inputs with three samples) and, for each row i, that batch with every other row
-    changed: affinely, or to another sample for integer inputs; None when too few."""
+    changed: affinely plus noise, or to another sample for integer inputs; None when too
+    few."""
     samples = _samples(x1, 4)
     if x2 is not None and len(samples) < 4:
         samples += _samples(x2, 4 - len(samples))
@@ -51,7 +52,13 @@ def _batches(x1, x2):
     if all(jnp.issubdtype(v.dtype, jnp.inexact) for v in jax.tree.leaves(samples[0])):
         base = samples[:3]  # padded with transformed copies of the first when N < 3
         base += [affine(base[0], a, b) for a, b in ((0.7, -0.3), (1.3, 0.2))[len(base) - 1 :]]
-        changed = [affine(s, -1.5, 0.5) for s in base]
+        rng = np.random.default_rng(1)  # an affine map alone keeps its fixed point (0.2)
+
+        def moved(leaf):
+            noise = rng.standard_normal(np.shape(leaf))
+            return (-1.5 * leaf + 0.5 + 0.25 * noise).astype(leaf.dtype)
+
+        changed = [jax.tree.map(moved, s) for s in base]
     elif len(samples) >= 3:
         base, spare = samples[: len(samples) - 1], samples[-1]
         changed = [spare] * len(base)
