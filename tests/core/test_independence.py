@@ -177,6 +177,14 @@ def _(primals, tangents):
     return primals[0], tangents[0] + tangents[0].mean(0)
 
 
+@jax.custom_vjp
+def _identity_mixing_cotangent(h):
+    return h
+
+
+_identity_mixing_cotangent.defvjp(lambda h: (h, None), lambda _, g: (g + g.mean(0),))
+
+
 GRADIENT_MIXING = {
     "gate at zero": _zero_gate,
     "stop_gradient difference": lambda p, x: (
@@ -184,6 +192,7 @@ GRADIENT_MIXING = {
         + (_dense(p["w"], x).mean(0) - jax.lax.stop_gradient(_dense(p["w"], x).mean(0)))
     ),
     "custom_jvp rule": lambda p, x: _identity_mixing_tangent(_dense(p["w"], x)),
+    "custom_vjp backward pass": lambda p, x: _identity_mixing_cotangent(_dense(p["w"], x)),
 }
 
 

@@ -2,7 +2,8 @@
 means break it): first a proof on the model's jaxpr that row i of every output reads only
 row i of x (:func:`ntk_core._jax.sample_axes.rows_separate`, no compilation); where a
 primitive is not covered, the probe: the model on a batch of three and, for each row, on
-that batch with the other rows changed; no row's outputs may move."""
+that batch with the other rows changed; no row's outputs, nor their derivatives along a
+parameter direction (jvp, or per-row pullbacks where a custom_vjp has no jvp), may move."""
 
 from __future__ import annotations
 
@@ -118,6 +119,28 @@ def _proved_abstract(apply3, params, x1, aux, fn_name: str):
     return None
 
 
+def _with_pullbacks(apply3):
+    """For a model without a jvp (custom_vjp): its outputs and, per row i, the parameter
+    gradient of row i's outputs along a fixed direction (stacked on axis 0), which moves
+    with the other rows where a custom backward pass mixes samples."""
+
+    def outputs(params, x, aux, tangent):
+        out, pull = jax.vjp(lambda p: apply3(p, x, aux), params)
+        n = jax.tree.leaves(out)[0].shape[0]
+        rows = jnp.eye(n, dtype=jax.tree.leaves(out)[0].dtype)
+
+        def row(e):
+            return pull(
+                jax.tree.map(
+                    lambda o: jnp.ones_like(o) * e.reshape((n,) + (1,) * (o.ndim - 1)), out
+                )
+            )
+
+        return out, jax.vmap(row)(rows)
+
+    return outputs
+
+
 def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e-4):
     """Whether some sample's outputs, or their derivatives along a parameter direction,
     change with the other samples of its batch: True or False; None when not checked
@@ -149,7 +172,7 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
             try:
                 outs = attempt(_with_derivative(apply3), prove=True)
             except (TypeError, ValueError, NotImplementedError):  # no jvp (custom_vjp)
-                outs = attempt(lambda p, x, a, t: apply3(p, x, a), prove=False)
+                outs = attempt(_with_pullbacks(apply3), prove=False)
             if outs is None:
                 return False
         except jax.errors.UnexpectedTracerError as error:
@@ -160,6 +183,8 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
             raise bad(ValueError, fn_name, what, fix, see="samples-interact") from error
         for i, moved in enumerate(outs[1:]):  # row i alone kept: its outputs must not move
             for b, c in zip(outs[0], moved, strict=True):
+                if b.dtype == jax.dtypes.float0:  # the gradient of an integer leaf
+                    continue
                 b0, c0 = np.asarray(b, np.float64)[i], np.asarray(c, np.float64)[i]
                 scale = max(np.abs(b0).max(initial=0.0), np.abs(c0).max(initial=0.0), 1e-30)
                 if not np.all(np.isfinite(b0)) or not np.all(np.isfinite(c0)):
