@@ -20,11 +20,12 @@ PRECISION = {
 #: fusion emitters compile them in about half the time (LeNet N = 500 first call 2.91 ->
 #: 1.85 s, warm within the run-to-run spread; benchmarks/README.md, first calls); LLVM at
 #: -O1 (XLA's default: -O2) compiles faster still, warm calls within the spread (their
-#: time is in library GEMMs and convolutions; medians of 6 alternating runs, 2026-12-06:
-#: MLP 784-1000-1 first call 0.27 -> 0.22 s, LeNet N = 500 1.32 -> 1.08 s).
+#: time is in library GEMMs and convolutions; 2026-12-06, 6 alternating runs with the
+#: jaxpr proof of :mod:`ntk_core._jax.sample_axes`: MLP 784-1000-1 first call 0.28 ->
+#: 0.24 s, LeNet N = 500 1.43 -> 1.39 s, ResNet-18 5.3-6.4 -> 4.8-5.2 s).
 CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
-#: For programs whose run time is negligible (the independence probe's two batches of
-#: three samples): no backend optimisation, compiled 2-4x faster (LeNet 0.24 -> 0.06 s).
+#: For programs whose run time is negligible (the independence probe's batches of three
+#: samples): no backend optimisation, compiled 2-4x faster (LeNet 0.24 -> 0.06 s).
 QUICK_CPU_OPTIONS = CPU_OPTIONS | {
     "xla_backend_optimization_level": 0,
     "xla_llvm_disable_expensive_passes": True,

@@ -70,6 +70,18 @@ def _batches(x1, x2):
     ]
 
 
+def _abstract(tree, n: int | None = None):
+    """``tree``'s shapes and dtypes (axis 0 of size ``n`` if given), as a parameter
+    direction when ``n`` is None: float0 for integer leaves."""
+
+    def one(v):
+        shape = np.shape(v) if n is None else (n, *np.shape(v)[1:])
+        real = n is not None or jnp.issubdtype(v.dtype, jnp.inexact)
+        return jax.ShapeDtypeStruct(shape, v.dtype if real else jax.dtypes.float0)
+
+    return jax.tree.map(one, tree)
+
+
 def _tangent(params):
     """A fixed random direction in parameter space (float0 zeros for integer leaves)."""
     rng = np.random.default_rng(0)
@@ -80,6 +92,14 @@ def _tangent(params):
         return np.zeros(np.shape(v), jax.dtypes.float0)
 
     return jax.tree.map(one, params)
+
+
+def _proved(run, params, x, aux, n: int) -> bool:
+    """Whether the jaxpr of ``run(params, x, aux, tangent)`` (a jit) proves that row i of
+    its outputs reads only row i of ``x`` (the tangent abstract: nothing is drawn)."""
+    args = (params, x, aux, _abstract(params))
+    flags = [i == 1 for i, tree in enumerate(args) for _ in jax.tree.leaves(tree)]
+    return rows_separate(run.trace(*args).jaxpr, flags, n)
 
 
 def _with_derivative(apply3):
@@ -94,28 +114,18 @@ def _with_derivative(apply3):
 
 
 def _proved_abstract(apply3, params, x1, aux, fn_name: str):
-    """Inside a jit (no values): False where the jaxpr proves the samples independent,
-    else a warning and None."""
-
-    def abstract(tree, n=None):
-        def one(v):
-            shape = np.shape(v) if n is None else (n, *np.shape(v)[1:])
-            real = jnp.issubdtype(v.dtype, jnp.inexact) or n is not None
-            return jax.ShapeDtypeStruct(shape, v.dtype if real else jax.dtypes.float0)
-
-        return jax.tree.map(one, tree)
-
-    args = (params, abstract(x1, 3), aux, abstract(params))
-    marks = [[m] * len(jax.tree.leaves(t)) for m, t in zip((0, 1, 0, 0), args, strict=True)]
+    """With traced arguments (no values to probe): False where the jaxpr proves the
+    samples independent; else None, with a warning where x1 itself is traced (a user's
+    jax.jit around the kernel)."""
     try:
-        traced = jax.jit(_with_derivative(apply3)).trace(*args)
+        if _proved(jax.jit(_with_derivative(apply3)), params, _abstract(x1, 3), aux, 3):
+            return False
     except (TypeError, ValueError, NotImplementedError):
-        traced = None
-    if traced is not None and rows_separate(traced.jaxpr, [bool(m) for m in sum(marks, [])], 3):
-        return False
-    what = "inside jax.jit the samples' independence cannot be probed (no values) nor proved"
-    fix = "call the kernel once outside jit (it is checked then), or pass vmap_axes=None"
-    warnings.warn(bad(UserWarning, fn_name, what, fix).args[0], stacklevel=_user_stacklevel())
+        pass  # no jvp (custom_vjp) or the model fails here: not shown
+    if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(x1)):
+        what = "inside jax.jit the samples' independence cannot be probed (no values) nor proved"
+        fix = "call the kernel once outside jit (it is checked then), or pass vmap_axes=None"
+        warnings.warn(bad(UserWarning, fn_name, what, fix).args[0], stacklevel=_user_stacklevel())
     return None
 
 
@@ -126,15 +136,14 @@ def _with_pullbacks(apply3):
 
     def outputs(params, x, aux, tangent):
         out, pull = jax.vjp(lambda p: apply3(p, x, aux), params)
-        n = jax.tree.leaves(out)[0].shape[0]
-        rows = jnp.eye(n, dtype=jax.tree.leaves(out)[0].dtype)
+        first = jax.tree.leaves(out)[0]
+        rows = jnp.eye(first.shape[0], dtype=first.dtype)
 
-        def row(e):
-            return pull(
-                jax.tree.map(
-                    lambda o: jnp.ones_like(o) * e.reshape((n,) + (1,) * (o.ndim - 1)), out
-                )
-            )
+        def row(e):  # ones on row i of every output, zeros elsewhere
+            def on_row(o):
+                return jnp.ones_like(o) * e.reshape(e.shape + (1,) * (o.ndim - 1))
+
+            return pull(jax.tree.map(on_row, out))
 
         return out, jax.vmap(row)(rows)
 
@@ -145,7 +154,7 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
     """Whether some sample's outputs, or their derivatives along a parameter direction,
     change with the other samples of its batch: True or False; None when not checked
     (abstract arguments, fewer than three samples)."""
-    if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(x1)):  # inside a jit
+    if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, x1, aux))):
         return _proved_abstract(apply3, params, x1, aux, fn_name)
     try:
         batches = _batches(x1, x2)
@@ -156,16 +165,12 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
             return jax.tree.map(lambda *leaves: np.concatenate(leaves), *samples)
 
         base, variants = stack(batches[0]), [stack(v) for v in batches[1]]
-        abstract = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, aux)))
-        tangent, options = _tangent(params), {} if abstract else tuned(QUICK_CPU_OPTIONS)
-        args = (params, base, aux, tangent)
-        marks = [[m] * len(jax.tree.leaves(t)) for m, t in zip((0, 1, 0, 0), args, strict=True)]
-        n, flags = len(batches[0]), [bool(m) for m in sum(marks, [])]
 
         def attempt(fn, prove: bool):
-            run = jax.jit(fn, **options)
-            if prove and rows_separate(run.trace(*args).jaxpr, flags, n):
+            run = jax.jit(fn, **tuned(QUICK_CPU_OPTIONS))
+            if prove and _proved(run, params, base, aux, len(batches[0])):
                 return None
+            tangent = _tangent(params)  # drawn only for a numeric probe
             return [jax.tree.leaves(run(params, x, aux, tangent)) for x in [base, *variants]]
 
         try:
