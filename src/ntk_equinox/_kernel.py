@@ -1,6 +1,4 @@
-"""Empirical NTK / NNGP of Equinox models: ``eqx.partition(model, eqx.is_inexact_array)``
-gives ``params`` (differentiated) and ``rest`` (held fixed, closed over by :class:`_Apply`,
-equal for equal structures: new weights do not recompile)."""
+"""Empirical NTK / NNGP of Equinox models: params are the ``eqx.is_inexact_array`` leaves."""
 
 from __future__ import annotations
 
@@ -20,8 +18,8 @@ _PACKAGE, _ORDER = "ntk_equinox", "(model, x1, x2)"
 
 @dataclasses.dataclass(frozen=True)
 class _Apply:
-    """``apply(params, x)`` of one model structure and fixed part, equal by ``key``:
-    the tree structure and the leaves (hashable ones by value, arrays by identity)."""
+    """``apply(params, x)`` of the fixed part ``rest``; equal by structure and leaves (no
+    recompile for new weights): hashable leaves by value, arrays by identity."""
 
     rest: object = dataclasses.field(compare=False)
     key: tuple
@@ -66,7 +64,6 @@ def _kernel_fn(fn, model, options: dict, built: bool = False):
     """The core's ``kernel(model, x1, x2=None)`` for models shaped like ``model``."""
     name = f"{_PACKAGE}.{fn.__name__}"
     kind = "nngp" if fn is nngp else "pntk" if fn in (pntk, pntk_fn) else "ntk"
-    options = dict(options)
     inputs = check_inputs(name, options.pop("inputs", "x"))
     apply = _split(name, model, inputs)[1]
     caller = Caller(name, _ORDER, model="the model", package=_PACKAGE, built=built)
@@ -80,12 +77,18 @@ def _kernel_fn(fn, model, options: dict, built: bool = False):
         return params, None
 
     def check(params, x1, x2, aux):
-        spread(name, inputs, x1)  # a TypeError for an x1 of another kind than inputs's
+        args, kw = spread(name, inputs, x1)  # a TypeError for an x1 of another kind
         try:
             jax.eval_shape(apply, params, x1)
         except Exception as e:  # the core names the others
             if isinstance(e, TypeError) and "required" in str(e):  # a call missing arguments
                 raise failure(caller, "the model", e, "the model's fields") from e
+            try:  # a model written for a whole batch?
+                jax.eval_shape(lambda p: eqx.combine(p, apply.rest)(*args, **kw), params)
+            except Exception:
+                return  # no: the core reports the per-sample failure
+            what = "the model fails on one sample of x1 but runs on the whole batch"
+            raise bad(ValueError, name, what, "write __call__ for one sample") from e
 
     pure = PureModel(apply, to_core, (), check, model_kwargs="")
     build = lambda: build_kernel(caller, kind, pure, options)  # noqa: E731
@@ -96,16 +99,15 @@ def kernel(model, x1, x2=None, **options):
     """Empirical NTK Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p of an
     ``eqx.Module``, θ its ``eqx.is_inexact_array`` leaves; other leaves held fixed.
 
-    Args: ``model`` a callable ``eqx.Module`` of ONE sample; ``x1`` N1 samples on axis 0
-    (``jax.vmap(model)``); ``x2`` N2 samples, or ``None`` for x1; ``**options``:
-    :func:`ntk_core.ntk_fn`'s, and ``inputs``:
-    ``"args"`` for x a tuple (``model(*x_i)``), ``"kwargs"`` a dict (``model(**x_i)``).
+    Args: ``model`` a callable ``eqx.Module`` of ONE sample, vmapped over ``x1``'s N1 samples
+    (axis 0); ``x2`` N2 samples or ``None`` (x1); ``**options``: :func:`ntk_core.ntk_fn`'s and
+    ``inputs``: ``"args"`` for x a tuple (``model(*x_i)``), ``"kwargs"`` a dict (``model(**x_i)``).
     Returns: ``(N1, N2)`` for outputs ``(O,)``, ``(N1, N2, O, O)`` with ``trace_axes=()``.
     Raises: TypeError: ``model`` not a callable ``eqx.Module``, x1 not the tuple / dict
-    ``inputs`` names; ValueError: no floating array leaves, a stateful layer, ``inputs``
-    not ``"x"``, ``"args"`` or ``"kwargs"``; the core's errors, prefixed ``ntk_equinox.kernel:``.
-    Cost: as :func:`ntk_core.ntk_fn`; new weights reuse the compiled programs.
-    References: Jacot, Gabriel, Hongler, NeurIPS 2018; Novak et al., ICML 2022.
+    ``inputs`` names; ValueError: no floating array leaves, a stateful layer, a model written
+    for a whole batch, ``inputs`` not ``"x"``, ``"args"`` or ``"kwargs"``; the core's errors,
+    prefixed ``ntk_equinox.kernel:``. Cost: as :func:`ntk_core.ntk_fn`; new weights reuse the
+    compiled programs. References: Jacot, Gabriel, Hongler, NeurIPS 2018; Novak et al., 2022.
     Example:
       >>> import equinox as eqx, jax, ntk_equinox
       >>> mlp = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.PRNGKey(0))
@@ -116,10 +118,9 @@ def kernel(model, x1, x2=None, **options):
 
 
 def kernel_fn(model, **options):
-    """``kernel(model, x1, x2=None)``: :func:`kernel` built once for models shaped like
-    ``model``, called with each step's model. Args:, Returns:, Raises: (and a ValueError for
-    a model of another structure), Cost: as :func:`kernel` (x1: N1 samples). Example:
-    ``ntk_equinox.kernel_fn(mlp)(mlp, x)``. References: Jacot et al. 2018, Novak et al. 2022."""
+    """:func:`kernel` built once for models shaped like ``model``: ``kernel(model, x1, x2=None)``
+    with each step's model. Args:, Returns:, Raises: (and a ValueError for another structure),
+    Cost: as :func:`kernel` (N1 samples). Example: ``kernel_fn(mlp)(mlp, x)``. References: Jacot."""
     return _kernel_fn(kernel_fn, model, options, built=True)
 
 
@@ -132,8 +133,7 @@ def nngp(model, x1, x2=None, **options):
 
 def plan(model, x1, x2=None, **options):
     """What :func:`kernel` would do (x1: N1 samples, x2: N2), not computed. Returns: a ``Plan``.
-    Args:, Raises: as :func:`kernel`. Cost: one abstract trace. Example:
-    ``print(ntk_equinox.plan(mlp, x))``. References: Novak et al. 2022."""
+    Args:, Raises: as ``kernel``. Cost: a trace. Example: ``plan(mlp, x)``. References: Novak."""
     return _kernel_fn(plan, model, options).plan(model, x1, x2)
 
 

@@ -178,6 +178,13 @@ class NoFloat(eqx.Module):
         return x[self.index] * self.scale
 
 
+class WholeBatch(eqx.Module):  # written for x of shape (N, 4): fails on one sample
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.vmap(self.linear)(x)
+
+
 X = jnp.ones((4, 4))
 MLP = _setup("mlp")[0]
 BAD = [
@@ -220,6 +227,11 @@ BAD = [
         lambda: ntk_equinox.kernel(MLP, jnp.ones((4, 5))),
         ValueError,
         r"^ntk_equinox.kernel: .*calling the model on x1",
+    ),
+    (
+        lambda: ntk_equinox.kernel(WholeBatch(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0))), X),
+        ValueError,
+        r"^ntk_equinox.kernel: the model fails on one sample of x1 but runs on the whole batch",
     ),
     (
         lambda: ntk_equinox.kernel(MLP, X.at[1, 0].set(jnp.nan)),
