@@ -128,6 +128,34 @@ class ViT(nn.Module):
         return nn.Dense(10, name="head")(jnp.mean(nn.LayerNorm(name="norm")(h), axis=1))
 
 
+class BertBlock(nn.Module):
+    """A post-LayerNorm BERT block: attention over the non-padding tokens, exact-GELU MLP."""
+
+    @nn.compact
+    def __call__(self, h, mask):
+        a = nn.MultiHeadDotProductAttention(num_heads=cases.BERT_HEADS)(h, mask=mask)
+        h = nn.LayerNorm(epsilon=1e-6)(h + a)
+        z = nn.gelu(nn.Dense(cases.BERT_HIDDEN)(h), approximate=False)
+        return nn.LayerNorm(epsilon=1e-6)(h + nn.Dense(h.shape[-1])(z))
+
+
+class Bert(nn.Module):
+    """BERT-tiny's shape on integer tokens, 2 logits from the pooled [CLS] token (twin:
+    ``cases.bert``)."""
+
+    @nn.compact
+    def __call__(self, t):
+        width = cases.BERT_WIDTH
+        h = nn.Embed(cases.BERT_VOCAB, width, name="words")(t)
+        init = nn.initializers.normal(0.02)
+        h = nn.LayerNorm(epsilon=1e-6)(h + self.param("positions", init, (t.shape[-1], width)))
+        mask = (t != 0)[:, None, None, :]  # (N, heads, queries, keys): keys that are words
+        for _ in range(cases.BERT_LAYERS):
+            h = BertBlock()(h, mask)
+        pooled = nn.tanh(nn.Dense(width, name="pooler")(h[:, 0]))
+        return nn.Dense(2, name="classifier")(pooled)
+
+
 def _zoo_token_model():
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     import zoo
@@ -147,6 +175,8 @@ def flax_module(case):
         return TokenModel()
     if case.model == "vit":
         return ViT()
+    if case.model == "bert":
+        return Bert()
     return None
 
 

@@ -32,7 +32,7 @@ class Case:
 
     key: str
     title: str
-    model: str  # "mlp", "lenet", "resnet", "resnet18", "tokens" or "vit"
+    model: str  # "mlp", "lenet", "resnet", "resnet18", "tokens", "vit" or "bert"
     n: int  # default number of samples N (the Gram matrix is N x N)
     trace_axes: tuple
     widths: tuple = ()  # MLP layer widths, input first
@@ -54,6 +54,7 @@ CASES = {
             "resnet18", "ResNet-18, BatchNorm (eval), 10 logits, trace_axes=()", "resnet18", 16, ()
         ),
         Case("vit", "ViT (4x4 patches, 4 pre-LN blocks, width 128), trace_axes=()", "vit", 64, ()),
+        Case("bert", "BERT-tiny (2 layers, width 128, padding mask), trace_axes=()", "bert", 64, ()),
     ]
 }
 
@@ -205,6 +206,50 @@ def vit(variables, x):
     return _dense(p["head"], jnp.mean(_layer_norm(p["norm"], h), axis=1))
 
 
+#: BERT-tiny's shape (Turc et al. 2019: L=2, H=128, A=2, I=512, BERT's 30 522 word pieces),
+#: sequences of BERT_LENGTH tokens, id 0 the padding, 2 logits from the pooled [CLS] token.
+BERT_VOCAB, BERT_LENGTH, BERT_WIDTH, BERT_HEADS, BERT_HIDDEN, BERT_LAYERS = 30522, 32, 128, 2, 512, 2
+BERT_CLS = 101
+
+
+def _masked_attention(p, h, mask):
+    """:func:`_attention` with Flax's key padding mask: masked logits set to the dtype's
+    minimum before the softmax (``nn.dot_product_attention_weights``)."""
+
+    def proj(name):
+        return (
+            jnp.einsum("...d,dhk->...hk", h, p[name]["kernel"], precision=HIGHEST) + p[name]["bias"]
+        )
+
+    q, k, v = proj("query"), proj("key"), proj("value")
+    q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    logits = jnp.einsum("...qhd,...khd->...hqk", q, k, precision=HIGHEST)
+    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+    o = jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(logits), v, precision=HIGHEST)
+    return (
+        jnp.einsum("...hd,hdo->...o", o, p["out"]["kernel"], precision=HIGHEST) + p["out"]["bias"]
+    )
+
+
+def bert(variables, t):
+    """Twin of ``bench_core.Bert``: word-piece and learned position embeddings, LayerNorm,
+    ``BERT_LAYERS`` post-LayerNorm blocks (attention over the non-padding tokens, exact-GELU
+    MLP), the tanh pooler on [CLS], Dense 2; integer tokens ``(N, BERT_LENGTH)``."""
+    p = variables["params"]
+    h = jnp.take(p["words"]["embedding"], t, axis=0) + p["positions"]
+    h = _layer_norm(p["LayerNorm_0"], h)
+    mask = (t != 0)[:, None, None, :]  # (N, heads, queries, keys)
+    for b in range(BERT_LAYERS):
+        blk = p[f"BertBlock_{b}"]
+        h = _layer_norm(
+            blk["LayerNorm_0"], h + _masked_attention(blk["MultiHeadDotProductAttention_0"], h, mask)
+        )
+        z = jax.nn.gelu(_dense(blk["Dense_0"], h), approximate=False)
+        h = _layer_norm(blk["LayerNorm_1"], h + _dense(blk["Dense_1"], z))
+    pooled = jnp.tanh(_dense(p["pooler"], h[:, 0]))
+    return _dense(p["classifier"], pooled)
+
+
 def resnet18(variables, x):
     """Twin of ``bench_core.ResNet18``."""
     return resnet(variables, x, RESNET18_BLOCKS, 64, deep_stem=True)
@@ -217,6 +262,7 @@ MODELS = {
     "resnet18": resnet18,
     "tokens": tokens,
     "vit": vit,
+    "bert": bert,
 }
 
 
@@ -235,6 +281,11 @@ def make_inputs(case: Case, n: int, seed: int = 1) -> np.ndarray:
         return rng.standard_normal((n, case.widths[0]), dtype=np.float32)
     if case.model in ("lenet", "resnet", "resnet18", "vit"):
         return rng.standard_normal((n, 32, 32, 3), dtype=np.float32)
+    if case.model == "bert":  # [CLS], word pieces, padding (id 0) after 8..32 tokens
+        t = rng.integers(1000, BERT_VOCAB, (n, BERT_LENGTH))
+        t[:, 0] = BERT_CLS
+        t[np.arange(BERT_LENGTH)[None, :] >= rng.integers(8, BERT_LENGTH + 1, (n, 1))] = 0
+        return t.astype(np.int32)
     return rng.integers(0, TOKEN_VOCAB, (n, TOKEN_LENGTH)).astype(np.int32)
 
 

@@ -157,7 +157,9 @@ def run(
 
     kernel = ntk_flax.kernel_fn(model, implementation=implementation)  # (P, P), compiled once
     kernels = os.path.join(out, "kernels") if save_kernels else None  # data[4:]: the probe set
-    tracker = ntk_core.KernelTracker(kernel, *data[4:], every=every, top_k=top_k, out=kernels)
+    tracker = ntk_core.KernelTracker(
+        kernel, *data[4:], every=every, top_k=top_k, out=kernels, overwrite=True
+    )  # a rerun replaces its own files, as the figure
     chosen = kernel.implementation_for(state, data.x_probe)
     n = len(data.x_train)
     print(f"{FN}: LeNet (flax.linen) on {n} handwritten digits, {steps} adam steps (batch {batch},")

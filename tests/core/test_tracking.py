@@ -152,6 +152,29 @@ def test_metrics_json_writes_null_without_labels(tmp_path):
     assert saved["kernel_files"] == ["kernel_step_00000000.npy"]
 
 
+def test_out_holding_an_earlier_run_is_refused_unless_overwrite(tmp_path):
+    first = ntk_core.KernelTracker(ntk_core.ntk_fn(apply_fn), X, every=1, out=tmp_path)
+    first.update(0, _params())
+    first.update(1, jax.tree.map(lambda v: 1.5 * v, _params()))
+    kept = np.load(tmp_path / "kernel_step_00000001.npy")
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    with pytest.raises(ValueError, match=r"^KernelTracker: out=.* holds an earlier run's files"):
+        ntk_core.KernelTracker(ntk_core.ntk_fn(apply_fn), X, every=1, out=tmp_path)
+    np.testing.assert_array_equal(np.load(tmp_path / "kernel_step_00000001.npy"), kept)
+    second = ntk_core.KernelTracker(
+        ntk_core.ntk_fn(apply_fn), X, every=1, out=tmp_path, overwrite=True
+    )
+    second.update(0, jax.tree.map(lambda v: 2.0 * v, _params()))  # run 1's step 1: gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "kernel_step_00000000.npy",
+        "metrics.json",
+        "notes.txt",
+    ]
+    np.testing.assert_array_equal(
+        np.load(tmp_path / "kernel_step_00000000.npy"), second.initial_kernel
+    )
+
+
 def test_history_before_any_step_is_empty():
     history = ntk_core.KernelTracker(ntk_core.ntk_fn(apply_fn), X, every=5, top_k=2).history
     assert history["step"].shape == (0,)

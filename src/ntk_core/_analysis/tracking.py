@@ -9,6 +9,7 @@ import json
 import math
 import numbers
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from ntk_core._errors import bad, check_int
 from ntk_core._predict.linalg import check_key, real_array
 
 _NAME = "KernelTracker"
+_METRICS, _KERNEL_FORMAT = "metrics.json", "kernel_step_{:08d}.npy"  # the files of ``out``
+_KERNEL_FILE = re.compile(r"kernel_step_-?\d+\.npy")
 _UPDATE = f"{_NAME}.update"
 _KERNEL_FN_FIX = "pass a kernel function such as ntk_core.ntk_fn(f) or ntk_flax.kernel_fn(model)"
 
@@ -108,6 +111,31 @@ def _json_value(value):
     return value
 
 
+def _out_folder(out, overwrite) -> str:
+    """``out`` as a writable folder holding no earlier run's files (removed with ``overwrite``)."""
+    if not isinstance(out, (str, os.PathLike)):
+        what = f"out must be a folder path, got {type(out).__name__}"
+        raise bad(TypeError, _NAME, what, "pass a str or pathlib.Path, or None")
+    if not isinstance(overwrite, (bool, np.bool_)):
+        what = f"overwrite must be True or False, got {overwrite!r}"
+        raise bad(TypeError, _NAME, what, "pass overwrite=True to replace an earlier run")
+    path = os.fspath(out)
+    try:  # fail now, not after training
+        os.makedirs(path, exist_ok=True)
+        earlier = [f for f in os.listdir(path) if f == _METRICS or _KERNEL_FILE.fullmatch(f)]
+        if earlier and overwrite:
+            for name in earlier:
+                os.remove(os.path.join(path, name))
+        tempfile.TemporaryFile(dir=path).close()  # writable
+    except OSError as e:
+        what = f"out={path!r} cannot be used as a folder ({e.strerror or e})"
+        raise bad(ValueError, _NAME, what, "pass a writable folder path") from e
+    if earlier and not overwrite:
+        what = f"out={path!r} holds an earlier run's files ({', '.join(sorted(earlier)[:2])}, ...)"
+        raise bad(ValueError, _NAME, what, "pass another folder, or overwrite=True")
+    return path
+
+
 def _atomic_write(path: str, write) -> None:
     """``write(file)`` into a temporary file beside ``path``, then renames it."""
     folder = os.path.dirname(path) or "."
@@ -139,7 +167,9 @@ class KernelTracker:
       every: positive int. top_k: eigenvalues recorded (<= N·O).
       keep_kernels: keep every kernel in :attr:`kernels` (K_0 is kept anyway).
       out: optional folder for ``kernel_step_{step:08d}.npy`` and ``metrics.json``
-        (:meth:`to_dict`), written atomically at each tracked step.
+        (:meth:`to_dict`), written atomically at each tracked step; made if missing.
+      overwrite: let ``out`` hold an earlier run's files (they are removed first); without
+        it such a folder is refused, so no run's results are lost or mixed.
       m: ``None`` (default): the exact kernel, as above. An int >= 4: matrix-free, the
         kernel never formed (probe sets whose N·O x N·O kernel does not fit): each tracked
         step records an :class:`EstimateRecord`, the exact trace (O(N)), ‖Θ‖²_F by Hutch++
@@ -156,9 +186,10 @@ class KernelTracker:
     ``top_eigenvalues`` ``(T, top_k)``), kernels, initial_kernel (K_0 or None); with ``m``
     the :class:`EstimateRecord` fields (no kernels, no distance or eigenvalues).
 
-    Raises TypeError: ``kernel_fn`` not callable, ``every``/``top_k`` not int, bad ``x_probe``
-    or ``y``; in :meth:`update`, a non-int step (a ``jax.Array`` would sync), a non-array
-    kernel. ValueError: ``every``/``top_k`` < 1, bad shapes; in :meth:`update`, a step not
+    Raises TypeError: ``kernel_fn`` not callable, ``every``/``top_k`` not int, bad ``x_probe``,
+    ``y`` or ``out``; in :meth:`update`, a non-int step (a ``jax.Array`` would sync), a non-array
+    kernel. ValueError: ``every``/``top_k`` < 1, bad shapes, ``out`` not a writable folder or
+    holding an earlier run's files; in :meth:`update`, a step not
     after the last, a kernel not of the probe set, not symmetric or finite, ``top_k`` > N·O.
 
     Cost: per tracked step a kernel call, a host copy, an M³ eigendecomposition (M = N·O);
@@ -195,6 +226,7 @@ class KernelTracker:
         top_k: int = 5,
         keep_kernels: bool = False,
         out: str | os.PathLike | None = None,
+        overwrite: bool = False,
         m: int | None = None,
         key=None,
         steps: int = 15,
@@ -212,9 +244,7 @@ class KernelTracker:
         self.m, self.steps, self._key = _matrix_free_options(m, key, steps, self.keep_kernels)
         self._x, self.n_probe = _probe_inputs(x_probe)
         self._y = _labels(y, self.n_probe)
-        self.out = None if out is None else os.fspath(out)
-        if self.out is not None:
-            os.makedirs(self.out, exist_ok=True)  # fail now, not after training
+        self.out = None if out is None else _out_folder(out, overwrite)
         self.records: list[KernelRecord] = []
         self.kernels: list[np.ndarray] = []  # with keep_kernels
         self.initial_kernel: np.ndarray | None = None
@@ -326,11 +356,11 @@ class KernelTracker:
 
     def _save(self, step: int, kernel: np.ndarray | None) -> None:
         if kernel is not None:
-            name = f"kernel_step_{step:08d}.npy"
+            name = _KERNEL_FORMAT.format(step)
             _atomic_write(os.path.join(self.out, name), lambda fh: np.save(fh, kernel))
             self._files.append(name)
         text = json.dumps(self.to_dict(), indent=1).encode()
-        _atomic_write(os.path.join(self.out, "metrics.json"), lambda fh: fh.write(text))
+        _atomic_write(os.path.join(self.out, _METRICS), lambda fh: fh.write(text))
 
 
 def _matrix_free_options(m, key, steps, keep_kernels: bool) -> tuple:
