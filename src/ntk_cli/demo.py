@@ -93,9 +93,20 @@ def device() -> str:
     return f"jax {jax.__version__} on {jax.devices()[0].platform}"
 
 
+def make_folder(fn: str, option: str, folder: str) -> None:
+    """``folder`` made if missing; a ValueError naming ``option`` where it cannot be."""
+    try:
+        os.makedirs(folder, exist_ok=True)  # fail before computing, not after
+    except OSError as e:  # a file of that name, or in the way
+        why = "is a file, not a folder" if os.path.isfile(folder) else "cannot be made"
+        raise ValueError(
+            f"{fn}: {option} {folder!r} {why} ({e.strerror}). Fix: give a folder path."
+        ) from e
+
+
 def use_compilation_cache(folder: str) -> None:
     """JAX's persistent compilation cache in ``folder``, for every program (JAX: above 1 s)."""
-    os.makedirs(folder, exist_ok=True)
+    make_folder("ntk demo", "--compilation-cache", folder)
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -109,11 +120,7 @@ def run(out, n_train, seed, implementation, progress, compilation_cache=None) ->
     from ntk_core._blocked.progress import NO_BAR, progress_bar
 
     t_start = time.perf_counter()
-    try:
-        os.makedirs(out, exist_ok=True)  # fail before computing, not after
-    except OSError as e:  # a file of that name, or in the way
-        why = "is a file, not a folder" if os.path.isfile(out) else f"cannot be made ({e.strerror})"
-        raise ValueError(f"ntk demo: --out {out!r} {why}. Fix: give a folder path.") from e
+    make_folder("ntk demo", "--out", out)
     if compilation_cache:
         use_compilation_cache(compilation_cache)
     images, labels = load_digits_32(seed)

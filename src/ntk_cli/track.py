@@ -40,10 +40,12 @@ def digits(seed: int, probe: int, fn: str = FN) -> Digits:
     return Digits(x_train, y_train, images[n_train:], labels[n_train:], x_train[:probe], one_hot)
 
 
-def check_sizes(fn: str, steps: int, every: int, batch: int) -> None:
+def check_sizes(fn: str, steps: int, every: int, batch: int, lr: float = 1e-3) -> None:
     for name, value, low in (("--steps", steps, 0), ("--every", every, 1), ("--batch", batch, 1)):
         if value < low:
             raise ValueError(f"{fn}: {name} must be >= {low}, got {value}.")
+    if not lr > 0:  # NaN too; a negative rate would train by gradient ascent
+        raise ValueError(f"{fn}: --lr must be > 0, got {lr}. Fix: pass e.g. --lr 1e-3.")
 
 
 def add_arguments(parser: argparse.ArgumentParser, default_out: str = "./ntk-track") -> None:
@@ -133,13 +135,13 @@ def run(
     from flax.training import train_state
 
     import ntk_flax
-    from ntk_cli.demo import device
+    from ntk_cli.demo import device, make_folder
     from ntk_core._blocked.progress import progress_bar
 
     t_start = time.perf_counter()
-    check_sizes(FN, steps, every, batch)
+    check_sizes(FN, steps, every, batch, lr)
     data = digits(seed, probe)
-    os.makedirs(out, exist_ok=True)  # fail before training, not after
+    make_folder(FN, "--out", out)
     model = ntk_flax.LeNet(out_features=N_CLASSES)
     key_init, key_batches = jax.random.split(jax.random.PRNGKey(seed))
     params = jax.jit(model.init)(key_init, data.x_train[:1])["params"]

@@ -26,9 +26,9 @@ from ntk_core._version import __version__
 
 #: Distributions whose versions the report lists (``None`` when not installed).
 PACKAGES = tuple(
-    """jax jaxlib flax dm-haiku optax numpy jax-cuda12-plugin jax-cuda12-pjrt jax-cuda13-plugin
-    jax-cuda13-pjrt jax-rocm-plugin libtpu nvidia-cuda-runtime-cu12 nvidia-cudnn-cu12
-    nvidia-cuda-runtime nvidia-cudnn-cu13""".split()
+    """jax jaxlib flax dm-haiku equinox optax numpy jax-cuda12-plugin jax-cuda12-pjrt
+    jax-cuda13-plugin jax-cuda13-pjrt jax-rocm-plugin libtpu nvidia-cuda-runtime-cu12
+    nvidia-cudnn-cu12 nvidia-cuda-runtime nvidia-cudnn-cu13""".split()
 )
 #: Environment variables that change JAX's device memory, device or precision.
 ENV_VARS = tuple(

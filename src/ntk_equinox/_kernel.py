@@ -87,8 +87,9 @@ def _kernel_fn(fn, model, options: dict, built: bool = False):
                 jax.eval_shape(lambda p: eqx.combine(p, apply.rest)(*args, **kw), params)
             except Exception:
                 return  # no: the core reports the per-sample failure
-            what = "the model fails on one sample of x1 but runs on the whole batch"
-            raise bad(ValueError, name, what, "write __call__ for one sample") from e
+            what = "the model fails on each sample x1[i] (it is vmapped over axis 0) but runs on x1"
+            fix = "x1 one sample: pass x1[None]; a module for a batch: write it for one sample"
+            raise bad(ValueError, name, what, fix) from e
 
     pure = PureModel(apply, to_core, (), check, model_kwargs="")
     build = lambda: build_kernel(caller, kind, pure, options)  # noqa: E731
@@ -139,8 +140,7 @@ def plan(model, x1, x2=None, **options):
 
 def pntk(model, x1, x2=None, **options):
     """Pseudo-NTK, the NTK of Σ_a f_a / √O: Returns: ``(N1, N2)``; Args:, Raises: as :func:`kernel`
-    (no ``trace_axes``); Cost: one output's NTK. Example: ``ntk_equinox.pntk(mlp, x)``. References:
-    Mohamadi, Bae, Sutherland, ICML 2023."""
+    (no trace_axes); Cost: one output NTK. Example: ``pntk(mlp, x)``. References: Mohamadi 2023."""
     return _kernel_fn(pntk, model, options)(model, x1, x2)
 
 

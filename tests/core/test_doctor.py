@@ -40,7 +40,7 @@ def test_report_fields(monkeypatch):
     assert report.python == platform.python_version()
     assert report.packages["jax"] == jax.__version__
     assert report.packages["jaxlib"] == importlib.metadata.version("jaxlib")
-    for name in ("flax", "dm-haiku", "optax"):
+    for name in ("flax", "dm-haiku", "equinox", "optax"):
         try:
             expected = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

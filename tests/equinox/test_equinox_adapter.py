@@ -231,7 +231,12 @@ BAD = [
     (
         lambda: ntk_equinox.kernel(WholeBatch(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0))), X),
         ValueError,
-        r"^ntk_equinox.kernel: the model fails on one sample of x1 but runs on the whole batch",
+        r"^ntk_equinox.kernel: the model fails on each sample x1\[i\] .* but runs on x1",
+    ),
+    (  # one sample without its batch axis
+        lambda: ntk_equinox.kernel(MLP, X[0]),
+        ValueError,
+        r"^ntk_equinox.kernel: the model fails on each sample .* Fix: x1 one sample: pass x1\[None\]",
     ),
     (
         lambda: ntk_equinox.kernel(MLP, X.at[1, 0].set(jnp.nan)),

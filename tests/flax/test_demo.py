@@ -65,17 +65,30 @@ def test_compilation_cache_option_fills_the_folder_and_is_reused(tmp_path):
     assert runs[1] == runs[0]  # the same kernel, and no new entry
 
 
-def test_demo_out_that_is_a_file_is_one_line(tmp_path, capsys):
+def test_folders_that_cannot_be_made_are_one_line(tmp_path, capsys):
     """Issue 28: --out naming an existing file (or a path through one) was a bare
-    FileExistsError traceback; now one line on stderr, exit status 2, nothing computed."""
+    FileExistsError traceback; now one line on stderr, exit status 2, nothing computed;
+    so are demo's --compilation-cache and track's --out (were tracebacks)."""
     (tmp_path / "taken").write_text("a file")
     for out, why in (("taken", "is a file, not a folder"), ("taken/sub", "cannot be made")):
-        assert main(["demo", "--out", str(tmp_path / out), "--no-progress"]) == 2
-        captured = capsys.readouterr()
-        assert captured.err.splitlines() == [
-            f"ntk demo: --out {str(tmp_path / out)!r} {why}"
-            + (" (Not a directory)" if out != "taken" else "")
-            + ". Fix: give a folder path."
-        ]
-        assert captured.out == ""
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+        path = str(tmp_path / out)
+        for argv, option in (
+            (["demo", "--out", path], "--out"),
+            (
+                ["demo", "--out", str(tmp_path / "d"), "--compilation-cache", path],
+                "--compilation-cache",
+            ),
+            (["track", "--out", path, "--steps", "1"], "--out"),
+        ):
+            assert main([*argv, "--no-progress"]) == 2
+            captured = capsys.readouterr()
+            assert len(captured.err.splitlines()) == 1
+            assert captured.err.startswith(f"ntk {argv[0]}: {option} {path!r} {why} (")
+            assert captured.err.endswith(". Fix: give a folder path.\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) in (["taken"], ["d", "taken"])
+
+
+def test_track_refuses_a_learning_rate_that_is_not_positive(capsys):
+    for lr in ("-1", "0", "nan"):
+        assert main(["track", "--lr", lr, "--out", "/nonexistent/never-made", "--no-progress"]) == 2
+        assert "ntk track: --lr must be > 0" in capsys.readouterr().err

@@ -412,6 +412,8 @@ def _check_dtypes(fn: str, params, out) -> None:
 def _sizes(fn: str, k, key, batch_size) -> tuple[int, int | None]:
     """``k`` and ``batch_size`` checked (positive ints, batch_size None too), ``key`` too."""
     k = check_int(fn, "k", k, "pass e.g. k=1024 (the error falls like 1/sqrt(k))")
+    if k >= 2**31:  # the hashes' range; N·k features would not fit anyway
+        raise bad(ValueError, fn, f"k must be below 2**31, got {k}", "pass e.g. k=8192")
     check_key(fn, key)
     if isinstance(batch_size, str):  # "auto", or the options' message for another string
         _block_options(fn, batch_size, None)
