@@ -216,20 +216,33 @@ def test_neighbours_given_as_an_input_are_refused():
         ntk_core.empirical_ntk(_neighbours, w, xs)
 
 
-def test_a_signature_first_seen_with_too_few_samples_is_checked_later():
-    """Two samples of token ids cannot be checked (the probe needs three); the per-sample
-    signature is remembered only once checked, so a later call with more is refused
-    (it was accepted, found by a new user's check)."""
+def _tokens_centred(table, t):
+    h = jnp.tanh(table[t].sum(1))
+    return h - h.mean(0)
 
-    def tokens_centred(table, t):
-        h = jnp.tanh(table[t].sum(1))
-        return h - h.mean(0)
 
-    kernel = ntk_core.ntk_fn(tokens_centred)
+def test_two_samples_of_token_ids_are_checked():
+    """Two samples of token ids were not checked (rows changed to a third sample): a
+    batch-centred model got a wrong kernel at N = 2, and with vmap_axes=None, batch_size=1
+    (found by a helper). Rows now change to values other samples have at the same
+    positions, a third row mixing the two. One sample alone is not checked, so its
+    signature is checked on a later call."""
     table = jax.random.normal(jax.random.PRNGKey(0), (11, 4))
-    kernel(table, jax.random.randint(jax.random.PRNGKey(1), (2, 3), 0, 11))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (8, 3), 0, 11)
+    kernel = ntk_core.ntk_fn(_tokens_centred)
     with pytest.raises(ValueError, match="depends on the other samples"):
-        kernel(table, jax.random.randint(jax.random.PRNGKey(2), (8, 3), 0, 11))
+        kernel(table, ids[:2])
+    with pytest.raises(ValueError, match="splits interacting samples"):
+        ntk_core.empirical_ntk(_tokens_centred, table, ids[:2], vmap_axes=None, batch_size=1)
+    kernel(table, ids[:1])  # nothing to interact with
+    with pytest.raises(ValueError, match="depends on the other samples"):
+        kernel(table, ids)
+
+    def tokens(table, t):  # independent: still accepted at N = 2, with its kernel
+        return jnp.tanh(table[t].sum(1))
+
+    whole = ntk_core.empirical_ntk(tokens, table, ids[:2], vmap_axes=None)
+    np.testing.assert_allclose(ntk_core.empirical_ntk(tokens, table, ids[:2]), whole, rtol=1e-5)
 
 
 def test_inside_jit_the_proof_holds_and_an_unproved_model_is_warned_about():

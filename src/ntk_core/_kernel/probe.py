@@ -38,11 +38,19 @@ def _samples(x, k: int) -> list:
     return [jax.tree.map(lambda leaf, i=i: leaf[i : i + 1], x) for i in range(n)]
 
 
+def _next_seen(row, seen):
+    """Per position, the next larger value that a sample has there (cyclic; ``row``'s own
+    where all samples agree): valid integer inputs (token ids) that differ from ``row``."""
+    v, s = np.asarray(row, np.float64), np.asarray(seen, np.float64)
+    above = np.where(s > v, s, np.inf).min(axis=0, keepdims=True)
+    return np.where(np.isfinite(above), above, s.min(axis=0, keepdims=True)).astype(row.dtype)
+
+
 def _batches(x1, x2):
-    """A batch of three samples (two would hide a batch standardisation; two for integer
-    inputs with three samples) and, for each row i, that batch with every other row
-    changed: affinely plus noise, or to another sample for integer inputs; None when too
-    few."""
+    """A batch of three samples (two would hide a batch standardisation) and, for each row
+    i, that batch with every other row changed: affinely plus noise, or for integer inputs
+    to the values other samples have at the same positions (a third row mixes two samples
+    where only two are given); None for one sample."""
     samples = _samples(x1, 4)
     if x2 is not None and len(samples) < 4:
         samples += _samples(x2, 4 - len(samples))
@@ -60,9 +68,13 @@ def _batches(x1, x2):
             return (-1.5 * leaf + 0.5 + 0.25 * noise).astype(leaf.dtype)
 
         changed = [jax.tree.map(moved, s) for s in base]
-    elif len(samples) >= 3:
-        base, spare = samples[: len(samples) - 1], samples[-1]
-        changed = [spare] * len(base)
+    elif len(samples) >= 2:
+        seen = jax.tree.map(lambda *leaves: np.concatenate(leaves), *samples)
+        base = samples[:3]
+        if len(base) == 2:  # every other position from the second sample
+            odd = lambda a: (np.arange(a.size) % 2 == 1).reshape(a.shape)  # noqa: E731
+            base.append(jax.tree.map(lambda a, b: np.where(odd(a), b, a), *base))
+        changed = [jax.tree.map(_next_seen, s, seen) for s in base]
     else:
         return None
     return base, [
