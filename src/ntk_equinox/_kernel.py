@@ -51,7 +51,7 @@ def _split(fn_name: str, model, inputs: str) -> tuple:
     held = [type(m).__name__ for m in jax.tree.leaves(model, is_leaf=_stateful) if _stateful(m)]
     if held:  # called as layer(x, state): the model is not a function of x alone
         what = f"the model holds the stateful layer {held[0]}, which needs an eqx.nn.State"
-        raise bad(ValueError, fn_name, what, "pass a model of x alone")
+        raise bad(ValueError, fn_name, what, "hold the State in an apply_fn", see="equinox-state")
     params, rest = eqx.partition(model, eqx.is_inexact_array)
     if not jax.tree.leaves(params):
         what = f"the model {type(model).__name__} has no floating-point array leaves"
