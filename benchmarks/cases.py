@@ -54,7 +54,7 @@ CASES = {
             "resnet18", "ResNet-18, BatchNorm (eval), 10 logits, trace_axes=()", "resnet18", 16, ()
         ),
         Case("vit", "ViT (4x4 patches, 4 pre-LN blocks, width 128), trace_axes=()", "vit", 64, ()),
-        Case("bert", "BERT-tiny (2 layers, width 128, padding mask), trace_axes=()", "bert", 64, ()),
+        Case("bert", "BERT-tiny (2 layers, width 128, masked), trace_axes=()", "bert", 64, ()),
     ]
 }
 
@@ -208,8 +208,8 @@ def vit(variables, x):
 
 #: BERT-tiny's shape (Turc et al. 2019: L=2, H=128, A=2, I=512, BERT's 30 522 word pieces),
 #: sequences of BERT_LENGTH tokens, id 0 the padding, 2 logits from the pooled [CLS] token.
-BERT_VOCAB, BERT_LENGTH, BERT_WIDTH, BERT_HEADS, BERT_HIDDEN, BERT_LAYERS = 30522, 32, 128, 2, 512, 2
-BERT_CLS = 101
+BERT_VOCAB, BERT_LENGTH, BERT_CLS = 30522, 32, 101
+BERT_WIDTH, BERT_HEADS, BERT_HIDDEN, BERT_LAYERS = 128, 2, 512, 2
 
 
 def _masked_attention(p, h, mask):
@@ -241,9 +241,8 @@ def bert(variables, t):
     mask = (t != 0)[:, None, None, :]  # (N, heads, queries, keys)
     for b in range(BERT_LAYERS):
         blk = p[f"BertBlock_{b}"]
-        h = _layer_norm(
-            blk["LayerNorm_0"], h + _masked_attention(blk["MultiHeadDotProductAttention_0"], h, mask)
-        )
+        a = _masked_attention(blk["MultiHeadDotProductAttention_0"], h, mask)
+        h = _layer_norm(blk["LayerNorm_0"], h + a)
         z = jax.nn.gelu(_dense(blk["Dense_0"], h), approximate=False)
         h = _layer_norm(blk["LayerNorm_1"], h + _dense(blk["Dense_1"], z))
     pooled = jnp.tanh(_dense(p["pooler"], h[:, 0]))
