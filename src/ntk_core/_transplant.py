@@ -43,7 +43,9 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
     Raises:
       TypeError: ``flax_params`` or ``haiku_params`` not a mapping.
       ValueError: a whole variables dict; nested modules or layers other than Dense/Conv;
-        different numbers of layers of a kernel rank; a pair's shapes or biases differ.
+        different numbers of layers of a kernel rank; a pair's shapes or biases differ;
+        names of two prefixes or more in sorted order with kernels of equal shape (the
+        creation order is lost, e.g. after ``jax.tree.map``: a swap would go unnoticed).
 
     Cost: no computation; the result shares the Flax arrays.
 
@@ -108,6 +110,8 @@ def _pairs(fn, layers: Mapping, modules: Mapping) -> dict:
         raise bad(ValueError, fn, what + f"modules ({_listed(haiku_kinds)})", fix)
     pairs = {}
     for rank, flax_names in flax_kinds.items():
+        _order_shown(fn, "Flax layers", flax_names, layers, _KERNEL)
+        _order_shown(fn, "Haiku modules", haiku_kinds[rank], modules, _W)
         for i, (layer, module) in enumerate(zip(flax_names, haiku_kinds[rank], strict=True)):
             _check_pair(fn, layer, layers[layer], module, modules[module], i, len(flax_names))
             pairs[module] = layer
@@ -162,9 +166,30 @@ def _haiku_modules(fn, haiku_params) -> Mapping:
     return haiku_params
 
 
+def _order_shown(fn, kind: str, names: list, leaves: Mapping, kernel: str) -> None:
+    """Refuses a pairing order the names cannot show: two name prefixes or more in sorted
+    order (``jax.jit`` and ``jax.tree.map`` sort keys, losing creation order) with kernels
+    of one shape under two prefixes, which the shape checks could not tell apart."""
+    prefixes = list(dict.fromkeys(_key(n)[0] for n in names))  # first appearance
+    if len(prefixes) < 2 or prefixes != sorted(prefixes):
+        return
+    seen: dict[tuple, str] = {}
+    for name in names:
+        shape, prefix = _shape(leaves[name][kernel]), _key(name)[0]
+        if seen.setdefault(shape, prefix) != prefix:
+            what = f"{kind} {names} are in sorted order with equal kernel shapes {shape}, so "
+            fix = "name the layers in creation order (Dense_0, Dense_1, ...), or pair by hand"
+            raise bad(ValueError, fn, what + "their creation order is unknown", fix)
+
+
+def _key(name) -> tuple:
+    """(prefix, final number) of a name: ``Dense_3`` -> ("Dense", 3), ``head`` -> ("head", 0)."""
+    return (m[1], int(m[2])) if (m := _NUMBERED.match(str(name))) else (str(name), 0)
+
+
 def _natural(names: list) -> list:
     """``names`` grouped by prefix (first appearance), by final number within one."""
-    keys = {n: (m[1], int(m[2])) if (m := _NUMBERED.match(str(n))) else (str(n), 0) for n in names}
+    keys = {n: _key(n) for n in names}
     first: dict[str, int] = {}
     for prefix, _ in keys.values():
         first.setdefault(prefix, len(first))

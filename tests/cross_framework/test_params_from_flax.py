@@ -51,6 +51,13 @@ class FlaxConvDense(nn.Module):
         return nn.Dense(3)(nn.Conv(4, (3,))(x[..., None]).reshape((x.shape[0], -1)))
 
 
+class FlaxNamed(nn.Module):  # names that carry no order, two kernels of one shape
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.tanh(nn.Dense(7, name="proj")(x))
+        return nn.Dense(3, name="head")(jnp.tanh(nn.Dense(7, name="embed")(x)))
+
+
 def _flax(model, x=X):
     return model.init(KEY, x)
 
@@ -180,6 +187,15 @@ ERRORS = [
         r"^params_from_flax: haiku_params must be the Haiku model's params dict, got "
         r"tuple\. Fix: pass params from transformed.init\(key, x\)",
     ),
+    (  # jax.tree.map sorts keys: embed, head, proj; proj and embed could swap unseen
+        "sorted names of equal shapes",
+        lambda: ntk_haiku.params_from_flax(
+            jax.tree.map(lambda v: v, _flax(FlaxNamed())["params"]), _haiku(_mlp([7, 7, 3]))
+        ),
+        ValueError,
+        r"^params_from_flax: Flax layers \['embed', 'head', 'proj'\] are in sorted order with "
+        r"equal kernel shapes \(7, 7\)",
+    ),
     (
         "flax params not a mapping",
         lambda: ntk_haiku.params_from_flax(list(MLP_PARAMS.values())),
@@ -219,3 +235,18 @@ def test_shape_only_template_and_no_bias_layers():
     np.testing.assert_allclose(
         out, FlaxMLP(use_bias=False).apply({"params": flax_params}, X), rtol=1e-6
     )
+
+
+def test_named_layers_in_creation_order_pair_and_sorted_ones_are_refused():
+    """A transplant pairs custom-named layers in mapping order: as init returns them it is
+    right (outputs equal); after jax.tree.map (sorted keys) 'embed' would have taken
+    'proj''s place silently, since both are 7 x 7 (found by a helper): it is refused."""
+    model, haiku = FlaxNamed(), hk.without_apply_rng(hk.transform(_mlp([7, 7, 3])))
+    flax_params = _flax(model)["params"]
+    params = ntk_haiku.params_from_flax(flax_params, haiku.init(KEY, X))
+    x = jax.random.normal(KEY, (4, 7))
+    np.testing.assert_allclose(
+        haiku.apply(params, x), model.apply({"params": flax_params}, x), rtol=1e-6, atol=1e-6
+    )
+    with pytest.raises(ValueError, match="their creation order is unknown"):
+        ntk_haiku.params_from_flax(jax.tree.map(lambda v: v, flax_params), haiku.init(KEY, X))
