@@ -7,8 +7,9 @@ default), so Flax models written without ``precision=``, as users write them, mu
 give float32-exact kernels. This script measures that on the default device (run it on
 the accelerator; on a CPU it is a plain check):
 
-* models: Flax ``ntk_flax.LeNet`` (32x32x3, 1 output), a Flax MLP 784-512-10 and a CNN
-  whose Dense layer contracts 65 536 features (``--models cnn``), all with no
+* models: Flax ``ntk_flax.LeNet`` (32x32x3, 1 output), a Flax MLP 784-512-10, a CNN
+  whose Dense layer contracts 65 536 features (``--models cnn``) and the BERT-tiny of
+  ``bench_core.Bert`` (``--models bert``: token ids, padding mask), all with no
   ``precision=``, ``trace_axes=()``;
 * each implementation (jacobian, ntvp, structured), x2=None and x2 given, NTK and NNGP,
   with ``precision="highest"`` (the default) and ``precision="default"`` (to show what the
@@ -64,6 +65,11 @@ def models(n: int):
     yield "lenet", "LeNet (Flax)", lenet, lenet.init(k[2], x_img[:1]), x_img
     cnn = WideCNN()
     yield "cnn", "CNN 16-64 channels, Dense 65536-10 (Flax)", cnn, cnn.init(k[2], x_img[:1]), x_img
+    import bench_core  # the BERT-tiny case (benchmarks/README.md): embeddings, masked attention
+    import cases
+
+    bert, tokens = bench_core.Bert(), jnp.asarray(cases.make_inputs(cases.CASES["bert"], 2 * n))
+    yield "bert", "BERT-tiny, padding mask (Flax)", bert, bert.init(k[2], tokens[:1]), tokens
 
 
 def rel_error(k, ref) -> float:
@@ -75,7 +81,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=32, help="samples in x1 and in x2")
     ap.add_argument("--out", default="results_accelerator_precision.json")
-    models_ = ["mlp", "lenet", "cnn"]
+    models_ = ["mlp", "lenet", "cnn", "bert"]
     ap.add_argument("--models", nargs="+", default=models_[:2], choices=models_)
     ap.add_argument("--implementations", nargs="*", default=["jacobian", "ntvp", "structured"])
     ap.add_argument("--precisions", nargs="+", default=["highest", "default"])
