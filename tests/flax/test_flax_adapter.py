@@ -343,31 +343,6 @@ def test_kernel_per_leaf_matches_each_leafs_reference_and_sums_to_kernel(name):
     reference.assert_close(sum(np.asarray(k, np.float64) for k in jax.tree.leaves(per_leaf)), total)
 
 
-class Scaled(nn.Module):
-    @nn.compact
-    def __call__(self, x, scale):
-        CALLS.append(1)  # runs only while JAX traces
-        return nn.Dense(2)(jnp.tanh(nn.Dense(6)(x)) * scale)
-
-
-def test_one_call_kernel_with_an_array_in_apply_kwargs_is_reused():
-    """A jax.Array in apply_kwargs made the one-call entry points build (trace, compile)
-    their kernel function again on every call (found by a helper): arrays now key the
-    cache by identity; another array gets its own kernel, not a stale one."""
-    model, x = Scaled(), jax.random.normal(jax.random.PRNGKey(0), (5, 3))
-    scale = jnp.linspace(0.5, 1.5, 6)
-    variables = model.init(jax.random.PRNGKey(1), x, scale)
-    first = ntk_flax.kernel(model, variables, x, apply_kwargs={"scale": scale})
-    n = len(CALLS)
-    np.testing.assert_array_equal(
-        ntk_flax.kernel(model, variables, x, apply_kwargs={"scale": scale}), first
-    )
-    assert len(CALLS) == n
-    other = ntk_flax.kernel(model, variables, x, apply_kwargs={"scale": 2 * scale})
-    f = lambda p, x: model.apply({"params": p}, x, scale=2 * scale)  # noqa: E731
-    reference.assert_close(other, reference.ntk(f, variables["params"], x, None)[0])
-
-
 def test_kernel_per_leaf_fn_reused_without_recompiling():
     model = Counting()
     x = jax.random.normal(jax.random.PRNGKey(0), (5, 3))

@@ -27,29 +27,14 @@ def lru_cache(maxsize: int):
     return decorate
 
 
-class _Same:
-    """A jax.Array in a cache key, equal only to itself: JAX arrays are immutable, and the
-    key holds it, so its id cannot name another array while the entry lives."""
-
-    def __init__(self, array):
-        self.array = array
-
-    def __hash__(self):
-        return id(self.array)
-
-    def __eq__(self, other):
-        return isinstance(other, _Same) and other.array is self.array
-
-
 def freeze(value):
-    """A hashable stand-in for nested dicts, lists and tuples; jax.Arrays (e.g. in
-    ``apply_kwargs``) by identity (numpy arrays, mutable, stay unhashable: no cache)."""
+    """A hashable stand-in for nested dicts, lists and tuples (arrays stay unhashable: no
+    cache; not even by identity: on CPU ``jax.device_put`` may share a numpy buffer that
+    the user changes in place)."""
     if isinstance(value, dict):
         return (dict, tuple(sorted((k, freeze(v)) for k, v in value.items())))
     if isinstance(value, (list, tuple)):
         return (type(value), tuple(freeze(v) for v in value))
-    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
-        return _Same(value)
     return value
 
 
