@@ -14,7 +14,7 @@ from ntk_core._errors import bad, must
 _FLAX_TO_HAIKU = {"kernel": "w", "bias": "b"}
 _HAIKU_TO_FLAX = {v: k for k, v in _FLAX_TO_HAIKU.items()}
 (_KERNEL, _BIAS), (_W, _B) = _FLAX_TO_HAIKU, _HAIKU_TO_FLAX
-_NUMBERED = re.compile(r"^(.*)_(\d+)$")
+_NUMBERED = re.compile(r"^(.*?)_?(\d+)$")  # Dense_3, fc3: a prefix and a creation number
 _PARAMS = "pass variables['params']"
 _BY_HAND = "transplant their params by hand"
 
@@ -26,7 +26,7 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
     Without ``haiku_params`` the Flax layer names are kept (they fit ``ntk_haiku.lenet``);
     with them, Flax layers pair in order with Haiku modules and take the Haiku names
     (``'mlp/~/linear_0'``, ...). Order: by kernel rank; within one, names sharing a prefix
-    by their final ``_<number>``, the bare name first (creation order in both frameworks,
+    by their final number (``_3`` or ``3``), the bare name first (creation order in both frameworks,
     not in ``nn.Dense(1)(nn.Dense(8)(x))``); prefixes in mapping order (``init`` keeps
     creation order, ``jax.jit`` and ``jax.tree.map`` sort keys). Each pair's shapes and
     biases must agree.
@@ -44,8 +44,9 @@ def params_from_flax(flax_params: Mapping, haiku_params: Mapping | None = None) 
       TypeError: ``flax_params`` or ``haiku_params`` not a mapping.
       ValueError: a whole variables dict; nested modules or layers other than Dense/Conv;
         different numbers of layers of a kernel rank; a pair's shapes or biases differ;
-        names of two prefixes or more in sorted order with kernels of equal shape (the
-        creation order is lost, e.g. after ``jax.tree.map``: a swap would go unnoticed).
+        Flax keys in sorted order with kernels of equal shape under two name prefixes (the
+        creation order is lost, e.g. after ``jax.tree.map``: a swap would go unnoticed;
+        also from ``init`` where creation order happens to be sorted: pair by hand).
 
     Cost: no computation; the result shares the Flax arrays.
 
@@ -110,8 +111,7 @@ def _pairs(fn, layers: Mapping, modules: Mapping) -> dict:
         raise bad(ValueError, fn, what + f"modules ({_listed(haiku_kinds)})", fix)
     pairs = {}
     for rank, flax_names in flax_kinds.items():
-        _order_shown(fn, "Flax layers", flax_names, layers, _KERNEL)
-        _order_shown(fn, "Haiku modules", haiku_kinds[rank], modules, _W)
+        _order_shown(fn, flax_names, layers)  # Haiku numbers every name it repeats
         for i, (layer, module) in enumerate(zip(flax_names, haiku_kinds[rank], strict=True)):
             _check_pair(fn, layer, layers[layer], module, modules[module], i, len(flax_names))
             pairs[module] = layer
@@ -166,18 +166,17 @@ def _haiku_modules(fn, haiku_params) -> Mapping:
     return haiku_params
 
 
-def _order_shown(fn, kind: str, names: list, leaves: Mapping, kernel: str) -> None:
-    """Refuses a pairing order the names cannot show: two name prefixes or more in sorted
-    order (``jax.jit`` and ``jax.tree.map`` sort keys, losing creation order) with kernels
-    of one shape under two prefixes, which the shape checks could not tell apart."""
-    prefixes = list(dict.fromkeys(_key(n)[0] for n in names))  # first appearance
-    if len(prefixes) < 2 or prefixes != sorted(prefixes):
-        return
+def _order_shown(fn, names: list, layers: Mapping) -> None:
+    """Refuses a pairing order that Flax layer names cannot show: keys in sorted order
+    (``jax.jit`` and ``jax.tree.map`` sort them, losing creation order) with kernels of one
+    shape under two name prefixes (``embed``, ``proj``), which no shape check tells apart."""
+    if list(map(str, layers)) != sorted(map(str, layers)):
+        return  # not sorted: the mapping keeps creation order (as init returns it)
     seen: dict[tuple, str] = {}
     for name in names:
-        shape, prefix = _shape(leaves[name][kernel]), _key(name)[0]
+        shape, prefix = _shape(layers[name][_KERNEL]), _key(name)[0]
         if seen.setdefault(shape, prefix) != prefix:
-            what = f"{kind} {names} are in sorted order with equal kernel shapes {shape}, so "
+            what = f"Flax layers {names} are in sorted order with equal kernel shapes {shape}, so "
             fix = "name the layers in creation order (Dense_0, Dense_1, ...), or pair by hand"
             raise bad(ValueError, fn, what + "their creation order is unknown", fix)
 

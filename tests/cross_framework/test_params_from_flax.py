@@ -250,3 +250,19 @@ def test_named_layers_in_creation_order_pair_and_sorted_ones_are_refused():
     )
     with pytest.raises(ValueError, match="their creation order is unknown"):
         ntk_haiku.params_from_flax(jax.tree.map(lambda v: v, flax_params), haiku.init(KEY, X))
+
+
+def test_trailing_numbers_order_layers_and_sorted_mixed_names_are_refused():
+    """``fc1`` .. ``fc12`` pair by their numbers even after keys are sorted (fc10 < fc2 as
+    strings); ``Dense_0, Dense_1, DenseOut`` sorted ('DenseOut' < 'Dense_0') with equal
+    kernels was paired silently in the wrong order (found by the reviewing helper)."""
+    flax = {f"fc{i}": {"kernel": np.full((4, 4), i, np.float32)} for i in range(1, 13)}
+    flax = dict(sorted(flax.items()))  # as jax.tree.map leaves it
+    names = ["linear"] + [f"linear_{i}" for i in range(1, 12)]
+    haiku = {name: {"w": np.zeros((4, 4), np.float32)} for name in names}
+    params = ntk_haiku.params_from_flax(flax, haiku)
+    assert [int(params[name]["w"][0, 0]) for name in names] == list(range(1, 13))
+    mixed = {name: {"kernel": np.ones((4, 4))} for name in ("Dense_0", "Dense_1", "DenseOut")}
+    with pytest.raises(ValueError, match="their creation order is unknown"):
+        ntk_haiku.params_from_flax(dict(sorted(mixed.items())), dict(list(haiku.items())[:3]))
+    assert ntk_haiku.params_from_flax(mixed, dict(list(haiku.items())[:3]))  # creation order
