@@ -225,8 +225,8 @@ def test_two_samples_of_token_ids_are_checked():
     """Two samples of token ids were not checked (rows changed to a third sample): a
     batch-centred model got a wrong kernel at N = 2, and with vmap_axes=None, batch_size=1
     (found by a helper). Rows now change to values other samples have at the same
-    positions, a third row mixing the two. One sample alone is not checked, so its
-    signature is checked on a later call."""
+    positions (a third row mixing the two), 0 or 1 where all samples agree: equal samples
+    and an all-ones mask were accepted, and equal samples cached as independent."""
     table = jax.random.normal(jax.random.PRNGKey(0), (11, 4))
     ids = jax.random.randint(jax.random.PRNGKey(1), (8, 3), 0, 11)
     kernel = ntk_core.ntk_fn(_tokens_centred)
@@ -234,9 +234,17 @@ def test_two_samples_of_token_ids_are_checked():
         kernel(table, ids[:2])
     with pytest.raises(ValueError, match="splits interacting samples"):
         ntk_core.empirical_ntk(_tokens_centred, table, ids[:2], vmap_axes=None, batch_size=1)
-    kernel(table, ids[:1])  # nothing to interact with
     with pytest.raises(ValueError, match="depends on the other samples"):
-        kernel(table, ids)
+        kernel(table, ids[:1])  # one sample: synthetic rows (positions set to 0 or 1)
+    with pytest.raises(ValueError, match="depends on the other samples"):
+        kernel(table, jnp.tile(ids[:1], (4, 1)))  # equal samples: cached as independent before
+    mask = jnp.ones((3, 5), jnp.int32)  # all samples agree at every position
+
+    def by_batch_count(table, x):  # a slip: the whole batch's mask total
+        return jnp.tanh(table[x[0]].sum(1) / x[1].sum())
+
+    with pytest.raises(ValueError, match="depends on the other samples"):
+        ntk_core.empirical_ntk(by_batch_count, table, (ids[:3, : 5 - 2], mask))
 
     def tokens(table, t):  # independent: still accepted at N = 2, with its kernel
         return jnp.tanh(table[t].sum(1))

@@ -39,47 +39,44 @@ def _samples(x, k: int) -> list:
 
 
 def _next_seen(row, seen):
-    """Per position, the next larger value that a sample has there (cyclic; ``row``'s own
-    where all samples agree): valid integer inputs (token ids) that differ from ``row``."""
+    """Per position, the next larger value that a sample has there (cyclic); where all
+    samples agree, 0 (1 where that is 0): integer inputs (token ids, masks) that differ."""
     v, s = np.asarray(row, np.float64), np.asarray(seen, np.float64)
     above = np.where(s > v, s, np.inf).min(axis=0, keepdims=True)
-    return np.where(np.isfinite(above), above, s.min(axis=0, keepdims=True)).astype(row.dtype)
+    other = np.where(np.isfinite(above), above, s.min(axis=0, keepdims=True))
+    return np.where(other == v, (v == 0).astype(np.float64), other).astype(row.dtype)
 
 
 def _batches(x1, x2):
     """A batch of three samples (two would hide a batch standardisation) and, for each row
-    i, that batch with every other row changed: affinely plus noise, or for integer inputs
-    to the values other samples have at the same positions (a third row mixes two samples
-    where only two are given); None for one sample."""
+    i, that batch with every other row changed, leaf by leaf: floats affinely plus noise
+    (missing rows: affine copies of the first), integers to values other samples have at
+    the same positions (a missing row mixes two samples)."""
     samples = _samples(x1, 4)
     if x2 is not None and len(samples) < 4:
         samples += _samples(x2, 4 - len(samples))
-
-    def affine(v, a, b):
-        return jax.tree.map(lambda leaf: (a * leaf + b).astype(leaf.dtype), v)
-
-    if all(jnp.issubdtype(v.dtype, jnp.inexact) for v in jax.tree.leaves(samples[0])):
-        base = samples[:3]  # padded with transformed copies of the first when N < 3
-        base += [affine(base[0], a, b) for a, b in ((0.7, -0.3), (1.3, 0.2))[len(base) - 1 :]]
-        rng = np.random.default_rng(1)  # an affine map alone keeps its fixed point (0.2)
-
-        def moved(leaf):
-            noise = rng.standard_normal(np.shape(leaf))
-            return (-1.5 * leaf + 0.5 + 0.25 * noise).astype(leaf.dtype)
-
-        changed = [jax.tree.map(moved, s) for s in base]
-    elif len(samples) >= 2:
-        seen = jax.tree.map(lambda *leaves: np.concatenate(leaves), *samples)
-        base = samples[:3]
-        if len(base) == 2:  # every other position from the second sample
-            odd = lambda a: (np.arange(a.size) % 2 == 1).reshape(a.shape)  # noqa: E731
-            base.append(jax.tree.map(lambda a, b: np.where(odd(a), b, a), *base))
-        changed = [jax.tree.map(_next_seen, s, seen) for s in base]
-    else:
-        return None
-    return base, [
-        [s if j == i else changed[j] for j, s in enumerate(base)] for i in range(len(base))
-    ]
+    leaves, tree = jax.tree.leaves(samples), jax.tree.structure(samples[0])
+    width = len(leaves) // len(samples)
+    rng = np.random.default_rng(1)  # an affine map alone keeps its fixed point (0.2)
+    base, moved = [], []  # per leaf: its three rows, and those rows changed
+    for per_sample in (leaves[i::width] for i in range(width)):
+        b = per_sample[:3]
+        if jnp.issubdtype(b[0].dtype, jnp.inexact):
+            b = (b + [(a * b[0] + c).astype(b[0].dtype) for a, c in ((0.7, -0.3), (1.3, 0.2))])[:3]
+            m = [
+                (-1.5 * v + 0.5 + 0.25 * rng.standard_normal(np.shape(v))).astype(v.dtype)
+                for v in b
+            ]
+        else:
+            if len(b) == 2:  # every other position from the second sample
+                b.append(np.where((np.arange(b[0].size) % 2 == 1).reshape(b[0].shape), b[1], b[0]))
+            b = (b + [b[0]] * 2)[:3]
+            m = [_next_seen(v, np.concatenate(per_sample)) for v in b]
+        base.append(b)
+        moved.append(m)
+    rows = [jax.tree.unflatten(tree, [b[j] for b in base]) for j in range(3)]
+    changed = [jax.tree.unflatten(tree, [m[j] for m in moved]) for j in range(3)]
+    return rows, [[r if j == i else changed[j] for j, r in enumerate(rows)] for i in range(3)]
 
 
 def _abstract(tree, n: int | None = None):
