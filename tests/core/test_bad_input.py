@@ -615,7 +615,7 @@ def _rows():
             ValueError, r"^gp_inference: diag_reg must be a real number in \[0, inf\), got -0.001"),
         Row("gd-time-string", "a gradient-descent prediction time given as a string",
             "ntk_core.predict.gradient_descent_mse(np.eye(4), np.ones((4, 1)))('10')",
-            TypeError, r"^gradient_descent_mse\(...\): t must be a number or an array of numbers, got str '10'"),
+            TypeError, r"^gradient_descent_mse\(...\): t must be a number or a non-empty array of numbers, got str '10'"),
         Row("gd-negative-diag-reg", "a negative diag_reg in gradient-descent dynamics",
             "ntk_core.predict.gradient_descent_mse(np.eye(4), np.ones((4, 1)), diag_reg=-1.0)",
             ValueError, r"^gradient_descent_mse: diag_reg must be a real number in \[0, inf\), got -1.0"),

@@ -161,6 +161,12 @@ def test_out_holding_an_earlier_run_is_refused_unless_overwrite(tmp_path):
     with pytest.raises(ValueError, match=r"^KernelTracker: out=.* holds an earlier run's files"):
         ntk_core.KernelTracker(ntk_core.ntk_fn(apply_fn), X, every=1, out=tmp_path)
     np.testing.assert_array_equal(np.load(tmp_path / "kernel_step_00000001.npy"), kept)
+    failing = ntk_core.KernelTracker(
+        ntk_core.ntk_fn(apply_fn), X, every=1, top_k=10**6, out=tmp_path, overwrite=True
+    )
+    with pytest.raises(ValueError, match="top_k"):  # a first step that fails writes nothing
+        failing.update(0, _params())
+    np.testing.assert_array_equal(np.load(tmp_path / "kernel_step_00000001.npy"), kept)
     second = ntk_core.KernelTracker(
         ntk_core.ntk_fn(apply_fn), X, every=1, out=tmp_path, overwrite=True
     )
@@ -173,6 +179,14 @@ def test_out_holding_an_earlier_run_is_refused_unless_overwrite(tmp_path):
     np.testing.assert_array_equal(
         np.load(tmp_path / "kernel_step_00000000.npy"), second.initial_kernel
     )
+
+
+def test_out_expands_the_home_folder_and_overwrite_is_checked_without_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    tracker = ntk_core.KernelTracker(ntk_core.ntk_fn(apply_fn), X, every=1, out="~/runs")
+    assert tracker.out == str(tmp_path / "runs") and (tmp_path / "runs").is_dir()
+    with pytest.raises(TypeError, match="^KernelTracker: overwrite must be True or False"):
+        ntk_core.KernelTracker(ntk_core.ntk_fn(apply_fn), X, every=1, overwrite="yes")
 
 
 def test_history_before_any_step_is_empty():

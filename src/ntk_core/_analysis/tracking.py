@@ -111,21 +111,22 @@ def _json_value(value):
     return value
 
 
-def _out_folder(out, overwrite) -> str:
-    """``out`` as a writable folder holding no earlier run's files (removed with ``overwrite``)."""
-    if not isinstance(out, (str, os.PathLike)):
-        what = f"out must be a folder path, got {type(out).__name__}"
-        raise bad(TypeError, _NAME, what, "pass a str or pathlib.Path, or None")
+def _out_folder(out, overwrite) -> tuple[str | None, list]:
+    """``out`` (``~`` expanded) as a writable folder, and the earlier run's files there, which
+    only ``overwrite`` allows (the first write removes them, so a failing first step keeps them)."""
     if not isinstance(overwrite, (bool, np.bool_)):
         what = f"overwrite must be True or False, got {overwrite!r}"
         raise bad(TypeError, _NAME, what, "pass overwrite=True to replace an earlier run")
-    path = os.fspath(out)
+    if out is None:
+        return None, []
+    if not isinstance(out, (str, os.PathLike)):
+        what = f"out must be a folder path, got {type(out).__name__}"
+        raise bad(TypeError, _NAME, what, "pass a str or pathlib.Path, or None")
+    path = os.path.expanduser(os.fspath(out))
     try:  # fail now, not after training
         os.makedirs(path, exist_ok=True)
-        earlier = [f for f in os.listdir(path) if f == _METRICS or _KERNEL_FILE.fullmatch(f)]
-        if earlier and overwrite:
-            for name in earlier:
-                os.remove(os.path.join(path, name))
+        files = [f for f in os.listdir(path) if os.path.isfile(os.path.join(path, f))]
+        earlier = [f for f in files if f == _METRICS or _KERNEL_FILE.fullmatch(f)]
         tempfile.TemporaryFile(dir=path).close()  # writable
     except OSError as e:
         what = f"out={path!r} cannot be used as a folder ({e.strerror or e})"
@@ -133,7 +134,7 @@ def _out_folder(out, overwrite) -> str:
     if earlier and not overwrite:
         what = f"out={path!r} holds an earlier run's files ({', '.join(sorted(earlier)[:2])}, ...)"
         raise bad(ValueError, _NAME, what, "pass another folder, or overwrite=True")
-    return path
+    return path, earlier
 
 
 def _atomic_write(path: str, write) -> None:
@@ -168,7 +169,7 @@ class KernelTracker:
       keep_kernels: keep every kernel in :attr:`kernels` (K_0 is kept anyway).
       out: optional folder for ``kernel_step_{step:08d}.npy`` and ``metrics.json``
         (:meth:`to_dict`), written atomically at each tracked step; made if missing.
-      overwrite: let ``out`` hold an earlier run's files (they are removed first); without
+      overwrite: let ``out`` hold an earlier run's files (removed at the first write); without
         it such a folder is refused, so no run's results are lost or mixed.
       m: ``None`` (default): the exact kernel, as above. An int >= 4: matrix-free, the
         kernel never formed (probe sets whose N·O x N·O kernel does not fit): each tracked
@@ -244,7 +245,7 @@ class KernelTracker:
         self.m, self.steps, self._key = _matrix_free_options(m, key, steps, self.keep_kernels)
         self._x, self.n_probe = _probe_inputs(x_probe)
         self._y = _labels(y, self.n_probe)
-        self.out = None if out is None else _out_folder(out, overwrite)
+        self.out, self._earlier = _out_folder(out, overwrite)
         self.records: list[KernelRecord] = []
         self.kernels: list[np.ndarray] = []  # with keep_kernels
         self.initial_kernel: np.ndarray | None = None
@@ -355,6 +356,10 @@ class KernelTracker:
         return out
 
     def _save(self, step: int, kernel: np.ndarray | None) -> None:
+        for name in self._earlier:  # overwrite=True: the earlier run's files go first
+            if os.path.isfile(path := os.path.join(self.out, name)):
+                os.remove(path)
+        self._earlier = []
         if kernel is not None:
             name = _KERNEL_FORMAT.format(step)
             _atomic_write(os.path.join(self.out, name), lambda fh: np.save(fh, kernel))

@@ -409,10 +409,13 @@ def _initial_outputs(fn, name, value, shape) -> np.ndarray:
 
 
 def _check_times(fn, t) -> np.ndarray:
-    kind = np.dtype(float) if t is None else np.asarray(t).dtype
-    if isinstance(t, bool) or kind.kind not in "iuf":  # "10" and True are no times
-        what = f"t must be a number or an array of numbers, got {type(t).__name__} {t!r:.40}"
-        raise bad(TypeError, fn, what, "pass times in steps as numbers (None: inf)")
+    try:  # ragged lists and jax tracers fail here
+        kind = np.dtype(float) if t is None else np.asarray(t).dtype
+    except (ValueError, TypeError):  # (a tracer conversion error is a TypeError)
+        kind = np.dtype(object)
+    if isinstance(t, bool) or kind.kind not in "iuf" or np.size(t) == 0:  # "10", True, []
+        what = f"t must be a number or a non-empty array of numbers, got {type(t).__name__}"
+        raise bad(TypeError, fn, f"{what} {t!r:.40}", "pass times in steps as numbers (None: inf)")
     ts = np.asarray(np.inf if t is None else t, np.float64)
     if np.isnan(ts).any() or (ts < 0).any():
         raise bad(ValueError, fn, f"t must be >= 0, got {t!r}", "pass times in steps (None: inf)")
