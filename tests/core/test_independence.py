@@ -13,6 +13,7 @@ import pytest
 
 import core_zoo
 import ntk_core
+import reference
 import zoo
 from ntk_core._jax.sample_axes import rows_separate
 
@@ -263,8 +264,28 @@ def test_inside_jit_the_proof_holds_and_an_unproved_model_is_warned_about():
         warnings.simplefilter("error")
         inside = jax.jit(lambda p, x: ntk_core.empirical_ntk(_dense, p, x))(w, x)
     np.testing.assert_allclose(inside, ntk_core.empirical_ntk(_dense, w, x), rtol=1e-5)
-    with pytest.warns(UserWarning, match="inside jax.jit the samples' independence"):
+    with pytest.warns(UserWarning, match="inside jax.jit or grad the samples' independence"):
         jax.jit(lambda p, x: ntk_core.empirical_ntk(MIXING["batch mean"], p, x))(w, x)
+
+
+def test_a_users_grad_of_a_value_the_model_closes_over():
+    """jax.grad of a kernel with respect to a value the model closes over (a scale) was
+    refused: the probe's and the phases' jits took XLA options inside the user's trace
+    (found by the reviewing helper). The gradient now equals a float64 reference's; the
+    proof still covers the model, and an unproved one is warned about."""
+    w = jax.random.normal(jax.random.PRNGKey(0), (5, 4))
+    x = jax.random.normal(jax.random.PRNGKey(1), (6, 5))
+
+    def kernel_sum(s, apply=_dense, **kw):
+        return ntk_core.empirical_ntk(lambda p, x: apply(p, x) * s, w, x, **kw).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grad = jax.grad(kernel_sum)(1.5)
+    k1 = reference.ntk(_dense, w, x, None)[0]  # float64; d/ds Σ K(s) = 2 s Σ K(1)
+    np.testing.assert_allclose(float(grad), 2 * 1.5 * np.sum(k1), rtol=1e-5)
+    with pytest.warns(UserWarning, match="inside jax.jit or grad the samples' independence"):
+        jax.grad(lambda s: kernel_sum(s, MIXING["batch mean"]))(1.5)
 
 
 def test_inputs_at_the_probes_fixed_point_are_still_changed():

@@ -33,10 +33,21 @@ QUICK_CPU_OPTIONS = CPU_OPTIONS | {
 _JIT_TAKES_OPTIONS = "compiler_options" in inspect.signature(jax.jit).parameters
 
 
+def at_top_level() -> bool:
+    """Whether no JAX transformation is tracing: under a user's ``jax.grad`` of a value the
+    model closes over, every argument is concrete, yet only a top-level jit takes options."""
+    try:  # JAX has no public test of this (jax._src.core since 0.4)
+        from jax._src import core
+
+        return bool(core.trace_state_clean())
+    except (ImportError, AttributeError):  # another JAX: as the arguments say
+        return True
+
+
 def tuned(options: dict) -> dict:
     """``jax.jit``'s keyword for XLA ``options`` on CPU (``{}`` elsewhere, or where jit
     takes none); only a top-level jit may be given them."""
-    if not (_JIT_TAKES_OPTIONS and jax.default_backend() == "cpu"):
+    if not (_JIT_TAKES_OPTIONS and jax.default_backend() == "cpu" and at_top_level()):
         return {}
     return {"compiler_options": options}
 
@@ -51,7 +62,7 @@ def jit_tuned(fn: Callable, options: dict = CPU_OPTIONS, **jit_kwargs) -> Callab
 
     def call(*args, **kwargs):
         traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(args))
-        return (plain if traced else tuned_jit)(*args, **kwargs)
+        return (plain if traced or not at_top_level() else tuned_jit)(*args, **kwargs)
 
     return call
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._errors import bad, one_line
-from ntk_core._impl.base import QUICK_CPU_OPTIONS, tuned
+from ntk_core._impl.base import QUICK_CPU_OPTIONS, at_top_level, tuned
 from ntk_core._jax.environment import _user_stacklevel
 from ntk_core._jax.sample_axes import rows_separate
 from ntk_core._kernel import checks as _checks
@@ -108,7 +108,12 @@ def _proved(run, params, x, aux, n: int) -> bool:
     its outputs reads only row i of ``x`` (the tangent abstract: nothing is drawn)."""
     args = (params, x, aux, _abstract(params))
     flags = [i == 1 for i, tree in enumerate(args) for _ in jax.tree.leaves(tree)]
-    return rows_separate(run.trace(*args).jaxpr, flags, n)
+    closed = run.trace(*args).jaxpr
+    extra = len(closed.jaxpr.invars) - len(flags)  # values a user's jax.grad traces: first
+    shapes = [tuple(np.shape(v)) for v in jax.tree.leaves(args)]
+    if extra < 0 or [tuple(v.aval.shape) for v in closed.jaxpr.invars[extra:]] != shapes:
+        return False
+    return rows_separate(closed, [False] * extra + flags, n)
 
 
 def _with_derivative(apply3):
@@ -122,17 +127,17 @@ def _with_derivative(apply3):
     return outputs
 
 
-def _proved_abstract(apply3, params, x1, aux, fn_name: str):
+def _proved_abstract(apply3, params, x1, aux, fn_name: str, warn: bool):
     """With traced arguments (no values to probe): False where the jaxpr proves the
     samples independent; else None, with a warning where x1 itself is traced (a user's
-    jax.jit around the kernel)."""
+    jax.jit around the kernel) or, with ``warn``, the model closes over a traced value."""
     try:
         if _proved(jax.jit(_with_derivative(apply3)), params, _abstract(x1, 3), aux, 3):
             return False
     except (TypeError, ValueError, NotImplementedError):
         pass  # no jvp (custom_vjp) or the model fails here: not shown
-    if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(x1)):
-        what = "inside jax.jit the samples' independence cannot be probed (no values) nor proved"
+    if warn or any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(x1)):
+        what = "inside jax.jit or grad the samples' independence cannot be probed nor proved"
         fix = "call the kernel once outside jit (it is checked then), or pass vmap_axes=None"
         warnings.warn(bad(UserWarning, fn_name, what, fix).args[0], stacklevel=_user_stacklevel())
     return None
@@ -163,8 +168,10 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
     """Whether some sample's outputs, or their derivatives along a parameter direction,
     change with the other samples of its batch: True or False; None when not checked
     (abstract arguments, fewer than three samples)."""
-    if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, x1, aux))):
-        return _proved_abstract(apply3, params, x1, aux, fn_name)
+    traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, aux)))
+    x1_traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(x1))
+    if traced or x1_traced or not at_top_level():  # or a user's grad of a closed-over value
+        return _proved_abstract(apply3, params, x1, aux, fn_name, warn=not traced)
     try:
         batches = _batches(x1, x2)
         if batches is None:
