@@ -244,6 +244,10 @@ class KernelTracker:
         self._kernel_fn, self.keep_kernels = kernel_fn, bool(keep_kernels)
         self.m, self.steps, self._key = _matrix_free_options(m, key, steps, self.keep_kernels)
         self._x, self.n_probe = _probe_inputs(x_probe)
+        if self.m is not None:  # the effective rank's Lanczos needs this many (N·O >= N)
+            low = min(_matrix_free.MIN_RANK_PROBES * (1 + 2 * self.steps), self.n_probe)
+            fix = f"pass m >= {low} (8·(1 + 2·steps), or N·O for exact statistics)"
+            check_int(_NAME, "m", self.m, fix, low=low)
         self._y = _labels(y, self.n_probe)
         self.out, self._earlier = _out_folder(out, overwrite)
         self.records: list[KernelRecord] = []

@@ -117,12 +117,12 @@ def before_trace(fn_name: str, params, x1, x2, options) -> None:
         for leaf in jax.tree.leaves(tree):
             dtype = getattr(leaf, "dtype", None)
             if dtype is not None and not _numeric(dtype):
-                what = f"{name} has dtype {np.dtype(dtype)}; expected numbers"
+                what = f"{name} has dtype {dtype}; expected numbers"  # (key<fry>: no np.dtype)
                 raise bad(TypeError, fn_name, what, "encode the inputs as numbers (token ids)")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if not _numeric(leaf.dtype, (jnp.floating,)):
             where = jax.tree_util.keystr(path)
-            what = f"params{where} has dtype {np.dtype(leaf.dtype)}; expected real floating point"
+            what = f"params{where} has dtype {leaf.dtype}; expected real floating point"
             raise bad(TypeError, fn_name, what, "keep only real weights in params")
 
 
