@@ -15,7 +15,9 @@ the accelerator; on a CPU it is a plain check):
   with ``precision="highest"`` (the default) and ``precision="default"`` (to show what the
   option guards against);
 * error: max |K - K_ref| / max |K_ref|, where K_ref contracts float32 Jacobians computed
-  on the CPU (``tests/reference.py``) in float64 numpy.
+  on the CPU (``tests/reference.py``) in float64 numpy; and the model's own forward pass
+  on the device against the host's (dots at "highest"): the part of any error that is the
+  device's float32 arithmetic (tanh, exp, GELU), not the kernel's.
 
     python benchmarks/accelerator_precision.py --out precision.json
 
@@ -88,7 +90,7 @@ def main() -> int:
     ap.add_argument("--nngp", action="store_true", help="also the NNGP")
     args = ap.parse_args()
     device = jax.devices()[0]
-    rows = []
+    rows, forward = [], {}  # forward: the model's own outputs, device against host
     for key, name, model, variables, x in models(args.n):
         if key not in args.models:
             continue
@@ -98,6 +100,13 @@ def main() -> int:
             return model.apply({**variables, "params": p}, x)
 
         params = variables["params"]
+        cpu = jax.devices("cpu")[0]
+        with jax.default_matmul_precision("highest"):  # the model's other ops, not its dots
+            out = np.asarray(jax.jit(apply)(params, x1), np.float64)
+            with jax.default_device(cpu):
+                host = jax.jit(apply)(jax.device_put(params, cpu), jax.device_put(x1, cpu))
+        forward[name] = rel_error(out, np.asarray(host, np.float64))
+        print(f"{name}: forward pass on {device.platform} vs the host CPU: {forward[name]:.1e}")
         refs = {
             ("ntk", None): reference.ntk(apply, params, x1, None, trace_axes=())[0],
             ("ntk", "x2"): reference.ntk(apply, params, x1, x2, trace_axes=())[0],
@@ -129,7 +138,12 @@ def main() -> int:
                 )
                 print(rows[-1], flush=True)
     result = dict(
-        device=str(device), platform=device.platform, jax=jax.__version__, n=args.n, rows=rows
+        device=str(device),
+        platform=device.platform,
+        jax=jax.__version__,
+        n=args.n,
+        rows=rows,
+        forward_vs_host=forward,
     )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -109,9 +109,11 @@ def _pairs(fn, layers: Mapping, modules: Mapping) -> dict:
         what = f"got {len(layers)} Flax layers ({_listed(flax_kinds)}) but {len(modules)} Haiku "
         fix = "build the Haiku model from the same layers (hk.Linear for nn.Dense, ConvND for Conv)"
         raise bad(ValueError, fn, what + f"modules ({_listed(haiku_kinds)})", fix)
-    pairs = {}
-    for rank, flax_names in flax_kinds.items():
-        _order_shown(fn, flax_names, layers)  # Haiku numbers every name it repeats
+    keys = list(map(str, layers))
+    sorted_keys, pairs = keys == sorted(keys), {}  # creation order may be lost (not Haiku's:
+    for rank, flax_names in flax_kinds.items():  # it numbers every name it repeats)
+        if sorted_keys:
+            _order_shown(fn, flax_names, layers)
         for i, (layer, module) in enumerate(zip(flax_names, haiku_kinds[rank], strict=True)):
             _check_pair(fn, layer, layers[layer], module, modules[module], i, len(flax_names))
             pairs[module] = layer
@@ -167,11 +169,9 @@ def _haiku_modules(fn, haiku_params) -> Mapping:
 
 
 def _order_shown(fn, names: list, layers: Mapping) -> None:
-    """Refuses a pairing order that Flax layer names cannot show: keys in sorted order
-    (``jax.jit`` and ``jax.tree.map`` sort them, losing creation order) with kernels of one
+    """Refuses a pairing order that Flax layer names in a sorted mapping cannot show
+    (``jax.jit`` and ``jax.tree.map`` sort keys, losing creation order): kernels of one
     shape under two name prefixes (``embed``, ``proj``), which no shape check tells apart."""
-    if list(map(str, layers)) != sorted(map(str, layers)):
-        return  # not sorted: the mapping keeps creation order (as init returns it)
     seen: dict[tuple, str] = {}
     for name in names:
         shape, prefix = _shape(layers[name][_KERNEL]), _key(name)[0]

@@ -352,11 +352,16 @@ def effective_rank(fn: str, model_of: Callable[[], Model], key, m, steps, batch_
 MIN_RANK_PROBES = 8
 
 
+def min_rank_products(steps: int, size: int) -> int:
+    """The fewest products m of the effective rank with ``steps`` Lanczos steps on a kernel
+    of ``size`` = N·O rows (at m >= size it is exact)."""
+    return min(MIN_RANK_PROBES * (1 + 2 * min(steps, size)), size)
+
+
 def _effective_rank(op: _Flat, key, m, steps: int, trace: Callable[[], float]) -> Estimate:
     """SLQ of :func:`ntk_effective_rank` on ``op``; ``trace()``: tr Θ exact (when needed)."""
     steps = min(steps, op.m)
-    low = min(MIN_RANK_PROBES * (1 + 2 * steps), op.m)
-    m = _check_m(op.fn, m, low=low, example=400)
+    m = _check_m(op.fn, m, low=min_rank_products(steps, op.m), example=400)
     if m >= op.m:
         lam = np.abs(np.linalg.eigvalsh(_exact_kernel(op)))
         p = lam[lam > 0] / lam.sum()

@@ -242,12 +242,9 @@ class KernelTracker:
             what = f"keep_kernels must be True or False, got {keep_kernels!r}"
             raise bad(TypeError, _NAME, what, "pass keep_kernels=True to keep every kernel")
         self._kernel_fn, self.keep_kernels = kernel_fn, bool(keep_kernels)
-        self.m, self.steps, self._key = _matrix_free_options(m, key, steps, self.keep_kernels)
         self._x, self.n_probe = _probe_inputs(x_probe)
-        if self.m is not None:  # the effective rank's Lanczos needs this many (N·O >= N)
-            low = min(_matrix_free.MIN_RANK_PROBES * (1 + 2 * self.steps), self.n_probe)
-            fix = f"pass m >= {low} (8·(1 + 2·steps), or N·O for exact statistics)"
-            check_int(_NAME, "m", self.m, fix, low=low)
+        options = _matrix_free_options(m, key, steps, self.keep_kernels, self.n_probe)
+        self.m, self.steps, self._key = options
         self._y = _labels(y, self.n_probe)
         self.out, self._earlier = _out_folder(out, overwrite)
         self.records: list[KernelRecord] = []
@@ -372,8 +369,8 @@ class KernelTracker:
         _atomic_write(os.path.join(self.out, _METRICS), lambda fh: fh.write(text))
 
 
-def _matrix_free_options(m, key, steps, keep_kernels: bool) -> tuple:
-    """``(m, steps, key)`` checked: all None-like for the exact kernel."""
+def _matrix_free_options(m, key, steps, keep_kernels: bool, n: int) -> tuple:
+    """``(m, steps, key)`` checked (``n`` probe samples): all None-like for the exact kernel."""
     if m is None:
         if key is not None:
             what = "key is given but m is None (the exact kernel takes no randomness)"
@@ -381,6 +378,8 @@ def _matrix_free_options(m, key, steps, keep_kernels: bool) -> tuple:
         return None, None, None
     m = check_int(_NAME, "m", m, "pass e.g. m=400 NTK-vector products, or None (exact)", low=4)
     steps = check_int(_NAME, "steps", steps, "pass e.g. steps=15 (Lanczos steps per vector)")
+    low = _matrix_free.min_rank_products(steps, n)  # a bound: the kernel has N·O >= N rows
+    check_int(_NAME, "m", m, f"pass m >= {low} (8·(1 + 2·steps), or N·O: exact)", low=low)
     key = check_key(_NAME, key)
     if keep_kernels:
         what = f"keep_kernels=True with m={m}: matrix-free tracking never forms the kernel"

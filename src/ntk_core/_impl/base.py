@@ -33,15 +33,16 @@ QUICK_CPU_OPTIONS = CPU_OPTIONS | {
 _JIT_TAKES_OPTIONS = "compiler_options" in inspect.signature(jax.jit).parameters
 
 
+try:  # JAX has no public test of this (jax._src.core since 0.4)
+    from jax._src.core import trace_state_clean as _trace_state_clean
+except ImportError:  # another JAX: the arguments' tracers tell (the older behaviour)
+    _trace_state_clean = None
+
+
 def at_top_level() -> bool:
     """Whether no JAX transformation is tracing: under a user's ``jax.grad`` of a value the
     model closes over, every argument is concrete, yet only a top-level jit takes options."""
-    try:  # JAX has no public test of this (jax._src.core since 0.4)
-        from jax._src import core
-
-        return bool(core.trace_state_clean())
-    except (ImportError, AttributeError):  # another JAX: as the arguments say
-        return True
+    return _trace_state_clean is None or bool(_trace_state_clean())
 
 
 def tuned(options: dict) -> dict:
@@ -55,10 +56,10 @@ def tuned(options: dict) -> dict:
 def jit_tuned(fn: Callable, options: dict = CPU_OPTIONS, **jit_kwargs) -> Callable:
     """``jax.jit(fn, **jit_kwargs)``, compiled with ``options`` (XLA's) on CPU when called
     outside a trace."""
-    plain = jax.jit(fn, **jit_kwargs)
-    if not tuned(options):
+    plain, given = jax.jit(fn, **jit_kwargs), tuned(options)
+    if not given:
         return plain
-    tuned_jit = jax.jit(fn, **tuned(options), **jit_kwargs)
+    tuned_jit = jax.jit(fn, **given, **jit_kwargs)
 
     def call(*args, **kwargs):
         traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(args))

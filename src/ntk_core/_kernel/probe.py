@@ -129,14 +129,14 @@ def _with_derivative(apply3):
 
 def _proved_abstract(apply3, params, x1, aux, fn_name: str, warn: bool):
     """With traced arguments (no values to probe): False where the jaxpr proves the
-    samples independent; else None, with a warning where x1 itself is traced (a user's
-    jax.jit around the kernel) or, with ``warn``, the model closes over a traced value."""
+    samples independent; else None, with a warning if ``warn`` (a user's jax.jit or grad
+    around the kernel, not the library's own traced parameters)."""
     try:
         if _proved(jax.jit(_with_derivative(apply3)), params, _abstract(x1, 3), aux, 3):
             return False
     except (TypeError, ValueError, NotImplementedError):
         pass  # no jvp (custom_vjp) or the model fails here: not shown
-    if warn or any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(x1)):
+    if warn:
         what = "inside jax.jit or grad the samples' independence cannot be probed nor proved"
         fix = "call the kernel once outside jit (it is checked then), or pass vmap_axes=None"
         warnings.warn(bad(UserWarning, fn_name, what, fix).args[0], stacklevel=_user_stacklevel())
@@ -167,15 +167,13 @@ def _with_pullbacks(apply3):
 def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e-4):
     """Whether some sample's outputs, or their derivatives along a parameter direction,
     change with the other samples of its batch: True or False; None when not checked
-    (abstract arguments, fewer than three samples)."""
+    (abstract arguments the jaxpr does not prove independent)."""
     traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, aux)))
     x1_traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(x1))
     if traced or x1_traced or not at_top_level():  # or a user's grad of a closed-over value
-        return _proved_abstract(apply3, params, x1, aux, fn_name, warn=not traced)
+        return _proved_abstract(apply3, params, x1, aux, fn_name, warn=x1_traced or not traced)
     try:
         batches = _batches(x1, x2)
-        if batches is None:
-            return None
 
         def stack(samples):
             return jax.tree.map(lambda *leaves: np.concatenate(leaves), *samples)

@@ -409,14 +409,14 @@ def _initial_outputs(fn, name, value, shape) -> np.ndarray:
 
 
 def _check_times(fn, t) -> np.ndarray:
-    try:  # ragged lists and jax tracers fail here
-        kind = np.dtype(float) if t is None else np.asarray(t).dtype
-    except (ValueError, TypeError):  # (a tracer conversion error is a TypeError)
-        kind = np.dtype(object)
-    if isinstance(t, bool) or kind.kind not in "iuf" or np.size(t) == 0:  # "10", True, []
+    try:  # ragged lists and jax tracers fail here (a tracer's conversion error: TypeError)
+        ts = np.asarray(np.inf if t is None else t)
+    except (ValueError, TypeError):
+        ts = np.asarray(None)
+    if isinstance(t, bool) or ts.dtype.kind not in "iuf" or ts.size == 0:  # "10", True, []
         what = f"t must be a number or a non-empty array of numbers, got {type(t).__name__}"
         raise bad(TypeError, fn, f"{what} {t!r:.40}", "pass times in steps as numbers (None: inf)")
-    ts = np.asarray(np.inf if t is None else t, np.float64)
+    ts = ts.astype(np.float64)
     if np.isnan(ts).any() or (ts < 0).any():
         raise bad(ValueError, fn, f"t must be >= 0, got {t!r}", "pass times in steps (None: inf)")
     return ts
