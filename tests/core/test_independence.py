@@ -294,3 +294,43 @@ def test_inputs_at_the_probes_fixed_point_are_still_changed():
     w = jax.random.normal(jax.random.PRNGKey(0), (5, 4))
     with pytest.raises(ValueError, match="depends on the other samples"):
         ntk_core.empirical_ntk(MIXING["cumsum over samples"], w, jnp.full((6, 5), 0.2))
+
+
+@jax.custom_vjp
+def _identity_unproved(h):  # samples apart, but a custom_vjp: no proof, the numeric probe
+    return h
+
+
+_identity_unproved.defvjp(lambda h: (h, None), lambda _, g: (g,))
+
+
+def _python_branch(w, x):
+    return _dense(w, x) * (2.0 if x.shape[0] > 1 else 1.0)
+
+
+READS_N_OR_PLACE = {
+    "divided by N": lambda w, x: _dense(w, x) / x.shape[0],
+    "place added": lambda w, x: _dense(w, x + jnp.arange(x.shape[0])[:, None]),
+    "Python branch on N": _python_branch,
+    "place added, custom_vjp": lambda w, x: _identity_unproved(
+        _dense(w, x) * jnp.arange(1, x.shape[0] + 1)[:, None]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(READS_N_OR_PLACE))
+def test_models_reading_n_or_their_place_are_refused(name):
+    """A model whose sample sees N or its place in the batch (x / N, a positional code
+    over the batch) got, silently, the kernel of a batch of one per sample (found in a
+    review: 6 to 1e5 off). The jaxprs on 3 samples and 1 must differ in sizes only (else
+    each row is run alone); vmap_axes=None is the float64 reference's. A random mask drawn
+    with a fixed key (dropout with rngs=) stays accepted: every sample sees the mask of a
+    batch of one, as documented."""
+    f, w = READS_N_OR_PLACE[name], jax.random.normal(jax.random.PRNGKey(0), (5, 4))
+    x = jax.random.normal(jax.random.PRNGKey(1), (6, 5))
+    with pytest.raises(ValueError, match="depends on N or on its place in the batch"):
+        ntk_core.empirical_ntk(f, w, x)
+    with pytest.raises(ValueError, match="splits interacting samples"):
+        ntk_core.empirical_ntk(f, w, x, vmap_axes=None, batch_size=2)
+    expected = reference.ntk(f, w, x, None)[0]
+    reference.assert_close(ntk_core.empirical_ntk(f, w, x, vmap_axes=None), expected)

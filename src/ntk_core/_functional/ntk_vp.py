@@ -224,8 +224,9 @@ def make_ntk_vp(
     outputs, tree = _outputs(caller, apply3, params, x, aux, n)
     _checks.after_trace(fn, apply3, params, x, None, aux, outputs, options)
     batched = batch_size is not None and batch_size < n
-    if batched and _probe.samples_interact(apply3, params, x, None, aux, fn_name=fn):
-        raise _checks.samples_interact_error(fn, "pass batch_size=None, or use evaluation mode")
+    found = batched and _probe.samples_interact(apply3, params, x, None, aux, fn_name=fn)
+    if found:
+        raise _checks.samples_interact_error(fn, found, "pass batch_size=None, or evaluation mode")
     try:
         product = _product(apply3, precision, batch_size)
     except TypeError:  # unhashable apply3

@@ -272,9 +272,10 @@ class _Sketcher:
         out = outputs[0]
         _check_dtypes(fn, params, out)
         layout = resolve_layout(fn, self.trace_axes, (), out.shape, "the output")
-        if _probe.samples_interact(self._apply3, params, xb, None, aux, fn_name=fn):
+        found = _probe.samples_interact(self._apply3, params, xb, None, aux, fn_name=fn)
+        if found:
             fix = "sketch a model whose samples are independent (evaluation mode)"
-            raise _checks.samples_interact_error(fn, fix)
+            raise _checks.samples_interact_error(fn, found, fix)
         trace = tuple(a - 1 for a in layout.trace)
         analysis, _ = _structured.analysis_for(
             self._apply3, params, one_sample(xb), aux, precision=self.precision

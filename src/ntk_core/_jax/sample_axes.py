@@ -2,10 +2,14 @@
 primitive, that row i of every output reads only row i of x (:func:`rows_separate`), so
 that the independence probe (:mod:`ntk_core._kernel.probe`) compiles nothing for the
 models it covers: dense, convolution, pooling, attention, normalisation over features,
-embeddings, vmapped per-sample models."""
+embeddings, vmapped per-sample models; and a proof that the batch size N enters only as a
+size, never as a number the samples see (:func:`batch_size_free`: ``x / N`` and
+``jnp.arange(N)`` fail it)."""
 
 from __future__ import annotations
 
+import numpy as np
+from jax.extend import core as jex
 from jax.extend.core import primitives as prims
 
 from ntk_core._jax.jaxpr_walk import call_body, inlined, is_literal
@@ -27,6 +31,8 @@ _WINDOWS = frozenset(
     "reduce_window_max reduce_window_min reduce_window_sum select_and_gather_add".split()
 )
 _CUSTOM = (prims.custom_jvp_call_p,)  # custom_vjp: its backward pass is not a jaxpr here
+#: Primitives whose values vary along their shape: one sized by N numbers the samples.
+_GENERATORS = frozenset({"iota"})
 
 
 def _dot_axis(p, shape, la, ra) -> int | None:
@@ -145,3 +151,74 @@ def rows_separate(closed, batched: list[bool], n: int) -> bool:
     except (KeyError, AttributeError, IndexError, TypeError, ValueError):
         return False  # parameters laid out as another JAX version does: not shown
     return outs is not None and all(k == 0 for k in outs)
+
+
+def _same_value(a, b, na: int, nb: int) -> bool:
+    """Whether equation parameters ``a`` (of the trace on ``na`` samples) and ``b`` (on
+    ``nb``) agree: integers may differ as sizes that scale with N; sub-jaxprs are compared
+    equation by equation; functions (custom rules' thunks) by type only."""
+    if isinstance(a, bool) or isinstance(b, bool) or type(a) is not type(b):
+        return type(a) is type(b) and a == b
+    if isinstance(a, int):
+        return a == b or a * nb == b * na
+    if isinstance(a, float):
+        return a == b or (a != a and b != b)  # NaN fill values
+    if isinstance(a, tuple | list):
+        return len(a) == len(b) and all(
+            _same_value(x, y, na, nb) for x, y in zip(a, b, strict=True)
+        )
+    if isinstance(a, jex.ClosedJaxpr):
+        return _same_consts(a.consts, b.consts) and _same_jaxpr(a.jaxpr, b.jaxpr, na, nb)
+    if isinstance(a, jex.Jaxpr):
+        return _same_jaxpr(a, b, na, nb)
+    if callable(a) or hasattr(a, "call_wrapped"):  # functions, JAX's wrapped thunks
+        return True
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # arrays: not compared
+        return False
+
+
+def _same_consts(a, b) -> bool:
+    return len(a) == len(b) and all(
+        x is y or (np.shape(x) == np.shape(y) and np.array_equal(x, y, equal_nan=True))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def _same_jaxpr(a, b, na: int, nb: int) -> bool:
+    """Equation by equation: the same primitives on corresponding operands, literals equal."""
+    sizes = [(len(a.constvars), len(a.invars), len(a.eqns), len(a.outvars))]
+    if sizes != [(len(b.constvars), len(b.invars), len(b.eqns), len(b.outvars))]:
+        return False
+    env = dict(zip([*a.constvars, *a.invars], [*b.constvars, *b.invars], strict=True))
+
+    def same(u, v) -> bool:
+        if is_literal(u) or is_literal(v):
+            return is_literal(u) and is_literal(v) and np.array_equal(u.val, v.val, equal_nan=True)
+        return env.get(u) is v
+
+    for e, f in zip(a.eqns, b.eqns, strict=True):
+        if e.primitive is not f.primitive or e.params.keys() != f.params.keys():
+            return False
+        if len(e.invars) != len(f.invars) or not all(map(same, e.invars, f.invars)):
+            return False
+        scale = (1, 1) if e.primitive.name in _GENERATORS else (na, nb)  # sizes exact
+        if not all(_same_value(e.params[k], f.params[k], *scale) for k in e.params):
+            return False
+        if len(e.outvars) != len(f.outvars):
+            return False
+        env.update(zip(e.outvars, f.outvars, strict=True))
+    return all(map(same, a.outvars, b.outvars))
+
+
+def batch_size_free(closed_a, closed_b, na: int, nb: int) -> bool:
+    """Whether two jaxprs of one model, on batches of ``na`` and ``nb`` samples, are the
+    same computation with N only as a size: no literal, constant or parameter value
+    (other than sizes that scale with N) differs. False: not shown (``x / N``, an iota
+    over the samples, Python branches on N, or JAX tracing sizes differently)."""
+    try:
+        same = _same_consts(closed_a.consts, closed_b.consts)
+        return same and _same_jaxpr(closed_a.jaxpr, closed_b.jaxpr, na, nb)
+    except (TypeError, ValueError, AttributeError):
+        return False

@@ -66,9 +66,9 @@ def params_check(fn_name: str, apply_fn):
     return check
 
 
-def samples_interact_error(fn_name: str, fix: str) -> ValueError:
-    """The ValueError for a model whose samples interact where they must not."""
-    what = "the model's output for one sample depends on the other samples of its batch"
+def samples_interact_error(fn_name: str, what: str, fix: str) -> ValueError:
+    """The ValueError for a model whose samples interact where they must not (``what``:
+    what the independence probe found)."""
     return bad(ValueError, fn_name, what, fix, see="samples-interact")
 
 

@@ -1,9 +1,10 @@
 """Per-sample independence behind ``vmap_axes=0`` (BatchNorm in training mode and batch
 means break it): first a proof on the model's jaxpr that row i of every output reads only
-row i of x (:func:`ntk_core._jax.sample_axes.rows_separate`, no compilation); where a
-primitive is not covered, the probe: the model on a batch of three and, for each row, on
-that batch with the other rows changed; no row's outputs, nor their derivatives along a
-parameter direction (jvp, or per-row pullbacks where a custom_vjp has no jvp), may move."""
+row i of x (:func:`ntk_core._jax.sample_axes.rows_separate`, no compilation) and, its jaxpr
+on one sample compared, that N is only a size (``batch_size_free``); where that is not
+shown, the probe: the model on a batch of three and, for each row, on that batch with the
+other rows changed, and alone; no row's outputs, nor their derivatives along a parameter
+direction (jvp, or per-row pullbacks where a custom_vjp has no jvp), may move."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 from ntk_core._errors import bad, one_line
 from ntk_core._impl.base import QUICK_CPU_OPTIONS, at_top_level, tuned
 from ntk_core._jax.environment import _user_stacklevel
-from ntk_core._jax.sample_axes import rows_separate
+from ntk_core._jax.sample_axes import batch_size_free, rows_separate
 from ntk_core._kernel import checks as _checks
 
 
@@ -104,16 +105,25 @@ def _tangent(params):
 
 
 def _proved(run, params, x, aux, n: int) -> bool:
-    """Whether the jaxpr of ``run(params, x, aux, tangent)`` (a jit) proves that row i of
-    its outputs reads only row i of ``x`` (the tangent abstract: nothing is drawn)."""
-    args = (params, x, aux, _abstract(params))
-    flags = [i == 1 for i, tree in enumerate(args) for _ in jax.tree.leaves(tree)]
-    closed = run.trace(*args).jaxpr
-    extra = len(closed.jaxpr.invars) - len(flags)  # values a user's jax.grad traces: first
-    shapes = [tuple(np.shape(v)) for v in jax.tree.leaves(args)]
-    if extra < 0 or [tuple(v.aval.shape) for v in closed.jaxpr.invars[extra:]] != shapes:
+    """Whether the jaxprs of ``run(params, x, aux, tangent)`` (a jit) on ``n`` samples and on
+    one prove that row i of its outputs reads only row i of ``x`` and that N is only a
+    size (the tangent abstract: nothing is drawn)."""
+
+    def trace(rows: int):
+        args = (params, _abstract(x, rows), aux, _abstract(params))
+        flags = [i == 1 for i, tree in enumerate(args) for _ in jax.tree.leaves(tree)]
+        closed = run.trace(*args).jaxpr
+        extra = len(closed.jaxpr.invars) - len(flags)  # values a user's jax.grad traces: first
+        shapes = [tuple(np.shape(v)) for v in jax.tree.leaves(args)]
+        if extra < 0 or [tuple(v.aval.shape) for v in closed.jaxpr.invars[extra:]] != shapes:
+            return None, flags
+        return closed, [False] * extra + flags
+
+    closed, flags = trace(n)
+    if closed is None or not rows_separate(closed, flags, n):
         return False
-    return rows_separate(closed, [False] * extra + flags, n)
+    one = trace(1)[0]  # the batch of one that the kernel's vmap evaluates
+    return one is not None and batch_size_free(closed, one, n, 1)
 
 
 def _with_derivative(apply3):
@@ -132,7 +142,7 @@ def _proved_abstract(apply3, params, x1, aux, fn_name: str, warn: bool):
     samples independent; else None, with a warning if ``warn`` (a user's jax.jit or grad
     around the kernel, not the library's own traced parameters)."""
     try:
-        if _proved(jax.jit(_with_derivative(apply3)), params, _abstract(x1, 3), aux, 3):
+        if _proved(jax.jit(_with_derivative(apply3)), params, x1, aux, 3):
             return False
     except (TypeError, ValueError, NotImplementedError):
         pass  # no jvp (custom_vjp) or the model fails here: not shown
@@ -164,10 +174,29 @@ def _with_pullbacks(apply3):
     return outputs
 
 
+#: What :func:`samples_interact` found: the ValueError's text.
+INTERACT = "the model's output for one sample depends on the other samples of its batch"
+POSITION = "the model's output for one sample depends on N or on its place in the batch"
+
+
+def _moved(a, b, rows_a, rows_b, rtol: float) -> bool:
+    """Whether rows ``rows_a`` of outputs ``a`` and ``rows_b`` of ``b`` differ (finite)."""
+    for u, v in zip(a, b, strict=True):
+        if u.dtype == jax.dtypes.float0:  # the gradient of an integer leaf
+            continue
+        u, v = np.asarray(u, np.float64)[rows_a], np.asarray(v, np.float64)[rows_b]
+        scale = max(np.abs(u).max(initial=0.0), np.abs(v).max(initial=0.0), 1e-30)
+        finite = np.all(np.isfinite(u)) and np.all(np.isfinite(v))  # else reported elsewhere
+        if finite and np.abs(u - v).max(initial=0.0) > rtol * scale:
+            return True
+    return False
+
+
 def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e-4):
     """Whether some sample's outputs, or their derivatives along a parameter direction,
-    change with the other samples of its batch: True or False; None when not checked
-    (abstract arguments the jaxpr does not prove independent)."""
+    change with the other samples of its batch (:data:`INTERACT`), or with N or its place
+    (:data:`POSITION`, each row alone in a batch of one): that text, False, or None when
+    not checked (abstract arguments the jaxprs do not prove independent)."""
     traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, aux)))
     x1_traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(x1))
     if traced or x1_traced or not at_top_level():  # or a user's grad of a closed-over value
@@ -179,13 +208,15 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
             return jax.tree.map(lambda *leaves: np.concatenate(leaves), *samples)
 
         base, variants = stack(batches[0]), [stack(v) for v in batches[1]]
+        alone = [jax.tree.map(lambda v, i=i: v[i : i + 1], base) for i in range(3)]
 
         def attempt(fn, prove: bool):
             run = jax.jit(fn, **tuned(QUICK_CPU_OPTIONS))
             if prove and _proved(run, params, base, aux, len(batches[0])):
                 return None
             tangent = _tangent(params)  # drawn only for a numeric probe
-            return [jax.tree.leaves(run(params, x, aux, tangent)) for x in [base, *variants]]
+            xs = [base, *variants, *alone]
+            return [jax.tree.leaves(run(params, x, aux, tangent)) for x in xs]
 
         try:
             try:
@@ -197,19 +228,13 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
         except jax.errors.UnexpectedTracerError as error:
             raise _checks.leaked_tracer_error(fn_name, error) from error
         except (TypeError, ValueError, IndexError) as error:
-            what = f"the model fails on a batch of {len(batches[0])} samples: {one_line(error)}"
+            what = f"the model fails on a batch of 1 or 3 samples: {one_line(error)}"
             fix = "keep the batch axis for any N (vmap_axes=0 checks small batches)"
             raise bad(ValueError, fn_name, what, fix, see="samples-interact") from error
-        for i, moved in enumerate(outs[1:]):  # row i alone kept: its outputs must not move
-            for b, c in zip(outs[0], moved, strict=True):
-                if b.dtype == jax.dtypes.float0:  # the gradient of an integer leaf
-                    continue
-                b0, c0 = np.asarray(b, np.float64)[i], np.asarray(c, np.float64)[i]
-                scale = max(np.abs(b0).max(initial=0.0), np.abs(c0).max(initial=0.0), 1e-30)
-                if not np.all(np.isfinite(b0)) or not np.all(np.isfinite(c0)):
-                    return False  # non-finite inputs are reported elsewhere
-                if np.abs(b0 - c0).max(initial=0.0) > rtol * scale:
-                    return True
-        return False
+        # Row i alone kept: its outputs must not move; nor in a batch of its own.
+        if any(_moved(outs[0], moved, i, i, rtol) for i, moved in enumerate(outs[1:4])):
+            return INTERACT
+        own = enumerate(outs[4:])
+        return POSITION if any(_moved(outs[0], o, i, 0, rtol) for i, o in own) else False
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return None

@@ -55,8 +55,8 @@ def batch_size(caller: Caller, name: str, x) -> int:
 def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     """The ``Checked`` inputs of one call of ``spec``, or a ValueError / TypeError (the rows
     of ``tests/core/test_bad_input.py``). ``samples``: the per-sample signatures already
-    validated, updated. Cost: for a new signature one abstract trace and the probe's two
-    forward passes on three samples; otherwise O(leaves)."""
+    validated, updated. Cost: for a new signature one abstract trace and the independence
+    proof's two (on 3 samples and on 1), or the probe's compiled passes; otherwise O(leaves)."""
     fn, opts = spec.fn_name, spec.options
     caller = spec.caller if spec.caller is not None else core(fn)
     _checks.before_trace(fn, params, x1, x2, opts)  # backend guard, dtypes
@@ -151,7 +151,8 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
         if interact:
             how = f" (e.g. {spec.hint})" if spec.hint else ""
             fix = f"run the model in evaluation mode{how}, or pass vmap_axes=None"
-            raise _checks.samples_interact_error(fn, fix)
+            fix = "pass vmap_axes=None" if interact == _probe.POSITION else fix
+            raise _checks.samples_interact_error(fn, interact, fix)
         if interact is not None:  # checked: later calls of this signature skip it
             samples[sample_key] = (out_tree, [(o.shape[1:], o.dtype) for o in out_leaves])
     shapes1 = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
