@@ -15,7 +15,7 @@ import core_zoo
 import ntk_core
 import reference
 import zoo
-from ntk_core._jax.sample_axes import rows_separate
+from ntk_core._jax.sample_axes import rows_separate, sized_by_n
 
 
 def _proved(apply_fn, params, x) -> bool:
@@ -55,6 +55,11 @@ def test_zoo_models_are_proved_and_their_rows_are_separate(source, name):
     apply_fn = source.apply_fn(entry)
     assert _proved(apply_fn, params, x)
     assert not _rows_mix(apply_fn, params, x)
+    one = jax.jit(apply_fn).trace(params, jax.tree.map(lambda v: v[:1], x)).jaxpr
+    whole = jax.jit(apply_fn).trace(params, x).jaxpr
+    sized = sized_by_n(whole, one, 3, 1)  # N only the samples' axis: no probe compiled
+    marks = [False] * len(jax.tree.leaves(params)) + [True] * len(jax.tree.leaves(x))
+    assert sized is not None and rows_separate(whole, marks, 3, sized)
 
 
 def _dense(w, x):
@@ -312,6 +317,15 @@ READS_N_OR_PLACE = {
     "divided by N": lambda w, x: _dense(w, x) / x.shape[0],
     "place added": lambda w, x: _dense(w, x + jnp.arange(x.shape[0])[:, None]),
     "Python branch on N": _python_branch,
+    "ones(N) summed": lambda w, x: _dense(w, x) * jnp.ones(x.shape[0]).sum(),
+    "cumsum(ones(N)) as places": lambda w, x: (
+        _dense(w, x) * jnp.cumsum(jnp.ones(x.shape[0]))[:, None]
+    ),
+    "loop of N steps": lambda w, x: (
+        _dense(w, x) * jax.lax.fori_loop(0, x.shape[0], lambda i, c: c + 1.0, 0.0)
+    ),
+    "features cut to N": lambda w, x: _dense(w, x + x[:, : x.shape[0]].sum(-1, keepdims=True)),
+    "parameter rows cut to N": lambda w, x: _dense(w, x) + jnp.tile(w, (2, 1))[: x.shape[0]],
     "place added, custom_vjp": lambda w, x: _identity_unproved(
         _dense(w, x) * jnp.arange(1, x.shape[0] + 1)[:, None]
     ),
@@ -334,3 +348,28 @@ def test_models_reading_n_or_their_place_are_refused(name):
         ntk_core.empirical_ntk(f, w, x, vmap_axes=None, batch_size=2)
     expected = reference.ntk(f, w, x, None)[0]
     reference.assert_close(ntk_core.empirical_ntk(f, w, x, vmap_axes=None), expected)
+
+
+def test_a_chaotic_recurrence_is_not_taken_for_reading_n():
+    """A float32 tanh RNN of gain 2.5 over 100 steps (a scan: the numeric probe) was refused
+    as reading N (found by a helper): its derivative on a batch of three and alone differ by
+    4e-4, rounding that the recurrence amplifies. Its kernel is the float64 reference's to
+    the float32 accuracy such a recurrence allows."""
+    rng = np.random.default_rng(1)
+    p = {
+        "wi": rng.standard_normal((4, 64)).astype("f4"),
+        "wh": (rng.standard_normal((64, 64)) * 2.5 / 8).astype("f4"),
+        "v": (rng.standard_normal((64, 2)) / 8).astype("f4"),
+    }
+
+    def rnn(p, x):
+        def step(h, xt):
+            return jnp.tanh(xt @ p["wi"] + h @ p["wh"]), None
+
+        h, _ = jax.lax.scan(step, jnp.zeros((x.shape[0], 64)), jnp.swapaxes(x, 0, 1))
+        return h @ p["v"]
+
+    x = rng.standard_normal((4, 100, 4)).astype("f4")
+    k = np.asarray(ntk_core.empirical_ntk(rnn, p, x))
+    expected = reference.ntk(rnn, p, x, None)[0]
+    assert np.abs(k - expected).max() <= 1e-2 * np.abs(expected).max()

@@ -2,9 +2,9 @@
 primitive, that row i of every output reads only row i of x (:func:`rows_separate`), so
 that the independence probe (:mod:`ntk_core._kernel.probe`) compiles nothing for the
 models it covers: dense, convolution, pooling, attention, normalisation over features,
-embeddings, vmapped per-sample models; and a proof that the batch size N enters only as a
-size, never as a number the samples see (:func:`batch_size_free`: ``x / N`` and
-``jnp.arange(N)`` fail it)."""
+embeddings, vmapped per-sample models; and, from the jaxprs on two batch sizes
+(:func:`sized_by_n`), that N enters only as the samples' axis, never as a number the samples
+see (``x / N``, ``jnp.arange(N)``, ``ones(N).sum()``, ``pos[:N]`` fail it)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ _ELEMENTWISE = frozenset(
     "convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 "
     "expm1 floor ge gt imag integer_pow is_finite le lgamma log log1p logistic lt max min "
     "mul ne neg nextafter not or pow real reduce_precision rem round rsqrt select_n "
-    "sharding_constraint sign sin sinh sqrt square stop_gradient sub tan tanh xor".split()
+    "sharding_constraint sign sin sinh sqrt square stop_gradient sub tan tanh xor "
+    "bitcast_convert_type shift_left shift_right_arithmetic shift_right_logical".split()
 )
 _REDUCTIONS = frozenset(
     "argmax argmin reduce_and reduce_max reduce_min reduce_or reduce_prod reduce_sum".split()
@@ -33,6 +34,9 @@ _WINDOWS = frozenset(
 _CUSTOM = (prims.custom_jvp_call_p,)  # custom_vjp: its backward pass is not a jaxpr here
 #: Primitives whose values vary along their shape: one sized by N numbers the samples.
 _GENERATORS = frozenset({"iota"})
+#: Random draws: one per sample along an axis of size N, as a batch of one draws (the
+#: adapters' documented rngs= rule: every sample sees the same key).
+_RANDOM = frozenset("random_bits rng_bit_generator rng_uniform".split())
 
 
 def _dot_axis(p, shape, la, ra) -> int | None:
@@ -110,9 +114,25 @@ def _sample_axis(eqn, axes: list) -> int | None:
     return None
 
 
-def _axes(jaxpr, axes: list, n: int) -> list | None:
+def _constant_axis(eqn, v, sized: dict, n: int):
+    """The axis of size N of output ``v`` of an equation that reads no sample: None (it has
+    none), a broadcast's new axis (the same for every sample: a pseudo sample axis) or a
+    random draw's, or False (an axis sized by N otherwise: a slice to N, an iota)."""
+    dims = sized.get(v, ())
+    if not dims:
+        return None
+    operand = eqn.invars[0] if eqn.invars and not is_literal(eqn.invars[0]) else None
+    grown = eqn.primitive.name == "broadcast_in_dim" and not sized.get(operand, ())
+    grown = grown or eqn.primitive.name in _RANDOM  # a draw per sample (dropout with a key)
+    shape = tuple(getattr(v.aval, "shape", ()))
+    return dims[0] if grown and len(dims) == 1 and shape[dims[0]] == n else False
+
+
+def _axes(jaxpr, axes: list, n: int, sized: dict | None) -> list | None:
     """The axis holding the samples of each output of ``jaxpr`` (None: reads no sample),
-    given its inputs'; None where some equation may mix samples or is not covered."""
+    given its inputs'; None where some equation may mix samples or is not covered. With
+    ``sized`` (the axes of size N of each value, :func:`sized_by_n`) an axis of size N
+    that is not the samples' is not covered either."""
     if len(jaxpr.invars) != len(axes):
         return None
     env = dict(zip(jaxpr.invars, axes, strict=True))
@@ -122,13 +142,19 @@ def _axes(jaxpr, axes: list, n: int) -> list | None:
 
     for eqn in jaxpr.eqns:
         a = [read(v) for v in eqn.invars]
-        if all(x is None for x in a):
-            continue  # reads no sample: the same for every sample
         body = call_body(eqn) if inlined(eqn) or eqn.primitive in _CUSTOM else None
+        if all(x is None for x in a) and (sized is None or body is None):
+            if sized is None:
+                continue  # reads no sample: the same for every sample
+            outs = [_constant_axis(eqn, v, sized, n) for v in eqn.outvars]
+            if any(k is False for k in outs):  # (not `False in outs`: 0 == False)
+                return None
+            env.update(zip(eqn.outvars, outs, strict=True))
+            continue
         if body is not None:
-            outs = _axes(body[0], a[len(a) - len(body[0].invars) :], n)
+            outs = _axes(body[0], a[len(a) - len(body[0].invars) :], n, sized)
         elif eqn.primitive is prims.cond_p and a[0] is None:
-            branches = [_axes(br.jaxpr, a[1:], n) for br in eqn.params["branches"]]
+            branches = [_axes(br.jaxpr, a[1:], n, sized) for br in eqn.params["branches"]]
             outs = branches[0] if all(b == branches[0] for b in branches) else None
         else:
             k = _sample_axis(eqn, a)
@@ -138,22 +164,26 @@ def _axes(jaxpr, axes: list, n: int) -> list | None:
         for v, k in zip(eqn.outvars, outs, strict=True):
             if k is not None and tuple(getattr(v.aval, "shape", ()))[k : k + 1] != (n,):
                 return None
+            if sized is not None and set(sized.get(v, ())) - {k}:
+                return None  # an axis of size N that is not the samples' (x[:, :N])
             env[v] = k
     return [read(v) for v in jaxpr.outvars]
 
 
-def rows_separate(closed, batched: list[bool], n: int) -> bool:
+def rows_separate(closed, batched: list[bool], n: int, sized: dict | None = None) -> bool:
     """Whether every output of ``closed`` (a jaxpr of the model on a batch of ``n``) holds
     the samples on axis 0, row i reading only row i of the inputs marked in ``batched``
-    (theirs on axis 0): a proof by :func:`_sample_axis`'s rules; False: not shown."""
+    (theirs on axis 0): a proof by :func:`_sample_axis`'s rules; False: not shown. With
+    ``sized`` (:func:`sized_by_n`), also that every axis of size N is the samples' (or a
+    constant broadcast along it)."""
     try:
-        outs = _axes(closed.jaxpr, [0 if b else None for b in batched], n)
+        outs = _axes(closed.jaxpr, [0 if b else None for b in batched], n, sized)
     except (KeyError, AttributeError, IndexError, TypeError, ValueError):
         return False  # parameters laid out as another JAX version does: not shown
     return outs is not None and all(k == 0 for k in outs)
 
 
-def _same_value(a, b, na: int, nb: int) -> bool:
+def _same_value(a, b, na: int, nb: int, sized: dict) -> bool:
     """Whether equation parameters ``a`` (of the trace on ``na`` samples) and ``b`` (on
     ``nb``) agree: integers may differ as sizes that scale with N; sub-jaxprs are compared
     equation by equation; functions (custom rules' thunks) by type only."""
@@ -165,12 +195,13 @@ def _same_value(a, b, na: int, nb: int) -> bool:
         return a == b or (a != a and b != b)  # NaN fill values
     if isinstance(a, tuple | list):
         return len(a) == len(b) and all(
-            _same_value(x, y, na, nb) for x, y in zip(a, b, strict=True)
+            _same_value(x, y, na, nb, sized) for x, y in zip(a, b, strict=True)
         )
     if isinstance(a, jex.ClosedJaxpr):
-        return _same_consts(a.consts, b.consts) and _same_jaxpr(a.jaxpr, b.jaxpr, na, nb)
+        same = _same_consts(a.consts, b.consts)
+        return same and _same_jaxpr(a.jaxpr, b.jaxpr, na, nb, sized)
     if isinstance(a, jex.Jaxpr):
-        return _same_jaxpr(a, b, na, nb)
+        return _same_jaxpr(a, b, na, nb, sized)
     if callable(a) or hasattr(a, "call_wrapped"):  # functions, JAX's wrapped thunks
         return True
     try:
@@ -186,12 +217,23 @@ def _same_consts(a, b) -> bool:
     )
 
 
-def _same_jaxpr(a, b, na: int, nb: int) -> bool:
-    """Equation by equation: the same primitives on corresponding operands, literals equal."""
-    sizes = [(len(a.constvars), len(a.invars), len(a.eqns), len(a.outvars))]
-    if sizes != [(len(b.constvars), len(b.invars), len(b.eqns), len(b.outvars))]:
+def _record(u, v, sized: dict) -> bool:
+    """Notes the axes where value ``u`` (trace on na samples) and ``v`` differ in size."""
+    p, q = tuple(getattr(u.aval, "shape", ())), tuple(getattr(v.aval, "shape", ()))
+    sized[u] = tuple(d for d, (i, j) in enumerate(zip(p, q, strict=False)) if i != j)
+    return len(p) == len(q)
+
+
+def _same_jaxpr(a, b, na: int, nb: int, sized: dict) -> bool:
+    """Equation by equation: the same primitives on corresponding operands, literals equal,
+    sizes scaled with N only where allowed (an iota's and a loop's ``length`` exact)."""
+    counts = [(len(a.constvars), len(a.invars), len(a.eqns), len(a.outvars))]
+    if counts != [(len(b.constvars), len(b.invars), len(b.eqns), len(b.outvars))]:
         return False
-    env = dict(zip([*a.constvars, *a.invars], [*b.constvars, *b.invars], strict=True))
+    pairs = list(zip([*a.constvars, *a.invars], [*b.constvars, *b.invars], strict=True))
+    env = dict(pairs)
+    if not all(_record(u, v, sized) for u, v in pairs):
+        return False
 
     def same(u, v) -> bool:
         if is_literal(u) or is_literal(v):
@@ -203,22 +245,31 @@ def _same_jaxpr(a, b, na: int, nb: int) -> bool:
             return False
         if len(e.invars) != len(f.invars) or not all(map(same, e.invars, f.invars)):
             return False
-        scale = (1, 1) if e.primitive.name in _GENERATORS else (na, nb)  # sizes exact
-        if not all(_same_value(e.params[k], f.params[k], *scale) for k in e.params):
-            return False
+        for key in e.params:
+            exact = e.primitive.name in _GENERATORS or key == "length"  # iota, scan over N
+            if not _same_value(
+                e.params[key], f.params[key], *((1, 1) if exact else (na, nb)), sized
+            ):
+                return False
         if len(e.outvars) != len(f.outvars):
+            return False
+        if not all(_record(u, v, sized) for u, v in zip(e.outvars, f.outvars, strict=True)):
             return False
         env.update(zip(e.outvars, f.outvars, strict=True))
     return all(map(same, a.outvars, b.outvars))
 
 
-def batch_size_free(closed_a, closed_b, na: int, nb: int) -> bool:
-    """Whether two jaxprs of one model, on batches of ``na`` and ``nb`` samples, are the
-    same computation with N only as a size: no literal, constant or parameter value
-    (other than sizes that scale with N) differs. False: not shown (``x / N``, an iota
-    over the samples, Python branches on N, or JAX tracing sizes differently)."""
+def sized_by_n(closed_a, closed_b, na: int, nb: int) -> dict | None:
+    """For two jaxprs of one model, on batches of ``na`` and ``nb`` samples, that are the
+    same computation with N only as a size (no literal, constant or parameter value
+    differs but sizes that scale with N): the axes of each value of the first whose size
+    is N's, for :func:`rows_separate`. None: not shown (``x / N``, an iota or a loop over
+    N, a Python branch on N, or JAX tracing sizes differently)."""
+    sized: dict = {}
     try:
         same = _same_consts(closed_a.consts, closed_b.consts)
-        return same and _same_jaxpr(closed_a.jaxpr, closed_b.jaxpr, na, nb)
+        return (
+            sized if same and _same_jaxpr(closed_a.jaxpr, closed_b.jaxpr, na, nb, sized) else None
+        )
     except (TypeError, ValueError, AttributeError):
-        return False
+        return None
