@@ -34,6 +34,9 @@ _WINDOWS = frozenset(
 _CUSTOM = (prims.custom_jvp_call_p,)  # custom_vjp: its backward pass is not a jaxpr here
 #: Primitives whose values vary along their shape: one sized by N numbers the samples.
 _GENERATORS = frozenset({"iota"})
+#: The parameters that hold sizes (may scale with N); every other integer (an axis, a
+#: loop's length, a precision's bits) must be equal on both batch sizes.
+_SIZES = frozenset("shape new_sizes sizes slice_sizes limit_indices".split())
 #: Random draws: one per sample along an axis of size N, as a batch of one draws (the
 #: adapters' documented rngs= rule: every sample sees the same key).
 _RANDOM = frozenset("random_bits rng_bit_generator rng_uniform".split())
@@ -183,19 +186,20 @@ def rows_separate(closed, batched: list[bool], n: int, sized: dict | None = None
     return outs is not None and all(k == 0 for k in outs)
 
 
-def _same_value(a, b, na: int, nb: int, sized: dict) -> bool:
+def _same_value(a, b, na: int, nb: int, sized: dict, size: bool = False) -> bool:
     """Whether equation parameters ``a`` (of the trace on ``na`` samples) and ``b`` (on
-    ``nb``) agree: integers may differ as sizes that scale with N; sub-jaxprs are compared
-    equation by equation; functions (custom rules' thunks) by type only."""
+    ``nb``) agree: integers of a ``size`` parameter may differ as sizes that scale with N;
+    sub-jaxprs are compared equation by equation; functions (custom rules' thunks) by
+    type only."""
     if isinstance(a, bool) or isinstance(b, bool) or type(a) is not type(b):
         return type(a) is type(b) and a == b
     if isinstance(a, int):
-        return a == b or a * nb == b * na
+        return a == b or (size and a * nb == b * na)
     if isinstance(a, float):
         return a == b or (a != a and b != b)  # NaN fill values
     if isinstance(a, tuple | list):
         return len(a) == len(b) and all(
-            _same_value(x, y, na, nb, sized) for x, y in zip(a, b, strict=True)
+            _same_value(x, y, na, nb, sized, size) for x, y in zip(a, b, strict=True)
         )
     if isinstance(a, jex.ClosedJaxpr):
         same = _same_consts(a.consts, b.consts)
@@ -226,7 +230,7 @@ def _record(u, v, sized: dict) -> bool:
 
 def _same_jaxpr(a, b, na: int, nb: int, sized: dict) -> bool:
     """Equation by equation: the same primitives on corresponding operands, literals equal,
-    sizes scaled with N only where allowed (an iota's and a loop's ``length`` exact)."""
+    sizes scaled with N only in :data:`_SIZES` parameters (an iota's exact)."""
     counts = [(len(a.constvars), len(a.invars), len(a.eqns), len(a.outvars))]
     if counts != [(len(b.constvars), len(b.invars), len(b.eqns), len(b.outvars))]:
         return False
@@ -246,10 +250,8 @@ def _same_jaxpr(a, b, na: int, nb: int, sized: dict) -> bool:
         if len(e.invars) != len(f.invars) or not all(map(same, e.invars, f.invars)):
             return False
         for key in e.params:
-            exact = e.primitive.name in _GENERATORS or key == "length"  # iota, scan over N
-            if not _same_value(
-                e.params[key], f.params[key], *((1, 1) if exact else (na, nb)), sized
-            ):
+            size = key in _SIZES and e.primitive.name not in _GENERATORS
+            if not _same_value(e.params[key], f.params[key], na, nb, sized, size):
                 return False
         if len(e.outvars) != len(f.outvars):
             return False

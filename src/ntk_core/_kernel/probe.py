@@ -178,8 +178,8 @@ def _with_pullbacks(apply3):
 #: What :func:`samples_interact` found: the ValueError's text.
 INTERACT = "the model's output for one sample depends on the other samples of its batch"
 POSITION = "the model's output for one sample depends on N or on its place in the batch"
-#: A row alone against the batch of three: two programs whose rounding a chaotic float32
-#: recurrence amplifies (a tanh RNN of gain 2.5 over 100 steps: 4e-4; with x / N: 0.7).
+#: A row's outputs alone against the batch of three: two programs whose rounding a chaotic
+#: float32 recurrence amplifies (a tanh RNN of gain 2.5 over 100 steps: 4e-5; x / N: 0.7).
 ALONE_RTOL = 1e-2
 
 
@@ -219,16 +219,17 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
             if prove and _proved(run, params, base, aux, len(batches[0])):
                 return None
             tangent = _tangent(params)  # drawn only for a numeric probe
-            xs = [base, *variants, *alone]
-            return [jax.tree.leaves(run(params, x, aux, tangent)) for x in xs]
+            runs = [run(params, x, aux, tangent) for x in [base, *variants, *alone]]
+            return [jax.tree.leaves(r) for r in runs], len(jax.tree.leaves(runs[0][0]))
 
         try:
             try:
-                outs = attempt(_with_derivative(apply3), prove=True)
+                found = attempt(_with_derivative(apply3), prove=True)
             except (TypeError, ValueError, NotImplementedError):  # no jvp (custom_vjp)
-                outs = attempt(_with_pullbacks(apply3), prove=False)
-            if outs is None:
+                found = attempt(_with_pullbacks(apply3), prove=False)
+            if found is None:
                 return False
+            outs, width = found
         except jax.errors.UnexpectedTracerError as error:
             raise _checks.leaked_tracer_error(fn_name, error) from error
         except (TypeError, ValueError, IndexError) as error:
@@ -238,7 +239,10 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
         # Row i alone kept: its outputs must not move; nor in a batch of its own.
         if any(_moved(outs[0], moved, i, i, rtol) for i, moved in enumerate(outs[1:4])):
             return INTERACT
-        own = enumerate(outs[4:])  # programs of two shapes round apart: ALONE_RTOL
-        return POSITION if any(_moved(outs[0], o, i, 0, ALONE_RTOL) for i, o in own) else False
+        # Alone: the outputs only (programs of two shapes round apart, which a chaotic
+        # recurrence amplifies in its derivative: 1e-2 measured), to ALONE_RTOL.
+        whole, own = outs[0][:width], enumerate(outs[4:])
+        moved = any(_moved(whole, o[:width], i, 0, ALONE_RTOL) for i, o in own)
+        return POSITION if moved else False
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return None
