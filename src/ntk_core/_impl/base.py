@@ -45,21 +45,24 @@ def at_top_level() -> bool:
     return _trace_state_clean is None or bool(_trace_state_clean())
 
 
+def _tunable() -> bool:
+    """Whether this JAX's jit takes XLA options and the backend is the CPU."""
+    return _JIT_TAKES_OPTIONS and jax.default_backend() == "cpu"
+
+
 def tuned(options: dict) -> dict:
     """``jax.jit``'s keyword for XLA ``options`` on CPU (``{}`` elsewhere, or where jit
     takes none); only a top-level jit may be given them."""
-    if not (_JIT_TAKES_OPTIONS and jax.default_backend() == "cpu" and at_top_level()):
-        return {}
-    return {"compiler_options": options}
+    return {"compiler_options": options} if _tunable() and at_top_level() else {}
 
 
 def jit_tuned(fn: Callable, options: dict = CPU_OPTIONS, **jit_kwargs) -> Callable:
     """``jax.jit(fn, **jit_kwargs)``, compiled with ``options`` (XLA's) on CPU when called
     outside a trace."""
-    plain, given = jax.jit(fn, **jit_kwargs), tuned(options)
-    if not given:
+    plain = jax.jit(fn, **jit_kwargs)
+    if not _tunable():  # decided per call below: built inside a trace, later called outside
         return plain
-    tuned_jit = jax.jit(fn, **given, **jit_kwargs)
+    tuned_jit = jax.jit(fn, compiler_options=options, **jit_kwargs)
 
     def call(*args, **kwargs):
         traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(args))

@@ -32,8 +32,6 @@ _WINDOWS = frozenset(
     "reduce_window_max reduce_window_min reduce_window_sum select_and_gather_add".split()
 )
 _CUSTOM = (prims.custom_jvp_call_p,)  # custom_vjp: its backward pass is not a jaxpr here
-#: Primitives whose values vary along their shape: one sized by N numbers the samples.
-_GENERATORS = frozenset({"iota"})
 #: The parameters that hold sizes (may scale with N); every other integer (an axis, a
 #: loop's length, a precision's bits) must be equal on both batch sizes.
 _SIZES = frozenset("shape new_sizes sizes slice_sizes limit_indices".split())
@@ -230,7 +228,7 @@ def _record(u, v, sized: dict) -> bool:
 
 def _same_jaxpr(a, b, na: int, nb: int, sized: dict) -> bool:
     """Equation by equation: the same primitives on corresponding operands, literals equal,
-    sizes scaled with N only in :data:`_SIZES` parameters (an iota's exact)."""
+    sizes scaled with N only in :data:`_SIZES` parameters."""
     counts = [(len(a.constvars), len(a.invars), len(a.eqns), len(a.outvars))]
     if counts != [(len(b.constvars), len(b.invars), len(b.eqns), len(b.outvars))]:
         return False
@@ -250,7 +248,7 @@ def _same_jaxpr(a, b, na: int, nb: int, sized: dict) -> bool:
         if len(e.invars) != len(f.invars) or not all(map(same, e.invars, f.invars)):
             return False
         for key in e.params:
-            size = key in _SIZES and e.primitive.name not in _GENERATORS
+            size = key in _SIZES  # an iota sized by N: not a broadcast, refused by _axes
             if not _same_value(e.params[key], f.params[key], na, nb, sized, size):
                 return False
         if len(e.outvars) != len(f.outvars):
@@ -265,13 +263,11 @@ def sized_by_n(closed_a, closed_b, na: int, nb: int) -> dict | None:
     """For two jaxprs of one model, on batches of ``na`` and ``nb`` samples, that are the
     same computation with N only as a size (no literal, constant or parameter value
     differs but sizes that scale with N): the axes of each value of the first whose size
-    is N's, for :func:`rows_separate`. None: not shown (``x / N``, an iota or a loop over
-    N, a Python branch on N, or JAX tracing sizes differently)."""
+    is N's, for :func:`rows_separate` (which refuses an iota or a slice sized by N). None:
+    not shown (``x / N``, a loop of N steps, an axis numbered N, a Python branch on N, or
+    JAX tracing sizes differently)."""
     sized: dict = {}
     try:
-        same = _same_consts(closed_a.consts, closed_b.consts)
-        return (
-            sized if same and _same_jaxpr(closed_a.jaxpr, closed_b.jaxpr, na, nb, sized) else None
-        )
+        return sized if _same_value(closed_a, closed_b, na, nb, sized) else None
     except (TypeError, ValueError, AttributeError):
         return None

@@ -119,11 +119,8 @@ def _proved(run, params, x, aux, n: int) -> bool:
             return None, flags
         return closed, [False] * extra + flags
 
-    closed, flags = trace(n)
-    if closed is None or not rows_separate(closed, flags, n):
-        return False
-    one = trace(1)[0]  # the batch of one that the kernel's vmap evaluates
-    sized = None if one is None else sized_by_n(closed, one, n, 1)
+    (closed, flags), (one, _) = trace(n), trace(1)  # 1: what the kernel's vmap evaluates
+    sized = None if closed is None or one is None else sized_by_n(closed, one, n, 1)
     return sized is not None and rows_separate(closed, flags, n, sized)
 
 

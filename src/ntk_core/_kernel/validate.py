@@ -150,8 +150,10 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
         interact = _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn)
         if interact:
             how = f" (e.g. {spec.hint})" if spec.hint else ""
-            fix = f"run the model in evaluation mode{how}, or pass vmap_axes=None"
-            fix = "pass vmap_axes=None" if interact == _probe.POSITION else fix
+            mode = (
+                "" if interact == _probe.POSITION else f"run the model in evaluation mode{how}, or "
+            )
+            fix = f"{mode}pass vmap_axes=None"
             raise _checks.samples_interact_error(fn, interact, fix)
         if interact is not None:  # checked: later calls of this signature skip it
             samples[sample_key] = (out_tree, [(o.shape[1:], o.dtype) for o in out_leaves])
