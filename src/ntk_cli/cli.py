@@ -9,10 +9,15 @@ import sys
 _EXTRAS = "Fix: pip install 'ntk-jax[all]'"
 
 
+def _module(name: str):
+    """``ntk_cli.{name}``: the subcommand's options and ``run_args``."""
+    return importlib.import_module(f"{__package__}.{name}")
+
+
 def _subcommand(name: str, args) -> int:
     """Runs ``ntk_cli.{name}.run`` with the parsed options; 2 on a missing extra or bad option."""
     try:  # imports optax, scikit-learn and matplotlib when needed
-        status = importlib.import_module(f"ntk_cli.{name}").run_args(args)
+        status = _module(name).run_args(args)
         return status if isinstance(status, int) else 0  # track: the summary
     except ImportError as e:
         print(f"ntk {name} needs the optional dependencies ({e}). {_EXTRAS}", file=sys.stderr)
@@ -49,7 +54,7 @@ def main(argv=None, *, checks=None) -> int:
         try:
             if name not in given[:1]:
                 raise ImportError
-            module = importlib.import_module(f"ntk_cli.{name}")
+            module = _module(name)
         except ImportError:
             command.add_argument("rest", nargs=argparse.REMAINDER)
         else:

@@ -15,11 +15,13 @@ import numpy as np
 
 import ntk_core
 import ntk_flax
+from ntk_core._errors import must
 
 #: The regression's λ = DIAG_REG · mean(diag K_train); the largest max|K_haiku − K_flax| /
 #: max|K_flax| accepted by the twin check.
 DIAG_REG, TWIN_TOLERANCE = 1e-4, 1e-4
 FILES = ("ntk_train_train.npy", "ntk_test_train.npy", "ntk_demo.png", "summary.json")
+FN = "ntk demo"
 
 
 def load_digits_32(seed: int):
@@ -106,7 +108,7 @@ def make_folder(fn: str, option: str, folder: str) -> None:
 
 def use_compilation_cache(folder: str) -> None:
     """JAX's persistent compilation cache in ``folder``, for every program (JAX: above 1 s)."""
-    make_folder("ntk demo", "--compilation-cache", folder)
+    make_folder(FN, "--compilation-cache", folder)
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -120,12 +122,12 @@ def run(out, n_train, seed, implementation, progress, compilation_cache=None) ->
     from ntk_core._blocked.progress import NO_BAR, progress_bar
 
     t_start = time.perf_counter()
-    make_folder("ntk demo", "--out", out)
+    make_folder(FN, "--out", out)
     if compilation_cache:
         use_compilation_cache(compilation_cache)
     images, labels = load_digits_32(seed)
     if not 0 < n_train < len(images):
-        raise ValueError(f"ntk demo: --n-train must be in [1, {len(images) - 1}], got {n_train}.")
+        raise must(ValueError, FN, "--n-train", f"in [1, {len(images) - 1}]", n_train, eg=1000)
     x_train, y_train = images[:n_train], labels[:n_train]
     x_test, y_test = images[n_train:], labels[n_train:]
 
@@ -136,12 +138,12 @@ def run(out, n_train, seed, implementation, progress, compilation_cache=None) ->
     kernel = ntk_flax.kernel_fn(model, implementation=implementation)
     chosen = kernel.implementation_for(variables, x_test, x_train)
 
-    print(f"ntk demo: LeNet (C1), {n_train} train / {len(x_test)} test digits, {device()}")
+    print(f"{FN}: LeNet (C1), {n_train} train / {len(x_test)} test digits, {device()}")
     print(f"implementation: {implementation!r} -> {chosen}")
     n_check = min(128, n_train)
     steps = ["train x train NTK", "test x train NTK", "Haiku twin check", "kernel regression"]
     timings = {}
-    bar = progress_bar("ntk demo", progress, len(steps), unit="step") or NO_BAR
+    bar = progress_bar(FN, progress, len(steps), unit="step") or NO_BAR
 
     def timed(name, compute, *args):
         bar.set_description(name)

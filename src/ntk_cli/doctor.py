@@ -23,14 +23,14 @@ def _twins(out_features: int, model: str):
         haiku_lenet = functools.partial(ntk_haiku.lenet, out_features=out_features)
         return ntk_flax.LeNet(out_features), haiku_lenet
 
-    class Small(nn.Module):
+    class Small(nn.Module):  # Flax names the layers Conv_0 and Dense_0; both pad "SAME"
         @nn.compact
         def __call__(self, x):
-            x = nn.relu(nn.Conv(2, (5, 5), padding="SAME", name="Conv_0")(x))
-            return nn.Dense(out_features, name="Dense_0")(x.reshape((x.shape[0], -1)))
+            x = nn.relu(nn.Conv(2, (5, 5))(x))
+            return nn.Dense(out_features)(x.reshape((x.shape[0], -1)))
 
-    def small(x):
-        x = jax.nn.relu(hk.Conv2D(2, 5, padding="SAME", name="Conv_0")(x))
+    def small(x):  # the Flax names, so that the transplant keeps them
+        x = jax.nn.relu(hk.Conv2D(2, 5, name="Conv_0")(x))
         return hk.Linear(out_features, name="Dense_0")(x.reshape((x.shape[0], -1)))
 
     return Small(), small

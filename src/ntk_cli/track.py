@@ -5,17 +5,18 @@ serve ``examples/track_digits_nnx.py`` and ``examples/checkpoints_digits_haiku.p
 from __future__ import annotations
 
 import argparse
-import collections
 import inspect
 import json
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import ntk_core
+from ntk_core._errors import must
 from ntk_core._kernel.options import DEFAULTS
 
 #: Classes, held-out test samples, and the figure and summary written in ``--out``.
@@ -23,8 +24,15 @@ N_CLASSES, N_TEST, FIGURE, SUMMARY = 10, 297, "ntk_track.png", "summary.json"
 FN = "ntk track"
 
 
-#: Training, test and probe sets (the first P training samples, one-hot labels (P, 10)).
-Digits = collections.namedtuple("Digits", "x_train y_train x_test y_test x_probe y_probe")
+class Digits(NamedTuple):
+    """Training, test and probe sets (the first P training samples, one-hot labels (P, 10))."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    x_probe: np.ndarray
+    y_probe: np.ndarray
 
 
 def digits(seed: int, probe: int, fn: str = FN) -> Digits:
@@ -34,7 +42,7 @@ def digits(seed: int, probe: int, fn: str = FN) -> Digits:
     images, labels = load_digits_32(seed)
     n_train = len(images) - N_TEST
     if not 2 <= probe <= n_train:
-        raise ValueError(f"{fn}: --probe must be in [2, {n_train}], got {probe}.")
+        raise must(ValueError, fn, "--probe", f"in [2, {n_train}]", probe, eg=200)
     x_train, y_train = images[:n_train], labels[:n_train]
     one_hot = np.eye(N_CLASSES, dtype=np.float32)[y_train[:probe]]
     return Digits(x_train, y_train, images[n_train:], labels[n_train:], x_train[:probe], one_hot)
@@ -148,10 +156,13 @@ def run(
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(lr))
     x_train, y_train = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
 
+    def apply(params, x):
+        return model.apply({"params": params}, x)
+
     @jax.jit
     def train_step(state, idx):
         def loss_fn(p):
-            logits = state.apply_fn({"params": p}, x_train[idx])
+            logits = apply(p, x_train[idx])
             return optax.softmax_cross_entropy_with_integer_labels(logits, y_train[idx]).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
@@ -181,7 +192,7 @@ def run(
                 bar.update()
     if bar is not None:
         bar.close()
-    logits = jax.jit(model.apply)({"params": state.params}, jnp.asarray(data.x_test))
+    logits = jax.jit(apply)(state.params, jnp.asarray(data.x_test))
     accuracy = float(np.mean(np.argmax(np.asarray(logits), axis=1) == data.y_test))
     summary = dict(framework="flax.linen", steps=steps, every=every, probe=probe, batch=batch)
     summary.update(learning_rate=lr, seed=seed, implementation=chosen, test_accuracy=accuracy)

@@ -97,7 +97,7 @@ def _make(kind: Kind, caller: Caller, apply_fn, options: dict) -> KernelFunction
     """The kernel function of ``apply_fn`` for the public function ``caller``."""
     fn_name, kind = caller.name, Kind(kind)
     check_apply_fn(fn_name, apply_fn)
-    opts = make_options(fn_name, **{k: v for k, v in options.items() if k != "apply_fn"})
+    opts = make_options(fn_name, **_options(options))
     check = params_check(fn_name, apply_fn)
     engine = Engine(Spec(fn_name, kind, from_apply_fn(apply_fn), opts, check, caller=caller))
 

@@ -267,7 +267,7 @@ def backend_check() -> Check:
     def run() -> CheckResult:
         device = jax.devices()[0]
         info = _environment.parse_platform_version(device.client.platform_version, device.platform)
-        if _environment.refusal(info, "ntk doctor") is not None:
+        if _environment.refusal(info) is not None:
             return CheckResult("", "fail", f"{info.text} found", _environment.CUDA_FIX)
         note = _environment.unverified(info, device.platform)
         return CheckResult("", "pass", info.text + (f"; {note}" if note else ""))

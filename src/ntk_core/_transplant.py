@@ -106,9 +106,9 @@ def _pairs(fn, layers: Mapping, modules: Mapping) -> dict:
     """``{haiku module: flax layer}``, paired kind by kind in order, each pair checked."""
     flax_kinds, haiku_kinds = _by_kind(layers, _KERNEL), _by_kind(modules, _W)
     if {r: len(n) for r, n in flax_kinds.items()} != {r: len(n) for r, n in haiku_kinds.items()}:
-        what = f"got {len(layers)} Flax layers ({_listed(flax_kinds)}) but {len(modules)} Haiku "
-        fix = "build the Haiku model from the same layers (hk.Linear for nn.Dense, ConvND for Conv)"
-        raise bad(ValueError, fn, what + f"modules ({_listed(haiku_kinds)})", fix)
+        flax, haiku = _listed(flax_kinds), _listed(haiku_kinds)
+        what = f"got {len(layers)} Flax layers ({flax}) but {len(modules)} Haiku modules ({haiku})"
+        raise bad(ValueError, fn, what, "build the Haiku model from the same layers")
     keys = list(map(str, layers))
     sorted_keys, pairs = keys == sorted(keys), {}  # creation order may be lost (not Haiku's:
     for rank, flax_names in flax_kinds.items():  # it numbers every name it repeats)
@@ -132,8 +132,9 @@ def _flax_layers(fn, flax_params, require_kernel: bool) -> Mapping:
         raise must(TypeError, fn, "flax_params", "a Flax params collection", got, _PARAMS)
     inner = flax_params.get("params")
     if isinstance(inner, Mapping) and any(isinstance(v, Mapping) for v in inner.values()):
-        what = f"got a Flax variables dict (collections {sorted(map(str, flax_params))}); "
-        raise bad(ValueError, fn, what + "expected its 'params' collection", _PARAMS)
+        keys = sorted(map(str, flax_params))
+        what = f"got a Flax variables dict (collections {keys}); expected its 'params' collection"
+        raise bad(ValueError, fn, what, _PARAMS)
     for layer, leaves in flax_params.items():
         if not isinstance(leaves, Mapping):
             what = f"Flax layer {layer!r} holds a {type(leaves).__name__}, not a mapping"
@@ -155,9 +156,8 @@ def _flax_layers(fn, flax_params, require_kernel: bool) -> Mapping:
 def _haiku_modules(fn, haiku_params) -> Mapping:
     """``haiku_params`` after checking it holds only ``hk.Linear``/``hk.ConvND``."""
     if not isinstance(haiku_params, Mapping):
-        got = type(haiku_params).__name__
-        what = f"haiku_params must be the Haiku model's params dict, got {got}"
-        raise bad(TypeError, fn, what, "pass params from transformed.init(key, x)")
+        got, fix = type(haiku_params).__name__, "pass params from transformed.init(key, x)"
+        raise must(TypeError, fn, "haiku_params", "the Haiku model's params dict", got, fix)
     for module, leaves in haiku_params.items():
         held = sorted(map(str, leaves)) if isinstance(leaves, Mapping) else None
         if held is None or set(held) - set(_HAIKU_TO_FLAX) or _W not in held:
@@ -217,8 +217,7 @@ def _check_pair(fn, layer, flax_leaves, module, haiku_leaves, index, count) -> N
     if (_BIAS in flax_leaves) != (_B in haiku_leaves):
         with_bias, without = (layer, module) if _BIAS in flax_leaves else (module, layer)
         what = f"{where}: {with_bias!r} has a bias and {without!r} has none"
-        fix = "match use_bias= of the Flax layer and with_bias= of the Haiku module"
-        raise bad(ValueError, fn, what, fix)
+        raise bad(ValueError, fn, what, "match use_bias= (Flax) and with_bias= (Haiku)")
     for flax_name, haiku_name in _FLAX_TO_HAIKU.items():
         if flax_name not in flax_leaves:
             continue

@@ -19,13 +19,13 @@ def pytest_addoption(parser):
 def pytest_report_header(config):
     from importlib import metadata
 
-    versions = []
-    for name in ("ntk-jax", "jax", "jaxlib"):
+    def version(name):
         try:
-            versions.append(f"{name} {metadata.version(name)}")
+            return metadata.version(name)
         except metadata.PackageNotFoundError:
-            versions.append(f"{name} not installed")
-    return ", ".join(versions)
+            return "not installed"
+
+    return ", ".join(f"{name} {version(name)}" for name in ("ntk-jax", "jax", "jaxlib"))
 
 
 @pytest.fixture

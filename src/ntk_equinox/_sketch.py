@@ -4,11 +4,12 @@ would use (``wrt=`` on the module's attribute paths)."""
 
 from __future__ import annotations
 
-from ntk_core.adapters import checked_arguments, sketch
+from ntk_core.adapters import sketch
 from ntk_equinox._kernel import _kernel_fn
+from ntk_equinox._statistics import public
 
 
-@checked_arguments("ntk_equinox.ntk_sketch_fn")
+@public
 def ntk_sketch_fn(model, *, k, key, **options):
     """:func:`ntk_sketch`'s features built once for models shaped like ``model``:
     ``features(model, x)`` -> Φ ``(N1, k)`` for N1 samples (``(N1, O, k)`` with
@@ -28,7 +29,7 @@ def ntk_sketch_fn(model, *, k, key, **options):
     return sketch(_kernel_fn(ntk_sketch_fn, model, options, built=True), k=k, key=key)
 
 
-@checked_arguments("ntk_equinox.ntk_sketch")
+@public
 def ntk_sketch(model, x1, x2=None, *, k, key, **options):
     """The sketched eNTK Θ̂(x1, x2) = Φ(x1) Φ(x2)ᵀ of an ``eqx.Module``, unbiased. Args: as
     :func:`ntk_sketch_fn` (x1: N1 samples, x2: N2 or None). Returns: an ``NTKSketch(kernel,

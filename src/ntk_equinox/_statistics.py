@@ -5,18 +5,19 @@ ones through ``ntk_core.adapters.matrix_free``, on the kernel function
 from __future__ import annotations
 
 from ntk_core.adapters import checked_arguments, matrix_free
-from ntk_equinox._kernel import _kernel_fn
+from ntk_equinox._kernel import _PACKAGE, _kernel_fn
 
 
 def _statistic(fn, model, x, options: dict, **arguments):
     return matrix_free(fn.__name__, _kernel_fn(fn, model, options), model, x, **arguments)
 
 
-def _public(fn):
-    return checked_arguments(f"ntk_equinox.{fn.__name__}")(fn)
+def public(fn):
+    """``checked_arguments`` naming ``ntk_equinox.<fn.__name__>``."""
+    return checked_arguments(f"{_PACKAGE}.{fn.__name__}")(fn)
 
 
-@_public
+@public
 def ntk_trace(model, x, **options):
     """tr Θ(x, x) = Σ_i Σ_a ‖∂f_a(x_i)/∂θ‖² of an ``eqx.Module``, exact, O(N), a float.
 
@@ -33,7 +34,7 @@ def ntk_trace(model, x, **options):
     return _statistic(ntk_trace, model, x, options)
 
 
-@_public
+@public
 def ntk_frobenius_sq(model, x, *, key, m=None, **options):
     """‖Θ‖²_F of Θ(x, x) of an ``eqx.Module`` by Hutch++, unbiased, with its standard error
     (:func:`ntk_core.spectrum.ntk_frobenius_sq`). Args: as :func:`ntk_trace`; ``key`` a
@@ -45,7 +46,7 @@ def ntk_frobenius_sq(model, x, *, key, m=None, **options):
     return _statistic(ntk_frobenius_sq, model, x, options, key=key, m=m)
 
 
-@_public
+@public
 def ntk_effective_rank(model, x, *, key, m=None, steps=None, **options):
     """The effective rank of Θ(x, x) of an ``eqx.Module`` by stochastic Lanczos quadrature
     (:func:`ntk_core.spectrum.ntk_effective_rank`). Args: as :func:`ntk_frobenius_sq`, ``m``
@@ -56,7 +57,7 @@ def ntk_effective_rank(model, x, *, key, m=None, steps=None, **options):
     return _statistic(ntk_effective_rank, model, x, options, key=key, m=m, steps=steps)
 
 
-@_public
+@public
 def ntk_kernel_alignment(model, x, y, *, key, m=None, **options):
     """Kernel-target alignment of Θ(x, x) of an ``eqx.Module``, estimated
     (:func:`ntk_core.spectrum.ntk_kernel_alignment`). Args: as :func:`ntk_frobenius_sq`, ``y``

@@ -120,14 +120,14 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
         try:
             jax.eval_shape(apply_fn(rngs), variables, x1)
         except flax.errors.InvalidRngError as e:
-            or_rngs = "" if caller.monte_carlo else ", or rngs={'dropout': key}"
-            fix = f"run it deterministically (e.g. {_EVAL}){or_rngs}"
+            fix = f"pass {_EVAL}" + ("" if caller.monte_carlo else " or rngs={'dropout': key}")
             raise bad(ValueError, fn_name, f"the model needs a random key ({e})", fix) from None
         except flax.errors.ModifyScopeVariableError as e:
             if vmap_axes is not None:
-                what = f"the model updates its variables when applied ({e}), as BatchNorm in "
-                fix = f"apply it in evaluation mode (e.g. {_EVAL}), or pass vmap_axes=None"
-                raise bad(ValueError, fn_name, what + "training mode does", fix) from None
+                what = f"the model updates its variables ({e}), as BatchNorm in training mode does"
+                raise bad(
+                    ValueError, fn_name, what, f"use {_EVAL}, or pass vmap_axes=None"
+                ) from None
         except flax.errors.ScopeCollectionNotFound as e:
             misread = read.misread(variables, x1, rngs, e)
             raise misread or _missing_collections(fn_name, variables, init_fn(rngs), x1) from None

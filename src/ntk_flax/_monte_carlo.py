@@ -88,16 +88,12 @@ def monte_carlo_kernels(
         return _nnx_monte_carlo(fn, model, method, apply_kwargs, inputs, args)
     x_init, kw = spread(fn, inputs, jax.tree.map(lambda a: a[:1], x1))
     init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
-    init = checked_init(
-        fn,
-        jax.jit(lambda k: model.init(k, *x_init, method=method, **kw, **init_kwargs)),
-        "model.init(key, x1[:1])",
-        "the module's __call__, traced under jax.jit",
-        "check x1's per-sample shape; init_kwargs={...} gives model.init other keyword arguments",
-    )
+    init = jax.jit(lambda k: model.init(k, *x_init, method=method, **kw, **init_kwargs))
+    fix = "check x1's per-sample shape; init_kwargs={...} gives model.init other keyword arguments"
+    init = checked_init(fn, init, "model.init(key, x1[:1])", "the module's __call__", fix)
 
     def kernels(kind, kind_options):  # errors name fn
-        return make(_CALLER, kind, model, {**kind_options, "inputs": inputs}, method, apply_kwargs)
+        return make(_CALLER, kind, model, dict(kind_options, inputs=inputs), method, apply_kwargs)
 
     return monte_carlo_mean(fn, init, kernels, *args)
 
@@ -130,12 +126,8 @@ def _nnx_monte_carlo(fn, build, method, apply_kwargs, inputs, args) -> Kernels:
         raise bad(ValueError, fn, what, "build it with its trainable layers")
     # Each sample's whole state: its parameters, and its other state (statistics,
     # buffers drawn from rngs, RNG state) as that initialisation made them.
-    state_of = checked_init(
-        fn,
-        jax.jit(lambda k: nnx.split(build(nnx.Rngs(k)), nnx.Param, ...)[1:]),
-        "model(nnx.Rngs(key))",
-        "the function building the module, traced under jax.jit",
-    )
+    split = jax.jit(lambda k: nnx.split(build(nnx.Rngs(k)), nnx.Param, ...)[1:])
+    state_of = checked_init(fn, split, "model(nnx.Rngs(key))", "the function building the module")
     if n_samples >= 2:  # a builder that ignores its rngs makes every sample the same
         keys = jax.random.split(key, 2)
         first, second = (map(_comparable, jax.tree.leaves(state_of(k))) for k in keys)

@@ -16,6 +16,7 @@ from flax import nnx
 from ntk_core.adapters import Caller, PureModel, bad, build_kernel, check_apply_kwargs
 from ntk_core.adapters import inputs_failure as failure
 from ntk_core.adapters import spread_inputs as spread
+from ntk_flax._variables import shown
 
 PARAM, DETERMINISTIC, TRAIN_OFF = "nnx.Param state", "{'deterministic': True}", "{'train': False}"
 
@@ -27,10 +28,6 @@ def _method(fn_name: str, model, method) -> str:
         what = f"method must name a method of the nnx module {type(model).__name__}, got {method!r}"
         raise bad(TypeError, fn_name, what, "pass its name, or method=None for __call__")
     return method
-
-
-def _shown(items: list, limit: int) -> str:
-    return ", ".join(items[:limit]) + (", ..." if len(items) > limit else "")
 
 
 #: ``nnx.Variable``, and flax < 0.12's separate ``nnx.VariableState`` (0.12: a lazy alias).
@@ -130,10 +127,8 @@ def _refuse_state_changes(fn_name: str, changed: list | None, module, monte_carl
         fix = (
             f"its layers are in evaluation mode, so let __call__ take the switch and pass {switch}"
         )
-    shown = (
-        [f"{kind.__name__} at {path}" for path, kind in changed] if changed else ["its structure"]
-    )
-    what = f"the nnx module changes its own state when called ({_shown(shown, 3)})"
+    writes = [f"{kind.__name__} at {path}" for path, kind in changed or ()] or ["its structure"]
+    what = f"the nnx module changes its own state when called ({shown(writes)})"
     raise bad(ValueError, fn_name, what, fix, see="nnx-state")
 
 
@@ -191,7 +186,7 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs
             fix = "pass nnx.state(model, nnx.Param) of this model, or None for its own"
             leaves = jax.tree_util.tree_leaves_with_path(params)
             if jax.tree.structure(variables) != jax.tree.structure(params):
-                paths = _shown([jax.tree_util.keystr(p) for p, _ in leaves], 4)
+                paths = shown([jax.tree_util.keystr(p) for p, _ in leaves], 4)
                 what = f"variables do not have the structure of the module's {PARAM} [{paths}]"
                 raise bad(ValueError, fn_name, what, fix + " (a dict: nnx.replace_by_pure_dict)")
             wrong = [
@@ -201,7 +196,7 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs
             ]
             if wrong:
                 what = f"variables do not have the shapes of the module's {PARAM}: "
-                raise bad(ValueError, fn_name, what + _shown(wrong, 3), fix)
+                raise bad(ValueError, fn_name, what + shown(wrong, 3), fix)
             params = variables
         return params, (graphdef, rest)
 

@@ -5,14 +5,15 @@ function :func:`ntk_flax.kernel` would use (so ``wrt=`` takes Flax paths and nnx
 from __future__ import annotations
 
 from ntk_core.adapters import Caller, cached, matrix_free
-from ntk_flax._kernel import make, public
+from ntk_flax._kernel import _PACKAGE, make, public
 
 _ORDER = "(model, variables, x)"
 
 
-def _statistic(name: str, model, variables, x, method, apply_kwargs, rngs, options, **arguments):
-    """``name`` of the model's Θ(x, x), its kernel function cached per model and options."""
-    caller = Caller(f"ntk_flax.{name}", _ORDER, "the model", package="ntk_flax")
+def _statistic(fn, model, variables, x, method, apply_kwargs, rngs, options, **arguments):
+    """``fn``'s statistic of the model's Θ(x, x), its kernel function cached per model, options."""
+    name = fn.__name__
+    caller = Caller(f"{_PACKAGE}.{name}", _ORDER, "the model", package=_PACKAGE)
 
     def build():
         return make(caller, "ntk", model, options, method, apply_kwargs)
@@ -38,7 +39,7 @@ def ntk_trace(model, variables, x, *, method=None, apply_kwargs=None, rngs=None,
 
     References: Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018.
     """
-    return _statistic("ntk_trace", model, variables, x, method, apply_kwargs, rngs, options)
+    return _statistic(ntk_trace, model, variables, x, method, apply_kwargs, rngs, options)
 
 
 @public
@@ -63,7 +64,7 @@ def ntk_frobenius_sq(
     References: Meyer, Musco, Musco, Woodruff, "Hutch++", SOSA 2021.
     """
     args = (model, variables, x, method, apply_kwargs, rngs, options)
-    return _statistic("ntk_frobenius_sq", *args, key=key, m=m)
+    return _statistic(ntk_frobenius_sq, *args, key=key, m=m)
 
 
 @public
@@ -81,7 +82,7 @@ def ntk_effective_rank(
     References: Ubaru, Chen, Saad, SIAM J. Matrix Anal. Appl. 2017; Roy, Vetterli 2007.
     """
     args = (model, variables, x, method, apply_kwargs, rngs, options)
-    return _statistic("ntk_effective_rank", *args, key=key, m=m, steps=steps)
+    return _statistic(ntk_effective_rank, *args, key=key, m=m, steps=steps)
 
 
 @public
@@ -98,4 +99,4 @@ def ntk_kernel_alignment(
     References: Cristianini et al., NIPS 2001; Meyer et al., SOSA 2021.
     """
     args = (model, variables, x, method, apply_kwargs, rngs, options)
-    return _statistic("ntk_kernel_alignment", *args, key=key, m=m, y=y)
+    return _statistic(ntk_kernel_alignment, *args, key=key, m=m, y=y)

@@ -31,10 +31,10 @@ def _keys(mapping: Mapping) -> list:
         return list(mapping)
 
 
-def _shown(paths, limit: int = 3) -> str:
-    paths = sorted(paths)
-    more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
-    return ", ".join(paths[:limit]) + more
+def shown(items: list, limit: int = 3) -> str:
+    """The first ``limit`` of ``items``, and how many more."""
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
 
 
 def _one_sample(x1):
@@ -170,17 +170,17 @@ class VariablesReader:
             return None  # a variables dict after all: another failure
         what = "variables is this model's bare params dict, whose top-level layer is named 'params'"
         what += f" (the model failed with {type(error).__name__})"
-        return bad(ValueError, self._fn_name, what, "rename that layer", see="flax-variables")
+        return self._refused(what, "rename that layer")
 
     def _foreign(self, given: Mapping, want: frozenset) -> ValueError:
         lacking = sorted(want - _paths(given))
-        n = f"{len(lacking)} of the {len(want)} parameters model.init makes ({_shown(lacking)})"
+        n = f"{len(lacking)} of the {len(want)} parameters model.init makes ({shown(lacking)})"
         what = f"variables has no 'params' collection (keys {_keys(given)}) and lacks {n}"
         fix = "pass this model's model.init(key, x), its ['params'] or its TrainState"
         if not want:
             what = f"the model has no parameters (model.init makes none; variables: {_keys(given)})"
             fix = "give the model a layer with parameters: the NTK differentiates by them"
-        return bad(ValueError, self._fn_name, what, fix, see="flax-variables")
+        return self._refused(what, fix)
 
     def _refuse_lacking(self, read, x1, rngs, lacking, made_key, state) -> None:
         """Raises if the model reads a collection in ``lacking`` (abstract apply without them)."""
@@ -201,8 +201,11 @@ class VariablesReader:
             return
         what = "a bare params dict" if state is None else f"a {type(state).__name__}"
         what = f"variables is {what} without the collection(s) {lacking}, which the model reads"
-        fix = f"pass {entries(lacking)} or a TrainState that carries them"
-        raise bad(ValueError, self._fn_name, what, fix, see="flax-variables")
+        raise self._refused(what, f"pass {entries(lacking)} or a TrainState that carries them")
+
+    def _refused(self, what: str, fix: str) -> ValueError:
+        """The ValueError of variables this model cannot read (docs/errors.md#flax-variables)."""
+        return bad(ValueError, self._fn_name, what, fix, see="flax-variables")
 
 
 def entries(collections: list) -> str:  # {'params': ..., 'batch_stats': ...}

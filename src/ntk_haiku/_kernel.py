@@ -123,11 +123,7 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
     def to_core(params, state=None, rng=None):
         """``(params, (state, rng))`` for the core, checked against the transform."""
         check_state_and_rng(fn_name, with_state, takes_rng, state, rng)
-        if not isinstance(params, Mapping):
-            what = (
-                f"params must be the dict returned by transformed.init, got {type(params).__name__}"
-            )
-            raise bad(TypeError, fn_name, what, f"pass it; the argument order is {caller.order}")
+        check_params(fn_name, "params", params, f"pass it; the argument order is {caller.order}")
         leaves = jax.tree.leaves(params)
         if any(hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.integer) for v in leaves):
             what = "params holds integer arrays, as Haiku state does (a counter)"
@@ -136,6 +132,13 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
 
     pure = PureModel(apply3, to_core, ("state", "rng"), check, f"apply_kwargs={_EVAL}")
     return build_kernel(caller, kind, pure, options)
+
+
+def check_params(fn_name: str, name: str, params, fix: str) -> None:
+    """Refuses ``params`` (named ``name``) that are not a mapping, as ``transformed.init``'s."""
+    if not isinstance(params, Mapping):
+        what = f"{name} must be the dict returned by transformed.init, got {type(params).__name__}"
+        raise bad(TypeError, fn_name, what, fix)
 
 
 def check_state_and_rng(fn_name, with_state, takes_rng, state, rng) -> None:

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-from ntk_core.adapters import bad, check_apply_kwargs, check_degree, expansion
+from ntk_core.adapters import check_apply_kwargs, check_degree, expansion
 from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_haiku import _kernel
 
@@ -18,11 +18,7 @@ def _expanded(fn: Callable, degree: int, transformed, params0, state, rng, apply
     inputs = check_inputs(fn_name, inputs)
     apply3, with_state, takes_rng = _kernel._model_apply(transformed, apply_kwargs, inputs, fn_name)
     _kernel.check_state_and_rng(fn_name, with_state, takes_rng, state, rng)
-    if not isinstance(params0, Mapping):
-        what = "params0 must be the dict returned by transformed.init, got "
-        raise bad(
-            TypeError, fn_name, what + type(params0).__name__, f"pass params0 = {_kernel._INIT}"
-        )
+    _kernel.check_params(fn_name, "params0", params0, f"pass params0 = {_kernel._INIT}")
 
     def apply(params, x):
         return apply3(params, x, (state, rng))

@@ -72,16 +72,13 @@ def monte_carlo_kernels(
     x_init, kw = spread(fn, check_inputs(fn, inputs), x_init)  # TypeError: x1 of another kind
     init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
 
-    init = checked_init(
-        fn,
-        jax.jit(lambda k: transformed.init(k, *x_init, **kw, **init_kwargs)),
-        f"transformed.init(key, x1{'' if with_state else '[:1]'})",
-        "the forward function, traced under jax.jit",
-        "check x1's per-sample shape; hk.BatchNorm needs init_kwargs={'is_training': True}",
-    )
+    init = jax.jit(lambda k: transformed.init(k, *x_init, **kw, **init_kwargs))
+    call = f"transformed.init(key, x1{'' if with_state else '[:1]'})"
+    fix = "check x1's per-sample shape; hk.BatchNorm needs init_kwargs={'is_training': True}"
+    init = checked_init(fn, init, call, "the forward function", fix)
 
     def kernels(kind, kind_options):  # of one initialisation, init(k); errors name fn
-        built = make(_CALLER, kind, transformed, {**kind_options, "inputs": inputs}, apply_kwargs)
+        built = make(_CALLER, kind, transformed, dict(kind_options, inputs=inputs), apply_kwargs)
 
         def of(out, x1, x2):
             params, state = out if with_state else (out, None)

@@ -5,14 +5,15 @@ ones through ``ntk_core.adapters.matrix_free``, on the kernel function
 from __future__ import annotations
 
 from ntk_core.adapters import Caller, cached, matrix_free
-from ntk_haiku._kernel import make, public
+from ntk_haiku._kernel import _PACKAGE, make, public
 
 _ORDER = "(transformed, params, x)"
 
 
-def _statistic(name: str, transformed, params, x, state, rng, apply_kwargs, options, **arguments):
-    """``name`` of the model's Θ(x, x), its kernel function cached per model and options."""
-    caller = Caller(f"ntk_haiku.{name}", _ORDER, "the model", package="ntk_haiku")
+def _statistic(fn, transformed, params, x, state, rng, apply_kwargs, options, **arguments):
+    """``fn``'s statistic of the model's Θ(x, x), its kernel function cached per model, options."""
+    name = fn.__name__
+    caller = Caller(f"{_PACKAGE}.{name}", _ORDER, "the model", package=_PACKAGE)
 
     def build():
         return make(caller, "ntk", transformed, options, apply_kwargs)
@@ -38,7 +39,7 @@ def ntk_trace(transformed, params, x, *, state=None, rng=None, apply_kwargs=None
 
     References: Jacot, Gabriel, Hongler, "Neural Tangent Kernel", NeurIPS 2018.
     """
-    return _statistic("ntk_trace", transformed, params, x, state, rng, apply_kwargs, options)
+    return _statistic(ntk_trace, transformed, params, x, state, rng, apply_kwargs, options)
 
 
 @public
@@ -63,7 +64,7 @@ def ntk_frobenius_sq(
     References: Meyer, Musco, Musco, Woodruff, "Hutch++", SOSA 2021.
     """
     args = (transformed, params, x, state, rng, apply_kwargs, options)
-    return _statistic("ntk_frobenius_sq", *args, key=key, m=m)
+    return _statistic(ntk_frobenius_sq, *args, key=key, m=m)
 
 
 @public
@@ -81,7 +82,7 @@ def ntk_effective_rank(
     References: Ubaru, Chen, Saad, SIAM J. Matrix Anal. Appl. 2017; Roy, Vetterli 2007.
     """
     args = (transformed, params, x, state, rng, apply_kwargs, options)
-    return _statistic("ntk_effective_rank", *args, key=key, m=m, steps=steps)
+    return _statistic(ntk_effective_rank, *args, key=key, m=m, steps=steps)
 
 
 @public
@@ -98,4 +99,4 @@ def ntk_kernel_alignment(
     References: Cristianini et al., NIPS 2001; Meyer et al., SOSA 2021.
     """
     args = (transformed, params, x, state, rng, apply_kwargs, options)
-    return _statistic("ntk_kernel_alignment", *args, key=key, m=m, y=y)
+    return _statistic(ntk_kernel_alignment, *args, key=key, m=m, y=y)

@@ -102,7 +102,7 @@ def test_dict_inputs_of_other_keys_are_not_taken_for_parameters():
     (a typo in x2) get the structure message."""
     xd1 = {"a": X1, "b": X1[:, :2]}
     xd2 = {"a": X2, "c": X2[:, :2]}
-    with pytest.raises(ValueError, match=r"x1 and x2 have different pytree structures"):
+    with pytest.raises(ValueError, match=r"x1 and x2 differ per sample"):
         ntk_core.monte_carlo_kernels(
             init_fn, lambda p, x: apply_fn(p, x["a"]), xd1, xd2, key=jax.random.PRNGKey(0),
             n_samples=2,

@@ -226,7 +226,7 @@ def test_refusals_before_anything_is_computed(tmp_path, monkeypatch):
     os.unlink(path[:-4] + ".ntk.sum-a.npy")
     os.mkdir(path[:-4] + ".ntk.sum-a.npy")
     with pytest.raises(
-        ValueError, match=r"^monte_carlo_kernels: out=.* writes .*sum-a.npy'?, which is a folder"
+        ValueError, match=r"^monte_carlo_kernels: out=.*: .*sum-a.npy'? is a folder, not a file"
     ):
         _mc(out=path, overwrite=True)
     os.rmdir(path[:-4] + ".ntk.sum-a.npy")

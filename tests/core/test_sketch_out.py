@@ -220,7 +220,7 @@ def test_refusals_before_anything_is_computed(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"^ntk_sketch_fn: out='phi.npy' writes blocks of rows to a file, but batch_size "
-        r"is None\. Fix: pass a batch_size, e.g\. batch_size=1024",
+        r"is None\. Fix: pass a batch_size, e.g\. 1024",
     ):
         ntk_core.ntk_sketch_fn(f, k=8, key=KEY, out="phi.npy")
     with pytest.raises(

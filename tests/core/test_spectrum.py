@@ -343,7 +343,7 @@ BAD = [
     (
         lambda: spectrum.ntk_eigsh(mlp, _params(), _inputs(5), k=2, which="LM"),
         ValueError,
-        "ntk_eigsh: which must be one of 'LA', 'SA', got 'LM'",
+        "ntk_eigsh: which must be 'LA' or 'SA', got 'LM'",
     ),
     (
         lambda: spectrum.ntk_eigsh(mlp, _params(), np.ones((0, D))),

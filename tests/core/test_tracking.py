@@ -207,7 +207,7 @@ KERNEL = ntk_core.ntk_fn(apply_fn)
         (dict(every=1, top_k=0), ValueError, r"^KernelTracker: top_k must be a positive int"),
         (dict(every=1, top_k=2.0), TypeError, r"^KernelTracker: top_k must be a positive int"),
         (dict(every=1, keep_kernels=1), TypeError, r"^KernelTracker: keep_kernels must be True"),
-        (dict(every=1, y=np.ones((N + 1, O))), ValueError, r"^KernelTracker: y has shape \(9, 2\); expected"),
+        (dict(every=1, y=np.ones((N + 1, O))), ValueError, r"^KernelTracker: y has shape \(9, 2\), not \(8,\)"),
         (dict(every=1, y=np.ones((N, O, 1))), ValueError, r"^KernelTracker: y has shape \(8, 2, 1\)"),
         (dict(every=1, y=np.array(["a"] * N)), TypeError, r"^KernelTracker: y must be real numbers"),
         (dict(every=1, y=np.full(N, np.nan)), ValueError, r"^KernelTracker: y contains NaN"),
@@ -245,7 +245,7 @@ def test_update_errors():
     full = ntk_core.ntk_fn(apply_fn, trace_axes=())  # (N, N, O, O): y must be (N, O)
     with pytest.raises(
         ValueError,
-        match=r"^KernelTracker.update: the kernel has shape \(8, 8, 2, 2\) .*y must have shape \(N, O\) = \(8, 2\), got \(8,\).*Fix:",
+        match=r"^KernelTracker.update: y has shape \(8,\); the kernel \(8, 8, 2, 2\) needs \(N, O\) = \(8, 2\).*Fix:",
     ):
         ntk_core.KernelTracker(full, X, Y[:, 0], every=1).update(0, params)
     with pytest.raises(
@@ -261,6 +261,6 @@ def test_update_errors():
     ):
         ntk_core.KernelTracker(lambda p, x: {"k": KERNEL(p, x)}, X, every=1).update(0, params)
     tracker = ntk_core.KernelTracker(lambda p, x: KERNEL(p, x).at[0, 1].add(1.0), X, every=1)
-    with pytest.raises(ValueError, match=r"^KernelTracker.update: the kernel is not symmetric"):
+    with pytest.raises(ValueError, match=r"^KernelTracker.update: kernel is not symmetric"):
         tracker.update(0, params)
     assert tracker.records == [] and tracker.initial_kernel is None

@@ -114,7 +114,7 @@ KEY = jax.random.PRNGKey(0)
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(m=2, key=KEY), ValueError, r"^KernelTracker: m must be an int >= 4, got 2"),
+        (dict(m=2, key=KEY), ValueError, r"^KernelTracker: m must be an int >= 40, got 2"),
         (dict(m=60), TypeError, r"^KernelTracker: key must be one JAX PRNG key, got NoneType"),
         (dict(key=KEY), ValueError, r"^KernelTracker: key is given but m is None"),
         (dict(m=60, key=KEY, keep_kernels=True), ValueError, r"^KernelTracker: keep_kernels=True with m=60"),
@@ -130,7 +130,7 @@ def test_constructor_errors(kwargs, error, match):
 @pytest.mark.parametrize(
     "kernel_fn, error, match",
     [
-        (ntk_core.ntk_fn(apply_fn), ValueError, r"^KernelTracker.update: the kernel function has trace_axes=\(-1,\)"),
+        (ntk_core.ntk_fn(apply_fn), ValueError, r"^KernelTracker.update: matrix-free tracking needs the full kernel, got trace_axes=\(-1,\)"),
         (ntk_core.nngp_fn(apply_fn, trace_axes=()), TypeError, r"^KernelTracker.update: matrix-free tracking reads the model from an NTK kernel function, got KernelFunction of kind 'nngp'"),
         (lambda p, x: x @ x.T, TypeError, r"^KernelTracker.update: matrix-free tracking .* got function"),
     ],

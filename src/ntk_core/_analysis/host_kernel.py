@@ -66,13 +66,11 @@ def eigenvalues_of(fn_name: str, kernel, eigenvalues) -> np.ndarray:
     """float64 eigenvalues from exactly one of ``kernel`` (dense) or ``eigenvalues``."""
     if (kernel is None) == (eigenvalues is None):
         got = "neither" if kernel is None else "both"
-        what = f"pass exactly one of kernel (positional) and eigenvalues=..., got {got}"
-        raise bad(TypeError, fn_name, what, f"{fn_name}(k), or {fn_name}(eigenvalues=w)")
+        raise bad(TypeError, fn_name, f"got {got} of kernel and eigenvalues", "pass exactly one")
     if kernel is not None:
         if np.ndim(kernel) == 1:
             what = f"kernel has shape {np.shape(kernel)}, one value per sample; expected (N, N)"
-            fix = "pass eigenvalues=w if these are eigenvalues (a diagonal gives no spectrum)"
-            raise bad(ValueError, fn_name, what, fix)
+            raise bad(ValueError, fn_name, what, "pass eigenvalues=w if these are eigenvalues")
         k = HostKernel(fn_name, kernel)
         k.check_symmetric()
         import scipy.linalg  # here, not at import: 0.3 s off `import ntk_core`

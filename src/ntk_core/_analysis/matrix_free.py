@@ -39,6 +39,7 @@ from ntk_core._predict.linalg import check_finite, check_key, real_array
 
 _COLUMNS = 16  # vectors per vmapped NTK-vector product
 _NAN_FIX = "check the model: its outputs or gradients are NaN or Inf at these params and x"
+_TARGETS_FIX = "pass targets shaped like apply_fn(params, x)"
 
 
 class Estimate(NamedTuple):
@@ -147,8 +148,14 @@ def _flat(model: Model, batch_size, precision) -> _Flat:
     return _Flat(fn, checked, outputs, size, product, ravel)
 
 
-def _check_m(fn: str, m, low: int = 4, example: int = 60) -> int:
+def check_m(fn: str, m, low: int = 4, example: int = 60) -> int:
+    """``m`` NTK-vector products, an int >= ``low``."""
     return check_int(fn, "m", m, f"pass e.g. m={max(low, example)} (products Θ v)", low)
+
+
+def check_steps(fn: str, steps) -> int:
+    """``steps`` Lanczos steps per vector, a positive int."""
+    return check_int(fn, "steps", steps, "pass e.g. steps=15 (Lanczos steps per vector)")
 
 
 def _exact_kernel(op: _Flat) -> np.ndarray:
@@ -248,7 +255,7 @@ def ntk_frobenius_sq(
 
 def frobenius_sq(fn: str, model_of: Callable[[], Model], key, m, batch_size, precision):
     """:func:`ntk_frobenius_sq` of ``model_of()`` (built after the arguments' checks)."""
-    m = _check_m(fn, m)
+    m = check_m(fn, m)
     key = check_key(fn, key)
     return _hutchpp(_flat(model_of(), batch_size, precision), m, key)
 
@@ -340,7 +347,7 @@ def ntk_effective_rank(
 
 def effective_rank(fn: str, model_of: Callable[[], Model], key, m, steps, batch_size, precision):
     """:func:`ntk_effective_rank` of ``model_of()`` (built after the arguments' checks)."""
-    steps = check_int(fn, "steps", steps, "pass e.g. steps=15 (Lanczos steps per vector)")
+    steps = check_steps(fn, steps)
     key = check_key(fn, key)
     op = _flat(model_of(), batch_size, precision)
     return _effective_rank(op, key, m, steps, lambda: _trace(op, batch_size, precision))
@@ -361,7 +368,7 @@ def min_rank_products(steps: int, size: int) -> int:
 def _effective_rank(op: _Flat, key, m, steps: int, trace: Callable[[], float]) -> Estimate:
     """SLQ of :func:`ntk_effective_rank` on ``op``; ``trace()``: tr Θ exact (when needed)."""
     steps = min(steps, op.m)
-    m = _check_m(op.fn, m, low=min_rank_products(steps, op.m), example=400)
+    m = check_m(op.fn, m, low=min_rank_products(steps, op.m), example=400)
     if m >= op.m:
         lam = np.abs(np.linalg.eigvalsh(_exact_kernel(op)))
         p = lam[lam > 0] / lam.sum()
@@ -426,7 +433,7 @@ def ntk_kernel_alignment(
 
 def kernel_alignment(fn: str, model_of: Callable[[], Model], y, key, m, batch_size, precision):
     """:func:`ntk_kernel_alignment` of ``model_of()`` (built after the arguments' checks)."""
-    m = _check_m(fn, m, low=5)
+    m = check_m(fn, m, low=5)
     key = check_key(fn, key)
     op = _flat(model_of(), batch_size, precision)
     v = _targets(fn, op, y)
@@ -438,8 +445,7 @@ def _alignment(op: _Flat, v: np.ndarray, frobenius: Callable[[], Estimate]) -> E
     c = float(v @ op.product(v[:, None])[:, 0]) / float(v @ v)
     f = frobenius()
     if f.estimate <= 0.0:
-        raise bad(ValueError, op.fn, "the kernel is all zeros, so the alignment is undefined",
-                  "pass a model whose outputs depend on params")  # fmt: skip
+        raise bad(ValueError, op.fn, "the kernel is all zeros", "pass a model that uses its params")
     a = c / math.sqrt(f.estimate)
     return Estimate(a, abs(a) * f.standard_error / (2 * f.estimate), f.products + 1)
 
@@ -450,16 +456,15 @@ def _targets(fn: str, op: _Flat, y) -> np.ndarray:
     y_leaves, y_tree = jax.tree.flatten(y)
     if y_tree != tree:
         what = f"y has the pytree structure {y_tree}; expected the outputs' {tree}"
-        raise bad(TypeError, fn, what, "pass targets shaped like apply_fn(params, x)")
+        raise bad(TypeError, fn, what, _TARGETS_FIX)
     for o, t in zip(leaves, y_leaves, strict=True):
         arr = real_array(fn, "y", t)
         if arr.shape != tuple(o.shape):
             what = f"y has shape {arr.shape}; expected the outputs' shape {tuple(o.shape)}"
-            raise bad(ValueError, fn, what, "pass one target per output entry, (N, O)")
+            raise bad(ValueError, fn, what, _TARGETS_FIX)
     v = op.ravel(jax.tree.unflatten(tree, y_leaves))
     if not v.any():
-        what = "y is all zeros, so the alignment is undefined"
-        raise bad(ValueError, fn, what, "pass non-zero targets")
+        raise bad(ValueError, fn, "y is all zeros", "pass non-zero targets")
     return v
 
 
@@ -498,8 +503,15 @@ def ntk_trace(
 ntk_trace = _checked_arguments(ntk_trace)
 
 
-#: The statistics an adapter reaches through :func:`of_kernel`, by their core names.
-STATISTICS = ("ntk_trace", "ntk_frobenius_sq", "ntk_effective_rank", "ntk_kernel_alignment")
+#: The statistics an adapter reaches through :func:`of_kernel`, by their core names: the
+#: estimates' (public, internal) functions, None for the exact trace.
+_STATISTICS = dict(
+    ntk_trace=None,
+    ntk_frobenius_sq=(ntk_frobenius_sq, frobenius_sq),
+    ntk_effective_rank=(ntk_effective_rank, effective_rank),
+    ntk_kernel_alignment=(ntk_kernel_alignment, kernel_alignment),
+)
+STATISTICS = tuple(_STATISTICS)
 #: The kernel options the statistics read; ``implementation`` only ``ntk_trace``.
 _TAKEN = ("precision", "batch_size", "wrt")
 
@@ -513,24 +525,18 @@ def of_kernel(statistic: str, kernel, first, x, keywords: dict, arguments: dict)
     if statistic not in STATISTICS:
         what = f"unknown statistic {statistic!r}"
         raise bad(ValueError, "adapters.matrix_free", what, f"pass one of {STATISTICS}")
-    fn, options = kernel.name, kernel.options
-    taken = _TAKEN + (("implementation",) if statistic == "ntk_trace" else ())
-    refuse_options(fn, options, taken, "the statistic is of the (N·O, N·O) kernel Θ(x, x)")
+    fn, o = kernel.name, kernel.options
+    estimate = _STATISTICS[statistic]
+    taken = _TAKEN if estimate else (*_TAKEN, "implementation")
+    refuse_options(fn, o, taken, "the statistic is of the (N·O, N·O) kernel Θ(x, x)")
     model_of = lambda: kernel_model(kernel, first, x, keywords)  # noqa: E731
-    if statistic == "ntk_trace":
-        o = options
+    if estimate is None:
         return model_trace(model_of(), o.batch_size, o.implementation, o.precision)
-    public = dict(ntk_frobenius_sq=ntk_frobenius_sq, ntk_effective_rank=ntk_effective_rank)
-    public.update(ntk_kernel_alignment=ntk_kernel_alignment)
-    defaults = inspect.signature(public[statistic]).parameters
-    args = {k: defaults[k].default if v is None and k in ("m", "steps") else v
-            for k, v in arguments.items()}  # fmt: skip
-    common = (options.batch_size, options.precision)
-    if statistic == "ntk_frobenius_sq":
-        return frobenius_sq(fn, model_of, args["key"], args["m"], *common)
-    if statistic == "ntk_effective_rank":
-        return effective_rank(fn, model_of, args["key"], args["m"], args["steps"], *common)
-    return kernel_alignment(fn, model_of, args["y"], args["key"], args["m"], *common)
+    public, internal = estimate
+    parameters = inspect.signature(public).parameters.values()
+    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+    args = {k: defaults.get(k) if v is None else v for k, v in arguments.items()}
+    return internal(fn, model_of, **args, batch_size=o.batch_size, precision=o.precision)
 
 
 class Tracked(NamedTuple):
@@ -549,24 +555,22 @@ def tracked(fn: str, kernel, first, x, keywords: dict, y, key, m: int, steps: in
     by Hutch++ with ``m`` products; the effective rank by SLQ with ``m`` products of
     ``steps`` Lanczos steps; the alignment with ``y`` (host float64 ``(N, O...)`` or None)
     from one more product and the same ‖Θ‖²_F. ``key``: split in two (F, rank)."""
-    if not isinstance(kernel, KernelFunction) or kernel.kind != "ntk":
-        kind = getattr(kernel, "kind", None)
-        got = type(kernel).__name__ + (f" of kind {kind!r}" if kind else "")
+    is_function = isinstance(kernel, KernelFunction)
+    if not is_function or kernel.kind != Kind.NTK:
+        got = type(kernel).__name__ + (f" of kind {kernel.kind!r}" if is_function else "")
         what = f"matrix-free tracking reads the model from an NTK kernel function, got {got}"
-        fix = "pass ntk_core.ntk_fn(f, trace_axes=()) or ntk_flax.kernel_fn(model, trace_axes=())"
-        raise bad(TypeError, fn, what, fix)
+        raise bad(TypeError, fn, what, "pass e.g. ntk_core.ntk_fn(f, trace_axes=())")
     o = kernel.options
     if o.trace_axes or o.diagonal_axes:
-        what = f"the kernel function has trace_axes={o.trace_axes}, diagonal_axes="
-        what += f"{o.diagonal_axes}; the matrix-free statistics are of the full (N·O, N·O) kernel"
-        fix = "build it with trace_axes=() (and no diagonal_axes), or track exactly (m=None)"
-        raise bad(ValueError, fn, what, fix)
+        t, d = o.trace_axes, o.diagonal_axes
+        what = f"matrix-free tracking needs the full kernel, got trace_axes={t}, diagonal_axes={d}"
+        raise bad(ValueError, fn, what, "build it with trace_axes=(), or track exactly (m=None)")
     batch_size = o.batch_size if isinstance(o.batch_size, int) else None  # VJPs in batches
     op = _flat(kernel_model(kernel, first, x, keywords), batch_size, o.precision)
     op = op._replace(fn=fn)
     trace = model_trace(op.model, o.batch_size, o.implementation, o.precision)
     k_frobenius, k_rank = jax.random.split(key)
-    frobenius = _hutchpp(op, _check_m(fn, m), k_frobenius)
+    frobenius = _hutchpp(op, check_m(fn, m), k_frobenius)
     rank = _effective_rank(op, k_rank, m, steps, lambda: trace)
     if y is None:
         return Tracked(trace, frobenius, rank, None)

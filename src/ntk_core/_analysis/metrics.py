@@ -11,8 +11,6 @@ from ntk_core._errors import bad
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._predict.linalg import SAME_AXES, real_array
 
-_TARGETS_FIX = "pass the targets of the kernel's N samples"
-
 
 def kernel_distance(k1, k2) -> float:
     """Kernel distance of Fort et al. (2020), in ``[0, 1]`` for PSD kernels (round-off clipped).
@@ -57,13 +55,11 @@ def _undefined(fn, what, quantity, fix) -> ValueError:
 
 def _targets(fn: str, k: HostKernel, y) -> np.ndarray:
     """Targets as the float64 ``(M, R)`` matrix Y with target kernel Y Yᵀ."""
-    arr = real_array(fn, "y", y)
-    if k.out_shape and arr.shape != (k.n,) + k.out_shape:  # one target per flat row
-        what = f"k has shape {k.arr.shape}, so y must have shape {(k.n,) + k.out_shape}"
-        raise bad(ValueError, fn, f"{what}, got {arr.shape}", _TARGETS_FIX)
-    if arr.ndim == 0 or arr.shape[0] != k.n:
-        what = f"k has N = {k.n} samples, so y must have shape (N,) or (N, O), got {arr.shape}"
-        raise bad(ValueError, fn, what, _TARGETS_FIX)
+    arr, want = real_array(fn, "y", y), (k.n,) + k.out_shape  # one target per flat row
+    if arr.shape[:1] != want[:1] or k.out_shape and arr.shape != want:
+        expected = want if k.out_shape else f"({k.n},) or ({k.n}, O)"
+        what = f"k has shape {k.arr.shape}, so y must have shape {expected}, got {arr.shape}"
+        raise bad(ValueError, fn, what, "pass the targets of the kernel's N samples")
     return (arr.reshape(k.m, 1) if k.out_shape else arr.reshape(k.n, -1)).astype(np.float64)
 
 
@@ -93,11 +89,10 @@ def _alignment(fn: str, k, y, centered: bool) -> float:
             c += grand[None, :, None, :]
             knorm2 += float(np.vdot(c, c))
     tnorm = float(np.linalg.norm(t.T @ t))  # ‖Y Yᵀ‖_F = ‖Yᵀ Y‖_F
-    c = "centred " if centered else ""
+    the, after = ("the centred ", " once centred") if centered else ("the ", "")
     for name, norm in (("kernel is", knorm2), ("targets are", tnorm)):
         if norm == 0.0:
-            fix = f"{name.split()[0]} not all zero" + (" nor constant over the samples" * centered)
-            raise _undefined(fn, f"the {c}{name} all zeros", "the alignment", fix)
+            raise _undefined(fn, f"{the}{name} all zeros", "the alignment", f"non-zero k, y{after}")
     return num / (math.sqrt(knorm2) * tnorm)
 
 
@@ -172,10 +167,10 @@ def effective_rank(kernel=None, *, eigenvalues=None) -> float:
 
     References: Roy, Vetterli, "The effective rank", EUSIPCO 2007.
     """
-    s = np.abs(eigenvalues_of("effective_rank", kernel, eigenvalues))
+    fn = "effective_rank"
+    s = np.abs(eigenvalues_of(fn, kernel, eigenvalues))
     if (total := float(s.sum())) == 0.0:
-        what, quantity = "every eigenvalue is 0", "the normalised spectrum"
-        raise _undefined("effective_rank", what, quantity, "a non-zero kernel")
+        raise _undefined(fn, "every eigenvalue is 0", "the spectrum's entropy", "a non-zero kernel")
     p = s[s > 0] / total
     return float(math.exp(-float(np.sum(p * np.log(p)))))
 

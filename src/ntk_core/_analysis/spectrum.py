@@ -12,7 +12,7 @@ import scipy.linalg
 import scipy.sparse.linalg
 
 from ntk_core._analysis.host_kernel import HostKernel, eigenvalues_of
-from ntk_core._errors import bad, check_int, check_real
+from ntk_core._errors import bad, check_int, check_real, must
 from ntk_core._functional.ntk_vp import apply3_of, make_ntk_vp
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
@@ -131,8 +131,7 @@ def _kernel_operator(fn_name, kernel):
 def _check_solver_options(fn, k, which, tol, maxiter, ncv, m) -> None:
     check_int(fn, "k", k, f"pass k <= M = N·O = {m}, the kernel's size", high=m)
     if not isinstance(which, str) or which not in WHICH:
-        what = f"which must be one of {', '.join(map(repr, WHICH))}, got {which!r}"
-        raise bad(ValueError, fn, what, "which='LA' for the largest eigenvalues, 'SA' the smallest")
+        raise must(ValueError, fn, "which", "'LA' or 'SA'", repr(which), eg="'LA'")
     opt = dict(optional=True, type_error=ValueError)
     check_real(fn, "tol", tol, "pass e.g. 1e-6 (0: machine eps)", high=1.0, type_error=ValueError)
     check_int(fn, "maxiter", maxiter, "pass None or a larger int", **opt)
@@ -150,12 +149,9 @@ def _solve(fn, op: _Operator, dense, k, which, tol, maxiter, ncv):
             options = dict(k=k, which=which, tol=tol, maxiter=maxiter, ncv=ncv, v0=v0)
             w, v = scipy.sparse.linalg.eigsh(op, **options)
         except scipy.sparse.linalg.ArpackNoConvergence as e:
-            what = f"ARPACK did not converge: {len(e.eigenvalues)} of the k={k} eigenpairs met "
-            what += f"tol={tol} after {op.matvecs} products (maxiter={maxiter})"
-            fix = "raise maxiter, loosen tol, or raise ncv" + (
-                _SA_HINT if which == _SMALLEST else ""
-            )
-            msg = str(bad(ValueError, fn, what, fix))
+            n, hint = len(e.eigenvalues), _SA_HINT if which == _SMALLEST else ""
+            what = f"ARPACK did not converge: {n} of k={k} eigenpairs after {op.matvecs} products"
+            msg = str(bad(ValueError, fn, what, f"raise maxiter, loosen tol, or raise ncv{hint}"))
             raise NoConvergence(msg, e.eigenvalues, e.eigenvectors) from None
     order = np.argsort(w)[::-1][:k] if which == _LARGEST else np.argsort(w)[:k]
     w, v = w[order], v[:, order]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import re
 import tempfile
@@ -22,7 +21,7 @@ import numpy as np
 from ntk_core._analysis import matrix_free as _matrix_free
 from ntk_core._analysis import metrics as _metrics
 from ntk_core._analysis.host_kernel import HostKernel
-from ntk_core._errors import bad, check_int
+from ntk_core._errors import bad, check_bool, check_int, must
 from ntk_core._predict.linalg import check_key, real_array
 
 _NAME = "KernelTracker"
@@ -30,6 +29,7 @@ _METRICS, _KERNEL_FORMAT = "metrics.json", "kernel_step_{:08d}.npy"  # the files
 _KERNEL_FILE = re.compile(r"kernel_step_-?\d+\.npy")
 _UPDATE = f"{_NAME}.update"
 _KERNEL_FN_FIX = "pass a kernel function such as ntk_core.ntk_fn(f) or ntk_flax.kernel_fn(model)"
+_STEP_FIX = "pass the Python loop counter (for step in range(n): ...)"
 
 
 class KernelRecord(NamedTuple):
@@ -64,11 +64,8 @@ class EstimateRecord(NamedTuple):
     seconds: float
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 _PROBE_FIX = "pass one array (N, ...) or a pytree of arrays with N on axis 0, e.g. x_train[:256]"
+_Y_FIX = "pass the probe samples' labels: floats (N,) or one-hot (N, O)"
 
 
 def _probe_inputs(x_probe) -> tuple[Any, int]:
@@ -92,12 +89,11 @@ def _labels(y, n: int) -> np.ndarray | None:
         return None
     arr = real_array(_NAME, "y", y)
     if arr.ndim not in (1, 2) or arr.shape[0] != n:
-        what = f"y has shape {arr.shape}; expected (N,) or (N, O) for the N = {n} probe samples"
-        raise bad(ValueError, _NAME, what, f"pass the probe samples' labels, y_train[:{n}]")
+        raise bad(ValueError, _NAME, f"y has shape {arr.shape}, not ({n},) or ({n}, O)", _Y_FIX)
     classes = len(np.unique(arr)) if arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer) else 0
     if classes > 2:
         what = f"y is a vector of {classes} distinct integers (class ids?), not one target"
-        raise bad(ValueError, _NAME, what, "pass one-hot np.eye(n_classes)[y], or y.astype(float)")
+        raise bad(ValueError, _NAME, what, _Y_FIX)
     return arr.astype(np.float64)
 
 
@@ -114,14 +110,11 @@ def _json_value(value):
 def _out_folder(out, overwrite) -> tuple[str | None, list]:
     """``out`` (``~`` expanded) as a writable folder, and the earlier run's files there, which
     only ``overwrite`` allows (the first write removes them, so a failing first step keeps them)."""
-    if not isinstance(overwrite, (bool, np.bool_)):
-        what = f"overwrite must be True or False, got {overwrite!r}"
-        raise bad(TypeError, _NAME, what, "pass overwrite=True to replace an earlier run")
+    check_bool(_NAME, "overwrite", overwrite)
     if out is None:
         return None, []
     if not isinstance(out, (str, os.PathLike)):
-        what = f"out must be a folder path, got {type(out).__name__}"
-        raise bad(TypeError, _NAME, what, "pass a str or pathlib.Path, or None")
+        raise must(TypeError, _NAME, "out", "a folder path", type(out).__name__, eg="'runs/ntk'")
     path = os.path.expanduser(os.fspath(out))
     try:  # fail now, not after training
         os.makedirs(path, exist_ok=True)
@@ -137,14 +130,13 @@ def _out_folder(out, overwrite) -> tuple[str | None, list]:
     return path, earlier
 
 
-def _atomic_write(path: str, write) -> None:
-    """``write(file)`` into a temporary file beside ``path``, then renames it."""
-    folder = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.splitext(path)[1])
+def _atomic_write(folder: str, name: str, write) -> None:
+    """``write(file)`` into a temporary file in ``folder``, then renames it ``name``."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.splitext(name)[1])
     try:
         with os.fdopen(fd, "wb") as fh:
             write(fh)
-        os.replace(tmp, path)
+        os.replace(tmp, os.path.join(folder, name))
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -238,10 +230,8 @@ class KernelTracker:
             raise bad(TypeError, _NAME, what, _KERNEL_FN_FIX)
         self.every = check_int(_NAME, "every", every, "pass every=k for steps 0, k, 2k, ...")
         self.top_k = check_int(_NAME, "top_k", top_k, "pass e.g. top_k=5 (largest eigenvalues)")
-        if not isinstance(keep_kernels, (bool, np.bool_)):
-            what = f"keep_kernels must be True or False, got {keep_kernels!r}"
-            raise bad(TypeError, _NAME, what, "pass keep_kernels=True to keep every kernel")
-        self._kernel_fn, self.keep_kernels = kernel_fn, bool(keep_kernels)
+        self.keep_kernels = check_bool(_NAME, "keep_kernels", keep_kernels)
+        self._kernel_fn = kernel_fn
         self._x, self.n_probe = _probe_inputs(x_probe)
         options = _matrix_free_options(m, key, steps, self.keep_kernels, self.n_probe)
         self.m, self.steps, self._key = options
@@ -262,20 +252,18 @@ class KernelTracker:
 
         ``kernel_fn(params_like, x_probe, **kernel_kwargs)``; ``step`` a Python or numpy int.
         """
-        if not _is_int(step) or step < 0:
-            fix = "pass the Python loop counter (for step in range(n): ...)"
-            if isinstance(step, jax.Array):  # deciding whether it is due would sync every step
-                what = f"step is a jax.Array ({step.dtype}): reading it would wait for the device"
-                raise bad(TypeError, _UPDATE, what, fix)
-            check_int(_UPDATE, "step", step, fix, low=0)  # raises
+        if isinstance(step, jax.Array):  # deciding whether it is due would sync every step
+            what = f"step is a jax.Array ({step.dtype}): reading it would wait for the device"
+            raise bad(TypeError, _UPDATE, what, _STEP_FIX)
+        step = check_int(_UPDATE, "step", step, _STEP_FIX, low=0)
         if step % self.every:
             return None
-        if self.records and step <= self.records[-1].step:
-            what = f"step {step} is not after the last tracked step {self.records[-1].step}"
-            raise bad(ValueError, _UPDATE, what, "pass the training step, not a restarting counter")
+        if self.records and step <= (last := self.records[-1].step):
+            what = f"step {step} is not after the last tracked step {last}"
+            raise bad(ValueError, _UPDATE, what, _STEP_FIX)
         if self.m is not None:
-            return self._estimate(int(step), params_like, kernel_kwargs)
-        return self._track(int(step), params_like, kernel_kwargs)
+            return self._estimate(step, params_like, kernel_kwargs)
+        return self._track(step, params_like, kernel_kwargs)
 
     def _estimate(self, step: int, params_like, kernel_kwargs) -> EstimateRecord:
         t0, key = time.perf_counter(), jax.random.fold_in(self._key, step)
@@ -299,21 +287,18 @@ class KernelTracker:
             what = f"the kernel function returned {type(k).__name__}; expected one array"
             raise bad(TypeError, _UPDATE, what, "for pytree outputs, track the kernel of one leaf")
         kernel = np.asarray(k)
-        if kernel.ndim < 2 or kernel.shape[:2] != (self.n_probe, self.n_probe):
-            n, got = self.n_probe, kernel.shape
-            what = f"the kernel function returned shape {got}; expected the (N, N) or (N, N, O, O)"
-            what += f" kernel of the N = {n} probe samples (no diagonal_axes)"
+        n = self.n_probe
+        if kernel.ndim < 2 or kernel.shape[:2] != (n, n):
+            what = f"the kernel function returned shape {kernel.shape}; expected ({n}, {n}, ...)"
             raise bad(ValueError, _UPDATE, what, _KERNEL_FN_FIX)
-        flat = HostKernel(_UPDATE, kernel, "the kernel")
+        flat = HostKernel(_UPDATE, kernel)
         flat.check_symmetric()
         if self.initial_kernel is None:
-            expected = (self.n_probe, flat.o)
-            if self._y is not None and flat.out_shape and self._y.shape != expected:
-                what = f"the kernel has shape {kernel.shape} (outputs not traced), so y must have "
-                what += f"shape (N, O) = {expected}, got {self._y.shape}"
+            y, want = self._y, (self.n_probe, flat.o)
+            if y is not None and flat.out_shape and y.shape != want:
+                what = f"y has shape {y.shape}; the kernel {kernel.shape} needs (N, O) = {want}"
                 raise bad(ValueError, _UPDATE, what, "pass one-hot labels, or trace_axes=(-1,)")
-            fix = f"pass top_k <= M = N·O = {flat.m} (kernel {kernel.shape}), or more probe samples"
-            check_int(_UPDATE, "top_k", self.top_k, fix, high=flat.m)
+            check_int(_UPDATE, "top_k", self.top_k, "lower top_k, or enlarge x_probe", high=flat.m)
             self._shape, self._dtype = tuple(kernel.shape), str(kernel.dtype)
             self.initial_kernel = kernel
         dense = flat.dense()
@@ -363,25 +348,23 @@ class KernelTracker:
         self._earlier = []
         if kernel is not None:
             name = _KERNEL_FORMAT.format(step)
-            _atomic_write(os.path.join(self.out, name), lambda fh: np.save(fh, kernel))
+            _atomic_write(self.out, name, lambda fh: np.save(fh, kernel))
             self._files.append(name)
         text = json.dumps(self.to_dict(), indent=1).encode()
-        _atomic_write(os.path.join(self.out, _METRICS), lambda fh: fh.write(text))
+        _atomic_write(self.out, _METRICS, lambda fh: fh.write(text))
 
 
 def _matrix_free_options(m, key, steps, keep_kernels: bool, n: int) -> tuple:
     """``(m, steps, key)`` checked (``n`` probe samples): all None-like for the exact kernel."""
     if m is None:
         if key is not None:
-            what = "key is given but m is None (the exact kernel takes no randomness)"
-            raise bad(ValueError, _NAME, what, "pass m=400 for matrix-free estimates, or drop key")
+            raise bad(ValueError, _NAME, "key is given but m is None", "pass e.g. m=400, or no key")
         return None, None, None
-    m = check_int(_NAME, "m", m, "pass e.g. m=400 NTK-vector products, or None (exact)", low=4)
-    steps = check_int(_NAME, "steps", steps, "pass e.g. steps=15 (Lanczos steps per vector)")
+    steps = _matrix_free.check_steps(_NAME, steps)
     low = _matrix_free.min_rank_products(steps, n)  # a bound: the kernel has N·O >= N rows
-    check_int(_NAME, "m", m, f"pass m >= {low} (8·(1 + 2·steps), or N·O: exact)", low=low)
+    m = _matrix_free.check_m(_NAME, m, max(4, low), example=400)
     key = check_key(_NAME, key)
     if keep_kernels:
-        what = f"keep_kernels=True with m={m}: matrix-free tracking never forms the kernel"
-        raise bad(ValueError, _NAME, what, "drop keep_kernels, or track exactly (m=None)")
+        what = f"keep_kernels=True with m={m}: matrix-free tracking forms no kernel"
+        raise bad(ValueError, _NAME, what, "drop keep_kernels=True, or pass m=None")
     return m, steps, key

@@ -37,7 +37,7 @@ MANIFEST_VERSION, COMMIT_SECONDS = 1, 1.0
 SHOWN = ("shape", "dtype", "tile grid", "n_samples", "sample")
 VERSION, FP, DONE, COMPLETE = "version", "fingerprint", "done", "complete"  # the manifest's keys
 READ = dict(mmap_mode="r")
-_GRAM, _OTHER_CALL = "x2=None (the Gram matrix of x1)", "was started by a different call"
+_GRAM = "x2=None (the Gram matrix of x1)"
 _NPY = "the .npy"  # what a damaged file was read as (a Monte Carlo run: "the running sum")
 Stage = enum.Enum("Stage", "CHECKED CREATED WRITTEN COMPLETE")  # the barriers, in order
 
@@ -74,7 +74,7 @@ def differences(old: dict, new: dict) -> list[str]:
     """What differs between two fingerprints, in words for a refusal."""
     names = []
     for key in (k for k in new if old.get(k) != new[k]):
-        if key == "options" and isinstance(old.get(key), dict):
+        if isinstance(old.get(key), dict) and isinstance(new[key], dict):  # the options
             o, n = old[key], new[key]
             changed = sorted(k for k in set(o) | set(n) if o.get(k) != n.get(k))
             pairs = [f"{k}: {o.get(k, 'unset')} -> {n.get(k, 'unset')}" for k in changed]
@@ -233,7 +233,7 @@ class NpyStore:
             what = f"{where}: the folder {folder!r} does not exist or cannot be written"
             raise bad(ValueError, fn, what, "create it (os.makedirs), or give another path")
         if os.path.isdir(path):
-            raise bad(ValueError, fn, f"{where} is a folder, not a file", "give a .npy file path")
+            raise folder_error(fn, where)
         if os.path.exists(path) and not overwrite:
             raise exists_error(fn, where)
         try:  # os.access says yes to root on a file system that takes no files (/proc)
@@ -244,14 +244,14 @@ class NpyStore:
             raise bad(ValueError, fn, what, "give a path on a writable file system") from e
         replaced = os.path.getsize(path) if os.path.exists(path) else 0
         if nbytes > (free := shutil.disk_usage(folder).free + replaced):
-            raise no_space_error(fn, where, nbytes, free)
+            raise no_space_error(fn, path, nbytes, free)
 
     def _check_resume(self, old, fingerprint, shape, dtype) -> None:
         if old is None:
-            raise resume_error(self.fn, f"{manifest_path(self.path)!r} is missing or unreadable")
+            raise resume_error(self.fn, self.path)
         differs = differences(old[FP] if isinstance(old.get(FP), dict) else {}, fingerprint)
         if differs:
-            raise resume_error(self.fn, f"{self.path!r} {_OTHER_CALL}", differs)
+            raise resume_error(self.fn, self.path, differs)
         with contextlib.closing(NpyReader(self.fn, self.path, shape, dtype)) as reader:
             self._verify(reader, old)
 
@@ -273,8 +273,7 @@ class NpyStore:
         if changed or odd > 0:
             shown = ", ".join(map(str, changed[:8])) + " ..." * (len(changed) > 8)
             what = f"{len(changed)} {self.unit}s changed since written (CRC-32): {shown}; "
-            what += f"{odd} entries of 'done' are no {self.unit} [r0, c0, crc32]; "
-            what += "computing them again"
+            what += f"{odd} entries of 'done' are no {self.unit} [r0, c0, crc32]; recomputing them"
             warnings.warn(f"{self.fn}: out={self.path!r}: {what}", stacklevel=3)
 
     def share(self) -> set:
@@ -356,18 +355,29 @@ def _runs(shape, itemsize: int, batch_diagonal: bool, r0: int, r1: int, c0: int,
 
 
 def exists_error(fn: str, where: str) -> ValueError:
-    what, fix = f"{where} exists, and is not the finished result of this call", "pass resume="
-    return bad(ValueError, fn, what, f"{fix}True (same call), overwrite=True, or another path")
+    what = f"{where} exists, and is not the finished result of this call"
+    return bad(
+        ValueError, fn, what, "pass resume=True (same call), overwrite=True, or another path"
+    )
 
 
-def no_space_error(fn: str, where: str, needed: int, free: int) -> ValueError:
-    what = f"{where} needs {human_bytes(needed)}, the disk has {human_bytes(free)} free"
+def folder_error(fn: str, where: str) -> ValueError:
+    return bad(ValueError, fn, f"{where} is a folder, not a file", "give a .npy file path")
+
+
+def no_space_error(fn: str, out: str, needed: int, free: int) -> ValueError:
+    what = f"out={out!r} needs {human_bytes(needed)}, the disk has {human_bytes(free)} free"
     return bad(ValueError, fn, what, "free disk space, or write to another disk")
 
 
-def resume_error(fn: str, why: str, differs=()) -> ValueError:
-    """resume=True refused: ``why``, with what ``differs`` from the earlier call."""
-    what = f"resume=True, but {why}" + (f": {'; '.join(differs)} differ" if differs else "")
+def resume_error(fn: str, path: str, differs=None) -> ValueError:
+    """resume=True refused: ``path``'s manifest missing or unreadable (``differs`` None), or
+    written by another call (``differs``: what differs from it)."""
+    if differs is None:
+        what = f"resume=True, but {manifest_path(path)!r} is missing or unreadable"
+    else:
+        what = f"resume=True, but {path!r} was started by a different call"
+        what += f": {'; '.join(differs)} differ" if differs else ""
     return bad(ValueError, fn, what, "resume the same call, or pass overwrite=True")
 
 
@@ -521,13 +531,13 @@ def for_call(spec, config, cut, model: str, params, x1, x2, aux) -> NpyStore:
     n2 = n1 if x2 is None else int(np.shape(jax.tree.leaves(x2)[0])[0])
     diagonal = config.layouts[0].batch_diagonal
     shape = (n1, *one.shape[1:]) if diagonal else (n1, n2, *one.shape[2:])
-    names = ("trace_axes", "diagonal_axes", "vmap_axes", "precision")
-    named = {"kind": spec.kind, "implementation": config.implementation}
-    named |= {k: getattr(options, k) for k in names} | {"model (its jaxpr)": model}
+    named = dict(kind=spec.kind, implementation=config.implementation, precision=options.precision)
+    named.update(trace_axes=options.trace_axes, diagonal_axes=options.diagonal_axes)
+    named.update(vmap_axes=options.vmap_axes)
+    named["model (its jaxpr)"] = model
     if options.wrt is not None:  # the subset by its paths: a predicate's repr is not stable
-        named["wrt"] = [
-            jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
-        ]
+        paths = jax.tree_util.tree_leaves_with_path(params)
+        named.update(wrt=[jax.tree_util.keystr(p) for p, _ in paths])
     perms = [swap_perm(layout) for layout in leaf_layouts(config)]
     grid = (cut.b1, cut.b2)
     layout = FileLayout(shape, np.dtype(one.dtype), perms, diagonal, named, grid, x2 is None)

@@ -172,6 +172,15 @@ class _Output:
         return jax.tree.unflatten(self.treedef, self.leaves)
 
 
+#: The fix of a kernel that came out non-finite (NaN or Inf).
+CHECK_THE_MODEL = "check the model's outputs and gradients there, rescale, or compute in float64"
+
+
+def non_finite(fn: str, what: str, fix: str = CHECK_THE_MODEL) -> NonFiniteError:
+    """NonFiniteError: ``what`` came out non-finite; ``fix``; see its section of the docs."""
+    return bad(NonFiniteError, fn, what, fix, see="non-finite-kernel")
+
+
 def nonfinite_tile_error(fn, tile, r0, r1, c0, c1, batch_diagonal):
     what = f"the kernel came out non-finite (NaN or Inf) in the tile of x1 samples {r0}..{r1 - 1}"
     what += "" if batch_diagonal else f" and x2 samples {c0}..{c1 - 1}"
@@ -183,8 +192,7 @@ def nonfinite_tile_error(fn, tile, r0, r1, c0, c1, batch_diagonal):
             j = i if batch_diagonal else c0 + int(found[0][1])
             what += f", first at x1 sample {i} and x2 sample {j}"
             break
-    fix = "check the model's outputs and gradients there, rescale, or compute in float64"
-    return bad(NonFiniteError, fn, what, fix, see="non-finite-kernel")
+    return non_finite(fn, what)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,10 +20,7 @@ def check_degree(fn_name: str, degree) -> int:
 
 def _dtype(leaf):
     """The dtype JAX gives ``leaf`` (float64 NumPy data is float32 with x64 off)."""
-    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys
-        return dtype
-    return jax.dtypes.canonicalize_dtype(dtype)
+    return jnp.result_type(leaf)
 
 
 def _differentiable(dtype) -> bool:

@@ -87,6 +87,17 @@ def _check_params(fn: str, params) -> None:
             raise bad(ValueError, fn, what, "check the initialisation or training step")
 
 
+def checked_inputs(caller: Caller, params, x, options) -> tuple:
+    """``(N, params, x)``: params and x checked (arrays, finite, one batch size N), as jax
+    arrays; messages name ``caller``."""
+    fn = caller.name
+    _checks.before_trace(fn, params, x, None, options)
+    _check_params(fn, params)
+    n = _batch_size(caller, "x", x)
+    check_finite_input(fn, "x", x)
+    return n, *jax.tree.map(jnp.asarray, (params, x))
+
+
 def _outputs(caller: Caller, apply3, params, x, aux, n: int):
     """The model's outputs as ``jax.ShapeDtypeStruct`` leaves and their tree."""
     fn = caller.name
@@ -104,10 +115,16 @@ def _outputs(caller: Caller, apply3, params, x, aux, n: int):
         if not leaf.shape or leaf.shape[0] != n:
             what = f"{where} has shape {leaf.shape} but x has {n} samples"
             raise bad(ValueError, fn, what, "return one row per sample (x[None] for one sample)")
-        if not jnp.issubdtype(leaf.dtype, jnp.floating):
-            what = f"{where} has dtype {leaf.dtype}; expected real floating point"
-            raise bad(TypeError, fn, what, "return the model's float outputs")
+        _check_floating(fn, where, leaf.dtype, "return the model's float outputs")
     return [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in leaves], tree
+
+
+def _check_floating(fn: str, where: str, dtype, fix: str) -> None:
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise bad(TypeError, fn, f"{where} has dtype {dtype}; expected real floating point", fix)
+
+
+_V_FIX = "pass v shaped like ntk_vp.outputs"
 
 
 def _check_v(call: str, outputs, tree, v):
@@ -115,7 +132,7 @@ def _check_v(call: str, outputs, tree, v):
     leaves, v_tree = jax.tree.flatten(v)
     if v_tree != tree:
         what = f"v has the pytree structure {v_tree}; expected the outputs' {tree}"
-        raise bad(TypeError, call, what, "pass v shaped like ntk_vp.outputs")
+        raise bad(TypeError, call, what, _V_FIX)
     checked = []
     for i, (leaf, o) in enumerate(zip(leaves, outputs, strict=True)):
         where = "v" if len(outputs) == 1 else f"leaf {i} of v"
@@ -124,11 +141,9 @@ def _check_v(call: str, outputs, tree, v):
             same_size = np.size(leaf) == np.prod(o.shape)
             hint = f" (v.reshape({', '.join(map(str, o.shape))}))" if same_size else ""
             what = f"{where} has shape {shape}; expected the outputs' {tuple(o.shape)}"
-            raise bad(ValueError, call, what, f"pass v shaped like ntk_vp.outputs{hint}")
+            raise bad(ValueError, call, what, _V_FIX + hint)
         dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            what = f"{where} has dtype {dtype}; expected real floating point"
-            raise bad(TypeError, call, what, "pass e.g. v.astype(np.float32)")
+        _check_floating(call, where, dtype, "pass e.g. v.astype(np.float32)")
         leaf = leaf if dtype == o.dtype else leaf.astype(o.dtype)
         if all_finite(leaf) is False:
             raise bad(ValueError, call, f"{where} contains NaN or Inf", "pass a finite v")
@@ -214,11 +229,7 @@ def make_ntk_vp(
     fn = caller.name
     options = make_options(fn, precision=precision)
     batch_size = check_int(fn, "batch_size", batch_size, "pass e.g. 1000, or None", optional=True)
-    _checks.before_trace(fn, params, x, None, options)
-    _check_params(fn, params)
-    n = _batch_size(caller, "x", x)
-    check_finite_input(fn, "x", x)
-    params, x = jax.tree.map(jnp.asarray, (params, x))
+    n, params, x = checked_inputs(caller, params, x, options)
     if check is not None:
         check(params, x, None, aux)
     outputs, tree = _outputs(caller, apply3, params, x, aux, n)

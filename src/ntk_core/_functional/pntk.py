@@ -100,7 +100,7 @@ def empirical_pntk(
       [[3.0, 3.0], [3.0, 3.0]]
     """
     options = {k: v for k, v in locals().items() if k not in ("apply_fn", "params", "x1", "x2")}
-    options["trace_axes"] = ()
+    options.update(trace_axes=())
     caller = core(empirical_pntk.__name__)
     return _get(Kind.NTK, caller, _of(empirical_pntk, apply_fn), options)(params, x1, x2)
 

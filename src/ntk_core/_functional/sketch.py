@@ -34,7 +34,7 @@ import numpy as np
 from ntk_core._blocked import store as _store
 from ntk_core._blocked.tiles import auto_batch_size, default_memory_budget
 from ntk_core._errors import bad, check_int
-from ntk_core._functional.ntk_vp import _check_params, _outputs
+from ntk_core._functional.ntk_vp import _outputs, checked_inputs
 from ntk_core._jax import caches as _caches
 from ntk_core._jax.batches import map_in_batches
 from ntk_core._kernel import checks as _checks
@@ -42,7 +42,6 @@ from ntk_core._kernel import probe as _probe
 from ntk_core._kernel import subset as _subset
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import core
-from ntk_core._kernel.checks import check_finite_input
 from ntk_core._kernel.layout import resolve_layout
 from ntk_core._kernel.model import from_apply_fn, one_sample, per_sample_jaxpr
 from ntk_core._kernel.options import (
@@ -54,7 +53,6 @@ from ntk_core._kernel.options import (
     make_options,
     refuse_options,
 )
-from ntk_core._kernel.validate import batch_size as _batch_size
 from ntk_core._predict.linalg import check_key
 from ntk_core._structured import analysis as _structured
 from ntk_core._structured.rules._base import count_sketch
@@ -80,7 +78,7 @@ def auto_rows(n: int, row_bytes: int, budget: int, to_file: bool) -> int:
 
 #: FLOP-equivalents per value a memory-bound pass writes (scatters, FFT inputs), XLA CPU.
 VALUE_FLOPS = 10.0
-_LOW_PRECISION = ("float16", "bfloat16")
+_LOW_PRECISION = (jnp.float16, jnp.bfloat16)
 
 
 class NTKSketch(NamedTuple):
@@ -271,7 +269,7 @@ class _Sketcher:
             raise bad(ValueError, fn, what, "concatenate the outputs into one (N, O) array")
         out = outputs[0]
         _check_dtypes(fn, params, out)
-        layout = resolve_layout(fn, self.trace_axes, (), out.shape, "the output")
+        layout = self._layout(out.shape)
         found = _probe.samples_interact(self._apply3, params, xb, None, aux, fn_name=fn)
         if found:
             fix = "sketch a model whose samples are independent (evaluation mode)"
@@ -287,14 +285,20 @@ class _Sketcher:
         self._plans[signature] = plan
         return plan
 
+    def _layout(self, out_shape):
+        return resolve_layout(self._caller.name, self.trace_axes, (), out_shape, "the output")
+
+    def _call_error(self, what: str) -> TypeError:
+        first = next(iter(self.__signature__.parameters))
+        return bad(TypeError, f"{self._caller.name}(...)(...)", what, f"call features({first}, x)")
+
     def _arguments(self, first, x, keywords: dict):
         """``(params, aux)`` of a call (the core's: ``(params, None)``, no keywords)."""
         if self._bind is not None:
             return self._bind(first, x, keywords)
         if keywords:
-            what = f"unknown keyword argument(s) {', '.join(map(repr, sorted(keywords)))}"
-            fix = "call it as features(params, x)"
-            raise bad(TypeError, f"{self._caller.name}(...)(...)", what, fix)
+            names = ", ".join(map(repr, sorted(keywords)))
+            raise self._call_error(f"unknown keyword argument(s) {names}")
         return first, None
 
     def __call__(self, *args, **kwargs):
@@ -305,8 +309,7 @@ class _Sketcher:
         try:
             bound = head.bind(*args, **{n: kwargs.pop(n) for n in (first, x) if n in kwargs})
         except TypeError as e:
-            fix = f"call it as features({first}, x)"
-            raise bad(TypeError, f"{self._caller.name}(...)(...)", str(e), fix) from None
+            raise self._call_error(str(e)) from None
         first, x = bound.arguments[first], bound.arguments[x]
         return self._features(*self._arguments(first, x, kwargs), x)
 
@@ -319,18 +322,13 @@ class _Sketcher:
         if phi1.ndim == 2:
             return NTKSketch(phi1 @ phi2.T, phi1, phi2)
         kept = phi1.ndim - 2  # (N, *O, k): Θ̂[i, j, a, b, ...], each kept axis twice
-        left = "".join(chr(ord("a") + i) for i in range(kept))
-        right = "".join(chr(ord("n") + i) for i in range(kept))
-        out = "ij" + "".join(a + b for a, b in zip(left, right, strict=True))
-        return NTKSketch(lib.einsum(f"i{left}z,j{right}z->{out}", phi1, phi2), phi1, phi2)
+        theta = lib.tensordot(phi1, phi2, axes=(-1, -1))  # (N1, *O, N2, *O)
+        order = [0, kept + 1] + [a for i in range(kept) for a in (1 + i, kept + 2 + i)]
+        return NTKSketch(lib.transpose(theta, order), phi1, phi2)
 
     def _features(self, params, aux, x):
-        fn = self._caller.name
-        _checks.before_trace(fn, params, x, None, make_options(fn, precision=self.precision))
-        _check_params(fn, params)
-        n = _batch_size(self._caller, "x", x)
-        check_finite_input(fn, "x", x)
-        params, x = jax.tree.map(jnp.asarray, (params, x))
+        options = make_options(self._caller.name, precision=self.precision)
+        n, params, x = checked_inputs(self._caller, params, x, options)
         params, aux = self._split(params, aux)
         block = self._block(params, aux, x, n)
         plan = self._plan(params, aux, x, block)
@@ -352,8 +350,7 @@ class _Sketcher:
         args = (self._apply3, params, one_sample(x), aux)
         try:
             out = per_sample_jaxpr(*args, precision=self.precision).out_avals[0]
-            shape = (n, *out.shape)
-            layout = resolve_layout(self._caller.name, self.trace_axes, (), shape, "the output")
+            layout = self._layout((n, *out.shape))
         except Exception:  # the plan of one block of all N raises it with the model's checks
             return n
         kept = math.prod(d for a, d in enumerate(out.shape) if a + 1 not in layout.trace)
@@ -402,7 +399,7 @@ class _Sketcher:
 
 def _check_dtypes(fn: str, params, out) -> None:
     """ValueError for a float16 / bfloat16 model (its gradients round to 3 digits)."""
-    dtypes = [str(out.dtype)] + [str(jnp.result_type(p)) for p in jax.tree.leaves(params)]
+    dtypes = [out.dtype] + [jnp.result_type(p) for p in jax.tree.leaves(params)]
     low = next((d for d in dtypes if d in _LOW_PRECISION), None)
     if low is not None:
         what = f"the model computes in {low}; the sketch needs float32 or float64 gradients"

@@ -181,8 +181,8 @@ def _low_precision_ops(jaxpr) -> list[str]:
 #: Typical max |ΔK| / max |K| of a half-precision model's kernel (NTK or NNGP) against the
 #: float32 one, measured by ``benchmarks/readme_figures.py --only half`` (the ranges:
 #: docs/errors.md, "Half-precision model").
-_HALF = ("bfloat16", "float16")
-HALF_PRECISION_ERROR = dict(zip(_HALF, ("1e-2", "1e-3"), strict=True))
+HALF_PRECISION_ERROR = dict(bfloat16="1e-2", float16="1e-3")
+_HALF = tuple(HALF_PRECISION_ERROR)
 _HOW = ("every product of the forward pass is rounded", "autodiff rounds every product")
 _HALF_FIX, _HALF_SEE = "compute kernels with the model in float32", "half-precision-model"
 
@@ -234,7 +234,6 @@ def check_model_precision(
     if precision != _HIGHEST or closed is None:
         return  # the option itself was warned about
     if found := ", ".join(sorted(set(_low_precision_ops(closed.jaxpr)))[:3]):
-        what = f"the model itself asks for matmul precision below {_HIGHEST!r} ({found}), which "
-        fix = f"pass precision={_HIGHEST!r} to those layers"
-        warning = bad(PrecisionWarning, fn_name, what + "precision= cannot override", fix)
+        what = f"the model itself asks for matmul precision below {_HIGHEST!r} ({found})"
+        warning = bad(PrecisionWarning, fn_name, what, f"pass precision={_HIGHEST!r} to the layers")
         warn_once(check_model_precision, warning)

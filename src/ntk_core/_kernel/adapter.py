@@ -10,11 +10,13 @@ import jax
 import numpy as np
 
 from ntk_core._errors import bad, must
-from ntk_core._kernel.arguments import misspelt, ntk_only
+from ntk_core._kernel.arguments import unknown_options
 from ntk_core._kernel.caller import Caller
+from ntk_core._kernel.checks import model_failed
 from ntk_core._kernel.engine import Engine
 from ntk_core._kernel.function import SIGNATURE, KernelFunction
-from ntk_core._kernel.kind import NTK_ONLY, PNTK
+from ntk_core._kernel.inputs import MODEL_KWARGS
+from ntk_core._kernel.kind import PNTK
 from ntk_core._kernel.model import flat_outputs
 from ntk_core._kernel.options import NNGP_OPTION_NAMES, NTK_OPTION_NAMES, make_options
 from ntk_core._kernel.pipeline import Kind, Spec
@@ -94,8 +96,7 @@ def input_shape_mismatch(
         what = f"{params_name} do not fit x1's per-sample shape {samples}"
         fix, needs = "pass matching inputs", f", init on x1 makes {needs}"
     what += f" (parameter {path} has shape {has}{needs if found is None else ''}){more}"
-    what, fix = f"applying the model to x1 failed: {what}", f"{fix}, or re-initialise ({init_call})"
-    return bad(ValueError, fn_name, what, fix)
+    return model_failed(fn_name, what, f"{fix}, or re-initialise ({init_call})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,7 @@ class PureModel:
     check: Callable | None = None
     eval_hint: str = ""
     to_core_reads_x1: bool = False
-    model_kwargs: str = "apply_kwargs={...}"
+    model_kwargs: str = MODEL_KWARGS
 
 
 def build_kernel(
@@ -135,29 +136,16 @@ def build_kernel(
     the pseudo-NTK (:func:`ntk_core.pntk_fn`), the NTK of the outputs' sum over √O."""
     fn_name = caller.name
     if kind == PNTK:  # an NTK of one output per sample
-        if "trace_axes" in options:
-            fix = "drop trace_axes= (one output per sample: the pNTK is (N1, N2))"
-            raise bad(TypeError, fn_name, "the pseudo-NTK takes no trace_axes", fix)
+        if "trace_axes" in options:  # one output per sample: the pNTK is (N1, N2)
+            raise bad(TypeError, fn_name, "the pseudo-NTK takes no trace_axes", "drop trace_axes=")
         model = dataclasses.replace(model, apply3=flat_outputs(model.apply3, summed=True))
-        kind, options = Kind.NTK, {**options, "trace_axes": ()}
+        kind, options = Kind.NTK, dict(options, trace_axes=())
     kind = Kind(kind)
     valid = NNGP_OPTION_NAMES if kind is Kind.NNGP else NTK_OPTION_NAMES
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        renamed = _RENAMED.get(caller.package, {})
-        close = {u: misspelt(u, valid) for u in unknown}
-        known = [u for u in unknown if u in renamed or close[u] or u in NTK_ONLY]
-        fixes = [
-            renamed.get(u) or (f"write {close[u]}= (not {u}=)" if close[u] else ntk_only(u))
-            for u in known
-        ]
-        if len(fixes) < len(unknown):  # the others: perhaps the model's own keywords
-            model_kwargs = model.model_kwargs
-            fixes.append(
-                f"pass model keywords through {model_kwargs}" if model_kwargs else "drop them"
-            )
-        what = f"unknown option(s) {', '.join(map(repr, unknown))}; valid are {', '.join(valid)}"
-        raise bad(TypeError, fn_name, what, "; ".join(fixes))
+        renamed = _RENAMED.get(caller.package)
+        raise unknown_options(fn_name, "option(s)", unknown, valid, model.model_kwargs, renamed)
     opts = make_options(fn_name, **options)
     engine = Engine(Spec(fn_name, kind, model.apply3, opts, model.check, model.eval_hint, caller))
     keywords = model.call_keywords

@@ -59,24 +59,43 @@ def _message(name: str, signature: inspect.Signature, args, kwargs, error) -> st
     params = signature.parameters
     options = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    positional = ", ".join(n for n, p in params.items() if p.kind in kinds)
+    positional = [n for n, p in params.items() if p.kind in kinds]
     unknown = sorted(set(kwargs) - set(params))
     if not unknown:
         missing = _first_missing(signature, args, kwargs)
-        fix = f"call {name}({positional}, *, option=...); options are keyword-only"
+        fix = f"call {name}({', '.join(positional)}, *, option=...); options are keyword-only"
         if missing in options:
             fix = f"pass {missing}=... by keyword (it is keyword-only)"
-        return str(
-            bad(TypeError, name, f"{error} (expected positional arguments {positional})", fix)
-        )
-    close = {u: misspelt(u, options) for u in unknown}
-    fixes = [f"write {c}= (not {u}=)" for u, c in close.items() if c]
-    fixes += [ntk_only(u) for u in unknown if u in NTK_ONLY and not close[u]]
+        return str(binding_error(name, error, positional, fix))
+    model_kwargs = next((p for p in _MODEL_KEYWORDS if p in params), None)
+    return str(unknown_options(name, "keyword argument(s)", unknown, options, model_kwargs))
+
+
+def binding_error(fn_name: str, error, positional: list, fix: str) -> TypeError:
+    """The TypeError for a call Python could not bind (``error``, its message), naming the
+    ``positional`` parameters."""
+    what = f"{error} (expected positional arguments {', '.join(positional)})"
+    return bad(TypeError, fn_name, what, fix)
+
+
+def unknown_options(fn_name, noun, unknown, valid, model_kwargs=None, renamed=None) -> TypeError:
+    """The TypeError for the ``unknown`` options (``noun``: what messages call them) among
+    ``valid``: a fix for each renamed (``renamed``: its fix), misspelt or NTK-only one; the
+    others may be model keywords (``model_kwargs``: where those go, if anywhere)."""
+    renamed = renamed or {}
+    fixes = [renamed.get(u) or _fix(u, valid) for u in unknown]
+    fixes = [f for f in fixes if f]
     if len(fixes) < len(unknown):  # the others: perhaps the model's own keywords
-        model = [f"pass model keywords through {p}" for p in _MODEL_KEYWORDS if p in params]
-        fixes += model[:1] or ["use those option names"]
-    what = f"unknown keyword argument(s) {', '.join(map(repr, unknown))}; valid options are "
-    return str(bad(TypeError, name, what + ", ".join(options), "; ".join(fixes)))
+        fixes.append(f"pass model keywords through {model_kwargs}" if model_kwargs else "drop them")
+    what = f"unknown {noun} {', '.join(map(repr, unknown))}; valid options are {', '.join(valid)}"
+    return bad(TypeError, fn_name, what, "; ".join(fixes))
+
+
+def _fix(option: str, valid) -> str | None:
+    close = misspelt(option, valid)
+    if close:
+        return f"write {close}= (not {option}=)"
+    return ntk_only(option) if option in NTK_ONLY else None
 
 
 def ntk_only(option: str) -> str:

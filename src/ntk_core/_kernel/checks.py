@@ -72,14 +72,20 @@ def samples_interact_error(fn_name: str, what: str, fix: str) -> ValueError:
     return bad(ValueError, fn_name, what, fix, see="samples-interact")
 
 
+def model_failed(fn_name: str, what: str, fix: str) -> ValueError:
+    """An adapter's ValueError for a model that fails on x1 (``what``: how)."""
+    return bad(
+        ValueError, fn_name, f"applying the model to x1 failed: {what}", fix, see="model-failed"
+    )
+
+
 def adapter_model_failure(caller: Caller, params_name: str, error: Exception) -> ValueError:
     """An adapter's ValueError for a model that fails on x1."""
     mine = "" if caller.monte_carlo else f"{params_name} from this model's init, "
-    what = f"applying the model to x1 failed: {one_line(error)}"
     fix = (
         f"check {mine}x1's shape and the mode (apply_kwargs={{'train': False}}; nnx: model.eval())"
     )
-    return bad(ValueError, caller.name, what, fix, see="model-failed")
+    return model_failed(caller.name, one_line(error), fix)
 
 
 def _numeric(dtype, kinds=(jnp.number, jnp.bool_)) -> bool:
@@ -127,12 +133,8 @@ def before_trace(fn_name: str, params, x1, x2, options) -> None:
 
 
 def after_trace(fn, apply3, params, x1, x2, aux, out_leaves, options, kernel="NTK", closed=None):
-    """Checks of the outputs; precision warnings for ``kernel`` (``closed``: a jaxpr, or None)."""
-    for i, leaf in enumerate(out_leaves):
-        if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-            where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
-            what = f"{where} has dtype {leaf.dtype}; expected real floating point"
-            raise bad(TypeError, fn, what, "return the real and imaginary parts apart")
+    """Precision warnings for ``kernel`` (``closed``: a jaxpr, or None); ``out_leaves``: the
+    outputs, already refused unless real floating point by the callers."""
     _environment.check_model_precision(
         fn, apply3, params, x1, aux, options.precision, kernel, closed
     )

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 
-from ntk_core._errors import bad
+from ntk_core._kernel.arguments import binding_error
 from ntk_core._kernel.options import KernelOptions
 
 #: The core kernel functions' signature; the adapters' rename ``params`` and add keywords.
 SIGNATURE = inspect.signature(lambda params, x1, x2=None: None)
+#: The other keywords of a call, left to the builder's ``bind``.
+_OTHERS = inspect.Parameter("keywords", inspect.Parameter.VAR_KEYWORD)
+#: The options every ``repr`` shows.
+_SHOWN = ("implementation", "trace_axes", "diagonal_axes", "vmap_axes", "batch_size")
 
 
 class KernelFunction:
@@ -79,28 +84,21 @@ class KernelFunction:
 
     def _arguments(self, args: tuple, kwargs: dict, method: str):
         """``(first, x1, x2, other keywords)`` from a call, by position or name."""
-        names = list(self.__signature__.parameters)[:3]  # e.g. params, x1, x2
-        values = dict(zip(names, args, strict=False))
-        twice = [n for n in names if n in kwargs and n in values]
-        values |= {n: kwargs.pop(n) for n in names if n in kwargs}
-        missing = [n for n in names[:2] if n not in values]
-        if len(args) > 3 or twice or missing:
-            got = f"; got the keyword argument(s) {', '.join(map(repr, sorted(kwargs)))}"
-            if len(args) > 3:
-                problem = f"{len(args)} positional arguments"
-            elif twice:
-                problem = f"got multiple values for argument {twice[0]!r}"
-            else:
-                problem = f"missing a required argument: {missing[0]!r}{got if kwargs else ''}"
-            what = f"{problem} (expected positional arguments {', '.join(names)})"
+        head = list(self.__signature__.parameters.values())[:3]  # e.g. params, x1, x2=None
+        names = [p.name for p in head]
+        try:
+            bound = inspect.Signature([*head, _OTHERS]).bind(*args, **kwargs)
+        except TypeError as e:  # too many positional arguments, x1 missing, ...
+            other = sorted(set(kwargs) - set(names))
+            got = f"; got the keyword argument(s) {', '.join(map(repr, other))}" if other else ""
             fix = f"call it as kernel{method}({names[0]}, x1, x2=None)"
-            raise bad(TypeError, f"{self.name}(...){method}(...)", what, fix)
-        return values[names[0]], values[names[1]], values.get(names[2]), kwargs
+            raise binding_error(f"{self.name}(...){method}(...)", f"{e}{got}", names, fix) from None
+        values = bound.arguments
+        return values[names[0]], values[names[1]], values.get(names[2]), bound.kwargs
 
     def __repr__(self) -> str:
-        o = self.options
-        names = ["implementation", "trace_axes", "diagonal_axes", "vmap_axes", "batch_size"]
-        extra = ("out", "resume", "overwrite", "devices")
-        names += [n for n in extra if getattr(o, n) not in (None, False)]
+        o = self.options  # the main options, then any other away from its default
+        changed = [f.name for f in dataclasses.fields(o) if getattr(o, f.name) != f.default]
+        names = [*_SHOWN, *(n for n in changed if n not in _SHOWN)]
         fields = "".join(f", {n}={getattr(o, n)!r}" for n in names)
         return f"KernelFunction({self.name}, kind={self.kind!r}{fields})"

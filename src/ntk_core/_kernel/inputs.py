@@ -8,17 +8,20 @@ from collections.abc import Mapping
 
 from ntk_core._errors import bad, must, one_line
 from ntk_core._kernel.caller import Caller
-from ntk_core._kernel.checks import adapter_model_failure
+from ntk_core._kernel.checks import adapter_model_failure, model_failed
 
 _KINDS = {"x": object, "args": (tuple, list), "kwargs": Mapping}
 _AS = {"args": "a tuple", "kwargs": "a dict"}  # what x must be, in messages
+#: Where the adapters' callers pass the model's own keywords, as messages name it.
+MODEL_KWARGS = "apply_kwargs={...}"
 
 
 def check_inputs_option(fn_name: str, inputs) -> str:
     """``inputs``, or a ValueError naming ``fn_name`` and the three choices."""
     if not (isinstance(inputs, str) and inputs in _KINDS):
-        fix = "pass inputs='args' (x a tuple: model(*x)) or 'kwargs' (a dict: model(**x))"
-        raise must(ValueError, fn_name, "inputs", "'x', 'args' or 'kwargs'", repr(inputs), fix)
+        raise must(
+            ValueError, fn_name, "inputs", "'x', 'args' or 'kwargs'", repr(inputs), eg="'args'"
+        )
     return inputs
 
 
@@ -32,10 +35,9 @@ def spread_inputs(fn_name: str, inputs: str, x, name: str = "x1") -> tuple[tuple
     return ((x,), {}) if inputs == "x" else (tuple(x), {}) if inputs == "args" else ((), dict(x))
 
 
-def inputs_failure(caller: Caller, params_name: str, error: Exception, flags="apply_kwargs={...}"):
+def inputs_failure(caller: Caller, params_name: str, error: Exception, flags=MODEL_KWARGS):
     """``adapter_model_failure``; for a call missing arguments, where each kind goes."""
     if not (isinstance(error, TypeError) and "required" in str(error)):
         return adapter_model_failure(caller, params_name, error)
-    what = f"applying the model to x1 failed: {one_line(error)}"
     fix = f"pass per-sample arrays in x1 with inputs='args' or 'kwargs', flags in {flags}"
-    return bad(ValueError, caller.name, what, fix, see="model-failed")
+    return model_failed(caller.name, one_line(error), fix)

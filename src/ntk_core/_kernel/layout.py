@@ -62,6 +62,12 @@ class LeafLayout:
         return 0 in self.diag
 
 
+def axis_twice(fn_name: str, name: str, axes, where: str = "") -> ValueError:
+    """The ValueError for ``name`` (``trace_axes``, ``diagonal_axes``) naming an axis twice."""
+    what = f"{name}={tuple(axes)!r} names the same axis twice{where}"
+    return bad(ValueError, fn_name, what, "list each axis once")
+
+
 def resolve_layout(fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, where: str):
     """The axes normalised for one output leaf of ``shape``; ValueError for an axis out of
     range, named twice, traced and diagonal, or the batch axis traced."""
@@ -75,19 +81,16 @@ def resolve_layout(fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, w
                 raise bad(ValueError, fn_name, what, f"pass axes in [{-ndim}, {ndim - 1}]")
         found.append(tuple(sorted({a % ndim for a in axes})))
         if len(found[-1]) != len(axes):
-            what = f"{name}={tuple(axes)!r} names the same axis twice for {of}"
-            raise bad(ValueError, fn_name, what, "list each axis once")
+            raise axis_twice(fn_name, name, axes, f" for {of}")
     trace, diag = found
     both = sorted(set(trace) & set(diag))
     if both:
         what = f"axis {both[0]} of {of} is in both trace_axes and diagonal_axes"
         raise bad(ValueError, fn_name, what, "remove it from one of them")
-    if 0 in trace and ndim == 1:  # an output (N,): the default trace_axes=(-1,) hits 0
-        what = f"{of} (one value per sample, no output axis) has no axis for trace_axes"
-        raise bad(ValueError, fn_name, what, "pass trace_axes=(), or return shape (N, 1)")
-    if 0 in trace:
+    if 0 in trace:  # e.g. the default trace_axes=(-1,) of an output (N,)
         what = f"trace_axes={tuple(trace_axes)!r} traces the batch axis 0 of {of}"
-        raise bad(ValueError, fn_name, what, "use diagonal_axes=(0,) for the per-sample diagonal")
+        fix = "leave axis 0 out (e.g. trace_axes=() for an output (N,)), or use diagonal_axes=(0,)"
+        raise bad(ValueError, fn_name, what, fix)
     return LeafLayout(ndim, trace, diag)
 
 

@@ -78,7 +78,7 @@ from ntk_core._blocked.sink import Sink
 from ntk_core._errors import bad, must
 from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._kernel.kind import NTK_ONLY
-from ntk_core._kernel.layout import Axes
+from ntk_core._kernel.layout import Axes, axis_twice
 
 #: Valid values of ``implementation``: ``"auto"`` and the registry's names.
 IMPLEMENTATIONS = (AUTO, *REGISTRY)
@@ -134,7 +134,7 @@ def _one_of(fn_name: str, allowed, **given) -> None:
     ((name, value),) = given.items()
     if not isinstance(value, str) or value not in allowed:
         expect = f"one of {', '.join(map(repr, allowed))}"
-        raise must(ValueError, fn_name, name, expect, repr(value), f"pass {name}={allowed[0]!r}")
+        raise must(ValueError, fn_name, name, expect, repr(value), eg=repr(allowed[0]))
 
 
 def _flags(fn_name: str, none_ok=False, **given) -> None:
@@ -154,8 +154,7 @@ def _axes(fn_name: str, **given) -> list[Axes]:
             raise must(TypeError, fn_name, name, "an int or a sequence of ints", _got(value), eg=())
         out = (int(value),) if _is_int(value) else tuple(int(v) for v in value)
         if len(set(out)) != len(out):
-            what = f"{name}={out!r} names the same axis twice"
-            raise bad(ValueError, fn_name, what, "list each axis once")
+            raise axis_twice(fn_name, name, out)
         found.append(out)
     return found
 
@@ -181,8 +180,8 @@ def make_options(
     """Validates the shared options; raises TypeError/ValueError naming ``fn_name``."""
     trace, diag = _axes(fn_name, trace_axes=trace_axes, diagonal_axes=diagonal_axes)
     if vmap_axes is not None and (isinstance(vmap_axes, bool) or vmap_axes != 0):
-        what = f"vmap_axes must be 0 (independent samples) or None, got {vmap_axes!r}"
-        raise bad(ValueError, fn_name, what, "move the batch axis to 0, or pass vmap_axes=None")
+        fix = "move the batch axis to 0, or pass vmap_axes=None"
+        raise must(ValueError, fn_name, "vmap_axes", "0 or None", repr(vmap_axes), fix)
     if not isinstance(implementation, (str, bool)) and implementation in NT_IMPLEMENTATIONS:
         nt, name = NT_IMPLEMENTATIONS[implementation]
         what = f"implementation={implementation!r} is neural-tangents' NtkImplementation.{nt}"
@@ -228,8 +227,7 @@ def _wrt(fn_name: str, wrt):
 
 def _devices_option(fn_name, devices, store_on_device, batch_size) -> tuple:
     if batch_size is None:
-        what = "devices= spreads the blocked engine's tiles, but batch_size is None"
-        raise bad(ValueError, fn_name, what, "pass a batch_size (e.g. 'auto'), or drop devices=")
+        raise _needs_batch_size(fn_name, "devices= spreads the blocked engine's tiles", "'auto'")
     import jax  # the options module itself needs no JAX
 
     given = tuple(devices) if isinstance(devices, (list, tuple)) else None
@@ -260,18 +258,24 @@ def _out_options(
     if not isinstance(out, (str, os.PathLike)) or not os.fspath(out).endswith(".npy"):
         raise must(ValueError, fn_name, "out", "a path ending in '.npy'", repr(out), eg="'k.npy'")
     path = os.fspath(out)
-    if batch_size is None or store_on_device or (resume and overwrite):
-        given = f"out={path!r}"
-        if batch_size is None:
-            what = f"{given} writes {blocks} to a file, but batch_size is None"
-            fix = f"pass a batch_size, e.g. batch_size={eg}"
-        elif store_on_device:
-            what = f"{given} writes to the host, which store_on_device=True contradicts"
-            fix = "drop store_on_device=True"
-        else:
-            what, fix = f"resume=True and overwrite=True were both given for {given}", "pass one"
-        raise bad(ValueError, fn_name, what, fix)
+    if batch_size is None:
+        raise _needs_batch_size(fn_name, f"out={path!r} writes {blocks} to a file", eg)
+    if store_on_device:
+        what = f"out={path!r} writes to the host, which store_on_device=True contradicts"
+        raise bad(ValueError, fn_name, what, "drop store_on_device=True")
+    if resume and overwrite:
+        raise bad(
+            ValueError, fn_name, f"resume=True and overwrite=True for out={path!r}", "pass one"
+        )
     return path
+
+
+def _needs_batch_size(fn_name: str, what: str, eg) -> ValueError:
+    """The ValueError for an option of the blocked engine (``what`` it does) without one
+    (``eg``: a batch_size to suggest)."""
+    return bad(
+        ValueError, fn_name, f"{what}, but batch_size is None", f"pass a batch_size, e.g. {eg}"
+    )
 
 
 def _block_options(fn_name, batch_size, memory_budget) -> None:

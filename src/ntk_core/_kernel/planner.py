@@ -140,10 +140,9 @@ def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
     )
     one = model.residual_bytes + model.cotangent_bytes
     if one > budget and opts.batch_size != AUTO_BATCH_SIZE:
-        what = f"vmap_axes=None differentiates {n} samples at once, needing {human_bytes(one)}, "
-        what += f"beyond memory_budget of {human_bytes(budget)}"
-        fix = f"pass vmap_axes=0, fewer samples, or raise memory_budget to at least {one} bytes"
-        raise bad(ValueError, spec.fn_name, what, fix)
+        need, have = human_bytes(one), human_bytes(budget)
+        what = f"vmap_axes=None differentiates {n} samples at once: {need} > memory_budget {have}"
+        raise bad(ValueError, spec.fn_name, what, f"pass vmap_axes=0, or memory_budget >= {one}")
     return model
 
 

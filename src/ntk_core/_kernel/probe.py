@@ -231,8 +231,9 @@ def samples_interact(apply3, params, x1, x2, aux, fn_name: str, rtol: float = 1e
             raise _checks.leaked_tracer_error(fn_name, error) from error
         except (TypeError, ValueError, IndexError) as error:
             what = f"the model fails on a batch of 1 or 3 samples: {one_line(error)}"
-            fix = "keep the batch axis for any N (vmap_axes=0 checks small batches)"
-            raise bad(ValueError, fn_name, what, fix, see="samples-interact") from error
+            raise _checks.samples_interact_error(
+                fn_name, what, "keep the batch axis for any N (vmap_axes=0 checks small batches)"
+            ) from error
         # Row i alone kept: its outputs must not move; nor in a batch of its own.
         if any(_moved(outs[0], moved, i, i, rtol) for i, moved in enumerate(outs[1:4])):
             return INTERACT

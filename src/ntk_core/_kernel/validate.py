@@ -74,14 +74,10 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
             what = f"the arguments look in neural-tangents' order {nt}"
             raise bad(ValueError, fn, what, f"pass {caller.order}")
         n2 = batch_size(caller, "x2", x2)
-        s1, s2 = jax.tree.structure(x1), jax.tree.structure(x2)
-        if s1 != s2:
-            what = f"x1 and x2 have different pytree structures ({s1} vs {s2})"
-            raise bad(ValueError, fn, what, "give x2 the structure of x1")
+        if per_sample(x1) != per_sample(x2):  # pytree structures or per-sample shapes
+            what = f"x1 and x2 differ per sample: {describe(x1)} vs {describe(x2)}"
+            raise bad(ValueError, fn, what, "give x2 the structure and per-sample shapes of x1")
         for a, b in zip(jax.tree.leaves(x1), jax.tree.leaves(x2), strict=True):
-            if np.shape(a)[1:] != np.shape(b)[1:]:
-                what = f"x1 and x2 differ in their non-batch shapes: {describe(x1)} vs "
-                raise bad(ValueError, fn, what + describe(x2), "give x2 the per-sample shape of x1")
             ta, tb = jnp.result_type(a), jnp.result_type(b)
             if jnp.issubdtype(ta, jnp.inexact) != jnp.issubdtype(tb, jnp.inexact):
                 raise bad(TypeError, fn, f"x1 has dtype {ta} where x2 has {tb}", "match them")
@@ -131,9 +127,9 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
             what = f"{where} has shape {leaf.shape} but x1 has {n1} samples ({describe(x1)})"
             fix = f"add a batch axis (x1[None]), or make {caller.model} return one row per sample"
             raise bad(ValueError, fn, what, fix)
-        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-            what = f"{where} has dtype {leaf.dtype}; expected floating point"
-            raise bad(TypeError, fn, what, "return the model's float outputs (logits)")
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):  # ints, complex numbers
+            what = f"{where} has dtype {leaf.dtype}; expected real floating point"
+            raise bad(TypeError, fn, what, "return real float outputs (e.g. logits)")
         layout = resolve_layout(fn, opts.trace_axes, opts.diagonal_axes, leaf.shape, where)
         if layout.batch_diagonal and x2 is not None and n2 != n1:
             what = f"diagonal_axes={opts.diagonal_axes!r} needs N1 == N2, got N1={n1} and N2={n2}"
@@ -149,11 +145,10 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     if known is None and sample_key is not None:  # vmap_axes=0
         interact = _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn)
         if interact:
-            how = f" (e.g. {spec.hint})" if spec.hint else ""
-            mode = (
-                "" if interact == _probe.POSITION else f"run the model in evaluation mode{how}, or "
-            )
-            fix = f"{mode}pass vmap_axes=None"
+            fix = "pass vmap_axes=None"
+            if interact == _probe.INTERACT:  # e.g. BatchNorm in training mode
+                how = f" (e.g. {spec.hint})" if spec.hint else ""
+                fix = f"run the model in evaluation mode{how}, or {fix}"
             raise _checks.samples_interact_error(fn, interact, fix)
         if interact is not None:  # checked: later calls of this signature skip it
             samples[sample_key] = (out_tree, [(o.shape[1:], o.dtype) for o in out_leaves])
@@ -164,9 +159,9 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
 def check_untraced(spec: Spec, params, x1, x2) -> None:
     """The blocked engine writes tiles to the host: refuses traced arguments."""
     if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, x1, x2))):
-        given = f"batch_size={spec.options.batch_size!r}"
+        fn, b = spec.fn_name, spec.options.batch_size
         raise bad(
-            ValueError, spec.fn_name, f"{given} was used inside jax.jit", "call it outside jit"
+            ValueError, fn, f"batch_size={b!r} was used inside jax.jit", "call it outside jit"
         )
 
 
@@ -188,6 +183,6 @@ def check_blocks_independent(spec: Spec, checked: Checked, cut, params, x1, x2, 
     if spec.options.vmap_axes is not None or max(cut.b1, cut.b2) >= max(checked.n1, checked.n2):
         return
     if _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn_name=spec.fn_name):
-        given = f"batch_size={spec.options.batch_size!r}"
-        what = f"{given} with vmap_axes=None splits interacting samples"
-        raise bad(ValueError, spec.fn_name, what, "pass batch_size=None", see="samples-interact")
+        b = spec.options.batch_size
+        what = f"batch_size={b!r} with vmap_axes=None splits interacting samples"
+        raise _checks.samples_interact_error(spec.fn_name, what, "pass batch_size=None")

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 
 from ntk_core._blocked import store as _store
-from ntk_core._errors import NonFiniteError, bad
+from ntk_core._blocked.tiles import non_finite
+from ntk_core._errors import bad
 from ntk_core._kernel.kind import NTK_ONLY
 
 #: The Monte Carlo kernels, in the order of ``Kernels``.
@@ -47,14 +48,12 @@ class MonteCarloFiles:
         first_key, digest = jax.random.split(key, n_samples)[0], _store._digest_tree
         code = _store.model_digest(jax.make_jaxpr(init)(first_key))  # with its captured values
         sample0 = digest(init(first_key))
-        self.common = {**_store.inputs(x1, x2), "key": digest(key)}
+        self.common = {**_store.inputs(x1, x2), "key": digest(key), "n_samples": n_samples}
         self.common |= {"initialisation (its jaxpr)": code, "initialisation (sample 0)": sample0}
-        self.common["n_samples"] = n_samples
         self.sums = {kind: RunningSum(self, kind, f"{stem}.{kind}.npy") for kind in KINDS}
         paths = [p for rs in self.sums.values() for p in rs.buffers]
         for path in filter(os.path.isdir, paths):
-            what = f"out={self.out!r} writes {path!r}, which is a folder"
-            raise bad(ValueError, fn, what, "give another path")
+            raise _store.folder_error(fn, f"out={self.out!r}: {path!r}")
         if self.overwrite:
             self._remove(paths)
         self.first = self.sample = min(rs.first() for rs in self.sums.values())
@@ -111,10 +110,9 @@ class RunningSum(_store.Sink):
         if not files.resume:
             raise _store.exists_error(fn, f"out={files.out!r}: {existing[0]!r}")
         if unknown is not None and other is None and not found:
-            why = f"{_store.manifest_path(unknown)!r} is missing or unreadable"
-            raise _store.resume_error(fn, why)
+            raise _store.resume_error(fn, unknown)
         if other is not None and not found:
-            raise _store.resume_error(fn, f"{other[0]!r} {_store._OTHER_CALL}", other[1])
+            raise _store.resume_error(fn, *other)
         return first
 
     def fingerprint(self, layout: _store.FileLayout, sample: int, dtype) -> dict:
@@ -137,8 +135,7 @@ class RunningSum(_store.Sink):
             manifest = _store._read_manifest(previous) or {}
             old, expected = manifest.get(_store.FP, {}), self.fingerprint(layout, s - 1, wide)
             if not manifest.get(_store.COMPLETE) or old != expected:
-                why = f"the sum of samples 0..{s - 1} in {previous!r} {_store._OTHER_CALL}"
-                raise _store.resume_error(fn, why, _store.differences(old, expected))
+                raise _store.resume_error(fn, previous, _store.differences(old, expected))
             earlier_sum = _store.NpyReader(fn, previous, layout.shape, wide, "the running sum")
         last = s == n - 1
         into = dtype if last else wide
@@ -155,7 +152,7 @@ class RunningSum(_store.Sink):
             if not np.isfinite(total).all():
                 what = f"the {self.kind.upper()} came out non-finite in rows {r0}..{r1 - 1}"
                 fix = "compute in float64, or pass overwrite=True if the file was changed"
-                raise bad(NonFiniteError, fn, what, fix, see="non-finite-kernel")
+                raise non_finite(fn, what, fix)
             return total
 
         return self._store(fn, layout, path, s, into, started, not started, add)
@@ -180,4 +177,4 @@ class RunningSum(_store.Sink):
         missing = sum(v for p, v in needed.items() if not os.path.exists(p))
         folder = os.path.dirname(os.path.abspath(self.path))  # missing: NpyStore says so
         if os.path.isdir(folder) and missing > (free := shutil.disk_usage(folder).free):
-            raise _store.no_space_error(fn, f"out={files.out!r}", missing, free)
+            raise _store.no_space_error(fn, files.out, missing, free)

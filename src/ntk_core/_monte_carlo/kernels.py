@@ -13,7 +13,8 @@ import numpy as np
 
 from ntk_core._api import _make
 from ntk_core._blocked import progress as _progress
-from ntk_core._errors import NonFiniteError, bad, check_int, one_line
+from ntk_core._blocked.tiles import non_finite
+from ntk_core._errors import NonFiniteError, bad, check_int, must, one_line
 from ntk_core._kernel.arguments import _checked_arguments, misspelt
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.checks import all_finite, check_finite_input
@@ -22,7 +23,7 @@ from ntk_core._monte_carlo.files import KINDS, MonteCarloFiles, kind_options
 from ntk_core._predict.inference import Kernels
 from ntk_core._predict.linalg import check_key
 
-_KERNEL_OPTIONS = [n for n in inspect.signature(make_options).parameters if n != "fn_name"]
+_KERNEL_OPTIONS = list(inspect.signature(make_options).parameters)[1:]  # after fn_name
 _INPUTS = ("x1", "x2")
 
 
@@ -52,8 +53,8 @@ def check_init_kwargs(fn_name: str, init_kwargs) -> dict | None:
     """``init_kwargs`` as a dict (None stays None); anything but a mapping is refused."""
     if init_kwargs is None or isinstance(init_kwargs, Mapping):
         return None if init_kwargs is None else dict(init_kwargs)
-    what = f"init_kwargs must be a dict, got {type(init_kwargs).__name__}"
-    raise bad(TypeError, fn_name, what, "pass e.g. init_kwargs={'is_training': True}")
+    got = type(init_kwargs).__name__
+    raise must(TypeError, fn_name, "init_kwargs", "a dict", got, eg="{'is_training': True}")
 
 
 def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=None, own=()) -> None:
@@ -146,8 +147,7 @@ def _check_finite_sum(fn_name: str, kernels, where: str) -> None:
     for name, kernel in zip(KINDS, kernels, strict=True):
         if any(all_finite(a) is False for a in jax.tree.leaves(kernel)):
             what = f"the {name.upper()} came out non-finite (NaN or Inf) in {where}"
-            fix = "check the model on that initialisation, or compute in float64"
-            raise bad(NonFiniteError, fn_name, what, fix, see="non-finite-kernel")
+            raise non_finite(fn_name, what)
 
 
 _SIGNATURES = "init_fn(key) -> params, apply_fn(params, x)"
@@ -248,18 +248,15 @@ def monte_carlo_kernels(
     fn = _MONTE_CARLO_KERNELS.name
     for name, f in (("init_fn", init_fn), ("apply_fn", apply_fn)):
         if not callable(f):
-            raise bad(
-                TypeError, fn, f"{name} must be callable, got {type(f).__name__}", _SIGNATURES
-            )
+            raise must(TypeError, fn, name, "callable", type(f).__name__, _SIGNATURES)
     if _takes_shape(init_fn):
-        what = "init_fn takes (key, shape), like neural-tangents' stax; here init_fn(key)"
-        raise bad(TypeError, fn, what, f"pass {_STAX_INIT}")
+        raise bad(TypeError, fn, "init_fn takes (key, shape), not (key)", f"pass {_STAX_INIT}")
     blocked = dict(batch_size=batch_size, store_on_device=store_on_device)
     check_samples(_MONTE_CARLO_KERNELS, key, n_samples, batch_size_samples, blocked)
     check_inputs(fn, x1, x2, "init_fn, apply_fn")
     # the kernel options among the arguments (the outermost iterable runs in this scope)
     options = {k: v for k, v in locals().items() if k in _KERNEL_OPTIONS}
-    options["progress"] = False  # the bar is the samples'
+    options.update(progress=False)  # the bar is the samples'
     init = initialiser(fn, jax.jit(init_fn), "init_fn(key)", _SIGNATURES)
 
     def kernels(kind, kind_options):
@@ -288,7 +285,7 @@ def sample_mean(
 
 
 def initialiser(
-    fn_name: str, init: Callable, call: str, expected: str, otherwise: str = ""
+    fn_name: str, init: Callable, call: str, expected: str, otherwise: str | None = None
 ) -> Callable:
     """``init`` whose failures raise ValueError naming ``call``, with ``otherwise`` or a fix
     saying it must be a pure JAX function of the key (``expected``) run under jit."""

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ntk_core._errors import bad, check_bool, check_int, check_real, is_real
+from ntk_core._errors import bad, check_int, check_real, is_real
 from ntk_core._jax.environment import _user_stacklevel
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.options import DEFAULTS
@@ -25,6 +25,8 @@ from ntk_core._predict.linalg import (
     check_prior_symmetric,
     check_rows_finite,
     compute_dtype,
+    finite_host_array,
+    is_real_dtype,
     matmul64,
     numerical_rank,
     scan_train_kernel,
@@ -62,8 +64,7 @@ class Outputs(NamedTuple):
 
 
 def _flat_train(fn_name, name, k, layout: FlatLayout):
-    """(dtype, flat kernel, mean diagonal) of a checked train-train kernel."""
-    k = as_host_array(fn_name, name, k)
+    """(dtype, flat kernel, mean diagonal) of a checked train-train host array."""
     layout.check_pair(name, k, layout.n, layout.n)
     k2 = layout.flat(k)
     return k.dtype, k2, scan_train_kernel(fn_name, name, k2, k.dtype)[0]
@@ -87,27 +88,28 @@ _RANK_DROP = 1e3
 
 
 def _pick(fn_name, name, k, field):
-    """An array, or the ``field`` of a :class:`Kernels`."""
-    if isinstance(k, Kernels) and (k := getattr(k, field)) is None:
-        raise bad(ValueError, fn_name, f"{name}.{field} is None", "pass both kernels, or an array")
-    return k
+    """``(name, host array)``: ``k``, or the ``field`` of a :class:`Kernels` (``name.field``)."""
+    if isinstance(k, Kernels):
+        name = f"{name}.{field}"
+        if (k := getattr(k, field)) is None:
+            raise bad(ValueError, fn_name, f"{name} is None", "pass both kernels, or an array")
+    return name, as_host_array(fn_name, name, k)
 
 
 class _TestSide:
     """Test-kernel parsing, chunking and output shaping of the predictors."""
 
     def _set_y(self, fn_name, y_train, opts) -> FlatLayout:
-        self._fn, self._opts, y = fn_name, opts, as_host_array(fn_name, "y_train", y_train)
+        self._fn, self._opts = fn_name, opts
+        y = finite_host_array(fn_name, "y_train", y_train, MISSING_TARGETS)
         self._layout = lay = FlatLayout(fn_name, y.shape, opts.trace_axes)
-        check_rows_finite(fn_name, "y_train", y, MISSING_TARGETS)
         self._y_shape, self._y_size = y.shape, y.size
         self._y = np.asarray(lay.flat_y(y), np.float64)
         return lay
 
     def _test_train(self, fn, k, field, t=None):
         """(T, flat kernel) of a checked test-train kernel (``t``: the expected T)."""
-        name = "k_test_train"
-        k = as_host_array(fn, name, _pick(fn, name, k, field))
+        name, k = _pick(fn, "k_test_train", k, field)
         t = self._layout.check_pair(name, k, t, self._layout.n, fn)
         check_rows_finite(fn, name, k)
         return t, self._layout.flat(k)
@@ -118,8 +120,7 @@ class _TestSide:
         for f in fields:
             t, out[f] = self._test_train(fn, k_test_train, f, t)
         if k_test_test is not None:
-            name = "k_test_test"
-            k = as_host_array(fn, name, _pick(fn, name, k_test_test, _NNGP))
+            name, k = _pick(fn, "k_test_test", k_test_test, _NNGP)
             diag = k.shape == lay.diag_shape(t)
             if not diag and k.shape != lay.pair_shape(t, t):
                 what = f"{name} has shape {k.shape}, expected the full {lay.pair_shape(t, t)}"
@@ -200,12 +201,10 @@ class GPInference(_TestSide):
         self.amplitude = float(np.sum(self._y * alpha) / self._y_size) if fit_amplitude else 1.0
 
     def _get_train(self, field) -> _Train:
-        name = "k_train_train"
         if not isinstance(self._k, Kernels):
             field = _NNGP  # one array serves as both
         if field not in self._train:
-            k = _pick(self._fn, name, self._k, field)
-            name += f".{field}" if isinstance(self._k, Kernels) else ""
+            name, k = _pick(self._fn, "k_train_train", self._k, field)
             self._train[field] = _Train(self._fn, name, k, self._layout, self._opts)
         return self._train[field]
 
@@ -276,9 +275,7 @@ def _covariance(fn, prior, quad, cross, abs_cross, m, u):
         i = int(np.flatnonzero(below.reshape(-1))[0])
         v, lim = var.reshape(-1)[i], tol.reshape(-1)[i]
         what = f"a posterior variance {v:.2e} < −{lim:.2e}: not jointly positive semi-definite"
-        raise bad(
-            ValueError, fn, what, "compute all kernels with one network", see="negative-variance"
-        )
+        raise bad(ValueError, fn, what, "use the kernels of one network", see="negative-variance")
     cov[..., idx, idx] = np.maximum(var, 0.0)
     return cov
 
@@ -297,11 +294,10 @@ class _Options(NamedTuple):
 
 
 def _options(fn_name, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size):
-    diag_reg = check_diag_reg(fn_name, diag_reg)
+    diag_reg, absolute = check_diag_reg(fn_name, diag_reg, diag_reg_absolute_scale)
     fix, tbs = "pass e.g. test_batch_size=1000", test_batch_size
     tbs = check_int(fn_name, "test_batch_size", tbs, fix, optional=True, type_error=ValueError)
     compute_dtype(fn_name, dtype, np.float32)  # validates the value early
-    absolute = check_bool(fn_name, "diag_reg_absolute_scale", diag_reg_absolute_scale)
     return _Options(diag_reg, absolute, trace_axes, dtype, tbs)
 
 
@@ -396,7 +392,7 @@ def _initial_outputs(fn, name, value, shape) -> np.ndarray:
         arr = np.asarray(value)
     except Exception:  # noqa: BLE001 - any conversion failure is reported
         arr = np.asarray(None)
-    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+    if not is_real_dtype(arr.dtype):
         what = f"{name} must be a number or an array of outputs, got {type(value).__name__}"
         raise bad(TypeError, fn, what, fix)
     try:
@@ -430,9 +426,9 @@ class GradientDescentMSE(_TestSide):
         fix, lr, name = "pass the step size, e.g. learning_rate=1.0", learning_rate, "k_train_train"
         finite = lambda v: isinstance(v, (int, float)) and is_real(v) and math.isfinite(v)  # noqa: E731
         self._lr = check_real(fn_name, "learning_rate", lr, fix, open_low=True, is_type=finite)
-        k = _pick(fn_name, name, k_train_train, _NTK)
+        ntk_name, k = _pick(fn_name, name, k_train_train, _NTK)
         # a float32 eigendecomposition lost 1e-3 at t = 1e5: always float64
-        self._train = _Train(fn_name, name, k, lay, opts, eigh64=True)
+        self._train = _Train(fn_name, ntk_name, k, lay, opts, eigh64=True)
         w, v = self._train.solver._eigs
         self._w, self._v = np.maximum(w, 0.0), np.asarray(v, np.float64)
         # directions at the kernel's own round-off (w <= √M·u·w_max) do not move
@@ -441,7 +437,7 @@ class GradientDescentMSE(_TestSide):
         self._null = self._w <= math.sqrt(self._w.size) * u * w_max
         self._nngp2, self.amplitude = None, 1.0
         if isinstance(k_train_train, Kernels) and k_train_train.nngp is not None:
-            self._nngp2 = _flat_train(fn_name, f"{name}.{_NNGP}", k_train_train.nngp, lay)[1]
+            self._nngp2 = _flat_train(fn_name, *_pick(fn_name, name, k_train_train, _NNGP), lay)[1]
 
     @property
     def dtype(self) -> np.dtype:

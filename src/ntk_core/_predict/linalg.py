@@ -9,7 +9,7 @@ import math
 import jax
 import numpy as np
 
-from ntk_core._errors import NonFiniteError, bad, check_real, must
+from ntk_core._errors import NonFiniteError, bad, check_bool, check_real, must
 from ntk_core._kernel.options import _axes
 
 #: A solve is accepted when max|last correction| <= ACCEPT * max|x| per right-hand side.
@@ -63,7 +63,7 @@ def check_prior_symmetric(fn, name, k: np.ndarray) -> None:
     check_symmetric(fn, name, asym, float(np.abs(k64).max(initial=0.0)), k.dtype)
 
 
-def compute_dtype(fn_name: str, dtype, kernel_dtype) -> np.dtype:
+def compute_dtype(fn: str, dtype, kernel_dtype) -> np.dtype:
     if dtype is None:
         return np.dtype(np.float64 if np.dtype(kernel_dtype) == np.float64 else np.float32)
     try:
@@ -71,18 +71,21 @@ def compute_dtype(fn_name: str, dtype, kernel_dtype) -> np.dtype:
     except TypeError:
         d = None
     if d not in (np.dtype(np.float32), np.dtype(np.float64)):
-        what = f"dtype must be None (the kernel's), 'float32' or 'float64', got {dtype!r}"
-        raise bad(ValueError, fn_name, what, "pass dtype='float64' (works without jax_enable_x64)")
+        raise must(
+            ValueError, fn, "dtype", "None, 'float32' or 'float64'", repr(dtype), eg="'float64'"
+        )
     return d
 
 
-def check_diag_reg(fn_name: str, diag_reg) -> float:
+def check_diag_reg(fn_name: str, diag_reg, absolute_scale) -> tuple[float, bool]:
+    """``(diag_reg, diag_reg_absolute_scale)`` checked: a real number >= 0 and a bool."""
     arr = isinstance(diag_reg, (np.ndarray, jax.Array)) and not isinstance(
         diag_reg, jax.core.Tracer
     )
     if arr and diag_reg.shape == () and np.issubdtype(diag_reg.dtype, np.number):
         diag_reg = diag_reg.item()  # a 0-d numpy or JAX array
-    return check_real(fn_name, "diag_reg", diag_reg, "pass e.g. diag_reg=1e-4 (or 0.0)")
+    diag_reg = check_real(fn_name, "diag_reg", diag_reg, "pass e.g. diag_reg=1e-4 (or 0.0)")
+    return diag_reg, check_bool(fn_name, "diag_reg_absolute_scale", absolute_scale)
 
 
 def as_host_array(fn_name: str, name: str, x) -> np.ndarray:
@@ -110,10 +113,15 @@ def check_key(fn_name: str, key):
     return key
 
 
+def is_real_dtype(dtype) -> bool:
+    """A floating or integer dtype (not bool, complex or object)."""
+    return np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)
+
+
 def real_array(fn_name: str, name: str, y) -> np.ndarray:
     """``y`` (targets, labels) as a finite numpy array of floating or integer numbers."""
     arr = np.asarray(y)
-    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+    if not is_real_dtype(arr.dtype):
         got, fix = f"dtype {arr.dtype}", "encode them as numbers, e.g. one-hot or ±1"
         raise must(TypeError, fn_name, name, "real numbers", got, fix)
     check_finite(fn_name, name, arr, MISSING_TARGETS, cls=ValueError)
@@ -122,9 +130,16 @@ def real_array(fn_name: str, name: str, y) -> np.ndarray:
 
 def check_rows_finite(fn_name: str, name: str, arr: np.ndarray, fix=NAN_KERNEL_FIX) -> None:
     """:func:`check_finite` in row chunks."""
-    flat = arr.reshape(arr.shape[0], -1) if arr.ndim > 1 else arr.reshape(-1, 1)
+    flat = arr.reshape(len(arr) if arr.ndim else 1, math.prod(arr.shape[1:]))  # empty too
     for rows in row_chunks(flat.shape[0], flat.shape[1]):
         check_finite(fn_name, name, flat[rows], fix, first=rows.start)
+
+
+def finite_host_array(fn_name: str, name: str, x, fix=NAN_KERNEL_FIX) -> np.ndarray:
+    """:func:`as_host_array`, then :func:`check_rows_finite`."""
+    arr = as_host_array(fn_name, name, x)
+    check_rows_finite(fn_name, name, arr, fix)
+    return arr
 
 
 def flat_pairs(k: np.ndarray, o: int) -> np.ndarray:

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from ntk_core._errors import bad, check_bool
+from ntk_core._errors import bad
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._predict.inference import Gaussian
 from ntk_core._predict.linalg import (
@@ -16,6 +16,7 @@ from ntk_core._predict.linalg import (
     check_diag_reg,
     check_finite,
     check_prior_symmetric,
+    finite_host_array,
     unit_roundoff,
 )
 
@@ -53,10 +54,10 @@ class LowRankInference:
     def __init__(self, fn, features, y_train, diag_reg, diag_reg_absolute_scale):
         import scipy.linalg  # not at import: 0.3 s off `import ntk_core`
 
-        self._fn, lam_scale = fn, check_diag_reg(fn, diag_reg)
-        absolute = check_bool(fn, "diag_reg_absolute_scale", diag_reg_absolute_scale)
+        self._fn = fn
+        lam_scale, absolute = check_diag_reg(fn, diag_reg, diag_reg_absolute_scale)
         phi = _features(fn, "features_train", features)
-        (n, k), y = phi.shape, as_host_array(fn, "y_train", y_train)
+        (n, k), y = phi.shape, finite_host_array(fn, "y_train", y_train, MISSING_TARGETS)
         if y.ndim not in (1, 2) or y.shape[0] != n or y.size == 0:
             what = f"y_train has shape {y.shape}, expected (N,) or (N, O >= 1) with N = {n}"
             raise bad(ValueError, fn, what, "pass one target row per row of features_train")
@@ -68,30 +69,29 @@ class LowRankInference:
         self._phi = np.empty((n, k)) if n < k else None
         size = min(n, k)
         gram, rhs = np.zeros((size, size)), np.zeros((size, y2.shape[1]))
-        for rows in _blocks(n, k):
-            block = _block64(fn, "features_train", phi, rows)
-            yb = np.asarray(y2[rows], np.float64)
-            check_finite(fn, "y_train", yb, MISSING_TARGETS, first=rows.start)
-            if self._phi is not None:
-                self._phi[rows], rhs[rows] = block, yb
-                continue
-            with np.errstate(over="ignore", invalid="ignore"):  # checked below
+        with np.errstate(over="ignore", invalid="ignore"):  # checked below
+            for rows in _blocks(n, k):
+                block = _block64(fn, "features_train", phi, rows)
+                yb = np.asarray(y2[rows], np.float64)
+                if self._phi is not None:
+                    self._phi[rows], rhs[rows] = block, yb
+                    continue
                 gram += block.T @ block
                 rhs += block.T @ yb
-        if self._phi is not None:
-            with np.errstate(over="ignore", invalid="ignore"):
+            if self._phi is not None:
                 gram = self._phi @ self._phi.T
         name = "ΦᵀΦ" if self._phi is None else "ΦΦᵀ"
-        fix = "rescale the features"
-        check_finite(fn, f"{name} (summed in float64)", gram, fix, unit="feature")
+        check_finite(
+            fn, f"{name} (summed in float64)", gram, "rescale the features", unit="feature"
+        )
         mean_diag = float(np.trace(gram)) / n  # mean diag Φ Φᵀ
         reg = 1.0 if absolute else mean_diag
         self.regularizer = lam = lam_scale * reg
         if mean_diag == 0.0 and lam == 0.0:
             scale = "absolute" if absolute else "relative"
-            what = f"features_train is all zeros and λ = 0 ({scale} diag_reg), so {name} + λI is 0"
-            fix = "pass features that are not all zero, or diag_reg > 0 with "
-            raise bad(ValueError, fn, what, fix + "diag_reg_absolute_scale=True")
+            what = f"features_train is all zeros and λ = 0 ({scale} diag_reg)"
+            fix = "pass non-zero features, or diag_reg > 0 with diag_reg_absolute_scale=True"
+            raise bad(ValueError, fn, what, fix)
         w = scipy.linalg.eigvalsh(gram + lam * np.eye(size), check_finite=False)
         w_max = max(float(w[-1]), np.finfo(np.float64).tiny)
         if not w[0] > _SINGULAR * size * _U64 * w_max:
@@ -134,7 +134,7 @@ class LowRankInference:
         phi = _features(fn, "features_test", features_test, self.k)
         m, full = phi.shape[0], bool(full_covariance)
         want = None if not (variance or full) else (m, m) if full else (m,)
-        prior = None if k_test_test is None else as_host_array(fn, "k_test_test", k_test_test)
+        prior = None if k_test_test is None else finite_host_array(fn, "k_test_test", k_test_test)
         if prior is not None and prior.shape != want:
             what = f"k_test_test has shape {prior.shape}, expected {want} for M = {m}"
             if want is None:
@@ -162,10 +162,8 @@ class LowRankInference:
 
     def _covariance(self, fn, phi, prior, own, quad, left) -> np.ndarray:
         """prior − Φ*Φ*ᵀ + λ Φ*(ΦᵀΦ + λI)⁻¹Φ*ᵀ; the features' own prior: the last term."""
-        if prior is not None:
-            check_finite(fn, "k_test_test", prior)
-            if left is not None:
-                check_prior_symmetric(fn, "k_test_test", prior)
+        if prior is not None and left is not None:
+            check_prior_symmetric(fn, "k_test_test", prior)
         p = None if prior is None else np.asarray(prior, np.float64)
         p_diag = own if p is None else (p if left is None else np.diagonal(p))
         var = quad + (0.0 if p is None else p_diag - own)
