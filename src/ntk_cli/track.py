@@ -51,9 +51,9 @@ def digits(seed: int, probe: int, fn: str = FN) -> Digits:
 def check_sizes(fn: str, steps: int, every: int, batch: int, lr: float = 1e-3) -> None:
     for name, value, low in (("--steps", steps, 0), ("--every", every, 1), ("--batch", batch, 1)):
         if value < low:
-            raise ValueError(f"{fn}: {name} must be >= {low}, got {value}.")
+            raise must(ValueError, fn, name, f">= {low}", value, f"pass e.g. {name} {low + 1}")
     if not lr > 0:  # NaN too; a negative rate would train by gradient ascent
-        raise ValueError(f"{fn}: --lr must be > 0, got {lr}. Fix: pass e.g. --lr 1e-3.")
+        raise must(ValueError, fn, "--lr", "> 0", lr, "pass e.g. --lr 1e-3")
 
 
 def add_arguments(parser: argparse.ArgumentParser, default_out: str = "./ntk-track") -> None:
