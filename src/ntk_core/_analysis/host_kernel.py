@@ -66,7 +66,8 @@ def eigenvalues_of(fn_name: str, kernel, eigenvalues) -> np.ndarray:
     """float64 eigenvalues from exactly one of ``kernel`` (dense) or ``eigenvalues``."""
     if (kernel is None) == (eigenvalues is None):
         got = "neither" if kernel is None else "both"
-        raise bad(TypeError, fn_name, f"got {got} of kernel and eigenvalues", "pass exactly one")
+        fix = f"pass exactly one: {fn_name}(k) or {fn_name}(eigenvalues=w)"
+        raise bad(TypeError, fn_name, f"got {got} of kernel and eigenvalues", fix)
     if kernel is not None:
         if np.ndim(kernel) == 1:
             what = f"kernel has shape {np.shape(kernel)}, one value per sample; expected (N, N)"
