@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 
 
 class NonFiniteError(ValueError):
@@ -28,7 +29,7 @@ def one_line(error: BaseException) -> str:
 
 
 def _out_of_range(fn, name, value, expect, fix, type_ok, type_error) -> Exception:
-    got = f"{value!r}" if type_ok else f"{value!r} ({type(value).__name__})"
+    got = f"{value!r}" if type_ok else f"{reprlib.repr(value)} ({type(value).__name__})"
     return must(ValueError if type_ok else type_error, fn, name, expect, got, fix)
 
 

@@ -5,6 +5,7 @@ With ``m=`` the kernel is never formed: matrix-free estimates with standard erro
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -22,6 +23,7 @@ from ntk_core._analysis import matrix_free as _matrix_free
 from ntk_core._analysis import metrics as _metrics
 from ntk_core._analysis.host_kernel import HostKernel
 from ntk_core._errors import bad, check_bool, check_int, must
+from ntk_core._kernel.checks import check_finite_input
 from ntk_core._predict.linalg import check_key, real_array
 
 _NAME = "KernelTracker"
@@ -66,6 +68,16 @@ class EstimateRecord(NamedTuple):
 
 _PROBE_FIX = "pass one array (N, ...) or a pytree of arrays with N on axis 0, e.g. x_train[:256]"
 _Y_FIX = "pass the probe samples' labels: floats (N,) or one-hot (N, O)"
+
+
+def _required_positional(fn) -> int:
+    """How many positional parameters without default ``fn`` takes (0 if unknown)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature: builtins, some C callables
+        return 0
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds and p.default is p.empty for p in parameters)
 
 
 def _probe_inputs(x_probe) -> tuple[Any, int]:
@@ -179,11 +191,12 @@ class KernelTracker:
     ``top_eigenvalues`` ``(T, top_k)``), kernels, initial_kernel (K_0 or None); with ``m``
     the :class:`EstimateRecord` fields (no kernels, no distance or eigenvalues).
 
-    Raises TypeError: ``kernel_fn`` not callable, ``every``/``top_k`` not int, bad ``x_probe``,
-    ``y`` or ``out``; in :meth:`update`, a non-int step (a ``jax.Array`` would sync), a non-array
-    kernel. ValueError: ``every``/``top_k`` < 1, bad shapes, ``out`` not a writable folder or
-    holding an earlier run's files; in :meth:`update`, a step not
-    after the last, a kernel not of the probe set, not symmetric or finite, ``top_k`` > N·O.
+    Raises TypeError: ``kernel_fn`` not a callable of (params_like, x) (e.g. ``empirical_ntk``),
+    ``every``/``top_k`` not int, bad ``x_probe``, ``y`` or ``out``; in :meth:`update`, a non-int
+    step (a ``jax.Array`` would sync; swapped arguments), a non-array kernel. ValueError:
+    ``every``/``top_k`` < 1, bad shapes, ``out`` not a writable folder or holding an earlier
+    run's files; in :meth:`update`, a step not after the last, a kernel not of the probe set,
+    not symmetric or finite, ``top_k`` > N·O. NonFiniteError: NaN or Inf in ``x_probe``.
 
     Cost: per tracked step a kernel call, a host copy, an M³ eigendecomposition (M = N·O);
     with ``m``: 2·m + 1 NTK-vector products (each about 4 forward passes over the N probe
@@ -224,8 +237,8 @@ class KernelTracker:
         key=None,
         steps: int = 15,
     ):
-        if not callable(kernel_fn):
-            got = type(kernel_fn).__name__
+        if not callable(kernel_fn) or _required_positional(kernel_fn) > 2:
+            got = getattr(kernel_fn, "__name__", type(kernel_fn).__name__)
             what = f"kernel_fn must be a callable kernel(params_like, x), got {got}"
             raise bad(TypeError, _NAME, what, _KERNEL_FN_FIX)
         self.every = check_int(_NAME, "every", every, "pass every=k for steps 0, k, 2k, ...")
@@ -233,6 +246,7 @@ class KernelTracker:
         self.keep_kernels = check_bool(_NAME, "keep_kernels", keep_kernels)
         self._kernel_fn = kernel_fn
         self._x, self.n_probe = _probe_inputs(x_probe)
+        check_finite_input(_NAME, "x_probe", self._x)
         options = _matrix_free_options(m, key, steps, self.keep_kernels, self.n_probe)
         self.m, self.steps, self._key = options
         self._y = _labels(y, self.n_probe)
@@ -252,6 +266,10 @@ class KernelTracker:
 
         ``kernel_fn(params_like, x_probe, **kernel_kwargs)``; ``step`` a Python or numpy int.
         """
+        if isinstance(params_like, int) and not isinstance(step, int):
+            what = f"params_like is the int {params_like} and step a {type(step).__name__}: "
+            what += "the arguments look swapped"
+            raise bad(TypeError, _UPDATE, what, "call update(step, params_like)")
         if isinstance(step, jax.Array):  # deciding whether it is due would sync every step
             what = f"step is a jax.Array ({step.dtype}): reading it would wait for the device"
             raise bad(TypeError, _UPDATE, what, _STEP_FIX)

@@ -375,7 +375,7 @@ def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x
     def finalize(task):
         kernel, finite, r0, r1, c0, c1, mirror = task
         if not bool(finite):
-            _checks.check_finite_inputs(fn, x1, x2)  # a non-finite input sample, named
+            _checks.check_finite_inputs(fn, x1, x2, params)  # the non-finite input, named
             raise nonfinite_tile_error(fn, kernel, r0, r1, c0, c1, batch_diagonal)
         out.put(kernel, r0, r1, c0, c1, mirror)
         bar.update()

@@ -175,6 +175,12 @@ def check_finite_input(fn_name: str, name: str, x) -> None:
         raise bad(NonFiniteError, fn_name, what, "clean or drop those samples")
 
 
-def check_finite_inputs(fn_name: str, x1, x2) -> None:
+def check_finite_inputs(fn_name: str, x1, x2, params=None) -> None:
+    """NonFiniteError naming the first NaN/Inf of x1, x2 or ``params`` (a result was)."""
     for name, x in dict(x1=x1, x2=x2).items():  # x2 None: no leaves
         check_finite_input(fn_name, name, x)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) and all_finite(leaf) is False:
+            what = f"params{jax.tree_util.keystr(path)} contains NaN or Inf"
+            fix = "check the training step that made them (a NaN loss or gradient)"
+            raise bad(NonFiniteError, fn_name, what, fix)

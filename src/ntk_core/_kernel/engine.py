@@ -95,7 +95,7 @@ class Engine:
         implementation = self.implementation(config)
         if options.batch_size is None:
             result, finite = _executor.one_call(implementation, params, x1, x2, aux)
-            _executor.check_finite_result(spec.fn_name, result, config, finite, x1, x2)
+            _executor.check_finite_result(spec.fn_name, result, config, finite, x1, x2, params)
             return result
         _validate.check_untraced(spec, params, x1, x2)
         cut = _blocked.tiling(implementation, config, options, params, x1, x2, aux)

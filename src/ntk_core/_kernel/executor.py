@@ -21,12 +21,12 @@ def one_call(implementation: Implementation, params, x1, x2, aux):
     return implementation.tile(params, f1, f2, aux, None, None, same)
 
 
-def check_finite_result(fn_name: str, result, config: Config, finite, x1, x2) -> None:
-    """ValueError for a non-finite one-call kernel, naming the first non-finite input
-    sample, else entry; nothing under an outer ``jax.jit``."""
+def check_finite_result(fn_name: str, result, config: Config, finite, x1, x2, params) -> None:
+    """NonFiniteError for a non-finite one-call kernel, naming the first non-finite input
+    sample or parameter leaf, else entry; nothing under an outer ``jax.jit``."""
     if _checks.concrete_bool(finite) is not False:
         return
-    _checks.check_finite_inputs(fn_name, x1, x2)
+    _checks.check_finite_inputs(fn_name, x1, x2, params)
     leaf = jax.tree.leaves(result)[0]
     diagonal = config.layouts[0].batch_diagonal
     n1 = leaf.shape[0]

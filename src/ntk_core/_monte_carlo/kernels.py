@@ -250,6 +250,9 @@ def monte_carlo_kernels(
         if not callable(f):
             raise must(TypeError, fn, name, "callable", type(f).__name__, _SIGNATURES)
     if _takes_shape(init_fn):
+        if _required_positional(apply_fn) == 1:  # apply_fn(params, x) and init_fn(key) swapped
+            what = "init_fn takes 2 arguments and apply_fn 1: they look swapped"
+            raise bad(TypeError, fn, what, f"pass them in the order ({_SIGNATURES})")
         raise bad(TypeError, fn, "init_fn takes (key, shape), not (key)", f"pass {_STAX_INIT}")
     blocked = dict(batch_size=batch_size, store_on_device=store_on_device)
     check_samples(_MONTE_CARLO_KERNELS, key, n_samples, batch_size_samples, blocked)
@@ -305,14 +308,19 @@ def initialiser(
     return checked
 
 
+def _required_positional(f) -> int | None:
+    """How many positional parameters without default ``f`` takes (None: no signature)."""
+    try:
+        parameters = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):  # builtins and other objects without a signature
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional and p.default is p.empty for p in parameters)
+
+
 def _takes_shape(init_fn) -> bool:
     """Whether ``init_fn`` takes two positional arguments (stax's ``(key, input_shape)``)."""
-    try:
-        parameters = inspect.signature(init_fn).parameters.values()
-    except (TypeError, ValueError):  # builtins and other objects without a signature
-        return False
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(p.kind in positional and p.default is p.empty for p in parameters) >= 2
+    return (_required_positional(init_fn) or 0) >= 2
 
 
 _STAX_INIT = "lambda k: init_fn(k, x1.shape)[1]"

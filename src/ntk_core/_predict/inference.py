@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ntk_core._errors import bad, check_int, check_real, is_real
+from ntk_core._errors import bad, check_bool, check_int, check_real, is_real
 from ntk_core._jax.environment import _user_stacklevel
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.options import DEFAULTS
@@ -361,7 +361,8 @@ def gp_inference(
     """
     fn = "gp_inference"
     opts = _options(fn, diag_reg, diag_reg_absolute_scale, trace_axes, dtype, test_batch_size)
-    return GPInference(fn, k_train_train, y_train, opts, bool(fit_amplitude))
+    fit = check_bool(fn, "fit_amplitude", fit_amplitude)
+    return GPInference(fn, k_train_train, y_train, opts, fit)
 
 
 class _DefaultZero(float):

@@ -330,7 +330,8 @@ class Solver:
             x = self._cho_solve(self._chol, b, check_finite=False)
         else:
             v = self._eigs[1]
-            x = v @ ((v.T @ b) / self._w_floored.astype(self.dtype)[:, None])
+            with np.errstate(divide="ignore", invalid="ignore"):  # K + λI = 0: solve() raises
+                x = v @ ((v.T @ b) / self._w_floored.astype(self.dtype)[:, None])
         return np.asarray(x, np.float64)
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
@@ -370,6 +371,11 @@ class Solver:
             v1, v2 = rng.standard_normal((self.m, 1)), rng.standard_normal((self.m, 1))
             lam_max = _power(self.matvec, v1)
             kappa = lam_max * max(_power(self._apply_inverse, v2), np.finfo(np.float64).tiny)
+        if not lam_max > 0 or not self.reg_scale > 0:  # K = 0: a relative λ is 0 as well
+            what = f"K + λI is singular: the kernel is all zeros (λ = {self.lam:g})"
+            fix = "check that the outputs depend on the parameters (wrt=), or pass "
+            fix += "diag_reg_absolute_scale=True with diag_reg > 0"
+            raise bad(ValueError, self.fn_name, what, fix, see=SEE_ILL)
         # raise λ until κ·u <= 0.01: λ >= 100·u·λ_max, plus twice any negative eigenvalue
         # (round-off of the kernel's own entries); in the caller's units
         need = 100 * self.u * lam_max + 2 * max(-w_min, 0.0)
