@@ -126,6 +126,8 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
         if not leaf.shape or leaf.shape[0] != n1:
             what = f"{where} has shape {leaf.shape} but x1 has {n1} samples ({describe(x1)})"
             fix = f"add a batch axis (x1[None]), or make {caller.model} return one row per sample"
+            if isinstance(out, tuple) and len(out_leaves) > 1:  # e.g. (logits, aux)
+                fix = f"make {caller.model} return its outputs alone, one row per sample"
             raise bad(ValueError, fn, what, fix)
         if not jnp.issubdtype(leaf.dtype, jnp.floating):  # ints, complex numbers
             what = f"{where} has dtype {leaf.dtype}; expected real floating point"
