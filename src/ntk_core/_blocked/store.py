@@ -373,11 +373,11 @@ def no_space_error(fn: str, out: str, needed: int, free: int) -> ValueError:
 def resume_error(fn: str, path: str, differs=None) -> ValueError:
     """resume=True refused: ``path``'s manifest missing or unreadable (``differs`` None), or
     written by another call (``differs``: what differs from it)."""
-    if differs is None:
+    if differs is None:  # not a file this library started, or its manifest was lost
         what = f"resume=True, but {manifest_path(path)!r} is missing or unreadable"
-    else:
-        what = f"resume=True, but {path!r} was started by a different call"
-        what += f": {'; '.join(differs)} differ" if differs else ""
+        return bad(ValueError, fn, what, "pass overwrite=True to replace it, or another path")
+    what = f"resume=True, but {path!r} was started by a different call"
+    what += f": {'; '.join(differs)} differ" if differs else ""
     return bad(ValueError, fn, what, "resume the same call, or pass overwrite=True")
 
 

@@ -172,6 +172,10 @@ def expansion(
     point = _Point(fn_name, params0, point_arg, point_name)
 
     def expanded(params, *args, **kwargs):
+        swapped = args and jax.tree.structure(args[0]) == point.treedef
+        if swapped and jax.tree.structure(params) != point.treedef:
+            what = f"the second argument has the structure of {point.point}, {params_name} not"
+            raise bad(ValueError, fn_name, what, f"call it as ({params_name}, x)")
         delta = point.tangent(params, params_name)
         return _taylor_sum(_derivatives(apply_fn, args, kwargs, point.tree, delta, degree))
 
