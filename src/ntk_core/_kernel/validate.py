@@ -42,7 +42,8 @@ def batch_size(caller: Caller, name: str, x) -> int:
     if None in sizes:
         listed = isinstance(x, list | tuple) and all(np.ndim(v) == 0 for v in leaves)
         fix = f"pass jnp.asarray({name}) (a list is a pytree)" if listed else f"pass {name}[None]"
-        raise bad(ValueError, fn_name, f"{name} holds a scalar: {describe(x)}", fix)
+        got = f"a {type(x).__name__} of numbers" if listed else describe(x)
+        raise bad(ValueError, fn_name, f"{name} holds a scalar: {got}", fix)
     if len(sizes) != 1:
         what = f"the arrays of {name} disagree on the batch size (axis 0): {describe(x)}"
         raise bad(ValueError, fn_name, what, f"give every array the same N; {hint}")
