@@ -13,7 +13,7 @@ from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_core.adapters import inputs_failure as failure
 from ntk_core.adapters import spread_inputs as spread
 
-_PACKAGE, _ORDER = "ntk_equinox", "(model, x1, x2)"
+_PACKAGE, _ORDER, _INFERENCE = "ntk_equinox", "(model, x1, x2)", "eqx.nn.inference_mode(model)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ def _kernel_fn(fn, model, options: dict, built: bool = False):
             fix = "x1 one sample: pass x1[None]; a module for a batch: write it for one sample"
             raise bad(ValueError, name, what, fix) from e
 
-    pure = PureModel(apply, to_core, (), check, model_kwargs="")
+    pure = PureModel(apply, to_core, (), check, _INFERENCE, model_kwargs="")
     build = lambda: build_kernel(caller, kind, pure, options)  # noqa: E731
     return build() if built else cached((name, apply, options), build)
 

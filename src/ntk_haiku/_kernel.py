@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ntk_core.adapters import (
     Caller,
@@ -116,7 +117,7 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
         problem = (
             input_shape_mismatch(fn_name, "params", params, made_params, x1, point)
             or (made is not None and _foreign(fn_name, params, state, made))
-            or failure(caller, params_name, error)
+            or failure(caller, params_name, error, mode=f"apply_kwargs={_EVAL}")
         )
         raise problem from error
 
@@ -155,6 +156,9 @@ def check_state_and_rng(fn_name, with_state, takes_rng, state, rng) -> None:
     if rng is not None and not takes_rng:
         what = "rng was given but the model was built with hk.without_apply_rng and takes none"
         raise bad(ValueError, fn_name, what, "drop rng=")
+    if rng is not None and not isinstance(rng, jax.Array | np.ndarray):  # e.g. rng=0
+        what = f"rng must be a PRNG key, got {type(rng).__name__} {rng!r:.40}"
+        raise bad(TypeError, fn_name, what, "pass rng=jax.random.PRNGKey(0)")
 
 
 def public(fn: Callable) -> Callable:

@@ -4,7 +4,8 @@ one key fragment of the message).
 ``ROWS`` is the table; ``docs/errors.md`` shows it (generated from ``ROWS``, checked
 by ``test_docs_table_is_current``). Adding a malformed call is one ``Row`` here, then
 ``python tests/core/test_bad_input.py`` to rewrite the docs table. Each call is a
-source string evaluated after ``SETUP`` (and ``FLAX_SETUP`` / ``HAIKU_SETUP`` for rows
+source string evaluated after ``SETUP`` (and ``FLAX_SETUP`` / ``HAIKU_SETUP`` /
+``EQUINOX_SETUP`` for rows
 that need those libraries), so the documentation shows exactly what is tested.
 
 Every error must be a ``TypeError`` or ``ValueError`` whose message starts with the
@@ -103,11 +104,18 @@ scale_net = hk.without_apply_rng(hk.transform_with_state(scale_forward))
 SP, SS = scale_net.init(jax.random.PRNGKey(0), X)
 """
 
+EQUINOX_SETUP = """\
+import equinox as eqx
+import ntk_equinox
+
+eqx_drop = eqx.nn.Sequential([eqx.nn.Linear(3, 2, key=jax.random.PRNGKey(0)), eqx.nn.Dropout(0.5)])
+"""
+
 
 class Row(NamedTuple):
     """One malformed call: ``call`` is evaluated; ``raises`` with a message matching
     ``match`` (``re.search``: one key fragment, the start of the message) and giving the
-    fix (``Fix:``) is expected. ``needs``: extra setups ("flax", "haiku")."""
+    fix (``Fix:``) is expected. ``needs``: extra setups ("flax", "haiku", "equinox")."""
 
     id: str
     mistake: str
@@ -511,6 +519,12 @@ def _rows():
         Row("haiku-dropout-rng", "a Haiku model needing an rng, without one",
             "ntk_haiku.kernel(drop_net, HP, X)",
             ValueError, r"^ntk_haiku.kernel: the model needs a random key .* but rng=None", ("haiku",)),
+        Row("haiku-rng-int", "rng=0 (an int) where a PRNG key is expected",
+            "ntk_haiku.kernel(drop_net, HP, X, rng=0)",
+            TypeError, r"^ntk_haiku.kernel: rng must be a PRNG key, got int 0\. Fix: pass rng=jax.random.PRNGKey\(0\)", ("haiku",)),
+        Row("equinox-dropout-training", "an equinox model with eqx.nn.Dropout in training mode",
+            "ntk_equinox.kernel(eqx_drop, X)",
+            ValueError, r"^ntk_equinox.kernel: calling the model on x1 .* Dropout requires a key.*or the mode: eqx.nn.inference_mode\(model\)", ("equinox",)),
         Row("haiku-rng-unused", "rng given to an hk.without_apply_rng model",
             "ntk_haiku.kernel(hk.without_apply_rng(net), HP, X, rng=jax.random.PRNGKey(0))",
             ValueError, r"^ntk_haiku.kernel: rng was given but the model was built with hk.without_apply_rng", ("haiku",)),
@@ -880,7 +894,7 @@ def _namespace(needs: tuple) -> dict:
     namespace: dict = {}
     exec(SETUP, namespace)
     for name in needs:
-        exec({"flax": FLAX_SETUP, "haiku": HAIKU_SETUP}[name], namespace)
+        exec({"flax": FLAX_SETUP, "haiku": HAIKU_SETUP, "equinox": EQUINOX_SETUP}[name], namespace)
     return namespace
 
 
@@ -969,7 +983,7 @@ def test_docs_table_is_current():
 
 def test_docs_setup_is_current():
     text = DOCS.read_text()
-    for block in (SETUP, FLAX_SETUP, HAIKU_SETUP):
+    for block in (SETUP, FLAX_SETUP, HAIKU_SETUP, EQUINOX_SETUP):
         assert block in text
 
 

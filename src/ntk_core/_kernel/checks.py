@@ -79,12 +79,12 @@ def model_failed(fn_name: str, what: str, fix: str) -> ValueError:
     )
 
 
-def adapter_model_failure(caller: Caller, params_name: str, error: Exception) -> ValueError:
-    """An adapter's ValueError for a model that fails on x1."""
+def adapter_model_failure(
+    caller: Caller, params_name: str, error: Exception, mode="apply_kwargs={'train': False}"
+) -> ValueError:
+    """An adapter's ValueError for a model that fails on x1 (``mode``: evaluation mode)."""
     mine = "" if caller.monte_carlo else f"{params_name} from this model's init, "
-    fix = (
-        f"check {mine}x1's shape and the mode (apply_kwargs={{'train': False}}; nnx: model.eval())"
-    )
+    fix = f"check {mine}x1's shape and the mode ({mode})"
     return model_failed(caller.name, one_line(error), fix)
 
 

@@ -115,6 +115,8 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
         except Exception as e:  # the model's own error, with context
             doing = f"calling the model on x1 (shapes {describe(x1)})"
             fix = f"check params and x1's per-sample shape and dtype ({_checks.order_hint(caller)})"
+            if spec.hint:  # how the adapter's models leave training mode
+                fix += f"; or the mode: {spec.hint}"
             if isinstance(params, Mapping) and "params" in params:
                 fix += "; for Flax variables use ntk_flax.kernel(model, variables, x)"
             raise _checks.model_call_error(fn, doing, e, fix) from e
