@@ -16,7 +16,12 @@ def one_sample(x):
 
 
 class NotPerSample(ValueError):
-    """The model dropped the batch axis of a batch of one (squeeze, batch mean, fixed N)."""
+    """The model dropped the batch axis of a batch of one (squeeze, batch mean, fixed N);
+    ``shape``: the output it returned."""
+
+    def __init__(self, shape: tuple):
+        super().__init__(f"on a batch of one the model returned {shape}, not (1, ...)")
+        self.shape = shape
 
 
 def per_sample(apply3):
@@ -27,8 +32,7 @@ def per_sample(apply3):
         out = apply3(params, x_b, aux)
         for leaf in jax.tree.leaves(out):
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] != 1:
-                shape = tuple(np.shape(leaf))
-                raise NotPerSample(f"on a batch of one the model returned {shape}, not (1, ...)")
+                raise NotPerSample(tuple(np.shape(leaf)))
         return jax.tree.map(lambda leaf: leaf[0], out)
 
     return single

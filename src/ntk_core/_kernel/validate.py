@@ -143,6 +143,9 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     if one_sample_error is not None:  # the batch of N runs; one sample does not
         what = f"the model runs on x1's batch of {n1} samples but not on one (vmap_axes=0): "
         fix = "keep the batch axis for any N (no squeeze, no fixed N), or pass vmap_axes=None"
+        if n1 > 1 and getattr(one_sample_error, "shape", ())[:1] == (n1,):  # N rows from one
+            held = "pass per-sample arrays in x1 (adapters: inputs='kwargs'), not apply_kwargs"
+            fix = f"{held}; or {fix}"
         raise bad(ValueError, fn, what + one_line(one_sample_error), fix) from one_sample_error
     if known is None:
         kernel = "NNGP" if spec.kind is Kind.NNGP else "NTK"
