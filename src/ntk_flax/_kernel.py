@@ -90,6 +90,9 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
         return _nnx.make(caller, kind, model, method, apply_kwargs, options, inputs)
     if not isinstance(model, nn.Module):
         raise not_a_module(fn_name, model, f"pass the module instance first: {caller.order}")
+    if not (method is None or callable(method) or callable(getattr(model, str(method), None))):
+        what = f"method={method!r} names no method of {type(model).__name__}"
+        raise bad(TypeError, fn_name, what, "pass a method's name or function, or None")
     apply_kwargs = check_apply_kwargs(fn_name, apply_kwargs, _nnx.TRAIN_OFF)
     refuse_apply_arguments(fn_name, apply_kwargs)
     apply3 = _model_apply(model, method, apply_kwargs, inputs, fn_name)
@@ -125,9 +128,8 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
         except flax.errors.ModifyScopeVariableError as e:
             if vmap_axes is not None:
                 what = f"the model updates its variables ({e}), as BatchNorm in training mode does"
-                raise bad(
-                    ValueError, fn_name, what, f"use {_EVAL}, or pass vmap_axes=None"
-                ) from None
+                fix = f"use {_EVAL} (or a module built in eval mode), or pass vmap_axes=None"
+                raise bad(ValueError, fn_name, what, fix) from None
         except flax.errors.ScopeCollectionNotFound as e:
             misread = read.misread(variables, x1, rngs, e)
             raise misread or _missing_collections(fn_name, variables, init_fn(rngs), x1) from None
