@@ -123,6 +123,9 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
 
     def to_core(params, state=None, rng=None):
         """``(params, (state, rng))`` for the core, checked against the transform."""
+        if with_state and state is None and isinstance(params, tuple) and len(params) == 2:
+            what = "params is a tuple of two, as transformed.init returns (params, state)"
+            raise bad(ValueError, fn_name, what, "pass params, state=state")
         check_state_and_rng(fn_name, with_state, takes_rng, state, rng)
         check_params(fn_name, "params", params, f"pass it; the argument order is {caller.order}")
         leaves = jax.tree.leaves(params)
