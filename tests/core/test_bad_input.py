@@ -229,7 +229,7 @@ def _rows():
             ValueError, r"^empirical_ntk: implementation must be one of .* got 'Jacobian'"),
         Row("trace-range", "trace_axes out of range",
             "ntk_core.empirical_ntk(f, W, X, trace_axes=(2,))",
-            ValueError, r"^empirical_ntk: trace_axes contains 2, out of range for the output of shape \(4, 2\). Fix: pass axes in \[-2, 1\]"),
+            ValueError, r"^empirical_ntk: trace_axes contains 2, out of range for the output of shape \(4, 2\). Fix: pass output axes in \[1, 1\] or \[-1, -1\]"),
         Row("diagonal-range", "diagonal_axes out of range",
             "ntk_core.empirical_ntk(f, W, X, diagonal_axes=(-3,))",
             ValueError, r"^empirical_ntk: diagonal_axes contains -3, out of range"),

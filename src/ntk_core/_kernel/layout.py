@@ -78,7 +78,11 @@ def resolve_layout(fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, w
         for a in axes:
             if not -ndim <= a < ndim:
                 what = f"{name} contains {a}, out of range for {of}"
-                raise bad(ValueError, fn_name, what, f"pass axes in [{-ndim}, {ndim - 1}]")
+                fix = f"pass axes in [{-ndim}, {ndim - 1}]"
+                if name == "trace_axes":  # output axes only: 0 is the batch
+                    fix = f"pass output axes in [1, {ndim - 1}] or [{1 - ndim}, -1]"
+                    fix = fix if ndim > 1 else "pass trace_axes=() (the output has no other axis)"
+                raise bad(ValueError, fn_name, what, fix)
         found.append(tuple(sorted({a % ndim for a in axes})))
         if len(found[-1]) != len(axes):
             raise axis_twice(fn_name, name, axes, f" for {of}")
