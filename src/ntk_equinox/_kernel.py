@@ -82,7 +82,7 @@ def _kernel_fn(fn, model, options: dict, built: bool = False):
             jax.eval_shape(apply, params, x1)
         except Exception as e:  # the core names the others
             if isinstance(e, TypeError) and "required" in str(e):  # a call missing arguments
-                raise failure(caller, "the model", e, "the model's fields") from e
+                raise failure(caller, "the model", e, _INFERENCE, "the model's fields") from e
             try:  # a model written for a whole batch?
                 jax.eval_shape(lambda p: eqx.combine(p, apply.rest)(*args, **kw), params)
             except Exception:

@@ -137,9 +137,10 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
             init, point = init_fn(rngs), "variables = model.init(key, x1)"
             made = lambda x: init(x)[PARAMS]  # noqa: E731
             mismatch = input_shape_mismatch(fn_name, "variables", params, made, x1, point)
-            raise (mismatch or failure(caller, "variables", e)) from None
+            raise (mismatch or failure(caller, "variables", e, _EVAL)) from None
         except Exception as e:
-            raise read.misread(variables, x1, rngs, e) or failure(caller, "variables", e) from e
+            failed = failure(caller, "variables", e, _EVAL)
+            raise read.misread(variables, x1, rngs, e) or failed from e
 
     def to_core(variables, x1, rngs=None):
         """``(params, (other collections, rngs))`` of what ``variables`` is (``_variables``)."""

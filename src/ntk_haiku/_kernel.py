@@ -117,7 +117,7 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
         problem = (
             input_shape_mismatch(fn_name, "params", params, made_params, x1, point)
             or (made is not None and _foreign(fn_name, params, state, made))
-            or failure(caller, params_name, error, mode=f"apply_kwargs={_EVAL}")
+            or failure(caller, params_name, error, f"apply_kwargs={_EVAL}")
         )
         raise problem from error
 

@@ -30,10 +30,12 @@ def test_adapter_model_failure_monte_carlo_flag():
     e = ValueError("bad")
     mine = "check p from this model's init"
     kernel = Caller("ntk_haiku.kernel", "(transformed, params, x1, x2)", model="the model")
-    assert mine not in str(_checks.adapter_model_failure(replace(kernel, monte_carlo=True), "p", e))
-    assert mine in str(_checks.adapter_model_failure(kernel, "p", e))
+    assert mine not in str(
+        _checks.adapter_model_failure(replace(kernel, monte_carlo=True), "p", e, "eval")
+    )
+    assert mine in str(_checks.adapter_model_failure(kernel, "p", e, "eval"))
     named = replace(kernel, name="ntk_haiku.monte_carlo_kernels")  # the name says nothing
-    assert mine in str(_checks.adapter_model_failure(named, "p", e))
+    assert mine in str(_checks.adapter_model_failure(named, "p", e, "eval"))
 
 
 def _signatures():

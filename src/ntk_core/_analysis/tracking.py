@@ -5,7 +5,6 @@ With ``m=`` the kernel is never formed: matrix-free estimates with standard erro
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -23,6 +22,7 @@ from ntk_core._analysis import matrix_free as _matrix_free
 from ntk_core._analysis import metrics as _metrics
 from ntk_core._analysis.host_kernel import HostKernel
 from ntk_core._errors import bad, check_bool, check_int, must
+from ntk_core._kernel.arguments import required_positional
 from ntk_core._kernel.checks import check_finite_input
 from ntk_core._predict.linalg import check_key, real_array
 
@@ -68,16 +68,6 @@ class EstimateRecord(NamedTuple):
 
 _PROBE_FIX = "pass one array (N, ...) or a pytree of arrays with N on axis 0, e.g. x_train[:256]"
 _Y_FIX = "pass the probe samples' labels: floats (N,) or one-hot (N, O)"
-
-
-def _required_positional(fn) -> int:
-    """How many positional parameters without default ``fn`` takes (0 if unknown)."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature: builtins, some C callables
-        return 0
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(p.kind in kinds and p.default is p.empty for p in parameters)
 
 
 def _probe_inputs(x_probe) -> tuple[Any, int]:
@@ -237,7 +227,7 @@ class KernelTracker:
         key=None,
         steps: int = 15,
     ):
-        if not callable(kernel_fn) or _required_positional(kernel_fn) > 2:
+        if not callable(kernel_fn) or (required_positional(kernel_fn) or 0) > 2:
             got = getattr(kernel_fn, "__name__", type(kernel_fn).__name__)
             what = f"kernel_fn must be a callable kernel(params_like, x), got {got}"
             raise bad(TypeError, _NAME, what, _KERNEL_FN_FIX)

@@ -233,7 +233,7 @@ def make_ntk_vp(
     if check is not None:
         check(params, x, None, aux)
     outputs, tree = _outputs(caller, apply3, params, x, aux, n)
-    _checks.after_trace(fn, apply3, params, x, None, aux, outputs, options)
+    _checks.after_trace(fn, apply3, params, x, aux, options)
     batched = batch_size is not None and batch_size < n
     found = batched and _probe.samples_interact(apply3, params, x, None, aux, fn_name=fn)
     if found:

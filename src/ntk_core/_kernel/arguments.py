@@ -11,6 +11,17 @@ from ntk_core._errors import bad
 from ntk_core._kernel.kind import NTK_ONLY
 
 
+def required_positional(fn) -> int | None:
+    """How many positional parameters without a default ``fn`` takes (None: no signature,
+    as for some builtins)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds and p.default is p.empty for p in params)
+
+
 def _first_missing(signature: inspect.Signature, args: tuple, kwargs: dict) -> str | None:
     """The first required parameter no argument gives (as ``Signature.bind`` checks), or None."""
     params = list(signature.parameters.values())

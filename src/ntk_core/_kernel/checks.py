@@ -79,10 +79,9 @@ def model_failed(fn_name: str, what: str, fix: str) -> ValueError:
     )
 
 
-def adapter_model_failure(
-    caller: Caller, params_name: str, error: Exception, mode="apply_kwargs={'train': False}"
-) -> ValueError:
-    """An adapter's ValueError for a model that fails on x1 (``mode``: evaluation mode)."""
+def adapter_model_failure(caller: Caller, params_name: str, error: Exception, mode: str):
+    """An adapter's ValueError for a model that fails on x1 (``mode``: how its framework
+    leaves training mode, as ``PureModel.eval_hint``)."""
     mine = "" if caller.monte_carlo else f"{params_name} from this model's init, "
     fix = f"check {mine}x1's shape and the mode ({mode})"
     return model_failed(caller.name, one_line(error), fix)
@@ -132,9 +131,9 @@ def before_trace(fn_name: str, params, x1, x2, options) -> None:
             raise bad(TypeError, fn_name, what, "keep only real weights in params")
 
 
-def after_trace(fn, apply3, params, x1, x2, aux, out_leaves, options, kernel="NTK", closed=None):
-    """Precision warnings for ``kernel`` (``closed``: a jaxpr, or None); ``out_leaves``: the
-    outputs, already refused unless real floating point by the callers."""
+def after_trace(fn, apply3, params, x1, aux, options, kernel="NTK", closed=None):
+    """Precision warnings for ``kernel`` (``closed``: a jaxpr, or None), once the model's
+    outputs passed the callers' checks."""
     _environment.check_model_precision(
         fn, apply3, params, x1, aux, options.precision, kernel, closed
     )

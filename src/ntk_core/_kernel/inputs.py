@@ -35,10 +35,12 @@ def spread_inputs(fn_name: str, inputs: str, x, name: str = "x1") -> tuple[tuple
     return ((x,), {}) if inputs == "x" else (tuple(x), {}) if inputs == "args" else ((), dict(x))
 
 
-def inputs_failure(caller: Caller, params_name: str, error: Exception, flags=MODEL_KWARGS, **mode):
-    """``adapter_model_failure`` (``mode=``: its evaluation mode); for a call missing
+def inputs_failure(
+    caller: Caller, params_name: str, error: Exception, mode: str, flags=MODEL_KWARGS
+):
+    """``adapter_model_failure`` (``mode``: its evaluation mode); for a call missing
     arguments, where each kind goes."""
     if not (isinstance(error, TypeError) and "required" in str(error)):
-        return adapter_model_failure(caller, params_name, error, **mode)
+        return adapter_model_failure(caller, params_name, error, mode)
     fix = f"pass per-sample arrays in x1 with inputs='args' or 'kwargs', flags in {flags}"
     return model_failed(caller.name, one_line(error), fix)

@@ -16,7 +16,7 @@ from ntk_core._kernel import checks as _checks
 from ntk_core._kernel import probe as _probe
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.layout import resolve_layout
-from ntk_core._kernel.model import one_sample, per_sample_trace
+from ntk_core._kernel.model import NotPerSample, one_sample, per_sample_trace
 from ntk_core._kernel.options import AUTO_BATCH_SIZE
 from ntk_core._kernel.pipeline import Checked, Kind, Spec
 
@@ -143,13 +143,14 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     if one_sample_error is not None:  # the batch of N runs; one sample does not
         what = f"the model runs on x1's batch of {n1} samples but not on one (vmap_axes=0): "
         fix = "keep the batch axis for any N (no squeeze, no fixed N), or pass vmap_axes=None"
-        if n1 > 1 and getattr(one_sample_error, "shape", ())[:1] == (n1,):  # N rows from one
+        rows = one_sample_error.shape[:1] if isinstance(one_sample_error, NotPerSample) else ()
+        if n1 > 1 and rows == (n1,):  # N rows from one sample: a per-sample array held fixed
             held = "pass per-sample arrays in x1 (adapters: inputs='kwargs'), not apply_kwargs"
             fix = f"{held}; or {fix}"
         raise bad(ValueError, fn, what + one_line(one_sample_error), fix) from one_sample_error
     if known is None:
         kernel = "NNGP" if spec.kind is Kind.NNGP else "NTK"
-        _checks.after_trace(fn, spec.apply3, params, x1, x2, aux, out_leaves, opts, kernel, closed)
+        _checks.after_trace(fn, spec.apply3, params, x1, aux, opts, kernel, closed)
     if known is None and sample_key is not None:  # vmap_axes=0
         interact = _probe.samples_interact(spec.apply3, params, x1, x2, aux, fn)
         if interact:

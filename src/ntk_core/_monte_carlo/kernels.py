@@ -15,7 +15,7 @@ from ntk_core._api import _make
 from ntk_core._blocked import progress as _progress
 from ntk_core._blocked.tiles import non_finite
 from ntk_core._errors import NonFiniteError, bad, check_int, must, one_line
-from ntk_core._kernel.arguments import _checked_arguments, misspelt
+from ntk_core._kernel.arguments import _checked_arguments, misspelt, required_positional
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.checks import all_finite, check_finite_input
 from ntk_core._kernel.options import DEFAULTS, _flags, make_options
@@ -250,7 +250,7 @@ def monte_carlo_kernels(
         if not callable(f):
             raise must(TypeError, fn, name, "callable", type(f).__name__, _SIGNATURES)
     if _takes_shape(init_fn):
-        if _required_positional(apply_fn) == 1:  # apply_fn(params, x) and init_fn(key) swapped
+        if required_positional(apply_fn) == 1:  # apply_fn(params, x) and init_fn(key) swapped
             what = "init_fn takes 2 arguments and apply_fn 1: they look swapped"
             raise bad(TypeError, fn, what, f"pass them in the order ({_SIGNATURES})")
         raise bad(TypeError, fn, "init_fn takes (key, shape), not (key)", f"pass {_STAX_INIT}")
@@ -308,19 +308,9 @@ def initialiser(
     return checked
 
 
-def _required_positional(f) -> int | None:
-    """How many positional parameters without default ``f`` takes (None: no signature)."""
-    try:
-        parameters = inspect.signature(f).parameters.values()
-    except (TypeError, ValueError):  # builtins and other objects without a signature
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(p.kind in positional and p.default is p.empty for p in parameters)
-
-
 def _takes_shape(init_fn) -> bool:
     """Whether ``init_fn`` takes two positional arguments (stax's ``(key, input_shape)``)."""
-    return (_required_positional(init_fn) or 0) >= 2
+    return (required_positional(init_fn) or 0) >= 2
 
 
 _STAX_INIT = "lambda k: init_fn(k, x1.shape)[1]"
