@@ -27,6 +27,7 @@ from ntk_core._kernel.caller import Caller as Caller
 from ntk_core._kernel.caller import adapter_caller as adapter_caller
 from ntk_core._kernel.checks import adapter_model_failure as adapter_model_failure
 from ntk_core._kernel.checks import is_nnx_module as is_nnx_module
+from ntk_core._kernel.inputs import binds as binds
 from ntk_core._kernel.inputs import check_inputs_option as check_inputs_option
 from ntk_core._kernel.inputs import inputs_failure as inputs_failure
 from ntk_core._kernel.inputs import spread_inputs as spread_inputs
@@ -35,11 +36,11 @@ from ntk_core._monte_carlo.kernels import initialiser as checked_init
 from ntk_core._monte_carlo.kernels import sample_mean as monte_carlo_mean
 
 __all__ = (
-    "Caller", "PureModel", "adapter_caller", "adapter_model_failure", "bad", "build_kernel",
-    "cached", "check_apply_kwargs", "check_degree", "check_inputs_option", "check_like",
-    "check_monte_carlo", "checked_arguments", "checked_init", "expansion", "input_shape_mismatch",
-    "inputs_failure", "is_nnx_module", "matrix_free", "monte_carlo_mean", "register_cache",
-    "sketch", "spread_inputs",
+    "Caller", "PureModel", "adapter_caller", "adapter_model_failure", "bad", "binds",
+    "build_kernel", "cached", "check_apply_kwargs", "check_degree", "check_inputs_option",
+    "check_like", "check_monte_carlo", "checked_arguments", "checked_init", "expansion",
+    "input_shape_mismatch", "inputs_failure", "is_nnx_module", "matrix_free", "monte_carlo_mean",
+    "register_cache", "sketch", "spread_inputs",
 )  # fmt: skip
 
 

@@ -8,7 +8,7 @@ from collections.abc import Hashable
 import equinox as eqx
 import jax
 
-from ntk_core.adapters import Caller, PureModel, bad, build_kernel, cached
+from ntk_core.adapters import Caller, PureModel, bad, binds, build_kernel, cached
 from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_core.adapters import inputs_failure as failure
 from ntk_core.adapters import spread_inputs as spread
@@ -81,8 +81,8 @@ def _kernel_fn(fn, model, options: dict, built: bool = False):
         try:
             jax.eval_shape(apply, params, x1)
         except Exception as e:  # the core names the others
-            if isinstance(e, TypeError) and "required" in str(e):  # a call missing arguments
-                raise failure(caller, "the model", e, _INFERENCE, "the model's fields") from e
+            if not binds(model, args, kw):  # missing or unexpected arguments: where each goes
+                raise failure(caller, "the model", e, _INFERENCE, "", (model, args, kw)) from e
             try:  # a model written for a whole batch?
                 jax.eval_shape(lambda p: eqx.combine(p, apply.rest)(*args, **kw), params)
             except Exception:

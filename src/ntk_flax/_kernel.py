@@ -116,6 +116,11 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
 
     read = VariablesReader(caller, init_fn, apply_fn)
 
+    def call(x):  # the module method's own call
+        args, kw = spread(fn_name, inputs, x)
+        fn = getattr(model, method or "__call__") if not callable(method) else method
+        return fn, (model, *args) if callable(method) else args, {**kw, **apply_kwargs}
+
     def check(params, x1, x2, aux):
         rest, rngs = aux
         variables = {PARAMS: params, **rest}
@@ -137,9 +142,9 @@ def make(caller: Caller, kind: str, model, options: dict, method=None, apply_kwa
             init, point = init_fn(rngs), "variables = model.init(key, x1)"
             made = lambda x: init(x)[PARAMS]  # noqa: E731
             mismatch = input_shape_mismatch(fn_name, "variables", params, made, x1, point)
-            raise (mismatch or failure(caller, "variables", e, _EVAL)) from None
+            raise (mismatch or failure(caller, "variables", e, _EVAL, call=call(x1))) from None
         except Exception as e:
-            failed = failure(caller, "variables", e, _EVAL)
+            failed = failure(caller, "variables", e, _EVAL, call=call(x1))
             raise read.misread(variables, x1, rngs, e) or failed from e
 
     def to_core(variables, x1, rngs=None):

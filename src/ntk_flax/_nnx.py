@@ -170,7 +170,9 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs
             jax.eval_shape(apply3, params, x1, aux)
         except Exception as e:
             _refuse_stateful_arguments(fn_name, apply_kwargs, e)
-            raise failure(caller, "variables", e, "model.eval()") from e
+            args, kw = spread(fn_name, inputs, x1)
+            call = getattr(model, name), args, {**kw, **apply_kwargs}
+            raise failure(caller, "variables", e, "model.eval()", call=call) from e
         graphdef, rest = aux
         changed = _state_changes(graphdef, params, rest, x1, name, apply_kwargs, inputs)
         if changed != []:

@@ -91,6 +91,11 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
         args, kw = spread(fn_name, inputs, x)
         return transformed.init(jax.random.PRNGKey(0), *args, **kw, **apply_kwargs)
 
+    def call(x):  # the model's own call, its arrays left out
+        args, kw = spread(fn_name, inputs, x)
+        fixed = (None,) * (1 + with_state + takes_rng)
+        return transformed.apply, (*fixed, *args), {**kw, **apply_kwargs}
+
     def fails(params, x1, aux) -> Exception | None:  # the error of one abstract trace
         try:
             jax.eval_shape(apply3, params, x1, aux)
@@ -117,7 +122,7 @@ def make(caller: Caller, kind: str, transformed, options: dict, apply_kwargs=Non
         problem = (
             input_shape_mismatch(fn_name, "params", params, made_params, x1, point)
             or (made is not None and _foreign(fn_name, params, state, made))
-            or failure(caller, params_name, error, f"apply_kwargs={_EVAL}")
+            or failure(caller, params_name, error, f"apply_kwargs={_EVAL}", call=call(x1))
         )
         raise problem from error
 

@@ -180,3 +180,61 @@ def test_a_call_missing_its_mask_says_where_per_sample_arrays_go(package):
         call = lambda: ntk_haiku.kernel(net, params, X)  # noqa: E731
     with pytest.raises(ValueError, match=r"missing .*Fix: pass per-sample arrays .*inputs='args'"):
         call()
+
+
+def _models_of_two_arrays():
+    """The same call ``f(x, mask)`` in each adapter: ``(name, kernel(x, inputs))``."""
+    import equinox as eqx
+
+    import ntk_equinox
+
+    x, mask = jnp.ones((3, 4)), jnp.ones((3, 4))
+
+    class Eqx(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x, mask):
+            return jnp.tanh(self.w @ (x * mask))
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            return nn.Dense(2)(x * mask)
+
+    class Nnx(nnx.Module):
+        def __init__(self):
+            self.dense = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+
+        def __call__(self, x, mask):
+            return self.dense(x * mask)
+
+    hk_net = hk.without_apply_rng(hk.transform(lambda x, mask: hk.Linear(2)(x * mask)))
+    hk_params = hk_net.init(jax.random.PRNGKey(0), x[0], mask[0])
+    variables = Linen().init(jax.random.PRNGKey(0), x, mask)
+    eqx_model = Eqx(jnp.ones((2, 4)))
+    return (x, mask), {
+        "ntk_equinox": lambda x, **o: ntk_equinox.kernel(eqx_model, x, **o),
+        "ntk_flax linen": lambda x, **o: ntk_flax.kernel(Linen(), variables, x, **o),
+        "ntk_flax nnx": lambda x, **o: ntk_flax.kernel(Nnx(), None, x, **o),
+        "ntk_haiku": lambda x, **o: ntk_haiku.kernel(hk_net, hk_params, x, **o),
+    }
+
+
+@frameworks.requires("equinox")
+@pytest.mark.parametrize("name", ["ntk_equinox", "ntk_flax linen", "ntk_flax nnx", "ntk_haiku"])
+def test_where_arguments_go_is_told_from_the_signature_not_the_error_text(name):
+    # A call that does not fit the model's signature (one array missing, or a misnamed
+    # keyword, whose Python error does not say "required") gets the inputs= fix; a failure
+    # inside a model that the arguments fit gets the ordinary one.
+    (x, mask), kernels = _models_of_two_arrays()
+    kernel = kernels[name]
+    hint = r"Fix: pass per-sample arrays in x1 with inputs='args' or 'kwargs'"
+    with pytest.raises(ValueError, match=r"missing 1 required positional .*" + hint):
+        kernel(x)
+    with pytest.raises(ValueError, match=r"unexpected keyword .*'maks'.*" + hint):
+        kernel({"x": x, "maks": mask}, inputs="kwargs")
+    bad_mask = jnp.ones((3, 5))  # x * mask fails, the arguments fit
+    with pytest.raises(ValueError, match="failed") as info:
+        kernel((x, bad_mask), inputs="args")
+    assert "inputs='args' or 'kwargs'" not in str(info.value)
+    assert kernel((x, mask), inputs="args").shape == (3, 3)

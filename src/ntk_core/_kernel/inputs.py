@@ -4,6 +4,7 @@ Shared by the adapters through :mod:`ntk_core.adapters`."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
 from ntk_core._errors import bad, must, one_line
@@ -36,11 +37,26 @@ def spread_inputs(fn_name: str, inputs: str, x, name: str = "x1") -> tuple[tuple
 
 
 def inputs_failure(
-    caller: Caller, params_name: str, error: Exception, mode: str, flags=MODEL_KWARGS
+    caller: Caller, params_name: str, error: Exception, mode: str, flags=MODEL_KWARGS, call=None
 ):
-    """``adapter_model_failure`` (``mode``: its evaluation mode); for a call missing
-    arguments, where each kind goes."""
-    if not (isinstance(error, TypeError) and "required" in str(error)):
+    """``adapter_model_failure`` (``mode``: its evaluation mode); where ``call``, the model's
+    own ``(fn, args, kwargs)``, does not fit ``fn``'s signature, where each argument goes
+    (``flags``: where model keywords go, ``""`` for the model's own fields)."""
+    if call is None or binds(*call):
         return adapter_model_failure(caller, params_name, error, mode)
-    fix = f"pass per-sample arrays in x1 with inputs='args' or 'kwargs', flags in {flags}"
+    flags = f"in {flags}" if flags else "as the model's fields"
+    fix = f"pass per-sample arrays in x1 with inputs='args' or 'kwargs', flags {flags}"
     return model_failed(caller.name, one_line(error), fix)
+
+
+def binds(fn, args, kwargs) -> bool:
+    """Whether ``fn(*args, **kwargs)`` fits ``fn``'s signature (True where it has none)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
