@@ -49,7 +49,8 @@ memory_budget:
     ``vmap_axes=None`` it also bounds the reverse passes of the Jacobian contraction (as
     many output cotangents at a time as fit; a batch whose forward and one reverse pass
     exceed it is refused). ``None`` (default): half the allocator's ``bytes_limit`` where
-    reported (GPUs), else :data:`DEFAULT_MEMORY_BUDGET` (1 GiB).
+    reported (GPUs), else :data:`DEFAULT_MEMORY_BUDGET` (1 GiB). Refused without a
+    ``batch_size`` where ``vmap_axes=0`` (it would change nothing).
 out:
     With a ``batch_size``. A path ending in ``.npy``: the Gram matrix written tile by tile
     into that file (host memory holds tiles in flight), with ``<path>.manifest.json``
@@ -189,6 +190,9 @@ def make_options(
     _one_of(fn_name, IMPLEMENTATIONS, implementation=implementation)
     _one_of(fn_name, PRECISIONS, precision=precision)
     _block_options(fn_name, batch_size, memory_budget)
+    if memory_budget is not None and batch_size is None and vmap_axes is not None:
+        what = f"memory_budget={memory_budget} sizes the blocked engine's tiles"
+        raise _needs_batch_size(fn_name, what, "'auto'")
     _flags(fn_name, store_on_device=store_on_device, resume=resume, overwrite=overwrite)
     _flags(fn_name, True, progress=progress)
     batch_size = int(batch_size) if _is_int(batch_size) else batch_size
