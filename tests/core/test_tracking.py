@@ -264,3 +264,23 @@ def test_update_errors():
     with pytest.raises(ValueError, match=r"^KernelTracker.update: kernel is not symmetric"):
         tracker.update(0, params)
     assert tracker.records == [] and tracker.initial_kernel is None
+
+
+@pytest.mark.parametrize("m", [None, 20])
+def test_other_parameters_than_the_last_step_are_named_by_update(m):
+    # The kernel function fails on parameters of another structure or shape than the last
+    # tracked step's: the error names update and both, not the kernel function's arguments.
+    kernel_fn = ntk_core.ntk_fn(apply_fn, trace_axes=() if m else (-1,))
+    key = jax.random.PRNGKey(0) if m else None
+    tracker = ntk_core.KernelTracker(kernel_fn, X, every=1, m=m, key=key)
+    params = _params()
+    tracker.update(0, params)
+    wrong = {"w": params["w"][:2], "v": params["v"]}  # (2, H): does not fit x (N, 3)
+    with pytest.raises(
+        ValueError,
+        match=r"^KernelTracker.update: params_like at step 1 is .*\(2, 16\).* where step 0's was .*\(3, 16\)",
+    ):  # noqa: E501
+        tracker.update(1, wrong)
+    assert tracker.update(2, params).step == 2  # the same parameters still track
+    with pytest.raises(ValueError, match="^ntk_fn: "):  # a failure on the first step: as is
+        ntk_core.KernelTracker(kernel_fn, X, every=1, m=m, key=key).update(0, wrong)

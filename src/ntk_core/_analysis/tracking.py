@@ -24,6 +24,7 @@ from ntk_core._analysis.host_kernel import HostKernel
 from ntk_core._errors import bad, check_bool, check_int, must
 from ntk_core._kernel.arguments import required_positional
 from ntk_core._kernel.checks import check_finite_input
+from ntk_core._kernel.validate import describe
 from ntk_core._predict.linalg import check_key, real_array
 
 _NAME = "KernelTracker"
@@ -68,6 +69,10 @@ class EstimateRecord(NamedTuple):
 
 _PROBE_FIX = "pass one array (N, ...) or a pytree of arrays with N on axis 0, e.g. x_train[:256]"
 _Y_FIX = "pass the probe samples' labels: floats (N,) or one-hot (N, O)"
+
+
+def _layout(tree) -> tuple:
+    return jax.tree.structure(tree), [getattr(a, "shape", None) for a in jax.tree.leaves(tree)]
 
 
 def _probe_inputs(x_probe) -> tuple[Any, int]:
@@ -245,6 +250,7 @@ class KernelTracker:
         self.kernels: list[np.ndarray] = []  # with keep_kernels
         self.initial_kernel: np.ndarray | None = None
         self._files, self._shape, self._dtype = [], None, None  # set by _track
+        self._params = None  # the last tracked params_like: (structure and shapes, text)
 
     def is_due(self, step: int) -> bool:
         """Whether :meth:`update` computes the kernel at ``step``."""
@@ -269,9 +275,17 @@ class KernelTracker:
         if self.records and step <= (last := self.records[-1].step):
             what = f"step {step} is not after the last tracked step {last}"
             raise bad(ValueError, _UPDATE, what, _STEP_FIX)
-        if self.m is not None:
-            return self._estimate(step, params_like, kernel_kwargs)
-        return self._track(step, params_like, kernel_kwargs)
+        due = self._track if self.m is None else self._estimate
+        try:
+            record = due(step, params_like, kernel_kwargs)
+        except (TypeError, ValueError) as e:  # other parameters than the last step's?
+            if self._params is None or self._params[0] == _layout(params_like):
+                raise
+            what = f"params_like at step {step} is {describe(params_like)}, where step "
+            what += f"{self.records[-1].step}'s was {self._params[1]}"
+            raise bad(ValueError, _UPDATE, what, "pass the trained model's parameters") from e
+        self._params = _layout(params_like), describe(params_like)
+        return record
 
     def _estimate(self, step: int, params_like, kernel_kwargs) -> EstimateRecord:
         t0, key = time.perf_counter(), jax.random.fold_in(self._key, step)
