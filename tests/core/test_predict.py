@@ -4,6 +4,7 @@ written here independently of the library's flattening, solver and refinement.""
 from __future__ import annotations
 
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -258,6 +259,26 @@ def test_singular_float32_kernel_raises_with_condition_number_and_fix():
     # the fix works: float64 with a small regulariser, or a larger regulariser in float32
     predict.gp_inference(k, y, diag_reg=1e-5, dtype="float64")
     predict.gp_inference(k, y, diag_reg=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("condition", [1e12, 1e15])
+def test_the_suggested_diag_reg_makes_the_solve_succeed(dtype, condition):
+    # A float64 solve's error stays near κ·u (its residuals round as it does), so the
+    # suggestion there must bring κ far lower than a float32 solve's (float64 residuals).
+    rng = np.random.default_rng(3)
+    q = np.linalg.qr(rng.standard_normal((40, 40)))[0]
+    k = ((q * np.geomspace(1.0, 1 / condition, 40)) @ q.T).astype(dtype)
+    k, y = (k + k.T) / 2, rng.standard_normal((40, 2))
+    with pytest.raises(ValueError, match="too ill-conditioned") as info:
+        predict.gp_inference(k, y, dtype=dtype)
+    message = str(info.value)
+    assert ("dtype='float64'" in message) == (dtype == np.float32)
+    suggested = float(re.search(r"raise diag_reg to about ([0-9.e+-]+\d)", message)[1])
+    mean = predict.gp_inference(k, y, diag_reg=suggested, dtype=dtype).nngp(k[:3]).mean
+    lam = suggested * np.mean(np.diag(k).astype(np.float64))
+    ref = k[:3].astype(np.float64) @ np.linalg.solve(k.astype(np.float64) + lam * np.eye(40), y)
+    np.testing.assert_allclose(mean, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
 def test_not_psd_kernel_raises():
@@ -703,3 +724,15 @@ def test_gradient_descent_mse_trains_every_real_direction_of_a_float32_ntk(t):
     test = ft0 + k_tx.astype(np.float64) @ (v @ (h[:, None] * (v.T @ (y - f0))))
     assert np.abs(out.train - train).max() <= 1e-6 * np.abs(train).max()
     assert np.abs(out.test - test).max() <= 1e-6 * np.abs(test).max()
+
+
+@pytest.mark.parametrize("lr", [0.5, np.float32(0.5), np.float64(0.5), "jax"])
+def test_learning_rate_as_numpy_or_jax_scalar(lr):
+    # f_train(t) = y + exp(-w η t / n) (f_train(0) - y) for K = w I, f_train(0) = 0, n = y.size
+    if lr == "jax":
+        import jax.numpy as jnp
+
+        lr = jnp.float32(0.5)
+    k, y, t = 2.0 * np.eye(3), np.arange(1.0, 4.0)[:, None], 3.0
+    got = predict.gradient_descent_mse(k, y, learning_rate=lr, dtype="float64")(t).train
+    np.testing.assert_allclose(got, y * (1 - np.exp(-2.0 * 0.5 * t / 3)), rtol=1e-12)

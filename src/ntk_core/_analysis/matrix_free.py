@@ -402,8 +402,9 @@ def ntk_kernel_alignment(
         A = ⟨y, Θ y⟩ / (‖Θ‖_F ‖y‖²)      (y flat, length M = N·O)
 
     ⟨y, Θ y⟩ exact from one product; ‖Θ‖²_F by :func:`ntk_frobenius_sq` with m − 1 products
-    (estimate F, standard error s_F). standard_error: A·s_F / (2F) (delta method on F^(−1/2));
-    A = c/√F is biased at second order, by about (3/8)·A·(s_F/F)².
+    (estimate F, standard error s_F); ``m >= M``: both from Θ formed, exact. standard_error:
+    A·s_F / (2F) (delta method on F^(−1/2)); A = c/√F is biased at second order, by about
+    (3/8)·A·(s_F/F)².
 
     Args:
       apply_fn, params, x, key, batch_size, precision, wrt: as :func:`ntk_frobenius_sq`.
@@ -421,7 +422,7 @@ def ntk_kernel_alignment(
       >>> x, y = jnp.eye(2), jnp.ones((2, 3))                      # Θ = I_6: A = 6/(√6·6)
       >>> r = spectrum.ntk_kernel_alignment(f, jnp.zeros((2, 3)), x, y, key=jax.random.PRNGKey(0))
       >>> round(r.estimate, 6), r.products
-      (0.408248, 7)
+      (0.408248, 6)
 
     References: Cristianini et al., "On Kernel-Target Alignment", NIPS 2001; Meyer et al.,
     "Hutch++", SOSA 2021.
@@ -437,17 +438,21 @@ def kernel_alignment(fn: str, model_of: Callable[[], Model], y, key, m, batch_si
     key = check_key(fn, key)
     op = _flat(model_of(), batch_size, precision)
     v = _targets(fn, op, y)
+    if m >= op.m:  # Θ from M products, exact (c read from it: no product more)
+        theta = _exact_kernel(op)
+        return _alignment(op, v, lambda: Estimate(float(np.vdot(theta, theta)), 0.0, op.m), theta)
     return _alignment(op, v, lambda: _hutchpp(op, m - 1, key))
 
 
-def _alignment(op: _Flat, v: np.ndarray, frobenius: Callable[[], Estimate]) -> Estimate:
-    """A = ⟨v, Θ v⟩ / (√F ‖v‖²) from one product and ``frobenius()``, F's estimate."""
-    c = float(v @ op.product(v[:, None])[:, 0]) / float(v @ v)
+def _alignment(op: _Flat, v: np.ndarray, frobenius: Callable[[], Estimate], theta=None):
+    """A = ⟨v, Θ v⟩ / (√F ‖v‖²) from one product (or ``theta``, Θ formed) and ``frobenius()``,
+    F's :class:`Estimate`."""
+    c = float(v @ (op.product(v[:, None])[:, 0] if theta is None else theta @ v)) / float(v @ v)
     f = frobenius()
     if f.estimate <= 0.0:
         raise bad(ValueError, op.fn, "the kernel is all zeros", "pass a model that uses its params")
     a = c / math.sqrt(f.estimate)
-    return Estimate(a, abs(a) * f.standard_error / (2 * f.estimate), f.products + 1)
+    return Estimate(a, abs(a) * f.standard_error / (2 * f.estimate), f.products + (theta is None))
 
 
 def _targets(fn: str, op: _Flat, y) -> np.ndarray:

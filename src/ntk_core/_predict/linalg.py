@@ -79,13 +79,18 @@ def compute_dtype(fn: str, dtype, kernel_dtype) -> np.dtype:
 
 def check_diag_reg(fn_name: str, diag_reg, absolute_scale) -> tuple[float, bool]:
     """``(diag_reg, diag_reg_absolute_scale)`` checked: a real number >= 0 and a bool."""
-    arr = isinstance(diag_reg, (np.ndarray, jax.Array)) and not isinstance(
-        diag_reg, jax.core.Tracer
-    )
-    if arr and diag_reg.shape == () and np.issubdtype(diag_reg.dtype, np.number):
-        diag_reg = diag_reg.item()  # a 0-d numpy or JAX array
-    diag_reg = check_real(fn_name, "diag_reg", diag_reg, "pass e.g. diag_reg=1e-4 (or 0.0)")
+    fix = "pass e.g. diag_reg=1e-4 (or 0.0)"
+    diag_reg = check_real(fn_name, "diag_reg", host_scalar(diag_reg), fix)
     return diag_reg, check_bool(fn_name, "diag_reg_absolute_scale", absolute_scale)
+
+
+def host_scalar(value):
+    """A 0-d numpy or JAX array of numbers as a Python number (others unchanged), so that
+    ``np.float32(0.5)`` and ``jnp.float32(0.5)`` pass as numbers do."""
+    arr = isinstance(value, (np.ndarray, jax.Array)) and not isinstance(value, jax.core.Tracer)
+    if arr and value.shape == () and np.issubdtype(value.dtype, np.number):
+        return value.item()
+    return value
 
 
 def as_host_array(fn_name: str, name: str, x) -> np.ndarray:
@@ -376,13 +381,16 @@ class Solver:
             fix = "check that the outputs depend on the parameters (wrt=), or pass "
             fix += "diag_reg_absolute_scale=True with diag_reg > 0"
             raise bad(ValueError, self.fn_name, what, fix, see=SEE_ILL)
-        # raise λ until κ·u <= 0.01: λ >= 100·u·λ_max, plus twice any negative eigenvalue
+        # raise λ until the refined solve is accepted: float64 residuals of a lower-precision
+        # solve converge while κ·u <= 0.01; a float64 solve's own error stays at κ·u, which
+        # must reach ACCEPT / 4. λ >= u·λ_max / that, plus twice any negative eigenvalue
         # (round-off of the kernel's own entries); in the caller's units
-        need = 100 * self.u * lam_max + 2 * max(-w_min, 0.0)
+        mixed = self.u > unit_roundoff(np.float64)
+        need = self.u * lam_max / (0.01 if mixed else ACCEPT / 4) + 2 * max(-w_min, 0.0)
         suggest = 10 ** math.ceil(math.log10(max(need / self.reg_scale, 1e-300)))
         cond = f"{kappa:.2e}" if math.isfinite(kappa) else f"inf ({w_min:.2e} .. {lam_max:.2e})"
         what = f"K + λI is too ill-conditioned for {self.dtype.name}: condition number ≈ {cond}"
-        fix = f"raise diag_reg to about {suggest:.0e} (in float32: or pass dtype='float64')"
+        fix = f"raise diag_reg to about {suggest:.0e}" + (", or pass dtype='float64'" * mixed)
         raise bad(ValueError, self.fn_name, what, fix, see=SEE_ILL)
 
 
