@@ -75,6 +75,16 @@ _CHILD = textwrap.dedent(
     kept = kept(P, X1)
     assert kept.devices() == {jax.devices()[2]}, kept.devices()  # where it was asked
     assert np.array_equal(kept, ntk_core.ntk_fn(f, **one)(P, X1))
+    # params and x1 committed to different devices: tiles place them; one call names both
+    p3, x2 = jax.device_put(P, jax.devices()[3]), jax.device_put(X1, jax.devices()[2])
+    assert np.array_equal(ntk_core.ntk_fn(f, **one)(p3, x2), ntk_core.ntk_fn(f, **one)(P, X1))
+    try:
+        ntk_core.empirical_ntk(f, p3, x2)
+    except ValueError as e:
+        assert str(e).startswith("empirical_ntk: the arrays are on different devices: params "
+                                 "on device(s) [3], x1 on device(s) [2]. Fix:"), e
+    else:
+        raise AssertionError("no error for arrays on two devices")
     print("checked", checked)
     """
 )

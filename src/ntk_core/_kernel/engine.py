@@ -91,6 +91,8 @@ class Engine:
     def _call(self, params, x1, x2, aux):
         spec, options = self.spec, self.spec.options
         params, x1, x2 = (_validate.as_arrays(t) for t in (params, x1, x2))
+        if options.batch_size is None:
+            _validate.check_one_device(spec, params, x1, x2, aux)
         checked, config = self.prepare(params, x1, x2, aux)
         implementation = self.implementation(config)
         if options.batch_size is None:

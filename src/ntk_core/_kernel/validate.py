@@ -165,6 +165,20 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
     return Checked(n1, n2, x2 is None, out_tree, tuple(layouts), shapes1, closed)
 
 
+def check_one_device(spec: Spec, params, x1, x2, aux) -> None:
+    """One call is one program: refuses arrays committed to different devices (as JAX's jit
+    would, in its own words), naming where each part is."""
+    places = {}  # device ids -> the first part found there
+    for name, tree in (("params", params), ("x1", x1), ("x2", x2), ("aux", aux)):
+        for a in jax.tree.leaves(tree):
+            if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.committed:
+                places.setdefault(tuple(sorted(d.id for d in a.sharding.device_set)), name)
+    if len(places) > 1:
+        where = ", ".join(f"{name} on device(s) {list(ids)}" for ids, name in places.items())
+        fix = "jax.device_put them on one device, or pass a batch_size (tiles are placed)"
+        raise bad(ValueError, spec.fn_name, f"the arrays are on different devices: {where}", fix)
+
+
 def check_untraced(spec: Spec, params, x1, x2) -> None:
     """The blocked engine writes tiles to the host: refuses traced arguments."""
     if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves((params, x1, x2))):
