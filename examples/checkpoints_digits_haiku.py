@@ -98,7 +98,7 @@ def kernels_from_checkpoints(args, net, data, saved, like) -> ntk_core.KernelTra
         data.y_probe,
         every=args.every,
         top_k=args.top_k,
-        out=os.path.join(args.out, "kernels") if args.save_kernels else None,
+        out=_track.kernels_folder(FN, args.out, args.save_kernels),
     )
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": like})
     with ocp.StandardCheckpointer() as checkpointer:
@@ -112,9 +112,10 @@ def run(args) -> dict:
     """Both phases with the options of ``_track.add_arguments``; returns the summary."""
     t_start = time.perf_counter()
     _track.check_sizes(FN, args.steps, args.every, args.batch)
-    data = _track.digits(args.seed, args.probe, FN)
+    data = _track.digits(args.seed, args.probe, FN, args.top_k)
     ckpt_dir = os.path.abspath(os.path.join(args.out, "checkpoints"))  # orbax: absolute
     os.makedirs(ckpt_dir, exist_ok=True)
+    _track.kernels_folder(FN, args.out, args.save_kernels)  # an earlier run's: before training
     net = hk.without_apply_rng(
         hk.transform(functools.partial(ntk_haiku.lenet, out_features=_track.N_CLASSES))
     )

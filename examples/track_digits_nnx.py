@@ -79,7 +79,7 @@ def run(args) -> dict:
     t_start = time.perf_counter()
     fn = "track_digits_nnx"
     _track.check_sizes(fn, args.steps, args.every, args.batch)
-    data = _track.digits(args.seed, args.probe, fn)
+    data = _track.digits(args.seed, args.probe, fn, args.top_k)
     os.makedirs(args.out, exist_ok=True)
     model = LeNet(_track.N_CLASSES, nnx.Rngs(args.seed))
     optimizer = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
@@ -91,7 +91,7 @@ def run(args) -> dict:
         data.y_probe,
         every=args.every,
         top_k=args.top_k,
-        out=os.path.join(args.out, "kernels") if args.save_kernels else None,
+        out=_track.kernels_folder(fn, args.out, args.save_kernels),
     )
     chosen = kernel.implementation_for(None, data.x_probe)
     print(

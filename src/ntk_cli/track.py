@@ -35,14 +35,17 @@ class Digits(NamedTuple):
     y_probe: np.ndarray
 
 
-def digits(seed: int, probe: int, fn: str = FN) -> Digits:
-    """The digits at 32x32x3, shuffled by ``seed``: 1500 training, 297 test samples."""
+def digits(seed: int, probe: int, fn: str = FN, top_k: int = 1) -> Digits:
+    """The digits at 32x32x3, shuffled by ``seed``: 1500 training, 297 test samples;
+    ``probe`` and the eigenvalues tracked of its (P, P) kernel, ``top_k``, checked."""
     from ntk_cli.demo import load_digits_32
 
     images, labels = load_digits_32(seed)
     n_train = len(images) - N_TEST
     if not 2 <= probe <= n_train:
         raise must(ValueError, fn, "--probe", f"in [2, {n_train}]", probe, eg=200)
+    if not 1 <= top_k <= probe:  # eigenvalues of the (P, P) probe kernel
+        raise must(ValueError, fn, "--top-k", f"in [1, --probe {probe}]", top_k, eg=min(5, probe))
     x_train, y_train = images[:n_train], labels[:n_train]
     one_hot = np.eye(N_CLASSES, dtype=np.float32)[y_train[:probe]]
     return Digits(x_train, y_train, images[n_train:], labels[n_train:], x_train[:probe], one_hot)
@@ -54,6 +57,16 @@ def check_sizes(fn: str, steps: int, every: int, batch: int, lr: float = 1e-3) -
             raise must(ValueError, fn, name, f">= {low}", value, f"pass e.g. {name} {low + 1}")
     if not lr > 0:  # NaN too; a negative rate would train by gradient ascent
         raise must(ValueError, fn, "--lr", "> 0", lr, "pass e.g. --lr 1e-3")
+
+
+def kernels_folder(fn: str, out: str, save_kernels: bool) -> str | None:
+    """``OUT/kernels`` with ``--save-kernels`` (a rerun replaces its files), else None; a
+    ValueError where an earlier run's kernels there would sit beside this run's summary."""
+    folder = os.path.join(out, "kernels")
+    if not save_kernels and os.path.isdir(folder) and os.listdir(folder):
+        what = f"{folder!r} holds an earlier run's kernels, which this run would not replace"
+        raise ValueError(f"{fn}: {what}. Fix: pass --save-kernels, remove it, or another --out.")
+    return folder if save_kernels else None
 
 
 def add_arguments(parser: argparse.ArgumentParser, default_out: str = "./ntk-track") -> None:
@@ -148,8 +161,9 @@ def run(
 
     t_start = time.perf_counter()
     check_sizes(FN, steps, every, batch, lr)
-    data = digits(seed, probe)
+    data = digits(seed, probe, FN, top_k)
     make_folder(FN, "--out", out)
+    kernels = kernels_folder(FN, out, save_kernels)
     model = ntk_flax.LeNet(out_features=N_CLASSES)
     key_init, key_batches = jax.random.split(jax.random.PRNGKey(seed))
     params = jax.jit(model.init)(key_init, data.x_train[:1])["params"]
@@ -169,8 +183,7 @@ def run(
         return state.apply_gradients(grads=grads), loss
 
     kernel = ntk_flax.kernel_fn(model, implementation=implementation)  # (P, P), compiled once
-    kernels = os.path.join(out, "kernels") if save_kernels else None  # data[4:]: the probe set
-    tracker = ntk_core.KernelTracker(
+    tracker = ntk_core.KernelTracker(  # data[4:]: the probe set
         kernel, *data[4:], every=every, top_k=top_k, out=kernels, overwrite=True
     )  # a rerun replaces its own files, as the figure
     chosen = kernel.implementation_for(state, data.x_probe)

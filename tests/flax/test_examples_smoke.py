@@ -65,6 +65,10 @@ def test_ntk_track_command(tmp_path, capsys):
     assert kernel.shape == (8, 8)
     saved = json.loads((out / "kernels" / "metrics.json").read_text())
     assert saved["history"] == summary["history"]
+    # a rerun without --save-kernels would leave these kernels beside its new summary
+    assert cli_main(["track", *TINY, "--no-progress", "--out", str(out)]) == 2
+    assert "holds an earlier run's kernels" in capsys.readouterr().err
+    assert np.array_equal(np.load(out / "kernels" / "kernel_step_00000004.npy"), kernel)
 
 
 def test_ntk_track_rejects_bad_sizes(tmp_path, capsys):
@@ -72,6 +76,8 @@ def test_ntk_track_rejects_bad_sizes(tmp_path, capsys):
     assert "ntk track: --probe must be in [2, 1500], got 1" in capsys.readouterr().err
     assert cli_main(["track", "--every", "0", "--out", str(tmp_path)]) == 2
     assert "ntk track: --every must be >= 1, got 0" in capsys.readouterr().err
+    assert cli_main(["track", "--probe", "4", "--out", str(tmp_path)]) == 2  # --top-k 5
+    assert "ntk track: --top-k must be in [1, --probe 4], got 5" in capsys.readouterr().err
 
 
 def test_ntk_track_help_from_the_installed_command(tmp_path):
