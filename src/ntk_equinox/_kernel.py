@@ -18,23 +18,19 @@ _PACKAGE, _ORDER, _INFERENCE = "ntk_equinox", "(model, x1, x2)", "eqx.nn.inferen
 
 @dataclasses.dataclass(frozen=True)
 class _Apply:
-    """``apply(params, x)`` of the fixed part ``rest``; equal by structure and leaves (no
-    recompile for new weights): hashable leaves by value, arrays by identity."""
+    """``apply(params, x, arrays)`` of the array-free fixed part ``rest``; equal by structure,
+    leaves by value (unhashable: identity): new weights and arrays reuse the programs."""
 
     rest: object = dataclasses.field(compare=False)
     key: tuple
     inputs: str
 
-    def __call__(self, params, x, aux=None):  # aux: nothing else is held fixed
+    def __call__(self, params, x, arrays):
         def one(x):
             args, kw = spread(_PACKAGE, self.inputs, x)  # x2: checked against x1
-            return eqx.combine(params, self.rest)(*args, **kw)
+            return eqx.combine(params, arrays, self.rest)(*args, **kw)
 
         return jax.vmap(one)(x)
-
-
-def _leaf_key(leaf):  # arrays (unhashable) by identity: the cached _Apply keeps them alive
-    return (type(leaf), leaf) if isinstance(leaf, Hashable) else (type(leaf), id(leaf))
 
 
 def _stateful(m) -> bool:  # BatchNorm, SpectralNorm; a Sequential only passes state on
@@ -43,7 +39,7 @@ def _stateful(m) -> bool:  # BatchNorm, SpectralNorm; a Sequential only passes s
 
 
 def _split(fn_name: str, model, inputs: str) -> tuple:
-    """``(params, apply)`` of ``model``, or the TypeError / ValueError of bad input."""
+    """``(params, other arrays, apply)`` of ``model``; TypeError / ValueError for bad input."""
     if not isinstance(model, eqx.Module) or not callable(model):
         got = type(model).__name__ + (" (no __call__)" if isinstance(model, eqx.Module) else "")
         what, fix = f"model must be an equinox.Module, got {got}", "pass the module first"
@@ -56,8 +52,10 @@ def _split(fn_name: str, model, inputs: str) -> tuple:
     if not jax.tree.leaves(params):
         what = f"the model {type(model).__name__} has no floating-point array leaves"
         raise bad(ValueError, fn_name, what, "hold its parameters as float arrays")
-    leaves, treedef = jax.tree.flatten(rest)
-    return params, _Apply(rest, (treedef, tuple(map(_leaf_key, leaves))), inputs)
+    arrays, rest = eqx.partition(rest, eqx.is_array)  # new after every jitted step
+    leaves, treedef = jax.tree.flatten(rest)  # unhashable leaves (rare) by identity
+    key = tuple((type(v), v if isinstance(v, Hashable) else id(v)) for v in leaves)
+    return params, arrays, _Apply(rest, (treedef, key), inputs)
 
 
 def _kernel_fn(fn, model, options: dict, built: bool = False):
@@ -65,26 +63,27 @@ def _kernel_fn(fn, model, options: dict, built: bool = False):
     name = f"{_PACKAGE}.{fn.__name__}"
     kind = "nngp" if fn is nngp else "pntk" if fn in (pntk, pntk_fn) else "ntk"
     inputs = check_inputs(name, options.pop("inputs", "x"))
-    apply = _split(name, model, inputs)[1]
+    apply = _split(name, model, inputs)[2]
     caller = Caller(name, _ORDER, model="the model", package=_PACKAGE, built=built)
     called = f"{name}(...){_ORDER}" if built else name
 
     def to_core(model):
-        params, other = _split(called, model, inputs)
+        params, arrays, other = _split(called, model, inputs)
         if other != apply:
-            what = "the model's structure or fixed leaves differ from those it was built for"
+            what = "structure (layers, sizes)" if other.key[0] != apply.key[0] else "fixed fields"
+            what = f"the model's {what} differ from those it was built for"
             raise bad(ValueError, called, what, f"build {name}(model) for it")
-        return params, None
+        return params, arrays
 
     def check(params, x1, x2, aux):
         args, kw = spread(name, inputs, x1)  # a TypeError for an x1 of another kind
         try:
-            jax.eval_shape(apply, params, x1)
+            jax.eval_shape(apply, params, x1, aux)
         except Exception as e:  # the core names the others
             if not binds(model, args, kw):  # missing or unexpected arguments: where each goes
                 raise failure(caller, "the model", e, _INFERENCE, "", (model, args, kw)) from e
             try:  # a model written for a whole batch?
-                jax.eval_shape(lambda p: eqx.combine(p, apply.rest)(*args, **kw), params)
+                jax.eval_shape(lambda p: eqx.combine(p, aux, apply.rest)(*args, **kw), params)
             except Exception:
                 return  # no: the core reports the per-sample failure
             what = "the model fails on each sample x1[i] (it is vmapped over axis 0) but runs on x1"

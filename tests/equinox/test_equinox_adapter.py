@@ -314,6 +314,34 @@ def test_new_weights_of_the_same_model_neither_retrace_nor_recompile(build):
     reference.assert_close(kernels[-1], reference.ntk(f, params, x, None)[0])
 
 
+@pytest.mark.parametrize("build", ["kernel", "kernel_fn"])
+def test_models_from_a_jitted_step_with_integer_arrays_reuse_the_programs(build):
+    """eqx.filter_jit returns new array objects for every array field, the integer index
+    of Picky included: the same architecture, accepted (was refused by kernel_fn as other
+    fixed leaves), without a retrace, and the kernels of each step's weights and index."""
+    x = jax.random.normal(jax.random.PRNGKey(8), (6, 5))
+    model = Picky(jnp.array([0, 2, 4]))
+
+    @eqx.filter_jit
+    def step(m):  # a gradient step, and an index moved as a data pipeline might
+        grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(m)
+        m = eqx.apply_updates(m, jax.tree.map(lambda g: -0.1 * g, grads))
+        return eqx.tree_at(lambda m: m.index, m, (m.index + 1) % 5)
+
+    models = [model]
+    for _ in range(2):
+        models.append(step(models[-1]))
+    kernel = ntk_equinox.kernel if build == "kernel" else ntk_equinox.kernel_fn(model)
+    kernel(model, x)
+    traces, compiles = len(TRACES), len(COMPILES)
+    kernels = [kernel(m, x) for m in models[1:]]
+    assert (len(TRACES), len(COMPILES)) == (traces, compiles)
+    for m, k in zip(models[1:], kernels, strict=True):
+        assert m.index is not model.index
+        f, params = _apply(m)
+        reference.assert_close(k, reference.ntk(f, params, x, None)[0])
+
+
 def test_docstrings_and_public_seam():
     """Every public function documents shapes, errors, cost, example and source; the
     adapter imports no private name of ntk_core (ntk_core.adapters is the public seam)."""

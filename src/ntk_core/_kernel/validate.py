@@ -26,7 +26,7 @@ def as_arrays(tree):
 
 
 def describe(tree) -> str:
-    text = repr(jax.tree.map(lambda v: tuple(np.shape(v)), tree))
+    text = " ".join(repr(jax.tree.map(lambda v: tuple(np.shape(v)), tree)).split())  # 1 line
     if len(text) > 300:  # e.g. a long Python list of numbers: one () per element
         text = f"{text[:200]}... ({type(tree).__name__} with {len(jax.tree.leaves(tree))} leaves)"
     return text
