@@ -94,6 +94,8 @@ def resolve_layout(fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, w
     if 0 in trace:  # e.g. the default trace_axes=(-1,) of an output (N,)
         what = f"trace_axes={tuple(trace_axes)!r} traces the batch axis 0 of {of}"
         fix = "leave axis 0 out (e.g. trace_axes=() for an output (N,)), or use diagonal_axes=(0,)"
+        if where.startswith("output leaf"):  # e.g. (logits, loss): extra outputs per sample
+            fix += "; or make the model return its outputs alone"
         raise bad(ValueError, fn_name, what, fix)
     return LeafLayout(ndim, trace, diag)
 
