@@ -21,6 +21,7 @@ from ntk_core._jax.caches import register as register_cache
 from ntk_core._kernel.adapter import PureModel as PureModel
 from ntk_core._kernel.adapter import build_kernel as build_kernel
 from ntk_core._kernel.adapter import check_apply_kwargs as check_apply_kwargs
+from ntk_core._kernel.adapter import entry_kind as entry_kind
 from ntk_core._kernel.adapter import input_shape_mismatch as input_shape_mismatch
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller as Caller
@@ -38,9 +39,9 @@ from ntk_core._monte_carlo.kernels import sample_mean as monte_carlo_mean
 __all__ = (
     "Caller", "PureModel", "adapter_caller", "adapter_model_failure", "bad", "binds",
     "build_kernel", "cached", "check_apply_kwargs", "check_degree", "check_inputs_option",
-    "check_like", "check_monte_carlo", "checked_arguments", "checked_init", "expansion",
-    "input_shape_mismatch", "inputs_failure", "is_nnx_module", "matrix_free", "monte_carlo_mean",
-    "register_cache", "sketch", "spread_inputs",
+    "check_like", "check_monte_carlo", "checked_arguments", "checked_init", "entry_kind",
+    "expansion", "input_shape_mismatch", "inputs_failure", "is_nnx_module", "matrix_free",
+    "monte_carlo_mean", "register_cache", "sketch", "spread_inputs",
 )  # fmt: skip
 
 

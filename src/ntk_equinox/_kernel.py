@@ -8,7 +8,7 @@ from collections.abc import Hashable
 import equinox as eqx
 import jax
 
-from ntk_core.adapters import Caller, PureModel, bad, binds, build_kernel, cached
+from ntk_core.adapters import Caller, PureModel, bad, binds, build_kernel, cached, entry_kind
 from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_core.adapters import inputs_failure as failure
 from ntk_core.adapters import spread_inputs as spread
@@ -58,10 +58,10 @@ def _split(fn_name: str, model, inputs: str) -> tuple:
     return params, arrays, _Apply(rest, (treedef, key), inputs)
 
 
-def _kernel_fn(fn, model, options: dict, built: bool = False):
+def _kernel_fn(fn, model, options: dict):
     """The core's ``kernel(model, x1, x2=None)`` for models shaped like ``model``."""
     name = f"{_PACKAGE}.{fn.__name__}"
-    kind = "nngp" if fn is nngp else "pntk" if fn in (pntk, pntk_fn) else "ntk"
+    kind, built = entry_kind(fn)  # built: a *_fn, of (model, x1, x2)
     inputs = check_inputs(name, options.pop("inputs", "x"))
     apply = _split(name, model, inputs)[2]
     caller = Caller(name, _ORDER, model="the model", package=_PACKAGE, built=built)
@@ -121,7 +121,7 @@ def kernel_fn(model, **options):
     """:func:`kernel` built once for models shaped like ``model``: ``kernel(model, x1, x2=None)``
     with each step's model. Args:, Returns:, Raises: (and a ValueError for another structure),
     Cost: as :func:`kernel` (N1 samples). Example: ``kernel_fn(mlp)(mlp, x)``. References: Jacot."""
-    return _kernel_fn(kernel_fn, model, options, built=True)
+    return _kernel_fn(kernel_fn, model, options)
 
 
 def nngp(model, x1, x2=None, **options):
@@ -146,4 +146,4 @@ def pntk(model, x1, x2=None, **options):
 def pntk_fn(model, **options):
     """:func:`pntk` built once for models like ``model``: ``kernel(model, x1, x2)`` (x1: N1
     samples). Args:, Returns:, Raises:, Cost, Example, References: as :func:`pntk`."""
-    return _kernel_fn(pntk_fn, model, options, built=True)
+    return _kernel_fn(pntk_fn, model, options)

@@ -26,7 +26,7 @@ def ntk_sketch_fn(model, *, k, key, **options):
       >>> ntk_equinox.ntk_sketch_fn(lin, k=64, key=jax.random.PRNGKey(1))(lin, jnp.eye(2)).shape
       (2, 64)
     """
-    return sketch(_kernel_fn(ntk_sketch_fn, model, options, built=True), k=k, key=key)
+    return sketch(_kernel_fn(ntk_sketch_fn, model, options), k=k, key=key)
 
 
 @public

@@ -21,6 +21,7 @@ from ntk_core.adapters import (
     cached,
     check_apply_kwargs,
     checked_arguments,
+    entry_kind,
     input_shape_mismatch,
 )
 from ntk_core.adapters import check_inputs_option as check_inputs
@@ -175,16 +176,12 @@ def public(fn: Callable) -> Callable:
 
 
 #: The core's kind of kernel of each entry point ``<name>`` and ``<name>_fn``.
-_KIND = dict(kernel="ntk", nngp="nngp", kernel_per_leaf="ntk_per_leaf", plan="ntk", pntk="pntk")
-_KIND.update(ntk_sketch="ntk")  # the sketch reads the model of an NTK kernel function
-
-
 def _kernel_of(fn: Callable, transformed, apply_kwargs, options: dict):
     """The kernel function of the entry point ``fn``: new for ``*_fn``, else cached."""
-    name, built, _ = fn.__name__.partition("_fn")
+    kind, built = entry_kind(fn)
 
     def build():
-        return make(caller(fn, built=bool(built)), _KIND[name], transformed, options, apply_kwargs)
+        return make(caller(fn, built=built), kind, transformed, options, apply_kwargs)
 
     return build() if built else cached((fn, transformed, apply_kwargs, options), build)
 

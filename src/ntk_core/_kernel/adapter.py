@@ -99,6 +99,15 @@ def input_shape_mismatch(
     return model_failed(fn_name, what, f"{fix}, or re-initialise ({init_call})")
 
 
+def entry_kind(fn: Callable) -> tuple[str, bool]:
+    """``(kind, built)`` of an adapter's entry point, read from its name: ``nngp_fn`` ->
+    ``("nngp", True)``, ``pntk`` -> ``("pntk", False)``, ``kernel_per_leaf`` ->
+    ``"ntk_per_leaf"``; the others (``kernel``, ``plan``, sketch, statistics) the NTK."""
+    name, built, _ = fn.__name__.partition("_fn")
+    kinds = dict(nngp="nngp", pntk="pntk", kernel_per_leaf="ntk_per_leaf")
+    return kinds.get(name, "ntk"), bool(built)
+
+
 @dataclasses.dataclass(frozen=True)
 class PureModel:
     """One model as the core sees it, for :func:`build_kernel`.
