@@ -66,6 +66,9 @@ def kernels_folder(fn: str, out: str, save_kernels: bool) -> str | None:
     if not save_kernels and os.path.isdir(folder) and os.listdir(folder):
         what = f"{folder!r} holds an earlier run's kernels, which this run would not replace"
         raise ValueError(f"{fn}: {what}. Fix: pass --save-kernels, remove it, or another --out.")
+    if save_kernels and os.path.exists(folder) and not os.path.isdir(folder):
+        what = f"--save-kernels writes into {folder!r}, which is a file"
+        raise ValueError(f"{fn}: {what}. Fix: remove it, or give another --out.")
     return folder if save_kernels else None
 
 

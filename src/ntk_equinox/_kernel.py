@@ -18,8 +18,7 @@ _PACKAGE, _ORDER, _INFERENCE = "ntk_equinox", "(model, x1, x2)", "eqx.nn.inferen
 
 @dataclasses.dataclass(frozen=True)
 class _Apply:
-    """``apply(params, x, arrays)`` of the array-free fixed part ``rest``; equal by structure,
-    leaves by value (unhashable: identity): new weights and arrays reuse the programs."""
+    """``apply(params, x, arrays)`` of the array-free fixed part ``rest``, equal by its leaves."""
 
     rest: object = dataclasses.field(compare=False)
     key: tuple
@@ -82,6 +81,8 @@ def _kernel_fn(fn, model, options: dict):
         except Exception as e:  # the core names the others
             if not binds(model, args, kw):  # missing or unexpected arguments: where each goes
                 raise failure(caller, "the model", e, _INFERENCE, "", (model, args, kw)) from e
+            if isinstance(e, jax.errors.ConcretizationTypeError):  # the core's message: int(), if
+                return
             try:  # a model written for a whole batch?
                 jax.eval_shape(lambda p: eqx.combine(p, aux, apply.rest)(*args, **kw), params)
             except Exception:
@@ -97,7 +98,7 @@ def _kernel_fn(fn, model, options: dict):
 
 def kernel(model, x1, x2=None, **options):
     """Empirical NTK Θ(x1, x2)[i, j, a, b] = Σ_p ∂f_a(x1_i)/∂θ_p · ∂f_b(x2_j)/∂θ_p of an
-    ``eqx.Module``, θ its ``eqx.is_inexact_array`` leaves; other leaves held fixed.
+    ``eqx.Module``, θ its ``eqx.is_inexact_array`` leaves; others fixed (arrays traced).
 
     Args: ``model`` a callable ``eqx.Module`` of ONE sample, vmapped over ``x1``'s N1 samples
     (axis 0); ``x2`` N2 samples or ``None`` (x1); ``**options``: :func:`ntk_core.ntk_fn`'s and

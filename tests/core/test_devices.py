@@ -85,6 +85,14 @@ _CHILD = textwrap.dedent(
                                  "on device(s) [3], x1 on device(s) [2]. Fix:"), e
     else:
         raise AssertionError("no error for arrays on two devices")
+    # wrt="w": b and v are held fixed, v on device 1
+    held = {k: jax.device_put(a, jax.devices()[1 if k == "v" else 3]) for k, a in P.items()}
+    try:
+        ntk_core.empirical_ntk(f, held, jax.device_put(X1, jax.devices()[3]), wrt="w")
+    except ValueError as e:
+        assert "params on device(s) [3], the model's fixed state on device(s) [1]" in str(e), e
+    else:
+        raise AssertionError("no error for held parameters on another device")
     print("checked", checked)
     """
 )

@@ -5,6 +5,7 @@ saved, and bad arguments get the documented errors."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -267,20 +268,22 @@ def test_update_errors():
 
 
 @pytest.mark.parametrize("m", [None, 20])
-def test_other_parameters_than_the_last_step_are_named_by_update(m):
+def test_other_parameters_than_the_last_step_are_noted_by_update(m):
     # The kernel function fails on parameters of another structure or shape than the last
-    # tracked step's: the error names update and both, not the kernel function's arguments.
+    # tracked step's: its error stays (type and message), with a note naming update and
+    # both; a failure on parameters shaped as before gets no note.
     kernel_fn = ntk_core.ntk_fn(apply_fn, trace_axes=() if m else (-1,))
     key = jax.random.PRNGKey(0) if m else None
     tracker = ntk_core.KernelTracker(kernel_fn, X, every=1, m=m, key=key)
     params = _params()
     tracker.update(0, params)
     wrong = {"w": params["w"][:2], "v": params["v"]}  # (2, H): does not fit x (N, 3)
-    with pytest.raises(
-        ValueError,
-        match=r"^KernelTracker.update: params_like at step 1 is .*\(2, 16\).* where step 0's was .*\(3, 16\)",
-    ):  # noqa: E501
+    with pytest.raises(ValueError, match="^ntk_fn: ") as info:
         tracker.update(1, wrong)
-    assert tracker.update(2, params).step == 2  # the same parameters still track
-    with pytest.raises(ValueError, match="^ntk_fn: "):  # a failure on the first step: as is
-        ntk_core.KernelTracker(kernel_fn, X, every=1, m=m, key=key).update(0, wrong)
+    note = r"^KernelTracker.update: params_like at step 1 is .*\(2, 16\).* where step 0's was .*\(3, 16\)"
+    assert len(info.value.__notes__) == 1 and re.match(note, info.value.__notes__[0])
+    nan = jax.tree.map(lambda a: a * jnp.nan, params)
+    with pytest.raises(ntk_core.NonFiniteError) as info:
+        tracker.update(2, nan)
+    assert not getattr(info.value, "__notes__", None)
+    assert tracker.update(3, params).step == 3  # the same parameters still track

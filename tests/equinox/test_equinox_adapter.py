@@ -185,9 +185,22 @@ class WholeBatch(eqx.Module):  # written for x of shape (N, 4): fails on one sam
         return jax.vmap(self.linear)(x)
 
 
+class Flagged(eqx.Module):  # an array field read by a Python `if` (fails under filter_jit too)
+    weight: jax.Array
+    use_tanh: jax.Array
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.weight) if self.use_tanh else x @ self.weight
+
+
 X = jnp.ones((4, 4))
 MLP = _setup("mlp")[0]
 BAD = [
+    (  # arrays are traced, as eqx.filter_jit does; not told "written for a whole batch"
+        lambda: ntk_equinox.kernel(Flagged(jnp.ones((4, 2)), jnp.array(True)), X),
+        ValueError,
+        r"^ntk_equinox.kernel: .*TracerBoolConversionError: .*use_tanh.*Fix: branch with jnp.where",
+    ),
     (
         lambda: ntk_equinox.kernel(lambda x: x, X),
         TypeError,

@@ -69,6 +69,11 @@ def test_ntk_track_command(tmp_path, capsys):
     assert cli_main(["track", *TINY, "--no-progress", "--out", str(out)]) == 2
     assert "holds an earlier run's kernels" in capsys.readouterr().err
     assert np.array_equal(np.load(out / "kernels" / "kernel_step_00000004.npy"), kernel)
+    other = tmp_path / "other"
+    (other / "kernels").parent.mkdir()
+    (other / "kernels").write_text("a file")
+    assert cli_main(["track", *TINY, "--save-kernels", "--out", str(other)]) == 2
+    assert "ntk track: --save-kernels writes into" in capsys.readouterr().err
 
 
 def test_ntk_track_rejects_bad_sizes(tmp_path, capsys):

@@ -279,11 +279,11 @@ class KernelTracker:
         try:
             record = due(step, params_like, kernel_kwargs)
         except (TypeError, ValueError) as e:  # other parameters than the last step's?
-            if self._params is None or self._params[0] == _layout(params_like):
-                raise
-            what = f"params_like at step {step} is {describe(params_like)}, where step "
-            what += f"{self.records[-1].step}'s was {self._params[1]}"
-            raise bad(ValueError, _UPDATE, what, "pass the trained model's parameters") from e
+            if self._params is not None and self._params[0] != _layout(params_like):
+                last = self.records[-1].step  # a note: the kernel function's error stays
+                note = f"{_UPDATE}: params_like at step {step} is {describe(params_like)}"
+                getattr(e, "add_note", id)(f"{note}, where step {last}'s was {self._params[1]}")
+            raise
         self._params = _layout(params_like), describe(params_like)
         return record
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_core._errors import bad, check_int
+from ntk_core._errors import NonFiniteError, bad, check_int
 from ntk_core._jax import caches as _caches
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel import probe as _probe
@@ -84,7 +84,7 @@ def _check_params(fn: str, params) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if all_finite(leaf) is False:
             what = f"params{jax.tree_util.keystr(path)} contains NaN or Inf"
-            raise bad(ValueError, fn, what, "check the initialisation or training step")
+            raise bad(NonFiniteError, fn, what, "check the initialisation or training step")
 
 
 def checked_inputs(caller: Caller, params, x, options) -> tuple:
@@ -146,7 +146,7 @@ def _check_v(call: str, outputs, tree, v):
         _check_floating(call, where, dtype, "pass e.g. v.astype(np.float32)")
         leaf = leaf if dtype == o.dtype else leaf.astype(o.dtype)
         if all_finite(leaf) is False:
-            raise bad(ValueError, call, f"{where} contains NaN or Inf", "pass a finite v")
+            raise bad(NonFiniteError, call, f"{where} contains NaN or Inf", "pass a finite v")
         checked.append(leaf)
     return jax.tree.unflatten(tree, checked)
 

@@ -106,6 +106,8 @@ def model_call_error(fn_name: str, doing: str, error: Exception, fix: str) -> Va
     """The ValueError for the model's own failure while ``doing``."""
     if isinstance(error, jax.errors.UnexpectedTracerError):
         return leaked_tracer_error(fn_name, error)
+    if isinstance(error, jax.errors.ConcretizationTypeError):  # int(), bool(), `if` of a value
+        fix = "branch with jnp.where or lax.cond; hold fixed values as Python numbers (static)"
     return bad(ValueError, fn_name, f"{doing} failed with {one_line(error)}", fix)
 
 

@@ -169,7 +169,8 @@ def check_one_device(spec: Spec, params, x1, x2, aux) -> None:
     """One call is one program: refuses arrays committed to different devices (as JAX's jit
     would, in its own words), naming where each part is."""
     places = {}  # device ids -> the first part found there
-    for name, tree in (("params", params), ("x1", x1), ("x2", x2), ("aux", aux)):
+    parts = ("params", params), ("x1", x1), ("x2", x2), ("the model's fixed state", aux)
+    for name, tree in parts:
         for a in jax.tree.leaves(tree):
             if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.committed:
                 places.setdefault(tuple(sorted(d.id for d in a.sharding.device_set)), name)

@@ -88,7 +88,7 @@ def host_scalar(value):
     """A 0-d numpy or JAX array of numbers as a Python number (others unchanged), so that
     ``np.float32(0.5)`` and ``jnp.float32(0.5)`` pass as numbers do."""
     arr = isinstance(value, (np.ndarray, jax.Array)) and not isinstance(value, jax.core.Tracer)
-    if arr and value.shape == () and np.issubdtype(value.dtype, np.number):
+    if arr and value.shape == () and jax.numpy.issubdtype(value.dtype, jax.numpy.number):
         return value.item()
     return value
 
@@ -381,16 +381,23 @@ class Solver:
             fix = "check that the outputs depend on the parameters (wrt=), or pass "
             fix += "diag_reg_absolute_scale=True with diag_reg > 0"
             raise bad(ValueError, self.fn_name, what, fix, see=SEE_ILL)
+
         # raise λ until the refined solve is accepted: float64 residuals of a lower-precision
         # solve converge while κ·u <= 0.01; a float64 solve's own error stays at κ·u, which
         # must reach ACCEPT / 4. λ >= u·λ_max / that, plus twice any negative eigenvalue
         # (round-off of the kernel's own entries); in the caller's units
-        mixed = self.u > unit_roundoff(np.float64)
-        need = self.u * lam_max / (0.01 if mixed else ACCEPT / 4) + 2 * max(-w_min, 0.0)
-        suggest = 10 ** math.ceil(math.log10(max(need / self.reg_scale, 1e-300)))
+        def suggest(u, target):  # the power of ten of diag_reg giving κ·u <= target
+            need = u * lam_max / target + 2 * max(-w_min, 0.0)
+            return 10 ** math.ceil(math.log10(max(need / self.reg_scale, 1e-300)))
+
         cond = f"{kappa:.2e}" if math.isfinite(kappa) else f"inf ({w_min:.2e} .. {lam_max:.2e})"
         what = f"K + λI is too ill-conditioned for {self.dtype.name}: condition number ≈ {cond}"
-        fix = f"raise diag_reg to about {suggest:.0e}" + (", or pass dtype='float64'" * mixed)
+        if self.u > unit_roundoff(np.float64):  # float64 residuals: κ·u <= 0.01 converges
+            wide = suggest(unit_roundoff(np.float64), ACCEPT / 4)
+            fix = f"raise diag_reg to about {suggest(self.u, 0.01):.0e}, or pass "
+            fix += f"dtype='float64' with diag_reg about {wide:.0e}"
+        else:
+            fix = f"raise diag_reg to about {suggest(self.u, ACCEPT / 4):.0e}"
         raise bad(ValueError, self.fn_name, what, fix, see=SEE_ILL)
 
 
