@@ -7,6 +7,9 @@ from ntk_equinox._kernel import nngp as nngp
 from ntk_equinox._kernel import plan as plan
 from ntk_equinox._kernel import pntk as pntk
 from ntk_equinox._kernel import pntk_fn as pntk_fn
+from ntk_equinox._more import kernel_per_leaf as kernel_per_leaf
+from ntk_equinox._more import kernel_per_leaf_fn as kernel_per_leaf_fn
+from ntk_equinox._more import nngp_fn as nngp_fn
 from ntk_equinox._sketch import ntk_sketch as ntk_sketch
 from ntk_equinox._sketch import ntk_sketch_fn as ntk_sketch_fn
 from ntk_equinox._statistics import ntk_effective_rank as ntk_effective_rank
@@ -16,8 +19,8 @@ from ntk_equinox._statistics import ntk_trace as ntk_trace
 
 # fmt: off
 __all__ = (
-    "kernel", "kernel_fn", "nngp", "ntk_effective_rank", "ntk_frobenius_sq",
-    "ntk_kernel_alignment", "ntk_sketch", "ntk_sketch_fn", "ntk_trace", "plan", "pntk",
-    "pntk_fn",
+    "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "nngp", "nngp_fn",
+    "ntk_effective_rank", "ntk_frobenius_sq", "ntk_kernel_alignment", "ntk_sketch",
+    "ntk_sketch_fn", "ntk_trace", "plan", "pntk", "pntk_fn",
 )
 # fmt: on

@@ -39,6 +39,7 @@ MODULES = [
     pytest.param("ntk_haiku._sketch", marks=frameworks.requires("haiku")),
     pytest.param("ntk_equinox._statistics", marks=frameworks.requires("equinox")),
     pytest.param("ntk_equinox._sketch", marks=frameworks.requires("equinox")),
+    pytest.param("ntk_equinox._more", marks=frameworks.requires("equinox")),
 ]
 
 

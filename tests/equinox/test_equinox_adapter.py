@@ -88,6 +88,26 @@ def test_kernel_matches_the_float64_reference(name, implementation):
             reference.assert_close(k, _reference(name, "ntk", axes, given))
 
 
+@pytest.mark.parametrize("given", [False, True])
+def test_kernel_per_leaf_and_nngp_fn_match_the_float64_reference(given):
+    """Per leaf: each leaf's share of the NTK (the others held), a tree shaped like the
+    model's parameters; NNGP built once: the outputs' products."""
+    model, x1, x2 = _setup("cnn")
+    x2 = x2 if given else None
+    f, params = _apply(model)
+    per_leaf = ntk_equinox.kernel_per_leaf(model, x1, x2, trace_axes=())
+    assert jax.tree.structure(per_leaf) == jax.tree.structure(params)
+    scale = np.abs(_reference("cnn", "ntk", "full", given)).max()
+    for i, got in enumerate(jax.tree.leaves(per_leaf)):
+        g, leaf = reference.leaf_alone(f, params, i)
+        reference.assert_close(got, reference.ntk(g, leaf, x1, x2, trace_axes=())[0], scale=scale)
+    again = ntk_equinox.kernel_per_leaf_fn(model, trace_axes=())(model, x1, x2)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(per_leaf), strict=True):
+        np.testing.assert_array_equal(a, b)
+    nngp = ntk_equinox.nngp_fn(model, trace_axes=())(model, x1, x2)
+    reference.assert_close(nngp, _reference("cnn", "nngp", "full", given))
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_nngp_matches_the_outputs_products(name):
     model, x1, x2 = _setup(name)
