@@ -6,6 +6,9 @@ import math
 import numbers
 import reprlib
 
+import jax
+import numpy as np
+
 
 class NonFiniteError(ValueError):
     """NaN or inf in an input, a kernel, a tile, a Monte Carlo sum or a prediction; a
@@ -72,7 +75,11 @@ def check_real(
     type_error=TypeError,
 ):
     """``value`` as a float in ``[low, high)`` (``(low, high)`` if ``open_low``; never NaN or
-    inf); ``type_error`` unless ``is_type(value)``, ValueError out of range."""
+    inf); ``type_error`` unless ``is_type(value)``, ValueError out of range. A 0-d numpy or
+    JAX array (``jnp.float32(0.5)``, bfloat16 too) is read as its Python number."""
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0:
+        if not isinstance(value, jax.core.Tracer):
+            value = value.item()
     type_ok = is_type(value)
     if type_ok and (low < value if open_low else low <= value) and value < high:
         return float(value)

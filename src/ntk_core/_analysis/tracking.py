@@ -71,8 +71,10 @@ _PROBE_FIX = "pass one array (N, ...) or a pytree of arrays with N on axis 0, e.
 _Y_FIX = "pass the probe samples' labels: floats (N,) or one-hot (N, O)"
 
 
-def _layout(tree) -> tuple:
-    return jax.tree.structure(tree), [getattr(a, "shape", None) for a in jax.tree.leaves(tree)]
+def _layout(tree):
+    """``tree`` with each leaf's shape in place of the leaf: compared between steps, and
+    described in messages (nothing of the parameters kept)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.float32), tree)
 
 
 def _probe_inputs(x_probe) -> tuple[Any, int]:
@@ -250,7 +252,7 @@ class KernelTracker:
         self.kernels: list[np.ndarray] = []  # with keep_kernels
         self.initial_kernel: np.ndarray | None = None
         self._files, self._shape, self._dtype = [], None, None  # set by _track
-        self._params = None  # the last tracked params_like: (structure and shapes, text)
+        self._params = None  # the last tracked params_like's shapes (_layout)
 
     def is_due(self, step: int) -> bool:
         """Whether :meth:`update` computes the kernel at ``step``."""
@@ -279,12 +281,13 @@ class KernelTracker:
         try:
             record = due(step, params_like, kernel_kwargs)
         except (TypeError, ValueError) as e:  # other parameters than the last step's?
-            if self._params is not None and self._params[0] != _layout(params_like):
-                last = self.records[-1].step  # a note: the kernel function's error stays
-                note = f"{_UPDATE}: params_like at step {step} is {describe(params_like)}"
-                getattr(e, "add_note", id)(f"{note}, where step {last}'s was {self._params[1]}")
+            last, now = self._params, _layout(params_like)
+            if last is not None and jax.tree.flatten(last) != jax.tree.flatten(now):
+                note = f"{_UPDATE}: params_like at step {step} is {describe(params_like)}, "
+                note += f"where step {self.records[-1].step}'s was {describe(last)}"
+                getattr(e, "add_note", id)(note)  # the kernel function's error stays
             raise
-        self._params = _layout(params_like), describe(params_like)
+        self._params = _layout(params_like)
         return record
 
     def _estimate(self, step: int, params_like, kernel_kwargs) -> EstimateRecord:

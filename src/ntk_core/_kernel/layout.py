@@ -68,9 +68,12 @@ def axis_twice(fn_name: str, name: str, axes, where: str = "") -> ValueError:
     return bad(ValueError, fn_name, what, "list each axis once")
 
 
-def resolve_layout(fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, where: str):
-    """The axes normalised for one output leaf of ``shape``; ValueError for an axis out of
-    range, named twice, traced and diagonal, or the batch axis traced."""
+def resolve_layout(
+    fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, where: str, several=False
+):
+    """The axes normalised for one output leaf of ``shape`` (``where`` in messages; one of
+    ``several``); ValueError for an axis out of range, named twice, traced and diagonal, or
+    the batch axis traced."""
     ndim, shape = len(shape), tuple(shape)
     of = f"{where} of shape {shape}"
     found = []
@@ -94,7 +97,7 @@ def resolve_layout(fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, w
     if 0 in trace:  # e.g. the default trace_axes=(-1,) of an output (N,)
         what = f"trace_axes={tuple(trace_axes)!r} traces the batch axis 0 of {of}"
         fix = "leave axis 0 out (e.g. trace_axes=() for an output (N,)), or use diagonal_axes=(0,)"
-        if where.startswith("output leaf"):  # e.g. (logits, loss): extra outputs per sample
+        if several:  # e.g. (logits, loss): extra outputs per sample
             fix += "; or make the model return its outputs alone"
         raise bad(ValueError, fn_name, what, fix)
     return LeafLayout(ndim, trace, diag)

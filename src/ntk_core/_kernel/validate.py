@@ -123,19 +123,19 @@ def validate(spec: Spec, samples: dict, params, x1, x2, aux) -> Checked:
         out_leaves, out_tree = jax.tree.flatten(out)
     if not out_leaves:
         raise bad(ValueError, fn, f"the model returned no arrays ({out!r})", "return arrays (N, O)")
-    layouts = []
+    layouts, several = [], len(out_leaves) > 1
     for i, leaf in enumerate(out_leaves):
-        where = "the output" if len(out_leaves) == 1 else f"output leaf {i}"
+        where = f"output leaf {i}" if several else "the output"
         if not leaf.shape or leaf.shape[0] != n1:
             what = f"{where} has shape {leaf.shape} but x1 has {n1} samples ({describe(x1)})"
             fix = f"add a batch axis (x1[None]), or make {caller.model} return one row per sample"
-            if isinstance(out, tuple) and len(out_leaves) > 1:  # e.g. (logits, aux)
+            if isinstance(out, tuple) and several:  # e.g. (logits, aux)
                 fix = f"make {caller.model} return its outputs alone, one row per sample"
             raise bad(ValueError, fn, what, fix)
         if not jnp.issubdtype(leaf.dtype, jnp.floating):  # ints, complex numbers
             what = f"{where} has dtype {leaf.dtype}; expected real floating point"
             raise bad(TypeError, fn, what, "return real float outputs (e.g. logits)")
-        layout = resolve_layout(fn, opts.trace_axes, opts.diagonal_axes, leaf.shape, where)
+        layout = resolve_layout(fn, opts.trace_axes, opts.diagonal_axes, leaf.shape, where, several)
         if layout.batch_diagonal and x2 is not None and n2 != n1:
             what = f"diagonal_axes={opts.diagonal_axes!r} needs N1 == N2, got N1={n1} and N2={n2}"
             raise bad(ValueError, fn, what, "pass x2 with N1 samples, or x2=None")

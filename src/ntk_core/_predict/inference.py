@@ -26,7 +26,6 @@ from ntk_core._predict.linalg import (
     check_rows_finite,
     compute_dtype,
     finite_host_array,
-    host_scalar,
     is_real_dtype,
     matmul64,
     numerical_rank,
@@ -426,7 +425,7 @@ class GradientDescentMSE(_TestSide):
     def __init__(self, fn_name, k_train_train, y_train, learning_rate, opts):
         lay = self._set_y(fn_name, y_train, opts)
         fix, lr, name = "pass the step size, e.g. learning_rate=1.0", learning_rate, "k_train_train"
-        self._lr = check_real(fn_name, "learning_rate", host_scalar(lr), fix, open_low=True)
+        self._lr = check_real(fn_name, "learning_rate", lr, fix, open_low=True)
         ntk_name, k = _pick(fn_name, name, k_train_train, _NTK)
         # a float32 eigendecomposition lost 1e-3 at t = 1e5: always float64
         self._train = _Train(fn_name, ntk_name, k, lay, opts, eigh64=True)

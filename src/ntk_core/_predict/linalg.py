@@ -80,17 +80,8 @@ def compute_dtype(fn: str, dtype, kernel_dtype) -> np.dtype:
 def check_diag_reg(fn_name: str, diag_reg, absolute_scale) -> tuple[float, bool]:
     """``(diag_reg, diag_reg_absolute_scale)`` checked: a real number >= 0 and a bool."""
     fix = "pass e.g. diag_reg=1e-4 (or 0.0)"
-    diag_reg = check_real(fn_name, "diag_reg", host_scalar(diag_reg), fix)
+    diag_reg = check_real(fn_name, "diag_reg", diag_reg, fix)
     return diag_reg, check_bool(fn_name, "diag_reg_absolute_scale", absolute_scale)
-
-
-def host_scalar(value):
-    """A 0-d numpy or JAX array of numbers as a Python number (others unchanged), so that
-    ``np.float32(0.5)`` and ``jnp.float32(0.5)`` pass as numbers do."""
-    arr = isinstance(value, (np.ndarray, jax.Array)) and not isinstance(value, jax.core.Tracer)
-    if arr and value.shape == () and jax.numpy.issubdtype(value.dtype, jax.numpy.number):
-        return value.item()
-    return value
 
 
 def as_host_array(fn_name: str, name: str, x) -> np.ndarray:
