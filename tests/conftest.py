@@ -6,8 +6,10 @@ faster on CPU (measured: 80 reference-grid tests in 97 s instead of 143 s); it d
 change what is computed, and every test compares against tolerances or within one
 compiled program. XLA's older CPU fusion emitters (``--xla_cpu_use_fusion_emitters=false``,
 what the library's own features programs use on CPU) compile faster again (measured:
-tests/core/test_structured.py 65 s -> 38 s on 2 cores). Set before JAX is imported; an
-XLA_FLAGS already naming an option is left as it is. Tests compile many identical programs
+tests/core/test_structured.py 65 s -> 38 s on 2 cores). Set before JAX's backend
+starts (importing ntk_core, as the pytest plugin does, starts none; until 2026-12-06 it
+did, and a run without xdist compiled with XLA's defaults: test_structured.py alone
+118 s, now 69 s); an XLA_FLAGS already naming an option is left as it is. Tests compile many identical programs
 (the same models in many files, each through a new jit): each test process keeps JAX's
 persistent compilation cache in a folder of its own, removed at exit (measured: the
 structured and reference-grid files 194 s -> 148 s in one process). It is set in the

@@ -2,7 +2,7 @@
 
 Each entry is a pure ``forward(params, state, x)`` (``state``: what is held fixed and
 not differentiated, BatchNorm's running statistics), its parameters and state
-initialised here with ``jax.random``, and its inputs ``make_x(key, n)``;
+initialised here with numpy's generator (nothing to compile), and its inputs ``make_x(key, n)``;
 ``apply_fn(entry)`` is the plain ``apply_fn(params, x)`` the core takes.
 
 The entries are the Flax zoo of ``tests/zoo.py`` (used by ``tests/flax``) written out
@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 # -- layers, as Flax computes them ------------------------------------------------------
@@ -176,39 +177,38 @@ def dict_input(p, state, x):
 # -- initialisation ---------------------------------------------------------------------
 
 
-class _Keys:
-    """A fresh ``jax.random`` key at each call."""
+class _Draws:
+    """Standard normal (and uniform) float32 draws of one seed (numpy arrays)."""
 
-    def __init__(self, key):
-        self.key = key
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
 
-    def __call__(self):
-        self.key, key = jax.random.split(self.key)
-        return key
+    def __call__(self, shape):
+        return self.rng.standard_normal(shape, np.float32)
+
+    def uniform(self, shape, low, high):
+        return self.rng.uniform(low, high, shape).astype(np.float32)
 
 
 def _dense_init(keys, inputs, features):
     """DenseGeneral parameters from input axes ``inputs`` to output axes ``features``."""
-    kernel = jax.random.normal(keys(), (*inputs, *features)) / math.sqrt(math.prod(inputs))
-    return {"kernel": kernel, "bias": 0.1 * jax.random.normal(keys(), features)}
+    kernel = keys((*inputs, *features)) / math.sqrt(math.prod(inputs))
+    return {"kernel": kernel, "bias": 0.1 * keys(features)}
 
 
 def _conv_init(keys, window, c_in, c_out):
     fan_in = math.prod(window) * c_in
-    kernel = jax.random.normal(keys(), (*window, c_in, c_out)) / math.sqrt(fan_in)
-    return {"kernel": kernel, "bias": 0.1 * jax.random.normal(keys(), (c_out,))}
+    kernel = keys((*window, c_in, c_out)) / math.sqrt(fan_in)
+    return {"kernel": kernel, "bias": 0.1 * keys((c_out,))}
 
 
 def _norm_init(keys, features):
-    return {
-        "scale": 1.0 + 0.2 * jax.random.normal(keys(), (features,)),
-        "bias": 0.1 * jax.random.normal(keys(), (features,)),
-    }
+    return {"scale": 1.0 + 0.2 * keys((features,)), "bias": 0.1 * keys((features,))}
 
 
-def _init(name, key):
+def _init(name, seed):
     """``(params, state)`` of zoo entry ``name``, trees as Flax's ``model.init`` makes."""
-    keys = _Keys(key)
+    keys = _Draws(seed)
     if name == "mlp":
         return {
             "Dense_0": _dense_init(keys, (5,), (8,)),
@@ -231,7 +231,7 @@ def _init(name, key):
         attention = {n: _dense_init(keys, (8,), (2, 4)) for n in ("query", "key", "value")}
         attention["out"] = _dense_init(keys, (2, 4), (8,))
         params = {
-            "Embed_0": {"embedding": jax.random.normal(keys(), (11, 8))},
+            "Embed_0": {"embedding": keys((11, 8))},
             "MultiHeadDotProductAttention_0": attention,
             "LayerNorm_0": _norm_init(keys, 8),
             "Dense_0": _dense_init(keys, (8,), (3,)),
@@ -244,8 +244,8 @@ def _init(name, key):
             "Dense_0": _dense_init(keys, (4,), (4,)),
         }
         stats = {  # non-trivial running statistics
-            "mean": 0.5 * jax.random.normal(keys(), (4,)),
-            "var": jax.random.uniform(keys(), (4,), minval=0.5, maxval=2.0),
+            "mean": 0.5 * keys((4,)),
+            "var": keys.uniform((4,), 0.5, 2.0),
         }
         return params, {"BatchNorm_0": stats}
     if name == "tied":
@@ -300,8 +300,7 @@ def _build() -> dict[str, Entry]:
     ]
     zoo = {}
     for i, (name, forward, make_x) in enumerate(entries):
-        # One compiled initialisation per model (not one per parameter shape).
-        params, state = jax.jit(functools.partial(_init, name))(jax.random.PRNGKey(100 + i))
+        params, state = jax.tree.map(jnp.asarray, _init(name, 100 + i))
         zoo[name] = Entry(name, forward, make_x, params, state)
     return zoo
 

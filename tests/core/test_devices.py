@@ -1,6 +1,7 @@
 """Issue 19: the blocked engine spreads its tiles over several devices (``devices=``,
 default all local devices). Run in a subprocess with four CPU devices
-(``--xla_force_host_platform_device_count=4``); every kernel equals the one-device
+(``--xla_force_host_platform_device_count=4``, set after ``import ntk_core``, which
+must not start JAX's backend); every kernel equals the one-device
 kernel bit for bit, for every implementation and axes setting, x2 given or not, with
 the features of every block in memory or in bands (a tight memory_budget), and written
 to a file; the features really ran on all four devices."""
@@ -20,9 +21,9 @@ import ntk_core
 _CHILD = textwrap.dedent(
     """
     import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import ntk_core  # starts no JAX backend: XLA_FLAGS set after importing it still apply
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     import jax, jax.numpy as jnp, numpy as np
-    import ntk_core
 
     assert len(jax.devices()) == 4, jax.devices()
     f = lambda p, x: jnp.tanh(x @ p["w"] + p["b"]) @ p["v"]
@@ -99,7 +100,7 @@ _CHILD = textwrap.dedent(
 
 
 def test_tiles_on_four_devices_equal_one_device(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)
     run = subprocess.run(
         [sys.executable, "-c", _CHILD, str(tmp_path)],
         capture_output=True,

@@ -22,12 +22,12 @@ _CHILD = textwrap.dedent(
     """
     import sys
     import jax, jax.numpy as jnp, numpy as np
+    import ntk_core  # before initialize(): importing it starts no JAX backend
     index, count, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     if count > 1:
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
                                    num_processes=count, process_id=index,
                                    initialization_timeout=120)
-    import ntk_core
     ntk_core._blocked.store.COMMIT_SECONDS = 0.0  # tiles listed as they are written
     x = jax.random.normal(jax.random.PRNGKey(2), (120, 5))
     p = {"w": jax.random.normal(jax.random.PRNGKey(0), (5, 64)),
@@ -61,7 +61,7 @@ def _port() -> int:
 
 
 def _start(path, count, port, what="kernel"):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)
     return [
         subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(i), str(count), str(port), str(path), what],
@@ -181,7 +181,7 @@ def test_a_run_whose_peer_died_ends_with_an_error_naming_it(tmp_path):
     """Issue 28: process 1 of 2 stops; process 0 ends with a ValueError naming it within
     PEER_SECONDS (3 s here) of reaching a barrier, where a collective barrier waited for
     JAX's heartbeat timeout (100 s) and then aborted the process."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)
     port, path, start = str(_port()), str(tmp_path / "k.npy"), time.monotonic()
     survivor, peer = (
         subprocess.Popen(

@@ -58,15 +58,18 @@ def tuned(options: dict) -> dict:
 
 def jit_tuned(fn: Callable, options: dict = CPU_OPTIONS, **jit_kwargs) -> Callable:
     """``jax.jit(fn, **jit_kwargs)``, compiled with ``options`` (XLA's) on CPU when called
-    outside a trace."""
+    outside a trace. The backend is asked at each call, never here: these are built when
+    ``ntk_core`` is imported, and asking would start JAX's backend then (XLA_FLAGS, the
+    platform and ``jax.distributed.initialize`` set after the import would be ignored)."""
     plain = jax.jit(fn, **jit_kwargs)
-    if not _tunable():  # decided per call below: built inside a trace, later called outside
+    if not _JIT_TAKES_OPTIONS:
         return plain
     tuned_jit = jax.jit(fn, compiler_options=options, **jit_kwargs)
 
     def call(*args, **kwargs):
         traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(args))
-        return (plain if traced or not at_top_level() else tuned_jit)(*args, **kwargs)
+        plain_here = traced or not at_top_level() or not _tunable()
+        return (plain if plain_here else tuned_jit)(*args, **kwargs)
 
     return call
 
