@@ -109,6 +109,7 @@ import equinox as eqx
 import ntk_equinox
 
 eqx_drop = eqx.nn.Sequential([eqx.nn.Linear(3, 2, key=jax.random.PRNGKey(0)), eqx.nn.Dropout(0.5)])
+eqx_lin = eqx.nn.Linear(3, 2, key=jax.random.PRNGKey(0))
 """
 
 
@@ -904,6 +905,9 @@ def _rows():
         Row("sketch-key-float-pair", "a float pair of the right shape given as a JAX key",
             "ntk_core.ntk_sketch_fn(f, k=64, key=jnp.array([0.0, 1.0]))",
             TypeError, r"^ntk_sketch_fn: key must be one JAX PRNG key, got ArrayImpl of shape \(2,\), dtype float32"),
+        Row("equinox-linearize-other-model", "f_lin of ntk_equinox.linearize called with a model of another shape",
+            "ntk_equinox.linearize(eqx_lin)(eqx.nn.Linear(3, 4, key=jax.random.PRNGKey(1)), X)",
+            ValueError, r"^ntk_equinox.linearize: the model's structure or fixed fields differ from model0's\. Fix: pass model0 with new weights", ("equinox",)),
     ]  # fmt: skip
 
 

@@ -40,6 +40,7 @@ MODULES = [
     pytest.param("ntk_equinox._statistics", marks=frameworks.requires("equinox")),
     pytest.param("ntk_equinox._sketch", marks=frameworks.requires("equinox")),
     pytest.param("ntk_equinox._more", marks=frameworks.requires("equinox")),
+    pytest.param("ntk_equinox._linearize", marks=frameworks.requires("equinox")),
 ]
 
 

@@ -286,6 +286,16 @@ BAD = [
         ValueError,
         r"^ntk_equinox.kernel_fn\(...\)\(model, x1, x2\): .*differ from those",
     ),
+    (
+        lambda: ntk_equinox.linearize(MLP)(CNN(jax.random.PRNGKey(0)), X),
+        ValueError,
+        r"^ntk_equinox.linearize: the model's structure or fixed fields differ from model0's",
+    ),
+    (
+        lambda: ntk_equinox.taylor_expand(MLP, 1.5),
+        TypeError,
+        r"^ntk_equinox.taylor_expand: degree must be",
+    ),
 ]
 
 
@@ -395,3 +405,36 @@ def test_docstrings_and_public_seam():
             if node.value.id == "ntk_core":
                 assert not node.attr.startswith("_"), node.attr
     assert len(source.read_text().splitlines()) <= 150
+
+
+@pytest.mark.parametrize("degree", [1, 2])
+@pytest.mark.parametrize("name", ["mlp", "picky"])
+def test_linearize_and_taylor_expand_against_nested_jvps(name, degree):
+    """f_lin / f_taylor at model0 are the model's outputs; at moved weights they are
+    f + Df[δ] (+ ½ D²f[δ, δ]) by jax.jvp of the model itself; the integer field is held
+    at model0's."""
+    if name == "mlp":
+        model0, x = MODELS["mlp"][0](jax.random.PRNGKey(0)), jnp.ones((4, 4))
+    else:
+        model0, x = Picky(jnp.array([0, 2, 4])), jnp.ones((4, 5))
+    x = x * jax.random.normal(jax.random.PRNGKey(4), x.shape)
+    params0, rest = eqx.partition(model0, eqx.is_inexact_array)
+    keys = iter(jax.random.split(jax.random.PRNGKey(5), 16))
+    delta = jax.tree.map(lambda a: 0.3 * jax.random.normal(next(keys), a.shape), params0)
+    moved = eqx.combine(jax.tree.map(jnp.add, params0, delta), rest)
+    if name == "picky":  # another integer field: held at model0's
+        moved = eqx.tree_at(lambda m: m.index, moved, jnp.array([1, 1, 1]))
+    if degree == 1:
+        expand = ntk_equinox.linearize(model0)
+    else:
+        expand = ntk_equinox.taylor_expand(model0, degree)
+
+    def g(p):
+        return jax.vmap(eqx.combine(p, rest))(x)
+
+    y0, d1 = jax.jvp(g, (params0,), (delta,))
+    _, d2 = jax.jvp(lambda p: jax.jvp(g, (p,), (delta,))[1], (params0,), (delta,))
+    expected = y0 + d1 + (0.5 * d2 if degree == 2 else 0.0)
+    reference.assert_close(expand(model0, x), np.asarray(y0, np.float64))
+    reference.assert_close(expand(moved, x), np.asarray(expected, np.float64))
+    assert float(jnp.abs(d2).max()) > 1e-2 * float(jnp.abs(d1).max())  # not a linear model
