@@ -9,6 +9,7 @@ from ntk_equinox._kernel import pntk as pntk
 from ntk_equinox._kernel import pntk_fn as pntk_fn
 from ntk_equinox._linearize import linearize as linearize
 from ntk_equinox._linearize import taylor_expand as taylor_expand
+from ntk_equinox._monte_carlo import monte_carlo_kernels as monte_carlo_kernels
 from ntk_equinox._more import kernel_per_leaf as kernel_per_leaf
 from ntk_equinox._more import kernel_per_leaf_fn as kernel_per_leaf_fn
 from ntk_equinox._more import nngp_fn as nngp_fn
@@ -21,8 +22,9 @@ from ntk_equinox._statistics import ntk_trace as ntk_trace
 
 # fmt: off
 __all__ = (
-    "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "linearize", "nngp",
-    "nngp_fn", "ntk_effective_rank", "ntk_frobenius_sq", "ntk_kernel_alignment", "ntk_sketch",
-    "ntk_sketch_fn", "ntk_trace", "plan", "pntk", "pntk_fn", "taylor_expand",
+    "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "linearize",
+    "monte_carlo_kernels", "nngp", "nngp_fn", "ntk_effective_rank", "ntk_frobenius_sq",
+    "ntk_kernel_alignment", "ntk_sketch", "ntk_sketch_fn", "ntk_trace", "plan", "pntk",
+    "pntk_fn", "taylor_expand",
 )
 # fmt: on

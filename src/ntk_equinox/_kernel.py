@@ -57,9 +57,9 @@ def _split(fn_name: str, model, inputs: str) -> tuple:
     return params, arrays, _Apply(rest, (treedef, key), inputs)
 
 
-def _kernel_fn(fn, model, options: dict):
-    """The core's ``kernel(model, x1, x2=None)`` for models shaped like ``model``."""
-    name = f"{_PACKAGE}.{fn.__name__}"
+def _kernel_fn(fn, model, options: dict, name: str = ""):
+    """The core's ``kernel(model, x1, x2=None)`` for models like ``model``; errors name ``name``."""
+    name = name or f"{_PACKAGE}.{fn.__name__}"
     kind, built = entry_kind(fn)  # built: a *_fn, of (model, x1, x2)
     inputs = check_inputs(name, options.pop("inputs", "x"))
     apply = _split(name, model, inputs)[2]

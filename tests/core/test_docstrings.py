@@ -41,6 +41,7 @@ MODULES = [
     pytest.param("ntk_equinox._sketch", marks=frameworks.requires("equinox")),
     pytest.param("ntk_equinox._more", marks=frameworks.requires("equinox")),
     pytest.param("ntk_equinox._linearize", marks=frameworks.requires("equinox")),
+    pytest.param("ntk_equinox._monte_carlo", marks=frameworks.requires("equinox")),
 ]
 
 

@@ -292,6 +292,18 @@ BAD = [
         r"^ntk_equinox.linearize: the model's structure or fixed fields differ from model0's",
     ),
     (
+        lambda: ntk_equinox.monte_carlo_kernels(MLP, X, key=jax.random.PRNGKey(0), n_samples=2),
+        TypeError,
+        r"^ntk_equinox.monte_carlo_kernels: make_model must build the module from a key, got MLP",
+    ),
+    (
+        lambda: ntk_equinox.monte_carlo_kernels(
+            lambda k: (MLP, k), X, key=jax.random.PRNGKey(0), n_samples=2
+        ),
+        TypeError,
+        r"^ntk_equinox.monte_carlo_kernels: make_model\(key\) returned tuple, not an eqx.Module",
+    ),
+    (
         lambda: ntk_equinox.taylor_expand(MLP, 1.5),
         TypeError,
         r"^ntk_equinox.taylor_expand: degree must be",
@@ -438,3 +450,27 @@ def test_linearize_and_taylor_expand_against_nested_jvps(name, degree):
     reference.assert_close(expand(model0, x), np.asarray(y0, np.float64))
     reference.assert_close(expand(moved, x), np.asarray(expected, np.float64))
     assert float(jnp.abs(d2).max()) > 1e-2 * float(jnp.abs(d1).max())  # not a linear model
+
+
+def _make_mlp(key):
+    return eqx.nn.MLP(4, 3, 16, 1, activation=jnp.tanh, key=key)
+
+
+@pytest.mark.parametrize("batch_size_samples", [1, 2])
+@pytest.mark.parametrize("given", [False, True])
+def test_monte_carlo_kernels_are_the_mean_of_the_float64_references(given, batch_size_samples):
+    """Θ_MC and K_MC equal the float64 means of each initialisation's reference NTK and
+    NNGP (make_model(k_s), k_s = split(key, S)[s]), samples one by one or vmapped."""
+    _, x1, x2 = _setup("mlp")
+    x2 = x2 if given else None
+    key, n = jax.random.PRNGKey(7), 4
+    mc = ntk_equinox.monte_carlo_kernels(
+        _make_mlp, x1, x2, key=key, n_samples=n, batch_size_samples=batch_size_samples
+    )
+    ntks, nngps = [], []
+    for k in jax.random.split(key, n):
+        f, params = _apply(_make_mlp(k))
+        ntks.append(reference.ntk(f, params, x1, x2, (-1,))[0])
+        nngps.append(reference.nngp(f, params, x1, x1 if x2 is None else x2, (-1,))[0])
+    reference.assert_close(mc.ntk, np.mean(ntks, axis=0))
+    reference.assert_close(mc.nngp, np.mean(nngps, axis=0))

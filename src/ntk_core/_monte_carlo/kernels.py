@@ -66,9 +66,10 @@ def check_samples(caller: Caller, key, n_samples, batch_size_samples, options=No
     check_key(fn_name, key)
     if unknown := sorted(set(options) - set(_KERNEL_OPTIONS)):
         close = {u: misspelt(u, _KERNEL_OPTIONS + list(own)) for u in unknown}
-        guess = "".join(f" Did you mean {c!r} for {u!r}?" for u, c in close.items() if c)
-        what = f"unknown option(s) {', '.join(map(repr, unknown))}.{guess}"
-        fix = f"use {', '.join(own)} or the options of ntk_fn; model arguments go in apply_kwargs"
+        guess = "".join(f" (did you mean {c!r} for {u!r}?)" for u, c in close.items() if c)
+        what = f"unknown option(s) {', '.join(map(repr, unknown))}{guess}"
+        fix = f"use {', '.join(own)} or the options of ntk_fn"
+        fix += "; model arguments go in apply_kwargs" if "apply_kwargs" in own else ""
         raise bad(TypeError, fn_name, what, fix)
     if (batch_size := options.get("batch_size")) is not None and batch_size_samples > 1:
         make_options(fn_name, batch_size=batch_size)  # an invalid value first
