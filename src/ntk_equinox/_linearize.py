@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ntk_core.adapters import bad, check_degree, expansion
+import equinox as eqx
+import jax
+
+from ntk_core.adapters import bad, check_degree, expansion, one_line
 from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_equinox._kernel import _PACKAGE, _split
 from ntk_equinox._statistics import public
@@ -17,16 +20,36 @@ def _expanded(fn: Callable, degree: int, model0, inputs: str) -> Callable:
     degree, inputs = check_degree(name, degree), check_inputs(name, inputs)
     params0, arrays0, apply = _split(name, model0, inputs)
     point = dict(params_name="model", point_arg="model0", point_name="model0")
-    at = expansion(name, lambda p, x: apply(p, x, arrays0), params0, degree, **point)
+    # every array expanded: the core holds integer ones and refuses another value eagerly
+    whole = eqx.combine(params0, arrays0)
+    at = expansion(name, lambda w, x: apply(*_floats(w, x)), whole, degree, **point)
 
     def expanded(model, x):
-        params, _, other = _split(name, model, inputs)
+        params, arrays, other = _split(name, model, inputs)
         if other != apply:
             what = "the model's structure or fixed fields differ from model0's"
             raise bad(ValueError, name, what, "pass model0 with new weights (eqx.tree_at)")
-        return at(params, x)
+        try:
+            return at(eqx.combine(params, arrays), x)
+        except Exception as e:
+            try:  # the model itself on x?
+                jax.eval_shape(lambda: apply(params, x, arrays))
+            except Exception:
+                what = f"calling the model on x failed with {one_line(e)}"
+                raise bad(ValueError, name, what, _X_FIX) from e
+            raise
 
     return expanded
+
+
+def _floats(whole, x) -> tuple:
+    """``(floating arrays, x, other arrays)``: ``_Apply``'s arguments from a module's arrays."""
+    floats, others = eqx.partition(whole, eqx.is_inexact_array)
+    return floats, x, others
+
+
+_X_FIX = "x holds N1 samples on axis 0 (one sample: x[None]); a model of several arguments: "
+_X_FIX += "inputs='args' or 'kwargs'"
 
 
 @public
@@ -39,7 +62,8 @@ def linearize(model0, *, inputs: str = "x") -> Callable:
     ``inputs`` as :func:`ntk_equinox.kernel`. Returns: pure ``f_lin(model, x)``, ``model``
     shaped like ``model0`` and vmapped over x's N1 samples: the outputs, e.g. ``(N1, O)``.
     Raises: TypeError, ValueError: as :func:`ntk_equinox.kernel` for ``model0``; at call
-    time, a model of another structure, fixed fields, leaf shape or dtype than ``model0``.
+    time, a model of another structure, fixed fields, leaf shape or dtype than ``model0``,
+    another integer array outside jit (inside it ``model0``'s is used), a model failing on x.
     Cost: one ``jax.jvp`` over the P parameters per call (2-3 forward passes).
     Example:
       >>> import equinox as eqx, jax, jax.numpy as jnp, ntk_equinox

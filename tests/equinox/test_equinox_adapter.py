@@ -304,6 +304,11 @@ BAD = [
         r"^ntk_equinox.monte_carlo_kernels: make_model\(key\) returned tuple, not an eqx.Module",
     ),
     (
+        lambda: ntk_equinox.linearize(MLP)(MLP, jnp.ones((4, 5))),
+        ValueError,
+        r"^ntk_equinox.linearize: calling the model on x failed with TypeError: .* Fix: x holds",
+    ),
+    (
         lambda: ntk_equinox.taylor_expand(MLP, 1.5),
         TypeError,
         r"^ntk_equinox.taylor_expand: degree must be",
@@ -424,7 +429,7 @@ def test_docstrings_and_public_seam():
 def test_linearize_and_taylor_expand_against_nested_jvps(name, degree):
     """f_lin / f_taylor at model0 are the model's outputs; at moved weights they are
     f + Df[δ] (+ ½ D²f[δ, δ]) by jax.jvp of the model itself; the integer field is held
-    at model0's."""
+    at model0's (another value: refused outside jit, model0's inside)."""
     if name == "mlp":
         model0, x = MODELS["mlp"][0](jax.random.PRNGKey(0)), jnp.ones((4, 4))
     else:
@@ -434,8 +439,6 @@ def test_linearize_and_taylor_expand_against_nested_jvps(name, degree):
     keys = iter(jax.random.split(jax.random.PRNGKey(5), 16))
     delta = jax.tree.map(lambda a: 0.3 * jax.random.normal(next(keys), a.shape), params0)
     moved = eqx.combine(jax.tree.map(jnp.add, params0, delta), rest)
-    if name == "picky":  # another integer field: held at model0's
-        moved = eqx.tree_at(lambda m: m.index, moved, jnp.array([1, 1, 1]))
     if degree == 1:
         expand = ntk_equinox.linearize(model0)
     else:
@@ -450,6 +453,12 @@ def test_linearize_and_taylor_expand_against_nested_jvps(name, degree):
     reference.assert_close(expand(model0, x), np.asarray(y0, np.float64))
     reference.assert_close(expand(moved, x), np.asarray(expected, np.float64))
     assert float(jnp.abs(d2).max()) > 1e-2 * float(jnp.abs(d1).max())  # not a linear model
+    if name == "picky":  # another integer field
+        other = eqx.tree_at(lambda m: m.index, moved, jnp.array([1, 1, 1]))
+        with pytest.raises(ValueError, match=r"model.index, of dtype int32, has no derivative"):
+            expand(other, x)
+        jitted = eqx.filter_jit(expand)(other, x)  # its value is not known there: model0's
+        reference.assert_close(jitted, np.asarray(expected, np.float64))
 
 
 def _make_mlp(key):
