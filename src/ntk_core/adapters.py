@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 from ntk_core._analysis import matrix_free as _matrix_free
 from ntk_core._errors import bad as bad
-from ntk_core._errors import one_line as one_line
 from ntk_core._functional import sketch as _sketch
 from ntk_core._functional.linearize import _Point
 from ntk_core._functional.linearize import check_degree as check_degree
@@ -42,7 +41,7 @@ __all__ = (
     "build_kernel", "cached", "check_apply_kwargs", "check_degree", "check_inputs_option",
     "check_like", "check_monte_carlo", "checked_arguments", "checked_init", "entry_kind",
     "expansion", "input_shape_mismatch", "inputs_failure", "is_nnx_module", "matrix_free",
-    "monte_carlo_mean", "one_line", "register_cache", "sketch", "spread_inputs",
+    "monte_carlo_mean", "register_cache", "sketch", "spread_inputs",
 )  # fmt: skip
 
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import equinox as eqx
-import jax
 
-from ntk_core.adapters import bad, check_degree, expansion, one_line
+from ntk_core.adapters import bad, check_degree, expansion
 from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_equinox._kernel import _PACKAGE, _split
 from ntk_equinox._statistics import public
@@ -22,22 +21,16 @@ def _expanded(fn: Callable, degree: int, model0, inputs: str) -> Callable:
     point = dict(params_name="model", point_arg="model0", point_name="model0")
     # every array expanded: the core holds integer ones and refuses another value eagerly
     whole = eqx.combine(params0, arrays0)
-    at = expansion(name, lambda w, x: apply(*_floats(w, x)), whole, degree, **point)
+    at = expansion(
+        name, lambda w, x: apply(*_floats(w, x)), whole, degree, **point, inputs_fix=_X_FIX
+    )
 
     def expanded(model, x):
         params, arrays, other = _split(name, model, inputs)
         if other != apply:
             what = "the model's structure or fixed fields differ from model0's"
             raise bad(ValueError, name, what, "pass model0 with new weights (eqx.tree_at)")
-        try:
-            return at(eqx.combine(params, arrays), x)
-        except Exception as e:
-            try:  # the model itself on x?
-                jax.eval_shape(lambda: apply(params, x, arrays))
-            except Exception:
-                what = f"calling the model on x failed with {one_line(e)}"
-                raise bad(ValueError, name, what, _X_FIX) from e
-            raise
+        return at(eqx.combine(params, arrays), x)
 
     return expanded
 

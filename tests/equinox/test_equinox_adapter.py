@@ -306,7 +306,7 @@ BAD = [
     (
         lambda: ntk_equinox.linearize(MLP)(MLP, jnp.ones((4, 5))),
         ValueError,
-        r"^ntk_equinox.linearize: calling the model on x failed with TypeError: .* Fix: x holds",
+        r"^ntk_equinox.linearize: calling the model on its inputs failed with TypeError: .* Fix: x holds",
     ),
     (
         lambda: ntk_equinox.taylor_expand(MLP, 1.5),

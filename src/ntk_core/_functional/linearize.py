@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_core._errors import bad, check_int
+from ntk_core._errors import bad, check_int, one_line
 from ntk_core._kernel.checks import check_apply_fn
 
 
@@ -166,9 +166,11 @@ def expansion(
     params_name: str = "params",
     point_arg: str = "params0",
     point_name: str = "params0",
+    inputs_fix: str = "give x as the model takes it at the expansion point",
 ) -> Callable:
     """The degree-``degree`` expansion of ``apply_fn`` around ``params0``, a function
-    ``(params, *args, **kwargs)``; messages name ``fn_name``, ``params_name``, ``point_arg``."""
+    ``(params, *args, **kwargs)``; messages name ``fn_name``, ``params_name``, ``point_arg``;
+    a model that fails on the call's inputs is a ValueError with ``inputs_fix``."""
     point = _Point(fn_name, params0, point_arg, point_name)
 
     def expanded(params, *args, **kwargs):
@@ -177,7 +179,15 @@ def expansion(
             what = f"the second argument has the structure of {point.point}, {params_name} not"
             raise bad(ValueError, fn_name, what, f"call it as ({params_name}, x)")
         delta = point.tangent(params, params_name)
-        return _taylor_sum(_derivatives(apply_fn, args, kwargs, point.tree, delta, degree))
+        try:
+            return _taylor_sum(_derivatives(apply_fn, args, kwargs, point.tree, delta, degree))
+        except Exception as e:
+            try:  # the model itself on these inputs?
+                jax.eval_shape(lambda: apply_fn(point.tree, *args, **kwargs))
+            except Exception:
+                what = f"calling the model on its inputs failed with {one_line(e)}"
+                raise bad(ValueError, fn_name, what, inputs_fix) from e
+            raise
 
     return expanded
 
