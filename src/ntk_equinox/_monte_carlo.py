@@ -7,7 +7,6 @@ from collections.abc import Callable
 from inspect import signature
 
 import equinox as eqx
-import jax
 
 from ntk_core.adapters import adapter_caller, bad, check_monte_carlo, checked_init, monte_carlo_mean
 from ntk_core.adapters import check_inputs_option as check_inputs
@@ -44,8 +43,8 @@ def monte_carlo_kernels(
     ``(N1, N2)`` for ``(O,)`` outputs by default; with ``out``, memory maps of the files.
     Raises: TypeError: ``make_model`` not a function, or it returns no ``eqx.Module``;
     ValueError: ``make_model`` fails; as :func:`ntk_equinox.kernel` and
-    :func:`ntk_core.monte_carlo_kernels`. Cost: S + 1 calls of ``make_model`` (one eager,
-    the template), S NTKs and NNGPs (one compilation each).
+    :func:`ntk_core.monte_carlo_kernels`. Cost: S + 1 calls of ``make_model`` under one
+    compilation (``eqx.filter_jit``; the first gives the kernels' template), S NTKs and NNGPs.
     Example:
       >>> import equinox as eqx, jax, jax.numpy as jnp, ntk_equinox
       >>> make, x = lambda k: eqx.nn.MLP(2, 3, 16, 1, key=k), jnp.ones((4, 2))
@@ -61,15 +60,14 @@ def monte_carlo_kernels(
         raise bad(TypeError, fn, what, f"pass the function that builds it, {_BUILD}")
     check_monte_carlo(_CALLER, x1, x2, key, n_samples, batch_size_samples, options, _OWN)
     inputs = check_inputs(fn, inputs)
-    expected = "an eqx.Module built from the key"
-    template = checked_init(fn, make_model, "make_model(key)", expected, f"write it as {_BUILD}")(
-        key
-    )
+    expected, fix = "an eqx.Module built from the key", f"write it as {_BUILD}"
+    build = eqx.filter_jit(make_model)  # one compilation: the template and every sample
+    template = checked_init(fn, build, "make_model(key)", expected, fix)(key)
     if not isinstance(template, eqx.Module):
         what = f"make_model(key) returned {type(template).__name__}, not an eqx.Module"
         raise bad(TypeError, fn, what, "return the module from the function")
     rest = eqx.filter(template, eqx.is_array, inverse=True)
-    init = jax.jit(lambda k: eqx.filter(make_model(k), eqx.is_array))
+    init = lambda k: eqx.filter(build(k), eqx.is_array)  # noqa: E731
     init = checked_init(fn, init, "make_model(key)", expected)
 
     def kernels(kind, kind_options):  # of one initialisation's arrays; errors name fn

@@ -175,7 +175,6 @@ def public(fn: Callable) -> Callable:
     return checked_arguments(f"{_PACKAGE}.{fn.__name__}")(fn)
 
 
-#: The core's kind of kernel of each entry point ``<name>`` and ``<name>_fn``.
 def _kernel_of(fn: Callable, transformed, apply_kwargs, options: dict):
     """The kernel function of the entry point ``fn``: new for ``*_fn``, else cached."""
     kind, built = entry_kind(fn)
