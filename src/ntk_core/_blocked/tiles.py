@@ -20,6 +20,7 @@ from ntk_core._blocked.barrier import barrier
 from ntk_core._blocked.progress import NO_BAR, progress_bar
 from ntk_core._errors import NonFiniteError, bad
 from ntk_core._impl.registry import PHASES
+from ntk_core._jax.memory import bytes_limit
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel.layout import leaf_layouts, swap_perm
 from ntk_core._kernel.options import AUTO_BATCH_SIZE, DEFAULT_MEMORY_BUDGET
@@ -28,11 +29,8 @@ from ntk_core._units import human_bytes
 
 def default_memory_budget() -> int:
     """Half of the device allocator's byte limit where JAX reports one, else 1 GiB."""
-    try:
-        limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
-    except Exception:  # backends without memory statistics
-        limit = None
-    return int(limit) // 2 if limit else DEFAULT_MEMORY_BUDGET
+    limit = bytes_limit(jax.local_devices()[0])
+    return limit // 2 if limit else DEFAULT_MEMORY_BUDGET
 
 
 #: With x2=None, ``"auto"`` makes at least this many blocks of at least AUTO_MIN_BATCH samples
@@ -200,7 +198,8 @@ class Tiling:
     """How the blocked engine cuts a call: blocks of ``b1`` x ``b2`` samples, ``tiles``
     tiles, within ``budget`` bytes (``available`` of them for features and tiles), from
     F and W (:func:`auto_batch_size`); ``pair_kernels``: each kernel leaf's shape and dtype
-    for one pair; ``devices``: those computing tiles ((None,): the default one)."""
+    for one pair; ``devices``: those computing tiles ((None,): the default one);
+    ``out_bytes``: the whole result's."""
 
     b1: int
     b2: int
@@ -212,6 +211,7 @@ class Tiling:
     available: int = 0
     pair_kernels: tuple = ()
     devices: tuple = (None,)
+    out_bytes: int = 0  # the whole result's
 
     @property
     def smallest_bytes(self) -> int:
@@ -269,7 +269,7 @@ def tiling(implementation, config, options, params, x1, x2, aux) -> Tiling:
         local = tuple(jax.local_devices())
         devices = (None,) if options.store_on_device or len(local) == 1 else local
     sizes = (b1, b2, tiles, budget, _nbytes(f_one), pair_bytes, options.batch_size, available)
-    return Tiling(*sizes, pair_kernels, devices)
+    return Tiling(*sizes, pair_kernels, devices, out_bytes)
 
 
 def compute(implementation, config, cut: Tiling, options, fn: str, params, x1, x2, aux, store=None):

@@ -96,12 +96,14 @@ class Engine:
         checked, config = self.prepare(params, x1, x2, aux)
         implementation = self.implementation(config)
         if options.batch_size is None:
+            _planner.check_fits(spec, checked, config, self._analyses, params, x1, aux)
             result, finite = _executor.one_call(implementation, params, x1, x2, aux)
             _executor.check_finite_result(spec.fn_name, result, config, finite, x1, x2, params)
             return result
         _validate.check_untraced(spec, params, x1, x2)
         cut = _blocked.tiling(implementation, config, options, params, x1, x2, aux)
         _validate.check_budget(spec, cut)
+        _planner.check_result_fits(spec, cut)
         _validate.check_blocks_independent(spec, checked, cut, params, x1, x2, aux)
         store = None
         if options.out is not None:  # written to a .npy file, resumable (_store)

@@ -15,6 +15,7 @@ from ntk_core._errors import bad
 from ntk_core._impl import cost as _cost
 from ntk_core._impl.phases import triangle_blocks
 from ntk_core._impl.registry import AUTO, NNGP, PHASES, REGISTRY
+from ntk_core._jax import memory as _memory
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._kernel.options import AUTO_BATCH_SIZE
 from ntk_core._kernel.pipeline import Checked, Config, Kind, Spec
@@ -207,3 +208,61 @@ def describe(spec, checked, config, implementation, analyses, params, x1, x2, au
         tiling,
         config.whole_batch if REGISTRY[config.implementation].cotangent_chunks else None,
     )
+
+
+#: A kernel below this share of its device's memory is not estimated further (no plan).
+_SMALL_SHARE = 16
+_TO_FILE = "out='kernel.npy' (the kernel written to that file tile by tile, memory-mapped)"
+
+
+def _devices(tree) -> list:
+    """The devices of the first committed array of ``tree`` (else the default one)."""
+    for a in jax.tree.leaves(tree):
+        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.committed:
+            return sorted(a.sharding.device_set, key=lambda d: d.id)
+    return jax.local_devices()[:1]
+
+
+def check_fits(spec: Spec, checked: Checked, config: Config, analyses, params, x1, aux) -> None:
+    """Refuses a one-call kernel (``batch_size=None``) that cannot fit on its device: the
+    kernel alone, or (NTK) ``plan()``'s peak estimate (the kernel twice for a Gram matrix,
+    the features, the passes in flight), above :func:`_memory.capacity`."""
+    devices = _devices((x1, params))
+    have = _memory.capacity(devices)
+    leaves = len(config.param_sizes) if spec.kind is Kind.NTK_PER_LEAF else 1
+    pairs = checked.n1 if checked.layouts[0].batch_diagonal else checked.n1 * checked.n2
+    itemsize = max(np.dtype(s.dtype).itemsize for s in checked.shapes1)
+    kernel = pairs * sum(kernel_sizes(checked.shapes1, checked.layouts)) * itemsize * leaves
+    if have is None or kernel * _SMALL_SHARE < have:
+        return
+    need = kernel
+    if spec.kind is Kind.NTK:
+        found = estimates(spec, checked, analyses, params, x1, aux, config.whole_batch)
+        chosen = [e.memory_bytes for e in found if e.implementation == config.implementation]
+        need = max([kernel, *chosen])
+    if need <= have:
+        return
+    what = f"this call needs about {human_bytes(need)} at once (the kernel: {human_bytes(kernel)})"
+    fix = f"pass batch_size={AUTO_BATCH_SIZE!r} (tiles sized to memory, the same kernel)"
+    host = _memory.host_memory()
+    fix += f" with {_TO_FILE}" if host is not None and kernel > host else ""
+    where = "the host" if devices[0].platform == "cpu" else ", ".join(map(str, devices))
+    what += f", more than {where}'s {human_bytes(have)}"
+    raise bad(ValueError, spec.fn_name, what, fix, see="out-of-memory")
+
+
+def check_result_fits(spec: Spec, cut) -> None:
+    """Refuses a blocked call without ``out`` whose result (``cut.out_bytes``) exceeds the
+    memory holding it: the host's, or with ``store_on_device`` the device's."""
+    opts = spec.options
+    if opts.out is not None:
+        return
+    if opts.store_on_device:
+        device = cut.devices[0] or jax.local_devices()[0]
+        where = "the host's" if device.platform == "cpu" else f"{device}'s"
+        have, fix = _memory.capacity(device), f"pass {_TO_FILE} instead"
+    else:
+        have, where, fix = _memory.host_memory(), "the host's", f"pass {_TO_FILE}"
+    if have is not None and cut.out_bytes > have:
+        what = f"the kernel is {human_bytes(cut.out_bytes)}, more than {where} {human_bytes(have)}"
+        raise bad(ValueError, spec.fn_name, what, fix, see="out-of-memory")
