@@ -66,7 +66,8 @@ def ntk_fn(
       ValueError: a ``wrt`` selecting no parameter or naming one that does not exist;
         invalid option values, axes out of range, duplicated or both traced and
         diagonal; empty inputs, inconsistent batch sizes or per-sample shapes; the model
-        failing on x1; a non-finite kernel (the message names the tile, the entry, causes).
+        failing on x1; a non-finite kernel (the message names the tile, the entry, causes);
+        a call that cannot fit in memory (docs/errors.md#out-of-memory).
       NonFiniteError: NaN or Inf in x1 or x2 (naming the first such sample).
 
     Cost: ``"jacobian"``: (N1 + N2)·O reverse passes, memory (N1 + N2)·O·P, N1·N2·O'·P

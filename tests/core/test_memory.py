@@ -116,3 +116,15 @@ class _Accelerator:
 def test_accelerators_hold_the_sum_of_their_allocator_limits():
     assert _memory.capacity([_Accelerator(3 * 2**30), _Accelerator(5 * 2**30)]) == 8 * 2**30
     assert _memory.capacity([_Accelerator(3 * 2**30), _Accelerator(None)]) is None
+
+
+def test_sketch_features_over_capacity_are_refused_and_blocks_run(monkeypatch):
+    key = jax.random.PRNGKey(3)
+    whole = ntk_core.ntk_sketch_fn(_apply, k=256, key=key)
+    expected = np.asarray(whole(PARAMS, X))  # Φ (N, k) float32 fits
+    assert expected.shape == (N, 256)
+    _capacity(monkeypatch, N * 256 * 4 - 1)
+    with pytest.raises(ValueError, match=r"Φ of 300 samples x k=256 is .*batch_size='auto'"):
+        whole(PARAMS, X)
+    blocked = ntk_core.ntk_sketch_fn(_apply, k=256, key=key, batch_size=100)
+    np.testing.assert_allclose(blocked(PARAMS, X), expected, rtol=1e-5, atol=1e-6)

@@ -36,6 +36,7 @@ from ntk_core._blocked.tiles import auto_batch_size, default_memory_budget
 from ntk_core._errors import bad, check_int
 from ntk_core._functional.ntk_vp import _outputs, checked_inputs
 from ntk_core._jax import caches as _caches
+from ntk_core._jax import memory as _memory
 from ntk_core._jax.batches import map_in_batches
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel import probe as _probe
@@ -56,6 +57,7 @@ from ntk_core._kernel.options import (
 from ntk_core._predict.linalg import check_key
 from ntk_core._structured import analysis as _structured
 from ntk_core._structured.rules._base import count_sketch
+from ntk_core._units import human_bytes
 
 TENSOR, EXPLICIT = _structured.GRAM, _structured.EXPLICIT  # a group's two sketch forms
 _PARAMS_X = inspect.Signature(
@@ -335,6 +337,8 @@ class _Sketcher:
         run = _block_fn(self._apply3, plan, self.precision)
         if self.options is not None and self.options.out is not None:
             return self._to_file(run, plan, params, aux, x, n, block)
+        if self.batch_size is None:
+            self._check_fits(params, aux, x, n)
         if block == n:  # with a batch_size, host numpy as the blocked result is
             phi = run(params, aux, x, self.key)
             return phi if self.batch_size is None else np.asarray(phi)
@@ -347,16 +351,30 @@ class _Sketcher:
             return n
         if self.batch_size != AUTO_BATCH_SIZE:
             return min(self.batch_size, n)
-        args = (self._apply3, params, one_sample(x), aux)
         try:
-            out = per_sample_jaxpr(*args, precision=self.precision).out_avals[0]
-            layout = self._layout((n, *out.shape))
+            row_bytes = self._row_bytes(params, aux, x, n)
         except Exception:  # the plan of one block of all N raises it with the model's checks
             return n
-        kept = math.prod(d for a, d in enumerate(out.shape) if a + 1 not in layout.trace)
         to_file = self.options is not None and self.options.out is not None
-        row_bytes = kept * self.k * out.dtype.itemsize
         return auto_rows(n, row_bytes, default_memory_budget(), to_file)
+
+    def _row_bytes(self, params, aux, x, n: int) -> int:
+        """Bytes of one sample's Φ (its kept output axes times k)."""
+        args = (self._apply3, params, one_sample(x), aux)
+        out = per_sample_jaxpr(*args, precision=self.precision).out_avals[0]
+        layout = self._layout((n, *out.shape))
+        kept = math.prod(d for a, d in enumerate(out.shape) if a + 1 not in layout.trace)
+        return kept * self.k * out.dtype.itemsize
+
+    def _check_fits(self, params, aux, x, n: int) -> None:
+        """Refuses Φ of all N samples at once (``batch_size=None``) beyond the device's memory
+        (it would end in an out-of-memory kill or, on XLA CPU, a hang)."""
+        need, have = n * self._row_bytes(params, aux, x, n), _memory.capacity()
+        if have is not None and need > have:
+            what = f"Φ of {n} samples x k={self.k} is {human_bytes(need)}, more than the "
+            what += f"device's {human_bytes(have)}"
+            fix = f"pass batch_size={AUTO_BATCH_SIZE!r} with out='phi.npy', or a smaller k"
+            raise bad(ValueError, self._caller.name, what, fix, see="out-of-memory")
 
     def _blocks(self, run, params, aux, x, n: int, block: int, share):
         """``(start, stop, Φ)`` of each block of ``block`` samples (those ``(start, start)``
@@ -542,7 +560,8 @@ def ntk_sketch_fn(
         float32); several output arrays; interacting samples; axes out of range;
         non-finite params or x (NonFiniteError for x); ``out`` without ``batch_size``,
         an existing file without ``resume`` or ``overwrite``, a resume of another call's
-        file, a folder that cannot be written, too little disk space.
+        file, a folder that cannot be written, too little disk space; Φ beyond the
+        device's memory with ``batch_size=None`` (docs/errors.md#out-of-memory).
 
     Cost: the model's reverse passes, (N·O per use's cotangents) as the structured
     kernel's features, then per sample and use with A positions, C inputs, K units:
