@@ -34,7 +34,7 @@ class HostKernel:
         for start in range(0, self.n, rows):
             s = slice(start, min(self.n, start + rows))
             block = self.arr[s]
-            check_finite(self.fn_name, self.name, block, cls=ValueError, first=s.start)
+            check_finite(self.fn_name, self.name, block, first=s.start)
             flat_rows = slice(s.start * self.o, s.stop * self.o)
             yield flat_rows, flat_pairs(np.asarray(block, np.float64), self.o)
 
@@ -83,5 +83,5 @@ def eigenvalues_of(fn_name: str, kernel, eigenvalues) -> np.ndarray:
         what = f"eigenvalues must be a non-empty 1-D array of real numbers, got {got}"
         raise bad(ValueError, fn_name, what, "pass e.g. numpy.linalg.eigvalsh(k), or the kernel")
     w = w.astype(np.float64)
-    check_finite(fn_name, "eigenvalues", w, "recompute them", cls=ValueError, unit="index")
+    check_finite(fn_name, "eigenvalues", w, "recompute them", unit="index")
     return w

@@ -39,12 +39,12 @@ SAME_AXES = "compute it on the same inputs with the same trace_axes"
 SEE_ILL = "ill-conditioned-kernel"
 
 
-def check_finite(fn, name, arr, fix=NAN_KERNEL_FIX, *, cls=NonFiniteError, first=0, unit="sample"):
-    """Raises ``cls`` naming the first non-finite entry along axis 0 (plus ``first``)."""
+def check_finite(fn, name, arr, fix=NAN_KERNEL_FIX, *, first=0, unit="sample"):
+    """Raises NonFiniteError naming the first non-finite entry along axis 0 (plus ``first``)."""
     bad_entries = ~np.isfinite(arr)
     if bad_entries.any():
         at = first + (int(np.argwhere(bad_entries)[0][0]) if bad_entries.ndim else 0)
-        raise bad(cls, fn, f"{name} contains NaN or Inf (first at {unit} {at})", fix)
+        raise bad(NonFiniteError, fn, f"{name} contains NaN or Inf (first at {unit} {at})", fix)
 
 
 def check_symmetric(fn, name, asym: float, kmax: float, dtype) -> None:
@@ -120,7 +120,7 @@ def real_array(fn_name: str, name: str, y) -> np.ndarray:
     if not is_real_dtype(arr.dtype):
         got, fix = f"dtype {arr.dtype}", "encode them as numbers, e.g. one-hot or ±1"
         raise must(TypeError, fn_name, name, "real numbers", got, fix)
-    check_finite(fn_name, name, arr, MISSING_TARGETS, cls=ValueError)
+    check_finite(fn_name, name, arr, MISSING_TARGETS)
     return arr
 
 
