@@ -3,7 +3,7 @@
 # repository root on that machine, all steps or some of them (one call of the device tool
 # is limited to 10 minutes: split the steps over two calls there):
 #
-#     bash benchmarks/accelerator_checks.sh [doctor precision grid grid_conv first_call out_of_core]
+#     bash benchmarks/accelerator_checks.sh [doctor precision grid grid_conv first_call out_of_core memory]
 #
 # On a TPU v5e (2026-12-06) programs compile slowly (a LeNet kernel at "highest": 45 s):
 # run "doctor precision", "grid", "grid_conv", "first_call out_of_core" as four calls.
@@ -23,6 +23,8 @@
 #   first_call   first / warm call of the MLP, LeNet and ResNet-18 (first_call.py, ours);
 #   out_of_core  the 30 000 x 30 000 MLP kernel written to a file, the in-memory
 #                10 000 x 10 000 rate and a kill-and-resume (bench_out_of_core.py).
+#   memory       the out-of-memory guard: refusals past the device's capacity, peak
+#                memory and closed-form errors below it (accelerator_memory.py).
 # XLA_PYTHON_CLIENT_PREALLOCATE=false, so JAX's peak_bytes_in_use is the kernel's on a GPU.
 set -u
 OUT=${OUT:-accelerator_results}
@@ -44,7 +46,7 @@ step() {  # step NAME SECONDS COMMAND...
   echo "   rc=$rc in $((SECONDS - start)) s; tail:"
   tail -n 25 "$OUT/$name.log" | sed 's/^/   /'
 }
-for s in "${@:-doctor precision grid grid_conv first_call out_of_core}"; do for s in $s; do case $s in
+for s in "${@:-doctor precision grid grid_conv first_call out_of_core memory}"; do for s in $s; do case $s in
   doctor) step doctor 150 python -m ntk_cli.cli doctor ;;
   precision) step precision 400 python benchmarks/accelerator_precision.py --n 16 \
     --implementations jacobian structured ntvp --precisions highest --nngp \
@@ -58,6 +60,8 @@ for s in "${@:-doctor precision grid grid_conv first_call out_of_core}"; do for 
   out_of_core) step out_of_core 270 python benchmarks/bench_out_of_core.py --n 30000 \
     --n-memory 10000 --repeat 1 --folder "$OUT" --out "$OUT/out_of_core.json"
     rm -f "$OUT"/ntk_bench_*.npy "$OUT"/ntk_bench_*.manifest.json ;;
+  memory) step memory 300 python benchmarks/accelerator_memory.py --shares 1.02 0.6 0.9 0.97 \
+    --out "$OUT/memory.json" ;;
   *) echo "unknown step $s" ;;
 esac; done; done
 echo "== done; results in $OUT"

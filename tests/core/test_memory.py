@@ -58,7 +58,7 @@ def test_a_kernel_larger_than_this_machine_is_refused_before_it_runs():
         pytest.skip("the system does not report its memory")
     n = int((have / 4) ** 0.5) + 1000
     x = jnp.zeros((n, 3))
-    with pytest.raises(ValueError, match=r"empirical_ntk: this call needs about .* GiB") as e:
+    with pytest.raises(ValueError, match=r"empirical_ntk: the kernel needs .* GiB at once") as e:
         ntk_core.empirical_ntk(_apply, PARAMS, x)
     assert "batch_size='auto'" in str(e.value) and "out='kernel.npy'" in str(e.value)
     with pytest.raises(ValueError, match=r"empirical_ntk: the kernel is .*, more than the host"):
@@ -70,25 +70,26 @@ def test_one_call_over_capacity_is_refused(monkeypatch, kind):
     fn = {"ntk": ntk_core.ntk_fn, "nngp": ntk_core.nngp_fn, "per_leaf": ntk_core.ntk_per_leaf_fn}
     kernel_fn = fn[kind](_apply)
     _capacity(monkeypatch, KERNEL // 2, host=10 * KERNEL)
-    with pytest.raises(ValueError, match=r"needs about .*, more than the host's") as e:
-        kernel_fn(PARAMS, X)
-    fix = "Fix: pass batch_size='auto' (tiles sized to memory, the same kernel)."
+    with pytest.raises(
+        ValueError, match=r"the kernel needs .* at once.*, more than the host's"
+    ) as e:
+        kernel_fn(PARAMS, X, X[::-1])
+    fix = "Fix: pass batch_size='auto' (tiles, the same kernel)."
     assert str(e.value).endswith(f"{fix} See docs/errors.md#out-of-memory.")
 
 
-def test_the_estimate_refuses_what_the_kernel_alone_does_not(monkeypatch):
-    """A Gram matrix (x2=None) is held twice at its peak (kernel and its mirror): 1.5x the
-    kernel is too little, 4x is enough and the kernel is the reference's."""
-    f = ntk_core.ntk_fn(_apply, implementation="structured")
-    _capacity(monkeypatch, int(1.5 * KERNEL))
-    with pytest.raises(
-        ValueError,
-        match=rf"the kernel: {KERNEL} bytes\), more than the host's {KERNEL * 3 // 2} bytes",
-    ):
+def test_a_gram_matrix_is_held_twice_with_its_mirror(monkeypatch):
+    """x2=None: the kernel and its mirror (K + Kᵀ)/2 exist at once, so 1.5x the kernel is
+    too little; with x2 given, or at 2x, the call runs and gives the reference's kernel."""
+    f = ntk_core.ntk_fn(_apply)
+    _capacity(monkeypatch, KERNEL * 3 // 2)
+    expected = rf"the kernel needs {2 * KERNEL} bytes at once \({KERNEL} bytes, held twice"
+    with pytest.raises(ValueError, match=expected):
         f(PARAMS, X)
-    _capacity(monkeypatch, 4 * KERNEL)
-    expected = reference.ntk(_apply, PARAMS, X, None)[0]
-    reference.assert_close(f(PARAMS, X), expected)
+    x2 = X[::-1]
+    reference.assert_close(f(PARAMS, X, x2), reference.ntk(_apply, PARAMS, X, x2)[0])
+    _capacity(monkeypatch, 2 * KERNEL)
+    reference.assert_close(f(PARAMS, X), reference.ntk(_apply, PARAMS, X, None)[0])
 
 
 def test_blocked_result_over_host_memory_is_refused_and_out_runs(monkeypatch, tmp_path):
@@ -118,13 +119,28 @@ def test_accelerators_hold_the_sum_of_their_allocator_limits():
     assert _memory.capacity([_Accelerator(3 * 2**30), _Accelerator(None)]) is None
 
 
-def test_sketch_features_over_capacity_are_refused_and_blocks_run(monkeypatch):
+def test_sketch_features_over_capacity_are_refused_and_out_runs(monkeypatch, tmp_path):
     key = jax.random.PRNGKey(3)
     whole = ntk_core.ntk_sketch_fn(_apply, k=256, key=key)
     expected = np.asarray(whole(PARAMS, X))  # Φ (N, k) float32 fits
     assert expected.shape == (N, 256)
     _capacity(monkeypatch, N * 256 * 4 - 1)
-    with pytest.raises(ValueError, match=r"Φ of 300 samples x k=256 is .*batch_size='auto'"):
+    with pytest.raises(ValueError, match=r"Φ of 300 samples x k=256 is .*, more than the host's"):
         whole(PARAMS, X)
     blocked = ntk_core.ntk_sketch_fn(_apply, k=256, key=key, batch_size=100)
-    np.testing.assert_allclose(blocked(PARAMS, X), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"Fix: pass out='phi.npy' \(written block by block\)"):
+        blocked(PARAMS, X)
+    path = tmp_path / "phi.npy"
+    to_file = ntk_core.ntk_sketch_fn(_apply, k=256, key=key, batch_size=100, out=path)
+    np.testing.assert_allclose(to_file(PARAMS, X), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sketched_kernel_over_capacity_is_refused(monkeypatch):
+    """Φ (N, 16) fits, the (N, N) Θ̂ = Φ Φᵀ does not: the fix is the low-rank posterior."""
+    _capacity(monkeypatch, KERNEL - 1)
+    key = jax.random.PRNGKey(4)
+    with pytest.raises(ValueError, match=r"Θ̂ of 300 x 300 samples is .*low_rank_inference"):
+        ntk_core.empirical_ntk_sketch(_apply, PARAMS, X, k=16, key=key)
+    _capacity(monkeypatch, KERNEL)
+    sketch = ntk_core.empirical_ntk_sketch(_apply, PARAMS, X, k=16, key=key)
+    np.testing.assert_allclose(sketch.kernel, sketch.features1 @ sketch.features2.T, rtol=1e-6)

@@ -6,6 +6,7 @@ with resume, per-leaf kernels and ``plan()`` on a subset."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -122,3 +123,9 @@ def test_pseudo_ntk_of_a_subset():
     (full,) = _reference(f, entry.params, "Dense_1", x1, x2, trace_axes=())  # (N1, N2, O, O)
     got = ntk_core.empirical_pntk(f, entry.params, x1, x2, wrt="Dense_1")
     reference.assert_close(got, full.sum(axis=(2, 3)) / full.shape[2])
+
+
+def test_a_name_for_params_that_are_one_array_is_refused_with_a_fix():
+    f = lambda w, x: jnp.tanh(x @ w)  # noqa: E731
+    with pytest.raises(ValueError, match=r"wrt names 'w', which no .* Fix: pass params as a dict"):
+        ntk_core.empirical_ntk(f, jnp.ones((3, 2)), jnp.ones((4, 3)), wrt=["w"])

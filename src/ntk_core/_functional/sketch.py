@@ -321,6 +321,12 @@ class _Sketcher:
         phi1 = self._features(params, aux, x1)
         phi2 = phi1 if x2 is None else self._features(params, aux, x2)
         lib = np if isinstance(phi1, np.ndarray) else jnp
+        kept = math.prod(phi1.shape[1:-1])
+        need = phi1.shape[0] * phi2.shape[0] * kept**2 * phi1.dtype.itemsize
+        what = f"the sketched kernel Θ̂ of {phi1.shape[0]} x {phi2.shape[0]} samples is"
+        what += f" {human_bytes(need)}"
+        fix = "use the features Φ (ntk_sketch_fn) with ntk_core.predict.low_rank_inference"
+        _check_room(self._caller.name, need, what, fix, lib is np)
         if phi1.ndim == 2:
             return NTKSketch(phi1 @ phi2.T, phi1, phi2)
         kept = phi1.ndim - 2  # (N, *O, k): Θ̂[i, j, a, b, ...], each kept axis twice
@@ -337,8 +343,7 @@ class _Sketcher:
         run = _block_fn(self._apply3, plan, self.precision)
         if self.options is not None and self.options.out is not None:
             return self._to_file(run, plan, params, aux, x, n, block)
-        if self.batch_size is None:
-            self._check_fits(params, aux, x, n)
+        self._check_fits(params, aux, x, n)
         if block == n:  # with a batch_size, host numpy as the blocked result is
             phi = run(params, aux, x, self.key)
             return phi if self.batch_size is None else np.asarray(phi)
@@ -367,14 +372,15 @@ class _Sketcher:
         return kept * self.k * out.dtype.itemsize
 
     def _check_fits(self, params, aux, x, n: int) -> None:
-        """Refuses Φ of all N samples at once (``batch_size=None``) beyond the device's memory
-        (it would end in an out-of-memory kill or, on XLA CPU, a hang)."""
-        need, have = n * self._row_bytes(params, aux, x, n), _memory.capacity()
-        if have is not None and need > have:
-            what = f"Φ of {n} samples x k={self.k} is {human_bytes(need)}, more than the "
-            what += f"device's {human_bytes(have)}"
+        """Refuses Φ of all N samples beyond the memory holding it: the device's with
+        ``batch_size=None``, else the host's (it would end in an out-of-memory kill or, on
+        XLA CPU, a hang)."""
+        need = n * self._row_bytes(params, aux, x, n)
+        fix = "pass out='phi.npy' (written block by block), or a smaller k"
+        if self.batch_size is None:
             fix = f"pass batch_size={AUTO_BATCH_SIZE!r} with out='phi.npy', or a smaller k"
-            raise bad(ValueError, self._caller.name, what, fix, see="out-of-memory")
+        what = f"Φ of {n} samples x k={self.k} is {human_bytes(need)}"
+        _check_room(self._caller.name, need, what, fix, self.batch_size is not None)
 
     def _blocks(self, run, params, aux, x, n: int, block: int, share):
         """``(start, stop, Φ)`` of each block of ``block`` samples (those ``(start, start)``
@@ -413,6 +419,16 @@ class _Sketcher:
                 store.close()  # the blocks listed so far stay: resume=True continues
                 raise
         return store.result()
+
+
+def _check_room(fn: str, need: int, what: str, fix: str, on_host: bool) -> None:
+    """Refuses ``need`` bytes beyond the host's memory (``on_host``) or the device's."""
+    device = jax.local_devices()[0]
+    have = _memory.host_memory() if on_host else _memory.capacity(device)
+    if have is not None and need > have:
+        where = "the host's" if on_host or device.platform == "cpu" else f"{device}'s"
+        what += f", more than {where} {human_bytes(have)}"
+        raise bad(ValueError, fn, what, fix, see="out-of-memory")
 
 
 def _check_dtypes(fn: str, params, out) -> None:

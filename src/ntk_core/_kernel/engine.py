@@ -96,7 +96,7 @@ class Engine:
         checked, config = self.prepare(params, x1, x2, aux)
         implementation = self.implementation(config)
         if options.batch_size is None:
-            _planner.check_fits(spec, checked, config, self._analyses, params, x1, aux)
+            _planner.check_fits(spec, checked, config, params, x1)
             result, finite = _executor.one_call(implementation, params, x1, x2, aux)
             _executor.check_finite_result(spec.fn_name, result, config, finite, x1, x2, params)
             return result

@@ -210,8 +210,6 @@ def describe(spec, checked, config, implementation, analyses, params, x1, x2, au
     )
 
 
-#: A kernel below this share of its device's memory is not estimated further (no plan).
-_SMALL_SHARE = 16
 _TO_FILE = "out='kernel.npy' (the kernel written to that file tile by tile, memory-mapped)"
 
 
@@ -223,31 +221,28 @@ def _devices(tree) -> list:
     return jax.local_devices()[:1]
 
 
-def check_fits(spec: Spec, checked: Checked, config: Config, analyses, params, x1, aux) -> None:
-    """Refuses a one-call kernel (``batch_size=None``) that cannot fit on its device: the
-    kernel alone, or (NTK) ``plan()``'s peak estimate (the kernel twice for a Gram matrix,
-    the features, the passes in flight), above :func:`_memory.capacity`."""
+def check_fits(spec: Spec, checked: Checked, config: Config, params, x1) -> None:
+    """Refuses a one-call kernel (``batch_size=None``) that cannot fit on its device
+    (:func:`_memory.capacity`): the kernel, twice for a Gram matrix (x2=None: the kernel and
+    its mirror (K + Kᵀ)/2 are held at once). A lower bound: features, passes in flight and
+    XLA's temporaries come on top (``plan()`` estimates them)."""
     devices = _devices((x1, params))
     have = _memory.capacity(devices)
     leaves = len(config.param_sizes) if spec.kind is Kind.NTK_PER_LEAF else 1
-    pairs = checked.n1 if checked.layouts[0].batch_diagonal else checked.n1 * checked.n2
+    diagonal = checked.layouts[0].batch_diagonal
+    pairs = checked.n1 if diagonal else checked.n1 * checked.n2
     itemsize = max(np.dtype(s.dtype).itemsize for s in checked.shapes1)
     kernel = pairs * sum(kernel_sizes(checked.shapes1, checked.layouts)) * itemsize * leaves
-    if have is None or kernel * _SMALL_SHARE < have:
+    copies = 2 if checked.symmetric and not diagonal else 1
+    if have is None or kernel * copies <= have:
         return
-    need = kernel
-    if spec.kind is Kind.NTK:
-        found = estimates(spec, checked, analyses, params, x1, aux, config.whole_batch)
-        chosen = [e.memory_bytes for e in found if e.implementation == config.implementation]
-        need = max([kernel, *chosen])
-    if need <= have:
-        return
-    what = f"this call needs about {human_bytes(need)} at once (the kernel: {human_bytes(kernel)})"
-    fix = f"pass batch_size={AUTO_BATCH_SIZE!r} (tiles sized to memory, the same kernel)"
-    host = _memory.host_memory()
-    fix += f" with {_TO_FILE}" if host is not None and kernel > host else ""
+    what = f"the kernel needs {human_bytes(kernel * copies)} at once"
+    what += f" ({human_bytes(kernel)}, held twice with its mirror)" if copies == 2 else ""
     where = "the host" if devices[0].platform == "cpu" else ", ".join(map(str, devices))
     what += f", more than {where}'s {human_bytes(have)}"
+    fix = f"pass batch_size={AUTO_BATCH_SIZE!r} (tiles, the same kernel)"
+    host = _memory.host_memory()
+    fix += f" with {_TO_FILE}" if host is not None and kernel > host else ""
     raise bad(ValueError, spec.fn_name, what, fix, see="out-of-memory")
 
 

@@ -80,6 +80,8 @@ def _chosen(fn_name: str, wrt, paths: list) -> tuple[bool, ...]:
                 prefixes = sorted({joined(p[:i]) for p in paths for i in range(1, len(p) + 1)})
                 near, whole = misspelt(name, prefixes), joined(wrt)
                 fix = f"write {near!r}" if near else f"name one of {', '.join(prefixes[:6])}"
+                if not prefixes:  # params is one array: no names
+                    fix = "pass params as a dict of named arrays, or wrt=None for the one array"
                 if len(wrt) > 1 and any(_selects((whole,), p) for p in paths):
                     fix = f"write {whole!r}: a list or tuple is several names, a path one string"
                 raise bad(ValueError, fn_name, f"wrt names {name!r}, which no parameter has", fix)
