@@ -911,6 +911,12 @@ def _rows():
         Row("equinox-linearize-other-model", "f_lin of ntk_equinox.linearize called with a model of another shape",
             "ntk_equinox.linearize(eqx_lin)(eqx.nn.Linear(3, 4, key=jax.random.PRNGKey(1)), X)",
             ValueError, r"^ntk_equinox.linearize: the model's structure or fixed fields differ from model0's\. Fix: pass model0 with new weights", ("equinox",)),
+        Row("linearize-nan-point", "an expansion point holding NaN (a diverged training step)",
+            "ntk_core.linearize(f, W.at[0, 0].set(jnp.nan))",
+            NonFiniteError, r"^linearize: params0 contains NaN or Inf\. Fix: expand around finite parameters"),
+        Row("sketch-kernel-too-large", "the N1 x N2 sketched kernel of 1 000 000 samples (4 TB)",
+            "ntk_core.empirical_ntk_sketch(f, W, jnp.ones((1_000_000, 3)), k=8, key=jax.random.PRNGKey(0))",
+            ValueError, r"^empirical_ntk_sketch: the sketched kernel Θ̂ of 1000000 x 1000000 samples is .*Fix: use the features Φ"),
     ]  # fmt: skip
 
 

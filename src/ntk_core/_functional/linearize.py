@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_core._errors import bad, check_int, one_line
-from ntk_core._kernel.checks import check_apply_fn
+from ntk_core._errors import NonFiniteError, bad, check_int, one_line
+from ntk_core._kernel.checks import all_finite, check_apply_fn
 
 
 def check_degree(fn_name: str, degree) -> int:
@@ -63,6 +63,11 @@ class _Point:
             self.leaves.append(array)
         self.differentiable = [_differentiable(a.dtype) for a in self.leaves]
         self.tree = jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+        for path, leaf, diff in zip(self.paths, self.leaves, self.differentiable, strict=True):
+            if diff and all_finite(leaf) is False:  # every expansion would be NaN
+                what = f"{point_arg}{path} contains NaN or Inf"
+                fix = "expand around finite parameters (a NaN loss or gradient made these?)"
+                raise bad(NonFiniteError, fn_name, what, fix)
 
     def tangent(self, params, params_name: str):
         """δ = params − θ0 (``float0`` for leaves without a tangent), after checking params'
