@@ -12,6 +12,7 @@ import jax
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
+@functools.cache  # fixed for a device's life: not asked again on every kernel call
 def bytes_limit(device) -> int | None:
     """The allocator's ``bytes_limit`` of ``device`` where JAX reports one (GPUs, TPUs)."""
     try:
