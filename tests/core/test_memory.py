@@ -51,12 +51,13 @@ def test_host_memory_is_ram_or_cgroup_limit_plus_swap(monkeypatch):
 
 
 def test_a_kernel_larger_than_this_machine_is_refused_before_it_runs():
-    """The real capacity: N chosen so that the (N, N) float32 kernel alone exceeds it;
-    the inputs are a few MB and nothing of the kernel's size is allocated."""
-    have = _memory.capacity()
-    if have is None:
+    """The real capacities: N chosen so that the (N, N) float32 kernel alone exceeds the
+    device's and the host's; the inputs are a few MB and nothing of the kernel's size is
+    allocated."""
+    have = [_memory.capacity(), _memory.host_memory()]
+    if None in have:
         pytest.skip("the system does not report its memory")
-    n = int((have / 4) ** 0.5) + 1000
+    n = int((max(have) / 4) ** 0.5) + 1000
     x = jnp.zeros((n, 3))
     with pytest.raises(ValueError, match=r"empirical_ntk: the kernel needs .* GiB at once") as e:
         ntk_core.empirical_ntk(_apply, PARAMS, x)
