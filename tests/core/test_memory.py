@@ -59,7 +59,7 @@ def test_a_kernel_larger_than_this_machine_is_refused_before_it_runs():
         pytest.skip("the system does not report its memory")
     n = int((max(have) / 4) ** 0.5) + 1000
     x = jnp.zeros((n, 3))
-    with pytest.raises(ValueError, match=r"empirical_ntk: the kernel needs .* GiB at once") as e:
+    with pytest.raises(ValueError, match=r"empirical_ntk: this call holds .* GiB at once") as e:
         ntk_core.empirical_ntk(_apply, PARAMS, x)
     assert "batch_size='auto'" in str(e.value) and "out='kernel.npy'" in str(e.value)
     with pytest.raises(ValueError, match=r"empirical_ntk: the kernel is .*, more than the host"):
@@ -72,7 +72,7 @@ def test_one_call_over_capacity_is_refused(monkeypatch, kind):
     kernel_fn = fn[kind](_apply)
     _capacity(monkeypatch, KERNEL // 2, host=10 * KERNEL)
     with pytest.raises(
-        ValueError, match=r"the kernel needs .* at once.*, more than the host's"
+        ValueError, match=r"this call holds .* at once.*, more than the host's"
     ) as e:
         kernel_fn(PARAMS, X, X[::-1])
     fix = "Fix: pass batch_size='auto' (tiles, the same kernel)."
@@ -82,15 +82,27 @@ def test_one_call_over_capacity_is_refused(monkeypatch, kind):
 def test_a_gram_matrix_is_held_twice_with_its_mirror(monkeypatch):
     """x2=None: the kernel and its mirror (K + Kᵀ)/2 exist at once, so 1.5x the kernel is
     too little; with x2 given, or at 2x, the call runs and gives the reference's kernel."""
-    f = ntk_core.ntk_fn(_apply)
+    f = ntk_core.ntk_fn(_apply, implementation="structured")  # features of unknown size
     _capacity(monkeypatch, KERNEL * 3 // 2)
-    expected = rf"the kernel needs {2 * KERNEL} bytes at once \({KERNEL} bytes, held twice"
+    expected = rf"holds {2 * KERNEL} bytes at once \(the kernel {KERNEL} bytes twice \(with"
     with pytest.raises(ValueError, match=expected):
         f(PARAMS, X)
     x2 = X[::-1]
     reference.assert_close(f(PARAMS, X, x2), reference.ntk(_apply, PARAMS, X, x2)[0])
     _capacity(monkeypatch, 2 * KERNEL)
     reference.assert_close(f(PARAMS, X), reference.ntk(_apply, PARAMS, X, None)[0])
+
+
+def test_the_jacobian_contraction_also_holds_its_per_sample_jacobians(monkeypatch):
+    """implementation="jacobian" holds N·O·P per-sample Jacobians beside the kernel (P = 32,
+    O = 1 here); "structured", at the same capacity, runs and gives the reference's kernel."""
+    jacobians = N * 32 * 4
+    _capacity(monkeypatch, 2 * KERNEL + jacobians - 1)
+    match = rf"the kernel {KERNEL} bytes twice \(with its mirror\) and the features of its "
+    with pytest.raises(ValueError, match=match + rf"{N} samples {jacobians} bytes"):
+        ntk_core.empirical_ntk(_apply, PARAMS, X, implementation="jacobian")
+    k = ntk_core.empirical_ntk(_apply, PARAMS, X, implementation="structured")
+    reference.assert_close(k, reference.ntk(_apply, PARAMS, X, None)[0])
 
 
 def test_blocked_result_over_host_memory_is_refused_and_out_runs(monkeypatch, tmp_path):

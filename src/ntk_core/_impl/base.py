@@ -100,6 +100,7 @@ class Impl(NamedTuple):
     estimate: Callable | None = None  # estimate(cost.Call) -> (FLOPs, memory, seconds)
     analysis: StructureHooks | None = None  # runs on the structured analysis
     pair_terms: Callable = lambda config: 1  # kernel-sized temporaries per pair in a tile
+    feature_bytes: Callable | None = None  # (config) -> one sample's features, bytes
     # model_failure(spec, checked, params, x1, x2, aux) -> the model's error, or None
     model_failure: Callable | None = None
     failure_message: Callable | None = None  # (fn_name, error) -> refusal message

@@ -102,6 +102,13 @@ def pair_terms(config) -> int:
     return config.params_tree.num_leaves
 
 
+def feature_bytes(config) -> int:
+    """One sample's per-sample Jacobians: O·P values in the outputs' dtype."""
+    outputs = sum(math.prod(s.shape[1:]) for s in config.shapes1)
+    itemsize = max(np.dtype(s.dtype).itemsize for s in config.shapes1)
+    return outputs * sum(config.param_sizes) * itemsize
+
+
 JACOBIAN = Impl(
     estimate=_cost.jacobian_estimate,
     name="jacobian",
@@ -112,4 +119,5 @@ JACOBIAN = Impl(
     whole_batch_as="jacobian",
     cotangent_chunks=True,
     pair_terms=pair_terms,
+    feature_bytes=feature_bytes,
 )

@@ -224,8 +224,9 @@ def _devices(tree) -> list:
 def check_fits(spec: Spec, checked: Checked, config: Config, params, x1) -> None:
     """Refuses a one-call kernel (``batch_size=None``) that cannot fit on its device
     (:func:`_memory.capacity`): the kernel, twice for a Gram matrix (x2=None: the kernel and
-    its mirror (K + Kᵀ)/2 are held at once). A lower bound: features, passes in flight and
-    XLA's temporaries come on top (``plan()`` estimates them)."""
+    its mirror (K + Kᵀ)/2 are held at once), plus the features where the implementation
+    knows their size without a trace (``Impl.feature_bytes``: the per-sample Jacobians). A
+    lower bound: passes in flight and XLA's temporaries come on top (``plan()``)."""
     devices = _devices((x1, params))
     have = _memory.capacity(devices)
     leaves = len(config.param_sizes) if spec.kind is Kind.NTK_PER_LEAF else 1
@@ -234,15 +235,22 @@ def check_fits(spec: Spec, checked: Checked, config: Config, params, x1) -> None
     itemsize = max(np.dtype(s.dtype).itemsize for s in checked.shapes1)
     kernel = pairs * sum(kernel_sizes(checked.shapes1, checked.layouts)) * itemsize * leaves
     copies = 2 if checked.symmetric and not diagonal else 1
-    if have is None or kernel * copies <= have:
+    per_sample = PHASES[config.implementation].feature_bytes
+    n = checked.n1 + (0 if checked.symmetric else checked.n2)
+    features = 0 if per_sample is None else n * per_sample(config)
+    if have is None or kernel * copies + features <= have:
         return
-    what = f"the kernel needs {human_bytes(kernel * copies)} at once"
-    what += f" ({human_bytes(kernel)}, held twice with its mirror)" if copies == 2 else ""
+    parts = f"the kernel {human_bytes(kernel)}" + (
+        " twice (with its mirror)" if copies == 2 else ""
+    )
+    parts += f" and the features of its {n} samples {human_bytes(features)}" if features else ""
     where = "the host" if devices[0].platform == "cpu" else ", ".join(map(str, devices))
+    what = f"this call holds {human_bytes(kernel * copies + features)} at once ({parts})"
     what += f", more than {where}'s {human_bytes(have)}"
     fix = f"pass batch_size={AUTO_BATCH_SIZE!r} (tiles, the same kernel)"
     host = _memory.host_memory()
     fix += f" with {_TO_FILE}" if host is not None and kernel > host else ""
+    fix += f", or implementation={AUTO!r}" if features > kernel * copies else ""
     raise bad(ValueError, spec.fn_name, what, fix, see="out-of-memory")
 
 
