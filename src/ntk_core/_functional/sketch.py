@@ -321,8 +321,8 @@ class _Sketcher:
         phi1 = self._features(params, aux, x1)
         phi2 = phi1 if x2 is None else self._features(params, aux, x2)
         lib = np if isinstance(phi1, np.ndarray) else jnp
-        kept = math.prod(phi1.shape[1:-1])
-        need = phi1.shape[0] * phi2.shape[0] * kept**2 * phi1.dtype.itemsize
+        o_kept = math.prod(phi1.shape[1:-1])  # each kept output axis appears twice in Θ̂
+        need = phi1.shape[0] * phi2.shape[0] * o_kept**2 * phi1.dtype.itemsize
         what = f"the sketched kernel Θ̂ of {phi1.shape[0]} x {phi2.shape[0]} samples is"
         what += f" {human_bytes(need)}"
         fix = "use the features Φ (ntk_sketch_fn) with ntk_core.predict.low_rank_inference"
@@ -577,7 +577,8 @@ def ntk_sketch_fn(
         non-finite params or x (NonFiniteError for x); ``out`` without ``batch_size``,
         an existing file without ``resume`` or ``overwrite``, a resume of another call's
         file, a folder that cannot be written, too little disk space; Φ beyond the
-        device's memory with ``batch_size=None`` (docs/errors.md#out-of-memory).
+        memory holding it: the device's with ``batch_size=None``, else the host's without
+        ``out`` (docs/errors.md#out-of-memory).
 
     Cost: the model's reverse passes, (N·O per use's cotangents) as the structured
     kernel's features, then per sample and use with A positions, C inputs, K units:
@@ -625,7 +626,8 @@ def empirical_ntk_sketch(
     """The one-call form of :func:`ntk_sketch_fn` (definition, variance, errors, cost
     there): :class:`NTKSketch` ``(kernel, features1, features2)``, the estimate Θ̂(x1, x2)
     in :func:`ntk_fn`'s layout (``(N1, N2)``, or ``(N1, N2, O, O)`` with
-    ``trace_axes=()``) and the features Φ(x1), Φ(x2) it is the product of.
+    ``trace_axes=()``) and the features Φ(x1), Φ(x2) it is the product of. ValueError
+    also for a Θ̂ beyond the memory holding it (use Φ with ``low_rank_inference``).
 
     Example:
       >>> import jax, jax.numpy as jnp
