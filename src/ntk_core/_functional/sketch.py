@@ -323,10 +323,11 @@ class _Sketcher:
         lib = np if isinstance(phi1, np.ndarray) else jnp
         o_kept = math.prod(phi1.shape[1:-1])  # each kept output axis appears twice in Θ̂
         need = phi1.shape[0] * phi2.shape[0] * o_kept**2 * phi1.dtype.itemsize
-        what = f"the sketched kernel Θ̂ of {phi1.shape[0]} x {phi2.shape[0]} samples is"
-        what += f" {human_bytes(need)}"
-        fix = "use the features Φ (ntk_sketch_fn) with ntk_core.predict.low_rank_inference"
-        _check_room(self._caller.name, need, what, fix, lib is np)
+        if (over := _memory.beyond(need, on_host=lib is np)) is not None:
+            what = f"the sketched kernel Θ̂ of {phi1.shape[0]} x {phi2.shape[0]} samples is"
+            what += f" {human_bytes(need)}, {over}"
+            fix = "use the features Φ (ntk_sketch_fn) with ntk_core.predict.low_rank_inference"
+            raise bad(ValueError, self._caller.name, what, fix, see="out-of-memory")
         if phi1.ndim == 2:
             return NTKSketch(phi1 @ phi2.T, phi1, phi2)
         kept = phi1.ndim - 2  # (N, *O, k): Θ̂[i, j, a, b, ...], each kept axis twice
@@ -376,11 +377,13 @@ class _Sketcher:
         ``batch_size=None``, else the host's (it would end in an out-of-memory kill or, on
         XLA CPU, a hang)."""
         need = n * self._row_bytes(params, aux, x, n)
+        if (over := _memory.beyond(need, on_host=self.batch_size is not None)) is None:
+            return
         fix = "pass out='phi.npy' (written block by block), or a smaller k"
         if self.batch_size is None:
             fix = f"pass batch_size={AUTO_BATCH_SIZE!r} with out='phi.npy', or a smaller k"
-        what = f"Φ of {n} samples x k={self.k} is {human_bytes(need)}"
-        _check_room(self._caller.name, need, what, fix, self.batch_size is not None)
+        what = f"Φ of {n} samples x k={self.k} is {human_bytes(need)}, {over}"
+        raise bad(ValueError, self._caller.name, what, fix, see="out-of-memory")
 
     def _blocks(self, run, params, aux, x, n: int, block: int, share):
         """``(start, stop, Φ)`` of each block of ``block`` samples (those ``(start, start)``
@@ -419,16 +422,6 @@ class _Sketcher:
                 store.close()  # the blocks listed so far stay: resume=True continues
                 raise
         return store.result()
-
-
-def _check_room(fn: str, need: int, what: str, fix: str, on_host: bool) -> None:
-    """Refuses ``need`` bytes beyond the host's memory (``on_host``) or the device's."""
-    device = jax.local_devices()[0]
-    have = _memory.host_memory() if on_host else _memory.capacity(device)
-    if have is not None and need > have:
-        where = "the host's" if on_host or device.platform == "cpu" else f"{device}'s"
-        what += f", more than {where} {human_bytes(have)}"
-        raise bad(ValueError, fn, what, fix, see="out-of-memory")
 
 
 def _check_dtypes(fn: str, params, out) -> None:

@@ -9,6 +9,8 @@ import sys
 
 import jax
 
+from ntk_core._units import human_bytes
+
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
@@ -54,3 +56,15 @@ def capacity(devices=None) -> int | None:
         return host_memory()
     limits = [bytes_limit(d) for d in devices]
     return None if None in limits else sum(limits)
+
+
+def beyond(need: int, devices=None, on_host=False) -> str | None:
+    """``"more than {where}'s {capacity}"`` when ``need`` bytes exceed the host's memory
+    (``on_host``) or the :func:`capacity` of ``devices`` (a list; None: the default
+    device), else None (also where the capacity is unknown)."""
+    devices = devices or jax.local_devices()[:1]
+    have = host_memory() if on_host else capacity(devices)
+    if have is None or need <= have:
+        return None
+    where = "the host" if on_host or devices[0].platform == "cpu" else ", ".join(map(str, devices))
+    return f"more than {where}'s {human_bytes(have)}"

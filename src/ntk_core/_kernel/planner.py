@@ -228,7 +228,6 @@ def check_fits(spec: Spec, checked: Checked, config: Config, params, x1) -> None
     knows their size without a trace (``Impl.feature_bytes``: the per-sample Jacobians). A
     lower bound: passes in flight and XLA's temporaries come on top (``plan()``)."""
     devices = _devices((x1, params))
-    have = _memory.capacity(devices)
     leaves = len(config.param_sizes) if spec.kind is Kind.NTK_PER_LEAF else 1
     diagonal = checked.layouts[0].batch_diagonal
     pairs = checked.n1 if diagonal else checked.n1 * checked.n2
@@ -238,15 +237,12 @@ def check_fits(spec: Spec, checked: Checked, config: Config, params, x1) -> None
     per_sample = PHASES[config.implementation].feature_bytes
     n = checked.n1 + (0 if checked.symmetric else checked.n2)
     features = 0 if per_sample is None else n * per_sample(config)
-    if have is None or kernel * copies + features <= have:
+    need = kernel * copies + features
+    if (over := _memory.beyond(need, devices)) is None:
         return
-    parts = f"the kernel {human_bytes(kernel)}" + (
-        " twice (with its mirror)" if copies == 2 else ""
-    )
+    parts = f"the kernel {human_bytes(kernel)}" + (" twice (with its mirror)" * (copies == 2))
     parts += f" and the features of its {n} samples {human_bytes(features)}" if features else ""
-    where = "the host" if devices[0].platform == "cpu" else ", ".join(map(str, devices))
-    what = f"this call holds {human_bytes(kernel * copies + features)} at once ({parts})"
-    what += f", more than {where}'s {human_bytes(have)}"
+    what = f"this call holds {human_bytes(need)} at once ({parts}), {over}"
     fix = f"pass batch_size={AUTO_BATCH_SIZE!r} (tiles, the same kernel)"
     host = _memory.host_memory()
     fix += f" with {_TO_FILE}" if host is not None and kernel > host else ""
@@ -258,14 +254,10 @@ def check_result_fits(spec: Spec, cut) -> None:
     """Refuses a blocked call without ``out`` whose result (``cut.out_bytes``) exceeds the
     memory holding it: the host's, or with ``store_on_device`` the device's."""
     opts = spec.options
-    if opts.out is not None:
+    devices = [d for d in cut.devices[:1] if d is not None]
+    on_host = not opts.store_on_device
+    if opts.out is not None or (over := _memory.beyond(cut.out_bytes, devices, on_host)) is None:
         return
-    if opts.store_on_device:
-        device = cut.devices[0] or jax.local_devices()[0]
-        where = "the host's" if device.platform == "cpu" else f"{device}'s"
-        have, fix = _memory.capacity(device), f"pass {_TO_FILE} instead"
-    else:
-        have, where, fix = _memory.host_memory(), "the host's", f"pass {_TO_FILE}"
-    if have is not None and cut.out_bytes > have:
-        what = f"the kernel is {human_bytes(cut.out_bytes)}, more than {where} {human_bytes(have)}"
-        raise bad(ValueError, spec.fn_name, what, fix, see="out-of-memory")
+    what = f"the kernel is {human_bytes(cut.out_bytes)}, {over}"
+    fix = f"pass {_TO_FILE}" + ("" if on_host else " instead")
+    raise bad(ValueError, spec.fn_name, what, fix, see="out-of-memory")
