@@ -151,6 +151,41 @@ def test_symmetric_gram_in_triangular_blocks(monkeypatch, axes):
     assert counted == [4]  # the path above really was the triangular one
 
 
+def test_large_contractions_run_over_blocks_of_x1s_samples(monkeypatch):
+    """A contraction whose kernel-sized temporaries pass CONTRACT_TEMP_BYTES runs over
+    blocks of x1's samples (x2 given, or a Gram matrix not cut into triangles): equal to
+    the float64 reference, and the compiled tile's temporaries shrink with the blocks."""
+    from ntk_core._impl import phases as _implementations
+
+    monkeypatch.setattr(_implementations, "TRIANGLE_MIN_BLOCK", 9)
+    counted = []
+    real = _implementations._in_row_blocks
+    monkeypatch.setattr(
+        _implementations, "_in_row_blocks", lambda *a: counted.append(a[3]) or real(*a)
+    )
+    for limit in (0, 2**40):  # blocks of at least 9 samples; then in one piece
+        monkeypatch.setattr(_implementations, "CONTRACT_TEMP_BYTES", limit)
+        for implementation, axes, x2 in [
+            ("structured", "full", X2),
+            ("jacobian", "trace", X2),
+            ("structured", "trace", None),
+        ]:
+            ntk_core.clear_caches()
+            fn = ntk_core.ntk_fn(F, implementation=implementation, **AXES[axes])
+            k = fn(PARAMS, X1, x2)
+            reference.assert_close(k, reference.ntk(F, PARAMS, X1, x2, **AXES[axes])[0])
+    assert counted == [N1 // 9] * 3  # x1's 37 samples in 4 blocks, then none
+
+    def temporaries(limit):
+        monkeypatch.setattr(_implementations, "CONTRACT_TEMP_BYTES", limit)
+        ntk_core.clear_caches()
+        fn = jax.jit(ntk_core.ntk_fn(F, implementation="structured", trace_axes=()))
+        return fn.lower(PARAMS, X1, X2).compile().memory_analysis().temp_size_in_bytes
+
+    kernel_bytes = N1 * N2 * 3 * 3 * 4
+    assert temporaries(0) < temporaries(2**40) - kernel_bytes
+
+
 def test_blocked_matches_float64_reference():
     k = _kernel("ntk", "structured", "full", B)(PARAMS, X1, X2)
     reference.assert_close(k, reference.ntk(F, PARAMS, X1, X2, trace_axes=())[0])

@@ -15,6 +15,7 @@ from jax import lax
 from ntk_core._blocked import tiles as _blocked
 from ntk_core._impl.base import jit_tuned
 from ntk_core._impl.registry import PHASES
+from ntk_core._kernel.kind import Kind
 from ntk_core._kernel.pipeline import Config, Implementation
 
 
@@ -41,8 +42,11 @@ def _tile(params, fa, fb, aux, xa, xb, *, apply3, config: Config, same: bool):
     else:
         contract = impl.contract
         k = _triangle_blocks(fa, config) if same else 1
+        rows = 1 if k > 1 else _row_blocks(fa, fa if same else fb, config)
         if k > 1:
             kernel = _triangular(contract, fa, k, config)
+        elif rows > 1:
+            kernel = _in_row_blocks(contract, fa, fa if same else fb, rows, config)
         else:
             kernel = contract(fa, None if same else fb, config=config)
     return _blocked.finish_tile(kernel)
@@ -67,6 +71,62 @@ TRIANGLE_MAX_FEATURE_BYTES = 2**28
 #: MLP 784-1000-1, N = 1000 (1.1e10): first call 0.40 -> 0.28 s, warm 0.041 -> 0.047 s;
 #: LeNet, N = 500: first 1.8 -> 1.55 s, warm unchanged (its features dominate).
 TRIANGLE_MIN_PAIR_BYTES = 2e10
+
+
+#: Bytes of a tile's kernel-sized temporaries (the contraction's terms, as many as the
+#: kernel per term: ``Impl.pair_terms``) above which it is contracted over blocks of x1's
+#: samples, at least TRIANGLE_MIN_BLOCK each. MLP 10-256-256-10, 1000 x 1000 samples,
+#: ``trace_axes=()``: 1 165 MiB of temporaries for a 381 MiB kernel in one piece.
+CONTRACT_TEMP_BYTES = 2**28
+
+
+def temp_bytes(config: Config, n1: int, n2: int) -> int:
+    """Bytes of the kernel-sized temporaries of an N1 x N2 contraction in one piece."""
+    terms = PHASES[config.implementation].pair_terms(config)
+    per_pair = sum(
+        layout.values_per_pair(s.shape) * np.dtype(s.dtype).itemsize
+        for layout, s in zip(config.layouts, config.shapes1, strict=True)
+    )
+    if config.kind is Kind.NTK_PER_LEAF:
+        per_pair *= config.params_tree.num_leaves
+    return n1 * n2 * per_pair * (terms or 1)
+
+
+def row_blocks(n1: int, temporaries: float) -> int:
+    """Blocks of x1's samples that keep ``temporaries`` near :data:`CONTRACT_TEMP_BYTES`."""
+    if temporaries <= CONTRACT_TEMP_BYTES:
+        return 1
+    blocks = math.ceil(temporaries / max(CONTRACT_TEMP_BYTES, 1))
+    return max(1, min(n1 // TRIANGLE_MIN_BLOCK, blocks))
+
+
+def _row_blocks(fa, fb, config: Config) -> int:
+    if config.layouts[0].batch_diagonal:
+        return 1
+    n1, n2 = (jax.tree.leaves(f)[0].shape[0] for f in (fa, fb))
+    return row_blocks(n1, temp_bytes(config, n1, n2))
+
+
+def _in_row_blocks(contract, fa, fb, k: int, config: Config):
+    """Θ(xa, xb) in k blocks of xa's samples, one ``fori_loop`` writing each block's rows
+    (its temporaries are a k-th of the whole contraction's); the last block overlaps."""
+    n = jax.tree.leaves(fa)[0].shape[0]
+    size = -(-n // k)
+    starts = jnp.asarray(np.minimum(np.arange(k) * size, n - size), dtype=jnp.int32)
+
+    def rows(start):
+        part = jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, start, size, axis=0), fa)
+        return contract(part, fb, config=config)
+
+    leaves_shape, treedef = jax.tree.flatten(jax.eval_shape(rows, starts[0]))
+    out = [jnp.zeros((n,) + s.shape[1:], s.dtype) for s in leaves_shape]
+
+    def body(i, out):
+        block = jax.tree.leaves(rows(starts[i]))
+        pairs = zip(out, block, strict=True)
+        return [lax.dynamic_update_slice_in_dim(a, b, starts[i], 0) for a, b in pairs]
+
+    return jax.tree.unflatten(treedef, lax.fori_loop(0, k, body, out))
 
 
 def _triangle_blocks(features, config: Config) -> int:
