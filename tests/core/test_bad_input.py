@@ -917,6 +917,9 @@ def _rows():
         Row("sketch-kernel-too-large", "the N1 x N2 sketched kernel of 1 000 000 samples (4 TB)",
             "ntk_core.empirical_ntk_sketch(f, W, jnp.ones((1_000_000, 3)), k=8, key=jax.random.PRNGKey(0))",
             ValueError, r"^empirical_ntk_sketch: the sketched kernel Θ̂ of 1000000 x 1000000 samples is .*Fix: use the features Φ"),
+        Row("sketch-nan-features", "a model whose gradients are NaN at some samples (sqrt of a negative), sketched",
+            "ntk_core.ntk_sketch_fn(lambda w, x: jnp.sqrt(7.0 - x @ w), k=8, key=jax.random.PRNGKey(0), batch_size=2)(W, XS)",
+            NonFiniteError, r"^ntk_sketch_fn: the sketched features Φ came out NaN or Inf at x sample 2\. Fix: check the model"),
     ]  # fmt: skip
 
 

@@ -248,3 +248,18 @@ def test_parameter_subset():
     assert np.linalg.norm(est.mean(axis=0) - exact) / norm < 2 * single / np.sqrt(24)
     with pytest.raises(ValueError, match="^ntk_sketch_fn: wrt names 'u', which no parameter"):
         ntk_core.ntk_sketch_fn(fallback_mlp, k=8, key=KEYS[0], wrt="u")(PARAMS, X)
+
+
+def test_non_finite_features_are_refused_at_their_first_sample(tmp_path):
+    """Φ of a model whose gradient is NaN from sample 3 on (sqrt of a negative) raises
+    NonFiniteError naming sample 3, in one call, in blocks and written to a file; the
+    finite samples alone give finite features."""
+    w, x = jnp.ones((3, 2)), jnp.arange(1.0, 7.0)[:, None] * jnp.ones((6, 3))
+    model = lambda w, x: jnp.sqrt(10.0 - x @ w)  # noqa: E731  x @ w = 3, 6, 9, 12, ...
+    key = jax.random.PRNGKey(0)
+    for options in ({}, {"batch_size": 2}, {"batch_size": 2, "out": str(tmp_path / "p.npy")}):
+        sketch = ntk_core.ntk_sketch_fn(model, k=8, key=key, **options)
+        with pytest.raises(ntk_core.NonFiniteError, match="Φ came out NaN or Inf at x sample 3"):
+            sketch(w, x)
+        if "out" not in options:
+            assert np.isfinite(sketch(w, x[:3])).all()

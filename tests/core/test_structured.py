@@ -498,6 +498,22 @@ def test_per_leaf_refuses_ntvp():
         )
 
 
+
+@pytest.mark.parametrize("vmap_axes", [0, None])
+def test_a_custom_vjp_model_is_never_given_to_ntk_vector_products(vmap_axes):
+    """A jax.custom_vjp has no jvp, which NTK-vector products need; with vmap_axes=None
+    the jvp traces and only fails when lowered. "auto" avoids them (the kernel equals the
+    float64 reference) and an explicit "ntvp" is refused with the fix."""
+    p, x1 = _params((4, 5), (5,), (5, 3)), jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    x2 = x1[:3] + 1.0
+    for b in (None, x2):
+        k = ntk_core.empirical_ntk(custom_vjp_activation, p, x1, b, vmap_axes=vmap_axes)
+        reference.assert_close(k, reference.ntk(custom_vjp_activation, p, x1, b)[0])
+    with pytest.raises(ValueError, match=r"cannot run inside NTK-vector products.*custom_vjp"):
+        ntk_core.empirical_ntk(
+            custom_vjp_activation, p, x1, x2, vmap_axes=vmap_axes, implementation="ntvp"
+        )
+
 # -- convolutions, biases over positions, embedding lookups -------------------------------
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._blocked import store as _store
-from ntk_core._blocked.tiles import auto_batch_size, default_memory_budget
+from ntk_core._blocked.tiles import auto_batch_size, default_memory_budget, non_finite
 from ntk_core._errors import bad, check_int
 from ntk_core._functional.ntk_vp import _outputs, checked_inputs
 from ntk_core._jax import caches as _caches
@@ -346,7 +346,7 @@ class _Sketcher:
             return self._to_file(run, plan, params, aux, x, n, block)
         self._check_fits(params, aux, x, n)
         if block == n:  # with a batch_size, host numpy as the blocked result is
-            phi = run(params, aux, x, self.key)
+            phi = self._finite(run(params, aux, x, self.key), 0, params, x)
             return phi if self.batch_size is None else np.asarray(phi)
         blocks = self._blocks(run, params, aux, x, n, block, None)
         return np.concatenate([phi for _, _, phi in blocks])
@@ -396,7 +396,19 @@ class _Sketcher:
             if stop - start < block:  # the last block padded: one compiled shape
                 pad = block - (stop - start)
                 xb = jax.tree.map(lambda v, p=pad: jnp.concatenate([v, v[-1:].repeat(p, 0)]), xb)
-            yield start, stop, np.asarray(run(params, aux, xb, self.key))[: stop - start]
+            phi = np.asarray(run(params, aux, xb, self.key))[: stop - start]
+            yield start, stop, self._finite(phi, start, params, x)
+
+    def _finite(self, phi, start: int, params, x):
+        """``phi``, once all finite; else a NonFiniteError naming the first non-finite
+        input sample or parameter leaf, else Φ's first non-finite sample (none under jit)."""
+        lib = np if isinstance(phi, np.ndarray) else jnp
+        if _checks.concrete_bool(lib.isfinite(phi).all()) is not False:
+            return phi
+        fn = self._caller.name
+        _checks.check_finite_inputs(fn, x, None, params)
+        first = start + int(np.argwhere(~np.isfinite(np.asarray(phi)))[0][0])
+        raise non_finite(fn, f"the sketched features Φ came out NaN or Inf at x sample {first}")
 
     def _to_file(self, run, plan: Plan, params, aux, x, n: int, block: int):
         """Φ written block by block into ``out=`` (:func:`_store.for_rows`: the manifest,
@@ -567,11 +579,11 @@ def ntk_sketch_fn(
         not a JAX key, integer params or outputs.
       ValueError: ``k`` or ``batch_size`` <= 0; a float16 / bfloat16 model (cast to
         float32); several output arrays; interacting samples; axes out of range;
-        non-finite params or x (NonFiniteError for x); ``out`` without ``batch_size``,
-        an existing file without ``resume`` or ``overwrite``, a resume of another call's
-        file, a folder that cannot be written, too little disk space; Φ beyond the
-        memory holding it: the device's with ``batch_size=None``, else the host's without
-        ``out`` (docs/errors.md#out-of-memory).
+        non-finite params or x, or features Φ (NonFiniteError for x and Φ); ``out``
+        without ``batch_size``, an existing file without ``resume`` or ``overwrite``, a
+        resume of another call's file, a folder that cannot be written, too little disk
+        space; Φ beyond the memory holding it: the device's with ``batch_size=None``,
+        else the host's without ``out`` (docs/errors.md#out-of-memory).
 
     Cost: the model's reverse passes, (N·O per use's cotangents) as the structured
     kernel's features, then per sample and use with A positions, C inputs, K units:

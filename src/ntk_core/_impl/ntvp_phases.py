@@ -11,6 +11,7 @@ from ntk_core._errors import bad, one_line
 from ntk_core._impl import cost as _cost
 from ntk_core._impl import ntvp as _ntvp
 from ntk_core._impl.base import Impl
+from ntk_core._jax.jaxpr_walk import equations
 from ntk_core._kernel.model import replay
 
 
@@ -45,8 +46,15 @@ def model_failure(spec, checked, params, x1, x2, aux) -> Exception | None:
             spec.apply3, p, a, b, aux, vmap_axes, checked.out_tree, pairwise, single
         )
 
+    def jvp(p, a, aux):
+        return jax.jvp(lambda q: spec.apply3(q, a, aux), (p,), (p,))
+
     try:
         jax.eval_shape(trace, params, one(x1), one(xb), aux)
+        # A jax.custom_vjp has no jvp: its tangent is a custom_lin, which fails to lower.
+        tangent = jax.make_jaxpr(jvp)(params, one(x1), aux).jaxpr
+        if any(e.primitive.name == "custom_lin" for e in equations(tangent)):
+            return TypeError("a jax.custom_vjp function has no forward-mode derivative (jvp)")
     except Exception as e:  # the model's own error, found by the first trace
         return e
     return None
