@@ -498,7 +498,6 @@ def test_per_leaf_refuses_ntvp():
         )
 
 
-
 @pytest.mark.parametrize("vmap_axes", [0, None])
 def test_a_custom_vjp_model_is_never_given_to_ntk_vector_products(vmap_axes):
     """A jax.custom_vjp has no jvp, which NTK-vector products need; with vmap_axes=None
@@ -513,6 +512,7 @@ def test_a_custom_vjp_model_is_never_given_to_ntk_vector_products(vmap_axes):
         ntk_core.empirical_ntk(
             custom_vjp_activation, p, x1, x2, vmap_axes=vmap_axes, implementation="ntvp"
         )
+
 
 # -- convolutions, biases over positions, embedding lookups -------------------------------
 
