@@ -76,10 +76,10 @@ def taylor_expand(model0, degree: int, *, inputs: str = "x") -> Callable:
     ...] of an ``eqx.Module`` in its inexact-array leaves (others held at ``model0``'s);
     ``degree=1`` is :func:`linearize`. Maths and cost: :func:`ntk_core.taylor_expand`.
 
-    Args: ``model0``, ``inputs`` as :func:`linearize`; ``degree`` a non-negative int.
+    Args: ``model0``, ``inputs`` as :func:`linearize`; ``degree`` an int in [0, 10].
     Returns: ``f_taylor(model, x)``: the outputs for x's N1 samples, e.g. ``(N1, O)``.
     Raises: as :func:`linearize`; TypeError / ValueError for a ``degree`` not an int, or
-    negative. Cost: ``degree`` nested JVPs, as :func:`ntk_core.taylor_expand`.
+    outside [0, 10]. Cost: ``degree`` nested JVPs, as :func:`ntk_core.taylor_expand`.
     Example:
       >>> import equinox as eqx, jax, jax.numpy as jnp, ntk_equinox
       >>> lin, x = eqx.nn.Linear(2, 3, key=jax.random.PRNGKey(0)), jnp.ones((4, 2))

@@ -144,11 +144,11 @@ def taylor_expand(
 
     Args:
       model, variables, method, apply_kwargs, inputs: as :func:`linearize`.
-      degree: a non-negative int.
+      degree: an int in [0, 10].
     Returns:
       ``f_taylor(variables, x)`` as :func:`linearize`'s ``f_lin``, e.g. ``(N1, O)``.
     Raises:
-      TypeError, ValueError: as :func:`linearize`; ``degree`` not an int, or negative.
+      TypeError, ValueError: as :func:`linearize`; ``degree`` not an int, or outside [0, 10].
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, ntk_flax
       >>> model, x = nn.Dense(3), jnp.ones((4, 2))  # linear in its parameters

@@ -66,11 +66,11 @@ def taylor_expand(
 
     Args:
       transformed, params0, state, rng, apply_kwargs, inputs: as :func:`linearize`.
-      degree: a non-negative int.
+      degree: an int in [0, 10].
     Returns:
       ``f_taylor(params, x)``: the outputs, e.g. ``(N1, O)``.
     Raises:
-      TypeError, ValueError: as :func:`linearize`; ``degree`` not an int, or negative.
+      TypeError, ValueError: as :func:`linearize`; ``degree`` not an int, or outside [0, 10].
     Example:
       >>> import haiku as hk, jax, jax.numpy as jnp, ntk_haiku
       >>> net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))

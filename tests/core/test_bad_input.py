@@ -920,6 +920,18 @@ def _rows():
         Row("sketch-nan-features", "a model whose gradients are NaN at some samples (sqrt of a negative), sketched",
             "ntk_core.ntk_sketch_fn(lambda w, x: jnp.sqrt(7.0 - x @ w), k=8, key=jax.random.PRNGKey(0), batch_size=2)(W, XS)",
             NonFiniteError, r"^ntk_sketch_fn: the sketched features Φ came out NaN or Inf at x sample 2\. Fix: check the model"),
+        Row("x-shape-dtype-struct", "a jax.ShapeDtypeStruct as x1, to plan a large N without allocating it",
+            "ntk_core.plan(f, W, jax.ShapeDtypeStruct((10**7, 3), jnp.float32))",
+            TypeError, r"^plan: x1 is a jax\.ShapeDtypeStruct, a shape without values: \(10000000, 3\)\. Fix: pass arrays"),
+        Row("params-shape-dtype-struct", "a jax.ShapeDtypeStruct as params",
+            "ntk_core.empirical_ntk(f, jax.ShapeDtypeStruct((3, 2), jnp.float32), X)",
+            TypeError, r"^empirical_ntk: params is a jax\.ShapeDtypeStruct, a shape without values: \(3, 2\)\. Fix: pass arrays"),
+        Row("gp-empty-train", "GP inference on an empty training set (N = 0)",
+            "ntk_core.predict.gp_inference(np.zeros((0, 0)), np.zeros((0, 1)))",
+            ValueError, r"^gp_inference: y_train of shape \(0, 1\) is empty\. Fix: pass at least one training sample"),
+        Row("taylor-degree-too-high", "a Taylor degree whose 2^d nested JVP streams never finish tracing",
+            "ntk_core.taylor_expand(f, W, 30)",
+            ValueError, r"^taylor_expand: degree must be an int in \[0, 10\], got 30\. Fix: .*each degree doubles the cost"),
     ]  # fmt: skip
 
 

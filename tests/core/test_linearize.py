@@ -385,9 +385,9 @@ F_LIN = ntk_core.linearize(affine, P0)
 
 ERRORS = [
     (lambda: ntk_core.linearize(3, P0), TypeError, r"^linearize: apply_fn must be a callable apply_fn\(params, x\), got int\. Fix:"),
-    (lambda: ntk_core.taylor_expand(affine, P0, 1.5), TypeError, r"^taylor_expand: degree must be a non-negative int, got 1\.5 \(float\)\. Fix:"),
-    (lambda: ntk_core.taylor_expand(affine, P0, True), TypeError, r"^taylor_expand: degree must be a non-negative int, got True \(bool\)"),
-    (lambda: ntk_core.taylor_expand(affine, P0, -1), ValueError, r"^taylor_expand: degree must be a non-negative int, got -1\. Fix:"),
+    (lambda: ntk_core.taylor_expand(affine, P0, 1.5), TypeError, r"^taylor_expand: degree must be an int in \[0, 10\], got 1\.5 \(float\)\. Fix:"),
+    (lambda: ntk_core.taylor_expand(affine, P0, True), TypeError, r"^taylor_expand: degree must be an int in \[0, 10\], got True \(bool\)"),
+    (lambda: ntk_core.taylor_expand(affine, P0, -1), ValueError, r"^taylor_expand: degree must be an int in \[0, 10\], got -1\. Fix:"),
     (lambda: ntk_core.linearize(affine, {"w": "abc"}), TypeError, r"^linearize: params0\['w'\] is str 'abc', not a numeric array.* Fix:"),
     (lambda: F_LIN({"w": jnp.ones((3, 2))}, X), ValueError, r"^linearize: params does not have the tree structure of the expansion point \(params0\) \(missing \[\['b'\]\], not in the expansion point \[\]\)\. Fix:"),
     (lambda: F_LIN([jnp.zeros(2), jnp.ones((3, 2))], X), ValueError, r"^linearize: params does not have the tree structure .*not in the expansion point \[\[0\], \[1\]\]"),

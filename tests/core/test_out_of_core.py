@@ -81,6 +81,22 @@ def test_a_finished_file_is_returned_without_computing(tmp_path, monkeypatch):
     assert np.array_equal(again, first) and os.stat(path).st_mtime_ns == stamp
 
 
+def test_the_result_keeps_the_outputs_pytree(tmp_path):
+    """A model returning {"logits": y}, and per-leaf kernels of one leaf: the file comes
+    back in the pytree the in-memory kernel has, computed and when already finished."""
+    g = lambda p, x: {"logits": f(p, x)}  # noqa: E731
+    path = str(tmp_path / "k.npy")
+    for _ in range(2):  # computed, then the finished file
+        kernel = ntk_core.empirical_ntk(g, P, X1, batch_size=8, out=path, resume=True)
+        assert list(kernel) == ["logits"] and isinstance(kernel["logits"], np.memmap)
+        reference.assert_close(kernel["logits"], reference.ntk(f, P, X1, None)[0])
+    w = {"w": P["w"]}
+    h = lambda p, x: jnp.tanh(x @ p["w"])  # noqa: E731
+    per_leaf = ntk_core.empirical_ntk_per_leaf(h, w, X1, batch_size=8, out=str(tmp_path / "l.npy"))
+    assert list(per_leaf) == ["w"] and isinstance(per_leaf["w"], np.memmap)
+    reference.assert_close(per_leaf["w"], reference.ntk(h, w, X1, None)[0])
+
+
 def _kernel(path, **options):
     return ntk_core.ntk_fn(f, batch_size=8, out=str(path), progress=False, **options)
 

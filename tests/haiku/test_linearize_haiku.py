@@ -96,7 +96,7 @@ ERRORS = [
     (lambda: ntk_haiku.linearize(NET, PARAMS, rng=jax.random.PRNGKey(0)), ValueError, r"^ntk_haiku.linearize: rng was given but the model was built with hk.without_apply_rng"),
     (lambda: ntk_haiku.linearize(NET, [1.0]), TypeError, r"^ntk_haiku.linearize: params0 must be the dict returned by transformed.init, got list\. Fix:"),
     (lambda: ntk_haiku.linearize(NET, PARAMS, apply_kwargs=3), TypeError, r"^ntk_haiku.linearize: apply_kwargs must be a dict"),
-    (lambda: ntk_haiku.taylor_expand(NET, PARAMS, "2"), TypeError, r"^ntk_haiku.taylor_expand: degree must be a non-negative int, got '2' \(str\)"),
+    (lambda: ntk_haiku.taylor_expand(NET, PARAMS, "2"), TypeError, r"^ntk_haiku.taylor_expand: degree must be an int in \[0, 10\], got '2' \(str\)"),
     (lambda: F_LIN({"linear": PARAMS["linear"]}, X), ValueError, r"^ntk_haiku.linearize: params does not have the tree structure of the expansion point \(params0\) .*missing \[\['linear_1'\]\['b'\]"),
     (lambda: F_LIN({**PARAMS, "linear_1": {"w": jnp.ones((5, 8)), "b": jnp.zeros(8)}}, X), ValueError, r"^ntk_haiku.linearize: params\['linear_1'\]\['w'\] has shape \(5, 8\), but the expansion point \(params0\) has shape \(3, 8\) there"),
     (lambda: ntk_core.linearize(MLP, PARAMS), TypeError, r"^linearize: apply_fn is the model Transformed.* Fix: use ntk_haiku.linearize"),

@@ -12,10 +12,16 @@ import numpy as np
 from ntk_core._errors import NonFiniteError, bad, check_int, one_line
 from ntk_core._kernel.checks import all_finite, check_apply_fn
 
+#: The highest Taylor degree: d nested JVPs trace 2^d streams (d = 10: 29 s for one 3 x 2
+#: tanh layer outside jax.jit; d = 30 never ended; d = 1000 overflowed Python's stack).
+MAX_DEGREE = 10
+
 
 def check_degree(fn_name: str, degree) -> int:
-    """``degree`` as an int; TypeError for a non-int (bool included), ValueError below 0."""
-    return check_int(fn_name, "degree", degree, "pass e.g. degree=2 (1: the linearisation)", low=0)
+    """``degree`` as an int; TypeError for a non-int (bool included), ValueError outside
+    [0, :data:`MAX_DEGREE`]."""
+    fix = "pass e.g. degree=2 (1: the linearisation; each degree doubles the cost)"
+    return check_int(fn_name, "degree", degree, fix, low=0, high=MAX_DEGREE)
 
 
 def _dtype(leaf):
@@ -266,12 +272,12 @@ def taylor_expand(apply_fn: Callable, params0, degree: int) -> Callable:
     form. ``degree=0``: f(θ0, x); ``degree=1``: :func:`linearize`; exact for a model
     polynomial in its parameters of degree ≤ ``degree``.
 
-    Args: ``apply_fn``, ``params0`` as :func:`linearize`; ``degree``, a non-negative int.
+    Args: ``apply_fn``, ``params0`` as :func:`linearize`; ``degree``, an int in [0, 10].
 
     Returns ``f_taylor``, as :func:`linearize`'s ``f_lin``.
 
     Raises: as :func:`linearize`; TypeError: ``degree`` not an int (``True`` included);
-    ValueError: a negative ``degree``.
+    ValueError: ``degree`` negative or above 10 (the cost doubles with each degree).
 
     Cost: degree d ≥ 2: d nested JVPs, 2^d streams that ``jax.jit`` merges to about linear
     growth (4-layer, 256-wide tanh MLP, in forward passes: 2.8, 4.3, 5.8, 7.4 for d = 1–4;

@@ -18,6 +18,7 @@ from ntk_core._kernel import executor as _executor
 from ntk_core._kernel import planner as _planner
 from ntk_core._kernel import subset as _subset
 from ntk_core._kernel import validate as _validate
+from ntk_core._kernel.layout import as_result
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._kernel.pipeline import Checked, Config, Implementation, Kind, Spec
 
@@ -68,7 +69,7 @@ class Engine:
     def plan(self, params, x1, x2=None, aux=None):
         """What a call with these inputs does (:func:`_planner.describe`)."""
         params, aux = self._split(params, aux)
-        params, x1, x2 = (_validate.as_arrays(t) for t in (params, x1, x2))
+        params, x1, x2 = _validate.as_arrays(self.spec.fn_name, params, x1, x2)
         checked, config = self.prepare(params, x1, x2, aux)
         implementation = self.implementation(config)
         return _planner.describe(
@@ -78,7 +79,7 @@ class Engine:
     def implementation_for(self, params, x1, x2=None, aux=None) -> str:
         """The implementation a call with these inputs uses (what ``"auto"`` chose)."""
         params, aux = self._split(params, aux)
-        params, x1, x2 = (_validate.as_arrays(t) for t in (params, x1, x2))
+        params, x1, x2 = _validate.as_arrays(self.spec.fn_name, params, x1, x2)
         return self.prepare(params, x1, x2, aux)[1].implementation
 
     def __call__(self, params, x1, x2=None, aux=None):
@@ -90,7 +91,7 @@ class Engine:
 
     def _call(self, params, x1, x2, aux):
         spec, options = self.spec, self.spec.options
-        params, x1, x2 = (_validate.as_arrays(t) for t in (params, x1, x2))
+        params, x1, x2 = _validate.as_arrays(self.spec.fn_name, params, x1, x2)
         if options.batch_size is None:
             _validate.check_one_device(spec, params, x1, x2, aux)
         checked, config = self.prepare(params, x1, x2, aux)
@@ -114,7 +115,8 @@ class Engine:
             model = _store.model_digest(closed)
             store = _store.for_call(spec, config, cut, model, params, x1, x2, aux)
             if store.finished:
-                return store.result()
-        return _blocked.compute(
+                return as_result(config, [store.result()])
+        kernel = _blocked.compute(
             implementation, config, cut, options, spec.fn_name, params, x1, x2, aux, store
         )
+        return kernel if store is None else as_result(config, [kernel])

@@ -119,10 +119,20 @@ def swap_perm(layout) -> tuple[int, ...]:
     return tuple(perm)
 
 
-def leaf_layouts(config) -> list:
-    """The layout of each kernel leaf of a result, in ``jax.tree.leaves`` order."""
+def _output_ids(config):
+    """The result's pytree with each kernel leaf's output leaf index in its place."""
     n_out = config.out_tree.num_leaves
     ids = jax.tree.unflatten(config.out_tree, list(range(n_out)))
     if config.kind is Kind.NTK_PER_LEAF:
         ids = jax.tree.unflatten(config.params_tree, [ids] * config.params_tree.num_leaves)
-    return [config.layouts[i] for i in jax.tree.leaves(ids)]
+    return ids
+
+
+def leaf_layouts(config) -> list:
+    """The layout of each kernel leaf of a result, in ``jax.tree.leaves`` order."""
+    return [config.layouts[i] for i in jax.tree.leaves(_output_ids(config))]
+
+
+def as_result(config, leaves: list):
+    """The result's pytree (e.g. ``{"logits": K}``) of its kernel ``leaves``."""
+    return jax.tree.unflatten(jax.tree.structure(_output_ids(config)), leaves)

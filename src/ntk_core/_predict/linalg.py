@@ -155,6 +155,9 @@ class FlatLayout:
         if len(y_shape) < 2:
             what = f"y_train must have shape (N, O...), got {y_shape}"
             raise bad(ValueError, fn_name, what, "pass y_train[:, None] for one output")
+        if 0 in y_shape:
+            what = f"y_train of shape {y_shape} is empty"
+            raise bad(ValueError, fn_name, what, "pass at least one training sample and output")
         ((axes,), nd) = _axes(fn_name, trace_axes=trace_axes), len(y_shape)
         canon = [a % nd for a in axes if -nd <= a < nd]
         if len(canon) < len(axes) or 0 in canon or len(set(canon)) < len(canon):
