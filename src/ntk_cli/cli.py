@@ -49,7 +49,7 @@ def main(argv=None, *, checks=None) -> int:
         ("demo", "LeNet NTK on digits: Flax = Haiku, kernel regression"),
         ("track", "LeNet NTK tracked through training on digits"),
     ):
-        command = sub.add_parser(name, help=text)
+        command = sub.add_parser(name, help=text, description=text)
         command.set_defaults(run=lambda a, name=name: _subcommand(name, a))
         try:
             if name not in given[:1]:
@@ -59,7 +59,8 @@ def main(argv=None, *, checks=None) -> int:
             command.add_argument("rest", nargs=argparse.REMAINDER)
         else:
             module.add_arguments(command)
-    doctor = sub.add_parser("doctor", help="environment and self-test (exit 1 on failure)")
+    text = "environment and self-test (exit 1 on failure)"
+    doctor = sub.add_parser("doctor", help=text, description=text)
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--no-self-test", action="store_true", help="report the environment only")
     doctor.set_defaults(run=lambda a: _doctor(a, checks))
