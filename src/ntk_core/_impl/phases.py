@@ -92,19 +92,15 @@ def temp_bytes(config: Config, n1: int, n2: int) -> int:
     return n1 * n2 * per_pair * (terms or 1)
 
 
-def row_blocks(n1: int, temporaries: float) -> int:
-    """Blocks of x1's samples that keep ``temporaries`` near :data:`CONTRACT_TEMP_BYTES`."""
-    if temporaries <= CONTRACT_TEMP_BYTES:
+def _row_blocks(fa, fb, config: Config) -> int:
+    """Blocks of x1's samples that keep the temporaries near :data:`CONTRACT_TEMP_BYTES`
+    (1: in one piece)."""
+    n1, n2 = (jax.tree.leaves(f)[0].shape[0] for f in (fa, fb))
+    temporaries = temp_bytes(config, n1, n2)
+    if config.layouts[0].batch_diagonal or temporaries <= CONTRACT_TEMP_BYTES:
         return 1
     blocks = math.ceil(temporaries / max(CONTRACT_TEMP_BYTES, 1))
     return max(1, min(n1 // TRIANGLE_MIN_BLOCK, blocks))
-
-
-def _row_blocks(fa, fb, config: Config) -> int:
-    if config.layouts[0].batch_diagonal:
-        return 1
-    n1, n2 = (jax.tree.leaves(f)[0].shape[0] for f in (fa, fb))
-    return row_blocks(n1, temp_bytes(config, n1, n2))
 
 
 def _in_row_blocks(contract, fa, fb, k: int, config: Config):
