@@ -932,6 +932,18 @@ def _rows():
         Row("taylor-degree-too-high", "a Taylor degree whose 2^d nested JVP streams never finish tracing",
             "ntk_core.taylor_expand(f, W, 30)",
             ValueError, r"^taylor_expand: degree must be an int in \[0, 10\], got 30\. Fix: .*each degree doubles the cost"),
+        Row("sketch-kernel-overflow", "finite sketched features whose products overflow float32 in the sketched kernel",
+            "ntk_core.empirical_ntk_sketch(lambda w, x: jnp.exp(x @ w), W, XS * 4, k=8, key=jax.random.PRNGKey(0))",
+            NonFiniteError, r"^empirical_ntk_sketch: the sketched kernel Θ̂ overflowed to Inf at x1 sample 2 and x2 sample 3\. Fix:"),
+        Row("gp-no-test-samples", "a test-train kernel with no test samples (0 rows)",
+            "ntk_core.predict.gp_inference(np.eye(3), np.ones((3, 1))).nngp(np.zeros((0, 3)))",
+            ValueError, r"^gp_inference\(\.\.\.\)\.nngp: k_test_train of shape \(0, 3\) has no test samples\. Fix:"),
+        Row("ntk-vp-shape-dtype-struct", "a jax.ShapeDtypeStruct as the x of NTK-vector products",
+            "ntk_core.ntk_vp_fn(f, W, jax.ShapeDtypeStruct((4, 3), jnp.float32))",
+            TypeError, r"^ntk_vp_fn: x is a jax\.ShapeDtypeStruct, a shape without values: \(4, 3\)\. Fix: pass arrays"),
+        Row("mc-shape-dtype-struct", "a jax.ShapeDtypeStruct as x1 of Monte Carlo kernels",
+            "ntk_core.monte_carlo_kernels(lambda k: P, mlp, jax.ShapeDtypeStruct((4, 3), jnp.float32), key=jax.random.PRNGKey(0), n_samples=2)",
+            TypeError, r"^monte_carlo_kernels: x1 is a jax\.ShapeDtypeStruct, a shape without values"),
     ]  # fmt: skip
 
 

@@ -91,6 +91,7 @@ def checked_inputs(caller: Caller, params, x, options) -> tuple:
     """``(N, params, x)``: params and x checked (arrays, finite, one batch size N), as jax
     arrays; messages name ``caller``."""
     fn = caller.name
+    _checks.check_values(fn, {"params": params, "x": x})
     _checks.before_trace(fn, params, x, None, options)
     _check_params(fn, params)
     n = _batch_size(caller, "x", x)

@@ -328,12 +328,19 @@ class _Sketcher:
             what += f" {human_bytes(need)}, {over}"
             fix = "use the features Φ (ntk_sketch_fn) with ntk_core.predict.low_rank_inference"
             raise bad(ValueError, self._caller.name, what, fix, see="out-of-memory")
-        if phi1.ndim == 2:
-            return NTKSketch(phi1 @ phi2.T, phi1, phi2)
         kept = phi1.ndim - 2  # (N, *O, k): Θ̂[i, j, a, b, ...], each kept axis twice
-        theta = lib.tensordot(phi1, phi2, axes=(-1, -1))  # (N1, *O, N2, *O)
         order = [0, kept + 1] + [a for i in range(kept) for a in (1 + i, kept + 2 + i)]
-        return NTKSketch(lib.transpose(theta, order), phi1, phi2)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow: refused below
+            if kept:
+                theta = lib.tensordot(phi1, phi2, axes=(-1, -1))  # (N1, *O, N2, *O)
+                theta = lib.transpose(theta, order)
+            else:
+                theta = phi1 @ phi2.T
+        if _checks.concrete_bool(lib.isfinite(theta).all()) is False:
+            i, j = np.argwhere(~np.isfinite(np.asarray(theta)))[0][:2]
+            what = f"the sketched kernel Θ̂ overflowed to Inf at x1 sample {i} and x2 sample {j}"
+            raise non_finite(self._caller.name, what)
+        return NTKSketch(theta, phi1, phi2)
 
     def _features(self, params, aux, x):
         options = make_options(self._caller.name, precision=self.precision)

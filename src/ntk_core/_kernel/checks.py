@@ -117,8 +117,24 @@ def order_hint(caller: Caller) -> str:
     return f"the argument order is {caller.order}" + (f", not neural-tangents' {nt}" if nt else "")
 
 
+def check_values(fn_name: str, trees: dict) -> None:
+    """TypeError for a ``jax.ShapeDtypeStruct`` (a shape without values) in ``trees``
+    (name: pytree); run on every call, as signatures are cached."""
+    for name, tree in trees.items():
+        if any(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(tree)):
+            path, leaf = next(
+                (p, v)
+                for p, v in jax.tree_util.tree_leaves_with_path(tree)
+                if isinstance(v, jax.ShapeDtypeStruct)
+            )
+            what = f"{name}{jax.tree_util.keystr(path)} is a jax.ShapeDtypeStruct, a shape"
+            what += f" without values: {leaf.shape}"
+            raise bad(TypeError, fn_name, what, "pass arrays (plan() needs them too)")
+
+
 def before_trace(fn_name: str, params, x1, x2, options) -> None:
     """Environment and dtype checks that need no trace of the model."""
+    check_values(fn_name, {"params": params, "x1": x1, "x2": x2})
     _environment.check_backend(fn_name)
     for name, tree in dict(x1=x1, x2=x2).items():
         for leaf in jax.tree.leaves(tree):

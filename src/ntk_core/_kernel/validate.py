@@ -25,16 +25,7 @@ def as_arrays(fn_name: str, params, x1, x2) -> tuple:
     """``(params, x1, x2)`` with Python numbers as numpy arrays; TypeError for a
     ``jax.ShapeDtypeStruct`` (a shape without values), on every call."""
     trees = {"params": params, "x1": x1, "x2": x2}
-    for name, tree in trees.items():
-        if any(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(tree)):
-            path, leaf = next(
-                (p, v)
-                for p, v in jax.tree_util.tree_leaves_with_path(tree)
-                if isinstance(v, jax.ShapeDtypeStruct)
-            )
-            what = f"{name}{jax.tree_util.keystr(path)} is a jax.ShapeDtypeStruct, a shape"
-            what += f" without values: {leaf.shape}"
-            raise bad(TypeError, fn_name, what, "pass arrays (plan() needs them too)")
+    _checks.check_values(fn_name, trees)
     return tuple(
         jax.tree.map(lambda v: v if hasattr(v, "shape") else np.asarray(v), tree)
         for tree in trees.values()

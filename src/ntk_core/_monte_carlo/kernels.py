@@ -17,7 +17,7 @@ from ntk_core._blocked.tiles import non_finite
 from ntk_core._errors import NonFiniteError, bad, check_int, must, one_line
 from ntk_core._kernel.arguments import _checked_arguments, misspelt, required_positional
 from ntk_core._kernel.caller import Caller
-from ntk_core._kernel.checks import all_finite, check_finite_input
+from ntk_core._kernel.checks import all_finite, check_finite_input, check_values
 from ntk_core._kernel.options import DEFAULTS, _flags, make_options
 from ntk_core._monte_carlo.files import KINDS, MonteCarloFiles, kind_options
 from ntk_core._predict.inference import Kernels
@@ -30,6 +30,7 @@ _INPUTS = ("x1", "x2")
 def check_inputs(fn_name: str, x1, x2, models: str = "model") -> None:
     """Refuses x1, x2 without a batch axis or looking like parameters (``models``: the
     arguments before x1)."""
+    check_values(fn_name, dict(zip(_INPUTS, (x1, x2), strict=True)))
     for name, x in zip(_INPUTS, (x1, x2), strict=True):
         leaves = jax.tree.leaves(x)
         if x is not None and (not leaves or any(np.ndim(leaf) == 0 for leaf in leaves)):

@@ -111,6 +111,9 @@ class _TestSide:
         """(T, flat kernel) of a checked test-train kernel (``t``: the expected T)."""
         name, k = _pick(fn, "k_test_train", k, field)
         t = self._layout.check_pair(name, k, t, self._layout.n, fn)
+        if t == 0:
+            what = f"{name} of shape {k.shape} has no test samples"
+            raise bad(ValueError, fn, what, "pass at least one test sample (row)")
         check_rows_finite(fn, name, k)
         return t, self._layout.flat(k)
 
