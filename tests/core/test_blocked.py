@@ -154,10 +154,11 @@ def test_symmetric_gram_in_triangular_blocks(monkeypatch, axes):
 def test_large_contractions_run_over_blocks_of_x1s_samples(monkeypatch):
     """A contraction whose kernel-sized temporaries pass CONTRACT_TEMP_BYTES runs over
     blocks of x1's samples (x2 given, or a Gram matrix not cut into triangles): equal to
-    the float64 reference, and the compiled tile's temporaries shrink with the blocks."""
+    the float64 reference, and on XLA CPU the compiled tile's temporaries shrink."""
     from ntk_core._impl import phases as _implementations
 
     monkeypatch.setattr(_implementations, "TRIANGLE_MIN_BLOCK", 9)
+    monkeypatch.setattr(_implementations, "ROW_BLOCK_PLATFORMS", (jax.default_backend(),))
     counted = []
     real = _implementations._in_row_blocks
     monkeypatch.setattr(
@@ -182,8 +183,9 @@ def test_large_contractions_run_over_blocks_of_x1s_samples(monkeypatch):
         fn = jax.jit(ntk_core.ntk_fn(F, implementation="structured", trace_axes=()))
         return fn.lower(PARAMS, X1, X2).compile().memory_analysis().temp_size_in_bytes
 
-    kernel_bytes = N1 * N2 * 3 * 3 * 4
-    assert temporaries(0) < temporaries(2**40) - kernel_bytes
+    if jax.default_backend() == "cpu":  # XLA TPU fuses the terms: no temporaries to save
+        kernel_bytes = N1 * N2 * 3 * 3 * 4
+        assert temporaries(0) < temporaries(2**40) - kernel_bytes
 
 
 def test_blocked_matches_float64_reference():
