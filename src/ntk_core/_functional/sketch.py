@@ -336,10 +336,9 @@ class _Sketcher:
                 theta = lib.transpose(theta, order)
             else:
                 theta = phi1 @ phi2.T
-        if _checks.concrete_bool(lib.isfinite(theta).all()) is False:
-            i, j = np.argwhere(~np.isfinite(np.asarray(theta)))[0][:2]
-            what = f"the sketched kernel Θ̂ overflowed to Inf at x1 sample {i} and x2 sample {j}"
-            raise non_finite(self._caller.name, what)
+        if (at := _non_finite_at(theta)) is not None:
+            what = f"the sketched kernel Θ̂ overflowed to Inf at x1 sample {at[0]} and x2 sample"
+            raise non_finite(self._caller.name, f"{what} {at[1]}")
         return NTKSketch(theta, phi1, phi2)
 
     def _features(self, params, aux, x):
@@ -409,13 +408,12 @@ class _Sketcher:
     def _finite(self, phi, start: int, params, x):
         """``phi``, once all finite; else a NonFiniteError naming the first non-finite
         input sample or parameter leaf, else Φ's first non-finite sample (none under jit)."""
-        lib = np if isinstance(phi, np.ndarray) else jnp
-        if _checks.concrete_bool(lib.isfinite(phi).all()) is not False:
+        if (at := _non_finite_at(phi)) is None:
             return phi
         fn = self._caller.name
         _checks.check_finite_inputs(fn, x, None, params)
-        first = start + int(np.argwhere(~np.isfinite(np.asarray(phi)))[0][0])
-        raise non_finite(fn, f"the sketched features Φ came out NaN or Inf at x sample {first}")
+        what = f"the sketched features Φ came out NaN or Inf at x sample {start + at[0]}"
+        raise non_finite(fn, what)
 
     def _to_file(self, run, plan: Plan, params, aux, x, n: int, block: int):
         """Φ written block by block into ``out=`` (:func:`_store.for_rows`: the manifest,
@@ -441,6 +439,14 @@ class _Sketcher:
                 store.close()  # the blocks listed so far stay: resume=True continues
                 raise
         return store.result()
+
+
+def _non_finite_at(arr) -> tuple[int, ...] | None:
+    """The index of ``arr``'s first NaN or Inf; None when all finite or abstract (jit)."""
+    lib = np if isinstance(arr, np.ndarray) else jnp
+    if _checks.concrete_bool(lib.isfinite(arr).all()) is not False:
+        return None
+    return tuple(int(i) for i in np.argwhere(~np.isfinite(np.asarray(arr)))[0])
 
 
 def _check_dtypes(fn: str, params, out) -> None:

@@ -16,6 +16,7 @@ from ntk_core._blocked import tiles as _blocked
 from ntk_core._impl.base import jit_tuned
 from ntk_core._impl.registry import PHASES
 from ntk_core._kernel.kind import Kind
+from ntk_core._kernel.layout import pair_bytes
 from ntk_core._kernel.pipeline import Config, Implementation
 
 
@@ -86,13 +87,8 @@ ROW_BLOCK_PLATFORMS = ("cpu",)
 def temp_bytes(config: Config, n1: int, n2: int) -> int:
     """Bytes of the kernel-sized temporaries of an N1 x N2 contraction in one piece."""
     terms = PHASES[config.implementation].pair_terms(config)
-    per_pair = sum(
-        layout.values_per_pair(s.shape) * np.dtype(s.dtype).itemsize
-        for layout, s in zip(config.layouts, config.shapes1, strict=True)
-    )
-    if config.kind is Kind.NTK_PER_LEAF:
-        per_pair *= config.params_tree.num_leaves
-    return n1 * n2 * per_pair * (terms or 1)
+    leaves = config.params_tree.num_leaves if config.kind is Kind.NTK_PER_LEAF else 1
+    return n1 * n2 * pair_bytes(config.shapes1, config.layouts, leaves) * (terms or 1)
 
 
 def _row_blocks(fa, fb, config: Config) -> int:
@@ -108,16 +104,27 @@ def _row_blocks(fa, fb, config: Config) -> int:
     return max(1, min(n1 // TRIANGLE_MIN_BLOCK, blocks))
 
 
+def _blocks_of(features, k: int):
+    """``(N, size, starts)`` of k blocks of ``size`` of the features' N samples; the last
+    block overlaps the one before it (every block one compiled shape)."""
+    n = jax.tree.leaves(features)[0].shape[0]
+    size = -(-n // k)
+    return n, size, np.minimum(np.arange(k) * size, n - size)
+
+
+def _part(features, start, size: int):
+    """The block of ``size`` samples from ``start`` (traced) of every feature leaf."""
+    return jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, start, size, axis=0), features)
+
+
 def _in_row_blocks(contract, fa, fb, k: int, config: Config):
     """Θ(xa, xb) in k blocks of xa's samples, one ``fori_loop`` writing each block's rows
     (its temporaries are a k-th of the whole contraction's); the last block overlaps."""
-    n = jax.tree.leaves(fa)[0].shape[0]
-    size = -(-n // k)
-    starts = jnp.asarray(np.minimum(np.arange(k) * size, n - size), dtype=jnp.int32)
+    n, size, starts = _blocks_of(fa, k)
+    starts = jnp.asarray(starts, dtype=jnp.int32)
 
     def rows(start):
-        part = jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, start, size, axis=0), fa)
-        return contract(part, fb, config=config)
+        return contract(_part(fa, start, size), fb, config=config)
 
     leaves_shape, treedef = jax.tree.flatten(jax.eval_shape(rows, starts[0]))
     out = [jnp.zeros((n,) + s.shape[1:], s.dtype) for s in leaves_shape]
@@ -149,15 +156,13 @@ def triangle_blocks(n: int, feature_bytes: float = 0.0) -> int:
 def _triangular(contract, features, k: int, config: Config):
     """Θ(x, x) in k x k sample blocks, those on and above the diagonal contracted in one
     ``fori_loop`` (unrolled compiles 12x slower) and mirrored; the last block overlaps."""
-    n = jax.tree.leaves(features)[0].shape[0]
-    size = -(-n // k)
-    starts = np.minimum(np.arange(k) * size, n - size)
+    n, size, starts = _blocks_of(features, k)
     pairs = np.array([(i, j) for i in range(k) for j in range(i, k)], dtype=np.int32)
     rows = jnp.asarray(starts[pairs[:, 0]], dtype=jnp.int32)
     cols = jnp.asarray(starts[pairs[:, 1]], dtype=jnp.int32)
 
     def part(start):
-        return jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, start, size, axis=0), features)
+        return _part(features, start, size)
 
     shapes = jax.eval_shape(lambda f: contract(f, f, config=config), part(0))
     leaves_shape, treedef = jax.tree.flatten(shapes)

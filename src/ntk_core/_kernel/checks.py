@@ -134,7 +134,6 @@ def check_values(fn_name: str, trees: dict) -> None:
 
 def before_trace(fn_name: str, params, x1, x2, options) -> None:
     """Environment and dtype checks that need no trace of the model."""
-    check_values(fn_name, {"params": params, "x1": x1, "x2": x2})
     _environment.check_backend(fn_name)
     for name, tree in dict(x1=x1, x2=x2).items():
         for leaf in jax.tree.leaves(tree):

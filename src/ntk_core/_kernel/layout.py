@@ -133,6 +133,13 @@ def leaf_layouts(config) -> list:
     return [config.layouts[i] for i in jax.tree.leaves(_output_ids(config))]
 
 
+def pair_bytes(shapes1, layouts, n_leaves: int = 1) -> int:
+    """Bytes of one pair of samples' kernel values: each output leaf's
+    :meth:`LeafLayout.values_per_pair` in its dtype, times ``n_leaves`` per-leaf kernels."""
+    pairs = zip(shapes1, layouts, strict=True)
+    return n_leaves * sum(lay.values_per_pair(s.shape) * s.dtype.itemsize for s, lay in pairs)
+
+
 def as_result(config, leaves: list):
     """The result's pytree (e.g. ``{"logits": K}``) of its kernel ``leaves``."""
     return jax.tree.unflatten(jax.tree.structure(_output_ids(config)), leaves)

@@ -16,6 +16,7 @@ from ntk_core._impl import cost as _cost
 from ntk_core._impl.phases import triangle_blocks
 from ntk_core._impl.registry import AUTO, NNGP, PHASES, REGISTRY
 from ntk_core._jax import memory as _memory
+from ntk_core._kernel.layout import pair_bytes
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._kernel.options import AUTO_BATCH_SIZE
 from ntk_core._kernel.pipeline import Checked, Config, Kind, Spec
@@ -231,8 +232,7 @@ def check_fits(spec: Spec, checked: Checked, config: Config, params, x1) -> None
     leaves = len(config.param_sizes) if spec.kind is Kind.NTK_PER_LEAF else 1
     diagonal = checked.layouts[0].batch_diagonal
     pairs = checked.n1 if diagonal else checked.n1 * checked.n2
-    itemsize = max(np.dtype(s.dtype).itemsize for s in checked.shapes1)
-    kernel = pairs * sum(kernel_sizes(checked.shapes1, checked.layouts)) * itemsize * leaves
+    kernel = pairs * pair_bytes(checked.shapes1, checked.layouts, leaves)
     copies = 2 if checked.symmetric and not diagonal else 1
     per_sample = PHASES[config.implementation].feature_bytes
     n = checked.n1 + (0 if checked.symmetric else checked.n2)
