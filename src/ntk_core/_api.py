@@ -67,7 +67,10 @@ def ntk_fn(
         invalid option values, axes out of range, duplicated or both traced and
         diagonal; empty inputs, inconsistent batch sizes or per-sample shapes; the model
         failing on x1; a non-finite kernel (the message names the tile, the entry, causes);
-        a call that cannot fit in memory (docs/errors.md#out-of-memory).
+        a call that cannot fit in memory (docs/errors.md#out-of-memory); integer ids in x1
+        or x2 outside [-V, V) of a V-row table the model looks up (naming the input, the
+        sample, the id; checked on every call, not under an outer ``jax.jit``:
+        docs/errors.md#embedding-ids).
       NonFiniteError: NaN or Inf in x1 or x2 (naming the first such sample).
 
     Cost: ``"jacobian"``: (N1 + N2)·O reverse passes, memory (N1 + N2)·O·P, N1·N2·O'·P

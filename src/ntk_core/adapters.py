@@ -23,6 +23,7 @@ from ntk_core._kernel.adapter import build_kernel as build_kernel
 from ntk_core._kernel.adapter import check_apply_kwargs as check_apply_kwargs
 from ntk_core._kernel.adapter import entry_kind as entry_kind
 from ntk_core._kernel.adapter import input_shape_mismatch as input_shape_mismatch
+from ntk_core._kernel.adapter import keyed as keyed
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller as Caller
 from ntk_core._kernel.caller import adapter_caller as adapter_caller
@@ -40,7 +41,7 @@ __all__ = (
     "Caller", "PureModel", "adapter_caller", "adapter_model_failure", "bad", "binds",
     "build_kernel", "cached", "check_apply_kwargs", "check_degree", "check_inputs_option",
     "check_like", "check_monte_carlo", "checked_arguments", "checked_init", "entry_kind",
-    "expansion", "input_shape_mismatch", "inputs_failure", "is_nnx_module", "matrix_free",
+    "expansion", "input_shape_mismatch", "inputs_failure", "is_nnx_module", "keyed", "matrix_free",
     "monte_carlo_mean", "register_cache", "sketch", "spread_inputs",
 )  # fmt: skip
 

@@ -25,6 +25,7 @@ from ntk_core.adapters import (
     entry_kind,
     input_shape_mismatch,
     is_nnx_module,
+    keyed,
 )
 from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_core.adapters import inputs_failure as failure
@@ -68,13 +69,16 @@ def _missing_collections(fn_name: str, variables, init, x1) -> ValueError:
 
 
 def _model_apply(model, method, apply_kwargs, inputs, fn_name):
+    """``apply3``, equal for an equal model and arguments: a function built again (a seed
+    loop's ``ntk_sketch_fn``) reuses the compiled programs (issue 48)."""
+
     def apply3(params, x, aux):
         rest, rngs = aux
         args, kw = spread(fn_name, inputs, x, "x")
         kw.update(method=method, rngs=rngs, mutable=_MUTABLE)
         return model.apply({PARAMS: params, **rest}, *args, **kw, **apply_kwargs)[0]
 
-    return apply3
+    return keyed(apply3, "linen", model, method, apply_kwargs, inputs, fn_name)
 
 
 def caller(fn: Callable, *, built: bool = False, monte_carlo: bool = False) -> Caller:

@@ -9,7 +9,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ntk_core.adapters import bad, check_monte_carlo, checked_init, is_nnx_module, monte_carlo_mean
+from ntk_core.adapters import (
+    bad,
+    cached,
+    check_monte_carlo,
+    checked_init,
+    is_nnx_module,
+    keyed,
+    monte_carlo_mean,
+)
 from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_core.adapters import spread_inputs as spread
 from ntk_core.predict import Kernels
@@ -88,7 +96,13 @@ def monte_carlo_kernels(
         return _nnx_monte_carlo(fn, model, method, apply_kwargs, inputs, args)
     x_init, kw = spread(fn, inputs, jax.tree.map(lambda a: a[:1], x1))
     init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
-    init = jax.jit(lambda k: model.init(k, *x_init, method=method, **kw, **init_kwargs))
+
+    def initialise(k, x_init, kw):  # x an argument: one program for every call (issue 48)
+        return model.init(k, *x_init, method=method, **kw, **init_kwargs)
+
+    initialise = keyed(initialise, "linen init", model, method, init_kwargs)
+    jitted = cached((fn, initialise), lambda: jax.jit(initialise))
+    init = lambda k: jitted(k, x_init, kw)  # noqa: E731
     fix = "check x1's per-sample shape; init_kwargs={...} gives model.init other keyword arguments"
     init = checked_init(fn, init, "model.init(key, x1[:1])", "the module's __call__", fix)
 
@@ -124,9 +138,14 @@ def _nnx_monte_carlo(fn, build, method, apply_kwargs, inputs, args) -> Kernels:
     if not jax.tree.leaves(nnx.state(template, nnx.Param)):
         what = f"the module model(nnx.Rngs(key)) builds, {got}, has no nnx.Param variables"
         raise bad(ValueError, fn, what, "build it with its trainable layers")
-    # Each sample's whole state: its parameters, and its other state (statistics,
-    # buffers drawn from rngs, RNG state) as that initialisation made them.
-    split = jax.jit(lambda k: nnx.split(build(nnx.Rngs(k)), nnx.Param, ...)[1:])
+
+    def states(k):
+        # Each sample's whole state: its parameters, and its other state (statistics,
+        # buffers drawn from rngs, RNG state) as that initialisation made them.
+        return nnx.split(build(nnx.Rngs(k)), nnx.Param, ...)[1:]
+
+    states = keyed(states, "nnx init", build)  # one program for every call (issue 48)
+    split = cached((fn, states), lambda: jax.jit(states))
     state_of = checked_init(fn, split, "model(nnx.Rngs(key))", "the function building the module")
     if n_samples >= 2:  # a builder that ignores its rngs makes every sample the same
         keys = jax.random.split(key, 2)

@@ -4,7 +4,7 @@ other state travel in ``aux``, held fixed (``.eval()`` / ``.train()`` recompile)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import flax.errors
 import jax
@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ntk_core.adapters import Caller, PureModel, bad, build_kernel, check_apply_kwargs
+from ntk_core.adapters import Caller, PureModel, bad, build_kernel, check_apply_kwargs, keyed
 from ntk_core.adapters import inputs_failure as failure
 from ntk_core.adapters import spread_inputs as spread
-from ntk_flax._variables import shown
+from ntk_flax._variables import names, shown
 
 PARAM, DETERMINISTIC, TRAIN_OFF = "nnx.Param state", "{'deterministic': True}", "{'train': False}"
 
@@ -152,7 +152,8 @@ def model_apply(name: str, apply_kwargs: dict, inputs: str, fn_name: str) -> Cal
         args, kw = spread(fn_name, inputs, x, "x")
         return getattr(nnx.merge(graphdef, params, rest), name)(*args, **kw, **apply_kwargs)
 
-    return apply3
+    # equal for equal arguments (the graph travels in aux): built again, nothing recompiles
+    return keyed(apply3, "nnx", name, apply_kwargs, inputs, fn_name)
 
 
 def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs) -> Callable:
@@ -190,6 +191,11 @@ def make(caller: Caller, kind: str, model, method, apply_kwargs, options, inputs
             if jax.tree.structure(variables) != jax.tree.structure(params):
                 paths = shown([jax.tree_util.keystr(p) for p, _ in leaves], 4)
                 what = f"variables do not have the structure of the module's {PARAM} [{paths}]"
+                if isinstance(variables, Mapping) and not set(params) <= set(variables):
+                    what += ": they look like another model's, with top-level names "
+                    what += f"{names(variables)} where the module has {names(params)}"
+                    fix = "pass the module they belong to, or nnx.state(model, nnx.Param) of "
+                    fix += "this one, or None for its own"
                 raise bad(ValueError, fn_name, what, fix + " (a dict: nnx.replace_by_pure_dict)")
             wrong = [
                 f"{jax.tree_util.keystr(path)} {np.shape(got)} (expected {np.shape(want)})"

@@ -37,6 +37,21 @@ def shown(items: list, limit: int = 3) -> str:
     return ", ".join(items[:limit]) + more
 
 
+def names(mapping: Mapping) -> str:
+    """``mapping``'s keys as a list, the first four shown."""
+    return "[" + shown([repr(k) for k in _keys(mapping)], 4) + "]"
+
+
+def _another_model(given, made) -> bool:
+    """Whether the params ``given`` look like another model's: top-level names (layers) of
+    this model's ``made`` variables missing, and none of its other collections there (a
+    variables dict without params is not another model's)."""
+    ours = made.get(PARAMS) if isinstance(made, Mapping) else None
+    if not isinstance(given, Mapping) or not isinstance(ours, Mapping) or not ours:
+        return False
+    return not set(ours) <= set(given) and not set(given) & (set(made) - {PARAMS})
+
+
 def _one_sample(x1):
 
     def one(leaf):
@@ -131,7 +146,7 @@ class VariablesReader:
         if PARAMS in given:
             read = dict(given)
         else:
-            self._check_bare(given, made, made_key)
+            self._check_bare(given, made, made_key, state)
             read = {PARAMS: given}
         if made is None:  # not initialisable on x1: the model's check names the failure
             return read
@@ -144,8 +159,9 @@ class VariablesReader:
             self._refuse_lacking(read, x1, rngs, lacking, made_key, state)
         return read
 
-    def _check_bare(self, given: Mapping, made, made_key) -> None:
-        """Refuses a bare params dict lacking a parameter path ``model.init`` makes."""
+    def _check_bare(self, given: Mapping, made, made_key, state=None) -> None:
+        """Refuses a bare params dict (``state``'s, where one was given) lacking a parameter
+        path ``model.init`` makes."""
         key = (
             None if made_key is None else _cache_key(lambda: (made_key, jax.tree.structure(given)))
         )
@@ -153,34 +169,49 @@ class VariablesReader:
             return
         want = _paths(made.get(PARAMS, {}))
         if not (want and want <= _paths(given)):
-            raise self._foreign(given, want)
+            raise self._foreign(given, want, made, state)
         if key is not None:
             self._bare_ok.add(key)
 
     def misread(self, variables: Mapping, x1, rngs, error: Exception) -> ValueError | None:
-        """The error for a bare params dict whose top-level layer is named ``params``."""
+        """The error of variables the model failed on (``error``) that are this model's bare
+        params dict, whose top-level layer is named ``params``, or another model's variables
+        dict; None for any other failure."""
         made, _ = self._made_for(x1, rngs)
         if made is None:
             return None
         want = _paths(made.get(PARAMS, {}))
         inner = variables.get(PARAMS)
-        if not want or not want <= _paths(variables):
-            return None
-        if isinstance(inner, Mapping) and want <= _paths(inner):
-            return None  # a variables dict after all: another failure
-        what = "variables is this model's bare params dict, whose top-level layer is named 'params'"
-        what += f" (the model failed with {type(error).__name__})"
-        return self._refused(what, "rename that layer")
+        failed = f" (the model failed with {type(error).__name__})"
+        ours = want and want <= _paths(variables)  # this model's bare params, read as variables
+        if ours and not (isinstance(inner, Mapping) and want <= _paths(inner)):
+            what = "variables is this model's bare params dict, whose top-level layer is named "
+            return self._refused(what + f"'params'{failed}", "rename that layer")
+        if _another_model(inner, made):  # a variables dict of another model
+            return self._refused(*_another("variables['params'] looks", inner, made, failed))
+        return None  # this model's variables dict: another failure
 
-    def _foreign(self, given: Mapping, want: frozenset) -> ValueError:
-        lacking = sorted(want - _paths(given))
-        n = f"{len(lacking)} of the {len(want)} parameters model.init makes ({shown(lacking)})"
-        what = f"variables has no 'params' collection (keys {_keys(given)}) and lacks {n}"
-        fix = "pass this model's model.init(key, x), its ['params'] or its TrainState"
+    def _foreign(self, given: Mapping, want: frozenset, made, state) -> ValueError:
+        """The error of a bare params dict (``state``'s .params, where not None) that is not
+        this model's: another model's, one lacking parameters, or a model without any."""
         if not want:
             what = f"the model has no parameters (model.init makes none; variables: {_keys(given)})"
             fix = "give the model a layer with parameters: the NTK differentiates by them"
-        return self._refused(what, fix)
+            return self._refused(what, fix)
+        # a dict restored as a train state (orbax without a target) is read as a namespace
+        as_dict = isinstance(state, types.SimpleNamespace)
+        held = "a train state dict" if as_dict else f"a {type(state).__name__}"
+        if _another_model(given, made):
+            subject = (
+                "variables looks" if state is None else f"variables is {held} whose .params look"
+            )
+            return self._refused(*_another(subject, given, made))
+        lacking = sorted(want - _paths(given))
+        n = f"{len(lacking)} of the {len(want)} parameters model.init makes ({shown(lacking)})"
+        what = f"variables has no 'params' collection (keys {_keys(given)}) and lacks {n}"
+        if state is not None:
+            what = f"variables is {held} whose .params lack {n}"
+        return self._refused(what, f"pass {_OURS}")
 
     def _refuse_lacking(self, read, x1, rngs, lacking, made_key, state) -> None:
         """Raises if the model reads a collection in ``lacking`` (abstract apply without them)."""
@@ -206,6 +237,16 @@ class VariablesReader:
     def _refused(self, what: str, fix: str) -> ValueError:
         """The ValueError of variables this model cannot read (docs/errors.md#flax-variables)."""
         return bad(ValueError, self._fn_name, what, fix, see="flax-variables")
+
+
+_OURS = "this model's model.init(key, x), its ['params'] or its TrainState"
+
+
+def _another(subject: str, given: Mapping, made: Mapping, note: str = "") -> tuple[str, str]:
+    """``(what, fix)`` of params that look like another model's (:func:`_another_model`)."""
+    what = f"{subject} like the parameters of another model: top-level names {names(given)}, "
+    what += f"where model.init makes {names(made[PARAMS])} for this one{note}"
+    return what, f"pass the model they belong to, or {_OURS}"
 
 
 def entries(collections: list) -> str:  # {'params': ..., 'batch_stats': ...}

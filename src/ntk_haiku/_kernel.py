@@ -23,6 +23,7 @@ from ntk_core.adapters import (
     checked_arguments,
     entry_kind,
     input_shape_mismatch,
+    keyed,
 )
 from ntk_core.adapters import check_inputs_option as check_inputs
 from ntk_core.adapters import inputs_failure as failure
@@ -42,6 +43,8 @@ def _model_apply(transformed, apply_kwargs, inputs, fn_name):
         out = transformed.apply(*args, *x_args, **kw, **apply_kwargs)
         return out[0] if with_state else out
 
+    # equal for an equal transform and arguments: built again, nothing recompiles (issue 48)
+    apply3 = keyed(apply3, "haiku", transformed, apply_kwargs, inputs, fn_name)
     return apply3, with_state, takes_rng
 
 

@@ -7,8 +7,8 @@ from inspect import signature
 import haiku as hk
 import jax
 
+from ntk_core.adapters import cached, check_monte_carlo, checked_init, keyed, monte_carlo_mean
 from ntk_core.adapters import check_inputs_option as check_inputs
-from ntk_core.adapters import check_monte_carlo, checked_init, monte_carlo_mean
 from ntk_core.adapters import spread_inputs as spread
 from ntk_core.predict import Kernels
 
@@ -72,7 +72,12 @@ def monte_carlo_kernels(
     x_init, kw = spread(fn, check_inputs(fn, inputs), x_init)  # TypeError: x1 of another kind
     init_kwargs = dict(apply_kwargs or {}) if init_kwargs is None else init_kwargs
 
-    init = jax.jit(lambda k: transformed.init(k, *x_init, **kw, **init_kwargs))
+    def initialise(k, x_init, kw):  # x an argument: one program for every call (issue 48)
+        return transformed.init(k, *x_init, **kw, **init_kwargs)
+
+    initialise = keyed(initialise, "haiku init", transformed, init_kwargs)
+    jitted = cached((fn, initialise), lambda: jax.jit(initialise))
+    init = lambda k: jitted(k, x_init, kw)  # noqa: E731
     call = f"transformed.init(key, x1{'' if with_state else '[:1]'})"
     fix = "check x1's per-sample shape; hk.BatchNorm needs init_kwargs={'is_training': True}"
     init = checked_init(fn, init, call, "the forward function", fix)

@@ -32,22 +32,129 @@ def _capacity(monkeypatch, nbytes, host=None):
     monkeypatch.setattr(_memory, "host_memory", lambda: nbytes if host is None else host)
 
 
-def test_host_memory_is_ram_or_cgroup_limit_plus_swap(monkeypatch):
-    files = {
-        "/sys/fs/cgroup/memory.max": "1000000\n",
-        "/proc/meminfo": "MemTotal: 9 kB\nSwapTotal:  2 kB\nSwapFree: 1 kB\n",
-    }
-    monkeypatch.setattr(_memory, "_read", lambda path: files.get(path, ""))
+MIB = 2**20
+UNLIMITED_V1 = "9223372036854771712\n"  # v1's "no limit": 2**63 rounded down to a page
+V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+V1_MOUNTS = (
+    "24 23 0:21 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755\n"
+    "31 24 0:27 / /sys/fs/cgroup/cpu,cpuacct rw,relatime shared:9 - cgroup cgroup rw,cpu,cpuacct\n"
+    "35 24 0:31 / /sys/fs/cgroup/memory rw,relatime shared:13 - cgroup cgroup rw,memory\n"
+    "36 24 0:32 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"
+)
+
+
+def _fake_root(tmp_path, files: dict[str, str]) -> str:
+    """A file tree standing for "/": /proc/self/cgroup, mountinfo, the cgroup files."""
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(tmp_path)
+
+
+def _ram() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+SLURM_V2 = "system.slice/slurmstepd.scope/job_7/step_0/user/task_0"  # 0::/ + this
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        pytest.param({}, _ram, id="no-cgroup-files"),
+        pytest.param({"sys/fs/cgroup/memory.max": "max\n"}, _ram, id="v2-max-is-unlimited"),
+        pytest.param(  # no /proc/self/cgroup or mountinfo: the mount points' own limits
+            {"sys/fs/cgroup/memory/memory.limit_in_bytes": f"{300 * MIB}\n"}, 300 * MIB,
+            id="v1-mount-point-without-proc",
+        ),
+        pytest.param(  # the job's limit two levels above the process's cgroup
+            {
+                "proc/self/cgroup": f"0::/{SLURM_V2}\n",
+                "proc/self/mountinfo": V2_MOUNT,
+                "sys/fs/cgroup/system.slice/memory.max": "max\n",
+                "sys/fs/cgroup/system.slice/slurmstepd.scope/job_7/memory.max": f"{400 * MIB}\n",
+                "sys/fs/cgroup/system.slice/slurmstepd.scope/job_7/memory.swap.max": "0\n",
+                f"sys/fs/cgroup/{SLURM_V2}/memory.max": "max\n",
+                "proc/meminfo": "MemTotal: 9 kB\nSwapTotal:  2048 kB\n",
+            },
+            400 * MIB, id="v2-nested-job-limit-no-swap",
+        ),
+        pytest.param(  # memory.high below memory.max; swap allowed up to 1 MiB of 2 MiB
+            {
+                "proc/self/cgroup": "0::/kubepods/pod1/c1\n",
+                "proc/self/mountinfo": V2_MOUNT,
+                "sys/fs/cgroup/kubepods/pod1/memory.max": f"{500 * MIB}\n",
+                "sys/fs/cgroup/kubepods/pod1/c1/memory.high": f"{350 * MIB}\n",
+                "sys/fs/cgroup/kubepods/pod1/c1/memory.swap.max": f"{MIB}\n",
+                "proc/meminfo": "SwapTotal:  2048 kB\n",
+            },
+            351 * MIB, id="v2-memory-high-and-swap-max",
+        ),
+        pytest.param(  # a cgroup namespace: the process's cgroup is the mount's "/"
+            {
+                "proc/self/cgroup": "0::/\n",
+                "proc/self/mountinfo": V2_MOUNT,
+                "sys/fs/cgroup/memory.max": f"{200 * MIB}\n",
+            },
+            200 * MIB, id="v2-namespace-root",
+        ),
+        pytest.param(  # moved out of its namespace: only the mount point's files are seen
+            {
+                "proc/self/cgroup": "0::/../other\n",
+                "proc/self/mountinfo": V2_MOUNT,
+                "sys/fs/cgroup/memory.max": f"{250 * MIB}\n",
+                "sys/fs/cgroup/other/memory.max": f"{10 * MIB}\n",
+            },
+            250 * MIB, id="v2-outside-namespace",
+        ),
+        pytest.param(  # hybrid host: v1's memory controller counts, not the unified "0::"
+            {
+                "proc/self/cgroup": "5:memory:/slurm/uid_1/job_7/step_0\n"
+                "3:cpu,cpuacct:/slurm/uid_1/job_7/step_0\n0::/other\n",
+                "proc/self/mountinfo": V1_MOUNTS,
+                "sys/fs/cgroup/memory/memory.limit_in_bytes": UNLIMITED_V1,
+                "sys/fs/cgroup/memory/slurm/uid_1/job_7/memory.limit_in_bytes": f"{450 * MIB}\n",
+                "sys/fs/cgroup/memory/slurm/uid_1/job_7/memory.memsw.limit_in_bytes": f"{452 * MIB}\n",
+                "sys/fs/cgroup/memory/slurm/uid_1/job_7/step_0/memory.limit_in_bytes": UNLIMITED_V1,
+                "sys/fs/cgroup/unified/other/memory.max": f"{MIB}\n",
+                "proc/meminfo": "SwapTotal:  8192 kB\n",
+            },
+            452 * MIB, id="v1-nested-job-limit-memsw",
+        ),
+        pytest.param(  # a container without a cgroup namespace: its cgroup mounted as "/"
+            {
+                "proc/self/cgroup": "4:memory:/docker/abc\n",
+                "proc/self/mountinfo": "40 31 0:35 /docker/abc /cg\\040v1 ro - cgroup cgroup rw,memory\n",
+                "cg v1/memory.limit_in_bytes": f"{150 * MIB}\n",
+            },
+            150 * MIB, id="v1-container-mount-root",
+        ),
+    ],
+)  # fmt: skip
+def test_host_memory_is_the_own_cgroups_limit(monkeypatch, tmp_path, files, expected):
+    """The smallest limit from the process's own cgroup (/proc/self/cgroup) up to the mount
+    point (/proc/self/mountinfo), plus the swap it may use, or RAM + swap without one; the
+    file tree is a fake one under tmp_path. The expected figures are the files' own."""
     monkeypatch.setattr(_memory.sys, "platform", "linux")
-    _memory.host_memory.cache_clear()
-    try:
-        assert _memory.host_memory() == 1_000_000 + 2048
-        files["/sys/fs/cgroup/memory.max"] = "max\n"
-        _memory.host_memory.cache_clear()
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        assert _memory.host_memory() == ram + 2048
-    finally:
-        _memory.host_memory.cache_clear()
+    expected = expected() if callable(expected) else expected  # RAM: no limit, no swap
+    assert _memory.host_memory(_fake_root(tmp_path, files)) == expected
+
+
+def test_a_call_beyond_the_jobs_cgroup_limit_is_refused(monkeypatch, tmp_path):
+    """The issue's case, small: implementation="jacobian" needs the kernel twice and its
+    per-sample Jacobians (P = 32, O = 1); a job limit one byte short of that, far below the
+    machine's RAM, refuses the call with its fix instead of an out-of-memory kill."""
+    need = 2 * KERNEL + N * 32 * 4
+    files = {
+        "proc/self/cgroup": "0::/job/step\n",
+        "proc/self/mountinfo": V2_MOUNT,
+        "sys/fs/cgroup/job/memory.max": f"{need - 1}\n",
+    }
+    root, real = _fake_root(tmp_path, files), _memory.host_memory
+    monkeypatch.setattr(_memory, "host_memory", lambda: real(root))
+    with pytest.raises(ValueError, match=rf"holds {need} bytes at once .* more than the host's"):
+        ntk_core.empirical_ntk(_apply, PARAMS, X, implementation="jacobian")
 
 
 def test_a_kernel_larger_than_this_machine_is_refused_before_it_runs():

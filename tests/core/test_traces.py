@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import ntk_core
+import reference
 
 
 def _counted():
@@ -173,3 +175,33 @@ def test_every_program_runs_the_matmuls_at_the_requested_precision(
         ]
         assert found, texts  # the programs were read
         assert set(found) == {(precision.upper(),) * 2}, set(found)
+
+
+@pytest.mark.parametrize("order", [("auto", "structured"), ("structured", "auto")])
+def test_auto_shares_the_programs_of_the_implementation_it_chose(order):
+    """Issue 48: ``"auto"`` that chose ``"structured"`` and an explicit ``"structured"``
+    (either first) compile one set of programs for a signature; options that change the
+    program (the kernel's layout) still compile their own. The kernel equals the
+    float64 reference."""
+
+    def apply_fn(p, x):  # its own function: no program compiled by another test
+        return jnp.tanh(x @ p["w"]) @ p["v"]
+
+    x = jax.random.normal(jax.random.PRNGKey(5), (5, 6))
+    counts, kernels = [], []
+    for implementation in order:
+        kernel = ntk_core.ntk_fn(apply_fn, implementation=implementation)
+        assert kernel.implementation_for(PARAMS, x) == "structured"
+        before = len(_SEEN)
+        kernels.append(np.asarray(jax.block_until_ready(kernel(PARAMS, x))))
+        counts.append(len(_SEEN) - before)
+    assert counts[0] >= 1 and counts[1] == 0, counts
+    (expected,) = reference.ntk(apply_fn, PARAMS, x, None)
+    reference.assert_close(kernels[0], expected)
+    assert np.array_equal(kernels[0], kernels[1])
+    for options in ({"trace_axes": ()}, {"diagonal_axes": (0,)}):
+        before = len(_SEEN)
+        jax.block_until_ready(
+            ntk_core.ntk_fn(apply_fn, implementation=order[1], **options)(PARAMS, x)
+        )
+        assert len(_SEEN) - before >= 1, options

@@ -249,10 +249,13 @@ def test_update_errors():
         match=r"^KernelTracker.update: y has shape \(8,\); the kernel \(8, 8, 2, 2\) needs \(N, O\) = \(8, 2\).*Fix:",
     ):
         ntk_core.KernelTracker(full, X, Y[:, 0], every=1).update(0, params)
-    with pytest.raises(
-        ValueError, match=r"^KernelTracker.update: top_k must be an int in \[1, 8\], got 9"
-    ):
+    top_k = r"^KernelTracker.update: top_k must be an int in \[1, 8\], got 9: the kernel has "
+    with pytest.raises(ValueError, match=top_k + r"N·O = 8·1 eigenvalues .*Fix: pass top_k <= 8"):
         ntk_core.KernelTracker(KERNEL, X, every=1, top_k=9).update(0, params)
+    # top_k > N is no mistake where O > 1: the same top_k on the full kernel (N·O = 16) runs
+    top = ntk_core.KernelTracker(full, X, every=1, top_k=9).update(0, params).top_eigenvalues
+    expected = np.linalg.eigvalsh(_flat(full(params, X)))[::-1]  # numpy on the kernel itself
+    np.testing.assert_allclose(top, expected[:9], rtol=1e-5)
     with pytest.raises(
         ValueError, match=r"^KernelTracker.update: the kernel function returned shape \(8, 2\)"
     ):

@@ -127,6 +127,28 @@ def test_constructor_errors(kwargs, error, match):
     assert "Fix:" in str(info.value)
 
 
+def test_m_below_the_minimum_is_refused_as_soon_as_o_is_known():
+    """steps = 15: the effective rank takes min(8·(1 + 2·15), N·O) = min(248, 80) = 80
+    products here (N = 40, O = 2). Without y the constructor knows N alone: m = 30, below
+    O = 1's 40, is refused there with the m that fits any O, and m = 60 at the first update,
+    before any product, once the outputs give O; with y (N, O) the constructor refuses it."""
+    cap = 8 * (1 + 2 * 15)
+    head = r"^KernelTracker: m must be an int >= 40, got 30: the effective rank with steps=15 "
+    head += rf"takes .* = min\({cap}, 40·O\) .* known only at the first update\. "
+    with pytest.raises(ValueError, match=rf"{head}Fix: pass m >= {cap} \(enough for any O\)"):
+        ntk_core.KernelTracker(KERNEL, X, every=1, m=30, key=KEY)
+    tracker = ntk_core.KernelTracker(KERNEL, X, every=1, m=60, key=KEY)
+    late = rf"^KernelTracker.update: m must be an int >= {M}, got 60: .* = min\({cap}, 40·{O}\)"
+    with pytest.raises(
+        ValueError, match=rf"{late} .*could check m >= 40 only\. Fix: pass m >= {M}"
+    ):
+        tracker.update(0, _params())
+    assert tracker.records == []
+    early = rf"^KernelTracker: m must be an int >= {M}, got 60: .* = min\({cap}, 40·{O}\) "
+    with pytest.raises(ValueError, match=rf"{early}NTK-vector products\. Fix: pass m >= {M}"):
+        ntk_core.KernelTracker(KERNEL, X, Y, every=1, m=60, key=KEY)
+
+
 @pytest.mark.parametrize(
     "kernel_fn, error, match",
     [

@@ -120,7 +120,110 @@ def test_plan_counts_the_whole_batch_reverse_work():
             x = jnp.ones((n, 5))
             (e,) = [e for e in kernel.plan(params, x).estimates if e.implementation == "jacobian"]
             flops[vmap_axes, n] = e.flops
-    # The contraction is the same; the reverse passes add N²·O·G instead of N·O·G.
+    # The contraction is the same; the reverse passes add N²·O·G instead of N·O·G. With
+    # vmap_axes=None G is read from the whole batch's jaxpr (per sample), which lacks the
+    # one-sample jaxpr's batch axis of one added and removed (8 values of ~500 per pass).
     extra = {n: flops[None, n] - flops[0, n] for n in (50, 100)}
     assert extra[50] > 0
-    assert extra[100] / extra[50] == pytest.approx((100**2 - 100) / (50**2 - 50), rel=1e-6)
+    assert extra[100] / extra[50] == pytest.approx((100**2 - 100) / (50**2 - 50), rel=2e-3)
+
+
+#: Models for a whole batch whose output rows are not samples (issue 48: neural-tangents'
+#: structured-derivatives cases; three 3 x 3 parameters, inputs (3, 3)): auto traced them
+#: on a batch of one for its cost model and failed (NotPerSample, a bare dot_general
+#: TypeError), ntvp refused them; the whole-batch Jacobian is the truth.
+WHOLE_BATCH_MODELS = {
+    # A product over the batch axis: p @ x contracts x's samples.
+    "product_over_the_batch": lambda p, x: [
+        p[0] * p[1] * p[2] + (p[0] @ p[1].T) @ (p[2].T @ p[1]) @ x
+    ],
+    # An output of the parameters alone, through a squeezed batch axis of one.
+    "no_input": lambda p, x: jnp.squeeze(jnp.expand_dims(p[0], 0)),
+}
+
+
+def _three_by_three():
+    keys = jax.random.split(jax.random.PRNGKey(5), 5)
+    params = [jax.random.normal(k, (3, 3)) / 2 for k in keys[:3]]
+    return params, jax.random.normal(keys[3], (3, 3)), jax.random.normal(keys[4], (3, 3))
+
+
+@pytest.mark.parametrize("implementation", ["auto", "jacobian", "structured", "ntvp"])
+def test_outputs_without_sample_rows_equal_the_reference(implementation):
+    """With vmap_axes=None every implementation gives the float64 whole-batch kernel of
+    models whose rows are not samples (and the blocked engine, in one tile), and none
+    evaluates the model on a batch of one."""
+    params, x1, x2 = _three_by_three()
+    for name, model in WHOLE_BATCH_MODELS.items():
+        batches = set()
+
+        def apply_fn(p, x, model=model, batches=batches):
+            batches.add(x.shape[0])
+            return model(p, x)
+
+        kernel = ntk_core.ntk_fn(
+            apply_fn, trace_axes=(), vmap_axes=None, implementation=implementation
+        )
+        got = jax.tree.leaves(kernel(params, x1, x2))
+        expected = reference.ntk(model, params, x1, x2, trace_axes=())
+        assert len(got) == len(expected), name
+        for k, e in zip(got, expected, strict=True):
+            reference.assert_close(np.asarray(k), e)
+        assert batches == {3}, (name, batches)  # the batches given, never one sample
+        if implementation == "auto":  # in tiles of the whole batch: the same kernel
+            tiled = ntk_core.ntk_fn(model, trace_axes=(), vmap_axes=None, batch_size="auto")
+            for k, e in zip(jax.tree.leaves(tiled(params, x1, x2)), expected, strict=True):
+                reference.assert_close(np.asarray(k), e)
+    assert kernel.implementation_for(params, x1, x2) in ("jacobian", "ntvp")
+
+
+def _empty_kernel(out_shape, n2):
+    """The kernel of an output of zero values per sample, trace_axes=(): (N1, N2, O, O)."""
+    return np.zeros((out_shape[0], n2) + tuple(s for s in out_shape[1:] for _ in (0, 1)))
+
+
+def _some(p, x):
+    """The output of "empty_leaves" that has values: one empty leaf summed in, another
+    multiplied by no values."""
+    return jnp.tanh(x @ p["w"]) + p["e"].sum() + (x[:, :0] @ p["f"]).sum()
+
+
+#: Zero-size parameters and outputs (issue 48: JAX's reshape(-1) raised a bare
+#: ZeroDivisionError in "jacobian" and "structured"): (model, params, x).
+ZERO_SIZE = {
+    "identity_of_nothing": (
+        lambda p, x: x,
+        [jnp.ones((1, 1)), jnp.ones((0, 0)), jnp.ones((0, 1))],
+        jnp.ones((2, 0)),
+    ),
+    "empty_leaves": (
+        lambda p, x: {"none": jnp.tanh(x) @ p["z"], "some": _some(p, x)},
+        {
+            "w": jnp.ones((3, 2)) / 3,
+            "e": jnp.ones((0, 4)),
+            "f": jnp.ones((0, 2)),
+            "z": jnp.ones((3, 0)),
+        },
+        jnp.linspace(-1.0, 1.0, 6).reshape(2, 3),
+    ),
+}
+
+
+@pytest.mark.parametrize("vmap_axes", [0, None])
+@pytest.mark.parametrize("case", sorted(ZERO_SIZE))
+def test_zero_size_parameters_and_outputs(case, vmap_axes):
+    """Every implementation gives the empty kernel of an output with no values, and
+    the float64 reference of an output beside it, of parameters some of which are
+    empty."""
+    model, params, x = ZERO_SIZE[case]
+    for implementation in ("jacobian", "structured", "ntvp"):  # "auto" picks one of them
+        kernel = ntk_core.ntk_fn(
+            model, trace_axes=(), vmap_axes=vmap_axes, implementation=implementation
+        )
+        for x2 in (None, x) if case == "identity_of_nothing" else (x,):  # issue's: both
+            got = kernel(params, x, x2)
+            empty = got["none"] if isinstance(got, dict) else got
+            assert empty.shape == (2, 2, 0, 0), (implementation, empty.shape)
+            if isinstance(got, dict):
+                (expected,) = reference.ntk(_some, params, x, x2, trace_axes=())
+                reference.assert_close(np.asarray(got["some"]), expected)

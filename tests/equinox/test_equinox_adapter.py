@@ -23,6 +23,7 @@ frameworks.skip_module_unless("equinox")
 
 import equinox as eqx  # noqa: E402
 
+import ntk_core  # noqa: E402
 import ntk_equinox  # noqa: E402
 
 IMPLEMENTATIONS = ("jacobian", "structured", "ntvp", "auto")
@@ -483,3 +484,40 @@ def test_monte_carlo_kernels_are_the_mean_of_the_float64_references(given, batch
         nngps.append(reference.nngp(f, params, x1, x1 if x2 is None else x2, (-1,))[0])
     reference.assert_close(mc.ntk, np.mean(ntks, axis=0))
     reference.assert_close(mc.nngp, np.mean(nngps, axis=0))
+
+
+def _linear(key):
+    """One builder for every call (a new lambda would be a new function to compile)."""
+    return eqx.nn.Linear(4, 3, key=key)
+
+
+def test_functions_built_again_with_a_new_key_compile_nothing_new():
+    """Issue 48: a seed loop. Each ntk_sketch_fn, kernel_fn and Monte Carlo average built
+    again for a model of the same structure (a new key, the same shapes; the same
+    make_model) runs the programs of the first one, with the results of the core's
+    sketch for the same key and k and of the float64 reference."""
+    x = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    model = _linear(jax.random.PRNGKey(0))
+    keys = jax.random.split(jax.random.PRNGKey(2), 2)
+
+    def run(key):
+        return (
+            ntk_equinox.ntk_sketch_fn(model, k=16, key=key)(model, x),
+            ntk_equinox.kernel_fn(model)(model, x),
+            ntk_equinox.monte_carlo_kernels(_linear, x, key=key, n_samples=2).ntk,
+        )
+
+    jax.block_until_ready(run(keys[0]))
+    before = len(COMPILES)
+    phi, theta, mc = jax.block_until_ready(run(keys[1]))
+    assert len(COMPILES) == before
+    f, params = _apply(model)
+    core = ntk_core.ntk_sketch_fn(f, k=16, key=keys[1])(params, x)
+    np.testing.assert_allclose(phi, core, rtol=1e-5, atol=1e-6 * float(np.abs(core).max()))
+    reference.assert_close(theta, reference.ntk(f, params, x, None)[0])
+    fs, points = zip(*(_apply(_linear(k)) for k in jax.random.split(keys[1], 2)), strict=True)
+
+    def both(ps, x):  # side by side, no parameter shared: its traced NTK is the mean
+        return jnp.concatenate([g(p, x) for g, p in zip(fs, ps, strict=True)], axis=-1)
+
+    reference.assert_close(mc, reference.ntk(both, list(points), x, None)[0])

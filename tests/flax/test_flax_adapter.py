@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+import ntk_core
 import ntk_flax
 import reference
 import zoo
@@ -227,9 +229,9 @@ ERRORS = [
         "another model's params",
         lambda: ntk_flax.kernel(MODEL, {"Dense_0": VARIABLES["params"]}, X),
         ValueError,
-        r"^ntk_flax.kernel: variables has no 'params' collection \(keys \['Dense_0'\]\) and "
-        r"lacks 2 of the 2 parameters model.init makes \(\['bias'\], \['kernel'\]\)\. Fix: "
-        r"pass this model's model.init\(key, x\)",
+        r"^ntk_flax.kernel: variables looks like the parameters of another model: top-level "
+        r"names \['Dense_0'\], where model.init makes \['bias', 'kernel'\] for this one\. Fix: "
+        r"pass the model they belong to, or this model's model.init\(key, x\)",
     ),
     (
         "variables not a dict",
@@ -293,7 +295,7 @@ ERRORS = [
         "plan with another model's params",
         lambda: ntk_flax.plan(MODEL, {"w": X}, X),
         ValueError,
-        r"^ntk_flax.plan: variables has no 'params' collection .* parameters model.init makes",
+        r"^ntk_flax.plan: variables looks like the parameters of another model: .*\['w'\]",
     ),
     (
         "plan with an unknown option",
@@ -466,3 +468,117 @@ def test_monte_carlo_kernels_to_files_equal_the_in_memory_average(tmp_path):
     variables = [model.init(k, x1[:1]) for k in jax.random.split(kw["key"], 2)]
     ntk = np.mean([ntk_flax.kernel(model, v, x1, x2, trace_axes=()) for v in variables], 0)
     np.testing.assert_allclose(np.asarray(got.ntk), ntk, atol=1e-6 * np.abs(ntk).max())
+
+
+def _compiles() -> list[str]:
+    """A list that grows by one name per XLA compilation (JAX's monitoring events)."""
+    seen: list[str] = []
+
+    def listener(name, secs, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            seen.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    return seen
+
+
+COMPILES = _compiles()
+
+
+class Twin(nnx.Module):
+    """The nnx twin of SEQUENTIAL below."""
+
+    def __init__(self, rngs):
+        self.hidden, self.out = nnx.Linear(4, 6, rngs=rngs), nnx.Linear(6, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.hidden(x)))
+
+
+def _pure(module):
+    """The module as a function of its nnx.Param state, and that state."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    return (lambda p, x: nnx.merge(graphdef, p, rest)(x)), params
+
+
+# A list of layers: a linen module no hash takes (so no one-call cache either).
+SEQUENTIAL = nn.Sequential([nn.Dense(6), nn.tanh, nn.Dense(2)])
+
+
+def _mean_ntk(f, points, x):
+    """The float64 reference of the mean traced NTK over ``points`` (parameters of ``f``),
+    from one Jacobian: the outputs of every point side by side share no parameter, so the
+    kernel of g(θ_1..θ_S) = [f(θ_1), ..., f(θ_S)] is block diagonal and its trace over the
+    S·O outputs is the mean of the S traced kernels."""
+
+    def g(ps, x):
+        return jnp.concatenate([f(p, x) for p in ps], axis=-1)
+
+    return reference.ntk(g, list(points), x, None)[0]
+
+
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+def test_functions_built_again_with_a_new_key_compile_nothing_new(flavour):
+    """Issue 48: a seed loop. Each ntk_sketch_fn, kernel_fn, statistic and Monte Carlo
+    average built again (a new key, the same shapes) runs the programs of the first one
+    (before: one compile per new function, 1.5-1.8 s on a small CNN against 0.03 s for
+    the core's), with the results of the core's sketch for the same key and k and of the
+    float64 reference. Linen: a Sequential, which no hash takes (so the statistic's
+    one-call cache missed too)."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (5, 4))
+    keys = jax.random.split(jax.random.PRNGKey(2), 2)
+    inits = jax.random.split(keys[1], 2)  # the second Monte Carlo average's
+    if flavour == "linen":
+        model = build = SEQUENTIAL  # a linen module is its own initialiser
+        variables = model.init(jax.random.PRNGKey(1), x)
+        f, params = (lambda p, x: model.apply({"params": p}, x)), variables["params"]
+        points = [model.init(k, x[:1])["params"] for k in inits]
+    else:
+        model, build, variables = Twin(nnx.Rngs(1)), Twin, None
+        f, params = _pure(model)
+        points = [_pure(Twin(nnx.Rngs(k)))[1] for k in inits]
+
+    def run(key):
+        return (
+            ntk_flax.ntk_sketch_fn(model, k=16, key=key)(variables, x),
+            ntk_flax.kernel_fn(model)(variables, x),
+            ntk_flax.monte_carlo_kernels(build, x, key=key, n_samples=2).ntk,
+            # exact (N·O <= m); for a hashable model its one-call cache hit before
+            ntk_flax.ntk_frobenius_sq(model, variables, x, key=key).estimate
+            if flavour == "linen"
+            else None,
+        )
+
+    jax.block_until_ready(run(keys[0]))
+    before = len(COMPILES)
+    phi, theta, mc, frobenius = jax.block_until_ready(run(keys[1]))
+    assert len(COMPILES) == before
+    core = ntk_core.ntk_sketch_fn(f, k=16, key=keys[1])(params, x)
+    np.testing.assert_allclose(phi, core, rtol=1e-5, atol=1e-6 * float(np.abs(core).max()))
+    full = reference.full_ntk(f, params, x, None)[0]  # (N, O, N, O)
+    reference.assert_close(theta, reference.reduce_full(full, (-1,), ()))
+    reference.assert_close(mc, _mean_ntk(f, points, x))
+    if frobenius is not None:
+        assert abs(frobenius - np.sum(full**2)) <= 1e-5 * np.sum(full**2)  # ‖Θ‖²_F, N·O square
+
+
+def test_the_models_apply_is_equal_only_for_an_equal_model_and_arguments():
+    """What issue 48's shared programs rest on: the adapter's apply3 (adapters.keyed) is
+    equal for an equal model, method and apply_kwargs, a list of layers compared by value,
+    and differs for another width, method, a flag of another type (True is not 1) or an
+    array argument (equal only to itself, as a closure is)."""
+    from ntk_flax._kernel import _model_apply
+
+    def apply3(model, method=None, **apply_kwargs):
+        return _model_apply(model, method, apply_kwargs, "x", "ntk_flax.kernel_fn")
+
+    def seq(width):
+        return nn.Sequential([nn.Dense(width), nn.tanh, nn.Dense(2)])
+
+    same = apply3(seq(6))
+    assert same == apply3(seq(6)) and hash(same) == hash(apply3(seq(6)))
+    assert same != apply3(seq(7)) and same != apply3(seq(6), method="__call__")
+    assert apply3(Counting(), train=True) == apply3(Counting(), train=True)
+    assert apply3(Counting(), train=True) != apply3(Counting(), train=1)
+    scale = jnp.ones(2)
+    assert apply3(Counting(), scale=scale) != apply3(Counting(), scale=scale)

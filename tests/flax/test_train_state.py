@@ -169,9 +169,17 @@ def test_other_inputs_are_refused_with_the_fix():
     with pytest.raises(ValueError) as info:
         ntk_flax.nngp(MODEL, other, X1)
     assert re.match(
-        r"ntk_flax.nngp: variables has no 'params' collection \(keys \['Conv_0', "
-        r"'Dense_0'\]\) and lacks 2 of the 4 parameters model.init makes "
-        r"\(\['Dense_1'\]\['bias'\], \['Dense_1'\]\['kernel'\]\)\. Fix: pass this model's",
+        r"ntk_flax.nngp: variables looks like the parameters of another model: top-level names "
+        r"\['Conv_0', 'Dense_0'\], where model.init makes \['Dense_0', 'Dense_1'\] for this one\. "
+        r"Fix: pass the model they belong to, or this model's",
+        str(info.value),
+    )
+    lacking = {"Dense_0": params["Dense_0"], "Dense_1": {"kernel": params["Dense_1"]["kernel"]}}
+    with pytest.raises(ValueError) as info:  # this model's layers, one parameter short
+        ntk_flax.kernel(MODEL, _state(MODEL, lacking), X1)
+    assert re.match(
+        r"ntk_flax.kernel: variables is a TrainState whose .params lack 1 of the 4 parameters "
+        r"model.init makes \(\['Dense_1'\]\['bias'\]\)\. Fix: pass this model's",
         str(info.value),
     )
 
@@ -191,6 +199,44 @@ def test_other_inputs_are_refused_with_the_fix():
         TypeError, match=r"^ntk_flax.kernel: variables is a TrainState whose \.params is list"
     ):
         ntk_flax.kernel(MODEL, state, X1)
+
+
+class Stack(nn.Module):
+    """MLP's layers under other names (layers_0, layers_1): another model's parameters."""
+
+    def setup(self):
+        self.layers = [nn.Dense(8), nn.Dense(3)]
+
+    def __call__(self, x):
+        return self.layers[1](nn.relu(self.layers[0](x)))
+
+
+def test_another_models_train_state_is_named_as_such():
+    """The issue's case: a TrainState of Stack given with MLP, as a state, its .params, a
+    dict restored from a checkpoint and a variables dict: each says the parameters look
+    like another model's and names both sets of layers."""
+    variables = Stack().init(jax.random.PRNGKey(4), X1)
+    state = _state(Stack(), variables["params"])
+    names = r"top-level names \['layers_0', 'layers_1'\], where model.init makes \['Dense_0', "
+    names += r"'Dense_1'\] for this one"
+    fix = r"\. Fix: pass the model they belong to, or this model's model.init\(key, x\), its "
+    forms = [
+        (state, r"variables is a TrainState whose .params look like"),
+        (state.params, r"variables looks like"),
+        (
+            dict(params=state.params, step=0, opt_state=None),
+            r"variables is a train state dict whose",
+        ),
+        (variables, r"variables\['params'\] looks like"),
+    ]
+    for given, subject in forms:
+        with pytest.raises(ValueError) as info:
+            ntk_flax.kernel(MODEL, given, X1, X2)
+        tail = r" \(the model failed with ScopeParamNotFoundError\)" if given is variables else ""
+        pattern = (
+            rf"ntk_flax.kernel: {subject}.* the parameters of another model: {names}{tail}{fix}"
+        )
+        assert re.match(pattern, str(info.value)), str(info.value)
 
 
 def test_bare_params_for_inputs_of_another_shape_name_the_shape():

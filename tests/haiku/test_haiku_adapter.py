@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ntk_core
 import ntk_haiku
 import reference
 
@@ -283,3 +284,49 @@ def test_out_of_core_kernel_equals_the_in_memory_one(tmp_path):
     reference.assert_close(written, reference.ntk(net.apply, params, x1, None, trace_axes=())[0])
     again = ntk_haiku.kernel(net, params, x1, trace_axes=(), batch_size=4, out=path, resume=True)
     assert np.array_equal(again, in_memory)  # finished: returned as it is
+
+
+def _compiles() -> list[str]:
+    """A list that grows by one name per XLA compilation (JAX's monitoring events)."""
+    seen: list[str] = []
+
+    def listener(name, secs, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            seen.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    return seen
+
+
+COMPILES = _compiles()
+
+
+def test_functions_built_again_with_a_new_key_compile_nothing_new():
+    """Issue 48: a seed loop. Each ntk_sketch_fn, kernel_fn and Monte Carlo average built
+    again for the same transform (a new key, the same shapes) runs the programs of the
+    first one (before: one compile per new function), with the results of the core's
+    sketch for the same key and k and of the float64 reference."""
+    net = hk.without_apply_rng(hk.transform(mlp))
+    params = net.init(jax.random.PRNGKey(1), X)
+    keys = jax.random.split(jax.random.PRNGKey(2), 2)
+
+    def run(key):
+        return (
+            ntk_haiku.ntk_sketch_fn(net, k=16, key=key)(params, X),
+            ntk_haiku.kernel_fn(net)(params, X),
+            ntk_haiku.monte_carlo_kernels(net, X, key=key, n_samples=2).ntk,
+        )
+
+    jax.block_until_ready(run(keys[0]))
+    before = len(COMPILES)
+    phi, theta, mc = jax.block_until_ready(run(keys[1]))
+    assert len(COMPILES) == before
+    core = ntk_core.ntk_sketch_fn(net.apply, k=16, key=keys[1])(params, X)
+    np.testing.assert_allclose(phi, core, rtol=1e-5, atol=1e-6 * float(np.abs(core).max()))
+    reference.assert_close(theta, reference.ntk(net.apply, params, X, None)[0])
+
+    def both(ps, x):  # side by side, no parameter shared: its traced NTK is the mean
+        return jnp.concatenate([net.apply(p, x) for p in ps], axis=-1)
+
+    inits = [net.init(k, X[:1]) for k in jax.random.split(keys[1], 2)]
+    reference.assert_close(mc, reference.ntk(both, inits, X, None)[0])

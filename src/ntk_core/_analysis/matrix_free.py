@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -365,6 +366,28 @@ def min_rank_products(steps: int, size: int) -> int:
     return min(MIN_RANK_PROBES * (1 + 2 * min(steps, size)), size)
 
 
+def check_tracked_m(fn: str, m, steps: int, n: int, rows=None, *, late=False) -> int:
+    """``m`` of matrix-free tracking (``KernelTracker(m=)``) on ``n`` probe samples: at least
+    :func:`min_rank_products` of the kernel's ``rows`` = N·O. Without ``rows`` (O is known
+    only from the model's outputs, at the first update, unless y gives it) the bound for
+    O = 1 is checked, and the error's fix is the m that suffices for any O; ``late``: the
+    update's check, once the model's outputs give O."""
+    cap = MIN_RANK_PROBES * (1 + 2 * steps)  # the fewest products once N·O >= cap
+    low = min_rank_products(steps, n if rows is None else rows)
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m >= low or low < 4:
+        return check_m(fn, m, max(4, low), example=max(400, cap))  # Hutch++ needs 4 anyway
+    size = f"{n}·O" if rows is None else f"{n}·{rows // n}"  # N probe samples, O outputs
+    what = f"m must be an int >= {low}, got {m}: the effective rank with steps={steps} takes "
+    what += f"min({MIN_RANK_PROBES}·(1 + 2·steps), N·O) = min({cap}, {size}) NTK-vector products"
+    fix = f"pass m >= {low}, or fewer steps"
+    if late:  # the constructor passed it: say why only now
+        what += f"; O is known only now, the constructor could check m >= {min(cap, n)} only"
+    if rows is None and n < cap:  # the minimum grows with O, unknown before the first update
+        what += ", O (outputs per sample) being known only at the first update"
+        fix = f"pass m >= {cap} (enough for any O), or fewer steps"
+    raise bad(ValueError, fn, what, fix)
+
+
 def _effective_rank(op: _Flat, key, m, steps: int, trace: Callable[[], float]) -> Estimate:
     """SLQ of :func:`ntk_effective_rank` on ``op``; ``trace()``: tr Θ exact (when needed)."""
     steps = min(steps, op.m)
@@ -573,6 +596,8 @@ def tracked(fn: str, kernel, first, x, keywords: dict, y, key, m: int, steps: in
     batch_size = o.batch_size if isinstance(o.batch_size, int) else None  # VJPs in batches
     op = _flat(kernel_model(kernel, first, x, keywords), batch_size, o.precision)
     op = op._replace(fn=fn)
+    n = jax.tree.leaves(op.outputs)[0].shape[0]
+    check_tracked_m(fn, m, steps, n, op.m, late=True)  # O known now: the constructor knew N
     trace = model_trace(op.model, o.batch_size, o.implementation, o.precision)
     k_frobenius, k_rank = jax.random.split(key)
     frobenius = _hutchpp(op, check_m(fn, m), k_frobenius)

@@ -166,13 +166,14 @@ class KernelTracker:
         (``ntk_core.ntk_fn``, ``ntk_flax.kernel_fn``, ``ntk_haiku.kernel_fn``, ...).
       x_probe: N probe inputs, an array ``(N, ...)`` or a pytree with batch axis 0.
       y: optional labels ``(N,)`` or ``(N, O)`` (``(N, O)`` for ``(N, N, O, O)`` kernels).
-      every: positive int. top_k: eigenvalues recorded (<= N·O).
+      every: positive int. top_k: eigenvalues recorded (<= N·O; checked at the first update,
+        as O is known only from the first kernel: top_k <= N always fits).
       keep_kernels: keep every kernel in :attr:`kernels` (K_0 is kept anyway).
       out: optional folder for ``kernel_step_{step:08d}.npy`` and ``metrics.json``
         (:meth:`to_dict`), written atomically at each tracked step; made if missing.
       overwrite: let ``out`` hold an earlier run's files (removed at the first write); without
         it such a folder is refused, so no run's results are lost or mixed.
-      m: ``None`` (default): the exact kernel, as above. An int >= 4: matrix-free, the
+      m: ``None`` (default): the exact kernel, as above. An int (see ``steps``): matrix-free, the
         kernel never formed (probe sets whose N·O x N·O kernel does not fit): each tracked
         step records an :class:`EstimateRecord`, the exact trace (O(N)), ‖Θ‖²_F by Hutch++
         and the effective rank by stochastic Lanczos quadrature with ``m`` NTK-vector
@@ -182,7 +183,10 @@ class KernelTracker:
         an adapter's ``kernel_fn``: its model, fixed parts, ``wrt``, ``precision``, int
         ``batch_size`` are used); ``out`` then writes ``metrics.json`` only.
       key: with ``m``, one JAX PRNG key; step s uses ``jax.random.fold_in(key, s)``.
-      steps: with ``m``, Lanczos steps per vector (m >= 8·(1 + 2·steps) unless m >= N·O).
+      steps: with ``m``, Lanczos steps per vector: m >= min(8·(1 + 2·steps), N·O) (and >= 4).
+        O, the outputs per sample, is known before the first update only from y; without y
+        the constructor checks O = 1's minimum and update the rest (m >= 8·(1 + 2·steps) fits
+        any O).
 
     Attributes: records, history (arrays per field over T steps; ``step`` int64,
     ``top_eigenvalues`` ``(T, top_k)``), kernels, initial_kernel (K_0 or None); with ``m``
@@ -193,7 +197,8 @@ class KernelTracker:
     step (a ``jax.Array`` would sync; swapped arguments), a non-array kernel. ValueError:
     ``every``/``top_k`` < 1, bad shapes, ``out`` not a writable folder or holding an earlier
     run's files; in :meth:`update`, a step not after the last, a kernel not of the probe set,
-    not symmetric or finite, ``top_k`` > N·O. NonFiniteError: NaN or Inf in ``x_probe``.
+    not symmetric or finite, ``top_k`` > N·O, ``m`` below the minimum for the model's O.
+    NonFiniteError: NaN or Inf in ``x_probe``.
 
     Cost: per tracked step a kernel call, a host copy, an M³ eigendecomposition (M = N·O);
     with ``m``: 2·m + 1 NTK-vector products (each about 4 forward passes over the N probe
@@ -244,9 +249,10 @@ class KernelTracker:
         self._kernel_fn = kernel_fn
         self._x, self.n_probe = _probe_inputs(x_probe)
         check_finite_input(_NAME, "x_probe", self._x)
-        options = _matrix_free_options(m, key, steps, self.keep_kernels, self.n_probe)
-        self.m, self.steps, self._key = options
         self._y = _labels(y, self.n_probe)
+        rows = None if self._y is None else self._y.size  # N·O where y gives O
+        options = _matrix_free_options(m, key, steps, self.keep_kernels, self.n_probe, rows)
+        self.m, self.steps, self._key = options
         self.out, self._earlier = _out_folder(out, overwrite)
         self.records: list[KernelRecord] = []
         self.kernels: list[np.ndarray] = []  # with keep_kernels
@@ -323,7 +329,13 @@ class KernelTracker:
             if y is not None and flat.out_shape and y.shape != want:
                 what = f"y has shape {y.shape}; the kernel {kernel.shape} needs (N, O) = {want}"
                 raise bad(ValueError, _UPDATE, what, "pass one-hot labels, or trace_axes=(-1,)")
-            check_int(_UPDATE, "top_k", self.top_k, "lower top_k, or enlarge x_probe", high=flat.m)
+            if self.top_k > flat.m:  # O is known from this first kernel on, not before
+                what = f"top_k must be an int in [1, {flat.m}], got {self.top_k}: the kernel has "
+                what += f"N·O = {n}·{flat.o} eigenvalues (O, the outputs per sample, is known "
+                what += "only from the first kernel: the constructor could not check it)"
+                raise bad(
+                    ValueError, _UPDATE, what, f"pass top_k <= {flat.m}, or more probe samples"
+                )
             self._shape, self._dtype = tuple(kernel.shape), str(kernel.dtype)
             self.initial_kernel = kernel
         dense = flat.dense()
@@ -379,15 +391,15 @@ class KernelTracker:
         _atomic_write(self.out, _METRICS, lambda fh: fh.write(text))
 
 
-def _matrix_free_options(m, key, steps, keep_kernels: bool, n: int) -> tuple:
-    """``(m, steps, key)`` checked (``n`` probe samples): all None-like for the exact kernel."""
+def _matrix_free_options(m, key, steps, keep_kernels: bool, n: int, rows) -> tuple:
+    """``(m, steps, key)`` checked (``n`` probe samples, ``rows`` = N·O where y gives O, else
+    None): all None-like for the exact kernel."""
     if m is None:
         if key is not None:
             raise bad(ValueError, _NAME, "key is given but m is None", "pass e.g. m=400, or no key")
         return None, None, None
     steps = _matrix_free.check_steps(_NAME, steps)
-    low = _matrix_free.min_rank_products(steps, n)  # a bound: the kernel has N·O >= N rows
-    m = _matrix_free.check_m(_NAME, m, max(4, low), example=400)
+    m = _matrix_free.check_tracked_m(_NAME, m, steps, n, rows)  # update checks it again
     key = check_key(_NAME, key)
     if keep_kernels:
         what = f"keep_kernels=True with m={m}: matrix-free tracking forms no kernel"

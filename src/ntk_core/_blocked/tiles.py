@@ -239,13 +239,21 @@ def tiling(implementation, config, options, params, x1, x2, aux) -> Tiling:
     batch_diagonal = config.layouts[0].batch_diagonal
     budget = options.memory_budget or default_memory_budget()
     features = implementation.features  # None for "ntvp"
-    one = jax.tree.map(lambda v: jax.ShapeDtypeStruct((1,) + np.shape(v)[1:], v.dtype), x1)
+    # One sample; with vmap_axes=None the whole x1 (rows need not be samples), per sample.
+    m = 1 if config.vmap_axes is not None else n1
+    one = jax.tree.map(lambda v: jax.ShapeDtypeStruct((m,) + np.shape(v)[1:], v.dtype), x1)
     f_one = None if features is None else jax.eval_shape(features, params, one, aux)
 
     def one_tile(p, f, a, x):
         return implementation.tile(p, f, f, a, x, x, False)[0]
 
     kernel_leaves = jax.tree.leaves(jax.eval_shape(one_tile, params, f_one, aux, one))
+    if m > 1:  # per sample and per pair: the leading N (diagonal) or N x N axes to 1
+        f_one = jax.tree.map(lambda v: jax.ShapeDtypeStruct((1, v.size // m), v.dtype), f_one)
+        lead = 1 if batch_diagonal else 2
+        kernel_leaves = [
+            jax.ShapeDtypeStruct((1,) * lead + v.shape[lead:], v.dtype) for v in kernel_leaves
+        ]
     kernel_bytes = _nbytes(kernel_leaves)
     # W, working bytes per pair: the implementation's kernel-sized terms per pair
     n_out, terms = config.out_tree.num_leaves, PHASES[config.implementation].pair_terms(config)

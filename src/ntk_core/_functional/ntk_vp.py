@@ -16,6 +16,7 @@ from ntk_core._kernel import probe as _probe
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import Caller, core
 from ntk_core._kernel.checks import all_finite, check_finite_input
+from ntk_core._kernel.ids import check_ids
 from ntk_core._kernel.model import from_apply_fn
 from ntk_core._kernel.options import DEFAULTS, make_options
 from ntk_core._kernel.validate import batch_size as _batch_size
@@ -234,6 +235,7 @@ def make_ntk_vp(
     if check is not None:
         check(params, x, None, aux)
     outputs, tree = _outputs(caller, apply3, params, x, aux, n)
+    check_ids(fn, apply3, params, x, aux, precision=precision, name="x")  # ids out of range
     _checks.after_trace(fn, apply3, params, x, aux, options)
     batched = batch_size is not None and batch_size < n
     found = batched and _probe.samples_interact(apply3, params, x, None, aux, fn_name=fn)

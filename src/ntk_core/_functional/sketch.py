@@ -43,6 +43,7 @@ from ntk_core._kernel import probe as _probe
 from ntk_core._kernel import subset as _subset
 from ntk_core._kernel.arguments import _checked_arguments
 from ntk_core._kernel.caller import core
+from ntk_core._kernel.ids import check_ids
 from ntk_core._kernel.layout import resolve_layout
 from ntk_core._kernel.model import from_apply_fn, one_sample, per_sample_jaxpr
 from ntk_core._kernel.options import (
@@ -347,6 +348,9 @@ class _Sketcher:
         params, aux = self._split(params, aux)
         block = self._block(params, aux, x, n)
         plan = self._plan(params, aux, x, block)
+        check_ids(
+            self._caller.name, self._apply3, params, x, aux, precision=self.precision, name="x"
+        )
         run = _block_fn(self._apply3, plan, self.precision)
         if self.options is not None and self.options.out is not None:
             return self._to_file(run, plan, params, aux, x, n, block)

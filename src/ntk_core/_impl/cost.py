@@ -1,5 +1,6 @@
 """Analytic cost model behind ``implementation="auto"``: FLOPs counted from the shapes of
-one single-sample jaxpr (never XLA's cost analysis, wrong or -1 on CPU and GPU), split by
+one single-sample jaxpr (``vmap_axes=None``: the whole batch's, per sample; never XLA's
+cost analysis, wrong or -1 on CPU and GPU), split by
 what the reverse pass differentiates (:class:`PassCost`), and seconds at the backend's
 :data:`RATES`. ``"auto"`` takes the fastest estimate that fits
 :data:`JACOBIAN_MEMORY_BUDGET` (else the implementation without features). Formulas:
@@ -286,9 +287,13 @@ def estimate(
     triangle=None,
     whole_batch=None,
     kernel_sizes=None,
+    batch=1,
 ):
     """Each implementation's :class:`CostEstimate` for one call (its ``Impl.estimate``) of
-    the model whose jaxpr on one sample ``x_one`` is ``closed``.
+    the model whose jaxpr on one sample ``x_one`` is ``closed``; with ``whole_batch``
+    (``vmap_axes=None``) only those that need no per-sample independence, and ``closed``
+    may be the jaxpr of a whole batch of ``batch`` samples (``x_one`` then that batch):
+    its FLOPs and values count per sample as its totals / ``batch``.
 
     With F forward FLOPs, per cotangent G_a activation, G_w weight and G_e elementwise
     gradient FLOPs (:class:`PassCost`), O outputs per sample, O' kernel entries per pair
@@ -304,7 +309,7 @@ def estimate(
     n_p, n_x = len(param_leaves), len(jax.tree.leaves(x_one))
     depends = [(True, False)] * n_p + [(False, True)] * n_x
     depends += [(False, False)] * (len(closed.jaxpr.invars) - len(depends))
-    pc = pass_cost(closed.jaxpr, depends)
+    pc = per_sample(pass_cost(closed.jaxpr, depends), batch)
     rates = rates_for()
     leaf_sizes = [math.prod(p.shape) for p in param_leaves]
     itemsize = max((jax.numpy.dtype(p.dtype).itemsize for p in param_leaves), default=4)
@@ -312,7 +317,7 @@ def estimate(
     o_pair = sum(pair_sizes)
     # Memory beside the features: the kernel (twice for a Gram matrix) and the passes
     # in flight, (O + 1)·V/2 values per sample (within 2x, benchmarks/plan_accuracy.py).
-    values = values_written(closed.jaxpr)
+    values = values_written(closed.jaxpr) // batch
     entries_pair = o_pair if kernel_sizes is None else sum(kernel_sizes)
     call = Call(
         n1=n1,
@@ -340,7 +345,22 @@ def estimate(
         act_x=rates.conv_channel_slowdown * pc.conv_activation_extra,
         merge_limit=_jacobian.merge_limit(max(n1, n2), out_total, o_pair),
     )
-    return tuple(CostEstimate(impl.name, *impl.estimate(call)) for impl in REGISTRY.values())
+    return tuple(
+        CostEstimate(impl.name, *impl.estimate(call))
+        for impl in REGISTRY.values()
+        if whole_batch is None or not impl.needs_independence
+    )
+
+
+def per_sample(cost: PassCost, batch: int) -> PassCost:
+    """A whole batch's :class:`PassCost` per sample: each term / ``batch``, and the
+    convolutions' FLOPs times output values (a product of two batch-sized counts) /
+    ``batch``²."""
+    if batch == 1:
+        return cost
+    scaled = {f.name: getattr(cost, f.name) / batch for f in dataclasses.fields(cost)}
+    scaled["grad_weights_conv_values"] = cost.grad_weights_conv_values / batch**2
+    return PassCost(**scaled)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,7 +70,7 @@ def whole_batch_rows(f, params, index):
     cotangents = [
         (index[:, None] == (start + jnp.arange(o.size))[None, :])
         .astype(o.dtype)
-        .reshape((-1,) + o.shape)
+        .reshape((index.shape[0],) + o.shape)  # not -1: o may hold no values
         for o, start in zip(out_leaves, starts, strict=False)
     ]
     return jax.vmap(lambda *ct: pullback(jax.tree.unflatten(out_def, list(ct)))[0])(*cotangents)
@@ -114,7 +114,8 @@ def matrices(jac, params, out_tree, merge_limits=None):
     per_out = out_tree.flatten_up_to(jac)
 
     def flat(j, p):
-        return j.reshape(j.shape[: j.ndim - jnp.ndim(p)] + (-1,))
+        lead = j.ndim - jnp.ndim(p)  # (N, *O), then the leaf's axes (maybe of size 0)
+        return j.reshape(j.shape[:lead] + (math.prod(j.shape[lead:]),))
 
     limits = (None,) * len(per_out) if merge_limits is None else merge_limits
     return [

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -34,10 +32,14 @@ def contract(params, xa, xb, aux, *, apply3, config):
 
 def model_failure(spec, checked, params, x1, x2, aux) -> Exception | None:
     """The error the model raises traced inside NTK-vector products on one sample (e.g.
-    ``flax.nnx.scan``), or None."""
-    one = functools.partial(jax.tree.map, lambda a: a[:1])
-    xb = x1 if x2 is None else x2
+    ``flax.nnx.scan``), or with ``vmap_axes=None`` on the whole batches (a batch of one
+    is not the model's input there), or None."""
     vmap_axes = spec.options.vmap_axes
+
+    def one(x):
+        return x if vmap_axes is None else jax.tree.map(lambda a: a[:1], x)
+
+    xb = x1 if x2 is None else x2
     pairwise = vmap_axes is not None and checked.layouts[0].batch_diagonal
 
     def trace(p, a, b, aux):

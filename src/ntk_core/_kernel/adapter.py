@@ -108,6 +108,63 @@ def entry_kind(fn: Callable) -> tuple[str, bool]:
     return kinds.get(name, "ntk"), bool(built)
 
 
+def _value_key(value):
+    """A hashable stand-in of ``value``, equal for equal values of the same types (True is not
+    1: a model traced with one need not compute what it computes with the other); mappings,
+    lists and tuples by their items, an unhashable dataclass (a linen module holding a list
+    of layers) by its compared fields. TypeError for anything else unhashable (an array)."""
+    if isinstance(value, Mapping):  # ordered by the keys' repr: equal dicts, one key
+        items = [(_value_key(k), _value_key(v)) for k, v in value.items()]
+        return type(value), tuple(sorted(items, key=lambda item: repr(item[0])))
+    if isinstance(value, (list, tuple)):
+        return type(value), tuple(_value_key(v) for v in value)
+    try:
+        hash(value)
+        return type(value), value
+    except TypeError:
+        if not dataclasses.is_dataclass(value) or isinstance(value, type):
+            raise
+    fields = [f for f in dataclasses.fields(value) if f.compare]  # what its == compares
+    return type(value), tuple((f.name, _value_key(getattr(value, f.name))) for f in fields)
+
+
+class Keyed:
+    """``fn`` equal (``==``, ``hash``) to every ``Keyed`` of equal ``parts``; see :func:`keyed`."""
+
+    __slots__ = ("fn", "key", "__weakref__")  # JAX holds traced functions weakly
+
+    def __init__(self, fn: Callable, parts: tuple):
+        self.fn = fn
+        try:
+            self.key = _value_key(parts)
+        except TypeError:  # an array among them: equal only to itself, as a closure is
+            self.key = object()
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is Keyed and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"<keyed {getattr(self.fn, '__qualname__', self.fn)!r}>"
+
+
+def keyed(fn: Callable, *parts) -> Keyed:
+    """``fn`` as an object equal (``==``, ``hash``) to every ``keyed(other_fn, *parts)`` of
+    equal ``parts``: an adapter's ``apply3`` (or a Monte Carlo initialiser) built again for an
+    equal model hits every cache keyed on it, so a new kernel function, sketch or statistic
+    compiles nothing new. ``parts``: everything ``fn`` closes over that fixes the function
+    (model, method, keyword arguments, the public name its messages give), compared by value
+    and type (dicts, lists, tuples by their items; an unhashable dataclass, such as a linen
+    module holding a list of layers, by its compared fields); with an unhashable value (an
+    array) among them the result is equal only to itself. Cost: one walk of ``parts``."""
+    return Keyed(fn, parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class PureModel:
     """One model as the core sees it, for :func:`build_kernel`.

@@ -15,6 +15,7 @@ from ntk_core._impl import phases as _implementations
 from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel import executor as _executor
+from ntk_core._kernel import ids as _ids
 from ntk_core._kernel import planner as _planner
 from ntk_core._kernel import subset as _subset
 from ntk_core._kernel import validate as _validate
@@ -95,6 +96,7 @@ class Engine:
         if options.batch_size is None:
             _validate.check_one_device(spec, params, x1, x2, aux)
         checked, config = self.prepare(params, x1, x2, aux)
+        _ids.check_call(spec, checked, params, x1, x2, aux)  # every call: ids are values
         implementation = self.implementation(config)
         if options.batch_size is None:
             _planner.check_fits(spec, checked, config, params, x1)

@@ -72,8 +72,8 @@ def resolve_layout(
     fn_name: str, trace_axes: Axes, diagonal_axes: Axes, shape, where: str, several=False
 ):
     """The axes normalised for one output leaf of ``shape`` (``where`` in messages; one of
-    ``several``); ValueError for an axis out of range, named twice, traced and diagonal, or
-    the batch axis traced."""
+    ``several``); ValueError for an axis out of range, named twice, traced and diagonal,
+    the batch axis traced, or a traced axis of size 0."""
     ndim, shape = len(shape), tuple(shape)
     of = f"{where} of shape {shape}"
     found = []
@@ -99,6 +99,11 @@ def resolve_layout(
         fix = "leave axis 0 out (e.g. trace_axes=() for an output (N,)), or use diagonal_axes=(0,)"
         if several:  # e.g. (logits, loss): extra outputs per sample
             fix += "; or make the model return its outputs alone"
+        raise bad(ValueError, fn_name, what, fix)
+    empty = [a for a in trace if shape[a] == 0]
+    if empty:  # the mean over no values: NaN (0 / 0) in every implementation
+        what = f"trace_axes={tuple(trace_axes)!r} averages axis {empty[0]} of {of}, which is empty"
+        fix = "leave the empty axis out of trace_axes (e.g. trace_axes=())"
         raise bad(ValueError, fn_name, what, fix)
     return LeafLayout(ndim, trace, diag)
 

@@ -181,8 +181,7 @@ def make_options(
     """Validates the shared options; raises TypeError/ValueError naming ``fn_name``."""
     trace, diag = _axes(fn_name, trace_axes=trace_axes, diagonal_axes=diagonal_axes)
     if vmap_axes is not None and (isinstance(vmap_axes, bool) or vmap_axes != 0):
-        fix = "move the batch axis to 0, or pass vmap_axes=None"
-        raise must(ValueError, fn_name, "vmap_axes", "0 or None", repr(vmap_axes), fix)
+        raise must(ValueError, fn_name, "vmap_axes", "0 or None", repr(vmap_axes), _move(vmap_axes))
     if not isinstance(implementation, (str, bool)) and implementation in NT_IMPLEMENTATIONS:
         nt, name = NT_IMPLEMENTATIONS[implementation]
         what = f"implementation={implementation!r} is neural-tangents' NtkImplementation.{nt}"
@@ -203,6 +202,19 @@ def make_options(
     kernel = (trace, diag, vmap_axes, implementation, precision, _wrt(fn_name, wrt))
     block = (batch_size, store_on_device, progress, memory_budget, out, resume, overwrite)
     return KernelOptions(*kernel, *block, devices)
+
+
+def _move(vmap_axes) -> str:
+    """The fix for neural-tangents' ``vmap_axes``: an int b (inputs' and outputs' batch axis),
+    or ``(in_axes, out_axes, kwargs_axes)``; the recipe moves both batch axes to 0."""
+    b = c = vmap_axes
+    if isinstance(vmap_axes, tuple) and len(vmap_axes) == 3:
+        b, c = vmap_axes[:2]
+    b, c = (b if _is_int(b) else "b", c if _is_int(c) else "c")
+    return (
+        f"move the batch axes first: f0 = lambda p, x: jnp.moveaxis(f(p, jnp.moveaxis(x, 0, {b})), "
+        f"{c}, 0) on x0 = jnp.moveaxis(x, {b}, 0) with vmap_axes=0, or pass vmap_axes=None"
+    )
 
 
 def refuse_options(fn_name: str, options: KernelOptions, taken: tuple, why: str) -> None:

@@ -149,15 +149,25 @@ def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
 
 
 def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, whole=None):
-    """The :class:`_cost.CostEstimate` of each implementation that can compute the call."""
-    x_one = one_sample(x1)
+    """The :class:`_cost.CostEstimate` of each implementation that can compute the call.
+    With ``vmap_axes=None`` the costs are read from validation's jaxpr of the whole batch
+    (per sample: its totals / N1) and nothing is traced: a model whose rows are not
+    samples (a squeeze, a product over the batch axis) need not run on a batch of one."""
     shapes1, layouts = checked.shapes1, checked.layouts
     n1, n2 = checked.n1, checked.n2
+    if spec.options.vmap_axes is None:  # no per-sample structure: no structured analysis
+        closed, x_traced, batch, found_analysis = checked.closed, x1, n1, None
+    else:
+        x_traced, batch = one_sample(x1), 1
+        closed = per_sample_jaxpr(
+            spec.apply3, params, x_traced, aux, precision=spec.options.precision
+        )
+        found_analysis = analysis(spec, analyses, params, x1, aux)
     batch_diag = any(layout.batch_diagonal for layout in layouts)
     found = _cost.estimate(
-        per_sample_jaxpr(spec.apply3, params, x_one, aux, precision=spec.options.precision),
+        closed,
         params,
-        x_one,
+        x_traced,
         n1=n1,
         n2=checked.n2,
         pairs=n1 if batch_diag else n1 * n2,
@@ -166,11 +176,10 @@ def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, who
         pair_sizes=pair_sizes(shapes1, layouts),
         kernel_sizes=kernel_sizes(shapes1, layouts),
         symmetric=checked.symmetric,
-        analysis=analysis(spec, analyses, params, x1, aux),
+        analysis=found_analysis,
         whole_batch=whole,
+        batch=batch,
     )
-    if spec.options.vmap_axes is None:  # some need per-sample independence
-        found = tuple(e for e in found if not REGISTRY[e.implementation].needs_independence)
     if spec.kind is Kind.NTK_PER_LEAF:  # some do not separate the leaves
         found = tuple(e for e in found if REGISTRY[e.implementation].separates_leaves)
     return found

@@ -278,7 +278,8 @@ def _covariance(fn, prior, quad, cross, abs_cross, m, u):
         i = int(np.flatnonzero(below.reshape(-1))[0])
         v, lim = var.reshape(-1)[i], tol.reshape(-1)[i]
         what = f"a posterior variance {v:.2e} < −{lim:.2e}: not jointly positive semi-definite"
-        raise bad(ValueError, fn, what, "use the kernels of one network", see="negative-variance")
+        fix = "use the kernels of one network, computed in one call (in float64 for a deep one)"
+        raise bad(ValueError, fn, what, fix, see="negative-variance")
     cov[..., idx, idx] = np.maximum(var, 0.0)
     return cov
 

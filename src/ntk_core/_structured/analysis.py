@@ -549,7 +549,8 @@ def features(apply3, params, x, aux, fuse_bias, modes, merge_limits, *, precisio
     fallback, explicit, merged, g = [], [], [], []  # per output leaf
     for k, o in enumerate(closed.out_avals):  # one sample's output leaves
         o_ndim = 1 + len(o.shape)  # (N, *O)
-        fb_k = [j.reshape(j.shape[:o_ndim] + (-1,)) for j in j_fb[k]]
+        # Leaves flattened (not -1: a leaf or an output may hold no values).
+        fb_k = [j.reshape(j.shape[:o_ndim] + (math.prod(j.shape[o_ndim:]),)) for j in j_fb[k]]
         per_use = []
         for use, gu in zip(analysis.uses, j_d[k], strict=True):
             # gu: (N, *O, *y) -> (N, *O, A, K)
@@ -567,7 +568,8 @@ def features(apply3, params, x, aux, fuse_bias, modes, merge_limits, *, precisio
                 j = use.rule.jacobian(use, x_mats[u], per_use[u], biased[u])
                 total = j if total is None else total + j
             leaf_dtype = leaf_dtypes[analysis.uses[group[0]].leaf]
-            per_group.append(total.reshape(total.shape[:o_ndim] + (-1,)).astype(leaf_dtype))
+            flat = total.reshape(total.shape[:o_ndim] + (math.prod(total.shape[o_ndim:]),))
+            per_group.append(flat.astype(leaf_dtype))
         if merge_limits is None:
             parts = (fb_k, per_group, [])
         else:

@@ -54,7 +54,7 @@ def patches(x, geometry: ConvGeometry):
         ]
         slices.append(lax.slice(x, start, limit, (1, 1) + tuple(g.strides)))
     p = jnp.stack(slices, axis=1)  # (C_in, W, B, *out_spatial)
-    return p.reshape((p.shape[0] * p.shape[1], -1))
+    return p.reshape((p.shape[0] * p.shape[1], math.prod(p.shape[2:])))  # C_in may be 0
 
 
 def _groups(eqn) -> tuple[int, int]:
@@ -131,7 +131,7 @@ class ConvRule(Rule):
     def jacobian(self, use, xj, g, biased):
         """``(N, *O, C, K)`` from inputs ``(N, *lhs)``: patches formed a few samples at a time."""
         lead = g.shape[:-2]
-        g3 = g.reshape((g.shape[0], -1) + g.shape[-2:])  # (N, O, A, K)
+        g3 = g.reshape((g.shape[0], math.prod(lead[1:])) + g.shape[-2:])  # (N, O, A, K)
 
         def one(args):
             x_i, g_i = args
@@ -167,7 +167,7 @@ def conv_as_matmul(eqn, lhs, rhs):
     geometry, rhs_spec, out_spec = _geometry(tuple(rhs.shape), y_shape, **eqn.params)
     p = patches(lhs, geometry)  # (C_in·W, B·A)
     w = jnp.transpose(rhs, (rhs_spec[1], *rhs_spec[2:], rhs_spec[0]))
-    w = w.reshape((-1, w.shape[-1]))  # (C_in·W, K)
+    w = w.reshape((math.prod(w.shape[:-1]), w.shape[-1]))  # (C_in·W, K), C_in may be 0
     precision, out_type = eqn.params["precision"], eqn.params["preferred_element_type"]
     y = lax.dot_general(p, w, (((0,), (0,)), ((), ())), precision, out_type)  # (B·A, K)
     src = (out_spec[0], *out_spec[2:], out_spec[1])  # y's axes as the output's dimensions

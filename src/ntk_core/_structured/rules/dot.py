@@ -62,7 +62,8 @@ class DotRule(Rule):
         """``(N, A, C)``: free axes, then contracted ones (and a bias column of ones)."""
         axes = use.info
         perm = (0,) + tuple(1 + a for a in axes.x_free) + tuple(1 + a for a in axes.x_contract)
-        x = jnp.transpose(x, perm).reshape((x.shape[0], use.a_size, -1))
+        c = math.prod(x.shape[1 + a] for a in axes.x_contract)  # not -1: C may be 0
+        x = jnp.transpose(x, perm).reshape((x.shape[0], use.a_size, c))
         if bias_column:
             x = jnp.concatenate([x, jnp.ones(x.shape[:2] + (1,), x.dtype)], axis=-1)
         return x
@@ -70,7 +71,7 @@ class DotRule(Rule):
     def jacobian(self, use, xj, g, biased):
         """``J[c, k] = Σ_a x[a, c] g[a, k]``: ``(N, *O, C, K)``, via ``(N, C, O, K)`` (no copy)."""
         lead = g.shape[:-2]
-        g3 = g.reshape((g.shape[0], -1) + g.shape[-2:])  # (N, O, A, K)
+        g3 = g.reshape((g.shape[0], math.prod(lead[1:])) + g.shape[-2:])  # (N, O, A, K)
         j = jnp.einsum(f"{self.x_spec('n', 'a', 'c')},noak->ncok", xj, g3)
         return jnp.moveaxis(j, 1, 2).reshape(lead + (j.shape[1], j.shape[3]))
 
