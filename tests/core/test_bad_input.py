@@ -33,6 +33,7 @@ SETUP = """\
 import functools
 import jax, jax.numpy as jnp, numpy as np
 import ntk_core, ntk_core.testing
+from ntk_core import stax
 
 W = jnp.ones((3, 2))                         # params of f
 X = jnp.ones((4, 3))                         # 4 samples of 3 features
@@ -987,6 +988,40 @@ def _rows():
         Row("embedding-id-outside", "a token id outside the embedding table (JAX would clamp it forward and drop its gradient)",
             "ntk_core.empirical_ntk(embed, E, jnp.array([[0, 1], [2, 12]]))",
             ValueError, r"^empirical_ntk: x1 sample 1 holds the id 12, outside \[-10, 10\) for the 10 rows of params\['e'\]\. Fix:"),
+        # -- infinite-width kernels (ntk_core.stax) -----------------------------------
+        Row("stax-two-nonlinearities", "two stacked nonlinearities (the second's input is not Gaussian)",
+            "stax.serial(stax.Dense(3), stax.Relu(), stax.Erf())[2](X)",
+            ValueError, r"^kernel_fn: Erf\(1, 1, 0\)'s input must be Gaussian \(an affine layer's output\), not Relu\(\)'s\. Fix: put a Dense"),
+        Row("stax-float16", "float16 inputs to an infinite-width kernel",
+            "stax.serial(stax.Dense(3), stax.Relu())[2](X.astype(jnp.float16))",
+            TypeError, r"^kernel_fn: x1 is float16, which cannot hold .*Fix: pass x1\.astype\('float32'\)"),
+        Row("stax-conv-rank", "a 2-D convolution on inputs without spatial axes",
+            "stax.serial(stax.Conv(3, (3, 3)), stax.Relu())[2](X)",
+            ValueError, r"^kernel_fn: Conv acts on 2 spatial axes, but its input has 0 \(\(\)\)\. Fix:"),
+        Row("stax-x-rank", "inputs without a channel axis",
+            "stax.serial(stax.Dense(3))[2](jnp.ones(4))",
+            ValueError, r"^kernel_fn: x1 must have a batch and a channel axis, shape \(N, \.\.\., C\), got shape \(4,\)"),
+        Row("stax-nan-input", "an input sample holding NaN",
+            "stax.serial(stax.Dense(3), stax.Relu())[2](X.at[1, 0].set(jnp.nan))",
+            NonFiniteError, r"^kernel_fn: x1\[1\] holds NaN or Inf\. Fix: drop or fix sample 1"),
+        Row("stax-quadrature-degree", "ElementwiseNumerical with fewer than 2 quadrature nodes",
+            "stax.ElementwiseNumerical(jnp.tanh, 1)",
+            ValueError, r"^stax\.ElementwiseNumerical: deg must be an int >= 2, got 1\. Fix: pass deg >= 2"),
+        Row("stax-negative-std", "a negative weight standard deviation",
+            "stax.Dense(3, W_std=-1.0)",
+            ValueError, r"^stax\.Dense: W_std must be a real number in \[0, inf\), got -1\.0"),
+        Row("stax-get", "a misspelt kernel name in get",
+            "stax.serial(stax.Dense(3))[2](X, None, 'ntkk')",
+            ValueError, r"^kernel_fn: get must be None, 'nngp', 'ntk' or a tuple of them, got 'ntkk'"),
+        Row("stax-not-a-layer", "a plain function among the layers of serial",
+            "stax.serial(stax.Dense(3), jnp.tanh)",
+            TypeError, r"^stax\.serial: layer 1 must be a layer of ntk_core\.stax"),
+        Row("stax-fan-in-widths", "FanInSum of branches of different widths",
+            "stax.serial(stax.FanOut(2), stax.parallel(stax.Dense(3), stax.Dense(4)), stax.FanInSum())[2](X)",
+            ValueError, r"^kernel_fn: FanInSum's branches have different widths \[3, 4\]"),
+        Row("stax-diagonal-spatial-pool", "diagonal_spatial=True on a network with a global pool",
+            "stax.serial(stax.Conv(3, (2, 2)), stax.Relu(), stax.GlobalAvgPool())[2](jnp.ones((2, 4, 4, 1)), diagonal_spatial=True)",
+            ValueError, r"^kernel_fn: diagonal_spatial=True, but a layer mixes positions"),
     ]  # fmt: skip
 
 

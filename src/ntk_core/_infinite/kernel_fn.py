@@ -1,0 +1,278 @@
+"""The public ``kernel_fn(x1, x2=None, get=None, **options)`` of a stax network.
+
+Checks the inputs before tracing, chooses where the spatial covariance may stay on its
+diagonal (no later layer mixes positions: a Flatten readout), compiles the network's rule
+once per input shape and ``get``, and runs it in one call or in tiles through the blocked
+engine (:mod:`ntk_core._blocked.tiles`: ``batch_size``, ``"auto"``, ``out=`` with resume,
+``devices``, progress; with x2=None only tiles on and above the diagonal, mirrored, so
+the Gram matrix is exactly symmetric).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ntk_core._blocked import store as _store
+from ntk_core._blocked import tiles as _tiles
+from ntk_core._blocked.barrier import barrier
+from ntk_core._errors import NonFiniteError, bad
+from ntk_core._infinite.state import inputs_kernel
+from ntk_core._kernel.layout import LeafLayout, as_result
+from ntk_core._kernel.options import make_options
+from ntk_core._predict.inference import Kernels
+
+NAMES = ("nngp", "ntk")
+FN = "kernel_fn"
+
+
+def _get(get) -> tuple[tuple[str, ...], bool]:
+    """(names, one): the kernels asked for and whether one array is returned."""
+    if get is None:
+        return NAMES, False
+    if isinstance(get, str):
+        names, one = (get,), True
+    elif isinstance(get, (tuple, list)) and get:
+        names, one = tuple(get), False
+    else:
+        names, one = (), False
+    if not names or any(n not in NAMES for n in names) or len(set(names)) != len(names):
+        what = f"get must be None, 'nngp', 'ntk' or a tuple of them, got {get!r}"
+        raise bad(ValueError, FN, what, "pass e.g. get='ntk' or get=('nngp', 'ntk')")
+    return names, one
+
+
+def _inputs(x, name: str, like=None):
+    if x is None:
+        return None
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        try:
+            x = np.asarray(x)
+        except Exception:  # noqa: BLE001 - reported below with the type
+            x = None
+    if x is None or not hasattr(x, "dtype") or x.dtype == object:
+        raise bad(
+            TypeError, FN, f"{name} must be an array (N, ..., C)", "pass a jax or numpy array"
+        )
+    if isinstance(x, jax.core.Tracer):
+        return jnp.asarray(x)
+    dtype = np.dtype(x.dtype)
+    if dtype in (np.float16, jnp.bfloat16):
+        what = f"{name} is {dtype}, which cannot hold the kernels' variances and angles"
+        raise bad(
+            TypeError, FN, what, f"pass {name}.astype('float32') (or float64 with jax_enable_x64)"
+        )
+    if not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)):
+        raise bad(
+            TypeError,
+            FN,
+            f"{name} must be real numbers, got {dtype}",
+            f"pass {name}.astype('float32')",
+        )
+    if x.ndim < 2:
+        shape = tuple(x.shape)
+        what = f"{name} must have a batch and a channel axis, shape (N, ..., C), got shape {shape}"
+        raise bad(ValueError, FN, what, f"pass e.g. {name}.reshape(-1, 1) for scalar inputs")
+    if like is not None and tuple(x.shape[1:]) != tuple(like.shape[1:]):
+        what = f"{name} has per-sample shape {tuple(x.shape[1:])}, x1 has {tuple(like.shape[1:])}"
+        raise bad(ValueError, FN, what, "give x1 and x2 the same shape apart from the batch axis")
+    x = jnp.asarray(x, jnp.result_type(float) if not np.issubdtype(dtype, np.floating) else None)
+    finite = np.isfinite(np.asarray(x).reshape(x.shape[0], -1)).all(axis=1)
+    if not finite.all():
+        i = int(np.argmin(finite))
+        raise bad(NonFiniteError, FN, f"{name}[{i}] holds NaN or Inf", f"drop or fix sample {i}")
+    return x
+
+
+class KernelFn:
+    """``kernel_fn(x1, x2=None, get=None, **options)``: the infinite-width NNGP and NTK
+    of the network this layer ends (see :mod:`ntk_core.stax`)."""
+
+    def __init__(self, rule):
+        self.rule = rule
+        self._run = jax.jit(self._kernels, static_argnames=("names", "diagonal"))
+
+    def __repr__(self) -> str:
+        return f"<stax kernel_fn of {self.rule.name}>"
+
+    def _diagonal(self) -> bool:
+        full = self.rule.needs(True)
+        if isinstance(full, tuple):
+            what = f"the network ends in {len(full)} branches"
+            raise bad(ValueError, FN, what, "join them with FanInSum() or FanInConcat()")
+        return not full
+
+    def _kernels(self, x1, x2, *, names, diagonal):
+        """The kernels ``names`` of x1 and x2 (None: x1), in neural-tangents' layout."""
+        k = self.rule.transform(inputs_kernel(x1, x2, diagonal, "ntk" in names))
+        if isinstance(k, tuple):
+            raise bad(
+                ValueError,
+                FN,
+                f"the network ends in {len(k)} branches",
+                "join them with FanInSum() or FanInConcat()",
+            )
+        out = []
+        for name in names:
+            a = getattr(k, name)
+            if k.reversed and len(k.spatial) > 1:  # neural-tangents' order after odd convolutions
+                pairs = [(2 + 2 * d, 3 + 2 * d) for d in reversed(range(len(k.spatial)))]
+                a = jnp.transpose(a, (0, 1, *[i for p in pairs for i in p]))
+            out.append(a)
+        return tuple(out)
+
+    def _call(self, x1, x2, names, diagonal):
+        """One compiled call; a Gram matrix (x2 None) made exactly symmetric by a program
+        of its own (fused with the network, XLA may round K[i, j] and K[j, i] apart)."""
+        out = self._run(x1, x2, names=names, diagonal=diagonal)
+        return out if x2 is not None else tuple(_mirror(a) for a in out)
+
+    def __call__(
+        self,
+        x1,
+        x2=None,
+        get=None,
+        *,
+        batch_size=None,
+        store_on_device=False,
+        progress=None,
+        memory_budget=None,
+        out=None,
+        resume=False,
+        overwrite=False,
+        devices=None,
+        **kwargs,
+    ):
+        names, one = _get(get)
+        spatial = kwargs.pop("diagonal_spatial", None)
+        if kwargs.pop("diagonal_batch", True) is not True:
+            what = "diagonal_batch=False (each input's covariance with the others) is not supported"
+            raise bad(ValueError, FN, what, "drop diagonal_batch")
+        if kwargs:
+            what = f"unexpected keyword arguments {sorted(kwargs)}"
+            fix = "pass only get= and the batching options (batch_size, out, devices, ...)"
+            raise bad(TypeError, FN, what, fix)
+        x1 = _inputs(x1, "x1")
+        x2 = _inputs(x2, "x2", like=x1)
+        diagonal = self._diagonal()
+        if spatial and not diagonal and x1.ndim > 2:
+            what = "diagonal_spatial=True, but a layer mixes positions (a pool, a global pool)"
+            fix = "drop diagonal_spatial: it is chosen from the layers (Flatten readouts use it)"
+            raise bad(ValueError, FN, what, fix)
+        options = make_options(
+            FN,
+            batch_size=batch_size,
+            store_on_device=store_on_device,
+            progress=progress,
+            memory_budget=memory_budget,
+            out=out,
+            resume=resume,
+            overwrite=overwrite,
+            devices=devices,
+        )
+        if options.batch_size is None:
+            result = self._call(x1, x2, names, diagonal)
+            _check_finite(result)
+        else:
+            result = self._blocked(x1, x2, names, diagonal, options)
+        if one:
+            return result[0]
+        if get is None:
+            return Kernels(*result)
+        return _named(names)(*result)
+
+    def _blocked(self, x1, x2, names, diagonal, options):
+        one = x1[:1]  # one pair's kernels: the tiles' shapes (nothing runs)
+        shapes = jax.eval_shape(
+            functools.partial(self._run, names=names, diagonal=diagonal), one, one
+        )
+        n1 = x1.shape[0]
+        n2 = n1 if x2 is None else x2.shape[0]
+        per_pair = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes]  # (1, 1, ...)
+        # working memory per pair: each kernel and about 8 temporaries of the largest
+        # layer's per-pair covariance (the input's: strides and pools only shrink it)
+        itemsize = shapes[0].dtype.itemsize
+        spatial = math.prod(x1.shape[1:-1])
+        positions = spatial if diagonal else spatial * spatial
+        pair_bytes = itemsize * (positions * (8 + len(names)))
+        out_bytes = sum(itemsize * math.prod(p.shape) for p in per_pair) * n1 * n2
+        budget = options.memory_budget or _tiles.default_memory_budget()
+        b = options.batch_size
+        if b == "auto":
+            b = _tiles.auto_batch_size(n1, n2, 0, pair_bytes, budget, False, x2 is None)
+        b1, b2 = min(b, n1), min(b, n2)
+        k1, k2 = -(-n1 // b1), -(-n2 // b2)
+        n_tiles = k1 * (k1 + 1) // 2 if x2 is None else k1 * k2
+        local = tuple(jax.local_devices())
+        devices = options.devices
+        if devices is None:
+            devices = (None,) if options.store_on_device or len(local) == 1 else local
+        cut = _tiles.Tiling(
+            b1,
+            b2,
+            n_tiles,
+            budget,
+            0,
+            pair_bytes,
+            options.batch_size,
+            budget,
+            tuple(per_pair),
+            devices,
+            out_bytes,
+        )
+        ndim = len(shapes[0].shape) - 1  # as an output leaf (N, spatial...) with free axes
+        config = types.SimpleNamespace(
+            layouts=(LeafLayout(ndim, (), ()),) * len(names),
+            vmap_axes=0,
+            out_tree=jax.tree.structure(tuple(range(len(names)))),
+            kind="infinite-width " + "+".join(names),
+            implementation="closed form",
+        )
+
+        def tile(p, fa, fb, a, xa, xb, same_block):
+            kernel = self._call(xa, None if same_block else xb, names, diagonal)
+            return _tiles.finish_tile(kernel)
+
+        implementation = types.SimpleNamespace(features=None, tile=tile)
+        store = None
+        if options.out is not None:
+            spec = types.SimpleNamespace(options=options, fn_name=FN, kind=config.kind)
+            model = hashlib.sha256(self.rule.name.encode()).hexdigest()
+            store = _store.for_call(spec, config, cut, model, None, x1, x2, None)
+            if store.finished:
+                return tuple(as_result(config, [store.result()]))
+        kernel = _tiles.compute(implementation, config, cut, options, FN, None, x1, x2, None, store)
+        return tuple(kernel) if store is None else tuple(as_result(config, [kernel]))
+
+
+@jax.jit
+def _mirror(k):
+    """(K + Kᵀ)·½ with each pair of axes swapped: a Gram matrix exactly symmetric (the
+    barrier keeps the halving from becoming an FMA of the sum)."""
+    perm = tuple(i + 1 if i % 2 == 0 else i - 1 for i in range(k.ndim))
+    return barrier(k + jnp.transpose(k, perm)) * jnp.asarray(0.5, k.dtype)
+
+
+@functools.cache
+def _named(names: tuple[str, ...]):
+    """neural-tangents' namedtuple of the kernels ``names``, in that order."""
+    return collections.namedtuple("Kernel", names)
+
+
+def _check_finite(result) -> None:
+    for a in result:
+        if isinstance(a, jax.core.Tracer):
+            return
+        bad_entries = ~np.isfinite(np.asarray(a))
+        if bad_entries.any():
+            i, j = (int(v) for v in np.argwhere(bad_entries)[0][:2])
+            what = f"the kernel came out NaN or Inf, first at x1 sample {i} and x2 sample {j}"
+            fix = "compute in float64 (jax_enable_x64), or check the network's W_std and b_std"
+            raise bad(NonFiniteError, FN, what, fix)

@@ -1,0 +1,321 @@
+"""A layer: neural-tangents' triple ``(init_fn, apply_fn, kernel_fn)`` and the combinators.
+
+``init_fn(key, input_shape) -> (output_shape, params)`` and ``apply_fn(params, x)``
+define the finite network (our empirical and Monte Carlo kernels run on it);
+``kernel_fn`` (:class:`~ntk_core._infinite.kernel_fn.KernelFn`) holds the layer's
+:class:`Rule`, the map of the kernel state (:class:`~.state.Kern`) at infinite width.
+Branches carry tuples of states: FanOut makes them, ``parallel`` maps them, FanInSum and
+FanInConcat join them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ntk_core._errors import bad, check_int
+from ntk_core._infinite.state import Kern
+
+
+def _same(need):
+    return need
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rule:
+    """How a layer maps the kernel state: ``transform(Kern | tuple) -> Kern | tuple``;
+    ``needs(full_out) -> full_in``: whether the layer's input must hold the full spatial
+    covariance, given whether its output must (a bool, or a tuple per branch); ``name``:
+    the layer with its arguments (messages and the ``out=`` file's fingerprint)."""
+
+    name: str
+    transform: Callable[[Any], Any]
+    needs: Callable[[Any], Any] = _same
+
+
+class Layer(NamedTuple):
+    """``(init_fn, apply_fn, kernel_fn)``; unpacks as neural-tangents' layers do."""
+
+    init_fn: Callable
+    apply_fn: Callable
+    kernel_fn: Any  # KernelFn
+
+
+def layer(rule: Rule, init_fn: Callable, apply_fn: Callable) -> Layer:
+    from ntk_core._infinite.kernel_fn import KernelFn  # the public call wraps the rule
+
+    return Layer(init_fn, apply_fn, KernelFn(rule))
+
+
+def rule_of(fn: str, value, position: str) -> Rule:
+    """The :class:`Rule` of a layer triple; TypeError for anything else."""
+    kernel_fn = value[2] if isinstance(value, tuple) and len(value) == 3 else None
+    rule = getattr(kernel_fn, "rule", None)
+    if not isinstance(rule, Rule):
+        got = f"{type(value).__name__}" + (f" of {len(value)}" if isinstance(value, tuple) else "")
+        what = (
+            f"{position} must be a layer of ntk_core.stax (init_fn, apply_fn, kernel_fn), got {got}"
+        )
+        raise bad(
+            TypeError, fn, what, "build every layer with ntk_core.stax (Dense, Relu, serial, ...)"
+        )
+    return rule
+
+
+def stateless(apply: Callable[[Any], Any]):
+    """(init_fn, apply_fn) of a layer without parameters applying ``apply(x)``."""
+
+    def init_fn(key, input_shape):
+        del key
+        return tuple(
+            jax.eval_shape(apply, jax.ShapeDtypeStruct(input_shape, jnp.float32)).shape
+        ), ()
+
+    def apply_fn(params, x, **kwargs):
+        del params, kwargs
+        return apply(x)
+
+    return init_fn, apply_fn
+
+
+def named(kern: Kern | tuple, name: str):
+    """``kern`` marked as made by ``name`` (every branch of a tuple)."""
+    if isinstance(kern, tuple):
+        return tuple(named(k, name) for k in kern)
+    return kern.replace(source=name)
+
+
+def serial(*layers) -> Layer:
+    """Layers in sequence (neural-tangents' ``stax.serial``)."""
+    rules = [rule_of("stax.serial", v, f"layer {i}") for i, v in enumerate(layers)]
+
+    def transform(kern):
+        for rule in rules:
+            kern = named(rule.transform(kern), rule.name)
+        return kern
+
+    def needs(full):
+        for rule in reversed(rules):
+            full = rule.needs(full)
+        return full
+
+    def init_fn(key, input_shape):
+        params = []
+        for (init, _, _), k in zip(
+            layers, jax.random.split(key, max(len(layers), 1)), strict=False
+        ):
+            input_shape, p = init(k, input_shape)
+            params.append(p)
+        return input_shape, tuple(params)
+
+    def apply_fn(params, x, **kwargs):
+        rngs = _split_rng(kwargs, len(layers))
+        for (_, apply, _), p, rng in zip(layers, params, rngs, strict=True):
+            x = apply(p, x, **rng)
+        return x
+
+    name = "serial(" + ", ".join(r.name for r in rules) + ")"
+    return layer(Rule(name, transform, needs), init_fn, apply_fn)
+
+
+def _split_rng(kwargs, n):
+    rng = kwargs.get("rng")
+    if rng is None:
+        return [kwargs] * n
+    return [{**kwargs, "rng": k} for k in jax.random.split(rng, n)]
+
+
+def parallel(*layers) -> Layer:
+    """Each layer on its own branch of a tuple of inputs (neural-tangents' ``parallel``)."""
+    rules = [rule_of("stax.parallel", v, f"layer {i}") for i, v in enumerate(layers)]
+
+    def transform(kerns):
+        if not isinstance(kerns, tuple) or len(kerns) != len(rules):
+            got = f"{len(kerns)} branches" if isinstance(kerns, tuple) else "one input"
+            what = f"parallel of {len(rules)} layers got {got}"
+            raise bad(ValueError, "kernel_fn", what, f"put FanOut({len(rules)}) before it")
+        return tuple(r.transform(k) for r, k in zip(rules, kerns, strict=True))
+
+    def needs(full):
+        fulls = full if isinstance(full, tuple) else (full,) * len(rules)
+        return tuple(r.needs(f) for r, f in zip(rules, fulls, strict=True))
+
+    def init_fn(key, input_shapes):
+        keys = jax.random.split(key, max(len(layers), 1))
+        done = [v[0](k, s) for v, k, s in zip(layers, keys, input_shapes, strict=False)]
+        return tuple(d[0] for d in done), tuple(d[1] for d in done)
+
+    def apply_fn(params, xs, **kwargs):
+        rngs = _split_rng(kwargs, len(layers))
+        return tuple(v[1](p, x, **r) for v, p, x, r in zip(layers, params, xs, rngs, strict=True))
+
+    name = "parallel(" + ", ".join(r.name for r in rules) + ")"
+    return layer(Rule(name, transform, needs), init_fn, apply_fn)
+
+
+def FanOut(num: int) -> Layer:
+    """``num`` copies of the input, one per branch."""
+    num = check_int("stax.FanOut", "num", num, "pass e.g. FanOut(2)")
+
+    def needs(full):
+        return any(full) if isinstance(full, tuple) else full
+
+    def init_fn(key, input_shape):
+        return (input_shape,) * num, ()
+
+    def apply_fn(params, x, **kwargs):
+        return (x,) * num
+
+    return layer(Rule(f"FanOut({num})", lambda k: (k,) * num, needs), init_fn, apply_fn)
+
+
+def _branches(fn: str, kerns) -> tuple:
+    if not isinstance(kerns, tuple):
+        raise bad(
+            ValueError,
+            "kernel_fn",
+            f"{fn} needs branches, got one input",
+            "put FanOut(n) and parallel(...) before it",
+        )
+    return kerns
+
+
+def FanInSum() -> Layer:
+    """The sum of the branches: Σ = Σ_b Σ_b, Θ = Σ_b Θ_b (independent branches: each has
+    its own weights, and a branch without weights is uncorrelated with one with them)."""
+
+    def transform(kerns):
+        kerns = _branches("FanInSum", kerns)
+        channels = {k.channels for k in kerns}
+        if len(channels) > 1:
+            what = f"FanInSum's branches have different widths {sorted(channels)}"
+            raise bad(
+                ValueError,
+                "kernel_fn",
+                what,
+                "give every branch the same out_dim / out_chan, or use FanInConcat",
+            )
+        return _join(kerns, [1.0] * len(kerns), kerns[0].channels)
+
+    def init_fn(key, input_shapes):
+        return input_shapes[0], ()
+
+    def apply_fn(params, xs, **kwargs):
+        return sum(xs[1:], xs[0])
+
+    return layer(Rule("FanInSum()", transform), init_fn, apply_fn)
+
+
+def FanInConcat(axis: int = -1) -> Layer:
+    """The branches concatenated along the channel axis: the kernels averaged with the
+    branches' widths as weights. Not Gaussian in the sense a nonlinearity needs: channels
+    of different branches have different covariances (a Dense layer must follow)."""
+    if axis != -1:
+        what = f"FanInConcat concatenates along the channel axis -1, got axis={axis!r}"
+        raise bad(ValueError, "stax.FanInConcat", what, "pass axis=-1 (the channel axis)")
+
+    def transform(kerns):
+        kerns = _branches("FanInConcat", kerns)
+        total = sum(k.channels for k in kerns)
+        return _join(kerns, [k.channels / total for k in kerns], total).replace(gaussian=False)
+
+    def init_fn(key, input_shapes):
+        first = input_shapes[0]
+        return first[:-1] + (sum(s[-1] for s in input_shapes),), ()
+
+    def apply_fn(params, xs, **kwargs):
+        return jnp.concatenate(xs, axis=-1)
+
+    return layer(Rule("FanInConcat()", transform), init_fn, apply_fn)
+
+
+def _join(kerns, weights, channels) -> Kern:
+    first = kerns[0]
+    for k in kerns[1:]:
+        if k.spatial != first.spatial or k.diagonal != first.diagonal:
+            what = f"branches of different spatial shapes {first.spatial} and {k.spatial}"
+            raise bad(
+                ValueError, "kernel_fn", what, "make every branch keep the same spatial shape"
+            )
+
+    def total(arrays):
+        return (
+            None if arrays[0] is None else sum(w * a for w, a in zip(weights, arrays, strict=True))
+        )
+
+    return first.replace(
+        nngp=total([k.nngp for k in kerns]),
+        ntk=total([k.ntk for k in kerns]),
+        cov1=total([k.cov1 for k in kerns]),
+        cov2=total([k.cov2 for k in kerns]),
+        gaussian=all(k.gaussian for k in kerns),
+        channels=channels,
+        is_input=all(k.is_input for k in kerns),
+        # the output's axis order of the majority (neural-tangents' rule; a tie: natural)
+        reversed=sum(k.reversed for k in kerns) > len(kerns) / 2,
+    )
+
+
+def Identity() -> Layer:
+    """The input unchanged."""
+    return layer(Rule("Identity()", lambda k: k), *stateless(lambda x: x))
+
+
+def repeat(layer_: Layer, n: int) -> Layer:
+    """``layer_`` applied ``n`` times, each with its own parameters: ``serial(layer_, ...,
+    layer_)``; the kernel is computed in a ``lax.scan`` when the layer keeps the kernel's
+    shape, so deep repeats compile once."""
+    n = check_int("stax.repeat", "n", n, "pass e.g. repeat(block, 3)", low=0)
+    rule = rule_of("stax.repeat", layer_, "layer")
+    chain = serial(*([layer_] * n))
+
+    def transform(kern):
+        if n == 0:
+            return kern
+        first = named(rule.transform(kern), rule.name)
+        if n == 1:
+            return first
+        # traced once more to compare (XLA drops the unused result)
+        if not _scannable(first, named(rule.transform(first), rule.name)):
+            return chain.kernel_fn.rule.transform(kern)
+
+        def step(arrays, _):
+            k = first.replace(**dict(zip(_ARRAYS, arrays, strict=True)))
+            out = rule.transform(k)
+            return tuple(getattr(out, f) for f in _ARRAYS), None
+
+        arrays, _ = jax.lax.scan(
+            step, tuple(getattr(first, f) for f in _ARRAYS), None, length=n - 1
+        )
+        return first.replace(**dict(zip(_ARRAYS, arrays, strict=True)))
+
+    def needs(full):
+        for _ in range(n):
+            full = rule.needs(full)
+        return full
+
+    return layer(Rule(f"repeat({rule.name}, {n})", transform, needs), chain.init_fn, chain.apply_fn)
+
+
+_ARRAYS = ("nngp", "ntk", "cov1", "cov2")
+
+
+def _scannable(before, after) -> bool:
+    """Whether a layer maps ``before`` to a state of the same shapes and flags (so that
+    applying it again is the same program)."""
+    if not isinstance(before, Kern) or not isinstance(after, Kern):
+        return False
+    for f in dataclasses.fields(Kern):
+        a, b = getattr(before, f.name), getattr(after, f.name)
+        if f.name in _ARRAYS:
+            if (a is None) != (b is None) or (
+                a is not None and (a.shape, a.dtype) != (b.shape, b.dtype)
+            ):
+                return False
+        elif a != b:
+            return False
+    return True

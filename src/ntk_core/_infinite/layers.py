@@ -1,0 +1,555 @@
+"""The layers of ``ntk_core.stax``: arguments checked, the finite network (init_fn,
+apply_fn) and the kernel rule (:mod:`.affine`, :mod:`.closed_forms`, :mod:`.spatial`)."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ntk_core._errors import bad, check_int, check_real
+from ntk_core._infinite import affine, closed_forms, spatial, windows
+from ntk_core._infinite.layer import Layer, Rule, layer, stateless
+from ntk_core._infinite.state import Kern, pair_variances
+
+PARAMETERIZATIONS = ("ntk", "standard")
+
+
+def _std(fn, name, value, optional=False):
+    if optional and value is None:
+        return None
+    return check_real(fn, name, value, f"pass a finite {name} >= 0, e.g. {name}=1.0")
+
+
+def _choice(fn, name, value, allowed):
+    if value not in allowed:
+        what = f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+        raise bad(ValueError, fn, what, f"pass {name}={allowed[0]!r}")
+    return value
+
+
+def _axes_default(fn, batch_axis, channel_axis):
+    if batch_axis != 0 or channel_axis not in (-1,):
+        what = f"batch_axis must be 0 and channel_axis -1, got {batch_axis!r} and {channel_axis!r}"
+        raise bad(
+            ValueError, fn, what, "move the axes first, e.g. x = jnp.moveaxis(x, channel_axis, -1)"
+        )
+
+
+def _ints(fn, name, value, n=None):
+    values = tuple(value) if isinstance(value, (tuple, list)) else None
+    if (
+        not values
+        or (n is not None and len(values) != n)
+        or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1 for v in values
+        )
+    ):
+        size = "a tuple of positive ints" + ("" if n is None else f" of length {n}")
+        raise bad(
+            ValueError, fn, f"{name} must be {size}, got {value!r}", f"pass e.g. {name}=(3, 3)"
+        )
+    return tuple(int(v) for v in values)
+
+
+def _check_gaussian(k: Kern, name: str):
+    if not k.gaussian:
+        what = f"{name}'s input must be Gaussian (an affine layer's output), not {k.source}'s"
+        fix = "put a Dense or Conv before it (after a nonlinearity, Flatten, FanInConcat, Dropout)"
+        raise bad(ValueError, "kernel_fn", what, fix)
+
+
+def _check_spatial(k: Kern, name: str, rank: int):
+    if len(k.spatial) != rank:
+        what = (
+            f"{name} acts on {rank} spatial axes, but its input has {len(k.spatial)} ({k.spatial})"
+        )
+        raise bad(
+            ValueError,
+            "kernel_fn",
+            what,
+            f"give the inputs shape (N, {'S, ' * rank}C), or fix the layer's window",
+        )
+
+
+# ----- affine layers -----
+
+
+def Dense(
+    out_dim, W_std=1.0, b_std=None, batch_axis=0, channel_axis=-1, parameterization="ntk", s=(1, 1)
+) -> Layer:
+    """Fully connected layer over the channel (last) axis; neural-tangents' arguments."""
+    fn = "stax.Dense"
+    out_dim = check_int(fn, "out_dim", out_dim, "pass e.g. Dense(512)")
+    _axes_default(fn, batch_axis, channel_axis)
+    args = types.SimpleNamespace(
+        out_dim=out_dim,
+        W_std=_std(fn, "W_std", W_std),
+        b_std=_std(fn, "b_std", b_std, optional=True),
+        parameterization=_choice(fn, "parameterization", parameterization, PARAMETERIZATIONS),
+        s=_ints(fn, "s", s, 2),
+    )
+
+    def init_fn(key, input_shape):
+        k1, k2 = jax.random.split(key)
+        n_in = input_shape[-1]
+        w = jax.random.normal(k1, (n_in, out_dim * args.s[1]))
+        b = None if args.b_std is None else jax.random.normal(k2, (out_dim * args.s[1],))
+        if args.parameterization == "standard":
+            w = w * args.W_std / math.sqrt(n_in / args.s[0])
+            b = None if b is None else b * args.b_std
+        return tuple(input_shape[:-1]) + (out_dim * args.s[1],), (w, b)
+
+    def apply_fn(params, x, **kwargs):
+        w, b = params
+        y = jnp.tensordot(x, w, (-1, 0), precision="highest")
+        if args.parameterization == "ntk":
+            y = y * (args.W_std / math.sqrt(x.shape[-1]))
+            return y if b is None else y + args.b_std * b
+        y = y / math.sqrt(args.s[0])
+        return y if b is None else y + b
+
+    name = f"Dense({out_dim}, W_std={args.W_std:g}, b_std={args.b_std}, {args.parameterization})"
+    return layer(Rule(name, lambda k: affine.dense(k, args)), init_fn, apply_fn)
+
+
+def _conv_specs(rank):
+    letters = "HWDXYZ"[:rank] if rank <= 6 else None
+    if letters is None:
+        raise bad(
+            ValueError,
+            "stax.Conv",
+            f"at most 6 spatial axes, got {rank}",
+            "flatten extra axes into channels",
+        )
+    return ("N" + letters + "C", letters + "IO", "N" + letters + "C")
+
+
+def _circular_pad(x, window, strides):
+    widths = [(0, 0)]
+    for size, w, s in zip(x.shape[1:-1], window, strides, strict=True):
+        widths.append(windows.pads(size, w, s, "SAME"))
+    return jnp.pad(x, widths + [(0, 0)], mode="wrap")
+
+
+def Conv(
+    out_chan,
+    filter_shape,
+    strides=None,
+    padding="VALID",
+    W_std=1.0,
+    b_std=None,
+    dimension_numbers=None,
+    parameterization="ntk",
+    s=(1, 1),
+) -> Layer:
+    """Convolution over the spatial axes of (N, *S, C) inputs; neural-tangents' arguments
+    (``dimension_numbers`` None or channels last, e.g. ``("NHWC", "HWIO", "NHWC")``)."""
+    fn = "stax.Conv"
+    out_chan = check_int(fn, "out_chan", out_chan, "pass e.g. Conv(64, (3, 3))")
+    filter_shape = _ints(fn, "filter_shape", filter_shape)
+    rank = len(filter_shape)
+    strides = (1,) * rank if strides is None else _ints(fn, "strides", strides, rank)
+    specs = _conv_specs(rank)
+    if dimension_numbers is not None and tuple(dimension_numbers) != specs:
+        what = f"dimension_numbers must be None or {specs}, got {dimension_numbers!r}"
+        raise bad(
+            ValueError,
+            fn,
+            what,
+            "transpose the inputs to channels last and pass dimension_numbers=None",
+        )
+    args = types.SimpleNamespace(
+        out_chan=out_chan,
+        filter_shape=filter_shape,
+        strides=strides,
+        padding=_choice(fn, "padding", padding, windows.PADDINGS),
+        W_std=_std(fn, "W_std", W_std),
+        b_std=_std(fn, "b_std", b_std, optional=True),
+        parameterization=_choice(fn, "parameterization", parameterization, PARAMETERIZATIONS),
+        s=_ints(fn, "s", s, 2),
+    )
+
+    def init_fn(key, input_shape):
+        k1, k2 = jax.random.split(key)
+        n_in = input_shape[-1]
+        w = jax.random.normal(k1, filter_shape + (n_in, out_chan * args.s[1]))
+        b = None if args.b_std is None else jax.random.normal(k2, (out_chan * args.s[1],))
+        if args.parameterization == "standard":
+            w = w * args.W_std / math.sqrt(n_in / args.s[0] * math.prod(filter_shape))
+            b = None if b is None else b * args.b_std
+        out = jax.eval_shape(lambda x: _conv(x, w), jax.ShapeDtypeStruct(input_shape, jnp.float32))
+        return out.shape, (w, b)
+
+    def _conv(x, w):
+        pad = args.padding
+        if pad == "CIRCULAR":
+            x, pad = _circular_pad(x, filter_shape, strides), "VALID"
+        dn = lax.conv_dimension_numbers(x.shape, w.shape, specs)
+        return lax.conv_general_dilated(
+            x, w, strides, pad, dimension_numbers=dn, precision="highest"
+        )
+
+    def apply_fn(params, x, **kwargs):
+        w, b = params
+        y = _conv(x, w)
+        if args.parameterization == "ntk":
+            y = y * (args.W_std / math.sqrt(x.shape[-1] * math.prod(filter_shape)))
+            return y if b is None else y + args.b_std * b
+        y = y / math.sqrt(args.s[0])
+        return y if b is None else y + b
+
+    def transform(k):
+        _check_spatial(k, "Conv", rank)
+        return affine.conv(k, args)
+
+    name = f"Conv({out_chan}, {filter_shape}, {strides}, {args.padding}, W_std={args.W_std:g}, "
+    name += f"b_std={args.b_std}, {args.parameterization})"
+    return layer(Rule(name, transform), init_fn, apply_fn)
+
+
+# ----- nonlinearities -----
+
+
+def _activation(name: str, fn, forms) -> Layer:
+    """A nonlinearity φ = ``fn`` with closed form ``forms(q11, q12, q22) -> (Σ', Σ̇)``."""
+
+    def transform(k: Kern):
+        _check_gaussian(k, name)
+        q11, q22, self1, self2 = pair_variances(k)
+        q12 = k.nngp
+        if k.cov2 is None:  # a Gram matrix: each sample with itself is its own covariance
+            n = jnp.arange(q12.shape[0])  # bit for bit, so ρ = 1 there (see closed_forms)
+            q12 = q12.at[n, n].set(k.cov1)
+        nngp, dot = forms(q11, q12, q22)
+        return k.replace(
+            nngp=nngp,
+            ntk=None if k.ntk is None else dot * k.ntk,
+            cov1=forms(self1[0], k.cov1, self1[1])[0],
+            cov2=None if k.cov2 is None else forms(self2[0], k.cov2, self2[1])[0],
+            gaussian=False,
+            is_input=False,
+        )
+
+    return layer(Rule(name, transform), *stateless(fn))
+
+
+def _real(fn, name, value):
+    return check_real(fn, name, value, f"pass a finite number, e.g. {name}=1.0", low=-math.inf)
+
+
+def ABRelu(a, b, do_stabilize=False) -> Layer:
+    """φ(x) = a·min(x, 0) + b·max(x, 0)."""
+    a, b = _real("stax.ABRelu", "a", a), _real("stax.ABRelu", "b", b)
+    return _activation(
+        f"ABRelu({a:g}, {b:g})",
+        lambda x: a * jnp.minimum(x, 0) + b * jnp.maximum(x, 0),
+        closed_forms.ab_relu(a, b),
+    )
+
+
+def Relu(do_stabilize=False) -> Layer:
+    """φ(x) = max(x, 0)."""
+    return _activation("Relu()", jax.nn.relu, closed_forms.ab_relu(0.0, 1.0))
+
+
+def LeakyRelu(alpha, do_stabilize=False) -> Layer:
+    """φ(x) = x for x >= 0, α·x below."""
+    alpha = _real("stax.LeakyRelu", "alpha", alpha)
+    return _activation(
+        f"LeakyRelu({alpha:g})",
+        lambda x: jnp.where(x >= 0, x, alpha * x),
+        closed_forms.ab_relu(alpha, 1.0),
+    )
+
+
+def Abs(do_stabilize=False) -> Layer:
+    """φ(x) = |x|."""
+    return _activation("Abs()", jnp.abs, closed_forms.ab_relu(-1.0, 1.0))
+
+
+def Erf(a=1.0, b=1.0, c=0.0) -> Layer:
+    """φ(x) = a·erf(b·x) + c."""
+    a, b, c = (_real("stax.Erf", n, v) for n, v in (("a", a), ("b", b), ("c", c)))
+    return _activation(
+        f"Erf({a:g}, {b:g}, {c:g})",
+        lambda x: a * jax.scipy.special.erf(b * x) + c,
+        closed_forms.erf(a, b, c),
+    )
+
+
+#: Sigmoid_like's scale: erf(x / SIGMOID_SCALE) / 2 + 1/2 is close to the logistic sigmoid.
+SIGMOID_SCALE = 2.4020563531719796
+
+
+def Sigmoid_like() -> Layer:
+    """φ(x) = erf(x / 2.4020563531719796) / 2 + 1/2, close to the logistic sigmoid."""
+    forms = closed_forms.erf(0.5, 1 / SIGMOID_SCALE, 0.5)
+    return _activation(
+        "Sigmoid_like()", lambda x: 0.5 * jax.scipy.special.erf(x / SIGMOID_SCALE) + 0.5, forms
+    )
+
+
+def Gelu(approximate=False) -> Layer:
+    """φ(x) = x·Φ(x); the kernel is exact GELU's (``approximate`` only changes apply_fn)."""
+    return _activation(
+        "Gelu()", lambda x: jax.nn.gelu(x, approximate=bool(approximate)), closed_forms.gelu
+    )
+
+
+def Sin(a=1.0, b=1.0, c=0.0) -> Layer:
+    """φ(x) = a·sin(b·x + c)."""
+    a, b, c = (_real("stax.Sin", n, v) for n, v in (("a", a), ("b", b), ("c", c)))
+    return _activation(
+        f"Sin({a:g}, {b:g}, {c:g})", lambda x: a * jnp.sin(b * x + c), closed_forms.sin(a, b, c)
+    )
+
+
+def Cos(a=1.0, b=1.0, c=0.0) -> Layer:
+    """φ(x) = a·cos(b·x + c) = a·sin(b·x + c + π/2)."""
+    a, b, c = (_real("stax.Cos", n, v) for n, v in (("a", a), ("b", b), ("c", c)))
+    forms = closed_forms.sin(a, b, c + math.pi / 2)
+    return _activation(f"Cos({a:g}, {b:g}, {c:g})", lambda x: a * jnp.cos(b * x + c), forms)
+
+
+def Rbf(gamma=1.0) -> Layer:
+    """φ(x) = √2·sin(√(2γ)·x + π/4): the NNGP is exp(−γ·E[(u − v)²])."""
+    gamma = check_real("stax.Rbf", "gamma", gamma, "pass gamma > 0, e.g. gamma=1.0", open_low=True)
+    b = math.sqrt(2 * gamma)
+    forms = closed_forms.sin(math.sqrt(2), b, math.pi / 4)
+    return _activation(
+        f"Rbf({gamma:g})", lambda x: math.sqrt(2) * jnp.sin(b * x + math.pi / 4), forms
+    )
+
+
+def Sign() -> Layer:
+    """φ(x) = sign(x); its NTK contribution is 0 (φ' = 0 almost everywhere)."""
+    return _activation("Sign()", jnp.sign, closed_forms.sign)
+
+
+def Exp(a=1.0, b=1.0) -> Layer:
+    """φ(x) = a·exp(b·x)."""
+    a, b = _real("stax.Exp", "a", a), _real("stax.Exp", "b", b)
+    return _activation(f"Exp({a:g}, {b:g})", lambda x: a * jnp.exp(b * x), closed_forms.exp(a, b))
+
+
+def ElementwiseNumerical(fn, deg, df=None) -> Layer:
+    """Any φ = ``fn`` by Gauss–Hermite quadrature of degree ``deg`` (deg² nodes), φ' by
+    autodiff (or ``df``)."""
+    name = "stax.ElementwiseNumerical"
+    if not callable(fn):
+        raise bad(
+            TypeError,
+            name,
+            f"fn must be callable, got {type(fn).__name__}",
+            "pass e.g. fn=jnp.tanh",
+        )
+    deg = check_int(name, "deg", deg, "pass deg >= 2, e.g. deg=25", low=2)
+    forms = closed_forms.quadrature(fn, deg, df)
+    return _activation(f"ElementwiseNumerical({getattr(fn, '__name__', 'fn')}, {deg})", fn, forms)
+
+
+def Elementwise(fn=None, nngp_fn=None, d_nngp_fn=None) -> Layer:
+    """φ = ``fn`` with its NNGP ``nngp_fn(cov12, var1, var2)`` given in closed form, and
+    ``d_nngp_fn`` (∂/∂cov12, by autodiff of nngp_fn if None)."""
+    name = "stax.Elementwise"
+    if not callable(nngp_fn):
+        raise bad(
+            TypeError,
+            name,
+            f"nngp_fn must be callable, got {type(nngp_fn).__name__}",
+            "pass nngp_fn(cov12, var1, var2), or use ElementwiseNumerical(fn, deg)",
+        )
+    if fn is not None and not callable(fn):
+        raise bad(
+            TypeError,
+            name,
+            f"fn must be callable or None, got {type(fn).__name__}",
+            "pass the elementwise function",
+        )
+    apply = fn if fn is not None else _no_finite(name)
+    return _activation(
+        f"Elementwise({getattr(nngp_fn, '__name__', 'nngp_fn')})",
+        apply,
+        closed_forms.by_autodiff(nngp_fn, d_nngp_fn),
+    )
+
+
+def _no_finite(name):
+    def apply(x):
+        raise bad(
+            ValueError,
+            name,
+            "this layer has no finite function (fn=None)",
+            "pass fn= to use apply_fn",
+        )
+
+    return apply
+
+
+# ----- positions -----
+
+
+def _pool(kind, window_shape, strides, padding, normalize_edges, batch_axis, channel_axis, average):
+    fn = f"stax.{kind}"
+    _axes_default(fn, batch_axis, channel_axis)
+    window = _ints(fn, "window_shape", window_shape)
+    strides = (1,) * len(window) if strides is None else _ints(fn, "strides", strides, len(window))
+    args = types.SimpleNamespace(
+        window_shape=window,
+        strides=strides,
+        padding=_choice(fn, "padding", padding, windows.PADDINGS),
+        normalize_edges=bool(normalize_edges),
+    )
+
+    def apply(x):
+        pad = args.padding
+        if pad == "CIRCULAR":
+            x, pad = _circular_pad(x, window, strides), "VALID"
+        dims, steps = (1, *window, 1), (1, *strides, 1)
+        total = lax.reduce_window(x, 0.0, lax.add, dims, steps, pad)
+        if not average:
+            return total
+        if args.normalize_edges and pad == "SAME":
+            ones = jnp.ones((1, *x.shape[1:-1], 1), x.dtype)
+            return total / lax.reduce_window(ones, 0.0, lax.add, dims, steps, pad)
+        return total / math.prod(window)
+
+    def transform(k):
+        _check_spatial(k, kind, len(window))
+        return spatial.pool(k, args, average)
+
+    name = f"{kind}({window}, {strides}, {args.padding})"
+    return layer(Rule(name, transform, lambda full: True), *stateless(apply))
+
+
+def AvgPool(
+    window_shape,
+    strides=None,
+    padding="VALID",
+    normalize_edges=False,
+    batch_axis=0,
+    channel_axis=-1,
+) -> Layer:
+    """Average over windows of positions."""
+    return _pool(
+        "AvgPool", window_shape, strides, padding, normalize_edges, batch_axis, channel_axis, True
+    )
+
+
+def SumPool(window_shape, strides=None, padding="VALID", batch_axis=0, channel_axis=-1) -> Layer:
+    """Sum over windows of positions."""
+    return _pool("SumPool", window_shape, strides, padding, False, batch_axis, channel_axis, False)
+
+
+def _global(kind, batch_axis, channel_axis, average):
+    _axes_default(f"stax.{kind}", batch_axis, channel_axis)
+    reduce = jnp.mean if average else jnp.sum
+    rule = Rule(f"{kind}()", lambda k: spatial.global_pool(k, average), lambda full: True)
+    return layer(rule, *stateless(lambda x: reduce(x, axis=tuple(range(1, x.ndim - 1)))))
+
+
+def GlobalAvgPool(batch_axis=0, channel_axis=-1) -> Layer:
+    """Mean over all positions: (N, *S, C) -> (N, C)."""
+    return _global("GlobalAvgPool", batch_axis, channel_axis, True)
+
+
+def GlobalSumPool(batch_axis=0, channel_axis=-1) -> Layer:
+    """Sum over all positions: (N, *S, C) -> (N, C)."""
+    return _global("GlobalSumPool", batch_axis, channel_axis, False)
+
+
+def Flatten(batch_axis=0, batch_axis_out=0) -> Layer:
+    """(N, *S, C) -> (N, prod(S)·C); a Dense after it needs only the spatial diagonal."""
+    if batch_axis != 0 or batch_axis_out != 0:
+        what = f"batch_axis and batch_axis_out must be 0, got {batch_axis!r} and {batch_axis_out!r}"
+        raise bad(ValueError, "stax.Flatten", what, "move the batch axis first")
+    rule = Rule("Flatten()", spatial.flatten, lambda full: False)
+    return layer(rule, *stateless(lambda x: x.reshape(x.shape[0], -1)))
+
+
+def LayerNorm(axis=-1, eps=1e-12, batch_axis=0, channel_axis=-1) -> Layer:
+    """(x − mean) / √(var + eps) over ``axis`` (which must hold the channel axis -1)."""
+    fn = "stax.LayerNorm"
+    _axes_default(fn, batch_axis, channel_axis)
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    eps = check_real(fn, "eps", eps, "pass e.g. eps=1e-12")
+    if not all(isinstance(a, int) for a in axes):
+        raise bad(
+            ValueError,
+            fn,
+            f"axis must be an int or a tuple of ints, got {axis!r}",
+            "pass e.g. axis=-1",
+        )
+
+    def normalised(ndim: int) -> tuple[int, ...]:
+        """The spatial axes among ``axes`` (0-based among them); ValueError unless the
+        channel axis is normalised and the batch axis is not."""
+        canonical = {a % ndim for a in axes}
+        if ndim - 1 not in canonical or 0 in canonical:
+            what = f"axis must hold the channel axis (-1 or {ndim - 1}) and not the batch axis 0"
+            what += f", got axis={axis!r}"
+            raise bad(
+                ValueError,
+                fn,
+                what,
+                "pass axis=-1 (channels), or e.g. axis=(1, 2, -1) for positions too",
+            )
+        return tuple(sorted(a - 1 for a in canonical if a != ndim - 1))
+
+    def apply(x):
+        mean = jnp.mean(x, axis=axes, keepdims=True)
+        var = jnp.var(x, axis=axes, keepdims=True)
+        return (x - mean) / jnp.sqrt(var + eps)
+
+    def transform(k):
+        _check_gaussian(k, "LayerNorm")
+        return spatial.layer_norm(k, normalised(len(k.spatial) + 2), eps)
+
+    return layer(Rule(f"LayerNorm({axis}, {eps:g})", transform), *stateless(apply))
+
+
+def Dropout(rate, mode="train") -> Layer:
+    """Dropout with keep rate ``rate`` in (0, 1]; ``mode="test"`` is the identity."""
+    fn = "stax.Dropout"
+    rate = check_real(
+        fn,
+        "rate",
+        rate,
+        "pass the keep rate in (0, 1], e.g. rate=0.9",
+        open_low=True,
+        high=1.0 + 1e-12,
+    )
+    mode = _choice(fn, "mode", mode, ("train", "test"))
+    if mode == "test" or rate == 1.0:
+        return layer(Rule(f"Dropout({rate:g}, {mode})", lambda k: k), *stateless(lambda x: x))
+
+    def init_fn(key, input_shape):
+        return input_shape, ()
+
+    def apply_fn(params, x, rng=None, **kwargs):
+        if rng is None:
+            raise bad(
+                ValueError,
+                fn,
+                "apply_fn in train mode needs rng=",
+                "pass rng=jax.random.PRNGKey(0), or mode='test'",
+            )
+        keep = jax.random.bernoulli(rng, rate, x.shape)
+        return jnp.where(keep, x / rate, 0)
+
+    def transform(k):
+        if k.is_input:
+            raise bad(
+                ValueError,
+                "kernel_fn",
+                "Dropout cannot act on the network's input",
+                "put it after a layer",
+            )
+        return spatial.dropout(k, rate, same=k.cov2 is None)
+
+    return layer(Rule(f"Dropout({rate:g}, train)", transform), init_fn, apply_fn)
