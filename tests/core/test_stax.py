@@ -189,12 +189,12 @@ def _network(width, parameterization):
 @pytest.mark.parametrize("parameterization", ["ntk", "standard"])
 def test_monte_carlo_means_of_finite_networks_converge(parameterization):
     """The mean of our empirical NNGP and NTK of the finite network (init_fn, apply_fn) over
-    initialisations approaches kernel_fn as the width grows: relative Frobenius error at
-    width 1024 below 0.08 and below half of that at width 16 (the error falls like
-    1/√(width·samples); standard: the kernel of the real widths, compared at each)."""
+    initialisations approaches kernel_fn: relative Frobenius error at width 512 below
+    0.08 (NNGP) and 0.04 (NTK), the NTK's below half of its error at width 16 (standard:
+    the kernel of the real widths, compared at each)."""
     x = np.random.RandomState(0).randn(5, 3).astype(np.float32)
     errors = []
-    for width in (16, 1024):
+    for width in (16, 512):
         init_fn, apply_fn, kernel_fn = _network(width, parameterization)
         exact = kernel_fn(x, None)
         mc = monte_carlo_kernels(
@@ -202,7 +202,7 @@ def test_monte_carlo_means_of_finite_networks_converge(parameterization):
             apply_fn,
             x,
             key=jax.random.PRNGKey(1),
-            n_samples=16,
+            n_samples=8,
             trace_axes=(-1,),
         )
         errors.append(
@@ -213,8 +213,10 @@ def test_monte_carlo_means_of_finite_networks_converge(parameterization):
             ]
         )
     (small_nngp, small_ntk), (large_nngp, large_ntk) = errors
-    assert large_nngp < 0.08 and large_ntk < 0.08, errors
-    assert large_nngp < small_nngp / 2 and large_ntk < small_ntk / 2, errors
+    assert large_nngp < 0.08 and large_ntk < 0.04, errors
+    # the NTK concentrates as the width grows (its spread falls like 1/√width); the NNGP's
+    # spread is that of the outputs themselves, 1/√(samples·outputs) at any width
+    assert large_ntk < small_ntk / 2, errors
 
 
 def test_convolutional_monte_carlo_converges():
@@ -297,9 +299,19 @@ def test_deep_relu_with_large_weights_is_finite_and_psd_in_float32():
     eigenvalues >= −1e-6·max; the Erf network of case C3 too."""
     x = np.random.RandomState(0).randn(6, 5).astype(np.float32)
     d = stax.Dense
-    for net in (
-        stax.serial(*[d(64, W_std=2.0, b_std=0.1), stax.Relu()] * 20, d(1)),
-        stax.serial(*[d(511, W_std=1.5, b_std=0.05), stax.Erf()] * 13, d(1, W_std=1.5, b_std=0.05)),
+    for net in (  # repeat: the same recursion as serial, one scanned step to compile
+        stax.serial(
+            d(64, W_std=2.0, b_std=0.1),
+            stax.repeat(stax.serial(stax.Relu(), d(64, W_std=2.0, b_std=0.1)), 19),
+            stax.Relu(),
+            d(1),
+        ),
+        stax.serial(
+            d(511, W_std=1.5, b_std=0.05),
+            stax.repeat(stax.serial(stax.Erf(), d(511, W_std=1.5, b_std=0.05)), 12),
+            stax.Erf(),
+            d(1, W_std=1.5, b_std=0.05),
+        ),
     ):
         k = net[2](x, None)
         for a in (np.asarray(k.nngp), np.asarray(k.ntk)):
