@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import ntk_core
+import reference
 from ntk_core._impl import cost as _cost
 from ntk_core._jax.jaxpr_walk import values_written
 from ntk_core._structured import analysis as _structured
@@ -224,3 +225,33 @@ def test_per_sample_jacobian_conv_gradients_slow_down_with_their_cotangents(monk
     _with_rates(monkeypatch, conv_vmap_grad_max_slowdown=3.0)
     capped = seconds().pop("jacobian") - base_jacobian
     assert capped == pytest.approx(2.0 * slow_flops / rate, rel=1e-9)
+
+
+def _wide(p, x):
+    return jnp.tanh(x @ p["w"]) @ p["v"]
+
+
+def test_auto_weighs_tiles(monkeypatch):
+    """When no implementation with features fits in one call (the budget set to nothing),
+    ``"auto"`` in one call (``batch_size=None``: a ``jax.Array``, tiles only on request)
+    falls back to NTK-vector products and warns of the tiled alternative estimated >= 2x
+    faster; with ``batch_size="auto"`` it takes the fastest in tiles, never one estimated
+    2x slower than a tiled alternative. Both kernels equal the float64 reference."""
+    k = jax.random.split(jax.random.PRNGKey(4), 3)
+    params = {"w": jax.random.normal(k[0], (6, 64)) / 3, "v": jax.random.normal(k[1], (64, 4)) / 8}
+    x = jax.random.normal(k[2], (48, 6))
+    (expected,) = reference.ntk(_wide, params, x, None, trace_axes=())
+    monkeypatch.setattr(_cost, "JACOBIAN_MEMORY_BUDGET", 1)
+    one_call = ntk_core.ntk_fn(_wide, trace_axes=())
+    with pytest.warns(UserWarning, match="batch_size='auto'"):
+        plan = one_call.plan(params, x)
+    assert plan.implementation == "ntvp"
+    assert "in tiles of" in str(plan) and "faster than 'ntvp' in one call" in str(plan)
+    reference.assert_close(one_call(params, x), expected)
+    tiles = ntk_core.ntk_fn(_wide, trace_axes=(), batch_size="auto", memory_budget=2**22)
+    plan = tiles.plan(params, x)
+    by_name = {e.implementation: e.tiled or e for e in plan.estimates}
+    assert plan.implementation != "ntvp" and by_name[plan.implementation].batch > 0
+    chosen = by_name[plan.implementation].seconds
+    assert all(chosen < 2.0 * e.seconds for e in by_name.values())
+    reference.assert_close(tiles(params, x), expected)

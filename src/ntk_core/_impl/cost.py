@@ -3,7 +3,8 @@ one single-sample jaxpr (``vmap_axes=None``: the whole batch's, per sample; neve
 cost analysis, wrong or -1 on CPU and GPU), split by
 what the reverse pass differentiates (:class:`PassCost`), and seconds at the backend's
 :data:`RATES`. ``"auto"`` takes the fastest estimate that fits
-:data:`JACOBIAN_MEMORY_BUDGET` (else the implementation without features). Formulas:
+:data:`JACOBIAN_MEMORY_BUDGET` (else the implementation without features); with
+``batch_size`` set, the fastest in the blocked engine's tiles (:func:`tiled`). Formulas:
 :func:`estimate`."""
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Plan:
     requested: str = ""  # the implementation option ("auto" when it chose)
     tiling: object = None  # with batch_size: the blocked engine's _blocked.Tiling
     whole_batch: object = None  # with vmap_axes=None and cotangent chunks: WholeBatch
+    blocked: bool = False  # batch_size given: "auto" compared the tiled estimates
 
     def __str__(self) -> str:
         how = f" (chosen by implementation={AUTO!r})" if self.requested == AUTO else ""
@@ -61,6 +63,15 @@ class Plan:
             lines.append(
                 f"  {e.implementation:<10} {e.flops:12.3e} FLOPs  {mib:10.1f} MiB  ~{s:.3g} s"
             )
+            if e.tiled is not None:
+                t = e.tiled
+                lines.append(
+                    f"    in tiles of {t.batch} samples {t.flops:12.3e} FLOPs  "
+                    f"{t.memory_bytes / 2**20:10.1f} MiB  ~{t.seconds:.3g} s"
+                )
+        advice = None if self.blocked else tiles_advice(self.estimates, self.implementation)
+        if advice is not None:
+            lines.append(f"  {advice_text(self.estimates, self.implementation, advice)}")
         alternative = any(leaf.structured for leaf in self.leaves)
         head = f"  {'parameter leaf':<40} {'size':>10}  method"
         lines.append(head + ("     (implementation='structured' would use)" if alternative else ""))
@@ -221,6 +232,9 @@ class Rates:
     conv_vmap_grad_max_slowdown: float = math.inf
     conv_weight_grad_loop_slowdown: float = 1.0  # whole-batch kernel gradients in a loop
     explicit_jacobian_slowdown: float = 1.0  # explicit Jacobians of "structured"
+    # FLOP-equivalents per value of "jacobian"'s per-sample Jacobians beyond their bytes
+    # at bytes_per_s: the weight gradients' batched outer products into fresh buffers.
+    jacobian_value_flops: float = 0.0
 
 
 #: CPU: measured on the 2-core CI CPU (jax 0.10.2): matrix products 115-125 GFLOP/s;
@@ -235,7 +249,13 @@ class Rates:
 #: 6.5 / 7.4 / 14.8; 16 -> 16 16x16 3x3 6.2 / 7.3 / 18.4; 64 -> 64 8x8 3x3 7.8 / 11.2 /
 #: 21.7; 16 -> 16 16x16 1x1 8.9 / 11.8 / 33.3: the cotangents' size matters most (in
 #: cache ~7x, out of it ~28x; at 21 MB the shapes spread 14.8-33.3); min(28, 7 + ws / 2 MB)
-#: is within 0.53-1.67x of all 24. GPU: nominal data-centre figures (only their ratios matter).
+#: is within 0.53-1.67x of all 24. Per-sample Jacobian values (vmap of jacrev: each
+#: weight gradient an outer product written to a new buffer) cost 4.6-5.3 ns each at
+#: this matmul rate, not the 0.8 ns of their 8 bytes at 10 GB/s (2026-12-07, load 8,
+#: timings scaled by the 2048² matmul's 59 / 120 GFLOP/s: MLP 784-1000-1 N = 300 and
+#: 100, 3136-256-10 N = 12 and 48, 784-512-512-10 N = 24; 9.3-10.7 ns measured): 490
+#: FLOP-equivalents each on top (benchmarks/README.md, plan accuracy). GPU: nominal
+#: data-centre figures (only their ratios matter).
 RATES = {
     "cpu": Rates(
         flops_per_s=1.2e11,
@@ -247,6 +267,7 @@ RATES = {
         conv_vmap_grad_max_slowdown=28.0,
         conv_weight_grad_loop_slowdown=100.0,
         explicit_jacobian_slowdown=2.4,
+        jacobian_value_flops=490.0,
     ),
     "gpu": Rates(
         flops_per_s=5.0e13,
@@ -264,12 +285,16 @@ def rates_for(backend: str | None = None) -> Rates:
 
 @dataclasses.dataclass(frozen=True)
 class CostEstimate:
-    """Estimated FLOPs, peak memory (bytes) and seconds (what ``"auto"`` minimises)."""
+    """Estimated FLOPs, peak memory (bytes) and seconds (what ``"auto"`` minimises);
+    ``tiled``: the same implementation in the blocked engine's tiles (an estimate whose
+    ``batch`` is its block size), where it has features and a tile budget was given."""
 
     implementation: str
     flops: float
     memory_bytes: float
     seconds: float = 0.0
+    tiled: CostEstimate | None = None
+    batch: int = 0  # tiles of this many samples (0: one call)
 
 
 def estimate(
@@ -288,6 +313,7 @@ def estimate(
     whole_batch=None,
     kernel_sizes=None,
     batch=1,
+    tiles=None,
 ):
     """Each implementation's :class:`CostEstimate` for one call (its ``Impl.estimate``) of
     the model whose jaxpr on one sample ``x_one`` is ``closed``; with ``whole_batch``
@@ -303,7 +329,11 @@ def estimate(
     :class:`Rates`, slow kinds slowed, ``_jacobian.EINSUM_PASS_FLOPS`` per kernel value
     and einsum, feature bytes at ``bytes_per_s``. ``triangle(n, bytes)``: the blocks of
     a Gram matrix's triangular contraction; ``kernel_sizes``: kernel values per pair
-    (default ``pair_sizes``); ``whole_batch``: the :class:`WholeBatch` of ``vmap_axes=None``.
+    (default ``pair_sizes``); ``whole_batch``: the :class:`WholeBatch` of ``vmap_axes=None``;
+    ``tiles``: ``(budget, block(F, W), batch_diagonal)``, the blocked engine's memory budget,
+    its block size for F feature bytes per sample and W bytes per pair, and whether the
+    kernel is the per-sample batch diagonal: each estimate with features
+    then carries its ``tiled`` alternative (:func:`tiled`).
     """
     param_leaves = jax.tree.leaves(params)
     n_p, n_x = len(param_leaves), len(jax.tree.leaves(x_one))
@@ -345,11 +375,85 @@ def estimate(
         act_x=rates.conv_channel_slowdown * pc.conv_activation_extra,
         merge_limit=_jacobian.merge_limit(max(n1, n2), out_total, o_pair),
     )
-    return tuple(
-        CostEstimate(impl.name, *impl.estimate(call))
-        for impl in REGISTRY.values()
-        if whole_batch is None or not impl.needs_independence
+    found = []
+    for impl in REGISTRY.values():
+        if whole_batch is not None and impl.needs_independence:
+            continue
+        in_tiles = None
+        if tiles is not None and whole_batch is None and impl.features is not None:
+            in_tiles = tiled(impl, call, *tiles)
+        found.append(CostEstimate(impl.name, *impl.estimate(call), tiled=in_tiles))
+    return tuple(found)
+
+
+def tiled(impl, call: Call, budget: int, block, batch_diagonal: bool) -> CostEstimate:
+    """``impl``'s estimate in the blocked engine's tiles (``_blocked.tiles.compute``): blocks
+    of B = ``block(F, W)`` samples, F one sample's features and passes (its estimate for
+    one sample and no pairs), W the kernel's bytes per pair three times (the tile, its
+    mirror, a temporary). Features are computed once per block while the column blocks'
+    fit the budget beside a tile, else the row blocks' once per band of columns; with
+    x2=None only the k·(k + 1)/2 tiles j >= i are contracted; memory: 2·F·B + W·B²."""
+    one = dataclasses.replace(call, n1=1, n2=1, all_pairs=0, n_jac=1, kernel_bytes=0)
+    feature = impl.estimate(one)[1]
+    pairs = max(call.all_pairs, 1)
+    per_pair = 3.0 * call.kernel_bytes / pairs / (2 if call.symmetric else 1)
+    b = max(1, int(block(feature, per_pair)))
+    n1, n2, symmetric = call.n1, call.n2, call.symmetric
+    k1 = -(-n1 // b)
+    k2 = k1 if symmetric else -(-n2 // b)
+    # Column blocks whose features stay beside a tile (the engine's band width).
+    room = budget - 2.0 * per_pair * b * b
+    capacity = int(room // (feature * b)) if feature > 0 else k2 + 1
+    width = k2 if capacity >= k2 + (0 if symmetric else 1) else max(1, capacity - 1)
+    bands = -(-k2 // width)
+    if batch_diagonal:  # tile i pairs block i of x1 with block i of x2
+        computed = call.n_jac
+    elif symmetric:  # the row blocks of later bands recomputed
+        computed = n1 + (bands - 1) * n1 // 2
+    else:
+        computed = n2 + bands * n1
+    blocks = k1 if symmetric else 1  # x2=None: the tiles j >= i
+
+    def triangle(n, nbytes):
+        return blocks
+
+    in_tiles = dataclasses.replace(
+        call,
+        n1=min(b, n1),
+        n2=min(b, n2),
+        n_jac=computed,
+        triangle=triangle if symmetric else None,
+        kernel_bytes=0,
     )
+    flops, _, seconds = impl.estimate(in_tiles)
+    # At most the one call's (one tile holding every sample is that call).
+    memory = min(2.0 * feature * b + per_pair * b * b, impl.estimate(call)[1])
+    return CostEstimate(impl.name, flops, memory, seconds, batch=b)
+
+
+def advice_text(estimates, chosen: str, advice: CostEstimate) -> str:
+    """What :func:`tiles_advice` found, as plan() and the warning of ``"auto"`` say it."""
+    seconds = next(e.seconds for e in estimates if e.implementation == chosen)
+    return (
+        f"in tiles (batch_size='auto'), {advice.implementation!r} is estimated at "
+        f"~{advice.seconds:.3g} s ({seconds / advice.seconds:.3g}x faster than "
+        f"{chosen!r} in one call, ~{seconds:.3g} s)"
+    )
+
+
+#: ``"auto"`` in one call tells of a tiled alternative estimated this many times faster.
+TILES_ADVICE_RATIO = 2.0
+
+
+def tiles_advice(estimates, chosen: str) -> CostEstimate | None:
+    """The fastest tiled alternative (:attr:`CostEstimate.tiled`) estimated at least
+    :data:`TILES_ADVICE_RATIO` times faster than ``chosen`` in one call, else None."""
+    seconds = next(e.seconds for e in estimates if e.implementation == chosen)
+    alternatives = [e.tiled for e in estimates if e.tiled is not None]
+    best = min(alternatives, key=lambda e: e.seconds, default=None)
+    if best is None or best.seconds * TILES_ADVICE_RATIO > seconds:
+        return None
+    return best
 
 
 def per_sample(cost: PassCost, batch: int) -> PassCost:
@@ -445,6 +549,7 @@ def jacobian_estimate(c: Call) -> tuple[float, float, float]:
     slow = reversed_jac * c.out_total * c.pc.grad_weights_conv
     einsums = _jacobian.einsum_count(c.leaf_sizes, c.merge_limit)
     channel = c.n_jac * c.fwd_x + reversed_jac * c.out_total * c.act_x
+    channel += c.rates.jacobian_value_flops * jac_bytes / c.itemsize  # the values written
     # Per sample: x1's and x2's Jacobians, each batch vmapped in one program.
     batch = 0 if whole_batch is not None else (n1 if c.symmetric else max(n1, n2))
     seconds = c.seconds(jac_flops, slow, 2 * jac_bytes, einsums, jac_pairs, channel, batch)
@@ -487,9 +592,10 @@ def ntvp_estimate(c: Call) -> tuple[float, float, float]:
 
 def choose(estimates, blocked: bool = False) -> str:
     """The fastest estimate whose memory fits the budget (else the one without features);
-    ``blocked`` (tiles bound the memory): the fastest."""
+    ``blocked`` (tiles bound the memory): the fastest in tiles (its ``tiled`` estimate
+    where it has one)."""
     if blocked:
-        return min(estimates, key=lambda e: e.seconds).implementation
+        return min(estimates, key=lambda e: (e.tiled or e).seconds).implementation
     fitting = [e for e in estimates if e.memory_bytes <= JACOBIAN_MEMORY_BUDGET]
     if not fitting:
         return next(name for name, impl in REGISTRY.items() if impl.features is None)

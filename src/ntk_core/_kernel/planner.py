@@ -5,6 +5,7 @@ returns a ``Config``. :func:`describe` is what ``plan()`` returns."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from ntk_core._impl import cost as _cost
 from ntk_core._impl.phases import triangle_blocks
 from ntk_core._impl.registry import AUTO, NNGP, PHASES, REGISTRY
 from ntk_core._jax import memory as _memory
+from ntk_core._jax.environment import _user_stacklevel
 from ntk_core._kernel.layout import pair_bytes
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
 from ntk_core._kernel.options import AUTO_BATCH_SIZE
@@ -80,6 +82,8 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
             if all(e.implementation != implementation for e in others):
                 # none of the others fits: the fastest of them
                 implementation = min(others, key=lambda e: e.seconds).implementation
+        if not blocked:
+            warn_of_tiles(spec, found, implementation)
     elif implementation in REGISTRY:
         error = model_failure(implementation, spec, checked, params, x1, x2, aux)
         if error is not None:
@@ -109,6 +113,23 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
         param_sizes=tuple(math.prod(np.shape(v)) for v in jax.tree.leaves(params)),
         whole_batch=whole,
     )
+
+
+def warn_of_tiles(spec: Spec, found, implementation: str) -> None:
+    """Warns (once per input signature: configure's cache) when ``"auto"`` in one call
+    took a slower implementation because the faster ones' features do not fit in one call,
+    and a tiled alternative is estimated :data:`_cost.TILES_ADVICE_RATIO` times faster:
+    the user asked for one call (a ``jax.Array`` result), so tiles are not taken unasked."""
+    fastest = min(found, key=lambda e: e.seconds)
+    advice = _cost.tiles_advice(found, implementation)
+    if fastest.implementation == implementation or advice is None:
+        return
+    what = (
+        f"implementation='auto' with batch_size=None took {implementation!r}: the features "
+        f"of faster ones do not fit in one call; {_cost.advice_text(found, implementation, advice)}"
+    )
+    fix = f"pass batch_size={AUTO_BATCH_SIZE!r} (tiles, the same kernel as a host array)"
+    warnings.warn(bad(UserWarning, spec.fn_name, what, fix).args[0], stacklevel=_user_stacklevel())
 
 
 def model_failure(
@@ -164,6 +185,12 @@ def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, who
         )
         found_analysis = analysis(spec, analyses, params, x1, aux)
     batch_diag = any(layout.batch_diagonal for layout in layouts)
+    budget = spec.options.memory_budget or _blocked.default_memory_budget()
+
+    def block(feature_bytes, pair_bytes):  # as batch_size="auto" cuts the call
+        args = (n1, n2, feature_bytes, pair_bytes, budget, batch_diag, checked.symmetric)
+        return _blocked.auto_batch_size(*args)
+
     found = _cost.estimate(
         closed,
         params,
@@ -179,6 +206,7 @@ def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, who
         analysis=found_analysis,
         whole_batch=whole,
         batch=batch,
+        tiles=(budget, block, batch_diag),
     )
     if spec.kind is Kind.NTK_PER_LEAF:  # some do not separate the leaves
         found = tuple(e for e in found if REGISTRY[e.implementation].separates_leaves)
@@ -217,6 +245,7 @@ def describe(spec, checked, config, implementation, analyses, params, x1, x2, au
         spec.options.implementation,
         tiling,
         config.whole_batch if REGISTRY[config.implementation].cotangent_chunks else None,
+        spec.options.batch_size is not None,
     )
 
 
