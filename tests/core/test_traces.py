@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import compiles
 import ntk_core
 import reference
 
@@ -77,19 +78,7 @@ def test_a_new_n_keeps_the_checks_of_the_first_call():
     assert jnp.array_equal(kernel(PARAMS, x), fresh)
 
 
-def _compiles():
-    """A list that grows by one name per XLA compilation (JAX's monitoring events)."""
-    seen: list[str] = []
-
-    def listener(name, secs, **kwargs):
-        if name == "/jax/core/compile/backend_compile_duration":
-            seen.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    return seen
-
-
-_SEEN = _compiles()
+_SEEN = compiles.counter()
 
 
 @pytest.mark.parametrize("trace_axes", [(-1,), ()], ids=["traced", "full"])

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import compiles
 import frameworks
 import reference
 
@@ -340,18 +341,7 @@ class Counting(eqx.Module):
         return self.out(jnp.tanh(self.hidden(x)))
 
 
-def _compiles():
-    seen: list[str] = []
-
-    def listener(name, secs, **kwargs):
-        if name == "/jax/core/compile/backend_compile_duration":
-            seen.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    return seen
-
-
-COMPILES = _compiles()
+COMPILES = compiles.counter()
 
 
 @pytest.mark.parametrize("build", ["kernel", "kernel_fn"])

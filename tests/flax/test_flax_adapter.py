@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import compiles
 import ntk_core
 import ntk_flax
 import reference
@@ -470,19 +471,7 @@ def test_monte_carlo_kernels_to_files_equal_the_in_memory_average(tmp_path):
     np.testing.assert_allclose(np.asarray(got.ntk), ntk, atol=1e-6 * np.abs(ntk).max())
 
 
-def _compiles() -> list[str]:
-    """A list that grows by one name per XLA compilation (JAX's monitoring events)."""
-    seen: list[str] = []
-
-    def listener(name, secs, **kwargs):
-        if name == "/jax/core/compile/backend_compile_duration":
-            seen.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    return seen
-
-
-COMPILES = _compiles()
+COMPILES = compiles.counter()
 
 
 class Twin(nnx.Module):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import compiles
 import ntk_core
 import ntk_haiku
 import reference
@@ -286,19 +287,7 @@ def test_out_of_core_kernel_equals_the_in_memory_one(tmp_path):
     assert np.array_equal(again, in_memory)  # finished: returned as it is
 
 
-def _compiles() -> list[str]:
-    """A list that grows by one name per XLA compilation (JAX's monitoring events)."""
-    seen: list[str] = []
-
-    def listener(name, secs, **kwargs):
-        if name == "/jax/core/compile/backend_compile_duration":
-            seen.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    return seen
-
-
-COMPILES = _compiles()
+COMPILES = compiles.counter()
 
 
 def test_functions_built_again_with_a_new_key_compile_nothing_new():

@@ -79,6 +79,48 @@ def _check_spatial(k: Kern, name: str, rank: int):
 # ----- affine layers -----
 
 
+def _affine_args(fn, W_std, b_std, parameterization, s, **fields):
+    """The checked arguments of a Dense or Conv layer."""
+    return types.SimpleNamespace(
+        W_std=_std(fn, "W_std", W_std),
+        b_std=_std(fn, "b_std", b_std, optional=True),
+        parameterization=_choice(fn, "parameterization", parameterization, PARAMETERIZATIONS),
+        s=_ints(fn, "s", s, 2),
+        **fields,
+    )
+
+
+def _affine_network(args, window: tuple, out: int, product):
+    """(init_fn, apply_fn) of z = c·product(x, W) + b over a window of ``window`` positions
+    (() for Dense): NTK parameterisation W, b ~ N(0, 1), c = σw/√fan_in, b scaled by σb;
+    standard W ~ N(0, σw²·s₀/fan_in), b ~ N(0, σb²), c = 1/√s₀ (neural-tangents')."""
+    width = out * args.s[1]
+
+    def init_fn(key, input_shape):
+        k1, k2 = jax.random.split(key)
+        n_in = input_shape[-1]
+        w = jax.random.normal(k1, window + (n_in, width))
+        b = None if args.b_std is None else jax.random.normal(k2, (width,))
+        if args.parameterization == "standard":
+            w = w * args.W_std / math.sqrt(n_in / args.s[0] * math.prod(window))
+            b = None if b is None else b * args.b_std
+        shape = jax.eval_shape(
+            lambda x: product(x, w), jax.ShapeDtypeStruct(input_shape, jnp.float32)
+        )
+        return tuple(shape.shape), (w, b)
+
+    def apply_fn(params, x, **kwargs):
+        w, b = params
+        y = product(x, w)
+        if args.parameterization == "ntk":
+            y = y * (args.W_std / math.sqrt(x.shape[-1] * math.prod(window)))
+            return y if b is None else y + args.b_std * b
+        y = y / math.sqrt(args.s[0])
+        return y if b is None else y + b
+
+    return init_fn, apply_fn
+
+
 def Dense(
     out_dim, W_std=1.0, b_std=None, batch_axis=0, channel_axis=-1, parameterization="ntk", s=(1, 1)
 ) -> Layer:
@@ -86,33 +128,12 @@ def Dense(
     fn = "stax.Dense"
     out_dim = check_int(fn, "out_dim", out_dim, "pass e.g. Dense(512)")
     _axes_default(fn, batch_axis, channel_axis)
-    args = types.SimpleNamespace(
-        out_dim=out_dim,
-        W_std=_std(fn, "W_std", W_std),
-        b_std=_std(fn, "b_std", b_std, optional=True),
-        parameterization=_choice(fn, "parameterization", parameterization, PARAMETERIZATIONS),
-        s=_ints(fn, "s", s, 2),
-    )
+    args = _affine_args(fn, W_std, b_std, parameterization, s, out_dim=out_dim)
 
-    def init_fn(key, input_shape):
-        k1, k2 = jax.random.split(key)
-        n_in = input_shape[-1]
-        w = jax.random.normal(k1, (n_in, out_dim * args.s[1]))
-        b = None if args.b_std is None else jax.random.normal(k2, (out_dim * args.s[1],))
-        if args.parameterization == "standard":
-            w = w * args.W_std / math.sqrt(n_in / args.s[0])
-            b = None if b is None else b * args.b_std
-        return tuple(input_shape[:-1]) + (out_dim * args.s[1],), (w, b)
+    def product(x, w):
+        return jnp.tensordot(x, w, (-1, 0), precision="highest")
 
-    def apply_fn(params, x, **kwargs):
-        w, b = params
-        y = jnp.tensordot(x, w, (-1, 0), precision="highest")
-        if args.parameterization == "ntk":
-            y = y * (args.W_std / math.sqrt(x.shape[-1]))
-            return y if b is None else y + args.b_std * b
-        y = y / math.sqrt(args.s[0])
-        return y if b is None else y + b
-
+    init_fn, apply_fn = _affine_network(args, (), out_dim, product)
     name = f"Dense({out_dim}, W_std={args.W_std:g}, b_std={args.b_std}, {args.parameterization})"
     return layer(Rule(name, lambda k: affine.dense(k, args)), init_fn, apply_fn)
 
@@ -163,29 +184,19 @@ def Conv(
             what,
             "transpose the inputs to channels last and pass dimension_numbers=None",
         )
-    args = types.SimpleNamespace(
+    args = _affine_args(
+        fn,
+        W_std,
+        b_std,
+        parameterization,
+        s,
         out_chan=out_chan,
         filter_shape=filter_shape,
         strides=strides,
         padding=_choice(fn, "padding", padding, windows.PADDINGS),
-        W_std=_std(fn, "W_std", W_std),
-        b_std=_std(fn, "b_std", b_std, optional=True),
-        parameterization=_choice(fn, "parameterization", parameterization, PARAMETERIZATIONS),
-        s=_ints(fn, "s", s, 2),
     )
 
-    def init_fn(key, input_shape):
-        k1, k2 = jax.random.split(key)
-        n_in = input_shape[-1]
-        w = jax.random.normal(k1, filter_shape + (n_in, out_chan * args.s[1]))
-        b = None if args.b_std is None else jax.random.normal(k2, (out_chan * args.s[1],))
-        if args.parameterization == "standard":
-            w = w * args.W_std / math.sqrt(n_in / args.s[0] * math.prod(filter_shape))
-            b = None if b is None else b * args.b_std
-        out = jax.eval_shape(lambda x: _conv(x, w), jax.ShapeDtypeStruct(input_shape, jnp.float32))
-        return out.shape, (w, b)
-
-    def _conv(x, w):
+    def product(x, w):
         pad = args.padding
         if pad == "CIRCULAR":
             x, pad = _circular_pad(x, filter_shape, strides), "VALID"
@@ -194,14 +205,7 @@ def Conv(
             x, w, strides, pad, dimension_numbers=dn, precision="highest"
         )
 
-    def apply_fn(params, x, **kwargs):
-        w, b = params
-        y = _conv(x, w)
-        if args.parameterization == "ntk":
-            y = y * (args.W_std / math.sqrt(x.shape[-1] * math.prod(filter_shape)))
-            return y if b is None else y + args.b_std * b
-        y = y / math.sqrt(args.s[0])
-        return y if b is None else y + b
+    init_fn, apply_fn = _affine_network(args, filter_shape, out_chan, product)
 
     def transform(k):
         _check_spatial(k, "Conv", rank)
