@@ -212,6 +212,80 @@ def networks(stax, jnp):
         ),
         (4, 5, 2),
     )
+    # self-attention (issue 49): sequences (T, C) and images (H, W, C); every mechanism,
+    # positional embeddings summed (identity and decaying covariance) and concatenated
+    attn = stax.GlobalSelfAttention
+    nets["attn_softmax_image_pos"] = (
+        stax.serial(
+            conv(3, (2, 2), padding="SAME"),
+            attn(
+                3,
+                2,
+                2,
+                2,
+                W_query_std=1.5,
+                pos_emb_type="SUM",
+                pos_emb_p_norm=1,
+                pos_emb_decay_fn=lambda r: jnp.exp(-0.7 * r),
+                W_pos_emb_std=0.8,
+                val_pos_emb=True,
+            ),
+            stax.Relu(),
+            stax.GlobalAvgPool(),
+            d(1),
+        ),
+        (3, 2, 2),
+    )
+    nets["attn_mechanisms_seq"] = (
+        stax.serial(
+            d(4, b_std=0.1),
+            attn(4, 3, 3, 1, W_key_std=1.3, W_out_std=0.9, b_std=0.2),
+            stax.Relu(),
+            d(4),
+            attn(4, 2, 2, 2, attention_mechanism="IDENTITY", pos_emb_type="SUM", b_std=0.1),
+            stax.Relu(),
+            d(3),
+            attn(
+                3,
+                2,
+                2,
+                1,
+                attention_mechanism="ABS",
+                pos_emb_type="CONCAT",
+                n_chan_pos_emb=2,
+                W_pos_emb_std=1.2,
+                W_value_std=1.1,
+            ),
+            stax.Erf(),
+            d(4),
+            attn(4, 2, 2, 2, attention_mechanism="RELU", pos_emb_type="CONCAT", val_pos_emb=True),
+            stax.GlobalAvgPool(),
+            d(1),
+        ),
+        (4, 2),
+    )
+    nets["attn_sqrt_identity_seq"] = (
+        stax.serial(
+            d(3, b_std=0.1),
+            attn(3, 2, 2, 2, linear_scaling=False, attention_mechanism="IDENTITY", W_key_std=0.7),
+            stax.Relu(),
+            d(3),
+            attn(
+                3,
+                2,
+                2,
+                1,
+                linear_scaling=False,
+                attention_mechanism="IDENTITY",
+                pos_emb_type="SUM",
+                W_pos_emb_std=0.6,
+                b_std=0.3,
+            ),
+            stax.Flatten(),
+            d(1),
+        ),
+        (4, 2),
+    )
     return nets
 
 

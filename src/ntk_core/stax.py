@@ -10,6 +10,7 @@ without bound. See ``docs/infinite-width.md`` for the definitions, shapes, costs
 sources of each layer.
 """
 
+from ntk_core._infinite.attention import GlobalSelfAttention as GlobalSelfAttention
 from ntk_core._infinite.layer import FanInConcat as FanInConcat
 from ntk_core._infinite.layer import FanInSum as FanInSum
 from ntk_core._infinite.layer import FanOut as FanOut
@@ -45,6 +46,7 @@ from ntk_core._infinite.layers import SumPool as SumPool
 __all__ = (
     "ABRelu", "Abs", "AvgPool", "Conv", "Cos", "Dense", "Dropout", "Elementwise",
     "ElementwiseNumerical", "Erf", "Exp", "FanInConcat", "FanInSum", "FanOut", "Flatten",
-    "Gelu", "GlobalAvgPool", "GlobalSumPool", "Identity", "Layer", "LayerNorm", "LeakyRelu",
+    "Gelu", "GlobalAvgPool", "GlobalSelfAttention", "GlobalSumPool", "Identity", "Layer",
+    "LayerNorm", "LeakyRelu",
     "Rbf", "Relu", "Sigmoid_like", "Sign", "Sin", "SumPool", "parallel", "repeat", "serial",
 )  # fmt: skip

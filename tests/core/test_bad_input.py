@@ -1022,6 +1022,15 @@ def _rows():
         Row("stax-diagonal-spatial-pool", "diagonal_spatial=True on a network with a global pool",
             "stax.serial(stax.Conv(3, (2, 2)), stax.Relu(), stax.GlobalAvgPool())[2](jnp.ones((2, 4, 4, 1)), diagonal_spatial=True)",
             ValueError, r"^kernel_fn: diagonal_spatial=True, but a layer mixes positions"),
+        Row("stax-attention-sqrt-scaling", "self-attention with 1/√d logits and a softmax (no closed-form kernel)",
+            "stax.GlobalSelfAttention(3, 2, 2, 1, linear_scaling=False)[2](jnp.ones((2, 4, 3)))",
+            ValueError, r"^kernel_fn: linear_scaling=False \(1/√n_chan_key logits\) has no closed-form kernel for attention_mechanism='SOFTMAX', only for 'IDENTITY'\. Fix: pass linear_scaling=True"),
+        Row("stax-attention-sum-channels", "summed positional embeddings with other channels than the input's",
+            "stax.GlobalSelfAttention(3, 2, 2, 1, pos_emb_type='SUM', n_chan_pos_emb=5)[2](jnp.ones((2, 4, 3)))",
+            ValueError, r"^stax\.GlobalSelfAttention: pos_emb_type='SUM' adds the embeddings to the input's 3 channels, but n_chan_pos_emb=5 \(in kernel_fn\)\. Fix:"),
+        Row("stax-attention-decay-fn", "a positional covariance decay that is not a function",
+            "stax.GlobalSelfAttention(3, 2, 2, 1, pos_emb_type='SUM', pos_emb_decay_fn=0.5)",
+            TypeError, r"^stax\.GlobalSelfAttention: pos_emb_decay_fn must be None or callable, got float\. Fix:"),
     ]  # fmt: skip
 
 

@@ -242,6 +242,30 @@ def test_convolutional_monte_carlo_converges():
         assert err < 0.1, (k, err)
 
 
+def test_self_attention_monte_carlo_converges():
+    """GlobalSelfAttention (softmax, 2 heads, summed positional embeddings) after a Dense
+    embedding, on sequences: Monte Carlo of the finite layer at 256 channels within 0.1 of
+    kernel_fn (NNGP and NTK, every pair of positions; measured 0.057 and 0.045, at 16
+    channels 0.30 and 0.23). The
+    embedding's own width matters: summed onto a 2-channel input, its covariance stays
+    far from R (0.56)."""
+    x = np.random.RandomState(4).randn(3, 4, 2).astype(np.float32)
+    init_fn, apply_fn, kernel_fn = stax.serial(
+        stax.Dense(256),
+        # 64 outputs averaged: the NNGP's error falls with samples x outputs
+        stax.GlobalSelfAttention(64, 256, 128, 2, W_key_std=1.5, pos_emb_type="SUM"),
+    )
+    exact = kernel_fn(x, None)
+    mc = monte_carlo_kernels(
+        lambda key: init_fn(key, x.shape)[1], apply_fn, x, key=jax.random.PRNGKey(3), n_samples=8
+    )
+    for k in ("nngp", "ntk"):
+        ours, limit = np.asarray(getattr(mc, k)), np.asarray(getattr(exact, k))
+        assert ours.shape == limit.shape == (3, 3, 4, 4), (k, ours.shape, limit.shape)
+        err = np.linalg.norm(ours - limit) / np.linalg.norm(limit)
+        assert err < 0.1, (k, err)
+
+
 def test_blocked_equals_one_call_and_is_symmetric(tmp_path):
     """Tiles of 4 over N = 11 (ragged), x2 None and given, into memory and into an .npy
     file that resumes: equal to the one call to 1e-5·max in float32; x2=None exactly
