@@ -5,6 +5,6 @@ The maths, one module per idea: ``state`` (the kernel state carried through a ne
 of each nonlinearity, and Gauss–Hermite quadrature for any other), ``affine`` (Dense,
 Conv), ``windows`` (sliding-window sums), ``spatial`` (pools, Flatten, LayerNorm,
 Dropout), ``attention`` (GlobalSelfAttention), ``layer`` (the layer triple and its
-combinators), ``layers`` (the public layers), ``kernel_fn`` (the public kernel function: checks, jit per shape, the
-blocked engine). The public face is :mod:`ntk_core.stax`.
+combinators), ``layers`` (the public layers), ``kernel_fn`` (the public kernel function:
+checks, jit per shape, the blocked engine). The public face is :mod:`ntk_core.stax`.
 """
