@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._errors import bad, check_bool, check_int, check_real
-from ntk_core._infinite.layer import Layer, Rule, layer
+from ntk_core._infinite.layer import Layer, Rule, make_layer
 from ntk_core._infinite.layers import _axes_default, _choice, _std
 from ntk_core._infinite.state import Kern
 
@@ -307,7 +307,9 @@ def GlobalSelfAttention(
         f"{args.n_chan_pos_emb}, {args.W_pos_emb_std:g}, values={args.val_pos_emb}))"
     )
     # positions mix: the input must hold every pair of positions
-    return layer(Rule(name, lambda k: transform(k, args), lambda full: True), init_fn, apply_fn)
+    return make_layer(
+        Rule(name, lambda k: transform(k, args), lambda full: True), init_fn, apply_fn
+    )
 
 
 def _finite(args):

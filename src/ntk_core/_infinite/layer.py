@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ntk_core._blocked.barrier import barrier
 from ntk_core._errors import bad, check_int
 from ntk_core._infinite.state import Kern
 
@@ -35,6 +36,7 @@ class Rule:
     name: str
     transform: Callable[[Any], Any]
     needs: Callable[[Any], Any] = _same
+    branches: bool = False  # its input may be a tuple of branches (parallel, FanIn*, Identity)
 
 
 class Layer(NamedTuple):
@@ -45,7 +47,7 @@ class Layer(NamedTuple):
     kernel_fn: Any  # KernelFn
 
 
-def layer(rule: Rule, init_fn: Callable, apply_fn: Callable) -> Layer:
+def make_layer(rule: Rule, init_fn: Callable, apply_fn: Callable) -> Layer:
     from ntk_core._infinite.kernel_fn import KernelFn  # the public call wraps the rule
 
     return Layer(init_fn, apply_fn, KernelFn(rule))
@@ -89,13 +91,70 @@ def named(kern: Kern | tuple, name: str):
     return kern.replace(source=name)
 
 
+def settled(kern):
+    """``kern`` with its arrays behind an optimisation barrier: XLA may not fuse a layer
+    into the next one's reads. Without it XLA CPU recomputes a nonlinearity's arctan2 in
+    every shifted read of the following convolution (a 21-layer ReLU CNN, N = 64: 48 s
+    warm unrolled against 3 s with the layers in a scan, whose steps it cannot fuse)."""
+    if isinstance(kern, tuple):
+        return tuple(settled(k) for k in kern)
+    arrays = {f: getattr(kern, f) for f in _ARRAYS if getattr(kern, f) is not None}
+    return kern.replace(**dict(zip(arrays, barrier(tuple(arrays.values())), strict=True)))
+
+
+def _chain(rules, kern):
+    for rule in rules:
+        kern = named(apply(rule, kern), rule.name)
+    return kern
+
+
+def apply(rule: Rule, kern):
+    """``rule.transform(kern)``; ValueError for branches reaching a one-input layer."""
+    if isinstance(kern, tuple) and not rule.branches:
+        what = f"{rule.name} got {len(kern)} branches (after FanOut)"
+        fix = (
+            "put parallel(...) after FanOut and join the branches with FanInSum() or FanInConcat()"
+        )
+        raise bad(ValueError, "kernel_fn", what, fix)
+    return rule.transform(kern)
+
+
+def _run(rules, start: int, longest_period: int = 4) -> tuple[int, int]:
+    """(period p, count c): ``rules[start:start + p]`` is repeated c times in a row, the
+    same layer objects (``[Dense(...), Relu()] * 20`` repeats its two objects; equal
+    arguments alone do not count: two ElementwiseNumerical of different functions share a
+    name); the longest such run, the shortest period among equals."""
+    best = (1, 1)
+    for p in range(1, longest_period + 1):
+        block = rules[start : start + p]
+        if len(block) < p:
+            break
+        count = 1
+        while start + (count + 1) * p <= len(rules) and all(
+            a is b
+            for a, b in zip(rules[start + count * p : start + (count + 1) * p], block, strict=True)
+        ):
+            count += 1
+        if p * count > best[0] * best[1]:
+            best = (p, count)
+    return best
+
+
 def serial(*layers) -> Layer:
     """Layers in sequence (neural-tangents' ``stax.serial``)."""
     rules = [rule_of("stax.serial", v, f"layer {i}") for i, v in enumerate(layers)]
 
     def transform(kern):
-        for rule in rules:
-            kern = named(rule.transform(kern), rule.name)
+        i = 0
+        while i < len(rules):
+            period, count = _run(rules, i)
+            if count >= 3:  # e.g. [Dense, Erf] * 13: one scanned step to compile and run
+                block = rules[i : i + period]
+                kern = repeated(lambda k, block=block: _chain(block, k), count, kern)
+                i += period * count
+            else:
+                kern = settled(named(apply(rules[i], kern), rules[i].name))
+                i += 1
         return kern
 
     def needs(full):
@@ -119,7 +178,8 @@ def serial(*layers) -> Layer:
         return x
 
     name = "serial(" + ", ".join(r.name for r in rules) + ")"
-    return layer(Rule(name, transform, needs), init_fn, apply_fn)
+    branches = not rules or rules[0].branches
+    return make_layer(Rule(name, transform, needs, branches), init_fn, apply_fn)
 
 
 def _split_rng(kwargs, n):
@@ -154,7 +214,7 @@ def parallel(*layers) -> Layer:
         return tuple(v[1](p, x, **r) for v, p, x, r in zip(layers, params, xs, rngs, strict=True))
 
     name = "parallel(" + ", ".join(r.name for r in rules) + ")"
-    return layer(Rule(name, transform, needs), init_fn, apply_fn)
+    return make_layer(Rule(name, transform, needs, branches=True), init_fn, apply_fn)
 
 
 def FanOut(num: int) -> Layer:
@@ -170,7 +230,7 @@ def FanOut(num: int) -> Layer:
     def apply_fn(params, x, **kwargs):
         return (x,) * num
 
-    return layer(Rule(f"FanOut({num})", lambda k: (k,) * num, needs), init_fn, apply_fn)
+    return make_layer(Rule(f"FanOut({num})", lambda k: (k,) * num, needs), init_fn, apply_fn)
 
 
 def _branches(fn: str, kerns) -> tuple:
@@ -207,7 +267,7 @@ def FanInSum() -> Layer:
     def apply_fn(params, xs, **kwargs):
         return sum(xs[1:], xs[0])
 
-    return layer(Rule("FanInSum()", transform), init_fn, apply_fn)
+    return make_layer(Rule("FanInSum()", transform, branches=True), init_fn, apply_fn)
 
 
 def FanInConcat(axis: int = -1) -> Layer:
@@ -230,7 +290,7 @@ def FanInConcat(axis: int = -1) -> Layer:
     def apply_fn(params, xs, **kwargs):
         return jnp.concatenate(xs, axis=-1)
 
-    return layer(Rule("FanInConcat()", transform), init_fn, apply_fn)
+    return make_layer(Rule("FanInConcat()", transform, branches=True), init_fn, apply_fn)
 
 
 def _join(kerns, weights, channels) -> Kern:
@@ -262,46 +322,52 @@ def _join(kerns, weights, channels) -> Kern:
 
 def Identity() -> Layer:
     """The input unchanged."""
-    return layer(Rule("Identity()", lambda k: k), *stateless(lambda x: x))
+    return make_layer(Rule("Identity()", lambda k: k, branches=True), *stateless(lambda x: x))
 
 
-def repeat(layer_: Layer, n: int) -> Layer:
-    """``layer_`` applied ``n`` times, each with its own parameters: ``serial(layer_, ...,
-    layer_)``; the kernel is computed in a ``lax.scan`` when the layer keeps the kernel's
+def repeat(layer: Layer, n: int) -> Layer:
+    """``layer`` applied ``n`` times, each with its own parameters: ``serial(layer, ...,
+    layer)``; the kernel is computed in a ``lax.scan`` when the layer keeps the kernel's
     shape, so deep repeats compile once."""
     n = check_int("stax.repeat", "n", n, "pass e.g. repeat(block, 3)", low=0)
-    rule = rule_of("stax.repeat", layer_, "layer")
-    chain = serial(*([layer_] * n))
+    rule = rule_of("stax.repeat", layer, "layer")
+    chain = serial(*([layer] * n))  # the finite network
 
     def transform(kern):
-        if n == 0:
-            return kern
-        first = named(rule.transform(kern), rule.name)
-        if n == 1:
-            return first
-        # traced once more to compare (XLA drops the unused result)
-        if not _scannable(first, named(rule.transform(first), rule.name)):
-            return chain.kernel_fn.rule.transform(kern)
-
-        def step(arrays, _):
-            k = first.replace(**dict(zip(_ARRAYS, arrays, strict=True)))
-            out = rule.transform(k)
-            return tuple(getattr(out, f) for f in _ARRAYS), None
-
-        arrays, _ = jax.lax.scan(
-            step, tuple(getattr(first, f) for f in _ARRAYS), None, length=n - 1
-        )
-        return first.replace(**dict(zip(_ARRAYS, arrays, strict=True)))
+        return repeated(lambda k: named(apply(rule, k), rule.name), n, kern)
 
     def needs(full):
         for _ in range(n):
             full = rule.needs(full)
         return full
 
-    return layer(Rule(f"repeat({rule.name}, {n})", transform, needs), chain.init_fn, chain.apply_fn)
+    rule_n = Rule(f"repeat({rule.name}, {n})", transform, needs, rule.branches)
+    return make_layer(rule_n, chain.init_fn, chain.apply_fn)
 
 
 _ARRAYS = ("nngp", "ntk", "cov1", "cov2")
+
+
+def repeated(step, n: int, kern):
+    """``step`` applied ``n`` times to ``kern``: in a ``lax.scan`` when a step keeps the
+    state's shapes and flags (traced once more to compare; XLA drops the unused result),
+    else unrolled."""
+    if n == 0:
+        return kern
+    first = settled(step(kern))
+    if n == 1:
+        return first
+    if not _scannable(first, step(first)):
+        for _ in range(n - 1):
+            first = settled(step(first))
+        return first
+
+    def body(arrays, _):
+        out = step(first.replace(**dict(zip(_ARRAYS, arrays, strict=True))))
+        return tuple(getattr(out, f) for f in _ARRAYS), None
+
+    arrays, _ = jax.lax.scan(body, tuple(getattr(first, f) for f in _ARRAYS), None, length=n - 1)
+    return first.replace(**dict(zip(_ARRAYS, arrays, strict=True)))
 
 
 def _scannable(before, after) -> bool:

@@ -13,7 +13,7 @@ from jax import lax
 
 from ntk_core._errors import bad, check_int, check_real
 from ntk_core._infinite import affine, closed_forms, spatial, windows
-from ntk_core._infinite.layer import Layer, Rule, layer, stateless
+from ntk_core._infinite.layer import Layer, Rule, make_layer, stateless
 from ntk_core._infinite.state import Kern, pair_variances
 
 PARAMETERIZATIONS = ("ntk", "standard")
@@ -59,8 +59,23 @@ def _ints(fn, name, value, n=None):
 def _check_gaussian(k: Kern, name: str):
     if not k.gaussian:
         what = f"{name}'s input must be Gaussian (an affine layer's output), not {k.source}'s"
-        fix = "put a Dense or Conv before it (after a nonlinearity, Flatten, FanInConcat, Dropout)"
+        fix = f"insert a Dense or Conv layer between {k.source} and {name}"
         raise bad(ValueError, "kernel_fn", what, fix)
+
+
+def _check_windows(k: Kern, name: str, window, strides, padding):
+    """ValueError where a VALID window is larger than the input (no output position)."""
+    for size, w, s in zip(k.spatial, window, strides, strict=True):
+        if windows.out_size(size, w, s, padding) < 1:
+            what = (
+                f"{name}'s window {tuple(window)} is larger than its input's positions {k.spatial}"
+            )
+            raise bad(
+                ValueError,
+                "kernel_fn",
+                what,
+                "use padding='SAME', a smaller window or larger inputs",
+            )
 
 
 def _check_spatial(k: Kern, name: str, rank: int):
@@ -135,7 +150,7 @@ def Dense(
 
     init_fn, apply_fn = _affine_network(args, (), out_dim, product)
     name = f"Dense({out_dim}, W_std={args.W_std:g}, b_std={args.b_std}, {args.parameterization})"
-    return layer(Rule(name, lambda k: affine.dense(k, args)), init_fn, apply_fn)
+    return make_layer(Rule(name, lambda k: affine.dense(k, args)), init_fn, apply_fn)
 
 
 def _conv_specs(rank):
@@ -209,11 +224,12 @@ def Conv(
 
     def transform(k):
         _check_spatial(k, "Conv", rank)
+        _check_windows(k, "Conv", filter_shape, strides, args.padding)
         return affine.conv(k, args)
 
     name = f"Conv({out_chan}, {filter_shape}, {strides}, {args.padding}, W_std={args.W_std:g}, "
     name += f"b_std={args.b_std}, {args.parameterization})"
-    return layer(Rule(name, transform), init_fn, apply_fn)
+    return make_layer(Rule(name, transform), init_fn, apply_fn)
 
 
 # ----- nonlinearities -----
@@ -239,7 +255,7 @@ def _activation(name: str, fn, forms) -> Layer:
             is_input=False,
         )
 
-    return layer(Rule(name, transform), *stateless(fn))
+    return make_layer(Rule(name, transform), *stateless(fn))
 
 
 def _real(fn, name, value):
@@ -425,10 +441,11 @@ def _pool(kind, window_shape, strides, padding, normalize_edges, batch_axis, cha
 
     def transform(k):
         _check_spatial(k, kind, len(window))
+        _check_windows(k, kind, window, strides, args.padding)
         return spatial.pool(k, args, average)
 
     name = f"{kind}({window}, {strides}, {args.padding})"
-    return layer(Rule(name, transform, lambda full: True), *stateless(apply))
+    return make_layer(Rule(name, transform, lambda full: True), *stateless(apply))
 
 
 def AvgPool(
@@ -454,7 +471,7 @@ def _global(kind, batch_axis, channel_axis, average):
     _axes_default(f"stax.{kind}", batch_axis, channel_axis)
     reduce = jnp.mean if average else jnp.sum
     rule = Rule(f"{kind}()", lambda k: spatial.global_pool(k, average), lambda full: True)
-    return layer(rule, *stateless(lambda x: reduce(x, axis=tuple(range(1, x.ndim - 1)))))
+    return make_layer(rule, *stateless(lambda x: reduce(x, axis=tuple(range(1, x.ndim - 1)))))
 
 
 def GlobalAvgPool(batch_axis=0, channel_axis=-1) -> Layer:
@@ -473,7 +490,7 @@ def Flatten(batch_axis=0, batch_axis_out=0) -> Layer:
         what = f"batch_axis and batch_axis_out must be 0, got {batch_axis!r} and {batch_axis_out!r}"
         raise bad(ValueError, "stax.Flatten", what, "move the batch axis first")
     rule = Rule("Flatten()", spatial.flatten, lambda full: False)
-    return layer(rule, *stateless(lambda x: x.reshape(x.shape[0], -1)))
+    return make_layer(rule, *stateless(lambda x: x.reshape(x.shape[0], -1)))
 
 
 def LayerNorm(axis=-1, eps=1e-12, batch_axis=0, channel_axis=-1) -> Layer:
@@ -493,6 +510,14 @@ def LayerNorm(axis=-1, eps=1e-12, batch_axis=0, channel_axis=-1) -> Layer:
     def normalised(ndim: int) -> tuple[int, ...]:
         """The spatial axes among ``axes`` (0-based among them); ValueError unless the
         channel axis is normalised and the batch axis is not."""
+        if any(not -ndim <= a < ndim for a in axes):
+            what = f"axis={axis!r} is outside the input's {ndim} axes"
+            raise bad(
+                ValueError,
+                fn,
+                what,
+                "pass axis=-1 (channels), or e.g. axis=(1, 2, -1) for positions too",
+            )
         canonical = {a % ndim for a in axes}
         if ndim - 1 not in canonical or 0 in canonical:
             what = f"axis must hold the channel axis (-1 or {ndim - 1}) and not the batch axis 0"
@@ -514,7 +539,7 @@ def LayerNorm(axis=-1, eps=1e-12, batch_axis=0, channel_axis=-1) -> Layer:
         _check_gaussian(k, "LayerNorm")
         return spatial.layer_norm(k, normalised(len(k.spatial) + 2), eps)
 
-    return layer(Rule(f"LayerNorm({axis}, {eps:g})", transform), *stateless(apply))
+    return make_layer(Rule(f"LayerNorm({axis}, {eps:g})", transform), *stateless(apply))
 
 
 def Dropout(rate, mode="train") -> Layer:
@@ -530,7 +555,7 @@ def Dropout(rate, mode="train") -> Layer:
     )
     mode = _choice(fn, "mode", mode, ("train", "test"))
     if mode == "test" or rate == 1.0:
-        return layer(Rule(f"Dropout({rate:g}, {mode})", lambda k: k), *stateless(lambda x: x))
+        return make_layer(Rule(f"Dropout({rate:g}, {mode})", lambda k: k), *stateless(lambda x: x))
 
     def init_fn(key, input_shape):
         return input_shape, ()
@@ -556,4 +581,4 @@ def Dropout(rate, mode="train") -> Layer:
             )
         return spatial.dropout(k, rate, same=k.cov2 is None)
 
-    return layer(Rule(f"Dropout({rate:g}, train)", transform), init_fn, apply_fn)
+    return make_layer(Rule(f"Dropout({rate:g}, train)", transform), init_fn, apply_fn)
