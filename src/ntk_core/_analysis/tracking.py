@@ -333,9 +333,8 @@ class KernelTracker:
                 what = f"top_k must be an int in [1, {flat.m}], got {self.top_k}: the kernel has "
                 what += f"N·O = {n}·{flat.o} eigenvalues (O, the outputs per sample, is known "
                 what += "only from the first kernel: the constructor could not check it)"
-                raise bad(
-                    ValueError, _UPDATE, what, f"pass top_k <= {flat.m}, or more probe samples"
-                )
+                fix = f"pass top_k <= {flat.m}, or more probe samples"
+                raise bad(ValueError, _UPDATE, what, fix)
             self._shape, self._dtype = tuple(kernel.shape), str(kernel.dtype)
             self.initial_kernel = kernel
         dense = flat.dense()

@@ -28,7 +28,7 @@ from ntk_core._impl.base import jit_tuned
 from ntk_core._infinite.state import inputs_kernel
 from ntk_core._jax.memory import beyond
 from ntk_core._kernel.layout import LeafLayout, as_result
-from ntk_core._kernel.options import make_options
+from ntk_core._kernel.options import AUTO_BATCH_SIZE, make_options
 from ntk_core._predict.inference import Kernels
 from ntk_core._units import human_bytes
 
@@ -63,24 +63,20 @@ def _inputs(x, name: str, like=None):
         except Exception:  # noqa: BLE001 - reported below with the type
             x = None
     if x is None or not hasattr(x, "dtype") or x.dtype == object:
-        raise bad(
-            TypeError, FN, f"{name} must be an array (N, ..., C)", "pass a jax or numpy array"
-        )
+        what = f"{name} must be an array (N, ..., C)"
+        fix = "pass a jax or numpy array"
+        raise bad(TypeError, FN, what, fix)
     if isinstance(x, jax.core.Tracer):
         return jnp.asarray(x)
     dtype = np.dtype(x.dtype)
     if dtype in (np.float16, jnp.bfloat16):
         what = f"{name} is {dtype}, which cannot hold the kernels' variances and angles"
-        raise bad(
-            TypeError, FN, what, f"pass {name}.astype('float32') (or float64 with jax_enable_x64)"
-        )
+        fix = f"pass {name}.astype('float32') (or float64 with jax_enable_x64)"
+        raise bad(TypeError, FN, what, fix)
     if not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)):
-        raise bad(
-            TypeError,
-            FN,
-            f"{name} must be real numbers, got {dtype}",
-            f"pass {name}.astype('float32')",
-        )
+        what = f"{name} must be real numbers, got {dtype}"
+        fix = f"pass {name}.astype('float32')"
+        raise bad(TypeError, FN, what, fix)
     if x.ndim < 2:
         shape = tuple(x.shape)
         what = f"{name} must have a batch and a channel axis, shape (N, ..., C), got shape {shape}"
@@ -123,12 +119,9 @@ class KernelFn:
         """The kernels ``names`` of x1 and x2 (None: x1), in neural-tangents' layout."""
         k = self.rule.transform(inputs_kernel(x1, x2, diagonal, "ntk" in names))
         if isinstance(k, tuple):
-            raise bad(
-                ValueError,
-                FN,
-                f"the network ends in {len(k)} branches",
-                "join them with FanInSum() or FanInConcat()",
-            )
+            what = f"the network ends in {len(k)} branches"
+            fix = "join them with FanInSum() or FanInConcat()"
+            raise bad(ValueError, FN, what, fix)
         out = []
         for name in names:
             a = getattr(k, name)
@@ -218,12 +211,8 @@ class KernelFn:
         over = beyond(int(need))
         if over is not None:
             what = f"the kernels of {n1} x {n2} samples need {human_bytes(need)}, {over}"
-            raise bad(
-                ValueError,
-                FN,
-                what,
-                "pass batch_size='auto' (and out='kernel.npy' beyond the host)",
-            )
+            fix = "pass batch_size='auto' (and out='kernel.npy' beyond the host)"
+            raise bad(ValueError, FN, what, fix)
 
     def _blocked(self, x1, x2, names, diagonal, options):
         one = x1[:1]  # one pair's kernels: the tiles' shapes (nothing runs)
@@ -242,7 +231,7 @@ class KernelFn:
         out_bytes = sum(itemsize * math.prod(p.shape) for p in per_pair) * n1 * n2
         budget = options.memory_budget or _tiles.default_memory_budget()
         b = options.batch_size
-        if b == "auto":
+        if b == AUTO_BATCH_SIZE:
             b = _tiles.auto_batch_size(n1, n2, 0, pair_bytes, budget, False, x2 is None)
         b1, b2 = min(b, n1), min(b, n2)
         k1, k2 = -(-n1 // b1), -(-n2 // b2)

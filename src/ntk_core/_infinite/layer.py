@@ -62,9 +62,8 @@ def rule_of(fn: str, value, position: str) -> Rule:
         what = (
             f"{position} must be a layer of ntk_core.stax (init_fn, apply_fn, kernel_fn), got {got}"
         )
-        raise bad(
-            TypeError, fn, what, "build every layer with ntk_core.stax (Dense, Relu, serial, ...)"
-        )
+        fix = "build every layer with ntk_core.stax (Dense, Relu, serial, ...)"
+        raise bad(TypeError, fn, what, fix)
     return rule
 
 
@@ -235,12 +234,9 @@ def FanOut(num: int) -> Layer:
 
 def _branches(fn: str, kerns) -> tuple:
     if not isinstance(kerns, tuple):
-        raise bad(
-            ValueError,
-            "kernel_fn",
-            f"{fn} needs branches, got one input",
-            "put FanOut(n) and parallel(...) before it",
-        )
+        what = f"{fn} needs branches, got one input"
+        fix = "put FanOut(n) and parallel(...) before it"
+        raise bad(ValueError, "kernel_fn", what, fix)
     return kerns
 
 
@@ -253,12 +249,8 @@ def FanInSum() -> Layer:
         channels = {k.channels for k in kerns}
         if len(channels) > 1:
             what = f"FanInSum's branches have different widths {sorted(channels)}"
-            raise bad(
-                ValueError,
-                "kernel_fn",
-                what,
-                "give every branch the same out_dim / out_chan, or use FanInConcat",
-            )
+            fix = "give every branch the same out_dim / out_chan, or use FanInConcat"
+            raise bad(ValueError, "kernel_fn", what, fix)
         return _join(kerns, [1.0] * len(kerns), kerns[0].channels)
 
     def init_fn(key, input_shapes):
@@ -298,9 +290,8 @@ def _join(kerns, weights, channels) -> Kern:
     for k in kerns[1:]:
         if k.spatial != first.spatial or k.diagonal != first.diagonal:
             what = f"branches of different spatial shapes {first.spatial} and {k.spatial}"
-            raise bad(
-                ValueError, "kernel_fn", what, "make every branch keep the same spatial shape"
-            )
+            fix = "make every branch keep the same spatial shape"
+            raise bad(ValueError, "kernel_fn", what, fix)
 
     def total(arrays):
         return (

@@ -35,9 +35,8 @@ def _choice(fn, name, value, allowed):
 def _axes_default(fn, batch_axis, channel_axis):
     if batch_axis != 0 or channel_axis not in (-1,):
         what = f"batch_axis must be 0 and channel_axis -1, got {batch_axis!r} and {channel_axis!r}"
-        raise bad(
-            ValueError, fn, what, "move the axes first, e.g. x = jnp.moveaxis(x, channel_axis, -1)"
-        )
+        fix = "move the axes first, e.g. x = jnp.moveaxis(x, channel_axis, -1)"
+        raise bad(ValueError, fn, what, fix)
 
 
 def _ints(fn, name, value, n=None):
@@ -50,9 +49,9 @@ def _ints(fn, name, value, n=None):
         )
     ):
         size = "a tuple of positive ints" + ("" if n is None else f" of length {n}")
-        raise bad(
-            ValueError, fn, f"{name} must be {size}, got {value!r}", f"pass e.g. {name}=(3, 3)"
-        )
+        what = f"{name} must be {size}, got {value!r}"
+        fix = f"pass e.g. {name}=(3, 3)"
+        raise bad(ValueError, fn, what, fix)
     return tuple(int(v) for v in values)
 
 
@@ -70,12 +69,8 @@ def _check_windows(k: Kern, name: str, window, strides, padding):
             what = (
                 f"{name}'s window {tuple(window)} is larger than its input's positions {k.spatial}"
             )
-            raise bad(
-                ValueError,
-                "kernel_fn",
-                what,
-                "use padding='SAME', a smaller window or larger inputs",
-            )
+            fix = "use padding='SAME', a smaller window or larger inputs"
+            raise bad(ValueError, "kernel_fn", what, fix)
 
 
 def _check_spatial(k: Kern, name: str, rank: int):
@@ -83,12 +78,8 @@ def _check_spatial(k: Kern, name: str, rank: int):
         what = (
             f"{name} acts on {rank} spatial axes, but its input has {len(k.spatial)} ({k.spatial})"
         )
-        raise bad(
-            ValueError,
-            "kernel_fn",
-            what,
-            f"give the inputs shape (N, {'S, ' * rank}C), or fix the layer's window",
-        )
+        fix = f"give the inputs shape (N, {'S, ' * rank}C), or fix the layer's window"
+        raise bad(ValueError, "kernel_fn", what, fix)
 
 
 # ----- affine layers -----
@@ -156,12 +147,9 @@ def Dense(
 def _conv_specs(rank):
     letters = "HWDXYZ"[:rank] if rank <= 6 else None
     if letters is None:
-        raise bad(
-            ValueError,
-            "stax.Conv",
-            f"at most 6 spatial axes, got {rank}",
-            "flatten extra axes into channels",
-        )
+        what = f"at most 6 spatial axes, got {rank}"
+        fix = "flatten extra axes into channels"
+        raise bad(ValueError, "stax.Conv", what, fix)
     return ("N" + letters + "C", letters + "IO", "N" + letters + "C")
 
 
@@ -193,12 +181,8 @@ def Conv(
     specs = _conv_specs(rank)
     if dimension_numbers is not None and tuple(dimension_numbers) != specs:
         what = f"dimension_numbers must be None or {specs}, got {dimension_numbers!r}"
-        raise bad(
-            ValueError,
-            fn,
-            what,
-            "transpose the inputs to channels last and pass dimension_numbers=None",
-        )
+        fix = "transpose the inputs to channels last and pass dimension_numbers=None"
+        raise bad(ValueError, fn, what, fix)
     args = _affine_args(
         fn,
         W_std,
@@ -362,12 +346,9 @@ def ElementwiseNumerical(fn, deg, df=None) -> Layer:
     autodiff (or ``df``)."""
     name = "stax.ElementwiseNumerical"
     if not callable(fn):
-        raise bad(
-            TypeError,
-            name,
-            f"fn must be callable, got {type(fn).__name__}",
-            "pass e.g. fn=jnp.tanh",
-        )
+        what = f"fn must be callable, got {type(fn).__name__}"
+        fix = "pass e.g. fn=jnp.tanh"
+        raise bad(TypeError, name, what, fix)
     deg = check_int(name, "deg", deg, "pass deg >= 2, e.g. deg=25", low=2)
     forms = closed_forms.quadrature(fn, deg, df)
     return _activation(f"ElementwiseNumerical({getattr(fn, '__name__', 'fn')}, {deg})", fn, forms)
@@ -378,19 +359,13 @@ def Elementwise(fn=None, nngp_fn=None, d_nngp_fn=None) -> Layer:
     ``d_nngp_fn`` (∂/∂cov12, by autodiff of nngp_fn if None)."""
     name = "stax.Elementwise"
     if not callable(nngp_fn):
-        raise bad(
-            TypeError,
-            name,
-            f"nngp_fn must be callable, got {type(nngp_fn).__name__}",
-            "pass nngp_fn(cov12, var1, var2), or use ElementwiseNumerical(fn, deg)",
-        )
+        what = f"nngp_fn must be callable, got {type(nngp_fn).__name__}"
+        fix = "pass nngp_fn(cov12, var1, var2), or use ElementwiseNumerical(fn, deg)"
+        raise bad(TypeError, name, what, fix)
     if fn is not None and not callable(fn):
-        raise bad(
-            TypeError,
-            name,
-            f"fn must be callable or None, got {type(fn).__name__}",
-            "pass the elementwise function",
-        )
+        what = f"fn must be callable or None, got {type(fn).__name__}"
+        fix = "pass the elementwise function"
+        raise bad(TypeError, name, what, fix)
     apply = fn if fn is not None else _no_finite(name)
     return _activation(
         f"Elementwise({getattr(nngp_fn, '__name__', 'nngp_fn')})",
@@ -401,12 +376,9 @@ def Elementwise(fn=None, nngp_fn=None, d_nngp_fn=None) -> Layer:
 
 def _no_finite(name):
     def apply(x):
-        raise bad(
-            ValueError,
-            name,
-            "this layer has no finite function (fn=None)",
-            "pass fn= to use apply_fn",
-        )
+        what = "this layer has no finite function (fn=None)"
+        fix = "pass fn= to use apply_fn"
+        raise bad(ValueError, name, what, fix)
 
     return apply
 
@@ -500,34 +472,23 @@ def LayerNorm(axis=-1, eps=1e-12, batch_axis=0, channel_axis=-1) -> Layer:
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
     eps = check_real(fn, "eps", eps, "pass e.g. eps=1e-12")
     if not all(isinstance(a, int) for a in axes):
-        raise bad(
-            ValueError,
-            fn,
-            f"axis must be an int or a tuple of ints, got {axis!r}",
-            "pass e.g. axis=-1",
-        )
+        what = f"axis must be an int or a tuple of ints, got {axis!r}"
+        fix = "pass e.g. axis=-1"
+        raise bad(ValueError, fn, what, fix)
 
     def normalised(ndim: int) -> tuple[int, ...]:
         """The spatial axes among ``axes`` (0-based among them); ValueError unless the
         channel axis is normalised and the batch axis is not."""
         if any(not -ndim <= a < ndim for a in axes):
             what = f"axis={axis!r} is outside the input's {ndim} axes"
-            raise bad(
-                ValueError,
-                fn,
-                what,
-                "pass axis=-1 (channels), or e.g. axis=(1, 2, -1) for positions too",
-            )
+            fix = "pass axis=-1 (channels), or e.g. axis=(1, 2, -1) for positions too"
+            raise bad(ValueError, fn, what, fix)
         canonical = {a % ndim for a in axes}
         if ndim - 1 not in canonical or 0 in canonical:
             what = f"axis must hold the channel axis (-1 or {ndim - 1}) and not the batch axis 0"
             what += f", got axis={axis!r}"
-            raise bad(
-                ValueError,
-                fn,
-                what,
-                "pass axis=-1 (channels), or e.g. axis=(1, 2, -1) for positions too",
-            )
+            fix = "pass axis=-1 (channels), or e.g. axis=(1, 2, -1) for positions too"
+            raise bad(ValueError, fn, what, fix)
         return tuple(sorted(a - 1 for a in canonical if a != ndim - 1))
 
     def apply(x):
@@ -562,23 +523,17 @@ def Dropout(rate, mode="train") -> Layer:
 
     def apply_fn(params, x, rng=None, **kwargs):
         if rng is None:
-            raise bad(
-                ValueError,
-                fn,
-                "apply_fn in train mode needs rng=",
-                "pass rng=jax.random.PRNGKey(0), or mode='test'",
-            )
+            what = "apply_fn in train mode needs rng="
+            fix = "pass rng=jax.random.PRNGKey(0), or mode='test'"
+            raise bad(ValueError, fn, what, fix)
         keep = jax.random.bernoulli(rng, rate, x.shape)
         return jnp.where(keep, x / rate, 0)
 
     def transform(k):
         if k.is_input:
-            raise bad(
-                ValueError,
-                "kernel_fn",
-                "Dropout cannot act on the network's input",
-                "put it after a layer",
-            )
+            what = "Dropout cannot act on the network's input"
+            fix = "put it after a layer"
+            raise bad(ValueError, "kernel_fn", what, fix)
         return spatial.dropout(k, rate, same=k.cov2 is None)
 
     return make_layer(Rule(f"Dropout({rate:g}, train)", transform), init_fn, apply_fn)

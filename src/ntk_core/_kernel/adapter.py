@@ -220,9 +220,8 @@ def build_kernel(
         unknown = ", ".join(map(repr, sorted(set(given) - set(keywords))))
         if unknown:
             fix = f"pass only {', '.join(f'{k}=' for k in keywords)}; options go to the builder"
-            raise bad(
-                TypeError, f"{fn_name}(...)(...)", f"unknown keyword argument(s) {unknown}", fix
-            )
+            what = f"unknown keyword argument(s) {unknown}"
+            raise bad(TypeError, f"{fn_name}(...)(...)", what, fix)
         if model.to_core_reads_x1:
             return model.to_core(first, x1, **given)
         return model.to_core(first, **given)

@@ -280,9 +280,9 @@ def _out_options(
         what = f"out={path!r} writes to the host, which store_on_device=True contradicts"
         raise bad(ValueError, fn_name, what, "drop store_on_device=True")
     if resume and overwrite:
-        raise bad(
-            ValueError, fn_name, f"resume=True and overwrite=True for out={path!r}", "pass one"
-        )
+        what = f"resume=True and overwrite=True for out={path!r}"
+        fix = "pass one"
+        raise bad(ValueError, fn_name, what, fix)
     return path
 
 
