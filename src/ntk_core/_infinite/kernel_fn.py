@@ -278,10 +278,11 @@ class KernelFn:
         return tuple(kernel) if store is None else tuple(as_result(config, [kernel]))
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)
 def _mirror(k):
     """(K + Kᵀ)·½ with each pair of axes swapped: a Gram matrix exactly symmetric (the
-    barrier keeps the halving from becoming an FMA of the sum)."""
+    barrier keeps the halving from becoming an FMA of the sum); K's buffer is reused (the
+    network's program returned it for this alone)."""
     perm = tuple(i + 1 if i % 2 == 0 else i - 1 for i in range(k.ndim))
     return barrier(k + jnp.transpose(k, perm)) * jnp.asarray(0.5, k.dtype)
 
