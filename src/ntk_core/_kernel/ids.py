@@ -48,6 +48,7 @@ class Site(NamedTuple):
     sizes: tuple[int, ...]
     highs: tuple[int, ...]
     inputs: int
+    axes: tuple[int, ...] = ()  # the operand's axes its index components address
 
 
 def _ill_defined(eqn) -> bool:
@@ -115,7 +116,8 @@ def _site(eqn, table: str | None, inputs: int) -> Site:
     axes = eqn.params["dimension_numbers"].start_index_map
     sizes = tuple(int(shape[a]) for a in axes)
     highs = tuple(int(shape[a] - eqn.params["slice_sizes"][a]) for a in axes)
-    return Site(table or f"an array of shape {tuple(shape)}", sizes, highs, inputs)
+    table = table or f"an array of shape {tuple(shape)}"
+    return Site(table, sizes, highs, inputs, tuple(int(a) for a in axes))
 
 
 class _Slice(NamedTuple):
@@ -304,7 +306,10 @@ def _refusal(fn, name, x, site, rows, ids, component, by_sample: bool) -> ValueE
     value, k = int(np.atleast_1d(ids)[j]), int(np.atleast_1d(component)[j])
     size, high = site.sizes[k], site.highs[k]
     where, sample = name, f" sample {j}" if by_sample else ""
+    axis = site.axes[k] if k < len(site.axes) else 0
+    entries = "rows" if axis == 0 else f"entries along axis {axis}"
     if high == size - 1:  # a row lookup: the id as x holds it (before -V wraps to V - 1)
+        held = False
         for bit, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(x)):
             values = np.asarray(leaf)
             if not site.inputs >> bit & 1 or not np.issubdtype(values.dtype, np.integer):
@@ -315,9 +320,11 @@ def _refusal(fn, name, x, site, rows, ids, component, by_sample: bool) -> ValueE
                 i = int(np.argmax(outside.reshape(len(rows_of), -1).any(1)))
                 where, value = f"{name}{jax.tree_util.keystr(path)}", int(rows_of[outside][0])
                 sample = f" sample {j if by_sample else i}"
+                held = True
                 break
-        what = f"{where}{sample} holds the id {value}, outside [-{size}, {size}) for the"
-        what += f" {size} rows of {site.table}"
+        verb = "holds the id" if held else "leads to the index (computed from its ids)"
+        what = f"{where}{sample} {verb} {value}, outside [-{size}, {size}) for the"
+        what += f" {size} {entries} of {site.table}"
     else:
         what = f"{where}{sample} gives the index {value} into {site.table}, outside [0, {high}]"
     fix = f"keep the ids of {name} in [-{size}, {size}) (e.g. give padding or unknown ids"
