@@ -96,8 +96,51 @@ def _inputs(x, name: str, like=None):
 
 
 class KernelFn:
-    """``kernel_fn(x1, x2=None, get=None, **options)``: the infinite-width NNGP and NTK
-    of the network this layer ends (see :mod:`ntk_core.stax`)."""
+    """``kernel_fn(x1, x2=None, get=None, **options)``: the infinite-width NNGP and NTK of
+    the network this layer ends, neural-tangents' ``stax`` kernel function.
+
+    Definition (per output channel, every channel alike): K(x1, x2) = lim E[f(x1) f(x2)]
+    over the random initialisation and Θ(x1, x2) = lim Σ_p ∂f(x1)/∂θ_p · ∂f(x2)/∂θ_p, as
+    every hidden width grows (the recursion of ``docs/infinite-width.md``).
+
+    Args:
+      x1: inputs ``(N1, *S, C)``: S spatial axes (none for a fully connected network),
+        channels last; float (float64 with ``jax_enable_x64``) or int (cast to float).
+      x2: ``(N2, *S, C)``, or None for x1's Gram matrix (exactly symmetric).
+      get: ``"nngp"`` or ``"ntk"`` (one array), a tuple of them (neural-tangents'
+        namedtuple, in that order), or None (``predict.Kernels(nngp, ntk)``).
+      batch_size, store_on_device, progress, memory_budget, out, resume, overwrite,
+        devices: the blocked engine's options (``ntk_core.ntk_fn``): tiles of B x B
+        samples, any N; ``out=`` (one kernel: ``get`` a name) writes a resumable ``.npy``.
+      diagonal_spatial: accepted for neural-tangents' code: chosen from the layers
+        anyway; True is refused where a layer mixes positions or the output keeps them.
+
+    Returns: each kernel ``(N1, N2)`` after a readout without positions, ``(N1, N2, H, H',
+    W, W', ...)`` where the network keeps them (spatial axes in reverse order after an
+    odd number of convolutions, as neural-tangents); a jax array (one call) or numpy
+    (tiles; a memory map with ``out=``); the inputs' float dtype.
+
+    Raises: TypeError (inputs not arrays, float16, unknown keywords); ValueError (shapes,
+    a layer's input of the wrong kind, e.g. a nonlinearity after a nonlinearity, kernels
+    beyond the device's memory in one call); NonFiniteError (NaN or Inf in the inputs or
+    the kernel).
+
+    Cost: one compiled program per input shape and ``get``; per pair of inputs O(L·P)
+    for L layers and P tracked pairs of positions (1 fully connected, H·W with a Flatten
+    readout, (H·W)² where positions mix); memory about 10·P·N1·N2 values in one call.
+
+    Example:
+      >>> import numpy as np
+      >>> from ntk_core import stax
+      >>> *_, kernel_fn = stax.serial(stax.Dense(512, W_std=1.5), stax.Relu(), stax.Dense(1))
+      >>> x = np.random.RandomState(0).randn(5, 3).astype(np.float32)   # (N, C)
+      >>> k = kernel_fn(x, None)
+      >>> k.nngp.shape, k.ntk.shape, bool((np.asarray(k.ntk) == np.asarray(k.ntk).T).all())
+      ((5, 5), (5, 5), True)
+
+    References: Neal 1996; Lee et al., ICLR 2018; Jacot et al., NeurIPS 2018; Novak et
+    al., "Neural Tangents", ICLR 2020 (``docs/infinite-width.md`` for each layer's).
+    """
 
     def __init__(self, rule):
         self.rule = rule

@@ -140,7 +140,10 @@ def _run(rules, start: int, longest_period: int = 4) -> tuple[int, int]:
 
 
 def serial(*layers) -> Layer:
-    """Layers in sequence (neural-tangents' ``stax.serial``)."""
+    """Layers in sequence (neural-tangents' ``stax.serial``): ``init_fn`` and ``apply_fn``
+    chain the finite layers, ``kernel_fn`` composes their kernel maps. Consecutive
+    repeats of the same layer objects (``[Dense(...), Relu()] * 20``) run as one
+    ``lax.scan`` step. Raises TypeError for anything that is not a stax layer."""
     rules = [rule_of("stax.serial", v, f"layer {i}") for i, v in enumerate(layers)]
 
     def transform(kern):

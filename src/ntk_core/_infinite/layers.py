@@ -130,7 +130,23 @@ def _affine_network(args, window: tuple, out: int, product):
 def Dense(
     out_dim, W_std=1.0, b_std=None, batch_axis=0, channel_axis=-1, parameterization="ntk", s=(1, 1)
 ) -> Layer:
-    """Fully connected layer over the channel (last) axis; neural-tangents' arguments."""
+    """Fully connected layer over the channel (last) axis (neural-tangents' arguments).
+
+    Kernel: Σ' = σw²·Σ + σb²; NTK parameterisation Θ' = Σ' + σw²·Θ, standard Θ' =
+    (C_in/s₀)·Σ + σw²·Θ (+ 1 with a bias: ``b_std=None`` is no bias, 0.0 a zero one).
+    Finite layer: ``out_dim`` outputs (times s₁), W ~ N(0, 1) scaled by σw/√C_in (NTK) or
+    ~ N(0, σw²·s₀/C_in) (standard). Raises ValueError/TypeError for a non-positive
+    ``out_dim``, negative or non-finite stds, another ``parameterization``, other axes.
+
+    Example:
+      >>> import numpy as np
+      >>> from ntk_core import stax
+      >>> *_, kernel_fn = stax.Dense(4, W_std=2.0, b_std=0.5)
+      >>> x = np.eye(2, 3, dtype=np.float32)                         # (N, C) = (2, 3)
+      >>> k = np.asarray(kernel_fn(x, None, "nngp"), np.float64)
+      >>> bool(np.allclose(k, 4 * x @ x.T / 3 + 0.25))               # σw²·⟨x1, x2⟩/C + σb²
+      True
+    """
     fn = "stax.Dense"
     out_dim = check_int(fn, "out_dim", out_dim, "pass e.g. Dense(512)")
     _axes_default(fn, batch_axis, channel_axis)
@@ -171,8 +187,25 @@ def Conv(
     parameterization="ntk",
     s=(1, 1),
 ) -> Layer:
-    """Convolution over the spatial axes of (N, *S, C) inputs; neural-tangents' arguments
-    (``dimension_numbers`` None or channels last, e.g. ``("NHWC", "HWIO", "NHWC")``)."""
+    """Convolution over the spatial axes of (N, *S, C) inputs (neural-tangents' arguments;
+    ``dimension_numbers`` None or channels last, e.g. ``("NHWC", "HWIO", "NHWC")``).
+
+    Kernel: Σ'(h, h') = σw²/|k|·Σ_δ Σ(s·h + δ, s·h' + δ) + σb² over the filter's offsets δ
+    (zero outside the image for SAME and VALID, wrapped for CIRCULAR); the NTK as
+    :func:`Dense`'s with the same window sum (fan-in C_in·|k| in the standard one). Cost
+    per pair: |k| strided passes per spatial axis over the tracked pairs of positions.
+    Raises ValueError for a filter rank other than the inputs' spatial rank, a VALID
+    window larger than the image, other paddings or dimension numbers.
+
+    Example:
+      >>> import numpy as np
+      >>> from ntk_core import stax
+      >>> *_, kernel_fn = stax.serial(stax.Conv(8, (3, 3), padding="SAME"), stax.Relu(),
+      ...                             stax.GlobalAvgPool(), stax.Dense(1))
+      >>> x = np.random.RandomState(0).randn(2, 5, 5, 3).astype(np.float32)  # (N, H, W, C)
+      >>> kernel_fn(x, None, "ntk").shape
+      (2, 2)
+    """
     fn = "stax.Conv"
     out_chan = check_int(fn, "out_chan", out_chan, "pass e.g. Conv(64, (3, 3))")
     filter_shape = _ints(fn, "filter_shape", filter_shape)
