@@ -15,7 +15,10 @@ sites then pays a dict lookup per call); per call, only the equations that the s
 indices depend on run (jitted once per jaxpr, compiled once per input signature: one
 comparison per id, one boolean and one id per sample and site read back). Under an outer
 ``jax.jit`` or ``vmap`` (traced x) the check is skipped, as the non-finite checks are;
-sites inside ``scan``, ``cond`` and ``while`` bodies are not looked for.
+inside a ``scan`` body, the sites whose indices come from the scanned-over inputs and
+the constants (not the carry) are checked for every step at once (the body's index
+equations vmapped over the steps); sites inside ``cond`` and ``while`` bodies, or whose
+indices depend on a scan's carry, are not looked for.
 """
 
 from __future__ import annotations
@@ -77,7 +80,13 @@ def _body(eqn):
     return body if body is not None and len(body[0].invars) == len(eqn.invars) else None
 
 
-def _walk(jaxpr, masks: list, names: list, n_params: int, n_x: int):
+def _scan_parts(eqn):
+    """(body jaxpr, its consts, number of consts, number of carries) of a ``scan``."""
+    closed = eqn.params["jaxpr"]
+    return closed.jaxpr, closed.consts, eqn.params["num_consts"], eqn.params["num_carry"]
+
+
+def _walk(jaxpr, masks: list, names: list, n_params: int, n_x: int, carry: int = 0):
     """``(output masks, found)``: ``masks`` hold, per input of ``jaxpr``, bit i for each
     top-level input leaf it depends on (params, then x, then the fixed parts); ``found``
     maps ``id(eqn)`` to its :class:`Site` or, for a call holding sites, its body's found."""
@@ -94,15 +103,33 @@ def _walk(jaxpr, masks: list, names: list, n_params: int, n_x: int):
         body = _body(eqn)
         if body is not None:
             inner = [None if is_literal(v) else name.get(v) for v in eqn.invars]
-            outs, sub = _walk(body[0], ins, inner, n_params, n_x)
+            outs, sub = _walk(body[0], ins, inner, n_params, n_x, carry)
             if sub:
                 found[id(eqn)] = sub
+        elif eqn.primitive is prims.scan_p:
+            body_jaxpr, _, n_consts, n_carry = _scan_parts(eqn)
+            both = 0
+            for m in ins:
+                both |= m
+            # a carry may hold anything the scan reads, and marks what depends on it
+            step_bit = 1 << (n_params + n_x + len(masks) + 1) if not carry else carry
+            inner_masks = ins[:n_consts] + [both | step_bit] * n_carry + ins[n_consts + n_carry :]
+            inner = [None if is_literal(v) else name.get(v) for v in eqn.invars]
+            _, sub = _walk(body_jaxpr, inner_masks, inner, n_params, n_x, step_bit)
+            if sub:
+                found[id(eqn)] = ("scan", sub)
+            outs = [both] * len(eqn.outvars)
         else:
             both = 0
             for m in ins:
                 both |= m
             outs = [both] * len(eqn.outvars)
-            if _ill_defined(eqn) and ins[1] & x_bits and not ins[1] & params_bits:
+            if (
+                _ill_defined(eqn)
+                and ins[1] & x_bits
+                and not ins[1] & params_bits
+                and not ins[1] & carry  # a scan's carry: not known before the loop runs
+            ):
                 found[id(eqn)] = _site(eqn, name.get(eqn.invars[0]), ins[1] >> n_params)
             elif eqn.primitive.name in _SAME and not is_literal(eqn.invars[0]):
                 if eqn.invars[0] in name:
@@ -143,6 +170,14 @@ def _slice(jaxpr, found: dict, wanted: set) -> _Slice:
         if isinstance(entry, Site):
             steps.append(("site", eqn, keep))
             need(eqn.invars if keep else eqn.invars[1:2])
+        elif isinstance(entry, tuple):  # a scan holding sites: its steps' indices at once
+            body_jaxpr = _scan_parts(eqn)[0]
+            sub = _slice(body_jaxpr, entry[1], set())
+            if keep:  # its outputs too: the whole scan runs
+                steps.append(("bind", eqn))
+                need(eqn.invars)
+            steps.append(("scan", eqn, sub))
+            need(v for v, b in zip(eqn.invars, body_jaxpr.invars, strict=True) if b in sub.needed)
         elif entry is not None:  # a call holding sites
             body = _body(eqn)[0]
             outs = {b for v, b in zip(eqn.outvars, body.outvars, strict=True) if v in needed}
@@ -168,6 +203,9 @@ def _run(jaxpr, piece: _Slice, consts, args, found: dict, record: list) -> list:
 
     for step in piece.steps:
         eqn = step[1]
+        if step[0] == "scan":
+            _run_scan(eqn, step[2], found[id(eqn)][1], [read(v) for v in eqn.invars], record)
+            continue
         if step[0] == "call":
             body, body_consts = _body(eqn)
             inner = [read(v) for v in eqn.invars]
@@ -183,6 +221,26 @@ def _run(jaxpr, piece: _Slice, consts, args, found: dict, record: list) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
+def _run_scan(eqn, piece: _Slice, found: dict, args: list, record: list) -> None:
+    """Records the indices of a scan's sites for every step at once: the body's index
+    equations vmapped over the scanned-over inputs (axis 0; the carries are not read)."""
+    body_jaxpr, consts, n_consts, n_carry = _scan_parts(eqn)
+    xs = args[n_consts + n_carry :]
+
+    def step(*xs_t):
+        inner: list = []
+        _run(
+            body_jaxpr, piece, consts, args[:n_consts] + [None] * n_carry + list(xs_t), found, inner
+        )
+        return inner
+
+    axes = [None if x is None else 0 for x in xs]
+    if all(a is None for a in axes):  # nothing scanned over: the same indices each step
+        record.extend(step(*xs))
+        return
+    record.extend(jax.vmap(step, in_axes=axes)(*xs))
+
+
 def _sites_in(found: dict, piece: _Slice, jaxpr) -> list[Site]:
     """The sites of ``found`` in the order :func:`_run` records their indices."""
     sites = []
@@ -191,6 +249,8 @@ def _sites_in(found: dict, piece: _Slice, jaxpr) -> list[Site]:
             sites.append(found[id(step[1])])
         elif step[0] == "call":
             sites.extend(_sites_in(found[id(step[1])], step[2], _body(step[1])[0]))
+        elif step[0] == "scan":
+            sites.extend(_sites_in(found[id(step[1])][1], step[2], _scan_parts(step[1])[0]))
     return sites
 
 
