@@ -344,6 +344,25 @@ def test_deep_relu_with_large_weights_is_finite_and_psd_in_float32():
             assert eig.min() >= -1e-6 * eig.max()
 
 
+def test_repeated_convolutions_keep_neural_tangents_axis_order():
+    """Repeated [Conv, Relu] objects run as one scanned step: the output's spatial axes
+    follow the convolutions' parity (reversed after an odd number, as neural-tangents),
+    and the kernel equals the unrolled one of distinct layer objects (float32)."""
+    x = np.random.RandomState(0).randn(3, 5, 4, 2).astype(np.float32)
+    for n in (4, 5):
+        conv, relu = stax.Conv(2, (3, 3), padding="SAME", b_std=0.1), stax.Relu()
+        scanned = np.asarray(stax.serial(*[conv, relu] * n)[2](x, None, "ntk"))
+        layers = [
+            stax.Conv(2, (3, 3), padding="SAME", b_std=0.1) if i % 2 == 0 else stax.Relu()
+            for i in range(2 * n)
+        ]
+        unrolled = np.asarray(stax.serial(*layers)[2](x, None, "ntk"))
+        assert (
+            scanned.shape == unrolled.shape == ((3, 3, 4, 4, 5, 5) if n % 2 else (3, 3, 5, 5, 4, 4))
+        )
+        assert np.abs(scanned - unrolled).max() <= 1e-6 * np.abs(unrolled).max()
+
+
 def test_repeat_equals_serial_and_get_forms():
     """repeat(block, 4) (a lax.scan) equals serial of four blocks; get= as a name, a tuple
     (neural-tangents' namedtuple, in order) and None (.nngp, .ntk)."""

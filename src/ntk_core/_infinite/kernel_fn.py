@@ -249,7 +249,7 @@ class KernelFn:
         n1 = x1.shape[0]
         n2 = n1 if x2 is None else x2.shape[0]
         positions = math.prod(x1.shape[1:-1])
-        per_pair = positions if diagonal or self.rule.needs(False) is False else positions**2
+        per_pair = positions if diagonal else positions**2
         need = n1 * n2 * per_pair * x1.dtype.itemsize * len(names) * (2 if x2 is None else 1)
         over = beyond(int(need))
         if over is not None:
