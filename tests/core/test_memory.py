@@ -6,6 +6,7 @@ point, so the kernels stay tiny."""
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import pytest
 import ntk_core
 import reference
 from ntk_core._jax import memory as _memory
+from ntk_core._units import human_bytes
 
 
 def _apply(p, x):
@@ -182,13 +184,103 @@ def test_one_call_over_capacity_is_refused(monkeypatch, kind):
         ValueError, match=r"this call holds .* at once.*, more than the host's"
     ) as e:
         kernel_fn(PARAMS, X, X[::-1])
-    fix = "Fix: pass batch_size='auto' (tiles, the same kernel)."
-    assert str(e.value).endswith(f"{fix} See docs/errors.md#out-of-memory.")
+    fix = r"Fix: pass batch_size=('auto' \(tiles, the same kernel\)|\d+ \(tiles of \d+ samples)"
+    assert re.search(fix, str(e.value)) and str(e.value).endswith(
+        "See docs/errors.md#out-of-memory."
+    )
+
+
+def test_a_refusal_names_the_tiles_that_fit_and_they_run(monkeypatch):
+    """Issue 51: a one-call refusal names batch_size=B, B from the cost model's tiled
+    estimate within the device's capacity, with its estimated time; at that capacity the
+    call with batch_size=B runs and gives the reference's kernel."""
+    kernel_fn = ntk_core.ntk_fn(_apply, implementation="jacobian")
+    _capacity(monkeypatch, KERNEL // 2, host=10 * KERNEL)
+    with pytest.raises(ValueError, match=r"this call holds .*, more than the host's") as e:
+        kernel_fn(PARAMS, X, X[::-1])
+    found = re.search(
+        r"Fix: pass batch_size=(\d+) \(tiles of \1 samples, the same kernel; "
+        r"estimated ~[0-9.e+-]+ s\)",
+        str(e.value),
+    )
+    assert found, str(e.value)
+    b = int(found.group(1))
+    assert 1 <= b < N
+    tiled = ntk_core.empirical_ntk(
+        _apply, PARAMS, X, X[::-1], implementation="jacobian", batch_size=b
+    )
+    reference.assert_close(np.asarray(tiled), reference.ntk(_apply, PARAMS, X, X[::-1])[0])
+
+
+#: XLA's figure in the refusal of a compiled program: need (arguments, output, temporaries).
+_XLA = (
+    r"implementation='structured' needs (.+?) at once for its contraction as XLA "
+    r"compiled it \(arguments (\d+) bytes, output (\d+) bytes, temporaries (\d+) bytes\), "
+    r"more than the host's (\d+) bytes"
+)
+
+
+def test_xla_temporaries_beyond_capacity_are_refused_before_running(monkeypatch):
+    """Issue 51: the memory model counts the kernel (x2 given: once; "structured"'s features
+    are not known without a trace), XLA's compiled contraction also holds its terms (two
+    kernel-sized temporaries here): at twice the kernel the model passes and XLA's figure,
+    read once compiled, refuses the call before it runs, naming that figure; at exactly
+    that figure the call runs and gives the reference's kernel, and ``"auto"`` at twice
+    the kernel computes it in tiles on the device instead of refusing."""
+    x2 = X[::-1]
+    expected = reference.ntk(_apply, PARAMS, X, x2)[0]
+    _capacity(monkeypatch, 2 * KERNEL, host=10 * KERNEL)
+    with pytest.raises(ValueError, match="^ntk_fn: " + _XLA) as e:
+        ntk_core.ntk_fn(_apply, implementation="structured")(PARAMS, X, x2)
+    need, *parts = re.search(_XLA, str(e.value)).groups()
+    arguments, output, temporaries, have = map(int, parts)
+    assert need == human_bytes(arguments + output + temporaries), need
+    assert output >= KERNEL and have == 2 * KERNEL
+    need = arguments + output + temporaries
+    assert need > 2 * KERNEL  # what the memory model alone let through
+    fix = "or implementation='jacobian' or 'ntvp' in one call"
+    assert "Fix: pass batch_size=" in str(e.value) and fix in str(e.value)
+    _capacity(monkeypatch, need, host=10 * KERNEL)
+    kernel = ntk_core.ntk_fn(_apply, implementation="structured")(PARAMS, X, x2)
+    reference.assert_close(kernel, expected)
+    _capacity(monkeypatch, 2 * KERNEL, host=10 * KERNEL)
+    tiled = ntk_core.ntk_fn(_apply)(PARAMS, X, x2)
+    assert isinstance(tiled, jax.Array)
+    reference.assert_close(tiled, expected)
+
+
+#: What XLA TPU's compiler raised for issue 51's FCN 3072-2048x3-8 (16 x 16, "jacobian").
+_TPU_SAYS = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    "temporaries (20.02G) exceeds available HBM (15.75G)."
+)
+
+
+def test_a_program_the_compiler_refuses_is_refused_with_its_words(monkeypatch):
+    """XLA TPU compiles no program that does not fit the chip: its RESOURCE_EXHAUSTED
+    comes from compiling, before any memory analysis (faked here for every program): an
+    explicit implementation is refused quoting XLA, ``"auto"`` computes the kernel in
+    tiles on the device and it equals the reference's."""
+    from ntk_core._impl import base
+
+    monkeypatch.setattr(base, "_memory_analysis", lambda jitted, a, k: RuntimeError(_TPU_SAYS))
+    x = X[:40]
+    match = "^empirical_ntk: implementation='jacobian' does not fit the device for its features: "
+    with pytest.raises(
+        ValueError, match=match + re.escape(f"XLA says {_TPU_SAYS[:-1]!r}. Fix: pass batch_size=")
+    ):
+        ntk_core.empirical_ntk(_apply, PARAMS, x, implementation="jacobian")
+    tiled = ntk_core.empirical_ntk(_apply, PARAMS, x)
+    assert isinstance(tiled, jax.Array)
+    reference.assert_close(tiled, reference.ntk(_apply, PARAMS, x, None)[0])
 
 
 def test_a_gram_matrix_is_held_twice_with_its_mirror(monkeypatch):
     """x2=None: the kernel and its mirror (K + Kᵀ)/2 exist at once, so 1.5x the kernel is
-    too little; with x2 given, or at 2x, the call runs and gives the reference's kernel."""
+    too little; with x2 given, or at 2x, the call runs and gives the reference's kernel.
+    The memory model alone: as on a backend without XLA's memory analysis (its figure,
+    with the contraction's temporaries, is tested below)."""
+    monkeypatch.setattr(_memory, "compiled_bytes", lambda stats: None)
     f = ntk_core.ntk_fn(_apply, implementation="structured")  # features of unknown size
     _capacity(monkeypatch, KERNEL * 3 // 2)
     expected = rf"holds {2 * KERNEL} bytes at once \(the kernel {KERNEL} bytes twice \(with"
@@ -202,7 +294,9 @@ def test_a_gram_matrix_is_held_twice_with_its_mirror(monkeypatch):
 
 def test_the_jacobian_contraction_also_holds_its_per_sample_jacobians(monkeypatch):
     """implementation="jacobian" holds N·O·P per-sample Jacobians beside the kernel (P = 32,
-    O = 1 here); "structured", at the same capacity, runs and gives the reference's kernel."""
+    O = 1 here); "structured", at the same capacity, runs and gives the reference's kernel
+    (the memory model alone, without XLA's figure: as in the test above)."""
+    monkeypatch.setattr(_memory, "compiled_bytes", lambda stats: None)
     jacobians = N * 32 * 4
     _capacity(monkeypatch, 2 * KERNEL + jacobians - 1)
     match = rf"the kernel {KERNEL} bytes twice \(with its mirror\) and the features of its "

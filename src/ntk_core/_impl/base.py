@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 from collections.abc import Callable
@@ -56,22 +58,62 @@ def tuned(options: dict) -> dict:
     return {"compiler_options": options} if _tunable() and at_top_level() else {}
 
 
+#: While set (:func:`memory_checked`; per thread): ``check(name, stats)``, called with
+#: XLA's memory analysis of each program a :func:`jit_tuned` function runs, before it runs.
+_MEMORY_CHECK: contextvars.ContextVar = contextvars.ContextVar("memory_check", default=None)
+
+
+@contextlib.contextmanager
+def memory_checked(check: Callable):
+    """Within it, each :func:`jit_tuned` call outside a trace is compiled ahead of time
+    (``lower(...).compile()``: the executable jit's cache then holds, so what runs is that
+    one and nothing compiles twice) and ``check(fn name, compiled.memory_analysis())`` runs
+    before it, which may raise (given the compiler's ``RESOURCE_EXHAUSTED`` error instead
+    where compiling found it does not fit). The engine enters it on the first call of an input
+    signature only: warm calls pay nothing."""
+    token = _MEMORY_CHECK.set(check)
+    try:
+        yield
+    finally:
+        _MEMORY_CHECK.reset(token)
+
+
 def jit_tuned(fn: Callable, options: dict = CPU_OPTIONS, **jit_kwargs) -> Callable:
     """``jax.jit(fn, **jit_kwargs)``, compiled with ``options`` (XLA's) on CPU when called
-    outside a trace. The backend is asked at each call, never here: these are built when
-    ``ntk_core`` is imported, and asking would start JAX's backend then (XLA_FLAGS, the
-    platform and ``jax.distributed.initialize`` set after the import would be ignored)."""
+    outside a trace, and its compiled memory checked within :func:`memory_checked`. The
+    backend is asked at each call, never here: these are built when ``ntk_core`` is
+    imported, and asking would start JAX's backend then (XLA_FLAGS, the platform and
+    ``jax.distributed.initialize`` set after the import would be ignored)."""
     plain = jax.jit(fn, **jit_kwargs)
-    if not _JIT_TAKES_OPTIONS:
-        return plain
-    tuned_jit = jax.jit(fn, compiler_options=options, **jit_kwargs)
+    tuned_jit = jax.jit(fn, compiler_options=options, **jit_kwargs) if _JIT_TAKES_OPTIONS else plain
 
     def call(*args, **kwargs):
         traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(args))
         plain_here = traced or not at_top_level() or not _tunable()
-        return (plain if plain_here else tuned_jit)(*args, **kwargs)
+        jitted = plain if plain_here else tuned_jit
+        check = _MEMORY_CHECK.get()
+        if check is not None and not traced and at_top_level():
+            check(fn.__name__, _memory_analysis(jitted, args, kwargs))
+        return jitted(*args, **kwargs)
 
     return call
+
+
+def _memory_analysis(jitted, args, kwargs):
+    """XLA's ``memory_analysis()`` of ``jitted`` compiled for these arguments; None where
+    the backend gives none; the compiler's error where it found that the program does not
+    fit (XLA TPU compiles no program whose temporaries exceed the chip's memory:
+    ``RESOURCE_EXHAUSTED``, seen on a TPU v5e)."""
+    try:
+        compiled = jitted.lower(*args, **kwargs).compile()
+    except Exception as e:  # JAX's runtime error types move between versions
+        if "RESOURCE_EXHAUSTED" in str(e):
+            return e
+        raise
+    try:
+        return compiled.memory_analysis()
+    except (NotImplementedError, AttributeError):  # backends without the analysis
+        return None
 
 
 class StructureHooks(NamedTuple):

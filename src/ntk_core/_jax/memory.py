@@ -178,3 +178,16 @@ def beyond(need: int, devices=None, on_host=False) -> str | None:
         return None
     where = "the host" if on_host or devices[0].platform == "cpu" else ", ".join(map(str, devices))
     return f"more than {where}'s {human_bytes(have)}"
+
+
+def compiled_bytes(stats) -> tuple[int, int, int, int] | None:
+    """``(need, arguments, output, temporaries)`` in bytes of a compiled XLA program from
+    its ``memory_analysis()`` ``stats``: what it holds while it runs, arguments + output +
+    temporaries − aliased (donated arguments reused as outputs); None where XLA gives
+    no analysis (some backends)."""
+    names = ("argument", "output", "temp", "alias")
+    try:
+        a, o, t, alias = (int(getattr(stats, f"{n}_size_in_bytes")) for n in names)
+    except (AttributeError, TypeError, ValueError):  # None, or fields missing
+        return None
+    return a + o + t - alias, a, o, t

@@ -12,7 +12,9 @@ from ntk_core._blocked import store as _store
 from ntk_core._blocked import tiles as _blocked
 from ntk_core._errors import bad
 from ntk_core._impl import phases as _implementations
+from ntk_core._impl.base import memory_checked
 from ntk_core._impl.registry import AUTO, REGISTRY
+from ntk_core._jax import memory as _memory
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel import executor as _executor
 from ntk_core._kernel import ids as _ids
@@ -21,6 +23,7 @@ from ntk_core._kernel import subset as _subset
 from ntk_core._kernel import validate as _validate
 from ntk_core._kernel.layout import as_result
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
+from ntk_core._kernel.options import AUTO_BATCH_SIZE
 from ntk_core._kernel.pipeline import Checked, Config, Implementation, Kind, Spec
 
 
@@ -45,9 +48,15 @@ class Engine:
         self._analyses: dict = {}  # per-sample signature -> structured analysis
         self._chunks: dict = {}  # (config, x signature) -> structured features chunk
         self._masks: dict = {}  # wrt: params tree structure -> the leaves it selects
+        # batch_size=None: input signature -> True (one call, its compiled memory checked)
+        # or False ("auto" that does not fit in one call: tiles on the device)
+        self._one_call: dict = {}
 
     def prepare(self, params, x1, x2=None, aux=None) -> tuple[Checked, Config]:
         """Validation and planning of a call (cached per input signature)."""
+        return self._prepare(params, x1, x2, aux)[1:]
+
+    def _prepare(self, params, x1, x2, aux) -> tuple[tuple, Checked, Config]:
         key = tuple(_validate.signature(t) for t in (params, x1, x2, aux))
         found = self._prepared.get(key)
         if found is None:
@@ -55,7 +64,7 @@ class Engine:
             checked = _validate.validate(spec, self._samples, params, x1, x2, aux)
             config = _planner.configure(spec, checked, self._analyses, params, x1, x2, aux)
             found = self._prepared[key] = (checked, config)
-        return found
+        return (key, *found)
 
     def implementation(self, config: Config) -> Implementation:
         """The compiled phases of ``config``'s implementation."""
@@ -95,11 +104,25 @@ class Engine:
         params, x1, x2 = _validate.as_arrays(self.spec.fn_name, params, x1, x2)
         if options.batch_size is None:
             _validate.check_one_device(spec, params, x1, x2, aux)
-        checked, config = self.prepare(params, x1, x2, aux)
+        key, checked, config = self._prepare(params, x1, x2, aux)
         _ids.check_call(spec, checked, params, x1, x2, aux)  # every call: ids are values
         implementation = self.implementation(config)
         if options.batch_size is None:
-            _planner.check_fits(spec, checked, config, params, x1)
+            one_call = self._one_call.get(key)
+            if one_call is None:  # first call: the guards, XLA's figures once compiled
+                try:
+                    result, checked_all = self._first_call(
+                        checked, config, implementation, params, x1, x2, aux
+                    )
+                except _planner.TilesInstead:
+                    self._one_call[key] = one_call = False
+                else:
+                    if checked_all:  # else traced: XLA's figures wait for a concrete call
+                        self._one_call[key] = True
+                    return result
+            if not one_call:
+                return self._on_device_in_tiles(config, implementation, params, x1, x2, aux)
+            _planner.check_fits(spec, checked, config, self._analyses, params, x1, aux)
             result, finite = _executor.one_call(implementation, params, x1, x2, aux)
             _executor.check_finite_result(spec.fn_name, result, config, finite, x1, x2, params)
             return result
@@ -122,3 +145,36 @@ class Engine:
             implementation, config, cut, options, spec.fn_name, params, x1, x2, aux, store
         )
         return kernel if store is None else as_result(config, [kernel])
+
+    def _first_call(self, checked, config, implementation, params, x1, x2, aux):
+        """``(kernel, checked)`` of a one call's first run for an input signature: the
+        memory model's guard, then each program checked against XLA's memory analysis
+        once compiled, before it runs (:func:`_planner.check_compiled`; ``checked``: some
+        were, nothing traced them); :class:`_planner.TilesInstead` for ``"auto"`` where
+        either finds it does not fit."""
+        spec, analyses, programs = self.spec, self._analyses, []
+        _planner.check_fits(spec, checked, config, analyses, params, x1, aux)
+
+        def check(program, stats):
+            programs.append(program)
+            args = (spec, checked, config, analyses, params, x1, aux, program, stats)
+            _planner.check_compiled(*args)
+
+        with memory_checked(check):
+            result, finite = _executor.one_call(implementation, params, x1, x2, aux)
+        _executor.check_finite_result(spec.fn_name, result, config, finite, x1, x2, params)
+        return result, bool(programs)
+
+    def _on_device_in_tiles(self, config, implementation, params, x1, x2, aux):
+        """The kernel of an ``"auto"`` call that does not fit in one call, in tiles that
+        fit the device (``batch_size="auto"`` within its capacity), kept on the device."""
+        options = self.spec.options
+        budget = options.memory_budget or _blocked.default_memory_budget()
+        have = _memory.capacity(_planner._devices((x1, params)))
+        budget = budget if have is None else min(budget, have // 2)
+        options = dataclasses.replace(
+            options, batch_size=AUTO_BATCH_SIZE, store_on_device=True, memory_budget=budget
+        )
+        cut = _blocked.tiling(implementation, config, options, params, x1, x2, aux)
+        fn = self.spec.fn_name
+        return _blocked.compute(implementation, config, cut, options, fn, params, x1, x2, aux)

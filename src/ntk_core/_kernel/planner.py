@@ -14,6 +14,7 @@ import numpy as np
 from ntk_core._blocked import tiles as _blocked
 from ntk_core._errors import bad
 from ntk_core._impl import cost as _cost
+from ntk_core._impl.base import at_top_level
 from ntk_core._impl.phases import triangle_blocks
 from ntk_core._impl.registry import AUTO, NNGP, PHASES, REGISTRY
 from ntk_core._jax import memory as _memory
@@ -169,11 +170,14 @@ def whole_batch(spec: Spec, checked: Checked, params) -> _cost.WholeBatch:
     return model
 
 
-def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, whole=None):
+def estimates(
+    spec: Spec, checked: Checked, analyses: dict, params, x1, aux, whole=None, budget=None
+):
     """The :class:`_cost.CostEstimate` of each implementation that can compute the call.
     With ``vmap_axes=None`` the costs are read from validation's jaxpr of the whole batch
     (per sample: its totals / N1) and nothing is traced: a model whose rows are not
-    samples (a squeeze, a product over the batch axis) need not run on a batch of one."""
+    samples (a squeeze, a product over the batch axis) need not run on a batch of one.
+    ``budget``: the tiles' memory budget (default: ``memory_budget``'s)."""
     shapes1, layouts = checked.shapes1, checked.layouts
     n1, n2 = checked.n1, checked.n2
     if spec.options.vmap_axes is None:  # no per-sample structure: no structured analysis
@@ -185,7 +189,7 @@ def estimates(spec: Spec, checked: Checked, analyses: dict, params, x1, aux, who
         )
         found_analysis = analysis(spec, analyses, params, x1, aux)
     batch_diag = any(layout.batch_diagonal for layout in layouts)
-    budget = spec.options.memory_budget or _blocked.default_memory_budget()
+    budget = budget or spec.options.memory_budget or _blocked.default_memory_budget()
 
     def block(feature_bytes, pair_bytes):  # as batch_size="auto" cuts the call
         args = (n1, n2, feature_bytes, pair_bytes, budget, batch_diag, checked.symmetric)
@@ -260,12 +264,62 @@ def _devices(tree) -> list:
     return jax.local_devices()[:1]
 
 
-def check_fits(spec: Spec, checked: Checked, config: Config, params, x1) -> None:
+class TilesInstead(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by the memory guards for an ``"auto"`` call (``vmap_axes=0``) whose one call
+    does not fit on its device but whose kernel does: the engine computes it in tiles,
+    kept on the device (a ``jax.Array``, as one call returns)."""
+
+
+def _tiles_allowed(spec: Spec, tree) -> bool:
+    """Whether an ``"auto"`` call on ``tree`` may go to tiles: per sample, and outside a
+    trace (tiles run outside XLA, on concrete arrays)."""
+    if spec.options.implementation != AUTO or spec.options.vmap_axes is None:
+        return False
+    traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(tree))
+    return at_top_level() and not traced
+
+
+def tiles_fix(spec: Spec, checked: Checked, config: Config, analyses, params, x1, aux) -> str:
+    """The fix of a one-call kernel that does not fit its device: ``batch_size=B``, the
+    tiles of ``config``'s implementation that fit it (the block size of the cost model's
+    tiled estimate at the smaller of ``memory_budget`` and the device's capacity), with
+    its estimated time, and the fastest tiled alternative where another implementation's
+    is estimated faster; ``batch_size='auto'`` where the cost model has no tiled estimate
+    (NTK-vector products, ``vmap_axes=None``, an NNGP) or none fits."""
+    plain = f"pass batch_size={AUTO_BATCH_SIZE!r} (tiles, the same kernel)"
+    if spec.kind is Kind.NNGP or spec.options.vmap_axes is None:
+        return plain
+    have = _memory.capacity(_devices((x1, params)))
+    budget = spec.options.memory_budget or _blocked.default_memory_budget()
+    budget = budget if have is None else min(budget, have)
+    found = estimates(spec, checked, analyses, params, x1, aux, budget=budget)
+    tiled = {e.implementation: e.tiled for e in found if e.tiled is not None}
+    mine = tiled.get(config.implementation)
+    if mine is None or (have is not None and mine.memory_bytes > have):
+        return plain
+    fix = (
+        f"pass batch_size={mine.batch} (tiles of {mine.batch} samples, the same kernel; "
+        f"estimated ~{mine.seconds:.3g} s)"
+    )
+    best = min(tiled.values(), key=lambda e: e.seconds)
+    if best.implementation != mine.implementation and best.seconds < mine.seconds:
+        fix += (
+            f", or implementation={best.implementation!r} with batch_size={best.batch} "
+            f"(~{best.seconds:.3g} s)"
+        )
+    return fix
+
+
+def check_fits(
+    spec: Spec, checked: Checked, config: Config, analyses: dict, params, x1, aux
+) -> None:
     """Refuses a one-call kernel (``batch_size=None``) that cannot fit on its device
     (:func:`_memory.capacity`): the kernel, twice for a Gram matrix (x2=None: the kernel and
     its mirror (K + Kᵀ)/2 are held at once), plus the features where the implementation
-    knows their size without a trace (``Impl.feature_bytes``: the per-sample Jacobians). A
-    lower bound: passes in flight and XLA's temporaries come on top (``plan()``)."""
+    knows their size without a trace (``Impl.feature_bytes``: the per-sample Jacobians),
+    naming the tiles that fit (:func:`tiles_fix`); with ``"auto"``, where the kernel alone
+    fits, raises :class:`TilesInstead`. A lower bound: passes in flight and XLA's
+    temporaries come on top (:func:`check_compiled` reads them once compiled)."""
     devices = _devices((x1, params))
     leaves = len(config.param_sizes) if spec.kind is Kind.NTK_PER_LEAF else 1
     diagonal = checked.layouts[0].batch_diagonal
@@ -278,14 +332,67 @@ def check_fits(spec: Spec, checked: Checked, config: Config, params, x1) -> None
     need = kernel * copies + features
     if (over := _memory.beyond(need, devices)) is None:
         return
+    if _tiles_allowed(spec, (params, x1)) and _memory.beyond(kernel * copies, devices) is None:
+        raise TilesInstead
     parts = f"the kernel {human_bytes(kernel)}" + (" twice (with its mirror)" * (copies == 2))
     parts += f" and the features of its {n} samples {human_bytes(features)}" if features else ""
     what = f"this call holds {human_bytes(need)} at once ({parts}), {over}"
-    fix = f"pass batch_size={AUTO_BATCH_SIZE!r} (tiles, the same kernel)"
+    fix = tiles_fix(spec, checked, config, analyses, params, x1, aux)
     host = _memory.host_memory()
     fix += f" with {_TO_FILE}" if host is not None and kernel > host else ""
     fix += f", or implementation={AUTO!r}" if features > kernel * copies else ""
     raise bad(ValueError, spec.fn_name, what, fix, see="out-of-memory")
+
+
+#: What each compiled program of a call is, as :func:`check_compiled` names it.
+_PROGRAMS = {
+    "features": "its features",
+    "_tile": "its contraction",
+    "symmetrize": "its mirror (K + Kᵀ)/2",
+}
+
+
+def check_compiled(
+    spec: Spec, checked: Checked, config: Config, analyses: dict, params, x1, aux, program, stats
+) -> None:
+    """Refuses a one-call program that XLA compiled (``stats``: its ``memory_analysis()``,
+    None: nothing to check) to need more than its device holds, arguments + output +
+    temporaries − aliased (:func:`_memory.compiled_bytes`), or that the compiler refused
+    (``stats`` its ``RESOURCE_EXHAUSTED`` error), naming the figure and the fix
+    (:func:`tiles_fix`); with ``"auto"`` raises :class:`TilesInstead`. Called before
+    the program runs, once per input signature (``_impl.base.memory_checked``)."""
+    name = _PROGRAMS.get(program, f"its program {program!r}")
+    if isinstance(stats, Exception):  # the compiler found it does not fit (XLA TPU)
+        if _tiles_allowed(spec, (params, x1)):
+            raise TilesInstead from stats
+        said = str(stats).strip().splitlines()[0].rstrip(".")
+        what = f"implementation={config.implementation!r} does not fit the device for {name}"
+        what += f": XLA says {said!r}"
+    else:
+        found = _memory.compiled_bytes(stats)
+        if found is None:
+            return
+        need, arguments, output, temporaries = found
+        if (over := _memory.beyond(need, _devices((x1, params)))) is None:
+            return
+        if _tiles_allowed(spec, (params, x1)):
+            raise TilesInstead
+        what = (
+            f"implementation={config.implementation!r} needs {human_bytes(need)} at once for "
+            f"{name} as XLA compiled it (arguments {human_bytes(arguments)}, output "
+            f"{human_bytes(output)}, temporaries {human_bytes(temporaries)}), {over}"
+        )
+    fix = tiles_fix(spec, checked, config, analyses, params, x1, aux)
+    per_leaf = spec.kind is Kind.NTK_PER_LEAF
+    others = [
+        repr(other)
+        for other, impl in REGISTRY.items()
+        if other != config.implementation and (impl.separates_leaves or not per_leaf)
+    ]
+    if spec.kind is not Kind.NNGP and others:
+        fix += f", or implementation={' or '.join(others)} in one call"
+    error = bad(ValueError, spec.fn_name, what, fix, see="out-of-memory")
+    raise error from (stats if isinstance(stats, Exception) else None)
 
 
 def check_result_fits(spec: Spec, cut) -> None:
