@@ -3,9 +3,10 @@ names, arguments and layout: ``from neural_tangents import stax`` becomes ``from
 ntk_core import stax``.
 
 Each layer is a triple ``(init_fn, apply_fn, kernel_fn)``: ``init_fn(key, input_shape) ->
-(output_shape, params)`` and ``apply_fn(params, x)`` are the finite network (its empirical
-kernels: :func:`ntk_core.empirical_ntk`; Monte Carlo: :func:`ntk_core.monte_carlo_kernels`),
-``kernel_fn(x1, x2=None, get=None, **options)`` its kernels as every hidden width grows
+(output_shape, params)`` and ``apply_fn(params, x, mask_constant=None)`` are the finite
+network (its empirical kernels: :func:`ntk_core.empirical_ntk`; Monte Carlo:
+:func:`ntk_core.monte_carlo_kernels`), ``kernel_fn(x1, x2=None, get=None, **options)``
+its kernels as every hidden width grows
 without bound. See ``docs/infinite-width.md`` for the definitions, shapes, costs and
 sources of each layer.
 """

@@ -1022,6 +1022,9 @@ def _rows():
         Row("stax-quadrature-degree", "ElementwiseNumerical with fewer than 2 quadrature nodes",
             "stax.ElementwiseNumerical(jnp.tanh, 1)",
             ValueError, r"^stax\.ElementwiseNumerical: deg must be an int >= 2, got 1\. Fix: pass deg >= 2"),
+        Row("stax-not-elementwise", "ElementwiseNumerical of a function that mixes entries (here a norm)",
+            "stax.ElementwiseNumerical(lambda x: x / jnp.linalg.norm(x), 25)",
+            ValueError, r"^stax\.ElementwiseNumerical: fn must act elementwise, but fn\(x\) on a \(3, 4\) array differs from fn on each entry alone by up to .*Fix: write the nonlinearity elementwise.*or.*Monte Carlo kernels"),
         Row("stax-negative-std", "a negative weight standard deviation",
             "stax.Dense(3, W_std=-1.0)",
             ValueError, r"^stax\.Dense: W_std must be a real number in \[0, inf\), got -1\.0"),
@@ -1046,6 +1049,12 @@ def _rows():
         Row("stax-attention-decay-fn", "a positional covariance decay that is not a function",
             "stax.GlobalSelfAttention(3, 2, 2, 1, pos_emb_type='SUM', pos_emb_decay_fn=0.5)",
             TypeError, r"^stax\.GlobalSelfAttention: pos_emb_decay_fn must be None or callable, got float\. Fix:"),
+        Row("stax-mask-constant-type", "a mask_constant that is not a number",
+            "stax.serial(stax.Dense(3))[2](X, None, 'nngp', mask_constant='pad')",
+            TypeError, r"^kernel_fn: mask_constant must be None or a real number, got str\. Fix:"),
+        Row("stax-mask-concat-pool", "masked inputs pooled right after FanInConcat (as neural-tangents, refused)",
+            "stax.serial(stax.FanOut(2), stax.parallel(stax.Conv(2, (2,)), stax.Conv(2, (2,))), stax.FanInConcat(), stax.GlobalAvgPool())[2](jnp.ones((2, 4, 3)).at[0, 3].set(-1.0), mask_constant=-1.0)",
+            ValueError, r"^kernel_fn: with mask_constant, GlobalAvgPool after FanInConcat \(each branch's channels keep their own masks\)\. Fix: insert a Dense or Conv layer between FanInConcat and GlobalAvgPool"),
     ]  # fmt: skip
 
 

@@ -175,6 +175,49 @@ def test_closed_forms_against_numerical_integrals(name, forms, phi, dphi):
             )
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_polynomial_arccos_and_arcsin_against_numpy_in_float64(dtype):
+    """The closed forms' arccos / arcsin (a polynomial, not XLA's atan2) at a dense grid of
+    [-1, 1], the branch points ±1/2 and the ends ±1, ±(1 − ulp), against numpy's in
+    float64 of the same inputs: within 2 ulps of π in the dtype (absolute, arccos; float32
+    rounds π itself by 9e-8), relative 3 ulps (arcsin, whose values reach down to 1e-30);
+    arccos(1) = 0 and arcsin(0) = 0 exactly."""
+    with jax.enable_x64(True):
+        eps = float(np.finfo(dtype).eps)
+        edges = [-1, -1 + eps, -0.5 - eps, -0.5, -0.5 + eps, 0, 1e-30, 0.5, 0.5 + eps, 1 - eps, 1]
+        x = np.concatenate([np.linspace(-1, 1, 200_001), edges]).astype(dtype)
+        acos = np.asarray(jax.jit(closed_forms.arccos)(jnp.asarray(x)), np.float64)
+        asin = np.asarray(jax.jit(closed_forms.arcsin)(jnp.asarray(x)), np.float64)
+        x64 = x.astype(np.float64)
+        assert np.abs(acos - np.arccos(x64)).max() <= 2 * eps * math.pi
+        assert np.abs(asin - np.arcsin(x64)).max() <= 2 * eps * math.pi
+        small = np.abs(x64) <= 0.5  # relative where arcsin is small
+        rel = np.abs(asin - np.arcsin(x64))[small] / np.maximum(np.abs(x64[small]), 1e-300)
+        assert rel.max() <= 3 * eps
+        assert acos[x64 == 1].max() == 0 and asin[x64 == 0].max() == 0
+
+
+def test_kernel_overflow_raises_nonfinite_error_naming_the_first_pair():
+    """The kernel's finiteness is judged in the compiled program (a flag, not a copy of the
+    kernels): Exp's kernel e^((q11 + q22 + 2 q12)/2) overflows float32 for the sample of
+    norm 36 (e^650 against a maximum of 3.4e38); the first bad pair, in row-major order, is
+    (0, 1) in the Gram matrix and with x2 given; without that sample no error and the
+    kernel equals the closed form by hand (Dense(1) of Exp of Dense: e^((q + q' + 2c)/2))."""
+    from ntk_core._errors import NonFiniteError
+
+    *_, kernel_fn = stax.serial(stax.Dense(8), stax.Exp(1.0, 1.0), stax.Dense(1))
+    x = np.array([[0.1, 0.2], [30.0, 20.0], [0.3, 0.1]], np.float32)
+    for x2 in (None, x):
+        with pytest.raises(NonFiniteError, match="first at x1 sample 0 and x2 sample 1"):
+            kernel_fn(x if x2 is None else x[[0, 2]], x2)
+    fine = x[[0, 2]].astype(np.float64)
+    q = fine @ fine.T / 2
+    expected = np.exp((np.diag(q)[:, None] + np.diag(q)[None] + 2 * q) / 2)
+    np.testing.assert_allclose(
+        np.asarray(kernel_fn(fine.astype(np.float32), None, "nngp")), expected, rtol=1e-5
+    )
+
+
 def _network(width, parameterization):
     d = stax.Dense
     return stax.serial(

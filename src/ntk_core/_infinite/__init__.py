@@ -8,3 +8,5 @@ Dropout), ``attention`` (GlobalSelfAttention), ``layer`` (the layer triple and i
 combinators), ``layers`` (the public layers), ``kernel_fn`` (the public kernel function:
 checks, jit per shape, the blocked engine). The public face is :mod:`ntk_core.stax`.
 """
+
+from ntk_core._infinite import kernel_fn as _kernel_fn  # noqa: E402, F401 (registers the call)

@@ -63,11 +63,14 @@ def conv(k: Kern, layer) -> Kern:
     for size, window, stride in zip(k.spatial, layer.filter_shape, layer.strides, strict=True):
         sizes.append(windows.out_size(size, window, stride, layer.padding))
 
+    method = "slices" if k.diagonal else windows.pair_method()
+
     def spread(a, n_batch):
         for d in range(s):
             size, window, stride = k.spatial[d], layer.filter_shape[d], layer.strides[d]
             axes = (n_batch + d,) if k.diagonal else (n_batch + 2 * d, n_batch + 2 * d + 1)
-            a = windows.shared_offsets(a, axes, size, window, stride, layer.padding) / window
+            a = windows.shared_offsets(a, axes, size, window, stride, layer.padding, method)
+            a = a / window
         return a
 
     out = transform(k, spread, fan_in, layer.out_chan * layer.s[1], layer)

@@ -43,9 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._errors import bad, check_bool, check_int, check_real
+from ntk_core._infinite import masking
 from ntk_core._infinite.layer import Layer, Rule, make_layer
 from ntk_core._infinite.layers import _axes_default, _choice, _std
-from ntk_core._infinite.state import Kern
+from ntk_core._infinite.state import Kern, _pairs, remask
 
 MECHANISMS = ("SOFTMAX", "IDENTITY", "ABS", "RELU")
 POS_EMB_TYPES = ("NONE", "SUM", "CONCAT")
@@ -109,17 +110,34 @@ def transform(k: Kern, args) -> Kern:
         "cov1": _flat(k.cov1, 1, spatial),
         "cov2": None if k.cov2 is None else _flat(k.cov2, 1, spatial),
     }
+    keys = None  # masked key positions (N, T) of x1 and x2 (None: x1's)
+    if k.masks is not None:
+        t = math.prod(spatial)
+        keys = k.masks.map(lambda m: m.reshape(m.shape[0], t))
     mixed = dict(flat)  # Σ̃, Θ̃: what the keys and queries see
     if args.pos_emb_type != "NONE":
         a, c = _weights(args, k.channels)
         r = position_covariance(spatial, args.pos_emb_p_norm, args.pos_emb_decay_fn, k.nngp.dtype)
-        mixed = {n: None if m is None else a * m + c * r for n, m in flat.items()}
+        rs = dict.fromkeys(flat, r)
+        if keys is not None:  # the embeddings are 0 at masked positions (neural-tangents)
+            other = keys.m1 if keys.m2 is None else keys.m2
+            zero = jnp.zeros((), r.dtype)
+            pair = jnp.where(_pairs(keys.m1, other, False), zero, r)
+            rs = {
+                "nngp": pair,
+                "ntk": pair,
+                "cov1": jnp.where(_pairs(keys.m1, None, False), zero, r),
+                "cov2": jnp.where(_pairs(other, None, False), zero, r),
+            }
+        mixed = {n: None if m is None else a * m + c * rs[n] for n, m in flat.items()}
     values = mixed if args.val_pos_emb else flat
     if args.linear_scaling:
-        out = _linear(mixed, values, args)
+        out = _linear(mixed, values, args, keys)
     else:
         out = _square_root(flat, mixed, values, args)
-    return k.replace(
+    if keys is not None:  # the output is masked where the input is (every channel)
+        k = k.replace(masks=k.masks.map(lambda m: m))
+    out = k.replace(
         nngp=_zipped(out["nngp"], 2, spatial),
         ntk=None if out["ntk"] is None else _zipped(out["ntk"], 2, spatial),
         cov1=_zipped(out["cov1"], 1, spatial),
@@ -128,6 +146,7 @@ def transform(k: Kern, args) -> Kern:
         channels=args.n_chan_out,
         is_input=False,
     )
+    return remask(out)
 
 
 def _pos_channels(args, channels: int, where: str) -> int:
@@ -156,13 +175,23 @@ def _affine(a, w2: float, b_std):
     return w2 * a + (0.0 if b_std is None else b_std**2)
 
 
-def _linear(mixed, values, args):
-    """linear_scaling=True: G(x) = ψ(QK·Σ̃(x, x)), then Σ' = OV²·G1·Σv·G2ᵀ + σb²."""
+def _linear(mixed, values, args, keys=None):
+    """linear_scaling=True: G(x) = ψ(QK·Σ̃(x, x)), then Σ' = OV²·G1·Σv·G2ᵀ + σb²; masked
+    ``keys`` get no weight (their logits -1e20 before a softmax, else 0, as
+    neural-tangents')."""
     psi = _mechanism(args.attention_mechanism)
     qk = args.W_key_std * args.W_query_std
     ov2 = (args.W_out_std * args.W_value_std) ** 2
-    g1 = psi(qk * mixed["cov1"])  # (N1, T, T): the query position, then the key position
-    g2 = g1 if mixed["cov2"] is None else psi(qk * mixed["cov2"])
+
+    def weights(cov, masked):  # cov (N, T, T): the query position, then the key position
+        if masked is not None:
+            cov = jnp.where(masked[:, None, :], _masked_logit(args, cov.dtype), cov)
+        return psi(qk * cov)
+
+    g1 = weights(mixed["cov1"], None if keys is None else keys.m1)
+    g2 = g1
+    if mixed["cov2"] is not None:
+        g2 = weights(mixed["cov2"], None if keys is None else keys.m2)
 
     def pair(m):
         return jnp.einsum("nha,nmab,mgb->nmhg", g1, m, g2, precision="highest")
@@ -183,6 +212,15 @@ def _linear(mixed, values, args):
         "cov1": readout(g1, values["cov1"]),
         "cov2": readout(g2, values["cov2"]),
     }
+
+
+def _masked_logit(args, dtype):
+    """A masked key's logit: -1e20 before a softmax (its weight 0; finite, so that a sample
+    masked in full still has weights), 0 before the other mechanisms (ψ(0) = 0)."""
+    return jnp.asarray(_NEG if args.attention_mechanism == "SOFTMAX" else 0.0, dtype)
+
+
+_NEG = -1e20
 
 
 def _square_root(flat, mixed, values, args):
@@ -264,8 +302,9 @@ def GlobalSelfAttention(
     Raises:
       ValueError / TypeError for bad arguments here, and from kernel_fn for
       ``linear_scaling=False`` with a mechanism other than IDENTITY (no closed form) and
-      for SUM embeddings of n_chan_pos_emb other than the input's channels. Masks
-      (neural-tangents' ``mask_constant``) are not supported.
+      for SUM embeddings of n_chan_pos_emb other than the input's channels. With
+      neural-tangents' ``mask_constant`` (kernel_fn and apply_fn) masked keys get no
+      weight and the positional embeddings are 0 at masked positions.
 
     Cost: per pair of inputs O(T³) for T = prod(S) positions (two T x T products), O(T²)
     memory; the layer needs the full spatial covariance of its input.
@@ -307,9 +346,8 @@ def GlobalSelfAttention(
         f"{args.n_chan_pos_emb}, {args.W_pos_emb_std:g}, values={args.val_pos_emb}))"
     )
     # positions mix: the input must hold every pair of positions
-    return make_layer(
-        Rule(name, lambda k: transform(k, args), lambda full: True), init_fn, apply_fn
-    )
+    rule = Rule(name, lambda k: transform(k, args), lambda full: True)
+    return make_layer(rule, init_fn, apply_fn, masking.channels_all)
 
 
 def _finite(args):
@@ -336,8 +374,9 @@ def _finite(args):
         out_shape = tuple(input_shape[:-1]) + (args.n_chan_out,)
         return out_shape, (query, keys, values, w_out, b, pos_emb)
 
-    def embedded(x, pos_emb):
-        """(keys' and queries' input, values' input), each (N, T, channels)."""
+    def embedded(x, pos_emb, masked):
+        """(keys' and queries' input, values' input), each (N, T, channels); ``masked``
+        (N, T) or None: positions whose embeddings are 0 (neural-tangents')."""
         n, spatial = x.shape[0], x.shape[1:-1]
         t = math.prod(spatial)
         if not has_pe:
@@ -348,13 +387,18 @@ def _finite(args):
             r = position_covariance(spatial, args.pos_emb_p_norm, args.pos_emb_decay_fn, e.dtype)
             e = jnp.matmul(jnp.linalg.cholesky(r), e, precision="highest")
         e = jnp.broadcast_to(args.W_pos_emb_std * e, (n, t, e.shape[-1])).astype(x.dtype)
+        if masked is not None:
+            e = jnp.where(masked[..., None], jnp.zeros((), e.dtype), e)
         flat = x.reshape(n, t, -1)
         mixed = flat + e if args.pos_emb_type == "SUM" else jnp.concatenate([flat, e], -1)
         return mixed, mixed if args.val_pos_emb else flat
 
-    def apply_fn(params, x, **kwargs):
+    def apply_fn(params, x, mask=None, **kwargs):
         query, keys_w, values_w, w_out, b, pos_emb = params
-        xk, xv = embedded(x, pos_emb)
+        masked = None  # positions masked in every channel, (N, T)
+        if mask is not None:
+            masked = masking.channels_all(mask, x).reshape(x.shape[0], -1)
+        xk, xv = embedded(x, pos_emb, masked)
         keys = jnp.einsum("ntc,hcd->hntd", xk, keys_w, precision="highest")
         queries = (
             keys
@@ -364,6 +408,8 @@ def _finite(args):
         scale = args.W_key_std * args.W_query_std / xk.shape[-1]
         scale /= args.n_chan_key if args.linear_scaling else math.sqrt(args.n_chan_key)
         logits = scale * jnp.einsum("hnad,hnbd->hnab", queries, keys, precision="highest")
+        if masked is not None:  # the keys at masked positions get no weight
+            logits = jnp.where(masked[None, :, None, :], _masked_logit(args, logits.dtype), logits)
         weights = _mechanism(args.attention_mechanism)(logits)
         values = jnp.einsum("ntc,hcv->hntv", xv, values_w, precision="highest")
         heads = jnp.einsum("hnab,hnbv->nahv", weights, values, precision="highest")

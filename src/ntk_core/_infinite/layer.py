@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from ntk_core._blocked.barrier import barrier
 from ntk_core._errors import bad, check_int
-from ntk_core._infinite.state import Kern
+from ntk_core._infinite import masking
+from ntk_core._infinite.state import Kern, joined_masks
 
 
 def _same(need):
@@ -47,10 +48,23 @@ class Layer(NamedTuple):
     kernel_fn: Any  # KernelFn
 
 
-def make_layer(rule: Rule, init_fn: Callable, apply_fn: Callable) -> Layer:
-    from ntk_core._infinite.kernel_fn import KernelFn  # the public call wraps the rule
+#: What wraps a layer's rule into its public ``kernel_fn``: ``kernel_fn.KernelFn``, which
+#: registers itself when ``ntk_core._infinite`` is imported (as implementations register in
+#: ``_impl``), so that the layers' maths is not stacked on the blocked engine it calls.
+CALL: dict[str, Callable] = {}
 
-    return Layer(init_fn, apply_fn, KernelFn(rule))
+
+def make_layer(
+    rule: Rule, init_fn: Callable, apply_fn: Callable, mask_fn=None, passes_masks=False
+) -> Layer:
+    """The triple; ``apply_fn`` takes neural-tangents' ``mask_constant`` (:mod:`.masking`):
+    a combinator's (``passes_masks``) passes masked activations through to its layers, a
+    layer's reads its input's masks and gives its output's by ``mask_fn`` (None: same)."""
+    if passes_masks:
+        apply_fn = masking.public(apply_fn)
+    else:
+        apply_fn = masking.leaf(apply_fn, mask_fn)
+    return Layer(init_fn, apply_fn, CALL["kernel_fn"](rule))
 
 
 def rule_of(fn: str, value, position: str) -> Rule:
@@ -92,7 +106,7 @@ def named(kern: Kern | tuple, name: str):
 
 def settled(kern):
     """``kern`` with its arrays behind an optimisation barrier: XLA may not fuse a layer
-    into the next one's reads. Without it XLA CPU recomputes a nonlinearity's arctan2 in
+    into the next one's reads. Without it XLA CPU recomputes a nonlinearity's closed form in
     every shifted read of the following convolution (a 21-layer ReLU CNN, N = 64: 48 s
     warm unrolled against 3 s with the layers in a scan, whose steps it cannot fuse)."""
     if isinstance(kern, tuple):
@@ -181,7 +195,7 @@ def serial(*layers) -> Layer:
 
     name = "serial(" + ", ".join(r.name for r in rules) + ")"
     branches = not rules or rules[0].branches
-    return make_layer(Rule(name, transform, needs, branches), init_fn, apply_fn)
+    return make_layer(Rule(name, transform, needs, branches), init_fn, apply_fn, passes_masks=True)
 
 
 def _split_rng(kwargs, n):
@@ -216,7 +230,8 @@ def parallel(*layers) -> Layer:
         return tuple(v[1](p, x, **r) for v, p, x, r in zip(layers, params, xs, rngs, strict=True))
 
     name = "parallel(" + ", ".join(r.name for r in rules) + ")"
-    return make_layer(Rule(name, transform, needs, branches=True), init_fn, apply_fn)
+    rule = Rule(name, transform, needs, branches=True)
+    return make_layer(rule, init_fn, apply_fn, passes_masks=True)
 
 
 def FanOut(num: int) -> Layer:
@@ -232,7 +247,8 @@ def FanOut(num: int) -> Layer:
     def apply_fn(params, x, **kwargs):
         return (x,) * num
 
-    return make_layer(Rule(f"FanOut({num})", lambda k: (k,) * num, needs), init_fn, apply_fn)
+    rule = Rule(f"FanOut({num})", lambda k: (k,) * num, needs)
+    return make_layer(rule, init_fn, apply_fn, lambda mask, x: (mask,) * num)
 
 
 def _branches(fn: str, kerns) -> tuple:
@@ -262,7 +278,8 @@ def FanInSum() -> Layer:
     def apply_fn(params, xs, **kwargs):
         return sum(xs[1:], xs[0])
 
-    return make_layer(Rule("FanInSum()", transform, branches=True), init_fn, apply_fn)
+    rule = Rule("FanInSum()", transform, branches=True)
+    return make_layer(rule, init_fn, apply_fn, masking.all_of)
 
 
 def FanInConcat(axis: int = -1) -> Layer:
@@ -276,7 +293,8 @@ def FanInConcat(axis: int = -1) -> Layer:
     def transform(kerns):
         kerns = _branches("FanInConcat", kerns)
         total = sum(k.channels for k in kerns)
-        return _join(kerns, [k.channels / total for k in kerns], total).replace(gaussian=False)
+        joined = _join(kerns, [k.channels / total for k in kerns], total, per_channel=True)
+        return joined.replace(gaussian=False)
 
     def init_fn(key, input_shapes):
         first = input_shapes[0]
@@ -285,10 +303,11 @@ def FanInConcat(axis: int = -1) -> Layer:
     def apply_fn(params, xs, **kwargs):
         return jnp.concatenate(xs, axis=-1)
 
-    return make_layer(Rule("FanInConcat()", transform, branches=True), init_fn, apply_fn)
+    rule = Rule("FanInConcat()", transform, branches=True)
+    return make_layer(rule, init_fn, apply_fn, masking.concatenated)
 
 
-def _join(kerns, weights, channels) -> Kern:
+def _join(kerns, weights, channels, per_channel=False) -> Kern:
     first = kerns[0]
     for k in kerns[1:]:
         if k.spatial != first.spatial or k.diagonal != first.diagonal:
@@ -311,6 +330,9 @@ def _join(kerns, weights, channels) -> Kern:
         is_input=all(k.is_input for k in kerns),
         # the output's axis order of the majority (neural-tangents' rule; a tie: natural)
         reversed=sum(k.reversed for k in kerns) > len(kerns) / 2,
+        # masked where every branch is, as neural-tangents (each branch's kernel is already
+        # 0 at its own masked positions); concatenated channels keep their branch's
+        masks=joined_masks([k.masks for k in kerns], per_channel),
     )
 
 
@@ -336,7 +358,7 @@ def repeat(layer: Layer, n: int) -> Layer:
         return full
 
     rule_n = Rule(f"repeat({rule.name}, {n})", transform, needs, rule.branches)
-    return make_layer(rule_n, chain.init_fn, chain.apply_fn)
+    return make_layer(rule_n, chain.init_fn, chain.apply_fn, passes_masks=True)
 
 
 _ARRAYS = ("nngp", "ntk", "cov1", "cov2")

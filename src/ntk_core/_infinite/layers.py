@@ -12,9 +12,9 @@ import numpy as np
 from jax import lax
 
 from ntk_core._errors import bad, check_int, check_real
-from ntk_core._infinite import affine, closed_forms, spatial, windows
+from ntk_core._infinite import affine, closed_forms, masking, spatial, windows
 from ntk_core._infinite.layer import Layer, Rule, make_layer, stateless
-from ntk_core._infinite.state import Kern, pair_variances
+from ntk_core._infinite.state import Kern, pair_variances, refuse_channel_masks, remask
 
 PARAMETERIZATIONS = ("ntk", "standard")
 
@@ -157,7 +157,8 @@ def Dense(
 
     init_fn, apply_fn = _affine_network(args, (), out_dim, product)
     name = f"Dense({out_dim}, W_std={args.W_std:g}, b_std={args.b_std}, {args.parameterization})"
-    return make_layer(Rule(name, lambda k: affine.dense(k, args)), init_fn, apply_fn)
+    rule = Rule(name, lambda k: remask(_one_mask(affine.dense(k, args))))
+    return make_layer(rule, init_fn, apply_fn, masking.channels_all)
 
 
 def _conv_specs(rank):
@@ -242,11 +243,15 @@ def Conv(
     def transform(k):
         _check_spatial(k, "Conv", rank)
         _check_windows(k, "Conv", filter_shape, strides, args.padding)
-        return affine.conv(k, args)
+        return _strided_masks(affine.conv(k, args), filter_shape, strides, args.padding)
 
     name = f"Conv({out_chan}, {filter_shape}, {strides}, {args.padding}, W_std={args.W_std:g}, "
     name += f"b_std={args.b_std}, {args.parameterization})"
-    return make_layer(Rule(name, transform), init_fn, apply_fn)
+
+    def mask_fn(mask, x):
+        return _centres(masking.channels_all(mask, x), filter_shape, strides, args.padding)
+
+    return make_layer(Rule(name, transform), init_fn, apply_fn, mask_fn)
 
 
 # ----- nonlinearities -----
@@ -260,10 +265,22 @@ def _activation(name: str, fn, forms) -> Layer:
         q11, q22, self1, self2 = pair_variances(k)
         q12 = k.nngp
         if k.cov2 is None:  # a Gram matrix: each sample with itself is its own covariance
-            n = jnp.arange(q12.shape[0])  # bit for bit, so ρ = 1 there (see closed_forms)
-            q12 = q12.at[n, n].set(k.cov1)
+            # bit for bit, so ρ = 1 there (see closed_forms). Positions on their diagonal
+            # (or none), a select: it fuses into the closed form's reads (the scatter wrote
+            # N² copies: peak 800 -> 740 MiB for the 3-layer FC at N = 4 000, 3.13 -> 2.87
+            # GB for the 21-layer Flatten CNN at N = 256); all pairs of positions, the
+            # scatter (there the select made the 8x8 WideResNet 2.5 -> 3.5 s warm)
+            n = q12.shape[0]
+            if k.diagonal or q12.ndim == 2:
+                same = lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(
+                    jnp.int32, (n, n), 1
+                )
+                same = same.reshape(same.shape + (1,) * (q12.ndim - 2))
+                q12 = jnp.where(same, k.cov1[:, None], q12)
+            else:
+                q12 = q12.at[jnp.arange(n), jnp.arange(n)].set(k.cov1)
         nngp, dot = forms(q11, q12, q22)
-        return k.replace(
+        out = k.replace(
             nngp=nngp,
             ntk=None if k.ntk is None else dot * k.ntk,
             cov1=forms(self1[0], k.cov1, self1[1])[0],
@@ -271,6 +288,7 @@ def _activation(name: str, fn, forms) -> Layer:
             gaussian=False,
             is_input=False,
         )
+        return remask(out)  # φ(0) may be nonzero: masked positions stay 0
 
     return make_layer(Rule(name, transform), *stateless(fn))
 
@@ -374,22 +392,68 @@ def Exp(a=1.0, b=1.0) -> Layer:
     return _activation(f"Exp({a:g}, {b:g})", lambda x: a * jnp.exp(b * x), closed_forms.exp(a, b))
 
 
+#: The fixed probe on which a user's φ must act entry by entry (see _check_elementwise).
+_PROBE = np.random.RandomState(0).randn(3, 4).astype(np.float32) * 2
+
+
+def _check_elementwise(layer: str, arg: str, fn) -> None:
+    """ValueError unless ``fn`` acts entry by entry: the quadrature and closed forms assume
+    φ(x)_i = φ(x_i); a φ that mixes entries (a norm, a softmax, a mean) would otherwise give
+    a kernel of some other network without a word. Compares ``fn`` on a fixed (3, 4) array
+    with ``fn`` on each of its entries alone (vmapped over scalars); a fn that fails on a
+    scalar cannot be elementwise either. One eager call of each on 12 numbers."""
+    fix = (
+        "write the nonlinearity elementwise (each output entry a function of the same input "
+        "entry only, e.g. jnp.where(x > 0, x, 0.1 * x)), or, for a layer that mixes entries, "
+        "compute Monte Carlo kernels of the finite network (ntk_core.monte_carlo_kernels)"
+    )
+    x = jnp.asarray(_PROBE)
+    try:
+        whole = jnp.asarray(fn(x))
+        alone = jnp.vectorize(fn)(x)
+    except Exception as error:  # noqa: BLE001 - any failure on a scalar: not elementwise
+        what = f"{arg} must act elementwise, but {arg} of a single number failed ({error!r:.200})"
+        raise bad(ValueError, layer, what, fix) from error
+    if whole.shape != x.shape:
+        what = f"{arg} must act elementwise, but it maps shape {x.shape} to {whole.shape}"
+        raise bad(ValueError, layer, what, fix)
+    whole, alone = np.asarray(whole, np.float64), np.asarray(alone, np.float64)
+    # Float32 ulps apart at most when elementwise (XLA may fuse the two calls differently).
+    # NaN or inf at the same entries agree (e.g. jnp.log on the probe's negative entries).
+    with np.errstate(invalid="ignore"):
+        gap = np.where(whole == alone, 0.0, np.abs(whole - alone))
+    same = (gap <= 1e-5 + 1e-4 * np.abs(alone)) | (np.isnan(whole) & np.isnan(alone))
+    if not np.all(same):
+        what = (
+            f"{arg} must act elementwise, but {arg}(x) on a {x.shape} array differs from {arg} "
+            f"on each entry alone by up to {np.nanmax(gap):.3g} (it mixes entries, e.g. a norm, "
+            "a mean or a softmax)"
+        )
+        raise bad(ValueError, layer, what, fix)
+
+
 def ElementwiseNumerical(fn, deg, df=None) -> Layer:
-    """Any φ = ``fn`` by Gauss–Hermite quadrature of degree ``deg`` (deg² nodes), φ' by
-    autodiff (or ``df``)."""
+    """Any elementwise φ = ``fn`` by Gauss–Hermite quadrature of degree ``deg`` (deg²
+    nodes), φ' by autodiff (or ``df``). Raises TypeError for a ``fn`` that is not callable,
+    ValueError for ``deg`` < 2 or a ``fn`` (or ``df``) that is not elementwise (checked once
+    here on a (3, 4) array against its entries one by one)."""
     name = "stax.ElementwiseNumerical"
     if not callable(fn):
         what = f"fn must be callable, got {type(fn).__name__}"
         fix = "pass e.g. fn=jnp.tanh"
         raise bad(TypeError, name, what, fix)
     deg = check_int(name, "deg", deg, "pass deg >= 2, e.g. deg=25", low=2)
+    _check_elementwise(name, "fn", fn)
+    if df is not None:
+        _check_elementwise(name, "df", df)
     forms = closed_forms.quadrature(fn, deg, df)
     return _activation(f"ElementwiseNumerical({getattr(fn, '__name__', 'fn')}, {deg})", fn, forms)
 
 
 def Elementwise(fn=None, nngp_fn=None, d_nngp_fn=None) -> Layer:
     """φ = ``fn`` with its NNGP ``nngp_fn(cov12, var1, var2)`` given in closed form, and
-    ``d_nngp_fn`` (∂/∂cov12, by autodiff of nngp_fn if None)."""
+    ``d_nngp_fn`` (∂/∂cov12, by autodiff of nngp_fn if None). Raises TypeError for
+    arguments that are not callable, ValueError for a ``fn`` that is not elementwise."""
     name = "stax.Elementwise"
     if not callable(nngp_fn):
         what = f"nngp_fn must be callable, got {type(nngp_fn).__name__}"
@@ -399,6 +463,8 @@ def Elementwise(fn=None, nngp_fn=None, d_nngp_fn=None) -> Layer:
         what = f"fn must be callable or None, got {type(fn).__name__}"
         fix = "pass the elementwise function"
         raise bad(TypeError, name, what, fix)
+    if fn is not None:
+        _check_elementwise(name, "fn", fn)
     apply = fn if fn is not None else _no_finite(name)
     return _activation(
         f"Elementwise({getattr(nngp_fn, '__name__', 'nngp_fn')})",
@@ -417,6 +483,65 @@ def _no_finite(name):
 
 
 # ----- positions -----
+
+
+def _all_positions(m):
+    return jnp.all(m, axis=tuple(range(1, m.ndim)))
+
+
+def _centres(m, window, strides, padding):
+    """Masks ``(N, *S[, C])`` of a window's output positions: each takes its window's
+    centre's (neural-tangents' rule; the identity for stride 1 SAME)."""
+    index = [slice(None)]
+    for size, w, s in zip(m.shape[1 : 1 + len(window)], window, strides, strict=True):
+        lo = windows.pads(size, w, s, "SAME")[0] if padding != "VALID" else 0
+        start = (w - 1) // 2 - lo
+        n = windows.out_size(size, w, s, padding)
+        index.append(slice(start, start + 1 + (n - 1) * s, s))
+    return m[tuple(index)]
+
+
+def _one_mask(k: Kern) -> Kern:
+    """After a layer masked where all its input channels are (Dense, Conv): one mask for
+    every channel again (the positions masked in every branch of a FanInConcat)."""
+    if k.masks is None or not k.masks.per_channel:
+        return k
+    return k.replace(masks=k.masks.map(lambda m: m))
+
+
+def _strided_masks(k: Kern, window, strides, padding) -> Kern:
+    """A convolution's or pool's output masks (:func:`_centres`), then every covariance of
+    a masked position set to 0."""
+    if k.masks is None:
+        return k
+    return remask(k.replace(masks=k.masks.map(lambda m: _centres(m, window, strides, padding))))
+
+
+def _masked_global_pool(k: Kern, average: bool) -> Kern:
+    """GlobalAvgPool over the unmasked positions only (their mean, as neural-tangents'
+    apply_fn and kernel_fn), GlobalSumPool over all (masked ones hold 0); a sample with
+    every position masked is masked."""
+    k = remask(k)
+    total = spatial.global_pool(k, False)
+    masks = k.masks.map(_all_positions)
+    if not average:
+        return total.replace(masks=masks)
+    seen1 = jnp.sum(~k.masks.m1, axis=tuple(range(1, k.masks.m1.ndim))).astype(k.nngp.dtype)
+    m2 = k.masks.m2
+    seen2 = seen1 if m2 is None else jnp.sum(~m2, axis=tuple(range(1, m2.ndim)))
+    seen2 = seen2.astype(k.nngp.dtype)
+
+    def per(a, count):
+        return None if a is None else a / jnp.maximum(count, 1)
+
+    pair = seen1[:, None] * seen2[None]
+    return total.replace(
+        nngp=per(total.nngp, pair),
+        ntk=per(total.ntk, pair),
+        cov1=per(total.cov1, seen1 * seen1),
+        cov2=None if total.cov2 is None else per(total.cov2, seen2 * seen2),
+        masks=masks,
+    )
 
 
 def _pool(kind, window_shape, strides, padding, normalize_edges, batch_axis, channel_axis, average):
@@ -447,10 +572,14 @@ def _pool(kind, window_shape, strides, padding, normalize_edges, batch_axis, cha
     def transform(k):
         _check_spatial(k, kind, len(window))
         _check_windows(k, kind, window, strides, args.padding)
-        return spatial.pool(k, args, average)
+        refuse_channel_masks(k, kind)
+        return _strided_masks(spatial.pool(k, args, average), window, strides, args.padding)
+
+    def mask_fn(mask, x):
+        return _centres(mask, window, strides, args.padding)
 
     name = f"{kind}({window}, {strides}, {args.padding})"
-    return make_layer(Rule(name, transform, lambda full: True), *stateless(apply))
+    return make_layer(Rule(name, transform, lambda full: True), *stateless(apply), mask_fn)
 
 
 def AvgPool(
@@ -474,9 +603,23 @@ def SumPool(window_shape, strides=None, padding="VALID", batch_axis=0, channel_a
 
 def _global(kind, batch_axis, channel_axis, average):
     _axes_default(f"stax.{kind}", batch_axis, channel_axis)
-    reduce = jnp.mean if average else jnp.sum
-    rule = Rule(f"{kind}()", lambda k: spatial.global_pool(k, average), lambda full: True)
-    return make_layer(rule, *stateless(lambda x: reduce(x, axis=tuple(range(1, x.ndim - 1)))))
+
+    def transform(k):
+        if k.masks is None:
+            return spatial.global_pool(k, average)
+        refuse_channel_masks(k, kind)
+        return _masked_global_pool(k, average)
+
+    def apply_fn(params, x, mask=None, **kwargs):
+        axes = tuple(range(1, x.ndim - 1))
+        if not average:
+            return jnp.sum(x, axis=axes)
+        # the mean over the unmasked positions (masked entries are 0), as neural-tangents
+        return jnp.mean(x, axis=axes) if mask is None else masking.masked_mean(x, mask, axes)
+
+    init_fn, _ = stateless(lambda x: jnp.sum(x, axis=tuple(range(1, x.ndim - 1))))
+    rule = Rule(f"{kind}()", transform, lambda full: True)
+    return make_layer(rule, init_fn, apply_fn, masking.positions_all)
 
 
 def GlobalAvgPool(batch_axis=0, channel_axis=-1) -> Layer:
@@ -494,8 +637,17 @@ def Flatten(batch_axis=0, batch_axis_out=0) -> Layer:
     if batch_axis != 0 or batch_axis_out != 0:
         what = f"batch_axis and batch_axis_out must be 0, got {batch_axis!r} and {batch_axis_out!r}"
         raise bad(ValueError, "stax.Flatten", what, "move the batch axis first")
-    rule = Rule("Flatten()", spatial.flatten, lambda full: False)
-    return make_layer(rule, *stateless(lambda x: x.reshape(x.shape[0], -1)))
+
+    def transform(k):
+        out = spatial.flatten(k)
+        if k.masks is None:
+            return out
+        # a sample is masked when all its positions are (neural-tangents' Dense after its
+        # Flatten: masked where every entry is)
+        return out.replace(masks=k.masks.map(lambda m: _all_positions(m)))
+
+    rule = Rule("Flatten()", transform, lambda full: False)
+    return make_layer(rule, *stateless(lambda x: x.reshape(x.shape[0], -1)), masking.flattened)
 
 
 def LayerNorm(axis=-1, eps=1e-12, batch_axis=0, channel_axis=-1) -> Layer:
@@ -529,11 +681,22 @@ def LayerNorm(axis=-1, eps=1e-12, batch_axis=0, channel_axis=-1) -> Layer:
         var = jnp.var(x, axis=axes, keepdims=True)
         return (x - mean) / jnp.sqrt(var + eps)
 
+    def apply_fn(params, x, mask=None, **kwargs):
+        if mask is None:
+            return apply(x)
+        # neural-tangents' masked statistics: sums over the unmasked count; the masked
+        # entries (0) are in the variance's sum (a difference that vanishes with the width)
+        mean = masking.masked_mean(x, mask, axes, keepdims=True)
+        var = masking.masked_mean((x - mean) ** 2, mask, axes, keepdims=True)
+        return (x - mean) / jnp.sqrt(var + eps)
+
     def transform(k):
         _check_gaussian(k, "LayerNorm")
+        refuse_channel_masks(k, "LayerNorm")
         return spatial.layer_norm(k, normalised(len(k.spatial) + 2), eps)
 
-    return make_layer(Rule(f"LayerNorm({axis}, {eps:g})", transform), *stateless(apply))
+    init_fn, _ = stateless(apply)
+    return make_layer(Rule(f"LayerNorm({axis}, {eps:g})", transform), init_fn, apply_fn)
 
 
 def Dropout(rate, mode="train") -> Layer:

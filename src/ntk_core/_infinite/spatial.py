@@ -71,15 +71,23 @@ def layer_norm(k: Kern, spatial_axes: tuple[int, ...], eps: float) -> Kern:
     """Normalised over the channels and the positions' axes ``spatial_axes`` (0-based
     among the spatial axes)."""
 
-    def averaged(v):
+    def averaged(v, mask):
         if not spatial_axes:
-            return v
-        return jnp.broadcast_to(
-            jnp.mean(v, axis=tuple(1 + a for a in spatial_axes), keepdims=True), v.shape
-        )
+            return v + eps
+        axes = tuple(1 + a for a in spatial_axes)
+        if mask is None:
+            return jnp.broadcast_to(jnp.mean(v, axis=axes, keepdims=True), v.shape) + eps
+        # masked (neural-tangents): the sum of eps + v over the positions (masked ones: eps,
+        # their v is 0) over the count of unmasked ones
+        seen = jnp.maximum(jnp.sum(~mask, axis=axes, keepdims=True), 1).astype(v.dtype)
+        return jnp.broadcast_to(jnp.sum(v + eps, axis=axes, keepdims=True) / seen, v.shape)
 
-    v1 = averaged(variances(k.cov1, k.diagonal)) + eps
-    v2 = None if k.cov2 is None else averaged(variances(k.cov2, k.diagonal)) + eps
+    m1 = m2 = None
+    if k.masks is not None:
+        m1 = k.masks.m1
+        m2 = m1 if k.masks.m2 is None else k.masks.m2
+    v1 = averaged(variances(k.cov1, k.diagonal), m1)
+    v2 = None if k.cov2 is None else averaged(variances(k.cov2, k.diagonal), m2)
     q11, q22, self1, self2 = pair_variances(k, v1, v2)
     scale = 1 / jnp.sqrt(q11 * q22)
     return k.replace(

@@ -20,6 +20,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from ntk_core._errors import bad
+
 
 @dataclasses.dataclass(frozen=True)
 class Kern:
@@ -45,6 +47,7 @@ class Kern:
     is_input: bool = False
     reversed: bool = False
     source: str = "the input"  # the layer that made it, for messages
+    masks: Masks | None = None  # masked positions (kernel_fn's mask_constant), or None
 
     def replace(self, **changes) -> Kern:
         return dataclasses.replace(self, **changes)
@@ -61,10 +64,114 @@ class Kern:
         )
 
 
-def inputs_kernel(x1, x2, diagonal: bool, with_ntk: bool) -> Kern:
+class Masks:
+    """Masked positions of x1 ``(N1, *S)`` and x2 ``(N2, *S)`` (None: x2 is x1), True where
+    masked (neural-tangents' ``mask_constant``). Compared by shapes alone: a layer that
+    keeps them keeps the same masks, so a repeated layer still scans (layer._scannable).
+    ``per_channel``: after FanInConcat the channels of each branch keep that branch's
+    masks; m1 and m2 are then the positions masked in every branch, which is what a Dense,
+    Conv or attention layer (masked where all its input channels are) and Flatten need."""
+
+    def __init__(self, m1, m2, per_channel=False):
+        self.m1, self.m2, self.per_channel = m1, m2, per_channel
+
+    def _key(self):
+        return (self.m1.shape, None if self.m2 is None else self.m2.shape, self.per_channel)
+
+    def __eq__(self, other):
+        return isinstance(other, Masks) and self._key() == other._key()
+
+    __hash__ = None
+
+    def map(self, fn) -> Masks:
+        """``fn`` of each side's masks: a layer that moves positions (its output's masks
+        are the same on every channel)."""
+        return Masks(fn(self.m1), None if self.m2 is None else fn(self.m2))
+
+
+def joined_masks(masks, per_channel: bool) -> Masks | None:
+    """FanInSum's and FanInConcat's masks: positions masked in every branch."""
+    if masks[0] is None:
+        return None
+
+    def every(side):
+        out = side[0]
+        for m in side[1:]:
+            out = out & m
+        return out
+
+    m2 = None if masks[0].m2 is None else every([m.m2 for m in masks])
+    per_channel = per_channel or any(m.per_channel for m in masks)
+    return Masks(every([m.m1 for m in masks]), m2, per_channel)
+
+
+def _pairs(a, b, diagonal: bool):
+    """a | b over pairs: a ``(N1, *S)``, b ``(N2, *S)`` (None: no batch pair, a is b) to the
+    layout of nngp (``(N1, N2, H, H', ...)``) or of cov1 (``(N1, H, H', ...)``)."""
+    s = a.ndim - 1
+    if b is None:  # a sample with itself
+        if diagonal:
+            return a
+        first = (slice(None),) + (slice(None), None) * s
+        second = (slice(None),) + (None, slice(None)) * s
+        return a[first] | a[second]
+    if diagonal:
+        return a[:, None] | b[None]
+    first = (slice(None), None) + (slice(None), None) * s
+    second = (None, slice(None)) + (None, slice(None)) * s
+    return a[first] | b[second]
+
+
+def remask(k: Kern) -> Kern:
+    """Every covariance with a masked position on either side set to 0 (neural-tangents'
+    ``Kernel.mask``): a masked position carries no signal through the network."""
+    if k.masks is None:
+        return k
+    m1, m2 = k.masks.m1, k.masks.m2
+    other = m1 if m2 is None else m2
+
+    def zero(a, mask):
+        return None if a is None else jnp.where(mask, jnp.zeros((), a.dtype), a)
+
+    pair = _pairs(m1, other, k.diagonal)
+    return k.replace(
+        nngp=zero(k.nngp, pair),
+        ntk=zero(k.ntk, pair),
+        cov1=zero(k.cov1, _pairs(m1, None, k.diagonal)),
+        cov2=None if k.cov2 is None else zero(k.cov2, _pairs(other, None, k.diagonal)),
+    )
+
+
+def refuse_channel_masks(k: Kern, name: str) -> None:
+    """ValueError where channels with different masks (FanInConcat of branches) reach a
+    layer that averages positions per channel (pools, LayerNorm), as neural-tangents:
+    their kernel is not one covariance per position pair."""
+    if k.masks is not None and k.masks.per_channel:
+        what = f"with mask_constant, {name} after FanInConcat (each branch's channels keep "
+        what += "their own masks)"
+        fix = f"insert a Dense or Conv layer between FanInConcat and {name}"
+        raise bad(ValueError, "kernel_fn", what, fix)
+
+
+def masked_inputs(x, mask_constant):
+    """(x with the entries equal to ``mask_constant`` set to 0, the masked positions
+    ``(N, *S)``: all their channels equal ``mask_constant``); NaN matches NaN."""
+    c = jnp.asarray(mask_constant, x.dtype)  # traced: one program for every constant
+    hit = jnp.where(jnp.isnan(c), jnp.isnan(x), x == c)
+    return jnp.where(hit, jnp.zeros((), x.dtype), x), jnp.all(hit, axis=-1)
+
+
+def inputs_kernel(x1, x2, diagonal: bool, with_ntk: bool, mask_constant=None) -> Kern:
     """The input layer: Σ(x1_i, x2_j)[h, h'] = ⟨x1_i[h, :], x2_j[h', :]⟩ / C, Θ = 0.
 
-    x1 ``(N1, *S, C)``, x2 ``(N2, *S, C)`` or None; ``diagonal``: keep h = h' only."""
+    x1 ``(N1, *S, C)``, x2 ``(N2, *S, C)`` or None; ``diagonal``: keep h = h' only;
+    ``mask_constant``: entries equal to it are 0, positions with all channels equal to it
+    are masked (a scalar, NaN allowed, or None)."""
+    masks = None
+    if mask_constant is not None:
+        x1, m1 = masked_inputs(x1, mask_constant)
+        x2, m2 = (None, None) if x2 is None else masked_inputs(x2, mask_constant)
+        masks = Masks(m1, m2)
     n_spatial = x1.ndim - 2
     channels = x1.shape[-1]
 
@@ -92,6 +199,7 @@ def inputs_kernel(x1, x2, diagonal: bool, with_ntk: bool) -> Kern:
         gaussian=True,
         channels=channels,
         is_input=True,
+        masks=masks,
     )
 
 
