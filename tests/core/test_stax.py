@@ -388,22 +388,28 @@ def test_deep_relu_with_large_weights_is_finite_and_psd_in_float32():
 
 
 def test_repeated_convolutions_keep_neural_tangents_axis_order():
-    """Repeated [Conv, Relu] objects run as one scanned step: the output's spatial axes
-    follow the convolutions' parity (reversed after an odd number, as neural-tangents),
-    and the kernel equals the unrolled one of distinct layer objects (float32)."""
+    """Repeated [Conv, Relu] run as one scanned step, the same objects or distinct ones of
+    equal arguments: the output's spatial axes follow the convolutions' parity (reversed
+    after an odd number, as neural-tangents), and the kernel equals the unrolled one
+    (blocks holding an Identity, whose rule has no key: never compared, never scanned)."""
     x = np.random.RandomState(0).randn(3, 5, 4, 2).astype(np.float32)
+
+    def conv():
+        return stax.Conv(2, (3, 3), padding="SAME", b_std=0.1)
+
     for n in (4, 5):
-        conv, relu = stax.Conv(2, (3, 3), padding="SAME", b_std=0.1), stax.Relu()
-        scanned = np.asarray(stax.serial(*[conv, relu] * n)[2](x, None, "ntk"))
-        layers = [
-            stax.Conv(2, (3, 3), padding="SAME", b_std=0.1) if i % 2 == 0 else stax.Relu()
-            for i in range(2 * n)
-        ]
-        unrolled = np.asarray(stax.serial(*layers)[2](x, None, "ntk"))
-        assert (
-            scanned.shape == unrolled.shape == ((3, 3, 4, 4, 5, 5) if n % 2 else (3, 3, 5, 5, 4, 4))
-        )
-        assert np.abs(scanned - unrolled).max() <= 1e-6 * np.abs(unrolled).max()
+        same, relu = conv(), stax.Relu()
+        distinct = [conv() if i % 2 == 0 else stax.Relu() for i in range(2 * n)]
+        blocks = [stax.serial(conv(), stax.Relu(), stax.Identity()) for _ in range(n)]
+        unrolled = np.asarray(stax.serial(*blocks)[2](x, None, "ntk"))
+        assert unrolled.shape == ((3, 3, 4, 4, 5, 5) if n % 2 else (3, 3, 5, 5, 4, 4))
+        in_blocks = [stax.serial(conv(), stax.Relu()) for _ in range(n)]
+        for layers in ([same, relu] * n, distinct, in_blocks):
+            kernel_fn = stax.serial(*layers)[2]
+            assert "scan" in str(jax.make_jaxpr(lambda a, f=kernel_fn: f(a, None, "ntk"))(x))
+            scanned = np.asarray(kernel_fn(x, None, "ntk"))
+            assert scanned.shape == unrolled.shape
+            assert np.abs(scanned - unrolled).max() <= 1e-6 * np.abs(unrolled).max()
 
 
 def test_repeat_equals_serial_and_get_forms():

@@ -157,7 +157,8 @@ def Dense(
 
     init_fn, apply_fn = _affine_network(args, (), out_dim, product)
     name = f"Dense({out_dim}, W_std={args.W_std:g}, b_std={args.b_std}, {args.parameterization})"
-    rule = Rule(name, lambda k: remask(_one_mask(affine.dense(k, args))))
+    key = ("Dense", out_dim, args.W_std, args.b_std, args.parameterization, tuple(args.s))
+    rule = Rule(name, lambda k: remask(_one_mask(affine.dense(k, args))), key=key)
     return make_layer(rule, init_fn, apply_fn, masking.channels_all)
 
 
@@ -251,14 +252,17 @@ def Conv(
     def mask_fn(mask, x):
         return _centres(masking.channels_all(mask, x), filter_shape, strides, args.padding)
 
-    return make_layer(Rule(name, transform), init_fn, apply_fn, mask_fn)
+    key = ("Conv", out_chan, filter_shape, strides, args.padding, args.W_std, args.b_std)
+    key += (args.parameterization, tuple(args.s))
+    return make_layer(Rule(name, transform, key=key), init_fn, apply_fn, mask_fn)
 
 
 # ----- nonlinearities -----
 
 
-def _activation(name: str, fn, forms) -> Layer:
-    """A nonlinearity φ = ``fn`` with closed form ``forms(q11, q12, q22) -> (Σ', Σ̇)``."""
+def _activation(name: str, fn, forms, key=None) -> Layer:
+    """A nonlinearity φ = ``fn`` with closed form ``forms(q11, q12, q22) -> (Σ', Σ̇)``;
+    ``key``: its exact arguments (:class:`~.layer.Rule`'s ``key``)."""
 
     def transform(k: Kern):
         _check_gaussian(k, name)
@@ -290,7 +294,7 @@ def _activation(name: str, fn, forms) -> Layer:
         )
         return remask(out)  # φ(0) may be nonzero: masked positions stay 0
 
-    return make_layer(Rule(name, transform), *stateless(fn))
+    return make_layer(Rule(name, transform, key=key), *stateless(fn))
 
 
 def _real(fn, name, value):
@@ -304,12 +308,13 @@ def ABRelu(a, b, do_stabilize=False) -> Layer:
         f"ABRelu({a:g}, {b:g})",
         lambda x: a * jnp.minimum(x, 0) + b * jnp.maximum(x, 0),
         closed_forms.ab_relu(a, b),
+        key=("ABRelu", a, b),
     )
 
 
 def Relu(do_stabilize=False) -> Layer:
     """φ(x) = max(x, 0)."""
-    return _activation("Relu()", jax.nn.relu, closed_forms.ab_relu(0.0, 1.0))
+    return _activation("Relu()", jax.nn.relu, closed_forms.ab_relu(0.0, 1.0), key=("Relu",))
 
 
 def LeakyRelu(alpha, do_stabilize=False) -> Layer:
@@ -319,12 +324,13 @@ def LeakyRelu(alpha, do_stabilize=False) -> Layer:
         f"LeakyRelu({alpha:g})",
         lambda x: jnp.where(x >= 0, x, alpha * x),
         closed_forms.ab_relu(alpha, 1.0),
+        key=("LeakyRelu", alpha),
     )
 
 
 def Abs(do_stabilize=False) -> Layer:
     """φ(x) = |x|."""
-    return _activation("Abs()", jnp.abs, closed_forms.ab_relu(-1.0, 1.0))
+    return _activation("Abs()", jnp.abs, closed_forms.ab_relu(-1.0, 1.0), key=("Abs",))
 
 
 def Erf(a=1.0, b=1.0, c=0.0) -> Layer:
@@ -334,6 +340,7 @@ def Erf(a=1.0, b=1.0, c=0.0) -> Layer:
         f"Erf({a:g}, {b:g}, {c:g})",
         lambda x: a * jax.scipy.special.erf(b * x) + c,
         closed_forms.erf(a, b, c),
+        key=("Erf", a, b, c),
     )
 
 
@@ -345,14 +352,20 @@ def Sigmoid_like() -> Layer:
     """φ(x) = erf(x / 2.4020563531719796) / 2 + 1/2, close to the logistic sigmoid."""
     forms = closed_forms.erf(0.5, 1 / SIGMOID_SCALE, 0.5)
     return _activation(
-        "Sigmoid_like()", lambda x: 0.5 * jax.scipy.special.erf(x / SIGMOID_SCALE) + 0.5, forms
+        "Sigmoid_like()",
+        lambda x: 0.5 * jax.scipy.special.erf(x / SIGMOID_SCALE) + 0.5,
+        forms,
+        key=("Sigmoid_like",),
     )
 
 
 def Gelu(approximate=False) -> Layer:
     """φ(x) = x·Φ(x); the kernel is exact GELU's (``approximate`` only changes apply_fn)."""
     return _activation(
-        "Gelu()", lambda x: jax.nn.gelu(x, approximate=bool(approximate)), closed_forms.gelu
+        "Gelu()",
+        lambda x: jax.nn.gelu(x, approximate=bool(approximate)),
+        closed_forms.gelu,
+        key=("Gelu", approximate),
     )
 
 
@@ -360,7 +373,10 @@ def Sin(a=1.0, b=1.0, c=0.0) -> Layer:
     """φ(x) = a·sin(b·x + c)."""
     a, b, c = (_real("stax.Sin", n, v) for n, v in (("a", a), ("b", b), ("c", c)))
     return _activation(
-        f"Sin({a:g}, {b:g}, {c:g})", lambda x: a * jnp.sin(b * x + c), closed_forms.sin(a, b, c)
+        f"Sin({a:g}, {b:g}, {c:g})",
+        lambda x: a * jnp.sin(b * x + c),
+        closed_forms.sin(a, b, c),
+        key=("Sin", a, b, c),
     )
 
 
@@ -368,7 +384,9 @@ def Cos(a=1.0, b=1.0, c=0.0) -> Layer:
     """φ(x) = a·cos(b·x + c) = a·sin(b·x + c + π/2)."""
     a, b, c = (_real("stax.Cos", n, v) for n, v in (("a", a), ("b", b), ("c", c)))
     forms = closed_forms.sin(a, b, c + math.pi / 2)
-    return _activation(f"Cos({a:g}, {b:g}, {c:g})", lambda x: a * jnp.cos(b * x + c), forms)
+    return _activation(
+        f"Cos({a:g}, {b:g}, {c:g})", lambda x: a * jnp.cos(b * x + c), forms, key=("Cos", a, b, c)
+    )
 
 
 def Rbf(gamma=1.0) -> Layer:
@@ -377,19 +395,27 @@ def Rbf(gamma=1.0) -> Layer:
     b = math.sqrt(2 * gamma)
     forms = closed_forms.sin(math.sqrt(2), b, math.pi / 4)
     return _activation(
-        f"Rbf({gamma:g})", lambda x: math.sqrt(2) * jnp.sin(b * x + math.pi / 4), forms
+        f"Rbf({gamma:g})",
+        lambda x: math.sqrt(2) * jnp.sin(b * x + math.pi / 4),
+        forms,
+        key=("Rbf", gamma),
     )
 
 
 def Sign() -> Layer:
     """φ(x) = sign(x); its NTK contribution is 0 (φ' = 0 almost everywhere)."""
-    return _activation("Sign()", jnp.sign, closed_forms.sign)
+    return _activation("Sign()", jnp.sign, closed_forms.sign, key=("Sign",))
 
 
 def Exp(a=1.0, b=1.0) -> Layer:
     """φ(x) = a·exp(b·x)."""
     a, b = _real("stax.Exp", "a", a), _real("stax.Exp", "b", b)
-    return _activation(f"Exp({a:g}, {b:g})", lambda x: a * jnp.exp(b * x), closed_forms.exp(a, b))
+    return _activation(
+        f"Exp({a:g}, {b:g})",
+        lambda x: a * jnp.exp(b * x),
+        closed_forms.exp(a, b),
+        key=("Exp", a, b),
+    )
 
 
 #: The fixed probe on which a user's φ must act entry by entry (see _check_elementwise).
