@@ -40,9 +40,8 @@ def kernels(stax):
 def main():
     mode, path = sys.argv[1], sys.argv[2]
     if mode == "dump":
-        from neural_tangents import stax
-
         import neural_tangents
+        from neural_tangents import stax
 
         np.savez_compressed(path, __version__=neural_tangents.__version__, **kernels(stax))
         return

@@ -16,6 +16,7 @@ from ntk_core._api import nngp_fn as nngp_fn
 from ntk_core._api import ntk_fn as ntk_fn
 from ntk_core._api import ntk_per_leaf_fn as ntk_per_leaf_fn
 from ntk_core._api import plan as plan
+from ntk_core._derived.api import infinite_kernel_fn as infinite_kernel_fn
 from ntk_core._doctor import DoctorReport as DoctorReport
 from ntk_core._doctor import doctor as doctor
 from ntk_core._errors import NonFiniteError as NonFiniteError
@@ -43,8 +44,9 @@ __all__ = (
     "PrecisionWarning",
     "UnsupportedBackendError", "__version__", "clear_caches", "doctor", "empirical_nngp",
     "empirical_ntk", "empirical_ntk_per_leaf", "empirical_ntk_sketch", "empirical_pntk",
-    "linearize", "metrics", "monte_carlo_kernels", "nngp_fn", "ntk_fn", "ntk_per_leaf_fn",
-    "ntk_sketch_fn", "ntk_vp_fn", "plan", "pntk_fn", "predict", "spectrum", "taylor_expand",
+    "infinite_kernel_fn", "linearize", "metrics", "monte_carlo_kernels", "nngp_fn", "ntk_fn",
+    "ntk_per_leaf_fn", "ntk_sketch_fn", "ntk_vp_fn", "plan", "pntk_fn", "predict", "spectrum",
+    "taylor_expand",
 )  # fmt: skip
 
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ntk_core._analysis import matrix_free as _matrix_free
+from ntk_core._derived.adapter_priors import Deferred as DeferredInfinite
+from ntk_core._derived.adapter_priors import Prior as Prior
+from ntk_core._derived.adapter_priors import truncated_normal_moments as truncated_normal_moments
+from ntk_core._derived.paths import leaf_path_names as leaf_path_names
 from ntk_core._errors import bad as bad
 from ntk_core._functional import sketch as _sketch
 from ntk_core._functional.linearize import _Point
@@ -41,8 +45,9 @@ __all__ = (
     "Caller", "PureModel", "adapter_caller", "adapter_model_failure", "bad", "binds",
     "build_kernel", "cached", "check_apply_kwargs", "check_degree", "check_inputs_option",
     "check_like", "check_monte_carlo", "checked_arguments", "checked_init", "entry_kind",
-    "expansion", "input_shape_mismatch", "inputs_failure", "is_nnx_module", "keyed", "matrix_free",
-    "monte_carlo_mean", "register_cache", "sketch", "spread_inputs",
+    "expansion", "input_shape_mismatch", "inputs_failure", "is_nnx_module", "keyed",
+    "leaf_path_names", "matrix_free", "monte_carlo_mean", "register_cache", "sketch",
+    "spread_inputs", "DeferredInfinite", "Prior", "truncated_normal_moments",
 )  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """ntk_equinox: empirical NTK and NNGP kernels of Equinox models via ``ntk_core``'s
 public API."""
 
+from ntk_equinox._infinite import infinite_kernel_fn as infinite_kernel_fn
 from ntk_equinox._kernel import kernel as kernel
 from ntk_equinox._kernel import kernel_fn as kernel_fn
 from ntk_equinox._kernel import nngp as nngp
@@ -22,6 +23,7 @@ from ntk_equinox._statistics import ntk_trace as ntk_trace
 
 # fmt: off
 __all__ = (
+    "infinite_kernel_fn",
     "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "linearize",
     "monte_carlo_kernels", "nngp", "nngp_fn", "ntk_effective_rank", "ntk_frobenius_sq",
     "ntk_kernel_alignment", "ntk_sketch", "ntk_sketch_fn", "ntk_trace", "plan", "pntk",

@@ -2,6 +2,7 @@
 ``ntk_core``."""
 
 from ntk_core.testing import params_from_haiku as params_from_haiku
+from ntk_flax._infinite import infinite_kernel_fn as infinite_kernel_fn
 from ntk_flax._kernel import kernel as kernel
 from ntk_flax._kernel import kernel_fn as kernel_fn
 from ntk_flax._kernel import kernel_per_leaf as kernel_per_leaf
@@ -24,6 +25,7 @@ from ntk_flax._statistics import ntk_trace as ntk_trace
 
 # fmt: off
 __all__ = (
+    "infinite_kernel_fn",
     "LeNet", "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "linearize",
     "monte_carlo_kernels", "nngp", "nngp_fn", "ntk_effective_rank", "ntk_frobenius_sq",
     "ntk_kernel_alignment", "ntk_sketch", "ntk_sketch_fn", "ntk_trace", "params_from_haiku", "plan",

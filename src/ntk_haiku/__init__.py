@@ -1,6 +1,7 @@
 """ntk_haiku: empirical NTK and NNGP kernels of Haiku models via ``ntk_core``."""
 
 from ntk_core.testing import params_from_flax as params_from_flax
+from ntk_haiku._infinite import infinite_kernel_fn as infinite_kernel_fn
 from ntk_haiku._kernel import kernel as kernel
 from ntk_haiku._kernel import kernel_fn as kernel_fn
 from ntk_haiku._kernel import kernel_per_leaf as kernel_per_leaf
@@ -23,6 +24,7 @@ from ntk_haiku._statistics import ntk_trace as ntk_trace
 
 # fmt: off
 __all__ = (
+    "infinite_kernel_fn",
     "kernel", "kernel_fn", "kernel_per_leaf", "kernel_per_leaf_fn", "lenet", "linearize",
     "monte_carlo_kernels", "nngp", "nngp_fn", "ntk_effective_rank", "ntk_frobenius_sq",
     "ntk_kernel_alignment", "ntk_sketch", "ntk_sketch_fn", "ntk_trace", "params_from_flax", "plan",

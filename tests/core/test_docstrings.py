@@ -25,6 +25,7 @@ MODULES = [
     "ntk_core._predict.ensemble",
     "ntk_core._infinite.kernel_fn",
     "ntk_core._infinite.layers",
+    "ntk_core._derived.api",
     "ntk_core._analysis.spectrum",
     "ntk_core._analysis.tracking",
     "ntk_core.testing",

@@ -1,0 +1,833 @@
+"""The jaxpr walk: a plain JAX model ``apply_fn(params, x)`` as a graph of infinite-width
+layers (:class:`Graph`), each node a kernel map of :mod:`ntk_core._infinite`'s rules.
+
+Every value of the traced program is read as one of a few symbols, by what it depends on:
+
+- :class:`Const`: neither params nor x (evaluated: the scalings are numbers);
+- :class:`Param`: a linear view of one parameter leaf (transposed, reshaped, cast,
+  broadcast, times a constant): a weight, a bias or a gain where it meets x;
+- :class:`Opaque`: any other function of the params (refused where it meets x);
+- :class:`Act`: a node of the graph, an (N, *S, C) activation with i.i.d. channels;
+- :class:`Affine`: a matrix product or convolution with a weight leaf, not yet finished
+  (a constant scaling and biases may still join it);
+- :class:`Chain`: f(u, q) of one node's pre-activation u (and its variance q): a chain
+  of elementwise operations, one nonlinearity when it is used;
+- :class:`Stat`: a per-sample, per-position channel statistic of one node, which at
+  infinite width is the deterministic E[f(u, q)] (LayerNorm's mean and variance).
+
+Samples stay apart (the batch axis 0 is never reduced, the kernel is per pair of
+samples). Each operation on the activations is recognised by a rule (:data:`X_RULES`,
+the elementwise family) that returns its symbol, or None where its parameters do not fit:
+then one refusal (:func:`unmapped`) names the primitive, its operands' shapes and
+parameters, its source line, what is mapped and the Monte Carlo alternative. Specific
+messages remain only where they say more: weight tying, a non-Gaussian input, branches
+sharing a weight, a parameter that is not one leaf or not one entry per channel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+from jax.extend.core import primitives as prims
+
+from ntk_core._derived.paths import FN
+from ntk_core._errors import bad
+from ntk_core._jax import jaxpr_walk
+
+MONTE_CARLO = (
+    "use ntk_core.monte_carlo_kernels(init_fn, apply_fn, x1, key=..., n_samples=...) for "
+    "this model's kernels at its finite width"
+)
+#: What the walk maps, for the refusal of what it does not.
+MAPPED = (
+    "the derivation maps x @ W and NHWC convolutions (W one leaf), per-channel biases and "
+    "gains, elementwise chains of one pre-activation, sums over all positions, window sums, "
+    "Flatten, channel concatenations, sums of independent branches, LayerNorm's statistics"
+)
+
+#: Elementwise primitives (by name: several are not exported by jax.extend).
+ELEMENTWISE = frozenset(
+    "add sub mul div neg max min abs sign exp exp2 log log1p expm1 tanh logistic erf erfc "
+    "erf_inv sin cos tan atan asin acos sinh cosh asinh acosh atanh sqrt rsqrt cbrt "
+    "integer_pow pow square select_n ge gt le lt eq ne convert_element_type and or not "
+    "atan2 clamp reduce_precision copy copy_p".split()
+)
+#: Layout primitives looked through (on parameters always; on activations when a no-op).
+LAYOUT = frozenset(
+    "transpose reshape broadcast_in_dim convert_element_type squeeze expand_dims copy copy_p "
+    "reduce_precision".split()
+)
+CALLS = frozenset(
+    "pjit jit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr "
+    "remat remat2 checkpoint".split()
+)
+#: Casts: a chain runs in the kernel's dtype, whatever the trace's.
+CASTS = frozenset({prims.convert_element_type_p, prims.reduce_precision_p, prims.copy_p})
+SUMS = frozenset({prims.add_p, prims.sub_p})  # of a bias, or of two branches
+SCALINGS = frozenset({prims.mul_p, prims.div_p})  # by a constant
+
+
+# ----- symbols -----
+
+
+@dataclasses.dataclass(frozen=True)
+class Const:
+    value: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    leaf: int
+    shape: tuple
+    scale: float = 1.0
+    views: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Opaque:
+    leaves: frozenset
+    shape: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Act:
+    node: int
+    shape: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    node_in: int
+    shape: tuple
+    kind: Kind  # Dense or Conv
+    leaf: int
+    fan_in: int
+    scale: float
+    conv: dict | None
+    biases: tuple  # ((leaf, scale), ...)
+    source: str
+    views: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Flipped:
+    """W @ xᵀ (C_out, N): a Dense layer as vmap writes ``weight @ x`` (equinox), before
+    its transpose back to (N, C_out)."""
+
+    affine: Affine
+
+
+@dataclasses.dataclass(frozen=True)
+class Gained:
+    """``inner`` times a gain parameter, the multiplication not yet applied: Flax's
+    LayerNorm multiplies its scale into rsqrt(var + ε) before the activations."""
+
+    inner: object
+    param: Param
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    base: int
+    shape: tuple
+    f: Callable  # f(u, q)
+    prims: tuple
+    uses_q: bool
+    source: str
+    pre: Chain | None = None  # f = post(pre.f): a function of an earlier normalisation
+    post: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stat:
+    base: int
+    g: Callable  # g(q): E over u ~ N(0, q)
+    factor: float  # the value is factor·g(q) (a channel sum: factor C until divided)
+
+
+# ----- the graph -----
+
+#: The layers a graph is made of (rules.py maps each, report.py prints its name).
+Kind = enum.Enum(
+    "Kind",
+    "Input Dense Conv Bias Gain Nonlinearity Scale Normalise SumPool GlobalSumPool Flatten "
+    "FanInSum FanInConcat",
+)
+
+
+@dataclasses.dataclass
+class Node:
+    """One layer: its :data:`Kind`, its ``inputs`` (node ids), what it is made of (``info``,
+    a namespace: leaves, widths, the φ, ...), its source line and what the walk looked
+    through to find it."""
+
+    id: int
+    kind: Kind
+    inputs: tuple
+    shape: tuple
+    gaussian: bool
+    top: frozenset  # the weights (or "x") its value last passed: independence of branches
+    info: types.SimpleNamespace
+    source: str = ""
+    looked: tuple = ()
+
+
+@dataclasses.dataclass
+class Graph:
+    nodes: list
+    output: int
+    roles: dict  # leaf -> ("weight" | "bias" | "gain", fan_in, source)
+    names: list  # leaf path names
+
+
+#: Sources of the calls being walked: an equation of a body traced apart (a library's
+#: jitted function) has no user frame of its own and is reported at its call's.
+_OUTER: list[str] = []
+
+
+def _source(eqn) -> str:
+    try:
+        from jax._src import source_info_util
+
+        text = source_info_util.summarize(eqn.source_info)
+    except Exception:  # noqa: BLE001 - a message detail only
+        text = ""
+    return text or (_OUTER[-1] if _OUTER else "an unknown line")
+
+
+def refuse(eqn, what: str, fix: str = MONTE_CARLO) -> Exception:
+    """The walk's message: ``"{primitive} at {source line}: {what}. Fix: {fix}."``."""
+    lead = f"{eqn.primitive.name} at {_source(eqn)}: " if eqn is not None else ""
+    return bad(ValueError, FN, lead + what, fix, see="infinite-kernel-fn")
+
+
+def _shown(value) -> bool:
+    """Whether an equation parameter is worth a message: short, not a body or a function."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    body = any(isinstance(i, (jex.ClosedJaxpr, jex.Jaxpr)) or callable(i) for i in items)
+    return value is not None and not body and len(str(value)) <= 80
+
+
+def unmapped(eqn, what: str | None = None) -> Exception:
+    """The one refusal of an operation on the activations the walk does not map (a max or
+    a softmax, a loop, a transpose, a strided reshape, a dot or convolution of another
+    layout, ...): its primitive, operands' shapes and parameters tell which it is, unless
+    ``what`` says it (where the equation is only where a value was used)."""
+    if what is None:
+        shapes = " and ".join(str(tuple(v.aval.shape)) for v in eqn.invars)
+        params = ", ".join(f"{k}={v}" for k, v in eqn.params.items() if _shown(v))
+        what = f"this operation on {shapes}" + (f" with {params}" if params else "")
+    return refuse(eqn, f"{what} has no infinite-width rule; {MAPPED}")
+
+
+def _times(eqn, c):
+    """The factor of a scaling ``eqn`` by the constant ``c`` (a mul, or a div by c)."""
+    return c if eqn.primitive is prims.mul_p else 1 / c
+
+
+def _x_dependent(sym) -> bool:
+    return isinstance(sym, (Act, Affine, Chain, Stat, Flipped, Gained))
+
+
+def _scalar(c: Const, eqn):
+    """A constant's one value (a constant array of equal entries), else refused: channels
+    scaled differently are not i.i.d."""
+    v = np.asarray(c.value)
+    if v.size == 0:
+        return 0.0
+    first = v.reshape(-1)[0]
+    same = (v == first) | (np.isnan(v) & np.isnan(first)) if v.dtype.kind in "fc" else v == first
+    if v.size > 1 and not np.all(same):
+        raise unmapped(eqn, "a constant whose entries differ (channels no longer alike)")
+    return first.item() if hasattr(first, "item") else first
+
+
+class Walker:
+    def __init__(self, names, leaf_shapes, deg_stat: int = 40):
+        self.nodes: list[Node] = []
+        self.roles: dict = {}
+        self.names = names
+        self._made: dict = {}  # id(symbol) -> (symbol, node): one node per symbol
+        self.leaf_shapes = leaf_shapes
+        x_nodes, w_nodes = np.polynomial.hermite.hermgauss(deg_stat)
+        self._gh = (x_nodes, w_nodes / math.sqrt(math.pi))  # E_{u~N(0,q)} f = Σ w f(√(2q) x)
+
+    # -- nodes --
+
+    def add(self, kind, inputs, shape, gaussian, top, info, eqn=None, looked=()) -> int:
+        node = Node(
+            len(self.nodes),
+            kind,
+            tuple(inputs),
+            tuple(shape),
+            gaussian,
+            top,
+            types.SimpleNamespace(**info),
+            _source(eqn) if eqn is not None else "",
+            tuple(looked),
+        )
+        self.nodes.append(node)
+        return node.id
+
+    def on(self, kind, node, shape, eqn, gaussian=None, **info) -> Act:
+        """A layer of one input ``node`` (its Gaussianity unless given, its weights)."""
+        base = self.nodes[node]
+        gaussian = base.gaussian if gaussian is None else gaussian
+        return Act(self.add(kind, (node,), shape, gaussian, base.top, info, eqn), shape)
+
+    def channels(self, node_id) -> int:
+        return self.nodes[node_id].shape[-1]
+
+    def use(self, leaf, role, fan_in, eqn):
+        if leaf in self.roles:
+            name = self.names[leaf]
+            first = self.roles[leaf][2]
+            what = f"the parameter {name!r} is used twice (weight tying: its first use at {first})"
+            raise refuse(eqn, f"{what}; the infinite-width limit assumes each weight is used once")
+        self.roles[leaf] = (role, fan_in, _source(eqn) if eqn is not None else "")
+
+    def gaussian(self, eqn, node_id, what):
+        """Refuses ``what`` of a value that is no Gaussian process at infinite width (a
+        nonlinearity's output, or a sum with one): its kernel needs the whole law."""
+        base = self.nodes[node_id]
+        if not base.gaussian:
+            what = (
+                f"{what} of a non-Gaussian input (the output of {base.kind.name} at {base.source})"
+            )
+            fix = "insert a Dense or Conv layer between them, or " + MONTE_CARLO
+            raise refuse(eqn, f"{what} has no infinite-width rule", fix)
+
+    # -- materialisation: any x-dependent symbol as a node --
+
+    def node(self, sym, eqn) -> int:
+        if isinstance(sym, Act):
+            return sym.node
+        if isinstance(sym, Gained) and not isinstance(sym.inner, Stat):
+            inner = self.node(sym.inner, eqn)
+            return self.gain(
+                eqn, Act(inner, self.nodes[inner].shape), sym.param, self.nodes[inner].shape
+            ).node
+        if id(sym) in self._made:
+            return self._made[id(sym)][1]
+        if isinstance(sym, (Affine, Chain)):
+            finish = self._finish_affine if isinstance(sym, Affine) else self._finish_chain
+            made = finish(sym, eqn)
+            self._made[id(sym)] = (sym, made)
+            return made
+        raise unmapped(eqn, "a channel statistic used on its own (not to normalise)")
+
+    def _finish_affine(self, a: Affine, eqn) -> int:
+        info = dict(
+            leaf=a.leaf,
+            fan_in=a.fan_in,
+            scale=a.scale,
+            conv=a.conv,
+            width=a.shape[-1],
+            width_in=self.channels(a.node_in),
+            biases=a.biases,
+        )
+        node = self.add(
+            a.kind, (a.node_in,), a.shape, True, frozenset({("w", a.leaf)}), info, None, a.views
+        )
+        return self._with_source(node, a.source)
+
+    def _with_source(self, node_id, source):
+        self.nodes[node_id].source = source
+        return node_id
+
+    def _finish_chain(self, c: Chain, eqn) -> int:
+        from ntk_core._derived import phi
+
+        if c.uses_q:
+            scale = phi.normaliser(c.f)
+            if scale is None and c.pre is not None and phi.normaliser(c.pre.f) is not None:
+                normalised = self.node(c.pre, eqn)  # the normalisation, then φ of it
+                shape = self.nodes[normalised].shape
+                after = Chain(
+                    normalised, shape, lambda u, q, post=c.post: post(u), c.prims, False, c.source
+                )
+                return self._finish_chain(after, eqn)
+            if scale is None:
+                raise unmapped(eqn, "a function of normalised activations other than u·s(q)")
+            self.gaussian(eqn, c.base, "a normalisation")
+            made = self.on(Kind.Normalise, c.base, c.shape, None, scale=scale, prims=c.prims)
+            return self._with_source(made.node, c.source)
+        form = phi.identify(c.f, c.prims)
+        if form.linear is not None:
+            scaled = self.on(Kind.Scale, c.base, c.shape, None, factor=form.linear)
+            return self._with_source(scaled.node, c.source)
+        self.gaussian(eqn, c.base, f"a nonlinearity ({form.name})")
+        made = self.on(Kind.Nonlinearity, c.base, c.shape, None, False, form=form, prims=c.prims)
+        return self._with_source(made.node, c.source)
+
+    # -- the walk --
+
+    def run(self, jaxpr, consts, syms):
+        env = {}
+
+        def read(v):
+            if isinstance(v, jex.Literal):
+                return Const(np.asarray(v.val))
+            return env[v]
+
+        for var, c in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = Const(np.asarray(c))
+        for var, s in zip(jaxpr.invars, syms, strict=True):
+            env[var] = s
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            outs = self.equation(eqn, ins)
+            for var, s in zip(eqn.outvars, outs, strict=True):
+                env[var] = s
+        return [read(v) for v in jaxpr.outvars]
+
+    def equation(self, eqn, ins):
+        name = eqn.primitive.name
+        shapes = [tuple(v.aval.shape) for v in eqn.outvars]
+        if name in CALLS and jaxpr_walk.call_body(eqn) is not None:
+            body, consts = jaxpr_walk.call_body(eqn)
+            n = len(body.invars)
+            _OUTER.append(_source(eqn))
+            try:
+                return self.run(body, consts, ins[len(ins) - n :])
+            finally:
+                _OUTER.pop()
+        if all(isinstance(s, Const) for s in ins):
+            out = jaxpr_walk.bind(eqn, [s.value for s in ins])
+            out = out if eqn.primitive.multiple_results else [out]
+            return [Const(np.asarray(o)) for o in out]
+        if not any(_x_dependent(s) for s in ins):
+            return [self.param_op(eqn, ins, shapes)]
+        if eqn.primitive.multiple_results:  # a loop (scan, while, cond), a split, ...
+            raise unmapped(eqn)
+        return [self.x_op(eqn, ins, shapes[0])]
+
+    # -- parameters --
+
+    def param_op(self, eqn, ins, shapes):
+        name = eqn.primitive.name
+        shape = shapes[0]
+        params = [s for s in ins if isinstance(s, Param)]
+        leaves = frozenset().union(
+            *[
+                {s.leaf} if isinstance(s, Param) else s.leaves
+                for s in ins
+                if not isinstance(s, Const)
+            ]
+        )
+        if len(params) == 1 and len([s for s in ins if not isinstance(s, Const)]) == 1:
+            p = params[0]
+            if name in LAYOUT:
+                return Param(p.leaf, shape, p.scale, p.views + (name,))
+            if eqn.primitive is prims.neg_p:
+                return Param(p.leaf, shape, -p.scale, p.views)
+            if eqn.primitive in SCALINGS and len(ins) == 2:
+                c = _scalar(ins[1] if ins[0] is p else ins[0], eqn)
+                if eqn.primitive is prims.div_p and ins[0] is not p:
+                    return Opaque(leaves, shape)
+                return Param(p.leaf, shape, p.scale * _times(eqn, c), p.views)
+        return Opaque(leaves, shape)
+
+    # -- activations: each rule returns the result's symbol, or None where it does not fit --
+
+    def x_op(self, eqn, ins, shape):
+        name = eqn.primitive.name
+        if any(isinstance(s, Flipped) for s in ins):
+            back = eqn.primitive is prims.transpose_p and tuple(eqn.params["permutation"]) == (1, 0)
+            out = ins[0].affine if back else None  # W @ xᵀ transposed back to (N, C_out)
+        elif any(isinstance(s, Gained) for s in ins):
+            out = self.gained(eqn, ins, shape)
+        elif name in ELEMENTWISE:
+            out = self.elementwise(eqn, ins, shape)
+        else:
+            rule = X_RULES.get(eqn.primitive)
+            out = rule(self, eqn, ins, shape) if rule is not None else None
+        if out is None:
+            raise unmapped(eqn)
+        return out
+
+    def gained(self, eqn, ins, shape):
+        """An operation on a value times a gain: products carry the gain outwards (γ·s)·u
+        = γ·(s·u); anything else applies it first (a Gain layer)."""
+        name = eqn.primitive.name
+        gd = next(s for s in ins if isinstance(s, Gained))
+        if name in LAYOUT and isinstance(gd.inner, Stat):
+            return gd
+        others = [s for s in ins if s is not gd]
+        mul = eqn.primitive is prims.mul_p
+        if mul and len(ins) == 2 and not isinstance(others[0], (Param, Opaque, Gained)):
+            inner = self.x_op(eqn, [gd.inner if s is gd else s for s in ins], shape)
+            return Gained(inner, gd.param)
+        if isinstance(gd.inner, Stat):
+            return None  # a statistic times a gain used other than to scale activations
+        done = [
+            self.gain(eqn, s.inner, s.param, shape) if isinstance(s, Gained) else s for s in ins
+        ]
+        return self.x_op(eqn, done, shape)
+
+    def _weight(self, eqn, p, role_what):
+        if isinstance(p, Param):
+            return p
+        if isinstance(p, Opaque):
+            got = f"computed from the parameters {sorted(self.names[i] for i in p.leaves)}"
+            fix = "make it one parameter leaf (possibly reshaped, transposed or scaled)"
+            raise refuse(eqn, f"the {role_what} is {got}, not one leaf", f"{fix}, or {MONTE_CARLO}")
+        raise unmapped(eqn, f"a {role_what} that is not a parameter")
+
+    def affine(self, eqn, kind, x, w: Param, shape, fan_in, conv=None) -> Affine:
+        """The activations ``x`` times the weight leaf ``w``: a Dense or Conv layer not yet
+        finished (a constant scaling and biases may still join it)."""
+        node_in = self.node(x, eqn)
+        self.use(w.leaf, "weight", fan_in, eqn)
+        return Affine(
+            node_in, shape, kind, w.leaf, fan_in, w.scale, conv, (), _source(eqn), w.views
+        )
+
+    def dot(self, eqn, ins, shape):
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        x, w = ins
+        # W (C_out, C_in) @ x (N, C_in)ᵀ: vmap's form of a per-sample W @ x
+        flipped = (
+            _x_dependent(w)
+            and isinstance(x, (Param, Opaque))
+            and len(shape) == 2
+            and (not lb and not rb and tuple(lc) == (1,) and tuple(rc) == (1,))
+            and len(eqn.invars[1].aval.shape) == 2
+        )
+        if flipped:
+            x, w = w, x
+        elif not _x_dependent(x) or _x_dependent(w):
+            return None  # x @ W, as nn.Dense, with the activations on the left
+        w = self._weight(eqn, w, "matrix product's weight")
+        if flipped:
+            return Flipped(self.affine(eqn, Kind.Dense, x, w, (shape[1], shape[0]), w.shape[1]))
+        ndim = len(eqn.invars[0].aval.shape)
+        if lb or rb or tuple(lc) != (ndim - 1,) or tuple(rc) != (0,) or len(w.shape) != 2:
+            return None  # only x (N, ..., C_in) @ W (C_in, C_out)
+        return self.affine(eqn, Kind.Dense, x, w, shape, w.shape[0])
+
+    def conv(self, eqn, ins, shape):
+        x, w = ins
+        if not _x_dependent(x) or _x_dependent(w):
+            return None
+        w = self._weight(eqn, w, "convolution's filter")
+        p = eqn.params
+        n = len(shape)
+        dn = p["dimension_numbers"]
+        channels_last = (0, n - 1, *range(1, n - 1))
+        hwio = (n - 1, n - 2, *range(0, n - 2))
+        specs = (tuple(dn.lhs_spec), tuple(dn.out_spec), tuple(dn.rhs_spec))
+        dilated = any(d != 1 for d in (*p["lhs_dilation"], *p["rhs_dilation"]))
+        grouped = p["feature_group_count"] != 1 or p["batch_group_count"] != 1
+        if specs != (channels_last, channels_last, hwio) or dilated or grouped:
+            return None  # only NHWC / HWIO, neither dilated nor grouped
+        in_shape = tuple(eqn.invars[0].aval.shape)
+        window = tuple(w.shape[:-2])
+        strides = tuple(p["window_strides"])
+        padding = _padding(eqn, in_shape[1:-1], window, strides, p["padding"])
+        conv = dict(filter_shape=window, strides=strides, padding=padding)
+        return self.affine(eqn, Kind.Conv, x, w, shape, w.shape[-2] * math.prod(window), conv)
+
+    def reduce_sum(self, eqn, ins, shape):
+        axes = tuple(sorted(eqn.params["axes"]))
+        ndim = len(eqn.invars[0].aval.shape)
+        if 0 in axes:
+            return None  # the batch axis: samples mixed
+        if axes == (ndim - 1,):
+            return self.channel_mean(eqn, ins[0], shape)
+        if axes != tuple(range(1, ndim - 1)):
+            return None  # some positions' axes, or positions and channels together
+        return self.on(Kind.GlobalSumPool, self.node(ins[0], eqn), shape, eqn)
+
+    def channel_mean(self, eqn, x, shape):
+        """A sum over the channels: C·E[f(u, q)] at infinite width (a Stat)."""
+        if isinstance(x, Stat):
+            return None  # a channel sum of a channel statistic
+        chain = self.as_chain(x, eqn)
+        self.gaussian(eqn, chain.base, "a statistic over the channels")
+        xs, ws = self._gh
+        f = chain.f
+
+        def g(q):
+            r = jnp.sqrt(2 * jnp.maximum(q, 0))
+            return sum(float(w) * f(r * float(xi), q) for xi, w in zip(xs, ws, strict=True))
+
+        return Stat(chain.base, _memo(g), float(self.channels(chain.base)))
+
+    def sum_pool(self, eqn, ins, shape):
+        p = eqn.params
+        dims, strides = tuple(p["window_dimensions"]), tuple(p["window_strides"])
+        pads = tuple(tuple(q) for q in p["padding"])
+        dilated = any(d != 1 for d in (*p["base_dilation"], *p["window_dilation"]))
+        ends = (dims[0], dims[-1], strides[0], strides[-1], *pads[0], *pads[-1])
+        if ends != (1, 1, 1, 1, 0, 0, 0, 0) or dilated:
+            return None  # a window over the batch or channel axis, or dilated
+        in_shape = tuple(eqn.invars[0].aval.shape)
+        padding = _padding(eqn, in_shape[1:-1], dims[1:-1], strides[1:-1], pads[1:-1])
+        info = dict(window_shape=dims[1:-1], strides=strides[1:-1], padding=padding)
+        return self.on(Kind.SumPool, self.node(ins[0], eqn), shape, eqn, **info)
+
+    def concat(self, eqn, ins, shape):
+        if eqn.params["dimension"] != len(shape) - 1 or not all(_x_dependent(s) for s in ins):
+            return None  # only activations, along the channels
+        nodes = [self.node(s, eqn) for s in ins]
+        self._independent(eqn, nodes, "concatenation")
+        top = frozenset().union(*[self.nodes[n].top for n in nodes])
+        return Act(self.add(Kind.FanInConcat, nodes, shape, False, top, {}, eqn), shape)
+
+    def layout(self, eqn, ins, shape):
+        (x,) = ins
+        in_shape = tuple(eqn.invars[0].aval.shape)
+        if isinstance(x, Stat):
+            return x  # a per-sample, per-position number: its layout does not matter
+        if eqn.primitive is prims.transpose_p and tuple(eqn.params["permutation"]) != (
+            *range(len(shape)),
+        ):
+            return None  # the activations stay (N, ..., C)
+        if shape == in_shape:
+            return x
+        flatten = len(shape) == 2 and len(in_shape) > 2 and shape[0] == in_shape[0]
+        if eqn.primitive is prims.reshape_p and flatten:
+            return self.on(Kind.Flatten, self.node(x, eqn), shape, eqn, gaussian=False)
+        return None  # a reshape other than Flatten (N, *S, C) -> (N, S·C)
+
+    def as_chain(self, s, eqn) -> Chain:
+        if isinstance(s, Chain):
+            return s
+        node = self.node(s, eqn)
+        return Chain(node, self.nodes[node].shape, lambda u, q: u, (), False, _source(eqn))
+
+    def _independent(self, eqn, nodes, what):
+        seen = set()
+        for n in nodes:
+            top = self.nodes[n].top
+            shared = seen & top
+            if shared:
+                names = sorted(
+                    "the input x" if t == "x" else repr(self.names[t[1]]) for t in shared
+                )
+                what = f"a {what} of branches that share {', '.join(names)}"
+                raise refuse(eqn, f"{what}: they are not independent Gaussians")
+            seen |= top
+
+    def elementwise(self, eqn, ins, shape):
+        prim, sub = eqn.primitive, eqn.primitive is prims.sub_p
+        xs = [s for s in ins if _x_dependent(s)]
+        if prim in SUMS and len(ins) == 2:
+            x, other = (ins[0], ins[1]) if _x_dependent(ins[0]) else (ins[1], ins[0])
+            if isinstance(other, (Param, Opaque)):
+                signs = (-1.0 if sub and x is ins[1] else 1.0, -1.0 if sub and x is ins[0] else 1.0)
+                return self.bias(eqn, x, other, *signs, shape)
+        params = any(isinstance(s, (Param, Opaque)) for s in ins)
+        if prim is prims.mul_p and len(ins) == 2 and params:
+            x = ins[0] if _x_dependent(ins[0]) else ins[1]
+            g = ins[1] if x is ins[0] else ins[0]
+            if isinstance(x, Stat):
+                return Gained(x, self._weight(eqn, g, "gain"))
+            return self.gain(eqn, x, g, shape)
+        if params:
+            return None  # a parameter other than a bias (add) or a gain (mul)
+        if isinstance(xs[0], Stat) and all(isinstance(s, (Stat, Const)) for s in ins):
+            return self.stat_op(eqn, ins)
+        # several activations: one pre-activation's chain, or a sum of independent branches
+        bases = {s.base if isinstance(s, (Stat, Chain)) else self.node(s, eqn) for s in xs}
+        if len(bases) > 1 and prim in SUMS and len(xs) == 2:
+            nodes = [self.node(s, eqn) for s in xs]  # −b: the same covariance as b
+            self._independent(eqn, nodes, "sum")
+            gaussian = all(self.nodes[n].gaussian for n in nodes)
+            if len({self.nodes[n].shape for n in nodes}) > 1:
+                return None  # branches of different shapes
+            top = frozenset().union(*[self.nodes[n].top for n in nodes])
+            return Act(self.add(Kind.FanInSum, nodes, shape, gaussian, top, {}, eqn), shape)
+        return self.chain_op(eqn, ins, shape)
+
+    def stat_op(self, eqn, ins):
+        stats = [s for s in ins if isinstance(s, Stat)]
+        if len({s.base for s in stats}) > 1:
+            return None  # statistics of two different layers combined
+        if eqn.primitive in SCALINGS and len(stats) == 1 and len(ins) == 2:
+            s = stats[0]
+            other = ins[1] if ins[0] is s else ins[0]
+            if not (eqn.primitive is prims.div_p and ins[0] is not s):
+                c = _scalar(other, eqn)
+                return dataclasses.replace(s, factor=s.factor * _times(eqn, c))
+        gs = [self._stat_value(s, eqn) if isinstance(s, Stat) else s for s in ins]
+
+        consts = [None if callable(v) else _scalar(v, eqn) for v in gs]
+
+        def g(q, gs=gs):
+            vals = [v(q) if callable(v) else c for v, c in zip(gs, consts, strict=True)]
+            return _bind(eqn, vals)
+
+        return Stat(stats[0].base, _memo(g), 1.0)
+
+    def _stat_value(self, s: Stat, eqn):
+        if abs(s.factor - 1.0) > 1e-9:
+            raise unmapped(eqn, f"a channel sum not divided by the channels (factor {s.factor:g})")
+        return s.g
+
+    def chain_op(self, eqn, ins, shape):
+        if eqn.primitive in CASTS:
+            dtype = eqn.params.get("new_dtype")
+            if isinstance(ins[0], Chain) and (dtype is None or jnp.issubdtype(dtype, jnp.floating)):
+                return ins[0]  # a cast: the chain runs in the kernel's dtype
+        parts, base, used, uses_q = [], None, {eqn.primitive.name}, False  # parts: (u, q) -> ·
+        for s in ins:
+            if isinstance(s, Const):
+                value = _scalar(s, eqn) if np.asarray(s.value).ndim else s.value
+                parts.append(lambda u, q, value=value: value)
+                continue
+            if isinstance(s, Stat):
+                g = self._stat_value(s, eqn)
+                parts.append(lambda u, q, g=g: g(q))
+                uses_q, b = True, s.base
+            else:
+                c = self.as_chain(s, eqn)
+                parts.append(c.f)
+                used |= set(c.prims)
+                uses_q, b = uses_q or c.uses_q, c.base
+            if base is not None and b != base:
+                return None  # a product (or other combination) of two layers' activations
+            base = b
+        source = next((s.source for s in ins if isinstance(s, Chain)), _source(eqn))
+        pre = post = None
+        chains = [s for s in ins if not isinstance(s, Const)]
+        if uses_q and len(chains) == 1 and isinstance(chains[0], Chain):
+            # one normalised value through constants-only operations: remember where the
+            # normalisation ended, in case this becomes a nonlinearity of its own
+            inner = chains[0]
+            pre = inner if inner.pre is None else inner.pre
+            before = (lambda v: v) if inner.pre is None else inner.post
+
+            pairs = tuple(zip(ins, parts, strict=True))
+
+            def post(v, pairs=pairs, before=before):
+                return _bind(eqn, [before(v) if s is inner else part(v, v) for s, part in pairs])
+
+        def f(u, q, parts=tuple(parts)):
+            return _bind(eqn, [part(u, q) for part in parts])
+
+        return Chain(base, shape, f, tuple(sorted(used)), uses_q, source, pre, post)
+
+    def per_channel(self, eqn, p, role, shape) -> Param:
+        """``p`` as one parameter leaf of one entry per channel (a bias, a gain), used once."""
+        p = self._weight(eqn, p, role)
+        leaf_shape = self.leaf_shapes[p.leaf]
+        if math.prod(leaf_shape) != shape[-1]:
+            what = f"the {role} {self.names[p.leaf]!r} of shape {leaf_shape} meets activations"
+            fix = f"give the {role} one entry per channel ({shape[-1]})"
+            raise refuse(eqn, f"{what} of {shape[-1]} channels", f"{fix}, or {MONTE_CARLO}")
+        self.use(p.leaf, role, 1, eqn)
+        return p
+
+    def bias(self, eqn, x, p, x_sign, p_sign, shape):
+        p = self.per_channel(eqn, p, "bias", shape)
+        if isinstance(x, Affine) and x_sign == 1.0:
+            return dataclasses.replace(x, biases=x.biases + ((p.leaf, p.scale * p_sign),))
+        node = self.node(x, eqn)
+        if x_sign != 1.0:
+            node = self.on(Kind.Scale, node, shape, eqn, factor=x_sign).node
+        return self.on(Kind.Bias, node, shape, eqn, biases=((p.leaf, p.scale * p_sign),))
+
+    def gain(self, eqn, x, p, shape):
+        p = self.per_channel(eqn, p, "gain", shape)
+        return self.on(Kind.Gain, self.node(x, eqn), shape, eqn, leaf=p.leaf, scale=p.scale)
+
+
+#: The rules of the operations on activations other than elementwise ones, by primitive.
+X_RULES = {
+    prims.dot_general_p: Walker.dot,
+    prims.conv_general_dilated_p: Walker.conv,
+    prims.reduce_sum_p: Walker.reduce_sum,
+    prims.reduce_window_sum_p: Walker.sum_pool,
+    prims.concatenate_p: Walker.concat,
+    prims.transpose_p: Walker.layout,
+    prims.reshape_p: Walker.layout,
+    prims.broadcast_in_dim_p: Walker.layout,
+    prims.squeeze_p: Walker.layout,
+}
+
+
+def _memo(g):
+    """``g`` computed once per q array: a variance's quadrature calls the mean's at each of
+    its nodes with the same q (without this, nested statistics cost deg² passes)."""
+    seen: dict = {}
+
+    def once(q):
+        hit = seen.get(id(q))
+        if hit is not None and hit[0] is q:
+            return hit[1]
+        if len(seen) >= 8:
+            seen.clear()
+        value = g(q)
+        seen[id(q)] = (q, value)
+        return value
+
+    return once
+
+
+def _bind(eqn, vals):
+    """The elementwise primitive of ``eqn`` on ``vals`` (functions' values and constants),
+    constants cast to the values' float dtype and everything broadcast together: the chain
+    runs at the kernel's (or the float64 check's) dtype and shapes, not the trace's."""
+    floats = [
+        v
+        for v in vals
+        if not isinstance(v, (int, float, bool, np.generic, np.ndarray))
+        and jnp.issubdtype(jnp.result_type(v), jnp.floating)
+    ]
+    if not floats:  # numpy values (the float64 check): the widest float among them
+        floats = [v for v in vals if isinstance(v, np.ndarray) and v.dtype.kind == "f"]
+        floats.sort(key=lambda v: v.dtype.itemsize, reverse=True)
+    dtype = jnp.result_type(floats[0]) if floats else None
+    cast = []
+    for v in vals:
+        a = jnp.asarray(v)
+        if dtype is not None and jnp.issubdtype(a.dtype, jnp.floating):
+            a = a.astype(dtype)
+        cast.append(a)
+    return jaxpr_walk.bind(eqn, list(jnp.broadcast_arrays(*cast)))
+
+
+def _padding(eqn, sizes, window, strides, pads) -> str:
+    from ntk_core._infinite import windows
+
+    pads = tuple(tuple(int(v) for v in q) for q in pads)
+    if all(q == (0, 0) for q in pads):
+        return "VALID"
+    same = tuple(
+        windows.pads(s, w, t, "SAME") for s, w, t in zip(sizes, window, strides, strict=True)
+    )
+    if pads == same:
+        return "SAME"
+    raise unmapped(eqn, f"padding {pads} (neither VALID nor SAME)")
+
+
+def derive(apply_fn, params, x_struct, names) -> Graph:
+    """The graph of ``apply_fn(params, x)`` for inputs of ``x_struct``'s shape and dtype."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    leaf_shapes = [tuple(np.shape(v)) for v in leaves]
+    closed = jax.make_jaxpr(apply_fn)(params, x_struct)
+    walker = Walker([n or "<params>" for n in names], leaf_shapes)  # a bare array: ""
+    x_shape = tuple(x_struct.shape)
+    inp = walker.add(Kind.Input, (), x_shape, True, frozenset({"x"}), {})
+    syms = [Param(i, s) for i, s in enumerate(leaf_shapes)] + [Act(inp, x_shape)]
+    outs = walker.run(closed.jaxpr, closed.consts, syms)
+    if len(outs) != 1 or not _x_dependent(outs[0]):
+        got = f"{len(outs)} arrays" if len(outs) != 1 else "an output that does not depend on x"
+        raise refuse(
+            None, f"apply_fn returns {got}", "return one array (N, ..., O) computed from x"
+        )
+    producer = next(
+        (e for e in reversed(closed.jaxpr.eqns) if closed.jaxpr.outvars[0] in e.outvars), None
+    )
+    last = walker.node(outs[0], producer)
+    return Graph(walker.nodes, last, walker.roles, names)

@@ -1,0 +1,108 @@
+"""ntk_haiku.infinite_kernel_fn (issue 50): priors read from Haiku's initialisers against
+their own draws at a large width (the default w_init's uncorrected truncation against
+scipy); kernels against neural-tangents 0.6.5's recorded stax kernel of hk.nets.MLP
+(benchmarks/dump_nt_adapter_references.py) and an ntk_core.stax twin, in float64."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+import ntk_haiku
+from ntk_core import stax
+from ntk_haiku._infinite import _reader
+
+REF = np.load(pathlib.Path(__file__).parents[1] / "data" / "nt_adapter_reference.npz")
+hi = hk.initializers
+
+
+def forward(x):
+    x = hk.Linear(2048)(x)  # TruncatedNormal(1/√fan_in), zeros
+    x = hk.Linear(
+        1024, w_init=hi.VarianceScaling(2.0, "fan_avg", "uniform"), b_init=hi.RandomNormal(0.05)
+    )(x)
+    x = hk.Linear(512, w_init=hi.RandomUniform(-0.1, 0.1), b_init=hi.Constant(0.0))(x)
+    return hk.Conv1D(64, 3, w_init=hi.VarianceScaling(2.0, "fan_in", "truncated_normal"))(
+        x[..., None]
+    )
+
+
+def test_priors_match_each_initialisers_draws():
+    net, x = hk.transform(forward), jnp.ones((1, 256))
+    params = net.init(jax.random.PRNGKey(0), x)
+    priors = {p.path: p for p in _reader(net, {})(x)}
+    expected = {  # the documented variances, not read from the initialisers
+        "linear/w": math.sqrt(scipy.stats.truncnorm(-2, 2).var()),
+        "linear_1/w": math.sqrt(2048 * 2.0 / ((2048 + 1024) / 2)),
+        "linear_2/w": math.sqrt(1024 * 0.1**2 / 3),
+        "conv1_d/w": math.sqrt(2.0),
+        "linear/b": 0.0,
+        "linear_1/b": 0.05,
+        "linear_2/b": 0.0,
+        "conv1_d/b": 0.0,
+    }
+    assert {p: q.std for p, q in priors.items()} == pytest.approx(expected, rel=1e-12)
+    for path, prior in priors.items():  # the initialisers' own draws agree
+        module, leaf = path.rsplit("/", 1)
+        values = np.asarray(params[module][leaf], np.float64)
+        fan_in = math.prod(values.shape[:-1]) if prior.kind == "weight" else 1
+        estimate = fan_in * np.mean(values**2)
+        assert estimate == pytest.approx(
+            prior.std**2, rel=6 / math.sqrt(values.size / 2), abs=1e-12
+        )
+
+
+def test_a_custom_initialiser_needs_its_prior():
+    net = hk.without_apply_rng(
+        hk.transform(lambda x: hk.Linear(3, w_init=lambda s, d: jnp.ones(s, d))(x))
+    )
+    x = jnp.ones((2, 4))
+    params = net.init(jax.random.PRNGKey(0), x)
+    with pytest.raises(
+        ValueError, match=r"the weight 'linear/w' \(w_init of Linear 'linear'\) has no known"
+    ):
+        ntk_haiku.infinite_kernel_fn(net, params)(x)
+
+
+def assert_neural_tangents(name: str, kernel_fn) -> None:
+    """The kernels of x = [x1; x2] in one call hold (x1, x1) and (x1, x2): both against
+    neural-tangents' recorded ones, to 1e-6 relative to the largest entry."""
+    x1, x2 = REF[f"{name}/x1"], REF[f"{name}/x2"]
+    k = kernel_fn(jnp.asarray(np.concatenate([x1, x2])), None, ("nngp", "ntk"))
+    n = len(x1)
+    for tag, rows in (("x1x1", slice(0, n)), ("x1x2", slice(n, None))):
+        for get in ("nngp", "ntk"):
+            theirs = REF[f"{name}/{tag}/{get}"]
+            ours = np.asarray(getattr(k, get))[:n, rows]
+            err = np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs))
+            assert err < 1e-6, (name, tag, get, err)
+
+
+def test_held_out_neural_tangents_mlp_and_a_cnn_twin():
+    with jax.enable_x64(True):
+        net = hk.transform(lambda x: hk.nets.MLP([64, 64, 1])(x))
+        x1 = jnp.asarray(REF["haiku_mlp/x1"])
+        assert_neural_tangents(
+            "haiku_mlp", ntk_haiku.infinite_kernel_fn(net, net.init(jax.random.PRNGKey(0), x1))
+        )
+
+        def cnn(x):
+            x = jax.nn.relu(hk.Conv2D(8, 3, b_init=hi.RandomNormal(0.1))(x))
+            return hk.Linear(2)(hk.Flatten()(x))
+
+        net, x = hk.transform(cnn), jnp.asarray(np.random.default_rng(1).normal(size=(3, 5, 5, 2)))
+        kernel_fn = ntk_haiku.infinite_kernel_fn(net, net.init(jax.random.PRNGKey(0), x))
+        ours = kernel_fn(x, None, ("nngp", "ntk"))
+        w = math.sqrt(scipy.stats.truncnorm(-2, 2).var())
+        conv = stax.Conv(8, (3, 3), padding="SAME", W_std=w, b_std=0.1, parameterization="standard")
+        dense = stax.Dense(2, W_std=w, b_std=0.0, parameterization="standard")
+        twin = stax.serial(conv, stax.Relu(), stax.Flatten(), dense)[2](x, None, ("nngp", "ntk"))
+        for a, b in zip(ours, twin, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
