@@ -429,3 +429,19 @@ def test_repeat_equals_serial_and_get_forms():
     pair = kernel_fn(x, None, ("ntk", "nngp"))
     assert pair._fields == ("ntk", "nngp")
     np.testing.assert_array_equal(pair.ntk, kernel_fn(x, None, "ntk"))
+
+
+def test_convolutional_init_fn_in_float64():
+    # x64 on: the weights are float64, the shape probe was float32 (a bare TypeError)
+    init_fn, apply_fn, _ = stax.serial(stax.Conv(3, (3,), padding="SAME", b_std=0.1), stax.Relu())
+    with jax.enable_x64(True):
+        shape, params = init_fn(jax.random.PRNGKey(0), (2, 5, 2))
+        x = np.random.RandomState(0).randn(2, 5, 2)
+        y = np.asarray(apply_fn(params, x))
+    w, b = params[0]
+    assert shape == (2, 5, 3) and w.dtype == np.float64 and y.shape == shape
+    padded = np.pad(x, ((0, 0), (1, 1), (0, 0)))
+    # NTK parameterisation (the default): W_std / sqrt(fan_in) = 1 / sqrt(3 * 2), b_std 0.1
+    want = sum(padded[:, d : d + 5] @ np.asarray(w)[d] for d in range(3)) / np.sqrt(6)
+    want = want + 0.1 * np.asarray(b)
+    np.testing.assert_allclose(y, np.maximum(want, 0), rtol=1e-12, atol=1e-12)

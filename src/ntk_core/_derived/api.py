@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from ntk_core._derived import graph as _graph
 from ntk_core._derived import priors as _priors
 from ntk_core._derived import report as _report
+from ntk_core._derived.graph import Kind
 from ntk_core._derived.paths import leaf_path_names
 from ntk_core._derived.rules import build_rule
 from ntk_core._errors import bad, check_int
@@ -50,7 +51,15 @@ class DerivedKernelFn:
         return self._built[key]
 
     def __call__(self, x1, x2=None, get=None, **options):
-        return self._build(x1)[2](x1, x2, get, **options)
+        g, _, kernel_fn = self._build(x1)
+        pools = (Kind.SumPool, Kind.GlobalSumPool, Kind.Flatten)
+        if options.get("mask_constant") is not None and any(n.kind in pools for n in g.nodes):
+            # a model's mean over positions is a sum times 1/size: with masked positions it
+            # would still divide by the full size (silently wrong); stax's pools know masks
+            what = "mask_constant with a model that pools or flattens positions"
+            fix = "write the network with ntk_core.stax (its pools average unmasked positions)"
+            raise bad(ValueError, FN, what, fix)
+        return kernel_fn(x1, x2, get, **options)
 
     def report(self, x) -> str:
         """The derived layer graph for inputs like ``x`` (N, ..., C): each layer, its rule

@@ -110,9 +110,7 @@ def _affine_network(args, window: tuple, out: int, product):
         if args.parameterization == "standard":
             w = w * args.W_std / math.sqrt(n_in / args.s[0] * math.prod(window))
             b = None if b is None else b * args.b_std
-        shape = jax.eval_shape(
-            lambda x: product(x, w), jax.ShapeDtypeStruct(input_shape, jnp.float32)
-        )
+        shape = jax.eval_shape(lambda x: product(x, w), jax.ShapeDtypeStruct(input_shape, w.dtype))
         return tuple(shape.shape), (w, b)
 
     def apply_fn(params, x, **kwargs):
