@@ -5,7 +5,6 @@ neural-tangents 0.6.5's recorded stax kernel (benchmarks/dump_nt_adapter_referen
 from __future__ import annotations
 
 import math
-import pathlib
 
 import equinox as eqx
 import jax
@@ -14,9 +13,8 @@ import numpy as np
 import pytest
 
 import ntk_equinox
+from adapter_reference import assert_neural_tangents
 from ntk_equinox._infinite import _priors
-
-REF = np.load(pathlib.Path(__file__).parents[1] / "data" / "nt_adapter_reference.npz")
 
 
 def test_priors_match_the_uniform_initialisers_draws():
@@ -47,12 +45,4 @@ def test_held_out_neural_tangents_mlp():
         mlp = eqx.nn.MLP(
             5, 1, 64, 2, activation=jax.nn.relu, key=jax.random.PRNGKey(0), dtype=jnp.float64
         )
-        kernel_fn = ntk_equinox.infinite_kernel_fn(mlp)
-        x1, x2 = REF["equinox_mlp/x1"], REF["equinox_mlp/x2"]
-        k = kernel_fn(jnp.asarray(np.concatenate([x1, x2])), None, ("nngp", "ntk"))
-        n = len(x1)
-        for tag, rows in (("x1x1", slice(0, n)), ("x1x2", slice(n, None))):
-            for get in ("nngp", "ntk"):
-                theirs = REF[f"equinox_mlp/{tag}/{get}"]
-                ours = np.asarray(getattr(k, get))[:n, rows]
-                assert np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)) < 1e-6, (tag, get)
+        assert_neural_tangents("equinox_mlp", ntk_equinox.infinite_kernel_fn(mlp))

@@ -6,7 +6,6 @@ and against ntk_core.stax twins, in float64."""
 from __future__ import annotations
 
 import math
-import pathlib
 
 import flax.linen as nn
 import jax
@@ -17,12 +16,12 @@ import scipy.stats
 from flax import nnx
 
 import ntk_flax
+from adapter_reference import REF, assert_neural_tangents
 from ntk_core import stax
 from ntk_core._derived.adapter_priors import merge
 from ntk_core.adapters import leaf_path_names, truncated_normal_moments
 from ntk_flax._infinite import _linen_reader
 
-REF = np.load(pathlib.Path(__file__).parents[1] / "data" / "nt_adapter_reference.npz")
 init = nn.initializers
 
 
@@ -125,20 +124,6 @@ def c3_draws(model, x):
     return jax.tree_util.tree_map_with_path(
         lambda p, s: rng.normal(size=s.shape) * std(p, s), shapes
     )
-
-
-def assert_neural_tangents(name: str, kernel_fn) -> None:
-    """The kernels of x = [x1; x2] in one call hold (x1, x1) and (x1, x2): both against
-    neural-tangents' recorded ones, to 1e-6 relative to the largest entry."""
-    x1, x2 = REF[f"{name}/x1"], REF[f"{name}/x2"]
-    k = kernel_fn(jnp.asarray(np.concatenate([x1, x2])), None, ("nngp", "ntk"))
-    n = len(x1)
-    for tag, rows in (("x1x1", slice(0, n)), ("x1x2", slice(n, None))):
-        for get in ("nngp", "ntk"):
-            theirs = REF[f"{name}/{tag}/{get}"]
-            ours = np.asarray(getattr(k, get))[:n, rows]
-            err = np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs))
-            assert err < 1e-6, (name, tag, get, err)
 
 
 @pytest.mark.parametrize("name, model", [("flax_mlp", ReluMLP()), ("c3_erf", C3Erf())])

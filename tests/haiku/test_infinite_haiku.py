@@ -6,7 +6,6 @@ scipy); kernels against neural-tangents 0.6.5's recorded stax kernel of hk.nets.
 from __future__ import annotations
 
 import math
-import pathlib
 
 import haiku as hk
 import jax
@@ -16,10 +15,10 @@ import pytest
 import scipy.stats
 
 import ntk_haiku
+from adapter_reference import REF, assert_neural_tangents
 from ntk_core import stax
 from ntk_haiku._infinite import _reader
 
-REF = np.load(pathlib.Path(__file__).parents[1] / "data" / "nt_adapter_reference.npz")
 hi = hk.initializers
 
 
@@ -69,20 +68,6 @@ def test_a_custom_initialiser_needs_its_prior():
         ValueError, match=r"the weight 'linear/w' \(w_init of Linear 'linear'\) has no known"
     ):
         ntk_haiku.infinite_kernel_fn(net, params)(x)
-
-
-def assert_neural_tangents(name: str, kernel_fn) -> None:
-    """The kernels of x = [x1; x2] in one call hold (x1, x1) and (x1, x2): both against
-    neural-tangents' recorded ones, to 1e-6 relative to the largest entry."""
-    x1, x2 = REF[f"{name}/x1"], REF[f"{name}/x2"]
-    k = kernel_fn(jnp.asarray(np.concatenate([x1, x2])), None, ("nngp", "ntk"))
-    n = len(x1)
-    for tag, rows in (("x1x1", slice(0, n)), ("x1x2", slice(n, None))):
-        for get in ("nngp", "ntk"):
-            theirs = REF[f"{name}/{tag}/{get}"]
-            ours = np.asarray(getattr(k, get))[:n, rows]
-            err = np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs))
-            assert err < 1e-6, (name, tag, get, err)
 
 
 def test_held_out_neural_tangents_mlp_and_a_cnn_twin():

@@ -1,0 +1,26 @@
+"""neural-tangents 0.6.5's kernels of the adapters' held-out models (issue 50), recorded by
+``benchmarks/dump_nt_adapter_references.py`` into ``tests/data/nt_adapter_reference.npz``,
+and the one comparison the Flax, Haiku and equinox tests make against them."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+
+REF = np.load(pathlib.Path(__file__).parent / "data" / "nt_adapter_reference.npz")
+
+
+def assert_neural_tangents(name: str, kernel_fn) -> None:
+    """The kernels of x = [x1; x2] in one call hold (x1, x1) and (x1, x2): both against
+    neural-tangents' recorded ones, to 1e-6 relative to the largest entry."""
+    x1, x2 = REF[f"{name}/x1"], REF[f"{name}/x2"]
+    k = kernel_fn(jnp.asarray(np.concatenate([x1, x2])), None, ("nngp", "ntk"))
+    n = len(x1)
+    for tag, rows in (("x1x1", slice(0, n)), ("x1x2", slice(n, None))):
+        for get in ("nngp", "ntk"):
+            theirs = REF[f"{name}/{tag}/{get}"]
+            ours = np.asarray(getattr(k, get))[:n, rows]
+            err = np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs))
+            assert err < 1e-6, (name, tag, get, err)
