@@ -121,7 +121,8 @@ def _layer_priors(path: str, module, kernel_shape: tuple, where: str) -> list[Pr
 
 
 def _norm_priors(path: str, module, where: str) -> list[Prior]:
-    """A LayerNorm's learnable ``scale`` (a gain: its mean square) and ``bias``."""
+    """A LayerNorm's (or an eval-mode BatchNorm's) learnable ``scale`` (a gain: its mean
+    square) and ``bias``; a BatchNorm's running statistics are constants of the model."""
     leaves = (
         ("scale", "gain", module.use_scale, module.scale_init),
         ("bias", "bias", module.use_bias, module.bias_init),
@@ -138,7 +139,7 @@ def _norm_priors(path: str, module, where: str) -> list[Prior]:
     ]
 
 
-_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.LayerNorm)
+_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.LayerNorm, nn.BatchNorm)
 
 
 def _linen_reader(model, variables, method, apply_kwargs):
@@ -149,9 +150,12 @@ def _linen_reader(model, variables, method, apply_kwargs):
 
         def intercept(next_fun, args, kwargs, context):
             module = context.module
+            out = next_fun(*args, **kwargs)
             if isinstance(module, _LAYERS) and context.method_name == "__call__":
-                found[tuple(module.scope.path)] = module
-            return next_fun(*args, **kwargs)
+                # the kernel as the layer sees it: one layer's slice inside nn.scan
+                kernel = module.variables.get(PARAMS, {}).get("kernel")
+                found[tuple(module.scope.path)] = (module, np.shape(kernel))
+            return out
 
         def run(v, x):
             rngs = {"dropout": jax.random.PRNGKey(0)}
@@ -161,16 +165,16 @@ def _linen_reader(model, variables, method, apply_kwargs):
         with nn.intercept_methods(intercept):
             jax.eval_shape(run, variables, x1)
         params, priors = variables[PARAMS], []
-        for scope_path, module in found.items():
+        for scope_path, (module, kernel_shape) in found.items():
             node = params
             for key in scope_path:  # a layer without parameters (LayerNorm without scale)
                 node = node.get(key, {}) if hasattr(node, "get") else {}
             path = "/".join(scope_path)  # "" for the model itself: its leaves are "kernel"
             where = f"{type(module).__name__} {path!r}" if path else "the model"
-            if isinstance(module, nn.LayerNorm):
+            if isinstance(module, nn.LayerNorm | nn.BatchNorm):
                 priors += _norm_priors(path, module, where)
             elif "kernel" in node:
-                priors += _layer_priors(path, module, tuple(np.shape(node["kernel"])), where)
+                priors += _layer_priors(path, module, tuple(kernel_shape), where)
         return priors
 
     return read

@@ -24,6 +24,7 @@ from ntk_core.adapters import (
     bad,
     check_apply_kwargs,
     checked_arguments,
+    leaf_path_names,
     truncated_normal_moments,
 )
 from ntk_haiku._kernel import check_transformed
@@ -51,12 +52,16 @@ def _haiku_fan(shape, axes) -> tuple[float, float]:
     return float(shape[-2] * receptive), float(shape[-1] * receptive)
 
 
-def entry_variance(init, shape) -> float | str:
+def entry_variance(init, shape, gain: bool = False) -> float | str:
     """E[w²] of one entry that the Haiku initialiser ``init`` draws for ``shape``, exactly;
-    or why it cannot be read."""
+    or why it cannot be read. A ``gain`` (a LayerNorm's scale) may be constant (ones)."""
     if init is jnp.zeros or init is np.zeros:
         return 0.0
+    if gain and init is jnp.ones:
+        return 1.0
     if isinstance(init, _INITS.Constant):
+        if gain:
+            return float(np.mean(np.square(np.broadcast_to(init.constant, shape))))
         return 0.0 if _zero(init.constant) else "Constant(c != 0) is not centred"
     if isinstance(init, _INITS.RandomNormal):
         return float(init.stddev) ** 2 if _zero(init.mean) else "RandomNormal with mean != 0"
@@ -79,19 +84,58 @@ def entry_variance(init, shape) -> float | str:
     return f"{getattr(init, '__qualname__', type(init).__name__)} is not a known initialiser"
 
 
-def _priors(records: list) -> list[Prior]:
-    """The priors of the ``w`` / ``b`` parameters of ``hk.Linear`` and ``hk.ConvND`` modules."""
-    priors = []
-    for full_name, module, shape, init in records:
-        leaf = full_name.rsplit("/", 1)[-1]
-        if not isinstance(module, hk.Linear | hk.ConvND) or leaf not in ("w", "b"):
+def _stored_paths(records: list, stored: dict) -> list:
+    """The path each creator's record is stored under: its own name, or, inside
+    ``hk.layer_stack`` (whose stacked parameters no creator sees: its layers' names are
+    the inner ones), the one stacked path that ends with it and holds its shape per
+    layer. A module is stacked where one of its records is not stored as it was created,
+    or where an earlier module claimed its names; None where a stacked path is ambiguous."""
+    modules: dict = {}
+    for i, record in enumerate(records):
+        modules.setdefault(id(record[1]), []).append(i)
+    claimed, out = set(), [None] * len(records)
+    for indices in modules.values():
+        names = [records[i][0] for i in indices]
+        direct = all(stored.get(records[i][0]) == records[i][2] for i in indices)
+        if direct and not claimed & set(names):
+            claimed |= set(names)
+            for i in indices:
+                out[i] = records[i][0]
             continue
-        kind, where = (
-            ("weight" if leaf == "w" else "bias"),
-            f"{leaf}_init of {type(module).__name__} {module.module_name!r}",
-        )
+        for i in indices:
+            name, shape = records[i][0], records[i][2]
+            stacks = [
+                path
+                for path, held in stored.items()
+                if path.endswith("/" + name)
+                and len(held) > len(shape)
+                and held[len(held) - len(shape) :] == shape
+            ]
+            out[i] = stacks[0] if len(stacks) == 1 else None
+    return out
+
+
+_ROLES = {"w": "weight", "b": "bias", "scale": "gain", "offset": "bias"}
+
+
+def _priors(records: list, stored: dict) -> list[Prior]:
+    """The priors of the ``w`` / ``b`` parameters of ``hk.Linear`` and ``hk.ConvND``
+    modules and the ``scale`` / ``offset`` of ``hk.LayerNorm``; ``stored``: path -> shape
+    of the parameters as ``init`` returns them."""
+    priors = []
+    paths = _stored_paths(records, stored)
+    for (full_name, module, shape, init), path in zip(records, paths, strict=True):
+        leaf = full_name.rsplit("/", 1)[-1]
+        norm = isinstance(module, hk.LayerNorm) and leaf in ("scale", "offset")
+        if not (norm or (isinstance(module, hk.Linear | hk.ConvND) and leaf in ("w", "b"))):
+            continue
+        if path is None:
+            continue
+        kind = _ROLES[leaf]
+        where = f"{leaf}_init of {type(module).__name__} {module.module_name!r}"
         fan = math.prod(shape[:-1]) if kind == "weight" else 1  # (in, out), (*window, in / g, out)
-        priors.append(Prior.read(full_name, kind, entry_variance(init, shape), where, fan))
+        variance = entry_variance(init, shape, kind == "gain")
+        priors.append(Prior.read(path, kind, variance, where, fan))
     return priors
 
 
@@ -108,8 +152,10 @@ def _reader(transformed, apply_kwargs):
                 return transformed.init(jax.random.PRNGKey(0), x, **apply_kwargs)
 
         outer = hk.transform(init_seen)
-        jax.eval_shape(lambda x: outer.init(jax.random.PRNGKey(0), x), x1)
-        return _priors(records)
+        shapes = jax.eval_shape(lambda x: outer.apply({}, jax.random.PRNGKey(0), x), x1)
+        leaves = jax.tree_util.tree_leaves(shapes)
+        stored = {n: tuple(v.shape) for n, v in zip(leaf_path_names(shapes), leaves, strict=True)}
+        return _priors(records, stored)
 
     return read
 

@@ -642,14 +642,17 @@ CONV_MODELS = {
 @pytest.mark.parametrize("name", list(CONV_MODELS))
 def test_convolution_rule_matches_reference_and_plan(name, form, monkeypatch, request):
     """Each model with its convolutions evaluated as convolutions, or as patches times
-    the kernel matrix (``conv.MATMUL_MAX_POSITIONS``: small feature maps); the compiled
+    the kernel matrix (``conv.MATMUL_MAX_POSITIONS``: small feature maps; on a TPU also
+    ``TPU_MATMUL_MAX_CONTRACTION``: few channels); the compiled
     programs of either form are dropped before and after (other tests get the default)."""
     from ntk_core._jax.caches import clear_caches
     from ntk_core._structured.rules import conv
 
     calls = []
     matmul = conv.conv_as_matmul
-    monkeypatch.setattr(conv, "MATMUL_MAX_POSITIONS", 0 if form == "convolution" else 10**9)
+    bound = 0 if form == "convolution" else 10**9
+    monkeypatch.setattr(conv, "MATMUL_MAX_POSITIONS", bound)
+    monkeypatch.setattr(conv, "TPU_MATMUL_MAX_CONTRACTION", bound)  # read on a TPU only
     monkeypatch.setattr(conv, "conv_as_matmul", lambda *a: calls.append(1) or matmul(*a))
     clear_caches()
     request.addfinalizer(clear_caches)

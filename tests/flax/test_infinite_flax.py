@@ -136,29 +136,9 @@ def test_held_out_neural_tangents_kernels(name, model):
         assert_neural_tangents(name, ntk_flax.infinite_kernel_fn(model, variables))
 
 
-def test_cnn_and_nnx_equal_their_stax_twin():
-    class CNN(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = nn.relu(
-                nn.Conv(8, (3, 3), kernel_init=init.variance_scaling(2.0, "fan_in", "normal"))(x)
-            )
-            return nn.Dense(2)(x.reshape(x.shape[0], -1))
-
+def test_nnx_equals_its_stax_twin():
+    # (Flax CNNs: test_resnet_block_layer_norm_and_pools_twin_stax; Flatten: Haiku's twin)
     with jax.enable_x64(True):
-        x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5, 5, 2)))
-        model = CNN()
-        ours = ntk_flax.infinite_kernel_fn(model, model.init(jax.random.PRNGKey(0), x))(
-            x, None, ("nngp", "ntk")
-        )
-        conv = stax.Conv(
-            8, (3, 3), padding="SAME", W_std=math.sqrt(2), b_std=0.0, parameterization="standard"
-        )
-        dense = stax.Dense(2, W_std=1.0, b_std=0.0, parameterization="standard")
-        twin = stax.serial(conv, stax.Relu(), stax.Flatten(), dense)[2](x, None, ("nngp", "ntk"))
-        for a, b in zip(ours, twin, strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-
         mlp = nnx.Sequential(
             nnx.Linear(4, 16, rngs=nnx.Rngs(0), param_dtype=jnp.float64),
             nnx.relu,
@@ -188,3 +168,84 @@ def test_given_priors_replace_the_read_ones():
     assert w == pytest.approx(
         {"layers_0/kernel": 2.0, "layers_1/scale": 1.0, "layers_3/kernel": 1.0}, rel=1e-15
     )
+
+
+class Twin(nn.Module):
+    """A WideResNet block (two convs and the residual add), LayerNorm over the channels,
+    AvgPool and a global mean: stax's test layers in one tiny network."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Conv(4, (3,))(x)
+        r = nn.Conv(4, (3,))(nn.relu(nn.Conv(4, (3,))(nn.relu(h))))
+        h = nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-3)(h + r)
+        h = nn.avg_pool(nn.relu(h), (2,), (2,))
+        return nn.Dense(1)(h.mean(1))
+
+
+def test_resnet_block_layer_norm_and_pools_twin_stax():
+    with jax.enable_x64(True):
+        x = jnp.asarray(np.random.default_rng(4).normal(size=(3, 6, 2)))  # 1-D: cheap
+        model = Twin()
+        ours = ntk_flax.infinite_kernel_fn(model, model.init(jax.random.PRNGKey(0), x))
+        conv = lambda: stax.Conv(
+            4, (3,), padding="SAME", W_std=1.0, b_std=0.0, parameterization="standard"
+        )  # noqa: E731
+        twin = stax.serial(
+            conv(),
+            stax.FanOut(2),
+            stax.parallel(stax.Identity(), stax.serial(stax.Relu(), conv(), stax.Relu(), conv())),
+            stax.FanInSum(),
+            stax.LayerNorm(eps=1e-3),
+            stax.Relu(),
+            stax.AvgPool((2,), (2,)),
+            stax.GlobalAvgPool(),
+            stax.Dense(1, 1.0, 0.0, parameterization="standard"),
+        )[2]
+        for a, b in zip(ours(x, None), twin(x, None), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+class Stack(nn.Module):
+    """Dense, then three [ReLU, Dense] layers as one nn.scan over stacked weights (or
+    unrolled), BatchNorm in eval mode."""
+
+    scanned: bool
+
+    @nn.compact
+    def __call__(self, x):
+        class Layer(nn.Module):
+            @nn.compact
+            def __call__(self, h, _):
+                return nn.Dense(6, bias_init=init.normal(0.1))(nn.relu(h)), None
+
+        h = nn.Dense(6)(x)
+        if self.scanned:
+            scan = nn.scan(
+                Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+            )
+            h, _ = scan()(h, None)
+        else:
+            for _ in range(3):
+                h, _ = Layer()(h, None)
+        return nn.BatchNorm(use_running_average=True)(h)
+
+
+def test_scanned_layers_and_eval_batch_norm_equal_their_unrolled_stax_twin():
+    """nn.scan is unrolled, each layer's slice of the stacked kernel its own weight (its
+    prior read and checked per slice); BatchNorm with its initial statistics is the
+    constant 1/√(1 + ε) with its learnable scale (a gain of ones: NTK += c²Σ) and bias
+    (NTK += 1): NNGP c²Σ and NTK c²(Θ + Σ) + 1 of the stax network before it."""
+    with jax.enable_x64(True):
+        x = jnp.asarray(np.random.default_rng(5).normal(size=(3, 4)))
+        model = Stack(scanned=True)  # the stax twin below is its unrolled network
+        kernel_fn = ntk_flax.infinite_kernel_fn(model, model.init(jax.random.PRNGKey(0), x))
+        ours, report = kernel_fn(x, None), kernel_fn.report(x)
+        dense = lambda b: stax.Dense(6, 1.0, b, parameterization="standard")  # noqa: E731
+        stack = [stax.serial(stax.Relu(), dense(0.1)) for _ in range(3)]
+        sigma, theta = stax.serial(dense(0.0), *stack)[2](x, None)
+        c2 = float(jax.lax.rsqrt(jnp.float32(1 + 1e-5))) ** 2  # as the model: float32 stats
+        np.testing.assert_allclose(ours.nngp, c2 * sigma, rtol=1e-10)
+        np.testing.assert_allclose(ours.ntk, c2 * (theta + sigma) + 1, rtol=1e-10)
+    assert "BatchNorm_0/scale: W_std=1 (mean square)" in report
+    assert "ScanLayer_0/Dense_0/kernel[2]: W_std=1" in report  # per layer, lecun_normal

@@ -14,6 +14,7 @@ import numbers
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+from ntk_core._derived.graph import traced_failure
 from ntk_core._derived.paths import leaf_path_names
 from ntk_core._errors import bad
 
@@ -129,7 +130,13 @@ class Deferred:
 
     def _build(self, x):
         if self._fn is None:
-            read = self._read(x)
+            try:
+                read = self._read(x)
+            except Exception as e:  # noqa: BLE001 - the model failed on x: say on what shape
+                shape = getattr(x, "shape", None)
+                if shape is None or str(e).startswith("ntk_"):  # one of ours: as it is
+                    raise
+                raise traced_failure(self._name, shape, e) from e
             names = leaf_path_names(self._params)
             self._merged = merge(self._name, read, *self._given, names=names)
             w, b = self._merged

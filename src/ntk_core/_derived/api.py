@@ -44,10 +44,9 @@ class DerivedKernelFn:
         if key not in self._built:
             struct = jax.ShapeDtypeStruct((2, *key[0]), key[1])
             g = _graph.derive(self.apply_fn, self.params, struct, self.names)
-            priors = _priors.resolve(g.roles, self.names, self._w, self._b)
-            _priors.check_values(
-                g.roles, self.names, jax.tree_util.tree_leaves(self.params), priors
-            )
+            priors = _priors.resolve(g.roles, g.names, self._w, self._b, g.parents)
+            leaves = jax.tree_util.tree_leaves(self.params)
+            _priors.check_values(g.roles, g.names, leaves, priors, g.parents)
             name = f"derived({getattr(self.apply_fn, '__name__', 'apply_fn')}, {key[0]})"
             if len(self._built) >= 16:
                 self._built.clear()
@@ -114,7 +113,10 @@ def infinite_kernel_fn(apply_fn, params, *, W_std=None, b_std=None, deg=25):
     Raises: ValueError naming the primitive and its source line, with the alternative
     (``ntk_core.monte_carlo_kernels``), for what has no infinite-width rule: max-pooling,
     softmax, weight tying, a nonlinearity of a non-Gaussian input (two stacked
-    nonlinearities), branches sharing a weight, loops, unknown primitives touching x; a
+    nonlinearities), branches sharing a weight, loops whose trip count is not static
+    (static ones are unrolled, a stacked leaf's slice per step its own weight), batch
+    statistics, stop_gradient of a weight, unknown primitives touching x; x of a shape
+    the model cannot take; a
     weight or bias leaf without a prior, or a prior naming no leaf (at construction).
     UserWarning for a weight leaf whose values contradict its prior.
 

@@ -43,8 +43,10 @@ from ntk_core._errors import bad
 from ntk_core._jax import jaxpr_walk
 
 MONTE_CARLO = (
-    "use ntk_core.monte_carlo_kernels(init_fn, apply_fn, x1, key=..., n_samples=...) for "
-    "this model's kernels at its finite width"
+    "for this model's kernels at its finite width use Monte Carlo kernels: "
+    "ntk_flax / ntk_haiku / ntk_equinox.monte_carlo_kernels(model, x1, key=..., "
+    "n_samples=...), or for a plain JAX model ntk_core.monte_carlo_kernels(init_fn, apply_fn, "
+    "x1, key=..., n_samples=...) with your own init_fn(key) -> params"
 )
 #: What the walk maps, for the refusal of what it does not.
 MAPPED = (
@@ -95,6 +97,7 @@ class Param:
 class Opaque:
     leaves: frozenset
     shape: tuple
+    via: str = ""  # the primitive that made it (stop_gradient: named in messages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +156,14 @@ class Stat:
     factor: float  # the value is factor·g(q) (a channel sum: factor C until divided)
 
 
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A value the walk cannot map, refused only where it is used (a loop's stacked
+    per-step activations that the model drops)."""
+
+    error: Exception
+
+
 # ----- the graph -----
 
 #: The layers a graph is made of (rules.py maps each, report.py prints its name).
@@ -185,7 +196,8 @@ class Graph:
     nodes: list
     output: int
     roles: dict  # leaf -> ("weight" | "bias" | "gain", fan_in, source)
-    names: list  # leaf path names
+    names: list  # leaf path names (then the slices', "w[3]")
+    parents: dict = dataclasses.field(default_factory=dict)  # slice leaf -> (leaf, index)
 
 
 #: Sources of the calls being walked: an equation of a body traced apart (a library's
@@ -216,13 +228,41 @@ def _shown(value) -> bool:
     return value is not None and not body and len(str(value)) <= 80
 
 
+#: The equation being walked and its operands' symbols (messages write x's shapes (N, ...)).
+_CURRENT: list = [None]
+
+
+def shape_text(shape, batched: bool) -> str:
+    """A traced shape as the user sees it: the samples' axis as N (the walk traces 2)."""
+    shape = tuple(shape)
+    if not batched or not shape:
+        return str(shape)
+    return "(" + ", ".join(["N", *map(str, shape[1:])]) + ")"
+
+
+def traced_failure(fn: str, x_shape, error: Exception) -> Exception:
+    """The model itself failed when traced on inputs of per-sample shape ``x_shape[1:]``
+    (x of a rank or size it was not built for, most often)."""
+    first = (str(error).strip().splitlines() or [""])[0][:300].rstrip(".")
+    what = (
+        f"the model failed when traced on x of shape {shape_text(x_shape, True)} (rank "
+        f"{len(x_shape)}, per sample {tuple(x_shape[1:])}): {type(error).__name__}: {first}"
+    )
+    fix = "pass x1 of the shape the model was built for (the x given to its init), N first"
+    return bad(type(error) if isinstance(error, TypeError) else ValueError, fn, what, fix)
+
+
 def unmapped(eqn, what: str | None = None) -> Exception:
     """The one refusal of an operation on the activations the walk does not map (a max or
     a softmax, a loop, a transpose, a strided reshape, a dot or convolution of another
     layout, ...): its primitive, operands' shapes and parameters tell which it is, unless
     ``what`` says it (where the equation is only where a value was used)."""
     if what is None:
-        shapes = " and ".join(str(tuple(v.aval.shape)) for v in eqn.invars)
+        current = _CURRENT[0]
+        syms = current[1] if current is not None and current[0] is eqn else [None] * len(eqn.invars)
+        shapes = " and ".join(
+            shape_text(v.aval.shape, _x_dependent(s)) for v, s in zip(eqn.invars, syms, strict=True)
+        )
         params = ", ".join(f"{k}={v}" for k, v in eqn.params.items() if _shown(v))
         what = f"this operation on {shapes}" + (f" with {params}" if params else "")
     return refuse(eqn, f"{what} has no infinite-width rule; {MAPPED}")
@@ -256,7 +296,9 @@ class Walker:
         self.roles: dict = {}
         self.names = names
         self._made: dict = {}  # id(symbol) -> (symbol, node): one node per symbol
-        self.leaf_shapes = leaf_shapes
+        self.leaf_shapes = list(leaf_shapes)
+        self.parents: dict = {}  # a slice leaf -> (its stacked leaf, index): per-layer weights
+        self._slices: dict = {}  # (leaf, index) -> slice leaf
         x_nodes, w_nodes = np.polynomial.hermite.hermgauss(deg_stat)
         self._gh = (x_nodes, w_nodes / math.sqrt(math.pi))  # E_{u~N(0,q)} f = Σ w f(√(2q) x)
 
@@ -286,10 +328,30 @@ class Walker:
     def channels(self, node_id) -> int:
         return self.nodes[node_id].shape[-1]
 
+    def slice_leaf(self, leaf: int, index: int) -> int:
+        """The leaf id of ``leaf[index]``: a layer's own weight in a stack of layers' (a
+        scan's xs, ``ws[i]``), named ``"w[3]"``, its prior the stack's."""
+        key = (leaf, index)
+        if key not in self._slices:
+            self._slices[key] = len(self.names)
+            self.names.append(f"{self.names[leaf]}[{index}]")
+            self.leaf_shapes.append(self.leaf_shapes[leaf][1:])
+            self.parents[len(self.names) - 1] = key
+        return self._slices[key]
+
+    def _lineage(self, leaf) -> set:
+        out = {leaf}
+        while leaf in self.parents:
+            leaf = self.parents[leaf][0]
+            out.add(leaf)
+        return out
+
     def use(self, leaf, role, fan_in, eqn):
-        if leaf in self.roles:
+        mine = self._lineage(leaf)  # a stack used whole and sliced: tied too
+        tied = next((u for u in self.roles if u in mine or leaf in self._lineage(u)), None)
+        if tied is not None:
             name = self.names[leaf]
-            first = self.roles[leaf][2]
+            first = self.roles[tied][2]
             what = f"the parameter {name!r} is used twice (weight tying: its first use at {first})"
             raise refuse(eqn, f"{what}; the infinite-width limit assumes each weight is used once")
         self.roles[leaf] = (role, fan_in, _source(eqn) if eqn is not None else "")
@@ -384,6 +446,10 @@ class Walker:
             env[var] = s
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
+            for s in ins:
+                if isinstance(s, Refused):
+                    raise s.error
+            _CURRENT[0] = (eqn, ins)
             outs = self.equation(eqn, ins)
             for var, s in zip(eqn.outvars, outs, strict=True):
                 env[var] = s
@@ -404,9 +470,16 @@ class Walker:
             out = jaxpr_walk.bind(eqn, [s.value for s in ins])
             out = out if eqn.primitive.multiple_results else [out]
             return [Const(np.asarray(o)) for o in out]
+        loop = LOOPS.get(name)
+        if loop is not None:  # unrolled: each step's slice of a stacked leaf its own weight
+            _OUTER.append(_source(eqn))
+            try:
+                return loop(self, eqn, ins)
+            finally:
+                _OUTER.pop()
         if not any(_x_dependent(s) for s in ins):
             return [self.param_op(eqn, ins, shapes)]
-        if eqn.primitive.multiple_results:  # a loop (scan, while, cond), a split, ...
+        if eqn.primitive.multiple_results:  # a split, a custom primitive, ...
             raise unmapped(eqn)
         return [self.x_op(eqn, ins, shapes[0])]
 
@@ -427,6 +500,9 @@ class Walker:
             p = params[0]
             if name in LAYOUT:
                 return Param(p.leaf, shape, p.scale, p.views + (name,))
+            index = self._stack_index(eqn, p, ins)
+            if index is not None:  # ws[i]: the i-th layer's own weight
+                return Param(self.slice_leaf(p.leaf, index), shape, p.scale, (name,))
             if eqn.primitive is prims.neg_p:
                 return Param(p.leaf, shape, -p.scale, p.views)
             if eqn.primitive in SCALINGS and len(ins) == 2:
@@ -434,7 +510,114 @@ class Walker:
                 if eqn.primitive is prims.div_p and ins[0] is not p:
                     return Opaque(leaves, shape)
                 return Param(p.leaf, shape, p.scale * _times(eqn, c), p.views)
-        return Opaque(leaves, shape)
+        via = next((s.via for s in ins if isinstance(s, Opaque) and s.via), name)
+        return Opaque(leaves, shape, via)
+
+    def _whole(self, p: Param) -> bool:
+        """Whether ``p`` is its leaf as stored (possibly cast or scaled): sliceable."""
+        return p.shape == self.leaf_shapes[p.leaf] and set(p.views) <= NO_OPS
+
+    def _stack_index(self, eqn, p: Param, ins):
+        """i where ``eqn`` takes entry i of ``p``'s leading axis (``slice`` or a
+        ``dynamic_slice`` at constant indices, every other axis whole), else None."""
+        shape, out = p.shape, tuple(eqn.outvars[0].aval.shape)
+        if not self._whole(p) or not shape or out != (1, *shape[1:]):
+            return None
+        if eqn.primitive is prims.slice_p:
+            strides = eqn.params["strides"]
+            starts = tuple(eqn.params["start_indices"])
+            ok = (strides is None or all(t == 1 for t in strides)) and not any(starts[1:])
+            return int(starts[0]) if ok else None
+        if eqn.primitive is prims.dynamic_slice_p and ins[0] is p:
+            starts = ins[1:]
+            if not all(isinstance(c, Const) for c in starts):
+                return None
+            first, *rest = (int(np.asarray(c.value)) for c in starts)
+            # jax clamps a start to the array: the entry it reads
+            return min(max(first, 0), shape[0] - 1) if not any(rest) else None
+        return None
+
+    def _step_input(self, eqn, s, i, what):
+        """Step ``i``'s symbol of a scan's stacked input ``s`` (entry i of axis 0)."""
+        if isinstance(s, Const):
+            return Const(np.asarray(s.value)[i])
+        if isinstance(s, Param) and self._whole(s):
+            return Param(self.slice_leaf(s.leaf, i), s.shape[1:], s.scale, ())
+        if isinstance(s, (Param, Opaque)):
+            leaves = frozenset({s.leaf}) if isinstance(s, Param) else s.leaves
+            return Opaque(leaves, s.shape[1:], s.via if isinstance(s, Opaque) else "")
+        raise unmapped(eqn, f"a loop over {what} (each step a slice of the activations)")
+
+    def scan(self, eqn, ins):
+        """``lax.scan`` with its static length, unrolled: the body walked once per step,
+        a stacked parameter's slice i step i's own leaf; the stacked outputs (ys) kept
+        where they are constants or parameters, refused where used if activations."""
+        p = eqn.params
+        body, consts = p["jaxpr"].jaxpr, list(p["jaxpr"].consts)
+        nc, ncarry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        fixed, carry, xs = ins[:nc], list(ins[nc : nc + ncarry]), ins[nc + ncarry :]
+        steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
+        per_step = []
+        for i in steps:
+            step_xs = [self._step_input(eqn, s, i, "stacked inputs") for s in xs]
+            outs = self.run(body, consts, [*fixed, *carry, *step_xs])
+            carry, ys = list(outs[:ncarry]), outs[ncarry:]
+            per_step.append((i, ys))
+        per_step.sort(key=lambda t: t[0])
+        stacked = []
+        for j, var in enumerate(eqn.outvars[ncarry:]):
+            col = [ys[j] for _, ys in per_step]
+            stacked.append(self._stacked(eqn, col, tuple(var.aval.shape)))
+        return carry + stacked
+
+    def _stacked(self, eqn, col, shape):
+        if all(isinstance(s, Const) for s in col):
+            return Const(np.stack([np.asarray(s.value) for s in col]))
+        if not any(_x_dependent(s) for s in col):
+            leaves = frozenset().union(
+                *[
+                    {s.leaf} if isinstance(s, Param) else s.leaves
+                    for s in col
+                    if not isinstance(s, Const)
+                ]
+            )
+            return Opaque(leaves, shape)
+        return Refused(unmapped(eqn, "a loop's stacked per-step activations (its ys)"))
+
+    def while_loop(self, eqn, ins):
+        """``lax.while_loop`` (``fori_loop`` with traced bounds) whose condition depends on
+        constants only: its trip count is static, the body is walked that many times."""
+        p = eqn.params
+        cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cond_consts, body_consts, carry = ins[:cn], ins[cn : cn + bn], list(ins[cn + bn :])
+        needed = _needed(cond.jaxpr)
+        for step in range(MAX_STEPS + 1):
+            args = [*cond_consts, *carry]
+            if not all(isinstance(args[j], Const) for j in needed):
+                what = "a while loop whose trip count depends on the parameters or x"
+                raise unmapped(eqn, f"{what} (it cannot be unrolled)")
+            values = [
+                np.asarray(a.value)
+                if isinstance(a, Const)
+                else np.zeros(v.aval.shape, v.aval.dtype)
+                for a, v in zip(args, cond.jaxpr.invars, strict=True)
+            ]
+            if not bool(jex.jaxpr_as_fun(cond)(*values)[0]):
+                return carry
+            if step == MAX_STEPS:
+                raise unmapped(eqn, f"a while loop of more than {MAX_STEPS} steps")
+            carry = self.run(body.jaxpr, list(body.consts), [*body_consts, *carry])
+        raise AssertionError("unreachable")
+
+    def cond(self, eqn, ins):
+        """``lax.cond`` / ``switch`` on a constant index: the branch it takes."""
+        index, *operands = ins
+        if not isinstance(index, Const):
+            raise unmapped(eqn, "a cond whose branch depends on the parameters or x")
+        branches = eqn.params["branches"]
+        k = min(max(int(np.asarray(index.value)), 0), len(branches) - 1)
+        return self.run(branches[k].jaxpr, list(branches[k].consts), operands)
 
     # -- activations: each rule returns the result's symbol, or None where it does not fit --
 
@@ -476,6 +659,14 @@ class Walker:
     def _weight(self, eqn, p, role_what):
         if isinstance(p, Param):
             return p
+        if isinstance(p, Opaque) and p.via == "stop_gradient":
+            names = ", ".join(repr(self.names[i]) for i in sorted(p.leaves))
+            what = f"the {role_what} is stop_gradient of {names}: a weight held fixed"
+            fix = (
+                "drop stop_gradient (the derived NTK differentiates every weight; "
+                "for the NNGP alone it does not matter), or " + MONTE_CARLO
+            )
+            raise refuse(eqn, f"{what}, whose NTK term this derivation does not drop", fix)
         if isinstance(p, Opaque):
             got = f"computed from the parameters {sorted(self.names[i] for i in p.leaves)}"
             fix = "make it one parameter leaf (possibly reshaped, transposed or scaled)"
@@ -539,8 +730,18 @@ class Walker:
     def reduce_sum(self, eqn, ins, shape):
         axes = tuple(sorted(eqn.params["axes"]))
         ndim = len(eqn.invars[0].aval.shape)
-        if 0 in axes:
-            return None  # the batch axis: samples mixed
+        if 0 in axes:  # the samples' axis: samples mixed, as batch statistics do
+            what = (
+                f"a sum over the samples' axis (axes {axes} of "
+                f"{shape_text(eqn.invars[0].aval.shape, True)}): "
+                "batch statistics (BatchNorm in training mode) make each sample's output "
+                "depend on the others"
+            )
+            fix = (
+                "use BatchNorm in eval mode (Flax: use_running_average=True, e.g. "
+                "apply_kwargs={'train': False}; Haiku: is_training=False), or " + MONTE_CARLO
+            )
+            raise refuse(eqn, what, fix)
         if axes == (ndim - 1,):
             return self.channel_mean(eqn, ins[0], shape)
         if axes != tuple(range(1, ndim - 1)):
@@ -756,6 +957,23 @@ X_RULES = {
 }
 
 
+#: Loops, unrolled (scan, while with a static trip count, cond on a constant index).
+LOOPS = {"scan": Walker.scan, "while": Walker.while_loop, "cond": Walker.cond}
+#: A while loop's most steps unrolled (a bound, not a limit of the maths).
+MAX_STEPS = 10_000
+#: Views of a parameter leaf that keep it as stored (a stacked leaf may be sliced).
+NO_OPS = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
+
+
+def _needed(jaxpr) -> list[int]:
+    """The invars (indices) the first output of ``jaxpr`` depends on."""
+    live = {jaxpr.outvars[0]} if not isinstance(jaxpr.outvars[0], jex.Literal) else set()
+    for e in reversed(jaxpr.eqns):
+        if any(v in live for v in e.outvars):
+            live |= {v for v in e.invars if not isinstance(v, jex.Literal)}
+    return [j for j, v in enumerate(jaxpr.invars) if v in live]
+
+
 def _memo(g):
     """``g`` computed once per q array: a variance's quadrature calls the mean's at each of
     its nodes with the same q (without this, nested statistics cost deg² passes)."""
@@ -815,7 +1033,10 @@ def derive(apply_fn, params, x_struct, names) -> Graph:
     """The graph of ``apply_fn(params, x)`` for inputs of ``x_struct``'s shape and dtype."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
     leaf_shapes = [tuple(np.shape(v)) for v in leaves]
-    closed = jax.make_jaxpr(apply_fn)(params, x_struct)
+    try:
+        closed = jax.make_jaxpr(apply_fn)(params, x_struct)
+    except Exception as e:  # noqa: BLE001 - the user's model failed: say on what input
+        raise traced_failure(FN, x_struct.shape, e) from e
     walker = Walker([n or "<params>" for n in names], leaf_shapes)  # a bare array: ""
     x_shape = tuple(x_struct.shape)
     inp = walker.add(Kind.Input, (), x_shape, True, frozenset({"x"}), {})
@@ -830,4 +1051,4 @@ def derive(apply_fn, params, x_struct, names) -> Graph:
         (e for e in reversed(closed.jaxpr.eqns) if closed.jaxpr.outvars[0] in e.outvars), None
     )
     last = walker.node(outs[0], producer)
-    return Graph(walker.nodes, last, walker.roles, names)
+    return Graph(walker.nodes, last, walker.roles, walker.names, walker.parents)

@@ -47,29 +47,46 @@ def check_argument(name: str, value, names: list[str]):
     )
 
 
-def resolve(roles: dict, names: list[str], w_std, b_std) -> dict:
-    """{leaf: std} for every leaf the graph uses; ValueError for one without a prior."""
-    out = {}
+def _root(leaf: int, parents: dict) -> int:
+    """The stored leaf a slice leaf (one layer of a stack, ``"w[3]"``) comes from."""
+    while leaf in parents:
+        leaf = parents[leaf][0]
+    return leaf
+
+
+def _values(leaf: int, leaves: list, parents: dict):
+    if leaf in parents:
+        parent, index = parents[leaf]
+        return np.asarray(_values(parent, leaves, parents))[index]
+    return leaves[leaf]
+
+
+def resolve(roles: dict, names: list[str], w_std, b_std, parents=None) -> dict:
+    """{leaf: std} for every leaf the graph uses; ValueError for one without a prior. A
+    slice of a stacked leaf (``parents``: slice -> (leaf, index)) has the stack's prior."""
+    out, parents = {}, parents or {}
     for leaf, (role, _, source) in roles.items():
         arg = ARGUMENT[role]
         value = w_std if arg == "W_std" else b_std
+        key = names[_root(leaf, parents)]
         if isinstance(value, dict):
-            value = value.get(names[leaf])
+            value = value.get(key)
         if value is None:
             what = f"the {role} {names[leaf]!r} (used at {source}) has no prior"
             square = ("mean square" if role == "gain" else "variance") + f" is {arg}²"
-            fix = f"pass {arg}={{{names[leaf]!r}: std}} (or one {arg}=float for every {role}): "
+            fix = f"pass {arg}={{{key!r}: std}} (or one {arg}=float for every {role}): "
             per = "/fan_in" if role == "weight" else ""
             raise bad(ValueError, FN, what, f"{fix}its entries' {square}{per}")
         out[leaf] = float(value)
     return out
 
 
-def check_values(roles: dict, names: list[str], leaves: list, priors: dict) -> None:
-    """UserWarning for each weight or gain leaf whose values contradict its prior."""
+def check_values(roles: dict, names: list[str], leaves: list, priors: dict, parents=None) -> None:
+    """UserWarning for each weight or gain leaf whose values contradict its prior (a
+    stack's slices each on their own)."""
     for leaf, (role, fan_in, _) in roles.items():
         try:
-            values = np.asarray(leaves[leaf], np.float64)
+            values = np.asarray(_values(leaf, leaves, parents or {}), np.float64)
         except Exception:  # noqa: BLE001 - traced or abstract values: nothing to check
             continue
         n = values.size

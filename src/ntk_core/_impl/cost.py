@@ -45,9 +45,19 @@ class Plan:
     tiling: object = None  # with batch_size: the blocked engine's _blocked.Tiling
     whole_batch: object = None  # with vmap_axes=None and cotangent chunks: WholeBatch
     blocked: bool = False  # batch_size given: "auto" compared the tiled estimates
+    # batch_size=None: the tiled estimate "auto" took (the kernel in tiles kept on the
+    # device, a jax.Array as one call returns), else None
+    in_tiles: CostEstimate | None = None
+    weighed: tuple = ()  # "auto": the candidates it weighed (_cost.candidates)
 
     def __str__(self) -> str:
         how = f" (chosen by implementation={AUTO!r})" if self.requested == AUTO else ""
+        if self.in_tiles is not None:
+            t = self.in_tiles
+            how = (
+                f" in tiles of {t.batch} samples kept on the device (chosen by "
+                f"implementation={AUTO!r}: ~{t.seconds:.3g} s, the cheapest it weighed)"
+            )
         requested = REGISTRY.get(self.requested)  # None: "auto"
         if requested is not None and self.implementation != requested.name:
             how = (  # it needs per-sample independence (Impl.whole_batch_as)
@@ -60,8 +70,10 @@ class Plan:
         ]
         for e in self.estimates:
             mib, s = e.memory_bytes / 2**20, e.seconds
+            over = e.memory_bytes > JACOBIAN_MEMORY_BUDGET and not self.blocked
             lines.append(
                 f"  {e.implementation:<10} {e.flops:12.3e} FLOPs  {mib:10.1f} MiB  ~{s:.3g} s"
+                + (f"  (over {human_bytes(JACOBIAN_MEMORY_BUDGET)} in one call)" * over)
             )
             if e.tiled is not None:
                 t = e.tiled
@@ -69,7 +81,16 @@ class Plan:
                     f"    in tiles of {t.batch} samples {t.flops:12.3e} FLOPs  "
                     f"{t.memory_bytes / 2**20:10.1f} MiB  ~{t.seconds:.3g} s"
                 )
-        advice = None if self.blocked else tiles_advice(self.estimates, self.implementation)
+        if self.weighed:
+            said = [
+                f"{e.implementation} {f'in tiles of {e.batch}' if e.batch else 'in one call'} "
+                f"~{e.seconds:.3g} s"
+                for e in sorted(self.weighed, key=lambda e: e.seconds)
+            ]
+            lines.append(f"  auto weighed (the cheapest taken): {', '.join(said)}")
+        advice = None
+        if not self.blocked and self.in_tiles is None:
+            advice = tiles_advice(self.estimates, self.implementation)
         if advice is not None:
             lines.append(f"  {advice_text(self.estimates, self.implementation, advice)}")
         alternative = any(leaf.structured for leaf in self.leaves)
@@ -109,6 +130,17 @@ def conv_channel_weight(eqn) -> float:
     return 1.0 / (max(c_out, 1) ** 1.5 * max(c_in, 1) ** 0.6)
 
 
+#: FLOPs per kernel value (one sample, one cotangent: 2·H'·W' of a convolution) from which
+#: a per-sample convolution kernel gradient's FLOP time covers writing its values.
+CONV_VALUE_COVER_FLOPS = 128.0
+
+
+def conv_value_shortfall(flops_per_value: float) -> float:
+    """1 - F / :data:`CONV_VALUE_COVER_FLOPS`, at least 0: the share of a per-sample conv
+    kernel value's write not hidden behind its gradient's FLOPs (F of them per value)."""
+    return max(0.0, 1.0 - flops_per_value / CONV_VALUE_COVER_FLOPS)
+
+
 @dataclasses.dataclass
 class PassCost:
     """FLOPs of one single-sample forward pass and of one reverse pass (one cotangent):
@@ -122,6 +154,9 @@ class PassCost:
     grad_weights_conv: float = 0.0
     # Kernel gradient FLOPs times the convolution's output values (its cotangent's size).
     grad_weights_conv_values: float = 0.0
+    # Kernel values of the convolutions on the parameters alone, each weighted by how far
+    # its gradient's FLOPs fall short of covering its write (conv_value_shortfall).
+    conv_kernel_values_uncovered: float = 0.0
     grad_elementwise: float = 0.0
     # Convolution FLOPs times conv_channel_weight: forward, activation gradient.
     conv_forward_extra: float = 0.0
@@ -154,6 +189,10 @@ def pass_cost(jaxpr, depends: list[tuple[bool, bool]]) -> PassCost:
                 elif dep_p and eqn.primitive is prims.conv_general_dilated_p:
                     cost.grad_weights_conv += product
                     cost.grad_weights_conv_values += product * entries(eqn.outvars[0])
+                    kernel = entries(eqn.invars[1])
+                    cost.conv_kernel_values_uncovered += kernel * conv_value_shortfall(
+                        product / max(kernel, 1)
+                    )
                 elif dep_p:
                     cost.grad_weights_dot += product
         elif subs:
@@ -235,6 +274,9 @@ class Rates:
     # FLOP-equivalents per value of "jacobian"'s per-sample Jacobians beyond their bytes
     # at bytes_per_s: the weight gradients' batched outer products into fresh buffers.
     jacobian_value_flops: float = 0.0
+    # More per value of a per-sample convolution kernel's Jacobian, times its
+    # conv_value_shortfall (few output positions: the write is not hidden by the FLOPs).
+    conv_jacobian_value_flops: float = 0.0
 
 
 #: CPU: measured on the 2-core CI CPU (jax 0.10.2): matrix products 115-125 GFLOP/s;
@@ -254,8 +296,32 @@ class Rates:
 #: this matmul rate, not the 0.8 ns of their 8 bytes at 10 GB/s (2026-12-07, load 8,
 #: timings scaled by the 2048² matmul's 59 / 120 GFLOP/s: MLP 784-1000-1 N = 300 and
 #: 100, 3136-256-10 N = 12 and 48, 784-512-512-10 N = 24; 9.3-10.7 ns measured): 490
-#: FLOP-equivalents each on top (benchmarks/README.md, plan accuracy). GPU: nominal
-#: data-centre figures (only their ratios matter).
+#: FLOP-equivalents each on top (benchmarks/README.md, plan accuracy). A per-sample
+#: conv kernel's Jacobian values cost 8.5-9.6 ns each where the convolution has few
+#: output positions (2026-12-07, load 3, scaled as above; vmap(jacrev) of N = 8, O = 10,
+#: one 3x3 C -> C convolution on S x S: C = 128 S = 2 and 4, C = 64 S = 8; FLOPs cover the
+#: write from 2·S² ≈ 128 on: 33 ns at S = 16, 225 ns at 32): 550 more FLOP-equivalents
+#: each times conv_value_shortfall (hk.nets.ResNet18 on 32x32, most of its 11.2 M
+#: parameters in 3x3 kernels on 2x2 and 1x1 positions: N = 4 + 2 3.6 -> 6.5 s, measured
+#: 7.5 s; N = 8 + 4 7.2 -> 13.1 s, the issue's trial 15.3 s).
+#:
+#: TPU (one v5e chip, jax 0.10.2, float32 at HIGHEST; issue 51's warm times, derived in
+#: benchmarks/README.md "auto_choice.py"): 2.0e13 FLOP/s, the MLP 784-1000-1 N = 10 000
+#: structured kernel's 5.7e11 FLOP in 28.9 ms (64 % of the 30.7 TFLOP/s 8192² HIGHEST
+#: matmul); 8.1e11 B/s, the chip's nominal HBM bandwidth (not measured), so a per-sample
+#: Jacobian value costs its bytes alone (no jacobian_value_flops: none measured); few-
+#: channel convolutions 4000 (LeNet N = 500, one output: 5.0 ms measured, 0.31 ms by
+#: FLOPs alone; its forward pass alone took 29 ms with 10 logits); explicit Jacobians 8x
+#: (ResNet-18 224², structured, 117 ms with 8 outputs; 36 ms by FLOPs at 10); per-sample
+#: conv kernel gradients vmapped 16x (ResNet-18 224², 8 x 8, "jacobian" in one tile:
+#: 465 ms measured 2026-12-07 (accelerator_bench.py), 64 ms estimated at 2x, so "auto"
+#: took it over structured's 120 ms); the other conv kernel-gradient slowdowns (2x) are
+#: the GPU's assumption, unmeasured. The ViT's "jacobian" in tiles of 3: 2.12 s measured,
+#: 3.3 s estimated. With them plan()
+#: is 1.0-1.7x below the measured ViT (ntvp), ResNet-18, LeNet and MLP; a 16 x 16 FCN's
+#: 1.65 ms is 11x its estimate (per-program launch costs are not modelled).
+#: GPU: uncalibrated, nominal data-centre figures (A100-class float32 tensor-core rate
+#: and HBM bandwidth); only their ratios decide, and none was measured on a GPU.
 RATES = {
     "cpu": Rates(
         flops_per_s=1.2e11,
@@ -268,6 +334,16 @@ RATES = {
         conv_weight_grad_loop_slowdown=100.0,
         explicit_jacobian_slowdown=2.4,
         jacobian_value_flops=490.0,
+        conv_jacobian_value_flops=550.0,
+    ),
+    "tpu": Rates(
+        flops_per_s=2.0e13,
+        bytes_per_s=8.1e11,
+        conv_weight_grad_slowdown=2.0,
+        conv_channel_slowdown=4000.0,
+        conv_vmap_grad_slowdown=16.0,
+        conv_weight_grad_loop_slowdown=2.0,
+        explicit_jacobian_slowdown=8.0,
     ),
     "gpu": Rates(
         flops_per_s=5.0e13,
@@ -280,7 +356,10 @@ RATES = {
 
 
 def rates_for(backend: str | None = None) -> Rates:
-    return RATES["cpu" if (backend or jax.default_backend()) == "cpu" else "gpu"]
+    """The :data:`RATES` of ``backend`` (default JAX's): "cpu", "tpu", else (CUDA, ROCm,
+    any other) "gpu"."""
+    platform = backend or jax.default_backend()
+    return RATES[platform if platform in ("cpu", "tpu") else "gpu"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,6 +629,9 @@ def jacobian_estimate(c: Call) -> tuple[float, float, float]:
     einsums = _jacobian.einsum_count(c.leaf_sizes, c.merge_limit)
     channel = c.n_jac * c.fwd_x + reversed_jac * c.out_total * c.act_x
     channel += c.rates.jacobian_value_flops * jac_bytes / c.itemsize  # the values written
+    if whole_batch is None:  # per-sample conv kernels of few positions: their writes
+        uncovered = c.n_jac * c.out_total * c.pc.conv_kernel_values_uncovered
+        channel += c.rates.conv_jacobian_value_flops * uncovered
     # Per sample: x1's and x2's Jacobians, each batch vmapped in one program.
     batch = 0 if whole_batch is not None else (n1 if c.symmetric else max(n1, n2))
     seconds = c.seconds(jac_flops, slow, 2 * jac_bytes, einsums, jac_pairs, channel, batch)
@@ -590,13 +672,43 @@ def ntvp_estimate(c: Call) -> tuple[float, float, float]:
     return ntvp_flops, memory, seconds
 
 
-def choose(estimates, blocked: bool = False) -> str:
-    """The fastest estimate whose memory fits the budget (else the one without features);
-    ``blocked`` (tiles bound the memory): the fastest in tiles (its ``tiled`` estimate
-    where it has one)."""
+def candidates(estimates, blocked: bool = False, tiles: bool = False) -> list[CostEstimate]:
+    """What ``"auto"`` weighs. ``blocked`` (``batch_size`` given: tiles bound the memory):
+    each implementation in tiles (its ``tiled`` estimate where it has one). Else each one
+    in one call whose peak fits :data:`JACOBIAN_MEMORY_BUDGET`; with ``tiles`` (the call
+    may go to tiles kept on the device: outside a trace, per sample) also the tiled form of
+    each one whose one call does not fit, and of one that fits where that form is
+    estimated :data:`TILES_ADVICE_RATIO` times faster than every one-call candidate
+    (smaller gains stay in one call: the tiles' host loop is not in the estimates)."""
     if blocked:
-        return min(estimates, key=lambda e: (e.tiled or e).seconds).implementation
-    fitting = [e for e in estimates if e.memory_bytes <= JACOBIAN_MEMORY_BUDGET]
-    if not fitting:
-        return next(name for name, impl in REGISTRY.items() if impl.features is None)
-    return min(fitting, key=lambda e: e.seconds).implementation
+        return [e.tiled or e for e in estimates]
+    one_call = [e for e in estimates if e.memory_bytes <= JACOBIAN_MEMORY_BUDGET]
+    if not tiles:
+        return one_call
+    fits = {e.implementation for e in one_call}
+    best = min((e.seconds for e in one_call), default=math.inf)
+    tiled = [
+        e.tiled
+        for e in estimates
+        if e.tiled is not None
+        and (e.implementation not in fits or e.tiled.seconds * TILES_ADVICE_RATIO <= best)
+    ]
+    return one_call + tiled
+
+
+def choice(estimates, blocked: bool = False, tiles: bool = False) -> CostEstimate | None:
+    """The cheapest of :func:`candidates` (a tiled one has ``batch > 0``; one call wins a
+    tie), or None where none is (nothing fits in one call and tiles are not allowed)."""
+    found = candidates(estimates, blocked, tiles)
+    return min(found, key=lambda e: (e.seconds, e.batch > 0), default=None)
+
+
+def featureless() -> str:
+    """The implementation without features: what ``"auto"`` takes where nothing fits."""
+    return next(name for name, impl in REGISTRY.items() if impl.features is None)
+
+
+def choose(estimates, blocked: bool = False, tiles: bool = False) -> str:
+    """The implementation of :func:`choice` (else :func:`featureless`)."""
+    found = choice(estimates, blocked, tiles)
+    return featureless() if found is None else found.implementation

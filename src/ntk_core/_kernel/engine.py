@@ -14,7 +14,6 @@ from ntk_core._errors import bad
 from ntk_core._impl import phases as _implementations
 from ntk_core._impl.base import memory_checked
 from ntk_core._impl.registry import AUTO, REGISTRY
-from ntk_core._jax import memory as _memory
 from ntk_core._kernel import checks as _checks
 from ntk_core._kernel import executor as _executor
 from ntk_core._kernel import ids as _ids
@@ -23,7 +22,6 @@ from ntk_core._kernel import subset as _subset
 from ntk_core._kernel import validate as _validate
 from ntk_core._kernel.layout import as_result
 from ntk_core._kernel.model import one_sample, per_sample_jaxpr
-from ntk_core._kernel.options import AUTO_BATCH_SIZE
 from ntk_core._kernel.pipeline import Checked, Config, Implementation, Kind, Spec
 
 
@@ -58,6 +56,8 @@ class Engine:
 
     def _prepare(self, params, x1, x2, aux) -> tuple[tuple, Checked, Config]:
         key = tuple(_validate.signature(t) for t in (params, x1, x2, aux))
+        # "auto" plans tiles only outside a trace: a traced call has its own plan
+        key += (_planner.tiles_allowed(self.spec, (params, x1)),)
         found = self._prepared.get(key)
         if found is None:
             spec = self.spec
@@ -168,13 +168,7 @@ class Engine:
     def _on_device_in_tiles(self, config, implementation, params, x1, x2, aux):
         """The kernel of an ``"auto"`` call that does not fit in one call, in tiles that
         fit the device (``batch_size="auto"`` within its capacity), kept on the device."""
-        options = self.spec.options
-        budget = options.memory_budget or _blocked.default_memory_budget()
-        have = _memory.capacity(_planner._devices((x1, params)))
-        budget = budget if have is None else min(budget, have // 2)
-        options = dataclasses.replace(
-            options, batch_size=AUTO_BATCH_SIZE, store_on_device=True, memory_budget=budget
-        )
+        options = _planner.device_tiles_options(self.spec, (params, x1))
         cut = _blocked.tiling(implementation, config, options, params, x1, x2, aux)
         fn = self.spec.fn_name
         return _blocked.compute(implementation, config, cut, options, fn, params, x1, x2, aux)

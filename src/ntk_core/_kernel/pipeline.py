@@ -64,6 +64,7 @@ class Config:
     n2: int = 0  # samples of x2 (of x1 when x2 is None)
     param_sizes: tuple[int, ...] = ()  # entries of each parameter leaf
     whole_batch: Any = None  # vmap_axes=None: the _cost.WholeBatch memory model
+    in_tiles: bool = False  # "auto", batch_size=None: planned in tiles kept on the device
 
     @property
     def fuse_bias(self) -> bool:

@@ -4,6 +4,7 @@ returns a ``Config``. :func:`describe` is what ``plan()`` returns."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -73,17 +74,23 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
     if opts.vmap_axes is None and spec.kind is not Kind.NNGP:
         whole = whole_batch(spec, checked, params)
     implementation = NNGP if spec.kind is Kind.NNGP else opts.implementation
+    in_tiles = False
     if implementation == AUTO:  # per-leaf: among those that separate the leaves
-        found = estimates(spec, checked, analyses, params, x1, aux, whole)
         blocked = opts.batch_size is not None  # device memory bounded by the tiles
-        implementation = _cost.choose(found, blocked)
+        # One call where it fits, else (outside a trace) tiles kept on the device
+        tiles = not blocked and tiles_allowed(spec, (params, x1))
+        budget = device_tiles_budget(spec, (params, x1)) if tiles else None
+        found = estimates(spec, checked, analyses, params, x1, aux, whole, budget)
+        chosen = _cost.choice(found, blocked, tiles)
+        implementation = _cost.featureless() if chosen is None else chosen.implementation
         if model_failure(implementation, spec, checked, params, x1, x2, aux) is not None:
             others = [e for e in found if e.implementation != implementation]
-            implementation = _cost.choose(others, blocked)
-            if all(e.implementation != implementation for e in others):
-                # none of the others fits: the fastest of them
-                implementation = min(others, key=lambda e: e.seconds).implementation
-        if not blocked:
+            chosen = _cost.choice(others, blocked, tiles)
+            if chosen is None:  # none of the others fits: the fastest of them
+                chosen = min(others, key=lambda e: e.seconds)  # in one call
+            implementation = chosen.implementation
+        in_tiles = not blocked and chosen is not None and chosen.batch > 0
+        if not blocked and not tiles:
             warn_of_tiles(spec, found, implementation)
     elif implementation in REGISTRY:
         error = model_failure(implementation, spec, checked, params, x1, x2, aux)
@@ -113,23 +120,29 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
         n2=checked.n2,
         param_sizes=tuple(math.prod(np.shape(v)) for v in jax.tree.leaves(params)),
         whole_batch=whole,
+        in_tiles=in_tiles,
     )
 
 
 def warn_of_tiles(spec: Spec, found, implementation: str) -> None:
-    """Warns (once per input signature: configure's cache) when ``"auto"`` in one call
-    took a slower implementation because the faster ones' features do not fit in one call,
-    and a tiled alternative is estimated :data:`_cost.TILES_ADVICE_RATIO` times faster:
-    the user asked for one call (a ``jax.Array`` result), so tiles are not taken unasked."""
+    """Warns (once per input signature: configure's cache) when ``"auto"`` with
+    ``batch_size=None`` had to stay in one call (under a JAX transformation, or with
+    ``vmap_axes=None``: tiles need concrete arrays and per-sample rows) and took a slower
+    implementation because the faster ones' features do not fit in one call, while a tiled
+    alternative is estimated :data:`_cost.TILES_ADVICE_RATIO` times faster."""
     fastest = min(found, key=lambda e: e.seconds)
     advice = _cost.tiles_advice(found, implementation)
     if fastest.implementation == implementation or advice is None:
         return
     what = (
-        f"implementation='auto' with batch_size=None took {implementation!r}: the features "
-        f"of faster ones do not fit in one call; {_cost.advice_text(found, implementation, advice)}"
+        f"implementation='auto' with batch_size=None inside a JAX transformation took "
+        f"{implementation!r}: the features of faster ones do not fit in one call, and tiles "
+        f"run outside transformations; {_cost.advice_text(found, implementation, advice)}"
     )
-    fix = f"pass batch_size={AUTO_BATCH_SIZE!r} (tiles, the same kernel as a host array)"
+    fix = (
+        "call the kernel function outside jax.jit / vmap / grad (auto then computes "
+        f"the tiles on the device), or pass batch_size={AUTO_BATCH_SIZE!r} there"
+    )
     warnings.warn(bad(UserWarning, spec.fn_name, what, fix).args[0], stacklevel=_user_stacklevel())
 
 
@@ -222,7 +235,14 @@ def describe(spec, checked, config, implementation, analyses, params, x1, x2, au
     if config.kind is Kind.NNGP:
         what = "plan() describes NTK computations, not an NNGP"
         raise bad(ValueError, spec.fn_name, what, "call plan on the NTK kernel function")
-    found = estimates(spec, checked, analyses, params, x1, aux, config.whole_batch)
+    auto, blocked = spec.options.implementation == AUTO, spec.options.batch_size is not None
+    tiles = auto and not blocked and tiles_allowed(spec, (params, x1))  # as configure's
+    budget = device_tiles_budget(spec, (params, x1)) if tiles else None
+    found = estimates(spec, checked, analyses, params, x1, aux, config.whole_batch, budget)
+    weighed = tuple(_cost.candidates(found, blocked, tiles)) if auto else ()
+    in_tiles = None
+    if config.in_tiles:
+        in_tiles = next(e.tiled for e in found if e.implementation == config.implementation)
     paths = [
         jax.tree_util.keystr(k) or "(root)"  # params that are one array
         for k, _ in jax.tree_util.tree_leaves_with_path(params)
@@ -239,9 +259,11 @@ def describe(spec, checked, config, implementation, analyses, params, x1, x2, au
         method = methods.get(i, "jacobian (fallback)") if methods else ""
         how = (method,) if structured else (config.implementation, method)
         leaves.append(_cost.LeafPlan(path, size, *how))
-    tiling = None
-    if spec.options.batch_size is not None:
-        tiling = _blocked.tiling(implementation, config, spec.options, params, x1, x2, aux)
+    tiling, options = None, spec.options
+    if config.in_tiles:  # the tiles the engine cuts (Engine._on_device_in_tiles)
+        options = device_tiles_options(spec, (params, x1))
+    if options.batch_size is not None:
+        tiling = _blocked.tiling(implementation, config, options, params, x1, x2, aux)
     return _cost.Plan(
         config.implementation,
         tuple(found),
@@ -250,6 +272,8 @@ def describe(spec, checked, config, implementation, analyses, params, x1, x2, au
         tiling,
         config.whole_batch if REGISTRY[config.implementation].cotangent_chunks else None,
         spec.options.batch_size is not None,
+        in_tiles,
+        weighed,
     )
 
 
@@ -270,13 +294,31 @@ class TilesInstead(Exception):  # noqa: N818 (a signal, not an error)
     kept on the device (a ``jax.Array``, as one call returns)."""
 
 
-def _tiles_allowed(spec: Spec, tree) -> bool:
+def tiles_allowed(spec: Spec, tree) -> bool:
     """Whether an ``"auto"`` call on ``tree`` may go to tiles: per sample, and outside a
     trace (tiles run outside XLA, on concrete arrays)."""
     if spec.options.implementation != AUTO or spec.options.vmap_axes is None:
         return False
     traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(tree))
     return at_top_level() and not traced
+
+
+def device_tiles_budget(spec: Spec, tree) -> int:
+    """The memory budget of the tiles an ``"auto"`` call with ``batch_size=None`` is
+    computed in: ``memory_budget`` (else its default), at most half the capacity of the
+    device holding ``tree`` (the other half holds the kernel, kept there)."""
+    budget = spec.options.memory_budget or _blocked.default_memory_budget()
+    have = _memory.capacity(_devices(tree))
+    return budget if have is None else min(budget, have // 2)
+
+
+def device_tiles_options(spec: Spec, tree):
+    """The options of those tiles: ``batch_size="auto"`` within :func:`device_tiles_budget`,
+    the kernel stored on the device (a ``jax.Array``, as one call returns)."""
+    budget = device_tiles_budget(spec, tree)
+    return dataclasses.replace(
+        spec.options, batch_size=AUTO_BATCH_SIZE, store_on_device=True, memory_budget=budget
+    )
 
 
 def tiles_fix(spec: Spec, checked: Checked, config: Config, analyses, params, x1, aux) -> str:
@@ -319,7 +361,9 @@ def check_fits(
     knows their size without a trace (``Impl.feature_bytes``: the per-sample Jacobians),
     naming the tiles that fit (:func:`tiles_fix`); with ``"auto"``, where the kernel alone
     fits, raises :class:`TilesInstead`. A lower bound: passes in flight and XLA's
-    temporaries come on top (:func:`check_compiled` reads them once compiled)."""
+    temporaries come on top (:func:`check_compiled` reads them once compiled). An
+    ``"auto"`` call planned in tiles (``config.in_tiles``) raises :class:`TilesInstead`
+    where its kernel fits."""
     devices = _devices((x1, params))
     leaves = len(config.param_sizes) if spec.kind is Kind.NTK_PER_LEAF else 1
     diagonal = checked.layouts[0].batch_diagonal
@@ -330,10 +374,13 @@ def check_fits(
     n = checked.n1 + (0 if checked.symmetric else checked.n2)
     features = 0 if per_sample is None else n * per_sample(config)
     need = kernel * copies + features
-    if (over := _memory.beyond(need, devices)) is None:
+    over = _memory.beyond(need, devices)
+    if over is None and not config.in_tiles:
         return
-    if _tiles_allowed(spec, (params, x1)) and _memory.beyond(kernel * copies, devices) is None:
+    if tiles_allowed(spec, (params, x1)) and _memory.beyond(kernel * copies, devices) is None:
         raise TilesInstead
+    if over is None:  # planned in tiles, but traced: the one call fits
+        return
     parts = f"the kernel {human_bytes(kernel)}" + (" twice (with its mirror)" * (copies == 2))
     parts += f" and the features of its {n} samples {human_bytes(features)}" if features else ""
     what = f"this call holds {human_bytes(need)} at once ({parts}), {over}"
@@ -363,7 +410,7 @@ def check_compiled(
     the program runs, once per input signature (``_impl.base.memory_checked``)."""
     name = _PROGRAMS.get(program, f"its program {program!r}")
     if isinstance(stats, Exception):  # the compiler found it does not fit (XLA TPU)
-        if _tiles_allowed(spec, (params, x1)):
+        if tiles_allowed(spec, (params, x1)):
             raise TilesInstead from stats
         said = str(stats).strip().splitlines()[0].rstrip(".")
         what = f"implementation={config.implementation!r} does not fit the device for {name}"
@@ -375,7 +422,7 @@ def check_compiled(
         need, arguments, output, temporaries = found
         if (over := _memory.beyond(need, _devices((x1, params)))) is None:
             return
-        if _tiles_allowed(spec, (params, x1)):
+        if tiles_allowed(spec, (params, x1)):
             raise TilesInstead
         what = (
             f"implementation={config.implementation!r} needs {human_bytes(need)} at once for "

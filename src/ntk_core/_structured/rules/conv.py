@@ -1,8 +1,9 @@
 """Ungrouped convolutions ``y = conv_general_dilated(x, view(W))`` on the kernel: ``c`` =
 (input channel, window offset), ``a`` the output positions, ``k`` the output channels;
 the patches ``x[a, c]`` come from padding and strided slices. A fused bias is a row of ones.
-The features evaluate a convolution with few output positions as its patches times the
-kernel matrix (:data:`MATMUL_MAX_POSITIONS`), others with a canonical kernel transpose."""
+The features evaluate a convolution with few output positions (and on a TPU one with few
+input channels) as its patches times the kernel matrix (:data:`MATMUL_MAX_POSITIONS`,
+:data:`TPU_MATMUL_MAX_CONTRACTION`), others with a canonical kernel transpose."""
 
 from __future__ import annotations
 
@@ -154,11 +155,28 @@ class ConvRule(Rule):
 #: -> 1.3 s (<= 4); <= 1: 2.7 s; <= 16: 1.8 s (a 4x4 map is faster as a convolution).
 MATMUL_MAX_POSITIONS = 4
 
+#: Contraction size (input channels x window) up to which a TPU's features compute a
+#: convolution as patches times the kernel matrix, whatever its positions. XLA's TPU
+#: compiler takes ~10 s for one float32 convolution with few channels at HIGHEST (LeNet's
+#: 5x5, 3 -> 6: 10.9 s; as patches times a matrix 4.1 s), and for channel-rich ones the
+#: convolution stays faster. Measured on a TPU v5e (benchmarks/README.md, 2026-12-07):
+#: LeNet N = 500, every convolution as a matmul: first call 49.2 s -> 12.9 s, warm 30.0 ->
+#: 32.2 ms; ResNet-18 224², every convolution as a matmul: 60.0 s -> 65.8 s, warm 123 ->
+#: 246 ms, hence the bound (LeNet's 75 and 150; ResNet-18's 3x3 convolutions >= 576).
+TPU_MATMUL_MAX_CONTRACTION = 256
+
 
 def _as_matmul(eqn) -> bool:
     out_spec = eqn.params["dimension_numbers"].out_spec
     shape = eqn.outvars[0].aval.shape
-    return math.prod(shape[d] for d in out_spec[2:]) <= MATMUL_MAX_POSITIONS
+    if math.prod(shape[d] for d in out_spec[2:]) <= MATMUL_MAX_POSITIONS:
+        return True
+    if jax.default_backend() != "tpu":
+        return False
+    rhs = eqn.invars[1].aval.shape
+    rhs_spec = eqn.params["dimension_numbers"].rhs_spec
+    contraction = rhs[rhs_spec[1]] * math.prod(rhs[d] for d in rhs_spec[2:])
+    return contraction <= TPU_MATMUL_MAX_CONTRACTION
 
 
 def conv_as_matmul(eqn, lhs, rhs):
