@@ -5,7 +5,8 @@ diagonal (no later layer mixes positions: a Flatten readout), compiles the netwo
 once per input shape and ``get``, and runs it in one call or in tiles through the blocked
 engine (:mod:`ntk_core._blocked.tiles`: ``batch_size``, ``"auto"``, ``out=`` with resume,
 ``devices``, progress; with x2=None only tiles on and above the diagonal, mirrored, so
-the Gram matrix is exactly symmetric).
+the Gram matrix is exactly symmetric). On the CPU one call itself runs its pairs in tiles
+(:mod:`.pair_tiles`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ntk_core._blocked import store as _store
 from ntk_core._blocked import tiles as _tiles
 from ntk_core._errors import NonFiniteError, bad
 from ntk_core._impl.base import jit_tuned
+from ntk_core._infinite import pair_tiles
 from ntk_core._infinite.layer import CALL
 from ntk_core._infinite.state import inputs_kernel
 from ntk_core._jax.memory import beyond
@@ -34,6 +36,15 @@ from ntk_core._units import human_bytes
 
 NAMES = ("nngp", "ntk")
 FN = "kernel_fn"
+
+#: XLA's options of the network's program in tiles (:mod:`.pair_tiles`, on CPU): XLA's
+#: defaults, not the library's CPU_OPTIONS (older fusion emitters, LLVM -O1), under which
+#: the tiles' closed forms ran 1.5-2x slower warm (2026-12-07, load 2-3: a tile's [Conv,
+#: Relu] 2.4 -> 1.0 ms, the 3-layer FC at N = 4 000 0.43 -> 0.31 s, the WideResNet 0.86 ->
+#: 0.41 s, the 21-layer CNN at N = 256 8.2 -> 5.6 s), first calls within their spread. A
+#: call in one piece keeps CPU_OPTIONS: its numbers stay those of the programs before
+#: (get="ntk" and get=("nngp", "ntk") agree bit for bit under them, not under the defaults)
+TILED_XLA_OPTIONS: dict = {}
 
 
 def _get(get) -> tuple[tuple[str, ...], bool]:
@@ -134,7 +145,10 @@ class KernelFn:
 
     Cost: one compiled program per input shape and ``get``; per pair of inputs O(L·P)
     for L layers and P tracked pairs of positions (1 fully connected, H·W with a Flatten
-    readout, (H·W)² where positions mix); memory about 10·P·N1·N2 values in one call.
+    readout, (H·W)² where positions mix); memory: the kernels (P·N1·N2 values each)
+    and, on the CPU, a few tiles of about 1 MiB (the pairs in tiles inside the program,
+    each tile through the whole network while it is in cache); elsewhere about
+    10·P·N1·N2 values in one call.
 
     Example:
       >>> import numpy as np
@@ -153,7 +167,9 @@ class KernelFn:
         self.rule = rule
         # XLA CPU's older fusion emitters, as the empirical programs (_impl/base): the
         # unrolled 21-layer CNN compiled in 12.6 s instead of 46 s (helper's measurement)
-        self._run = jit_tuned(self._kernels, static_argnames=("names", "diagonal", "checked"))
+        static = ("names", "diagonal", "checked", "tiles")
+        self._run = jit_tuned(self._kernels, static_argnames=static)
+        self._run_tiled = jit_tuned(self._kernels, TILED_XLA_OPTIONS, static_argnames=static)
         self._pair_shapes: dict = {}  # (per-sample shape, dtype, get, mode) -> tile shapes
 
     def __repr__(self) -> str:
@@ -166,12 +182,40 @@ class KernelFn:
             raise bad(ValueError, FN, what, "join them with FanInSum() or FanInConcat()")
         return not full
 
-    def _kernels(self, x1, x2, mask=None, *, names, diagonal, checked=False):
+    def _kernels(self, x1, x2, mask=None, *, names, diagonal, checked=False, tiles=None):
         """The kernels ``names`` of x1 and x2 (None: x1), in neural-tangents' layout; with
         ``checked`` a last output, False where a kernel may hold NaN or Inf (its sum is
         not finite): one scalar comes back to the host, not the kernels. ``mask``:
-        the mask constant (a traced scalar: one program for every constant) or None."""
-        k = self.rule.transform(inputs_kernel(x1, x2, diagonal, "ntk" in names, mask))
+        the mask constant (a traced scalar: one program for every constant) or None;
+        ``tiles``: (B1, B2), the pairs in tiles of B1 x B2 samples (:mod:`.pair_tiles`;
+        a Gram matrix then comes out exactly symmetric), or None: all at once."""
+        if tiles is None:
+            out = self._outputs(inputs_kernel(x1, x2, diagonal, "ntk" in names, mask), names)
+            sums = [jnp.sum(a) for a in out]
+        else:
+            # each sample's own covariance once, sliced per tile: a sample's variance is the
+            # same number in every tile it is in (ρ = 1 exactly with itself, see layers)
+            whole = inputs_kernel(x1, x2, diagonal, False, mask)  # its N1 x N2 part unused
+
+            def tile(blocks1, blocks2, offset):
+                (xa, ca), (xb, cb) = blocks1, blocks2
+                k = inputs_kernel(xa, xb, diagonal, "ntk" in names, mask)
+                return self._outputs(k.replace(cov1=ca, cov2=cb, offset=offset), names)
+
+            n1 = x1.shape[0]
+            second = None if x2 is None else (x2, whole.cov2)
+            out, sums = pair_tiles.tiled(
+                tile, (x1, whole.cov1), second, n1, None if x2 is None else x2.shape[0], *tiles
+            )
+        if not checked:
+            return tuple(out)
+        # a sum, not isfinite(a).all(): XLA CPU reduces the predicate far slower (seconds
+        # at N = 4 000); a sum that overflows only sends the host to look (_check_finite)
+        return (*out, jnp.isfinite(jnp.asarray(sums)).all())
+
+    def _outputs(self, k0, names):
+        """The network's kernels ``names`` from the input layer's state ``k0``."""
+        k = self.rule.transform(k0)
         if isinstance(k, tuple):
             what = f"the network ends in {len(k)} branches"
             fix = "join them with FanInSum() or FanInConcat()"
@@ -183,11 +227,13 @@ class KernelFn:
                 pairs = [(2 + 2 * d, 3 + 2 * d) for d in reversed(range(len(k.spatial)))]
                 a = jnp.transpose(a, (0, 1, *[i for p in pairs for i in p]))
             out.append(a)
-        if not checked:
-            return tuple(out)
-        # a sum, not isfinite(a).all(): XLA CPU reduces the predicate far slower (seconds
-        # at N = 4 000); a sum that overflows only sends the host to look (_check_finite)
-        return (*out, jnp.isfinite(jnp.asarray([jnp.sum(a) for a in out])).all())
+        return tuple(out)
+
+    def _tiles(self, x1, x2, diagonal):
+        """(B1, B2) for this call's pairs (:mod:`.pair_tiles`), or None."""
+        positions = math.prod(x1.shape[1:-1])
+        per_pair = (positions if diagonal else positions**2) * x1.dtype.itemsize
+        return pair_tiles.tile_sizes(x1.shape[0], None if x2 is None else x2.shape[0], per_pair)
 
     def _call(self, x1, x2, names, diagonal, check=True, mask=None):
         """One compiled call; a Gram matrix (x2 None) made exactly symmetric by a program
@@ -195,8 +241,10 @@ class KernelFn:
         CPU drops optimisation barriers, so only a program boundary keeps them apart);
         with ``check`` NonFiniteError where a kernel holds NaN or Inf (the program says
         whether to look: one boolean read, not the kernels)."""
-        *out, finite = self._run(x1, x2, mask, names=names, diagonal=diagonal, checked=True)
-        if x2 is None:
+        tiles = self._tiles(x1, x2, diagonal)
+        run = self._run if tiles is None else self._run_tiled
+        *out, finite = run(x1, x2, mask, names=names, diagonal=diagonal, checked=True, tiles=tiles)
+        if x2 is None and tiles is None:  # tiles: mirrored in the program
             out = [_mirror(a) for a in out]
         if check and not isinstance(finite, jax.core.Tracer) and not bool(finite):
             _check_finite(out)  # locates the first bad entry
@@ -267,13 +315,15 @@ class KernelFn:
         return _named(names)(*result)
 
     def _check_fits(self, x1, x2, names, diagonal) -> None:
-        """A one call whose kernels alone (a Gram matrix twice: mirrored) pass the device's
-        memory is refused before it runs, with tiles as the fix."""
+        """A one call whose kernels alone (twice: a Gram matrix mirrored, or the tiles of
+        :mod:`.pair_tiles` stacked) pass the device's memory is refused before it runs,
+        with tiles as the fix."""
         n1 = x1.shape[0]
         n2 = n1 if x2 is None else x2.shape[0]
         positions = math.prod(x1.shape[1:-1])
         per_pair = positions if diagonal else positions**2
-        need = n1 * n2 * per_pair * x1.dtype.itemsize * len(names) * (2 if x2 is None else 1)
+        twice = x2 is None or self._tiles(x1, x2, diagonal) is not None
+        need = n1 * n2 * per_pair * x1.dtype.itemsize * len(names) * (2 if twice else 1)
         over = beyond(int(need))
         if over is not None:
             what = f"the kernels of {n1} x {n2} samples need {human_bytes(need)}, {over}"

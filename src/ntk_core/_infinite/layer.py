@@ -413,6 +413,9 @@ def _scannable(before, after) -> bool:
                 a is not None and (a.shape, a.dtype) != (b.shape, b.dtype)
             ):
                 return False
+        elif f.name == "offset":  # a Gram tile's shift (maybe traced): kept by every layer
+            if (a is None) != (b is None):
+                return False
         elif a != b and f.name != "reversed":  # the output's axis order alone: no maths
             return False
     return True

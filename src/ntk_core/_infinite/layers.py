@@ -266,21 +266,28 @@ def _activation(name: str, fn, forms, key=None) -> Layer:
         _check_gaussian(k, name)
         q11, q22, self1, self2 = pair_variances(k)
         q12 = k.nngp
-        if k.cov2 is None:  # a Gram matrix: each sample with itself is its own covariance
-            # bit for bit, so ρ = 1 there (see closed_forms). Positions on their diagonal
-            # (or none), a select: it fuses into the closed form's reads (the scatter wrote
-            # N² copies: peak 800 -> 740 MiB for the 3-layer FC at N = 4 000, 3.13 -> 2.87
-            # GB for the 21-layer Flatten CNN at N = 256); all pairs of positions, the
-            # scatter (there the select made the 8x8 WideResNet 2.5 -> 3.5 s warm)
-            n = q12.shape[0]
+        if k.same_samples():  # a Gram matrix (or a tile of one, k.offset): each sample
+            # with itself is its own covariance bit for bit, so ρ = 1 there (see
+            # closed_forms). Positions on their diagonal (or none), a select: it fuses into
+            # the closed form's reads (the scatter wrote N² copies: peak 800 -> 740 MiB for
+            # the 3-layer FC at N = 4 000, 3.13 -> 2.87 GB for the 21-layer Flatten CNN at
+            # N = 256); all pairs of positions, the scatter (there the select made the 8x8
+            # WideResNet 2.5 -> 3.5 s warm)
+            n1, n2 = q12.shape[:2]
+            shift = 0 if k.offset is None else k.offset
             if k.diagonal or q12.ndim == 2:
-                same = lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(
-                    jnp.int32, (n, n), 1
+                same = lax.broadcasted_iota(jnp.int32, (n1, n2), 0) + shift == (
+                    lax.broadcasted_iota(jnp.int32, (n1, n2), 1)
                 )
                 same = same.reshape(same.shape + (1,) * (q12.ndim - 2))
                 q12 = jnp.where(same, k.cov1[:, None], q12)
-            else:
-                q12 = q12.at[jnp.arange(n), jnp.arange(n)].set(k.cov1)
+            elif k.offset is None:
+                q12 = q12.at[jnp.arange(n1), jnp.arange(n1)].set(k.cov1)
+            else:  # a tile: its row i is column i + offset, where that is in the tile
+                rows = jnp.arange(n1)
+                cols = rows + shift
+                cols = jnp.where((cols >= 0) & (cols < n2), cols, n2)  # n2: dropped
+                q12 = q12.at[rows, cols].set(k.cov1, mode="drop")
         nngp, dot = forms(q11, q12, q22)
         out = k.replace(
             nngp=nngp,
@@ -754,6 +761,6 @@ def Dropout(rate, mode="train") -> Layer:
             what = "Dropout cannot act on the network's input"
             fix = "put it after a layer"
             raise bad(ValueError, "kernel_fn", what, fix)
-        return spatial.dropout(k, rate, same=k.cov2 is None)
+        return spatial.dropout(k, rate, same=k.same_samples())
 
     return make_layer(Rule(f"Dropout({rate:g}, train)", transform), init_fn, apply_fn)

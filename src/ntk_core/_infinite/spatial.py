@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from ntk_core._infinite import windows
 from ntk_core._infinite.state import Kern, pair_variances, variances
@@ -111,7 +112,8 @@ def _position_diagonal(a, n_batch: int, diagonal: bool):
 
 def dropout(k: Kern, rate: float, same: bool) -> Kern:
     """Train-mode dropout with keep rate ``rate``; ``same``: the pair's batches are one
-    (x2 is x1), so the batch diagonal is each sample with itself."""
+    (x2 is x1, or a tile of a Gram matrix: ``k.offset``), so the batch diagonal (shifted
+    by the offset) is each sample with itself."""
     boost = 1 / rate - 1
 
     def own(a, n_batch):
@@ -120,7 +122,12 @@ def dropout(k: Kern, rate: float, same: bool) -> Kern:
     def pairs(a):
         if not same:
             return a
-        eye = jnp.eye(a.shape[0], dtype=a.dtype)
+        n1, n2 = a.shape[:2]
+        shift = 0 if k.offset is None else k.offset  # a Gram tile: column i + offset is row i
+        eye = (
+            lax.broadcasted_iota(jnp.int32, (n1, n2), 0) + shift
+            == lax.broadcasted_iota(jnp.int32, (n1, n2), 1)
+        ).astype(a.dtype)
         mask = jnp.multiply.outer(eye, _position_diagonal(a, 2, k.diagonal))
         return a * (1 + boost * mask)
 

@@ -17,6 +17,7 @@ channel axis is never held (Novak et al. 2019; Garriga-Alonso et al. 2019).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -34,6 +35,9 @@ class Kern:
     has run yet; ``reversed``: spatial axes in reverse order in the output, as
     neural-tangents lays them out after an odd number of convolutions; ``source``: the
     layer that made it (for messages). ``cov2 is None``: x2 is x1 (the same samples).
+    ``offset``: None, or (a tile of a Gram matrix, :mod:`.kernel_fn`) an int scalar, maybe
+    traced: pair (i, j) is one sample with itself where j − i == offset (cov2 is then the
+    tile's columns' own covariances, bit for bit those of the same samples in cov1).
     """
 
     nngp: jnp.ndarray
@@ -48,6 +52,11 @@ class Kern:
     reversed: bool = False
     source: str = "the input"  # the layer that made it, for messages
     masks: Masks | None = None  # masked positions (kernel_fn's mask_constant), or None
+    offset: Any = None  # a Gram tile's shift between x1's and x2's samples, or None
+
+    def same_samples(self) -> bool:
+        """Whether some pairs are one sample with itself (a Gram matrix or a tile of one)."""
+        return self.cov2 is None or self.offset is not None
 
     def replace(self, **changes) -> Kern:
         return dataclasses.replace(self, **changes)
