@@ -10,10 +10,13 @@ tests/core/test_structured.py 65 s -> 38 s on 2 cores). Set before JAX's backend
 starts (importing ntk_core, as the pytest plugin does, starts none; until 2026-12-06 it
 did, and a run without xdist compiled with XLA's defaults: test_structured.py alone
 118 s, now 69 s); an XLA_FLAGS already naming an option is left as it is. Tests compile many identical programs
-(the same models in many files, each through a new jit): each test process keeps JAX's
-persistent compilation cache in a folder of its own, removed at exit (measured: the
-structured and reference-grid files 194 s -> 148 s in one process). It is set in the
-process's config, not its environment, so the subprocesses tests start compile afresh.
+(the same models in many files, each through a new jit): the test processes keep JAX's
+persistent compilation cache, removed at exit (measured: the structured and
+reference-grid files 194 s -> 148 s in one process), and under xdist both workers share
+one folder (measured 2026-12-07, test_structured, both reference grids and test_traces
+with -n 2, back to back: shared 106 and 114 s at load 3.0-3.3, one folder per worker
+181 and 214 s at load 3.9-5.4). It is set in the process's config, not its environment,
+so the subprocesses tests start compile afresh.
 JAX's compile event still fires for a program read from the cache (the compilation
 counts of tests/core/test_traces.py hold).
 
@@ -29,6 +32,7 @@ keeps that last phase short.
 
 import atexit
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -60,15 +64,60 @@ for _flag, _value in (
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_flag}={_value}").strip()
 
 
+#: The environment variable through which the xdist controller hands its workers one
+#: shared compilation cache folder.
+SHARED_CACHE = "NTK_TESTS_XLA_CACHE"
+
+
+def _atomic_cache_writes() -> bool:
+    """Makes JAX's file cache write each entry to a temporary file renamed into place, so
+    a worker never reads another's half-written entry. JAX locks its folder only with a
+    size limit, and then scans the whole folder on every write (thousands of entries
+    here); without the lock, writes are plain ``write_bytes``. False (each process keeps
+    its own folder) where this JAX's cache class is not the one patched."""
+    try:
+        from jax._src import lru_cache
+    except ImportError:
+        return False
+    cache, suffix = getattr(lru_cache, "LRUCache", None), getattr(lru_cache, "_CACHE_SUFFIX", None)
+    if cache is None or suffix is None or not hasattr(cache, "put"):
+        return False
+
+    locked_put = cache.put
+
+    def put(self, key: str, value: bytes) -> None:
+        if getattr(self, "eviction_enabled", True):  # a size limit: JAX's own, locked
+            return locked_put(self, key, value)
+        path = self.path / f"{key}{suffix}"
+        if not key or path.exists():
+            return
+        part = path.with_name(f".{path.name}.{os.getpid()}.part")
+        part.write_bytes(value)
+        os.replace(part, path)
+
+    cache.put = put
+    return True
+
+
 def pytest_configure(config):
-    """The persistent compilation cache of a process that runs tests (not the xdist
-    controller)."""
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+    """The persistent compilation cache of the processes that run tests: under xdist the
+    controller makes one folder that its workers share (they inherit its environment when
+    it starts them, after this hook), so a program one worker compiled is read by the
+    other; JAX locks the folder (``filelock``) once a cache size limit is set. Without
+    ``filelock`` each process keeps a folder of its own."""
+    under_xdist = bool(getattr(config.option, "numprocesses", None))
+    if under_xdist and not hasattr(config, "workerinput"):  # the controller
+        if os.environ.get("NTK_TESTS_SHARED_CACHE", "1") == "1":
+            folder = tempfile.mkdtemp(prefix="ntk-tests-xla-cache-")
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            os.environ[SHARED_CACHE] = folder
         return
     import jax
 
-    folder = tempfile.mkdtemp(prefix="ntk-tests-xla-cache-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    folder = os.environ.get(SHARED_CACHE) if hasattr(config, "workerinput") else None
+    if folder is None or not _atomic_cache_writes():
+        folder = tempfile.mkdtemp(prefix="ntk-tests-xla-cache-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
