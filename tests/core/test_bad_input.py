@@ -1075,7 +1075,7 @@ def _rows():
             "stax.serial(stax.FanOut(2), stax.parallel(stax.Conv(2, (2,)), stax.Conv(2, (2,))), stax.FanInConcat(), stax.GlobalAvgPool())[2](jnp.ones((2, 4, 3)).at[0, 3].set(-1.0), mask_constant=-1.0)",
             ValueError, r"^kernel_fn: with mask_constant, GlobalAvgPool after FanInConcat \(each branch's channels keep their own masks\)\. Fix: insert a Dense or Conv layer between FanInConcat and GlobalAvgPool"),
         # -- infinite-width kernels derived from a plain JAX model (issue 50) ----------
-        Row("derived-unmapped", "an operation on the activations without an infinite-width rule: max-pooling (a softmax, a cumulative sum, a transpose likewise)",
+        Row("derived-unmapped", "an operation on the activations without an infinite-width rule: max-pooling (a softmax, a cumulative sum, a transpose that mixes positions and channels likewise)",
             "ntk_core.infinite_kernel_fn(lambda w, x: jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 1), (1, 1, 1), 'VALID').reshape(x.shape[0], -1) @ w, jnp.ones((2, 2)), W_std=1.0)(X.reshape(4, 3, 1))",
             ValueError, r"^ntk_core\.infinite_kernel_fn: reduce_window_max at .*: this operation on \(N, 3, 1\) with window_dimensions=\(1, 2, 1\).* has no infinite-width rule; the derivation maps x @ W .*Fix: .*Monte Carlo kernels: .*ntk_core\.monte_carlo_kernels\(init_fn"),
         Row("derived-weight-tying", "one weight used twice (weight tying)",

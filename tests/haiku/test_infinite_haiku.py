@@ -1,7 +1,8 @@
 """ntk_haiku.infinite_kernel_fn (issue 50): priors read from Haiku's initialisers against
 their own draws at a large width (the default w_init's uncorrected truncation against
 scipy); kernels against neural-tangents 0.6.5's recorded stax kernel of hk.nets.MLP
-(benchmarks/dump_nt_adapter_references.py) and an ntk_core.stax twin, in float64."""
+(benchmarks/dump_nt_adapter_references.py) and ntk_core.stax twins (a CNN with Flatten; a
+WideResNet block, LayerNorm, AvgPool and a global mean), in float64."""
 
 from __future__ import annotations
 
@@ -90,4 +91,39 @@ def test_held_out_neural_tangents_mlp_and_a_cnn_twin():
         dense = stax.Dense(2, W_std=w, b_std=0.0, parameterization="standard")
         twin = stax.serial(conv, stax.Relu(), stax.Flatten(), dense)[2](x, None, ("nngp", "ntk"))
         for a, b in zip(ours, twin, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def twin(x):
+    """Flax's Twin (tests/flax/test_infinite_flax.py) in Haiku: a WideResNet block (two
+    convs and the residual add), LayerNorm over the channels, AvgPool and a global mean."""
+    h = hk.Conv1D(4, 3)(x)
+    r = hk.Conv1D(4, 3)(jax.nn.relu(hk.Conv1D(4, 3)(jax.nn.relu(h))))
+    norm = hk.LayerNorm(axis=-1, create_scale=False, create_offset=False, eps=1e-3)
+    h = hk.avg_pool(jax.nn.relu(norm(h + r)), (2, 1), (2, 1), "VALID")
+    return hk.Linear(1)(h.mean(1))
+
+
+def test_resnet_block_layer_norm_and_pools_twin_stax():
+    """Haiku's default w_init (truncated normal, σw² ≈ 0.7737 per fan-in), zero biases."""
+    with jax.enable_x64(True):
+        x = jnp.asarray(np.random.default_rng(4).normal(size=(3, 6, 2)))  # 1-D: cheap
+        net = hk.without_apply_rng(hk.transform(twin))
+        ours = ntk_haiku.infinite_kernel_fn(net, net.init(jax.random.PRNGKey(0), x))(x, None)
+        w = math.sqrt(scipy.stats.truncnorm(-2, 2).var())
+        conv = lambda: stax.Conv(  # noqa: E731
+            4, (3,), padding="SAME", W_std=w, b_std=0.0, parameterization="standard"
+        )
+        ref = stax.serial(
+            conv(),
+            stax.FanOut(2),
+            stax.parallel(stax.Identity(), stax.serial(stax.Relu(), conv(), stax.Relu(), conv())),
+            stax.FanInSum(),
+            stax.LayerNorm(eps=1e-3),
+            stax.Relu(),
+            stax.AvgPool((2,), (2,)),
+            stax.GlobalAvgPool(),
+            stax.Dense(1, w, 0.0, parameterization="standard"),
+        )[2](x, None)
+        for a, b in zip(ours, ref, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)

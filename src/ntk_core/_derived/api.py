@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ntk_core._derived import graph as _graph
 from ntk_core._derived import priors as _priors
@@ -62,6 +63,8 @@ class DerivedKernelFn:
             what = "mask_constant with a model that pools or flattens positions"
             fix = "write the network with ntk_core.stax (its pools average unmasked positions)"
             raise bad(ValueError, FN, what, fix)
+        if g.input_perm is not None:  # read channels-first by the model: stax's layout
+            x1, x2 = _transposed(x1, g.input_perm), _transposed(x2, g.input_perm)
         return kernel_fn(x1, x2, get, **options)
 
     def report(self, x) -> str:
@@ -69,6 +72,15 @@ class DerivedKernelFn:
         (closed form or quadrature), its prior, its source line, what was looked through."""
         g, priors, _ = self._build(x)
         return _report.describe(g, priors, self.deg)
+
+
+def _transposed(x, perm):
+    """``x`` (N, C, H, W as the model reads it) channels-last; None stays None."""
+    if x is None:
+        return None
+    if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return jnp.transpose(x, perm)
+    return np.transpose(np.asarray(x), perm)
 
 
 def infinite_kernel_fn(apply_fn, params, *, W_std=None, b_std=None, deg=25):
@@ -93,8 +105,9 @@ def infinite_kernel_fn(apply_fn, params, *, W_std=None, b_std=None, deg=25):
     ("Kernels of your own model").
 
     Args:
-      apply_fn: ``apply_fn(params, x) -> (N, ..., O)``, x ``(N, *S, C)`` (channels last,
-        samples independent).
+      apply_fn: ``apply_fn(params, x) -> (N, ..., O)``, x ``(N, *S, C)`` (samples
+        independent), or ``(N, C, *S)`` where its first layer reads it channels first
+        (an NCHW convolution): then x1 and x2 are transposed to channels last.
       params: the model's parameters (a pytree); their values only test the priors.
       W_std: the weights' prior: one float for every weight leaf, or a Mapping from a
         leaf's path name (``ntk_core.adapters.leaf_path_names(params)``) to a float; a

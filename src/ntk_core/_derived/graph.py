@@ -16,8 +16,15 @@ Every value of the traced program is read as one of a few symbols, by what it de
   infinite width is the deterministic E[f(u, q)] (LayerNorm's mean and variance).
 
 Samples stay apart (the batch axis 0 is never reduced, the kernel is per pair of
-samples). Each operation on the activations is recognised by a rule (:data:`X_RULES`,
-the elementwise family) that returns its symbol, or None where its parameters do not fit:
+samples). Nodes are channels-last, (N, *S, C); an activation symbol may hold its node's
+values in another order (``axes``: each array axis's axis of the node, None for an
+inserted unit axis), as channels-first convolutions (equinox's NCHW) and the transposes
+around them leave them; each rule reads where the channels and positions are from it.
+An input whose first layer reads it channels-first is walked again as if transposed to
+channels-last (:attr:`Graph.input_perm`: the kernel function transposes x so).
+
+Each operation on the activations is recognised by a rule (:data:`X_RULES`, the
+elementwise family) that returns its symbol, or None where its parameters do not fit:
 then one refusal (:func:`unmapped`) names the primitive, its operands' shapes and
 parameters, its source line, what is mapped and the Monte Carlo alternative. Specific
 messages remain only where they say more: weight tying, a non-Gaussian input, branches
@@ -50,9 +57,10 @@ MONTE_CARLO = (
 )
 #: What the walk maps, for the refusal of what it does not.
 MAPPED = (
-    "the derivation maps x @ W and NHWC convolutions (W one leaf), per-channel biases and "
-    "gains, elementwise chains of one pre-activation, sums over all positions, window sums, "
-    "Flatten, channel concatenations, sums of independent branches, LayerNorm's statistics"
+    "the derivation maps x @ W and convolutions (W one leaf; channels last or first), "
+    "per-channel biases and gains, elementwise chains of one pre-activation, sums over all "
+    "positions, window sums, Flatten, channel concatenations, sums of independent branches, "
+    "LayerNorm's statistics, transposes and unit axes that keep each position's channels"
 )
 
 #: Elementwise primitives (by name: several are not exported by jax.extend).
@@ -104,6 +112,7 @@ class Opaque:
 class Act:
     node: int
     shape: tuple
+    axes: tuple | None = None  # per array axis its node's axis (None: a unit axis); see _axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +127,7 @@ class Affine:
     biases: tuple  # ((leaf, scale), ...)
     source: str
     views: tuple
+    axes: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +157,38 @@ class Chain:
     source: str
     pre: Chain | None = None  # f = post(pre.f): a function of an earlier normalisation
     post: Callable | None = None
+    axes: tuple | None = None
+
+
+def _axes(sym) -> tuple:
+    """Which axis of its node each array axis of ``sym`` holds (0 the samples, 1.. the
+    positions in order, the last the channels; None an inserted unit axis): the node's own
+    channels-last order unless a transpose, a unit axis or a channels-first layer moved them."""
+    axes = getattr(sym, "axes", None)
+    return tuple(range(len(sym.shape))) if axes is None else tuple(axes)
+
+
+def _canon(shape, axes) -> tuple:
+    """The node's (channels-last) shape of an array of ``shape`` whose axes hold ``axes``."""
+    out = [0] * sum(a is not None for a in axes)
+    for size, a in zip(shape, axes, strict=True):
+        if a is not None:
+            out[a] = size
+    return tuple(out)
+
+
+def _channel(axes) -> int:
+    """The array axis holding the channels."""
+    return axes.index(sum(a is not None for a in axes) - 1)
+
+
+class _Relayout(Exception):  # noqa: N818 - control flow, never seen by users
+    """The input's first layer reads it in another order than channels-last: walk again
+    with the input's array axes holding ``axes`` of its node."""
+
+    def __init__(self, axes):
+        super().__init__(axes)
+        self.axes = axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +240,7 @@ class Graph:
     roles: dict  # leaf -> ("weight" | "bias" | "gain", fan_in, source)
     names: list  # leaf path names (then the slices', "w[3]")
     parents: dict = dataclasses.field(default_factory=dict)  # slice leaf -> (leaf, index)
+    input_perm: tuple | None = None  # x.transpose(input_perm) is channels-last (None: x is)
 
 
 #: Sources of the calls being walked: an equation of a body traced apart (a library's
@@ -291,7 +334,8 @@ def _scalar(c: Const, eqn):
 
 
 class Walker:
-    def __init__(self, names, leaf_shapes, deg_stat: int = 40):
+    def __init__(self, names, leaf_shapes, deg_stat: int = 40, relayout: bool = True):
+        self.relayout = relayout  # whether the input's order may still be read anew
         self.nodes: list[Node] = []
         self.roles: dict = {}
         self.names = names
@@ -319,11 +363,43 @@ class Walker:
         self.nodes.append(node)
         return node.id
 
-    def on(self, kind, node, shape, eqn, gaussian=None, **info) -> Act:
-        """A layer of one input ``node`` (its Gaussianity unless given, its weights)."""
+    def on(self, kind, node, shape, eqn, gaussian=None, axes=None, **info) -> Act:
+        """A layer of one input ``node`` (its Gaussianity unless given, its weights), its
+        value an array of ``shape`` whose axes hold ``axes`` of the new node."""
         base = self.nodes[node]
         gaussian = base.gaussian if gaussian is None else gaussian
-        return Act(self.add(kind, (node,), shape, gaussian, base.top, info, eqn), shape)
+        canon = _canon(shape, axes) if axes is not None else shape
+        return Act(self.add(kind, (node,), canon, gaussian, base.top, info, eqn), shape, axes)
+
+    def act(self, sym, eqn) -> Act:
+        """``sym`` as a node, in its own array layout."""
+        node = self.node(sym, eqn)
+        inner = sym.inner if isinstance(sym, Gained) else sym
+        return Act(node, inner.shape, getattr(inner, "axes", None))
+
+    def _from_input(self, sym) -> bool:
+        """Whether ``sym``'s values are the input's, position by position and channel by
+        channel (through elementwise layers and window sums only): its order still free."""
+        if not self.relayout or isinstance(sym, (Affine, Flipped, Gained, Stat)):
+            return False
+        node = self.nodes[sym.base if isinstance(sym, Chain) else sym.node]
+        same = (Kind.Nonlinearity, Kind.Scale, Kind.Normalise, Kind.Bias, Kind.Gain, Kind.SumPool)
+        while node.kind in same:
+            node = self.nodes[node.inputs[0]]
+        return node.kind is Kind.Input
+
+    def _reorder(self, sym, batch, channel, spatial):
+        """The input read anew (:class:`_Relayout`) where ``sym`` (from the input, its
+        order still free) has its samples at array axis ``batch``, its channels at
+        ``channel`` and its positions at ``spatial`` (in order); None where it cannot be."""
+        axes = _axes(sym)
+        picked = [axes[i] for i in (batch, *spatial, channel)]
+        if not self._from_input(sym) or None in picked or picked[0] != 0:
+            return None
+        new = [0] * len(picked)  # the first walk's input axes are its array's: label = axis
+        for j, label in enumerate(picked):
+            new[label] = j
+        raise _Relayout(tuple(new))
 
     def channels(self, node_id) -> int:
         return self.nodes[node_id].shape[-1]
@@ -373,10 +449,8 @@ class Walker:
         if isinstance(sym, Act):
             return sym.node
         if isinstance(sym, Gained) and not isinstance(sym.inner, Stat):
-            inner = self.node(sym.inner, eqn)
-            return self.gain(
-                eqn, Act(inner, self.nodes[inner].shape), sym.param, self.nodes[inner].shape
-            ).node
+            inner = self.act(sym.inner, eqn)
+            return self.gain(eqn, inner, sym.param, inner.shape).node
         if id(sym) in self._made:
             return self._made[id(sym)][1]
         if isinstance(sym, (Affine, Chain)):
@@ -387,17 +461,18 @@ class Walker:
         raise unmapped(eqn, "a channel statistic used on its own (not to normalise)")
 
     def _finish_affine(self, a: Affine, eqn) -> int:
+        shape = _canon(a.shape, _axes(a))
         info = dict(
             leaf=a.leaf,
             fan_in=a.fan_in,
             scale=a.scale,
             conv=a.conv,
-            width=a.shape[-1],
+            width=shape[-1],
             width_in=self.channels(a.node_in),
             biases=a.biases,
         )
         node = self.add(
-            a.kind, (a.node_in,), a.shape, True, frozenset({("w", a.leaf)}), info, None, a.views
+            a.kind, (a.node_in,), shape, True, frozenset({("w", a.leaf)}), info, None, a.views
         )
         return self._with_source(node, a.source)
 
@@ -412,22 +487,24 @@ class Walker:
             scale = phi.normaliser(c.f)
             if scale is None and c.pre is not None and phi.normaliser(c.pre.f) is not None:
                 normalised = self.node(c.pre, eqn)  # the normalisation, then φ of it
-                shape = self.nodes[normalised].shape
-                after = Chain(
-                    normalised, shape, lambda u, q, post=c.post: post(u), c.prims, False, c.source
-                )
+                post = lambda u, q, post=c.post: post(u)  # noqa: E731
+                after = Chain(normalised, c.shape, post, c.prims, False, c.source, axes=c.axes)
                 return self._finish_chain(after, eqn)
             if scale is None:
                 raise unmapped(eqn, "a function of normalised activations other than u·s(q)")
             self.gaussian(eqn, c.base, "a normalisation")
-            made = self.on(Kind.Normalise, c.base, c.shape, None, scale=scale, prims=c.prims)
+            made = self.on(
+                Kind.Normalise, c.base, c.shape, None, axes=c.axes, scale=scale, prims=c.prims
+            )
             return self._with_source(made.node, c.source)
         form = phi.identify(c.f, c.prims)
         if form.linear is not None:
-            scaled = self.on(Kind.Scale, c.base, c.shape, None, factor=form.linear)
+            scaled = self.on(Kind.Scale, c.base, c.shape, None, axes=c.axes, factor=form.linear)
             return self._with_source(scaled.node, c.source)
         self.gaussian(eqn, c.base, f"a nonlinearity ({form.name})")
-        made = self.on(Kind.Nonlinearity, c.base, c.shape, None, False, form=form, prims=c.prims)
+        made = self.on(
+            Kind.Nonlinearity, c.base, c.shape, None, False, c.axes, form=form, prims=c.prims
+        )
         return self._with_source(made.node, c.source)
 
     # -- the walk --
@@ -652,7 +729,8 @@ class Walker:
         if isinstance(gd.inner, Stat):
             return None  # a statistic times a gain used other than to scale activations
         done = [
-            self.gain(eqn, s.inner, s.param, shape) if isinstance(s, Gained) else s for s in ins
+            self.gain(eqn, s.inner, s.param, s.inner.shape) if isinstance(s, Gained) else s
+            for s in ins
         ]
         return self.x_op(eqn, done, shape)
 
@@ -673,13 +751,14 @@ class Walker:
             raise refuse(eqn, f"the {role_what} is {got}, not one leaf", f"{fix}, or {MONTE_CARLO}")
         raise unmapped(eqn, f"a {role_what} that is not a parameter")
 
-    def affine(self, eqn, kind, x, w: Param, shape, fan_in, conv=None) -> Affine:
+    def affine(self, eqn, kind, x, w: Param, shape, fan_in, conv=None, axes=None) -> Affine:
         """The activations ``x`` times the weight leaf ``w``: a Dense or Conv layer not yet
-        finished (a constant scaling and biases may still join it)."""
+        finished (a constant scaling and biases may still join it); its output an array of
+        ``shape`` whose axes hold ``axes`` of the layer's node."""
         node_in = self.node(x, eqn)
         self.use(w.leaf, "weight", fan_in, eqn)
         return Affine(
-            node_in, shape, kind, w.leaf, fan_in, w.scale, conv, (), _source(eqn), w.views
+            node_in, shape, kind, w.leaf, fan_in, w.scale, conv, (), _source(eqn), w.views, axes
         )
 
     def dot(self, eqn, ins, shape):
@@ -697,35 +776,59 @@ class Walker:
             x, w = w, x
         elif not _x_dependent(x) or _x_dependent(w):
             return None  # x @ W, as nn.Dense, with the activations on the left
+        if isinstance(x, Stat):
+            return None
         w = self._weight(eqn, w, "matrix product's weight")
+        axes = _axes(x)
         if flipped:
+            if axes != (0, 1):
+                return None  # (N, C_in) as its node holds it
             return Flipped(self.affine(eqn, Kind.Dense, x, w, (shape[1], shape[0]), w.shape[1]))
-        ndim = len(eqn.invars[0].aval.shape)
-        if lb or rb or tuple(lc) != (ndim - 1,) or tuple(rc) != (0,) or len(w.shape) != 2:
+        if lb or rb or len(lc) != 1 or tuple(rc) != (0,) or len(w.shape) != 2:
             return None  # only x (N, ..., C_in) @ W (C_in, C_out)
-        return self.affine(eqn, Kind.Dense, x, w, shape, w.shape[0])
+        (c,) = lc
+        if axes[c] is None or axes[c] != sum(a is not None for a in axes) - 1:
+            others = [i for i, a in enumerate(axes) if a not in (None, 0) and i != c]
+            return self._reorder(x, axes.index(0) if 0 in axes else 0, c, others)
+        out_axes = (*(a for i, a in enumerate(axes) if i != c), axes[c])
+        return self.affine(eqn, Kind.Dense, x, w, shape, w.shape[0], axes=out_axes)
 
     def conv(self, eqn, ins, shape):
+        """A convolution of any dimension numbers (NHWC, equinox's NCHW, ...): the specs
+        say which array axes hold the samples, channels and positions, ``x``'s axes which
+        of its node's they are; the filter's layout does not matter (i.i.d. entries)."""
         x, w = ins
-        if not _x_dependent(x) or _x_dependent(w):
+        if not _x_dependent(x) or _x_dependent(w) or isinstance(x, Stat):
             return None
         w = self._weight(eqn, w, "convolution's filter")
         p = eqn.params
         n = len(shape)
         dn = p["dimension_numbers"]
-        channels_last = (0, n - 1, *range(1, n - 1))
-        hwio = (n - 1, n - 2, *range(0, n - 2))
-        specs = (tuple(dn.lhs_spec), tuple(dn.out_spec), tuple(dn.rhs_spec))
+        lhs, rhs, out = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
         dilated = any(d != 1 for d in (*p["lhs_dilation"], *p["rhs_dilation"]))
         grouped = p["feature_group_count"] != 1 or p["batch_group_count"] != 1
-        if specs != (channels_last, channels_last, hwio) or dilated or grouped:
-            return None  # only NHWC / HWIO, neither dilated nor grouped
+        if dilated or grouped:
+            return None  # neither dilated nor grouped
+        axes = _axes(x)
+        labels = [axes[i] for i in lhs]  # the node's axes of N, C, positions in spec order
+        spatial = labels[2:]
+        if None in labels or labels[:2] != [0, n - 1] or sorted(spatial) != [*range(1, n - 1)]:
+            return self._reorder(x, lhs[0], lhs[1], lhs[2:])  # None where it cannot be
+        order = [a - 1 for a in spatial]  # spec position k holds the node's position order[k]
         in_shape = tuple(eqn.invars[0].aval.shape)
-        window = tuple(w.shape[:-2])
-        strides = tuple(p["window_strides"])
-        padding = _padding(eqn, in_shape[1:-1], window, strides, p["padding"])
+        k_of = {c: k for k, c in enumerate(order)}  # the node's position c at spec position k
+        window = tuple(w.shape[rhs[2 + k_of[c]]] for c in range(n - 2))
+        strides = tuple(p["window_strides"][k_of[c]] for c in range(n - 2))
+        sizes = tuple(in_shape[lhs[2 + k_of[c]]] for c in range(n - 2))
+        pads = tuple(p["padding"][k_of[c]] for c in range(n - 2))
+        padding = _padding(eqn, sizes, window, strides, pads)
         conv = dict(filter_shape=window, strides=strides, padding=padding)
-        return self.affine(eqn, Kind.Conv, x, w, shape, w.shape[-2] * math.prod(window), conv)
+        out_axes = [0] * n
+        out_axes[out[0]], out_axes[out[1]] = 0, n - 1
+        for k, c in enumerate(order):
+            out_axes[out[2 + k]] = c + 1
+        fan_in = w.shape[rhs[1]] * math.prod(window)
+        return self.affine(eqn, Kind.Conv, x, w, shape, fan_in, conv, tuple(out_axes))
 
     def reduce_sum(self, eqn, ins, shape):
         axes = tuple(sorted(eqn.params["axes"]))
@@ -742,11 +845,19 @@ class Walker:
                 "apply_kwargs={'train': False}; Haiku: is_training=False), or " + MONTE_CARLO
             )
             raise refuse(eqn, what, fix)
-        if axes == (ndim - 1,):
-            return self.channel_mean(eqn, ins[0], shape)
-        if axes != tuple(range(1, ndim - 1)):
+        x = ins[0]
+        if isinstance(x, Stat):
+            return self.channel_mean(eqn, x, shape) if axes == (ndim - 1,) else None
+        labels = _axes(x)
+        r = sum(a is not None for a in labels)
+        summed = {labels[i] for i in axes} - {None}  # a unit axis summed: itself
+        if summed == {r - 1}:
+            return self.channel_mean(eqn, x, shape)
+        if summed != set(range(1, r - 1)):
             return None  # some positions' axes, or positions and channels together
-        return self.on(Kind.GlobalSumPool, self.node(ins[0], eqn), shape, eqn)
+        kept = [a for i, a in enumerate(labels) if i not in axes]
+        out = tuple(None if a is None else (0 if a == 0 else 1) for a in kept)
+        return self.on(Kind.GlobalSumPool, self.node(x, eqn), shape, eqn, axes=out)
 
     def channel_mean(self, eqn, x, shape):
         """A sum over the channels: C·E[f(u, q)] at infinite width (a Stat)."""
@@ -768,43 +879,79 @@ class Walker:
         dims, strides = tuple(p["window_dimensions"]), tuple(p["window_strides"])
         pads = tuple(tuple(q) for q in p["padding"])
         dilated = any(d != 1 for d in (*p["base_dilation"], *p["window_dilation"]))
-        ends = (dims[0], dims[-1], strides[0], strides[-1], *pads[0], *pads[-1])
-        if ends != (1, 1, 1, 1, 0, 0, 0, 0) or dilated:
-            return None  # a window over the batch or channel axis, or dilated
+        x = ins[0]
+        if isinstance(x, Stat) or dilated:
+            return None
+        labels = _axes(x)
+        r = sum(a is not None for a in labels)
+        at = {a: i for i, a in enumerate(labels) if a is not None}  # node axis -> array axis
+        ends = [i for i, a in enumerate(labels) if a in (None, 0, r - 1)]
+        if any((dims[i], strides[i], *pads[i]) != (1, 1, 0, 0) for i in ends):
+            return None  # a window over the samples, the channels or a unit axis
         in_shape = tuple(eqn.invars[0].aval.shape)
-        padding = _padding(eqn, in_shape[1:-1], dims[1:-1], strides[1:-1], pads[1:-1])
-        info = dict(window_shape=dims[1:-1], strides=strides[1:-1], padding=padding)
-        return self.on(Kind.SumPool, self.node(ins[0], eqn), shape, eqn, **info)
+        pos = [at[c] for c in range(1, r - 1)]  # the array axes of the positions, in order
+        window, steps = tuple(dims[i] for i in pos), tuple(strides[i] for i in pos)
+        padding = _padding(eqn, [in_shape[i] for i in pos], window, steps, [pads[i] for i in pos])
+        info = dict(window_shape=window, strides=steps, padding=padding)
+        return self.on(Kind.SumPool, self.node(x, eqn), shape, eqn, axes=x.axes, **info)
 
     def concat(self, eqn, ins, shape):
-        if eqn.params["dimension"] != len(shape) - 1 or not all(_x_dependent(s) for s in ins):
+        if not all(_x_dependent(s) and not isinstance(s, Stat) for s in ins):
+            return None
+        axes = {_axes(getattr(s, "inner", s)) for s in ins}
+        if len(axes) != 1:
+            return None  # branches laid out differently
+        (axes,) = axes
+        if eqn.params["dimension"] != _channel(axes):
             return None  # only activations, along the channels
         nodes = [self.node(s, eqn) for s in ins]
         self._independent(eqn, nodes, "concatenation")
         top = frozenset().union(*[self.nodes[n].top for n in nodes])
-        return Act(self.add(Kind.FanInConcat, nodes, shape, False, top, {}, eqn), shape)
+        made = self.add(Kind.FanInConcat, nodes, _canon(shape, axes), False, top, {}, eqn)
+        return Act(made, shape, axes)
 
     def layout(self, eqn, ins, shape):
+        """A transpose, or axes of size 1 inserted or dropped: the same values, each array
+        axis still holding one axis of the node (``axes``); else Flatten (N, ..., C) ->
+        (N, S·C), whose kernel does not depend on the order of the merged axes."""
         (x,) = ins
         in_shape = tuple(eqn.invars[0].aval.shape)
         if isinstance(x, Stat):
             return x  # a per-sample, per-position number: its layout does not matter
-        if eqn.primitive is prims.transpose_p and tuple(eqn.params["permutation"]) != (
-            *range(len(shape)),
-        ):
-            return None  # the activations stay (N, ..., C)
-        if shape == in_shape:
-            return x
+        axes, prim = _axes(x), eqn.primitive
+        if prim is prims.transpose_p:
+            new = tuple(axes[i] for i in eqn.params["permutation"])
+        elif prim is prims.broadcast_in_dim_p:
+            dims = tuple(eqn.params["broadcast_dimensions"])
+            new = [None] * len(shape)
+            for i, d in enumerate(dims):
+                new[d] = axes[i]
+            grown = any(shape[d] != in_shape[i] for i, d in enumerate(dims))
+            if grown or any(shape[j] != 1 for j in set(range(len(shape))) - set(dims)):
+                return None  # copies of the activations along an axis
+            new = tuple(new)
+        elif prim is prims.squeeze_p:
+            gone = {d % len(in_shape) for d in eqn.params["dimensions"]}
+            if any(axes[d] is not None for d in gone):
+                new = None  # a position or channel axis of size 1 dropped
+            else:
+                new = tuple(a for i, a in enumerate(axes) if i not in gone)
+        else:
+            new = _units(in_shape, shape, axes)
+        if new is not None:
+            if isinstance(x, (Act, Affine, Chain)):
+                return dataclasses.replace(x, shape=shape, axes=new)
+            return None
         flatten = len(shape) == 2 and len(in_shape) > 2 and shape[0] == in_shape[0]
-        if eqn.primitive is prims.reshape_p and flatten:
+        if prim is prims.reshape_p and flatten and axes[0] == 0:
             return self.on(Kind.Flatten, self.node(x, eqn), shape, eqn, gaussian=False)
         return None  # a reshape other than Flatten (N, *S, C) -> (N, S·C)
 
     def as_chain(self, s, eqn) -> Chain:
         if isinstance(s, Chain):
             return s
-        node = self.node(s, eqn)
-        return Chain(node, self.nodes[node].shape, lambda u, q: u, (), False, _source(eqn))
+        a = self.act(s, eqn)
+        return Chain(a.node, a.shape, lambda u, q: u, (), False, _source(eqn), axes=a.axes)
 
     def _independent(self, eqn, nodes, what):
         seen = set()
@@ -841,13 +988,20 @@ class Walker:
         # several activations: one pre-activation's chain, or a sum of independent branches
         bases = {s.base if isinstance(s, (Stat, Chain)) else self.node(s, eqn) for s in xs}
         if len(bases) > 1 and prim in SUMS and len(xs) == 2:
-            nodes = [self.node(s, eqn) for s in xs]  # −b: the same covariance as b
+            if any(isinstance(s, Stat) for s in xs):
+                return None
+            acts = [self.act(s, eqn) for s in xs]  # −b: the same covariance as b
+            nodes = [a.node for a in acts]
             self._independent(eqn, nodes, "sum")
             gaussian = all(self.nodes[n].gaussian for n in nodes)
-            if len({self.nodes[n].shape for n in nodes}) > 1:
-                return None  # branches of different shapes
+            if len({self.nodes[n].shape for n in nodes}) > 1 or acts[0].axes != acts[1].axes:
+                return None  # branches of different shapes, or laid out differently
+            if acts[0].shape != shape:
+                return None  # a branch broadcast along an axis
             top = frozenset().union(*[self.nodes[n].top for n in nodes])
-            return Act(self.add(Kind.FanInSum, nodes, shape, gaussian, top, {}, eqn), shape)
+            canon = _canon(shape, _axes(acts[0]))
+            made = self.add(Kind.FanInSum, nodes, canon, gaussian, top, {}, eqn)
+            return Act(made, shape, acts[0].axes)
         return self.chain_op(eqn, ins, shape)
 
     def stat_op(self, eqn, ins):
@@ -881,6 +1035,12 @@ class Walker:
             if isinstance(ins[0], Chain) and (dtype is None or jnp.issubdtype(dtype, jnp.floating)):
                 return ins[0]  # a cast: the chain runs in the kernel's dtype
         parts, base, used, uses_q = [], None, {eqn.primitive.name}, False  # parts: (u, q) -> ·
+        acts = [s for s in ins if _x_dependent(s) and not isinstance(s, Stat)]
+        if len({_axes(s) for s in acts}) > 1:
+            return None  # one node's values in two orders (u + uᵀ): positions mixed
+        if any(s.shape != shape for s in acts):
+            return None  # the activations broadcast along an axis
+        axes = _axes(acts[0]) if acts else None
         for s in ins:
             if isinstance(s, Const):
                 value = _scalar(s, eqn) if np.asarray(s.value).ndim else s.value
@@ -916,31 +1076,44 @@ class Walker:
         def f(u, q, parts=tuple(parts)):
             return _bind(eqn, [part(u, q) for part in parts])
 
-        return Chain(base, shape, f, tuple(sorted(used)), uses_q, source, pre, post)
+        return Chain(base, shape, f, tuple(sorted(used)), uses_q, source, pre, post, axes)
 
-    def per_channel(self, eqn, p, role, shape) -> Param:
-        """``p`` as one parameter leaf of one entry per channel (a bias, a gain), used once."""
+    def per_channel(self, eqn, p, role, x) -> Param:
+        """``p`` as one parameter leaf of one entry per channel (a bias, a gain), along the
+        channel axis of the activations ``x``, used once."""
         p = self._weight(eqn, p, role)
         leaf_shape = self.leaf_shapes[p.leaf]
-        if math.prod(leaf_shape) != shape[-1]:
+        axes = _axes(x)
+        c = _channel(axes)
+        width = x.shape[c]
+        view = (1,) * (len(axes) - len(p.shape)) + tuple(p.shape)
+        # entries along the channel axis (broadcast along others, as jnp.broadcast_to does)
+        along = len(view) == len(axes) and view[c] == width
+        along = along and all(n in (1, x.shape[i]) for i, n in enumerate(view))
+        if math.prod(leaf_shape) != width or not along:
             what = f"the {role} {self.names[p.leaf]!r} of shape {leaf_shape} meets activations"
-            fix = f"give the {role} one entry per channel ({shape[-1]})"
-            raise refuse(eqn, f"{what} of {shape[-1]} channels", f"{fix}, or {MONTE_CARLO}")
+            fix = f"give the {role} one entry per channel ({width}), along the channel axis"
+            raise refuse(eqn, f"{what} of {width} channels", f"{fix}, or {MONTE_CARLO}")
         self.use(p.leaf, role, 1, eqn)
         return p
 
     def bias(self, eqn, x, p, x_sign, p_sign, shape):
-        p = self.per_channel(eqn, p, "bias", shape)
+        if isinstance(x, Stat) or getattr(x, "shape", None) != shape:
+            return None  # a bias of a statistic, or activations broadcast by the bias
+        p = self.per_channel(eqn, p, "bias", x)
         if isinstance(x, Affine) and x_sign == 1.0:
             return dataclasses.replace(x, biases=x.biases + ((p.leaf, p.scale * p_sign),))
-        node = self.node(x, eqn)
+        node, axes = self.node(x, eqn), _axes(x)
         if x_sign != 1.0:
-            node = self.on(Kind.Scale, node, shape, eqn, factor=x_sign).node
-        return self.on(Kind.Bias, node, shape, eqn, biases=((p.leaf, p.scale * p_sign),))
+            node = self.on(Kind.Scale, node, shape, eqn, axes=axes, factor=x_sign).node
+        return self.on(Kind.Bias, node, shape, eqn, axes=axes, biases=((p.leaf, p.scale * p_sign),))
 
     def gain(self, eqn, x, p, shape):
-        p = self.per_channel(eqn, p, "gain", shape)
-        return self.on(Kind.Gain, self.node(x, eqn), shape, eqn, leaf=p.leaf, scale=p.scale)
+        if isinstance(x, Stat) or getattr(x, "shape", None) != shape:
+            return None  # activations broadcast by the gain
+        p = self.per_channel(eqn, p, "gain", x)
+        node = self.node(x, eqn)
+        return self.on(Kind.Gain, node, shape, eqn, axes=_axes(x), leaf=p.leaf, scale=p.scale)
 
 
 #: The rules of the operations on activations other than elementwise ones, by primitive.
@@ -1015,6 +1188,25 @@ def _bind(eqn, vals):
     return jaxpr_walk.bind(eqn, list(jnp.broadcast_arrays(*cast)))
 
 
+def _units(in_shape, shape, axes):
+    """``axes`` after a reshape from ``in_shape`` to ``shape`` that only inserts or drops
+    axes of size 1 (the others kept in order; a dropped one must be an inserted one), else
+    None."""
+    new, i = [], 0
+    for size in shape:
+        while i < len(in_shape) and in_shape[i] == 1 and axes[i] is None and size != 1:
+            i += 1  # an inserted unit axis dropped
+        if i < len(in_shape) and in_shape[i] == size:
+            new.append(axes[i])
+            i += 1
+        elif size == 1:
+            new.append(None)  # a unit axis inserted
+        else:
+            return None
+    rest = axes[i:]
+    return tuple(new) if all(a is None for a in rest) else None
+
+
 def _padding(eqn, sizes, window, strides, pads) -> str:
     from ntk_core._infinite import windows
 
@@ -1037,11 +1229,11 @@ def derive(apply_fn, params, x_struct, names) -> Graph:
         closed = jax.make_jaxpr(apply_fn)(params, x_struct)
     except Exception as e:  # noqa: BLE001 - the user's model failed: say on what input
         raise traced_failure(FN, x_struct.shape, e) from e
-    walker = Walker([n or "<params>" for n in names], leaf_shapes)  # a bare array: ""
     x_shape = tuple(x_struct.shape)
-    inp = walker.add(Kind.Input, (), x_shape, True, frozenset({"x"}), {})
-    syms = [Param(i, s) for i, s in enumerate(leaf_shapes)] + [Act(inp, x_shape)]
-    outs = walker.run(closed.jaxpr, closed.consts, syms)
+    try:
+        walker, outs = _walk(closed, names, leaf_shapes, x_shape, None)
+    except _Relayout as again:  # the first layer reads x channels-first: x as it reads it
+        walker, outs = _walk(closed, names, leaf_shapes, x_shape, again.axes)
     if len(outs) != 1 or not _x_dependent(outs[0]):
         got = f"{len(outs)} arrays" if len(outs) != 1 else "an output that does not depend on x"
         raise refuse(
@@ -1050,5 +1242,23 @@ def derive(apply_fn, params, x_struct, names) -> Graph:
     producer = next(
         (e for e in reversed(closed.jaxpr.eqns) if closed.jaxpr.outvars[0] in e.outvars), None
     )
-    last = walker.node(outs[0], producer)
-    return Graph(walker.nodes, last, walker.roles, walker.names, walker.parents)
+    out = walker.act(outs[0], producer)
+    labels = [a for a in _axes(out) if a not in (None, 0, len(walker.nodes[out.node].shape) - 1)]
+    if labels != sorted(labels):  # the kernel's positions are the node's, in order
+        raise unmapped(producer, "an output whose positions are transposed")
+    inp = walker.nodes[0].info
+    perm = getattr(inp, "perm", None)
+    return Graph(walker.nodes, out.node, walker.roles, walker.names, walker.parents, perm)
+
+
+def _walk(closed, names, leaf_shapes, x_shape, input_axes):
+    """One walk of ``closed`` with the input's array axes holding ``input_axes`` of its
+    node (None: channels last, and a first layer reading it otherwise walks again)."""
+    walker = Walker([n or "<params>" for n in names], leaf_shapes, relayout=input_axes is None)
+    info, canon = {}, x_shape
+    if input_axes is not None:
+        canon = _canon(x_shape, input_axes)
+        info["perm"] = tuple(input_axes.index(j) for j in range(len(input_axes)))
+    inp = walker.add(Kind.Input, (), canon, True, frozenset({"x"}), info)
+    syms = [Param(i, s) for i, s in enumerate(leaf_shapes)] + [Act(inp, x_shape, input_axes)]
+    return walker, walker.run(closed.jaxpr, closed.consts, syms)
