@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import subprocess
@@ -178,18 +177,11 @@ def write_shapes():
 
 
 def _listen():
-    import jax
-
+    """JAX's compile log, counted (``compile_anatomy.py``'s listener)."""
     sys.path.insert(0, HERE)
-    from first_call import _Compiles
+    from compile_anatomy import _listen as listen
 
-    handler = _Compiles()
-    logger = logging.getLogger("jax")
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
-    jax.config.update("jax_log_compiles", True)
-    return handler
+    return listen()
 
 
 def _timed(call, repeats=3):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from ntk_core._derived.graph import traced_failure
-from ntk_core._derived.paths import leaf_path_names
+from ntk_core._derived.paths import leaf_path_names, naming
 from ntk_core._errors import bad
 
 
@@ -140,7 +140,9 @@ class Deferred:
             names = leaf_path_names(self._params)
             self._merged = merge(self._name, read, *self._given, names=names)
             w, b = self._merged
-            self._fn = _core()(self._apply, self._params, W_std=w, b_std=b)
+            with naming(self._name):
+                self._fn = _core()(self._apply, self._params, W_std=w, b_std=b)
+            self._fn.caller = self._name  # its messages name the adapter's function
         return self._fn
 
     def __call__(self, x1, x2=None, get=None, **options):

@@ -9,15 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_core._derived import graph as _graph
+from ntk_core._derived import paths as _paths
 from ntk_core._derived import priors as _priors
 from ntk_core._derived import report as _report
 from ntk_core._derived.graph import Kind
-from ntk_core._derived.paths import leaf_path_names
+from ntk_core._derived.paths import leaf_path_names, naming
 from ntk_core._derived.rules import build_rule
 from ntk_core._errors import bad, check_int
 from ntk_core._infinite.kernel_fn import KernelFn, _inputs
 
-FN = _graph.FN
+FN = _paths.FN
 
 
 class DerivedKernelFn:
@@ -31,11 +32,16 @@ class DerivedKernelFn:
         self.names = leaf_path_names(params)
         self._w, self._b, self.deg = w_std, b_std, deg
         self._built: dict = {}  # (per-sample shape, dtype) -> (graph, priors, KernelFn)
+        self.caller = FN  # the public function messages name (an adapter's sets its own)
 
     def __repr__(self) -> str:
         return f"<ntk_core.infinite_kernel_fn of {getattr(self.apply_fn, '__name__', 'apply_fn')}>"
 
     def _build(self, x1):
+        with naming(self.caller):
+            return self._derived(x1)
+
+    def _derived(self, x1):
         if hasattr(x1, "shape") and hasattr(x1, "dtype"):  # a warm call: no second input
             key = (tuple(x1.shape[1:]), jnp.dtype(x1.dtype))  # pass (the KernelFn checks x1)
             if key in self._built:
@@ -62,7 +68,7 @@ class DerivedKernelFn:
             # would still divide by the full size (silently wrong); stax's pools know masks
             what = "mask_constant with a model that pools or flattens positions"
             fix = "write the network with ntk_core.stax (its pools average unmasked positions)"
-            raise bad(ValueError, FN, what, fix)
+            raise bad(ValueError, self.caller, what, fix)
         if g.input_perm is not None:  # read channels-first by the model: stax's layout
             x1, x2 = _transposed(x1, g.input_perm), _transposed(x2, g.input_perm)
         return kernel_fn(x1, x2, get, **options)

@@ -45,7 +45,7 @@ import numpy as np
 from jax.extend import core as jex
 from jax.extend.core import primitives as prims
 
-from ntk_core._derived.paths import FN
+from ntk_core._derived.paths import caller
 from ntk_core._errors import bad
 from ntk_core._jax import jaxpr_walk
 
@@ -261,7 +261,7 @@ def _source(eqn) -> str:
 def refuse(eqn, what: str, fix: str = MONTE_CARLO) -> Exception:
     """The walk's message: ``"{primitive} at {source line}: {what}. Fix: {fix}."``."""
     lead = f"{eqn.primitive.name} at {_source(eqn)}: " if eqn is not None else ""
-    return bad(ValueError, FN, lead + what, fix, see="infinite-kernel-fn")
+    return bad(ValueError, caller(), lead + what, fix, see="infinite-kernel-fn")
 
 
 def _shown(value) -> bool:
@@ -437,10 +437,22 @@ class Walker:
         nonlinearity's output, or a sum with one): its kernel needs the whole law."""
         base = self.nodes[node_id]
         if not base.gaussian:
+            origin = base  # back through per-channel biases, gains and scalings
+            while origin.kind in (Kind.Bias, Kind.Gain, Kind.Scale) and origin.inputs:
+                before = self.nodes[origin.inputs[0]]
+                if before.gaussian:
+                    break
+                origin = before
             what = (
-                f"{what} of a non-Gaussian input (the output of {base.kind.name} at {base.source})"
+                f"{what} of a non-Gaussian input (the output of {base.kind.name} at {base.source}"
+                + (f", after {origin.kind.name} at {origin.source}" if origin is not base else "")
+                + ")"
             )
-            fix = "insert a Dense or Conv layer between them, or " + MONTE_CARLO
+            fix = (
+                "insert a Dense or Conv layer between them (a constant shift counts as a "
+                "nonlinearity here: BatchNorm in eval mode is derived with zero running means, "
+                "its initial statistics), or " + MONTE_CARLO
+            )
             raise refuse(eqn, f"{what} has no infinite-width rule", fix)
 
     # -- materialisation: any x-dependent symbol as a node --
@@ -1228,7 +1240,7 @@ def derive(apply_fn, params, x_struct, names) -> Graph:
     try:
         closed = jax.make_jaxpr(apply_fn)(params, x_struct)
     except Exception as e:  # noqa: BLE001 - the user's model failed: say on what input
-        raise traced_failure(FN, x_struct.shape, e) from e
+        raise traced_failure(caller(), x_struct.shape, e) from e
     x_shape = tuple(x_struct.shape)
     try:
         walker, outs = _walk(closed, names, leaf_shapes, x_shape, None)

@@ -4,10 +4,29 @@ a Flax, Haiku or equinox model names the same leaves the core sees."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 
-#: The public function every message of the derivation names.
+#: The public function the derivation's messages name by default.
 FN = "ntk_core.infinite_kernel_fn"
+_CALLERS = [FN]
+
+
+def caller() -> str:
+    """The public function the derivation's messages name: ``ntk_core.infinite_kernel_fn``,
+    or the adapter's (``ntk_flax.infinite_kernel_fn``, ...) while it derives (:func:`naming`)."""
+    return _CALLERS[-1]
+
+
+@contextlib.contextmanager
+def naming(name: str):
+    """Messages raised inside the block name ``name``."""
+    _CALLERS.append(name)
+    try:
+        yield
+    finally:
+        _CALLERS.pop()
 
 
 def _part(key) -> str:

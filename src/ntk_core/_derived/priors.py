@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ntk_core._derived.paths import FN
+from ntk_core._derived.paths import caller
 from ntk_core._errors import bad, check_real
 
 ARGUMENT = {"weight": "W_std", "gain": "W_std", "bias": "b_std"}
@@ -36,11 +36,11 @@ def check_argument(name: str, value, names: list[str]):
                 near = ", ".join(map(repr, difflib.get_close_matches(str(path), names, 3, 0.0)))
                 what = f"{name} names the parameter {path!r}, which is not a leaf of params"
                 fix = f"use a name of ntk_core.adapters.leaf_path_names(params); nearest: {near}"
-                raise bad(ValueError, FN, what, fix)
-            out[path] = check_real(FN, f"{name}[{path!r}]", std, f"pass a finite {name} >= 0")
+                raise bad(ValueError, caller(), what, fix)
+            out[path] = check_real(caller(), f"{name}[{path!r}]", std, f"pass a finite {name} >= 0")
         return out
     return check_real(
-        FN,
+        caller(),
         name,
         value,
         f"pass a finite {name} >= 0, e.g. {name}=1.0, or a dict from leaf path names to stds",
@@ -76,7 +76,7 @@ def resolve(roles: dict, names: list[str], w_std, b_std, parents=None) -> dict:
             square = ("mean square" if role == "gain" else "variance") + f" is {arg}²"
             fix = f"pass {arg}={{{key!r}: std}} (or one {arg}=float for every {role}): "
             per = "/fan_in" if role == "weight" else ""
-            raise bad(ValueError, FN, what, f"{fix}its entries' {square}{per}")
+            raise bad(ValueError, caller(), what, f"{fix}its entries' {square}{per}")
         out[leaf] = float(value)
     return out
 
@@ -108,8 +108,8 @@ def check_values(roles: dict, names: list[str], leaves: list, priors: dict, pare
             arg = ARGUMENT[role]
             what = "√(fan_in·mean(W²))" if role == "weight" else "√mean(x²)"
             warnings.warn(
-                f"{FN}: the {role} {names[leaf]!r} has {what} = {estimate:.4g}, but its prior "
-                f"{arg} is {std:.4g}. The kernel follows the prior. Fix: pass the {arg} its "
+                f"{caller()}: the {role} {names[leaf]!r} has {what} = {estimate:.4g}, but its "
+                f"prior {arg} is {std:.4g}. The kernel follows the prior. Fix: pass the {arg} its "
                 "initialiser used, or check the parameters.",
                 UserWarning,
                 stacklevel=4,

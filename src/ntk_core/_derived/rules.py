@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 import types
 
-from ntk_core._derived.graph import FN, MONTE_CARLO, Kind
+from ntk_core._derived.graph import MONTE_CARLO, Kind
+from ntk_core._derived.paths import caller
 from ntk_core._errors import bad
 from ntk_core._infinite import affine, spatial
 from ntk_core._infinite.layer import Rule, named, repeated, settled
@@ -264,7 +265,7 @@ def build_rule(graph, priors, deg: int, name: str) -> Rule:
             if after_gain and math.isnan(kappa):
                 what = f"the nonlinearity at {node.source} follows a gain shifted by a random bias"
                 fix = "put a Dense layer between them, or " + MONTE_CARLO
-                raise bad(ValueError, FN, f"{what} (or a zero gain): no rule here", fix)
+                raise bad(ValueError, caller(), f"{what} (or a zero gain): no rule here", fix)
             if after_gain:
                 out = _after_gain(node, ins[0], kappa, layers[node.id], psi_rules.get(node.id))
             else:

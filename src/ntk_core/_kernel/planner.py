@@ -264,6 +264,8 @@ def describe(spec, checked, config, implementation, analyses, params, x1, x2, au
         options = device_tiles_options(spec, (params, x1))
     if options.batch_size is not None:
         tiling = _blocked.tiling(implementation, config, options, params, x1, x2, aux)
+    if in_tiles is not None and tiling is not None:  # the header names the tiles that run
+        in_tiles = dataclasses.replace(in_tiles, batch=tiling.b1)
     return _cost.Plan(
         config.implementation,
         tuple(found),
