@@ -129,6 +129,8 @@ def _lowered(phases, p, x) -> list[str]:
     return [jax.jit(phases.features).lower(p, x, None).as_text(), tile.lower(p, fx).as_text()]
 
 
+# precision="default" is asked for on purpose here: its PrecisionWarning is expected
+@pytest.mark.filterwarnings("ignore::ntk_core._jax.environment.PrecisionWarning")
 @pytest.mark.parametrize("precision", ["highest", "default"])
 @pytest.mark.parametrize("vmap_axes", [0, None])
 @pytest.mark.parametrize("implementation", ["jacobian", "structured", "ntvp", "nngp"])
