@@ -9,6 +9,8 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 
+from ntk_core import stax
+
 REF = np.load(pathlib.Path(__file__).parent / "data" / "nt_adapter_reference.npz")
 
 
@@ -24,3 +26,26 @@ def assert_neural_tangents(name: str, kernel_fn) -> None:
             ours = np.asarray(getattr(k, get))[:n, rows]
             err = np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs))
             assert err < 1e-6, (name, tag, get, err)
+
+
+def resnet_block_twin(w_std: float):
+    """The stax kernel_fn of the adapters' 1-D WideResNet-block twin (Conv 3 SAME, a residual
+    [Relu, Conv, Relu, Conv] branch, LayerNorm, Relu, AvgPool 2, global mean, Dense 1), every
+    weight standard-parameterised with ``w_std`` (the framework's default), zero biases."""
+
+    def conv():
+        return stax.Conv(
+            4, (3,), padding="SAME", W_std=w_std, b_std=0.0, parameterization="standard"
+        )
+
+    return stax.serial(
+        conv(),
+        stax.FanOut(2),
+        stax.parallel(stax.Identity(), stax.serial(stax.Relu(), conv(), stax.Relu(), conv())),
+        stax.FanInSum(),
+        stax.LayerNorm(eps=1e-3),
+        stax.Relu(),
+        stax.AvgPool((2,), (2,)),
+        stax.GlobalAvgPool(),
+        stax.Dense(1, w_std, 0.0, parameterization="standard"),
+    )[2]

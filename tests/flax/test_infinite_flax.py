@@ -16,7 +16,7 @@ import scipy.stats
 from flax import nnx
 
 import ntk_flax
-from adapter_reference import REF, assert_neural_tangents
+from adapter_reference import REF, assert_neural_tangents, resnet_block_twin
 from ntk_core import stax
 from ntk_core._derived.adapter_priors import merge
 from ntk_core.adapters import leaf_path_names, truncated_normal_moments
@@ -188,20 +188,7 @@ def test_resnet_block_layer_norm_and_pools_twin_stax():
         x = jnp.asarray(np.random.default_rng(4).normal(size=(3, 6, 2)))  # 1-D: cheap
         model = Twin()
         ours = ntk_flax.infinite_kernel_fn(model, model.init(jax.random.PRNGKey(0), x))
-        conv = lambda: stax.Conv(
-            4, (3,), padding="SAME", W_std=1.0, b_std=0.0, parameterization="standard"
-        )  # noqa: E731
-        twin = stax.serial(
-            conv(),
-            stax.FanOut(2),
-            stax.parallel(stax.Identity(), stax.serial(stax.Relu(), conv(), stax.Relu(), conv())),
-            stax.FanInSum(),
-            stax.LayerNorm(eps=1e-3),
-            stax.Relu(),
-            stax.AvgPool((2,), (2,)),
-            stax.GlobalAvgPool(),
-            stax.Dense(1, 1.0, 0.0, parameterization="standard"),
-        )[2]
+        twin = resnet_block_twin(1.0)
         for a, b in zip(ours(x, None), twin(x, None), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 

@@ -16,7 +16,7 @@ import pytest
 import scipy.stats
 
 import ntk_haiku
-from adapter_reference import REF, assert_neural_tangents
+from adapter_reference import REF, assert_neural_tangents, resnet_block_twin
 from ntk_core import stax
 from ntk_haiku._infinite import _reader
 
@@ -111,19 +111,6 @@ def test_resnet_block_layer_norm_and_pools_twin_stax():
         net = hk.without_apply_rng(hk.transform(twin))
         ours = ntk_haiku.infinite_kernel_fn(net, net.init(jax.random.PRNGKey(0), x))(x, None)
         w = math.sqrt(scipy.stats.truncnorm(-2, 2).var())
-        conv = lambda: stax.Conv(  # noqa: E731
-            4, (3,), padding="SAME", W_std=w, b_std=0.0, parameterization="standard"
-        )
-        ref = stax.serial(
-            conv(),
-            stax.FanOut(2),
-            stax.parallel(stax.Identity(), stax.serial(stax.Relu(), conv(), stax.Relu(), conv())),
-            stax.FanInSum(),
-            stax.LayerNorm(eps=1e-3),
-            stax.Relu(),
-            stax.AvgPool((2,), (2,)),
-            stax.GlobalAvgPool(),
-            stax.Dense(1, w, 0.0, parameterization="standard"),
-        )[2](x, None)
+        ref = resnet_block_twin(w)(x, None)
         for a, b in zip(ours, ref, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
