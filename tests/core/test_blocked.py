@@ -13,7 +13,6 @@ import select
 import struct
 import subprocess
 import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -595,43 +594,6 @@ def test_option_errors_through_the_flax_adapter(options, exc, pattern):
 
     with pytest.raises(exc, match=r"^ntk_flax.kernel_fn: .*" + pattern):
         ntk_flax.kernel_fn(nn.Dense(3), **options)
-
-
-def test_float64_blocked_equals_one_call_to_1e12():
-    code = """
-    import jax, numpy as np
-    import jax.numpy as jnp
-    import ntk_core, reference
-    assert jax.config.jax_enable_x64
-    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
-    params = {"w": jax.random.normal(k1, (5, 8), jnp.float64),
-              "v": jax.random.normal(k2, (8, 3), jnp.float64)}
-    f = lambda p, x: jnp.tanh(x @ p["w"]) @ p["v"]
-    x1 = jax.random.normal(k3, (37, 5), jnp.float64)
-    x2 = jax.random.normal(k4, (23, 5), jnp.float64)
-    settings = [("jacobian", dict(trace_axes=())), ("structured", dict(trace_axes=(-1,))),
-                ("ntvp", dict(trace_axes=(), diagonal_axes=(-1,)))]
-    for impl, axes in settings:
-        for x in (x2, None):
-            one = np.asarray(ntk_core.empirical_ntk(f, params, x1, x, implementation=impl, **axes))
-            k = ntk_core.empirical_ntk(f, params, x1, x, implementation=impl, batch_size=8, **axes)
-            assert k.dtype == np.float64 and k.shape == one.shape
-            assert np.abs(k - one).max() <= 1e-12 * np.abs(one).max(), (impl, axes)
-        reference.assert_close(k, reference.ntk(f, params, x1, None, **axes)[0], dtype="float64")
-    print("ok")
-    """
-    tests = os.path.dirname(os.path.dirname(__file__))
-    env = {**os.environ, "JAX_ENABLE_X64": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ok" in result.stdout
 
 
 @pytest.mark.parametrize("batch_size", [B, "auto"])

@@ -33,12 +33,13 @@ def _run(code: str, **env) -> str:
 
 
 def _run_x64(code: str) -> str:
-    """``_run`` with x64 on and ``tests/`` importable (for ``reference``)."""
-    tests = os.path.dirname(os.path.dirname(__file__))
+    """``_run`` with x64 on and ``tests/`` (for ``reference``) and ``tests/core/`` (for
+    ``test_spectrum``) importable."""
+    core = os.path.dirname(__file__)
     return _run(
         code,
         JAX_ENABLE_X64="1",
-        PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([os.path.dirname(core), core, os.environ.get("PYTHONPATH", "")]),
     )
 
 
@@ -115,6 +116,91 @@ per_leaf = ntk_core.empirical_ntk_per_leaf(f, params, x1, x2, trace_axes=())
 assert {str(v.dtype) for v in jax.tree.leaves(per_leaf)} == {"float32"}
 """
 
+#: The blocked engine (tiles of 8) in float64 equals one call to 1e-12 for three
+#: implementations and layouts, x2 given or not, and the float64 reference (moved here
+#: from test_blocked.py: its own process cost a Python and JAX start-up).
+BLOCKED = """
+import jax, numpy as np
+import jax.numpy as jnp
+import ntk_core, reference
+assert jax.config.jax_enable_x64
+k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
+params = {"w": jax.random.normal(k1, (5, 8), jnp.float64),
+          "v": jax.random.normal(k2, (8, 3), jnp.float64)}
+f = lambda p, x: jnp.tanh(x @ p["w"]) @ p["v"]
+x1 = jax.random.normal(k3, (37, 5), jnp.float64)
+x2 = jax.random.normal(k4, (23, 5), jnp.float64)
+settings = [("jacobian", dict(trace_axes=())), ("structured", dict(trace_axes=(-1,))),
+            ("ntvp", dict(trace_axes=(), diagonal_axes=(-1,)))]
+for impl, axes in settings:
+    for x in (x2, None):
+        one = np.asarray(ntk_core.empirical_ntk(f, params, x1, x, implementation=impl, **axes))
+        k = ntk_core.empirical_ntk(f, params, x1, x, implementation=impl, batch_size=8, **axes)
+        assert k.dtype == np.float64 and k.shape == one.shape
+        assert np.abs(k - one).max() <= 1e-12 * np.abs(one).max(), (impl, axes)
+    reference.assert_close(k, reference.ntk(f, params, x1, None, **axes)[0], dtype="float64")
+"""
+
+#: float64: f_lin against f + J·δ with J from jax.jacrev, and degree 2 against
+#: f + J·δ + ½ δᵀHδ with H from jax.hessian (forward-over-reverse: not nested JVPs), to
+#: 1e-12 (moved here from test_linearize.py: its own process cost a Python and JAX
+#: start-up).
+LINEARIZE = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.flatten_util import ravel_pytree
+import ntk_core
+f = lambda p, x: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+k = jax.random.split(jax.random.PRNGKey(0), 9)
+p0 = {"w1": jax.random.normal(k[0], (3, 8)), "b1": jax.random.normal(k[1], (8,)),
+      "w2": jax.random.normal(k[2], (8, 2)), "b2": jax.random.normal(k[3], (2,))}
+p = jax.tree.map(lambda a, i: a + 0.3 * jax.random.normal(i, a.shape), p0,
+                 dict(zip(sorted(p0), k[4:8])))
+x = jax.random.normal(k[8], (5, 3))
+flat0, unravel = ravel_pytree(p0)
+
+@jax.jit
+def references(p):
+    d = ravel_pytree(p)[0] - flat0
+    g = lambda v: f(unravel(v), x)
+    lin = g(flat0) + jax.jacrev(g)(flat0) @ d  # J: (N, O, P)
+    hessian = jax.hessian(g)(flat0)  # (N, O, P, P)
+    return lin, lin + 0.5 * jnp.einsum("noij,i,j->no", hessian, d, d)
+
+@jax.jit
+def ours(p):
+    return ntk_core.linearize(f, p0)(p, x), ntk_core.taylor_expand(f, p0, 2)(p, x)
+
+(lin, quad), (got_lin, got_quad) = references(p), ours(p)
+e1 = np.abs(got_lin - lin).max() / np.abs(lin).max()
+e2 = np.abs(got_quad - quad).max() / np.abs(quad).max()
+assert got_lin.dtype == got_quad.dtype == jnp.float64, (got_lin.dtype, got_quad.dtype)
+assert e1 <= 1e-12 and e2 <= 1e-12, (e1, e2)
+"""
+
+#: float64 NTK-vector products (one call and in blocks of 8) to 1e-12, the top
+#: eigenvalues to 1e-10 and the trace to 1e-12 against the NumPy float64 NTK of
+#: test_spectrum.py (moved here from there: its own process cost a Python and JAX
+#: start-up).
+SPECTRUM = """
+import numpy as np
+import jax, jax.numpy as jnp
+import ntk_core
+from ntk_core import spectrum
+from test_spectrum import mlp, numpy_ntk, _params, _inputs
+params, x = _params(20, dtype=np.float64), _inputs(30, 21, dtype=np.float64)
+theta = numpy_ntk(params, x)
+v = np.random.default_rng(0).standard_normal((30, 3))
+for b in (None, 8):
+    out = ntk_core.ntk_vp_fn(mlp, params, x, batch_size=b)(v)
+    assert out.dtype == jnp.float64
+    ref = theta @ v.reshape(-1)
+    assert np.abs(np.asarray(out).reshape(-1) - ref).max() <= 1e-12 * np.abs(ref).max()
+top = spectrum.ntk_eigsh(mlp, params, x, k=6, tol=0)
+w = np.linalg.eigvalsh(theta)[::-1][:6]
+assert np.abs(top.eigenvalues - w).max() <= 1e-10 * w[0], (top.eigenvalues, w)
+assert abs(spectrum.ntk_trace(mlp, params, x) - np.trace(theta)) <= 1e-12 * np.trace(theta)
+"""
+
 #: The x64 checks share one process (one Python and JAX start-up): each runs in its own
 #: namespace and prints its name and "ok", or its name and the traceback.
 _X64_RUNNER = """
@@ -130,7 +216,13 @@ for name, code in CHECKS.items():
 
 @pytest.fixture(scope="module")
 def x64_output():
-    checks = {"float64": FLOAT64, "mixed": MIXED}
+    checks = {
+        "float64": FLOAT64,
+        "mixed": MIXED,
+        "blocked": BLOCKED,
+        "linearize": LINEARIZE,
+        "spectrum": SPECTRUM,
+    }
     return _run_x64(f"CHECKS = {checks!r}\n" + _X64_RUNNER)
 
 
@@ -141,6 +233,18 @@ def _check_passed(output: str, name: str):
 
 def test_float64_matches_reference_to_1e12(x64_output):
     _check_passed(x64_output, "float64")
+
+
+def test_float64_blocked_equals_one_call_to_1e12(x64_output):
+    _check_passed(x64_output, "blocked")
+
+
+def test_float64_linearize_against_jacrev_and_hessian(x64_output):
+    _check_passed(x64_output, "linearize")
+
+
+def test_float64_products_and_spectrum(x64_output):
+    _check_passed(x64_output, "spectrum")
 
 
 def test_float32_parameters_with_float64_inputs_stay_structured(x64_output):

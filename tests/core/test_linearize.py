@@ -3,7 +3,8 @@
 - Models linear / quadratic / cubic in their parameters, whose expansions are known in
   closed form (written out by hand here, in float64 NumPy).
 - A tanh MLP's JVP against its hand-written float64 Jacobian, flattened and contracted;
-  and, in a float64 process, against ``jax.jacrev`` / ``jax.hessian`` contractions.
+  and, in a float64 process, against ``jax.jacrev`` / ``jax.hessian`` contractions
+  (that check runs in tests/core/test_isolation.py's shared x64 process).
 - Training the linearised MLP with full-batch SGD on the MSE against
   ``predict.gradient_descent_mse`` of its NTK, with an analytic tolerance.
 - Every documented error, by message.
@@ -12,10 +13,6 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -207,55 +204,6 @@ def test_jvp_equals_hand_written_float64_jacobian_contraction():
 def _mlp64(p):
     x = np.asarray(X, np.float64)
     return np.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-
-
-def test_float64_against_jacrev_and_hessian_in_own_process():
-    """float64 (own process, x64 is a start-up setting): f_lin against f + J·δ with J
-    from jax.jacrev, and degree 2 against f + J·δ + ½ δᵀHδ with H from jax.hessian
-    (forward-over-reverse: not nested JVPs), to 1e-12."""
-    code = textwrap.dedent(
-        """
-        import jax, jax.numpy as jnp, numpy as np
-        from jax.flatten_util import ravel_pytree
-        import ntk_core
-        f = lambda p, x: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-        k = jax.random.split(jax.random.PRNGKey(0), 9)
-        p0 = {"w1": jax.random.normal(k[0], (3, 8)), "b1": jax.random.normal(k[1], (8,)),
-              "w2": jax.random.normal(k[2], (8, 2)), "b2": jax.random.normal(k[3], (2,))}
-        p = jax.tree.map(lambda a, i: a + 0.3 * jax.random.normal(i, a.shape), p0,
-                         dict(zip(sorted(p0), k[4:8])))
-        x = jax.random.normal(k[8], (5, 3))
-        flat0, unravel = ravel_pytree(p0)
-
-        @jax.jit
-        def references(p):
-            d = ravel_pytree(p)[0] - flat0
-            g = lambda v: f(unravel(v), x)
-            lin = g(flat0) + jax.jacrev(g)(flat0) @ d  # J: (N, O, P)
-            hessian = jax.hessian(g)(flat0)  # (N, O, P, P)
-            return lin, lin + 0.5 * jnp.einsum("noij,i,j->no", hessian, d, d)
-
-        @jax.jit
-        def ours(p):
-            return ntk_core.linearize(f, p0)(p, x), ntk_core.taylor_expand(f, p0, 2)(p, x)
-
-        (lin, quad), (got_lin, got_quad) = references(p), ours(p)
-        e1 = np.abs(got_lin - lin).max() / np.abs(lin).max()
-        e2 = np.abs(got_quad - quad).max() / np.abs(quad).max()
-        print(got_lin.dtype, got_quad.dtype, e1, e2)
-        """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"},
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    dtype1, dtype2, e1, e2 = result.stdout.split()
-    assert dtype1 == dtype2 == "float64"
-    assert float(e1) <= 1e-12 and float(e2) <= 1e-12, result.stdout
 
 
 # -- pytrees, integer leaves, jit and grad ----------------------------------------------

@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 
+from ntk_core._blocked import store as _store
+
 _CHILD = textwrap.dedent(
     """
     import sys
@@ -79,12 +81,23 @@ def _listed(path) -> int:
     return len(found["done"])
 
 
+def _in_this_process(path, what="kernel") -> None:
+    """A single-process run: the children's program with a count of 1 (no
+    jax.distributed), run in this process, whose XLA_FLAGS the children inherit; no
+    interpreter start and no fresh compile."""
+    argv, commit = sys.argv, _store.COMMIT_SECONDS
+    sys.argv = ["-c", "0", "1", "0", str(path), what]
+    try:
+        exec(_CHILD, {"__name__": "__single__"})
+    finally:
+        sys.argv, _store.COMMIT_SECONDS = argv, commit
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The kernel file of a single-process run (what the process groups must equal)."""
     single = tmp_path_factory.mktemp("single") / "single.npy"
-    (one,) = _start(single, 1, 0)
-    assert one.wait(timeout=300) == 0, one.stderr.read()[-2000:]
+    _in_this_process(single)
     return single
 
 
@@ -122,12 +135,11 @@ def test_a_killed_process_group_is_resumed_by_one_process(tmp_path, single):
 
 
 def _one_then_two(tmp_path, name: str, what: str) -> None:
-    """Runs ``what`` to ``tmp_path/one/name`` in one process, then to ``tmp_path/two/name``
+    """Runs ``what`` to ``tmp_path/one/name`` in this process, then to ``tmp_path/two/name``
     in two under jax.distributed; each run must succeed."""
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    (one,) = _start(tmp_path / "one" / name, 1, 0, what)
-    assert one.wait(timeout=300) == 0, one.stderr.read()[-2000:]
+    _in_this_process(tmp_path / "one" / name, what)
     for process in _start(tmp_path / "two" / name, 2, _port(), what):
         assert process.wait(timeout=300) == 0, process.stderr.read()[-3000:]
 
@@ -165,7 +177,7 @@ _DIES = textwrap.dedent(
     jax.devices()  # every process joins the backend (it waits for all)
     if index == 1:
         os._exit(0)  # the peer stops (no cleanup, as after a crash)
-    ntk_core._blocked.store.PEER_SECONDS = 3.0  # 30 s by default
+    ntk_core._blocked.store.PEER_SECONDS = 2.0  # 30 s by default; beats come each 1 s
     x = jax.random.normal(jax.random.PRNGKey(2), (24, 5))
     p = jax.random.normal(jax.random.PRNGKey(0), (5, 3))
     try:
@@ -179,7 +191,7 @@ _DIES = textwrap.dedent(
 
 def test_a_run_whose_peer_died_ends_with_an_error_naming_it(tmp_path):
     """Issue 28: process 1 of 2 stops; process 0 ends with a ValueError naming it within
-    PEER_SECONDS (3 s here) of reaching a barrier, where a collective barrier waited for
+    PEER_SECONDS (2 s here) of reaching a barrier, where a collective barrier waited for
     JAX's heartbeat timeout (100 s) and then aborted the process."""
     env = dict(os.environ)
     port, path, start = str(_port()), str(tmp_path / "k.npy"), time.monotonic()
@@ -202,7 +214,7 @@ def test_a_run_whose_peer_died_ends_with_an_error_naming_it(tmp_path):
     assert peer.wait() == 0 and survivor.returncode == 1, err[-2000:]
     assert re.match(
         r"ntk_fn: a process of this run stopped at '.*' \(RuntimeError: process 1 of 2 sent "
-        r"no heartbeat for 3 s: it stopped\)\. Fix: start every process with resume=True",
+        r"no heartbeat for 2 s: it stopped\)\. Fix: start every process with resume=True",
         out,
     ), out + err[-2000:]
     assert time.monotonic() - start < 30

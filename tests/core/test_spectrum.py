@@ -3,11 +3,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -215,42 +211,6 @@ def test_condition_number():
     theta = numpy_ntk(params, x)  # 8 < P: positive definite
     w = np.linalg.eigvalsh(theta)
     assert spectrum.condition_number(theta) == pytest.approx(w[-1] / w[0], rel=1e-8)
-
-
-def test_float64_products_and_spectrum_in_their_own_process():
-    code = """
-    import numpy as np
-    import jax, jax.numpy as jnp
-    import ntk_core
-    from ntk_core import spectrum
-    from test_spectrum import mlp, numpy_ntk, _params, _inputs
-    params, x = _params(20, dtype=np.float64), _inputs(30, 21, dtype=np.float64)
-    theta = numpy_ntk(params, x)
-    v = np.random.default_rng(0).standard_normal((30, 3))
-    for b in (None, 8):
-        out = ntk_core.ntk_vp_fn(mlp, params, x, batch_size=b)(v)
-        assert out.dtype == jnp.float64
-        ref = theta @ v.reshape(-1)
-        assert np.abs(np.asarray(out).reshape(-1) - ref).max() <= 1e-12 * np.abs(ref).max()
-    top = spectrum.ntk_eigsh(mlp, params, x, k=6, tol=0)
-    w = np.linalg.eigvalsh(theta)[::-1][:6]
-    assert np.abs(top.eigenvalues - w).max() <= 1e-10 * w[0], (top.eigenvalues, w)
-    assert abs(spectrum.ntk_trace(mlp, params, x) - np.trace(theta)) <= 1e-12 * np.trace(theta)
-    print("ok")
-    """
-    env = {**os.environ, "JAX_ENABLE_X64": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ok" in result.stdout
 
 
 # -- errors ----------------------------------------------------------------------------------
