@@ -177,9 +177,9 @@ def write_shapes():
 
 
 def _listen():
-    """JAX's compile log, counted (``compile_anatomy.py``'s listener)."""
+    """JAX's compile log, counted (``first_call.py``'s listener)."""
     sys.path.insert(0, HERE)
-    from compile_anatomy import _listen as listen
+    from first_call import listen
 
     return listen()
 

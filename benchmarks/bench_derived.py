@@ -168,11 +168,7 @@ def measure_timing(spec):
     t0 = time.perf_counter()
     out = jax.block_until_ready(kernel_fn(x, None))
     first = time.perf_counter() - t0
-    runs = []
-    while len(runs) < 10 and sum(runs) < 1.0 and not (first > harness.LONG_RUN_S and runs):
-        t = time.perf_counter()
-        out = jax.block_until_ready(kernel_fn(x, None))
-        runs.append(time.perf_counter() - t)
+    out, runs = harness.warm_runs(lambda: kernel_fn(x, None), first)
     arrays = {k: np.asarray(getattr(out, k), np.float64) for k in ("nngp", "ntk")}
     os.makedirs(spec["kernel_dir"], exist_ok=True)
     path = os.path.join(spec["kernel_dir"], f"{key_of(spec)}.npz")

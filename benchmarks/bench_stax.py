@@ -218,11 +218,7 @@ def measure(spec):
     t0 = time.perf_counter()
     out = jax.block_until_ready(call(x))
     first = time.perf_counter() - t0
-    runs = []
-    while len(runs) < 10 and sum(runs) < 1.0 and not (first > harness.LONG_RUN_S and runs):
-        t = time.perf_counter()
-        out = jax.block_until_ready(call(x))
-        runs.append(time.perf_counter() - t)
+    out, runs = harness.warm_runs(lambda: call(x), first)
     kernels = out if len(names) > 1 else (out,)
     arrays = {name: np.asarray(k, np.float64) for name, k in zip(names, kernels, strict=True)}
     path = None

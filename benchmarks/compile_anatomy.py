@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
 import subprocess
@@ -34,19 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from first_call import _Compiles  # noqa: E402 (JAX's compile log, counted)
-
-
-def _listen() -> _Compiles:
-    import jax
-
-    handler = _Compiles()
-    logger = logging.getLogger("jax")
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
-    jax.config.update("jax_log_compiles", True)
-    return handler
+from first_call import listen as _listen  # noqa: E402 (JAX's compile log, counted)
 
 
 def _lenet_params(seed: int = 0):

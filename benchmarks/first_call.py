@@ -69,17 +69,26 @@ class _Compiles(logging.Handler):
         }
 
 
-def _worker(side: str, key: str, n: int) -> dict:
+def listen() -> _Compiles:
+    """JAX's compile log, counted from now on (compile_anatomy.py and
+    accelerator_bench.py listen the same way)."""
+    import jax
+
     handler = _Compiles()
     logger = logging.getLogger("jax")
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     logger.propagate = False
+    jax.config.update("jax_log_compiles", True)
+    return handler
+
+
+def _worker(side: str, key: str, n: int) -> dict:
+    handler = listen()
     import cases
     import jax
     import jax.numpy as jnp
 
-    jax.config.update("jax_log_compiles", True)
     case = cases.CASES[key]
     variables, x, _ = cases.load_case(DATA_DIR, case, n)
     params, rest = cases.split_variables(variables)

@@ -30,6 +30,20 @@ GIB = 2**30
 LONG_RUN_S = 5.0
 
 
+def warm_runs(call, first_s: float):
+    """(last output, run seconds) of warm calls of ``call()`` after a first call of
+    ``first_s``: up to 10 calls or 1 s in all; one only after a first call past
+    :data:`LONG_RUN_S`."""
+    import jax
+
+    out, runs = None, []
+    while len(runs) < 10 and sum(runs) < 1.0 and not (first_s > LONG_RUN_S and runs):
+        t = time.perf_counter()
+        out = jax.block_until_ready(call())
+        runs.append(time.perf_counter() - t)
+    return out, runs
+
+
 def max_rss_bytes() -> int:
     """Peak resident memory of this process image so far.
 

@@ -154,6 +154,17 @@ class Report:
                 json.dump(self.data, f, indent=1)
 
 
+def _network_row(label, n, first, warm) -> dict:
+    """One variant's figures: first call, fastest warm call, ms per NTK entry (x2 = None)."""
+    return dict(
+        variant=label,
+        n=n,
+        first_s=round(first, 3),
+        warm_s=round(warm, 5),
+        ms_per_entry=round(1e3 * warm / n**2, 4),
+    )
+
+
 def whole_network(args, report, deadline, device):
     x = np.random.RandomState(0).randn(args.n, args.size, args.size, 3)
     xd = jax.device_put(jnp.asarray(x, jnp.float32), device)
@@ -176,13 +187,7 @@ def whole_network(args, report, deadline, device):
             report.add("network", dict(variant=label, error=f"{type(e).__name__}: {e}"[:400]))
             continue
         k = np.asarray(k, np.float64)
-        row = dict(
-            variant=label,
-            n=args.n,
-            first_s=round(first, 3),
-            warm_s=round(warm, 5),
-            ms_per_entry=round(1e3 * warm / args.n**2, 4),
-        )
+        row = _network_row(label, args.n, first, warm)
         if base is None:
             base = k
         row["max_rel_diff_vs_first"] = float(np.abs(k - base).max() / np.abs(base).max())
@@ -201,13 +206,7 @@ def whole_network(args, report, deadline, device):
             report.add("network", dict(variant=label, error=f"{type(e).__name__}: {e}"[:400]))
             continue
         k = np.asarray(k, np.float64)
-        row = dict(
-            variant=label,
-            n=args.n,
-            first_s=round(first, 3),
-            warm_s=round(warm, 5),
-            ms_per_entry=round(1e3 * warm / args.n**2, 4),
-        )
+        row = _network_row(label, args.n, first, warm)
         if base is not None:
             row["max_rel_diff_vs_first"] = float(np.abs(k - base).max() / np.abs(base).max())
         report.add("network", row)

@@ -4,10 +4,12 @@ and the one comparison the Flax, Haiku and equinox tests make against them."""
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ntk_core import stax
 
@@ -49,3 +51,17 @@ def resnet_block_twin(w_std: float):
         stax.GlobalAvgPool(),
         stax.Dense(1, w_std, 0.0, parameterization="standard"),
     )[2]
+
+
+def assert_draws_match_priors(priors, leaf_values) -> None:
+    """Each prior read from an initialiser against that initialiser's own draw:
+    fan_in·mean(W²) (a weight) or mean(b²) to the prior's variance, within 6 standard
+    errors of a mean of ``size / 2`` effectively independent squares. ``leaf_values``:
+    path -> the drawn array."""
+    for path, prior in priors.items():
+        values = np.asarray(leaf_values(path), np.float64)
+        fan_in = math.prod(values.shape[:-1]) if prior.kind == "weight" else 1
+        estimate = fan_in * np.mean(values**2)
+        assert estimate == pytest.approx(
+            prior.std**2, rel=6 / math.sqrt(values.size / 2), abs=1e-12
+        ), path
