@@ -174,13 +174,7 @@ def measure_timing(spec):
     path = os.path.join(spec["kernel_dir"], f"{key_of(spec)}.npz")
     np.savez(path, **arrays)
     return {
-        "first_call_s": first,
-        "warm_s": min(runs),
-        "runs_s": runs,
-        "baseline_rss_bytes": baseline,
-        "peak_rss_bytes": harness.max_rss_bytes(),
-        "loadavg_before": load_before,
-        "loadavg_after": harness.load(),
+        **harness.timing_record(first, runs, baseline, load_before),
         "dtype_out": str(np.asarray(out.ntk).dtype),
         "kernels": path,
         "machine": harness.machine(),

@@ -227,13 +227,7 @@ def measure(spec):
         path = os.path.join(spec["kernel_dir"], f"{spec['library']}_{key_of(spec)}.npz")
         np.savez(path, **arrays)
     return {
-        "first_call_s": first,
-        "warm_s": min(runs),
-        "runs_s": runs,
-        "baseline_rss_bytes": baseline,
-        "peak_rss_bytes": harness.max_rss_bytes(),
-        "loadavg_before": load_before,
-        "loadavg_after": harness.load(),
+        **harness.timing_record(first, runs, baseline, load_before),
         "shapes": {k: list(v.shape) for k, v in arrays.items()},
         "dtype_out": str(np.asarray(kernels[0]).dtype),
         "norms": {k: float(np.linalg.norm(v)) for k, v in arrays.items()},

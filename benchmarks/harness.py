@@ -44,6 +44,20 @@ def warm_runs(call, first_s: float):
     return out, runs
 
 
+def timing_record(first_s: float, runs, baseline_rss: int, load_before) -> dict:
+    """The fields every fresh-process measurement reports: first call, fastest and all
+    warm runs, resident memory before and at the peak, load before and after."""
+    return {
+        "first_call_s": first_s,
+        "warm_s": min(runs),
+        "runs_s": runs,
+        "baseline_rss_bytes": baseline_rss,
+        "peak_rss_bytes": max_rss_bytes(),
+        "loadavg_before": load_before,
+        "loadavg_after": load(),
+    }
+
+
 def max_rss_bytes() -> int:
     """Peak resident memory of this process image so far.
 
