@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 
 from ntk_core import stax
-from ntk_core._infinite import closed_forms, windows
+from ntk_core._infinite import closed_forms, fused_conv, windows
 from ntk_core._infinite.state import Kern, inputs_kernel
 
 # (label, how): the first is the reference of the others. The run of 2026-12-07 09:14 UTC
@@ -51,10 +51,15 @@ from ntk_core._infinite.state import Kern, inputs_kernel
 # NNGP and NTK stacked through one sum, and barriers before each layer: all were slower
 # than "slices" on the TPU, and were removed from the library after it.
 VARIANTS = [
-    ("slices", dict(method="slices")),
+    # the library's default on a TPU: the whole CNN-GAP in one kernel per pair, from the
+    # inputs (_infinite/fused_conv.network)
+    ("fused", dict(method="slices")),
+    # the 20 repeated [Relu, Conv] steps alone in one kernel, the rest XLA's
+    ("fused, repeats only", dict(method="slices", layers_only=True)),
+    ("slices", dict(method="slices", fused=False)),
     # 64-bit index arithmetic is emulated on a TPU: stax_accelerator.py runs with x64 on
-    ("slices (x64 on)", dict(method="slices", x64=True)),
-    ("flat", dict(method="flat")),
+    ("slices (x64 on)", dict(method="slices", x64=True, fused=False)),
+    ("flat", dict(method="flat", fused=False)),
 ]
 
 
@@ -144,7 +149,7 @@ def merged_layout_cnn(x, depth=21, settled=False):
 
 class Report:
     def __init__(self, path, meta):
-        self.path, self.data = path, dict(meta=meta, network=[], layer=[])
+        self.path, self.data = path, dict(meta=meta, network=[], layer=[], pieces=[])
 
     def add(self, part, row):
         print(json.dumps({"part": part, **row}), flush=True)
@@ -178,8 +183,11 @@ def whole_network(args, report, deadline, device):
         kernel_fn = cnn()[2]  # a fresh kernel function: its own trace and compilation
         how = dict(how)
         x64 = jax.enable_x64(True) if how.pop("x64", False) else contextlib.nullcontext()
+        scan = fused_conv.off() if not how.pop("fused", True) else contextlib.nullcontext()
+        if how.pop("layers_only", False):
+            scan = fused_conv.layers_only()
         try:
-            with windows.using(**how), x64:
+            with windows.using(**how), x64, scan:
                 k, first, warm = timed(
                     lambda a, f=kernel_fn: f(a, None, "ntk"), xd, repeats=args.repeats
                 )
@@ -262,14 +270,14 @@ def one_layer(args, report, deadline, device):
         )
     base = {}
     for label, how in VARIANTS:
-        if (args.variants and label not in args.variants) or "x64" in how:
+        if (args.variants and label not in args.variants) or set(how) != {"method", "fused"}:
             continue
         for what, rule in (("conv", conv), ("relu+conv", relu_conv)):
             if time.time() > deadline:
                 report.add("layer", dict(what=what, variant=label, skipped="--budget-s reached"))
                 continue
             try:
-                with windows.using(**how):
+                with windows.using(how["method"]):
                     fn = jax.jit(
                         lambda a, b, c, d, r=rule: (lambda k: (k.nngp, k.ntk))(
                             r.transform(state(a, b, c, d))
@@ -298,6 +306,52 @@ def one_layer(args, report, deadline, device):
             )
 
 
+def pieces(args, report, deadline, device):
+    """The network's time by piece when its layers run one by one (x2 = None, N = ``--n``):
+    the inputs' kernel, the first Conv, the 20 repeated [Relu, Conv] steps, the readout
+    (Relu, GlobalAvgPool, Dense), each its own jitted program, with fused_conv on (only
+    the repeats are fused: a Conv alone measured no faster, benchmarks/README.md) and off."""
+    x = np.random.RandomState(0).randn(args.n, args.size, args.size, 3)
+    xd = jax.device_put(jnp.asarray(x, jnp.float32), device)
+    conv = conv_layer()
+    rules = dict(
+        conv=conv[2].rule,
+        repeat=stax.repeat(stax.serial(stax.Relu(), conv), 20)[2].rule,
+        readout=stax.serial(stax.Relu(), stax.GlobalAvgPool(), stax.Dense(1))[2].rule,
+    )
+    flags = dict(spatial=(args.size, args.size), diagonal=False, channels=1)
+
+    def arrays(k):
+        return (k.nngp, k.ntk, k.cov1)
+
+    start = jax.jit(lambda a: arrays(inputs_kernel(a, None, False, True)))
+    state = jax.block_until_ready(start(xd))
+    _, first, warm = timed(start, xd, repeats=args.repeats)
+    report.add("pieces", dict(piece="inputs' kernel", n=args.n, first_s=first, warm_ms=1e3 * warm))
+    for piece, gaussian in (("conv", False), ("repeat", True), ("readout", True)):
+        for label, scan in (("fused", contextlib.nullcontext), ("scan", fused_conv.off)):
+            if time.time() > deadline:
+                report.add("pieces", dict(piece=piece, variant=label, skipped="--budget-s"))
+                continue
+            rule = rules[piece]
+
+            def fn(a, b, c, rule=rule, gaussian=gaussian, piece=piece):
+                k = Kern(a, b, c, None, gaussian=gaussian, **flags)
+                out = rule.transform(k)
+                return out.ntk if piece == "readout" else arrays(out)
+
+            with scan():
+                out, first, warm = timed(jax.jit(fn), *state, repeats=args.repeats)
+            report.add(
+                "pieces",
+                dict(piece=piece, variant=label, n=args.n, first_s=round(first, 3),
+                     warm_ms=round(1e3 * warm, 3), ms_per_entry=round(1e3 * warm / args.n**2, 4)),
+            )  # fmt: skip
+            if label == "fused" and piece != "readout":
+                next_state = out
+        state = next_state if piece != "readout" else state
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=8, help="samples of the whole network (x2=None)")
@@ -305,7 +359,9 @@ def main():
     p.add_argument("--pairs", type=int, default=64, help="pairs of the one-layer benchmark")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", nargs="*", default=None, help="labels (default: all)")
-    p.add_argument("--parts", nargs="*", default=["network", "layer"], choices=["network", "layer"])
+    p.add_argument(
+        "--parts", nargs="*", default=["network", "layer"], choices=["network", "layer", "pieces"]
+    )
     p.add_argument("--budget-s", type=float, default=400.0, help="start no variant after this")
     p.add_argument("--no-host-reference", action="store_true")
     p.add_argument("--out", default="stax_windows_tpu.json")
@@ -326,6 +382,8 @@ def main():
         whole_network(args, report, start + share * args.budget_s, device)
     if "layer" in args.parts:
         one_layer(args, report, start + args.budget_s, device)
+    if "pieces" in args.parts:
+        pieces(args, report, start + args.budget_s, device)
     stats = device.memory_stats() or {}
     report.data["meta"]["peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
     report.data["meta"]["total_s"] = round(time.time() - start, 1)

@@ -135,6 +135,20 @@ def networks(stax, jnp):
         ),
         (6, 5, 2),
     )
+    # on a TPU: fused (_infinite/fused_conv), the whole CNN-GAP from the inputs, or the
+    # repeated [Relu, Conv] (serial finds the three repeats); the repeated standard Conv's
+    # fan-in differs in its first step (4 channels in, then 3)
+    repeated = conv(3, (3, 2), padding="SAME", W_std=1.4, b_std=0.1, parameterization="standard")
+    nets["cnn_repeat_gap"] = (
+        stax.serial(
+            conv(4, (3, 2), padding="SAME", W_std=1.3, b_std=0.1),
+            *[stax.Relu(), repeated] * 3,
+            stax.LeakyRelu(0.1),
+            stax.GlobalAvgPool(),
+            d(1),
+        ),
+        (6, 5, 2),
+    )
     nets["cnn_pools"] = (
         stax.serial(
             conv(3, (2, 2), padding="SAME"),

@@ -418,7 +418,8 @@ def test_repeated_convolutions_keep_neural_tangents_axis_order():
         unrolled = np.asarray(stax.serial(*blocks)[2](x, None, "ntk"))
         assert unrolled.shape == ((3, 3, 4, 4, 5, 5) if n % 2 else (3, 3, 5, 5, 4, 4))
         in_blocks = [stax.serial(conv(), stax.Relu()) for _ in range(n)]
-        for layers in ([same, relu] * n, distinct, in_blocks):
+        # each form once, both parities of the scanned steps' count (test time)
+        for layers in ([same, relu] * n, distinct) if n == 4 else (in_blocks,):
             kernel_fn = stax.serial(*layers)[2]
             assert "scan" in str(jax.make_jaxpr(lambda a, f=kernel_fn: f(a, None, "ntk"))(x))
             scanned = np.asarray(kernel_fn(x, None, "ntk"))

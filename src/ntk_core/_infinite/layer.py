@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from ntk_core._blocked.barrier import barrier
 from ntk_core._errors import bad, check_int
-from ntk_core._infinite import masking
+from ntk_core._infinite import fused_conv, masking
 from ntk_core._infinite.state import Kern, joined_masks
 
 
@@ -41,6 +41,8 @@ class Rule:
     # the layer's exact arguments where they alone fix its maths (Dense, Conv, the closed-form
     # nonlinearities), else None: equal keys repeat as one scanned step in ``serial``
     key: Any = None
+    parts: tuple = ()  # a serial's layers' rules (a repeated block's fused path reads them)
+    repeats: tuple | None = None  # repeat(layer, n): (its rules, n), as parts
 
 
 class Layer(NamedTuple):
@@ -104,7 +106,7 @@ def named(kern: Kern | tuple, name: str):
     """``kern`` marked as made by ``name`` (every branch of a tuple)."""
     if isinstance(kern, tuple):
         return tuple(named(k, name) for k in kern)
-    return kern.replace(source=name)
+    return kern.replace(source=name, inputs=None)
 
 
 def settled(kern):
@@ -169,12 +171,14 @@ def serial(*layers) -> Layer:
     rules = [rule_of("stax.serial", v, f"layer {i}") for i, v in enumerate(layers)]
 
     def transform(kern):
-        i = 0
+        # on a TPU, a CNN-GAP from the inputs in one kernel per pair (fused_conv.network)
+        fused = fused_conv.network(rules, kern)
+        kern, i = fused if fused is not None else (kern, 0)
         while i < len(rules):
             period, count = _run(rules, i)
             if count >= 3:  # e.g. [Dense, Erf] * 13: one scanned step to compile and run
                 block = rules[i : i + period]
-                kern = repeated(lambda k, block=block: _chain(block, k), count, kern)
+                kern = repeated(lambda k, block=block: _chain(block, k), count, kern, block)
                 i += period * count
             else:
                 kern = settled(named(apply(rules[i], kern), rules[i].name))
@@ -205,7 +209,7 @@ def serial(*layers) -> Layer:
     branches = not rules or rules[0].branches
     keys = tuple(r.key for r in rules)
     key = None if None in keys else ("serial", *keys)  # [serial(Conv, Relu) for _ in ...]
-    rule = Rule(name, transform, needs, branches, key)
+    rule = Rule(name, transform, needs, branches, key, tuple(rules))
     return make_layer(rule, init_fn, apply_fn, passes_masks=True)
 
 
@@ -361,26 +365,32 @@ def repeat(layer: Layer, n: int) -> Layer:
     chain = serial(*([layer] * n))  # the finite network
 
     def transform(kern):
-        return repeated(lambda k: named(apply(rule, k), rule.name), n, kern)
+        return repeated(lambda k: named(apply(rule, k), rule.name), n, kern, rule.parts or (rule,))
 
     def needs(full):
         for _ in range(n):
             full = rule.needs(full)
         return full
 
-    rule_n = Rule(f"repeat({rule.name}, {n})", transform, needs, rule.branches)
+    rule_n = Rule(
+        f"repeat({rule.name}, {n})", transform, needs, rule.branches, repeats=((rule,), n)
+    )
     return make_layer(rule_n, chain.init_fn, chain.apply_fn, passes_masks=True)
 
 
 _ARRAYS = ("nngp", "ntk", "cov1", "cov2")
 
 
-def repeated(step, n: int, kern):
+def repeated(step, n: int, kern, block=()):
     """``step`` applied ``n`` times to ``kern``: in a ``lax.scan`` when a step keeps the
     state's shapes and flags (traced once more to compare; XLA drops the unused result),
-    else unrolled."""
+    else unrolled. ``block``: the step's layers' rules, when known: on a TPU a [ReLU, Conv]
+    block with all pairs of positions runs fused (:mod:`.fused_conv`)."""
     if n == 0:
         return kern
+    fused = fused_conv.plan(tuple(r.key for r in block), n, kern) if block else None
+    if fused is not None:
+        return fused_conv.run(fused, n, kern, block[-1].name)
     first = settled(step(kern))
     if n == 1:
         return first
@@ -413,6 +423,8 @@ def _scannable(before, after) -> bool:
                 a is not None and (a.shape, a.dtype) != (b.shape, b.dtype)
             ):
                 return False
+        elif f.name == "inputs":  # the network's inputs, not the state's
+            continue
         elif f.name == "offset":  # a Gram tile's shift (maybe traced): kept by every layer
             if (a is None) != (b is None):
                 return False

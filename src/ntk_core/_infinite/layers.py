@@ -649,7 +649,7 @@ def _global(kind, batch_axis, channel_axis, average):
         return jnp.mean(x, axis=axes) if mask is None else masking.masked_mean(x, mask, axes)
 
     init_fn, _ = stateless(lambda x: jnp.sum(x, axis=tuple(range(1, x.ndim - 1))))
-    rule = Rule(f"{kind}()", transform, lambda full: True)
+    rule = Rule(f"{kind}()", transform, lambda full: True, key=(kind,))
     return make_layer(rule, init_fn, apply_fn, masking.positions_all)
 
 

@@ -53,6 +53,7 @@ class Kern:
     source: str = "the input"  # the layer that made it, for messages
     masks: Masks | None = None  # masked positions (kernel_fn's mask_constant), or None
     offset: Any = None  # a Gram tile's shift between x1's and x2's samples, or None
+    inputs: Any = None  # (x1, x2 or None) while is_input: fused_conv.network reads them
 
     def same_samples(self) -> bool:
         """Whether some pairs are one sample with itself (a Gram matrix or a tile of one)."""
@@ -209,6 +210,7 @@ def inputs_kernel(x1, x2, diagonal: bool, with_ntk: bool, mask_constant=None) ->
         channels=channels,
         is_input=True,
         masks=masks,
+        inputs=(x1, x2),
     )
 
 
