@@ -54,6 +54,8 @@ _AB = {
     "LeakyRelu": lambda key: (key[1], 1.0),
     "Abs": lambda key: (-1.0, 1.0),
 }
+# switches for tests and benchmarks, read when a network is traced: a kernel function
+# already compiled for a shape keeps its program whatever the switches say later
 _interpreted: list = []
 _off: list[bool] = []
 _layers_only: list[bool] = []
@@ -253,7 +255,8 @@ def _vmem_capacity() -> int:
 
 def _pairs(n1: int, n2: int | None):
     """(i, j, same) per pair the kernel runs: a Gram matrix's pairs i <= j; else every
-    (i, N1 + j), then each sample of x1 and of x2 with itself (their own covariances)."""
+    (i, N1 + j), then each sample of x1 and of x2 with itself (their own covariances).
+    ``same``: 1 for a sample with itself; :func:`_same` adds pairs of equal inputs."""
     if n2 is None:
         i, j = np.triu_indices(n1)
         return i, j, (i == j).astype(np.int32)
@@ -262,15 +265,34 @@ def _pairs(n1: int, n2: int | None):
     return i, j, (np.arange(len(i)) >= n1 * n2).astype(np.int32)
 
 
+def _same(same, equal):
+    """The pairs whose positions meet themselves at ρ = 1 exactly: a sample with itself,
+    and pairs of bit-for-bit equal inputs (``equal``, traced: x2 = x1 passed again, a
+    sample repeated in a Gram matrix). XLA's layers get ρ = 1 for those because both
+    sides are the same operations on the same bits; here each side's variances come from
+    the diagonal recursion, so ρ would be an ulp or two off 1 and the NTK's derivative
+    term (π − θ)/2π, with its square-root singularity there, 1e-4 off (measured)."""
+    return jnp.maximum(jnp.asarray(same, jnp.int32), equal.astype(jnp.int32))
+
+
+def _equal(a, b):
+    """Per leading index, whether ``a`` and ``b`` hold the same bits (NaN: not)."""
+    return jnp.all(a == b, axis=tuple(range(1, a.ndim)))
+
+
 def run(p: Plan, n: int, kern, name: str):
     """``kern`` (a :class:`.state.Kern`) after ``n`` steps of the block ``p`` describes."""
     h, w = kern.spatial
     gram = kern.cov2 is None
     n1, n2 = kern.nngp.shape[:2]
-    own = [_variances(kern.cov1)] + ([] if gram else [_variances(kern.cov2)])
-    scales = _scales(p, n, jnp.concatenate(own), kern.spatial)  # (samples, n, H, W·W) x 2
+    own = jnp.concatenate([_variances(kern.cov1)] + ([] if gram else [_variances(kern.cov2)]))
+    scales = _scales(p, n, own, kern.spatial)  # (samples, n, H, W·W) x 2
     flat = (h, h, w * w)
     i, j, same = _pairs(n1, None if gram else n2)
+    # a pair of equal inputs: its positions with themselves hold both sides' variances
+    meets = _variances(kern.nngp.reshape(n1 * n2, *kern.nngp.shape[2:]))  # (N1·N2, H, W)
+    pair = np.where(np.arange(len(i)) < n1 * n2, i * n2 + j - (0 if gram else n1), 0)
+    same = _same(same, _equal(meets[pair], own[i]) & _equal(own[i], own[j]))
     if gram:
         src = i * n1 + j
         ntk_src = src
@@ -283,7 +305,7 @@ def run(p: Plan, n: int, kern, name: str):
              kern.cov2.reshape(n2, *flat)]
         )  # fmt: skip
     ntk = None if kern.ntk is None else kern.ntk.reshape(n1 * n2, *flat)
-    index = [jnp.asarray(v, jnp.int32) for v in (src, ntk_src, i, j, same)]
+    index = [jnp.asarray(v, jnp.int32) for v in (src, ntk_src, i, j)] + [same]
     sources = [states] + ([] if ntk is None else [ntk])
     nngp, ntk = _call(p, n, kern.spatial, index, sources, scales, kern.ntk is not None)
     shape = (h, h, w, w)
@@ -330,7 +352,8 @@ def _run_network(p: Plan, n: int, kern):
     xt = jnp.moveaxis(x, -1, 1)  # (samples, C, H, W)
     inputs = (jnp.repeat(xt, w, axis=-1) / c, jnp.tile(xt, (1, 1, 1, w)))
     i, j, same = _pairs(n1, None if x2 is None else x2.shape[0])
-    index = [jnp.asarray(v, jnp.int32) for v in (i, j, i, j, same)]
+    same = _same(same, _equal(x[i], x[j]))
+    index = [jnp.asarray(v, jnp.int32) for v in (i, j, i, j)] + [same]
     nngp, ntk = _call(p, n, kern.spatial, index, inputs, scales, kern.ntk is not None)
     nngp, ntk = nngp[:, 0, 0], (None if ntk is None else ntk[:, 0, 0])
     if x2 is None:
