@@ -245,9 +245,15 @@ def network(rules, kern):
 
 
 def _vmem_capacity() -> int:
+    """This TPU's VMEM bytes; 0 (nothing runs fused) where this JAX's Pallas lacks what
+    the kernel uses (jax >= 0.4.35 is allowed; written and measured with 0.10.2)."""
     try:
         from jax.experimental.pallas import tpu as pltpu
-
+    except ImportError:
+        return 0
+    if not all(hasattr(pltpu, a) for a in ("CompilerParams", "PrefetchScalarGridSpec", "roll")):
+        return 0
+    try:
         return int(pltpu.get_tpu_info().vmem_capacity_bytes)
     except Exception:  # noqa: BLE001 - an unknown chip: the smallest VMEM of a current TPU
         return 16 << 20
