@@ -539,10 +539,13 @@ def _kernel(*refs, p: Plan, n: int, h: int, w: int, has_ntk: bool):
             for start in range(0, h, chunk):
                 part = pl.ds(start, min(chunk, h - start))
                 q12 = nngp_ref[a, part]
-                rho = jnp.clip(q12 * (r1 * r2_ref[part]), -1, 1)
-                # a sample with itself at one position: ρ = 1 exactly
+                scale = r1 * r2_ref[part]
+                rho = jnp.clip(q12 * scale, -1, 1)
+                # a sample with itself at one position: ρ = 1 exactly; where a variance
+                # is 0, ρ = 0 (closed_forms' convention, an all-zero sample's too)
                 piece = lax.broadcasted_iota(jnp.int32, rho.shape, 0)
                 rho = jnp.maximum(rho, jnp.where(piece == a - start, own_ref[part], -1.0))
+                rho = jnp.where(scale > 0, rho, 0.0)
                 theta = closed_forms.arccos(rho)
                 sin = jnp.sqrt(jnp.maximum(1 - rho * rho, 0))
                 angle = math.pi - theta
