@@ -19,19 +19,19 @@ TESTS = os.path.dirname(os.path.dirname(__file__))
 
 
 @pytest.mark.parametrize("whole", [True, False], ids=["network", "repeated"])
-@pytest.mark.parametrize("tag", ["x1x1", "x1x2"])
-def test_fused_convolutions_match_neural_tangents(tag, whole, monkeypatch):
-    """A Gram matrix (its pairs i <= j, each sample with itself at ρ = 1) and a cross
-    kernel (each input's own covariances as extra pairs), float32 within its rounding of
-    neural-tangents' float64. The network is Conv, [Relu, Conv] x 3 whose standard fan-in
-    changes after the first step, LeakyRelu, GlobalAvgPool, Dense: as one kernel from the
-    inputs, or (``repeated``) its three repeats as one kernel between XLA's layers.
+def test_fused_convolutions_match_neural_tangents(whole, monkeypatch):
+    """A Gram matrix (its pairs i <= j, each sample with itself at ρ = 1), float32 within
+    its rounding of neural-tangents' float64. The network is Conv, [Relu, Conv] x 3 whose
+    standard fan-in changes after the first step, LeakyRelu, GlobalAvgPool, Dense: as one
+    kernel from the inputs, or (``repeated``) its three repeats as one kernel between
+    XLA's layers.
 
-    With the Gram matrix, a cross kernel of inputs with a copy of them, one an all-zero
-    image, on a net whose first Conv's bias has std 0, against XLA's layers (checked against
-    neural-tangents by test_stax): equal pairs take ρ = 1 at their own positions (they
-    were 1e-4 off, the NTK's (π − θ)/2π at ρ an ulp below 1) but for a variance 0, where
-    ρ = 0 as in closed_forms (the zero image's NTK with itself was 0.6 % off)."""
+    Then a cross kernel (each input's own covariances as extra pairs; N1 = 4, N2 = 3) of
+    inputs, one an all-zero image, with three of them again, on a net whose first Conv's
+    bias has std 0, against XLA's layers (checked against neural-tangents by test_stax):
+    equal inputs take ρ = 1 at their own positions (they were 1e-4 off, the NTK's
+    (π − θ)/2π at ρ an ulp below 1), but a variance 0 takes ρ = 0 as in closed_forms (the
+    zero image's NTK with itself was 0.6 % off)."""
     sys.path.insert(0, TESTS)
     import stax_nets
 
@@ -42,29 +42,32 @@ def test_fused_convolutions_match_neural_tangents(tag, whole, monkeypatch):
         monkeypatch.setattr(fused_conv, name, spy)
     ref = np.load(stax_nets.REFERENCE)
     net, shape = stax_nets.networks(stax, jnp)["cnn_repeat_gap"]
-    x1, x2 = (x.astype(np.float32) for x in stax_nets.inputs("cnn_repeat_gap", shape))
+    x1 = stax_nets.inputs("cnn_repeat_gap", shape)[0].astype(np.float32)
     mode = contextlib.nullcontext if whole else fused_conv.layers_only
     with fused_conv.interpreted(), mode():
-        k = net[2](x1, None if tag == "x1x1" else x2, ("nngp", "ntk"))
+        k = net[2](x1, None, ("nngp", "ntk"))
     assert ran == [("_run_network", 3) if whole else ("run", 3)]
     for kind, ours in zip(("nngp", "ntk"), k, strict=True):
-        theirs = ref[f"cnn_repeat_gap/{tag}/{kind}"]
+        theirs = ref[f"cnn_repeat_gap/x1x1/{kind}"]
         err = np.abs(np.asarray(ours, np.float64) - theirs).max() / np.abs(theirs).max()
-        assert err <= 2e-6, (tag, kind, err)
-    if tag == "x1x1":
+        assert err <= 2e-6, (kind, err)
+
+    def kernel_fn():  # a new one per path: a kernel function compiles once per shape
         conv = stax.Conv(3, (3, 2), padding="SAME", W_std=1.3, b_std=0.1)
         # a bias of std 0 in the standard parameterisation: variance 0, its NTK 1
         unbiased = stax.Conv(3, (3, 2), padding="SAME", b_std=0.0, parameterization="standard")
-        net = stax.serial(unbiased, stax.repeat(stax.serial(stax.Relu(), conv), 3),
-                          stax.Relu(), stax.GlobalAvgPool(), stax.Dense(1))  # fmt: skip
-        x = np.concatenate([np.zeros_like(x1[:1]), x1[1:]])
-        xla = net[2](x, None, ("nngp", "ntk"))
-        with fused_conv.interpreted(), mode():
-            copy = net[2](x, x.copy(), ("nngp", "ntk"))
-        assert len(ran) == 2
-        for kind, ours, theirs in zip(("nngp", "ntk"), copy, xla, strict=True):
-            theirs = np.asarray(theirs, np.float64)
-            err = np.abs(np.asarray(ours, np.float64) - theirs).max() / np.abs(theirs).max()
-            # float32 both: the paths round differently, up to 2.8e-6 apart here (the
-            # fused 1.2e-6 from float64, XLA's 2e-7); without the two rules, 3e-5 and 1e-2
-            assert err <= 5e-6, ("copy", kind, err)
+        return stax.serial(unbiased, stax.repeat(stax.serial(stax.Relu(), conv), 3),
+                           stax.Relu(), stax.GlobalAvgPool(), stax.Dense(1))[2]  # fmt: skip
+
+    x = np.concatenate([np.zeros_like(x1[:1]), x1[1:]])
+    again = x[[2, 0, 1]].copy()
+    xla = kernel_fn()(x, again, ("nngp", "ntk"))
+    with fused_conv.interpreted(), mode():
+        cross = kernel_fn()(x, again, ("nngp", "ntk"))
+    assert len(ran) == 2
+    for kind, ours, theirs in zip(("nngp", "ntk"), cross, xla, strict=True):
+        theirs = np.asarray(theirs, np.float64)
+        err = np.abs(np.asarray(ours, np.float64) - theirs).max() / np.abs(theirs).max()
+        # float32 both: the paths round differently, up to 2.8e-6 apart here (the fused
+        # 1.2e-6 from float64, XLA's 2e-7); without the two rules, 3e-5 and 1e-2
+        assert err <= 5e-6, ("cross", kind, err)
