@@ -71,3 +71,13 @@ def test_fused_convolutions_match_neural_tangents(whole, monkeypatch):
         # float32 both: the paths round differently, up to 2.8e-6 apart here (the fused
         # 1.2e-6 from float64, XLA's 2e-7); without the two rules, 3e-5 and 1e-2
         assert err <= 5e-6, ("cross", kind, err)
+
+
+def test_a_repeated_block_of_the_wrong_rank_gets_the_layers_own_message():
+    """Choosing the fused path reads the layers' keys before the layers run: a 2-D Conv
+    repeated on 1-D positions still gets Conv's message (it was a bare zip error)."""
+    x = np.random.RandomState(0).randn(3, 5, 2).astype(np.float32)
+    block = stax.serial(stax.Relu(), stax.Conv(2, (3, 3), padding="SAME"))
+    net = stax.serial(stax.Conv(2, (3,), padding="SAME"), stax.repeat(block, 3))
+    with pytest.raises(ValueError, match=r"Conv acts on 2 spatial axes, but its input has 1"):
+        net[2](x, None, "ntk")

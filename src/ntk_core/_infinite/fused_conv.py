@@ -115,13 +115,14 @@ class Plan:
     pool: float | None = None
 
 
-def _conv(key, kern, n_steps: int):
+def _conv(key, kern):
     """(window, before, α, β, (γ, δ) of the first step, (γ, δ) after, out channels) of a
-    Conv key the kernel runs (2-D, SAME, stride 1) on ``kern``'s positions, else None."""
-    if key is None or key[0] != "Conv":
+    Conv key the kernel runs (2-D, SAME, stride 1) on ``kern``'s positions, else None
+    (also for a state that is not one 2-D Kern: the layers' own checks then raise)."""
+    if key is None or key[0] != "Conv" or isinstance(kern, tuple):
         return None
     _, out_chan, window, strides, padding, w_std, b_std, parameterization, s = key
-    if len(window) != 2 or set(strides) != {1} or padding != "SAME":
+    if len(window) != 2 or len(kern.spatial) != 2 or set(strides) != {1} or padding != "SAME":
         return None
     k = window[0] * window[1]
     alpha, beta = w_std**2 / k, (0.0 if b_std is None else b_std**2)
@@ -176,7 +177,7 @@ def plan(keys, n: int, kern) -> Plan | None:
     kernel handles; else None."""
     if n < 1 or len(keys) != 2 or keys[0] is None or keys[0][0] not in _AB:
         return None
-    conv = _conv(keys[1], kern, n)
+    conv = _conv(keys[1], kern)
     if conv is None or not getattr(kern, "gaussian", False):
         return None
     arrays = 2 if kern.ntk is not None else 1
@@ -214,7 +215,7 @@ def network(rules, kern):
             break
         keys += atoms
         ends.append(len(keys))
-    lead = _conv(keys[0], kern, 1) if keys else None
+    lead = _conv(keys[0], kern) if keys else None
     if lead is None:
         return None
     i, block = 1, None
@@ -228,7 +229,7 @@ def network(rules, kern):
     if keys[i + 1][0] not in ("GlobalAvgPool", "GlobalSumPool"):
         return None
     inner = kern.replace(channels=lead[-1], gaussian=True)
-    conv = _conv(block[1], inner, n) if block else lead
+    conv = _conv(block[1], inner) if block else lead
     if conv is None or conv[:2] != lead[:2]:  # one filter shape: one set of masks
         return None
     limit = _state_ok(kern, _need(kern, lead[0], n + 1, 0, 2 if kern.ntk is not None else 1))
