@@ -56,16 +56,15 @@ _AB = {
 }
 # switches for tests and benchmarks, read when a network is traced: a kernel function
 # already compiled for a shape keeps its program whatever the switches say later
-_interpreted: list = []
+_interpreted: list[bool] = []
 _off: list[bool] = []
 _layers_only: list[bool] = []
 
 
 @contextlib.contextmanager
-def interpreted(mode=True):
-    """Inside the block, run the kernel in Pallas' interpreter on any backend (tests):
-    ``mode`` is pallas_call's ``interpret`` (True, or ``pltpu.InterpretParams()``)."""
-    _interpreted.append(mode)
+def interpreted():
+    """Inside the block, run the kernel in Pallas' interpreter on any backend (tests)."""
+    _interpreted.append(True)
     try:
         yield
     finally:
@@ -137,12 +136,15 @@ def _conv(key, kern):
     return tuple(window), before, alpha, beta, first, rest, out_chan * s[1]
 
 
+def _enabled() -> bool:
+    """Whether anything may run fused: on a TPU (or interpreted), not switched off."""
+    return not _off and (bool(_interpreted) or jax.default_backend() == "tpu")
+
+
 def _state_ok(kern, need: int) -> int | None:
     """The VMEM limit for a call needing ``need`` bytes on ``kern``'s positions, or None
-    where the kernel does not run: another backend, the spatial diagonal, masks, a Gram
-    tile, not 2-D, not float32, not whole tiles, or too large for VMEM."""
-    if _off or (not _interpreted and jax.default_backend() != "tpu"):
-        return None
+    where the kernel does not run: the spatial diagonal, masks, a Gram tile, not 2-D, not
+    float32, not whole tiles, or too large for VMEM."""
     if (
         isinstance(kern, tuple)  # branches
         or kern.diagonal
@@ -175,10 +177,10 @@ def plan(keys, n: int, kern) -> Plan | None:
     """A :class:`Plan` when ``keys`` (the rules' keys of a block repeated ``n`` times) are
     [ab_relu family, Conv(2-D, SAME, stride 1)] and ``kern`` is a Gaussian state this
     kernel handles; else None."""
-    if n < 1 or len(keys) != 2 or keys[0] is None or keys[0][0] not in _AB:
+    if not _enabled() or n < 1 or len(keys) != 2 or keys[0] is None or keys[0][0] not in _AB:
         return None
     conv = _conv(keys[1], kern)
-    if conv is None or not getattr(kern, "gaussian", False):
+    if conv is None or not kern.gaussian:
         return None
     arrays = 2 if kern.ntk is not None else 1
     limit = _state_ok(kern, _need(kern, conv[0], n, 2 * arrays, 0))
@@ -206,7 +208,9 @@ def network(rules, kern):
     Conv, [nonlinearity, Conv] x n (one block repeated), nonlinearity, GlobalAvgPool or
     GlobalSumPool on the inputs' kernel (the CNN-GAP of Novak et al. 2019 and Arora et
     al. 2019): the whole chain in one kernel per pair of samples, from x; else None."""
-    if _layers_only or isinstance(kern, tuple) or not kern.is_input or kern.inputs is None:
+    if not _enabled() or _layers_only or isinstance(kern, tuple) or not kern.is_input:
+        return None
+    if kern.inputs is None:
         return None
     keys, ends = [], []
     for rule in rules:
@@ -272,6 +276,13 @@ def _pairs(n1: int, n2: int | None):
     return i, j, (np.arange(len(i)) >= n1 * n2).astype(np.int32)
 
 
+def _gram_index(i, j, n1: int):
+    """(N1, N1): each entry's row among the pairs i <= j; (j, i) reads pair (i, j)."""
+    upper = np.zeros((n1, n1), np.int64)
+    upper[i, j] = np.arange(len(i))
+    return np.maximum(upper, upper.T)
+
+
 def _same(same, equal):
     """The pairs whose positions meet themselves at ρ = 1 exactly: a sample with itself,
     and pairs of bit-for-bit equal inputs (``equal``, traced: x2 = x1 passed again, a
@@ -317,9 +328,7 @@ def run(p: Plan, n: int, kern, name: str):
     nngp, ntk = _call(p, n, kern.spatial, index, sources, scales, kern.ntk is not None)
     shape = (h, h, w, w)
     if gram:
-        upper = np.zeros((n1, n1), np.int64)
-        upper[i, j] = np.arange(len(i))
-        upper = np.maximum(upper, upper.T)  # (i, j) and (j, i) read the same pair
+        upper = _gram_index(i, j, n1)
         below = jnp.asarray(np.tril(np.ones((n1, n1), bool), -1))[:, :, None, None, None, None]
 
         def full(a):
@@ -351,9 +360,7 @@ def _run_network(p: Plan, n: int, kern):
     x = x1 if x2 is None else jnp.concatenate([x1, x2])
     c = x.shape[-1]
     v = jnp.mean(x * x, axis=-1)  # each sample's variance per position: (samples, H, W)
-    for axis, (size, window) in enumerate(zip(kern.spatial, p.window, strict=True)):
-        v = windows.shared_offsets(v, (axis + 1,), size, window, 1, "SAME")
-    v = p.lead[0] * v + p.lead[1]
+    v = p.lead[0] * _window_sum(v, p, kern.spatial) + p.lead[1]
     scales = _scales(p, n + 1, v, kern.spatial)  # before each nonlinearity, the last's too
     # x1's channel c at (h, w) along the lanes (w, w') and x2's at (h', w'), / C once
     xt = jnp.moveaxis(x, -1, 1)  # (samples, C, H, W)
@@ -364,9 +371,7 @@ def _run_network(p: Plan, n: int, kern):
     nngp, ntk = _call(p, n, kern.spatial, index, inputs, scales, kern.ntk is not None)
     nngp, ntk = nngp[:, 0, 0], (None if ntk is None else ntk[:, 0, 0])
     if x2 is None:
-        upper = np.zeros((n1, n1), np.int64)
-        upper[i, j] = np.arange(len(i))
-        upper = jnp.asarray(np.maximum(upper, upper.T))
+        upper = jnp.asarray(_gram_index(i, j, n1))
         out = dict(nngp=nngp[upper], ntk=None if ntk is None else ntk[upper])
         out.update(cov1=nngp[jnp.diagonal(upper)], cov2=None)
     else:
@@ -386,6 +391,13 @@ def _variances(cov):
     return jnp.diagonal(jnp.diagonal(cov, axis1=1, axis2=2), axis1=1, axis2=2)
 
 
+def _window_sum(v, p: Plan, spatial):
+    """The Conv's window sum on each sample's own positions (samples, H, W)."""
+    for axis, (size, window) in enumerate(zip(spatial, p.window, strict=True)):
+        v = windows.shared_offsets(v, (axis + 1,), size, window, 1, "SAME")
+    return v
+
+
 def _scales(p: Plan, n: int, v, spatial):
     """Each sample's √variance per step before its nonlinearity, laid out for the kernel:
     (samples, n, H, W·W) indexed by (h, w) (x1's side) and by (h', w') (x2's side)."""
@@ -393,10 +405,7 @@ def _scales(p: Plan, n: int, v, spatial):
     steps = []
     for _ in range(n):
         steps.append(v)
-        t = forms(v, v, v)[0]
-        for axis, (size, window) in enumerate(zip(spatial, p.window, strict=True)):
-            t = windows.shared_offsets(t, (axis + 1,), size, window, 1, "SAME")
-        v = p.alpha * t + p.beta
+        v = p.alpha * _window_sum(forms(v, v, v)[0], p, spatial) + p.beta
     s = jnp.sqrt(jnp.stack(steps, 1))  # (samples, n, H, W)
     w = spatial[1]
     return jnp.repeat(s, w, axis=-1), jnp.tile(s, (1, 1, 1, w))
@@ -472,7 +481,7 @@ def _call(p: Plan, n: int, spatial, index, sources, scales, has_ntk: bool):
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",), vmem_limit_bytes=p.vmem_limit
         ),
-        interpret=_interpreted[-1] if _interpreted else False,
+        interpret=bool(_interpreted),
     )
     out = call(*index, *sources, *scales, rows, lanes, diagonal)
     return out[0], (out[1] if has_ntk else None)
