@@ -31,6 +31,10 @@ SHAPES = {
     "gram 10000x1001 @ 1001x10000": ((10_000, 1_001), (1_001, 10_000), None),
     "gram 1250x1001 @ 1001x1250": ((1_250, 1_001), (1_001, 1_250), None),
     "batched 2500 x (1001x1 @ 1x1)": ((2_500, 1_001, 1), (2_500, 1, 1), "batched"),
+    # convolutions (NHWC x HWIO): LeNet's first at N = 500, ResNet-18's stem and a 3x3 block
+    "conv lenet 500x32x32x3 * 5x5x3x6": ((500, 32, 32, 3), (5, 5, 3, 6), ("conv", 1, "VALID")),
+    "conv stem 8x224x224x3 * 7x7x3x64 /2": ((8, 224, 224, 3), (7, 7, 3, 64), ("conv", 2, "SAME")),
+    "conv block 8x56x56x64 * 3x3x64x64": ((8, 56, 56, 64), (3, 3, 64, 64), ("conv", 1, "SAME")),
 }
 
 
@@ -49,20 +53,40 @@ def split3(x):
     return tuple(part.astype(jnp.bfloat16) for part in (hi, mid, lo))
 
 
-def six_passes(a, b):
-    """a @ b as the six bfloat16 products that carry float32's precision (what HIGHEST
-    does inside the MXU), each at DEFAULT: a compile-time lead (issue 51)."""
+def six_passes(a, b, op=None, parts=jnp.bfloat16):
+    """a @ b (or ``op(a, b)``) as the six bfloat16 products that carry float32's precision
+    (what HIGHEST does inside the MXU), each at DEFAULT: a compile-time lead (issue 51).
+    ``parts``: the parts' dtype (float32 holds them exactly too)."""
+    op = op or (lambda u, v, **kw: jnp.dot(u, v, **kw))
     a3, b3 = split3(a), split3(b)
     out = None
     for i, j in ((2, 0), (0, 2), (1, 1), (1, 0), (0, 1), (0, 0)):  # small terms first
-        term = jnp.dot(a3[i], b3[j], preferred_element_type=jnp.float32)
+        term = op(a3[i].astype(parts), b3[j].astype(parts), preferred_element_type=jnp.float32)
         out = term if out is None else out + term
     return out
 
 
+PRESETS = {"X6": "BF16_BF16_F32_X6", "X9": "BF16_BF16_F32_X9", "F32": "F32_F32_F32"}
+
+
 def product(kind, precision):
-    if precision == "six":
-        return six_passes
+    if isinstance(kind, tuple):  # a convolution
+        _, stride, padding = kind
+
+        def op(a, b, precision=None, preferred_element_type=None):
+            return lax.conv_general_dilated(
+                a, b, (stride, stride), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                precision=precision, preferred_element_type=preferred_element_type)  # fmt: skip
+
+        if precision in ("six", "six32"):
+            parts = jnp.float32 if precision == "six32" else jnp.bfloat16
+            return lambda a, b: six_passes(a, b, op, parts)
+        return lambda a, b: op(a, b, precision=PRESETS.get(precision, precision))
+    if precision in ("six", "six32"):
+        parts = jnp.float32 if precision == "six32" else jnp.bfloat16
+        return lambda a, b: six_passes(a, b, None, parts)
+    if precision in PRESETS:
+        return lambda a, b: jnp.dot(a, b, precision=PRESETS[precision])
     if kind == "batched":
         return lambda a, b: jnp.einsum("nij,njk->nik", a, b, precision=precision)
     return lambda a, b: jnp.dot(a, b, precision=precision)
@@ -73,28 +97,43 @@ def main():
     p.add_argument("--out", default="compile_dots.json")
     p.add_argument("--only", nargs="*", help="labels (default: all)")
     p.add_argument("--error", action="store_true", help="error against float64 (host)")
+    p.add_argument("--precisions", nargs="*", default=["HIGHEST", "HIGH", "DEFAULT", "six"],
+                   help="Precision names, six, six32 (parts held in float32), X6 X9 F32 (presets)")  # fmt: skip
     args = p.parse_args()
     rows = []
     for label, (sa, sb, kind) in SHAPES.items():
         if args.only and label not in args.only:
             continue
-        precisions = [lax.Precision.HIGHEST, lax.Precision.HIGH, lax.Precision.DEFAULT]
-        for precision in precisions + ([] if kind else ["six"]):
+        names = [n for n in args.precisions if kind != "batched" or n in lax.Precision.__members__]
+        for name in names:
+            precision = lax.Precision[name] if name in lax.Precision.__members__ else name
             a = jax.random.normal(jax.random.PRNGKey(0), sa, jnp.float32)
             b = jax.random.normal(jax.random.PRNGKey(1), sb, jnp.float32)
             fn = jax.jit(product(kind, precision))
             t0 = time.perf_counter()
-            compiled = fn.lower(a, b).compile()
+            try:
+                compiled = fn.lower(a, b).compile()
+            except Exception as e:  # noqa: BLE001 - a preset this backend lacks
+                rows.append(dict(what=label, precision=name, error=str(e)[:300]))
+                print(json.dumps(rows[-1]), flush=True)
+                continue
             compile_s = time.perf_counter() - t0
             out = jax.block_until_ready(compiled(a, b))
             t0 = time.perf_counter()
             jax.block_until_ready(compiled(a, b))
-            name = precision if precision == "six" else precision.name
             row = dict(what=label, precision=name, compile_s=round(compile_s, 3),
                        run_ms=round(1e3 * (time.perf_counter() - t0), 3))  # fmt: skip
-            if args.error and not kind:  # against float64 on the host, 64 rows
-                ref = np.asarray(a[:64], np.float64) @ np.asarray(b, np.float64)
-                got = np.asarray(out[:64], np.float64)
+            if args.error and kind != "batched":  # against float64 on the host, 64 rows
+                if kind is None:
+                    ref = np.asarray(a[:64], np.float64) @ np.asarray(b, np.float64)
+                else:  # the first 2 images, the convolution in float64 on the host's CPU
+                    cpu = jax.devices("cpu")[0]
+                    with jax.enable_x64(True):
+                        a64, b64 = (
+                            jax.device_put(np.asarray(v, np.float64), cpu) for v in (a[:2], b)
+                        )
+                        ref = np.asarray(jax.jit(product(kind, lax.Precision.HIGHEST))(a64, b64))
+                got = np.asarray(out[: ref.shape[0]], np.float64)
                 row["rel_err_vs_float64"] = float(np.abs(got - ref).max() / np.abs(ref).max())
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ntk_core._jax import bf16_passes as _bf16_passes
+
 #: The ``precision`` option as ``lax.Precision``, for the contractions' einsums.
 PRECISION = {
     p.name.lower(): p for p in (lax.Precision.HIGHEST, lax.Precision.HIGH, lax.Precision.DEFAULT)
@@ -25,7 +27,17 @@ PRECISION = {
 #: time is in library GEMMs and convolutions; 2026-12-06, 6 alternating runs with the
 #: jaxpr proof of :mod:`ntk_core._jax.sample_axes`: MLP 784-1000-1 first call 0.28 ->
 #: 0.24 s, LeNet N = 500 1.43 -> 1.39 s, ResNet-18 5.3-6.4 -> 4.8-5.2 s).
-CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
+#: YNNPACK's reduce fusions off (jax 0.10.2's XLA: with them, a jitted float32 Jacobian of
+#: a patch convolution followed by LayerNorm was 16 % off, and NTK-vector products of a
+#: ViT 0.7 %, where float64 and op-by-op runs are exact; tests/core/test_cpu_fusions.py;
+#: warm times within the run-to-run spread). The value "" enables no YNNPACK fusion type
+#: (XLA's flag syntax "-reduce" is not accepted as a compile option). Options this
+#: XLA does not know are dropped (:func:`known_options`).
+CPU_OPTIONS = {
+    "xla_cpu_use_fusion_emitters": False,
+    "xla_backend_optimization_level": 1,
+    "xla_cpu_experimental_ynn_fusion_type": "",
+}
 #: For programs whose run time is negligible (the independence probe's batches of three
 #: samples): no backend optimisation, compiled 2-4x faster (LeNet 0.24 -> 0.06 s).
 QUICK_CPU_OPTIONS = CPU_OPTIONS | {
@@ -55,7 +67,22 @@ def _tunable() -> bool:
 def tuned(options: dict) -> dict:
     """``jax.jit``'s keyword for XLA ``options`` on CPU (``{}`` elsewhere, or where jit
     takes none); only a top-level jit may be given them."""
-    return {"compiler_options": options} if _tunable() and at_top_level() else {}
+    return {"compiler_options": known_options(options)} if _tunable() and at_top_level() else {}
+
+
+@functools.cache
+def _known(name: str, value) -> bool:
+    try:
+        jax.jit(lambda: 0, compiler_options={name: value}).lower().compile()
+    except Exception:  # noqa: BLE001 - "No such compile option" (XLA's error types vary)
+        return False
+    return True
+
+
+def known_options(options: dict) -> dict:
+    """``options`` without those this JAX's XLA rejects (each tried once, on a trivial
+    program, the first time it is asked for)."""
+    return {k: v for k, v in options.items() if _known(k, v)}
 
 
 #: While set (:func:`memory_checked`; per thread): ``check(name, stats)``, called with
@@ -78,19 +105,29 @@ def memory_checked(check: Callable):
         _MEMORY_CHECK.reset(token)
 
 
-def jit_tuned(fn: Callable, options: dict = CPU_OPTIONS, **jit_kwargs) -> Callable:
+def jit_tuned(
+    fn: Callable, options: dict = CPU_OPTIONS, *, bf16_passes: bool = False, **jit_kwargs
+) -> Callable:
     """``jax.jit(fn, **jit_kwargs)``, compiled with ``options`` (XLA's) on CPU when called
-    outside a trace, and its compiled memory checked within :func:`memory_checked`. The
+    outside a trace, and its compiled memory checked within :func:`memory_checked`. With
+    ``bf16_passes``, where :func:`ntk_core._jax.bf16_passes.active` (TPUs), its float32
+    products at HIGHEST are written as six bfloat16 products (they compile faster). The
     backend is asked at each call, never here: these are built when ``ntk_core`` is
     imported, and asking would start JAX's backend then (XLA_FLAGS, the platform and
     ``jax.distributed.initialize`` set after the import would be ignored)."""
     plain = jax.jit(fn, **jit_kwargs)
-    tuned_jit = jax.jit(fn, compiler_options=options, **jit_kwargs) if _JIT_TAKES_OPTIONS else plain
+    tuned_jit = []  # built at the first CPU call: the options XLA knows are asked then
+    static = tuple(jit_kwargs.get("static_argnames", ()))
+    passes_jit = jax.jit(_bf16_passes.rewrite(fn, static), **jit_kwargs) if bf16_passes else None
 
     def call(*args, **kwargs):
         traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(args))
         plain_here = traced or not at_top_level() or not _tunable()
-        jitted = plain if plain_here else tuned_jit
+        if not plain_here and not tuned_jit:
+            tuned_jit.append(jax.jit(fn, compiler_options=known_options(options), **jit_kwargs))
+        jitted = plain if plain_here else tuned_jit[0]
+        if passes_jit is not None and _bf16_passes.active():
+            jitted = passes_jit
         check = _MEMORY_CHECK.get()
         if check is not None and not traced and at_top_level():
             check(fn.__name__, _memory_analysis(jitted, args, kwargs))
