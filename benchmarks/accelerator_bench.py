@@ -206,7 +206,6 @@ def side_worker(key, side, small, out_dir, recipe_gib, profile=False) -> dict:
 
     apply, params, x1, x2 = _setup(key, small)
     k = CASES[key][3]
-    label = side
     device = jax.devices()[0]
     row = dict(
         case=key, side=side, n1=int(x1.shape[0]), n2=None if x2 is None else int(x2.shape[0])
@@ -250,11 +249,7 @@ def side_worker(key, side, small, out_dir, recipe_gib, profile=False) -> dict:
             return recipe(params, x1, x2)
     else:
         import ntk_core
-        from ntk_core._jax import bf16_passes
 
-        side, _, products = side.partition("+")  # "+six", "+six32": six passes, "+xla": not
-        bf16_passes.ENABLED = {"six": True, "six32": True, "xla": False}.get(products)
-        bf16_passes.PARTS = "float32" if products == "six32" else None
         implementation = "structured" if side.startswith("structured") else side
         if side in ("structured-matmul-conv", "structured-conv"):
             from ntk_core._structured.rules import conv
@@ -295,7 +290,7 @@ def side_worker(key, side, small, out_dir, recipe_gib, profile=False) -> dict:
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
         row["profile_5_warm_calls"] = text.getvalue()[-3000:]
     block = np.asarray(out[:k, :k], np.float64)
-    np.save(os.path.join(out_dir, f"{key}-{label}.npy"), block)
+    np.save(os.path.join(out_dir, f"{key}-{side}.npy"), block)
     stats = device.memory_stats() or {}
     row["peak_gib"] = round(stats.get("peak_bytes_in_use", 0) / 2**30, 3)
     if key.startswith("mlp") or key == "fcn":
@@ -392,7 +387,6 @@ def _table(rows, rate):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
-    p.add_argument("--products", nargs="*", default=[""], help="side suffixes: +six +six32 +xla")
     p.add_argument(
         "--sides", nargs="*", default=["matmul", "auto", "recipe"], choices=["matmul", *SIDES]
     )
@@ -456,9 +450,7 @@ def main():
             json.dump(data, f, indent=1)
 
     jobs = [("matmul", None)] if "matmul" in args.sides else []
-    jobs += [
-        (s + x, k) for k in args.cases for s in args.sides if s != "matmul" for x in args.products
-    ]
+    jobs += [(s, k) for k in args.cases for s in args.sides if s != "matmul"]
     for side, key in jobs:
         if time.time() - start > args.budget_s:
             add(dict(case=key, side=side, skipped="--budget-s reached"))

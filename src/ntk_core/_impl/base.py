@@ -13,8 +13,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ntk_core._jax import bf16_passes as _bf16_passes
-
 #: The ``precision`` option as ``lax.Precision``, for the contractions' einsums.
 PRECISION = {
     p.name.lower(): p for p in (lax.Precision.HIGHEST, lax.Precision.HIGH, lax.Precision.DEFAULT)
@@ -105,20 +103,14 @@ def memory_checked(check: Callable):
         _MEMORY_CHECK.reset(token)
 
 
-def jit_tuned(
-    fn: Callable, options: dict = CPU_OPTIONS, *, bf16_passes: bool = False, **jit_kwargs
-) -> Callable:
+def jit_tuned(fn: Callable, options: dict = CPU_OPTIONS, **jit_kwargs) -> Callable:
     """``jax.jit(fn, **jit_kwargs)``, compiled with ``options`` (XLA's) on CPU when called
-    outside a trace, and its compiled memory checked within :func:`memory_checked`. With
-    ``bf16_passes``, where :func:`ntk_core._jax.bf16_passes.active` (TPUs), its float32
-    products at HIGHEST are written as six bfloat16 products (they compile faster). The
+    outside a trace, and its compiled memory checked within :func:`memory_checked`. The
     backend is asked at each call, never here: these are built when ``ntk_core`` is
     imported, and asking would start JAX's backend then (XLA_FLAGS, the platform and
     ``jax.distributed.initialize`` set after the import would be ignored)."""
     plain = jax.jit(fn, **jit_kwargs)
     tuned_jit = []  # built at the first CPU call: the options XLA knows are asked then
-    static = tuple(jit_kwargs.get("static_argnames", ()))
-    passes_jit = jax.jit(_bf16_passes.rewrite(fn, static), **jit_kwargs) if bf16_passes else None
 
     def call(*args, **kwargs):
         traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(args))
@@ -126,8 +118,6 @@ def jit_tuned(
         if not plain_here and not tuned_jit:
             tuned_jit.append(jax.jit(fn, compiler_options=known_options(options), **jit_kwargs))
         jitted = plain if plain_here else tuned_jit[0]
-        if passes_jit is not None and _bf16_passes.active():
-            jitted = passes_jit
         check = _MEMORY_CHECK.get()
         if check is not None and not traced and at_top_level():
             check(fn.__name__, _memory_analysis(jitted, args, kwargs))

@@ -36,8 +36,7 @@ def _jacobian_features(apply3, vmap_axes, precision):
             args = (apply3, params, x, aux, vmap_axes, out_tree, merge_limits, cotangent_chunk)
             return _jacobian.jacobians(*args, replay(apply3, precision))
 
-    static = ("out_tree", "merge_limits", "cotangent_chunk")
-    return jit_tuned(features, bf16_passes=True, static_argnames=static)
+    return jit_tuned(features, static_argnames=("out_tree", "merge_limits", "cotangent_chunk"))
 
 
 @_caches.lru_cache(maxsize=64)

@@ -53,7 +53,7 @@ def _tile(params, fa, fb, aux, xa, xb, *, apply3, config: Config, same: bool):
     return _blocked.finish_tile(kernel)
 
 
-_TILE = jit_tuned(_tile, bf16_passes=True, static_argnames=("apply3", "config", "same"))
+_TILE = jit_tuned(_tile, static_argnames=("apply3", "config", "same"))
 #: (K + Kᵀ)/2 of a Gram tile, in its own program: inside the tile's, XLA may fuse the
 #: contraction into the sum and compute K[i, j] and K[j, i] with different rounding
 #: (ntvp's traced kernel was off by 2e-7 relative); here both read one stored K. Small

@@ -34,7 +34,7 @@ def _structured_features(apply3, precision, fuse_bias):
         with jax.default_matmul_precision(precision):
             return map_in_batches(one_chunk, x, chunk)
 
-    return jit_tuned(features, bf16_passes=True, static_argnames=("modes", "merge_limits", "chunk"))
+    return jit_tuned(features, static_argnames=("modes", "merge_limits", "chunk"))
 
 
 def _structured_in_chunks(apply3, features, config, chunks: dict, params, x, aux):
