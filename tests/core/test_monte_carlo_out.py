@@ -262,12 +262,24 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _child(path, dtype):
+def _child(path, dtype, cache):
+    """The children of one test module share a compilation cache of their own (JAX's, in
+    ``cache``): the first compiles, the others read its programs (the same executables,
+    so the same bits; about 1.5 s less per child)."""
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache))
+    env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.update(JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(path), dtype],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        env=env,
     )
+
+
+@pytest.fixture(scope="module")
+def child_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("children_xla_cache")
 
 
 def _progress(folder) -> set:
@@ -317,7 +329,7 @@ def uninterrupted(tmp_path_factory):
     ],
 )
 def test_killed_at_any_moment_and_resumed_equals_an_uninterrupted_run(
-    tmp_path, uninterrupted, dtype, kind, sample, tiles
+    tmp_path, uninterrupted, child_cache, dtype, kind, sample, tiles
 ):
     """SIGKILL (no cleanup runs) once ``kind``'s buffer of ``sample`` lists ``tiles``
     of its 55 tiles (60 samples in tiles of 6), then the same call with resume=True
@@ -325,7 +337,7 @@ def test_killed_at_any_moment_and_resumed_equals_an_uninterrupted_run(
     (tmp_path / "killed").mkdir()
     whole = uninterrupted(dtype) / "mc.npy"
     path = tmp_path / "killed" / "mc.npy"
-    child = _child(path, dtype)
+    child = _child(path, dtype, child_cache)
     start = time.monotonic()
     while child.poll() is None and not any(
         k == kind and s == sample and done >= tiles and not complete
@@ -337,7 +349,7 @@ def test_killed_at_any_moment_and_resumed_equals_an_uninterrupted_run(
     child.wait()
     if child.returncode == 0:
         pytest.skip("the run finished before it could be killed")  # not seen in practice
-    resumed = _child(path, dtype)
+    resumed = _child(path, dtype, child_cache)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
     for k in ("nngp", "ntk"):
         a = np.load(tmp_path / "killed" / f"mc.{k}.npy")
