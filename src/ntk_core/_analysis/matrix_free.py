@@ -26,7 +26,7 @@ from jax.flatten_util import ravel_pytree
 
 from ntk_core._errors import bad, check_int
 from ntk_core._functional.ntk_vp import _product, apply3_of, make_ntk_vp
-from ntk_core._impl.base import jit_tuned
+from ntk_core._impl.base import EXACT_CPU_OPTIONS, jit_tuned
 from ntk_core._jax import caches as _caches
 from ntk_core._kernel import subset as _subset
 from ntk_core._kernel.arguments import _checked_arguments
@@ -114,7 +114,7 @@ def _columns(apply3, precision: str, batch_size: int | None, tree, leaves) -> Ca
         out = single(params, x, aux, unravel(v))
         return jnp.concatenate([a.reshape(-1) for a in jax.tree.leaves(out)])
 
-    return jit_tuned(jax.vmap(one, in_axes=(None, None, None, 0)))  # CPU_OPTIONS on CPU
+    return jit_tuned(jax.vmap(one, in_axes=(None, None, None, 0)), EXACT_CPU_OPTIONS)
 
 
 def _flat(model: Model, batch_size, precision) -> _Flat:

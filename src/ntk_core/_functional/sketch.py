@@ -35,7 +35,7 @@ from ntk_core._blocked import store as _store
 from ntk_core._blocked.tiles import auto_batch_size, default_memory_budget, non_finite
 from ntk_core._errors import bad, check_int
 from ntk_core._functional.ntk_vp import _outputs, checked_inputs
-from ntk_core._impl.base import jit_tuned
+from ntk_core._impl.base import EXACT_CPU_OPTIONS, jit_tuned
 from ntk_core._jax import caches as _caches
 from ntk_core._jax import memory as _memory
 from ntk_core._jax.batches import map_in_batches
@@ -214,7 +214,7 @@ def _block_fn(apply3, plan: Plan, precision: str) -> Callable:
             one = functools.partial(sketch_chunk, apply3, plan, precision, params, aux, key=key)
             return map_in_batches(lambda xb: one(xb), x, plan.chunk)
 
-    return jit_tuned(block)  # CPU_OPTIONS on CPU (XLA fusions, _impl/base.py)
+    return jit_tuned(block, EXACT_CPU_OPTIONS)
 
 
 def _chunk(apply3, params, aux, x, modes, analysis, out_shape, trace, k, precision) -> int:

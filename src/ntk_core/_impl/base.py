@@ -27,14 +27,18 @@ PRECISION = {
 #: 0.24 s, LeNet N = 500 1.43 -> 1.39 s, ResNet-18 5.3-6.4 -> 4.8-5.2 s).
 #: YNNPACK's reduce fusions off (jax 0.10.2's XLA: with them, a jitted float32 Jacobian of
 #: a patch convolution followed by LayerNorm was 16 % off, and NTK-vector products of a
-#: ViT 0.7 %, where float64 and op-by-op runs are exact; tests/core/test_cpu_fusions.py;
-#: warm times within the run-to-run spread). The value "" enables no YNNPACK fusion type
+#: ViT 0.7 %, where float64 and op-by-op runs are exact; tests/core/test_cpu_fusions.py.
+#: Warm, 2026-12-07, 2 alternating runs each, load 1.7: LeNet N = 500 0.97-0.99 s against
+#: 1.04-1.07 s with them, a small ResNet 16 x 16 0.52-0.53 s against 0.49-0.50 s; first
+#: calls the same). The value "" enables no YNNPACK fusion type
 #: (XLA's flag syntax "-reduce" is not accepted as a compile option). Options this
-#: XLA does not know are dropped (:func:`known_options`).
+#: XLA does not know are dropped (:func:`known_options`). ``EXACT_CPU_OPTIONS`` alone: for
+#: programs otherwise compiled with XLA's defaults (sketches, Monte Carlo batches).
+EXACT_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 CPU_OPTIONS = {
     "xla_cpu_use_fusion_emitters": False,
     "xla_backend_optimization_level": 1,
-    "xla_cpu_experimental_ynn_fusion_type": "",
+    **EXACT_CPU_OPTIONS,
 }
 #: For programs whose run time is negligible (the independence probe's batches of three
 #: samples): no backend optimisation, compiled 2-4x faster (LeNet 0.24 -> 0.06 s).

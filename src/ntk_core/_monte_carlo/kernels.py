@@ -15,7 +15,7 @@ from ntk_core._api import _make
 from ntk_core._blocked import progress as _progress
 from ntk_core._blocked.tiles import non_finite
 from ntk_core._errors import NonFiniteError, bad, check_int, must, one_line
-from ntk_core._impl.base import jit_tuned
+from ntk_core._impl.base import EXACT_CPU_OPTIONS, jit_tuned
 from ntk_core._kernel.arguments import _checked_arguments, misspelt, required_positional
 from ntk_core._kernel.caller import Caller
 from ntk_core._kernel.checks import all_finite, check_finite_input, check_values
@@ -113,7 +113,7 @@ def average(fn_name, sample, key, n_samples, batch_size_samples, progress, x1, x
         dtypes[0] = jax.tree.map(lambda a: a.dtype, out)
         return jax.tree.map(lambda a: wide(a).sum(0), out)
 
-    batched = jit_tuned(summed)  # one compilation per batch size; CPU_OPTIONS on CPU
+    batched = jit_tuned(summed, EXACT_CPU_OPTIONS)  # one compilation per batch size
     total = None
     for start in range(0, n_samples, batch_size_samples):
         stop = min(n_samples, start + batch_size_samples)
