@@ -137,9 +137,14 @@ def main():
                 row["rel_err_vs_float64"] = float(np.abs(got - ref).max() / np.abs(ref).max())
             print(json.dumps(row), flush=True)
             rows.append(row)
+    save(args.out, rows)
+
+
+def save(path, rows):
+    """``rows`` and the JAX version, device and date as JSON (also compile_model_tpu.py's)."""
     meta = dict(jax=jax.__version__, device=str(jax.devices()[0].device_kind),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))  # fmt: skip
-    with open(args.out, "w") as f:
+    with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 

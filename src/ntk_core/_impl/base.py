@@ -33,7 +33,8 @@ PRECISION = {
 #: calls the same). The value "" enables no YNNPACK fusion type
 #: (XLA's flag syntax "-reduce" is not accepted as a compile option). Options this
 #: XLA does not know are dropped (:func:`known_options`). ``EXACT_CPU_OPTIONS`` alone: for
-#: programs otherwise compiled with XLA's defaults (sketches, Monte Carlo batches).
+#: programs otherwise compiled with XLA's defaults (sketches, Monte Carlo batches,
+#: matrix-free NTK-vector products).
 EXACT_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 CPU_OPTIONS = {
     "xla_cpu_use_fusion_emitters": False,
