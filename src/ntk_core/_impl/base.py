@@ -150,11 +150,13 @@ def _memory_analysis(jitted, args, kwargs):
 
 class StructureHooks(NamedTuple):
     """The structured analysis' hooks the planner calls (``analysis_for``,
-    ``choose_modes``, ``method_labels`` of :mod:`ntk_core._structured.analysis`)."""
+    ``choose_modes``, ``method_labels``, ``late_modes`` of
+    :mod:`ntk_core._structured.analysis`)."""
 
     analyse: Callable
     modes: Callable
     labels: Callable
+    late: Callable
 
 
 class Impl(NamedTuple):

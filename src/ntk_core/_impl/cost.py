@@ -2,8 +2,9 @@
 one single-sample jaxpr (``vmap_axes=None``: the whole batch's, per sample; never XLA's
 cost analysis, wrong or -1 on CPU and GPU), split by
 what the reverse pass differentiates (:class:`PassCost`), and seconds at the backend's
-:data:`RATES`. ``"auto"`` takes the fastest estimate that fits
-:data:`JACOBIAN_MEMORY_BUDGET` (else the implementation without features); with
+:data:`RATES`. ``"auto"`` takes the fastest estimate that fits in one call (
+:data:`JACOBIAN_MEMORY_BUDGET`, on a GPU or TPU half its memory where that is more; else
+the implementation without features); with
 ``batch_size`` set, the fastest in the blocked engine's tiles (:func:`tiled`). Formulas:
 :func:`estimate`."""
 
@@ -20,7 +21,8 @@ from ntk_core._impl.registry import AUTO, REGISTRY
 from ntk_core._jax.jaxpr_walk import entries, is_literal, sub_jaxprs, sub_operands, values_written
 from ntk_core._units import human_bytes
 
-#: Bytes of an estimate's peak memory above which ``"auto"`` avoids it.
+#: Bytes of an estimate's peak memory above which ``"auto"`` avoids it in one call on a CPU
+#: (and on a GPU or TPU holding less than twice this; planner.one_call_limit).
 JACOBIAN_MEMORY_BUDGET = 4 * 2**30
 
 
@@ -49,6 +51,7 @@ class Plan:
     # device, a jax.Array as one call returns), else None
     in_tiles: CostEstimate | None = None
     weighed: tuple = ()  # "auto": the candidates it weighed (_cost.candidates)
+    one_call_limit: int | None = None  # peak bytes "auto" runs in one call (None: the CPU's)
 
     def __str__(self) -> str:
         how = f" (chosen by implementation={AUTO!r})" if self.requested == AUTO else ""
@@ -70,10 +73,11 @@ class Plan:
         ]
         for e in self.estimates:
             mib, s = e.memory_bytes / 2**20, e.seconds
-            over = e.memory_bytes > JACOBIAN_MEMORY_BUDGET and not self.blocked
+            limit = self.one_call_limit or JACOBIAN_MEMORY_BUDGET
+            over = e.memory_bytes > limit and not self.blocked
             lines.append(
                 f"  {e.implementation:<10} {e.flops:12.3e} FLOPs  {mib:10.1f} MiB  ~{s:.3g} s"
-                + (f"  (over {human_bytes(JACOBIAN_MEMORY_BUDGET)} in one call)" * over)
+                + (f"  (over {human_bytes(limit)} in one call)" * over)
             )
             if e.tiled is not None:
                 t = e.tiled
@@ -277,6 +281,9 @@ class Rates:
     # More per value of a per-sample convolution kernel's Jacobian, times its
     # conv_value_shortfall (few output positions: the write is not hidden by the FLOPs).
     conv_jacobian_value_flops: float = 0.0
+    # In one call, "structured" forms a per-sample Jacobian in the contraction where its
+    # inputs and cotangents are smaller (_structured.analysis.LATE).
+    late_jacobians: bool = True
 
 
 #: CPU: measured on the 2-core CI CPU (jax 0.10.2): matrix products 115-125 GFLOP/s;
@@ -322,6 +329,11 @@ class Rates:
 #: 1.65 ms is 11x its estimate (per-program launch costs are not modelled).
 #: GPU: uncalibrated, nominal data-centre figures (A100-class float32 tensor-core rate
 #: and HBM bandwidth); only their ratios decide, and none was measured on a GPU.
+#: Late Jacobians: on the TPU the ViT's structured features took 4 GB, not 16 GB, and ran
+#: in one call (0.27 s traced, against 2.1 s in tiles untraced), ResNet-18 224² 99 ms
+#: against 114 ms; on the CPU a ViT at N = 16 took 4.0 s against 6.4 s but the CNN of
+#: auto_choice.py (N = 32) 0.300 s against 0.265 s (2026-12-07), so a CPU keeps them in
+#: the features; GPUs take them for the memory (unmeasured).
 RATES = {
     "cpu": Rates(
         flops_per_s=1.2e11,
@@ -335,6 +347,7 @@ RATES = {
         explicit_jacobian_slowdown=2.4,
         jacobian_value_flops=490.0,
         conv_jacobian_value_flops=550.0,
+        late_jacobians=False,
     ),
     "tpu": Rates(
         flops_per_s=2.0e13,
@@ -472,7 +485,7 @@ def tiled(impl, call: Call, budget: int, block, batch_diagonal: bool) -> CostEst
     mirror, a temporary). Features are computed once per block while the column blocks'
     fit the budget beside a tile, else the row blocks' once per band of columns; with
     x2=None only the k·(k + 1)/2 tiles j >= i are contracted; memory: 2·F·B + W·B²."""
-    one = dataclasses.replace(call, n1=1, n2=1, all_pairs=0, n_jac=1, kernel_bytes=0)
+    one = dataclasses.replace(call, n1=1, n2=1, all_pairs=0, n_jac=1, kernel_bytes=0, late=False)
     feature = impl.estimate(one)[1]
     pairs = max(call.all_pairs, 1)
     per_pair = 3.0 * call.kernel_bytes / pairs / (2 if call.symmetric else 1)
@@ -503,6 +516,7 @@ def tiled(impl, call: Call, budget: int, block, batch_diagonal: bool) -> CostEst
         n_jac=computed,
         triangle=triangle if symmetric else None,
         kernel_bytes=0,
+        late=False,
     )
     flops, _, seconds = impl.estimate(in_tiles)
     # At most the one call's (one tile holding every sample is that call).
@@ -574,6 +588,7 @@ class Call:
     fwd_x: float
     act_x: float
     merge_limit: int
+    late: bool = True  # one call: Jacobians formed late where rates allow (False: tiles)
 
     @property
     def reverse(self) -> float:
@@ -672,17 +687,21 @@ def ntvp_estimate(c: Call) -> tuple[float, float, float]:
     return ntvp_flops, memory, seconds
 
 
-def candidates(estimates, blocked: bool = False, tiles: bool = False) -> list[CostEstimate]:
+def candidates(
+    estimates, blocked: bool = False, tiles: bool = False, limit: int | None = None
+) -> list[CostEstimate]:
     """What ``"auto"`` weighs. ``blocked`` (``batch_size`` given: tiles bound the memory):
     each implementation in tiles (its ``tiled`` estimate where it has one). Else each one
-    in one call whose peak fits :data:`JACOBIAN_MEMORY_BUDGET`; with ``tiles`` (the call
-    may go to tiles kept on the device: outside a trace, per sample) also the tiled form of
+    in one call whose peak fits ``limit`` bytes (None: :data:`JACOBIAN_MEMORY_BUDGET`);
+    with ``tiles`` (the call may go to tiles kept on the device: outside a trace, per
+    sample) also the tiled form of
     each one whose one call does not fit, and of one that fits where that form is
     estimated :data:`TILES_ADVICE_RATIO` times faster than every one-call candidate
     (smaller gains stay in one call: the tiles' host loop is not in the estimates)."""
     if blocked:
         return [e.tiled or e for e in estimates]
-    one_call = [e for e in estimates if e.memory_bytes <= JACOBIAN_MEMORY_BUDGET]
+    limit = JACOBIAN_MEMORY_BUDGET if limit is None else limit
+    one_call = [e for e in estimates if e.memory_bytes <= limit]
     if not tiles:
         return one_call
     fits = {e.implementation for e in one_call}
@@ -696,10 +715,12 @@ def candidates(estimates, blocked: bool = False, tiles: bool = False) -> list[Co
     return one_call + tiled
 
 
-def choice(estimates, blocked: bool = False, tiles: bool = False) -> CostEstimate | None:
+def choice(
+    estimates, blocked: bool = False, tiles: bool = False, limit: int | None = None
+) -> CostEstimate | None:
     """The cheapest of :func:`candidates` (a tiled one has ``batch > 0``; one call wins a
     tie), or None where none is (nothing fits in one call and tiles are not allowed)."""
-    found = candidates(estimates, blocked, tiles)
+    found = candidates(estimates, blocked, tiles, limit)
     return min(found, key=lambda e: (e.seconds, e.batch > 0), default=None)
 
 

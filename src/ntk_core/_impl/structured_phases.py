@@ -57,13 +57,15 @@ def pair_terms(config) -> int:
     """Kernel-sized temporaries: 2 per use pair of a Gram group, 1 per Jacobian."""
     s = config.structure
     pairs = zip(s.groups, s.modes, strict=True)
-    terms = (1 if mode == _structured.EXPLICIT else 2 * len(g) ** 2 for g, mode in pairs)
+    terms = (1 if mode != _structured.GRAM else 2 * len(g) ** 2 for g, mode in pairs)
     return len(s.fallback) + sum(terms)
 
 
 def structured_estimate(call: Call) -> tuple[float, float, float]:
     """``"structured"``: n·(F + O·(G_a + G_e + G_w·P_fb/P)) + the per-sample work of
-    each leaf's form + pairs·(2·O'·P_fb + Σ leaf pair costs)."""
+    each leaf's form + pairs·(2·O'·P_fb + Σ leaf pair costs). Memory: the features, the
+    kernel, passes in flight, and the largest late group's Jacobians (one call where the
+    backend's rates take them)."""
     analysis, leaf_sizes, pc = call.analysis, call.leaf_sizes, call.pc
     o_pair, out_total, n_jac, itemsize = call.o_pair, call.out_total, call.n_jac, call.itemsize
     p_fallback = sum(leaf_sizes[i] for i in analysis.fallback)
@@ -74,20 +76,27 @@ def structured_estimate(call: Call) -> tuple[float, float, float]:
     widths = [leaf_sizes[i] for i in analysis.fallback]  # Jacobian-type features
     gram_terms = 0
     modes = _structured.choose_modes(analysis, o_pair, out_total)
+    if call.late and call.rates.late_jacobians:
+        modes = _structured.late_modes(analysis, modes, out_total)
+    late_bytes = 0  # one late group's Jacobians of every sample, alive in the contraction
     for group, mode in zip(analysis.groups, modes, strict=True):
         gram, explicit = _structured.pair_costs(analysis, group, o_pair, out_total)
         for u in group:
             use = analysis.uses[u]
             a, c, k = use.a_size, analysis.input_size(u), use.w_free_size
             per_sample_flops += use.rule.input_flops(a, c)  # e.g. convolution patches
-            if mode == _structured.EXPLICIT:
+            if mode != _structured.GRAM:
                 per_sample_flops += 2.0 * out_total * a * c * k
                 explicit_flops += 2.0 * out_total * a * c * k
-        if mode == _structured.EXPLICIT:
-            use = analysis.uses[group[0]]
-            per_sample += out_total * analysis.input_size(group[0]) * use.w_free_size
+        if mode != _structured.GRAM:
+            width = analysis.input_size(group[0]) * analysis.uses[group[0]].w_free_size
+            if mode == _structured.LATE:
+                per_sample += _structured.late_values(analysis, group, out_total)
+                late_bytes = max(late_bytes, n_jac * out_total * width * itemsize)
+            else:
+                per_sample += out_total * width
             per_pair += explicit
-            widths.append(analysis.input_size(group[0]) * use.w_free_size)
+            widths.append(width)
         else:
             for u in group:
                 use = analysis.uses[u]
@@ -103,7 +112,7 @@ def structured_estimate(call: Call) -> tuple[float, float, float]:
         + structured_pairs * per_pair
     )
     chunk = _structured.feature_chunk(n_jac, out_total, call.values, per_sample, itemsize)
-    memory = float(structured_bytes + call.kernel_bytes + chunk * call.passes_bytes)
+    memory = float(structured_bytes + call.kernel_bytes + chunk * call.passes_bytes + late_bytes)
     slow = n_jac * out_total * share * pc.grad_weights_conv
     einsums = _jacobian.einsum_count(widths, call.merge_limit) + gram_terms
     explicit_slow = call.rates.explicit_jacobian_slowdown - 1.0
@@ -123,7 +132,10 @@ STRUCTURED = Impl(
     whole_batch_as="jacobian",
     estimate=structured_estimate,
     analysis=StructureHooks(
-        _structured.analysis_for, _structured.choose_modes, _structured.method_labels
+        _structured.analysis_for,
+        _structured.choose_modes,
+        _structured.method_labels,
+        _structured.late_modes,
     ),
     pair_terms=pair_terms,
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex
 
 
 def even_batches(n: int, most: int) -> tuple[int, list[int]]:
@@ -27,13 +28,19 @@ def map_in_batches(fn, args, most: int):
     def part(start):
         return fn(jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, start, size, 0), args))
 
-    shapes = jax.eval_shape(part, 0)
+    # Traced once: the loop's body replays the jaxpr (a model's trace took 2.1 s of a ViT's
+    # 10.5 s first call with a filled compilation cache on a TPU; eval_shape and the loop
+    # had traced it twice).
+    closed, shapes = jax.make_jaxpr(part, return_shape=True)(jnp.int32(0))
+    replay = jex.jaxpr_as_fun(closed)
+    treedef = jax.tree.structure(shapes)
     out = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape[1:], s.dtype), shapes)
 
     def step(i, out):
-        start = jnp.minimum(i * size, n - size)
+        start = jnp.minimum(i * size, n - size).astype(jnp.int32)
+        piece = jax.tree.unflatten(treedef, replay(start))
         return jax.tree.map(
-            lambda o, p: lax.dynamic_update_slice_in_dim(o, p, start, 0), out, part(start)
+            lambda o, p: lax.dynamic_update_slice_in_dim(o, p, start, 0), out, piece
         )
 
     return lax.fori_loop(0, len(starts), step, out)

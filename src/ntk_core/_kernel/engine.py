@@ -168,6 +168,8 @@ class Engine:
     def _on_device_in_tiles(self, config, implementation, params, x1, x2, aux):
         """The kernel of an ``"auto"`` call that does not fit in one call, in tiles that
         fit the device (``batch_size="auto"`` within its capacity), kept on the device."""
+        config = _planner.for_tiles(config)  # explicit Jacobians once per block, not per tile
+        implementation = self.implementation(config)
         options = _planner.device_tiles_options(self.spec, (params, x1))
         cut = _blocked.tiling(implementation, config, options, params, x1, x2, aux)
         fn = self.spec.fn_name

@@ -81,11 +81,12 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
         tiles = not blocked and tiles_allowed(spec, (params, x1))
         budget = device_tiles_budget(spec, (params, x1)) if tiles else None
         found = estimates(spec, checked, analyses, params, x1, aux, whole, budget)
-        chosen = _cost.choice(found, blocked, tiles)
+        limit = one_call_limit((params, x1))
+        chosen = _cost.choice(found, blocked, tiles, limit)
         implementation = _cost.featureless() if chosen is None else chosen.implementation
         if model_failure(implementation, spec, checked, params, x1, x2, aux) is not None:
             others = [e for e in found if e.implementation != implementation]
-            chosen = _cost.choice(others, blocked, tiles)
+            chosen = _cost.choice(others, blocked, tiles, limit)
             if chosen is None:  # none of the others fits: the fastest of them
                 chosen = min(others, key=lambda e: e.seconds)  # in one call
             implementation = chosen.implementation
@@ -104,6 +105,10 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
         n_leaves = len(jax.tree.leaves(params))
         found_analysis = analysis(spec, analyses, params, x1, aux)
         modes = structured_modes(found_analysis, shapes1, layouts)
+        one_call = opts.batch_size is None and not in_tiles  # tiles would form them per tile
+        if one_call and _cost.rates_for().late_jacobians:
+            o_out = sum(math.prod(s.shape[1:]) for s in shapes1)
+            modes = _hooks().late(found_analysis, modes, o_out)
         structure = found_analysis.leaves(n_leaves, modes)
     return Config(
         kind=spec.kind,
@@ -239,7 +244,8 @@ def describe(spec, checked, config, implementation, analyses, params, x1, x2, au
     tiles = auto and not blocked and tiles_allowed(spec, (params, x1))  # as configure's
     budget = device_tiles_budget(spec, (params, x1)) if tiles else None
     found = estimates(spec, checked, analyses, params, x1, aux, config.whole_batch, budget)
-    weighed = tuple(_cost.candidates(found, blocked, tiles)) if auto else ()
+    limit = one_call_limit((params, x1))
+    weighed = tuple(_cost.candidates(found, blocked, tiles, limit)) if auto else ()
     in_tiles = None
     if config.in_tiles:
         in_tiles = next(e.tiled for e in found if e.implementation == config.implementation)
@@ -276,6 +282,7 @@ def describe(spec, checked, config, implementation, analyses, params, x1, x2, au
         spec.options.batch_size is not None,
         in_tiles,
         weighed,
+        limit,
     )
 
 
@@ -303,6 +310,29 @@ def tiles_allowed(spec: Spec, tree) -> bool:
         return False
     traced = any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(tree))
     return at_top_level() and not traced
+
+
+def for_tiles(config: Config) -> Config:
+    """``config`` for tiles: each late structured group explicit again (formed in the
+    features, once per block, not again in every tile), ``in_tiles`` set."""
+    structure = config.structure
+    if config.analysis is not None:  # the modes before late_modes
+        modes = structured_modes(config.analysis, config.shapes1, config.layouts)
+        structure = config.analysis.leaves(structure.n_leaves, modes)
+    return dataclasses.replace(config, structure=structure, in_tiles=True)
+
+
+def one_call_limit(tree) -> int:
+    """Peak bytes up to which ``"auto"`` computes a call in one call: on a GPU or TPU half
+    the memory of the devices holding ``tree`` (the other half: XLA's temporaries beyond
+    the estimate; the compiled program is checked before it runs), at least
+    :data:`_cost.JACOBIAN_MEMORY_BUDGET`, which is the limit on a CPU (the host's memory
+    is shared with everything else there)."""
+    devices = _devices(tree)
+    if any(d.platform == "cpu" for d in devices):
+        return _cost.JACOBIAN_MEMORY_BUDGET
+    have = _memory.capacity(devices) or 0
+    return max(_cost.JACOBIAN_MEMORY_BUDGET, have // 2)
 
 
 def device_tiles_budget(spec: Spec, tree) -> int:

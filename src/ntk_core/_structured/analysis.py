@@ -2,7 +2,9 @@
 2022, s. 3.3): the jaxpr analysis (:func:`analyse`), the features' interpreter
 (:func:`features`) and the pairwise contraction (:func:`contract`) of the weight uses the
 rules in :mod:`ntk_core._structured.rules` (the formulas) cover; every other leaf falls back
-to its explicit Jacobian. Per leaf, :func:`choose_modes` picks the Gram or explicit form."""
+to its explicit Jacobian. Per leaf, :func:`choose_modes` picks the Gram or explicit form,
+and :func:`late_modes` where, in one call, an explicit Jacobian is formed: in the features,
+or in the contraction from the inputs and cotangents the features keep."""
 
 from __future__ import annotations
 
@@ -37,6 +39,12 @@ _VIEWS |= {prims.broadcast_in_dim_p}
 _CAST, _SCALINGS = prims.convert_element_type_p, frozenset({prims.mul_p, prims.div_p})
 
 GRAM, EXPLICIT = "gram", "explicit"  # the two forms of a structured leaf's kernel
+# The explicit form with its per-sample Jacobian formed in the contraction, not the
+# features: the same FLOPs in one call, and the features keep a use's A·(C + O·K) inputs
+# and cotangents instead of the O·C·K Jacobian, while one group's Jacobians at a time are
+# alive (a ViT's 64 tokens of width 256: 4x fewer values; 16 GiB -> 4 GiB at N = 128).
+# In tiles each tile would form them again, so only one call takes it (planner.configure).
+LATE = "late"
 
 
 class Structure(typing.NamedTuple):
@@ -46,7 +54,7 @@ class Structure(typing.NamedTuple):
     fallback: tuple[int, ...]  # leaves differentiated explicitly
     groups: tuple[tuple[int, ...], ...]  # per structured leaf, its use indices
     group_leaves: tuple[int, ...]
-    modes: tuple[str, ...]  # per group, "gram" or "explicit" (choose_modes)
+    modes: tuple[str, ...]  # per group, "gram", "explicit" or "late" (choose_modes, late_modes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,13 +122,33 @@ def choose_modes(analysis: Analysis, o_pair: int, o_out: int) -> tuple[str, ...]
     return tuple(EXPLICIT if explicit < gram else GRAM for gram, explicit in costs)
 
 
+def late_modes(analysis: Analysis, modes, o_out: int) -> tuple[str, ...]:
+    """``modes`` with :data:`LATE` for each explicit group whose inputs and cotangents,
+    Σ_u A_u·(C_u + O·K), hold fewer values per sample than its Jacobian, O·C·K."""
+    late = []
+    for group, mode in zip(analysis.groups, modes, strict=True):
+        use = analysis.uses[group[0]]
+        jacobian = o_out * analysis.input_size(group[0]) * use.w_free_size
+        smaller = late_values(analysis, group, o_out) < jacobian
+        late.append(LATE if mode == EXPLICIT and smaller else mode)
+    return tuple(late)
+
+
+def late_values(analysis: Analysis, group, o_out: int) -> int:
+    """Values one sample's features keep for a :data:`LATE` group."""
+    return sum(
+        analysis.uses[u].a_size * (analysis.input_size(u) + o_out * analysis.uses[u].w_free_size)
+        for u in group
+    )
+
+
 def method_labels(analysis: Analysis, modes) -> dict[int, str]:
     """``plan()`` method per leaf, e.g. ``"structured (1 convolution, per-sample
     Jacobian)"`` or ``"jacobian (fallback: <reason>)"``."""
     methods = {}
     for group, mode in zip(analysis.groups, modes, strict=True):
         uses = [analysis.uses[u] for u in group]
-        per_sample = ", per-sample Jacobian" if mode == EXPLICIT else ""
+        per_sample = ", per-sample Jacobian" if mode != GRAM else ""
         methods[uses[0].leaf] = f"structured ({uses[0].rule.label(uses)}{per_sample})"
     for u, leaf in enumerate(analysis.bias_leaves):
         if leaf >= 0:
@@ -472,7 +500,7 @@ def chunk_size(apply3, params, x, aux, fuse_bias: bool, modes, *, precision) -> 
     gram_values = sum(
         use.a_size * (analysis.input_size(u) + out_size * use.w_free_size)
         for u, use in enumerate(analysis.uses)
-        if _gram(analysis, modes, u)
+        if _kept(analysis, modes, u)
     )
     itemsize = max((np.dtype(o.dtype).itemsize for o in outs), default=4)
     values = _walk.values_written(closed.jaxpr)
@@ -558,27 +586,55 @@ def features(apply3, params, x, aux, fuse_bias, modes, merge_limits, *, precisio
             perm = tuple(range(o_ndim)) + tuple(o_ndim + a for a in use.y_perm)
             gu = jnp.transpose(gu, perm).reshape(lead + (use.a_size, use.w_free_size))
             per_use.append(gu)
-        per_group = []
-        for group, mode in zip(analysis.groups, modes, strict=True):
-            if mode != EXPLICIT:
-                continue
-            total = None
-            for u in group:
-                use = analysis.uses[u]
-                j = use.rule.jacobian(use, x_mats[u], per_use[u], biased[u])
-                total = j if total is None else total + j
-            leaf_dtype = leaf_dtypes[analysis.uses[group[0]].leaf]
-            flat = total.reshape(total.shape[:o_ndim] + (math.prod(total.shape[o_ndim:]),))
-            per_group.append(flat.astype(leaf_dtype))
+        per_group = [
+            _group_jacobian(analysis, group, x_mats, per_use)
+            for group, mode in zip(analysis.groups, modes, strict=True)
+            if mode == EXPLICIT
+        ]
         if merge_limits is None:
             parts = (fb_k, per_group, [])
         else:
             parts = ([], [], _jacobian.merge(fb_k + per_group, merge_limits[k]))
         for dest, part in zip((fallback, explicit, merged), parts, strict=True):
             dest.append(part)
-        g.append([gu if _gram(analysis, modes, u) else None for u, gu in enumerate(per_use)])
-    x_out = [xm if _gram(analysis, modes, u) else None for u, xm in enumerate(x_mats)]
+        g.append([gu if _kept(analysis, modes, u) else None for u, gu in enumerate(per_use)])
+    x_out = [xm if _kept(analysis, modes, u) else None for u, xm in enumerate(x_mats)]
     return Features(fallback, explicit, merged, x_out, g)
+
+
+def _group_jacobian(analysis: Analysis, group, x_mats, per_use):
+    """One explicit group's per-sample Jacobians ``(N, *O, C·K)`` in its leaf's dtype, from
+    its uses' inputs (``jacobian_input`` form) and cotangents ``(N, *O, A, K)``."""
+    total = None
+    for u in group:
+        use = analysis.uses[u]
+        j = use.rule.jacobian(use, x_mats[u], per_use[u], analysis.biased[u])
+        total = j if total is None else total + j
+    o_ndim = per_use[group[0]].ndim - 2
+    flat = total.reshape(total.shape[:o_ndim] + (math.prod(total.shape[o_ndim:]),))
+    return flat.astype(analysis.leaf_dtypes[analysis.uses[group[0]].leaf])
+
+
+def _after(value, side):
+    """``side``'s (inputs, cotangents) made to depend on ``value``: its smallest floating
+    array plus 0·(one entry of ``value``), which XLA does not fold (0·NaN is NaN). A data
+    dependence orders the late groups on every backend; XLA's CPU compiler drops an
+    ``optimization_barrier`` before scheduling, and without an order it held every
+    group's Jacobians at once (2.3 GB for a ViT at N = 16, not 0.17)."""
+    xs, gs = side
+    arrays = [(d, u) for d in (xs, gs) for u in d if jnp.issubdtype(d[u].dtype, jnp.floating)]
+    d, u = min(arrays, key=lambda du: du[0][du[1]].size)  # cotangents are always floating
+    tied = d[u] + (value.reshape(-1)[0] * 0).astype(d[u].dtype)
+    xs, gs = ({**d, u: tied} if d is part else part for part in (xs, gs))
+    return xs, gs
+
+
+def _kept(analysis: Analysis, modes, u: int) -> bool:
+    """Whether the features keep use ``u``'s inputs and cotangents (Gram and late forms)."""
+    for group, mode in zip(analysis.groups, modes, strict=True):
+        if u in group:
+            return mode != EXPLICIT
+    return True
 
 
 def _gram(analysis: Analysis, modes, u: int) -> bool:
@@ -614,10 +670,20 @@ def contract(layouts, structure: Structure, analysis, f1, f2, precision):
         letters = Subscripts(lo, ro, out, *fresh[:4])
         explicit = zip(f1.explicit[k], f2.explicit[k], strict=True)
         x1, x2, g1, g2 = f1.x, f2.x, f1.g[k], f2.g[k]
+        last = None  # the last late group's kernel
         for group, leaf, mode in zip(*structure[2:], strict=True):  # groups, leaves, modes
             if mode == EXPLICIT:
                 if not merged:
                     per_leaf[leaf] = jacobian_term(*next(explicit))
+                continue
+            if mode == LATE:  # formed here (for x2=None once), one group after another
+                sides = [({u: x1[u] for u in group}, {u: g1[u] for u in group})]
+                if f2 is not f1:
+                    sides.append(({u: x2[u] for u in group}, {u: g2[u] for u in group}))
+                if last is not None:  # after the last group's kernel: one group alive
+                    sides = [_after(last, side) for side in sides]
+                jacobians = [_group_jacobian(analysis, group, *side) for side in sides]
+                last = per_leaf[leaf] = jacobian_term(jacobians[0], jacobians[-1])
                 continue
             total = None
             for u, v in itertools.product(group, group):
