@@ -116,6 +116,7 @@ def main():
             except Exception as e:  # noqa: BLE001 - a preset this backend lacks
                 rows.append(dict(what=label, precision=name, error=str(e)[:300]))
                 print(json.dumps(rows[-1]), flush=True)
+                save(args.out, rows)
                 continue
             compile_s = time.perf_counter() - t0
             out = jax.block_until_ready(compiled(a, b))
@@ -137,7 +138,7 @@ def main():
                 row["rel_err_vs_float64"] = float(np.abs(got - ref).max() / np.abs(ref).max())
             print(json.dumps(row), flush=True)
             rows.append(row)
-    save(args.out, rows)
+            save(args.out, rows)  # after each row: a run cut short keeps what it measured
 
 
 def save(path, rows):

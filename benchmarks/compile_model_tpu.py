@@ -9,7 +9,9 @@ One process, no compilation cache; each row a fresh ``jax.jit`` timed through
   compiles), ``jax.grad`` of the outputs' sum;
 * each at ``jax.default_matmul_precision`` HIGHEST and DEFAULT (``cases.py``'s twins ask
   for HIGHEST in their own convolutions and products; DEFAULT rows drop that request by
-  rebinding ``cases.HIGHEST``).
+  rebinding ``cases.HIGHEST``), or a ``DotAlgorithmPreset`` (``X6``, ``F32``: the twins'
+  request dropped, the preset set as the default; JAX lowers a convolution under a preset
+  at DEFAULT, so only a model without convolutions keeps float32's accuracy there).
 
     python benchmarks/compile_model_tpu.py --case resnet18 [--small] [--out FILE]
 
@@ -23,7 +25,7 @@ import json
 import time
 
 import accelerator_bench as bench
-from compile_dots_tpu import save
+from compile_dots_tpu import PRESETS, save
 
 
 def main():
@@ -41,13 +43,15 @@ def main():
     apply, params, x1, _ = bench._setup(args.case, args.small)
     rows = []
     for name in args.precisions:
-        cases.HIGHEST = lax.Precision[name]  # the twins' own request, read at trace time
+        preset = PRESETS.get(name)
+        # the twins' own request, read at trace time (a preset: none, the default rules)
+        cases.HIGHEST = None if preset else lax.Precision[name]
         programs = {
             "forward": lambda p, x: apply(p, x),
             "vjp": jax.grad(lambda p, x: jnp.sum(apply(p, x))),
         }
         for what, fn in programs.items():
-            with jax.default_matmul_precision(name.lower()):
+            with jax.default_matmul_precision(preset or name.lower()):
                 jitted = jax.jit(fn)
                 t0 = time.perf_counter()
                 lowered = jitted.lower(params, x1)

@@ -9,6 +9,11 @@ ResNet-18's slow small-map convolutions were found (benchmarks/README.md).
 
     python benchmarks/profile_phases.py --case resnet18 --n 64
     python benchmarks/profile_phases.py --case mlp1 --n 1000 --implementation auto --top 10
+    python benchmarks/profile_phases.py --accelerator-case vit --out phases.json
+
+``--accelerator-case``: one of ``accelerator_bench.py``'s plain-JAX cases (no Flax needed:
+runs on a device machine as it is), ``trace_axes=()``, x2 = None, its own N; ``--out``
+writes the phases' seconds as JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import bench_core  # noqa: E402
 import cases  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -63,23 +67,30 @@ def main(argv=None):
     parser.add_argument("--implementation", default="structured")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=8, help="operations shown per phase")
+    parser.add_argument("--accelerator-case", help="a case of accelerator_bench.py instead")
+    parser.add_argument("--out", help="the phases' warm seconds as JSON")
     args = parser.parse_args(argv)
 
-    case = cases.CASES[args.case]
-    n = args.n or case.n
-    variables = bench_core.init_variables(case)
-    params, _ = cases.split_variables(variables)
-    params = jax.tree.map(jnp.asarray, params)
-    x = jnp.asarray(cases.make_inputs(case, n))
-    kernel = ntk_core.ntk_fn(
-        bench_core.apply_fn(case, variables),
-        trace_axes=case.trace_axes,
-        implementation=args.implementation,
-    )
+    if args.accelerator_case:
+        import accelerator_bench
+
+        apply, params, x, _ = accelerator_bench._setup(args.accelerator_case, False)
+        title, trace_axes = args.accelerator_case, ()
+    else:
+        import bench_core  # Flax
+
+        case = cases.CASES[args.case]
+        variables = bench_core.init_variables(case)
+        params, _ = cases.split_variables(variables)
+        params = jax.tree.map(jnp.asarray, params)
+        x = jnp.asarray(cases.make_inputs(case, args.n or case.n))
+        apply, title, trace_axes = bench_core.apply_fn(case, variables), case.title, case.trace_axes
+    n = x.shape[0]
+    kernel = ntk_core.ntk_fn(apply, trace_axes=trace_axes, implementation=args.implementation)
     engine = kernel._engine  # the phases of one call (docs/architecture.md, "One kernel call")
     _, config = engine.prepare(params, x)
     impl = engine.implementation(config)
-    print(f"{case.title}, N = {n}: implementation {config.implementation}")
+    print(f"{title}, N = {n}: implementation {config.implementation}")
     if impl.features is None:  # "ntvp": pairwise from the inputs, one phase
         phases = {"tile": lambda: impl.tile(params, None, None, None, x, None, True)}
     else:
@@ -88,8 +99,15 @@ def main(argv=None):
             "features": lambda: impl.features(params, x, None),
             "tile": lambda: impl.tile(params, feats, None, None, None, None, True),
         }
+    seconds = {}
     for name, fn in phases.items():
-        print(f"  {name:<9} {best_of(fn, args.repeats):8.3f} s warm (best of {args.repeats})")
+        seconds[name] = best_of(fn, args.repeats)
+        print(f"  {name:<9} {seconds[name]:8.4f} s warm (best of {args.repeats})")
+    if args.out:
+        row = dict(case=title, n=int(n), implementation=config.implementation, warm_s=seconds,
+                   modes=list(getattr(config.structure, "modes", ())), device=str(jax.devices()[0]))  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump(row, f, indent=1)
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         for fn in phases.values():
