@@ -263,3 +263,20 @@ def test_non_finite_features_are_refused_at_their_first_sample(tmp_path):
             sketch(w, x)
         if "out" not in options:
             assert np.isfinite(sketch(w, x[:3])).all()
+
+
+def test_a_new_key_reuses_the_plan(monkeypatch):
+    """Sketches averaged over seeds (one call per key) probe and plan the model once per
+    input signature: the plan does not depend on the key. The estimates still differ."""
+    probes, probe = [], _sketch._probe.samples_interact
+    monkeypatch.setattr(
+        _sketch._probe, "samples_interact", lambda *a, **k: probes.append(1) or probe(*a, **k)
+    )
+
+    def model(p, x):  # a model of its own: no plan cached by another test
+        return fallback_mlp(p, x)
+
+    a, b = _estimates(model, PARAMS, X, 16, range(2))
+    assert len(probes) == 1 and np.abs(a - b).max() > 0
+    _estimates(model, PARAMS, X[:3], 16, range(2))  # a new signature: planned again
+    assert len(probes) == 2
