@@ -2,11 +2,10 @@
 one single-sample jaxpr (``vmap_axes=None``: the whole batch's, per sample; never XLA's
 cost analysis, wrong or -1 on CPU and GPU), split by
 what the reverse pass differentiates (:class:`PassCost`), and seconds at the backend's
-:data:`RATES`. ``"auto"`` takes the fastest estimate that fits in one call (
-:data:`JACOBIAN_MEMORY_BUDGET`, on a GPU or TPU half its memory where that is more; else
-the implementation without features); with
-``batch_size`` set, the fastest in the blocked engine's tiles (:func:`tiled`). Formulas:
-:func:`estimate`."""
+:data:`RATES`. ``"auto"`` takes the fastest estimate that fits in one call
+(:data:`JACOBIAN_MEMORY_BUDGET`; on a GPU or TPU half its memory where that is more),
+else the implementation without features; with ``batch_size`` set, the fastest in the
+blocked engine's tiles (:func:`tiled`). Formulas: :func:`estimate`."""
 
 from __future__ import annotations
 
@@ -694,10 +693,10 @@ def candidates(
     each implementation in tiles (its ``tiled`` estimate where it has one). Else each one
     in one call whose peak fits ``limit`` bytes (None: :data:`JACOBIAN_MEMORY_BUDGET`);
     with ``tiles`` (the call may go to tiles kept on the device: outside a trace, per
-    sample) also the tiled form of
-    each one whose one call does not fit, and of one that fits where that form is
-    estimated :data:`TILES_ADVICE_RATIO` times faster than every one-call candidate
-    (smaller gains stay in one call: the tiles' host loop is not in the estimates)."""
+    sample) also the tiled form of each one whose one call does not fit, and of one that
+    fits where that form is estimated :data:`TILES_ADVICE_RATIO` times faster than every
+    one-call candidate (smaller gains stay in one call: the tiles' host loop is not in
+    the estimates)."""
     if blocked:
         return [e.tiled or e for e in estimates]
     limit = JACOBIAN_MEMORY_BUDGET if limit is None else limit
