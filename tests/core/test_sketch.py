@@ -280,3 +280,11 @@ def test_a_new_key_reuses_the_plan(monkeypatch):
     assert len(probes) == 1 and np.abs(a - b).max() > 0
     _estimates(model, PARAMS, X[:3], 16, range(2))  # a new signature: planned again
     assert len(probes) == 2
+
+
+def test_a_non_finite_x2_is_named_x2():
+    """The one-call estimate names the argument that holds the NaN (it said "x")."""
+    bad = X.at[3, 0].set(jnp.nan)
+    match = r"^empirical_ntk_sketch: x2 contains NaN values, first in sample 3"
+    with pytest.raises(ValueError, match=match):
+        ntk_core.empirical_ntk_sketch(fallback_mlp, PARAMS, X, bad, k=16, key=jax.random.PRNGKey(0))

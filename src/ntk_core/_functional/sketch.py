@@ -320,6 +320,8 @@ class _Sketcher:
     def estimate(self, first, x1, x2=None, **keywords) -> NTKSketch:
         """:class:`NTKSketch` of Θ̂(x1, x2), Φ(x1) and Φ(x2) (Φ(x1) again when x2 is None)."""
         params, aux = self._arguments(first, x1, keywords)
+        # named as this call names them (the features' own check says "x" for either)
+        _checks.check_finite_inputs(self._caller.name, x1, x2)
         phi1 = self._features(params, aux, x1)
         phi2 = phi1 if x2 is None else self._features(params, aux, x2)
         lib = np if isinstance(phi1, np.ndarray) else jnp
