@@ -23,7 +23,7 @@ convolutions at HIGHEST as written, weights N(0, 1/fan_in), biases N(0, 0.01)):
 * ``resnet18``: ResNet-18 (BatchNorm in eval mode), 224x224x3, 8 logits, 8 x 8;
 * ``vit``: ViT, 4x4 patches of 32x32x3, 6 pre-LayerNorm blocks of width 256 (4 heads, MLP
   512), 10 logits, N = 128, x2 = None, traced over the logits (``trace_axes=(-1,)``, as
-  in the issue; before 2026-12-07 20:00 UTC this script computed it with ``()``: 100
+  in the issue; before commit 8f3124a this script computed it with ``()``: 100
   entries per pair, 10x the contraction).
 
 Sides: ``auto``, ``structured``, ``jacobian``, ``ntvp`` (``ntk_core.ntk_fn`` with
