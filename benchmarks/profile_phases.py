@@ -12,7 +12,8 @@ ResNet-18's slow small-map convolutions were found (benchmarks/README.md).
     python benchmarks/profile_phases.py --accelerator-case vit --out phases.json
 
 ``--accelerator-case``: one of ``accelerator_bench.py``'s plain-JAX cases (no Flax needed:
-runs on a device machine as it is), ``trace_axes=()``, x2 = None, its own N; ``--out``
+runs on a device machine as it is), its ``TRACE_AXES`` (the ViT traced; the others
+``()``; before commit 8f3124a every case ``()``), x2 = None, its own N; ``--out``
 writes the phases' seconds as JSON.
 """
 
@@ -75,7 +76,8 @@ def main(argv=None):
         import accelerator_bench
 
         apply, params, x, _ = accelerator_bench._setup(args.accelerator_case, False)
-        title, trace_axes = args.accelerator_case, ()
+        title = args.accelerator_case
+        trace_axes = accelerator_bench.TRACE_AXES.get(title, ())
     else:
         import bench_core  # Flax
 
@@ -104,8 +106,9 @@ def main(argv=None):
         seconds[name] = best_of(fn, args.repeats)
         print(f"  {name:<9} {seconds[name]:8.4f} s warm (best of {args.repeats})")
     if args.out:
+        modes = list(getattr(config.structure, "modes", ()))
         row = dict(case=title, n=int(n), implementation=config.implementation, warm_s=seconds,
-                   modes=list(getattr(config.structure, "modes", ())), device=str(jax.devices()[0]))  # fmt: skip
+                   modes=modes, device=str(jax.devices()[0]))  # fmt: skip
         with open(args.out, "w") as f:
             json.dump(row, f, indent=1)
     with tempfile.TemporaryDirectory() as trace_dir:

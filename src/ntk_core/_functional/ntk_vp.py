@@ -88,15 +88,15 @@ def _check_params(fn: str, params) -> None:
             raise bad(NonFiniteError, fn, what, "check the initialisation or training step")
 
 
-def checked_inputs(caller: Caller, params, x, options) -> tuple:
+def checked_inputs(caller: Caller, params, x, options, name: str = "x") -> tuple:
     """``(N, params, x)``: params and x checked (arrays, finite, one batch size N), as jax
-    arrays; messages name ``caller``."""
+    arrays; messages name ``caller`` and ``x`` as ``name`` (``"x2"`` for a second input)."""
     fn = caller.name
-    _checks.check_values(fn, {"params": params, "x": x})
+    _checks.check_values(fn, {"params": params, name: x})
     _checks.before_trace(fn, params, x, None, options)
     _check_params(fn, params)
-    n = _batch_size(caller, "x", x)
-    check_finite_input(fn, "x", x)
+    n = _batch_size(caller, name, x)
+    check_finite_input(fn, name, x)
     return n, *jax.tree.map(jnp.asarray, (params, x))
 
 

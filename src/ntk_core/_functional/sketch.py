@@ -320,10 +320,8 @@ class _Sketcher:
     def estimate(self, first, x1, x2=None, **keywords) -> NTKSketch:
         """:class:`NTKSketch` of Θ̂(x1, x2), Φ(x1) and Φ(x2) (Φ(x1) again when x2 is None)."""
         params, aux = self._arguments(first, x1, keywords)
-        # named as this call names them (the features' own check says "x" for either)
-        _checks.check_finite_inputs(self._caller.name, x1, x2)
-        phi1 = self._features(params, aux, x1)
-        phi2 = phi1 if x2 is None else self._features(params, aux, x2)
+        phi1 = self._features(params, aux, x1, "x1")
+        phi2 = phi1 if x2 is None else self._features(params, aux, x2, "x2")
         lib = np if isinstance(phi1, np.ndarray) else jnp
         o_kept = math.prod(phi1.shape[1:-1])  # each kept output axis appears twice in Θ̂
         need = phi1.shape[0] * phi2.shape[0] * o_kept**2 * phi1.dtype.itemsize
@@ -345,9 +343,9 @@ class _Sketcher:
             raise non_finite(self._caller.name, f"{what} {at[1]}")
         return NTKSketch(theta, phi1, phi2)
 
-    def _features(self, params, aux, x):
+    def _features(self, params, aux, x, name: str = "x"):
         options = make_options(self._caller.name, precision=self.precision)
-        n, params, x = checked_inputs(self._caller, params, x, options)
+        n, params, x = checked_inputs(self._caller, params, x, options, name)
         params, aux = self._split(params, aux)
         block = self._block(params, aux, x, n)
         plan = self._plan(params, aux, x, block)
@@ -502,7 +500,7 @@ def _make(fn: str, apply_fn, k, key, trace_axes, batch_size, precision, wrt, fil
     caller = core(fn, one_input=True)
     args = (k, key, tuple(options.trace_axes), batch_size, precision, split)
     # Plans do not depend on the key: averaging sketches over seeds (one call per key)
-    # probes and plans the model once (12 of 14 ms per call of a small MLP's sketch).
+    # probes and plans the model once (a small MLP, 4 samples: 6.0 -> 1.2 ms per key).
     plans = _caches.cached((fn, "plans", apply_fn, *args[:1], *args[2:5], wrt), dict)
     return _Sketcher(caller, apply3, *args, options=options, plans=plans)
 

@@ -48,11 +48,16 @@ def _hooks():
     return next(impl.analysis for impl in REGISTRY.values() if impl.uses_analysis)
 
 
-def structured_modes(analysis, shapes1, layouts) -> tuple[str, ...]:
-    """Per leaf group, ``"gram"`` or ``"explicit"``: the cheaper form for these outputs."""
+def structured_modes(analysis, shapes1, layouts, one_call: bool = False) -> tuple[str, ...]:
+    """Per leaf group, ``"gram"`` or ``"explicit"``: the cheaper form for these outputs;
+    in ``one_call`` where the backend's rates take them, late (``late_modes``; tiles
+    would form them again in every tile)."""
     o_pair = sum(pair_sizes(shapes1, layouts))
     o_out = sum(math.prod(s.shape[1:]) for s in shapes1)
-    return _hooks().modes(analysis, o_pair, o_out)
+    modes = _hooks().modes(analysis, o_pair, o_out)
+    if one_call and _cost.rates_for().late_jacobians:
+        modes = _hooks().late(analysis, modes, o_out)
+    return modes
 
 
 def analysis(spec: Spec, analyses: dict, params, x1, aux):
@@ -104,11 +109,8 @@ def configure(spec: Spec, checked: Checked, analyses: dict, params, x1, x2, aux)
     if PHASES[implementation].uses_analysis:
         n_leaves = len(jax.tree.leaves(params))
         found_analysis = analysis(spec, analyses, params, x1, aux)
-        modes = structured_modes(found_analysis, shapes1, layouts)
-        one_call = opts.batch_size is None and not in_tiles  # tiles would form them per tile
-        if one_call and _cost.rates_for().late_jacobians:
-            o_out = sum(math.prod(s.shape[1:]) for s in shapes1)
-            modes = _hooks().late(found_analysis, modes, o_out)
+        one_call = opts.batch_size is None and not in_tiles
+        modes = structured_modes(found_analysis, shapes1, layouts, one_call)
         structure = found_analysis.leaves(n_leaves, modes)
     return Config(
         kind=spec.kind,
@@ -316,7 +318,7 @@ def for_tiles(config: Config) -> Config:
     """``config`` for tiles: each late structured group explicit again (formed in the
     features, once per block, not again in every tile), ``in_tiles`` set."""
     structure = config.structure
-    if config.analysis is not None:  # the modes before late_modes
+    if config.analysis is not None:  # the modes of tiles: none late
         modes = structured_modes(config.analysis, config.shapes1, config.layouts)
         structure = config.analysis.leaves(structure.n_leaves, modes)
     return dataclasses.replace(config, structure=structure, in_tiles=True)
