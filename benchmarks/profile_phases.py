@@ -13,7 +13,8 @@ ResNet-18's slow small-map convolutions were found (benchmarks/README.md).
 
 ``--accelerator-case``: one of ``accelerator_bench.py``'s plain-JAX cases (no Flax needed:
 runs on a device machine as it is), its ``TRACE_AXES`` (the ViT traced; the others
-``()``; before commit 8f3124a every case ``()``), x2 = None, its own N; ``--out``
+``()``; before commit 8f3124a every case ``()``), x2 = None, its own N (``--n``: its
+samples repeated to N); ``--out``
 writes the phases' seconds as JSON.
 """
 
@@ -53,11 +54,32 @@ def op_times(trace_dir: str) -> dict:
     """{XLA module: Counter(op name -> microseconds)} of the trace's thunk events."""
     path = sorted(glob.glob(os.path.join(trace_dir, "plugins/profile/*/*.trace.json.gz")))[-1]
     events = json.load(gzip.open(path))["traceEvents"]
-    modules: dict = collections.defaultdict(collections.Counter)
+    names = {}  # (pid, tid or None) -> the process's / thread's name
     for e in events:
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            names[e["pid"], e.get("tid") if e["name"] == "thread_name" else None] = e["args"][
+                "name"
+            ]
+    modules: dict = collections.defaultdict(collections.Counter)
+    runs = []  # a device's module runs: (start, end, name); its ops are placed in them
+    device_ops = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
         module = e.get("args", {}).get("hlo_module")
-        if e.get("ph") == "X" and module:
+        process = names.get((e["pid"], None), "")
+        thread = names.get((e["pid"], e.get("tid")), "")
+        if not module and any(d in process for d in ("TPU", "GPU")):  # a device's events
+            if thread == "XLA Modules":
+                runs.append((e["ts"], e["ts"] + e["dur"], e["name"].split("(")[0]))
+            elif thread == "XLA Ops":
+                device_ops.append(e)
+        elif module:
             modules[module][e["name"]] += e["dur"]
+    runs.sort()
+    for e in device_ops:
+        inside = [name for start, end, name in runs if start <= e["ts"] < end]
+        modules[f"device: {inside[0] if inside else '?'}"][e["name"]] += e["dur"]
     return modules
 
 
@@ -76,6 +98,8 @@ def main(argv=None):
         import accelerator_bench
 
         apply, params, x, _ = accelerator_bench._setup(args.accelerator_case, False)
+        if args.n:  # the case's samples repeated (or cut) to N
+            x = jnp.resize(x, (args.n, *x.shape[1:]))
         title = args.accelerator_case
         trace_axes = accelerator_bench.TRACE_AXES.get(title, ())
     else:

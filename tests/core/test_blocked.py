@@ -150,6 +150,34 @@ def test_symmetric_gram_in_triangular_blocks(monkeypatch, axes):
     assert counted == [4]  # the path above really was the triangular one
 
 
+@pytest.mark.parametrize("axes", ["full", "diag_out"])
+def test_triangular_blocks_on_the_diagonal_are_made_symmetric(monkeypatch, axes):
+    """The triangular contraction has no mirror program after it: each diagonal block is
+    made exactly symmetric in its loop. A contraction whose blocks come out asymmetric
+    (here by construction: XLA's CPU products happen to give symmetric ones, a TPU's need
+    not) still gives an exactly symmetric kernel."""
+    from ntk_core._impl import phases as _implementations
+    from ntk_core._impl.registry import PHASES
+
+    monkeypatch.setattr(_implementations, "TRIANGLE_MIN_BLOCK", 9)
+    monkeypatch.setattr(_implementations, "TRIANGLE_MIN_PAIR_BYTES", 0)
+    impl = PHASES["structured"]
+
+    def lopsided(fa, fb, *, config):  # + 1e-3 · (row within the block): asymmetric
+        out = impl.contract(fa, fb, config=config)
+        rows = lambda k: jnp.arange(k.shape[0], dtype=k.dtype).reshape((-1,) + (1,) * (k.ndim - 1))  # noqa: E731
+        return jax.tree.map(lambda k: k + 1e-3 * rows(k), out)
+
+    monkeypatch.setitem(PHASES, "structured", impl._replace(contract=lopsided))
+    ntk_core.clear_caches()
+    fn = ntk_core.ntk_fn(F, implementation="structured", **AXES[axes])
+    k = np.asarray(fn(PARAMS, X1))
+    assert np.array_equal(k, _swap(k, axes))
+    ref = reference.ntk(F, PARAMS, X1, None, **AXES[axes])[0]
+    assert 0 < np.abs(k - ref).max() <= 1e-3 * 10  # the perturbation is in it, halved
+    ntk_core.clear_caches()
+
+
 def test_large_contractions_run_over_blocks_of_x1s_samples(monkeypatch):
     """A contraction whose kernel-sized temporaries pass CONTRACT_TEMP_BYTES runs over
     blocks of x1's samples (x2 given, or a Gram matrix not cut into triangles): equal to

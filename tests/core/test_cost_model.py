@@ -330,3 +330,23 @@ def test_one_call_limit_is_half_an_accelerators_memory(monkeypatch):
     lines = {line.split()[0]: line for line in str(on_chip).splitlines() if line.startswith("  ")}
     limit = _units.human_bytes(int(structured.memory_bytes))
     assert f"(over {limit} in one call)" in lines["jacobian"] and "over" not in lines["structured"]
+
+
+def test_small_samples_take_larger_feature_chunks_on_an_accelerator(monkeypatch):
+    """On a GPU or TPU a features chunk of samples with small intermediates may hold
+    ACCELERATOR_FEATURE_CHUNK_BYTES (the MLP 784-1000-1 at N = 10 000: one chunk, not 4;
+    20.8 against 24.5 ms on a TPU v5e); larger samples (ResNet-18's) and every CPU keep
+    FEATURE_CHUNK_BYTES. Checked against the formula, Bytes // (itemsize·((O + 2)·V + F))."""
+    from ntk_core._structured import analysis
+
+    def chunk(values):  # N = 10 000, one output, float32, 1 000 feature values
+        return analysis.feature_chunk(10_000, 1, values, 1_000, 4)
+
+    small, large = 3_000, 2**25  # 47 KB and 400 MB of intermediates a sample
+    cpu = chunk(small), chunk(large)
+    assert cpu == (-(-10_000 // -(-10_000 // (2**28 // (4 * (3 * small + 1_000))))), 1)
+    monkeypatch.setattr(analysis.jax, "default_backend", lambda: "tpu")
+    assert chunk(small) == min(10_000, 2**30 // (4 * (3 * small + 1_000))) == 10_000 > cpu[0]
+    assert chunk(large) == 1
+    monkeypatch.setattr(analysis, "SMALL_SAMPLE_BYTES", 4 * (3 * large + 1_000))
+    assert chunk(large) == 2**30 // (4 * (3 * large + 1_000)) == 2  # the threshold decides

@@ -480,10 +480,26 @@ def _bias_in_gram(analysis: Analysis, modes, u: int) -> bool:
 
 #: Bytes of per-sample intermediates the features phase may hold at once (:func:`chunk_size`).
 FEATURE_CHUNK_BYTES = 2**28
+#: On a GPU or TPU, for samples whose intermediates take at most SMALL_SAMPLE_BYTES: each
+#: chunk's HIGHEST products split their weights into bfloat16 parts again, and on a TPU
+#: v5e the MLP 784-1000-1's kernel at N = 10 000 (47 KB a sample) took 24.5 ms in
+#: chunks of 2 500 and 20.8 ms in one, LeNet's at N = 500 (3 MB) 31.7 ms in chunks of 84
+#: and 27.4 ms in 250 (benchmarks/README.md, "Warm targets"). Larger samples keep the
+#: CPU's budget: ResNet-18 (over 0.5 GB a sample) two a step was slower (108 ms against
+#: 99 ms for its 8 x 8 kernel), and the ViT of issue 51 (0.3 GB) three a step compiled
+#: in 26.8 s against 20.7 s one a step (one run each).
+ACCELERATOR_FEATURE_CHUNK_BYTES = 2**30
+SMALL_SAMPLE_BYTES = 2**24
+
+
+def feature_chunk_bytes(per_sample: int) -> int:
+    """The features chunk's budget for samples of ``per_sample`` bytes of intermediates."""
+    small = per_sample <= SMALL_SAMPLE_BYTES and jax.default_backend() != "cpu"
+    return ACCELERATOR_FEATURE_CHUNK_BYTES if small else FEATURE_CHUNK_BYTES
 
 
 def chunk_size(apply3, params, x, aux, fuse_bias: bool, modes, *, precision) -> int:
-    """Samples whose features are computed together: B = FEATURE_CHUNK_BYTES //
+    """Samples whose features are computed together: B = :func:`feature_chunk_bytes` //
     (itemsize·((O + 2)·V + F)) in [1, N], evened to ⌈N / ⌈N / B⌉⌉ (V: values one forward
     pass writes, O: outputs per sample, F: feature values per sample)."""
     analysis, closed = analysis_for(
@@ -510,7 +526,7 @@ def chunk_size(apply3, params, x, aux, fuse_bias: bool, modes, *, precision) -> 
 def feature_chunk(n: int, out_total: int, values: int, feature_values: int, itemsize: int) -> int:
     """Samples per features chunk (the cost model's too): see :func:`chunk_size`."""
     per = itemsize * ((out_total + 2) * values + feature_values)
-    most = int(min(n, max(1, FEATURE_CHUNK_BYTES // max(per, 1))))
+    most = int(min(n, max(1, feature_chunk_bytes(per) // max(per, 1))))
     pieces = -(-n // most)
     return -(-n // pieces)  # balanced: the overlapping last chunk repeats < pieces samples
 
