@@ -178,6 +178,42 @@ def test_triangular_blocks_on_the_diagonal_are_made_symmetric(monkeypatch, axes)
     ntk_core.clear_caches()
 
 
+def test_float64_gram_matrices_of_several_leaves_in_triangular_blocks(monkeypatch):
+    """Float64, per-leaf kernels of a model with two output leaves, traced and
+    ``trace_axes=()``: each leaf exactly symmetric, their sum per output equal to the
+    float64 reference. Found by a helper: with the diagonal blocks averaged inside the
+    contraction's loop, XLA CPU computed a block's entry one way for (i, j) and another for
+    (j, i) (9e-16 asymmetric); and 4-D kernels raised a TypeError (int64 indices beside the
+    int32 block starts under x64)."""
+    from ntk_core._impl import phases as _implementations
+
+    monkeypatch.setattr(_implementations, "TRIANGLE_MIN_BLOCK", 9)
+    monkeypatch.setattr(_implementations, "TRIANGLE_MIN_PAIR_BYTES", 0)
+
+    def f(p, x):
+        z = jnp.tanh(x @ p["w"] + p["b"])
+        return {"a": z @ p["va"], "b": jnp.sin(z) @ p["vb"]}
+
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(3)
+        shapes = {"w": (6, 16), "b": (16,), "va": (16, 3), "vb": (16, 2)}
+        params = {k: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0])) for k, s in shapes.items()}
+        x = jnp.asarray(rng.standard_normal((N1, 6)))
+        for axes in ((-1,), ()):
+            ntk_core.clear_caches()
+            per_leaf = ntk_core.ntk_per_leaf_fn(f, trace_axes=axes, implementation="structured")
+            found = per_leaf(params, x)
+            for k in jax.tree.leaves(found):
+                k = np.asarray(k)
+                assert k.dtype == np.float64
+                assert np.array_equal(k, _swap(k, "trace" if k.ndim == 2 else "full"))
+            refs = reference.ntk(f, params, x, None, trace_axes=axes)
+            for out, ref in zip(("a", "b"), refs, strict=True):
+                total = sum(np.asarray(found[leaf][out]) for leaf in shapes)
+                reference.assert_close(total, ref, dtype="float64")
+    ntk_core.clear_caches()
+
+
 def test_large_contractions_run_over_blocks_of_x1s_samples(monkeypatch):
     """A contraction whose kernel-sized temporaries pass CONTRACT_TEMP_BYTES runs over
     blocks of x1's samples (x2 given, or a Gram matrix not cut into triangles): equal to

@@ -159,8 +159,12 @@ def _triangular(contract, features, k: int, config: Config):
     """Θ(x, x) in k x k sample blocks, those on and above the diagonal contracted in one
     ``fori_loop`` (unrolled compiles 12x slower) and mirrored; the last block overlaps.
     Exactly symmetric without a mirror of the whole kernel (on a TPU that program took 5
-    of an MLP's 29 ms): a diagonal block is made so in the loop, (B + Bᵀ)·½ of the block
-    the loop holds, and every other block is written with its exact transpose."""
+    of an MLP's 29 ms): every other block is written with its exact transpose, and a
+    second loop then averages each diagonal block with its transpose, (B + Bᵀ)·½, read
+    back from the kernel the first loop wrote. Read back, not as the first loop holds it:
+    there XLA CPU fused the block's own arithmetic into that sum and computed B[i, j] one
+    way for the term at (i, j) and another for the one at (j, i) (float64 per-leaf blocks
+    came out 1e-15 asymmetric, even with the two terms ordered by value)."""
     n, size, starts = _blocks_of(features, k)
     pairs = np.array([(i, j) for i in range(k) for j in range(i, k)], dtype=np.int32)
     rows = jnp.asarray(starts[pairs[:, 0]], dtype=jnp.int32)
@@ -174,19 +178,29 @@ def _triangular(contract, features, k: int, config: Config):
     perms = [_blocked.swap_perm(layout) for layout in _blocked.leaf_layouts(config)]
     out = [jnp.zeros((n, n) + s.shape[2:], s.dtype) for s in leaves_shape]
 
+    zero = (jnp.zeros((), jnp.int32),) * (out[0].ndim - 2)  # Python 0s: int64 under x64
+
     def body(p, out):
         r, c = rows[p], cols[p]
         block = jax.tree.leaves(contract(part(r), part(c), config=config))
-        zeros = (0,) * (block[0].ndim - 2)
         new = []
         for acc, b, perm in zip(out, block, perms, strict=True):
-            # (B + Bᵀ)·½ on the diagonal: a + b = b + a, so exact from one held B
-            half = (b + jnp.transpose(b, perm)) * jnp.asarray(0.5, b.dtype)
-            b = jnp.where(r == c, half, b)
-            acc = lax.dynamic_update_slice(acc, b, (r, c) + zeros[: b.ndim - 2])
+            acc = lax.dynamic_update_slice(acc, b, (r, c) + zero)
             mirror = jnp.transpose(b, perm)
-            new.append(lax.dynamic_update_slice(acc, mirror, (c, r) + zeros[: b.ndim - 2]))
+            new.append(lax.dynamic_update_slice(acc, mirror, (c, r) + zero))
+        return new
+
+    diagonal = jnp.asarray(starts, dtype=jnp.int32)
+
+    def symmetric(i, out):  # in order: an overlap already symmetric stays, (v + v)·½ = v
+        at = (diagonal[i],) * 2 + zero
+        new = []
+        for acc, perm in zip(out, perms, strict=True):
+            b = lax.dynamic_slice(acc, at, (size, size) + acc.shape[2:])
+            half = (b + jnp.transpose(b, perm)) * jnp.asarray(0.5, b.dtype)
+            new.append(lax.dynamic_update_slice(acc, half, at))
         return new
 
     out = lax.fori_loop(0, len(pairs), body, out)
+    out = lax.fori_loop(0, k, symmetric, out)
     return jax.tree.unflatten(treedef, out)
