@@ -169,13 +169,14 @@ def test_triangular_blocks_on_the_diagonal_are_made_symmetric(monkeypatch, axes)
         return jax.tree.map(lambda k: k + 1e-3 * rows(k), out)
 
     monkeypatch.setitem(PHASES, "structured", impl._replace(contract=lopsided))
-    ntk_core.clear_caches()
-    fn = ntk_core.ntk_fn(F, implementation="structured", **AXES[axes])
-    k = np.asarray(fn(PARAMS, X1))
+
+    def g(p, x):  # a function of its own: no program of another test is reused, or kept
+        return F(p, x)
+
+    k = np.asarray(ntk_core.ntk_fn(g, implementation="structured", **AXES[axes])(PARAMS, X1))
     assert np.array_equal(k, _swap(k, axes))
     ref = reference.ntk(F, PARAMS, X1, None, **AXES[axes])[0]
     assert 0 < np.abs(k - ref).max() <= 1e-3 * 10  # the perturbation is in it, halved
-    ntk_core.clear_caches()
 
 
 def test_float64_gram_matrices_of_several_leaves_in_triangular_blocks(monkeypatch):
@@ -200,7 +201,6 @@ def test_float64_gram_matrices_of_several_leaves_in_triangular_blocks(monkeypatc
         params = {k: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0])) for k, s in shapes.items()}
         x = jnp.asarray(rng.standard_normal((N1, 6)))
         for axes in ((-1,), ()):
-            ntk_core.clear_caches()
             per_leaf = ntk_core.ntk_per_leaf_fn(f, trace_axes=axes, implementation="structured")
             found = per_leaf(params, x)
             for k in jax.tree.leaves(found):
@@ -211,7 +211,6 @@ def test_float64_gram_matrices_of_several_leaves_in_triangular_blocks(monkeypatc
             for out, ref in zip(("a", "b"), refs, strict=True):
                 total = sum(np.asarray(found[leaf][out]) for leaf in shapes)
                 reference.assert_close(total, ref, dtype="float64")
-    ntk_core.clear_caches()
 
 
 def test_large_contractions_run_over_blocks_of_x1s_samples(monkeypatch):
