@@ -180,12 +180,13 @@ def test_triangular_blocks_on_the_diagonal_are_made_symmetric(monkeypatch, axes)
 
 
 def test_float64_gram_matrices_of_several_leaves_in_triangular_blocks(monkeypatch):
-    """Float64, per-leaf kernels of a model with two output leaves, traced and
-    ``trace_axes=()``: each leaf exactly symmetric, their sum per output equal to the
-    float64 reference. Found by a helper: with the diagonal blocks averaged inside the
+    """Float64, per-leaf kernels of a model with two output leaves of different ranks,
+    traced and ``trace_axes=()``: each leaf exactly symmetric, their sum per output equal
+    to the float64 reference. Found by a helper: with the diagonal blocks averaged inside the
     contraction's loop, XLA CPU computed a block's entry one way for (i, j) and another for
-    (j, i) (9e-16 asymmetric); and 4-D kernels raised a TypeError (int64 indices beside the
-    int32 block starts under x64)."""
+    (j, i) (9e-16 asymmetric); 4-D kernels raised a TypeError (int64 indices beside the
+    int32 block starts under x64); and kernel leaves of different ranks a ValueError (the
+    index tuple was sized by the first leaf)."""
     from ntk_core._impl import phases as _implementations
 
     monkeypatch.setattr(_implementations, "TRIANGLE_MIN_BLOCK", 9)
@@ -193,7 +194,10 @@ def test_float64_gram_matrices_of_several_leaves_in_triangular_blocks(monkeypatc
 
     def f(p, x):
         z = jnp.tanh(x @ p["w"] + p["b"])
-        return {"a": z @ p["va"], "b": jnp.sin(z) @ p["vb"]}
+        return {"a": z @ p["va"], "b": (jnp.sin(z) @ p["vb"])[..., None]}  # (N, 3), (N, 2, 1)
+
+    def swap(k):  # neural-tangents' layout: (N1, N2, O1, O1', O2, O2', ...), pairs swapped
+        return np.transpose(k, [i + 1 - 2 * (i % 2) for i in range(k.ndim)])
 
     with jax.enable_x64(True):
         rng = np.random.default_rng(3)
@@ -206,7 +210,7 @@ def test_float64_gram_matrices_of_several_leaves_in_triangular_blocks(monkeypatc
             for k in jax.tree.leaves(found):
                 k = np.asarray(k)
                 assert k.dtype == np.float64
-                assert np.array_equal(k, _swap(k, "trace" if k.ndim == 2 else "full"))
+                assert np.array_equal(k, swap(k))
             refs = reference.ntk(f, params, x, None, trace_axes=axes)
             for out, ref in zip(("a", "b"), refs, strict=True):
                 total = sum(np.asarray(found[leaf][out]) for leaf in shapes)

@@ -178,27 +178,29 @@ def _triangular(contract, features, k: int, config: Config):
     perms = [_blocked.swap_perm(layout) for layout in _blocked.leaf_layouts(config)]
     out = [jnp.zeros((n, n) + s.shape[2:], s.dtype) for s in leaves_shape]
 
-    zero = (jnp.zeros((), jnp.int32),) * (out[0].ndim - 2)  # Python 0s: int64 under x64
+    def at(row, col, acc):  # int32 zeros: Python 0s are int64 under x64, beside int32 starts
+        return (row, col) + (jnp.zeros((), jnp.int32),) * (acc.ndim - 2)  # ranks differ per leaf
 
     def body(p, out):
         r, c = rows[p], cols[p]
         block = jax.tree.leaves(contract(part(r), part(c), config=config))
         new = []
         for acc, b, perm in zip(out, block, perms, strict=True):
-            acc = lax.dynamic_update_slice(acc, b, (r, c) + zero)
+            acc = lax.dynamic_update_slice(acc, b, at(r, c, acc))
             mirror = jnp.transpose(b, perm)
-            new.append(lax.dynamic_update_slice(acc, mirror, (c, r) + zero))
+            new.append(lax.dynamic_update_slice(acc, mirror, at(c, r, acc)))
         return new
 
     diagonal = jnp.asarray(starts, dtype=jnp.int32)
 
     def symmetric(i, out):  # in order: an overlap already symmetric stays, (v + v)·½ = v
-        at = (diagonal[i],) * 2 + zero
         new = []
         for acc, perm in zip(out, perms, strict=True):
-            b = lax.dynamic_slice(acc, at, (size, size) + acc.shape[2:])
+            start = at(diagonal[i], diagonal[i], acc)
+            b = lax.dynamic_slice(acc, start, (size, size) + acc.shape[2:])
+            # tiles._symmetric_leaf's (K + Kᵀ)·½ without its barriers: b is read from memory
             half = (b + jnp.transpose(b, perm)) * jnp.asarray(0.5, b.dtype)
-            new.append(lax.dynamic_update_slice(acc, half, at))
+            new.append(lax.dynamic_update_slice(acc, half, start))
         return new
 
     out = lax.fori_loop(0, len(pairs), body, out)

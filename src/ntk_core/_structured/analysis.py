@@ -483,8 +483,8 @@ FEATURE_CHUNK_BYTES = 2**28
 #: On a GPU or TPU, for samples whose intermediates take at most SMALL_SAMPLE_BYTES: each
 #: chunk's HIGHEST products split their weights into bfloat16 parts again, and on a TPU
 #: v5e the MLP 784-1000-1's kernel at N = 10 000 (47 KB a sample) took 24.5 ms in
-#: chunks of 2 500 and 20.8 ms in one, LeNet's at N = 500 (3 MB) 31.7 ms in chunks of 84
-#: and 27.4 ms in 250 (benchmarks/README.md, "Warm targets"). Larger samples keep the
+#: chunks of 2 500 and 20.8 ms in one (benchmarks/README.md, "Warm targets"; LeNet, 3 MB
+#: a sample, now takes chunks of 250 instead of 84). Larger samples keep the
 #: CPU's budget: ResNet-18 (over 0.5 GB a sample) two a step was slower (108 ms against
 #: 99 ms for its 8 x 8 kernel), and the ViT of issue 51 (0.3 GB) three a step compiled
 #: in 26.8 s against 20.7 s one a step (one run each).
